@@ -1,0 +1,397 @@
+/* kv_cache.c: blocks, block tables and growth of the paged KV cache. */
+#include "kv_cache.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct gy_kv_seq {
+    int32_t live;
+    int64_t n_tokens;   /* tokens the sequence has reserved room for */
+    int64_t n_blocks;
+    int64_t capacity;   /* of blocks[] */
+    int32_t *blocks;    /* (n_blocks) block ids: the block table */
+} gy_kv_seq;
+
+struct gy_kv_cache {
+    gy_kv_config config;
+    gy_arena *arena;
+    uint64_t page_size;
+    uint64_t block_bytes;
+    int64_t max_blocks;      /* blocks that fit in slots_per_layer */
+    int64_t pages_per_layer;
+    gy_kv_layout layout;     /* for layout.n_blocks == the current block count */
+    uint8_t *block_used;     /* (max_blocks) */
+    int32_t *free_blocks;    /* (max_blocks) stack of free block ids */
+    int64_t n_free;
+    gy_kv_seq *seqs;         /* (seq_capacity) */
+    int64_t seq_capacity;
+    int64_t *free_seqs;      /* (seq_capacity) stack of dead sequence ids */
+    int64_t n_free_seqs;
+    int64_t n_live_seqs;
+    gy_kv_stats stats;
+};
+
+static gy_status gy_kv_set_blocks(gy_kv_cache *kv, int64_t n_blocks) {
+    GY_TRY(gy_kv_layout_init(&kv->layout, kv->config.layout, kv->config.block_size,
+                             kv->config.n_heads, kv->config.head_dim, kv->config.elem_size,
+                             n_blocks));
+    kv->stats.n_blocks = n_blocks;
+    return GY_OK;
+}
+
+gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) {
+    if (out == NULL || arena == NULL || c == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_kv_init: NULL argument");
+    *out = NULL;
+    if (c->n_layers <= 0 || c->slots_per_layer <= 0 || c->first_slot < 0)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "KV cache needs n_layers > 0, slots_per_layer > 0 and first_slot >= 0 "
+                       "(got %lld, %lld, %lld)",
+                       (long long)c->n_layers, (long long)c->slots_per_layer,
+                       (long long)c->first_slot);
+    gy_kv_layout probe;
+    GY_TRY(gy_kv_layout_init(&probe, c->layout, c->block_size, c->n_heads, c->head_dim,
+                             c->elem_size, 0));
+    const uint64_t n_slots = gy_arena_n_slots(arena);
+    if ((uint64_t)c->first_slot > n_slots ||
+        (uint64_t)c->n_layers > (n_slots - (uint64_t)c->first_slot) / (uint64_t)c->slots_per_layer)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "%lld layers of %lld slots from slot %lld do not fit the arena's %llu slots",
+                       (long long)c->n_layers, (long long)c->slots_per_layer,
+                       (long long)c->first_slot, (unsigned long long)n_slots);
+    const uint64_t page_size = gy_arena_page_size(arena);
+    const uint64_t block_bytes = (uint64_t)probe.block_elems * (uint64_t)c->elem_size;
+    const int64_t max_blocks = (int64_t)((uint64_t)c->slots_per_layer * page_size / block_bytes);
+    if (max_blocks == 0)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "a block of %llu bytes does not fit in %lld slots of %llu bytes per layer",
+                       (unsigned long long)block_bytes, (long long)c->slots_per_layer,
+                       (unsigned long long)page_size);
+    if (max_blocks > INT32_MAX)
+        return GY_FAIL(GY_ERR_INVALID, "%lld blocks per layer is more than block ids can name",
+                       (long long)max_blocks);
+
+    gy_kv_cache *kv = calloc(1, sizeof *kv);
+    if (kv == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    kv->config = *c;
+    kv->arena = arena;
+    kv->page_size = page_size;
+    kv->block_bytes = block_bytes;
+    kv->max_blocks = max_blocks;
+    kv->block_used = calloc((size_t)max_blocks, 1);
+    kv->free_blocks = malloc((size_t)max_blocks * sizeof *kv->free_blocks);
+    if (kv->block_used == NULL || kv->free_blocks == NULL) {
+        gy_kv_free(kv);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
+    }
+    kv->stats.block_bytes = block_bytes;
+    gy_status s = gy_kv_set_blocks(kv, 0);
+    if (s != GY_OK) {
+        gy_kv_free(kv);
+        return s;
+    }
+    *out = kv;
+    return GY_OK;
+}
+
+void gy_kv_free(gy_kv_cache *kv) {
+    if (kv == NULL) return;
+    if (kv->pages_per_layer > 0)
+        for (int64_t l = 0; l < kv->config.n_layers; l++)
+            gy_arena_shrink(kv->arena, kv->config.first_slot + l * kv->config.slots_per_layer,
+                            kv->pages_per_layer);
+    for (int64_t i = 0; i < kv->seq_capacity; i++) free(kv->seqs[i].blocks);
+    free(kv->seqs);
+    free(kv->free_seqs);
+    free(kv->block_used);
+    free(kv->free_blocks);
+    free(kv);
+}
+
+static int64_t gy_kv_layer_slot(const gy_kv_cache *kv, int64_t layer) {
+    return kv->config.first_slot + layer * kv->config.slots_per_layer;
+}
+
+uint64_t gy_kv_layer_offset(const gy_kv_cache *kv, int64_t layer) {
+    return (uint64_t)gy_kv_layer_slot(kv, layer) * kv->page_size;
+}
+
+static int64_t gy_kv_blocks_for_pages(const gy_kv_cache *kv, int64_t pages) {
+    return (int64_t)((uint64_t)pages * kv->page_size / kv->block_bytes);
+}
+
+/* Moves the V half of every layer from capacity old_n to new_n (raw layout only). */
+static gy_status gy_kv_move_values(gy_kv_cache *kv, int64_t old_n, int64_t new_n) {
+    if (kv->config.layout != GY_KV_LAYOUT_RAW || old_n == 0 || old_n == new_n) return GY_OK;
+    const uint64_t half = kv->block_bytes / 2;
+    const int64_t kept = old_n < new_n ? old_n : new_n; /* blocks whose V survives */
+    for (int64_t l = 0; l < kv->config.n_layers; l++) {
+        const uint64_t base = gy_kv_layer_offset(kv, l);
+        GY_TRY(gy_arena_copy(kv->arena, base + (uint64_t)new_n * half, base + (uint64_t)old_n * half,
+                             (uint64_t)kept * half));
+        kv->stats.bytes_moved += (uint64_t)kept * half;
+    }
+    return GY_OK;
+}
+
+static gy_status gy_kv_check_not_viewed(const gy_kv_cache *kv) {
+    for (int64_t l = 0; l < kv->config.n_layers; l++)
+        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->pages_per_layer))
+            return GY_FAIL(GY_ERR_BUSY,
+                           "layer %lld is under a live NumPy view and the raw layout must move its "
+                           "V blocks; delete the view first",
+                           (long long)l);
+    return GY_OK;
+}
+
+gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (pages <= 0) return GY_FAIL(GY_ERR_INVALID, "grow needs a positive page count, got %lld", (long long)pages);
+    if (pages > kv->config.slots_per_layer - kv->pages_per_layer)
+        return GY_FAIL(GY_ERR_LIMIT,
+                       "growing by %lld pages passes the %lld slots reserved per layer (%lld used)",
+                       (long long)pages, (long long)kv->config.slots_per_layer,
+                       (long long)kv->pages_per_layer);
+    gy_arena_stats as;
+    gy_arena_stats_get(kv->arena, &as);
+    const uint64_t needed = (uint64_t)pages * (uint64_t)kv->config.n_layers;
+    if (as.bytes_in_use / as.page_size + needed > as.max_pages)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
+                       "growing the KV cache by %lld pages per layer needs %llu pages (%llu bytes) "
+                       "but only %llu are free",
+                       (long long)pages, (unsigned long long)needed,
+                       (unsigned long long)(needed * as.page_size),
+                       (unsigned long long)(as.max_pages - as.bytes_in_use / as.page_size));
+    if (kv->config.layout == GY_KV_LAYOUT_RAW) GY_TRY(gy_kv_check_not_viewed(kv));
+
+    for (int64_t l = 0; l < kv->config.n_layers; l++) {
+        gy_status s = gy_arena_grow(kv->arena, gy_kv_layer_slot(kv, l) + kv->pages_per_layer,
+                                    pages, GY_PAGE_TAG_KV);
+        if (s != GY_OK) {
+            for (int64_t j = 0; j < l; j++)
+                gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, j) + kv->pages_per_layer, pages);
+            return s;
+        }
+    }
+    const int64_t old_n = kv->stats.n_blocks;
+    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer + pages);
+    kv->pages_per_layer += pages;
+    GY_TRY(gy_kv_move_values(kv, old_n, new_n));
+    GY_TRY(gy_kv_set_blocks(kv, new_n));
+    for (int64_t b = new_n - 1; b >= old_n; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
+    kv->stats.grows++;
+    return GY_OK;
+}
+
+gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (pages <= 0 || pages > kv->pages_per_layer)
+        return GY_FAIL(GY_ERR_INVALID, "cannot shrink by %lld pages: %lld are mapped per layer",
+                       (long long)pages, (long long)kv->pages_per_layer);
+    const int64_t old_n = kv->stats.n_blocks;
+    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer - pages);
+    for (int64_t b = new_n; b < old_n; b++)
+        if (kv->block_used[b])
+            return GY_FAIL(GY_ERR_BUSY,
+                           "cannot shrink: block %lld (beyond the %lld blocks that would remain) is "
+                           "in use",
+                           (long long)b, (long long)new_n);
+    for (int64_t l = 0; l < kv->config.n_layers; l++)
+        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->pages_per_layer))
+            return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)l);
+    GY_TRY(gy_kv_move_values(kv, old_n, new_n));
+    for (int64_t l = 0; l < kv->config.n_layers; l++)
+        GY_TRY(gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, l) + kv->pages_per_layer - pages,
+                               pages));
+    kv->pages_per_layer -= pages;
+    /* Drop the vanished blocks from the free stack, keeping the order of the rest. */
+    int64_t kept = 0;
+    for (int64_t i = 0; i < kv->n_free; i++)
+        if (kv->free_blocks[i] < new_n) kv->free_blocks[kept++] = kv->free_blocks[i];
+    kv->n_free = kept;
+    GY_TRY(gy_kv_set_blocks(kv, new_n));
+    kv->stats.shrinks++;
+    return GY_OK;
+}
+
+/* ---- sequences ---- */
+
+static gy_kv_seq *gy_kv_live_seq(const gy_kv_cache *kv, int64_t seq) {
+    if (seq < 0 || seq >= kv->seq_capacity || !kv->seqs[seq].live) return NULL;
+    return &kv->seqs[seq];
+}
+
+static gy_status gy_kv_check_seq(const gy_kv_cache *kv, int64_t seq) {
+    if (gy_kv_live_seq(kv, seq) == NULL)
+        return GY_FAIL(GY_ERR_STATE, "sequence %lld does not exist (never created or already freed)",
+                       (long long)seq);
+    return GY_OK;
+}
+
+gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out) {
+    if (kv == NULL || seq_out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_seq_new: NULL argument");
+    if (kv->n_free_seqs == 0) {
+        const int64_t cap = kv->seq_capacity ? kv->seq_capacity * 2 : 64;
+        gy_kv_seq *seqs = realloc(kv->seqs, (size_t)cap * sizeof *seqs);
+        if (seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
+        kv->seqs = seqs;
+        int64_t *free_seqs = realloc(kv->free_seqs, (size_t)cap * sizeof *free_seqs);
+        if (free_seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
+        kv->free_seqs = free_seqs;
+        memset(kv->seqs + kv->seq_capacity, 0, (size_t)(cap - kv->seq_capacity) * sizeof *seqs);
+        for (int64_t i = cap - 1; i >= kv->seq_capacity; i--) kv->free_seqs[kv->n_free_seqs++] = i;
+        kv->seq_capacity = cap;
+    }
+    const int64_t id = kv->free_seqs[--kv->n_free_seqs];
+    gy_kv_seq *s = &kv->seqs[id];
+    s->live = 1;
+    s->n_tokens = 0;
+    s->n_blocks = 0;
+    kv->n_live_seqs++;
+    kv->stats.n_sequences = kv->n_live_seqs;
+    *seq_out = id;
+    return GY_OK;
+}
+
+int64_t gy_kv_blocks_needed(const gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
+    const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
+    const int64_t have = s ? s->n_blocks : 0;
+    const int64_t want = (n_tokens + kv->config.block_size - 1) / kv->config.block_size;
+    return want > have ? want - have : 0;
+}
+
+gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    GY_TRY(gy_kv_check_seq(kv, seq));
+    if (n_tokens < 0) return GY_FAIL(GY_ERR_INVALID, "token count %lld is negative", (long long)n_tokens);
+    gy_kv_seq *s = &kv->seqs[seq];
+    const int64_t extra = gy_kv_blocks_needed(kv, seq, n_tokens);
+    if (extra > kv->n_free)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
+                       "sequence %lld needs %lld more blocks for %lld tokens but only %lld of %lld "
+                       "are free",
+                       (long long)seq, (long long)extra, (long long)n_tokens, (long long)kv->n_free,
+                       (long long)kv->stats.n_blocks);
+    if (s->n_blocks + extra > s->capacity) {
+        int64_t cap = s->capacity ? s->capacity : 4;
+        while (cap < s->n_blocks + extra) cap *= 2;
+        int32_t *blocks = realloc(s->blocks, (size_t)cap * sizeof *blocks);
+        if (blocks == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a block table");
+        s->blocks = blocks;
+        s->capacity = cap;
+    }
+    for (int64_t i = 0; i < extra; i++) {
+        const int32_t b = kv->free_blocks[--kv->n_free];
+        kv->block_used[b] = 1;
+        s->blocks[s->n_blocks++] = b;
+    }
+    if (n_tokens > s->n_tokens) s->n_tokens = n_tokens;
+    return GY_OK;
+}
+
+gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    GY_TRY(gy_kv_check_seq(kv, seq));
+    gy_kv_seq *s = &kv->seqs[seq];
+    /* Push in reverse so the sequence's first block is the next one handed out. */
+    for (int64_t i = s->n_blocks - 1; i >= 0; i--) {
+        kv->block_used[s->blocks[i]] = 0;
+        kv->free_blocks[kv->n_free++] = s->blocks[i];
+    }
+    s->live = 0;
+    s->n_blocks = 0;
+    s->n_tokens = 0;
+    kv->free_seqs[kv->n_free_seqs++] = seq;
+    kv->n_live_seqs--;
+    kv->stats.n_sequences = kv->n_live_seqs;
+    return GY_OK;
+}
+
+int64_t gy_kv_seq_n_blocks(const gy_kv_cache *kv, int64_t seq) {
+    const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
+    return s ? s->n_blocks : -1;
+}
+
+const int32_t *gy_kv_seq_blocks(const gy_kv_cache *kv, int64_t seq) {
+    const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
+    return s ? s->blocks : NULL;
+}
+
+int64_t gy_kv_seq_n_tokens(const gy_kv_cache *kv, int64_t seq) {
+    const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
+    return s ? s->n_tokens : -1;
+}
+
+/* ---- values ---- */
+
+static gy_status gy_kv_check_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos,
+                                    int64_t n, const void *a, const void *b, float **base) {
+    if (kv == NULL || a == NULL || b == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    GY_TRY(gy_kv_check_seq(kv, seq));
+    if (layer < 0 || layer >= kv->config.n_layers)
+        return GY_FAIL(GY_ERR_INVALID, "layer %lld is out of range [0, %lld)", (long long)layer,
+                       (long long)kv->config.n_layers);
+    const int64_t room = kv->seqs[seq].n_blocks * kv->config.block_size;
+    if (pos < 0 || n < 0 || pos > room || n > room - pos)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "tokens [%lld, %lld) are outside the %lld tokens sequence %lld has room for",
+                       (long long)pos, (long long)(pos + n), (long long)room, (long long)seq);
+    if (kv->config.elem_size != (int64_t)sizeof(float))
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "host reads and writes support fp32 KV only (elem_size %lld)",
+                       (long long)kv->config.elem_size);
+    *base = gy_kv_layer_ptr(kv, layer);
+    if (*base == NULL)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "the KV cache lives in device memory; use the device kernels");
+    return GY_OK;
+}
+
+gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
+                      const float *k, const float *v) {
+    float *base;
+    GY_TRY(gy_kv_check_access(kv, seq, layer, pos, n, k, v, &base));
+    const gy_kv_layout *L = &kv->layout;
+    const int64_t H = L->n_heads, D = L->head_dim, B = L->block_size;
+    const int32_t *blocks = kv->seqs[seq].blocks;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t block = blocks[(pos + i) / B], t = (pos + i) % B;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(base + gy_kv_layout_offset(L, 0, block, t, h), k + (i * H + h) * D, (size_t)D * sizeof(float));
+            memcpy(base + gy_kv_layout_offset(L, 1, block, t, h), v + (i * H + h) * D, (size_t)D * sizeof(float));
+        }
+    }
+    return GY_OK;
+}
+
+gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
+                       float *k_out, float *v_out) {
+    float *base;
+    GY_TRY(gy_kv_check_access(kv, seq, layer, pos, n, k_out, v_out, &base));
+    const gy_kv_layout *L = &kv->layout;
+    const int64_t H = L->n_heads, D = L->head_dim, B = L->block_size;
+    const int32_t *blocks = kv->seqs[seq].blocks;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t block = blocks[(pos + i) / B], t = (pos + i) % B;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(k_out + (i * H + h) * D, base + gy_kv_layout_offset(L, 0, block, t, h), (size_t)D * sizeof(float));
+            memcpy(v_out + (i * H + h) * D, base + gy_kv_layout_offset(L, 1, block, t, h), (size_t)D * sizeof(float));
+        }
+    }
+    return GY_OK;
+}
+
+/* ---- queries ---- */
+
+const gy_kv_layout *gy_kv_layout_of(const gy_kv_cache *kv) { return &kv->layout; }
+const gy_kv_config *gy_kv_config_of(const gy_kv_cache *kv) { return &kv->config; }
+gy_arena *gy_kv_arena(const gy_kv_cache *kv) { return kv->arena; }
+
+void *gy_kv_layer_ptr(const gy_kv_cache *kv, int64_t layer) {
+    if (layer < 0 || layer >= kv->config.n_layers) return NULL;
+    return gy_arena_host_ptr(kv->arena, gy_kv_layer_offset(kv, layer));
+}
+
+void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out) {
+    *out = kv->stats;
+    out->free_blocks = kv->n_free;
+    out->pages_per_layer = kv->pages_per_layer;
+}

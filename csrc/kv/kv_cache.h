@@ -1,0 +1,95 @@
+/* kv_cache.h: the paged KV cache of one worker, stored in pages of its arena.
+ *
+ * Each layer owns a run of `slots_per_layer` virtual slots starting at
+ *     first_slot + layer * slots_per_layer
+ * of which the first `pages_per_layer` are mapped. A block holds `block_size` tokens of every
+ * KV head of the worker, for K and V, laid out as the gy_kv_layout says; every layer has the same
+ * number of blocks, `n_blocks = pages_per_layer * page_size / block_bytes`, and a block id means
+ * the same block in every layer.
+ *
+ * Growing maps new pages at the end of each layer. With the page-friendly and header-centric
+ * layouts that is all; with the raw layout the V half of the layer starts at n_blocks * half, so
+ * it has to move right, and the bytes moved are counted (Gyges Figure 4).
+ *
+ * Sequences own lists of blocks (their block tables). Block and sequence ids are small integers;
+ * freed ones are reused, last freed first. */
+#ifndef GY_KV_CACHE_H
+#define GY_KV_CACHE_H
+
+#include <stdint.h>
+
+#include "../mem/arena.h"
+#include "kv_layout.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gy_kv_config {
+    gy_kv_layout_kind layout;
+    int64_t n_layers;
+    int64_t n_heads;         /* KV heads held by this worker */
+    int64_t head_dim;
+    int64_t block_size;      /* tokens per block */
+    int64_t elem_size;       /* bytes per value; 4 (fp32) for the CPU engine */
+    int64_t first_slot;      /* arena slot where layer 0 starts */
+    int64_t slots_per_layer; /* virtual slots reserved per layer: the growth limit */
+} gy_kv_config;
+
+typedef struct gy_kv_stats {
+    int64_t n_blocks;         /* blocks per layer now */
+    int64_t free_blocks;
+    int64_t pages_per_layer;  /* mapped pages per layer */
+    int64_t n_sequences;      /* live sequences */
+    uint64_t block_bytes;     /* bytes of one block of one layer (K and V) */
+    uint64_t bytes_moved;     /* bytes shifted by growth and shrinking (raw layout only) */
+    uint64_t grows;
+    uint64_t shrinks;
+} gy_kv_stats;
+
+typedef struct gy_kv_cache gy_kv_cache;
+
+/* The arena is borrowed and must outlive the cache. No pages are mapped until gy_kv_grow. */
+gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *config);
+/* Unmaps and releases the cache's pages. */
+void gy_kv_free(gy_kv_cache *kv);
+
+/* Maps `pages` more pages at the end of every layer (all layers or none). */
+gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages);
+/* Unmaps `pages` pages from the end of every layer; the blocks that no longer fit must be free. */
+gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages);
+
+/* Sequences and their block tables. reserve makes room for `n_tokens` tokens in total (it only
+ * adds blocks), all-or-nothing; it fails with GY_ERR_OUT_OF_MEMORY when too few blocks are free. */
+gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);
+gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens);
+gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq);
+/* Number of blocks of `seq` (or -1 when it is not live) and a pointer to its block ids, valid
+ * until the next call that changes the sequence. */
+int64_t gy_kv_seq_n_blocks(const gy_kv_cache *kv, int64_t seq);
+const int32_t *gy_kv_seq_blocks(const gy_kv_cache *kv, int64_t seq);
+int64_t gy_kv_seq_n_tokens(const gy_kv_cache *kv, int64_t seq);
+/* Blocks needed for n_tokens more than the sequence holds (0 when it already has room). */
+int64_t gy_kv_blocks_needed(const gy_kv_cache *kv, int64_t seq, int64_t n_tokens);
+
+/* Values of tokens [pos, pos+n) of a sequence in one layer, in logical order
+ * k, v: (n, n_heads, head_dim) float32. Host memory only. */
+gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
+                      const float *k, const float *v);
+gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
+                       float *k_out, float *v_out);
+
+/* Layout and placement. */
+const gy_kv_layout *gy_kv_layout_of(const gy_kv_cache *kv); /* for the current n_blocks */
+const gy_kv_config *gy_kv_config_of(const gy_kv_cache *kv);
+/* Arena byte offset where `layer` starts. */
+uint64_t gy_kv_layer_offset(const gy_kv_cache *kv, int64_t layer);
+/* Host pointer to the layer's storage, or NULL on a device arena. */
+void *gy_kv_layer_ptr(const gy_kv_cache *kv, int64_t layer);
+void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out);
+gy_arena *gy_kv_arena(const gy_kv_cache *kv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

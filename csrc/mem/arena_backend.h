@@ -1,0 +1,30 @@
+/* arena_backend.h (private): the table of functions a memory backend provides to arena.c.
+ *
+ * arena.c has already validated every argument and holds the arena's lock when it calls these;
+ * a backend only talks to the OS or the driver and reports what they refused. */
+#ifndef GY_MEM_ARENA_BACKEND_H
+#define GY_MEM_ARENA_BACKEND_H
+
+#include "arena.h"
+
+typedef struct gy_arena_backend_ops {
+    const char *name;
+    /* Reserves n_slots * page_size bytes of address space; fills *state and *base. */
+    gy_status (*init)(const gy_arena_config *config, void **state, uintptr_t *base);
+    void (*destroy)(void *state, uintptr_t base, const gy_arena_config *config);
+    /* Backs physical page `page` with memory (it reads as zeros on the cpu backend). */
+    gy_status (*create)(void *state, int64_t page);
+    gy_status (*release)(void *state, int64_t page);
+    gy_status (*map)(void *state, int64_t slot, int64_t page);
+    gy_status (*unmap)(void *state, int64_t slot);
+    /* memmove inside the range; both ends mapped. */
+    gy_status (*copy)(void *state, uint64_t dst_offset, uint64_t src_offset, uint64_t bytes);
+    /* Non-zero when the range is host memory that C and NumPy may touch directly. */
+    int host_accessible;
+} gy_arena_backend_ops;
+
+extern const gy_arena_backend_ops gy_arena_cpu_ops;
+/* NULL-equivalent table when the CUDA backend is not compiled in; see arena_cuda.c. */
+extern const gy_arena_backend_ops gy_arena_cuda_ops;
+
+#endif

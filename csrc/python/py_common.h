@@ -1,0 +1,40 @@
+/* py_common.h: what every file of the extension shares: turning a gy_status into an exception,
+ * and borrowing NumPy buffers (the Python wrappers have already checked dtype and shape). */
+#ifndef GY_PY_COMMON_H
+#define GY_PY_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "core/status.h"
+
+/* Raises the gyges exception for `status` with the core's last message; returns NULL. */
+PyObject *gy_py_raise(gy_status status);
+/* The exception class for `status` (borrowed). */
+PyObject *gy_py_error_class(gy_status status);
+
+/* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
+int gy_py_arena_add(PyObject *module);
+int gy_py_kv_add(PyObject *module);
+int gy_py_kernels_add(PyObject *module);
+int gy_py_cuda_add(PyObject *module);
+
+/* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
+ * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
+int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int writable,
+                     const char *what);
+
+/* From py_arena.c, for the other types that hand out views of arena memory. */
+#include "mem/arena.h"
+/* The gy_arena inside a gyges._C.Arena, or NULL with TypeError set. */
+gy_arena *gy_py_arena_unwrap(PyObject *object);
+/* A buffer exporter over [offset, offset+nbytes) of the arena's host memory that pins the slots
+ * it covers for as long as it lives and keeps `arena_object` and `keep` (may be NULL) alive. */
+PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t offset,
+                               uint64_t nbytes, int readonly);
+
+/* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
+struct gy_kv_cache;
+struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);
+
+#endif

@@ -1,0 +1,17 @@
+"""gyges: a research engine for LLM serving whose parallelism changes while it runs.
+
+The performance-critical parts are C (and CUDA) in gyges._C; this package is the steering wheel.
+"""
+from . import _C
+from .arena import Arena
+from .errors import (BusyError, CudaError, Error, FormatError, InvalidArgumentError, LimitError,
+                     OutOfMemoryError, StateError, UnavailableError)
+from .kv_cache import KVCache
+from .units import format_size, parse_size
+
+__version__ = "0.1.0"
+WITH_CUDA = bool(_C.WITH_CUDA)
+
+__all__ = ["Arena", "KVCache", "Error", "InvalidArgumentError", "OutOfMemoryError", "StateError",
+           "BusyError", "CudaError", "UnavailableError", "LimitError", "FormatError",
+           "parse_size", "format_size", "WITH_CUDA"]

@@ -1,0 +1,180 @@
+"""The paged KV cache with the three layouts of Gyges Table 2.
+
+    raw     [K/V, Block, Token, Head]  vLLM's token-first layout; growing shifts every V block
+    page    [Block, K/V, Token, Head]  page-friendly; growing moves nothing
+    header  [Block, Head, K/V, Token]  page-friendly and header-centric; a TP worker's heads are
+                                       one contiguous run per block, so migration needs no trim
+
+Each layer lives in its own run of arena slots; blocks are numbered the same in every layer and
+sequences own lists of blocks (their block tables). Everything is readable as NumPy: block tables,
+a layer's storage in its physical order (`layer_raw`) and in logical order (`layer`, a strided
+zero-copy view with axes (kv, block, token, head, dim) whatever the layout: Gyges'
+kv_stride_order()/permute), and the K/V of a sequence gathered into (tokens, heads, head_dim).
+"""
+import operator
+
+import numpy as np
+
+from . import _C
+from .arena import Arena
+
+LAYOUTS = {"raw": 0, "page": 1, "header": 2}
+_ALIASES = {"head": "header", "header-centric": "header", "page-friendly": "page",
+            "token-first": "raw"}
+LOGICAL_AXES = ("kv", "block", "token", "head", "dim")
+
+
+def layout_name(layout):
+    """Normalises a layout name; raises ValueError naming the choices."""
+    if isinstance(layout, str):
+        name = _ALIASES.get(layout, layout)
+        if name in LAYOUTS:
+            return name
+    raise ValueError(f"unknown KV layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def _index(value, what):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+
+
+class KVCache:
+    """KVCache(arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
+    first_slot=0, slots_per_layer=None)
+
+    Layer l occupies arena slots [first_slot + l*slots_per_layer, ... + slots_per_layer); by
+    default the slots from first_slot to the end of the arena are shared equally by the layers.
+    No memory is used until grow(pages) maps pages (the same number in every layer).
+    """
+
+    def __init__(self, arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
+                 first_slot=0, slots_per_layer=None):
+        if not isinstance(arena, Arena):
+            raise TypeError(f"arena must be a gyges.Arena, got {type(arena).__name__}")
+        self.arena = arena
+        self.layout_name = layout_name(layout)
+        n_layers, first_slot = _index(n_layers, "n_layers"), _index(first_slot, "first_slot")
+        if slots_per_layer is None:
+            if n_layers <= 0:
+                raise ValueError(f"n_layers must be positive, got {n_layers}")
+            slots_per_layer = (arena.n_slots - first_slot) // n_layers
+        self.n_layers = n_layers
+        self.n_kv_heads = _index(n_kv_heads, "n_kv_heads")
+        self.head_dim = _index(head_dim, "head_dim")
+        self.block_size = _index(block_size, "block_size")
+        self.dtype = np.dtype(np.float32)
+        self._c = _C.KVCache(arena._c, LAYOUTS[self.layout_name], n_layers, self.n_kv_heads,
+                             self.head_dim, self.block_size, self.dtype.itemsize, first_slot,
+                             _index(slots_per_layer, "slots_per_layer"))
+        self.first_slot = first_slot
+        self.slots_per_layer = slots_per_layer
+
+    # ---- memory ----
+    def grow(self, pages):
+        """Maps `pages` more pages at the end of every layer."""
+        self._c.grow(_index(pages, "pages"))
+
+    def shrink(self, pages):
+        """Gives back `pages` pages from the end of every layer (their blocks must be free)."""
+        self._c.shrink(_index(pages, "pages"))
+
+    def stats(self):
+        return self._c.stats()
+
+    def layout(self):
+        """The layout description: kind, sizes, strides in elements, stride order."""
+        return self._c.layout()
+
+    @property
+    def n_blocks(self):
+        return self._c.stats()["n_blocks"]
+
+    @property
+    def free_blocks(self):
+        return self._c.stats()["free_blocks"]
+
+    @property
+    def block_bytes(self):
+        return self._c.stats()["block_bytes"]
+
+    def blocks_per_page(self):
+        return self.arena.page_size / self.block_bytes
+
+    # ---- sequences ----
+    def new_sequence(self):
+        return self._c.seq_new()
+
+    def reserve(self, seq, n_tokens):
+        """Makes room for n_tokens tokens in total; raises OutOfMemoryError (and changes
+        nothing) when too few blocks are free."""
+        self._c.seq_reserve(_index(seq, "seq"), _index(n_tokens, "n_tokens"))
+
+    def free(self, seq):
+        self._c.seq_free(_index(seq, "seq"))
+
+    def block_table(self, seq):
+        """The sequence's block ids, as an int32 array."""
+        return np.frombuffer(self._c.seq_blocks(_index(seq, "seq")), dtype=np.int32).copy()
+
+    def block_tables(self, seqs):
+        """Block tables of several sequences in CSR form: (indptr, indices, last_page_len), where
+        last_page_len counts the reserved tokens in each sequence's last block."""
+        tables = [self.block_table(s) for s in seqs]
+        indptr = np.zeros(len(tables) + 1, dtype=np.int32)
+        indptr[1:] = np.cumsum([len(t) for t in tables])
+        indices = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int32)
+        last = np.array([(self._c.seq_n_tokens(s) - 1) % self.block_size + 1
+                         if self._c.seq_n_tokens(s) > 0 else 0 for s in seqs], dtype=np.int32)
+        return indptr, indices.astype(np.int32), last
+
+    # ---- values ----
+    def _tokens(self, array, what):
+        array = np.ascontiguousarray(array, dtype=self.dtype)
+        if array.ndim != 3 or array.shape[1:] != (self.n_kv_heads, self.head_dim):
+            raise ValueError(f"{what} must have shape (tokens, {self.n_kv_heads}, "
+                             f"{self.head_dim}), got {array.shape}")
+        return array
+
+    def write(self, seq, layer, pos, k, v):
+        """Stores k, v of shape (tokens, n_kv_heads, head_dim) at positions pos, pos+1, ..."""
+        k, v = self._tokens(k, "k"), self._tokens(v, "v")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+        self._c.write(_index(seq, "seq"), _index(layer, "layer"), _index(pos, "pos"), k, v)
+
+    def gather(self, seq, layer, start=0, n=None):
+        """K and V of tokens [start, start+n) as two (n, n_kv_heads, head_dim) arrays (copies);
+        n defaults to the sequence's reserved tokens after start."""
+        seq, start = _index(seq, "seq"), _index(start, "start")
+        if n is None:
+            n = max(self._c.seq_n_tokens(seq) - start, 0)
+        n = _index(n, "n")
+        if n < 0:
+            raise ValueError(f"n must not be negative, got {n}")
+        k = np.empty((n, self.n_kv_heads, self.head_dim), dtype=self.dtype)
+        v = np.empty_like(k)
+        self._c.gather(seq, _index(layer, "layer"), start, k, v)
+        return k, v
+
+    def layer_raw(self, layer):
+        """Zero-copy float32 array over the layer's blocks in physical order (pins its pages)."""
+        return np.frombuffer(self._c.layer_view(_index(layer, "layer")), dtype=self.dtype)
+
+    def layer(self, layer):
+        """Zero-copy view of a layer with logical axes (kv, block, token, head, dim), whatever
+        the layout; writes through it land in the cache."""
+        raw = self.layer_raw(layer)
+        d = self._c.layout()
+        item = self.dtype.itemsize
+        shape = (2, d["n_blocks"], d["block_size"], d["n_heads"], d["head_dim"])
+        strides = tuple(s * item for s in (d["stride_kv"], d["stride_block"], d["stride_token"],
+                                           d["stride_head"], 1))
+        return np.lib.stride_tricks.as_strided(raw, shape=shape, strides=strides)
+
+    def __repr__(self):
+        s = self._c.stats()
+        return (f"KVCache(layout={self.layout_name!r}, layers={self.n_layers}, "
+                f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"block_size={self.block_size}, blocks={s['n_blocks']}, free={s['free_blocks']})")

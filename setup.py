@@ -1,0 +1,94 @@
+"""Builds gyges._C: the C11 core in csrc/ and, when nvcc is on the PATH, the CUDA backend.
+
+GYGES_CUDA=0 turns the CUDA part off; GYGES_CUDA_ARCH picks the SM targets (default "90", the
+H100/H200). The CUDA driver is never linked: csrc/mem/arena_cuda.c loads libcuda.so.1 at run time,
+and the CUDA runtime is linked statically, so `import gyges` works on machines with no GPU.
+"""
+import os
+import shutil
+import subprocess
+from glob import glob
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def c_sources():
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.c"))
+
+
+def cuda_home():
+    if os.environ.get("GYGES_CUDA", "1") == "0":
+        return None
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    return Path(nvcc).resolve().parent.parent
+
+
+CUDA_HOME = cuda_home()
+CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GNU_SOURCE",
+          "-fno-strict-aliasing", "-march=native"]
+
+
+class BuildExtWithCuda(build_ext):
+    """Compiles csrc/kernels/*.cu with nvcc into objects linked into the extension."""
+
+    def build_extension(self, ext):
+        if CUDA_HOME is not None:
+            ext.extra_objects = ext.extra_objects + self._compile_cuda()
+        super().build_extension(ext)
+
+    def _compile_cuda(self):
+        archs = os.environ.get("GYGES_CUDA_ARCH", "90").split(",")
+        gencode = []
+        for arch in archs:
+            gencode += ["-gencode", f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
+        out_dir = Path(self.build_temp) / "cuda"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        objects = []
+        for source in sorted(glob(str(ROOT / "csrc" / "kernels" / "*.cu"))):
+            obj = out_dir / (Path(source).stem + ".o")
+            if not obj.exists() or obj.stat().st_mtime < self._newest_input(source):
+                cmd = [str(CUDA_HOME / "bin" / "nvcc"), "-c", source, "-o", str(obj), "-O3",
+                       "-std=c++17", "-Xcompiler", "-fPIC", "-DGY_WITH_CUDA=1",
+                       "--expt-relaxed-constexpr", *gencode]
+                print(" ".join(cmd), flush=True)
+                subprocess.check_call(cmd)
+            objects.append(str(obj))
+        return objects
+
+    @staticmethod
+    def _newest_input(source):
+        headers = list((ROOT / "csrc").rglob("*.h")) + list((ROOT / "csrc").rglob("*.cuh"))
+        return max([os.path.getmtime(source)] + [os.path.getmtime(h) for h in headers])
+
+
+def extension():
+    define_macros = []
+    include_dirs = [str(ROOT / "csrc")]
+    library_dirs, libraries, extra_link_args = [], ["m", "dl", "pthread"], []
+    if CUDA_HOME is not None:
+        define_macros.append(("GY_WITH_CUDA", "1"))
+        include_dirs.append(str(CUDA_HOME / "include"))
+        lib = CUDA_HOME / "lib64"
+        library_dirs.append(str(lib))
+        # The static runtime finds the driver itself at run time; no libcudart.so dependency.
+        libraries = ["cudart_static", "stdc++", "rt"] + libraries
+        extra_link_args.append(f"-Wl,-rpath,{lib}")
+    return Extension(
+        "gyges._C",
+        sources=c_sources(),
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        extra_compile_args=CFLAGS,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        extra_link_args=extra_link_args,
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtWithCuda})
