@@ -18,6 +18,7 @@ int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);
+int gy_py_sched_add(PyObject *module);
 
 /* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
  * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
