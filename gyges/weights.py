@@ -1,0 +1,181 @@
+"""A worker's model weights placed in its arena, with the FFN padded as in Gyges section 4.2.
+
+Replicated tensors (embedding, norms, attention projections, LM head) are packed into one run of
+pages. The FFN of every layer is cut along the intermediate dimension into `max_tp` shards, and
+each shard of gate, up and down starts on a page boundary with zero padding after it (Gyges
+eq. 2: U' = [U1, 0, U2, 0, ...], D' = [D1; 0; D2; 0; ...]). A worker that joins a TPk group keeps
+the shards it owns and unmaps the others: no byte is copied and the pages go back to the budget
+at once. Down is stored transposed, (intermediate, hidden), so that a shard is a run of rows.
+
+    gate, up: shard s = rows [s*I/max_tp, (s+1)*I/max_tp) of the HF (I, hidden) matrix
+    down:     shard s = the same rows of down.T, i.e. (I/max_tp, hidden)
+
+The padding is never computed on: kernels take each shard's pointer and its true row count, so
+the padded FFN gives exactly the unpadded result. `padding_bytes` reports what it costs.
+"""
+import numpy as np
+
+from .arena import Arena
+from .config import ModelConfig
+from .errors import OutOfMemoryError
+from .safetensors import f32_to_bf16
+
+DTYPES = {"f32": (np.float32, 4, 0), "bf16": (np.uint16, 2, 2), "f16": (np.float16, 2, 1)}
+ALIGN = 64  # bytes: one cache line, and the widest vector load
+FFN_KINDS = ("gate", "up", "down")
+
+
+def _round_up(x, to):
+    return -(-x // to) * to
+
+
+def _encode(array, dtype):
+    array = np.asarray(array, dtype=np.float32)
+    if dtype == "bf16":
+        return f32_to_bf16(array)
+    return array.astype(DTYPES[dtype][0])
+
+
+def replicated_names(config):
+    """HF names of the tensors every worker holds whole, in storage order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _is_matrix(name):
+    # Norms and biases stay fp32 whatever the storage dtype: they are tiny and precision-critical.
+    return name.endswith("proj.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
+
+
+class ModelWeights:
+    """ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=0)
+
+    Places the tensors (HF names, float arrays) in `arena` from `first_slot` on. Attributes:
+    offsets[name] = (byte offset in the arena, shape, dtype name); ffn[layer][kind][shard] =
+    (first slot, n_slots, rows); padding_bytes; bytes_total.
+    """
+
+    def __init__(self, arena, config, tensors, dtype="f32", max_tp=4, first_slot=0):
+        if not isinstance(arena, Arena):
+            raise TypeError("arena must be a gyges.Arena")
+        if not isinstance(config, ModelConfig):
+            raise TypeError("config must be a gyges.config.ModelConfig")
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        if max_tp < 1 or max_tp & (max_tp - 1):
+            raise ValueError(f"max_tp must be a power of two, got {max_tp}")
+        if config.intermediate_size % max_tp:
+            raise ValueError(f"intermediate_size {config.intermediate_size} is not divisible by "
+                             f"max_tp={max_tp}")
+        self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
+        self.page_size = arena.page_size
+        elem = DTYPES[dtype][1]
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.shard_rows = inter // max_tp
+
+        # Replicated tensors: one packed run of pages.
+        self.offsets = {}
+        cursor = 0
+        plan = []
+        for name in replicated_names(config):
+            if name not in tensors:
+                raise KeyError(f"tensor {name!r} is missing")
+            array = tensors[name]
+            stored = dtype if _is_matrix(name) else "f32"
+            nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
+            plan.append((name, cursor, stored))
+            cursor = _round_up(cursor + nbytes, ALIGN)
+        self.replicated_slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
+        shard_bytes = self.shard_rows * hidden * elem
+        self.shard_slots = _round_up(shard_bytes, self.page_size) // self.page_size
+        self._check_room(first_slot, self.replicated_slots + self.shard_slots * max_tp * 3 *
+                         config.num_hidden_layers)
+        self.first_slot = first_slot
+        base = first_slot * self.page_size
+        arena.grow(first_slot, self.replicated_slots, "weights")
+        for name, offset, stored in plan:
+            self._store(base + offset, tensors[name], stored)
+            self.offsets[name] = (base + offset, tuple(np.shape(tensors[name])), stored)
+        self.replicated_bytes = cursor
+
+        # FFN shards: each on its own page-aligned run of slots.
+        self.padding_bytes = (self.shard_slots * self.page_size - shard_bytes) * max_tp * 3 * config.num_hidden_layers
+        self.ffn = []
+        slot = first_slot + self.replicated_slots
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.mlp."
+            mats = {"gate": tensors[p + "gate_proj.weight"], "up": tensors[p + "up_proj.weight"],
+                    "down": np.asarray(tensors[p + "down_proj.weight"]).T}
+            layer = {}
+            for kind in FFN_KINDS:
+                if mats[kind].shape != (inter, hidden):
+                    raise ValueError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
+                                     f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
+                shards = []
+                for s in range(max_tp):
+                    arena.grow(slot, self.shard_slots, "weights")
+                    rows = mats[kind][s * self.shard_rows:(s + 1) * self.shard_rows]
+                    self._store(slot * self.page_size, rows, dtype)
+                    shards.append((slot, self.shard_slots, self.shard_rows))
+                    slot += self.shard_slots
+                layer[kind] = shards
+            self.ffn.append(layer)
+        self.end_slot = slot
+        self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
+        self.bytes_total = (self.end_slot - first_slot) * self.page_size
+
+    def _check_room(self, first_slot, n_slots):
+        # Checked before anything is placed, so a model that does not fit leaves no pages behind.
+        stats = self.arena.stats()
+        free = stats["budget_bytes"] - stats["bytes_in_use"]
+        if n_slots * self.page_size > free:
+            raise OutOfMemoryError(
+                f"the weights need {n_slots * self.page_size:,} bytes ({n_slots} pages of "
+                f"{self.page_size:,}) but only {free:,} of the arena's {stats['budget_bytes']:,} "
+                f"are free")
+        if first_slot < 0 or first_slot + n_slots > self.arena.n_slots:
+            raise ValueError(f"the weights need slots [{first_slot}, {first_slot + n_slots}) but "
+                             f"the arena has {self.arena.n_slots}")
+
+    def _store(self, offset, array, stored):
+        data = _encode(array, stored)
+        view = self.arena.view_bytes(offset, data.nbytes, dtype=np.uint8)
+        view[:] = data.reshape(-1).view(np.uint8)
+
+    def shard_offset(self, layer, kind, shard):
+        """Byte offset of one FFN shard in the arena."""
+        return self.ffn[layer][kind][shard][0] * self.page_size
+
+    def padding_overhead(self):
+        """Padding bytes as a fraction of the unpadded weights (Gyges Figure 10b: 0 to 14%)."""
+        return self.padding_bytes / self.unpadded_bytes
+
+    def read(self, name):
+        """A tensor read back from the arena as float32 (a copy), for tests and inspection."""
+        offset, shape, stored = self.offsets[name]
+        n = int(np.prod(shape))
+        raw = self.arena.view_bytes(offset, n * DTYPES[stored][1], dtype=DTYPES[stored][0])
+        if stored == "bf16":
+            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
+        return raw.astype(np.float32).reshape(shape)
+
+    def read_ffn(self, layer, kind):
+        """The whole (I, hidden) gate/up or down.T matrix, gathered from its shards."""
+        parts = []
+        storage, elem = DTYPES[self.dtype][0], DTYPES[self.dtype][1]
+        for slot, _, rows in self.ffn[layer][kind]:
+            raw = self.arena.view_bytes(slot * self.page_size, rows * self.config.hidden_size * elem,
+                                        dtype=storage)
+            if self.dtype == "bf16":
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            parts.append(raw.astype(np.float32).reshape(rows, self.config.hidden_size))
+        return np.concatenate(parts)

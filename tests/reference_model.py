@@ -1,0 +1,193 @@
+"""Float64 NumPy reference of a Llama / Qwen2 decoder: what the fast kernels are tested against.
+
+Written to be obviously right rather than fast: one sequence, loops over heads, float64 all the
+way, and each step a small function that follows the HF transformers implementation:
+
+    x = embed[tokens]
+    for each layer:
+        x = x + o_proj(attention(rope(q_proj(norm1(x))), rope(k_proj(..)), v_proj(..)))
+        x = x + down_proj(silu(gate_proj(norm2(x))) * up_proj(norm2(x)))
+    logits = lm_head(norm(x))          # lm_head = embed when tied
+
+It depends on gyges only for ModelConfig and the tensor-name check (checkpoint.check_tensors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gyges.checkpoint import check_tensors
+from gyges.config import ModelConfig
+
+
+# ---------------------------------------------------------------- building blocks
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """[head_dim/2] angular frequencies theta^(-2i/d), adjusted by the config's rope_scaling."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+        # between interpolated smoothly (transformers' _compute_llama3_parameters).
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        out = np.empty_like(inv_freq)
+        for i, f in enumerate(inv_freq):
+            wavelen = 2.0 * math.pi / f
+            if wavelen < old_len / high:
+                out[i] = f
+            elif wavelen > old_len / low:
+                out[i] = f / factor
+            else:
+                smooth = (old_len / wavelen - low) / (high - low)
+                out[i] = (1.0 - smooth) * f / factor + smooth * f
+        return out
+    raise ValueError(f"rope_scaling {scaling!r} not implemented in the reference")
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotates x [tokens, heads, head_dim] by position, HF convention.
+
+    HF pairs element i with element i + head_dim/2 (rotate_half), not adjacent elements:
+    out = x * cos + rotate_half(x) * sin with rotate_half(x) = concat(-x2, x1).
+    """
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [tokens, d/2]
+    cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)[:, None, :]
+    sin = np.concatenate([np.sin(angles), np.sin(angles)], axis=-1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int) -> np.ndarray:
+    """Causal grouped-query attention for the last q.shape[0] tokens of a sequence.
+
+    q: [n, heads, head_dim], the n newest tokens; k, v: [t, kv_heads, head_dim], all t tokens
+    including those n. Query i (sequence index t - n + i) sees keys 0 .. t - n + i. Query head h
+    reads KV head h // group. Returns [n, heads, head_dim].
+    """
+    n, heads, head_dim = q.shape
+    t = k.shape[0]
+    allowed = np.arange(t)[None, :] <= (t - n + np.arange(n))[:, None]  # [n, t]
+    out = np.empty_like(q)
+    for h in range(heads):
+        g = h // group
+        scores = q[:, h, :] @ k[:, g, :].T / math.sqrt(head_dim)  # [n, t]
+        scores = np.where(allowed, scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[:, h, :] = p @ v[:, g, :]
+    return out
+
+
+# ---------------------------------------------------------------- cache and model
+
+class KVCache:
+    """Per-layer K and V of every token seen so far, each [tokens, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig):
+        empty = np.zeros((0, config.num_key_value_heads, config.head_dim))
+        self.k = [empty.copy() for _ in range(config.num_hidden_layers)]
+        self.v = [empty.copy() for _ in range(config.num_hidden_layers)]
+
+    def __len__(self) -> int:
+        return self.k[0].shape[0]
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.k[layer] = np.concatenate([self.k[layer], k])
+        self.v[layer] = np.concatenate([self.v[layer], v])
+        return self.k[layer], self.v[layer]
+
+
+class ReferenceModel:
+    """Float64 decoder over HF-named tensors (any float dtype; cast to float64 here)."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray]):
+        check_tensors(config, tensors)
+        self.config = config
+        self.w = {name: np.asarray(t, dtype=np.float64) for name, t in tensors.items()}
+        self.inv_freq = rope_inv_freq(config)
+        self.lm_head = self.w["model.embed_tokens.weight"] if config.tie_word_embeddings \
+            else self.w["lm_head.weight"]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config)
+
+    def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T (+ b): HF stores W as [out, in]."""
+        y = x @ self.w[name + ".weight"].T
+        bias = self.w.get(name + ".bias")
+        return y if bias is None else y + bias
+
+    def forward(self, tokens, positions, cache: KVCache) -> np.ndarray:
+        """Logits [n, vocab] for n new tokens of one sequence, appending their K/V to cache."""
+        c = self.config
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if tokens.shape != positions.shape:
+            raise ValueError(f"{tokens.size} tokens but {positions.size} positions")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= c.vocab_size):
+            raise ValueError(f"token ids must be in [0, {c.vocab_size})")
+        if positions.size and positions.min() < 0:
+            raise ValueError("positions must be non-negative")
+        n = tokens.size
+        x = self.w["model.embed_tokens.weight"][tokens]  # [n, hidden]
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            q = self._linear(h, p + "self_attn.q_proj").reshape(n, heads, d)
+            k = self._linear(h, p + "self_attn.k_proj").reshape(n, kv_heads, d)
+            v = self._linear(h, p + "self_attn.v_proj").reshape(n, kv_heads, d)
+            q = apply_rope(q, positions, self.inv_freq)
+            k = apply_rope(k, positions, self.inv_freq)
+            keys, values = cache.append(i, k, v)
+            a = attention(q, keys, values, c.kv_group_size).reshape(n, c.q_size)
+            x = x + self._linear(a, p + "self_attn.o_proj")
+            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate = self._linear(h, p + "mlp.gate_proj")
+            up = self._linear(h, p + "mlp.up_proj")
+            x = x + self._linear(silu(gate) * up, p + "mlp.down_proj")
+        x = rms_norm(x, self.w["model.norm.weight"], c.rms_norm_eps)
+        return x @ self.lm_head.T
+
+    def prefill_logits(self, tokens) -> np.ndarray:
+        """Logits [n, vocab] at every position of a fresh sequence."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return self.forward(tokens, np.arange(tokens.size), self.new_cache())
+
+    def generate_greedy(self, prompt, n_steps: int) -> list[int]:
+        """The n_steps tokens that greedy decoding appends to prompt (no stop at eos).
+
+        Ties go to the lowest token id (np.argmax), which fast engines must match.
+        """
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("prompt must hold at least one token")
+        cache = self.new_cache()
+        logits = self.forward(prompt, np.arange(prompt.size), cache)
+        out: list[int] = []
+        for step in range(n_steps):
+            token = int(np.argmax(logits[-1]))
+            out.append(token)
+            if step + 1 < n_steps:
+                logits = self.forward([token], [len(cache)], cache)
+        return out

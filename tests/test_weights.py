@@ -1,0 +1,79 @@
+"""Padded FFN weight placement (Gyges section 4.2): shards on page boundaries, exact contents,
+padding accounted to the byte."""
+import numpy as np
+import pytest
+
+import gyges
+from gyges.checkpoint import random_weights
+from gyges.config import ModelConfig
+from gyges.weights import ModelWeights, replicated_names
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig.tiny()
+    return config, random_weights(config, seed=3)
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_shards_start_on_page_boundaries_and_hold_their_rows(tiny, page_size):
+    config, tensors = tiny
+    arena = gyges.Arena(budget="64MiB", page_size=page_size)
+    w = ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=3)
+    rows = config.intermediate_size // 4
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp."
+        full = {"gate": tensors[p + "gate_proj.weight"], "up": tensors[p + "up_proj.weight"],
+                "down": tensors[p + "down_proj.weight"].T}
+        for kind in ("gate", "up", "down"):
+            for s in range(4):
+                slot, n_slots, shard_rows = w.ffn[layer][kind][s]
+                assert shard_rows == rows
+                assert w.shard_offset(layer, kind, s) % page_size == 0
+                got = arena.view(slot, n_slots, dtype=np.float32)[:rows * config.hidden_size]
+                np.testing.assert_array_equal(got.reshape(rows, -1), full[kind][s * rows:(s + 1) * rows])
+                # The padding after the shard is zeros (eq. 2's 0 blocks).
+                assert not arena.view(slot, n_slots, dtype=np.float32)[rows * config.hidden_size:].any()
+            np.testing.assert_array_equal(w.read_ffn(layer, kind), full[kind])
+    for name in replicated_names(config):
+        np.testing.assert_array_equal(w.read(name), tensors[name])
+
+
+def test_padding_accounting_is_exact(tiny):
+    config, tensors = tiny
+    page = 65536
+    arena = gyges.Arena(budget="64MiB", page_size=page)
+    w = ModelWeights(arena, config, tensors, dtype="f32")
+    shard_bytes = 172 * 256 * 4                       # 688/4 rows of 256 fp32
+    shard_pages = -(-shard_bytes // page)             # 3 pages
+    expected_padding = (shard_pages * page - shard_bytes) * 4 * 3 * 4  # shards, kinds, layers
+    assert w.padding_bytes == expected_padding
+    assert arena.stats()["bytes_by_tag"]["weights"] == w.bytes_total
+    assert w.bytes_total == (w.replicated_slots + 4 * 3 * 4 * shard_pages) * page
+    assert 0 < w.padding_overhead() < 0.1
+
+
+def test_bf16_storage_rounds_to_nearest_even(tiny):
+    config, tensors = tiny
+    arena = gyges.Arena(budget="64MiB", page_size=65536)
+    w = ModelWeights(arena, config, tensors, dtype="bf16")
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    bits = q.astype(np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).view(np.float32)
+    np.testing.assert_array_equal(w.read("model.layers.0.self_attn.q_proj.weight"), rounded)
+    # Norms stay fp32.
+    np.testing.assert_array_equal(w.read("model.norm.weight"), tensors["model.norm.weight"])
+
+
+def test_bad_arguments(tiny):
+    config, tensors = tiny
+    arena = gyges.Arena(budget="64MiB", page_size=65536)
+    with pytest.raises(ValueError, match="dtype"):
+        ModelWeights(arena, config, tensors, dtype="int4")
+    with pytest.raises(ValueError, match="power of two"):
+        ModelWeights(arena, config, tensors, max_tp=3)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelWeights(arena, config.replace(intermediate_size=690), tensors, max_tp=4)
+    small = gyges.Arena(budget="1MiB", page_size=65536)
+    with pytest.raises(gyges.OutOfMemoryError):
+        ModelWeights(small, config, tensors)
