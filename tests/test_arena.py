@@ -274,3 +274,23 @@ def test_random_operations_match_a_model():
             for p in list(contents):
                 if p not in model.created:
                     del contents[p]
+
+
+def test_mappings_stop_short_of_vm_max_map_count():
+    """Each mapped slot can cost the process two kernel VMAs; past the safe share of
+    vm.max_map_count the arena refuses with LimitError instead of failing inside mmap."""
+    max_map_count = int(open("/proc/sys/vm/max_map_count").read())
+    limit = (max_map_count - 4096) // 2
+    if limit > 200_000:
+        pytest.skip(f"vm.max_map_count={max_map_count} is too large to reach in a test")
+    arena = gyges.Arena(budget=(limit + 8) * 4096, page_size=4096, n_slots=2 * (limit + 8))
+    with pytest.raises(gyges.LimitError, match="max_map_count"):
+        for i in range(limit + 8):
+            arena.map(2 * i, arena.create_page())  # every other slot: no VMA merging
+    mapped = arena.stats()["pages_mapped"]
+    assert mapped <= limit
+    table = arena.page_table()
+    assert (table["page"] >= 0).sum() == mapped  # the refused map left nothing behind
+    del arena  # gives the mappings back to the process-wide count
+    fresh = gyges.Arena(budget="64KiB", page_size=4096)
+    fresh.grow(0, 16)
