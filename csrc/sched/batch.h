@@ -1,0 +1,189 @@
+/* batch.h: continuous batching for one serving instance (vLLM-style, chunked prefill, preemption
+ * by recompute). It decides which tokens of which requests run in each step; it knows nothing
+ * about models or memory and sees KV capacity only through a gy_sched_kv_ops table, so the same
+ * code drives the CPU engine and the discrete-event simulator.
+ *
+ * Protocol: gy_sched_add requests at any time; then repeat
+ *     gy_sched_schedule(s, now, &batch)   -> which tokens run this step
+ *     (the engine runs the batch, samples one token for each entry with `samples` set)
+ *     gy_sched_commit(s, now, stop, n)    -> the step is done; stop[i] says the engine ended entry
+ *                                           i's request (EOS, stop string)
+ * Every schedule is followed by exactly one commit, even for an empty batch.
+ *
+ * A request with prompt length P has, between steps: G tokens generated (committed), T = P + G
+ * known tokens, C tokens whose KV is computed, and, while running, a prefill end E (the T it had
+ * when it was admitted: P the first time, P + G after a preemption). It is in prefill while
+ * C < E and in decode once C >= E (then T == C + 1: the last sampled token is not computed yet).
+ *
+ * THE POLICY of gy_sched_schedule(now). `budget` starts at max_batch_tokens; `running` is kept in
+ * admission order (the order of the admission counter).
+ *   1. Decode. For each running request in decode, oldest admission first, while budget > 0:
+ *      it wants 1 token at position C (room for C + 1 tokens). While blocks_needed(C + 1) >
+ *      free_blocks, preempt the most recently admitted running request (the victim); stop when the
+ *      victim was this request itself. If room was found: reserve, emit {pos C, 1 token,
+ *      samples}, budget -= 1.
+ *   2. Prefill continuation. For each running request still in prefill, oldest admission first,
+ *      while budget > 0: chunk n = min(E - C, budget, max_prefill_chunk or no cap); make room for
+ *      C + n tokens exactly as in 1 (the victim may be a request already given an entry this step:
+ *      its entry is removed and its tokens return to the budget); emit {pos C, n tokens, samples
+ *      when C + n == E}, budget -= n.
+ *   3. Admission, only when nothing was preempted in this step. Walk the waiting queue in order,
+ *      skipping requests whose arrival time is after `now`; stop at the first visible request
+ *      that cannot be admitted (head-of-line blocking: strict order, no overtaking), or when
+ *      budget == 0 or max_running requests run. A request is admitted (C = 0, E = T, new admission
+ *      number) when, for n = min(T, budget, max_prefill_chunk or no cap),
+ *      blocks_needed(n) + watermark <= free_blocks (watermark = watermark_blocks while any
+ *      request runs, else 0); it is reserved and emits {pos 0, n tokens, samples when n == T}.
+ *      No preemption happens for admission.
+ * Preempting a request releases all its KV, sets C = 0, counts a preemption and puts it at the
+ * FRONT of the waiting queue (so several preempted in one step end up oldest first). It keeps its
+ * generated tokens and is later recomputed as a prefill of all T = P + G tokens, which samples its
+ * next token; nothing is ever dropped.
+ * The waiting queue is [preempted requests, most recently pushed first] followed by
+ * [never-run requests sorted by (priority, arrival, add order)]; a lower priority value runs
+ * first. Priority only orders the waiting queue: the victim is always the most recently admitted.
+ * Batch entries come out as: decodes, then prefill continuations, then admissions.
+ *
+ * gy_sched_commit(now, stop): for each entry whose request still runs (not aborted meanwhile),
+ * C += n; if it samples, G += 1 and the request finishes when stop[i] is set (reason STOP) or G
+ * reaches max_new_tokens (reason LENGTH); a finished request releases its KV.
+ *
+ * Liveness: the oldest running request is preempted only after every newer one, and it alone fits
+ * the whole cache (gy_sched_add refuses a request when ceil((P + max_new_tokens) / block_size) >
+ * total_blocks), so some request always makes progress.
+ *
+ * Determinism: the batches depend only on the sequence of calls and their arguments (including
+ * the ops' answers), never on addresses or hash order. */
+#ifndef GY_SCHED_BATCH_H
+#define GY_SCHED_BATCH_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+#include "kv_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum gy_sched_state {
+    GY_SCHED_STATE_WAITING = 0,   /* queued, never run */
+    GY_SCHED_STATE_PREEMPTED = 1, /* queued again after a preemption; will be recomputed */
+    GY_SCHED_STATE_RUNNING = 2,
+    GY_SCHED_STATE_FINISHED = 3,
+    GY_SCHED_STATE_COUNT
+} gy_sched_state;
+
+typedef enum gy_sched_finish {
+    GY_SCHED_FINISH_NONE = 0,   /* not finished */
+    GY_SCHED_FINISH_STOP = 1,   /* the engine said so at commit (EOS, stop string) */
+    GY_SCHED_FINISH_LENGTH = 2, /* max_new_tokens generated */
+    GY_SCHED_FINISH_ABORT = 3,  /* gy_sched_abort */
+} gy_sched_finish;
+
+typedef struct gy_sched_config {
+    int64_t total_blocks;      /* KV blocks of the instance (for the submit-time check) */
+    int64_t block_size;        /* tokens per block */
+    int64_t max_batch_tokens;  /* tokens per step, >= 1 */
+    int64_t max_running;       /* running requests, >= 1 */
+    int64_t max_prefill_chunk; /* tokens of one request's prefill per step; 0 = no cap */
+    int64_t watermark_blocks;  /* blocks admission leaves free; 0 = none; < total_blocks */
+} gy_sched_config;
+
+/* What the caller submits. */
+typedef struct gy_sched_request {
+    int64_t id;             /* the caller's; unique among the requests the scheduler remembers */
+    int64_t prompt_len;     /* >= 1 */
+    int64_t max_new_tokens; /* >= 1 */
+    double arrival;         /* invisible to gy_sched_schedule while now < arrival */
+    int32_t priority;       /* lower runs first; 0 for FCFS */
+} gy_sched_request;
+
+/* One request's share of a step: tokens [pos, pos + n_tokens) of its known tokens. */
+typedef struct gy_sched_entry {
+    int64_t id;
+    int64_t pos;          /* first position; 0 for an admission */
+    int64_t n_tokens;
+    int64_t sample_index; /* G: the index among generated tokens of the token sampled here */
+    uint8_t samples;      /* 1: the chunk reaches the last known token, so sample one token */
+    uint8_t is_prefill;   /* 0 for decode entries */
+} gy_sched_entry;
+
+/* Owned by the scheduler; valid until the next gy_sched_schedule. */
+typedef struct gy_sched_batch {
+    int64_t n_entries;
+    const gy_sched_entry *entries; /* (n_entries): decodes, continuations, admissions */
+    int64_t n_tokens;              /* sum of n_tokens, <= max_batch_tokens */
+    int64_t n_decode;              /* entries with is_prefill == 0 */
+    int64_t n_preempted;
+    const int64_t *preempted;      /* (n_preempted) ids preempted this step, in preemption order */
+} gy_sched_batch;
+
+/* Owned by the scheduler; valid until the next gy_sched_commit. */
+typedef struct gy_sched_done {
+    int64_t n_finished;
+    const int64_t *finished; /* (n_finished) ids finished by this commit, in entry order */
+} gy_sched_done;
+
+typedef struct gy_sched_info {
+    gy_sched_state state;
+    gy_sched_finish finish;
+    int64_t prompt_len;
+    int64_t max_new_tokens;
+    int32_t priority;
+    int64_t n_generated;     /* G */
+    int64_t n_computed;      /* C */
+    int64_t prefill_end;     /* E while running, else 0 */
+    int64_t n_preemptions;
+    double arrival;
+    double first_scheduled;  /* `now` of its first admission; NaN before */
+    double first_token;      /* `now` of the commit of its first token; NaN before */
+    double finished_at;      /* `now` of the commit (or the last known time for an abort); NaN */
+} gy_sched_info;
+
+typedef struct gy_sched_stats {
+    int64_t n_waiting;        /* state WAITING */
+    int64_t n_preempted;      /* state PREEMPTED (queued) */
+    int64_t n_running;
+    int64_t n_finished;       /* finished and not yet forgotten */
+    int64_t n_steps;          /* schedule calls */
+    int64_t n_preemptions;    /* preemptions ever */
+    int64_t free_blocks;      /* from the ops */
+    int32_t in_flight;        /* 1 between schedule and commit */
+} gy_sched_stats;
+
+typedef struct gy_sched gy_sched;
+
+/* `ops` is copied; its ctx must outlive the scheduler. */
+gy_status gy_sched_init(gy_sched **out, const gy_sched_config *config, const gy_sched_kv_ops *ops);
+/* Releases the KV of every running request through the ops, then frees the scheduler. */
+void gy_sched_free(gy_sched *s);
+
+/* Queues a request; refuses (GY_ERR_INVALID, naming the cause) a prompt_len or max_new_tokens
+ * below 1, a non-finite arrival, an id in use, or a request that could never fit:
+ * ceil((prompt_len + max_new_tokens) / block_size) > total_blocks. */
+gy_status gy_sched_add(gy_sched *s, const gy_sched_request *request);
+/* One step of the policy above. `now` is finite and never below an earlier call's. */
+gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out);
+/* Ends the step; `stop` is (n) flags aligned with the batch's entries (n == batch.n_entries;
+ * NULL when none stopped). `done` (may be NULL) lists the requests it finished. */
+gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t n,
+                          gy_sched_done *done);
+/* Finishes a queued or running request (reason ABORT) and releases its KV; an entry of it in the
+ * step under way is then ignored by commit. */
+gy_status gy_sched_abort(gy_sched *s, int64_t id);
+/* Drops a finished request's record so its memory and id can be reused. */
+gy_status gy_sched_forget(gy_sched *s, int64_t id);
+
+/* The entries of the step under way (n = 0 and NULL when none), as schedule returned them. */
+const gy_sched_entry *gy_sched_step_entries(const gy_sched *s, int64_t *n);
+gy_status gy_sched_info_get(const gy_sched *s, int64_t id, gy_sched_info *out);
+void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out);
+const gy_sched_config *gy_sched_config_of(const gy_sched *s);
+const char *gy_sched_state_name(gy_sched_state state);
+const char *gy_sched_finish_name(gy_sched_finish finish);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,31 @@
+/* kv_adapter.h: the scheduler's KV ops over a real paged KV cache (kv/kv_cache.h), for the CPU
+ * engine. Each request gets a KV sequence at its first reserve and loses it at release; the
+ * engine finds a request's block table through gy_sched_kv_adapter_seq. */
+#ifndef GY_SCHED_KV_ADAPTER_H
+#define GY_SCHED_KV_ADAPTER_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+#include "../kv/kv_cache.h"
+#include "kv_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gy_sched_kv_adapter gy_sched_kv_adapter;
+
+/* The cache is borrowed and must outlive the adapter. */
+gy_status gy_sched_kv_adapter_init(gy_sched_kv_adapter **out, gy_kv_cache *kv);
+/* Frees the sequences of requests still holding KV, then the adapter. */
+void gy_sched_kv_adapter_free(gy_sched_kv_adapter *a);
+/* The ops table over `a`; `a` must outlive every scheduler using it. */
+gy_sched_kv_ops gy_sched_kv_adapter_ops(gy_sched_kv_adapter *a);
+/* The KV sequence of request `req`, or -1 when it holds none. */
+int64_t gy_sched_kv_adapter_seq(const gy_sched_kv_adapter *a, int64_t req);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
