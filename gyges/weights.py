@@ -1,7 +1,8 @@
 """A worker's model weights placed in its arena, with the FFN padded as in Gyges section 4.2.
 
 Replicated tensors (embedding, norms, attention projections, LM head) are packed into one run of
-pages. The FFN of every layer is cut along the intermediate dimension into `max_tp` shards, and
+pages; o_proj is stored transposed, (heads * head_dim, hidden), so that the heads of a TP rank
+are a run of rows. The FFN of every layer is cut along the intermediate dimension into `max_tp` shards, and
 each shard of gate, up and down starts on a page boundary with zero padding after it (Gyges
 eq. 2: U' = [U1, 0, U2, 0, ...], D' = [D1; 0; D2; 0; ...]). A worker that joins a TPk group keeps
 the shards it owns and unmaps the others: no byte is copied and the pages go back to the budget
@@ -51,20 +52,28 @@ def replicated_names(config):
     return names
 
 
+def _oriented(name, array):
+    """Tensors as stored: o_proj transposed, the rest as given."""
+    array = np.asarray(array)
+    return array.T if name.endswith("o_proj.weight") else array
+
+
 def _is_matrix(name):
     # Norms and biases stay fp32 whatever the storage dtype: they are tiny and precision-critical.
     return name.endswith("proj.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
 
 
 class ModelWeights:
-    """ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=0)
+    """ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True)
 
     Places the tensors (HF names, float arrays) in `arena` from `first_slot` on. Attributes:
     offsets[name] = (byte offset in the arena, shape, dtype name); ffn[layer][kind][shard] =
-    (first slot, n_slots, rows); padding_bytes; bytes_total.
+    (byte offset, rows); padding_bytes; bytes_total. pad=False packs each tensor's shards
+    back to back instead (the unpadded reference layout; shards then share pages and cannot be
+    released one by one).
     """
 
-    def __init__(self, arena, config, tensors, dtype="f32", max_tp=4, first_slot=0):
+    def __init__(self, arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True):
         if not isinstance(arena, Arena):
             raise TypeError("arena must be a gyges.Arena")
         if not isinstance(config, ModelConfig):
@@ -96,19 +105,24 @@ class ModelWeights:
             cursor = _round_up(cursor + nbytes, ALIGN)
         self.replicated_slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
         shard_bytes = self.shard_rows * hidden * elem
-        self.shard_slots = _round_up(shard_bytes, self.page_size) // self.page_size
-        self._check_room(first_slot, self.replicated_slots + self.shard_slots * max_tp * 3 *
+        self.pad = pad
+        # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
+        tensor_bytes = _round_up(shard_bytes, self.page_size) * max_tp if pad else shard_bytes * max_tp
+        self.tensor_slots = _round_up(tensor_bytes, self.page_size) // self.page_size
+        self.shard_slots = self.tensor_slots // max_tp if pad else None
+        self._check_room(first_slot, self.replicated_slots + self.tensor_slots * 3 *
                          config.num_hidden_layers)
         self.first_slot = first_slot
         base = first_slot * self.page_size
         arena.grow(first_slot, self.replicated_slots, "weights")
         for name, offset, stored in plan:
-            self._store(base + offset, tensors[name], stored)
-            self.offsets[name] = (base + offset, tuple(np.shape(tensors[name])), stored)
+            array = _oriented(name, tensors[name])
+            self._store(base + offset, array, stored)
+            self.offsets[name] = (base + offset, array.shape, stored)
         self.replicated_bytes = cursor
 
         # FFN shards: each on its own page-aligned run of slots.
-        self.padding_bytes = (self.shard_slots * self.page_size - shard_bytes) * max_tp * 3 * config.num_hidden_layers
+        self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers
         self.ffn = []
         slot = first_slot + self.replicated_slots
         for i in range(config.num_hidden_layers):
@@ -121,12 +135,14 @@ class ModelWeights:
                     raise ValueError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
                                      f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
                 shards = []
+                arena.grow(slot, self.tensor_slots, "weights")
                 for s in range(max_tp):
-                    arena.grow(slot, self.shard_slots, "weights")
                     rows = mats[kind][s * self.shard_rows:(s + 1) * self.shard_rows]
-                    self._store(slot * self.page_size, rows, dtype)
-                    shards.append((slot, self.shard_slots, self.shard_rows))
-                    slot += self.shard_slots
+                    offset = (slot * self.page_size + (s * self.shard_slots * self.page_size
+                                                        if pad else s * shard_bytes))
+                    self._store(offset, rows, dtype)
+                    shards.append((offset, self.shard_rows))
+                slot += self.tensor_slots
                 layer[kind] = shards
             self.ffn.append(layer)
         self.end_slot = slot
@@ -153,14 +169,42 @@ class ModelWeights:
 
     def shard_offset(self, layer, kind, shard):
         """Byte offset of one FFN shard in the arena."""
-        return self.ffn[layer][kind][shard][0] * self.page_size
+        return self.ffn[layer][kind][shard][0]
+
+    def shard_slots_of(self, layer, kind, shard):
+        """The slots a padded shard owns alone (what a TP worker unmaps when it drops it)."""
+        if not self.pad:
+            raise ValueError("unpadded shards share pages; they cannot be released one by one")
+        first = self.ffn[layer][kind][shard][0] // self.page_size
+        return range(first, first + self.shard_slots)
 
     def padding_overhead(self):
         """Padding bytes as a fraction of the unpadded weights (Gyges Figure 10b: 0 to 14%)."""
         return self.padding_bytes / self.unpadded_bytes
 
+    def c_offsets(self, shards=None):
+        """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
+        the FFN shards given to the ones this worker holds (default: all)."""
+        shards = range(self.max_tp) if shards is None else shards
+        cfg = self.config
+        out = [self._offset("model.embed_tokens.weight"), self._offset("model.norm.weight"),
+               self._offset("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            out += [self._offset(p + n) for n in (
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias")]
+            for kind in FFN_KINDS:
+                out += [self.shard_offset(i, kind, s) if s in shards else -1 for s in range(self.max_tp)]
+        return np.array(out, dtype=np.int64)
+
+    def _offset(self, name):
+        return self.offsets[name][0] if name in self.offsets else -1
+
     def read(self, name):
-        """A tensor read back from the arena as float32 (a copy), for tests and inspection."""
+        """A tensor read back from the arena as float32 (a copy), as stored (o_proj transposed)."""
         offset, shape, stored = self.offsets[name]
         n = int(np.prod(shape))
         raw = self.arena.view_bytes(offset, n * DTYPES[stored][1], dtype=DTYPES[stored][0])
@@ -172,9 +216,8 @@ class ModelWeights:
         """The whole (I, hidden) gate/up or down.T matrix, gathered from its shards."""
         parts = []
         storage, elem = DTYPES[self.dtype][0], DTYPES[self.dtype][1]
-        for slot, _, rows in self.ffn[layer][kind]:
-            raw = self.arena.view_bytes(slot * self.page_size, rows * self.config.hidden_size * elem,
-                                        dtype=storage)
+        for offset, rows in self.ffn[layer][kind]:
+            raw = self.arena.view_bytes(offset, rows * self.config.hidden_size * elem, dtype=storage)
             if self.dtype == "bf16":
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
             parts.append(raw.astype(np.float32).reshape(rows, self.config.hidden_size))

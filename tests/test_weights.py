@@ -27,16 +27,32 @@ def test_shards_start_on_page_boundaries_and_hold_their_rows(tiny, page_size):
                 "down": tensors[p + "down_proj.weight"].T}
         for kind in ("gate", "up", "down"):
             for s in range(4):
-                slot, n_slots, shard_rows = w.ffn[layer][kind][s]
+                offset, shard_rows = w.ffn[layer][kind][s]
                 assert shard_rows == rows
-                assert w.shard_offset(layer, kind, s) % page_size == 0
-                got = arena.view(slot, n_slots, dtype=np.float32)[:rows * config.hidden_size]
+                assert offset % page_size == 0
+                slots = w.shard_slots_of(layer, kind, s)
+                whole = arena.view(slots.start, len(slots), dtype=np.float32)
+                got = whole[:rows * config.hidden_size]
                 np.testing.assert_array_equal(got.reshape(rows, -1), full[kind][s * rows:(s + 1) * rows])
                 # The padding after the shard is zeros (eq. 2's 0 blocks).
-                assert not arena.view(slot, n_slots, dtype=np.float32)[rows * config.hidden_size:].any()
+                assert not whole[rows * config.hidden_size:].any()
+                del whole, got
             np.testing.assert_array_equal(w.read_ffn(layer, kind), full[kind])
     for name in replicated_names(config):
-        np.testing.assert_array_equal(w.read(name), tensors[name])
+        want = tensors[name].T if name.endswith("o_proj.weight") else tensors[name]
+        np.testing.assert_array_equal(w.read(name), want)
+
+
+def test_unpadded_layout_packs_shards(tiny):
+    config, tensors = tiny
+    arena = gyges.Arena(budget="64MiB", page_size=65536)
+    w = ModelWeights(arena, config, tensors, pad=False)
+    shard_bytes = 172 * 256 * 4
+    for s in range(4):
+        assert w.shard_offset(0, "up", s) == w.shard_offset(0, "up", 0) + s * shard_bytes
+    np.testing.assert_array_equal(w.read_ffn(2, "down"), tensors["model.layers.2.mlp.down_proj.weight"].T)
+    with pytest.raises(ValueError, match="share pages"):
+        w.shard_slots_of(0, "up", 1)
 
 
 def test_padding_accounting_is_exact(tiny):

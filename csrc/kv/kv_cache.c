@@ -214,6 +214,18 @@ gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
     return GY_OK;
 }
 
+int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv) {
+    int64_t used_end = kv->stats.n_blocks; /* one past the highest block in use */
+    while (used_end > 0 && !kv->block_used[used_end - 1]) used_end--;
+    const uint64_t needed = ((uint64_t)used_end * kv->block_bytes + kv->page_size - 1) / kv->page_size;
+    return kv->pages_per_layer - (int64_t)needed;
+}
+
+int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages) {
+    if (pages <= 0 || pages > kv->config.slots_per_layer - kv->pages_per_layer) return 0;
+    return gy_kv_blocks_for_pages(kv, kv->pages_per_layer + pages) - kv->stats.n_blocks;
+}
+
 /* ---- sequences ---- */
 
 static gy_kv_seq *gy_kv_live_seq(const gy_kv_cache *kv, int64_t seq) {

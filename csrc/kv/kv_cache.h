@@ -59,6 +59,11 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages);
 /* Unmaps `pages` pages from the end of every layer; the blocks that no longer fit must be free. */
 gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages);
 
+/* Pages per layer that gy_kv_shrink could give back now (the blocks past the kept ones free),
+ * and the blocks `pages` more pages per layer would add (0 past the reserved slots). */
+int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv);
+int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages);
+
 /* Sequences and their block tables. reserve makes room for `n_tokens` tokens in total (it only
  * adds blocks), all-or-nothing; it fails with GY_ERR_OUT_OF_MEMORY when too few blocks are free. */
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);

@@ -19,6 +19,8 @@ int gy_py_kv_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
+int gy_py_model_add(PyObject *module);
+int gy_py_engine_add(PyObject *module);
 
 /* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
  * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
@@ -37,5 +39,10 @@ PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t 
 /* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
 struct gy_kv_cache;
 struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);
+
+/* From py_model.c: the gy_model inside a gyges._C.Model and its thread pool (may be NULL). */
+struct gy_model;
+struct gy_threadpool;
+struct gy_model *gy_py_model_unwrap(PyObject *object, struct gy_threadpool **pool);
 
 #endif

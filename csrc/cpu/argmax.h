@@ -1,0 +1,21 @@
+/* argmax.h: greedy sampling, the index of the largest logit of each row.
+ *
+ * Ties go to the lowest index; NaNs are ignored (a row of only NaNs gives 0). */
+#ifndef GY_CPU_ARGMAX_H
+#define GY_CPU_ARGMAX_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out [n] = argmax over each row of logits [n, vocab]. */
+gy_status gy_cpu_argmax(int32_t *out, const float *logits, int64_t n, int64_t vocab);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

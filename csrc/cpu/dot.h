@@ -1,0 +1,57 @@
+/* dot.h: the one fixed-order fp32 dot product every reduction over a contiguous vector uses
+ * (linear layers, attention scores).
+ *
+ * The order, for a vector of `len` products p[k] = w[k] * x[k] (w widened exactly to fp32):
+ *   lane l in [0, 16) accumulates, starting from +0, acc[l] = fma(w[k], x[k], acc[l]) for
+ *   k = l, l + 16, l + 32, ... in increasing k; the vector is padded with zeros to a multiple of
+ *   16 (the padding's fma(0, 0, acc) is part of the definition);
+ *   then the 16 lanes are added as a halving tree: s8[i] = acc[i] + acc[i + 8],
+ *   s4[i] = s8[i] + s8[i + 4], s2[i] = s4[i] + s4[i + 2], result = s2[0] + s2[1].
+ * The AVX-512 path (one zmm accumulator per dot) and the portable path compute exactly these
+ * operations, so they agree bit for bit; the result depends only on w[0..len) and x[0..len). */
+#ifndef GY_CPU_DOT_H
+#define GY_CPU_DOT_H
+
+#include <stdint.h>
+
+#include "dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GY_DOT_LANES 16
+
+/* The halving tree over 16 lanes, as defined above. */
+static inline float gy_dot_lane_tree(const float acc[GY_DOT_LANES]) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+/* The plain definition: one dot product of w[0..len) (of `w_dtype`) with x[0..len). */
+float gy_dot_ref(const void *w, gy_dtype w_dtype, const float *x, int64_t len);
+
+/* A tile of 16 dot products: rows w[r] (r < n_w) against rows x[b] (b < 16 / n_w), each of length
+ * len, written to out[r * (16 / n_w) + b]. n_w is 16, 8 or 4. Each result equals gy_dot_ref of its
+ * pair. Uses the kernel path chosen in isa.h. */
+void gy_dot_tile16(float out[16], const void *const *w, gy_dtype w_dtype, int32_t n_w,
+                   const float *const *x, int64_t len);
+
+/* A linear layer's inner loop, for R = n_w weight rows (16, 8 or 4) and G groups of B = 16 / R
+ * activation rows: for row r < R and activation row i = g * B + b,
+ *   y[i * ldy + r] = tree over the k_splits chunks of gy_dot_ref(w_r + chunk, x_i + chunk, L)
+ *                    (+ bias[r] when bias is not NULL),  L = len / k_splits,
+ * the tree pairing chunks as ((c0 + c1) + (c2 + c3)). Only rows r < valid_rows are written; weight
+ * rows past them are read as copies of the last valid row. w_r = w + r * w_row_bytes,
+ * x_i = x + i * ldx. k_splits is a power of two <= 64 dividing len. */
+void gy_dot_rows16(float *y, int64_t ldy, const float *bias, const void *w, int64_t w_row_bytes,
+                   gy_dtype w_dtype, int32_t n_w, int32_t valid_rows, const float *x, int64_t ldx,
+                   int64_t n_groups, int64_t len, int32_t k_splits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

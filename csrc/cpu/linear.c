@@ -1,0 +1,372 @@
+/* linear.c: the two linear forms of linear.h, their k-split tree, and the TP combination. */
+#include "linear.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "dot.h"
+#include "isa.h"
+#include "simd.h"
+
+#define GY_LINEAR_TREE_LEVELS 7 /* log2(GY_LINEAR_MAX_K_SPLITS) + 1 */
+
+/* The pairwise tree over chunks, built online: after chunk c, slot l (at slots + l * stride) holds
+ * the sum of the 2^l chunks ending at c whenever bit l of c + 1 completes a subtree. Same pairings
+ * as gy_cpu_add_tree's level-by-level tree. Returns the slot holding the finished subtree. */
+static float *gy_linear_tree_push(float *slots, int64_t stride, int64_t c, float *part,
+                                  int64_t width) {
+    int l = 0;
+    for (; (c >> l) & 1; l++)
+        for (int64_t i = 0; i < width; i++) part[i] = slots[l * stride + i] + part[i];
+    memcpy(slots + l * stride, part, (size_t)width * sizeof(float));
+    return slots + l * stride;
+}
+
+static gy_status gy_linear_check(const char *name, const float *y, const float *x, const void *w,
+                                 gy_dtype w_dtype, int64_t n, int64_t in, int64_t out,
+                                 int32_t k_splits) {
+    GY_TRY(gy_dtype_check(w_dtype, name));
+    if (n < 0 || out < 0 || in <= 0)
+        return GY_FAIL(GY_ERR_INVALID, "%s: need n >= 0, in > 0, out >= 0 (n=%lld in=%lld out=%lld)",
+                       name, (long long)n, (long long)in, (long long)out);
+    if (k_splits < 1 || k_splits > GY_LINEAR_MAX_K_SPLITS || (k_splits & (k_splits - 1)) != 0)
+        return GY_FAIL(GY_ERR_INVALID, "%s: k_splits=%d must be a power of two in [1, %d]", name,
+                       (int)k_splits, GY_LINEAR_MAX_K_SPLITS);
+    if (in % k_splits != 0)
+        return GY_FAIL(GY_ERR_INVALID, "%s: in=%lld is not a multiple of k_splits=%d", name,
+                       (long long)in, (int)k_splits);
+    if (n > 0 && out > 0 && (y == NULL || x == NULL || w == NULL))
+        return GY_FAIL(GY_ERR_INVALID, "%s: NULL buffer", name);
+    return GY_OK;
+}
+
+/* Static split of `units` work units (of `unit` columns) into tasks of equal size. */
+static int64_t gy_linear_tasks(int64_t cols, int64_t unit, gy_threadpool *pool, int64_t *per_task) {
+    const int64_t units = (cols + unit - 1) / unit;
+    int64_t tasks = (int64_t)gy_threadpool_size(pool) * 4;
+    if (tasks > units) tasks = units;
+    if (tasks < 1) tasks = 1;
+    const int64_t units_per_task = (units + tasks - 1) / tasks;
+    *per_task = units_per_task * unit;
+    return (cols + *per_task - 1) / *per_task;
+}
+
+typedef struct gy_linear_ctx {
+    float *y;
+    const float *x;
+    const char *w;
+    gy_dtype dtype;
+    int64_t esize;
+    const float *bias;
+    int64_t n, in, out, k_splits, chunk, per_task;
+} gy_linear_ctx;
+
+/* ---- W [out, in]: tiles of 16 dot products ---------------------------------------------------- */
+
+static void gy_linear_task(void *ctx, int64_t task, int64_t n_tasks) {
+    const gy_linear_ctx *c = (const gy_linear_ctx *)ctx;
+    const int64_t begin = task * c->per_task;
+    const int64_t end = begin + c->per_task < c->out ? begin + c->per_task : c->out;
+    const int64_t wrb = c->in * c->esize, groups4 = c->n / 4, rest = c->n % 4;
+    /* Each 16-row tile of W is streamed once per step for the whole batch: 4-row slices against
+     * groups of 4 activation rows, the leftover rows in pairs (8-row slices) and alone (16). */
+    for (int64_t o0 = begin; o0 < end; o0 += 16) {
+        const int64_t o_end = o0 + 16 < end ? o0 + 16 : end;
+        for (int64_t r0 = o0; r0 < o_end; r0 += 4)
+            gy_dot_rows16(c->y + r0, c->out, c->bias ? c->bias + r0 : NULL, c->w + r0 * wrb, wrb,
+                          c->dtype, 4, (int32_t)(o_end - r0 < 4 ? o_end - r0 : 4), c->x, c->in,
+                          groups4, c->in, (int32_t)c->k_splits);
+        int64_t b = groups4 * 4;
+        if (rest >= 2) {
+            for (int64_t r0 = o0; r0 < o_end; r0 += 8)
+                gy_dot_rows16(c->y + b * c->out + r0, c->out, c->bias ? c->bias + r0 : NULL,
+                              c->w + r0 * wrb, wrb, c->dtype, 8,
+                              (int32_t)(o_end - r0 < 8 ? o_end - r0 : 8), c->x + b * c->in, c->in, 1,
+                              c->in, (int32_t)c->k_splits);
+            b += 2;
+        }
+        if (rest % 2 == 1)
+            gy_dot_rows16(c->y + b * c->out + o0, c->out, c->bias ? c->bias + o0 : NULL,
+                          c->w + o0 * wrb, wrb, c->dtype, 16, (int32_t)(o_end - o0), c->x + b * c->in,
+                          c->in, 1, c->in, (int32_t)c->k_splits);
+    }
+}
+
+gy_status gy_cpu_linear(float *y, const float *x, const void *w, gy_dtype w_dtype,
+                        const float *bias, int64_t n, int64_t in, int64_t out, int32_t k_splits,
+                        gy_threadpool *pool) {
+    GY_TRY(gy_linear_check("gy_cpu_linear", y, x, w, w_dtype, n, in, out, k_splits));
+    if (n == 0 || out == 0) return GY_OK;
+    gy_linear_ctx c = {y, x, (const char *)w, w_dtype, gy_dtype_size(w_dtype), bias, n, in, out,
+                       k_splits, in / k_splits, 0};
+    const int64_t tasks = gy_linear_tasks(out, 16, pool, &c.per_task);
+    return gy_threadpool_run(pool, gy_linear_task, &c, tasks);
+}
+
+/* ---- W [in, out]: column strips, one sequential fma chain per output along `in` ----------------- */
+
+#define GY_LINEAR_T_KB 256    /* rows of W per k-block: a 64-column strip's block is 64 KB (L2) */
+#define GY_LINEAR_T_GROUPS 4  /* activation-row groups sharing one pass over a k-block */
+#define GY_LINEAR_T_WIDE 1024 /* widest batch-1 strip, accumulated in memory */
+/* A task's scratch (on its stack): accumulators and chunk-tree slots for GY_LINEAR_T_GROUPS
+ * groups of 256 values, or for one batch-1 strip of GY_LINEAR_T_WIDE. */
+#define GY_LINEAR_T_SCRATCH (GY_LINEAR_T_GROUPS * 256 * (1 + GY_LINEAR_TREE_LEVELS))
+
+/* acc[i * width + j] += the chain over rows k0..k0+len of x[b + i, k] * W[k, o + j], j < valid. */
+static void gy_linear_t_acc_portable(float *acc, const gy_linear_ctx *c, int64_t k0, int64_t len,
+                                     int64_t o, int64_t width, int64_t valid, int64_t b, int32_t B) {
+    for (int32_t i = 0; i < B; i++) {
+        float *a = acc + i * width;
+        const float *xr = c->x + (b + i) * c->in;
+        for (int64_t k = k0; k < k0 + len; k++) {
+            const float xv = xr[k];
+            const char *wr = c->w + (k * c->out + o) * c->esize;
+            switch (c->dtype) {
+            case GY_DTYPE_F32:
+                for (int64_t j = 0; j < valid; j++) a[j] = fmaf(xv, ((const float *)wr)[j], a[j]);
+                break;
+            case GY_DTYPE_BF16:
+                for (int64_t j = 0; j < valid; j++)
+                    a[j] = fmaf(xv, gy_bf16_to_f32(((const uint16_t *)wr)[j]), a[j]);
+                break;
+            default:
+                for (int64_t j = 0; j < valid; j++)
+                    a[j] = fmaf(xv, gy_f16_to_f32(((const uint16_t *)wr)[j]), a[j]);
+                break;
+            }
+        }
+    }
+}
+
+#if GY_CPU_HAVE_AVX512
+/* The same in registers: OV vectors of columns times B activation rows (B * OV <= 16). */
+GY_INLINE void gy_linear_t_acc_avx512(float *acc_io, const gy_linear_ctx *c, gy_dtype dtype,
+                                      int64_t k0, int64_t len, int64_t o, int64_t valid,
+                                      const int OV, int64_t b, const int B) {
+    __mmask16 m[16];
+#pragma GCC unroll 16
+    for (int v = 0; v < OV; v++) m[v] = gy_simd_mask(valid - 16 * v > 0 ? valid - 16 * v : 0);
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < B * OV; j++) acc[j] = _mm512_loadu_ps(acc_io + 16 * j);
+    const float *xr[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < B; i++) xr[i] = c->x + (b + i) * c->in;
+    const char *wr = c->w + (k0 * c->out + o) * c->esize;
+    const int64_t ldw = c->out * c->esize;
+    for (int64_t k = k0; k < k0 + len; k++, wr += ldw) {
+        __m512 xb[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < B; i++) xb[i] = _mm512_set1_ps(xr[i][k]);
+#pragma GCC unroll 16
+        for (int v = 0; v < OV; v++) {
+            const __m512 wv = gy_simd_load_w_mask(wr, 16 * v, dtype, m[v]);
+#pragma GCC unroll 16
+            for (int i = 0; i < B; i++) acc[i * OV + v] = _mm512_fmadd_ps(xb[i], wv, acc[i * OV + v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < B * OV; j++) _mm512_storeu_ps(acc_io + 16 * j, acc[j]);
+}
+
+/* Batch 1 over a wide strip: the accumulators live in memory (L1) and W is read row by row,
+ * contiguously. acc holds ceil(valid / 16) * 16 floats. */
+GY_INLINE void gy_linear_t_axpy_avx512(float *acc, const gy_linear_ctx *c, gy_dtype dtype,
+                                       int64_t k0, int64_t len, int64_t o, int64_t valid, int64_t b) {
+    const int64_t nv = (valid + 15) / 16;
+    const __mmask16 last = gy_simd_mask(valid - 16 * (nv - 1));
+    const float *xr = c->x + b * c->in;
+    const char *wr = c->w + (k0 * c->out + o) * c->esize;
+    const int64_t ldw = c->out * c->esize;
+    for (int64_t k = k0; k < k0 + len; k++, wr += ldw) {
+        const __m512 xb = _mm512_set1_ps(xr[k]);
+        int64_t v = 0;
+        for (; v + 1 < nv; v++)
+            _mm512_storeu_ps(acc + 16 * v, _mm512_fmadd_ps(xb, gy_simd_load_w(wr, 16 * v, dtype),
+                                                           _mm512_loadu_ps(acc + 16 * v)));
+        _mm512_storeu_ps(acc + 16 * v, _mm512_fmadd_ps(xb, gy_simd_load_w_mask(wr, 16 * v, dtype, last),
+                                                       _mm512_loadu_ps(acc + 16 * v)));
+    }
+}
+
+#define GY_LINEAR_T_VARIANT(DT, DTYPE, OV, B)                                                      \
+    static void gy_linear_t_##DT##_##OV##x##B(float *acc, const gy_linear_ctx *c, int64_t k0,      \
+                                              int64_t len, int64_t o, int64_t valid, int64_t b) {  \
+        gy_linear_t_acc_avx512(acc, c, DTYPE, k0, len, o, valid, OV, b, B);                        \
+    }
+/* Batch 1: one variant per strip width (1 to 16 vectors), so that a thread's strip is one pass
+ * over the rows with one FMA chain per vector. */
+#define GY_LINEAR_T_DTYPE(DT, DTYPE)                                                               \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 1, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 2, 1)                      \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 3, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 4, 1)                      \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 5, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 6, 1)                      \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 7, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 8, 1)                      \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 9, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 10, 1)                     \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 11, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 12, 1)                    \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 13, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 14, 1)                    \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 15, 1) GY_LINEAR_T_VARIANT(DT, DTYPE, 16, 1)                    \
+    GY_LINEAR_T_VARIANT(DT, DTYPE, 8, 2) GY_LINEAR_T_VARIANT(DT, DTYPE, 4, 4)                      \
+    static void gy_linear_t_##DT##_axpy(float *acc, const gy_linear_ctx *c, int64_t k0,            \
+                                        int64_t len, int64_t o, int64_t valid, int64_t b) {        \
+        gy_linear_t_axpy_avx512(acc, c, DTYPE, k0, len, o, valid, b);                              \
+    }
+GY_LINEAR_T_DTYPE(f32, GY_DTYPE_F32)
+GY_LINEAR_T_DTYPE(f16, GY_DTYPE_F16)
+GY_LINEAR_T_DTYPE(bf16, GY_DTYPE_BF16)
+
+typedef void (*gy_linear_t_fn)(float *acc, const gy_linear_ctx *c, int64_t k0, int64_t len,
+                               int64_t o, int64_t valid, int64_t b);
+#define GY_LINEAR_T_ROW(DT)                                                                        \
+    {gy_linear_t_##DT##_1x1,  gy_linear_t_##DT##_2x1,  gy_linear_t_##DT##_3x1,                     \
+     gy_linear_t_##DT##_4x1,  gy_linear_t_##DT##_5x1,  gy_linear_t_##DT##_6x1,                     \
+     gy_linear_t_##DT##_7x1,  gy_linear_t_##DT##_8x1,  gy_linear_t_##DT##_9x1,                     \
+     gy_linear_t_##DT##_10x1, gy_linear_t_##DT##_11x1, gy_linear_t_##DT##_12x1,                    \
+     gy_linear_t_##DT##_13x1, gy_linear_t_##DT##_14x1, gy_linear_t_##DT##_15x1,                    \
+     gy_linear_t_##DT##_16x1, gy_linear_t_##DT##_8x2,  gy_linear_t_##DT##_4x4,                     \
+     gy_linear_t_##DT##_axpy}
+/* [dtype][OV - 1] for B = 1, then [16] 8x2, [17] 4x4, [18] the wide batch-1 strip */
+static const gy_linear_t_fn gy_linear_t_kernels[GY_DTYPE_COUNT][19] = {
+    [GY_DTYPE_F32] = GY_LINEAR_T_ROW(f32),
+    [GY_DTYPE_F16] = GY_LINEAR_T_ROW(f16),
+    [GY_DTYPE_BF16] = GY_LINEAR_T_ROW(bf16),
+};
+#endif
+
+/* Accumulates rows k0..k0+len into acc: B activation rows from b, columns o..o+valid of a tile
+ * `width` wide (16 * OV for a register tile; any width for the wide batch-1 strip, OV = 0). */
+static void gy_linear_t_acc(float *acc, const gy_linear_ctx *c, int64_t k0, int64_t len, int64_t o,
+                            int64_t width, int64_t valid, int32_t OV, int32_t B, int64_t b) {
+#if GY_CPU_HAVE_AVX512
+    if (gy_cpu_isa_get() == GY_CPU_ISA_AVX512) {
+        const int kernel = OV == 0 ? 18 : B == 1 ? OV - 1 : B == 2 ? 16 : 17;
+        gy_linear_t_kernels[c->dtype][kernel](acc, c, k0, len, o, valid, b);
+        return;
+    }
+#endif
+    gy_linear_t_acc_portable(acc, c, k0, len, o, width, valid, b, B);
+}
+
+/* y[row, o..o+valid) = res (+ bias). */
+static void gy_linear_t_store(const gy_linear_ctx *c, const float *res, int64_t row, int64_t o,
+                              int64_t valid) {
+    float *yr = c->y + row * c->out + o;
+    if (c->bias)
+        for (int64_t j = 0; j < valid; j++) yr[j] = res[j] + c->bias[o + j];
+    else
+        memcpy(yr, res, (size_t)valid * sizeof(float));
+}
+
+/* Register tiles (B = 2 or 4, OV = 16 / B vectors) over columns o..o+16*OV (clamped to o_end) for
+ * n_groups <= GY_LINEAR_T_GROUPS groups of B activation rows from b0. W is walked in k-blocks so
+ * that a block of the strip is reused from L2 by all the groups. */
+static void gy_linear_t_groups(const gy_linear_ctx *c, float *scratch, int64_t o, int64_t o_end,
+                               int32_t OV, int32_t B, int64_t b0, int64_t n_groups) {
+    const int64_t width = 16 * (int64_t)OV, tile = B * width;
+    const int64_t valid = o_end - o < width ? o_end - o : width;
+    float *acc = scratch, *slots = scratch + GY_LINEAR_T_GROUPS * 256;
+    const float *res[GY_LINEAR_T_GROUPS] = {NULL};
+    for (int64_t k = 0; k < c->k_splits; k++) {
+        memset(acc, 0, (size_t)(n_groups * tile) * sizeof(float));
+        for (int64_t k0 = k * c->chunk; k0 < (k + 1) * c->chunk; k0 += GY_LINEAR_T_KB) {
+            const int64_t len = (k + 1) * c->chunk - k0 < GY_LINEAR_T_KB ? (k + 1) * c->chunk - k0
+                                                                         : GY_LINEAR_T_KB;
+            for (int64_t g = 0; g < n_groups; g++)
+                gy_linear_t_acc(acc + g * tile, c, k0, len, o, width, valid, OV, B, b0 + g * B);
+        }
+        for (int64_t g = 0; g < n_groups; g++)
+            res[g] = c->k_splits == 1 ? acc + g * tile
+                                      : gy_linear_tree_push(slots + g * GY_LINEAR_TREE_LEVELS * 256,
+                                                            256, k, acc + g * tile, tile);
+    }
+    for (int64_t g = 0; g < n_groups; g++)
+        for (int32_t i = 0; i < B; i++) gy_linear_t_store(c, res[g] + i * width, b0 + g * B + i, o, valid);
+}
+
+/* One activation row over columns s0..s_end: a register tile when it fits, else the wide strip
+ * accumulated in memory, GY_LINEAR_T_WIDE columns at a time. */
+static void gy_linear_t_single(const gy_linear_ctx *c, float *scratch, int64_t s0, int64_t s_end,
+                               int64_t b) {
+    for (int64_t o = s0; o < s_end; o += GY_LINEAR_T_WIDE) {
+        const int64_t valid = s_end - o < GY_LINEAR_T_WIDE ? s_end - o : GY_LINEAR_T_WIDE;
+        const int32_t OV = valid <= 256 ? (int32_t)((valid + 15) / 16) : 0;
+        const int64_t width = (valid + 15) / 16 * 16;
+        float *acc = scratch, *slots = scratch + GY_LINEAR_T_WIDE;
+        const float *res = acc;
+        for (int64_t k = 0; k < c->k_splits; k++) {
+            memset(acc, 0, (size_t)width * sizeof(float));
+            gy_linear_t_acc(acc, c, k * c->chunk, c->chunk, o, width, valid, OV, 1, b);
+            res = c->k_splits == 1 ? acc : gy_linear_tree_push(slots, GY_LINEAR_T_WIDE, k, acc, width);
+        }
+        gy_linear_t_store(c, res, b, o, valid);
+    }
+}
+
+static void gy_linear_t_task(void *ctx, int64_t task, int64_t n_tasks) {
+    const gy_linear_ctx *c = (const gy_linear_ctx *)ctx;
+    float scratch[GY_LINEAR_T_SCRATCH];
+    const int64_t begin = task * c->per_task;
+    const int64_t end = begin + c->per_task < c->out ? begin + c->per_task : c->out;
+    const int64_t groups4 = c->n / 4, rest = c->n % 4;
+    for (int64_t o = begin; o < end; o += 64)
+        for (int64_t g = 0; g < groups4; g += GY_LINEAR_T_GROUPS)
+            gy_linear_t_groups(c, scratch, o, end, 4, 4, g * 4,
+                               groups4 - g < GY_LINEAR_T_GROUPS ? groups4 - g : GY_LINEAR_T_GROUPS);
+    int64_t b = groups4 * 4;
+    if (rest >= 2) {
+        for (int64_t o = begin; o < end; o += 128) gy_linear_t_groups(c, scratch, o, end, 8, 2, b, 1);
+        b += 2;
+    }
+    if (rest % 2 == 1) gy_linear_t_single(c, scratch, begin, end, b);
+}
+
+gy_status gy_cpu_linear_t(float *y, const float *x, const void *wt, gy_dtype w_dtype,
+                          const float *bias, int64_t n, int64_t in, int64_t out, int32_t k_splits,
+                          gy_threadpool *pool) {
+    GY_TRY(gy_linear_check("gy_cpu_linear_t", y, x, wt, w_dtype, n, in, out, k_splits));
+    if (n == 0 || out == 0) return GY_OK;
+    gy_linear_ctx c = {y, x, (const char *)wt, w_dtype, gy_dtype_size(w_dtype), bias, n, in, out,
+                       k_splits, in / k_splits, 0};
+    /* Two contiguous column ranges per thread: wide ranges keep W's rows read in long runs (and, at
+     * batch 1, give one FMA chain per vector of the range). */
+    const int64_t units = (out + 15) / 16;
+    int64_t tasks = 2 * (int64_t)gy_threadpool_size(pool);
+    if (tasks > units) tasks = units;
+    c.per_task = (units + tasks - 1) / tasks * 16;
+    tasks = (out + c.per_task - 1) / c.per_task;
+    return gy_threadpool_run(pool, gy_linear_t_task, &c, tasks);
+}
+
+/* ---- combining partial results ------------------------------------------------------------------ */
+
+gy_status gy_cpu_add_tree(float *out, const float *const *parts, int32_t n_parts, int64_t n) {
+    if (n_parts < 1 || n_parts > GY_LINEAR_MAX_K_SPLITS || (n_parts & (n_parts - 1)) != 0)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: n_parts=%d must be a power of two in [1, %d]",
+                       (int)n_parts, GY_LINEAR_MAX_K_SPLITS);
+    if (n < 0) return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: negative length %lld", (long long)n);
+    if (n == 0) return GY_OK;
+    if (out == NULL || parts == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: NULL buffer");
+    for (int32_t p = 0; p < n_parts; p++)
+        if (parts[p] == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: part %d is NULL", (int)p);
+    float v[GY_LINEAR_MAX_K_SPLITS][16];
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        for (int32_t p = 0; p < n_parts; p++)
+            for (int64_t j = 0; j < m; j++) v[p][j] = parts[p][i0 + j];
+        for (int32_t width = n_parts; width > 1; width /= 2)
+            for (int32_t p = 0; p < width / 2; p++)
+                for (int64_t j = 0; j < m; j++) v[p][j] = v[2 * p][j] + v[2 * p + 1][j];
+        for (int64_t j = 0; j < m; j++) out[i0 + j] = v[0][j];
+    }
+    return GY_OK;
+}
+
+gy_status gy_cpu_add_bias(float *y, const float *bias, int64_t n, int64_t out) {
+    if (n < 0 || out < 0)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_bias: negative size n=%lld out=%lld",
+                       (long long)n, (long long)out);
+    if (n == 0 || out == 0) return GY_OK;
+    if (y == NULL || bias == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_bias: NULL buffer");
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
+    return GY_OK;
+}

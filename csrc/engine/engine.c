@@ -1,0 +1,364 @@
+/* engine.c: the single-worker serving loop. */
+#include "engine.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../sched/idmap.h"
+#include "../sched/kv_adapter.h"
+
+typedef struct gy_engine_request {
+    int64_t id;
+    int32_t *tokens;      /* (n_tokens) prompt then generated tokens: what a recompute reads */
+    int64_t n_tokens;
+    int64_t capacity;
+    int64_t prompt_len;
+    gy_engine_params params;
+    int32_t *stop_tokens; /* owned copy of params.stop_tokens */
+} gy_engine_request;
+
+struct gy_engine {
+    const gy_model *model;
+    gy_kv_cache *kv;
+    gy_threadpool *pool;
+    gy_sched_kv_adapter *adapter;
+    gy_sched_kv_ops inner;       /* the adapter's ops; wrapped so that the cache grows on demand */
+    gy_sched *sched;
+    gy_idmap requests;           /* id -> gy_engine_request * */
+    gy_forward_ws ws;
+    /* Per-step scratch, grown on demand. */
+    int64_t cap_tokens, cap_entries, cap_blocks;
+    int32_t *tokens, *token_seq, *token_pos, *bt_indptr, *bt_indices, *logit_rows, *sampled;
+    int64_t *sample_index, *sampled_ids, *finished;
+    gy_sampler_params *sample_params;
+    uint8_t *stop;
+    float *logits;
+};
+
+/* ---- KV on demand ---- */
+
+static int64_t gy_engine_growable_pages(const gy_engine *e) {
+    gy_arena_stats st;
+    gy_arena_stats_get(gy_kv_arena(e->kv), &st);
+    const int64_t n_layers = gy_kv_config_of(e->kv)->n_layers;
+    const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) / n_layers;
+    gy_kv_stats ks;
+    gy_kv_stats_get(e->kv, &ks);
+    const int64_t room = gy_kv_config_of(e->kv)->slots_per_layer - ks.pages_per_layer;
+    return free_pages < room ? free_pages : room;
+}
+
+static int64_t gy_engine_free_blocks(void *ctx) {
+    gy_engine *e = ctx;
+    return e->inner.free_blocks(e->inner.ctx) + gy_kv_blocks_if_grown(e->kv, gy_engine_growable_pages(e));
+}
+
+static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens) {
+    gy_engine *e = ctx;
+    return e->inner.blocks_needed(e->inner.ctx, req, n_tokens);
+}
+
+static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
+    gy_engine *e = ctx;
+    const int64_t short_by = e->inner.blocks_needed(e->inner.ctx, req, n_tokens) -
+                             e->inner.free_blocks(e->inner.ctx);
+    if (short_by > 0) {
+        const int64_t max_pages = gy_engine_growable_pages(e);
+        int64_t pages = 1;
+        while (pages <= max_pages && gy_kv_blocks_if_grown(e->kv, pages) < short_by) pages++;
+        if (pages > max_pages)
+            return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
+                           (long long)short_by);
+        GY_TRY(gy_kv_grow(e->kv, pages));
+    }
+    return e->inner.reserve(e->inner.ctx, req, n_tokens);
+}
+
+static void gy_engine_release_kv(void *ctx, int64_t req) {
+    gy_engine *e = ctx;
+    e->inner.release(e->inner.ctx, req);
+}
+
+int64_t gy_engine_capacity_blocks(const gy_engine *e) {
+    gy_kv_stats ks;
+    gy_kv_stats_get(e->kv, &ks);
+    return ks.n_blocks + gy_kv_blocks_if_grown(e->kv, gy_engine_growable_pages(e));
+}
+
+/* ---- life cycle ---- */
+
+gy_status gy_engine_init(gy_engine **out, const gy_model *model, gy_kv_cache *kv,
+                         gy_threadpool *pool, const gy_engine_config *config) {
+    if (out == NULL || model == NULL || kv == NULL || config == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_init: NULL argument");
+    *out = NULL;
+    gy_engine *e = calloc(1, sizeof *e);
+    if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    e->model = model;
+    e->kv = kv;
+    e->pool = pool;
+    gy_status s = gy_sched_kv_adapter_init(&e->adapter, kv);
+    if (s != GY_OK) {
+        free(e);
+        return s;
+    }
+    e->inner = gy_sched_kv_adapter_ops(e->adapter);
+    const gy_sched_kv_ops ops = {.ctx = e, .free_blocks = gy_engine_free_blocks,
+                                 .blocks_needed = gy_engine_blocks_needed,
+                                 .reserve = gy_engine_reserve, .release = gy_engine_release_kv};
+    const gy_sched_config sc = {
+        .total_blocks = gy_engine_capacity_blocks(e),
+        .block_size = gy_kv_config_of(kv)->block_size,
+        .max_batch_tokens = config->max_batch_tokens,
+        .max_running = config->max_running,
+        .max_prefill_chunk = config->max_prefill_chunk,
+        .watermark_blocks = config->watermark_blocks,
+    };
+    if (sc.total_blocks <= 0) {
+        gy_engine_free(e);
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
+                       "no memory is left for the KV cache after the weights; raise the budget");
+    }
+    s = gy_sched_init(&e->sched, &sc, &ops);
+    if (s != GY_OK) {
+        gy_engine_free(e);
+        return s;
+    }
+    *out = e;
+    return GY_OK;
+}
+
+static void gy_engine_request_free(gy_engine_request *r) {
+    if (r == NULL) return;
+    free(r->tokens);
+    free(r->stop_tokens);
+    free(r);
+}
+
+static gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
+    int64_t value;
+    return gy_idmap_get(&e->requests, id, &value) ? (gy_engine_request *)(intptr_t)value : NULL;
+}
+
+void gy_engine_free(gy_engine *e) {
+    if (e == NULL) return;
+    for (int64_t i = 0; i < e->requests.capacity; i++)
+        if (e->requests.used[i]) gy_engine_request_free((gy_engine_request *)(intptr_t)e->requests.values[i]);
+    gy_idmap_free(&e->requests);
+    gy_sched_free(e->sched);
+    gy_sched_kv_adapter_free(e->adapter);
+    gy_forward_ws_free(&e->ws);
+    void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->bt_indptr, e->bt_indices,
+                       e->logit_rows, e->sampled, e->sample_index, e->sampled_ids, e->finished,
+                       e->sample_params, e->stop, e->logits};
+    for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
+    free(e);
+}
+
+/* ---- requests ---- */
+
+gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
+                        const gy_engine_params *p, double arrival) {
+    if (e == NULL || prompt == NULL || p == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    if (prompt_len <= 0) return GY_FAIL(GY_ERR_INVALID, "the prompt is empty");
+    for (int64_t i = 0; i < prompt_len; i++)
+        if (prompt[i] < 0 || prompt[i] >= e->model->vocab)
+            return GY_FAIL(GY_ERR_INVALID, "prompt token %lld is %d, outside the vocabulary [0, %lld)",
+                           (long long)i, (int)prompt[i], (long long)e->model->vocab);
+    if (prompt_len + p->max_new_tokens > e->model->max_pos)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "prompt (%lld) + max_tokens (%lld) is longer than the model's %lld positions",
+                       (long long)prompt_len, (long long)p->max_new_tokens, (long long)e->model->max_pos);
+    GY_TRY(gy_sampler_check(&p->sampler, e->model->vocab));
+    if (gy_engine_find(e, id) != NULL)
+        return GY_FAIL(GY_ERR_STATE, "request id %lld is already in use", (long long)id);
+    gy_engine_request *r = calloc(1, sizeof *r);
+    if (r == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    r->id = id;
+    r->prompt_len = prompt_len;
+    r->params = *p;
+    r->capacity = prompt_len + (p->max_new_tokens > 0 ? p->max_new_tokens : 0);
+    r->tokens = malloc((size_t)r->capacity * sizeof(int32_t));
+    r->stop_tokens = p->n_stop_tokens > 0 ? malloc((size_t)p->n_stop_tokens * sizeof(int32_t)) : NULL;
+    if (r->tokens == NULL || (p->n_stop_tokens > 0 && r->stop_tokens == NULL)) {
+        gy_engine_request_free(r);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a prompt of %lld tokens", (long long)prompt_len);
+    }
+    memcpy(r->tokens, prompt, (size_t)prompt_len * sizeof(int32_t));
+    r->n_tokens = prompt_len;
+    if (p->n_stop_tokens > 0) memcpy(r->stop_tokens, p->stop_tokens, (size_t)p->n_stop_tokens * sizeof(int32_t));
+    r->params.stop_tokens = r->stop_tokens;
+    const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
+                                 .max_new_tokens = p->max_new_tokens, .arrival = arrival};
+    gy_status s = gy_sched_add(e->sched, &sr);
+    if (s != GY_OK) {
+        gy_engine_request_free(r);
+        return s;
+    }
+    s = gy_idmap_put(&e->requests, id, (int64_t)(intptr_t)r);
+    if (s != GY_OK) {
+        gy_sched_abort(e->sched, id);
+        gy_sched_forget(e->sched, id);
+        gy_engine_request_free(r);
+    }
+    return s;
+}
+
+gy_status gy_engine_abort(gy_engine *e, int64_t id) {
+    if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    return gy_sched_abort(e->sched, id);
+}
+
+gy_status gy_engine_release(gy_engine *e, int64_t id) {
+    gy_engine_request *r = gy_engine_find(e, id);
+    if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    GY_TRY(gy_sched_forget(e->sched, id));
+    gy_idmap_remove(&e->requests, id);
+    gy_engine_request_free(r);
+    return GY_OK;
+}
+
+gy_sched *gy_engine_sched(const gy_engine *e) { return e->sched; }
+
+/* ---- one step ---- */
+
+static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries, int64_t n_blocks) {
+    if (n_tokens > e->cap_tokens) {
+        free(e->tokens); free(e->token_seq); free(e->token_pos);
+        e->tokens = malloc((size_t)n_tokens * sizeof(int32_t));
+        e->token_seq = malloc((size_t)n_tokens * sizeof(int32_t));
+        e->token_pos = malloc((size_t)n_tokens * sizeof(int32_t));
+        e->cap_tokens = n_tokens;
+        if (!e->tokens || !e->token_seq || !e->token_pos) goto oom;
+    }
+    if (n_entries > e->cap_entries) {
+        free(e->bt_indptr); free(e->logit_rows); free(e->sampled); free(e->sample_index);
+        free(e->sampled_ids); free(e->finished); free(e->sample_params); free(e->stop); free(e->logits);
+        e->bt_indptr = malloc((size_t)(n_entries + 1) * sizeof(int32_t));
+        e->logit_rows = malloc((size_t)n_entries * sizeof(int32_t));
+        e->sampled = malloc((size_t)n_entries * sizeof(int32_t));
+        e->sample_index = malloc((size_t)n_entries * sizeof(int64_t));
+        e->sampled_ids = malloc((size_t)n_entries * sizeof(int64_t));
+        e->finished = malloc((size_t)n_entries * sizeof(int64_t));
+        e->sample_params = malloc((size_t)n_entries * sizeof(gy_sampler_params));
+        e->stop = malloc((size_t)n_entries);
+        e->logits = malloc((size_t)(n_entries * e->model->vocab) * sizeof(float));
+        e->cap_entries = n_entries;
+        if (!e->bt_indptr || !e->logit_rows || !e->sampled || !e->sample_index || !e->sampled_ids ||
+            !e->finished || !e->sample_params || !e->stop || !e->logits)
+            goto oom;
+    }
+    if (n_blocks > e->cap_blocks) {
+        free(e->bt_indices);
+        e->bt_indices = malloc((size_t)n_blocks * sizeof(int32_t));
+        e->cap_blocks = n_blocks;
+        if (!e->bt_indices) goto oom;
+    }
+    return GY_OK;
+oom:
+    e->cap_tokens = e->cap_entries = e->cap_blocks = 0;
+    return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's batch");
+}
+
+static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
+    for (int64_t i = 0; i < r->params.n_stop_tokens; i++)
+        if (r->stop_tokens[i] == token) return 1;
+    return 0;
+}
+
+/* Gathers tokens, positions and block tables; fails only on an internal inconsistency. */
+static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
+    int64_t n_blocks = 0;
+    for (int64_t i = 0; i < b->n_entries; i++) {
+        const int64_t seq = gy_sched_kv_adapter_seq(e->adapter, b->entries[i].id);
+        if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld is scheduled without KV", (long long)b->entries[i].id);
+        n_blocks += gy_kv_seq_n_blocks(e->kv, seq);
+    }
+    GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries, n_blocks > 0 ? n_blocks : 1));
+    int64_t t = 0, blocks = 0, rows = 0;
+    e->bt_indptr[0] = 0;
+    for (int64_t i = 0; i < b->n_entries; i++) {
+        const gy_sched_entry *en = &b->entries[i];
+        const gy_engine_request *r = gy_engine_find(e, en->id);
+        if (r == NULL || en->pos + en->n_tokens > r->n_tokens)
+            return GY_FAIL(GY_ERR_STATE, "request %lld: scheduled tokens it does not have", (long long)en->id);
+        for (int64_t j = 0; j < en->n_tokens; j++, t++) {
+            e->tokens[t] = r->tokens[en->pos + j];
+            e->token_seq[t] = (int32_t)i;
+            e->token_pos[t] = (int32_t)(en->pos + j);
+        }
+        const int64_t seq = gy_sched_kv_adapter_seq(e->adapter, en->id);
+        const int64_t nb = gy_kv_seq_n_blocks(e->kv, seq);
+        memcpy(e->bt_indices + blocks, gy_kv_seq_blocks(e->kv, seq), (size_t)nb * sizeof(int32_t));
+        blocks += nb;
+        e->bt_indptr[i + 1] = (int32_t)blocks;
+        if (en->samples) {
+            e->logit_rows[rows] = (int32_t)(t - 1);
+            e->sample_params[rows] = r->params.sampler;
+            e->sample_index[rows] = en->sample_index;
+            e->sampled_ids[rows] = en->id;
+            rows++;
+        }
+    }
+    *n_logits = rows;
+    return GY_OK;
+}
+
+gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
+    if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    memset(out, 0, sizeof *out);
+    gy_sched_batch b;
+    GY_TRY(gy_sched_schedule(e->sched, now, &b));
+    int64_t n_logits = 0;
+    gy_status s = b.n_entries > 0 ? gy_engine_build(e, &b, &n_logits) : GY_OK;
+    if (s == GY_OK && b.n_entries > 0) {
+        const gy_tp_group tp = {.rank = 0, .size = 1};
+        const gy_forward_batch fb = {
+            .tokens = e->tokens,
+            .paged = {.n_tokens = b.n_tokens, .token_seq = e->token_seq, .token_pos = e->token_pos,
+                      .n_seqs = b.n_entries, .bt_indptr = e->bt_indptr, .bt_indices = e->bt_indices},
+            .n_logits = n_logits,
+            .logit_rows = e->logit_rows,
+        };
+        s = gy_forward(e->logits, e->model, &tp, e->kv, &fb, &e->ws, e->pool);
+        if (s == GY_OK && n_logits > 0)
+            s = gy_sampler_sample_batch(e->sampled, e->logits, n_logits, e->model->vocab,
+                                        e->sample_params, e->sample_index);
+    }
+    if (s != GY_OK) {
+        /* The step did not happen: an empty commit keeps the scheduler consistent. */
+        gy_sched_done none;
+        gy_sched_commit(e->sched, now, NULL, 0, &none);
+        return s;
+    }
+    /* Append the sampled tokens and decide which requests stop. */
+    int64_t row = 0;
+    for (int64_t i = 0; i < b.n_entries; i++) {
+        e->stop[i] = 0;
+        if (!b.entries[i].samples) continue;
+        gy_engine_request *r = gy_engine_find(e, b.entries[i].id);
+        const int32_t token = e->sampled[row++];
+        /* A recomputed request already has this token: sampling is keyed by (seed, index), so
+         * it drew the same one again; keep the list as it is. */
+        const int64_t index = r->prompt_len + b.entries[i].sample_index;
+        if (index == r->n_tokens && r->n_tokens < r->capacity) r->tokens[r->n_tokens++] = token;
+        e->stop[i] = (uint8_t)gy_engine_is_stop(r, token);
+    }
+    gy_sched_done done;
+    GY_TRY(gy_sched_commit(e->sched, now, e->stop, b.n_entries, &done));
+    memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
+    if (done.n_finished > 0) {
+        /* Give the free tail back; a live NumPy view of a raw-layout layer may refuse, which
+         * only delays the shrink to a later step. */
+        const int64_t spare = gy_kv_shrinkable_pages(e->kv);
+        if (spare > 0 && gy_kv_shrink(e->kv, spare) != GY_OK) gy_error_clear();
+    }
+    out->n_tokens = n_logits;
+    out->token_ids = e->sampled_ids;
+    out->tokens = e->sampled;
+    out->n_finished = done.n_finished;
+    out->finished = e->finished;
+    out->n_batch_tokens = b.n_tokens;
+    out->n_preempted = b.n_preempted;
+    return GY_OK;
+}

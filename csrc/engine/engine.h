@@ -1,0 +1,72 @@
+/* engine.h: the single-worker serving loop. One step = schedule (sched/batch.h) -> gather the
+ * batch's tokens and block tables -> forward (forward.h) -> sample (sched/sampler.h) -> commit.
+ *
+ * The KV cache grows on demand: when the scheduler wants blocks that are not there, the engine
+ * maps more pages while the arena's budget allows, and after requests finish it gives the free
+ * pages at the end of the cache back, so an idle engine holds its weights and nothing else.
+ * The scheduler therefore sees every block the budget could hold as available. */
+#ifndef GY_ENGINE_ENGINE_H
+#define GY_ENGINE_ENGINE_H
+
+#include <stdint.h>
+
+#include "../sched/batch.h"
+#include "../sched/sampler.h"
+#include "forward.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gy_engine_config {
+    int64_t max_batch_tokens;
+    int64_t max_running;
+    int64_t max_prefill_chunk; /* 0 = no cap */
+    int64_t watermark_blocks;
+} gy_engine_config;
+
+typedef struct gy_engine_params {
+    gy_sampler_params sampler;
+    int64_t max_new_tokens;
+    const int32_t *stop_tokens; /* ends the request when sampled (EOS included unless ignore_eos) */
+    int64_t n_stop_tokens;
+} gy_engine_params;
+
+/* What one step produced: a token for each sampling entry, and the requests that finished. */
+typedef struct gy_engine_step_out {
+    int64_t n_tokens;
+    const int64_t *token_ids;  /* (n_tokens) request ids */
+    const int32_t *tokens;     /* (n_tokens) the sampled tokens, in entry order */
+    int64_t n_finished;
+    const int64_t *finished;   /* (n_finished) ids; their info is final */
+    int64_t n_batch_tokens;    /* tokens run through the model */
+    int64_t n_preempted;
+} gy_engine_step_out;
+
+typedef struct gy_engine gy_engine;
+
+/* model, kv and pool are borrowed and must outlive the engine. */
+gy_status gy_engine_init(gy_engine **out, const gy_model *model, gy_kv_cache *kv,
+                         gy_threadpool *pool, const gy_engine_config *config);
+void gy_engine_free(gy_engine *e);
+
+/* Copies the prompt; refuses tokens outside the vocabulary, bad sampling params, and requests
+ * that could never fit in the KV the budget allows (naming the reason). */
+gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
+                        const gy_engine_params *params, double arrival);
+gy_status gy_engine_abort(gy_engine *e, int64_t id);
+/* Forgets a finished request (its tokens and scheduler record). */
+gy_status gy_engine_release(gy_engine *e, int64_t id);
+
+/* One step at time `now`; out's arrays are valid until the next step. A step with nothing to
+ * run returns n_batch_tokens == 0. */
+gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out);
+
+gy_sched *gy_engine_sched(const gy_engine *e);
+/* Blocks the whole budget could hold (what the submit-time check uses). */
+int64_t gy_engine_capacity_blocks(const gy_engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

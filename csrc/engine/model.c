@@ -1,0 +1,64 @@
+/* model.c: shape checks and the rotary tables of a gy_model. */
+#include "model.h"
+
+#include <stdlib.h>
+
+#include "../cpu/rope.h"
+
+gy_status gy_model_init(gy_model *m, double rope_theta) {
+    if (m->vocab <= 0 || m->hidden <= 0 || m->intermediate <= 0 || m->n_layers <= 0 ||
+        m->n_heads <= 0 || m->n_kv_heads <= 0 || m->head_dim <= 0 || m->max_pos <= 0)
+        return GY_FAIL(GY_ERR_INVALID, "model sizes must be positive");
+    if (m->n_heads % m->n_kv_heads != 0)
+        return GY_FAIL(GY_ERR_INVALID, "%lld attention heads are not a multiple of %lld KV heads",
+                       (long long)m->n_heads, (long long)m->n_kv_heads);
+    if (m->head_dim % 2 != 0)
+        return GY_FAIL(GY_ERR_INVALID, "head_dim %lld must be even for rotary embeddings",
+                       (long long)m->head_dim);
+    if (m->max_tp <= 0 || m->max_tp > GY_MODEL_MAX_TP || (m->max_tp & (m->max_tp - 1)) != 0 ||
+        m->intermediate % m->max_tp != 0 || m->n_heads % m->max_tp != 0)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "max_tp=%lld must be a power of two <= %d dividing intermediate %lld and "
+                       "%lld heads",
+                       (long long)m->max_tp, GY_MODEL_MAX_TP, (long long)m->intermediate,
+                       (long long)m->n_heads);
+    if (!(rope_theta > 0.0)) return GY_FAIL(GY_ERR_INVALID, "rope_theta must be positive");
+    GY_TRY(gy_dtype_check(m->weight_dtype, "weight dtype"));
+    m->shard_rows = m->intermediate / m->max_tp;
+    m->layers = calloc((size_t)m->n_layers, sizeof *m->layers);
+    const size_t table = (size_t)(m->max_pos * (m->head_dim / 2));
+    m->rope_cos = malloc(table * sizeof(float));
+    m->rope_sin = malloc(table * sizeof(float));
+    if (m->layers == NULL || m->rope_cos == NULL || m->rope_sin == NULL) {
+        gy_model_free(m);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables");
+    }
+    gy_status s = gy_cpu_rope_table(m->rope_cos, m->rope_sin, m->max_pos, m->head_dim, rope_theta);
+    if (s != GY_OK) gy_model_free(m);
+    return s;
+}
+
+void gy_model_free(gy_model *m) {
+    if (m == NULL) return;
+    free(m->layers);
+    free(m->rope_cos);
+    free(m->rope_sin);
+    m->layers = NULL;
+    m->rope_cos = m->rope_sin = NULL;
+}
+
+gy_status gy_model_check(const gy_model *m, uint32_t shards) {
+    if (m->embed == NULL || m->final_norm == NULL || m->lm_head == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "the model is missing its embedding, final norm or LM head");
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const gy_layer_weights *w = &m->layers[l];
+        if (!w->attn_norm || !w->ffn_norm || !w->wq || !w->wk || !w->wv || !w->wo_t)
+            return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing an attention tensor", (long long)l);
+        for (int64_t s = 0; s < m->max_tp; s++)
+            if ((shards >> s) & 1u)
+                if (!w->gate[s] || !w->up[s] || !w->down_t[s])
+                    return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing FFN shard %lld",
+                                   (long long)l, (long long)s);
+    }
+    return GY_OK;
+}

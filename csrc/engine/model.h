@@ -1,0 +1,69 @@
+/* model.h: a Llama/Qwen2 decoder whose weights live in a worker's arena.
+ *
+ * The weights are placed by gyges/weights.py: replicated tensors packed together, the FFN cut
+ * into max_tp page-aligned shards (Gyges eq. 2). This struct only points into that memory.
+ * Matrices are stored in weight_dtype, norms and biases in fp32. Two matrices are stored
+ * transposed so that a tensor-parallel shard of their reduction dimension is a run of rows:
+ *   wo_t   [n_heads * head_dim, hidden]   (o_proj.weight.T)
+ *   down_t [intermediate, hidden]         (down_proj.weight.T), one pointer per shard
+ * and the rest keep the Hugging Face orientation [out, in]. */
+#ifndef GY_ENGINE_MODEL_H
+#define GY_ENGINE_MODEL_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+#include "../cpu/dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GY_MODEL_MAX_TP 8
+
+typedef struct gy_layer_weights {
+    const float *attn_norm;           /* [hidden] */
+    const float *ffn_norm;            /* [hidden] */
+    const void *wq;                   /* [n_heads * head_dim, hidden] */
+    const void *wk;                   /* [n_kv_heads * head_dim, hidden] */
+    const void *wv;                   /* [n_kv_heads * head_dim, hidden] */
+    const float *bq, *bk, *bv;        /* [rows of wq / wk / wv] or NULL (Qwen2 has them) */
+    const void *wo_t;                 /* [n_heads * head_dim, hidden] */
+    const void *gate[GY_MODEL_MAX_TP];   /* shard s: [shard_rows, hidden]; NULL if not held */
+    const void *up[GY_MODEL_MAX_TP];     /* shard s: [shard_rows, hidden] */
+    const void *down_t[GY_MODEL_MAX_TP]; /* shard s: [shard_rows, hidden] */
+} gy_layer_weights;
+
+typedef struct gy_model {
+    int64_t vocab;
+    int64_t hidden;
+    int64_t intermediate;
+    int64_t n_layers;
+    int64_t n_heads;
+    int64_t n_kv_heads;
+    int64_t head_dim;
+    int64_t max_tp;      /* FFN shards; o_proj's reduction is cut into as many chunks */
+    int64_t shard_rows;  /* intermediate / max_tp */
+    int64_t max_pos;     /* rotary table length */
+    float rms_eps;
+    gy_dtype weight_dtype;
+    const void *embed;        /* [vocab, hidden] */
+    const float *final_norm;  /* [hidden] */
+    const void *lm_head;      /* [vocab, hidden]; equals embed when tied */
+    gy_layer_weights *layers; /* [n_layers], owned */
+    float *rope_cos;          /* [max_pos, head_dim / 2], owned */
+    float *rope_sin;
+} gy_model;
+
+/* Checks the shape fields, allocates `layers` and the rotary tables (theta = rope_theta); the
+ * caller fills the weight pointers afterwards. */
+gy_status gy_model_init(gy_model *model, double rope_theta);
+void gy_model_free(gy_model *model);
+/* GY_ERR_INVALID naming the first missing tensor (shard pointers are checked for `shards`,
+ * a bitmask of the FFN shards this worker must hold). */
+gy_status gy_model_check(const gy_model *model, uint32_t shards);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

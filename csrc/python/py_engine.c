@@ -1,0 +1,184 @@
+/* py_engine.c: gyges._C.Engine, the single-worker serving loop over a Model and a KVCache.
+ * gyges/engine.py owns the request handles and checks the arguments. */
+#include "py_common.h"
+
+#include "engine/engine.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *model_object; /* strong: weights, pool */
+    PyObject *kv_object;    /* strong: the cache */
+    gy_engine *engine;
+} GyEngineObject;
+
+static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"model", "kv", "max_batch_tokens", "max_running", "max_prefill_chunk",
+                            "watermark_blocks", NULL};
+    PyObject *model_object, *kv_object;
+    long long max_batch_tokens, max_running, max_prefill_chunk = 0, watermark = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLL|LL", names, &model_object, &kv_object,
+                                     &max_batch_tokens, &max_running, &max_prefill_chunk, &watermark))
+        return NULL;
+    gy_threadpool *pool;
+    gy_model *model = gy_py_model_unwrap(model_object, &pool);
+    if (model == NULL) return NULL;
+    gy_kv_cache *kv = gy_py_kv_unwrap(kv_object);
+    if (kv == NULL) return NULL;
+    const gy_engine_config config = {.max_batch_tokens = max_batch_tokens, .max_running = max_running,
+                                     .max_prefill_chunk = max_prefill_chunk,
+                                     .watermark_blocks = watermark};
+    gy_engine *engine;
+    gy_status s = gy_engine_init(&engine, model, kv, pool, &config);
+    if (s != GY_OK) return gy_py_raise(s);
+    GyEngineObject *self = (GyEngineObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        gy_engine_free(engine);
+        return NULL;
+    }
+    self->model_object = Py_NewRef(model_object);
+    self->kv_object = Py_NewRef(kv_object);
+    self->engine = engine;
+    return (PyObject *)self;
+}
+
+static void gy_py_engine_dealloc(GyEngineObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    gy_engine_free(self->engine);
+    Py_XDECREF(self->kv_object);
+    Py_XDECREF(self->model_object);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+/* add(id, prompt_int32, max_new_tokens, temperature, top_k, top_p, seed, stop_int32, arrival) */
+static PyObject *gy_py_engine_add_request(GyEngineObject *self, PyObject *args) {
+    long long id, max_new, top_k;
+    unsigned long long seed;
+    double temperature, top_p, arrival;
+    PyObject *prompt_object, *stop_object;
+    if (!PyArg_ParseTuple(args, "LOLdLdKOd", &id, &prompt_object, &max_new, &temperature, &top_k,
+                          &top_p, &seed, &stop_object, &arrival))
+        return NULL;
+    Py_buffer prompt, stop;
+    if (PyObject_GetBuffer(prompt_object, &prompt, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(stop_object, &stop, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&prompt);
+        return NULL;
+    }
+    const gy_engine_params params = {
+        .sampler = {.temperature = temperature, .top_p = top_p, .top_k = top_k, .seed = seed},
+        .max_new_tokens = max_new,
+        .stop_tokens = stop.buf,
+        .n_stop_tokens = stop.len / 4,
+    };
+    gy_status s = gy_engine_add(self->engine, id, prompt.buf, prompt.len / 4, &params, arrival);
+    PyBuffer_Release(&prompt);
+    PyBuffer_Release(&stop);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+/* step(now) -> (tokens [(id, token)], finished [id], batch_tokens, preempted) */
+static PyObject *gy_py_engine_step(GyEngineObject *self, PyObject *args) {
+    double now;
+    if (!PyArg_ParseTuple(args, "d", &now)) return NULL;
+    gy_engine_step_out out;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_step(self->engine, now, &out);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) return gy_py_raise(s);
+    PyObject *tokens = PyList_New(out.n_tokens);
+    PyObject *finished = PyList_New(out.n_finished);
+    if (tokens == NULL || finished == NULL) goto fail;
+    for (int64_t i = 0; i < out.n_tokens; i++) {
+        PyObject *pair = Py_BuildValue("(Li)", (long long)out.token_ids[i], (int)out.tokens[i]);
+        if (pair == NULL) goto fail;
+        PyList_SET_ITEM(tokens, i, pair);
+    }
+    for (int64_t i = 0; i < out.n_finished; i++) {
+        PyObject *id = PyLong_FromLongLong(out.finished[i]);
+        if (id == NULL) goto fail;
+        PyList_SET_ITEM(finished, i, id);
+    }
+    return Py_BuildValue("(NNLL)", tokens, finished, (long long)out.n_batch_tokens,
+                         (long long)out.n_preempted);
+fail:
+    Py_XDECREF(tokens);
+    Py_XDECREF(finished);
+    return NULL;
+}
+
+static PyObject *gy_py_engine_abort(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    gy_status s = gy_engine_abort(self->engine, id);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_release(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    gy_status s = gy_engine_release(self->engine, id);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_info(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    gy_sched_info info;
+    gy_status s = gy_sched_info_get(gy_engine_sched(self->engine), id, &info);
+    if (s != GY_OK) return gy_py_raise(s);
+    return Py_BuildValue("{sssssLsLsLsdsdsdsd}", "state", gy_sched_state_name(info.state),
+                         "finish", gy_sched_finish_name(info.finish), "n_generated",
+                         (long long)info.n_generated, "n_computed", (long long)info.n_computed,
+                         "n_preemptions", (long long)info.n_preemptions, "arrival", info.arrival,
+                         "first_scheduled", info.first_scheduled, "first_token", info.first_token,
+                         "finished_at", info.finished_at);
+}
+
+static PyObject *gy_py_engine_stats(GyEngineObject *self, PyObject *unused) {
+    gy_sched_stats st;
+    gy_sched_stats_get(gy_engine_sched(self->engine), &st);
+    return Py_BuildValue("{sLsLsLsLsLsLsL}", "waiting", (long long)st.n_waiting, "preempted_queued",
+                         (long long)st.n_preempted, "running", (long long)st.n_running, "finished",
+                         (long long)st.n_finished, "steps", (long long)st.n_steps, "preemptions",
+                         (long long)st.n_preemptions, "capacity_blocks",
+                         (long long)gy_engine_capacity_blocks(self->engine));
+}
+
+static PyMethodDef gy_py_engine_methods[] = {
+    {"add", (PyCFunction)gy_py_engine_add_request, METH_VARARGS,
+     "add(id, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, arrival)"},
+    {"step", (PyCFunction)gy_py_engine_step, METH_VARARGS, "step(now) -> (tokens, finished, batch_tokens, preempted)"},
+    {"abort", (PyCFunction)gy_py_engine_abort, METH_VARARGS, "abort(id)"},
+    {"release", (PyCFunction)gy_py_engine_release, METH_VARARGS, "release(id)"},
+    {"info", (PyCFunction)gy_py_engine_info, METH_VARARGS, "info(id) -> dict"},
+    {"stats", (PyCFunction)gy_py_engine_stats, METH_NOARGS, "stats() -> dict"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot gy_py_engine_slots[] = {
+    {Py_tp_new, gy_py_engine_new},
+    {Py_tp_dealloc, gy_py_engine_dealloc},
+    {Py_tp_methods, gy_py_engine_methods},
+    {Py_tp_doc, "Engine(model, kv, max_batch_tokens, max_running, max_prefill_chunk=0, watermark_blocks=0)"},
+    {0, NULL},
+};
+
+static PyType_Spec gy_py_engine_spec = {
+    .name = "gyges._C.Engine",
+    .basicsize = sizeof(GyEngineObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = gy_py_engine_slots,
+};
+
+int gy_py_engine_add(PyObject *module) {
+    PyObject *type = PyType_FromModuleAndSpec(module, &gy_py_engine_spec, NULL);
+    if (type == NULL) return -1;
+    int rc = PyModule_AddObjectRef(module, "Engine", type);
+    Py_DECREF(type);
+    return rc;
+}

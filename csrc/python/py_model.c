@@ -1,0 +1,205 @@
+/* py_model.c: gyges._C.Model, a decoder whose weights live in an Arena, with its own thread
+ * pool, and its forward pass over a KVCache. gyges/model.py and gyges/engine.py check the
+ * arguments; this file checks what C needs to stay safe. */
+#include "py_common.h"
+
+#include "engine/forward.h"
+#include "engine/model.h"
+#include "kv/kv_cache.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *arena_object; /* strong: the weights live there */
+    gy_model model;
+    gy_threadpool *pool;
+    gy_forward_ws ws;
+    uint32_t shards;        /* FFN shards whose pointers are set */
+} GyModelObject;
+
+static PyObject *gy_py_model_type;
+
+/* The offsets buffer (int64, -1 = absent) in this order: embed, final_norm, lm_head, then per
+ * layer attn_norm, ffn_norm, wq, wk, wv, wo_t, bq, bk, bv, gate[max_tp], up[max_tp],
+ * down_t[max_tp]. */
+#define GY_PY_MODEL_LAYER_FIXED 9
+
+static const void *gy_py_at(uintptr_t base, int64_t offset) {
+    return offset < 0 ? NULL : (const void *)(base + (uintptr_t)offset);
+}
+
+static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"arena", "spec", "offsets", "shards", "threads", NULL};
+    PyObject *arena_object, *offsets_object;
+    long long vocab, hidden, inter, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos;
+    int dtype, threads = 1;
+    unsigned int shards;
+    double eps, theta;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|i", names, &arena_object,
+                                     &vocab, &hidden, &inter, &n_layers, &n_heads, &n_kv_heads,
+                                     &head_dim, &max_tp, &max_pos, &dtype, &eps, &theta,
+                                     &offsets_object, &shards, &threads))
+        return NULL;
+    gy_arena *arena = gy_py_arena_unwrap(arena_object);
+    if (arena == NULL) return NULL;
+    uintptr_t base = (uintptr_t)gy_arena_host_ptr(arena, 0);
+    if (base == 0)
+        return PyErr_Format(gy_py_error_class(GY_ERR_UNAVAILABLE),
+                            "the CPU forward pass needs weights in host memory (a cpu arena)");
+    GyModelObject *self = (GyModelObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    gy_model *m = &self->model;
+    m->vocab = vocab; m->hidden = hidden; m->intermediate = inter; m->n_layers = n_layers;
+    m->n_heads = n_heads; m->n_kv_heads = n_kv_heads; m->head_dim = head_dim; m->max_tp = max_tp;
+    m->max_pos = max_pos; m->weight_dtype = (gy_dtype)dtype; m->rms_eps = (float)eps;
+    self->shards = shards;
+    gy_status s = gy_model_init(m, theta);
+    if (s != GY_OK) {
+        Py_DECREF(self);
+        return gy_py_raise(s);
+    }
+    const int64_t per_layer = GY_PY_MODEL_LAYER_FIXED + 3 * max_tp;
+    Py_buffer view;
+    if (gy_py_get_buffer(offsets_object, &view, (Py_ssize_t)((3 + n_layers * per_layer) * 8), 0,
+                         "weight offsets") < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    const int64_t *off = view.buf;
+    const uint64_t limit = gy_arena_n_slots(arena) * gy_arena_page_size(arena);
+    for (Py_ssize_t i = 0; i < view.len / 8; i++)
+        if (off[i] >= 0 && (uint64_t)off[i] >= limit) {
+            PyBuffer_Release(&view);
+            Py_DECREF(self);
+            return PyErr_Format(PyExc_ValueError, "weight offset %lld is outside the arena", (long long)off[i]);
+        }
+    m->embed = gy_py_at(base, off[0]);
+    m->final_norm = gy_py_at(base, off[1]);
+    m->lm_head = gy_py_at(base, off[2]);
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *o = off + 3 + l * per_layer;
+        gy_layer_weights *w = &m->layers[l];
+        w->attn_norm = gy_py_at(base, o[0]);
+        w->ffn_norm = gy_py_at(base, o[1]);
+        w->wq = gy_py_at(base, o[2]);
+        w->wk = gy_py_at(base, o[3]);
+        w->wv = gy_py_at(base, o[4]);
+        w->wo_t = gy_py_at(base, o[5]);
+        w->bq = gy_py_at(base, o[6]);
+        w->bk = gy_py_at(base, o[7]);
+        w->bv = gy_py_at(base, o[8]);
+        for (int64_t t = 0; t < max_tp; t++) {
+            w->gate[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + t]);
+            w->up[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + max_tp + t]);
+            w->down_t[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + 2 * max_tp + t]);
+        }
+    }
+    PyBuffer_Release(&view);
+    s = gy_model_check(m, shards);
+    if (s == GY_OK && threads > 1) s = gy_threadpool_init(&self->pool, threads);
+    if (s != GY_OK) {
+        Py_DECREF(self);
+        return gy_py_raise(s);
+    }
+    self->arena_object = Py_NewRef(arena_object);
+    return (PyObject *)self;
+}
+
+static void gy_py_model_dealloc(GyModelObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    gy_threadpool_free(self->pool);
+    gy_forward_ws_free(&self->ws);
+    gy_model_free(&self->model);
+    Py_XDECREF(self->arena_object);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+/* forward(kv, tokens, token_seq, token_pos, bt_indptr, bt_indices, logit_rows, logits_out):
+ * int32 buffers; logits_out float32 [len(logit_rows), vocab]. TP1 on this worker. */
+static PyObject *gy_py_model_forward(GyModelObject *self, PyObject *args) {
+    PyObject *kv_object, *objects[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &kv_object, &objects[0], &objects[1], &objects[2],
+                          &objects[3], &objects[4], &objects[5], &objects[6]))
+        return NULL;
+    gy_kv_cache *kv = gy_py_kv_unwrap(kv_object);
+    if (kv == NULL) return NULL;
+    Py_buffer views[7];
+    int n_views = 0;
+    PyObject *result = NULL;
+    for (; n_views < 7; n_views++) {
+        const int writable = n_views == 6;
+        if (PyObject_GetBuffer(objects[n_views], &views[n_views],
+                               PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+            goto done;
+    }
+    const int64_t n_tokens = views[0].len / 4, n_seqs = views[3].len / 4 - 1;
+    const int64_t n_logits = views[5].len / 4;
+    if (views[1].len != views[0].len || views[2].len != views[0].len || n_seqs < 0 ||
+        views[6].len != (Py_ssize_t)(n_logits * self->model.vocab * 4)) {
+        PyErr_SetString(PyExc_ValueError, "forward: buffer sizes disagree");
+        goto done;
+    }
+    gy_forward_batch batch = {
+        .tokens = views[0].buf,
+        .paged = {.n_tokens = n_tokens, .token_seq = views[1].buf, .token_pos = views[2].buf,
+                  .n_seqs = n_seqs, .bt_indptr = views[3].buf, .bt_indices = views[4].buf},
+        .n_logits = n_logits,
+        .logit_rows = views[5].buf,
+    };
+    const int64_t n_indices = views[4].len / 4;
+    const int32_t *indptr = views[3].buf;
+    if (indptr[n_seqs] > n_indices) {
+        PyErr_SetString(PyExc_ValueError, "forward: bt_indptr points past bt_indices");
+        goto done;
+    }
+    gy_tp_group tp = {.rank = 0, .size = 1};
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_forward(views[6].buf, &self->model, &tp, kv, &batch, &self->ws, self->pool);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) {
+        gy_py_raise(s);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < n_views; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
+gy_model *gy_py_model_unwrap(PyObject *object, gy_threadpool **pool) {
+    if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_model_type)) {
+        PyErr_SetString(PyExc_TypeError, "expected a gyges._C.Model");
+        return NULL;
+    }
+    *pool = ((GyModelObject *)object)->pool;
+    return &((GyModelObject *)object)->model;
+}
+
+static PyMethodDef gy_py_model_methods[] = {
+    {"forward", (PyCFunction)gy_py_model_forward, METH_VARARGS,
+     "forward(kv, tokens, token_seq, token_pos, bt_indptr, bt_indices, logit_rows, logits_out)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot gy_py_model_slots[] = {
+    {Py_tp_new, gy_py_model_new},
+    {Py_tp_dealloc, gy_py_model_dealloc},
+    {Py_tp_methods, gy_py_model_methods},
+    {Py_tp_doc, "Model(arena, spec, offsets, shards, threads=1): a decoder in arena memory."},
+    {0, NULL},
+};
+
+static PyType_Spec gy_py_model_spec = {
+    .name = "gyges._C.Model",
+    .basicsize = sizeof(GyModelObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = gy_py_model_slots,
+};
+
+int gy_py_model_add(PyObject *module) {
+    gy_py_model_type = PyType_FromModuleAndSpec(module, &gy_py_model_spec, NULL);
+    if (gy_py_model_type == NULL || PyModule_AddObjectRef(module, "Model", gy_py_model_type) < 0)
+        return -1;
+    return 0;
+}
