@@ -1,9 +1,12 @@
 """`make demo`: what gyges can show today, on the CPU backend.
 
-An arena (one worker's memory) with a paged KV cache in each of the three Gyges layouts: their
-page tables and block tables as NumPy arrays, a sequence's K/V read back through the logical
-view, and the cost of growing the cache (bytes moved) per layout.
+1. The engine: the embedded tiny model serves a batch of requests with continuous batching;
+   per-request metrics (vLLM's TTFT, TPOT, E2E) and the worker's memory before, during and after.
+2. The memory underneath: an arena with a paged KV cache in each of the three Gyges layouts,
+   page tables and block tables as NumPy arrays, and the bytes each layout moves when it grows.
 """
+import time
+
 import numpy as np
 
 import gyges
@@ -43,8 +46,40 @@ def show_layout(layout):
           f"{arena.stats()['bytes_by_tag']['kv']:,} of them KV")
 
 
+def serve():
+    model = gyges.Model.tiny()
+    print(f"\n== serving {model}")
+    engine = gyges.Engine(model, memory="64MiB", page_size="64KiB", block_size=16,
+                          kv_layout="header", threads=2)
+    idle = engine.memory()
+    print(f"   weights {idle['weights']:,} bytes ({idle['weight_padding']:,} of FFN padding, "
+          f"{engine.weights.padding_overhead():.1%}); KV 0 bytes until requests arrive")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist()
+               for n in (12, 40, 7, 100, 25, 64, 3, 33)]
+    params = gyges.SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=1,
+                                  ignore_eos=True)
+    start = time.perf_counter()
+    requests = [engine.submit(p, params) for p in prompts]
+    peak_kv = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak_kv = max(peak_kv, engine.memory()["kv"])
+    seconds = time.perf_counter() - start
+    print(f"   {len(requests)} requests, {sum(len(r.output_tokens) for r in requests)} tokens in "
+          f"{seconds:.2f} s over {engine.steps} steps; KV peaked at {peak_kv:,} bytes")
+    print(f"   {'id':>3} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'TPOT ms':>8} {'E2E ms':>8}  first tokens")
+    for r in requests:
+        m = r.metrics
+        print(f"   {r.id:>3} {len(r.prompt):>6} {len(r.output_tokens):>6} {m.ttft * 1e3:>8.1f} "
+              f"{m.tpot * 1e3:>8.2f} {m.e2e * 1e3:>8.1f}  {r.output_tokens[:6]}")
+    after = engine.memory()
+    print(f"   after: {after['in_use']:,} bytes in use (weights only: {after['in_use'] == after['weights']})")
+
+
 def main():
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
+    serve()
     arena = gyges.Arena(budget="256KiB", page_size="64KiB", n_slots=8)
     arena.grow(0, 2, "weights")
     page = arena.create_page("kv")

@@ -112,7 +112,7 @@ def check_prompt(tokens, vocab):
 class Engine:
     def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
                  kv_layout="header", weight_dtype="f32", threads=2, max_batch_tokens=512,
-                 max_running=64, max_prefill_chunk=0, max_tp=4, max_pos=None, pad_ffn=True):
+                 max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_running", max_running), ("threads", threads)):
             if not isinstance(value, int) or value < 1:

@@ -14,15 +14,27 @@ from .weights import DTYPES, ModelWeights
 WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
 
 
+def default_max_tp(config, limit=4):
+    """The largest TP degree up to `limit` that divides the heads, KV heads and FFN width: the
+    FFN is cut into that many shards and o_proj's reduction into as many chunks."""
+    tp = limit
+    while tp > 1 and (config.num_attention_heads % tp or config.num_key_value_heads % tp
+                      or config.intermediate_size % tp):
+        tp //= 2
+    return tp
+
+
 class Worker:
     def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
-                 kv_layout="header", weight_dtype="f32", max_tp=4, threads=2, max_pos=None,
+                 kv_layout="header", weight_dtype="f32", max_tp=None, threads=2, max_pos=None,
                  backend="cpu", pad_ffn=True):
         config = model.config
         if weight_dtype not in DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of "
                              f"{', '.join(DTYPES)}")
         self.config = config
+        max_tp = default_max_tp(config) if max_tp is None else max_tp
+        self.max_tp = max_tp
         self.page_size = parse_size(page_size, "page_size")
         budget = parse_size(memory, "memory")
         budget -= budget % self.page_size
