@@ -17,45 +17,44 @@ typedef struct gy_attn_ctx {
     const gy_cpu_paged_batch *batch;
     int64_t n_q_heads, group, pairs, per_task, scratch_stride;
     float scale;
-    float *scratch; /* [n_tasks, scratch_stride]: the scores, then the weights, of one pair */
+    float *scratch; /* [n_tasks, GY_ATTN_GROUP, scratch_stride]: scores, then weights, per pair */
 } gy_attn_ctx;
 
-/* Walks positions 0, 1, 2, ... of one sequence's K or V rows for one KV head: the block base comes
- * from gy_kv_layout_offset once per block, slots step by the layout's token stride. */
+/* Walks positions 0, 1, 2, ... of one sequence's K (kv = 0) or V (kv = 1) rows of one KV head:
+ * the block's base comes from gy_kv_layout_offset when the walk enters it (never past the last
+ * position, whose next block may not exist), slots step by the layout's token stride. */
 typedef struct {
-    const float *kv;
+    const float *storage;
     const gy_kv_layout *layout;
     const int32_t *blocks; /* the sequence's block ids */
-    int64_t kind, head, block, slot;
-    const float *base;
+    int64_t kv, head, block, slot;
+    const float *base; /* NULL until the walk enters `block` */
 } gy_attn_rows;
 
-static void gy_attn_rows_init(gy_attn_rows *it, const gy_attn_ctx *c, int64_t seq, int64_t kind,
+static void gy_attn_rows_init(gy_attn_rows *it, const gy_attn_ctx *c, int64_t seq, int64_t kv,
                               int64_t head) {
-    it->kv = c->kv;
+    it->storage = c->kv;
     it->layout = c->layout;
     it->blocks = c->batch->bt_indices + c->batch->bt_indptr[seq];
-    it->kind = kind;
+    it->kv = kv;
     it->head = head;
     it->block = 0;
     it->slot = 0;
-    it->base = c->kv + gy_kv_layout_offset(c->layout, kind, it->blocks[0], 0, head);
+    it->base = NULL;
 }
 
 /* The row of the current position; then moves to the next position. */
 static inline const float *gy_attn_rows_next(gy_attn_rows *it) {
+    if (it->base == NULL)
+        it->base = it->storage +
+                   gy_kv_layout_offset(it->layout, it->kv, it->blocks[it->block], 0, it->head);
     const float *row = it->base + it->slot * it->layout->stride_token;
     if (++it->slot == it->layout->block_size) {
         it->slot = 0;
         it->block++;
-        it->base = NULL; /* set lazily: the next block may not exist past the last position */
+        it->base = NULL;
     }
     return row;
-}
-
-static inline void gy_attn_rows_fix(gy_attn_rows *it) {
-    if (it->base == NULL)
-        it->base = it->kv + gy_kv_layout_offset(it->layout, it->kind, it->blocks[it->block], 0, it->head);
 }
 
 /* e[j] = exp(s[j] - m) for j < len; returns their 16-lane sum. */
@@ -88,49 +87,105 @@ static float gy_attn_softmax_weights(float *s, int64_t len, float m) {
     return gy_dot_lane_tree(lanes);
 }
 
-/* acc[d] = fma chain over positions of e_j * v_j[d]; out = acc / sum. */
-static void gy_attn_weighted_v(float *out, const gy_attn_ctx *c, const float *e, int64_t len,
-                               int64_t seq, int64_t kvh, float sum) {
+#define GY_ATTN_GROUP 4 /* pairs of one token whose V passes run together */
+
+#if GY_CPU_HAVE_AVX512
+GY_INLINE void gy_attn_weighted_v_avx512(const gy_attn_ctx *c, int64_t pair0, const int NP,
+                                         const float *e, int64_t stride, int64_t len, int64_t seq,
+                                         const int64_t *kvh, const float *sum) {
+    const int64_t d = c->layout->head_dim;
+    for (int64_t d0 = 0; d0 < d; d0 += 64) { /* 4 vectors of each head at a time */
+        __mmask16 m[4];
+        for (int v = 0; v < 4; v++) m[v] = gy_simd_mask(d - d0 - 16 * v > 0 ? d - d0 - 16 * v : 0);
+        const int nv = d - d0 >= 64 ? 4 : (int)((d - d0 + 15) / 16);
+        __m512 acc[GY_ATTN_GROUP][4];
+        gy_attn_rows it[GY_ATTN_GROUP];
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) acc[p][v] = _mm512_setzero_ps();
+            gy_attn_rows_init(&it[p], c, seq, 1, kvh[p]);
+        }
+        for (int64_t j = 0; j < len; j++) {
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++) {
+                const float *vr = gy_attn_rows_next(&it[p]) + d0;
+                const __m512 ej = _mm512_set1_ps(e[p * stride + j]);
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++)
+                    if (v < nv)
+                        acc[p][v] = _mm512_fmadd_ps(ej, _mm512_maskz_loadu_ps(m[v], vr + 16 * v), acc[p][v]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            const __m512 sv = _mm512_set1_ps(sum[p]);
+            float *out = c->out + (pair0 + p) * d + d0;
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++)
+                _mm512_mask_storeu_ps(out + 16 * v, m[v], _mm512_div_ps(acc[p][v], sv));
+        }
+    }
+}
+#endif
+
+/* out_p[d] = (fma chain over positions j of e_p[j] * v_p,j[d]) / sum_p for the np pairs of one
+ * token (np <= GY_ATTN_GROUP); pair p reads KV head kvh[p] and its weights at e + p * stride. Running
+ * the pairs together gives the processor independent chains while each one stays sequential. */
+static void gy_attn_weighted_v(const gy_attn_ctx *c, int64_t pair0, int64_t np, const float *e,
+                               int64_t stride, int64_t len, int64_t seq, const int64_t *kvh,
+                               const float *sum) {
     const int64_t d = c->layout->head_dim;
 #if GY_CPU_HAVE_AVX512
     if (gy_cpu_isa_get() == GY_CPU_ISA_AVX512) {
-        for (int64_t d0 = 0; d0 < d; d0 += 64) { /* 4 vectors of the head at a time */
-            __mmask16 m[4];
-            for (int v = 0; v < 4; v++) m[v] = gy_simd_mask(d - d0 - 16 * v > 0 ? d - d0 - 16 * v : 0);
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
-            gy_attn_rows it;
-            gy_attn_rows_init(&it, c, seq, 1, kvh);
-            for (int64_t j = 0; j < len; j++) {
-                gy_attn_rows_fix(&it);
-                const float *vr = gy_attn_rows_next(&it) + d0;
-                const __m512 ej = _mm512_set1_ps(e[j]);
-                for (int v = 0; v < 4; v++)
-                    acc[v] = _mm512_fmadd_ps(ej, _mm512_maskz_loadu_ps(m[v], vr + 16 * v), acc[v]);
-            }
-            const __m512 sv = _mm512_set1_ps(sum);
-            for (int v = 0; v < 4; v++)
-                _mm512_mask_storeu_ps(out + d0 + 16 * v, m[v], _mm512_div_ps(acc[v], sv));
+        switch (np) { /* the pair count as a constant, so that the accumulators stay in registers */
+        case 1: gy_attn_weighted_v_avx512(c, pair0, 1, e, stride, len, seq, kvh, sum); return;
+        case 2: gy_attn_weighted_v_avx512(c, pair0, 2, e, stride, len, seq, kvh, sum); return;
+        case 3: gy_attn_weighted_v_avx512(c, pair0, 3, e, stride, len, seq, kvh, sum); return;
+        default: gy_attn_weighted_v_avx512(c, pair0, 4, e, stride, len, seq, kvh, sum); return;
         }
-        return;
     }
 #endif
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    gy_attn_rows it;
-    gy_attn_rows_init(&it, c, seq, 1, kvh);
-    for (int64_t j = 0; j < len; j++) {
-        gy_attn_rows_fix(&it);
-        const float *vr = gy_attn_rows_next(&it);
-        for (int64_t i = 0; i < d; i++) out[i] = fmaf(e[j], vr[i], out[i]);
+    for (int64_t p = 0; p < np; p++) {
+        float *out = c->out + (pair0 + p) * d;
+        for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+        gy_attn_rows it;
+        gy_attn_rows_init(&it, c, seq, 1, kvh[p]);
+        for (int64_t j = 0; j < len; j++) {
+            const float *vr = gy_attn_rows_next(&it);
+            for (int64_t i = 0; i < d; i++) out[i] = fmaf(e[p * stride + j], vr[i], out[i]);
+        }
+        for (int64_t i = 0; i < d; i++) out[i] = out[i] / sum[p];
     }
-    for (int64_t i = 0; i < d; i++) out[i] = out[i] / sum;
 }
 
-static void gy_attn_pair(const gy_attn_ctx *c, int64_t pair, float *s) {
-    const gy_kv_layout *L = c->layout;
-    (void)L;
-    const int64_t t = pair / c->n_q_heads, h = pair % c->n_q_heads, kvh = h / c->group;
-    const int64_t d = L->head_dim, seq = c->batch->token_seq[t], len = c->batch->token_pos[t] + 1;
+/* The maximum of s[0..len) over 16 lanes (max is exact: any fixed order gives the same value; the
+ * lanes keep both paths identical even for signed zeros and NaNs). */
+static float gy_attn_max(const float *s, int64_t len) {
+#if GY_CPU_HAVE_AVX512
+    if (gy_cpu_isa_get() == GY_CPU_ISA_AVX512) {
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < len; j += 16)
+            m = _mm512_mask_max_ps(m, gy_simd_mask(len - j), _mm512_maskz_loadu_ps(gy_simd_mask(len - j), s + j), m);
+        float lanes[16];
+        _mm512_storeu_ps(lanes, m);
+        float r = lanes[0];
+        for (int l = 1; l < 16; l++) r = lanes[l] > r ? lanes[l] : r;
+        return r;
+    }
+#endif
+    float lanes[16];
+    for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+    for (int64_t j = 0; j < len; j++) lanes[j % 16] = s[j] > lanes[j % 16] ? s[j] : lanes[j % 16];
+    float r = lanes[0];
+    for (int l = 1; l < 16; l++) r = lanes[l] > r ? lanes[l] : r;
+    return r;
+}
+
+/* Scores and softmax weights of one (token, query head) pair into s; returns their sum. */
+static float gy_attn_weights(const gy_attn_ctx *c, int64_t pair, int64_t seq, int64_t len,
+                             int64_t kvh, float *s) {
+    const int64_t d = c->layout->head_dim;
     const float *q = c->q + pair * d;
     /* Scores, 16 positions per tile (a short last tile repeats the last position). */
     gy_attn_rows it;
@@ -139,8 +194,7 @@ static void gy_attn_pair(const gy_attn_ctx *c, int64_t pair, float *s) {
         const void *kp[16];
         for (int64_t l = 0; l < 16; l++) {
             if (j0 + l < len) {
-                gy_attn_rows_fix(&it);
-                kp[l] = gy_attn_rows_next(&it);
+                    kp[l] = gy_attn_rows_next(&it);
             } else {
                 kp[l] = kp[l - 1];
             }
@@ -149,18 +203,26 @@ static void gy_attn_pair(const gy_attn_ctx *c, int64_t pair, float *s) {
         gy_dot_tile16(tile, kp, GY_DTYPE_F32, 16, &q, d);
         for (int64_t l = 0; l < 16 && j0 + l < len; l++) s[j0 + l] = tile[l] * c->scale;
     }
-    float m = -INFINITY;
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-    const float sum = gy_attn_softmax_weights(s, len, m);
-    gy_attn_weighted_v(c->out + pair * d, c, s, len, seq, kvh, sum);
+    return gy_attn_softmax_weights(s, len, gy_attn_max(s, len));
 }
 
 static void gy_attn_task(void *ctx, int64_t task, int64_t n_tasks) {
     const gy_attn_ctx *c = (const gy_attn_ctx *)ctx;
-    float *s = c->scratch + task * c->scratch_stride;
+    float *scratch = c->scratch + task * GY_ATTN_GROUP * c->scratch_stride;
     const int64_t begin = task * c->per_task;
     const int64_t end = begin + c->per_task < c->pairs ? begin + c->per_task : c->pairs;
-    for (int64_t pair = begin; pair < end; pair++) gy_attn_pair(c, pair, s);
+    for (int64_t p0 = begin; p0 < end;) {
+        const int64_t t = p0 / c->n_q_heads;
+        const int64_t seq = c->batch->token_seq[t], len = c->batch->token_pos[t] + 1;
+        int64_t np = 0, kvh[GY_ATTN_GROUP];
+        float sum[GY_ATTN_GROUP];
+        for (; np < GY_ATTN_GROUP && p0 + np < end && (p0 + np) / c->n_q_heads == t; np++) {
+            kvh[np] = ((p0 + np) % c->n_q_heads) / c->group;
+            sum[np] = gy_attn_weights(c, p0 + np, seq, len, kvh[np], scratch + np * c->scratch_stride);
+        }
+        gy_attn_weighted_v(c, p0, np, scratch, c->scratch_stride, len, seq, kvh, sum);
+        p0 += np;
+    }
 }
 
 gy_status gy_cpu_attention(float *out, const float *q, const float *layer_base,
@@ -180,14 +242,17 @@ gy_status gy_cpu_attention(float *out, const float *q, const float *layer_base,
     gy_attn_ctx c = {out, q, layer_base, layout, batch, n_q_heads, n_q_heads / layout->n_heads,
                      batch->n_tokens * n_q_heads, 0, (max_len + 15) / 16 * 16,
                      1.0f / sqrtf((float)layout->head_dim), NULL};
-    int64_t tasks = (int64_t)gy_threadpool_size(pool) * 8;
-    if (tasks > c.pairs) tasks = c.pairs;
+    /* Up to 8 tasks per thread, but tasks of whole groups of pairs while every thread gets one. */
+    const int64_t threads = gy_threadpool_size(pool);
+    int64_t tasks = (c.pairs + GY_ATTN_GROUP - 1) / GY_ATTN_GROUP;
+    if (tasks > threads * 8) tasks = threads * 8;
+    if (tasks < threads) tasks = threads < c.pairs ? threads : c.pairs;
     c.per_task = (c.pairs + tasks - 1) / tasks;
     tasks = (c.pairs + c.per_task - 1) / c.per_task;
-    c.scratch = malloc((size_t)(tasks * c.scratch_stride) * sizeof(float));
+    c.scratch = malloc((size_t)(tasks * GY_ATTN_GROUP * c.scratch_stride) * sizeof(float));
     if (c.scratch == NULL)
         return GY_FAIL(GY_ERR_SYSTEM, "gy_cpu_attention: cannot allocate %lld floats of scratch",
-                       (long long)(tasks * c.scratch_stride));
+                       (long long)(tasks * GY_ATTN_GROUP * c.scratch_stride));
     const gy_status st = gy_threadpool_run(pool, gy_attn_task, &c, tasks);
     free(c.scratch);
     return st;

@@ -1,14 +1,18 @@
 /* dot.h: the one fixed-order fp32 dot product every reduction over a contiguous vector uses
  * (linear layers, attention scores).
  *
- * The order, for a vector of `len` products p[k] = w[k] * x[k] (w widened exactly to fp32):
- *   lane l in [0, 16) accumulates, starting from +0, acc[l] = fma(w[k], x[k], acc[l]) for
- *   k = l, l + 16, l + 32, ... in increasing k; the vector is padded with zeros to a multiple of
- *   16 (the padding's fma(0, 0, acc) is part of the definition);
- *   then the 16 lanes are added as a halving tree: s8[i] = acc[i] + acc[i + 8],
- *   s4[i] = s8[i] + s8[i + 4], s2[i] = s4[i] + s4[i + 2], result = s2[0] + s2[1].
- * The AVX-512 path (one zmm accumulator per dot) and the portable path compute exactly these
- * operations, so they agree bit for bit; the result depends only on w[0..len) and x[0..len). */
+ * The order, for a vector of `len` products w[k] * x[k] (w widened exactly to fp32): 16 lanes,
+ * each a chain acc[l] = fma(w[k], x[k], acc[l]) from +0 over its elements in increasing k, then
+ * the lanes added as a halving tree: s8[i] = acc[i] + acc[i + 8], s4[i] = s8[i] + s8[i + 4],
+ * s2[i] = s4[i] + s4[i + 2], result = s2[0] + s2[1]. Which elements a lane takes:
+ *   f32, f16: lane l takes k = l, l + 16, l + 32, ... (blocks of 16);
+ *   bf16:     lane l takes k = 2l, 2l + 1, 32 + 2l, 32 + 2l + 1, ... (blocks of 32: a 64-byte load
+ *             of bf16 splits into even and odd elements with one instruction each, where the
+ *             block-of-16 order would need a widening shuffle per 16 weights).
+ * The vector is padded with zeros to a whole block; the padding's fma(0, 0, acc) is part of the
+ * definition. The AVX-512 path (one zmm accumulator per dot) and the portable path compute
+ * exactly these operations, so they agree bit for bit; the result depends only on w[0..len) and
+ * x[0..len). bf16 weights therefore do not give the bits of the same values stored as f32. */
 #ifndef GY_CPU_DOT_H
 #define GY_CPU_DOT_H
 
@@ -40,16 +44,18 @@ float gy_dot_ref(const void *w, gy_dtype w_dtype, const float *x, int64_t len);
 void gy_dot_tile16(float out[16], const void *const *w, gy_dtype w_dtype, int32_t n_w,
                    const float *const *x, int64_t len);
 
-/* A linear layer's inner loop, for R = n_w weight rows (16, 8 or 4) and G groups of B = 16 / R
- * activation rows: for row r < R and activation row i = g * B + b,
+/* A linear layer's inner loop over one tile of up to 16 weight rows (valid_rows of them; rows past
+ * them are read as copies of the last valid row and not written): for weight row r and activation
+ * row i < n_rows (n_rows a multiple of 16 / n_w),
  *   y[i * ldy + r] = tree over the k_splits chunks of gy_dot_ref(w_r + chunk, x_i + chunk, L)
  *                    (+ bias[r] when bias is not NULL),  L = len / k_splits,
- * the tree pairing chunks as ((c0 + c1) + (c2 + c3)). Only rows r < valid_rows are written; weight
- * rows past them are read as copies of the last valid row. w_r = w + r * w_row_bytes,
- * x_i = x + i * ldx. k_splits is a power of two <= 64 dividing len. */
+ * the tree pairing chunks as ((c0 + c1) + (c2 + c3)); w_r = w + r * w_row_bytes,
+ * x_i = x + i * ldx. The work runs as slices of n_w (16, 8 or 4) weight rows against groups of
+ * 16 / n_w activation rows, 16 dot products per slice; the bits do not depend on n_w. k_splits is
+ * a power of two <= 64 dividing len. */
 void gy_dot_rows16(float *y, int64_t ldy, const float *bias, const void *w, int64_t w_row_bytes,
                    gy_dtype w_dtype, int32_t n_w, int32_t valid_rows, const float *x, int64_t ldx,
-                   int64_t n_groups, int64_t len, int32_t k_splits);
+                   int64_t n_rows, int64_t len, int32_t k_splits);
 
 #ifdef __cplusplus
 }

@@ -40,7 +40,8 @@ static gy_status gy_linear_check(const char *name, const float *y, const float *
     return GY_OK;
 }
 
-/* Static split of `units` work units (of `unit` columns) into tasks of equal size. */
+/* Static split of the output columns into tasks of whole `unit`s: up to 4 per thread, so that a
+ * thread that is descheduled can be covered by the others (results never depend on who runs what). */
 static int64_t gy_linear_tasks(int64_t cols, int64_t unit, gy_threadpool *pool, int64_t *per_task) {
     const int64_t units = (cols + unit - 1) / unit;
     int64_t tasks = (int64_t)gy_threadpool_size(pool) * 4;
@@ -67,28 +68,24 @@ static void gy_linear_task(void *ctx, int64_t task, int64_t n_tasks) {
     const gy_linear_ctx *c = (const gy_linear_ctx *)ctx;
     const int64_t begin = task * c->per_task;
     const int64_t end = begin + c->per_task < c->out ? begin + c->per_task : c->out;
-    const int64_t wrb = c->in * c->esize, groups4 = c->n / 4, rest = c->n % 4;
-    /* Each 16-row tile of W is streamed once per step for the whole batch: 4-row slices against
-     * groups of 4 activation rows, the leftover rows in pairs (8-row slices) and alone (16). */
+    const int64_t wrb = c->in * c->esize, n4 = c->n - c->n % 4;
+    /* Each 16-row tile of W is streamed once per step for the whole batch: groups of 4 activation
+     * rows against 4-row slices, the leftover rows as a pair (8-row slices) and alone (16). */
     for (int64_t o0 = begin; o0 < end; o0 += 16) {
-        const int64_t o_end = o0 + 16 < end ? o0 + 16 : end;
-        for (int64_t r0 = o0; r0 < o_end; r0 += 4)
-            gy_dot_rows16(c->y + r0, c->out, c->bias ? c->bias + r0 : NULL, c->w + r0 * wrb, wrb,
-                          c->dtype, 4, (int32_t)(o_end - r0 < 4 ? o_end - r0 : 4), c->x, c->in,
-                          groups4, c->in, (int32_t)c->k_splits);
-        int64_t b = groups4 * 4;
-        if (rest >= 2) {
-            for (int64_t r0 = o0; r0 < o_end; r0 += 8)
-                gy_dot_rows16(c->y + b * c->out + r0, c->out, c->bias ? c->bias + r0 : NULL,
-                              c->w + r0 * wrb, wrb, c->dtype, 8,
-                              (int32_t)(o_end - r0 < 8 ? o_end - r0 : 8), c->x + b * c->in, c->in, 1,
-                              c->in, (int32_t)c->k_splits);
+        const int32_t valid = (int32_t)(end - o0 < 16 ? end - o0 : 16);
+        const float *bias = c->bias ? c->bias + o0 : NULL;
+        const char *w = c->w + o0 * wrb;
+        gy_dot_rows16(c->y + o0, c->out, bias, w, wrb, c->dtype, 4, valid, c->x, c->in, n4, c->in,
+                      (int32_t)c->k_splits);
+        int64_t b = n4;
+        if (c->n - b >= 2) {
+            gy_dot_rows16(c->y + b * c->out + o0, c->out, bias, w, wrb, c->dtype, 8, valid,
+                          c->x + b * c->in, c->in, 2, c->in, (int32_t)c->k_splits);
             b += 2;
         }
-        if (rest % 2 == 1)
-            gy_dot_rows16(c->y + b * c->out + o0, c->out, c->bias ? c->bias + o0 : NULL,
-                          c->w + o0 * wrb, wrb, c->dtype, 16, (int32_t)(o_end - o0), c->x + b * c->in,
-                          c->in, 1, c->in, (int32_t)c->k_splits);
+        if (c->n - b == 1)
+            gy_dot_rows16(c->y + b * c->out + o0, c->out, bias, w, wrb, c->dtype, 16, valid,
+                          c->x + b * c->in, c->in, 1, c->in, (int32_t)c->k_splits);
     }
 }
 
@@ -326,8 +323,9 @@ gy_status gy_cpu_linear_t(float *y, const float *x, const void *wt, gy_dtype w_d
     if (n == 0 || out == 0) return GY_OK;
     gy_linear_ctx c = {y, x, (const char *)wt, w_dtype, gy_dtype_size(w_dtype), bias, n, in, out,
                        k_splits, in / k_splits, 0};
-    /* Two contiguous column ranges per thread: wide ranges keep W's rows read in long runs (and, at
-     * batch 1, give one FMA chain per vector of the range). */
+    /* Wide contiguous column ranges keep W's rows read in long runs and, at batch 1, give one FMA
+     * chain per vector of the range: one range per thread at batch 1, two in batches (where the
+     * chains are many anyway) so that a thread that is descheduled can be covered. */
     const int64_t units = (out + 15) / 16;
     int64_t tasks = 2 * (int64_t)gy_threadpool_size(pool);
     if (tasks > units) tasks = units;

@@ -6,7 +6,9 @@
  *                    so that a tensor-parallel shard of the reduction dimension is a contiguous
  *                    run of rows.
  * The two forms use different (each fixed) summation orders and are not bit-identical to each
- * other; a weight is always used through one of them.
+ * other; a weight is always used through one of them. Performance: at batch 1 both stream W once
+ * per call near the memory read bandwidth; in batches each 16-row tile (or column strip) of W is
+ * reused from cache by all rows of x.
  *
  * DETERMINISM CONTRACT (both forms)
  *  1. Rows are independent: y[r, :] depends only on x[r, :], W and bias, bit for bit: not on n,
@@ -16,7 +18,8 @@
  *     [1, GY_LINEAR_MAX_K_SPLITS], in % k_splits == 0). Chunk c's partial P_c covers
  *     in-indices [c*L, (c+1)*L), L = in / k_splits, in an order that starts at the chunk start and
  *     depends only on L:
- *       gy_cpu_linear:   the fixed 16-lane dot product of dot.h over the chunk;
+ *       gy_cpu_linear:   the fixed 16-lane dot product of dot.h over the chunk (its lane
+ *                        blocks start at the chunk start; bf16 has its own lane order);
  *       gy_cpu_linear_t: a sequential chain acc = fma(x[r, i], W[i, o], acc) from acc = +0 for i
  *                        increasing through the chunk.
  *     The partials are combined by a pairwise tree, ((P0 + P1) + (P2 + P3)) for k_splits = 4, and

@@ -21,6 +21,7 @@
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "cpu/stream.h"
 #include "cpu/threadpool.h"
 #include "cpu/vexp.h"
 #include "gytest.h"
@@ -157,6 +158,16 @@ GYTEST(cpu_threadpool_runs_every_task_once) {
     CHECK(gy_threadpool_size(pool) == GY_THREADPOOL_DEFAULT_THREADS);
     gy_threadpool_free(pool);
     gy_threadpool_free(NULL);
+}
+
+GYTEST(cpu_stream_read_sums_everything) {
+    float x[1000], sum = 0.0f;
+    for (int i = 0; i < 1000; i++) x[i] = (float)(i % 7);
+    for (int threads = 1; threads <= 3; threads++) {
+        CHECK_OK(gy_cpu_stream_read(&sum, x, 1000, pool_of(threads)));
+        CHECK(sum == 2997.0f); /* small integers: exact in any order */
+    }
+    CHECK_STATUS(gy_cpu_stream_read(NULL, x, 10, NULL), GY_ERR_INVALID);
 }
 
 /* ---- dot and exp ----------------------------------------------------------------------------- */
@@ -635,4 +646,90 @@ GYTEST(cpu_attention_rejects_bad_arguments) {
     indptr[1] = 2;
     layout.elem_size = 2;
     CHECK_STATUS(gy_cpu_attention(out, q, kv, &layout, &b, 4, NULL), GY_ERR_INVALID);
+}
+
+/* ---- the same bits on every build ------------------------------------------------------------ */
+
+static uint64_t golden_hash;
+static void golden_mix(const void *p, size_t n) {
+    const unsigned char *c = (const unsigned char *)p;
+    for (size_t i = 0; i < n; i++) {
+        golden_hash ^= c[i];
+        golden_hash *= 1099511628211ull;
+    }
+}
+
+/* A fixed workload through every kernel whose arithmetic the headers define (no libm), hashed.
+ * `make ctest` builds the portable path without -march, the extension builds AVX-512 with
+ * -march=native; GCC and Clang, -O0 to -O3, -ffp-contract=off/on/fast all gave this value when
+ * it was recorded. A deliberate change of a defined order must update it. */
+GYTEST(cpu_golden_bits_are_build_independent) {
+    rng_seed(1234);
+    golden_hash = 1469598103934665603ull;
+    enum { IN = 200, OUT = 70, N = 5 };
+    float *w = malloc(sizeof(float) * IN * OUT), *x = malloc(sizeof(float) * N * IN);
+    float *y = malloc(sizeof(float) * N * IN);
+    uint16_t *wb = malloc(sizeof(uint16_t) * IN * OUT);
+    fill_uniform(w, IN * OUT);
+    fill_uniform(x, N * IN);
+    gy_dtype_from_f32(wb, GY_DTYPE_BF16, w, IN * OUT);
+    for (int ks = 1; ks <= 8; ks *= 2) {
+        CHECK_OK(gy_cpu_linear(y, x, w, GY_DTYPE_F32, NULL, N, IN, OUT, ks, pool_of(2)));
+        golden_mix(y, sizeof(float) * N * OUT);
+        CHECK_OK(gy_cpu_linear(y, x, wb, GY_DTYPE_BF16, NULL, N, IN, OUT, ks, NULL));
+        golden_mix(y, sizeof(float) * N * OUT);
+        CHECK_OK(gy_cpu_linear_t(y, x, w, GY_DTYPE_F32, NULL, N, IN, OUT, ks, pool_of(3)));
+        golden_mix(y, sizeof(float) * N * OUT);
+        CHECK_OK(gy_cpu_linear_t(y, x, wb, GY_DTYPE_BF16, NULL, 1, IN, OUT, ks, NULL));
+        golden_mix(y, sizeof(float) * OUT);
+    }
+    CHECK_OK(gy_cpu_rmsnorm(y, x, w, N, IN, 1e-5f));
+    golden_mix(y, sizeof(float) * N * IN);
+    CHECK_OK(gy_cpu_swiglu(y, x, w, N * IN));
+    golden_mix(y, sizeof(float) * N * IN);
+    float cosb[64 * 8], sinb[64 * 8];
+    for (int i = 0; i < 64 * 8; i++) {
+        cosb[i] = rng_uniform();
+        sinb[i] = rng_uniform();
+    }
+    const int32_t pos[N] = {1, 5, 9, 33, 63};
+    CHECK_OK(gy_cpu_rope(x, pos, cosb, sinb, N, 2, 16, 64));
+    golden_mix(x, sizeof(float) * N * 32);
+    gy_kv_layout layout;
+    CHECK_OK(gy_kv_layout_init(&layout, GY_KV_LAYOUT_HEAD, 4, 2, 20, 4, 40));
+    float *kv = calloc(40 * 2 * 4 * 2 * 20, sizeof(float));
+    int32_t indptr[2] = {0, 33}, indices[33], tseq[130], tpos[130];
+    for (int i = 0; i < 33; i++) indices[i] = (i * 5) % 40;
+    for (int i = 0; i < 130; i++) {
+        tseq[i] = 0;
+        tpos[i] = i;
+    }
+    float *k = malloc(sizeof(float) * 130 * 40), *v = malloc(sizeof(float) * 130 * 40);
+    float *q = malloc(sizeof(float) * 130 * 80), *o = malloc(sizeof(float) * 130 * 80);
+    fill_uniform(k, 130 * 40);
+    fill_uniform(v, 130 * 40);
+    fill_uniform(q, 130 * 80);
+    gy_cpu_paged_batch batch = {130, tseq, tpos, 1, indptr, indices};
+    CHECK_OK(gy_cpu_kv_write(kv, &layout, k, v, &batch));
+    CHECK_OK(gy_cpu_attention(o, q, kv, &layout, &batch, 4, pool_of(2)));
+    golden_mix(o, sizeof(float) * 130 * 80);
+    int32_t am[N];
+    CHECK_OK(gy_cpu_argmax(am, x, N, IN));
+    golden_mix(am, sizeof am);
+    float e[37];
+    CHECK_OK(gy_cpu_exp(e, q, 37));
+    golden_mix(e, sizeof e);
+    if (golden_hash != 0xa920d6e9d787736full)
+        fprintf(stderr, "  golden hash %016llx, recorded a920d6e9d787736f\n",
+                (unsigned long long)golden_hash);
+    CHECK(golden_hash == 0xa920d6e9d787736full);
+    free(w);
+    free(x);
+    free(y);
+    free(wb);
+    free(kv);
+    free(k);
+    free(v);
+    free(q);
+    free(o);
 }
