@@ -7,6 +7,7 @@ from .arena import Arena
 from .errors import (BusyError, CudaError, Error, FormatError, InvalidArgumentError, LimitError,
                      OutOfMemoryError, StateError, UnavailableError)
 from .engine import Engine, Request, SamplingParams
+from .host import Host
 from .kv_cache import KVCache
 from .model import Model
 from .units import format_size, parse_size
@@ -14,6 +15,6 @@ from .units import format_size, parse_size
 __version__ = "0.1.0"
 WITH_CUDA = bool(_C.WITH_CUDA)
 
-__all__ = ["Arena", "KVCache", "Model", "Engine", "SamplingParams", "Request", "Error", "InvalidArgumentError", "OutOfMemoryError", "StateError",
+__all__ = ["Arena", "KVCache", "Model", "Engine", "SamplingParams", "Request", "Host", "Error", "InvalidArgumentError", "OutOfMemoryError", "StateError",
            "BusyError", "CudaError", "UnavailableError", "LimitError", "FormatError",
            "parse_size", "format_size", "WITH_CUDA"]

@@ -109,6 +109,52 @@ def check_prompt(tokens, vocab):
     return array.astype(np.int32)
 
 
+class InstanceLoop:
+    """The Python side of one C serving loop (gyges._C.Engine over one or several TP ranks): the
+    request handles it serves and their timestamps. Engine has one; a Host has one per instance."""
+
+    def __init__(self, c_engine, config, clock):
+        self._c = c_engine
+        self.config = config
+        self.clock = clock
+        self.requests = {}
+
+    def add(self, request_id, tokens, params, arrival=None):
+        prompt = check_prompt(tokens, self.config.vocab_size)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.config.eos_tokens())
+        arrival = self.clock() if arrival is None else float(arrival)
+        request = Request(request_id, prompt.tolist(), params, arrival)
+        self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
+                    params.top_k, float(params.top_p), params.seed,
+                    np.array(sorted(stops), dtype=np.int32), arrival)
+        self.requests[request.id] = request
+        return request
+
+    def unfinished(self):
+        return sum(1 for r in self.requests.values() if not r.finished)
+
+    def step(self):
+        """One C step; returns the tokens it ran through the model."""
+        tokens, finished, batch_tokens, _ = self._c.step(self.clock())
+        done = self.clock()
+        for request_id, token in tokens:
+            r = self.requests[request_id]
+            r.output_tokens.append(token)
+            r.metrics.token_times.append(done)
+        for request_id in finished:
+            r = self.requests.pop(request_id)
+            info = self._c.info(request_id)
+            r.finished = True
+            r.finish_reason = info["finish"]
+            r.metrics.scheduled = info["first_scheduled"]
+            r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
+            r.metrics.finish = done
+            self._c.release(request_id)
+        return batch_tokens
+
+
 class Engine:
     def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
                  kv_layout="header", weight_dtype="f32", threads=2, max_batch_tokens=512,
@@ -121,11 +167,11 @@ class Engine:
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
                              kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,
                              threads=threads, max_pos=max_pos, pad_ffn=pad_ffn)
-        self._c = _C.Engine(self.worker.c_model, self.worker.kv._c, max_batch_tokens,
-                            max_running, max_prefill_chunk)
-        self._requests = {}
-        self._next_id = 0
         self._start = time.perf_counter()
+        self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
+                            max_running, max_prefill_chunk)
+        self._loop = InstanceLoop(self._c, model.config, self.now)
+        self._next_id = 0
         self.steps = 0
         self.memory_budget = parse_size(memory, "memory")
 
@@ -155,25 +201,16 @@ class Engine:
                 "kv_free_blocks": kv["free_blocks"], "kv_block_bytes": kv["block_bytes"]}
 
     def has_unfinished(self):
-        return any(not r.finished for r in self._requests.values())
+        return self._loop.unfinished() > 0
 
     # ---- requests ----
     def submit(self, tokens, params=None, arrival=None):
         """Queues a request and returns its handle. Raises ValueError for a bad prompt or
-        parameters and OutOfMemoryError when it could never fit in this worker's memory."""
+        parameters and InvalidArgumentError when it could never fit in this worker's memory."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a gyges.SamplingParams")
-        prompt = check_prompt(tokens, self.model.config.vocab_size)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(self.model.config.eos_tokens())
-        arrival = self.now() if arrival is None else float(arrival)
-        request = Request(self._next_id, prompt.tolist(), params, arrival)
-        self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
-                    params.top_k, float(params.top_p), params.seed,
-                    np.array(sorted(stops), dtype=np.int32), arrival)
-        self._requests[request.id] = request
+        request = self._loop.add(self._next_id, tokens, params, arrival)
         self._next_id += 1
         return request
 
@@ -182,22 +219,7 @@ class Engine:
 
     def step(self):
         """Runs one engine step; returns the number of tokens it ran through the model."""
-        now = self.now()
-        tokens, finished, batch_tokens, _ = self._c.step(now)
-        done = self.now()
-        for request_id, token in tokens:
-            r = self._requests[request_id]
-            r.output_tokens.append(token)
-            r.metrics.token_times.append(done)
-        for request_id in finished:
-            r = self._requests[request_id]
-            info = self._c.info(request_id)
-            r.finished = True
-            r.finish_reason = info["finish"]
-            r.metrics.scheduled = info["first_scheduled"]
-            r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
-            r.metrics.finish = done
-            self._c.release(request_id)
+        batch_tokens = self._loop.step()
         if batch_tokens:
             self.steps += 1
         return batch_tokens

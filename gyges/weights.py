@@ -146,6 +146,7 @@ class ModelWeights:
                 layer[kind] = shards
             self.ffn.append(layer)
         self.end_slot = slot
+        self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
         self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
         self.bytes_total = (self.end_slot - first_slot) * self.page_size
 
@@ -182,10 +183,25 @@ class ModelWeights:
         """Padding bytes as a fraction of the unpadded weights (Gyges Figure 10b: 0 to 14%)."""
         return self.padding_bytes / self.unpadded_bytes
 
+    def drop_shards(self, keep):
+        """Unmaps and releases the pages of every FFN shard not in `keep` (Gyges scale-up: each
+        worker keeps its own shards; no byte is copied). Returns the bytes given back."""
+        keep = set(keep)
+        if not keep <= self.held:
+            raise ValueError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
+        before = self.arena.stats()["bytes_in_use"]
+        for shard in sorted(self.held - keep):
+            for layer in range(self.config.num_hidden_layers):
+                for kind in FFN_KINDS:
+                    slots = self.shard_slots_of(layer, kind, shard)
+                    self.arena.shrink(slots.start, len(slots))
+        self.held = keep
+        return before - self.arena.stats()["bytes_in_use"]
+
     def c_offsets(self, shards=None):
         """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
-        the FFN shards given to the ones this worker holds (default: all)."""
-        shards = range(self.max_tp) if shards is None else shards
+        the FFN shards given to a subset of those held (default: all held)."""
+        shards = self.held if shards is None else set(shards) & self.held
         cfg = self.config
         out = [self._offset("model.embed_tokens.weight"), self._offset("model.norm.weight"),
                self._offset("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")]

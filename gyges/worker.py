@@ -27,7 +27,7 @@ def default_max_tp(config, limit=4):
 class Worker:
     def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
                  kv_layout="header", weight_dtype="f32", max_tp=None, threads=2, max_pos=None,
-                 backend="cpu", pad_ffn=True):
+                 backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0):
         config = model.config
         if weight_dtype not in DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of "
@@ -43,18 +43,51 @@ class Worker:
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,
                                     max_tp=max_tp, pad=pad_ffn)
         self.weights_bytes = self.arena.stats()["bytes_in_use"]
-        first = self.weights.end_slot
-        self.kv = KVCache(self.arena, n_layers=config.num_hidden_layers,
-                          n_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                          block_size=block_size, layout=layout_name(kv_layout), first_slot=first,
-                          slots_per_layer=(self.arena.n_slots - first) // config.num_hidden_layers)
         self.max_pos = max_pos or config.max_position_embeddings
+        self.threads, self.weight_dtype = threads, weight_dtype
+        self.block_size, self.kv_layout = block_size, layout_name(kv_layout)
+        self.tp_size, self.tp_rank = 1, 0
+        self.kv = self._new_kv(1)
+        self.c_model = self._new_c_model()
+        if tp_size > 1:
+            self.join_tp(tp_size, tp_rank)
+
+    def _new_kv(self, tp_size):
+        config = self.config
+        first = self.weights.end_slot
+        return KVCache(self.arena, n_layers=config.num_hidden_layers,
+                       n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
+                       block_size=self.block_size, layout=self.kv_layout, first_slot=first,
+                       slots_per_layer=(self.arena.n_slots - first) // config.num_hidden_layers)
+
+    def _new_c_model(self):
+        config = self.config
         spec = (config.vocab_size, config.hidden_size, config.intermediate_size,
                 config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                config.head_dim, max_tp, self.max_pos, WEIGHT_DTYPE_IDS[weight_dtype],
+                config.head_dim, self.max_tp, self.max_pos, WEIGHT_DTYPE_IDS[self.weight_dtype],
                 float(config.rms_norm_eps), float(config.rope_theta))
-        self.c_model = _C.Model(self.arena._c, spec, self.weights.c_offsets(),
-                                (1 << max_tp) - 1, threads)
+        mask = sum(1 << s for s in self.weights.held)
+        return _C.Model(self.arena._c, spec, self.weights.c_offsets(), mask, self.threads)
+
+    def owned_shards(self, tp_size, tp_rank):
+        per = self.max_tp // tp_size
+        return set(range(tp_rank * per, (tp_rank + 1) * per))
+
+    def join_tp(self, tp_size, tp_rank):
+        """Becomes rank tp_rank of a TP group (while it holds no KV): keeps only its FFN shards,
+        and its KV cache holds only its KV heads."""
+        config = self.config
+        if config.num_key_value_heads % tp_size or self.max_tp % tp_size:
+            raise ValueError(f"TP{tp_size} does not divide {config.num_key_value_heads} KV heads "
+                             f"and {self.max_tp} FFN shards")
+        if self.kv.stats()["n_sequences"]:
+            raise ValueError("the worker still holds requests; transform it instead")
+        self.weights.drop_shards(self.owned_shards(tp_size, tp_rank))
+        if self.kv.n_blocks:
+            self.kv.shrink(self.kv.stats()["pages_per_layer"])
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.kv = self._new_kv(tp_size)
+        self.c_model = self._new_c_model()
 
     def kv_pages_free(self):
         """Pages of the budget not in use, as whole KV pages across all layers."""

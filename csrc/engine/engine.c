@@ -1,11 +1,16 @@
-/* engine.c: the single-worker serving loop. */
+/* engine.c: the serving loop of one instance (one or several TP ranks). */
 #include "engine.h"
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../comm/comm.h"
 #include "../sched/idmap.h"
 #include "../sched/kv_adapter.h"
+
+#define GY_ENGINE_MAX_RANKS GY_MODEL_MAX_TP
 
 typedef struct gy_engine_request {
     int64_t id;
@@ -17,109 +22,246 @@ typedef struct gy_engine_request {
     int32_t *stop_tokens; /* owned copy of params.stop_tokens */
 } gy_engine_request;
 
-struct gy_engine {
-    const gy_model *model;
-    gy_kv_cache *kv;
-    gy_threadpool *pool;
+/* What one rank needs beyond gy_engine_rank: its KV adapter, workspace, block tables and, for
+ * ranks above 0, the thread that runs its forward passes. */
+typedef struct gy_engine_rank_state {
+    gy_engine_rank r;
     gy_sched_kv_adapter *adapter;
-    gy_sched_kv_ops inner;       /* the adapter's ops; wrapped so that the cache grows on demand */
+    gy_sched_kv_ops inner;       /* the adapter's ops */
+    gy_forward_ws ws;
+    gy_comm_rank comm_rank;
+    int32_t *bt_indptr, *bt_indices;
+    int64_t cap_entries, cap_blocks;
+    gy_forward_batch batch;      /* the step's batch as this rank sees it */
+    gy_status status;            /* of its last forward */
+    char error[512];
+    pthread_t thread;
+    int has_thread;
+} gy_engine_rank_state;
+
+struct gy_engine {
+    const gy_model *model;       /* rank 0's: the shapes every rank shares */
+    int32_t n_ranks;
+    gy_engine_rank_state ranks[GY_ENGINE_MAX_RANKS];
+    gy_comm *comm;
     gy_sched *sched;
     gy_idmap requests;           /* id -> gy_engine_request * */
-    gy_forward_ws ws;
-    /* Per-step scratch, grown on demand. */
-    int64_t cap_tokens, cap_entries, cap_blocks;
-    int32_t *tokens, *token_seq, *token_pos, *bt_indptr, *bt_indices, *logit_rows, *sampled;
+    /* The rank threads wait for a new generation, run, and count themselves done. */
+    pthread_mutex_t lock;
+    pthread_cond_t wake, done;
+    uint64_t generation;
+    int32_t n_done;
+    int stopping;
+    /* Per-step scratch shared by the ranks, grown on demand. */
+    int64_t cap_tokens, cap_entries;
+    int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
     int64_t *sample_index, *sampled_ids, *finished;
     gy_sampler_params *sample_params;
     uint8_t *stop;
     float *logits;
 };
 
-/* ---- KV on demand ---- */
+/* ---- KV on demand, on every rank ---- */
 
-static int64_t gy_engine_growable_pages(const gy_engine *e) {
+static int64_t gy_engine_growable_pages(const gy_kv_cache *kv) {
     gy_arena_stats st;
-    gy_arena_stats_get(gy_kv_arena(e->kv), &st);
-    const int64_t n_layers = gy_kv_config_of(e->kv)->n_layers;
+    gy_arena_stats_get(gy_kv_arena(kv), &st);
+    const int64_t n_layers = gy_kv_config_of(kv)->n_layers;
     const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) / n_layers;
     gy_kv_stats ks;
-    gy_kv_stats_get(e->kv, &ks);
-    const int64_t room = gy_kv_config_of(e->kv)->slots_per_layer - ks.pages_per_layer;
+    gy_kv_stats_get(kv, &ks);
+    const int64_t room = gy_kv_config_of(kv)->slots_per_layer - ks.pages_per_layer;
     return free_pages < room ? free_pages : room;
+}
+
+/* Blocks rank i could still hand out: free ones plus what its budget could map. */
+static int64_t gy_engine_rank_free(const gy_engine_rank_state *rs) {
+    return rs->inner.free_blocks(rs->inner.ctx) +
+           gy_kv_blocks_if_grown(rs->r.kv, gy_engine_growable_pages(rs->r.kv));
 }
 
 static int64_t gy_engine_free_blocks(void *ctx) {
     gy_engine *e = ctx;
-    return e->inner.free_blocks(e->inner.ctx) + gy_kv_blocks_if_grown(e->kv, gy_engine_growable_pages(e));
+    int64_t least = gy_engine_rank_free(&e->ranks[0]);
+    for (int32_t i = 1; i < e->n_ranks; i++) {
+        const int64_t f = gy_engine_rank_free(&e->ranks[i]);
+        if (f < least) least = f;
+    }
+    return least;
 }
 
 static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens) {
     gy_engine *e = ctx;
-    return e->inner.blocks_needed(e->inner.ctx, req, n_tokens);
+    return e->ranks[0].inner.blocks_needed(e->ranks[0].inner.ctx, req, n_tokens);
+}
+
+/* Maps pages on one rank until it has `want` free blocks. */
+static gy_status gy_engine_rank_make_room(gy_engine_rank_state *rs, int64_t want) {
+    const int64_t short_by = want - rs->inner.free_blocks(rs->inner.ctx);
+    if (short_by <= 0) return GY_OK;
+    const int64_t max_pages = gy_engine_growable_pages(rs->r.kv);
+    int64_t pages = 1;
+    while (pages <= max_pages && gy_kv_blocks_if_grown(rs->r.kv, pages) < short_by) pages++;
+    if (pages > max_pages)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
+                       (long long)short_by);
+    return gy_kv_grow(rs->r.kv, pages);
 }
 
 static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
     gy_engine *e = ctx;
-    const int64_t short_by = e->inner.blocks_needed(e->inner.ctx, req, n_tokens) -
-                             e->inner.free_blocks(e->inner.ctx);
-    if (short_by > 0) {
-        const int64_t max_pages = gy_engine_growable_pages(e);
-        int64_t pages = 1;
-        while (pages <= max_pages && gy_kv_blocks_if_grown(e->kv, pages) < short_by) pages++;
-        if (pages > max_pages)
-            return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
-                           (long long)short_by);
-        GY_TRY(gy_kv_grow(e->kv, pages));
+    /* Check every rank before reserving on any, so that a refusal changes nothing. */
+    const int64_t need = gy_engine_blocks_needed(e, req, n_tokens);
+    if (need > gy_engine_free_blocks(e))
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
+                       (long long)need);
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_engine_rank_state *rs = &e->ranks[i];
+        GY_TRY(gy_engine_rank_make_room(rs, need));
+        GY_TRY(rs->inner.reserve(rs->inner.ctx, req, n_tokens));
     }
-    return e->inner.reserve(e->inner.ctx, req, n_tokens);
+    return GY_OK;
 }
 
 static void gy_engine_release_kv(void *ctx, int64_t req) {
     gy_engine *e = ctx;
-    e->inner.release(e->inner.ctx, req);
+    for (int32_t i = 0; i < e->n_ranks; i++) e->ranks[i].inner.release(e->ranks[i].inner.ctx, req);
 }
 
 int64_t gy_engine_capacity_blocks(const gy_engine *e) {
-    gy_kv_stats ks;
-    gy_kv_stats_get(e->kv, &ks);
-    return ks.n_blocks + gy_kv_blocks_if_grown(e->kv, gy_engine_growable_pages(e));
+    int64_t least = INT64_MAX;
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_kv_stats ks;
+        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
+        const int64_t n = ks.n_blocks + gy_kv_blocks_if_grown(e->ranks[i].r.kv,
+                                                             gy_engine_growable_pages(e->ranks[i].r.kv));
+        if (n < least) least = n;
+    }
+    return least;
+}
+
+/* ---- rank threads ---- */
+
+static void gy_engine_rank_forward(gy_engine *e, int32_t i) {
+    gy_engine_rank_state *rs = &e->ranks[i];
+    const gy_tp_group tp = {.rank = i, .size = e->n_ranks,
+                            .all_reduce = e->n_ranks > 1 ? gy_comm_rank_all_reduce : NULL,
+                            .ctx = &rs->comm_rank};
+    rs->status = gy_forward(i == 0 ? e->logits : NULL, rs->r.model, &tp, rs->r.kv, &rs->batch,
+                            &rs->ws, rs->r.pool);
+    if (rs->status != GY_OK) snprintf(rs->error, sizeof rs->error, "%s", gy_error_message());
+}
+
+typedef struct gy_engine_thread_arg {
+    gy_engine *e;
+    int32_t rank;
+} gy_engine_thread_arg;
+
+static void *gy_engine_rank_main(void *p) {
+    gy_engine_thread_arg arg = *(gy_engine_thread_arg *)p;
+    free(p);
+    gy_engine *e = arg.e;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        while (e->generation == seen && !e->stopping) pthread_cond_wait(&e->wake, &e->lock);
+        if (e->stopping) {
+            pthread_mutex_unlock(&e->lock);
+            return NULL;
+        }
+        seen = e->generation;
+        pthread_mutex_unlock(&e->lock);
+        gy_engine_rank_forward(e, arg.rank);
+        pthread_mutex_lock(&e->lock);
+        e->n_done++;
+        pthread_cond_signal(&e->done);
+        pthread_mutex_unlock(&e->lock);
+    }
+}
+
+/* Runs the forward pass on every rank (rank 0 on this thread); the first failure wins. */
+static gy_status gy_engine_forward_all(gy_engine *e) {
+    if (e->n_ranks > 1) {
+        pthread_mutex_lock(&e->lock);
+        e->n_done = 0;
+        e->generation++;
+        pthread_cond_broadcast(&e->wake);
+        pthread_mutex_unlock(&e->lock);
+    }
+    gy_engine_rank_forward(e, 0);
+    if (e->n_ranks > 1) {
+        pthread_mutex_lock(&e->lock);
+        while (e->n_done < e->n_ranks - 1) pthread_cond_wait(&e->done, &e->lock);
+        pthread_mutex_unlock(&e->lock);
+    }
+    for (int32_t i = 0; i < e->n_ranks; i++)
+        if (e->ranks[i].status != GY_OK)
+            return GY_FAIL(e->ranks[i].status, "rank %d: %s", (int)i, e->ranks[i].error);
+    return GY_OK;
 }
 
 /* ---- life cycle ---- */
 
-gy_status gy_engine_init(gy_engine **out, const gy_model *model, gy_kv_cache *kv,
-                         gy_threadpool *pool, const gy_engine_config *config) {
-    if (out == NULL || model == NULL || kv == NULL || config == NULL)
+gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
+                         gy_comm *comm, const gy_engine_config *config) {
+    if (out == NULL || ranks == NULL || config == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_init: NULL argument");
     *out = NULL;
+    if (n_ranks < 1 || n_ranks > GY_ENGINE_MAX_RANKS || (n_ranks > 1 && comm == NULL) ||
+        (comm != NULL && gy_comm_size(comm) != n_ranks))
+        return GY_FAIL(GY_ERR_INVALID, "an engine of %d ranks needs a communicator of that size",
+                       (int)n_ranks);
+    for (int32_t i = 0; i < n_ranks; i++)
+        if (ranks[i].model == NULL || ranks[i].kv == NULL)
+            return GY_FAIL(GY_ERR_INVALID, "rank %d has no model or KV cache", (int)i);
     gy_engine *e = calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    e->model = model;
-    e->kv = kv;
-    e->pool = pool;
-    gy_status s = gy_sched_kv_adapter_init(&e->adapter, kv);
-    if (s != GY_OK) {
-        free(e);
-        return s;
+    e->model = ranks[0].model;
+    e->n_ranks = n_ranks;
+    e->comm = comm;
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->wake, NULL);
+    pthread_cond_init(&e->done, NULL);
+    gy_status s = GY_OK;
+    for (int32_t i = 0; i < n_ranks && s == GY_OK; i++) {
+        gy_engine_rank_state *rs = &e->ranks[i];
+        rs->r = ranks[i];
+        rs->comm_rank = (gy_comm_rank){.comm = comm, .rank = i};
+        s = gy_sched_kv_adapter_init(&rs->adapter, ranks[i].kv);
+        if (s == GY_OK) rs->inner = gy_sched_kv_adapter_ops(rs->adapter);
     }
-    e->inner = gy_sched_kv_adapter_ops(e->adapter);
     const gy_sched_kv_ops ops = {.ctx = e, .free_blocks = gy_engine_free_blocks,
                                  .blocks_needed = gy_engine_blocks_needed,
                                  .reserve = gy_engine_reserve, .release = gy_engine_release_kv};
-    const gy_sched_config sc = {
-        .total_blocks = gy_engine_capacity_blocks(e),
-        .block_size = gy_kv_config_of(kv)->block_size,
-        .max_batch_tokens = config->max_batch_tokens,
-        .max_running = config->max_running,
-        .max_prefill_chunk = config->max_prefill_chunk,
-        .watermark_blocks = config->watermark_blocks,
-    };
-    if (sc.total_blocks <= 0) {
-        gy_engine_free(e);
-        return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
-                       "no memory is left for the KV cache after the weights; raise the budget");
+    if (s == GY_OK) {
+        const gy_sched_config sc = {
+            .total_blocks = gy_engine_capacity_blocks(e),
+            .block_size = gy_kv_config_of(ranks[0].kv)->block_size,
+            .max_batch_tokens = config->max_batch_tokens,
+            .max_running = config->max_running,
+            .max_prefill_chunk = config->max_prefill_chunk,
+            .watermark_blocks = config->watermark_blocks,
+        };
+        if (sc.total_blocks <= 0)
+            s = GY_FAIL(GY_ERR_OUT_OF_MEMORY,
+                        "no memory is left for the KV cache after the weights; raise the budget");
+        else
+            s = gy_sched_init(&e->sched, &sc, &ops);
     }
-    s = gy_sched_init(&e->sched, &sc, &ops);
+    for (int32_t i = 1; i < n_ranks && s == GY_OK; i++) {
+        gy_engine_thread_arg *arg = malloc(sizeof *arg);
+        if (arg == NULL) {
+            s = GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+            break;
+        }
+        *arg = (gy_engine_thread_arg){.e = e, .rank = i};
+        if (pthread_create(&e->ranks[i].thread, NULL, gy_engine_rank_main, arg) != 0) {
+            free(arg);
+            s = GY_FAIL(GY_ERR_SYSTEM, "could not start the thread of rank %d", (int)i);
+            break;
+        }
+        e->ranks[i].has_thread = 1;
+    }
     if (s != GY_OK) {
         gy_engine_free(e);
         return s;
@@ -142,16 +284,30 @@ static gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
 
 void gy_engine_free(gy_engine *e) {
     if (e == NULL) return;
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    pthread_cond_broadcast(&e->wake);
+    pthread_mutex_unlock(&e->lock);
+    for (int32_t i = 0; i < e->n_ranks; i++)
+        if (e->ranks[i].has_thread) pthread_join(e->ranks[i].thread, NULL);
     for (int64_t i = 0; i < e->requests.capacity; i++)
         if (e->requests.used[i]) gy_engine_request_free((gy_engine_request *)(intptr_t)e->requests.values[i]);
     gy_idmap_free(&e->requests);
     gy_sched_free(e->sched);
-    gy_sched_kv_adapter_free(e->adapter);
-    gy_forward_ws_free(&e->ws);
-    void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->bt_indptr, e->bt_indices,
-                       e->logit_rows, e->sampled, e->sample_index, e->sampled_ids, e->finished,
-                       e->sample_params, e->stop, e->logits};
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_engine_rank_state *rs = &e->ranks[i];
+        gy_sched_kv_adapter_free(rs->adapter);
+        gy_forward_ws_free(&rs->ws);
+        free(rs->bt_indptr);
+        free(rs->bt_indices);
+    }
+    void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->logit_rows, e->sampled,
+                       e->sample_index, e->sampled_ids, e->finished, e->sample_params, e->stop,
+                       e->logits};
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->wake);
+    pthread_cond_destroy(&e->done);
     free(e);
 }
 
@@ -222,7 +378,7 @@ gy_sched *gy_engine_sched(const gy_engine *e) { return e->sched; }
 
 /* ---- one step ---- */
 
-static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries, int64_t n_blocks) {
+static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries) {
     if (n_tokens > e->cap_tokens) {
         free(e->tokens); free(e->token_seq); free(e->token_pos);
         e->tokens = malloc((size_t)n_tokens * sizeof(int32_t));
@@ -232,9 +388,8 @@ static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_ent
         if (!e->tokens || !e->token_seq || !e->token_pos) goto oom;
     }
     if (n_entries > e->cap_entries) {
-        free(e->bt_indptr); free(e->logit_rows); free(e->sampled); free(e->sample_index);
-        free(e->sampled_ids); free(e->finished); free(e->sample_params); free(e->stop); free(e->logits);
-        e->bt_indptr = malloc((size_t)(n_entries + 1) * sizeof(int32_t));
+        free(e->logit_rows); free(e->sampled); free(e->sample_index); free(e->sampled_ids);
+        free(e->finished); free(e->sample_params); free(e->stop); free(e->logits);
         e->logit_rows = malloc((size_t)n_entries * sizeof(int32_t));
         e->sampled = malloc((size_t)n_entries * sizeof(int32_t));
         e->sample_index = malloc((size_t)n_entries * sizeof(int64_t));
@@ -244,39 +399,52 @@ static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_ent
         e->stop = malloc((size_t)n_entries);
         e->logits = malloc((size_t)(n_entries * e->model->vocab) * sizeof(float));
         e->cap_entries = n_entries;
-        if (!e->bt_indptr || !e->logit_rows || !e->sampled || !e->sample_index || !e->sampled_ids ||
-            !e->finished || !e->sample_params || !e->stop || !e->logits)
+        if (!e->logit_rows || !e->sampled || !e->sample_index || !e->sampled_ids || !e->finished ||
+            !e->sample_params || !e->stop || !e->logits)
             goto oom;
-    }
-    if (n_blocks > e->cap_blocks) {
-        free(e->bt_indices);
-        e->bt_indices = malloc((size_t)n_blocks * sizeof(int32_t));
-        e->cap_blocks = n_blocks;
-        if (!e->bt_indices) goto oom;
     }
     return GY_OK;
 oom:
-    e->cap_tokens = e->cap_entries = e->cap_blocks = 0;
+    e->cap_tokens = e->cap_entries = 0;
     return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's batch");
 }
 
-static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
-    for (int64_t i = 0; i < r->params.n_stop_tokens; i++)
-        if (r->stop_tokens[i] == token) return 1;
-    return 0;
-}
-
-/* Gathers tokens, positions and block tables; fails only on an internal inconsistency. */
-static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
+/* One rank's block tables for the batch, in entry order. */
+static gy_status gy_engine_rank_tables(gy_engine_rank_state *rs, const gy_sched_batch *b) {
     int64_t n_blocks = 0;
     for (int64_t i = 0; i < b->n_entries; i++) {
-        const int64_t seq = gy_sched_kv_adapter_seq(e->adapter, b->entries[i].id);
+        const int64_t seq = gy_sched_kv_adapter_seq(rs->adapter, b->entries[i].id);
         if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld is scheduled without KV", (long long)b->entries[i].id);
-        n_blocks += gy_kv_seq_n_blocks(e->kv, seq);
+        n_blocks += gy_kv_seq_n_blocks(rs->r.kv, seq);
     }
-    GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries, n_blocks > 0 ? n_blocks : 1));
-    int64_t t = 0, blocks = 0, rows = 0;
-    e->bt_indptr[0] = 0;
+    if (b->n_entries + 1 > rs->cap_entries) {
+        free(rs->bt_indptr);
+        rs->bt_indptr = malloc((size_t)(b->n_entries + 1) * sizeof(int32_t));
+        rs->cap_entries = rs->bt_indptr ? b->n_entries + 1 : 0;
+    }
+    if (n_blocks > rs->cap_blocks || rs->bt_indices == NULL) {
+        free(rs->bt_indices);
+        rs->bt_indices = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
+        rs->cap_blocks = rs->bt_indices ? n_blocks : 0;
+    }
+    if (rs->bt_indptr == NULL || rs->bt_indices == NULL)
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
+    int64_t blocks = 0;
+    rs->bt_indptr[0] = 0;
+    for (int64_t i = 0; i < b->n_entries; i++) {
+        const int64_t seq = gy_sched_kv_adapter_seq(rs->adapter, b->entries[i].id);
+        const int64_t nb = gy_kv_seq_n_blocks(rs->r.kv, seq);
+        memcpy(rs->bt_indices + blocks, gy_kv_seq_blocks(rs->r.kv, seq), (size_t)nb * sizeof(int32_t));
+        blocks += nb;
+        rs->bt_indptr[i + 1] = (int32_t)blocks;
+    }
+    return GY_OK;
+}
+
+/* Gathers the tokens and positions, and every rank's block tables and batch. */
+static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
+    GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries));
+    int64_t t = 0, rows = 0;
     for (int64_t i = 0; i < b->n_entries; i++) {
         const gy_sched_entry *en = &b->entries[i];
         const gy_engine_request *r = gy_engine_find(e, en->id);
@@ -287,11 +455,6 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             e->token_seq[t] = (int32_t)i;
             e->token_pos[t] = (int32_t)(en->pos + j);
         }
-        const int64_t seq = gy_sched_kv_adapter_seq(e->adapter, en->id);
-        const int64_t nb = gy_kv_seq_n_blocks(e->kv, seq);
-        memcpy(e->bt_indices + blocks, gy_kv_seq_blocks(e->kv, seq), (size_t)nb * sizeof(int32_t));
-        blocks += nb;
-        e->bt_indptr[i + 1] = (int32_t)blocks;
         if (en->samples) {
             e->logit_rows[rows] = (int32_t)(t - 1);
             e->sample_params[rows] = r->params.sampler;
@@ -300,8 +463,25 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             rows++;
         }
     }
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_engine_rank_state *rs = &e->ranks[i];
+        GY_TRY(gy_engine_rank_tables(rs, b));
+        rs->batch = (gy_forward_batch){
+            .tokens = e->tokens,
+            .paged = {.n_tokens = b->n_tokens, .token_seq = e->token_seq, .token_pos = e->token_pos,
+                      .n_seqs = b->n_entries, .bt_indptr = rs->bt_indptr, .bt_indices = rs->bt_indices},
+            .n_logits = i == 0 ? rows : 0,
+            .logit_rows = e->logit_rows,
+        };
+    }
     *n_logits = rows;
     return GY_OK;
+}
+
+static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
+    for (int64_t i = 0; i < r->params.n_stop_tokens; i++)
+        if (r->stop_tokens[i] == token) return 1;
+    return 0;
 }
 
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
@@ -312,15 +492,7 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     int64_t n_logits = 0;
     gy_status s = b.n_entries > 0 ? gy_engine_build(e, &b, &n_logits) : GY_OK;
     if (s == GY_OK && b.n_entries > 0) {
-        const gy_tp_group tp = {.rank = 0, .size = 1};
-        const gy_forward_batch fb = {
-            .tokens = e->tokens,
-            .paged = {.n_tokens = b.n_tokens, .token_seq = e->token_seq, .token_pos = e->token_pos,
-                      .n_seqs = b.n_entries, .bt_indptr = e->bt_indptr, .bt_indices = e->bt_indices},
-            .n_logits = n_logits,
-            .logit_rows = e->logit_rows,
-        };
-        s = gy_forward(e->logits, e->model, &tp, e->kv, &fb, &e->ws, e->pool);
+        s = gy_engine_forward_all(e);
         if (s == GY_OK && n_logits > 0)
             s = gy_sampler_sample_batch(e->sampled, e->logits, n_logits, e->model->vocab,
                                         e->sample_params, e->sample_index);
@@ -348,10 +520,12 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     GY_TRY(gy_sched_commit(e->sched, now, e->stop, b.n_entries, &done));
     memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
     if (done.n_finished > 0) {
-        /* Give the free tail back; a live NumPy view of a raw-layout layer may refuse, which
+        /* Give the free tails back; a live NumPy view of a raw-layout layer may refuse, which
          * only delays the shrink to a later step. */
-        const int64_t spare = gy_kv_shrinkable_pages(e->kv);
-        if (spare > 0 && gy_kv_shrink(e->kv, spare) != GY_OK) gy_error_clear();
+        for (int32_t i = 0; i < e->n_ranks; i++) {
+            const int64_t spare = gy_kv_shrinkable_pages(e->ranks[i].r.kv);
+            if (spare > 0 && gy_kv_shrink(e->ranks[i].r.kv, spare) != GY_OK) gy_error_clear();
+        }
     }
     out->n_tokens = n_logits;
     out->token_ids = e->sampled_ids;

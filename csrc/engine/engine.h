@@ -1,5 +1,11 @@
-/* engine.h: the single-worker serving loop. One step = schedule (sched/batch.h) -> gather the
- * batch's tokens and block tables -> forward (forward.h) -> sample (sched/sampler.h) -> commit.
+/* engine.h: the serving loop of one instance: a group of `n_ranks` workers serving with tensor
+ * parallelism (1 for a plain engine). One step = schedule (sched/batch.h) -> gather the batch's
+ * tokens and every rank's block tables -> forward on all ranks at once, each on its own thread,
+ * joined by the communicator's all-reduce (forward.h) -> sample on rank 0 -> commit.
+ *
+ * Every rank has its own KV cache holding its KV heads; the scheduler sees the smallest of their
+ * capacities, and a request's blocks are reserved on all ranks together. The block ids may differ
+ * between ranks (after a transformation they do), so each rank gets its own block tables.
  *
  * The KV cache grows on demand: when the scheduler wants blocks that are not there, the engine
  * maps more pages while the arena's budget allows, and after requests finish it gives the free
@@ -13,6 +19,8 @@
 #include "../sched/batch.h"
 #include "../sched/sampler.h"
 #include "forward.h"
+
+struct gy_comm;
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,9 +53,17 @@ typedef struct gy_engine_step_out {
 
 typedef struct gy_engine gy_engine;
 
-/* model, kv and pool are borrowed and must outlive the engine. */
-gy_status gy_engine_init(gy_engine **out, const gy_model *model, gy_kv_cache *kv,
-                         gy_threadpool *pool, const gy_engine_config *config);
+/* One rank: the worker's model (weights in its arena), KV cache and thread pool (may be NULL),
+ * all borrowed and outliving the engine. */
+typedef struct gy_engine_rank {
+    const gy_model *model;
+    gy_kv_cache *kv;
+    gy_threadpool *pool;
+} gy_engine_rank;
+
+/* ranks [n_ranks]; comm joins them (NULL when n_ranks == 1) and is borrowed. */
+gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
+                         struct gy_comm *comm, const gy_engine_config *config);
 void gy_engine_free(gy_engine *e);
 
 /* Copies the prompt; refuses tokens outside the vocabulary, bad sampling params, and requests

@@ -21,6 +21,7 @@ int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);
 int gy_py_engine_add(PyObject *module);
+int gy_py_comm_add(PyObject *module);
 
 /* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
  * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
@@ -44,5 +45,9 @@ struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);
 struct gy_model;
 struct gy_threadpool;
 struct gy_model *gy_py_model_unwrap(PyObject *object, struct gy_threadpool **pool);
+
+/* From py_comm.c: the gy_comm inside a gyges._C.Comm, or NULL with TypeError set. */
+struct gy_comm;
+struct gy_comm *gy_py_comm_unwrap(PyObject *object);
 
 #endif

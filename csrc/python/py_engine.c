@@ -6,37 +6,62 @@
 
 typedef struct {
     PyObject_HEAD
-    PyObject *model_object; /* strong: weights, pool */
-    PyObject *kv_object;    /* strong: the cache */
+    PyObject *keep;    /* strong: a tuple of the models, KV caches and communicator used */
     gy_engine *engine;
 } GyEngineObject;
 
+/* Engine(models, kvs, comm, max_batch_tokens, max_running, max_prefill_chunk=0,
+ *        watermark_blocks=0): models and kvs are sequences of one entry per TP rank; comm is a
+ * gyges._C.Comm of that size, or None for one rank. */
 static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"model", "kv", "max_batch_tokens", "max_running", "max_prefill_chunk",
-                            "watermark_blocks", NULL};
-    PyObject *model_object, *kv_object;
+    static char *names[] = {"models", "kvs", "comm", "max_batch_tokens", "max_running",
+                            "max_prefill_chunk", "watermark_blocks", NULL};
+    PyObject *models, *kvs, *comm_object;
     long long max_batch_tokens, max_running, max_prefill_chunk = 0, watermark = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLL|LL", names, &model_object, &kv_object,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLL|LL", names, &models, &kvs, &comm_object,
                                      &max_batch_tokens, &max_running, &max_prefill_chunk, &watermark))
         return NULL;
-    gy_threadpool *pool;
-    gy_model *model = gy_py_model_unwrap(model_object, &pool);
-    if (model == NULL) return NULL;
-    gy_kv_cache *kv = gy_py_kv_unwrap(kv_object);
-    if (kv == NULL) return NULL;
+    PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comm_object);
+    if (keep == NULL) return NULL;
+    gy_engine_rank ranks[GY_MODEL_MAX_TP];
+    const Py_ssize_t n = PySequence_Size(models);
+    if (n < 1 || n > GY_MODEL_MAX_TP || PySequence_Size(kvs) != n) {
+        Py_DECREF(keep);
+        return PyErr_Format(PyExc_ValueError, "an engine needs 1 to %d ranks, as many models as KV caches",
+                            GY_MODEL_MAX_TP);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PySequence_GetItem(models, i), *k = PySequence_GetItem(kvs, i);
+        ranks[i].model = m ? gy_py_model_unwrap(m, &ranks[i].pool) : NULL;
+        ranks[i].kv = k ? gy_py_kv_unwrap(k) : NULL;
+        Py_XDECREF(m); /* kept alive by `keep` */
+        Py_XDECREF(k);
+        if (ranks[i].model == NULL || ranks[i].kv == NULL) {
+            Py_DECREF(keep);
+            return NULL;
+        }
+    }
+    struct gy_comm *comm = NULL;
+    if (comm_object != Py_None && (comm = gy_py_comm_unwrap(comm_object)) == NULL) {
+        Py_DECREF(keep);
+        return NULL;
+    }
     const gy_engine_config config = {.max_batch_tokens = max_batch_tokens, .max_running = max_running,
                                      .max_prefill_chunk = max_prefill_chunk,
                                      .watermark_blocks = watermark};
     gy_engine *engine;
-    gy_status s = gy_engine_init(&engine, model, kv, pool, &config);
-    if (s != GY_OK) return gy_py_raise(s);
+    gy_status s = gy_engine_init(&engine, ranks, (int32_t)n, comm, &config);
+    if (s != GY_OK) {
+        Py_DECREF(keep);
+        return gy_py_raise(s);
+    }
     GyEngineObject *self = (GyEngineObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
         gy_engine_free(engine);
+        Py_DECREF(keep);
         return NULL;
     }
-    self->model_object = Py_NewRef(model_object);
-    self->kv_object = Py_NewRef(kv_object);
+    self->keep = keep;
     self->engine = engine;
     return (PyObject *)self;
 }
@@ -44,8 +69,7 @@ static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *
 static void gy_py_engine_dealloc(GyEngineObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_engine_free(self->engine);
-    Py_XDECREF(self->kv_object);
-    Py_XDECREF(self->model_object);
+    Py_XDECREF(self->keep);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
 }

@@ -1,0 +1,205 @@
+"""gyges.Host: a group of workers (each a thread with its own arena, its "GPU") serving as one or
+more tensor-parallel instances.
+
+    host = gyges.Host(model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
+                      layout="4xTP1")                    # or "2xTP2", "1xTP4", "TP2+2xTP1"
+    r = host.submit(tokens, params)                      # least-loaded instance that can hold it
+    host.step(); r.output_tokens
+
+Instances are aligned groups as in Flying Serving section 4.3: a TPk instance starts at a worker
+whose index is a multiple of k (pairs {0,1},{2,3}; the quartet {0..3}). One communicator per
+aligned group is created at start-up, so forming a group never pays for set-up.
+"""
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _C
+from .engine import InstanceLoop, SamplingParams
+from .units import parse_size
+from .worker import Worker, default_max_tp
+
+_GROUP = re.compile(r"^(?:(\d+)x)?TP(\d+)$")
+
+
+def parse_layout(layout, n_workers):
+    """'TP2+2xTP1' -> [(0, 2), (2, 1), (3, 1)]: (first worker, TP degree) per instance, checked
+    for alignment and for covering exactly the workers."""
+    groups, start = [], 0
+    for part in layout.replace(" ", "").split("+"):
+        match = _GROUP.match(part)
+        if match is None:
+            raise ValueError(f"layout part {part!r} is not like 'TP2' or '4xTP1' (in {layout!r})")
+        count, tp = int(match.group(1) or 1), int(match.group(2))
+        if count < 1 or tp < 1 or tp & (tp - 1):
+            raise ValueError(f"layout part {part!r}: TP degrees are powers of two, counts >= 1")
+        for _ in range(count):
+            if start % tp:
+                raise ValueError(f"layout {layout!r}: a TP{tp} instance would start at worker "
+                                 f"{start}, which is not aligned to {tp} (use aligned groups "
+                                 f"such as {{0,1}}, {{2,3}}, {{0..3}})")
+            groups.append((start, tp))
+            start += tp
+    if start != n_workers:
+        raise ValueError(f"layout {layout!r} covers {start} workers, the host has {n_workers}")
+    return groups
+
+
+def layout_string(tps):
+    """[1, 1, 2] -> '2xTP1+TP2' (runs of equal degrees collapsed, in worker order)."""
+    parts, i = [], 0
+    while i < len(tps):
+        j = i
+        while j < len(tps) and tps[j] == tps[i]:
+            j += 1
+        parts.append(f"{j - i}xTP{tps[i]}" if j - i > 1 else f"TP{tps[i]}")
+        i = j
+    return "+".join(parts)
+
+
+class Instance:
+    """A TP group of workers with one scheduler and serving loop."""
+
+    def __init__(self, host, first, tp):
+        self.host = host
+        self.workers = tuple(range(first, first + tp))
+        self.tp = tp
+        ranks = [host.worker(w) for w in self.workers]
+        comm = host.comm(first, tp) if tp > 1 else None
+        self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
+                            host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
+        self.loop = InstanceLoop(self._c, host.model.config, host.now)
+
+    @property
+    def requests(self):
+        return self.loop.requests
+
+    def capacity_blocks(self):
+        return self._c.stats()["capacity_blocks"]
+
+    def load(self):
+        """Tokens this instance still has to hold, over its capacity: for placement."""
+        blocks = sum(-(-(len(r.prompt) + r.params.max_tokens) // self.host.block_size)
+                     for r in self.loop.requests.values())
+        return blocks / max(self.capacity_blocks(), 1)
+
+    def __repr__(self):
+        return f"Instance(TP{self.tp}, workers={list(self.workers)}, requests={len(self.requests)})"
+
+
+class Host:
+    def __init__(self, model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
+                 layout=None, block_size=16, kv_layout="header", weight_dtype="f32",
+                 threads_per_worker=1, max_batch_tokens=512, max_running=64,
+                 max_prefill_chunk=0, max_tp=None):
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        layout = layout or f"{workers}xTP1"
+        groups = parse_layout(layout, workers)
+        self.model = model
+        self.block_size = block_size
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.max_prefill_chunk = max_prefill_chunk
+        self.max_tp = max_tp or default_max_tp(model.config, limit=8)
+        self.memory_per_worker = parse_size(memory_per_worker, "memory_per_worker")
+        self._start = time.perf_counter()
+        self._workers = [Worker(model, memory=memory_per_worker, page_size=page_size,
+                                block_size=block_size, kv_layout=kv_layout,
+                                weight_dtype=weight_dtype, max_tp=self.max_tp,
+                                threads=threads_per_worker) for _ in range(workers)]
+        # One communicator per aligned group of every size, made now (Flying Serving's pool).
+        self._comms = {}
+        size = 2
+        while size <= workers and size <= self.max_tp:
+            for first in range(0, workers - size + 1, size):
+                self._comms[(first, size)] = _C.Comm(size)
+            size *= 2
+        for first, tp in groups:
+            self._check_group(first, tp)
+            for rank in range(tp):
+                if tp > 1:
+                    self._workers[first + rank].join_tp(tp, rank)
+        self.instances = [Instance(self, first, tp) for first, tp in groups]
+        self._next_id = 0
+        self._executor = ThreadPoolExecutor(max_workers=max(len(self.instances), 1))
+        self.steps = 0
+
+    def _check_group(self, first, tp):
+        c = self.model.config
+        if c.num_key_value_heads % tp or c.num_attention_heads % tp or self.max_tp % tp:
+            raise ValueError(f"TP{tp} does not divide the model's {c.num_key_value_heads} KV "
+                             f"heads, {c.num_attention_heads} heads and {self.max_tp} FFN shards")
+
+    # ---- parts ----
+    def now(self):
+        return time.perf_counter() - self._start
+
+    def worker(self, index):
+        return self._workers[index]
+
+    def comm(self, first, size):
+        try:
+            return self._comms[(first, size)]
+        except KeyError:
+            raise ValueError(f"no communicator for workers {first}..{first + size - 1}: groups "
+                             f"must be aligned") from None
+
+    def layout(self):
+        """The current layout, e.g. '2xTP1+TP2'."""
+        return layout_string([inst.tp for inst in self.instances])
+
+    # ---- serving ----
+    def submit(self, tokens, params=None, instance=None):
+        """Places a request on `instance` (an index into host.instances) or on the least-loaded
+        instance that can hold it; returns its handle."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a gyges.SamplingParams")
+        if instance is not None:
+            target = self.instances[instance]
+        else:
+            need = -(-(len(tokens) + params.max_tokens) // self.block_size)
+            fits = [inst for inst in self.instances if inst.capacity_blocks() >= need]
+            if not fits:
+                best = max(inst.capacity_blocks() for inst in self.instances)
+                raise ValueError(f"the request needs {need} KV blocks but the largest instance "
+                                 f"holds {best} (layout {self.layout()}); merge instances first")
+            target = min(fits, key=Instance.load)
+        request = target.loop.add(self._next_id, tokens, params)
+        self._next_id += 1
+        return request
+
+    def has_unfinished(self):
+        return any(inst.loop.unfinished() for inst in self.instances)
+
+    def step(self):
+        """One step of every instance, in parallel (each releases the GIL while it computes)."""
+        busy = [inst for inst in self.instances if inst.loop.unfinished()]
+        if len(busy) <= 1:
+            tokens = sum(inst.loop.step() for inst in busy)
+        else:
+            tokens = sum(self._executor.map(lambda inst: inst.loop.step(), busy))
+        if tokens:
+            self.steps += 1
+        return tokens
+
+    def run(self):
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts, params=None):
+        requests = [self.submit(p, params) for p in prompts]
+        self.run()
+        return requests
+
+    def memory(self):
+        """Per worker: bytes in use, peak, weights and KV."""
+        rows = []
+        for i, w in enumerate(self._workers):
+            s = w.arena.stats()
+            rows.append({"worker": i, "in_use": s["bytes_in_use"], "peak": s["peak_bytes"],
+                         "weights": s["bytes_by_tag"]["weights"], "kv": s["bytes_by_tag"]["kv"]})
+        return rows
+
+    def __repr__(self):
+        return f"Host(workers={len(self._workers)}, layout={self.layout()!r})"
