@@ -58,14 +58,15 @@ def layout_string(tps):
 
 
 class Instance:
-    """A TP group of workers with one scheduler and serving loop."""
+    """A TP group of workers with one scheduler and serving loop. `workers` lists the workers in
+    rank order (after a transformation rank order need not be worker order)."""
 
-    def __init__(self, host, first, tp):
+    def __init__(self, host, workers, tp):
         self.host = host
-        self.workers = tuple(range(first, first + tp))
+        self.workers = tuple(workers)
         self.tp = tp
         ranks = [host.worker(w) for w in self.workers]
-        comm = host.comm(first, tp) if tp > 1 else None
+        comm = host.comm(min(self.workers), tp) if tp > 1 else None
         self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
                             host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
         self.loop = InstanceLoop(self._c, host.model.config, host.now)
@@ -73,6 +74,11 @@ class Instance:
     @property
     def requests(self):
         return self.loop.requests
+
+    def close(self):
+        """Stops the serving loop (its rank threads end); the requests' handles stay valid."""
+        self._c = None
+        self.loop._c = None
 
     def capacity_blocks(self):
         return self._c.stats()["capacity_blocks"]
@@ -98,6 +104,7 @@ class Host:
         groups = parse_layout(layout, workers)
         self.model = model
         self.block_size = block_size
+        self.kv_layout = kv_layout
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.max_prefill_chunk = max_prefill_chunk
         self.max_tp = max_tp or default_max_tp(model.config, limit=8)
@@ -115,16 +122,21 @@ class Host:
                 self._comms[(first, size)] = _C.Comm(size)
             size *= 2
         for first, tp in groups:
-            self._check_group(first, tp)
+            self.check_group(first, tp)
             for rank in range(tp):
                 if tp > 1:
                     self._workers[first + rank].join_tp(tp, rank)
-        self.instances = [Instance(self, first, tp) for first, tp in groups]
+        self.instances = [Instance(self, range(first, first + tp), tp) for first, tp in groups]
+        self.transformations = []
         self._next_id = 0
         self._executor = ThreadPoolExecutor(max_workers=max(len(self.instances), 1))
         self.steps = 0
 
-    def _check_group(self, first, tp):
+    def check_group(self, first, tp):
+        """Refuses, naming the reason, a TP degree the model cannot use or an unaligned group."""
+        if first % tp or first < 0 or first + tp > len(self._workers):
+            raise ValueError(f"workers {first}..{first + tp - 1} are not an aligned group of "
+                             f"{tp} on a host of {len(self._workers)}")
         c = self.model.config
         if c.num_key_value_heads % tp or c.num_attention_heads % tp or self.max_tp % tp:
             raise ValueError(f"TP{tp} does not divide the model's {c.num_key_value_heads} KV "
@@ -147,6 +159,40 @@ class Host:
     def layout(self):
         """The current layout, e.g. '2xTP1+TP2'."""
         return layout_string([inst.tp for inst in self.instances])
+
+    def make_instance(self, workers, tp):
+        return Instance(self, workers, tp)
+
+    # ---- transformation ----
+    def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers"):
+        """Changes the TP degree of an aligned group of workers while its requests are in flight:
+        workers=(0, 1, 2, 3), tp=4 merges the instances there into one TP4 instance; tp=1 splits
+        a TP4 instance into four TP1 ones. Carried out at once, between two steps (the
+        layer-staggered variant is not written yet). Returns the Transformation handle; refused
+        with a reason, and nothing changed, when it cannot be done."""
+        from .transform import TransformError, scale_down, scale_up
+        if layers_per_step is not None:
+            raise TransformError("layer-staggered transformation is not implemented yet; "
+                                 "omit layers_per_step")
+        workers = sorted(workers)
+        first, k = workers[0], len(workers)
+        if workers != list(range(first, first + k)) or k & (k - 1) or first % k:
+            raise TransformError(f"workers {workers} are not an aligned group (pairs {{0,1}}, "
+                                 f"{{2,3}}; quartets {{0..3}})")
+        current = [inst for inst in self.instances if set(inst.workers) & set(workers)]
+        if any(not set(inst.workers) <= set(workers) for inst in current):
+            raise TransformError(f"workers {workers} are busy in a group that reaches outside "
+                                 f"them (layout {self.layout()})")
+        if tp == k:
+            t = scale_up(self, first, k, method)
+        elif len(current) == 1 and current[0].tp == k:
+            self.check_group(first, tp)
+            t = scale_down(self, first, k, tp, method, weights_from)
+        else:
+            raise TransformError(f"cannot take workers {workers} (layout {self.layout()}) to TP{tp}: "
+                                 f"merge them into TP{k} or split one TP{k} instance")
+        self.transformations.append(t)
+        return t
 
     # ---- serving ----
     def submit(self, tokens, params=None, instance=None):

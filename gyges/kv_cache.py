@@ -102,7 +102,25 @@ class KVCache:
     def blocks_per_page(self):
         return self.arena.page_size / self.block_bytes
 
+    def reshape(self, n_kv_heads):
+        """Header-centric layout only: re-reads the same pages as blocks of n_kv_heads heads
+        (Gyges' block reshaping); old block b becomes blocks f*b .. f*b+f-1, one per group of
+        heads. Drops every sequence: the caller adopts the planned ones."""
+        self._c.reshape(_index(n_kv_heads, "n_kv_heads"))
+        self.n_kv_heads = n_kv_heads
+
+    def layer_offset(self, layer):
+        """Arena byte offset of the layer's storage."""
+        return self._c.layer_offset(_index(layer, "layer"))
+
     # ---- sequences ----
+    def adopt(self, blocks, n_tokens):
+        """A new sequence owning exactly these (free) blocks; returns its id."""
+        return self._c.seq_adopt(np.ascontiguousarray(blocks, dtype=np.int32), _index(n_tokens, "n_tokens"))
+
+    def n_tokens(self, seq):
+        return self._c.seq_n_tokens(_index(seq, "seq"))
+
     def new_sequence(self):
         return self._c.seq_new()
 

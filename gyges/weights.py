@@ -86,6 +86,7 @@ class ModelWeights:
             raise ValueError(f"intermediate_size {config.intermediate_size} is not divisible by "
                              f"max_tp={max_tp}")
         self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
+        self._host = tensors  # the host copy, for restoring dropped shards
         self.page_size = arena.page_size
         elem = DTYPES[dtype][1]
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -197,6 +198,34 @@ class ModelWeights:
                     self.arena.shrink(slots.start, len(slots))
         self.held = keep
         return before - self.arena.stats()["bytes_in_use"]
+
+    def restore_shards(self, shards, source=None):
+        """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the
+        ModelWeights of a peer worker that holds it (same placement, so same offsets), or from the
+        host copy of the weights when source is None. Returns the bytes copied."""
+        copied = 0
+        for shard in sorted(set(shards) - self.held):
+            peer = source(shard) if source is not None else None
+            if peer is not None and shard not in peer.held:
+                raise ValueError(f"the peer does not hold FFN shard {shard}")
+            for layer in range(self.config.num_hidden_layers):
+                p = f"model.layers.{layer}.mlp."
+                for kind in FFN_KINDS:
+                    slots = self.shard_slots_of(layer, kind, shard)
+                    self.arena.grow(slots.start, len(slots), "weights")
+                    offset = self.shard_offset(layer, kind, shard)
+                    nbytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+                    if peer is not None:
+                        one = np.array([offset], dtype=np.uint64)
+                        self.arena._c.copy_runs(peer.arena._c, one, one, np.array([nbytes], np.uint64))
+                    else:
+                        mat = self._host[p + f"{kind}_proj.weight"]
+                        mat = np.asarray(mat).T if kind == "down" else mat
+                        rows = mat[shard * self.shard_rows:(shard + 1) * self.shard_rows]
+                        self._store(offset, rows, self.dtype)
+                    copied += nbytes
+            self.held.add(shard)
+        return copied
 
     def c_offsets(self, shards=None):
         """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits

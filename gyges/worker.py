@@ -106,3 +106,9 @@ class Worker:
         self.c_model.forward(self.kv._c, i32(tokens), i32(token_seq), i32(token_pos), indptr,
                              indices, rows, logits)
         return logits
+
+    def set_tp(self, tp_size, tp_rank):
+        """Records a new TP position after a transformation changed the weights and KV it holds;
+        the C model is rebuilt over the shards now held."""
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.c_model = self._new_c_model()

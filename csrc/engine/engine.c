@@ -313,8 +313,9 @@ void gy_engine_free(gy_engine *e) {
 
 /* ---- requests ---- */
 
-gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
-                        const gy_engine_params *p, double arrival) {
+/* Checks a request and records it in e->requests (not in the scheduler). */
+static gy_status gy_engine_add_request(gy_engine *e, int64_t id, const int32_t *prompt,
+                                       int64_t prompt_len, const gy_engine_params *p) {
     if (e == NULL || prompt == NULL || p == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
     if (prompt_len <= 0) return GY_FAIL(GY_ERR_INVALID, "the prompt is empty");
     for (int64_t i = 0; i < prompt_len; i++)
@@ -344,17 +345,20 @@ gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t
     r->n_tokens = prompt_len;
     if (p->n_stop_tokens > 0) memcpy(r->stop_tokens, p->stop_tokens, (size_t)p->n_stop_tokens * sizeof(int32_t));
     r->params.stop_tokens = r->stop_tokens;
+    gy_status s = gy_idmap_put(&e->requests, id, (int64_t)(intptr_t)r);
+    if (s != GY_OK) gy_engine_request_free(r);
+    return s;
+}
+
+gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
+                        const gy_engine_params *p, double arrival) {
+    GY_TRY(gy_engine_add_request(e, id, prompt, prompt_len, p));
     const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
                                  .max_new_tokens = p->max_new_tokens, .arrival = arrival};
     gy_status s = gy_sched_add(e->sched, &sr);
     if (s != GY_OK) {
-        gy_engine_request_free(r);
-        return s;
-    }
-    s = gy_idmap_put(&e->requests, id, (int64_t)(intptr_t)r);
-    if (s != GY_OK) {
-        gy_sched_abort(e->sched, id);
-        gy_sched_forget(e->sched, id);
+        gy_engine_request *r = gy_engine_find(e, id);
+        gy_idmap_remove(&e->requests, id);
         gy_engine_request_free(r);
     }
     return s;
@@ -375,6 +379,74 @@ gy_status gy_engine_release(gy_engine *e, int64_t id) {
 }
 
 gy_sched *gy_engine_sched(const gy_engine *e) { return e->sched; }
+int32_t gy_engine_n_ranks(const gy_engine *e) { return e->n_ranks; }
+
+/* ---- moving requests between instances ---- */
+
+int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < e->requests.capacity; i++) {
+        if (!e->requests.used[i]) continue;
+        const gy_engine_request *r = (const gy_engine_request *)(intptr_t)e->requests.values[i];
+        gy_sched_info info;
+        if (gy_sched_info_get(e->sched, r->id, &info) != GY_OK || info.state == GY_SCHED_STATE_FINISHED)
+            continue;
+        if (n < capacity) ids[n] = r->id;
+        n++;
+    }
+    /* The map's order is arbitrary; ids grow with submission, so sorting restores it. */
+    for (int64_t i = 1; i < (n < capacity ? n : capacity); i++)
+        for (int64_t j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
+            const int64_t t = ids[j];
+            ids[j] = ids[j - 1];
+            ids[j - 1] = t;
+        }
+    return n;
+}
+
+gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
+    const gy_engine_request *r = gy_engine_find(e, id);
+    if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    GY_TRY(gy_sched_info_get(e->sched, id, &out->info));
+    out->tokens = r->tokens;
+    out->n_tokens = r->n_tokens;
+    out->prompt_len = r->prompt_len;
+    out->params = r->params;
+    for (int32_t i = 0; i < GY_MODEL_MAX_TP; i++)
+        out->seqs[i] = i < e->n_ranks ? gy_sched_kv_adapter_seq(e->ranks[i].adapter, id) : -1;
+    return GY_OK;
+}
+
+gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                          int64_t prompt_len, const gy_engine_params *params,
+                          const gy_sched_info *info, const int64_t *seqs) {
+    if (e == NULL || tokens == NULL || params == NULL || info == NULL || seqs == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_adopt: NULL argument");
+    if (n_tokens < prompt_len || n_tokens - prompt_len != info->n_generated)
+        return GY_FAIL(GY_ERR_INVALID, "request %lld: %lld tokens for a prompt of %lld and %lld generated",
+                       (long long)id, (long long)n_tokens, (long long)prompt_len,
+                       (long long)info->n_generated);
+    GY_TRY(gy_engine_add_request(e, id, tokens, prompt_len, params));
+    gy_engine_request *r = gy_engine_find(e, id);
+    memcpy(r->tokens + prompt_len, tokens + prompt_len, (size_t)(n_tokens - prompt_len) * sizeof(int32_t));
+    r->n_tokens = n_tokens;
+    gy_status s = GY_OK;
+    int32_t adopted = 0;
+    for (; adopted < e->n_ranks && s == GY_OK; adopted++)
+        if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(e->ranks[adopted].adapter, id, seqs[adopted]);
+    const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
+                                 .max_new_tokens = params->max_new_tokens, .arrival = info->arrival};
+    if (s == GY_OK) s = gy_sched_adopt(e->sched, &sr, info);
+    if (s != GY_OK) {
+        char message[512];
+        snprintf(message, sizeof message, "%s", gy_error_message());
+        for (int32_t i = 0; i < adopted; i++) gy_sched_kv_adapter_forget(e->ranks[i].adapter, id);
+        gy_idmap_remove(&e->requests, id);
+        gy_engine_request_free(r);
+        return GY_FAIL(s, "%s", message);
+    }
+    return GY_OK;
+}
 
 /* ---- one step ---- */
 

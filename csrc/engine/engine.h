@@ -78,7 +78,30 @@ gy_status gy_engine_release(gy_engine *e, int64_t id);
  * run returns n_batch_tokens == 0. */
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out);
 
+/* ---- moving requests between instances (live transformation) ---- */
+
+/* What a transformation needs to know of a request. */
+typedef struct gy_engine_request_view {
+    const int32_t *tokens;    /* (n_tokens) prompt then generated; valid until the next step */
+    int64_t n_tokens;
+    int64_t prompt_len;
+    gy_engine_params params;  /* its stop_tokens stay owned by the engine */
+    gy_sched_info info;
+    int64_t seqs[GY_MODEL_MAX_TP]; /* per rank: its KV sequence in that rank's cache, or -1 */
+} gy_engine_request_view;
+
+/* The ids of the unfinished requests, in the order they were added; returns how many (at most
+ * capacity are written). */
+int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity);
+gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_request_view *out);
+/* Takes over a request with its progress: `seqs[rank]` are sequences already holding its KV in
+ * each rank's cache (all -1 when it holds none: queued requests). */
+gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                          int64_t prompt_len, const gy_engine_params *params,
+                          const gy_sched_info *info, const int64_t *seqs);
+
 gy_sched *gy_engine_sched(const gy_engine *e);
+int32_t gy_engine_n_ranks(const gy_engine *e);
 /* Blocks the whole budget could hold (what the submit-time check uses). */
 int64_t gy_engine_capacity_blocks(const gy_engine *e);
 

@@ -226,6 +226,45 @@ int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages) {
     return gy_kv_blocks_for_pages(kv, kv->pages_per_layer + pages) - kv->stats.n_blocks;
 }
 
+gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->config.layout != GY_KV_LAYOUT_HEAD)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "only the header-centric layout can be reshaped in place (this cache is %s)",
+                       gy_kv_layout_name(kv->config.layout));
+    const int64_t old_heads = kv->config.n_heads;
+    if (n_heads <= 0 || (old_heads % n_heads != 0 && n_heads % old_heads != 0))
+        return GY_FAIL(GY_ERR_INVALID, "cannot reshape blocks of %lld heads into blocks of %lld",
+                       (long long)old_heads, (long long)n_heads);
+    const uint64_t block_bytes = kv->block_bytes / (uint64_t)old_heads * (uint64_t)n_heads;
+    const int64_t max_blocks = (int64_t)((uint64_t)kv->config.slots_per_layer * kv->page_size / block_bytes);
+    if (max_blocks > INT32_MAX)
+        return GY_FAIL(GY_ERR_INVALID, "%lld blocks per layer is more than block ids can name",
+                       (long long)max_blocks);
+    uint8_t *used = calloc((size_t)max_blocks, 1);
+    int32_t *free_blocks = malloc((size_t)max_blocks * sizeof *free_blocks);
+    if (used == NULL || free_blocks == NULL) {
+        free(used);
+        free(free_blocks);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
+    }
+    for (int64_t i = 0; i < kv->seq_capacity; i++)
+        if (kv->seqs[i].live) gy_kv_seq_free(kv, i);
+    free(kv->block_used);
+    free(kv->free_blocks);
+    kv->block_used = used;
+    kv->free_blocks = free_blocks;
+    kv->config.n_heads = n_heads;
+    kv->block_bytes = block_bytes;
+    kv->stats.block_bytes = block_bytes;
+    kv->max_blocks = max_blocks;
+    const int64_t n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer);
+    GY_TRY(gy_kv_set_blocks(kv, n));
+    kv->n_free = 0;
+    for (int64_t b = n - 1; b >= 0; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
+    return GY_OK;
+}
+
 /* ---- sequences ---- */
 
 static gy_kv_seq *gy_kv_live_seq(const gy_kv_cache *kv, int64_t seq) {
@@ -316,6 +355,49 @@ gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {
     kv->free_seqs[kv->n_free_seqs++] = seq;
     kv->n_live_seqs--;
     kv->stats.n_sequences = kv->n_live_seqs;
+    return GY_OK;
+}
+
+gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_blocks,
+                          int64_t n_tokens, int64_t *seq_out) {
+    if (kv == NULL || seq_out == NULL || (blocks == NULL && n_blocks > 0))
+        return GY_FAIL(GY_ERR_INVALID, "gy_kv_seq_adopt: NULL argument");
+    if (n_blocks < 0 || n_tokens < 0 || n_tokens > n_blocks * kv->config.block_size)
+        return GY_FAIL(GY_ERR_INVALID, "%lld tokens do not fit %lld blocks", (long long)n_tokens,
+                       (long long)n_blocks);
+    for (int64_t i = 0; i < n_blocks; i++) {
+        if (blocks[i] < 0 || blocks[i] >= kv->stats.n_blocks)
+            return GY_FAIL(GY_ERR_INVALID, "block %d is out of range [0, %lld)", (int)blocks[i],
+                           (long long)kv->stats.n_blocks);
+        if (kv->block_used[blocks[i]])
+            return GY_FAIL(GY_ERR_STATE, "block %d is already in use", (int)blocks[i]);
+        for (int64_t j = 0; j < i; j++)
+            if (blocks[j] == blocks[i]) return GY_FAIL(GY_ERR_INVALID, "block %d is listed twice", (int)blocks[i]);
+    }
+    int64_t seq;
+    GY_TRY(gy_kv_seq_new(kv, &seq));
+    gy_kv_seq *s = &kv->seqs[seq];
+    if (n_blocks > s->capacity) {
+        int32_t *table = realloc(s->blocks, (size_t)n_blocks * sizeof *table);
+        if (table == NULL) {
+            gy_kv_seq_free(kv, seq);
+            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a block table");
+        }
+        s->blocks = table;
+        s->capacity = n_blocks;
+    }
+    for (int64_t i = 0; i < n_blocks; i++) {
+        s->blocks[i] = blocks[i];
+        kv->block_used[blocks[i]] = 1;
+    }
+    s->n_blocks = n_blocks;
+    s->n_tokens = n_tokens;
+    /* Take the adopted blocks out of the free stack, keeping the order of the rest. */
+    int64_t kept = 0;
+    for (int64_t i = 0; i < kv->n_free; i++)
+        if (!kv->block_used[kv->free_blocks[i]]) kv->free_blocks[kept++] = kv->free_blocks[i];
+    kv->n_free = kept;
+    *seq_out = seq;
     return GY_OK;
 }
 

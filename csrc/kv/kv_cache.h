@@ -64,6 +64,15 @@ gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages);
 int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv);
 int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages);
 
+/* Tensor-parallel transformation (Gyges 4.1.2), header-centric layout only: re-reads the same
+ * memory as blocks of `n_heads` heads. With f = old_heads / new_heads (or its inverse), old block
+ * b becomes new blocks f*b .. f*b+f-1, one per group of heads, and no byte moves. Every sequence
+ * is dropped (the caller adopts the planned ones with gy_kv_seq_adopt); the pages stay. */
+gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads);
+/* A new sequence owning exactly `blocks` (free ones), room for n_tokens. */
+gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_blocks,
+                          int64_t n_tokens, int64_t *seq_out);
+
 /* Sequences and their block tables. reserve makes room for `n_tokens` tokens in total (it only
  * adds blocks), all-or-nothing; it fails with GY_ERR_OUT_OF_MEMORY when too few blocks are free. */
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);

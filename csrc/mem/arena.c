@@ -468,3 +468,20 @@ int64_t gy_arena_physical_table(const gy_arena *a, gy_phys_entry *rows, int64_t 
     pthread_mutex_unlock((pthread_mutex_t *)&a->lock);
     return n;
 }
+
+gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_offsets,
+                             const uint64_t *src_offsets, const uint64_t *bytes, int64_t n) {
+    if (dst == NULL || src == NULL || (n > 0 && (!dst_offsets || !src_offsets || !bytes)))
+        return GY_FAIL(GY_ERR_INVALID, "gy_arena_copy_runs: NULL argument");
+    if (!dst->ops->host_accessible || !src->ops->host_accessible)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "copies between device arenas are not implemented yet");
+    for (int64_t i = 0; i < n; i++)
+        if (!gy_arena_is_mapped(dst, dst_offsets[i], bytes[i]) ||
+            !gy_arena_is_mapped(src, src_offsets[i], bytes[i]))
+            return GY_FAIL(GY_ERR_INVALID, "run %lld (%llu bytes from %llu to %llu) touches unmapped slots",
+                           (long long)i, (unsigned long long)bytes[i],
+                           (unsigned long long)src_offsets[i], (unsigned long long)dst_offsets[i]);
+    for (int64_t i = 0; i < n; i++)
+        memmove((char *)dst->base + dst_offsets[i], (const char *)src->base + src_offsets[i], bytes[i]);
+    return GY_OK;
+}

@@ -111,6 +111,12 @@ int gy_arena_any_pinned(const gy_arena *arena, int64_t slot, int64_t n);
  * Every slot touched must be mapped. */
 gy_status gy_arena_copy(gy_arena *arena, uint64_t dst_offset, uint64_t src_offset, uint64_t bytes);
 
+/* Copies `n` runs between two arenas (a peer-to-peer copy between workers): run i is bytes[i]
+ * bytes from src_offsets[i] of `src` to dst_offsets[i] of `dst`. Every range is checked to be
+ * mapped before anything is copied. Host-memory arenas only for now. */
+gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_offsets,
+                             const uint64_t *src_offsets, const uint64_t *bytes, int64_t n);
+
 /* Queries. */
 void gy_arena_stats_get(const gy_arena *arena, gy_arena_stats *out);
 void gy_arena_reset_peak(gy_arena *arena);

@@ -198,7 +198,36 @@ static PyObject *gy_py_arena_get_base_address(GyArenaObject *self, void *closure
     return PyLong_FromUnsignedLongLong((unsigned long long)gy_arena_base_address(self->arena));
 }
 
+/* copy_runs(src_arena, dst_offsets, src_offsets, nbytes): uint64 buffers of one length. */
+static PyObject *gy_py_arena_copy_runs(GyArenaObject *self, PyObject *args) {
+    PyObject *src_object, *objects[3];
+    if (!PyArg_ParseTuple(args, "OOOO", &src_object, &objects[0], &objects[1], &objects[2])) return NULL;
+    gy_arena *src = gy_py_arena_unwrap(src_object);
+    if (src == NULL) return NULL;
+    Py_buffer views[3];
+    int n_views = 0;
+    for (; n_views < 3; n_views++)
+        if (PyObject_GetBuffer(objects[n_views], &views[n_views], PyBUF_C_CONTIGUOUS) < 0) break;
+    PyObject *result = NULL;
+    if (n_views == 3) {
+        if (views[1].len != views[0].len || views[2].len != views[0].len || views[0].len % 8 != 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_runs: offset and size buffers must be uint64 of one length");
+        } else {
+            gy_status s;
+            Py_BEGIN_ALLOW_THREADS
+            s = gy_arena_copy_runs(self->arena, src, views[0].buf, views[1].buf, views[2].buf,
+                                   views[0].len / 8);
+            Py_END_ALLOW_THREADS
+            result = s == GY_OK ? Py_NewRef(Py_None) : gy_py_raise(s);
+        }
+    }
+    for (int i = 0; i < n_views; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyMethodDef gy_py_arena_methods[] = {
+    {"copy_runs", (PyCFunction)gy_py_arena_copy_runs, METH_VARARGS,
+     "copy_runs(src_arena, dst_offsets, src_offsets, nbytes): runs from another arena into this one"},
     {"create_page", (PyCFunction)gy_py_arena_create_page, METH_VARARGS, "create_page(tag) -> page id"},
     {"release_page", (PyCFunction)gy_py_arena_release_page, METH_VARARGS, "release_page(page)"},
     {"map", (PyCFunction)gy_py_arena_map, METH_VARARGS, "map(slot, page)"},

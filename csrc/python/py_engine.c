@@ -173,7 +173,109 @@ static PyObject *gy_py_engine_stats(GyEngineObject *self, PyObject *unused) {
                          (long long)gy_engine_capacity_blocks(self->engine));
 }
 
+static PyObject *gy_py_engine_request_ids(GyEngineObject *self, PyObject *unused) {
+    const int64_t n = gy_engine_request_ids(self->engine, NULL, 0);
+    int64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    if (ids == NULL) return PyErr_NoMemory();
+    gy_engine_request_ids(self->engine, ids, n);
+    PyObject *list = PyList_New(n);
+    for (int64_t i = 0; list != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(ids[i]);
+        if (v == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    free(ids);
+    return list;
+}
+
+static PyObject *gy_py_engine_info_dict(const gy_sched_info *info) {
+    return Py_BuildValue("{sisssLsLsLsLsdsdsd}", "state_id", (int)info->state, "state",
+                         gy_sched_state_name(info->state), "n_generated", (long long)info->n_generated,
+                         "n_computed", (long long)info->n_computed, "prefill_end",
+                         (long long)info->prefill_end, "n_preemptions", (long long)info->n_preemptions,
+                         "arrival", info->arrival, "first_scheduled", info->first_scheduled,
+                         "first_token", info->first_token);
+}
+
+/* export(id) -> dict: tokens (int32 bytes), prompt_len, sampling params, info, seqs per rank */
+static PyObject *gy_py_engine_export(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    gy_engine_request_view v;
+    gy_status s = gy_engine_request_get(self->engine, id, &v);
+    if (s != GY_OK) return gy_py_raise(s);
+    const int32_t n_ranks = gy_engine_n_ranks(self->engine);
+    PyObject *seqs = PyList_New(n_ranks);
+    if (seqs == NULL) return NULL;
+    for (int32_t i = 0; i < n_ranks; i++) {
+        PyObject *x = PyLong_FromLongLong(v.seqs[i]);
+        if (x == NULL) {
+            Py_DECREF(seqs);
+            return NULL;
+        }
+        PyList_SET_ITEM(seqs, i, x);
+    }
+    return Py_BuildValue("{sy#sLsLsdsLsdsKsy#sNsN}", "tokens", (const char *)v.tokens,
+                         (Py_ssize_t)(v.n_tokens * 4), "prompt_len", (long long)v.prompt_len,
+                         "max_new_tokens", (long long)v.params.max_new_tokens, "temperature",
+                         v.params.sampler.temperature, "top_k", (long long)v.params.sampler.top_k,
+                         "top_p", v.params.sampler.top_p, "seed",
+                         (unsigned long long)v.params.sampler.seed, "stop_tokens",
+                         (const char *)v.params.stop_tokens, (Py_ssize_t)(v.params.n_stop_tokens * 4),
+                         "info", gy_py_engine_info_dict(&v.info), "seqs", seqs);
+}
+
+/* adopt(id, tokens, prompt_len, max_new, temperature, top_k, top_p, seed, stop_tokens,
+ *       (state_id, n_generated, n_computed, prefill_end, n_preemptions, arrival,
+ *        first_scheduled, first_token), seqs) */
+static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
+    long long id, prompt_len, max_new, top_k, G, C, E, preemptions;
+    unsigned long long seed;
+    double temperature, top_p, arrival, first_scheduled, first_token;
+    int state;
+    PyObject *tokens_object, *stop_object, *seqs_object;
+    if (!PyArg_ParseTuple(args, "LOLLdLdKO(iLLLLddd)O", &id, &tokens_object, &prompt_len, &max_new,
+                          &temperature, &top_k, &top_p, &seed, &stop_object, &state, &G, &C, &E,
+                          &preemptions, &arrival, &first_scheduled, &first_token, &seqs_object))
+        return NULL;
+    int64_t seqs[GY_MODEL_MAX_TP];
+    for (int i = 0; i < GY_MODEL_MAX_TP; i++) seqs[i] = -1;
+    const Py_ssize_t n_seqs = PySequence_Size(seqs_object);
+    if (n_seqs < 0 || n_seqs > GY_MODEL_MAX_TP) return PyErr_Format(PyExc_ValueError, "bad seqs");
+    for (Py_ssize_t i = 0; i < n_seqs; i++) {
+        PyObject *x = PySequence_GetItem(seqs_object, i);
+        seqs[i] = x ? PyLong_AsLongLong(x) : -1;
+        Py_XDECREF(x);
+        if (PyErr_Occurred()) return NULL;
+    }
+    Py_buffer tokens, stop;
+    if (PyObject_GetBuffer(tokens_object, &tokens, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(stop_object, &stop, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&tokens);
+        return NULL;
+    }
+    const gy_engine_params params = {
+        .sampler = {.temperature = temperature, .top_p = top_p, .top_k = top_k, .seed = seed},
+        .max_new_tokens = max_new, .stop_tokens = stop.buf, .n_stop_tokens = stop.len / 4};
+    const gy_sched_info info = {.state = (gy_sched_state)state, .prompt_len = prompt_len,
+                                .max_new_tokens = max_new, .n_generated = G, .n_computed = C,
+                                .prefill_end = E, .n_preemptions = preemptions, .arrival = arrival,
+                                .first_scheduled = first_scheduled, .first_token = first_token};
+    gy_status s = gy_engine_adopt(self->engine, id, tokens.buf, tokens.len / 4, prompt_len, &params,
+                                  &info, seqs);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&stop);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gy_py_engine_methods[] = {
+    {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},
+    {"export", (PyCFunction)gy_py_engine_export, METH_VARARGS, "export(id) -> dict"},
+    {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS, "adopt(id, tokens, ...)"},
     {"add", (PyCFunction)gy_py_engine_add_request, METH_VARARGS,
      "add(id, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, arrival)"},
     {"step", (PyCFunction)gy_py_engine_step, METH_VARARGS, "step(now) -> (tokens, finished, batch_tokens, preempted)"},

@@ -202,7 +202,31 @@ static PyObject *gy_py_kv_layer_view(GyKVObject *self, PyObject *args) {
                                 (uint64_t)st.n_blocks * st.block_bytes, 0);
 }
 
+static PyObject *gy_py_kv_reshape(GyKVObject *self, PyObject *args) {
+    long long heads;
+    if (!PyArg_ParseTuple(args, "L", &heads)) return NULL;
+    gy_status s = gy_kv_reshape(self->kv, heads);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+/* seq_adopt(blocks_int32, n_tokens) -> seq */
+static PyObject *gy_py_kv_seq_adopt(GyKVObject *self, PyObject *args) {
+    PyObject *blocks_object;
+    long long n_tokens;
+    if (!PyArg_ParseTuple(args, "OL", &blocks_object, &n_tokens)) return NULL;
+    Py_buffer blocks;
+    if (PyObject_GetBuffer(blocks_object, &blocks, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int64_t seq;
+    gy_status s = gy_kv_seq_adopt(self->kv, blocks.buf, blocks.len / 4, n_tokens, &seq);
+    PyBuffer_Release(&blocks);
+    if (s != GY_OK) return gy_py_raise(s);
+    return PyLong_FromLongLong(seq);
+}
+
 static PyMethodDef gy_py_kv_methods[] = {
+    {"reshape", (PyCFunction)gy_py_kv_reshape, METH_VARARGS, "reshape(n_heads): header-centric blocks of n_heads heads"},
+    {"seq_adopt", (PyCFunction)gy_py_kv_seq_adopt, METH_VARARGS, "seq_adopt(blocks, n_tokens) -> seq"},
     {"grow", (PyCFunction)gy_py_kv_grow, METH_VARARGS, "grow(pages)"},
     {"shrink", (PyCFunction)gy_py_kv_shrink, METH_VARARGS, "shrink(pages)"},
     {"seq_new", (PyCFunction)gy_py_kv_seq_new, METH_NOARGS, "seq_new() -> seq id"},

@@ -264,6 +264,51 @@ gy_status gy_sched_add(gy_sched *s, const gy_sched_request *q) {
     return GY_OK;
 }
 
+gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *q, const gy_sched_info *info) {
+    if (s == NULL || q == NULL || info == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_adopt: NULL argument");
+    GY_TRY(gy_sched_usable(s));
+    if (s->in_flight) return GY_FAIL(GY_ERR_STATE, "cannot adopt a request while a step is in flight");
+    const gy_sched_state state = info->state;
+    if (state == GY_SCHED_STATE_FINISHED || (int)state < 0 || state >= GY_SCHED_STATE_COUNT)
+        return GY_FAIL(GY_ERR_INVALID, "request %lld: only unfinished requests can be adopted", (long long)q->id);
+    if (info->n_generated < 0 || info->n_generated >= q->max_new_tokens ||
+        info->n_computed < 0 || info->n_computed > q->prompt_len + info->n_generated ||
+        (state == GY_SCHED_STATE_WAITING && (info->n_generated != 0 || info->n_computed != 0)) ||
+        (state == GY_SCHED_STATE_RUNNING && (info->prefill_end < 1 ||
+                                             info->prefill_end > q->prompt_len + info->n_generated)))
+        return GY_FAIL(GY_ERR_INVALID, "request %lld: inconsistent progress (G=%lld, C=%lld, E=%lld)",
+                       (long long)q->id, (long long)info->n_generated, (long long)info->n_computed,
+                       (long long)info->prefill_end);
+    if (state == GY_SCHED_STATE_RUNNING && s->n_running >= s->config.max_running)
+        return GY_FAIL(GY_ERR_LIMIT, "cannot adopt request %lld: %lld requests already run",
+                       (long long)q->id, (long long)s->n_running);
+    if (state == GY_SCHED_STATE_WAITING) return gy_sched_add(s, q);
+    GY_TRY(gy_sched_add(s, q));
+    int64_t slot;
+    GY_TRY(gy_sched_lookup(s, q->id, &slot));
+    gy_sched_req *r = &s->reqs[slot];
+    gy_sched_queue_unlink(s, &s->waiting_q, slot);
+    s->counts[GY_SCHED_STATE_WAITING]--;
+    r->n_generated = info->n_generated;
+    r->n_preemptions = info->n_preemptions;
+    r->first_scheduled = info->first_scheduled;
+    r->first_token = info->first_token;
+    if (state == GY_SCHED_STATE_RUNNING) {
+        r->n_computed = info->n_computed;
+        r->prefill_end = info->prefill_end;
+        r->admission = s->next_admission++;
+        r->state = GY_SCHED_STATE_RUNNING;
+        s->running[s->n_running++] = slot;
+    } else {
+        /* Queued after a preemption: it will be recomputed from scratch, behind the others. */
+        r->n_computed = 0;
+        r->state = GY_SCHED_STATE_PREEMPTED;
+        gy_sched_queue_link(s, &s->preempted_q, s->preempted_q.tail, slot);
+    }
+    s->counts[r->state]++;
+    return GY_OK;
+}
+
 /* ---- one step ---- */
 
 static void gy_sched_remove_running(gy_sched *s, int64_t slot) {

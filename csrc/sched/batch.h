@@ -172,6 +172,12 @@ gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t 
 /* Finishes a queued or running request (reason ABORT) and releases its KV; an entry of it in the
  * step under way is then ignored by commit. */
 gy_status gy_sched_abort(gy_sched *s, int64_t id);
+/* Takes over a request from another scheduler with its progress (a live transformation moves
+ * requests between instances without recomputing them). `info` is what gy_sched_info_get said
+ * in the old scheduler: RUNNING requests arrive running, with n_computed tokens of KV that the
+ * caller has already placed behind this scheduler's KV ops; WAITING and PREEMPTED ones arrive
+ * queued. Refused (nothing changed) when the state is inconsistent or the running set is full. */
+gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *request, const gy_sched_info *info);
 /* Drops a finished request's record so its memory and id can be reused. */
 gy_status gy_sched_forget(gy_sched *s, int64_t id);
 

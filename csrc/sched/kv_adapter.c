@@ -75,3 +75,18 @@ gy_sched_kv_ops gy_sched_kv_adapter_ops(gy_sched_kv_adapter *a) {
     };
     return ops;
 }
+
+gy_status gy_sched_kv_adapter_adopt(gy_sched_kv_adapter *a, int64_t req, int64_t seq) {
+    if (a == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL adapter");
+    int64_t existing;
+    if (gy_idmap_get(&a->seqs, req, &existing))
+        return GY_FAIL(GY_ERR_STATE, "request %lld already holds KV sequence %lld", (long long)req,
+                       (long long)existing);
+    if (gy_kv_seq_n_blocks(a->kv, seq) < 0)
+        return GY_FAIL(GY_ERR_STATE, "KV sequence %lld does not exist", (long long)seq);
+    return gy_idmap_put(&a->seqs, req, seq);
+}
+
+void gy_sched_kv_adapter_forget(gy_sched_kv_adapter *a, int64_t req) {
+    if (a != NULL) gy_idmap_remove(&a->seqs, req);
+}

@@ -22,6 +22,10 @@ gy_status gy_sched_kv_adapter_init(gy_sched_kv_adapter **out, gy_kv_cache *kv);
 void gy_sched_kv_adapter_free(gy_sched_kv_adapter *a);
 /* The ops table over `a`; `a` must outlive every scheduler using it. */
 gy_sched_kv_ops gy_sched_kv_adapter_ops(gy_sched_kv_adapter *a);
+/* Makes `seq` (a live sequence of the cache) the KV of request `req`, which must hold none. */
+gy_status gy_sched_kv_adapter_adopt(gy_sched_kv_adapter *a, int64_t req, int64_t seq);
+/* Forgets request `req`'s sequence without freeing it (undoes an adopt). */
+void gy_sched_kv_adapter_forget(gy_sched_kv_adapter *a, int64_t req);
 /* The KV sequence of request `req`, or -1 when it holds none. */
 int64_t gy_sched_kv_adapter_seq(const gy_sched_kv_adapter *a, int64_t req);
 

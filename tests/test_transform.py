@@ -1,0 +1,194 @@
+"""Live TP transformations with requests in flight (Gyges 4.1-4.2): token streams bit-identical
+to serving with no transformation, KV heads on the right workers with unchanged values, FFN
+pages exactly the owned shards, no leaked pages, and refusals that change nothing."""
+import numpy as np
+import pytest
+
+import gyges
+from gyges.transform import TransformError
+
+MEMORY = "48MiB"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gyges.Model.tiny()
+
+
+def prompts(n, seed, lo=4, hi=70):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 4096, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+PARAMS = gyges.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=21, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Token streams served by one engine, no transformation."""
+    cache = {}
+
+    def get(seed, n=10):
+        if (seed, n) not in cache:
+            cache[(seed, n)] = [r.output_tokens for r in
+                                gyges.Engine(tiny, memory="96MiB").generate(prompts(n, seed), PARAMS)]
+        return cache[(seed, n)]
+    return get
+
+
+def new_host(tiny, layout):
+    # A small prefill chunk so that transformations land in the middle of prefills too.
+    return gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, layout=layout,
+                      max_prefill_chunk=16, max_batch_tokens=64)
+
+
+def kv_by_request(host):
+    """request id -> per layer (K, V) with every KV head, assembled from the ranks that hold them."""
+    out = {}
+    L = host.model.config.num_hidden_layers
+    for inst in host.instances:
+        for rid in inst._c.request_ids():
+            seqs = inst._c.export(rid)["seqs"]
+            if min(seqs) < 0:
+                continue
+            layers = []
+            for layer in range(L):
+                parts = [host.worker(w).kv.gather(seq, layer) for w, seq in zip(inst.workers, seqs)]
+                n = min(p[0].shape[0] for p in parts)
+                layers.append((np.concatenate([p[0][:n] for p in parts], axis=1),
+                               np.concatenate([p[1][:n] for p in parts], axis=1)))
+            out[rid] = layers
+    return out
+
+
+def check_placement(host):
+    """Each worker holds the KV heads and FFN shards of its rank, and nothing else."""
+    H = host.model.config.num_key_value_heads
+    for inst in host.instances:
+        for rank, w in enumerate(inst.workers):
+            worker = host.worker(w)
+            assert worker.tp_size == inst.tp and worker.tp_rank == rank
+            assert worker.kv.n_kv_heads == H // inst.tp
+            assert worker.weights.held == worker.owned_shards(inst.tp, rank)
+            weights = worker.arena.stats()["bytes_by_tag"]["weights"]
+            w_ = worker.weights
+            expected = (w_.replicated_slots + len(w_.held) * w_.shard_slots * 3
+                        * host.model.config.num_hidden_layers) * w_.page_size
+            assert weights == expected
+
+
+@pytest.mark.parametrize("start, target, workers, steps", [
+    ("4xTP1", 2, (0, 1), 3), ("2xTP2", 4, (0, 1, 2, 3), 5), ("4xTP1", 4, (0, 1, 2, 3), 2),
+    ("1xTP4", 1, (0, 1, 2, 3), 4), ("1xTP4", 2, (0, 1, 2, 3), 6), ("2xTP2", 1, (2, 3), 3),
+])
+def test_transformations_keep_every_token_stream(tiny, reference, start, target, workers, steps):
+    host = new_host(tiny, start)
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    for _ in range(steps):
+        host.step()
+    before = kv_by_request(host)
+    t = host.transform(workers=workers, tp=target)
+    assert t.done and t.stats["requests_moved"] > 0
+    after = kv_by_request(host)
+    assert set(before) == set(after)
+    for rid in before:  # every head of every token moved with its values unchanged
+        for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
+            n = min(k0.shape[0], k1.shape[0])
+            np.testing.assert_array_equal(k0[:n], k1[:n])
+            np.testing.assert_array_equal(v0[:n], v1[:n])
+    check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in requests] == reference(1)
+
+
+def test_twenty_round_trips_leak_nothing(tiny, reference):
+    host = new_host(tiny, "4xTP1")
+    start = [m["in_use"] for m in host.memory()]
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    for trip in range(20):
+        host.step()
+        host.transform(workers=(0, 1, 2, 3), tp=4)
+        assert host.layout() == "TP4"
+        host.step()
+        host.transform(workers=(0, 1, 2, 3), tp=1, weights_from="host" if trip % 2 else "peers")
+        assert host.layout() == "4xTP1"
+    check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in requests] == reference(1)
+    assert [m["in_use"] for m in host.memory()] == start
+
+
+def test_scale_up_moves_only_other_heads_and_reuses_freed_space(tiny):
+    host = new_host(tiny, "4xTP1")
+    for p in prompts(12, seed=3, lo=40, hi=90):
+        host.submit(p, PARAMS)
+    for _ in range(8):
+        host.step()
+    kv_before = [host.worker(w).arena.stats()["bytes_by_tag"]["kv"] for w in range(4)]
+    t = host.transform(workers=(0, 1, 2, 3), tp=4)
+    s = t.stats
+    # A worker keeps one of four heads in place and sends the other three quarters.
+    for w in range(4):
+        assert s["weight_bytes_released"][w] > 0 and s["weight_bytes_copied"][w] == 0
+        assert s["peak_extra_bytes"][w] <= 0.5 * kv_before[w] + host.worker(w).page_size * 4
+    assert sum(s["bytes_sent"].values()) == sum(s["bytes_received"].values()) > 0
+
+
+def test_a_request_too_long_for_tp1_is_served_after_the_merge(tiny):
+    host = gyges.Host(tiny, workers=4, memory_per_worker="24MiB", layout="4xTP1")
+    params = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
+    short = [host.submit(p, params) for p in prompts(4, seed=4)]
+    host.step()
+    long_prompt = list(range(1, 1500))
+    with pytest.raises(ValueError, match="merge instances"):
+        host.submit(long_prompt, params)
+    host.transform(workers=(0, 1, 2, 3), tp=4)
+    long = host.submit(long_prompt, params)
+    host.run()
+    assert len(long.output_tokens) == 8 and all(len(r.output_tokens) == 8 for r in short)
+
+
+def state_of(host):
+    tables = {}
+    for inst in host.instances:
+        for rid in inst._c.request_ids():
+            ex = inst._c.export(rid)
+            tables[rid] = [host.worker(w).kv.block_table(seq).tolist() if seq >= 0 else None
+                           for w, seq in zip(inst.workers, ex["seqs"])]
+    return (host.layout(), [host.worker(w).arena.page_table().tolist() for w in range(4)], tables)
+
+
+def test_refusals_change_nothing(tiny):
+    host = new_host(tiny, "TP2+2xTP1")
+    for p in prompts(6, seed=5):
+        host.submit(p, PARAMS)
+    host.step()
+    before = state_of(host)
+    refusals = [
+        (dict(workers=(1, 2), tp=2), "aligned"),                 # unaligned group
+        (dict(workers=(0, 1, 2), tp=2), "aligned"),
+        (dict(workers=(2, 3), tp=4), "TP"),                      # tp must match the group
+        (dict(workers=(0, 1), tp=4), "TP"),
+        (dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "not implemented"),
+        (dict(workers=(0, 1, 2, 3), tp=4, method="basic"), "not implemented"),
+    ]
+    for kwargs, match in refusals:
+        with pytest.raises((TransformError, ValueError), match=match):
+            host.transform(**kwargs)
+        assert state_of(host) == before
+    # Mixed degrees in one group cannot merge in one go.
+    with pytest.raises(TransformError, match="one TP degree"):
+        host.transform(workers=(0, 1, 2, 3), tp=4)
+    assert state_of(host) == before
+    # Scale-down refused when the requests cannot fit: memory for the TP1 instances is short.
+    # TP2 weights leave ~8 MB of KV a worker; back at TP1 the full FFN leaves ~3 MB.
+    tight = gyges.Host(tiny, workers=2, memory_per_worker="24MiB", layout="TP2")
+    for p in prompts(10, seed=6, lo=150, hi=200):
+        tight.submit(p, gyges.SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(12):
+        tight.step()
+    snapshot = (tight.layout(), [tight.worker(w).arena.page_table().tolist() for w in range(2)])
+    with pytest.raises(TransformError, match="scale-down refused"):
+        tight.transform(workers=(0, 1), tp=1)
+    assert (tight.layout(), [tight.worker(w).arena.page_table().tolist() for w in range(2)]) == snapshot
+    tight.run()
