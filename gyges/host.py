@@ -97,7 +97,7 @@ class Host:
     def __init__(self, model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
                  layout=None, block_size=16, kv_layout="header", weight_dtype="f32",
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
-                 max_prefill_chunk=0, max_tp=None):
+                 max_prefill_chunk=0, max_tp=None, pad_ffn=True):
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         layout = layout or f"{workers}xTP1"
@@ -113,7 +113,8 @@ class Host:
         self._workers = [Worker(model, memory=memory_per_worker, page_size=page_size,
                                 block_size=block_size, kv_layout=kv_layout,
                                 weight_dtype=weight_dtype, max_tp=self.max_tp,
-                                threads=threads_per_worker) for _ in range(workers)]
+                                threads=threads_per_worker, pad_ffn=pad_ffn)
+                         for _ in range(workers)]
         # One communicator per aligned group of every size, made now (Flying Serving's pool).
         self._comms = {}
         size = 2
@@ -164,12 +165,15 @@ class Host:
         return Instance(self, workers, tp)
 
     # ---- transformation ----
-    def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers"):
+    def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers",
+                  phase_chunks=4):
         """Changes the TP degree of an aligned group of workers while its requests are in flight:
         workers=(0, 1, 2, 3), tp=4 merges the instances there into one TP4 instance; tp=1 splits
         a TP4 instance into four TP1 ones. Carried out at once, between two steps (the
-        layer-staggered variant is not written yet). Returns the Transformation handle; refused
-        with a reason, and nothing changed, when it cannot be done."""
+        layer-staggered variant is not written yet). phase_chunks cuts each all-to-all phase of
+        the KV migration into rounds (more rounds, less extra memory). Returns the
+        Transformation handle; refused with a reason, and nothing changed, when it cannot be
+        done."""
         from .transform import TransformError, scale_down, scale_up
         if layers_per_step is not None:
             raise TransformError("layer-staggered transformation is not implemented yet; "
@@ -184,7 +188,9 @@ class Host:
             raise TransformError(f"workers {workers} are busy in a group that reaches outside "
                                  f"them (layout {self.layout()})")
         if tp == k:
-            t = scale_up(self, first, k, method)
+            if not isinstance(phase_chunks, int) or phase_chunks < 1:
+                raise TransformError(f"phase_chunks must be a positive integer, got {phase_chunks!r}")
+            t = scale_up(self, first, k, method, chunks=phase_chunks)
         elif len(current) == 1 and current[0].tp == k:
             self.check_group(first, tp)
             t = scale_down(self, first, k, tp, method, weights_from)

@@ -49,6 +49,7 @@ class Transformation:
                       "weight_bytes_released": {w: 0 for w in workers},
                       "weight_bytes_copied": {w: 0 for w in workers},
                       "kv_pages_mapped": {w: 0 for w in workers},
+                      "kv_bytes_trimmed": {w: 0 for w in workers},
                       "peak_extra_bytes": {w: 0 for w in workers},
                       "requests_moved": 0, "phase_seconds": {}}
 
@@ -92,10 +93,119 @@ def _adopt_all(instance, moved, seqs_of):
         instance.loop.requests[rid] = handle
 
 
-def scale_up(host, first, k, method="gyges"):
-    """Merges the instances on workers [first, first+k) into one TPk instance."""
-    if method != "gyges":
-        raise TransformError(f"method {method!r} is not implemented yet; only 'gyges' is")
+METHODS = ("gyges", "stop_world", "basic", "partial_swap")
+
+
+def _mechanisms(host, method):
+    """(weights, kv) mechanisms of a method:
+    gyges, stop_world: release padded shards page by page; KV in place (header-centric layout).
+        Both run every layer at once between two steps in this version, which is what
+        stop_world means; gyges will differ once layer-staggered execution exists.
+    basic: Gyges' Basic for the KV (any layout: build the new blocks in fresh pages, migrate the
+        other heads into them, then trim by copying the kept heads and freeing the old pages);
+        weights as the host is padded or not.
+    partial_swap: weights by partial swap (unpadded FFN: copy the kept shard to the front, then
+        release); KV in place when the layout allows it."""
+    if method not in METHODS:
+        raise TransformError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    padded = host.worker(0).weights.pad
+    if method == "partial_swap":
+        if padded:
+            raise TransformError("partial_swap needs unpadded FFN weights (Host(..., pad_ffn=False))")
+        return "swap", ("inplace" if host.kv_layout == "header" else "basic")
+    if method == "basic":
+        return ("drop" if padded else "swap"), "basic"
+    if not padded:
+        raise TransformError(f"method {method!r} needs padded FFN weights; use partial_swap")
+    if host.kv_layout != "header":
+        raise TransformError("in-place KV migration needs the header-centric layout "
+                             f"(this host uses {host.kv_layout!r}); use method='basic'")
+    return "drop", "inplace"
+
+
+def _kv_basic(host, tr, moved, group, heads_of, home_ranks, k_new):
+    """Gyges' Basic: every worker builds a new cache (H/k_new heads) in fresh pages of its other
+    slot region, receives the heads it now owns of every request (migrate) and copies in its own
+    (trim), then frees the old pages. Returns worker -> request id -> sequence."""
+    config = host.model.config
+    L = config.num_hidden_layers
+    ntok = {h.id: max(n) for h, _, _, n in moved}
+    new_kv, seq_of = {}, {w: {} for w in group}
+    for w in group:  # all-or-nothing memory check before anything changes
+        worker = host.worker(w)
+        probe_bytes = worker.kv.block_bytes // worker.kv.n_kv_heads * (config.num_key_value_heads // k_new)
+        per_page = worker.page_size // probe_bytes
+        blocks = sum(-(-ntok[h.id] // host.block_size) for h, _, _, n in moved if max(n))
+        pages = -(-blocks // per_page) if blocks else 0
+        s = worker.arena.stats()
+        if pages * L * worker.page_size > s["budget_bytes"] - s["bytes_in_use"]:
+            raise OutOfMemoryError(f"the basic migration needs {pages * L * worker.page_size:,} "
+                                   f"bytes of new KV pages on worker {w} while the old ones are "
+                                   f"still in use; only {s['budget_bytes'] - s['bytes_in_use']:,} "
+                                   f"are free")
+    for w in group:
+        worker = host.worker(w)
+        base = worker.arena.stats()["bytes_in_use"]
+        worker.arena.reset_peak()
+        new = worker._new_kv(k_new, region=1 - worker.kv_region)
+        for handle, ex, tabs, n in moved:
+            if not max(n):
+                continue
+            need = new.stats()["free_blocks"]
+            want = -(-ntok[handle.id] // host.block_size)
+            if want > need:
+                per_page = worker.page_size // new.block_bytes
+                new.grow(-(-(want - need) // per_page))
+            seq = new.new_sequence()
+            new.reserve(seq, ntok[handle.id])
+            seq_of[w][handle.id] = seq
+        new_kv[w] = (new, base)
+        tr.stats["kv_pages_mapped"][w] = new.stats()["pages_per_layer"] * L
+    for layer in range(L):
+        for handle, ex, tabs, n in moved:
+            if not max(n):
+                continue
+            # The whole request's K/V from the ranks that held it, then each new owner's heads.
+            parts = [(w_old, host.worker(w_old).kv.gather(seq, layer, 0, ntok[handle.id]))
+                     for w_old, seq in zip(home_ranks[handle.id], ex["seqs"]) if seq >= 0]
+            k_all = np.concatenate([p[1][0] for p in parts], axis=1)
+            v_all = np.concatenate([p[1][1] for p in parts], axis=1)
+            held_by = [w_old for w_old, (kk, _) in parts for _ in range(kk.shape[1])]
+            for w in group:
+                heads = heads_of[w]
+                new_kv[w][0].write(seq_of[w][handle.id], layer, 0, k_all[:, heads], v_all[:, heads])
+                for h in heads:
+                    nbytes = 2 * ntok[handle.id] * config.head_dim * 4
+                    if held_by[h] != w:
+                        tr.stats["bytes_sent"][held_by[h]] += nbytes
+                        tr.stats["bytes_received"][w] += nbytes
+                    else:
+                        tr.stats["kv_bytes_trimmed"][w] += nbytes
+    return seq_of, new_kv
+
+
+def _switch_caches(host, tr, new_kv):
+    """After the old engines are gone (their sequences freed): unmap the old caches' pages and
+    make the new ones the workers' caches."""
+    for w, (new, base) in new_kv.items():
+        worker = host.worker(w)
+        pages = worker.kv.stats()["pages_per_layer"]
+        if pages:
+            worker.kv.shrink(pages)
+        worker.kv = new
+        tr.stats["peak_extra_bytes"][w] = worker.arena.stats()["peak_bytes"] - base
+
+
+def _chunk(items, c, chunks):
+    """The c-th of `chunks` nearly equal consecutive parts of a list."""
+    n = len(items)
+    return items[c * n // chunks:(c + 1) * n // chunks]
+
+
+def scale_up(host, first, k, method="gyges", chunks=4):
+    """Merges the instances on workers [first, first+k) into one TPk instance; each all-to-all
+    phase of the KV migration runs in `chunks` rounds."""
+    weights_mech, kv_mech = _mechanisms(host, method)
     group = list(range(first, first + k))
     old = sorted((inst for inst in host.instances if inst.workers[0] in group),
                  key=lambda inst: min(inst.workers))
@@ -107,9 +217,6 @@ def scale_up(host, first, k, method="gyges"):
     if any(inst.tp != t for inst in old) or t >= k:
         raise TransformError(f"scale-up merges instances of one TP degree below TP{k}; found "
                              f"{[inst.tp for inst in old]}")
-    if host.kv_layout != "header":
-        raise TransformError("in-place KV migration needs the header-centric layout "
-                             f"(this host uses {host.kv_layout!r})")
     m = k // t
     config = host.model.config
     H = config.num_key_value_heads
@@ -129,11 +236,14 @@ def scale_up(host, first, k, method="gyges"):
 
     # ---- plan (no state changes): destination blocks per worker, phase by phase ----
     start = time.perf_counter()
+    if kv_mech == "basic":
+        return _scale_up_copying(host, tr, old, moved, owner, group, worker_of, new_rank,
+                                 rank_order, m, t, k, weights_mech, start)
     sample = host.worker(first)
     block_bytes_new = sample.kv.block_bytes // (H // t) * h_new
     plan_dest = {w: {} for w in group}      # worker -> rid -> its new block list there
     grow_pages = {w: 0 for w in group}
-    sends = []                               # (phase, src worker, dst worker, src blocks, dst blocks)
+    sends = []                               # ((phase, chunk), src worker, dst worker, src block, dst block)
     for r in range(t):
         col = [worker_of[(j, r)] for j in range(m)]
         local = {j: [(h.id, tabs[r]) for h, ex, tabs, _ in moved if owner[h.id] == j and tabs[r] is not None]
@@ -153,23 +263,29 @@ def scale_up(host, first, k, method="gyges"):
             next_block[w] = mapped[w]
             for rid, tab in local[j]:
                 plan_dest[w][rid] = [m * b + j for b in tab.tolist()]
+        # Each phase is cut into `chunks` rounds; a round receives only into blocks free from
+        # the start or sent away in an earlier round, so only the first round maps new pages.
+        outgoing = {j: [b for _, tab in local[j] for b in tab.tolist()] for j in range(m)}
+        n_blocks_of = {rid: len(tab) for j in range(m) for rid, tab in local[j]}
         for s in range(1, m):
-            for j in range(m):
-                w = col[j]
-                for rid, tab in local[(j - s) % m]:
-                    dest = []
-                    for _ in range(len(tab)):
+            incoming = {j: [(rid, i, b) for rid, tab in local[(j - s) % m]
+                            for i, b in enumerate(tab.tolist())] for j in range(m)}
+            for c in range(chunks):
+                for j in range(m):
+                    w = col[j]
+                    part = _chunk(incoming[j], c, chunks)
+                    for rid, i, b in part:
                         if pool[w]:
-                            dest.append(pool[w].pop())
-                        else:  # no freed block left: map a new one (a phase's extra memory)
-                            dest.append(next_block[w])
+                            dest = pool[w].pop()
+                        else:  # no freed block left: map a new one (the extra memory)
+                            dest = next_block[w]
                             next_block[w] += 1
-                    plan_dest[w][rid] = dest
-                    sends.append((s, col[(j - s) % m], w, tab, dest))
-            for j in range(m):  # what phase s sent away is free for phase s + 1
-                w = col[j]
-                freed = [m * b + (j + s) % m for _, tab in local[j] for b in tab.tolist()]
-                pool[w] = sorted(freed + pool[w], reverse=True)
+                        plan_dest[w].setdefault(rid, [None] * n_blocks_of[rid])[i] = dest
+                        sends.append(((s, c), col[(j - s) % m], w, b, dest))
+                for j in range(m):  # what this round sent away is free for the next rounds
+                    w = col[j]
+                    freed = [m * b + (j + s) % m for b in _chunk(outgoing[j], c, chunks)]
+                    pool[w] = sorted(freed + pool[w], reverse=True)
         for w in col:
             extra_blocks = next_block[w] - mapped[w]
             if extra_blocks:
@@ -182,9 +298,7 @@ def scale_up(host, first, k, method="gyges"):
     # Memory check before changing anything: the weights the workers drop come back first.
     for w in group:
         worker = host.worker(w)
-        owned = worker.owned_shards(k, new_rank[w])
-        freed = sum(len(worker.weights.shard_slots_of(0, "gate", s)) for s in worker.weights.held - owned)
-        freed *= 3 * config.num_hidden_layers * worker.page_size
+        freed = worker.weights.bytes_freed_keeping(worker.owned_shards(k, new_rank[w]))
         stats = worker.arena.stats()
         free_bytes = stats["budget_bytes"] - stats["bytes_in_use"] + freed
         need = grow_pages[w] * config.num_hidden_layers * worker.page_size
@@ -197,11 +311,7 @@ def scale_up(host, first, k, method="gyges"):
     for inst in old:
         host.instances.remove(inst)
         inst.close()
-    for w in group:
-        worker = host.worker(w)
-        before = worker.arena.stats()["bytes_in_use"]
-        worker.weights.drop_shards(worker.owned_shards(k, new_rank[w]))
-        tr.stats["weight_bytes_released"][w] = before - worker.arena.stats()["bytes_in_use"]
+    _weights_up(host, tr, group, new_rank, k, weights_mech)
     tr._time("weights", start)
 
     # ---- 2. KV: reshape in place, map the planned pages, adopt the planned tables ----
@@ -224,21 +334,21 @@ def scale_up(host, first, k, method="gyges"):
     # ---- 3. the phased all-to-all, layer by layer ----
     start = time.perf_counter()
     run_bytes = block_bytes_new
+    rounds = {}  # (phase, chunk) -> (src, dst) -> (src blocks, dst blocks)
+    for rnd, src, dst, b, dest in sends:
+        pair = rounds.setdefault(rnd, {}).setdefault((src, dst), ([], []))
+        pair[0].append(b)
+        pair[1].append(dest)
     for layer in range(config.num_hidden_layers):
-        for s in range(1, m):
-            batches = {}
-            for phase, src, dst, src_tab, dst_blocks in sends:
-                if phase != s:
-                    continue
+        for rnd in sorted(rounds):
+            for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
                 sub = new_rank[dst] % m  # the sub-group of heads the destination's rank owns
-                src_off = host.worker(src).kv.layer_offset(layer) + (m * src_tab.astype(np.uint64) + sub) * run_bytes
+                src_off = (host.worker(src).kv.layer_offset(layer)
+                           + (m * np.asarray(src_blocks, np.uint64) + sub) * run_bytes)
                 dst_off = host.worker(dst).kv.layer_offset(layer) + np.asarray(dst_blocks, np.uint64) * run_bytes
-                batches.setdefault((src, dst), []).append((dst_off, src_off))
-            for (src, dst), parts in batches.items():
-                dst_off = np.concatenate([p[0] for p in parts]).astype(np.uint64)
-                src_off = np.concatenate([p[1] for p in parts]).astype(np.uint64)
                 sizes = np.full(dst_off.size, run_bytes, dtype=np.uint64)
-                host.worker(dst).arena._c.copy_runs(host.worker(src).arena._c, dst_off, src_off, sizes)
+                host.worker(dst).arena._c.copy_runs(host.worker(src).arena._c, dst_off.astype(np.uint64),
+                                                    src_off.astype(np.uint64), sizes)
                 tr.stats["bytes_sent"][src] += int(sizes.sum())
                 tr.stats["bytes_received"][dst] += int(sizes.sum())
     tr._time("kv_all_to_all", start)
@@ -257,10 +367,55 @@ def scale_up(host, first, k, method="gyges"):
     return tr
 
 
+def _weights_up(host, tr, group, new_rank, k, mechanism):
+    for w in group:
+        worker = host.worker(w)
+        before = worker.arena.stats()["bytes_in_use"]
+        keep = worker.owned_shards(k, new_rank[w])
+        if mechanism == "drop":
+            worker.weights.drop_shards(keep)
+        else:
+            copied, _ = worker.weights.partial_swap(keep)
+            tr.stats["weight_bytes_copied"][w] = copied
+        tr.stats["weight_bytes_released"][w] = before - worker.arena.stats()["bytes_in_use"]
+
+
+def _scale_up_copying(host, tr, old, moved, owner, group, worker_of, new_rank, rank_order, m, t,
+                      k, weights_mech, start):
+    """Scale-up with Gyges' Basic KV migration (see _kv_basic)."""
+    config = host.model.config
+    H = config.num_key_value_heads
+    heads_of = {w: list(range(new_rank[w] * H // k, (new_rank[w] + 1) * H // k)) for w in group}
+    home_ranks = {h.id: list(old[owner[h.id]].workers) for h, _, _, _ in moved}
+    tr._time("plan", start)
+    start = time.perf_counter()
+    _weights_up(host, tr, group, new_rank, k, weights_mech)
+    tr._time("weights", start)
+    start = time.perf_counter()
+    seq_of, new_kv = _kv_basic(host, tr, moved, group, heads_of, home_ranks, k)
+    for inst in old:
+        host.instances.remove(inst)
+        inst.close()
+    _switch_caches(host, tr, new_kv)
+    tr._time("kv_migrate_and_trim", start)
+    start = time.perf_counter()
+    for w in group:
+        host.worker(w).set_tp(k, new_rank[w])
+    merged = host.make_instance(rank_order, k)
+    _adopt_all(merged, moved, lambda rid: [seq_of[w].get(rid, -1) for w in rank_order])
+    host.instances.append(merged)
+    host.instances.sort(key=lambda inst: min(inst.workers))
+    tr.stats["requests_moved"] = len(moved)
+    tr._time("adopt", start)
+    tr.done = True
+    return tr
+
+
 def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     """Splits the TPk instance on workers [first, first+k) into k/tp instances of TPtp."""
-    if method != "gyges":
-        raise TransformError(f"method {method!r} is not implemented yet; only 'gyges' is")
+    weights_mech, kv_mech = _mechanisms(host, method)
+    if weights_mech != "drop":
+        raise TransformError("scale-down needs padded FFN weights (shards are restored page by page)")
     if weights_from not in ("peers", "host"):
         raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
     group = list(range(first, first + k))

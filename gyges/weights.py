@@ -125,6 +125,7 @@ class ModelWeights:
         # FFN shards: each on its own page-aligned run of slots.
         self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers
         self.ffn = []
+        self.ffn_pages = {}  # (layer, kind) -> (first slot, mapped slots) of the tensor
         slot = first_slot + self.replicated_slots
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.mlp."
@@ -137,6 +138,7 @@ class ModelWeights:
                                      f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
                 shards = []
                 arena.grow(slot, self.tensor_slots, "weights")
+                self.ffn_pages[(i, kind)] = (slot, self.tensor_slots)
                 for s in range(max_tp):
                     rows = mats[kind][s * self.shard_rows:(s + 1) * self.shard_rows]
                     offset = (slot * self.page_size + (s * self.shard_slots * self.page_size
@@ -198,6 +200,48 @@ class ModelWeights:
                     self.arena.shrink(slots.start, len(slots))
         self.held = keep
         return before - self.arena.stats()["bytes_in_use"]
+
+    def bytes_freed_keeping(self, keep):
+        """The bytes drop_shards (padded) or partial_swap (unpadded) would give back."""
+        keep = set(keep) & self.held
+        if self.pad:
+            return len(self.held - keep) * self.shard_slots * self.page_size * 3 * self.config.num_hidden_layers
+        shard_bytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+        used = -(-(len(keep) * shard_bytes) // self.page_size)
+        return sum(max(mapped - used, 0) for _, mapped in self.ffn_pages.values()) * self.page_size
+
+    def partial_swap(self, keep):
+        """The baseline of Gyges section 4.2 for unpadded weights: the shards a worker keeps share
+        pages with the others, so each tensor's kept shards are copied to the front of its pages
+        and the pages past them are released. Returns (bytes copied, bytes released)."""
+        if self.pad:
+            raise ValueError("partial_swap is for unpadded weights; padded shards are released "
+                             "page by page (drop_shards)")
+        keep = sorted(set(keep))
+        if not set(keep) <= self.held:
+            raise ValueError(f"cannot keep FFN shards {sorted(set(keep) - self.held)}: not held")
+        elem = DTYPES[self.dtype][1]
+        shard_bytes = self.shard_rows * self.config.hidden_size * elem
+        copied = released = 0
+        for layer in range(self.config.num_hidden_layers):
+            for kind in FFN_KINDS:
+                shards = self.ffn[layer][kind]
+                base, mapped = self.ffn_pages[(layer, kind)]
+                start = base * self.page_size
+                for i, s in enumerate(keep):  # kept shards to the front, in order
+                    src, rows = shards[s]
+                    dst = start + i * shard_bytes
+                    if src != dst:
+                        self.arena.copy(dst, src, shard_bytes)
+                        copied += shard_bytes
+                    shards[s] = (dst, rows)
+                used = -(-(len(keep) * shard_bytes) // self.page_size)
+                if mapped > used:
+                    self.arena.shrink(base + used, mapped - used)
+                    released += (mapped - used) * self.page_size
+                    self.ffn_pages[(layer, kind)] = (base, used)
+        self.held = set(keep)
+        return copied, released
 
     def restore_shards(self, shards, source=None):
         """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the

@@ -52,13 +52,19 @@ class Worker:
         if tp_size > 1:
             self.join_tp(tp_size, tp_rank)
 
-    def _new_kv(self, tp_size):
+    def _new_kv(self, tp_size, region=0):
+        """A KV cache for the KV heads of one TP rank in one of two slot regions: a copying
+        transformation (the `basic` baseline) builds the new cache in the other region while the
+        old one still holds its data."""
         config = self.config
         first = self.weights.end_slot
+        per_layer = (self.arena.n_slots - first) // (2 * config.num_hidden_layers)
+        self.kv_region = region
         return KVCache(self.arena, n_layers=config.num_hidden_layers,
                        n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
-                       block_size=self.block_size, layout=self.kv_layout, first_slot=first,
-                       slots_per_layer=(self.arena.n_slots - first) // config.num_hidden_layers)
+                       block_size=self.block_size, layout=self.kv_layout,
+                       first_slot=first + region * per_layer * config.num_hidden_layers,
+                       slots_per_layer=per_layer)
 
     def _new_c_model(self):
         config = self.config
@@ -82,7 +88,10 @@ class Worker:
                              f"and {self.max_tp} FFN shards")
         if self.kv.stats()["n_sequences"]:
             raise ValueError("the worker still holds requests; transform it instead")
-        self.weights.drop_shards(self.owned_shards(tp_size, tp_rank))
+        if self.weights.pad:
+            self.weights.drop_shards(self.owned_shards(tp_size, tp_rank))
+        else:
+            self.weights.partial_swap(self.owned_shards(tp_size, tp_rank))
         if self.kv.n_blocks:
             self.kv.shrink(self.kv.stats()["pages_per_layer"])
         self.tp_size, self.tp_rank = tp_size, tp_rank

@@ -72,8 +72,12 @@ def check_placement(host):
             assert worker.weights.held == worker.owned_shards(inst.tp, rank)
             weights = worker.arena.stats()["bytes_by_tag"]["weights"]
             w_ = worker.weights
-            expected = (w_.replicated_slots + len(w_.held) * w_.shard_slots * 3
-                        * host.model.config.num_hidden_layers) * w_.page_size
+            if w_.pad:
+                ffn_pages = len(w_.held) * w_.shard_slots * 3 * host.model.config.num_hidden_layers
+            else:  # kept shards packed at the front of each tensor's pages
+                shard_bytes = w_.shard_rows * host.model.config.hidden_size * 4
+                ffn_pages = -(-len(w_.held) * shard_bytes // w_.page_size) * 3 * host.model.config.num_hidden_layers
+            expected = (w_.replicated_slots + ffn_pages) * w_.page_size
             assert weights == expected
 
 
@@ -170,7 +174,9 @@ def test_refusals_change_nothing(tiny):
         (dict(workers=(2, 3), tp=4), "TP"),                      # tp must match the group
         (dict(workers=(0, 1), tp=4), "TP"),
         (dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "not implemented"),
-        (dict(workers=(0, 1, 2, 3), tp=4, method="basic"), "not implemented"),
+        (dict(workers=(0, 1, 2, 3), tp=4, method="magic"), "unknown method"),
+        (dict(workers=(0, 1, 2, 3), tp=4, method="partial_swap"), "unpadded"),
+        (dict(workers=(0, 1, 2, 3), tp=4, phase_chunks=0), "phase_chunks"),
     ]
     for kwargs, match in refusals:
         with pytest.raises((TransformError, ValueError), match=match):
@@ -192,3 +198,39 @@ def test_refusals_change_nothing(tiny):
         tight.transform(workers=(0, 1), tp=1)
     assert (tight.layout(), [tight.worker(w).arena.page_table().tolist() for w in range(2)]) == snapshot
     tight.run()
+
+
+@pytest.mark.parametrize("kv_layout, method, pad", [
+    ("page", "basic", True), ("raw", "basic", True), ("header", "basic", True),
+    ("header", "partial_swap", False), ("page", "partial_swap", False), ("header", "stop_world", True),
+])
+def test_baselines_keep_every_token_stream(tiny, reference, kv_layout, method, pad):
+    host = gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, layout="4xTP1",
+                      kv_layout=kv_layout, pad_ffn=pad, max_prefill_chunk=16, max_batch_tokens=64)
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    for _ in range(4):
+        host.step()
+    t = host.transform(workers=(0, 1, 2, 3), tp=4, method=method)
+    copied = t.stats["weight_bytes_copied"]
+    if method == "partial_swap":
+        assert sum(copied.values()) > 0 and copied[0] == 0  # worker 0's shard is already first
+    else:
+        assert sum(copied.values()) == 0  # padded shards are released without a copy
+    check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in requests] == reference(1)
+
+
+def test_gyges_needs_a_fraction_of_the_extra_memory_of_basic(tiny):
+    peaks = {}
+    for method, chunks in (("basic", 1), ("gyges", 1), ("gyges", 4)):
+        host = new_host(tiny, "4xTP1")
+        for p in prompts(16, seed=7, lo=60, hi=120):
+            host.submit(p, gyges.SamplingParams(max_tokens=64, ignore_eos=True))
+        for _ in range(10):
+            host.step()
+        t = host.transform(workers=(0, 1, 2, 3), tp=4, method=method, phase_chunks=chunks)
+        peaks[(method, chunks)] = max(t.stats["peak_extra_bytes"].values())
+    # Basic holds a second copy of the KV; gyges maps at most one round's worth of new pages.
+    assert peaks[("gyges", 1)] < peaks[("basic", 1)] / 2
+    assert peaks[("gyges", 4)] <= peaks[("gyges", 1)]

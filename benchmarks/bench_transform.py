@@ -1,0 +1,161 @@
+"""Tensor-parallel instances and live transformations on the CPU backend (tiny model, 4 workers).
+
+1. Capacity (our analogue of Gyges Table 1): under a fixed per-worker budget, the longest
+   sequence one instance can hold and the decode throughput of one instance and of all
+   instances together, for 4xTP1, 2xTP2 and 1xTP4. (4 worker threads share 2 cores here, so the
+   throughput of several instances is bounded by the cores, not by the model.)
+2. KV transformation 4xTP1 -> TP4 at 90% KV utilisation (Gyges Figure 9): time, bytes moved and
+   peak extra memory per worker for `basic` (token-first `page` layout and header layout: new
+   pages, migrate, trim) and `gyges` (header-centric, in place, phased). The budget has headroom
+   above the nominal one so that `basic` can finish; utilisation is of the nominal budget.
+3. Weights (Gyges Figure 10): bytes copied and time per layer for `partial_swap` (unpadded FFN)
+   and padding (`gyges`), and the padding overhead.
+4. The pause: a stop-the-world transformation against the plain decode step time (the
+   layer-staggered variant of Gyges Figure 11 is not written yet).
+
+Run: .venv/bin/python benchmarks/bench_transform.py
+"""
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gyges  # noqa: E402
+from benchmarks.common import print_table, write_json  # noqa: E402
+
+MIB = 1 << 20
+NOMINAL = 32 * MIB  # per-worker budget the utilisation refers to
+
+
+def capacity_rows(model):
+    rows = []
+    params = gyges.SamplingParams(max_tokens=64, ignore_eos=True)
+    for layout in ("4xTP1", "2xTP2", "1xTP4"):
+        host = gyges.Host(model, workers=4, memory_per_worker=NOMINAL, layout=layout)
+        inst = host.instances[0]
+        longest = inst.capacity_blocks() * host.block_size
+        prompts = [[(i * 7 + j) % 4000 + 1 for j in range(32)] for i in range(16)]
+        start = time.perf_counter()
+        reqs = [host.submit(p, params, instance=0) for p in prompts]
+        host.run()
+        single = sum(len(r.output_tokens) for r in reqs) / (time.perf_counter() - start)
+        start = time.perf_counter()
+        reqs = [host.submit(p, params, instance=i % len(host.instances))
+                for i in range(len(host.instances)) for p in prompts]
+        host.run()
+        total = sum(len(r.output_tokens) for r in reqs) / (time.perf_counter() - start)
+        weights = host.memory()[0]["weights"]
+        rows.append({"layout": layout, "weights_per_worker": weights, "longest_seq": longest,
+                     "single_tok_s": single, "total_tok_s": total})
+    return rows
+
+
+def filled_host(model, kv_layout, method):
+    """4xTP1 whose KV holds 90% of what the nominal budget leaves after the weights."""
+    pad = method != "partial_swap"
+    host = gyges.Host(model, workers=4, memory_per_worker=3 * NOMINAL, layout="4xTP1",
+                      kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096)
+    worker = host.worker(0)
+    kv_room = NOMINAL - worker.arena.stats()["bytes_in_use"]
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4 * model.config.num_hidden_layers
+    tokens = int(0.9 * kv_room / per_token)
+    per_request = 240
+    for inst in range(4):
+        for i in range(tokens // per_request):
+            host.submit([(inst * 131 + i * 17 + j) % 4000 + 1 for j in range(per_request - 8)],
+                        gyges.SamplingParams(max_tokens=400, ignore_eos=True), instance=inst)
+    for _ in range(4):  # prefill everything, decode a little
+        host.step()
+    used = worker.arena.stats()["bytes_by_tag"]["kv"]
+    return host, used / kv_room
+
+
+def kv_rows(model):
+    rows = []
+    for kv_layout, method, chunks in (("page", "basic", 1), ("header", "basic", 1),
+                                      ("header", "gyges", 1), ("header", "gyges", 4),
+                                      ("header", "gyges", 16)):
+        best = None
+        for _ in range(2):
+            host, util = filled_host(model, kv_layout, method)
+            kv_before = max(host.worker(w).arena.stats()["bytes_by_tag"]["kv"] for w in range(4))
+            start = time.perf_counter()
+            t = host.transform(workers=(0, 1, 2, 3), tp=4, method=method, phase_chunks=chunks)
+            seconds = time.perf_counter() - start
+            s = t.stats
+            kv_seconds = sum(v for k, v in s["phase_seconds"].items() if k.startswith("kv") or k in ("reshape", "plan"))
+            row = {"layout": kv_layout, "method": method, "chunks": chunks, "kv_util": util,
+                   "kv_bytes": kv_before,
+                   "kv_ms": kv_seconds * 1e3, "total_ms": seconds * 1e3,
+                   "sent": max(s["bytes_sent"].values()), "trimmed": max(s["kv_bytes_trimmed"].values()),
+                   "peak_extra": max(s["peak_extra_bytes"].values())}
+            row["peak_extra_frac"] = row["peak_extra"] / kv_before
+            if best is None or row["kv_ms"] < best["kv_ms"]:
+                best = row
+        rows.append(best)
+    basic = next(r for r in rows if r["method"] == "basic" and r["layout"] == "page")
+    for r in rows:
+        r["peak_vs_basic"] = r["peak_extra"] / basic["peak_extra"]
+    return rows
+
+
+def weight_rows(model):
+    rows = []
+    L = model.config.num_hidden_layers
+    for method in ("partial_swap", "gyges"):
+        host, _ = filled_host(model, "header", method)
+        t = host.transform(workers=(0, 1, 2, 3), tp=4, method=method)
+        s = t.stats
+        w = host.worker(1).weights
+        rows.append({"method": method, "copied": max(s["weight_bytes_copied"].values()),
+                     "released": max(s["weight_bytes_released"].values()),
+                     "ms_per_layer": s["phase_seconds"]["weights"] * 1e3 / L,
+                     "padding_overhead": w.padding_overhead() if w.pad else 0.0})
+    return rows
+
+
+def pause_rows(model):
+    host, _ = filled_host(model, "header", "gyges")
+    steps = []
+    for _ in range(5):
+        start = time.perf_counter()
+        host.step()
+        steps.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    host.transform(workers=(0, 1, 2, 3), tp=4, method="stop_world")
+    pause = time.perf_counter() - start
+    return [{"plain_step_ms": min(steps) * 1e3, "stop_world_pause_ms": pause * 1e3,
+             "pause_in_steps": pause / min(steps)}]
+
+
+def main():
+    model = gyges.Model.tiny()
+    cap = capacity_rows(model)
+    print_table("Capacity under a 32 MiB per-worker budget (tiny model; Gyges Table 1 analogue)", cap,
+                [("layout", "layout", "{}"), ("weights_per_worker", "weights/worker", "{:,}"),
+                 ("longest_seq", "longest seq", "{:,}"), ("single_tok_s", "1 instance tok/s", "{:.0f}"),
+                 ("total_tok_s", "all instances tok/s", "{:.0f}")])
+    kv = kv_rows(model)
+    print_table("KV transformation 4xTP1 -> TP4 at ~90% KV utilisation (Gyges Figure 9)", kv,
+                [("layout", "layout", "{}"), ("method", "method", "{}"),
+                 ("chunks", "rounds/phase", "{}"), ("kv_util", "KV util", "{:.0%}"),
+                 ("kv_bytes", "KV bytes/worker", "{:,}"), ("kv_ms", "KV ms", "{:.1f}"),
+                 ("sent", "bytes sent", "{:,}"), ("trimmed", "bytes trimmed", "{:,}"),
+                 ("peak_extra", "peak extra", "{:,}"), ("peak_extra_frac", "of KV", "{:.1%}"),
+                 ("peak_vs_basic", "vs basic", "{:.3f}")])
+    weights = weight_rows(model)
+    print_table("Weight transformation at scale-up (Gyges Figure 10)", weights,
+                [("method", "method", "{}"), ("copied", "bytes copied", "{:,}"),
+                 ("released", "bytes released", "{:,}"), ("ms_per_layer", "ms/layer", "{:.3f}"),
+                 ("padding_overhead", "padding overhead", "{:.1%}")])
+    pause = pause_rows(model)
+    print_table("Stop-the-world pause against a plain step", pause,
+                [("plain_step_ms", "plain step ms", "{:.2f}"),
+                 ("stop_world_pause_ms", "pause ms", "{:.2f}"), ("pause_in_steps", "in steps", "{:.1f}")])
+    write_json("bench_transform", {"capacity": cap, "kv": kv, "weights": weights, "pause": pause})
+
+
+if __name__ == "__main__":
+    main()
