@@ -77,9 +77,41 @@ def serve():
     print(f"   after: {after['in_use']:,} bytes in use (weights only: {after['in_use'] == after['weights']})")
 
 
+def transform_live():
+    model = gyges.Model.tiny()
+    host = gyges.Host(model, workers=4, memory_per_worker="24MiB", page_size="64KiB",
+                      layout="4xTP1")
+    print(f"\n== {host}: four TP1 instances, 24 MiB a worker")
+    rng = np.random.default_rng(1)
+    params = gyges.SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+    short = [host.submit(rng.integers(0, 4096, size=40).tolist(), params) for _ in range(8)]
+    for _ in range(5):
+        host.step()
+    long_prompt = rng.integers(0, 4096, size=1500).tolist()
+    try:
+        host.submit(long_prompt, params)
+    except ValueError as e:
+        print(f"   a 1500-token request arrives: {e}")
+    t = host.transform(workers=(0, 1, 2, 3), tp=4)
+    s = t.stats
+    print(f"   merged live into {host.layout()}: {s['requests_moved']} requests moved with their "
+          f"progress; FFN pages released {sum(s['weight_bytes_released'].values()):,} bytes, "
+          f"0 copied; KV sent {sum(s['bytes_sent'].values()):,} bytes; extra KV pages mapped "
+          f"{max(s['peak_extra_bytes'].values()):,} bytes at most")
+    long = host.submit(long_prompt, params)
+    host.run()
+    print(f"   the long request got {len(long.output_tokens)} tokens (TTFT {long.metrics.ttft * 1e3:.0f} ms); "
+          f"the short ones kept going: {[len(r.output_tokens) for r in short]}")
+    back = host.transform(workers=(0, 1, 2, 3), tp=1)
+    print(f"   split back into {host.layout()} in "
+          f"{sum(back.stats['phase_seconds'].values()) * 1e3:.1f} ms; memory per worker: "
+          f"{[m['in_use'] for m in host.memory()]}")
+
+
 def main():
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
     serve()
+    transform_live()
     arena = gyges.Arena(budget="256KiB", page_size="64KiB", n_slots=8)
     arena.grow(0, 2, "weights")
     page = arena.create_page("kv")
