@@ -10,8 +10,8 @@
    above the nominal one so that `basic` can finish; utilisation is of the nominal budget.
 3. Weights (Gyges Figure 10): bytes copied and time per layer for `partial_swap` (unpadded FFN)
    and padding (`gyges`), and the padding overhead.
-4. The pause: a stop-the-world transformation against the plain decode step time (the
-   layer-staggered variant of Gyges Figure 11 is not written yet).
+4. Gyges Figure 11: the step time while 1, 2, ..., L layers move per step (layer-staggered,
+   serving in between), against the plain step and against stop_world's single pause.
 
 Run: .venv/bin/python benchmarks/bench_transform.py
 """
@@ -116,18 +116,43 @@ def weight_rows(model):
     return rows
 
 
-def pause_rows(model):
-    host, _ = filled_host(model, "header", "gyges")
-    steps = []
-    for _ in range(5):
+def timed_steps(host, n):
+    times = []
+    for _ in range(n):
         start = time.perf_counter()
         host.step()
-        steps.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    host.transform(workers=(0, 1, 2, 3), tp=4, method="stop_world")
-    pause = time.perf_counter() - start
-    return [{"plain_step_ms": min(steps) * 1e3, "stop_world_pause_ms": pause * 1e3,
-             "pause_in_steps": pause / min(steps)}]
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def stagger_rows(model):
+    """Gyges Figure 11: the step time while 1, 2, ..., L layers move per step, against the plain
+    step time (same host, just before) and against stop_world's single pause."""
+    L = model.config.num_hidden_layers
+    rows = []
+    for lps in list(range(1, L + 1)) + ["stop_world"]:
+        host, _ = filled_host(model, "header", "gyges")
+        plain = float(np.median(timed_steps(host, 5)))
+        start = time.perf_counter()
+        if lps == "stop_world":
+            host.transform(workers=(0, 1, 2, 3), tp=4, method="stop_world")
+            host.step()
+            during = [time.perf_counter() - start]
+        else:
+            t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps)
+            begin = time.perf_counter() - start
+            during = []
+            while not t.done:
+                during += timed_steps(host, 1)
+            during[0] += begin
+        after = float(np.median(timed_steps(host, 5)))
+        rows.append({"layers_per_step": lps, "plain_step_ms": plain * 1e3,
+                     "steps_transforming": len(during),
+                     "mean_step_ms": float(np.mean(during)) * 1e3,
+                     "worst_step_ms": max(during) * 1e3,
+                     "overhead": float(np.mean(during)) / plain - 1,
+                     "tp4_step_ms": after * 1e3})
+    return rows
 
 
 def main():
@@ -150,11 +175,15 @@ def main():
                 [("method", "method", "{}"), ("copied", "bytes copied", "{:,}"),
                  ("released", "bytes released", "{:,}"), ("ms_per_layer", "ms/layer", "{:.3f}"),
                  ("padding_overhead", "padding overhead", "{:.1%}")])
-    pause = pause_rows(model)
-    print_table("Stop-the-world pause against a plain step", pause,
-                [("plain_step_ms", "plain step ms", "{:.2f}"),
-                 ("stop_world_pause_ms", "pause ms", "{:.2f}"), ("pause_in_steps", "in steps", "{:.1f}")])
-    write_json("bench_transform", {"capacity": cap, "kv": kv, "weights": weights, "pause": pause})
+    stagger = stagger_rows(model)
+    print_table("Step time while transforming 4xTP1 -> TP4 (Gyges Figure 11; plain = 4xTP1 "
+                "steps just before, tp4 = steps just after)", stagger,
+                [("layers_per_step", "layers/step", "{}"), ("plain_step_ms", "plain ms", "{:.2f}"),
+                 ("steps_transforming", "steps", "{}"), ("mean_step_ms", "mean ms", "{:.2f}"),
+                 ("worst_step_ms", "worst ms", "{:.2f}"), ("overhead", "overhead", "{:+.0%}"),
+                 ("tp4_step_ms", "tp4 ms", "{:.2f}")])
+    write_json("bench_transform", {"capacity": cap, "kv": kv, "weights": weights,
+                                   "stagger": stagger})
 
 
 if __name__ == "__main__":

@@ -174,10 +174,11 @@ class Host:
         the KV migration into rounds (more rounds, less extra memory). Returns the
         Transformation handle; refused with a reason, and nothing changed, when it cannot be
         done."""
-        from .transform import TransformError, scale_down, scale_up
-        if layers_per_step is not None:
-            raise TransformError("layer-staggered transformation is not implemented yet; "
-                                 "omit layers_per_step")
+        from .transform import StaggeredScaleUp, TransformError, scale_down, scale_up
+        if any(not t.done for t in self.transformations):
+            raise TransformError("a transformation is already under way; wait until it is done")
+        if layers_per_step is not None and (not isinstance(layers_per_step, int) or layers_per_step < 1):
+            raise TransformError(f"layers_per_step must be a positive integer, got {layers_per_step!r}")
         workers = sorted(workers)
         first, k = workers[0], len(workers)
         if workers != list(range(first, first + k)) or k & (k - 1) or first % k:
@@ -190,8 +191,14 @@ class Host:
         if tp == k:
             if not isinstance(phase_chunks, int) or phase_chunks < 1:
                 raise TransformError(f"phase_chunks must be a positive integer, got {phase_chunks!r}")
-            t = scale_up(self, first, k, method, chunks=phase_chunks)
+            if layers_per_step is not None and method != "stop_world":
+                t = StaggeredScaleUp(self, first, k, method, layers_per_step)
+            else:
+                t = scale_up(self, first, k, method, chunks=phase_chunks)
         elif len(current) == 1 and current[0].tp == k:
+            if layers_per_step is not None:
+                raise TransformError("layer-staggered scale-down is not implemented yet; omit "
+                                     "layers_per_step")
             self.check_group(first, tp)
             t = scale_down(self, first, k, tp, method, weights_from)
         else:
@@ -222,10 +229,15 @@ class Host:
         return request
 
     def has_unfinished(self):
-        return any(inst.loop.unfinished() for inst in self.instances)
+        return any(inst.loop.unfinished() for inst in self.instances) or any(
+            not t.done for t in self.transformations)
 
     def step(self):
-        """One step of every instance, in parallel (each releases the GIL while it computes)."""
+        """Advances a layer-staggered transformation by its layers, then runs one step of every
+        instance, in parallel (each releases the GIL while it computes)."""
+        for t in self.transformations:
+            if not t.done and hasattr(t, "advance"):
+                t.advance()
         busy = [inst for inst in self.instances if inst.loop.unfinished()]
         if len(busy) <= 1:
             tokens = sum(inst.loop.step() for inst in busy)

@@ -71,6 +71,19 @@ class KVCache:
         self.first_slot = first_slot
         self.slots_per_layer = slots_per_layer
 
+    def shadow(self, n_kv_heads):
+        """A cache reading the same pages as blocks of n_kv_heads heads (page or header layout),
+        for a layer-staggered transformation: each touches only the layers in its geometry."""
+        other = object.__new__(KVCache)
+        other.__dict__.update(self.__dict__)
+        other._c = self._c.shadow(_index(n_kv_heads, "n_kv_heads"))
+        other.n_kv_heads = n_kv_heads
+        return other
+
+    def take_pages(self):
+        """Ends the sharing: this shadow owns the pages, its owner is left empty."""
+        self._c.take_pages()
+
     # ---- memory ----
     def grow(self, pages):
         """Maps `pages` more pages at the end of every layer."""

@@ -367,6 +367,167 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     return tr
 
 
+class StaggeredScaleUp(Transformation):
+    """Layer-staggered scale-up (Gyges 4.3): the merged instance serves from the start; each host
+    step first moves `layers_per_step` more layers, last layer first. Layers below the boundary
+    still run in the old instances (on their own requests' rows, with the old KV and FFN shards),
+    layers above it in the merged instance; the hidden states cross once, at the boundary."""
+
+    def __init__(self, host, first, k, method, layers_per_step):
+        if method != "gyges":
+            raise TransformError(f"layer-staggered execution is the gyges method; {method!r} "
+                                 f"runs all layers at once (omit layers_per_step)")
+        if not host.worker(0).weights.pad:
+            raise TransformError("a layer-staggered transformation needs padded FFN weights")
+        if host.kv_layout == "raw":
+            raise TransformError("the raw layout moves V blocks when it grows, so two geometries "
+                                 "cannot share its pages; use page or header")
+        group = list(range(first, first + k))
+        old = sorted((inst for inst in host.instances if inst.workers[0] in group),
+                     key=lambda inst: min(inst.workers))
+        host.check_group(first, k)
+        if sum(inst.tp for inst in old) != k or any(w not in group for inst in old for w in inst.workers):
+            raise TransformError(f"workers {group} are not exactly covered by instances inside the "
+                                 f"group (layout {host.layout()}); busy in another group")
+        t = old[0].tp
+        if any(inst.tp != t for inst in old) or t >= k:
+            raise TransformError(f"scale-up merges instances of one TP degree below TP{k}; found "
+                                 f"{[inst.tp for inst in old]}")
+        super().__init__("scale-up", group, t, k, method)
+        self.host, self.layers_per_step = host, layers_per_step
+        config = host.model.config
+        self.L = config.num_hidden_layers
+        m = k // t
+        H = config.num_key_value_heads
+        self.h_old, self.h_new = H // t, H // k
+        worker_of = {(j, r): old[j].workers[r] for j in range(m) for r in range(t)}
+        self.new_rank = {worker_of[(j, r)]: r * m + j for (j, r) in worker_of}
+        self.rank_order = sorted(group, key=lambda w: self.new_rank[w])
+        start = time.perf_counter()
+        moved = []
+        for j, inst in enumerate(old):
+            moved += [(j, item) for item in _collect(inst)]
+        # Room for the new geometry: every worker holds H/k heads of every request.
+        for w in group:
+            worker = host.worker(w)
+            s = worker.arena.stats()
+            new_block = worker.kv.block_bytes // self.h_old * self.h_new
+            blocks = sum(-(-max(n) // host.block_size) for _, (h, _, _, n) in moved if max(n))
+            need = -(-blocks * new_block // worker.page_size) * self.L * worker.page_size
+            mapped = worker.kv.stats()["pages_per_layer"] * self.L * worker.page_size
+            if need > mapped + s["budget_bytes"] - s["bytes_in_use"]:
+                raise OutOfMemoryError(f"worker {w} cannot hold the new geometry's {need:,} bytes of KV")
+        self.base = {w: host.worker(w).arena.stats()["bytes_in_use"] for w in group}
+        for w in group:
+            host.worker(w).arena.reset_peak()
+        # The old engines go; their KV sequences stay for the old layers.
+        for inst in old:
+            inst._c.detach_kv()
+            host.instances.remove(inst)
+            inst.close()
+        self.old_models, self.old_kvs = {}, {}
+        for w in group:
+            worker = host.worker(w)
+            self.old_models[w], self.old_kvs[w] = worker.c_model, worker.kv
+            worker.kv = worker.kv.shadow(self.h_new)
+            worker.c_model = worker.model_for_shards(worker.owned_shards(k, self.new_rank[w]))
+        seq_of = {w: {} for w in group}
+        for _, (handle, ex, tabs, n) in moved:
+            if not max(n):
+                continue
+            for w in group:
+                kv = host.worker(w).kv
+                seq = kv.new_sequence()
+                _reserve_growing(kv, seq, max(n), host.worker(w).page_size)
+                seq_of[w][handle.id] = seq
+        merged = host.make_instance(self.rank_order, k)
+        _adopt_all(merged, [item for _, item in moved],
+                   lambda rid: [seq_of[w].get(rid, -1) for w in self.rank_order])
+        rank_of = {w: i for i, w in enumerate(self.rank_order)}
+        groups = [([rank_of[w] for w in inst.workers], host.comm(min(inst.workers), inst.tp)
+                   if inst.tp > 1 else None) for inst in old]
+        merged._c.transition_begin([self.old_models[w] for w in self.rank_order],
+                                   [self.old_kvs[w]._c for w in self.rank_order], groups)
+        self.group_ranks = [ranks for ranks, _ in groups]  # engine ranks of each old group
+        for j, (handle, ex, tabs, n) in moved:
+            merged._c.transition_adopt(handle.id, j, ex["seqs"])
+        self.old_instances = old
+        self.merged = merged
+        host.instances.append(merged)
+        host.instances.sort(key=lambda inst: min(inst.workers))
+        self.stats["requests_moved"] = len(moved)
+        self._time("begin", start)
+
+    @property
+    def boundary(self):
+        return self.merged._c.transition_boundary()
+
+    def advance(self):
+        """Moves the next layers (the engine is between steps)."""
+        if self.done:
+            return
+        start = time.perf_counter()
+        boundary = self.boundary
+        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
+            self._move_layer(layer)
+            self.merged._c.transition_set_boundary(layer)
+        self._time("layers", start)
+        if self.boundary == 0:
+            self._finish()
+
+    def _move_layer(self, layer):
+        host, k = self.host, self.to_tp
+        c = self.merged._c
+        staged = []
+        # Stage the whole layer first: new blocks may overlap old blocks of the same layer.
+        for rid in c.request_ids():
+            new_seqs = c.export(rid)["seqs"]
+            for i, w in enumerate(self.rank_order):
+                group, _ = c.transition_seq(rid, i)
+                if new_seqs[i] < 0 or group < 0:
+                    continue
+                heads = range(i * self.h_new, (i + 1) * self.h_new)
+                src_rank = heads.start // self.h_old  # the old rank of its group holding them
+                src = self.group_ranks[group][src_rank]
+                _, old_seq = c.transition_seq(rid, src)
+                src_w = self.rank_order[src]
+                kk, vv = self.old_kvs[src_w].gather(old_seq, layer)
+                lo = heads.start - src_rank * self.h_old
+                staged.append((w, new_seqs[i], kk[:, lo:lo + self.h_new].copy(),
+                               vv[:, lo:lo + self.h_new].copy()))
+                if src_w != w:
+                    self.stats["bytes_sent"][src_w] += 2 * staged[-1][2].nbytes
+                    self.stats["bytes_received"][w] += 2 * staged[-1][2].nbytes
+        for w, seq, kk, vv in staged:
+            host.worker(w).kv.write(seq, layer, 0, kk, vv)
+        for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
+            worker = host.worker(w)
+            worker.weights.drop_layer_shards(layer, worker.owned_shards(k, self.new_rank[w]))
+
+    def _finish(self):
+        host = self.host
+        self.merged._c.transition_end()
+        for w in self.workers:
+            worker = host.worker(w)
+            worker.kv.take_pages()
+            worker.weights.finish_layer_drops(worker.owned_shards(self.to_tp, self.new_rank[w]))
+            worker.tp_size, worker.tp_rank = self.to_tp, self.new_rank[w]
+            s = worker.arena.stats()
+            self.stats["peak_extra_bytes"][w] = max(s["peak_bytes"] - self.base[w], 0)
+        self.old_models.clear()
+        self.old_kvs.clear()
+        self.done = True
+
+
+def _reserve_growing(kv, seq, n_tokens, page_size):
+    """reserve, mapping pages first when the free blocks are too few."""
+    want = -(-n_tokens // kv.block_size) - len(kv.block_table(seq))
+    short = want - kv.free_blocks
+    if short > 0:
+        kv.grow(-(-short * kv.block_bytes // page_size))
+    kv.reserve(seq, n_tokens)
+
+
 def _weights_up(host, tr, group, new_rank, k, mechanism):
     for w in group:
         worker = host.worker(w)

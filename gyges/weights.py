@@ -150,6 +150,7 @@ class ModelWeights:
             self.ffn.append(layer)
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
+        self._dropped = set()           # (layer, shard) released by a staggered transformation
         self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
         self.bytes_total = (self.end_slot - first_slot) * self.page_size
 
@@ -242,6 +243,21 @@ class ModelWeights:
                     self.ffn_pages[(layer, kind)] = (base, used)
         self.held = set(keep)
         return copied, released
+
+    def drop_layer_shards(self, layer, keep):
+        """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
+        `held` changes once every layer has been done (finish_layer_drops)."""
+        for shard in sorted(self.held - set(keep)):
+            if (layer, shard) in self._dropped:
+                continue
+            for kind in FFN_KINDS:
+                slots = self.shard_slots_of(layer, kind, shard)
+                self.arena.shrink(slots.start, len(slots))
+            self._dropped.add((layer, shard))
+
+    def finish_layer_drops(self, keep):
+        self.held = set(keep)
+        self._dropped.clear()
 
     def restore_shards(self, shards, source=None):
         """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the

@@ -173,7 +173,7 @@ def test_refusals_change_nothing(tiny):
         (dict(workers=(0, 1, 2), tp=2), "aligned"),
         (dict(workers=(2, 3), tp=4), "TP"),                      # tp must match the group
         (dict(workers=(0, 1), tp=4), "TP"),
-        (dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "not implemented"),
+        (dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "one TP degree"),
         (dict(workers=(0, 1, 2, 3), tp=4, method="magic"), "unknown method"),
         (dict(workers=(0, 1, 2, 3), tp=4, method="partial_swap"), "unpadded"),
         (dict(workers=(0, 1, 2, 3), tp=4, phase_chunks=0), "phase_chunks"),
@@ -234,3 +234,53 @@ def test_gyges_needs_a_fraction_of_the_extra_memory_of_basic(tiny):
     # Basic holds a second copy of the KV; gyges maps at most one round's worth of new pages.
     assert peaks[("gyges", 1)] < peaks[("basic", 1)] / 2
     assert peaks[("gyges", 4)] <= peaks[("gyges", 1)]
+
+
+@pytest.mark.parametrize("start, workers, target, layers_per_step", [
+    ("4xTP1", (0, 1, 2, 3), 4, 1), ("4xTP1", (0, 1, 2, 3), 4, 3), ("2xTP2", (0, 1, 2, 3), 4, 2),
+    ("4xTP1", (2, 3), 2, 1),
+])
+def test_layer_staggered_scale_up_serves_while_it_moves(tiny, reference, start, workers, target,
+                                                        layers_per_step):
+    host = new_host(tiny, start)
+    ps = prompts(10, seed=1)
+    early = [host.submit(p, PARAMS) for p in ps[:7]]
+    for _ in range(3):
+        host.step()
+    t = host.transform(workers=workers, tp=target, layers_per_step=layers_per_step)
+    assert not t.done and t.boundary == tiny.config.num_hidden_layers
+    late = [host.submit(p, PARAMS) for p in ps[7:]]  # admitted while layers move
+    boundaries = []
+    while not t.done:
+        host.step()
+        boundaries.append(t.boundary if not t.done else 0)
+    L = tiny.config.num_hidden_layers
+    assert len(boundaries) == -(-L // layers_per_step)
+    check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in early + late] == reference(1)
+
+
+def test_staggered_refusals_and_round_trip(tiny, reference):
+    host = new_host(tiny, "4xTP1")
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    host.step()
+    for bad, match in ((dict(layers_per_step=0), "positive"), (dict(layers_per_step="2"), "positive")):
+        with pytest.raises(TransformError, match=match):
+            host.transform(workers=(0, 1, 2, 3), tp=4, **bad)
+    t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
+    with pytest.raises(TransformError, match="under way"):
+        host.transform(workers=(0, 1, 2, 3), tp=1)
+    while not t.done:
+        host.step()
+    with pytest.raises(TransformError, match="scale-down is not implemented"):
+        host.transform(workers=(0, 1, 2, 3), tp=1, layers_per_step=1)
+    host.transform(workers=(0, 1, 2, 3), tp=1)
+    host.step()
+    host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=2)
+    host.run()
+    check_placement(host)
+    assert [r.output_tokens for r in requests] == reference(1)
+    raw = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, layout="2xTP1", kv_layout="raw")
+    with pytest.raises(TransformError, match="raw layout"):
+        raw.transform(workers=(0, 1), tp=2, layers_per_step=1)

@@ -39,10 +39,48 @@ typedef struct gy_engine_rank_state {
     int has_thread;
 } gy_engine_rank_state;
 
+/* A layer-staggered transformation (Gyges 4.3): layers [0, boundary) still run in the old
+ * groups, each on the rows of the requests it held before, with the old models and KV caches;
+ * their hidden states are gathered and layers [boundary, L) run in this engine's group. */
+typedef struct gy_engine_old_rank {
+    gy_engine_rank r;            /* the worker's old model and old (owner) KV cache */
+    gy_sched_kv_adapter *adapter;
+    gy_sched_kv_ops inner;
+    gy_forward_ws ws;
+    int32_t group, group_rank;
+    gy_comm_rank comm_rank;
+    int32_t *bt_indptr, *bt_indices;
+    int64_t cap_entries, cap_blocks;
+    gy_forward_batch batch;
+} gy_engine_old_rank;
+
+typedef struct gy_engine_old_group_state {
+    gy_engine_old_group g;
+    int64_t n_requests;          /* homed here, for placing new requests */
+    /* The step's rows of this group: entries, tokens, positions (in the group's own numbering). */
+    int64_t cap_tokens, cap_entries;
+    int64_t n_entries, n_tokens;
+    int64_t *entry_index;        /* (n_entries) index into the step's batch */
+    int32_t *rows;               /* (n_tokens) token rows in the step's batch */
+    int32_t *tokens, *token_seq, *token_pos;
+} gy_engine_old_group_state;
+
+typedef struct gy_engine_transition {
+    int active;
+    int64_t boundary;
+    int32_t n_groups;
+    gy_engine_old_group_state groups[GY_ENGINE_MAX_RANKS];
+    gy_engine_old_rank old[GY_ENGINE_MAX_RANKS]; /* indexed by engine rank */
+    gy_idmap home;               /* request id -> old group */
+    float *x_full;               /* (tokens, hidden) gathered at the boundary */
+    int64_t cap_x;
+} gy_engine_transition;
+
 struct gy_engine {
     const gy_model *model;       /* rank 0's: the shapes every rank shares */
     int32_t n_ranks;
     gy_engine_rank_state ranks[GY_ENGINE_MAX_RANKS];
+    gy_engine_transition tr;
     gy_comm *comm;
     gy_sched *sched;
     gy_idmap requests;           /* id -> gy_engine_request * */
@@ -60,6 +98,8 @@ struct gy_engine {
     uint8_t *stop;
     float *logits;
 };
+
+static void gy_engine_transition_free(gy_engine *e);
 
 /* ---- KV on demand, on every rank ---- */
 
@@ -80,6 +120,11 @@ static int64_t gy_engine_rank_free(const gy_engine_rank_state *rs) {
            gy_kv_blocks_if_grown(rs->r.kv, gy_engine_growable_pages(rs->r.kv));
 }
 
+static int64_t gy_engine_old_free(const gy_engine_old_rank *o) {
+    return o->inner.free_blocks(o->inner.ctx) +
+           gy_kv_blocks_if_grown(o->r.kv, gy_engine_growable_pages(o->r.kv));
+}
+
 static int64_t gy_engine_free_blocks(void *ctx) {
     gy_engine *e = ctx;
     int64_t least = gy_engine_rank_free(&e->ranks[0]);
@@ -87,7 +132,25 @@ static int64_t gy_engine_free_blocks(void *ctx) {
         const int64_t f = gy_engine_rank_free(&e->ranks[i]);
         if (f < least) least = f;
     }
+    /* While transforming, a request also needs room in the old caches of its group. */
+    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++) {
+        const int64_t f = gy_engine_old_free(&e->tr.old[i]);
+        if (f < least) least = f;
+    }
     return least;
+}
+
+/* The old group of a request during a transformation; new requests go to the group with the
+ * fewest requests. */
+static int32_t gy_engine_home(gy_engine *e, int64_t req) {
+    int64_t g;
+    if (gy_idmap_get(&e->tr.home, req, &g)) return (int32_t)g;
+    int32_t best = 0;
+    for (int32_t i = 1; i < e->tr.n_groups; i++)
+        if (e->tr.groups[i].n_requests < e->tr.groups[best].n_requests) best = i;
+    if (gy_idmap_put(&e->tr.home, req, best) != GY_OK) return -1;
+    e->tr.groups[best].n_requests++;
+    return best;
 }
 
 static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens) {
@@ -120,12 +183,33 @@ static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
         GY_TRY(gy_engine_rank_make_room(rs, need));
         GY_TRY(rs->inner.reserve(rs->inner.ctx, req, n_tokens));
     }
+    if (e->tr.active) {
+        const int32_t g = gy_engine_home(e, req);
+        if (g < 0) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+        const gy_engine_old_group *grp = &e->tr.groups[g].g;
+        for (int32_t k = 0; k < grp->size; k++) {
+            gy_engine_old_rank *o = &e->tr.old[grp->ranks[k]];
+            gy_engine_rank_state view = {.r = o->r, .inner = o->inner};
+            GY_TRY(gy_engine_rank_make_room(&view, need));
+            GY_TRY(o->inner.reserve(o->inner.ctx, req, n_tokens));
+        }
+    }
     return GY_OK;
 }
 
 static void gy_engine_release_kv(void *ctx, int64_t req) {
     gy_engine *e = ctx;
     for (int32_t i = 0; i < e->n_ranks; i++) e->ranks[i].inner.release(e->ranks[i].inner.ctx, req);
+    int64_t g;
+    if (e->tr.active && gy_idmap_get(&e->tr.home, req, &g)) {
+        const gy_engine_old_group *grp = &e->tr.groups[g].g;
+        for (int32_t k = 0; k < grp->size; k++) {
+            gy_engine_old_rank *o = &e->tr.old[grp->ranks[k]];
+            o->inner.release(o->inner.ctx, req);
+        }
+        gy_idmap_remove(&e->tr.home, req);
+        e->tr.groups[g].n_requests--;
+    }
 }
 
 int64_t gy_engine_capacity_blocks(const gy_engine *e) {
@@ -142,13 +226,48 @@ int64_t gy_engine_capacity_blocks(const gy_engine *e) {
 
 /* ---- rank threads ---- */
 
-static void gy_engine_rank_forward(gy_engine *e, int32_t i) {
+/* Layers [0, boundary) in the rank's old group, on that group's rows; every rank then meets at
+ * the barrier, and the old groups' rank 0 have put their rows of hidden state into x_full. */
+static gy_status gy_engine_old_layers(gy_engine *e, int32_t i) {
+    gy_engine_old_rank *o = &e->tr.old[i];
+    const gy_engine_old_group_state *gs = &e->tr.groups[o->group];
+    if (gs->n_tokens == 0) return GY_OK;
+    const gy_tp_group tp = {.rank = o->group_rank, .size = gs->g.size,
+                            .all_reduce = gs->g.size > 1 ? gy_comm_rank_all_reduce : NULL,
+                            .ctx = &o->comm_rank};
+    GY_TRY(gy_forward_begin(o->r.model, &tp, o->r.kv, &o->batch, &o->ws, 1));
+    GY_TRY(gy_forward_layers(o->r.model, &tp, o->r.kv, &o->batch, &o->ws, o->r.pool, 0, e->tr.boundary));
+    if (o->group_rank == 0) {
+        const int64_t hid = e->model->hidden;
+        for (int64_t t = 0; t < gs->n_tokens; t++)
+            memcpy(e->tr.x_full + (int64_t)gs->rows[t] * hid, o->ws.x + t * hid, (size_t)hid * sizeof(float));
+    }
+    return GY_OK;
+}
+
+static gy_status gy_engine_rank_pass(gy_engine *e, int32_t i) {
     gy_engine_rank_state *rs = &e->ranks[i];
     const gy_tp_group tp = {.rank = i, .size = e->n_ranks,
                             .all_reduce = e->n_ranks > 1 ? gy_comm_rank_all_reduce : NULL,
                             .ctx = &rs->comm_rank};
-    rs->status = gy_forward(i == 0 ? e->logits : NULL, rs->r.model, &tp, rs->r.kv, &rs->batch,
-                            &rs->ws, rs->r.pool);
+    if (!e->tr.active || e->tr.boundary == 0)
+        return gy_forward(i == 0 ? e->logits : NULL, rs->r.model, &tp, rs->r.kv, &rs->batch,
+                          &rs->ws, rs->r.pool);
+    /* Every rank reaches the barrier, even after a failure, so that none waits forever. */
+    gy_status s = gy_engine_old_layers(e, i);
+    if (e->n_ranks > 1) gy_comm_barrier(e->comm, i);
+    GY_TRY(s);
+    const int64_t L = e->model->n_layers;
+    GY_TRY(gy_forward_begin(rs->r.model, &tp, rs->r.kv, &rs->batch, &rs->ws, 0));
+    memcpy(rs->ws.x, e->tr.x_full, (size_t)(rs->batch.paged.n_tokens * e->model->hidden) * sizeof(float));
+    GY_TRY(gy_forward_layers(rs->r.model, &tp, rs->r.kv, &rs->batch, &rs->ws, rs->r.pool,
+                             e->tr.boundary, L));
+    return i == 0 ? gy_forward_end(e->logits, rs->r.model, &rs->batch, &rs->ws, rs->r.pool) : GY_OK;
+}
+
+static void gy_engine_rank_forward(gy_engine *e, int32_t i) {
+    gy_engine_rank_state *rs = &e->ranks[i];
+    rs->status = gy_engine_rank_pass(e, i);
     if (rs->status != GY_OK) snprintf(rs->error, sizeof rs->error, "%s", gy_error_message());
 }
 
@@ -294,6 +413,7 @@ void gy_engine_free(gy_engine *e) {
         if (e->requests.used[i]) gy_engine_request_free((gy_engine_request *)(intptr_t)e->requests.values[i]);
     gy_idmap_free(&e->requests);
     gy_sched_free(e->sched);
+    if (e->tr.active) gy_engine_transition_free(e);
     for (int32_t i = 0; i < e->n_ranks; i++) {
         gy_engine_rank_state *rs = &e->ranks[i];
         gy_sched_kv_adapter_free(rs->adapter);
@@ -379,7 +499,120 @@ gy_status gy_engine_release(gy_engine *e, int64_t id) {
 }
 
 gy_sched *gy_engine_sched(const gy_engine *e) { return e->sched; }
+
+/* ---- layer-staggered transformation ---- */
+
+static void gy_engine_transition_free(gy_engine *e) {
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_engine_old_rank *o = &e->tr.old[i];
+        gy_sched_kv_adapter_free(o->adapter);
+        gy_forward_ws_free(&o->ws);
+        free(o->bt_indptr);
+        free(o->bt_indices);
+    }
+    for (int32_t g = 0; g < e->tr.n_groups; g++) {
+        gy_engine_old_group_state *gs = &e->tr.groups[g];
+        free(gs->entry_index); free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
+    }
+    gy_idmap_free(&e->tr.home);
+    free(e->tr.x_full);
+    memset(&e->tr, 0, sizeof e->tr);
+}
+
+gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
+                                     const gy_engine_old_group *groups, int32_t n_groups) {
+    if (e == NULL || old_ranks == NULL || groups == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_transition_begin: NULL argument");
+    if (e->tr.active) return GY_FAIL(GY_ERR_BUSY, "a transformation is already under way");
+    if (n_groups < 1 || n_groups > e->n_ranks)
+        return GY_FAIL(GY_ERR_INVALID, "%d old groups for %d ranks", (int)n_groups, (int)e->n_ranks);
+    int seen[GY_ENGINE_MAX_RANKS] = {0};
+    for (int32_t g = 0; g < n_groups; g++) {
+        if (groups[g].size < 1 || (groups[g].size > 1 && groups[g].comm == NULL))
+            return GY_FAIL(GY_ERR_INVALID, "old group %d needs a size and a communicator", (int)g);
+        for (int32_t k = 0; k < groups[g].size; k++) {
+            const int32_t r = groups[g].ranks[k];
+            if (r < 0 || r >= e->n_ranks || seen[r]++)
+                return GY_FAIL(GY_ERR_INVALID, "old groups must cover every rank once (rank %d)", (int)r);
+        }
+    }
+    for (int32_t i = 0; i < e->n_ranks; i++)
+        if (!seen[i] || old_ranks[i].model == NULL || old_ranks[i].kv == NULL)
+            return GY_FAIL(GY_ERR_INVALID, "rank %d has no old group, model or KV cache", (int)i);
+    memset(&e->tr, 0, sizeof e->tr);
+    e->tr.n_groups = n_groups;
+    for (int32_t g = 0; g < n_groups; g++) {
+        e->tr.groups[g].g = groups[g];
+        for (int32_t k = 0; k < groups[g].size; k++) {
+            gy_engine_old_rank *o = &e->tr.old[groups[g].ranks[k]];
+            o->group = g;
+            o->group_rank = k;
+            o->comm_rank = (gy_comm_rank){.comm = groups[g].comm, .rank = k};
+        }
+    }
+    gy_status s = GY_OK;
+    for (int32_t i = 0; i < e->n_ranks && s == GY_OK; i++) {
+        gy_engine_old_rank *o = &e->tr.old[i];
+        o->r = old_ranks[i];
+        s = gy_sched_kv_adapter_init(&o->adapter, o->r.kv);
+        if (s == GY_OK) o->inner = gy_sched_kv_adapter_ops(o->adapter);
+    }
+    if (s != GY_OK) {
+        gy_engine_transition_free(e);
+        return s;
+    }
+    e->tr.boundary = e->model->n_layers;
+    e->tr.active = 1;
+    return GY_OK;
+}
+
+gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
+    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    if (group < 0 || group >= e->tr.n_groups)
+        return GY_FAIL(GY_ERR_INVALID, "old group %d does not exist", (int)group);
+    if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    const gy_engine_old_group *grp = &e->tr.groups[group].g;
+    for (int32_t k = 0; k < grp->size; k++)
+        if (old_seqs[k] >= 0)
+            GY_TRY(gy_sched_kv_adapter_adopt(e->tr.old[grp->ranks[k]].adapter, id, old_seqs[k]));
+    GY_TRY(gy_idmap_put(&e->tr.home, id, group));
+    e->tr.groups[group].n_requests++;
+    return GY_OK;
+}
+
+gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary) {
+    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    if (boundary < 0 || boundary > e->tr.boundary)
+        return GY_FAIL(GY_ERR_INVALID, "the boundary only moves down, from %lld (got %lld)",
+                       (long long)e->tr.boundary, (long long)boundary);
+    e->tr.boundary = boundary;
+    return GY_OK;
+}
+
+gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
+                                   int64_t *seq) {
+    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    if (rank < 0 || rank >= e->n_ranks) return GY_FAIL(GY_ERR_INVALID, "rank %d out of range", (int)rank);
+    int64_t g;
+    *group = gy_idmap_get(&e->tr.home, id, &g) ? (int32_t)g : -1;
+    *seq = gy_sched_kv_adapter_seq(e->tr.old[rank].adapter, id);
+    return GY_OK;
+}
+
+gy_status gy_engine_transition_end(gy_engine *e) {
+    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    if (e->tr.boundary != 0)
+        return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->tr.boundary);
+    gy_engine_transition_free(e); /* the adapters free the old sequences */
+    return GY_OK;
+}
+
+int64_t gy_engine_transition_boundary(const gy_engine *e) { return e->tr.active ? e->tr.boundary : -1; }
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->n_ranks; }
+
+void gy_engine_detach_kv(gy_engine *e) {
+    for (int32_t i = 0; i < e->n_ranks; i++) gy_sched_kv_adapter_detach_all(e->ranks[i].adapter);
+}
 
 /* ---- moving requests between instances ---- */
 
@@ -513,6 +746,92 @@ static gy_status gy_engine_rank_tables(gy_engine_rank_state *rs, const gy_sched_
     return GY_OK;
 }
 
+/* The rows of each old group and its ranks' old block tables (during a transformation). */
+static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int64_t n_tokens) {
+    const int64_t hid = e->model->hidden;
+    if (n_tokens > e->tr.cap_x) {
+        free(e->tr.x_full);
+        e->tr.x_full = malloc((size_t)(n_tokens * hid) * sizeof(float));
+        e->tr.cap_x = e->tr.x_full ? n_tokens : 0;
+        if (e->tr.x_full == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    }
+    for (int32_t g = 0; g < e->tr.n_groups; g++) {
+        gy_engine_old_group_state *gs = &e->tr.groups[g];
+        if (b->n_entries > gs->cap_entries) {
+            free(gs->entry_index);
+            gs->entry_index = malloc((size_t)b->n_entries * sizeof(int64_t));
+            gs->cap_entries = gs->entry_index ? b->n_entries : 0;
+        }
+        if (n_tokens > gs->cap_tokens) {
+            free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
+            gs->rows = malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->tokens = malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->token_seq = malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->token_pos = malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->cap_tokens = (gs->rows && gs->tokens && gs->token_seq && gs->token_pos) ? n_tokens : 0;
+        }
+        if (gs->cap_entries < b->n_entries || gs->cap_tokens < n_tokens)
+            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a group's rows");
+        gs->n_entries = gs->n_tokens = 0;
+    }
+    int64_t row = 0;
+    for (int64_t i = 0; i < b->n_entries; i++) {
+        const gy_sched_entry *en = &b->entries[i];
+        const int32_t g = gy_engine_home(e, en->id);
+        if (g < 0) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+        gy_engine_old_group_state *gs = &e->tr.groups[g];
+        const int32_t local = (int32_t)gs->n_entries;
+        gs->entry_index[gs->n_entries++] = i;
+        for (int64_t j = 0; j < en->n_tokens; j++, row++) {
+            gs->rows[gs->n_tokens] = (int32_t)row;
+            gs->tokens[gs->n_tokens] = e->tokens[row];
+            gs->token_seq[gs->n_tokens] = local;
+            gs->token_pos[gs->n_tokens] = e->token_pos[row];
+            gs->n_tokens++;
+        }
+    }
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_engine_old_rank *o = &e->tr.old[i];
+        gy_engine_old_group_state *gs = &e->tr.groups[o->group];
+        int64_t n_blocks = 0;
+        for (int64_t k = 0; k < gs->n_entries; k++) {
+            const int64_t seq = gy_sched_kv_adapter_seq(o->adapter, b->entries[gs->entry_index[k]].id);
+            if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld has no KV in its old group",
+                                        (long long)b->entries[gs->entry_index[k]].id);
+            n_blocks += gy_kv_seq_n_blocks(o->r.kv, seq);
+        }
+        if (gs->n_entries + 1 > o->cap_entries) {
+            free(o->bt_indptr);
+            o->bt_indptr = malloc((size_t)(gs->n_entries + 1) * sizeof(int32_t));
+            o->cap_entries = o->bt_indptr ? gs->n_entries + 1 : 0;
+        }
+        if (n_blocks > o->cap_blocks || o->bt_indices == NULL) {
+            free(o->bt_indices);
+            o->bt_indices = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
+            o->cap_blocks = o->bt_indices ? n_blocks : 0;
+        }
+        if (o->bt_indptr == NULL || o->bt_indices == NULL)
+            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
+        int64_t blocks = 0;
+        o->bt_indptr[0] = 0;
+        for (int64_t k = 0; k < gs->n_entries; k++) {
+            const int64_t seq = gy_sched_kv_adapter_seq(o->adapter, b->entries[gs->entry_index[k]].id);
+            const int64_t nb = gy_kv_seq_n_blocks(o->r.kv, seq);
+            memcpy(o->bt_indices + blocks, gy_kv_seq_blocks(o->r.kv, seq), (size_t)nb * sizeof(int32_t));
+            blocks += nb;
+            o->bt_indptr[k + 1] = (int32_t)blocks;
+        }
+        o->batch = (gy_forward_batch){
+            .tokens = gs->tokens,
+            .paged = {.n_tokens = gs->n_tokens, .token_seq = gs->token_seq, .token_pos = gs->token_pos,
+                      .n_seqs = gs->n_entries, .bt_indptr = o->bt_indptr, .bt_indices = o->bt_indices},
+            .n_logits = 0,
+            .logit_rows = NULL,
+        };
+    }
+    return GY_OK;
+}
+
 /* Gathers the tokens and positions, and every rank's block tables and batch. */
 static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
     GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries));
@@ -535,6 +854,7 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             rows++;
         }
     }
+    if (e->tr.active && e->tr.boundary > 0) GY_TRY(gy_engine_build_old(e, b, t));
     for (int32_t i = 0; i < e->n_ranks; i++) {
         gy_engine_rank_state *rs = &e->ranks[i];
         GY_TRY(gy_engine_rank_tables(rs, b));

@@ -100,8 +100,36 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs);
 
+/* ---- layer-staggered transformation (Gyges 4.3) ----
+ * While one runs, layers [0, boundary) still run in the old groups (each on the rows of the
+ * requests it holds), with the workers' old models and KV caches; layers [boundary, L) run in
+ * this engine's group. The caller moves the boundary down a few layers at a time (reversed: the
+ * last layer first), moving each layer's KV from the old caches to the new ones in between. */
+typedef struct gy_engine_old_group {
+    int32_t size;
+    int32_t ranks[GY_MODEL_MAX_TP]; /* engine ranks, in the order of their rank in the old group */
+    struct gy_comm *comm;           /* of that size; NULL for one rank */
+} gy_engine_old_group;
+
+/* old_ranks[i]: engine rank i's old model and KV cache (borrowed). Starts with boundary L. */
+gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
+                                     const gy_engine_old_group *groups, int32_t n_groups);
+/* Records where an adopted request's KV lives in its old group: old_seqs[k] on the group's
+ * rank k. */
+gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs);
+gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary);
+/* The request's group and its old KV sequence on engine rank `rank` (-1 when none). */
+gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
+                                   int64_t *seq);
+/* Ends it (the boundary must be 0): the old sequences are freed. */
+gy_status gy_engine_transition_end(gy_engine *e);
+int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs */
+
 gy_sched *gy_engine_sched(const gy_engine *e);
 int32_t gy_engine_n_ranks(const gy_engine *e);
+/* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
+ * leaves them in the caches (a layer-staggered transformation keeps reading them). */
+void gy_engine_detach_kv(gy_engine *e);
 /* Blocks the whole budget could hold (what the submit-time check uses). */
 int64_t gy_engine_capacity_blocks(const gy_engine *e);
 

@@ -75,11 +75,22 @@ static gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, cons
     return GY_OK;
 }
 
-gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
-                     const gy_forward_batch *b, gy_forward_ws *ws, gy_threadpool *pool) {
+gy_status gy_forward_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                           const gy_forward_batch *b, gy_forward_ws *ws, int embed) {
     GY_TRY(gy_forward_check(m, tp, kv, b));
+    GY_TRY(gy_forward_ws_reserve(ws, m, b->paged.n_tokens));
+    if (!embed) return GY_OK;
+    return gy_cpu_embedding(ws->x, m->embed, m->weight_dtype, b->tokens, b->paged.n_tokens,
+                            m->vocab, m->hidden);
+}
+
+gy_status gy_forward_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                            const gy_forward_batch *b, gy_forward_ws *ws, gy_threadpool *pool,
+                            int64_t first_layer, int64_t end_layer) {
+    if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
+                       (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
     const int64_t n = b->paged.n_tokens, hid = m->hidden, D = m->head_dim;
-    GY_TRY(gy_forward_ws_reserve(ws, m, n));
     const int64_t esz = gy_dtype_size(m->weight_dtype);
     const int64_t heads = m->n_heads / tp->size, kv_heads = m->n_kv_heads / tp->size;
     const int64_t q_rows = heads * D, kv_rows = kv_heads * D;
@@ -87,9 +98,7 @@ gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy
     const gy_kv_layout *layout = gy_kv_layout_of(kv);
     const gy_dtype wt = m->weight_dtype;
 #define GY_ROWS(ptr, row) ((const void *)((const char *)(ptr) + (row) * hid * esz))
-
-    GY_TRY(gy_cpu_embedding(ws->x, m->embed, wt, b->tokens, n, m->vocab, hid));
-    for (int64_t l = 0; l < m->n_layers; l++) {
+    for (int64_t l = first_layer; l < end_layer; l++) {
         const gy_layer_weights *w = &m->layers[l];
         float *layer_base = gy_kv_layer_ptr(kv, l);
         if (layer_base == NULL) return GY_FAIL(GY_ERR_UNAVAILABLE, "the KV cache is not in host memory");
@@ -118,6 +127,9 @@ gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy
         for (int64_t j = 0; j < shards_here; j++) {
             const int64_t s = first_shard + j, R = m->shard_rows;
             float *part = ws->parts + j * n * hid;
+            if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
+                return GY_FAIL(GY_ERR_STATE, "layer %lld: FFN shard %lld is not held here",
+                               (long long)l, (long long)s);
             GY_TRY(gy_cpu_linear(ws->g, ws->h, w->gate[s], wt, NULL, n, hid, R, 1, pool));
             GY_TRY(gy_cpu_linear(ws->u, ws->h, w->up[s], wt, NULL, n, hid, R, 1, pool));
             GY_TRY(gy_cpu_swiglu(ws->g, ws->g, ws->u, n * R));
@@ -129,10 +141,24 @@ gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy
         GY_TRY(gy_cpu_add(ws->x, ws->x, ws->o, n * hid));
     }
 #undef GY_ROWS
+    return GY_OK;
+}
+
+gy_status gy_forward_end(float *logits, const gy_model *m, const gy_forward_batch *b,
+                         gy_forward_ws *ws, gy_threadpool *pool) {
+    const int64_t hid = m->hidden;
     if (b->n_logits == 0) return GY_OK;
     if (logits == NULL) return GY_FAIL(GY_ERR_INVALID, "logits requested but no output buffer given");
     for (int64_t i = 0; i < b->n_logits; i++)
         memcpy(ws->sel + i * hid, ws->x + (int64_t)b->logit_rows[i] * hid, (size_t)hid * sizeof(float));
     GY_TRY(gy_cpu_rmsnorm(ws->sel, ws->sel, m->final_norm, b->n_logits, hid, m->rms_eps));
-    return gy_cpu_linear(logits, ws->sel, m->lm_head, wt, NULL, b->n_logits, hid, m->vocab, 1, pool);
+    return gy_cpu_linear(logits, ws->sel, m->lm_head, m->weight_dtype, NULL, b->n_logits, hid,
+                         m->vocab, 1, pool);
+}
+
+gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                     const gy_forward_batch *b, gy_forward_ws *ws, gy_threadpool *pool) {
+    GY_TRY(gy_forward_begin(m, tp, kv, b, ws, 1));
+    GY_TRY(gy_forward_layers(m, tp, kv, b, ws, pool, 0, m->n_layers));
+    return gy_forward_end(logits, m, b, ws, pool);
 }

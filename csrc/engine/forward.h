@@ -48,7 +48,19 @@ typedef struct gy_forward_ws {
 
 void gy_forward_ws_free(gy_forward_ws *ws);
 
-/* logits [n_logits, vocab] (may be NULL when n_logits is 0, e.g. on ranks other than 0). */
+/* The pass in three parts, so that a layer-staggered transformation can run some layers in one
+ * configuration and the rest in another: begin checks the batch and sizes the workspace, and
+ * embeds the tokens into ws->x when `embed` (else the caller fills ws->x); layers runs
+ * [first_layer, end_layer) on ws->x; end computes the logits of batch->logit_rows. */
+gy_status gy_forward_begin(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
+                           const gy_forward_batch *batch, gy_forward_ws *ws, int embed);
+gy_status gy_forward_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
+                            const gy_forward_batch *batch, gy_forward_ws *ws, gy_threadpool *pool,
+                            int64_t first_layer, int64_t end_layer);
+gy_status gy_forward_end(float *logits, const gy_model *model, const gy_forward_batch *batch,
+                         gy_forward_ws *ws, gy_threadpool *pool);
+
+/* All three: logits [n_logits, vocab] (may be NULL when n_logits is 0, e.g. on ranks > 0). */
 gy_status gy_forward(float *logits, const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
                      const gy_forward_batch *batch, gy_forward_ws *ws, gy_threadpool *pool);
 

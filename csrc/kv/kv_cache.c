@@ -29,6 +29,10 @@ struct gy_kv_cache {
     int64_t n_free_seqs;
     int64_t n_live_seqs;
     gy_kv_stats stats;
+    /* A layer-staggered transformation reads the same pages in two geometries: the owner maps
+     * them, the shadow borrows them (each only touches the layers in its geometry). */
+    gy_kv_cache *owner;  /* set on a shadow */
+    gy_kv_cache *shadow; /* set on the owner of a shadow */
 };
 
 static gy_status gy_kv_set_blocks(gy_kv_cache *kv, int64_t n_blocks) {
@@ -96,6 +100,12 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
 
 void gy_kv_free(gy_kv_cache *kv) {
     if (kv == NULL) return;
+    if (kv->owner != NULL) {
+        kv->owner->shadow = NULL; /* a shadow never unmaps borrowed pages */
+        kv->pages_per_layer = 0;
+    } else if (kv->shadow != NULL) {
+        gy_kv_take_pages(kv->shadow); /* the shadow keeps the pages it reads */
+    }
     if (kv->pages_per_layer > 0)
         for (int64_t l = 0; l < kv->config.n_layers; l++)
             gy_arena_shrink(kv->arena, kv->config.first_slot + l * kv->config.slots_per_layer,
@@ -144,8 +154,19 @@ static gy_status gy_kv_check_not_viewed(const gy_kv_cache *kv) {
     return GY_OK;
 }
 
+/* Blocks appear when the pages they need are mapped (a shadow's pages are its owner's). */
+static gy_status gy_kv_refresh_blocks(gy_kv_cache *kv, int64_t pages) {
+    kv->pages_per_layer = pages;
+    const int64_t old_n = kv->stats.n_blocks, new_n = gy_kv_blocks_for_pages(kv, pages);
+    if (new_n <= old_n) return GY_OK;
+    GY_TRY(gy_kv_set_blocks(kv, new_n));
+    for (int64_t b = new_n - 1; b >= old_n; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
+    return GY_OK;
+}
+
 gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->owner != NULL) return gy_kv_grow(kv->owner, pages);
     if (pages <= 0) return GY_FAIL(GY_ERR_INVALID, "grow needs a positive page count, got %lld", (long long)pages);
     if (pages > kv->config.slots_per_layer - kv->pages_per_layer)
         return GY_FAIL(GY_ERR_LIMIT,
@@ -180,11 +201,15 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
     GY_TRY(gy_kv_set_blocks(kv, new_n));
     for (int64_t b = new_n - 1; b >= old_n; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
     kv->stats.grows++;
+    if (kv->shadow != NULL) GY_TRY(gy_kv_refresh_blocks(kv->shadow, kv->pages_per_layer));
     return GY_OK;
 }
 
 gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->owner != NULL || kv->shadow != NULL)
+        return GY_FAIL(GY_ERR_BUSY, "a transformation reads these pages in two geometries; "
+                                    "they cannot shrink until it ends");
     if (pages <= 0 || pages > kv->pages_per_layer)
         return GY_FAIL(GY_ERR_INVALID, "cannot shrink by %lld pages: %lld are mapped per layer",
                        (long long)pages, (long long)kv->pages_per_layer);
@@ -215,6 +240,7 @@ gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
 }
 
 int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv) {
+    if (kv->owner != NULL || kv->shadow != NULL) return 0;
     int64_t used_end = kv->stats.n_blocks; /* one past the highest block in use */
     while (used_end > 0 && !kv->block_used[used_end - 1]) used_end--;
     const uint64_t needed = ((uint64_t)used_end * kv->block_bytes + kv->page_size - 1) / kv->page_size;
@@ -263,6 +289,41 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     kv->n_free = 0;
     for (int64_t b = n - 1; b >= 0; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
     return GY_OK;
+}
+
+gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_heads) {
+    if (out == NULL || owner == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_init_shadow: NULL argument");
+    *out = NULL;
+    if (owner->shadow != NULL || owner->owner != NULL)
+        return GY_FAIL(GY_ERR_BUSY, "this KV cache already takes part in a transformation");
+    if (owner->config.layout == GY_KV_LAYOUT_RAW)
+        return GY_FAIL(GY_ERR_INVALID, "the raw layout moves its V blocks when it grows, so two "
+                                       "geometries cannot share its pages; use page or header");
+    gy_kv_config c = owner->config;
+    c.n_heads = n_heads;
+    gy_kv_cache *kv;
+    GY_TRY(gy_kv_init(&kv, owner->arena, &c));
+    kv->owner = owner;
+    owner->shadow = kv;
+    gy_status s = gy_kv_refresh_blocks(kv, owner->pages_per_layer);
+    if (s != GY_OK) {
+        gy_kv_free(kv);
+        return s;
+    }
+    *out = kv;
+    return GY_OK;
+}
+
+void gy_kv_take_pages(gy_kv_cache *shadow) {
+    if (shadow == NULL || shadow->owner == NULL) return;
+    gy_kv_cache *owner = shadow->owner;
+    for (int64_t i = 0; i < owner->seq_capacity; i++)
+        if (owner->seqs[i].live) gy_kv_seq_free(owner, i);
+    owner->pages_per_layer = 0;
+    owner->n_free = 0;
+    gy_kv_set_blocks(owner, 0);
+    owner->shadow = NULL;
+    shadow->owner = NULL;
 }
 
 /* ---- sequences ---- */

@@ -73,6 +73,14 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads);
 gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_blocks,
                           int64_t n_tokens, int64_t *seq_out);
 
+/* Layer-staggered transformation: a shadow reads the owner's pages as blocks of `n_heads` heads
+ * (page or header layout). Growing either grows the owner and both see the new blocks; neither
+ * can shrink while they share. Each must only touch the layers in its own geometry.
+ * gy_kv_take_pages ends the sharing: the shadow owns the pages, the owner is left empty (its
+ * sequences freed). Freeing the owner first does the same. */
+gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_heads);
+void gy_kv_take_pages(gy_kv_cache *shadow);
+
 /* Sequences and their block tables. reserve makes room for `n_tokens` tokens in total (it only
  * adds blocks), all-or-nothing; it fails with GY_ERR_OUT_OF_MEMORY when too few blocks are free. */
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);

@@ -21,6 +21,7 @@ int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);
 int gy_py_engine_add(PyObject *module);
+int gy_py_sim_add(PyObject *module);
 int gy_py_comm_add(PyObject *module);
 
 /* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure

@@ -7,6 +7,7 @@
 typedef struct {
     PyObject_HEAD
     PyObject *keep;    /* strong: a tuple of the models, KV caches and communicator used */
+    PyObject *transition_keep; /* strong, while a transformation runs: its old models and caches */
     gy_engine *engine;
 } GyEngineObject;
 
@@ -69,6 +70,7 @@ static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *
 static void gy_py_engine_dealloc(GyEngineObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_engine_free(self->engine);
+    Py_XDECREF(self->transition_keep);
     Py_XDECREF(self->keep);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -272,7 +274,132 @@ static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* transition_begin(old_models, old_kvs, groups): per engine rank its old model and KV cache;
+ * groups: a list of (ranks tuple, Comm or None). */
+static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *args) {
+    PyObject *models, *kvs, *groups;
+    if (!PyArg_ParseTuple(args, "OOO", &models, &kvs, &groups)) return NULL;
+    const int32_t n = gy_engine_n_ranks(self->engine);
+    if (PySequence_Size(models) != n || PySequence_Size(kvs) != n)
+        return PyErr_Format(PyExc_ValueError, "need an old model and KV cache for each of %d ranks", (int)n);
+    PyObject *keep = Py_BuildValue("(OOO)", models, kvs, groups);
+    if (keep == NULL) return NULL;
+    gy_engine_rank old[GY_MODEL_MAX_TP];
+    gy_engine_old_group grps[GY_MODEL_MAX_TP];
+    const Py_ssize_t n_groups = PySequence_Size(groups);
+    if (n_groups < 1 || n_groups > n) {
+        Py_DECREF(keep);
+        return PyErr_Format(PyExc_ValueError, "between 1 and %d old groups", (int)n);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        PyObject *m = PySequence_GetItem(models, i), *k = PySequence_GetItem(kvs, i);
+        old[i].model = m ? gy_py_model_unwrap(m, &old[i].pool) : NULL;
+        old[i].kv = k ? gy_py_kv_unwrap(k) : NULL;
+        Py_XDECREF(m);
+        Py_XDECREF(k);
+        if (old[i].model == NULL || old[i].kv == NULL) {
+            Py_DECREF(keep);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        PyObject *item = PySequence_GetItem(groups, g), *ranks = NULL, *comm = NULL;
+        int ok = item && PyArg_ParseTuple(item, "OO", &ranks, &comm);
+        Py_ssize_t size = ok ? PySequence_Size(ranks) : -1;
+        ok = ok && size >= 1 && size <= GY_MODEL_MAX_TP;
+        grps[g].size = (int32_t)size;
+        grps[g].comm = NULL;
+        for (Py_ssize_t j = 0; ok && j < size; j++) {
+            PyObject *r = PySequence_GetItem(ranks, j);
+            grps[g].ranks[j] = r ? (int32_t)PyLong_AsLong(r) : -1;
+            Py_XDECREF(r);
+            ok = !PyErr_Occurred();
+        }
+        if (ok && comm != Py_None) ok = (grps[g].comm = gy_py_comm_unwrap(comm)) != NULL;
+        Py_XDECREF(item);
+        if (!ok) {
+            Py_DECREF(keep);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a group is (ranks, comm)");
+            return NULL;
+        }
+    }
+    gy_status s = gy_engine_transition_begin(self->engine, old, grps, (int32_t)n_groups);
+    if (s != GY_OK) {
+        Py_DECREF(keep);
+        return gy_py_raise(s);
+    }
+    Py_XSETREF(self->transition_keep, keep);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_transition_adopt(GyEngineObject *self, PyObject *args) {
+    long long id;
+    int group;
+    PyObject *seqs_object;
+    if (!PyArg_ParseTuple(args, "LiO", &id, &group, &seqs_object)) return NULL;
+    int64_t seqs[GY_MODEL_MAX_TP];
+    const Py_ssize_t n = PySequence_Size(seqs_object);
+    if (n < 0 || n > GY_MODEL_MAX_TP) return PyErr_Format(PyExc_ValueError, "bad old sequences");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PySequence_GetItem(seqs_object, i);
+        seqs[i] = x ? PyLong_AsLongLong(x) : -1;
+        Py_XDECREF(x);
+        if (PyErr_Occurred()) return NULL;
+    }
+    gy_status s = gy_engine_transition_adopt(self->engine, id, group, seqs);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_transition_set_boundary(GyEngineObject *self, PyObject *args) {
+    long long b;
+    if (!PyArg_ParseTuple(args, "L", &b)) return NULL;
+    gy_status s = gy_engine_transition_set_boundary(self->engine, b);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_transition_seq(GyEngineObject *self, PyObject *args) {
+    long long id;
+    int rank;
+    if (!PyArg_ParseTuple(args, "Li", &id, &rank)) return NULL;
+    int32_t group;
+    int64_t seq;
+    gy_status s = gy_engine_transition_seq(self->engine, id, rank, &group, &seq);
+    if (s != GY_OK) return gy_py_raise(s);
+    return Py_BuildValue("(iL)", (int)group, (long long)seq);
+}
+
+static PyObject *gy_py_engine_transition_end(GyEngineObject *self, PyObject *unused) {
+    gy_status s = gy_engine_transition_end(self->engine);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_CLEAR(self->transition_keep);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_transition_boundary(GyEngineObject *self, PyObject *unused) {
+    return PyLong_FromLongLong(gy_engine_transition_boundary(self->engine));
+}
+
+static PyObject *gy_py_engine_detach_kv(GyEngineObject *self, PyObject *unused) {
+    gy_engine_detach_kv(self->engine);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gy_py_engine_methods[] = {
+    {"detach_kv", (PyCFunction)gy_py_engine_detach_kv, METH_NOARGS,
+     "detach_kv(): forget the requests' KV sequences without freeing them"},
+    {"transition_begin", (PyCFunction)gy_py_engine_transition_begin, METH_VARARGS,
+     "transition_begin(old_models, old_kvs, groups)"},
+    {"transition_adopt", (PyCFunction)gy_py_engine_transition_adopt, METH_VARARGS,
+     "transition_adopt(id, group, old_seqs)"},
+    {"transition_set_boundary", (PyCFunction)gy_py_engine_transition_set_boundary, METH_VARARGS,
+     "transition_set_boundary(layer)"},
+    {"transition_seq", (PyCFunction)gy_py_engine_transition_seq, METH_VARARGS,
+     "transition_seq(id, rank) -> (group, old seq)"},
+    {"transition_end", (PyCFunction)gy_py_engine_transition_end, METH_NOARGS, "transition_end()"},
+    {"transition_boundary", (PyCFunction)gy_py_engine_transition_boundary, METH_NOARGS,
+     "transition_boundary() -> layer, or -1"},
     {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},
     {"export", (PyCFunction)gy_py_engine_export, METH_VARARGS, "export(id) -> dict"},
     {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS, "adopt(id, tokens, ...)"},

@@ -224,7 +224,31 @@ static PyObject *gy_py_kv_seq_adopt(GyKVObject *self, PyObject *args) {
     return PyLong_FromLongLong(seq);
 }
 
+/* shadow(n_heads) -> a KVCache reading this cache's pages as blocks of n_heads heads */
+static PyObject *gy_py_kv_shadow(GyKVObject *self, PyObject *args) {
+    long long heads;
+    if (!PyArg_ParseTuple(args, "L", &heads)) return NULL;
+    gy_kv_cache *kv;
+    gy_status s = gy_kv_init_shadow(&kv, self->kv, heads);
+    if (s != GY_OK) return gy_py_raise(s);
+    GyKVObject *shadow = (GyKVObject *)((PyTypeObject *)gy_py_kv_type)->tp_alloc((PyTypeObject *)gy_py_kv_type, 0);
+    if (shadow == NULL) {
+        gy_kv_free(kv);
+        return NULL;
+    }
+    shadow->arena_object = Py_NewRef(self->arena_object);
+    shadow->kv = kv;
+    return (PyObject *)shadow;
+}
+
+static PyObject *gy_py_kv_take_pages(GyKVObject *self, PyObject *unused) {
+    gy_kv_take_pages(self->kv);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gy_py_kv_methods[] = {
+    {"shadow", (PyCFunction)gy_py_kv_shadow, METH_VARARGS, "shadow(n_heads) -> KVCache over the same pages"},
+    {"take_pages", (PyCFunction)gy_py_kv_take_pages, METH_NOARGS, "take_pages(): a shadow becomes the owner"},
     {"reshape", (PyCFunction)gy_py_kv_reshape, METH_VARARGS, "reshape(n_heads): header-centric blocks of n_heads heads"},
     {"seq_adopt", (PyCFunction)gy_py_kv_seq_adopt, METH_VARARGS, "seq_adopt(blocks, n_tokens) -> seq"},
     {"grow", (PyCFunction)gy_py_kv_grow, METH_VARARGS, "grow(pages)"},

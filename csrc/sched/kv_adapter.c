@@ -1,6 +1,8 @@
 /* kv_adapter.c: request id -> KV sequence in an id map; every call forwards to the cache. */
 #include "kv_adapter.h"
 
+#include <string.h>
+
 #include <stdlib.h>
 
 #include "idmap.h"
@@ -89,4 +91,10 @@ gy_status gy_sched_kv_adapter_adopt(gy_sched_kv_adapter *a, int64_t req, int64_t
 
 void gy_sched_kv_adapter_forget(gy_sched_kv_adapter *a, int64_t req) {
     if (a != NULL) gy_idmap_remove(&a->seqs, req);
+}
+
+void gy_sched_kv_adapter_detach_all(gy_sched_kv_adapter *a) {
+    if (a == NULL) return;
+    gy_idmap_free(&a->seqs);
+    memset(&a->seqs, 0, sizeof a->seqs);
 }

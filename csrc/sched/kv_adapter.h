@@ -24,6 +24,8 @@ void gy_sched_kv_adapter_free(gy_sched_kv_adapter *a);
 gy_sched_kv_ops gy_sched_kv_adapter_ops(gy_sched_kv_adapter *a);
 /* Makes `seq` (a live sequence of the cache) the KV of request `req`, which must hold none. */
 gy_status gy_sched_kv_adapter_adopt(gy_sched_kv_adapter *a, int64_t req, int64_t seq);
+/* Forgets every request's sequence without freeing any (they outlive the adapter). */
+void gy_sched_kv_adapter_detach_all(gy_sched_kv_adapter *a);
 /* Forgets request `req`'s sequence without freeing it (undoes an adopt). */
 void gy_sched_kv_adapter_forget(gy_sched_kv_adapter *a, int64_t req);
 /* The KV sequence of request `req`, or -1 when it holds none. */

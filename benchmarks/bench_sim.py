@@ -1,0 +1,278 @@
+"""The paper-scale simulator against the papers' numbers (gyges.sim; fixed seeds).
+
+1. Gyges Table 1 (Qwen2.5-32B on H20): single-instance and 4-GPU throughput of TP1, TP2, TP4
+   under the paper's SLO (TTFT < 10 s, TPOT < 100 ms). Workload: Poisson arrivals of 1K-token
+   sequences (768 prompt + 256 output); throughput = prompt + output tokens/s at the highest
+   rate at which >= 90% of requests meet the SLO (bisection on the rate, 600 s per trial).
+   Only the efficiency factors are calibrated (gyges.costmodel.CALIBRATION; --calibrate redoes
+   the Nelder-Mead fit of eff_flops, eff_link, allreduce_latency and step_overhead).
+2. Gyges 6.2.4: short 1K prompts at 60/min + long 50K prompts at 1/min on 8 TP1 instances;
+   gyges vs round_robin and least_load, at the paper's rate and at 1.5x and 2x (the gains in
+   throughput only exist once the cluster is saturated).
+3. The Azure LLM 2023 conversation trace: the longest 3% of requests get their prompts scaled
+   so that they exceed a TP1 instance; arrivals slowed so that 8 H20 are loaded but not
+   swamped; gyges vs every static layout of the 8 GPUs, on goodput.
+4. Speed: 10 hours of the 6.2.4 workload (~36,600 requests) on 8 GPUs.
+
+Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--calibrate]
+"""
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table, write_json  # noqa: E402
+from gyges import metrics, sim, traces  # noqa: E402
+from gyges.costmodel import CALIBRATION, DEFAULTS, CostModel  # noqa: E402
+
+AZURE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
+    "azure_llm_2023_conv.csv"
+SLO = {"ttft": 10.0, "tpot": 0.1}
+PAPER_TABLE1 = {1: (448, 3750), 2: (670, 41250), 4: (767, 120500)}  # tokens/s, max sequence
+
+
+# ---- 1. Table 1 -------------------------------------------------------------------------------
+
+def slo_throughput(cost, tp, rate, duration=600.0, seed=0):
+    tr = traces.poisson(rate, duration=duration, input_tokens=768, output_tokens=256, seed=seed)
+    res = sim.run(tr, policy="static", gpus_per_host=tp, layout=f"1xTP{tp}", cost=cost,
+                  slo=SLO)
+    s = res.summary()
+    return s["total_token_throughput"], s["good_completed"] / max(1, s["completed"])
+
+
+def max_slo_throughput(cost, tp, iterations=14):
+    lo, hi = 0.01, 20.0
+    for _ in range(iterations):
+        mid = math.sqrt(lo * hi)
+        if slo_throughput(cost, tp, mid)[1] >= 0.9:
+            lo = mid
+        else:
+            hi = mid
+    return slo_throughput(cost, tp, lo)[0], lo
+
+
+def table1(cost):
+    rows = []
+    for tp in (1, 2, 4):
+        tput, rate = max_slo_throughput(cost, tp)
+        paper, paper_seq = PAPER_TABLE1[tp]
+        total = tput * 4 / tp
+        rows.append({"tp": f"TP{tp}", "rate": rate, "single": tput, "paper_single": paper,
+                     "single_err": 100 * (tput / paper - 1), "total": total,
+                     "paper_total": paper * 4 / tp,
+                     "total_err": 100 * (total / (paper * 4 / tp) - 1),
+                     "max_seq": cost.max_tokens(tp), "paper_max_seq": paper_seq})
+    return rows
+
+
+def nelder_mead(f, x0, step, iterations=80):
+    pts = [np.array(x0, float)] + [np.array(x0, float) + np.eye(len(x0))[i] * step[i]
+                                   for i in range(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iterations):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        c = np.mean(pts[:-1], axis=0)
+        xr = c + (c - pts[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = c + 2 * (c - pts[-1])
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = c + 0.5 * (pts[-1] - c)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                for i in range(1, len(pts)):
+                    pts[i] = pts[0] + 0.5 * (pts[i] - pts[0])
+                    vals[i] = f(pts[i])
+    i = int(np.argmin(vals))
+    return pts[i], vals[i]
+
+
+def calibrate():
+    names = ("eff_flops", "eff_link", "allreduce_latency", "step_overhead")
+
+    def objective(x):
+        v = dict(zip(names, np.exp(x)))
+        cost = CostModel.create("qwen2.5-32b", "h20", **v)
+        return sum(math.log(max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0]) ** 2
+                   for tp in (1, 2, 4))
+
+    x, err = nelder_mead(objective, np.log([CALIBRATION[n] for n in names]),
+                         [0.3, 0.5, 1.0, 1.0])
+    return dict(zip(names, (float(v) for v in np.exp(x)))), err
+
+
+# ---- 2. Gyges 6.2.4 ---------------------------------------------------------------------------
+
+def scheduler_comparison(duration, factors, seeds):
+    rows = []
+    for factor in factors:
+        for policy, eager in (("gyges", True), ("round_robin", True), ("least_load", True),
+                              ("round_robin", False), ("least_load", False)):
+            acc = []
+            for seed in seeds:
+                tr = traces.scale_rate(traces.gyges_mixed(duration, seed=seed), factor)
+                res = sim.run(tr, policy=policy, eager_scale_up=eager, slo=SLO)
+                acc.append(res.summary())
+            mean = {k: float(np.mean([a[k] for a in acc])) for k in
+                    ("total_token_throughput", "output_throughput", "goodput", "ttft_mean",
+                     "ttft_p99", "tpot_mean", "transformations", "preemptions")}
+            rows.append({"rate": factor, "policy": policy + ("" if eager else " (lazy)"),
+                         **mean})
+        base = {r["policy"]: r for r in rows if r["rate"] == factor}
+        g = base["gyges"]
+        for r in rows:
+            if r["rate"] == factor:
+                r["gyges_gain"] = 100 * (g["total_token_throughput"] /
+                                         r["total_token_throughput"] - 1)
+    return rows
+
+
+# ---- 3. Azure ---------------------------------------------------------------------------------
+
+def azure_trace(cost, tail=0.03, rate_factor=0.07):
+    tr = traces.load_azure(AZURE)
+    tot = tr["input_tokens"] + tr["output_tokens"]
+    long = tot >= np.percentile(tot, 100 * (1 - tail))
+    tp1 = cost.max_tokens(1)
+    factor = 1.05 * tp1 / tot[long].min()
+    out = tr.copy()
+    out["input_tokens"][long] = np.rint(tr["input_tokens"][long] * factor).astype(np.int64)
+    out = traces.scale_rate(out, rate_factor)
+    exceed = float(((out["input_tokens"] + out["output_tokens"]) > tp1).mean())
+    return out, factor, exceed
+
+
+def goodputs(res):
+    """(requests/s, prompt+output tokens/s) of requests meeting the SLO, with the TTFT limit
+    of a long prompt stretched to prompt/500 tokens per second (no H20 layout prefills 50K
+    tokens in 10 s); rejected requests are never good."""
+    r = res.requests
+    pr = metrics.per_request(r)
+    done = np.isfinite(r["finish"])
+    ttft_limit = np.maximum(SLO["ttft"], r["input_tokens"] / 500.0)
+    tpot = np.where(r["output_tokens"] > 1, pr["tpot"], 0.0)
+    good = done & (pr["ttft"] <= ttft_limit) & (tpot <= SLO["tpot"])
+    span = float(np.nanmax(r["finish"]) - r["arrival"].min())
+    tokens = (r["input_tokens"] + r["output_tokens"])[good].sum()
+    return good.sum() / span, tokens / span, good.mean()
+
+
+LAYOUTS = ["8xTP1", "4xTP2", "2xTP4", "1xTP8", "1xTP4+4xTP1", "1xTP2+6xTP1",
+           "2xTP2+4xTP1", "1xTP4+1xTP2+2xTP1"]
+
+
+def azure_comparison(cost, rate_factors):
+    rows, info = [], {}
+    for rf in rate_factors:
+        tr, factor, exceed = azure_trace(cost, rate_factor=rf)
+        info = {"tail_prompt_factor": factor, "fraction_exceeding_tp1": exceed,
+                "requests": int(tr.size)}
+        for policy, layout in [("gyges", None)] + [("static", l) for l in LAYOUTS]:
+            res = sim.run(tr, policy=policy, layout=layout, slo=SLO)
+            s = res.summary()
+            g_req, g_tok, attained = goodputs(res)
+            rows.append({"rate": rf * 5.53, "layout": layout or "gyges (dynamic)",
+                         "goodput": g_req, "token_goodput": g_tok, "attained": attained,
+                         "plain_goodput": s["goodput"], "rejected": s["policy_rejected"],
+                         "ttft_p99": s["ttft_p99"], "tpot_mean": s["tpot_mean"],
+                         "transformations": s["transformations"]})
+    return rows, info
+
+
+# ---- 4. Speed ---------------------------------------------------------------------------------
+
+def speed(hours=10.0):
+    tr = traces.gyges_mixed(hours * 3600, seed=0)
+    rows = []
+    for policy in ("gyges", "round_robin", "least_load"):
+        t = time.perf_counter()
+        res = sim.run(tr, policy=policy)
+        wall = time.perf_counter() - t
+        rows.append({"policy": policy, "requests": int(tr.size), "simulated_h": hours,
+                     "wall_s": wall, "steps": res.stats["steps"],
+                     "steps_per_s": res.stats["steps"] / wall,
+                     "transformations": res.summary()["transformations"]})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="shorter runs, one seed")
+    ap.add_argument("--calibrate", action="store_true", help="refit the efficiency factors")
+    args = ap.parse_args()
+    payload = {}
+
+    calibration = dict(CALIBRATION)
+    if args.calibrate:
+        t = time.perf_counter()
+        calibration, err = calibrate()
+        print(f"calibrated in {time.perf_counter() - t:.0f} s (squared log error {err:.4f}): "
+              f"{calibration}  <- put these in gyges.costmodel.CALIBRATION")
+    cost = CostModel.create("qwen2.5-32b", "h20", **calibration)
+    payload["calibration"] = {"fitted": calibration,
+                              "fixed": {k: DEFAULTS[k] for k in DEFAULTS}}
+    rows = table1(cost)
+    payload["table1"] = rows
+    print_table("Gyges Table 1, Qwen2.5-32B on H20 (tokens/s; calibrated: "
+                + ", ".join(f"{k}={v:.4g}" for k, v in calibration.items()) + f"; fixed: "
+                f"eff_bw={DEFAULTS['eff_bw']})", rows,
+                [("tp", "", "{}"), ("single", "single", "{:.0f}"),
+                 ("paper_single", "paper", "{:.0f}"), ("single_err", "err %", "{:+.1f}"),
+                 ("total", "4 GPUs", "{:.0f}"), ("paper_total", "paper", "{:.0f}"),
+                 ("total_err", "err %", "{:+.1f}"), ("rate", "req/s", "{:.3f}"),
+                 ("max_seq", "max seq", "{:,}"), ("paper_max_seq", "paper", "{:,}")])
+
+    duration = 1800.0 if args.quick else 7200.0
+    seeds = [0] if args.quick else [0, 1, 2]
+    rows = scheduler_comparison(duration, [1.0, 1.5, 2.0], seeds)
+    payload["scheduler_6_2_4"] = {"duration_s": duration, "seeds": seeds, "rows": rows}
+    print_table(f"Gyges 6.2.4 workload, 8 x H20, {duration / 3600:.1f} h x {len(seeds)} seeds "
+                f"(rate: x the paper's 60 short + 1 long per minute; gain: gyges' throughput "
+                f"over this row)", rows,
+                [("rate", "rate x", "{:.1f}"), ("policy", "policy", "{}"),
+                 ("total_token_throughput", "tok/s", "{:.0f}"),
+                 ("gyges_gain", "gyges +%", "{:+.1f}"), ("goodput", "goodput", "{:.3f}"),
+                 ("ttft_mean", "TTFT", "{:.1f}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
+                 ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{:.0f}"),
+                 ("preemptions", "preempt", "{:.0f}")])
+
+    if AZURE.exists():
+        rows, info = azure_comparison(cost, [0.05, 0.07])
+        payload["azure"] = {**info, "rows": rows}
+        print_table(f"Azure conv 2023 ({info['requests']} requests; the longest 3% get prompts "
+                    f"x{info['tail_prompt_factor']:.1f}: {100 * info['fraction_exceeding_tp1']:.1f}"
+                    f"% exceed a TP1 instance), 8 x H20; goodput: req/s meeting TTFT <= "
+                    f"max(10 s, prompt/500 tok/s) and TPOT <= 100 ms", rows,
+                    [("rate", "req/s", "{:.2f}"), ("layout", "layout", "{}"),
+                     ("goodput", "goodput", "{:.4f}"), ("token_goodput", "good tok/s", "{:.0f}"),
+                     ("attained", "attained", "{:.3f}"),
+                     ("plain_goodput", "goodput(10s)", "{:.4f}"),
+                     ("rejected", "rejected", "{}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
+                     ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{}")])
+    else:
+        print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
+
+    rows = speed(2.0 if args.quick else 10.0)
+    payload["speed"] = rows
+    print_table("Speed: the 6.2.4 workload on 8 GPUs (goal: 10 h in < 10 s)", rows,
+                [("policy", "policy", "{}"), ("requests", "requests", "{}"),
+                 ("simulated_h", "hours", "{:.0f}"), ("wall_s", "wall s", "{:.2f}"),
+                 ("steps", "steps", "{}"), ("steps_per_s", "steps/s", "{:.3g}"),
+                 ("transformations", "transf.", "{}")])
+    write_json("bench_sim", payload)
+
+
+if __name__ == "__main__":
+    main()

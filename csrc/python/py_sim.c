@@ -1,0 +1,384 @@
+/* py_sim.c: gyges._C.Simulator (csrc/sim/sim.h) and the cost-model entry points sim_step_time /
+ * sim_phase_time (the C evaluation that gyges/costmodel.py checks against its reference).
+ * Arguments arrive already checked by gyges/sim.py; results leave as bytes that the wrapper
+ * views with NumPy dtypes mirroring the C structs. The GIL is released around gy_sim_run; a
+ * simulator used from a second thread meanwhile raises BusyError. */
+#include "py_common.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "sim/cost.h"
+#include "sim/policy.h"
+#include "sim/sim.h"
+
+typedef struct {
+    PyObject_HEAD
+    gy_sim *sim;
+    gy_sim_roofline roofline;      /* the cost model's ctx: lives as long as the simulator */
+    gy_sim_cost_constant constant;
+    int busy;
+} GySimulatorObject;
+
+/* Reads the roofline or constant parameters from a dict; -1 with an exception. */
+static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *roof,
+                                 gy_sim_cost_constant *cst, gy_sim_cost_ops *ops) {
+    if (!PyDict_Check(params)) {
+        PyErr_SetString(PyExc_TypeError, "cost parameters must be a dict");
+        return -1;
+    }
+#define GY_PY_SIM_FIELD(dst, name, is_int)                                                         \
+    do {                                                                                           \
+        PyObject *v_ = PyDict_GetItemString(params, name);                                         \
+        if (v_ == NULL) {                                                                          \
+            PyErr_Format(PyExc_KeyError, "cost parameters lack %s", name);                         \
+            return -1;                                                                             \
+        }                                                                                          \
+        if (is_int) {                                                                              \
+            const long x_ = PyLong_AsLong(v_);                                                     \
+            if (x_ == -1 && PyErr_Occurred()) return -1;                                           \
+            *(int32_t *)(dst) = (int32_t)x_;                                                       \
+        } else {                                                                                   \
+            const double x_ = PyFloat_AsDouble(v_);                                                \
+            if (x_ == -1.0 && PyErr_Occurred()) return -1;                                         \
+            *(double *)(dst) = x_;                                                                 \
+        }                                                                                          \
+    } while (0)
+    gy_status st;
+    if (strcmp(kind, "roofline") == 0) {
+        memset(roof, 0, sizeof *roof);
+        GY_PY_SIM_FIELD(&roof->weight_bytes, "weight_bytes", 0);
+        GY_PY_SIM_FIELD(&roof->matmul_params, "matmul_params", 0);
+        GY_PY_SIM_FIELD(&roof->lm_head_params, "lm_head_params", 0);
+        GY_PY_SIM_FIELD(&roof->attn_flops_per_pair, "attn_flops_per_pair", 0);
+        GY_PY_SIM_FIELD(&roof->kv_bytes_per_token, "kv_bytes_per_token", 0);
+        GY_PY_SIM_FIELD(&roof->allreduce_bytes_per_token, "allreduce_bytes_per_token", 0);
+        GY_PY_SIM_FIELD(&roof->ffn_bytes, "ffn_bytes", 0);
+        GY_PY_SIM_FIELD(&roof->kv_heads, "kv_heads", 1);
+        GY_PY_SIM_FIELD(&roof->n_layers, "n_layers", 1);
+        GY_PY_SIM_FIELD(&roof->hbm_bw, "hbm_bw", 0);
+        GY_PY_SIM_FIELD(&roof->peak_flops, "peak_flops", 0);
+        GY_PY_SIM_FIELD(&roof->link_bw, "link_bw", 0);
+        GY_PY_SIM_FIELD(&roof->eff_bw, "eff_bw", 0);
+        GY_PY_SIM_FIELD(&roof->eff_flops, "eff_flops", 0);
+        GY_PY_SIM_FIELD(&roof->eff_link, "eff_link", 0);
+        GY_PY_SIM_FIELD(&roof->eff_xfer, "eff_xfer", 0);
+        GY_PY_SIM_FIELD(&roof->step_overhead, "step_overhead", 0);
+        GY_PY_SIM_FIELD(&roof->allreduce_latency, "allreduce_latency", 0);
+        GY_PY_SIM_FIELD(&roof->phase_latency_per_layer, "phase_latency_per_layer", 0);
+        GY_PY_SIM_FIELD(&roof->transform_slowdown, "transform_slowdown", 0);
+        st = gy_sim_roofline_check(roof);
+        if (st != GY_OK) {
+            gy_py_raise(st);
+            return -1;
+        }
+        *ops = gy_sim_cost_roofline_ops(roof);
+        return 0;
+    }
+    if (strcmp(kind, "constant") == 0) {
+        memset(cst, 0, sizeof *cst);
+        GY_PY_SIM_FIELD(&cst->step_time, "step_time", 0);
+        GY_PY_SIM_FIELD(&cst->phase_time, "phase_time", 0);
+        GY_PY_SIM_FIELD(&cst->transform_slowdown, "transform_slowdown", 0);
+        st = gy_sim_cost_constant_check(cst);
+        if (st != GY_OK) {
+            gy_py_raise(st);
+            return -1;
+        }
+        *ops = gy_sim_cost_constant_ops(cst);
+        return 0;
+    }
+#undef GY_PY_SIM_FIELD
+    PyErr_Format(PyExc_ValueError, "unknown cost model kind %s (roofline, constant)", kind);
+    return -1;
+}
+
+/* A tuple/list of ints into `out` (at most `cap`); returns the count or -1. */
+static Py_ssize_t gy_py_sim_ints(PyObject *seq_object, int64_t *out, Py_ssize_t cap,
+                                 const char *what) {
+    PyObject *seq = PySequence_Fast(seq_object, "expected a sequence of ints");
+    if (seq == NULL) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > cap) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, at most %zd", what, n, cap);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(seq);
+    return n;
+}
+
+static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"hosts", "gpus_per_host", "max_tp", "layout", "capacity",
+                            "capacity_mid", "block_size", "max_batch_tokens", "max_running",
+                            "max_prefill_chunk", "watermark", "cost_kind", "cost_params",
+                            "policy", "decode_weight", "scale_down_free", "scale_up_load",
+                            "scale_up_cap", "merge_wait", "eager_scale_up",
+                            "sample_interval", "record_tokens", "arrival", "input_tokens",
+                            "output_tokens", "priority", NULL};
+    int hosts, gpus_per_host, max_tp, eager, record_tokens;
+    long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
+    double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
+        sample_interval;
+    const char *cost_kind, *policy_name;
+    PyObject *layout_o, *cap_o, *mid_o, *cost_params, *arr_o, *in_o, *out_o, *prio_o;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO", names, &hosts, &gpus_per_host, &max_tp,
+            &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
+            &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
+            &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
+            &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o))
+        return NULL;
+    const gy_sim_policy_ops *policy = gy_sim_policy_find(policy_name);
+    if (policy == NULL)
+        return PyErr_Format(PyExc_ValueError, "unknown policy %s (known: %s)", policy_name,
+                            gy_sim_policy_names());
+    int64_t layout64[64], cap[GY_SIM_MAX_LEVELS], mid[GY_SIM_MAX_LEVELS];
+    const Py_ssize_t n_layout = gy_py_sim_ints(layout_o, layout64, 64, "layout");
+    if (n_layout < 0) return NULL;
+    const Py_ssize_t n_cap = gy_py_sim_ints(cap_o, cap, GY_SIM_MAX_LEVELS, "capacity");
+    if (n_cap < 0) return NULL;
+    const Py_ssize_t n_mid = gy_py_sim_ints(mid_o, mid, GY_SIM_MAX_LEVELS, "capacity_mid");
+    if (n_mid < 0) return NULL;
+    if (n_cap != n_mid || gy_sim_level(max_tp) < 0 || n_cap != gy_sim_level(max_tp) + 1)
+        return PyErr_Format(PyExc_ValueError,
+                            "capacity and capacity_mid need log2(max_tp) + 1 = %d entries",
+                            gy_sim_level(max_tp) + 1);
+    int32_t layout[64];
+    for (Py_ssize_t i = 0; i < n_layout; i++) layout[i] = (int32_t)layout64[i];
+
+    GySimulatorObject *self = (GySimulatorObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    gy_sim_config c = {
+        .hosts = hosts, .gpus_per_host = gpus_per_host, .max_tp = max_tp,
+        .n_layout = (int32_t)n_layout, .layout = layout, .capacity = cap, .capacity_mid = mid,
+        .sched = {.block_size = block_size, .max_batch_tokens = max_batch_tokens,
+                  .max_running = max_running, .max_prefill_chunk = max_prefill_chunk,
+                  .watermark = watermark},
+        .policy = policy,
+        .policy_config = {.decode_weight = decode_weight, .scale_down_free = scale_down_free,
+                          .scale_up_load = scale_up_load, .scale_up_cap = scale_up_cap,
+                          .merge_wait = merge_wait,
+                          .eager_scale_up = eager},
+        .sample_interval = sample_interval,
+        .record_tokens = record_tokens,
+    };
+    if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
+                              &c.cost) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_buffer arr = {0}, in = {0}, out = {0}, prio = {0};
+    int have = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(arr_o, &arr, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    have = 1;
+    const Py_ssize_t n = arr.len / 8;
+    if (gy_py_get_buffer(in_o, &in, n * 8, 0, "input_tokens") < 0) goto done;
+    have = 2;
+    if (gy_py_get_buffer(out_o, &out, n * 8, 0, "output_tokens") < 0) goto done;
+    have = 3;
+    if (gy_py_get_buffer(prio_o, &prio, n * 4, 0, "priority") < 0) goto done;
+    have = 4;
+    const gy_sim_trace t = {.n = n, .arrival = arr.buf, .input_tokens = in.buf,
+                            .output_tokens = out.buf, .priority = prio.buf};
+    gy_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = gy_sim_init(&self->sim, &c, &t);
+    Py_END_ALLOW_THREADS
+    if (st != GY_OK) {
+        gy_py_raise(st);
+        goto done;
+    }
+    result = (PyObject *)self;
+done:
+    if (have >= 4) PyBuffer_Release(&prio);
+    if (have >= 3) PyBuffer_Release(&out);
+    if (have >= 2) PyBuffer_Release(&in);
+    if (have >= 1) PyBuffer_Release(&arr);
+    if (result == NULL) Py_DECREF(self);
+    return result;
+}
+
+static void gy_py_simulator_dealloc(GySimulatorObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    gy_sim_free(self->sim);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static int gy_py_simulator_enter(GySimulatorObject *self) {
+    if (self->busy) {
+        PyErr_SetString(gy_py_error_class(GY_ERR_BUSY), "the simulator is in use by another thread");
+        return -1;
+    }
+    if (self->sim == NULL) {
+        PyErr_SetString(gy_py_error_class(GY_ERR_STATE), "the simulator was not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *gy_py_simulator_run(GySimulatorObject *self, PyObject *args) {
+    double until = INFINITY;
+    if (!PyArg_ParseTuple(args, "|d", &until)) return NULL;
+    if (gy_py_simulator_enter(self) < 0) return NULL;
+    gy_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = gy_sim_run(self->sim, until);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (st != GY_OK) return gy_py_raise(st);
+    gy_sim_stats s;
+    gy_sim_stats_get(self->sim, &s);
+    return PyBool_FromLong(s.done);
+}
+
+static PyObject *gy_py_simulator_check(GySimulatorObject *self, PyObject *unused) {
+    if (gy_py_simulator_enter(self) < 0) return NULL;
+    const gy_status st = gy_sim_check(self->sim);
+    if (st != GY_OK) return gy_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused) {
+    if (gy_py_simulator_enter(self) < 0) return NULL;
+    gy_sim_stats s;
+    gy_sim_stats_get(self->sim, &s);
+    return Py_BuildValue(
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests", (long long)s.n_requests,
+        "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
+        (long long)s.n_rejected, "deferred", (long long)s.n_deferred, "steps",
+        (long long)s.n_steps, "events", (long long)s.n_events, "preemptions",
+        (long long)s.n_preemptions, "migrations", (long long)s.n_migrations, "merges",
+        (long long)s.n_merges, "splits", (long long)s.n_splits, "transforming",
+        (long long)s.n_transforming, "ops_refused", (long long)s.n_ops_refused, "done",
+        PyBool_FromLong(s.done));
+}
+
+#define GY_PY_SIM_BYTES(fn, getter, type)                                                          \
+    static PyObject *fn(GySimulatorObject *self, PyObject *unused) {                               \
+        if (gy_py_simulator_enter(self) < 0) return NULL;                                          \
+        int64_t n = 0;                                                                             \
+        const type *p = getter(self->sim, &n);                                                     \
+        return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)(n * (int64_t)sizeof(type))); \
+    }
+
+GY_PY_SIM_BYTES(gy_py_simulator_requests, gy_sim_requests, gy_sim_request_out)
+GY_PY_SIM_BYTES(gy_py_simulator_samples, gy_sim_samples, gy_sim_sample)
+GY_PY_SIM_BYTES(gy_py_simulator_layout, gy_sim_layout, gy_sim_layout_event)
+GY_PY_SIM_BYTES(gy_py_simulator_transforms, gy_sim_transforms, gy_sim_transform_out)
+GY_PY_SIM_BYTES(gy_py_simulator_tokens, gy_sim_tokens, gy_sim_token)
+
+static PyObject *gy_py_simulator_bins(GySimulatorObject *self, PyObject *unused) {
+    if (gy_py_simulator_enter(self) < 0) return NULL;
+    int64_t n = 0;
+    const double *prompt = NULL;
+    const double *output = gy_sim_bins(self->sim, &n, &prompt);
+    if (n == 0) return Py_BuildValue("(y#y#)", "", (Py_ssize_t)0, "", (Py_ssize_t)0);
+    return Py_BuildValue("(y#y#)", (const char *)output, (Py_ssize_t)(n * 8),
+                         (const char *)prompt, (Py_ssize_t)(n * 8));
+}
+
+static PyMethodDef gy_py_simulator_methods[] = {
+    {"run", (PyCFunction)gy_py_simulator_run, METH_VARARGS,
+     "run(until=inf) -> done: processes the events at or before `until`"},
+    {"check", (PyCFunction)gy_py_simulator_check, METH_NOARGS, "check(): invariants or StateError"},
+    {"stats", (PyCFunction)gy_py_simulator_stats, METH_NOARGS, "stats() -> dict"},
+    {"requests", (PyCFunction)gy_py_simulator_requests, METH_NOARGS, "per-request records (bytes)"},
+    {"samples", (PyCFunction)gy_py_simulator_samples, METH_NOARGS, "time-series samples (bytes)"},
+    {"layout", (PyCFunction)gy_py_simulator_layout, METH_NOARGS, "instance events (bytes)"},
+    {"transforms", (PyCFunction)gy_py_simulator_transforms, METH_NOARGS, "transformations (bytes)"},
+    {"tokens", (PyCFunction)gy_py_simulator_tokens, METH_NOARGS, "token times (bytes)"},
+    {"bins", (PyCFunction)gy_py_simulator_bins, METH_NOARGS, "(output, prompt) tokens per bin"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot gy_py_simulator_slots[] = {
+    {Py_tp_new, gy_py_simulator_new},
+    {Py_tp_dealloc, gy_py_simulator_dealloc},
+    {Py_tp_methods, gy_py_simulator_methods},
+    {Py_tp_doc, "Simulator(...): the cluster simulator of csrc/sim/sim.h; build it with "
+                "gyges.sim.run, which checks the arguments."},
+    {0, NULL},
+};
+
+static PyType_Spec gy_py_simulator_spec = {
+    .name = "gyges._C.Simulator",
+    .basicsize = sizeof(GySimulatorObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = gy_py_simulator_slots,
+};
+
+/* sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs) */
+static PyObject *gy_py_sim_step_time(PyObject *module, PyObject *args) {
+    const char *kind;
+    PyObject *params;
+    int tp, transforming;
+    long long n_tokens, n_seqs, n_samples;
+    double kv_read, pairs;
+    if (!PyArg_ParseTuple(args, "sOipLLLdd", &kind, &params, &tp, &transforming, &n_tokens,
+                          &n_seqs, &n_samples, &kv_read, &pairs))
+        return NULL;
+    gy_sim_roofline roof;
+    gy_sim_cost_constant cst;
+    gy_sim_cost_ops ops;
+    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
+                                 .kv_read_tokens = kv_read, .attn_pairs = pairs};
+    return PyFloat_FromDouble(ops.step_time(ops.ctx, tp, transforming, &s));
+}
+
+/* sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU) */
+static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
+    const char *kind;
+    PyObject *params;
+    int phase, tp_from, tp_to;
+    double kv_tokens;
+    if (!PyArg_ParseTuple(args, "sOiiid", &kind, &params, &phase, &tp_from, &tp_to, &kv_tokens))
+        return NULL;
+    if (phase < 0 || phase >= GY_SIM_PHASE_KIND_COUNT)
+        return PyErr_Format(PyExc_ValueError, "unknown phase kind %d", phase);
+    gy_sim_roofline roof;
+    gy_sim_cost_constant cst;
+    gy_sim_cost_ops ops;
+    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    const gy_sim_phase_shape p = {.kind = phase, .tp_from = tp_from, .tp_to = tp_to,
+                                  .kv_tokens = kv_tokens};
+    double bytes = 0;
+    const double t = ops.phase_time(ops.ctx, &p, &bytes);
+    return Py_BuildValue("(dd)", t, bytes);
+}
+
+static PyObject *gy_py_sim_policy_names(PyObject *module, PyObject *unused) {
+    return PyUnicode_FromString(gy_sim_policy_names());
+}
+
+static PyMethodDef gy_py_sim_functions[] = {
+    {"sim_step_time", gy_py_sim_step_time, METH_VARARGS,
+     "sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs)"},
+    {"sim_phase_time", gy_py_sim_phase_time, METH_VARARGS,
+     "sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU)"},
+    {"sim_policy_names", gy_py_sim_policy_names, METH_NOARGS, "the policies, comma-separated"},
+    {NULL, NULL, 0, NULL},
+};
+
+int gy_py_sim_add(PyObject *module) {
+    PyObject *type = PyType_FromModuleAndSpec(module, &gy_py_simulator_spec, NULL);
+    if (type == NULL) return -1;
+    if (PyModule_AddObjectRef(module, "Simulator", type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    Py_DECREF(type);
+    return PyModule_AddFunctions(module, gy_py_sim_functions);
+}

@@ -1,0 +1,127 @@
+/* cost.c: the roofline and constant cost backends of cost.h. */
+#include "cost.h"
+
+#include <math.h>
+#include <stddef.h>
+
+static int gy_sim_positive(double x) { return isfinite(x) && x > 0; }
+static int gy_sim_nonneg(double x) { return isfinite(x) && x >= 0; }
+
+gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
+    if (p == NULL) return GY_FAIL(GY_ERR_INVALID, "roofline parameters are NULL");
+    const struct { const char *name; double v; int strict; } f[] = {
+        {"weight_bytes", p->weight_bytes, 1},
+        {"matmul_params", p->matmul_params, 1},
+        {"lm_head_params", p->lm_head_params, 0},
+        {"attn_flops_per_pair", p->attn_flops_per_pair, 0},
+        {"kv_bytes_per_token", p->kv_bytes_per_token, 1},
+        {"allreduce_bytes_per_token", p->allreduce_bytes_per_token, 0},
+        {"ffn_bytes", p->ffn_bytes, 0},
+        {"hbm_bw", p->hbm_bw, 1},
+        {"peak_flops", p->peak_flops, 1},
+        {"link_bw", p->link_bw, 1},
+        {"eff_bw", p->eff_bw, 1},
+        {"eff_flops", p->eff_flops, 1},
+        {"eff_link", p->eff_link, 1},
+        {"eff_xfer", p->eff_xfer, 1},
+        {"step_overhead", p->step_overhead, 0},
+        {"allreduce_latency", p->allreduce_latency, 0},
+        {"phase_latency_per_layer", p->phase_latency_per_layer, 0},
+        {"transform_slowdown", p->transform_slowdown, 0},
+    };
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        if (f[i].strict ? !gy_sim_positive(f[i].v) : !gy_sim_nonneg(f[i].v))
+            return GY_FAIL(GY_ERR_INVALID, "cost model: %s must be %s, got %g", f[i].name,
+                           f[i].strict ? "> 0" : ">= 0", f[i].v);
+    }
+    if (p->kv_heads < 1 || p->n_layers < 1)
+        return GY_FAIL(GY_ERR_INVALID, "cost model: kv_heads and n_layers must be >= 1 (got %d, %d)",
+                       (int)p->kv_heads, (int)p->n_layers);
+    return GY_OK;
+}
+
+gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p) {
+    if (p == NULL) return GY_FAIL(GY_ERR_INVALID, "constant cost parameters are NULL");
+    if (!gy_sim_positive(p->step_time))
+        return GY_FAIL(GY_ERR_INVALID, "constant cost model: step_time must be > 0, got %g",
+                       p->step_time);
+    if (!gy_sim_nonneg(p->phase_time) || !gy_sim_nonneg(p->transform_slowdown))
+        return GY_FAIL(GY_ERR_INVALID,
+                       "constant cost model: phase_time and transform_slowdown must be >= 0 "
+                       "(got %g, %g)", p->phase_time, p->transform_slowdown);
+    return GY_OK;
+}
+
+double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
+                                 const gy_sim_step_shape *s) {
+    if (s->n_tokens <= 0) return 0.0;
+    const double t = tp;
+    const int32_t heads = p->kv_heads / tp > 1 ? p->kv_heads / tp : 1;
+    const double kv_rank = p->kv_bytes_per_token * heads / p->kv_heads; /* one token, one rank */
+    const double bytes = p->weight_bytes / t + kv_rank * (s->kv_read_tokens + (double)s->n_tokens);
+    const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
+                          2.0 * p->lm_head_params * (double)s->n_samples +
+                          p->attn_flops_per_pair * s->attn_pairs) / t;
+    const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
+    const double t_flop = flops / (p->peak_flops * p->eff_flops);
+    double time = p->step_overhead + (t_mem > t_flop ? t_mem : t_flop);
+    if (tp > 1) {
+        const double payload = p->allreduce_bytes_per_token * (double)s->n_tokens;
+        const double one = 2.0 * (t - 1.0) / t * payload / (p->link_bw * p->eff_link) +
+                           p->allreduce_latency;
+        time += 2.0 * p->n_layers * one;
+    }
+    return transforming ? time * (1.0 + p->transform_slowdown) : time;
+}
+
+double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
+                                  double *bytes_per_gpu) {
+    const double lo = ph->tp_from < ph->tp_to ? ph->tp_from : ph->tp_to;
+    const double hi = ph->tp_from < ph->tp_to ? ph->tp_to : ph->tp_from;
+    double bytes = 0.0;
+    switch (ph->kind) {
+    case GY_SIM_PHASE_KV_SCATTER:
+        /* Header-centric layout: of each token's heads, a fraction lo/hi stays where it is; the
+         * rest moves. The group has `hi` GPUs sharing the traffic. */
+        bytes = (1.0 - lo / hi) * ph->kv_tokens * p->kv_bytes_per_token / hi;
+        break;
+    case GY_SIM_PHASE_WEIGHTS_GATHER:
+        bytes = p->ffn_bytes * (1.0 / lo - 1.0 / hi);
+        break;
+    default: /* GY_SIM_PHASE_WEIGHTS_DROP: padded shards are simply unmapped */
+        bytes = 0.0;
+        break;
+    }
+    *bytes_per_gpu = bytes;
+    return bytes / (p->link_bw * p->eff_xfer) + p->n_layers * p->phase_latency_per_layer;
+}
+
+static double gy_sim_roofline_step(void *ctx, int32_t tp, int transforming,
+                                   const gy_sim_step_shape *s) {
+    return gy_sim_roofline_step_time(ctx, tp, transforming, s);
+}
+static double gy_sim_roofline_phase(void *ctx, const gy_sim_phase_shape *p, double *bytes) {
+    return gy_sim_roofline_phase_time(ctx, p, bytes);
+}
+
+static double gy_sim_constant_step(void *ctx, int32_t tp, int transforming,
+                                   const gy_sim_step_shape *s) {
+    const gy_sim_cost_constant *p = ctx;
+    if (s->n_tokens <= 0) return 0.0;
+    return transforming ? p->step_time * (1.0 + p->transform_slowdown) : p->step_time;
+}
+static double gy_sim_constant_phase(void *ctx, const gy_sim_phase_shape *ph, double *bytes) {
+    const gy_sim_cost_constant *p = ctx;
+    *bytes = 0.0;
+    return p->phase_time;
+}
+
+gy_sim_cost_ops gy_sim_cost_roofline_ops(const gy_sim_roofline *p) {
+    return (gy_sim_cost_ops){.ctx = (void *)p, .step_time = gy_sim_roofline_step,
+                             .phase_time = gy_sim_roofline_phase};
+}
+
+gy_sim_cost_ops gy_sim_cost_constant_ops(const gy_sim_cost_constant *p) {
+    return (gy_sim_cost_ops){.ctx = (void *)p, .step_time = gy_sim_constant_step,
+                             .phase_time = gy_sim_constant_phase};
+}

@@ -1,0 +1,109 @@
+/* cost.h: how long things take in the simulator. A cost model is a small table of function
+ * pointers (the simulator's "backend"): the time of one step of one instance given the shape of
+ * its batch, and the time of one phase of a parallelism transformation. Two backends:
+ *
+ * - roofline: per TP rank, max(bytes / (HBM bw * eff_bw), FLOPs / (peak * eff_flops)), plus the
+ *   TP all-reduces (two per layer, ring: 2 (tp-1)/tp * bytes / (link * eff_link) + latency),
+ *   plus a fixed per-step overhead. Transformation phases: bytes moved per GPU / (link *
+ *   eff_xfer) + a driver latency per layer. gyges/costmodel.py computes every parameter from a
+ *   GPU preset and a ModelConfig, and holds the float64 reference of these formulas.
+ * - constant: every non-empty step and every phase takes a fixed time (hand-checked tests).
+ *
+ * Token counts exclude tokens whose KV a request kept through a transformation: the scheduler
+ * recomputes them as a prefill, but the KV is already there, so no work is charged for them. */
+#ifndef GY_SIM_COST_H
+#define GY_SIM_COST_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What one step computes (all of it charged). */
+typedef struct gy_sim_step_shape {
+    int64_t n_tokens;      /* query tokens computed */
+    int64_t n_seqs;        /* batch entries with at least one computed token */
+    int64_t n_samples;     /* entries that sample a token (rows of the LM head) */
+    double kv_read_tokens; /* sum over those entries of the tokens whose KV attention reads */
+    double attn_pairs;     /* sum of causal (query, key) pairs: sum over queries of keys seen */
+} gy_sim_step_shape;
+
+typedef enum gy_sim_phase_kind {
+    GY_SIM_PHASE_WEIGHTS_DROP = 0,   /* scale-up: unmap the FFN shards a rank no longer needs
+                                        (with padded weights: no bytes move) */
+    GY_SIM_PHASE_KV_SCATTER = 1,     /* KV heads move to the rank that owns them in the new TP */
+    GY_SIM_PHASE_WEIGHTS_GATHER = 2, /* scale-down: each rank receives the FFN shards it lacks */
+    GY_SIM_PHASE_KIND_COUNT
+} gy_sim_phase_kind;
+
+typedef struct gy_sim_phase_shape {
+    int32_t kind;          /* gy_sim_phase_kind */
+    int32_t tp_from, tp_to;/* GPUs per instance before and after the transformation */
+    double kv_tokens;      /* tokens whose KV the GPUs of the group hold when the phase starts */
+} gy_sim_phase_shape;
+
+typedef struct gy_sim_cost_ops {
+    void *ctx;
+    /* Seconds for one step of a TP-`tp` instance (`transforming`: 1 while a transformation of
+     * it is under way); 0 when the shape computes nothing. */
+    double (*step_time)(void *ctx, int32_t tp, int transforming, const gy_sim_step_shape *s);
+    /* Seconds for one phase; *bytes_per_gpu (never NULL) receives what each GPU receives. */
+    double (*phase_time)(void *ctx, const gy_sim_phase_shape *p, double *bytes_per_gpu);
+} gy_sim_cost_ops;
+
+/* Every field is > 0 unless it says >= 0. */
+typedef struct gy_sim_roofline {
+    /* the model (whole model, bf16 or whatever dtype the bytes were computed for) */
+    double weight_bytes;          /* every weight; each rank reads weight_bytes / tp per step */
+    double matmul_params;         /* parameters of the decoder layers: 2 FLOPs per token each */
+    double lm_head_params;        /* hidden * vocab: 2 FLOPs per sampled token each */
+    double attn_flops_per_pair;   /* 4 * layers * query heads * head_dim */
+    double kv_bytes_per_token;    /* K and V of one token, all layers, all KV heads */
+    double allreduce_bytes_per_token; /* hidden * dtype bytes: one token's all-reduce payload */
+    double ffn_bytes;             /* the FFN weights (what a scale-down gathers) */
+    int32_t kv_heads;             /* KV heads: a rank holds max(1, kv_heads / tp) of them */
+    int32_t n_layers;
+    /* the GPU */
+    double hbm_bw;                /* bytes/s */
+    double peak_flops;            /* dense bf16 FLOP/s */
+    double link_bw;               /* bytes/s one GPU sends (NVLink, one direction) */
+    /* calibration: achieved fractions of the peaks, and times no peak explains */
+    double eff_bw, eff_flops, eff_link;   /* > 0; normally <= 1 (a fitted factor above 1 says
+                                             the spec's peak is conservative). eff_link prices
+                                             the all-reduces of a step: it absorbs whatever TP
+                                             costs beyond the roofline */
+    double eff_xfer;              /* > 0: achieved fraction of link_bw for transformation
+                                     transfers (bulk copies on their own stream) */
+    double step_overhead;         /* >= 0: seconds per step (scheduling, launches, sampling) */
+    double allreduce_latency;     /* >= 0: seconds per all-reduce, two per layer when tp > 1 */
+    double phase_latency_per_layer; /* >= 0: seconds of driver calls per layer per phase */
+    double transform_slowdown;    /* >= 0: a step of an instance under transformation takes
+                                     (1 + this) times longer (layer-staggered overlap) */
+} gy_sim_roofline;
+
+typedef struct gy_sim_cost_constant {
+    double step_time;          /* > 0: every step that computes something */
+    double phase_time;         /* >= 0: every transformation phase */
+    double transform_slowdown; /* >= 0, as above */
+} gy_sim_cost_constant;
+
+/* Checks the fields (GY_ERR_INVALID naming the first bad one). */
+gy_status gy_sim_roofline_check(const gy_sim_roofline *p);
+gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p);
+/* The ops over `p`, which must outlive them. */
+gy_sim_cost_ops gy_sim_cost_roofline_ops(const gy_sim_roofline *p);
+gy_sim_cost_ops gy_sim_cost_constant_ops(const gy_sim_cost_constant *p);
+
+/* Exposed for the tests and the Python reference check. */
+double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
+                                 const gy_sim_step_shape *s);
+double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
+                                  double *bytes_per_gpu);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,195 @@
+/* policy.h: cluster policies behind one interface. A policy sees a read-only view of the
+ * cluster (its instances: GPUs, TP degree, KV blocks, queues, whether transforming, held or
+ * reserved) and one request, and decides where the request goes and which transformations start.
+ * It never touches the simulator: it returns a decision that the simulator checks and carries
+ * out, so each policy can be tested on hand-built views (tests/c/test_sim.c).
+ *
+ * Groups of GPUs are aligned as in Flying Serving's communicator pool: a TP-k instance owns GPUs
+ * [g, g + k) with g a multiple of k, inside one host; pairs {0,1},{2,3},..., quartets {0..3},
+ * {4..7}. A scale-up merges the two aligned halves of a group (two TP-k instances) into one
+ * TP-2k instance (x2 steps, AMOEBAs 3.3); a scale-down splits a TP-2k instance into its halves.
+ *
+ * Policies (one file each): gyges (policy_gyges.c: Gyges Algorithms 1 and 2 with AMOEBAs 3.3),
+ * round_robin and least_load (policy_round_robin.c, policy_least_load.c: Gyges 6.2.4's
+ * baselines), static (policy_static.c: a fixed layout; requests no instance can hold are
+ * rejected). */
+#ifndef GY_SIM_POLICY_H
+#define GY_SIM_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GY_SIM_MAX_LEVELS 8 /* TP degrees 1, 2, 4, ..., 128: level l is TP 2^l */
+#define GY_SIM_MAX_OPS 16   /* transformation ops one decision may carry */
+
+/* What is under way on an instance. */
+typedef enum gy_sim_xform {
+    GY_SIM_XFORM_NONE = 0,
+    GY_SIM_XFORM_MERGING = 1,  /* a half of a scale-up under way; keeps serving */
+    GY_SIM_XFORM_SPLITTING = 2,/* a scale-down under way (KV phase); takes no new requests */
+    GY_SIM_XFORM_SPLIT_TAIL = 3,/* a half of a finished split still gathering FFN weights;
+                                   serves and takes requests, but cannot transform yet */
+} gy_sim_xform;
+
+typedef struct gy_sim_inst_view {
+    int32_t gpu_first;      /* the instance owns GPUs [gpu_first, gpu_first + tp) */
+    int32_t tp;
+    int32_t host;
+    int32_t xform;          /* gy_sim_xform */
+    int32_t placeable;      /* 0: the simulator refuses new requests here (splitting) */
+    int32_t held;           /* the policy holds it out of new placements (draining) */
+    int32_t reserved;       /* a GPU of it is in a group a deferred request waits for */
+    int32_t max_min_tp;     /* largest min_tp of its unfinished requests; 0 when it has none */
+    int64_t kv_total;       /* KV blocks it can hold now */
+    int64_t kv_used;        /* KV blocks its requests hold now */
+    int64_t footprint;      /* blocks its unfinished requests will hold at their end */
+    int64_t max_footprint;  /* the largest of those */
+    int64_t n_requests;     /* unfinished requests assigned to it */
+    int64_t n_running, n_waiting;
+    int64_t pending_prefill;/* prompt tokens of its requests not computed yet */
+    int64_t pending_output; /* output tokens of its requests not generated yet */
+} gy_sim_inst_view;
+
+typedef struct gy_sim_group {
+    int32_t gpu_first, size; /* size 0: no group */
+    int64_t footprint;       /* in view.pending: blocks of the requests deferred on it */
+} gy_sim_group;
+
+typedef struct gy_sim_view {
+    double now;
+    int32_t n_gpus, gpus_per_host, max_tp;
+    int32_t n_inst;
+    const gy_sim_inst_view *inst;  /* (n_inst) sorted by gpu_first */
+    const int32_t *gpu_inst;       /* (n_gpus) index into inst of the instance owning each GPU */
+    const int64_t *capacity;       /* (levels of TP up to max_tp) KV blocks of a TP-2^l instance */
+    int64_t block_size;            /* tokens per block */
+    double watermark;              /* fraction of an instance's blocks admission keeps free */
+    int32_t n_pending;
+    const gy_sim_group *pending;   /* (n_pending) groups deferred requests wait for */
+} gy_sim_view;
+
+typedef struct gy_sim_req_view {
+    int64_t id;
+    int64_t prompt, output;        /* tokens */
+    int64_t footprint;             /* KV blocks it holds at its end: ceil((prompt+output)/block) */
+    int32_t min_tp;                /* smallest TP whose fresh instance can hold it; 0: none */
+    int32_t deferred;              /* 1: it was deferred before and is being reconsidered */
+    gy_sim_group group;            /* the group it was deferred on (size 0: none) */
+    double arrival;
+} gy_sim_req_view;
+
+typedef enum gy_sim_action {
+    GY_SIM_ACTION_NONE = 0,   /* rebalance: nothing about a request */
+    GY_SIM_ACTION_PLACE = 1,  /* queue it on inst[target] */
+    GY_SIM_ACTION_DEFER = 2,  /* it waits at the cluster for `group` (reconsidered after every
+                                 transformation) */
+    GY_SIM_ACTION_REJECT = 3, /* never served; counted */
+} gy_sim_action;
+
+typedef enum gy_sim_op_kind {
+    GY_SIM_OP_MERGE = 0,  /* group [gpu_first, +size): its two halves, TP size/2 each, become one */
+    GY_SIM_OP_SPLIT = 1,  /* the instance at gpu_first becomes its two halves */
+    GY_SIM_OP_HOLD = 2,   /* the instance at gpu_first takes no new requests from the policy */
+    GY_SIM_OP_UNHOLD = 3,
+} gy_sim_op_kind;
+
+typedef struct gy_sim_op {
+    int32_t kind, gpu_first, size;
+} gy_sim_op;
+
+typedef struct gy_sim_decision {
+    int32_t action;         /* gy_sim_action */
+    int32_t target;         /* PLACE: index into view.inst */
+    gy_sim_group group;     /* DEFER */
+    int32_t n_ops;
+    gy_sim_op ops[GY_SIM_MAX_OPS]; /* carried out in order; an op the state no longer allows is
+                                      skipped and counted */
+} gy_sim_decision;
+
+typedef struct gy_sim_policy_config {
+    double decode_weight;    /* load = (pending_prefill + decode_weight * pending_output) / tp */
+    double scale_down_free;  /* gyges: a held instance splits once this fraction of its KV is
+                                free (AMOEBAs 3.3: 0.5) */
+    double scale_up_cap;     /* gyges: while an instance can hold a long request, a new scale-up
+                                may not take the cluster beyond this fraction of its GPUs at
+                                TP > 1 (short requests keep TP1 instances) */
+    double merge_wait;       /* gyges: seconds a reserved group may drain (its instances finish
+                                their requests, taking no new ones) before its merge starts
+                                anyway; 0 = merge at once */
+    double scale_up_load;    /* gyges: a long request scales up a new group rather than queue on
+                                an instance that can hold it when that instance's load exceeds
+                                the group's by more than this (tokens per GPU, as the load) */
+    int32_t eager_scale_up;  /* baselines: 1 = the instance the rule picks scales up with its
+                                neighbours when it cannot hold the request (Gyges 6.2.4); 0 = go
+                                to an instance that can hold it, scale up only when none can */
+} gy_sim_policy_config;
+
+typedef struct gy_sim_policy_ops {
+    const char *name;
+    size_t state_size; /* bytes of per-run state the simulator allocates zeroed (may be 0) */
+    /* A new or deferred request: PLACE, DEFER or REJECT, plus ops. Required. */
+    gy_status (*place)(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                       const gy_sim_req_view *r, gy_sim_decision *out);
+    /* Optional (NULL: the policy never transforms on its own): after steps of TP > 1 or held
+     * instances and after transformations; only ops, action NONE. */
+    gy_status (*rebalance)(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                           gy_sim_decision *out);
+} gy_sim_policy_ops;
+
+/* The policy called `name`, or NULL. */
+const gy_sim_policy_ops *gy_sim_policy_find(const char *name);
+/* "gyges, round_robin, least_load, static" (for error messages). */
+const char *gy_sim_policy_names(void);
+gy_sim_policy_config gy_sim_policy_config_default(void);
+
+extern const gy_sim_policy_ops gy_sim_policy_gyges;
+extern const gy_sim_policy_ops gy_sim_policy_round_robin;
+extern const gy_sim_policy_ops gy_sim_policy_least_load;
+extern const gy_sim_policy_ops gy_sim_policy_static;
+
+/* ---- helpers the policies share ---- */
+
+/* log2(tp) for a power of two, else -1. */
+int gy_sim_level(int32_t tp);
+/* Outstanding work per GPU (see decode_weight). */
+double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_view *i);
+/* 1 when the simulator would accept the request on i: placeable and footprint <= kv_total. */
+int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r);
+/* 1 when GPU range [g, g + size) is one aligned group inside a host. */
+int gy_sim_group_valid(const gy_sim_view *v, int32_t g, int32_t size);
+/* Index of the instance owning exactly the group, or -1. */
+int32_t gy_sim_group_instance(const gy_sim_view *v, int32_t g, int32_t size);
+/* Appends the ops that move the aligned group [g, g + size) towards one instance by x2 merges
+ * of halves that are ready (one instance each, same TP, nothing under way). Returns 1 when the
+ * group already is one instance, 0 when merges were added or must wait for something under way,
+ * -1 when it cannot become one (an instance spans beyond it, or the ops do not fit). */
+int gy_sim_policy_build_group(const gy_sim_view *v, int32_t g, int32_t size, gy_sim_decision *d);
+/* 1 when i's requests could fit in its two halves (footprints; the simulator's exact check may
+ * still refuse the split). */
+int gy_sim_policy_split_plausible(const gy_sim_view *v, const gy_sim_inst_view *i);
+/* 1 when GPU ranges [a, a + na) and [b, b + nb) overlap. */
+int gy_sim_ranges_overlap(int32_t a, int32_t na, int32_t b, int32_t nb);
+/* Appends an op; 0 when the decision is full. */
+int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, int32_t size);
+/* For a deferred request whose group is now one instance that holds it: PLACE there and 1;
+ * when the group still needs merges: the ops, DEFER on it, and 1; else 0 (decide afresh). */
+int gy_sim_policy_resume(const gy_sim_view *v, const gy_sim_req_view *r, gy_sim_decision *d);
+/* The baselines' last word on the instance their rule picked (k; -1: none placeable): PLACE when
+ * it holds r, else DEFER on the aligned group of min_tp GPUs around it, with its merges. */
+void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_req_view *r,
+                                  gy_sim_decision *d);
+/* The baselines' rebalance: SPLIT every TP > 1 instance that nothing under way or reserved
+ * touches, that no request needs at its TP, and whose requests plausibly fit its halves. */
+gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
+                                       const gy_sim_view *v, gy_sim_decision *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

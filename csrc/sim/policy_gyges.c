@@ -1,0 +1,247 @@
+/* policy_gyges.c: the transformation-aware scheduler of Gyges (section 5, Algorithms 1 and 2)
+ * with the scale-up and scale-down rules of AMOEBAs (section 3.3).
+ *
+ * place (Algorithm 1, schedule_request):
+ *   - a request that fits a TP1 instance ("short") goes to the least-loaded TP1 instance,
+ *     skipping reserved instances (check_reserve: GPUs a pending scale-up will take); instances
+ *     at a higher TP serve long requests or are held (drained for a scale-down: Algorithm 2
+ *     "reduces the request rate to these instances"). Only when every TP1 is reserved does it
+ *     take a reserved one, and only when there is no TP1 at all a higher TP (gyges_pick);
+ *   - a request that needs TP > 1 ("long") is capable on an instance with room for its whole
+ *     KV beside the footprints already committed there (no preemption thrash); held instances
+ *     count (they are un-held: consecutive long requests reuse an instance already at a higher
+ *     TP instead of transforming another group). Against the least-loaded capable instance it
+ *     weighs the scale-up it would otherwise start (Algorithm 1 "evaluates all potential
+ *     transformation scenarios"): it goes to the instance unless that instance's load exceeds
+ *     the group's by more than scale_up_load and the new group keeps at most scale_up_cap of
+ *     the GPUs at TP > 1 (bursts of long requests must not take every TP1 from the short ones);
+ *   - the scale-up: a deferred request keeps its group; a new one first joins a pending
+ *     scale-up with room for it too, else starts one: the aligned group of min_tp GPUs with
+ *     room, needing the fewest x2 merges, able to start now, least loaded; the request waits
+ *     (DEFER) and the group is reserved until it is one instance: no new short requests, and
+ *     each merge waits until its halves drained or merge_wait passed (gyges_gate_merges).
+ * rebalance (Algorithm 2, schedule_parallelism): an instance with TP > 1 that no request needs
+ * (every request would fit its halves) and that no pending scale-up reserves is held out of new
+ * placements; once `scale_down_free` (AMOEBAs: 50%) of its KV is free and its requests fit in
+ * its halves, it splits (x2 steps down, as up). */
+#include "policy.h"
+
+#include <string.h>
+
+/* Least load; ties to the smaller TP for short requests (more throughput per GPU), to the
+ * larger for long ones (more room for the next), then the lower GPU. */
+static int gyges_better(const gy_sim_policy_config *cfg, const gy_sim_inst_view *a,
+                        const gy_sim_inst_view *b, int is_long) {
+    const double la = gy_sim_policy_load(cfg, a), lb = gy_sim_policy_load(cfg, b);
+    if (la != lb) return la < lb;
+    if (a->tp != b->tp) return is_long ? a->tp > b->tp : a->tp < b->tp;
+    return a->gpu_first < b->gpu_first;
+}
+
+/* The least-loaded instance that can hold a short request, in tiers: tier 0, TP1 instances
+ * neither reserved nor held; tier 1, any TP1 (a reserved group only drains more slowly); tier 2,
+ * anything that fits. Instances at a higher TP serve long requests, whose long prefill chunks
+ * would stall a short request's decoding, or are draining towards a scale-down. */
+static int32_t gyges_pick(const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                          const gy_sim_req_view *r, int tier) {
+    int32_t best = -1;
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (!gy_sim_policy_fits(i, r)) continue;
+        if (tier < 2 && i->tp > 1) continue;
+        if (tier < 1 && (i->reserved || i->held)) continue;
+        if (best < 0 || gyges_better(cfg, i, &v->inst[best], 0)) best = k;
+    }
+    return best;
+}
+
+/* Room for all of a long request's KV beside what the instance has already committed: a long
+ * request is only "capable" where it will not be preempted by the requests already there. */
+static int gyges_has_room(const gy_sim_inst_view *i, const gy_sim_req_view *r) {
+    return i->placeable && i->footprint + r->footprint <= i->kv_total;
+}
+
+/* The blocks committed on, and the load per GPU of, the instances inside group [g, g + s). */
+static void gyges_group_load(const gy_sim_policy_config *cfg, const gy_sim_view *v, int32_t g,
+                             int32_t s, int64_t *footprint, double *load) {
+    *footprint = 0;
+    *load = 0;
+    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + s; k++) {
+        *footprint += v->inst[k].footprint;
+        *load += gy_sim_policy_load(cfg, &v->inst[k]) * v->inst[k].tp / s;
+    }
+}
+
+/* The scale-up a long request would start or join: DEFER and ops in d; returns 1 and the
+ * group's load per GPU in *load when one is possible, 0 (d: DEFER on no group) when none. */
+static int gyges_scale_up(const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                          const gy_sim_req_view *r, gy_sim_decision *d, double *load_out) {
+    d->action = GY_SIM_ACTION_DEFER;
+    d->group = (gy_sim_group){0, 0, 0};
+    *load_out = 0;
+    /* join a pending scale-up that will hold it as well */
+    for (int32_t p = 0; p < v->n_pending; p++) {
+        const gy_sim_group g = v->pending[p];
+        const int l = gy_sim_level(g.size);
+        if (l < 0 || g.size < r->min_tp) continue;
+        int64_t fp;
+        double load;
+        gyges_group_load(cfg, v, g.gpu_first, g.size, &fp, &load);
+        if (fp + g.footprint + r->footprint > v->capacity[l]) continue;
+        gy_sim_decision tmp = *d;
+        if (gy_sim_policy_build_group(v, g.gpu_first, g.size, &tmp) < 0) continue;
+        *d = tmp;
+        d->group = (gy_sim_group){g.gpu_first, g.size, 0};
+        *load_out = load;
+        return 1;
+    }
+    /* a new group of min_tp GPUs: fewest merges, then one that can start now, then least load */
+    const int32_t s = r->min_tp;
+    int best_merges = 0, best_ready = 0, found = 0;
+    double best_load = 0;
+    gy_sim_decision best = *d;
+    for (int32_t g = 0; g + s <= v->n_gpus; g += s) {
+        if (!gy_sim_group_valid(v, g, s)) continue;
+        int overlaps = 0;
+        for (int32_t p = 0; p < v->n_pending && !overlaps; p++)
+            overlaps = gy_sim_ranges_overlap(g, s, v->pending[p].gpu_first, v->pending[p].size);
+        if (overlaps) continue;
+        gy_sim_decision tmp = *d;
+        /* 1: already one instance, judged as such by the caller */
+        if (gy_sim_policy_build_group(v, g, s, &tmp) != 0) continue;
+        int64_t fp;
+        double load;
+        gyges_group_load(cfg, v, g, s, &fp, &load);
+        if (fp + r->footprint > v->capacity[gy_sim_level(s)]) continue;
+        int merges = 0;
+        for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + s; k++)
+            merges++;
+        const int ready = tmp.n_ops > d->n_ops;
+        const int better = !found || merges < best_merges ||
+                           (merges == best_merges && ready > best_ready) ||
+                           (merges == best_merges && ready == best_ready && load < best_load);
+        if (better) {
+            found = 1;
+            best_merges = merges;
+            best_ready = ready;
+            best_load = load;
+            best = tmp;
+            best.group = (gy_sim_group){g, s, 0};
+        }
+    }
+        if (found) {
+        *d = best;
+        *load_out = best_load;
+    }
+    return found;
+}
+
+/* Reservation (Algorithm 1's check_reserve): the group takes no new short requests from the
+ * moment the long request waits for it, and each x2 merge starts once both halves have drained
+ * (no requests left), or once the request has waited merge_wait seconds. Requests still there
+ * then move into the merged instance with their progress; draining first keeps short requests
+ * from decoding beside the long request's prefill chunks. Drops the merges not due yet from
+ * d->ops[from..]. */
+static void gyges_gate_merges(const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                              const gy_sim_req_view *r, gy_sim_decision *d, int32_t from) {
+    if (v->now - r->arrival >= cfg->merge_wait) return;
+    int32_t kept = from;
+    for (int32_t k = from; k < d->n_ops; k++) {
+        const gy_sim_op *op = &d->ops[k];
+        int due = 1;
+        if (op->kind == GY_SIM_OP_MERGE) {
+            const int32_t a = gy_sim_group_instance(v, op->gpu_first, op->size / 2);
+            const int32_t b = gy_sim_group_instance(v, op->gpu_first + op->size / 2, op->size / 2);
+            due = a >= 0 && b >= 0 && v->inst[a].n_requests == 0 && v->inst[b].n_requests == 0;
+        }
+        if (due) d->ops[kept++] = *op;
+    }
+    d->n_ops = kept;
+}
+
+/* 1 when the GPUs at TP > 1 or reserved, with group g added, stay within scale_up_cap. */
+static int gyges_within_cap(const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                            gy_sim_group g) {
+    int32_t scaled = 0;
+    for (int32_t x = 0; x < v->n_gpus; x++) {
+        int in = v->inst[v->gpu_inst[x]].tp > 1 || gy_sim_ranges_overlap(x, 1, g.gpu_first, g.size);
+        for (int32_t p = 0; p < v->n_pending && !in; p++)
+            in = gy_sim_ranges_overlap(x, 1, v->pending[p].gpu_first, v->pending[p].size);
+        scaled += in;
+    }
+    return scaled <= cfg->scale_up_cap * v->n_gpus;
+}
+
+static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                             const gy_sim_req_view *r, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    if (r->min_tp == 0 || r->min_tp > v->max_tp) {
+        d->action = GY_SIM_ACTION_REJECT;
+        return GY_OK;
+    }
+    if (r->min_tp == 1) { /* short */
+        int32_t k = -1;
+        for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier);
+        if (k >= 0) {
+            d->action = GY_SIM_ACTION_PLACE;
+            d->target = k;
+        } else {
+            d->action = GY_SIM_ACTION_DEFER; /* nothing placeable now (everything splitting) */
+        }
+        return GY_OK;
+    }
+    /* long: the least-loaded instance with room for it, held ones included */
+    int32_t k = -1;
+    for (int32_t j = 0; j < v->n_inst; j++) {
+        if (!gyges_has_room(&v->inst[j], r)) continue;
+        if (k < 0 || gyges_better(cfg, &v->inst[j], &v->inst[k], 1)) k = j;
+    }
+    gy_sim_decision up;
+    memset(&up, 0, sizeof up);
+    double group_load = 0;
+    int can_scale = 0;
+    if (!gy_sim_policy_resume(v, r, &up)) {
+        memset(&up, 0, sizeof up);
+        can_scale = gyges_scale_up(cfg, v, r, &up, &group_load);
+    } else if (up.action == GY_SIM_ACTION_PLACE) {
+        *d = up; /* its group is ready */
+        return GY_OK;
+    } else {
+        can_scale = 1; /* waiting for its group, which is on its way */
+        group_load = 0;
+    }
+    if (k >= 0 && (!can_scale || up.group.size == 0 ||
+                   gy_sim_policy_load(cfg, &v->inst[k]) - group_load <= cfg->scale_up_load ||
+                   !gyges_within_cap(cfg, v, up.group))) {
+        d->action = GY_SIM_ACTION_PLACE;
+        d->target = k;
+        if (v->inst[k].held)
+            gy_sim_decision_add_op(d, GY_SIM_OP_UNHOLD, v->inst[k].gpu_first, v->inst[k].tp);
+        return GY_OK;
+    }
+    *d = up;
+    gyges_gate_merges(cfg, v, r, d, 0);
+    return GY_OK;
+}
+
+static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
+                                 const gy_sim_view *v, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (i->tp <= 1 || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
+        if (i->max_min_tp >= i->tp) continue; /* a request still needs this TP */
+        if (!i->held && !gy_sim_decision_add_op(d, GY_SIM_OP_HOLD, i->gpu_first, i->tp)) break;
+        const double free_frac = 1.0 - (double)i->kv_used / (double)i->kv_total;
+        if (free_frac >= cfg->scale_down_free && gy_sim_policy_split_plausible(v, i))
+            if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) break;
+    }
+    return GY_OK;
+}
+
+const gy_sim_policy_ops gy_sim_policy_gyges = {
+    .name = "gyges",
+    .state_size = 0,
+    .place = gyges_place,
+    .rebalance = gyges_rebalance,
+};

@@ -1,0 +1,1096 @@
+/* sim.c: the event loop of sim.h. Instances live in slots (reused) with a generation number so
+ * that a step-end event of a replaced instance is recognised as stale; each GPU names the slot
+ * that owns it; requests keep an intrusive list per instance (for carry-over and packing). */
+#include "sim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "event_queue.h"
+
+enum { GY_SIM_EV_ARRIVAL = 0, GY_SIM_EV_PHASE = 1, GY_SIM_EV_STEP = 2, GY_SIM_EV_SAMPLE = 3 };
+
+/* What the simulator tracks per request beside its public record. */
+typedef struct gy_sim_req {
+    int64_t footprint;    /* blocks at its end */
+    int64_t generated;    /* output tokens so far */
+    int64_t gen_offset;   /* generated = gen_offset + its current scheduler's G (see instance.h) */
+    int64_t kept;         /* tokens whose KV it kept through a transformation (free to recompute) */
+    int64_t prefill_done; /* prompt tokens computed at least once */
+    int64_t prev, next;   /* its instance's list */
+    int32_t slot;         /* its instance, or -1 */
+    int32_t half;         /* the half it goes to in the split under way, or -1 */
+    int32_t priority;
+    int32_t deferred_before;
+    gy_sim_group group;   /* the group it waits for while deferred */
+} gy_sim_req;
+
+typedef struct gy_sim_inst {
+    gy_sim_instance core;
+    int32_t alive;
+    int32_t gpu_first, tp, host;
+    int64_t gen;
+    int32_t xform, xform_id, held;
+    int32_t stepping;      /* a step-end event is pending */
+    int32_t barrier;       /* a transformation waits for it to stop stepping */
+    gy_sched_batch batch;  /* the step in flight */
+    int64_t head, tail;    /* its requests (indices), in assignment order */
+    int64_t n_req, footprint, pending_prefill, pending_output;
+    int64_t max_footprint;
+    int32_t max_fp_stale;  /* max_footprint must be recomputed */
+    int64_t by_min_tp[GY_SIM_MAX_LEVELS]; /* its requests per level of min_tp */
+} gy_sim_inst;
+
+typedef struct gy_sim_xf {
+    int32_t src[2], n_src; /* slots */
+    int32_t dst[2], n_dst;
+    int32_t phase;         /* the phase under way: 0, 1; 2 when done */
+    int32_t at_barrier;
+} gy_sim_xf;
+
+#define GY_SIM_GROW(ptr, n, cap)                                                                   \
+    do {                                                                                           \
+        if ((n) >= (cap)) {                                                                        \
+            int64_t c_ = (cap) ? 2 * (cap) : 64;                                                   \
+            void *p_ = realloc((ptr), (size_t)c_ * sizeof *(ptr));                                 \
+            if (p_ == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the simulator"); \
+            (ptr) = p_;                                                                            \
+            (cap) = c_;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+struct gy_sim {
+    gy_sim_config config;
+    int32_t layout[64];
+    int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
+    int32_t n_levels, n_gpus;
+    void *policy_state;
+
+    int64_t n;                 /* requests */
+    gy_sim_request_out *out;   /* (n) */
+    gy_sim_req *req;           /* (n) */
+    int64_t next_arrival;      /* index of the next request to arrive */
+    double t0;                 /* the first arrival: bins and samples start here */
+
+    gy_sim_inst *inst;         /* (cap_inst) slots */
+    int64_t n_slots, cap_inst;
+    int32_t *gpu_slot;         /* (n_gpus) */
+
+    gy_sim_eventq q;
+    double now;
+
+    int64_t *deferred;         /* request indices, arrival order of deferral */
+    int64_t n_deferred, cap_deferred;
+
+    gy_sim_transform_out *xf_out;
+    gy_sim_xf *xf;
+    int64_t n_xf, cap_xf, cap_xf_out;
+    int64_t n_active_xf;
+
+    gy_sim_sample *samples;
+    int64_t n_samples, cap_samples;
+    gy_sim_layout_event *layout_ev;
+    int64_t n_layout_ev, cap_layout_ev;
+    gy_sim_token *tokens;
+    int64_t n_tokens, cap_tokens;
+    double *bin_out, *bin_prompt;
+    int64_t n_bins, cap_bins;
+
+    /* the policy's view, rebuilt before each call */
+    gy_sim_inst_view *view;
+    int32_t *view_slot;        /* view index -> slot */
+    int32_t *view_gpu;         /* (n_gpus) */
+    gy_sim_group *pending;
+    int64_t cap_view, cap_pending;
+
+    gy_sim_stats stats;
+};
+
+/* ---- small helpers ---- */
+
+static int64_t gy_sim_cdiv(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+
+static int32_t gy_sim_level_of(int32_t tp) { return gy_sim_level(tp); }
+
+static gy_status gy_sim_push(gy_sim *s, double time, int32_t kind, int64_t a, int64_t b) {
+    return gy_sim_eventq_push(&s->q, time, kind, kind, a, b);
+}
+
+static gy_status gy_sim_layout_record(gy_sim *s, const gy_sim_inst *i, int32_t change) {
+    GY_SIM_GROW(s->layout_ev, s->n_layout_ev, s->cap_layout_ev);
+    s->layout_ev[s->n_layout_ev++] = (gy_sim_layout_event){
+        .time = s->now, .gpu_first = i->gpu_first, .tp = i->tp, .change = change};
+    return GY_OK;
+}
+
+/* Grows the bins so that time t has one. */
+static gy_status gy_sim_bin_at(gy_sim *s, double t, int64_t *bin) {
+    int64_t b = (int64_t)floor((t - s->t0) / s->config.sample_interval);
+    if (b < 0) b = 0;
+    while (s->n_bins <= b) {
+        if (s->n_bins >= s->cap_bins) {
+            const int64_t c = s->cap_bins ? 2 * s->cap_bins : 1024;
+            double *o = realloc(s->bin_out, (size_t)c * sizeof *o);
+            if (o == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for bins");
+            s->bin_out = o;
+            double *p = realloc(s->bin_prompt, (size_t)c * sizeof *p);
+            if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for bins");
+            s->bin_prompt = p;
+            s->cap_bins = c;
+        }
+        s->bin_out[s->n_bins] = s->bin_prompt[s->n_bins] = 0.0;
+        s->n_bins++;
+    }
+    *bin = b;
+    return GY_OK;
+}
+
+/* ---- instances ---- */
+
+static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, int32_t *slot_out) {
+    const int32_t l = gy_sim_level_of(tp);
+    int64_t slot = -1;
+    for (int64_t k = 0; k < s->n_slots; k++)
+        if (!s->inst[k].alive) {
+            slot = k;
+            break;
+        }
+    if (slot < 0) {
+        GY_SIM_GROW(s->inst, s->n_slots, s->cap_inst);
+        slot = s->n_slots++;
+        memset(&s->inst[slot], 0, sizeof s->inst[slot]);
+    }
+    gy_sim_inst *i = &s->inst[slot];
+    const int64_t gen = i->gen + 1;
+    memset(i, 0, sizeof *i);
+    const int64_t cap = s->capacity[l];
+    const int64_t max_cap = l + 1 < s->n_levels && s->capacity_mid[l] > cap ? s->capacity_mid[l]
+                                                                            : cap;
+    GY_TRY(gy_sim_instance_init(&i->core, &s->config.sched, cap, max_cap));
+    i->alive = 1;
+    i->gen = gen;
+    i->gpu_first = gpu_first;
+    i->tp = tp;
+    i->host = gpu_first / s->config.gpus_per_host;
+    i->xform_id = -1;
+    i->head = i->tail = -1;
+    for (int32_t g = gpu_first; g < gpu_first + tp; g++) s->gpu_slot[g] = (int32_t)slot;
+    *slot_out = (int32_t)slot;
+    return gy_sim_layout_record(s, i, +1);
+}
+
+static gy_status gy_sim_inst_destroy(gy_sim *s, int32_t slot) {
+    gy_sim_inst *i = &s->inst[slot];
+    GY_TRY(gy_sim_layout_record(s, i, -1));
+    gy_sim_instance_free(&i->core);
+    const int64_t gen = i->gen;
+    memset(i, 0, sizeof *i);
+    i->gen = gen;
+    i->xform_id = -1;
+    return GY_OK;
+}
+
+static void gy_sim_link(gy_sim *s, int32_t slot, int64_t r) {
+    gy_sim_inst *i = &s->inst[slot];
+    gy_sim_req *q = &s->req[r];
+    q->prev = i->tail;
+    q->next = -1;
+    if (i->tail >= 0) s->req[i->tail].next = r; else i->head = r;
+    i->tail = r;
+    q->slot = slot;
+    i->n_req++;
+    i->footprint += q->footprint;
+    if (q->footprint > i->max_footprint) i->max_footprint = q->footprint;
+    i->pending_prefill += s->out[r].input_tokens - q->prefill_done;
+    i->pending_output += s->out[r].output_tokens - q->generated;
+    i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]++;
+    s->out[r].gpu_first = i->gpu_first;
+    s->out[r].tp = i->tp;
+}
+
+static void gy_sim_unlink(gy_sim *s, int64_t r) {
+    gy_sim_req *q = &s->req[r];
+    gy_sim_inst *i = &s->inst[q->slot];
+    if (q->prev >= 0) s->req[q->prev].next = q->next; else i->head = q->next;
+    if (q->next >= 0) s->req[q->next].prev = q->prev; else i->tail = q->prev;
+    i->n_req--;
+    i->footprint -= q->footprint;
+    if (q->footprint >= i->max_footprint) i->max_fp_stale = 1;
+    i->pending_prefill -= s->out[r].input_tokens - q->prefill_done;
+    i->pending_output -= s->out[r].output_tokens - q->generated;
+    i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]--;
+    q->prev = q->next = -1;
+    q->slot = -1;
+}
+
+static int64_t gy_sim_inst_max_footprint(gy_sim *s, gy_sim_inst *i) {
+    if (i->max_fp_stale) {
+        i->max_footprint = 0;
+        for (int64_t r = i->head; r >= 0; r = s->req[r].next)
+            if (s->req[r].footprint > i->max_footprint) i->max_footprint = s->req[r].footprint;
+        i->max_fp_stale = 0;
+    }
+    return i->max_footprint;
+}
+
+/* ---- steps ---- */
+
+static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any);
+
+/* Starts steps on an idle instance until one takes time (or there is no work). */
+static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
+    for (int64_t guard = 0;; guard++) {
+        gy_sim_inst *i = &s->inst[slot];
+        if (i->stepping || i->barrier) return GY_OK;
+        if (guard > (INT64_C(1) << 24))
+            return GY_FAIL(GY_ERR_STATE, "instance at GPU %d made no progress in %lld steps",
+                           (int)i->gpu_first, (long long)guard);
+        GY_TRY(gy_sched_schedule(i->core.sched, s->now, &i->batch));
+        for (int64_t k = 0; k < i->batch.n_preempted; k++) {
+            const int64_t r = i->batch.preempted[k];
+            s->req[r].kept = 0; /* its KV is released: recompute for real */
+            s->out[r].preemptions++;
+            s->stats.n_preemptions++;
+        }
+        if (i->batch.n_entries == 0) {
+            GY_TRY(gy_sched_commit(i->core.sched, s->now, NULL, 0, NULL));
+            return GY_OK;
+        }
+        gy_sim_step_shape shape = {0};
+        for (int64_t k = 0; k < i->batch.n_entries; k++) {
+            const gy_sched_entry *e = &i->batch.entries[k];
+            if (isnan(s->out[e->id].scheduled)) s->out[e->id].scheduled = s->now;
+            const int64_t end = e->pos + e->n_tokens;
+            const int64_t kept = s->req[e->id].kept;
+            const int64_t start = e->pos > kept ? e->pos : kept;
+            if (end <= start) continue; /* all of it kept */
+            shape.n_tokens += end - start;
+            shape.n_seqs++;
+            shape.n_samples += e->samples;
+            shape.kv_read_tokens += (double)end;
+            shape.attn_pairs += ((double)end * (double)(end + 1) -
+                                 (double)start * (double)(start + 1)) / 2.0;
+        }
+        const double dt = s->config.cost.step_time(s->config.cost.ctx, i->tp,
+                                                   i->xform != GY_SIM_XFORM_NONE, &shape);
+        if (!(dt >= 0) || !isfinite(dt))
+            return GY_FAIL(GY_ERR_STATE, "the cost model gave a step time of %g s", dt);
+        if (dt > 0) {
+            i->stepping = 1;
+            return gy_sim_push(s, s->now + dt, GY_SIM_EV_STEP, slot, i->gen);
+        }
+        int finished = 0; /* a step over kept KV only: done at once */
+        GY_TRY(gy_sim_finish_step(s, slot, &finished));
+    }
+}
+
+static gy_status gy_sim_finish_request(gy_sim *s, int32_t slot, int64_t r) {
+    gy_sim_req *q = &s->req[r];
+    if (q->generated != s->out[r].output_tokens)
+        return GY_FAIL(GY_ERR_STATE, "request %lld finished with %lld of %lld output tokens",
+                       (long long)r, (long long)q->generated,
+                       (long long)s->out[r].output_tokens);
+    s->out[r].finish = s->now;
+    s->out[r].status = GY_SIM_REQ_FINISHED;
+    gy_sim_unlink(s, r);
+    s->stats.n_finished++;
+    return gy_sched_forget(s->inst[slot].core.sched, r);
+}
+
+static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any) {
+    gy_sim_inst *i = &s->inst[slot];
+    gy_sched_done done;
+    GY_TRY(gy_sched_commit(i->core.sched, s->now, NULL, i->batch.n_entries, &done));
+    s->stats.n_steps++;
+    int64_t bin = -1;
+    for (int64_t k = 0; k < i->batch.n_entries; k++) {
+        const gy_sched_entry *e = &i->batch.entries[k];
+        gy_sim_req *q = &s->req[e->id];
+        gy_sim_request_out *o = &s->out[e->id];
+        const int64_t end = e->pos + e->n_tokens;
+        if (e->is_prefill) {
+            const int64_t upto = end < o->input_tokens ? end : o->input_tokens;
+            if (upto > q->prefill_done) {
+                if (bin < 0) GY_TRY(gy_sim_bin_at(s, s->now, &bin));
+                s->bin_prompt[bin] += (double)(upto - q->prefill_done);
+                i->pending_prefill -= upto - q->prefill_done;
+                q->prefill_done = upto;
+            }
+        }
+        if (q->kept > 0 && end >= q->kept) q->kept = 0;
+        if (!e->samples) continue;
+        const int64_t index = q->gen_offset + e->sample_index;
+        if (index > q->generated)
+            return GY_FAIL(GY_ERR_STATE, "request %lld sampled token %lld with only %lld before",
+                           (long long)e->id, (long long)index, (long long)q->generated);
+        if (index < q->generated) continue; /* the token it had before a carry-over */
+        q->generated++;
+        i->pending_output--;
+        if (q->generated == 1) o->first_token = s->now;
+        if (bin < 0) GY_TRY(gy_sim_bin_at(s, s->now, &bin));
+        s->bin_out[bin] += 1.0;
+        if (s->config.record_tokens) {
+            GY_SIM_GROW(s->tokens, s->n_tokens, s->cap_tokens);
+            s->tokens[s->n_tokens++] = (gy_sim_token){.request = e->id, .time = s->now};
+        }
+    }
+    for (int64_t k = 0; k < done.n_finished; k++)
+        GY_TRY(gy_sim_finish_request(s, slot, done.finished[k]));
+    *finished_any = done.n_finished > 0;
+    return GY_OK;
+}
+
+/* ---- the policy's view ---- */
+
+static gy_status gy_sim_build_view(gy_sim *s, gy_sim_view *v) {
+    if (s->cap_view < s->n_gpus) {
+        gy_sim_inst_view *vi = realloc(s->view, (size_t)s->n_gpus * sizeof *vi);
+        if (vi == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
+        s->view = vi;
+        int32_t *vs = realloc(s->view_slot, (size_t)s->n_gpus * sizeof *vs);
+        if (vs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
+        s->view_slot = vs;
+        s->cap_view = s->n_gpus;
+    }
+    int32_t n_pending = 0;
+    for (int64_t k = 0; k < s->n_deferred; k++) {
+        const gy_sim_group g = s->req[s->deferred[k]].group;
+        if (g.size == 0) continue;
+        int32_t p = 0;
+        while (p < n_pending &&
+               !(s->pending[p].gpu_first == g.gpu_first && s->pending[p].size == g.size))
+            p++;
+        if (p == n_pending) {
+            GY_SIM_GROW(s->pending, n_pending, s->cap_pending);
+            s->pending[n_pending++] = (gy_sim_group){g.gpu_first, g.size, 0};
+        }
+        s->pending[p].footprint += s->req[s->deferred[k]].footprint;
+    }
+    int32_t n = 0;
+    for (int32_t g = 0; g < s->n_gpus;) {
+        const int32_t slot = s->gpu_slot[g];
+        gy_sim_inst *i = &s->inst[slot];
+        gy_sched_stats st;
+        gy_sched_stats_get(i->core.sched, &st);
+        int32_t max_min_tp = 0;
+        for (int l = GY_SIM_MAX_LEVELS - 1; l >= 0; l--)
+            if (i->by_min_tp[l] > 0) {
+                max_min_tp = INT32_C(1) << l;
+                break;
+            }
+        int32_t reserved = 0;
+        for (int32_t p = 0; p < n_pending && !reserved; p++)
+            reserved = gy_sim_ranges_overlap(i->gpu_first, i->tp, s->pending[p].gpu_first,
+                                             s->pending[p].size);
+        s->view[n] = (gy_sim_inst_view){
+            .gpu_first = i->gpu_first,
+            .tp = i->tp,
+            .host = i->host,
+            .xform = i->xform,
+            .placeable = i->xform != GY_SIM_XFORM_SPLITTING,
+            .held = i->held,
+            .reserved = reserved,
+            .max_min_tp = max_min_tp,
+            .kv_total = i->core.capacity,
+            .kv_used = gy_sim_instance_used(&i->core),
+            .footprint = i->footprint,
+            .max_footprint = gy_sim_inst_max_footprint(s, i),
+            .n_requests = i->n_req,
+            .n_running = st.n_running,
+            .n_waiting = st.n_waiting + st.n_preempted,
+            .pending_prefill = i->pending_prefill,
+            .pending_output = i->pending_output,
+        };
+        s->view_slot[n] = slot;
+        for (int32_t x = g; x < g + i->tp; x++) s->view_gpu[x] = n;
+        n++;
+        g += i->tp;
+    }
+    *v = (gy_sim_view){
+        .now = s->now,
+        .n_gpus = s->n_gpus,
+        .gpus_per_host = s->config.gpus_per_host,
+        .max_tp = s->config.max_tp,
+        .n_inst = n,
+        .inst = s->view,
+        .gpu_inst = s->view_gpu,
+        .capacity = s->capacity,
+        .block_size = s->config.sched.block_size,
+        .watermark = s->config.sched.watermark,
+        .n_pending = n_pending,
+        .pending = s->pending,
+    };
+    return GY_OK;
+}
+
+/* ---- transformations ---- */
+
+static gy_status gy_sim_xf_new(gy_sim *s, int32_t kind, int32_t gpu_first, int32_t tp_from,
+                               int32_t tp_to, int64_t *id) {
+    GY_SIM_GROW(s->xf_out, s->n_xf, s->cap_xf_out);
+    GY_SIM_GROW(s->xf, s->n_xf, s->cap_xf);
+    s->xf_out[s->n_xf] = (gy_sim_transform_out){.kind = kind, .gpu_first = gpu_first,
+                                                .tp_from = tp_from, .tp_to = tp_to,
+                                                .start = s->now, .phase_end = NAN, .end = NAN};
+    memset(&s->xf[s->n_xf], 0, sizeof s->xf[s->n_xf]);
+    *id = s->n_xf++;
+    s->n_active_xf++;
+    return GY_OK;
+}
+
+static gy_status gy_sim_phase(gy_sim *s, int64_t x, int32_t kind, double kv_tokens) {
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const gy_sim_phase_shape p = {.kind = kind, .tp_from = o->tp_from, .tp_to = o->tp_to,
+                                  .kv_tokens = kv_tokens};
+    double bytes = 0;
+    const double dt = s->config.cost.phase_time(s->config.cost.ctx, &p, &bytes);
+    if (!(dt >= 0) || !isfinite(dt))
+        return GY_FAIL(GY_ERR_STATE, "the cost model gave a phase time of %g s", dt);
+    if (kind == GY_SIM_PHASE_KV_SCATTER) o->kv_bytes += bytes; else o->weight_bytes += bytes;
+    return gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, s->xf[x].phase);
+}
+
+static double gy_sim_kv_tokens(const gy_sim *s, int32_t slot) {
+    return (double)gy_sim_instance_used(&s->inst[slot].core) * (double)s->config.sched.block_size;
+}
+
+static gy_status gy_sim_start_merge(gy_sim *s, int32_t a, int32_t b, int32_t g, int32_t size) {
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_MERGE, g, size / 2, size, &x));
+    s->xf[x] = (gy_sim_xf){.src = {a, b}, .n_src = 2, .dst = {-1, -1}, .phase = 0};
+    for (int k = 0; k < 2; k++) {
+        s->inst[s->xf[x].src[k]].xform = GY_SIM_XFORM_MERGING;
+        s->inst[s->xf[x].src[k]].xform_id = (int32_t)x;
+    }
+    return gy_sim_phase(s, x, GY_SIM_PHASE_WEIGHTS_DROP, 0.0);
+}
+
+/* Packs the requests of `slot` into its two halves; 0 when they do not fit. */
+static int gy_sim_pack_halves(gy_sim *s, int32_t slot) {
+    gy_sim_inst *i = &s->inst[slot];
+    const int64_t cap = s->capacity[gy_sim_level_of(i->tp) - 1];
+    const int64_t usable = cap - (int64_t)(s->config.sched.watermark * (double)cap);
+    int64_t room[2] = {usable, usable};
+    for (int64_t r = i->head; r >= 0; r = s->req[r].next) s->req[r].half = -1;
+    /* largest first: repeatedly take the largest unassigned (n is small: an instance's queue) */
+    for (;;) {
+        int64_t best = -1;
+        for (int64_t r = i->head; r >= 0; r = s->req[r].next)
+            if (s->req[r].half < 0 && (best < 0 || s->req[r].footprint > s->req[best].footprint))
+                best = r;
+        if (best < 0) return 1;
+        const int h = room[1] > room[0];
+        if (s->req[best].footprint > room[h]) return 0;
+        room[h] -= s->req[best].footprint;
+        s->req[best].half = h;
+    }
+}
+
+static gy_status gy_sim_start_split(gy_sim *s, int32_t c) {
+    gy_sim_inst *i = &s->inst[c];
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_SPLIT, i->gpu_first, i->tp, i->tp / 2, &x));
+    s->xf[x] = (gy_sim_xf){.src = {c, -1}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
+    i->xform = GY_SIM_XFORM_SPLITTING;
+    i->xform_id = (int32_t)x;
+    i->held = 0;
+    return gy_sim_phase(s, x, GY_SIM_PHASE_KV_SCATTER, gy_sim_kv_tokens(s, c));
+}
+
+/* Moves request r from its instance to `dst`, keeping its progress. */
+static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
+    gy_sim_req *q = &s->req[r];
+    gy_sim_carry c;
+    GY_TRY(gy_sim_instance_take(&s->inst[q->slot].core, r, &c));
+    if (q->kept > c.kept) c.kept = q->kept; /* still catching up after an earlier move */
+    gy_sim_unlink(s, r);
+    q->gen_offset += c.gen_shift;
+    q->kept = c.kept;
+    GY_TRY(gy_sim_instance_put(&s->inst[dst].core, r, &c, s->out[r].arrival, q->priority));
+    gy_sim_link(s, dst, r);
+    s->out[r].migrations++;
+    s->stats.n_migrations++;
+    return GY_OK;
+}
+
+static gy_status gy_sim_reconsider(gy_sim *s);
+static gy_status gy_sim_rebalance(gy_sim *s);
+
+/* The topology change of a transformation, once its sources are idle. */
+static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    f->at_barrier = 0;
+    if (o->kind == GY_SIM_OP_MERGE) {
+        int32_t c;
+        GY_TRY(gy_sim_inst_create(s, o->gpu_first, o->tp_to, &c));
+        f = &s->xf[x];
+        for (int k = 0; k < 2; k++) {
+            const int32_t src = f->src[k];
+            while (s->inst[src].head >= 0) {
+                GY_TRY(gy_sim_carry_over(s, s->inst[src].head, c));
+                o->n_migrated++;
+            }
+        }
+        for (int k = 0; k < 2; k++) GY_TRY(gy_sim_inst_destroy(s, f->src[k]));
+        f->dst[0] = c;
+        f->n_dst = 1;
+        f->phase = 2;
+        o->end = s->now;
+        s->n_active_xf--;
+        s->stats.n_merges++;
+        GY_TRY(gy_sim_start_step(s, c));
+        GY_TRY(gy_sim_reconsider(s));
+        return gy_sim_rebalance(s);
+    }
+    /* split: the halves replace the instance and take their requests */
+    const int32_t src = f->src[0];
+    const int32_t half = o->tp_to;
+    int32_t h[2];
+    GY_TRY(gy_sim_inst_create(s, o->gpu_first, half, &h[0]));
+    GY_TRY(gy_sim_inst_create(s, o->gpu_first + half, half, &h[1]));
+    f = &s->xf[x];
+    while (s->inst[src].head >= 0) {
+        const int64_t r = s->inst[src].head;
+        int32_t which = s->req[r].half;
+        if (which < 0) /* cannot happen (it takes no requests), but stay safe */
+            which = s->inst[h[1]].footprint < s->inst[h[0]].footprint;
+        GY_TRY(gy_sim_carry_over(s, r, h[which]));
+        o->n_migrated++;
+    }
+    GY_TRY(gy_sim_inst_destroy(s, src));
+    for (int k = 0; k < 2; k++) {
+        f->dst[k] = h[k];
+        s->inst[h[k]].xform = GY_SIM_XFORM_SPLIT_TAIL;
+        s->inst[h[k]].xform_id = (int32_t)x;
+    }
+    f->n_dst = 2;
+    f->phase = 1;
+    o->phase_end = s->now;
+    GY_TRY(gy_sim_phase(s, x, GY_SIM_PHASE_WEIGHTS_GATHER, 0.0));
+    for (int k = 0; k < 2; k++) GY_TRY(gy_sim_start_step(s, h[k]));
+    return gy_sim_reconsider(s);
+}
+
+/* Sources that still have a step in flight hold the switch back. */
+static gy_status gy_sim_xf_try_switch(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    for (int k = 0; k < f->n_src; k++)
+        if (s->inst[f->src[k]].stepping) return GY_OK;
+    return gy_sim_xf_switch(s, x);
+}
+
+static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    if (phase != f->phase) return GY_FAIL(GY_ERR_STATE, "transformation %lld: stale phase",
+                                          (long long)x);
+    if (o->kind == GY_SIM_OP_MERGE && phase == 0) {
+        /* the dropped FFN shards become KV room */
+        const int64_t cap = s->capacity_mid[gy_sim_level_of(o->tp_from)];
+        double kv = 0;
+        for (int k = 0; k < 2; k++) {
+            gy_sim_inst *i = &s->inst[f->src[k]];
+            if (cap > i->core.capacity) GY_TRY(gy_sim_instance_set_capacity(&i->core, cap));
+            kv += gy_sim_kv_tokens(s, f->src[k]);
+        }
+        f->phase = 1;
+        o->phase_end = s->now;
+        GY_TRY(gy_sim_phase(s, x, GY_SIM_PHASE_KV_SCATTER, kv));
+        /* more room may let queued requests in */
+        for (int k = 0; k < 2; k++) GY_TRY(gy_sim_start_step(s, f->src[k]));
+        return GY_OK;
+    }
+    if (phase == 0 || o->kind == GY_SIM_OP_MERGE) { /* merge phase 1, split phase 0: switch */
+        f->at_barrier = 1;
+        for (int k = 0; k < f->n_src; k++) s->inst[f->src[k]].barrier = 1;
+        return gy_sim_xf_try_switch(s, x);
+    }
+    /* split phase 1: the halves have their weights */
+    for (int k = 0; k < 2; k++) {
+        s->inst[f->dst[k]].xform = GY_SIM_XFORM_NONE;
+        s->inst[f->dst[k]].xform_id = -1;
+    }
+    f->phase = 2;
+    o->end = s->now;
+    s->n_active_xf--;
+    s->stats.n_splits++;
+    GY_TRY(gy_sim_reconsider(s));
+    return gy_sim_rebalance(s);
+}
+
+/* ---- decisions ---- */
+
+static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) {
+    if (gpu_first < 0 || gpu_first >= s->n_gpus) return -1;
+    const int32_t slot = s->gpu_slot[gpu_first];
+    const gy_sim_inst *i = &s->inst[slot];
+    if (i->gpu_first != gpu_first || (size > 0 && i->tp != size)) return -1;
+    return slot;
+}
+
+static gy_status gy_sim_apply_op(gy_sim *s, const gy_sim_op *op) {
+    switch (op->kind) {
+    case GY_SIM_OP_MERGE: {
+        const int32_t size = op->size, half = size / 2;
+        const int32_t g = op->gpu_first;
+        const int ok_group = gy_sim_level_of(size) >= 1 && size <= s->config.max_tp && g >= 0 &&
+                             g % size == 0 && g + size <= s->n_gpus &&
+                             g / s->config.gpus_per_host == (g + size - 1) / s->config.gpus_per_host;
+        const int32_t a = ok_group ? gy_sim_slot_at(s, g, half) : -1;
+        const int32_t b = ok_group ? gy_sim_slot_at(s, g + half, half) : -1;
+        if (a < 0 || b < 0 || s->inst[a].xform != GY_SIM_XFORM_NONE ||
+            s->inst[b].xform != GY_SIM_XFORM_NONE)
+            break;
+        s->inst[a].held = s->inst[b].held = 0;
+        return gy_sim_start_merge(s, a, b, g, size);
+    }
+    case GY_SIM_OP_SPLIT: {
+        const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
+        if (c < 0 || s->inst[c].tp < 2 || s->inst[c].xform != GY_SIM_XFORM_NONE) break;
+        if (!gy_sim_pack_halves(s, c)) break;
+        return gy_sim_start_split(s, c);
+    }
+    case GY_SIM_OP_HOLD:
+    case GY_SIM_OP_UNHOLD: {
+        const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
+        if (c < 0) break;
+        s->inst[c].held = op->kind == GY_SIM_OP_HOLD;
+        return GY_OK;
+    }
+    default:
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned an unknown op kind %d",
+                       s->config.policy->name, (int)op->kind);
+    }
+    s->stats.n_ops_refused++;
+    return GY_OK;
+}
+
+static gy_status gy_sim_apply_ops(gy_sim *s, const gy_sim_decision *d) {
+    if (d->n_ops < 0 || d->n_ops > GY_SIM_MAX_OPS)
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned %d ops", s->config.policy->name,
+                       (int)d->n_ops);
+    for (int32_t k = 0; k < d->n_ops; k++) GY_TRY(gy_sim_apply_op(s, &d->ops[k]));
+    return GY_OK;
+}
+
+static gy_status gy_sim_defer_push(gy_sim *s, int64_t r) {
+    GY_SIM_GROW(s->deferred, s->n_deferred, s->cap_deferred);
+    s->deferred[s->n_deferred++] = r;
+    return GY_OK;
+}
+
+/* Asks the policy about request r (arrived or deferred, not in the deferred list now). */
+static gy_status gy_sim_decide(gy_sim *s, int64_t r) {
+    gy_sim_view v;
+    GY_TRY(gy_sim_build_view(s, &v));
+    gy_sim_req *q = &s->req[r];
+    gy_sim_request_out *o = &s->out[r];
+    const gy_sim_req_view rv = {.id = r, .prompt = o->input_tokens, .output = o->output_tokens,
+                                .footprint = q->footprint, .min_tp = o->min_tp,
+                                .deferred = q->deferred_before, .group = q->group,
+                                .arrival = o->arrival};
+    gy_sim_decision d;
+    memset(&d, 0, sizeof d);
+    GY_TRY(s->config.policy->place(s->policy_state, &s->config.policy_config, &v, &rv, &d));
+    switch (d.action) {
+    case GY_SIM_ACTION_PLACE: {
+        if (d.target < 0 || d.target >= v.n_inst)
+            return GY_FAIL(GY_ERR_STATE, "policy %s placed request %lld on instance %d of %d",
+                           s->config.policy->name, (long long)r, (int)d.target, (int)v.n_inst);
+        const int32_t slot = s->view_slot[d.target];
+        gy_sim_inst *i = &s->inst[slot];
+        if (i->xform == GY_SIM_XFORM_SPLITTING || q->footprint > i->core.capacity)
+            return GY_FAIL(GY_ERR_STATE,
+                           "policy %s placed request %lld (%lld blocks) on the TP%d instance at "
+                           "GPU %d, which cannot take it (%lld blocks, %s)",
+                           s->config.policy->name, (long long)r, (long long)q->footprint,
+                           (int)i->tp, (int)i->gpu_first, (long long)i->core.capacity,
+                           i->xform == GY_SIM_XFORM_SPLITTING ? "splitting" : "too small");
+        const gy_sim_carry c = {.prompt = o->input_tokens, .max_new = o->output_tokens};
+        GY_TRY(gy_sim_instance_put(&i->core, r, &c, o->arrival, q->priority));
+        gy_sim_link(s, slot, r);
+        o->status = GY_SIM_REQ_QUEUED;
+        q->group = (gy_sim_group){0, 0, 0};
+        GY_TRY(gy_sim_apply_ops(s, &d));
+        return gy_sim_start_step(s, slot);
+    }
+    case GY_SIM_ACTION_DEFER:
+        o->status = GY_SIM_REQ_DEFERRED;
+        q->deferred_before = 1;
+        q->group = d.group;
+        GY_TRY(gy_sim_defer_push(s, r));
+        return gy_sim_apply_ops(s, &d);
+    case GY_SIM_ACTION_REJECT:
+        o->status = GY_SIM_REQ_REJECTED;
+        s->stats.n_rejected++;
+        return gy_sim_apply_ops(s, &d);
+    default:
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned action %d for request %lld",
+                       s->config.policy->name, (int)d.action, (long long)r);
+    }
+}
+
+/* Every deferred request, in order, is asked about again. */
+static gy_status gy_sim_reconsider(gy_sim *s) {
+    const int64_t n = s->n_deferred;
+    if (n == 0) return GY_OK;
+    int64_t *list = malloc((size_t)n * sizeof *list);
+    if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    memcpy(list, s->deferred, (size_t)n * sizeof *list);
+    s->n_deferred = 0;
+    gy_status st = GY_OK;
+    for (int64_t k = 0; k < n && st == GY_OK; k++) st = gy_sim_decide(s, list[k]);
+    free(list);
+    return st;
+}
+
+static gy_status gy_sim_rebalance(gy_sim *s) {
+    if (s->config.policy->rebalance == NULL) return GY_OK;
+    gy_sim_view v;
+    GY_TRY(gy_sim_build_view(s, &v));
+    gy_sim_decision d;
+    memset(&d, 0, sizeof d);
+    GY_TRY(s->config.policy->rebalance(s->policy_state, &s->config.policy_config, &v, &d));
+    return gy_sim_apply_ops(s, &d);
+}
+
+/* ---- events ---- */
+
+static gy_status gy_sim_on_arrival(gy_sim *s, int64_t r) {
+    s->next_arrival = r + 1;
+    if (s->next_arrival < s->n)
+        GY_TRY(gy_sim_push(s, s->out[s->next_arrival].arrival, GY_SIM_EV_ARRIVAL,
+                           s->next_arrival, 0));
+    s->stats.n_arrived++;
+    return gy_sim_decide(s, r);
+}
+
+static gy_status gy_sim_on_step(gy_sim *s, int32_t slot, int64_t gen) {
+    gy_sim_inst *i = &s->inst[slot];
+    if (!i->alive || i->gen != gen || !i->stepping)
+        return GY_FAIL(GY_ERR_STATE, "a step ended on an instance that was not stepping");
+    i->stepping = 0;
+    int finished = 0;
+    GY_TRY(gy_sim_finish_step(s, slot, &finished));
+    i = &s->inst[slot];
+    if (i->barrier) return gy_sim_xf_try_switch(s, i->xform_id);
+    GY_TRY(gy_sim_start_step(s, slot));
+    i = &s->inst[slot];
+    /* room freed may let a deferred request in without a transformation */
+    if (finished && s->n_deferred > 0) GY_TRY(gy_sim_reconsider(s));
+    i = &s->inst[slot];
+    if ((i->tp > 1 && finished) || i->held) GY_TRY(gy_sim_rebalance(s));
+    return GY_OK;
+}
+
+static int gy_sim_quiet(const gy_sim *s) {
+    if (s->next_arrival < s->n || s->n_active_xf > 0) return 0;
+    for (int64_t k = 0; k < s->n_slots; k++)
+        if (s->inst[k].alive && s->inst[k].stepping) return 0;
+    return 1;
+}
+
+static gy_status gy_sim_on_sample(gy_sim *s) {
+    /* deferred requests are also reconsidered periodically: a policy may wait for time alone
+     * (gyges' merge_wait) */
+    if (s->n_deferred > 0) GY_TRY(gy_sim_reconsider(s));
+    for (int32_t g = 0; g < s->n_gpus;) {
+        gy_sim_inst *i = &s->inst[s->gpu_slot[g]];
+        gy_sched_stats st;
+        gy_sched_stats_get(i->core.sched, &st);
+        GY_SIM_GROW(s->samples, s->n_samples, s->cap_samples);
+        s->samples[s->n_samples++] = (gy_sim_sample){
+            .time = s->now, .gpu_first = i->gpu_first, .tp = i->tp, .xform = i->xform,
+            .held = i->held, .kv_used = gy_sim_instance_used(&i->core),
+            .kv_total = i->core.capacity, .n_running = st.n_running,
+            .n_waiting = st.n_waiting + st.n_preempted};
+        g += i->tp;
+    }
+    if (gy_sim_quiet(s)) return GY_OK;
+    return gy_sim_push(s, s->now + s->config.sample_interval, GY_SIM_EV_SAMPLE, 0, 0);
+}
+
+gy_status gy_sim_run(gy_sim *s, double until) {
+    if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sim_run: NULL simulator");
+    if (isnan(until)) return GY_FAIL(GY_ERR_INVALID, "gy_sim_run: `until` is NaN");
+    const gy_sim_event *next;
+    while ((next = gy_sim_eventq_peek(&s->q)) != NULL && next->time <= until) {
+        gy_sim_event e;
+        gy_sim_eventq_pop(&s->q, &e);
+        if (e.time < s->now)
+            return GY_FAIL(GY_ERR_STATE, "time went backwards: %.17g after %.17g", e.time, s->now);
+        s->now = e.time;
+        s->stats.n_events++;
+        switch (e.kind) {
+        case GY_SIM_EV_ARRIVAL: GY_TRY(gy_sim_on_arrival(s, e.a)); break;
+        case GY_SIM_EV_PHASE: GY_TRY(gy_sim_on_phase(s, e.a, e.b)); break;
+        case GY_SIM_EV_STEP: GY_TRY(gy_sim_on_step(s, (int32_t)e.a, e.b)); break;
+        default: GY_TRY(gy_sim_on_sample(s)); break;
+        }
+    }
+    return GY_OK;
+}
+
+/* ---- set-up ---- */
+
+static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace *t,
+                                     int32_t *n_levels) {
+    if (c->hosts < 1 || c->gpus_per_host < 1 || gy_sim_level(c->gpus_per_host) < 0 ||
+        c->gpus_per_host > 128)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "need hosts >= 1 and gpus_per_host a power of two <= 128 (got %d, %d)",
+                       (int)c->hosts, (int)c->gpus_per_host);
+    if ((int64_t)c->hosts * c->gpus_per_host > (INT64_C(1) << 20))
+        return GY_FAIL(GY_ERR_INVALID, "%d hosts of %d GPUs is too many", (int)c->hosts,
+                       (int)c->gpus_per_host);
+    if (gy_sim_level(c->max_tp) < 0 || c->max_tp > c->gpus_per_host)
+        return GY_FAIL(GY_ERR_INVALID, "max_tp must be a power of two <= gpus_per_host %d, got %d",
+                       (int)c->gpus_per_host, (int)c->max_tp);
+    *n_levels = gy_sim_level(c->max_tp) + 1;
+    if (c->capacity == NULL || c->capacity_mid == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "KV capacities are missing");
+    for (int32_t l = 0; l < *n_levels; l++) {
+        if (c->capacity[l] < 1)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "a TP%d instance has no KV room (%lld blocks): the model does not fit",
+                           1 << l, (long long)c->capacity[l]);
+        if (c->capacity_mid[l] < c->capacity[l])
+            return GY_FAIL(GY_ERR_INVALID, "capacity_mid[%d] %lld is below capacity %lld", (int)l,
+                           (long long)c->capacity_mid[l], (long long)c->capacity[l]);
+    }
+    if (c->n_layout < 1 || c->n_layout > 64 || c->layout == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "a host layout needs 1 to 64 instances, got %d",
+                       (int)c->n_layout);
+    int32_t g = 0;
+    for (int32_t k = 0; k < c->n_layout; k++) {
+        const int32_t tp = c->layout[k];
+        if (gy_sim_level(tp) < 0 || tp > c->max_tp)
+            return GY_FAIL(GY_ERR_INVALID, "layout instance %d has TP %d: not a power of two <= "
+                           "max_tp %d", (int)k, (int)tp, (int)c->max_tp);
+        if (g % tp != 0)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "layout instance %d (TP%d) would start at GPU %d, not a multiple of %d: "
+                           "list larger instances first or align them", (int)k, (int)tp, (int)g,
+                           (int)tp);
+        g += tp;
+    }
+    if (g != c->gpus_per_host)
+        return GY_FAIL(GY_ERR_INVALID, "the layout covers %d GPUs but a host has %d", (int)g,
+                       (int)c->gpus_per_host);
+    if (c->sched.block_size < 1 || c->sched.max_batch_tokens < 1 || c->sched.max_running < 1 ||
+        c->sched.max_prefill_chunk < 0 || !(c->sched.watermark >= 0 && c->sched.watermark < 1))
+        return GY_FAIL(GY_ERR_INVALID, "bad scheduler settings (block_size %lld, max_batch_tokens "
+                       "%lld, max_running %lld, max_prefill_chunk %lld, watermark %g)",
+                       (long long)c->sched.block_size, (long long)c->sched.max_batch_tokens,
+                       (long long)c->sched.max_running, (long long)c->sched.max_prefill_chunk,
+                       c->sched.watermark);
+    if (c->cost.step_time == NULL || c->cost.phase_time == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "the cost model has a NULL entry");
+    if (c->policy == NULL || c->policy->place == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "no policy");
+    if (!(c->sample_interval > 0) || !isfinite(c->sample_interval))
+        return GY_FAIL(GY_ERR_INVALID, "sample_interval must be > 0, got %g", c->sample_interval);
+    if (t == NULL || t->n < 0 || (t->n > 0 && (t->arrival == NULL || t->input_tokens == NULL ||
+                                               t->output_tokens == NULL)))
+        return GY_FAIL(GY_ERR_INVALID, "the trace is missing columns");
+    for (int64_t r = 0; r < t->n; r++) {
+        if (!isfinite(t->arrival[r]) || (r > 0 && t->arrival[r] < t->arrival[r - 1]))
+            return GY_FAIL(GY_ERR_INVALID, "request %lld: arrival %g is not finite or not sorted",
+                           (long long)r, t->arrival[r]);
+        if (t->input_tokens[r] < 1 || t->output_tokens[r] < 1 ||
+            t->input_tokens[r] > (INT64_C(1) << 36) || t->output_tokens[r] > (INT64_C(1) << 36))
+            return GY_FAIL(GY_ERR_INVALID, "request %lld: lengths must be in [1, 2^36] (input %lld, "
+                           "output %lld)", (long long)r, (long long)t->input_tokens[r],
+                           (long long)t->output_tokens[r]);
+    }
+    return GY_OK;
+}
+
+gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *t) {
+    if (out == NULL || c == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sim_init: NULL argument");
+    *out = NULL;
+    int32_t n_levels = 0;
+    GY_TRY(gy_sim_check_config(c, t, &n_levels));
+    gy_sim *s = calloc(1, sizeof *s);
+    if (s == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    s->config = *c;
+    memcpy(s->layout, c->layout, (size_t)c->n_layout * sizeof *s->layout);
+    s->config.layout = s->layout;
+    memcpy(s->capacity, c->capacity, (size_t)n_levels * sizeof *s->capacity);
+    memcpy(s->capacity_mid, c->capacity_mid, (size_t)n_levels * sizeof *s->capacity_mid);
+    s->config.capacity = s->capacity;
+    s->config.capacity_mid = s->capacity_mid;
+    s->n_levels = n_levels;
+    s->n_gpus = c->hosts * c->gpus_per_host;
+    s->n = t->n;
+    gy_status st = GY_OK;
+    s->gpu_slot = calloc((size_t)s->n_gpus, sizeof *s->gpu_slot);
+    s->view_gpu = calloc((size_t)s->n_gpus, sizeof *s->view_gpu);
+    s->out = calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->out);
+    s->req = calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->req);
+    s->policy_state = calloc(1, c->policy->state_size ? c->policy->state_size : 1);
+    if (s->gpu_slot == NULL || s->view_gpu == NULL || s->out == NULL || s->req == NULL ||
+        s->policy_state == NULL) {
+        st = GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld requests", (long long)s->n);
+        goto fail;
+    }
+    const int64_t bs = c->sched.block_size;
+    for (int64_t r = 0; r < s->n; r++) {
+        gy_sim_request_out *o = &s->out[r];
+        *o = (gy_sim_request_out){.arrival = t->arrival[r], .scheduled = NAN,
+                                  .first_token = NAN, .finish = NAN,
+                                  .input_tokens = t->input_tokens[r],
+                                  .output_tokens = t->output_tokens[r],
+                                  .status = GY_SIM_REQ_PENDING, .gpu_first = -1, .tp = 0};
+        gy_sim_req *q = &s->req[r];
+        q->footprint = gy_sim_cdiv(o->input_tokens + o->output_tokens, bs);
+        q->prev = q->next = -1;
+        q->slot = -1;
+        q->half = -1;
+        q->priority = t->priority ? t->priority[r] : 0;
+        for (int32_t l = 0; l < n_levels; l++)
+            if (s->capacity[l] >= q->footprint) {
+                o->min_tp = INT32_C(1) << l;
+                break;
+            }
+    }
+    s->t0 = s->n > 0 ? t->arrival[0] : 0.0;
+    s->now = s->t0;
+    s->stats.n_requests = s->n;
+    for (int32_t h = 0; h < c->hosts && st == GY_OK; h++) {
+        int32_t g = h * c->gpus_per_host;
+        for (int32_t k = 0; k < c->n_layout && st == GY_OK; k++) {
+            int32_t slot;
+            st = gy_sim_inst_create(s, g, c->layout[k], &slot);
+            g += c->layout[k];
+        }
+    }
+    if (st == GY_OK && s->n > 0) st = gy_sim_push(s, s->out[0].arrival, GY_SIM_EV_ARRIVAL, 0, 0);
+    if (st == GY_OK) st = gy_sim_push(s, s->t0, GY_SIM_EV_SAMPLE, 0, 0);
+    if (st != GY_OK) goto fail;
+    *out = s;
+    return GY_OK;
+fail:
+    gy_sim_free(s);
+    return st;
+}
+
+void gy_sim_free(gy_sim *s) {
+    if (s == NULL) return;
+    for (int64_t k = 0; k < s->n_slots; k++)
+        if (s->inst[k].alive) gy_sim_instance_free(&s->inst[k].core);
+    free(s->inst);
+    free(s->gpu_slot);
+    free(s->out);
+    free(s->req);
+    free(s->policy_state);
+    gy_sim_eventq_free(&s->q);
+    free(s->deferred);
+    free(s->xf_out);
+    free(s->xf);
+    free(s->samples);
+    free(s->layout_ev);
+    free(s->tokens);
+    free(s->bin_out);
+    free(s->bin_prompt);
+    free(s->view);
+    free(s->view_slot);
+    free(s->view_gpu);
+    free(s->pending);
+    free(s);
+}
+
+/* ---- results ---- */
+
+void gy_sim_stats_get(const gy_sim *s, gy_sim_stats *out) {
+    *out = s->stats;
+    out->now = s->now;
+    out->n_deferred = s->n_deferred;
+    out->n_transforming = s->n_active_xf;
+    out->done = gy_sim_eventq_peek(&s->q) == NULL;
+}
+
+const gy_sim_request_out *gy_sim_requests(const gy_sim *s, int64_t *n) {
+    *n = s->n;
+    return s->out;
+}
+const gy_sim_sample *gy_sim_samples(const gy_sim *s, int64_t *n) {
+    *n = s->n_samples;
+    return s->samples;
+}
+const gy_sim_layout_event *gy_sim_layout(const gy_sim *s, int64_t *n) {
+    *n = s->n_layout_ev;
+    return s->layout_ev;
+}
+const gy_sim_transform_out *gy_sim_transforms(const gy_sim *s, int64_t *n) {
+    *n = s->n_xf;
+    return s->xf_out;
+}
+const gy_sim_token *gy_sim_tokens(const gy_sim *s, int64_t *n) {
+    *n = s->n_tokens;
+    return s->tokens;
+}
+const double *gy_sim_bins(const gy_sim *s, int64_t *n, const double **prompt_tokens) {
+    *n = s->n_bins;
+    if (prompt_tokens) *prompt_tokens = s->bin_prompt;
+    return s->bin_out;
+}
+
+gy_status gy_sim_check(const gy_sim *s) {
+    int32_t covered = 0;
+    for (int64_t k = 0; k < s->n_slots; k++) {
+        const gy_sim_inst *i = &s->inst[k];
+        if (!i->alive) continue;
+        for (int32_t g = i->gpu_first; g < i->gpu_first + i->tp; g++)
+            if (g >= s->n_gpus || s->gpu_slot[g] != k)
+                return GY_FAIL(GY_ERR_STATE, "GPU %d of the TP%d instance at GPU %d belongs to "
+                               "another instance", (int)g, (int)i->tp, (int)i->gpu_first);
+        if (i->gpu_first % i->tp != 0)
+            return GY_FAIL(GY_ERR_STATE, "the TP%d instance at GPU %d is not aligned", (int)i->tp,
+                           (int)i->gpu_first);
+        covered += i->tp;
+        const int64_t used = gy_sim_instance_used(&i->core);
+        if (used < 0 || used > i->core.capacity)
+            return GY_FAIL(GY_ERR_STATE, "the instance at GPU %d holds %lld of %lld blocks",
+                           (int)i->gpu_first, (long long)used, (long long)i->core.capacity);
+        int64_t held = 0, n = 0;
+        for (int64_t r = i->head; r >= 0; r = s->req[r].next) {
+            held += gy_sched_block_counter_held(i->core.bc, r);
+            n++;
+            if (s->req[r].slot != k || s->out[r].status != GY_SIM_REQ_QUEUED)
+                return GY_FAIL(GY_ERR_STATE, "request %lld is listed on the instance at GPU %d "
+                               "but says otherwise", (long long)r, (int)i->gpu_first);
+        }
+        if (held != used || n != i->n_req)
+            return GY_FAIL(GY_ERR_STATE, "the instance at GPU %d: its requests hold %lld blocks "
+                           "(%lld listed) but %lld are used (%lld counted)", (int)i->gpu_first,
+                           (long long)held, (long long)n, (long long)used, (long long)i->n_req);
+    }
+    if (covered != s->n_gpus)
+        return GY_FAIL(GY_ERR_STATE, "instances cover %d GPUs of %d", (int)covered,
+                       (int)s->n_gpus);
+    int64_t counts[5] = {0};
+    for (int64_t r = 0; r < s->n; r++) {
+        const int32_t st = s->out[r].status;
+        if (st < 0 || st > GY_SIM_REQ_REJECTED)
+            return GY_FAIL(GY_ERR_STATE, "request %lld has status %d", (long long)r, (int)st);
+        counts[st]++;
+        if ((st == GY_SIM_REQ_FINISHED) != !isnan(s->out[r].finish))
+            return GY_FAIL(GY_ERR_STATE, "request %lld: finish time and status disagree",
+                           (long long)r);
+    }
+    if (counts[GY_SIM_REQ_FINISHED] != s->stats.n_finished ||
+        counts[GY_SIM_REQ_REJECTED] != s->stats.n_rejected ||
+        counts[GY_SIM_REQ_DEFERRED] != s->n_deferred ||
+        counts[GY_SIM_REQ_PENDING] != s->n - s->stats.n_arrived)
+        return GY_FAIL(GY_ERR_STATE, "request accounting is off: %lld finished (%lld counted), "
+                       "%lld rejected (%lld), %lld deferred (%lld), %lld pending (%lld)",
+                       (long long)counts[GY_SIM_REQ_FINISHED], (long long)s->stats.n_finished,
+                       (long long)counts[GY_SIM_REQ_REJECTED], (long long)s->stats.n_rejected,
+                       (long long)counts[GY_SIM_REQ_DEFERRED], (long long)s->n_deferred,
+                       (long long)counts[GY_SIM_REQ_PENDING],
+                       (long long)(s->n - s->stats.n_arrived));
+    return GY_OK;
+}

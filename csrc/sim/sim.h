@@ -1,0 +1,149 @@
+/* sim.h: the discrete-event simulator of a cluster whose tensor parallelism changes while it
+ * serves. Hosts of GPUs carry instances (aligned groups of GPUs, see policy.h); every instance
+ * runs the real batch scheduler (sched/batch.h) over a block counter (instance.h), and a cost
+ * model (cost.h) says how long each of its steps takes. A policy (policy.h) places arriving
+ * requests and starts transformations.
+ *
+ * Events, in (time, rank, push) order (event_queue.h):
+ *   arrival     the next trace request: the policy places, defers or rejects it;
+ *   phase end   a transformation phase ends (below);
+ *   step end    an instance's step ends: commit, tokens, finishes; its next step starts at once;
+ *   sample      per-instance time series (layout, KV use, queues) every sample_interval; the
+ *               deferred requests are reconsidered then too.
+ * Steps run back to back while an instance has work; a step that computes nothing new (only KV
+ * a request kept through a transformation, see instance.h) takes no time.
+ *
+ * Transformations (the scale-up of Gyges 4.3: MLP first, then KV; the scale-down of AMOEBAs 3.3:
+ * KV first, then FFN), each two phases priced by the cost model; the instances keep serving
+ * throughout with the cost model's transform slowdown:
+ *   merge  two TP-k halves -> one TP-2k instance.
+ *          phase 0, weights drop: at its end each half's KV capacity grows to capacity_mid[k];
+ *          phase 1, KV scatter: at its end, once both halves finished their step in flight, the
+ *          TP-2k instance replaces them and their requests move to it with their progress.
+ *   split  one TP-2k instance -> two TP-k halves; it takes no new requests meanwhile. Its
+ *          requests are packed into the halves (largest footprint first, into the half with more
+ *          room; the split is refused if they do not fit).
+ *          phase 0, KV scatter: at its end, after its step in flight, the halves replace it and
+ *          take their requests with their progress;
+ *          phase 1, weights gather: the halves serve (and take requests) but cannot transform.
+ * After every transformation, every step that finished a request and every sample, the deferred
+ * requests are reconsidered in the order they were deferred; after transformations and after
+ * steps of TP > 1 or held instances that finished something, the policy may rebalance. */
+#ifndef GY_SIM_SIM_H
+#define GY_SIM_SIM_H
+
+#include <stdint.h>
+
+#include "../core/status.h"
+#include "cost.h"
+#include "instance.h"
+#include "policy.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gy_sim_config {
+    int32_t hosts, gpus_per_host; /* gpus_per_host a power of two */
+    int32_t max_tp;               /* largest TP; a power of two <= gpus_per_host */
+    int32_t n_layout;
+    const int32_t *layout;        /* (n_layout) TP of each instance of ONE host, in GPU order,
+                                     summing to gpus_per_host, each aligned; every host starts so */
+    const int64_t *capacity;      /* (log2(max_tp) + 1) KV blocks of a TP-2^l instance, >= 1 */
+    const int64_t *capacity_mid;  /* (same) blocks of a TP-2^l instance after it dropped the FFN
+                                     shards of TP-2^(l+1) in a scale-up; >= capacity[l] */
+    gy_sim_sched_params sched;
+    gy_sim_cost_ops cost;         /* its ctx must outlive the simulator */
+    const gy_sim_policy_ops *policy;
+    gy_sim_policy_config policy_config;
+    double sample_interval;       /* seconds, > 0: time-series samples and throughput bins */
+    int32_t record_tokens;        /* 1: keep the time of every output token */
+} gy_sim_config;
+
+/* The requests (copied). Arrivals sorted; lengths >= 1. */
+typedef struct gy_sim_trace {
+    int64_t n;
+    const double *arrival;
+    const int64_t *input_tokens, *output_tokens;
+    const int32_t *priority;      /* may be NULL: all 0 */
+} gy_sim_trace;
+
+typedef enum gy_sim_req_status {
+    GY_SIM_REQ_PENDING = 0,  /* not arrived yet */
+    GY_SIM_REQ_DEFERRED = 1, /* waiting at the cluster for a scale-up */
+    GY_SIM_REQ_QUEUED = 2,   /* assigned to an instance */
+    GY_SIM_REQ_FINISHED = 3,
+    GY_SIM_REQ_REJECTED = 4,
+} gy_sim_req_status;
+
+/* One request (trace order); the layout is gyges/results.py's REQUEST_DTYPE. Times NaN until. */
+typedef struct gy_sim_request_out {
+    double arrival, scheduled, first_token, finish;
+    int64_t input_tokens, output_tokens;
+    int32_t status;      /* gy_sim_req_status */
+    int32_t min_tp;      /* smallest TP that can hold it; 0: none */
+    int32_t gpu_first;   /* its instance (the last one); -1 */
+    int32_t tp;
+    int32_t preemptions; /* by its schedulers (recompute) */
+    int32_t migrations;  /* moves with a transformation (no recompute) */
+} gy_sim_request_out;
+
+typedef struct gy_sim_sample {
+    double time;
+    int32_t gpu_first, tp, xform, held;
+    int64_t kv_used, kv_total, n_running, n_waiting;
+} gy_sim_sample;
+
+typedef struct gy_sim_layout_event {
+    double time;
+    int32_t gpu_first, tp;
+    int32_t change; /* +1 created, -1 gone */
+    int32_t pad_;
+} gy_sim_layout_event;
+
+typedef struct gy_sim_transform_out {
+    int32_t kind;          /* GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT */
+    int32_t gpu_first, tp_from, tp_to;
+    double start, phase_end, end; /* end NaN while under way */
+    double kv_bytes, weight_bytes; /* moved per GPU */
+    int64_t n_migrated;    /* requests carried over */
+} gy_sim_transform_out;
+
+typedef struct gy_sim_token {
+    int64_t request;
+    double time;
+} gy_sim_token;
+
+typedef struct gy_sim_stats {
+    double now;
+    int64_t n_requests, n_arrived, n_finished, n_rejected, n_deferred;
+    int64_t n_steps, n_events, n_preemptions, n_migrations;
+    int64_t n_merges, n_splits, n_transforming, n_ops_refused;
+    int32_t done;          /* nothing left to happen */
+} gy_sim_stats;
+
+typedef struct gy_sim gy_sim;
+
+gy_status gy_sim_init(gy_sim **out, const gy_sim_config *config, const gy_sim_trace *trace);
+void gy_sim_free(gy_sim *s);
+/* Processes every event at or before `until` (INFINITY: to the end). */
+gy_status gy_sim_run(gy_sim *s, double until);
+void gy_sim_stats_get(const gy_sim *s, gy_sim_stats *out);
+/* Checks the invariants: every GPU in exactly one instance, KV within capacity and equal to what
+ * the requests hold, request accounting. GY_ERR_STATE names the first broken one. */
+gy_status gy_sim_check(const gy_sim *s);
+
+/* Results, valid until the next gy_sim_run (the arrays grow). */
+const gy_sim_request_out *gy_sim_requests(const gy_sim *s, int64_t *n);
+const gy_sim_sample *gy_sim_samples(const gy_sim *s, int64_t *n);
+const gy_sim_layout_event *gy_sim_layout(const gy_sim *s, int64_t *n);
+const gy_sim_transform_out *gy_sim_transforms(const gy_sim *s, int64_t *n);
+const gy_sim_token *gy_sim_tokens(const gy_sim *s, int64_t *n);
+/* Tokens per bin of sample_interval from the first arrival: output tokens generated and prompt
+ * tokens computed for the first time. */
+const double *gy_sim_bins(const gy_sim *s, int64_t *n, const double **prompt_tokens);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,221 @@
+"""The paper-scale simulator: a cluster of hosts x GPUs whose instances change tensor parallelism
+while they serve (Gyges), driven by a request trace.
+
+    res = gyges.sim.run(trace, policy="gyges", hosts=1, gpus_per_host=8,
+                        model="qwen2.5-32b", gpu="h20")
+    res.summary()                     # gyges.metrics.summarize + rejected, transformations
+    res = gyges.sim.run(trace, policy="static", layout="4xTP1+1xTP4")
+
+Every instance runs the real C batch scheduler (csrc/sched/batch.h) with a block counter as its
+KV cache; a cost model (gyges.costmodel) prices each step and each transformation phase; a
+cluster policy (csrc/sim/policy_*.c) places requests and starts scale-ups and scale-downs. The
+event loop is C (csrc/sim/sim.c); this module checks arguments, builds the parameters, runs the
+loop in chunks (a progress line for long runs) and wraps the results (gyges.results).
+
+Policies: "gyges" (Gyges Algorithms 1-2 with AMOEBAs 3.3), "round_robin" and "least_load" (the
+baselines of Gyges 6.2.4; eager_scale_up=False makes them scale up only when no instance can
+hold a request), "static" (a fixed `layout`, never transforms; requests that fit no instance
+are rejected). Layouts: "8xTP1", "2xTP4", "4xTP1+1xTP4", ... for ONE host, in GPU order; every
+host starts with it (the dynamic policies default to all TP1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+
+import numpy as np
+
+from . import _C, traces
+from .costmodel import ConstantCost, CostModel, CostModelError
+from .results import Results
+
+__all__ = ["run", "parse_layout", "POLICIES", "SimError"]
+
+POLICIES = ("gyges", "round_robin", "least_load", "static")
+
+
+class SimError(ValueError):
+    """A bad simulator argument (the message names the value)."""
+
+
+_TERM = re.compile(r"^(?:(\d+)\s*[x*]\s*)?tp\s*(\d+)$")
+
+
+def parse_layout(layout: str, gpus_per_host: int) -> list[int]:
+    """"4xTP1+1xTP4" -> [1, 1, 1, 1, 4]: the TP of each instance of one host, in GPU order.
+    Each instance must start on a multiple of its TP (aligned groups) and the layout must cover
+    the host exactly."""
+    if not isinstance(layout, str) or not layout.strip():
+        raise SimError(f"layout must be a string like '8xTP1' or '4xTP1+1xTP4', got {layout!r}")
+    tps = []
+    for term in layout.lower().replace(" ", "").split("+"):
+        m = _TERM.match(term)
+        if m is None:
+            raise SimError(f"bad layout {layout!r}: term {term!r} is not like '4xTP1' or 'TP4'")
+        count = int(m.group(1)) if m.group(1) else 1
+        tp = int(m.group(2))
+        if count < 1 or tp < 1 or tp & (tp - 1):
+            raise SimError(f"bad layout {layout!r}: {term!r} needs a count >= 1 and a TP that is "
+                           f"a power of two")
+        tps += [tp] * count
+    gpu = 0
+    for tp in tps:
+        if gpu % tp:
+            raise SimError(f"bad layout {layout!r}: a TP{tp} instance would start at GPU {gpu}, "
+                           f"not a multiple of {tp} (groups are aligned; list larger instances "
+                           f"first, e.g. '1xTP4+4xTP1')")
+        gpu += tp
+    if gpu != gpus_per_host:
+        raise SimError(f"bad layout {layout!r}: it covers {gpu} GPUs but a host has "
+                       f"{gpus_per_host}")
+    if len(tps) > 64:
+        raise SimError(f"bad layout {layout!r}: more than 64 instances per host")
+    return tps
+
+
+def _check_int(name, v, low, high=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low \
+            or (high is not None and v > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise SimError(f"{name} must be an int {rng}, got {v!r}")
+    return int(v)
+
+
+def _check_float(name, v, low, high=None, low_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(v) or v < low or (low_open and v == low) \
+            or (high is not None and v >= high):
+        raise SimError(f"{name} must be a finite number {'>' if low_open else '>='} {low}"
+                       f"{'' if high is None else f' and < {high}'}, got {v!r}")
+    return float(v)
+
+
+def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
+        model="qwen2.5-32b", gpu="h20", layout: str | None = None, slo: dict | None = None,
+        progress: bool = False, *, cost=None, max_tp: int | None = None, block_size: int = 16,
+        max_batch_tokens: int = 2048, max_running: int = 256, max_prefill_chunk: int = 0,
+        watermark: float = 0.01, decode_weight: float = 8.0, scale_down_free: float = 0.5,
+        scale_up_load: float = 16384.0, scale_up_cap: float = 0.5, merge_wait: float = 10.0,
+        eager_scale_up: bool = True,
+        sample_interval: float | None = None,
+        record_tokens: bool = False, check: bool = False) -> Results:
+    """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
+
+    cost: a gyges.costmodel.CostModel or ConstantCost; default CostModel.create(model, gpu) (the
+    calibrated roofline). max_tp: the largest TP (default gpus_per_host). The scheduler of every
+    instance gets block_size, max_batch_tokens, max_running, max_prefill_chunk and watermark (a
+    fraction of its blocks). decode_weight: the policies' load is (pending prompt tokens +
+    decode_weight * pending output tokens) / TP. scale_down_free: gyges splits a held instance
+    once this fraction of its KV is free; scale_up_load: gyges starts another scale-up for a long
+    request rather than queue it on a capable instance whose load exceeds the new group's by
+    more than this (tokens per GPU) and the cluster keeps at most scale_up_cap of its GPUs at
+    TP > 1; merge_wait: seconds gyges lets a reserved group drain before
+    merging it anyway (0: at once). eager_scale_up: the baselines scale up the instance their
+    rule picks when it cannot hold the request (False: only when no instance can). sample_interval: seconds between time-series samples
+    (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
+    throughput series; memory grows with the output). check: verify the simulator's invariants
+    after every chunk (tests). slo: kept for Results.summary (goodput).
+    """
+    t_wall = time.perf_counter()
+    traces.validate(trace)
+    if policy not in POLICIES:
+        raise SimError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    hosts = _check_int("hosts", hosts, 1, 4096)
+    gpus_per_host = _check_int("gpus_per_host", gpus_per_host, 1, 128)
+    if gpus_per_host & (gpus_per_host - 1):
+        raise SimError(f"gpus_per_host must be a power of two (aligned TP groups), got "
+                       f"{gpus_per_host}")
+    max_tp = gpus_per_host if max_tp is None else _check_int("max_tp", max_tp, 1, gpus_per_host)
+    if max_tp & (max_tp - 1):
+        raise SimError(f"max_tp must be a power of two, got {max_tp}")
+    block_size = _check_int("block_size", block_size, 1, 1 << 20)
+    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
+    max_running = _check_int("max_running", max_running, 1, 1 << 20)
+    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
+    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    decode_weight = _check_float("decode_weight", decode_weight, 0.0)
+    scale_down_free = _check_float("scale_down_free", scale_down_free, 0.0, 1.0)
+    scale_up_load = _check_float("scale_up_load", scale_up_load, 0.0)
+    merge_wait = _check_float("merge_wait", merge_wait, 0.0)
+    scale_up_cap = _check_float("scale_up_cap", scale_up_cap, 0.0)
+    if layout is None:
+        if policy == "static":
+            raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or "
+                           "'4xTP1+1xTP4'")
+        layout = f"{gpus_per_host}xTP1"
+    tps = parse_layout(layout, gpus_per_host)
+    if max(tps) > max_tp:
+        raise SimError(f"layout {layout!r} has a TP{max(tps)} instance but max_tp is {max_tp}")
+
+    if cost is None:
+        try:
+            cost = CostModel.create(model, gpu)
+        except CostModelError as e:
+            raise SimError(str(e)) from None
+    elif not isinstance(cost, (CostModel, ConstantCost)):
+        raise SimError(f"cost must be a CostModel or ConstantCost, got {type(cost).__name__}")
+    capacity, capacity_mid = cost.capacities(max_tp, block_size)
+    for level, blocks in enumerate(capacity):
+        if blocks < 1:
+            name = getattr(getattr(cost, "gpu", None), "name", "this GPU")
+            raise SimError(f"the model does not fit a TP{1 << level} instance on {name} (no KV "
+                           f"room left after its weights); the simulator needs every TP from 1 "
+                           f"to max_tp={max_tp} to fit")
+
+    n = trace.shape[0]
+    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    if sample_interval is None:
+        sample_interval = max(1.0, span / 10_000)
+    sample_interval = _check_float("sample_interval", sample_interval, 0.0, low_open=True)
+
+    sim = _C.Simulator(
+        hosts=hosts, gpus_per_host=gpus_per_host, max_tp=max_tp, layout=tps,
+        capacity=capacity, capacity_mid=capacity_mid, block_size=block_size,
+        max_batch_tokens=max_batch_tokens, max_running=max_running,
+        max_prefill_chunk=max_prefill_chunk, watermark=watermark, cost_kind=cost.kind,
+        cost_params=cost.params(), policy=policy, decode_weight=decode_weight,
+        scale_down_free=scale_down_free, scale_up_load=scale_up_load, scale_up_cap=scale_up_cap,
+        merge_wait=merge_wait,
+        eager_scale_up=bool(eager_scale_up),
+        sample_interval=sample_interval, record_tokens=bool(record_tokens),
+        arrival=arrival,
+        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
+        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
+        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32))
+
+    start = float(arrival[0]) if n else 0.0
+    chunk = max(span / 100, 1.0)
+    until = start
+    shown = False
+    while True:
+        until += chunk
+        done = sim.run(until if until < start + span else math.inf)
+        if check:
+            sim.check()
+        if progress and time.perf_counter() - t_wall > 2.0:
+            st = sim.stats()
+            sys.stderr.write(f"\rsim {policy}: {st['now'] - start:9.0f} s of {span:.0f} s "
+                             f"simulated, {st['finished'] + st['rejected']}/{n} requests done, "
+                             f"{time.perf_counter() - t_wall:6.1f} s")
+            sys.stderr.flush()
+            shown = True
+        if done:
+            break
+    if shown:
+        sys.stderr.write("\n")
+    config = {"policy": policy, "hosts": hosts, "gpus_per_host": gpus_per_host,
+              "max_tp": max_tp, "layout": layout, "cost": cost.describe(),
+              "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
+              "block_size": block_size, "max_batch_tokens": max_batch_tokens,
+              "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
+              "watermark": watermark, "decode_weight": decode_weight,
+              "scale_down_free": scale_down_free, "scale_up_load": scale_up_load,
+              "scale_up_cap": scale_up_cap, "merge_wait": merge_wait,
+              "eager_scale_up": bool(eager_scale_up),
+              "sample_interval": sample_interval, "record_tokens": bool(record_tokens)}
+    return Results.from_simulator(sim, config, slo=slo,
+                                  wall_seconds=time.perf_counter() - t_wall)

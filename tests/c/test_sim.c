@@ -1,0 +1,679 @@
+/* test_sim.c: the simulator's parts. The event queue against a sorted reference; the roofline
+ * against numbers worked out by hand; every policy's decisions on hand-built cluster views
+ * (placement, reservation, x2 scale-up plans, holding and scale-down); the instance's movable
+ * capacity and carry-over of progress; and whole simulations on random traces under every
+ * policy, checked against the simulator's invariants after every slice of time. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gytest.h"
+#include "sim/cost.h"
+#include "sim/event_queue.h"
+#include "sim/instance.h"
+#include "sim/policy.h"
+#include "sim/sim.h"
+
+/* ---- event queue ---- */
+
+typedef struct {
+    double t;
+    int32_t rank;
+    uint64_t seq;
+} ref_key;
+
+static int ref_cmp(const void *a, const void *b) {
+    const ref_key *x = a, *y = b;
+    if (x->t != y->t) return x->t < y->t ? -1 : 1;
+    if (x->rank != y->rank) return x->rank < y->rank ? -1 : 1;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+GYTEST(sim_eventq_order_ties_and_random) {
+    gy_sim_eventq q = {0};
+    CHECK(gy_sim_eventq_peek(&q) == NULL);
+    gy_sim_event e;
+    CHECK(!gy_sim_eventq_pop(&q, &e));
+    CHECK_STATUS(gy_sim_eventq_push(&q, NAN, 0, 0, 0, 0), GY_ERR_INVALID);
+    CHECK_STATUS(gy_sim_eventq_push(&q, INFINITY, 0, 0, 0, 0), GY_ERR_INVALID);
+    /* equal times: rank first, then push order */
+    CHECK_OK(gy_sim_eventq_push(&q, 1.0, 2, 7, 1, 0));
+    CHECK_OK(gy_sim_eventq_push(&q, 1.0, 0, 7, 2, 0));
+    CHECK_OK(gy_sim_eventq_push(&q, 0.5, 3, 7, 3, 0));
+    CHECK_OK(gy_sim_eventq_push(&q, 1.0, 0, 7, 4, 0));
+    const int64_t want[] = {3, 2, 4, 1};
+    for (int i = 0; i < 4; i++) {
+        CHECK(gy_sim_eventq_pop(&q, &e));
+        CHECK(e.a == want[i] && e.kind == 7);
+    }
+    CHECK(q.n == 0);
+    /* random pushes and pops interleaved, against a sorted array */
+    srand(12345);
+    ref_key ref[3000];
+    int n_ref = 0;
+    uint64_t seq = q.next_seq;
+    for (int step = 0; step < 6000; step++) {
+        if (n_ref < 3000 && (rand() % 3 != 0 || n_ref == 0)) {
+            const double t = (double)(rand() % 50) * 0.25; /* many exact ties */
+            const int32_t rank = rand() % 3;
+            CHECK_OK(gy_sim_eventq_push(&q, t, rank, 0, (int64_t)seq, 0));
+            ref[n_ref++] = (ref_key){t, rank, seq++};
+        } else {
+            qsort(ref, (size_t)n_ref, sizeof ref[0], ref_cmp);
+            CHECK(gy_sim_eventq_pop(&q, &e));
+            CHECK(e.time == ref[0].t && e.rank == ref[0].rank && (uint64_t)e.a == ref[0].seq);
+            memmove(ref, ref + 1, (size_t)(n_ref - 1) * sizeof ref[0]);
+            n_ref--;
+        }
+        CHECK(q.n == n_ref);
+    }
+    gy_sim_eventq_free(&q);
+}
+
+/* ---- cost ---- */
+
+static gy_sim_roofline toy_roofline(void) {
+    return (gy_sim_roofline){
+        .weight_bytes = 1000, .matmul_params = 10, .lm_head_params = 5,
+        .attn_flops_per_pair = 2, .kv_bytes_per_token = 8, .allreduce_bytes_per_token = 4,
+        .ffn_bytes = 600, .kv_heads = 2, .n_layers = 3, .hbm_bw = 100, .peak_flops = 50,
+        .link_bw = 10, .eff_bw = 0.5, .eff_flops = 0.5, .eff_link = 0.5, .eff_xfer = 0.25,
+        .step_overhead = 1, .allreduce_latency = 0.5, .phase_latency_per_layer = 0.1,
+        .transform_slowdown = 0.5};
+}
+
+GYTEST(sim_cost_roofline_by_hand) {
+    gy_sim_roofline p = toy_roofline();
+    CHECK_OK(gy_sim_roofline_check(&p));
+    /* tp 1: 4 tokens, 2 samples, 10 keys read, 20 pairs.
+     * bytes = 1000 + 8 * (10 + 4) = 1112 -> 1112 / 50 = 22.24 s
+     * flops = 2*10*4 + 2*5*2 + 2*20 = 140 -> 140 / 25 = 5.6 s; step = 1 + 22.24 */
+    gy_sim_step_shape s = {.n_tokens = 4, .n_seqs = 2, .n_samples = 2, .kv_read_tokens = 10,
+                           .attn_pairs = 20};
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 1, 0, &s) - 23.24) < 1e-12);
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 1, 1, &s) - 23.24 * 1.5) < 1e-12);
+    /* tp 2: a rank holds one of the two KV heads: kv 4 bytes per token.
+     * bytes = 500 + 4 * 14 = 556 -> 11.12 s; comm = 2 layers-per... = 2*3*(1 * 16/5 + 0.5) = 22.2 */
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 0, &s) - (1 + 11.12 + 22.2)) < 1e-12);
+    /* tp 4 > kv_heads: one head per rank (replicated): kv 4 bytes per token still */
+    const double t4 = 1 + (250 + 4 * 14) / 50.0 + 2 * 3 * (1.5 * 16 / 5 + 0.5);
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 4, 0, &s) - t4) < 1e-12);
+    /* compute-bound: many pairs */
+    s.attn_pairs = 2000; /* flops = 80 + 20 + 4000 = 4100 -> 164 s */
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 1, 0, &s) - (1 + 164.0)) < 1e-9);
+    gy_sim_step_shape none = {0};
+    CHECK(gy_sim_roofline_step_time(&p, 1, 0, &none) == 0.0);
+    /* phases: KV 1 -> 4 moves 3/4 of 100 tokens * 8 bytes over 4 GPUs = 150 bytes per GPU */
+    double bytes = -1;
+    gy_sim_phase_shape ph = {.kind = GY_SIM_PHASE_KV_SCATTER, .tp_from = 1, .tp_to = 4,
+                             .kv_tokens = 100};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (150 / 2.5 + 0.3)) < 1e-12);
+    CHECK(bytes == 150);
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_WEIGHTS_GATHER, .tp_from = 4, .tp_to = 2};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (150 / 2.5 + 0.3)) < 1e-12);
+    CHECK(bytes == 600 * (0.5 - 0.25));
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_WEIGHTS_DROP, .tp_from = 1, .tp_to = 2};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - 0.3) < 1e-12 && bytes == 0);
+    p.eff_flops = 0;
+    CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
+    p = toy_roofline();
+    p.step_overhead = NAN;
+    CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
+    gy_sim_cost_constant c = {.step_time = 2, .phase_time = 3, .transform_slowdown = 1};
+    CHECK_OK(gy_sim_cost_constant_check(&c));
+    gy_sim_cost_ops ops = gy_sim_cost_constant_ops(&c);
+    s = (gy_sim_step_shape){.n_tokens = 1};
+    CHECK(ops.step_time(ops.ctx, 4, 0, &s) == 2 && ops.step_time(ops.ctx, 4, 1, &s) == 4);
+    CHECK(ops.step_time(ops.ctx, 4, 0, &none) == 0);
+    CHECK(ops.phase_time(ops.ctx, &ph, &bytes) == 3 && bytes == 0);
+    c.step_time = 0;
+    CHECK_STATUS(gy_sim_cost_constant_check(&c), GY_ERR_INVALID);
+}
+
+/* ---- hand-built views ---- */
+
+#define MAXI 16
+typedef struct {
+    gy_sim_inst_view inst[MAXI];
+    int32_t gpu_inst[64];
+    int64_t capacity[GY_SIM_MAX_LEVELS];
+    gy_sim_group pending[4];
+    gy_sim_view v;
+} world;
+
+/* Instances given by their TPs in GPU order (aligned); capacity 100 blocks per TP1 level, then
+ * 250, 600, 1300 (more than the sum of halves, as with real models). */
+static void world_init(world *w, int n_gpus, int gpus_per_host, const int32_t *tps, int n) {
+    memset(w, 0, sizeof *w);
+    const int64_t caps[] = {100, 250, 600, 1300, 2700, 5500, 11000, 22000};
+    memcpy(w->capacity, caps, sizeof caps);
+    int32_t g = 0;
+    for (int k = 0; k < n; k++) {
+        const int l = gy_sim_level(tps[k]);
+        w->inst[k] = (gy_sim_inst_view){.gpu_first = g, .tp = tps[k], .host = g / gpus_per_host,
+                                        .placeable = 1, .kv_total = caps[l]};
+        for (int32_t x = g; x < g + tps[k]; x++) w->gpu_inst[x] = k;
+        g += tps[k];
+    }
+    CHECK(g == n_gpus);
+    w->v = (gy_sim_view){.n_gpus = n_gpus, .gpus_per_host = gpus_per_host, .max_tp = gpus_per_host,
+                         .n_inst = n, .inst = w->inst, .gpu_inst = w->gpu_inst,
+                         .capacity = w->capacity, .block_size = 16, .watermark = 0.0,
+                         .pending = w->pending};
+}
+
+static void set_load(world *w, int k, int64_t prefill, int64_t output) {
+    w->inst[k].pending_prefill = prefill;
+    w->inst[k].pending_output = output;
+}
+
+static gy_sim_req_view req(int64_t footprint, int32_t min_tp) {
+    return (gy_sim_req_view){.id = 1, .prompt = footprint * 16 - 10, .output = 10,
+                             .footprint = footprint, .min_tp = min_tp};
+}
+
+static int has_op(const gy_sim_decision *d, int32_t kind, int32_t g, int32_t size) {
+    for (int k = 0; k < d->n_ops; k++)
+        if (d->ops[k].kind == kind && d->ops[k].gpu_first == g && d->ops[k].size == size) return 1;
+    return 0;
+}
+
+static gy_sim_decision place(const gy_sim_policy_ops *p, void *state,
+                             const gy_sim_policy_config *cfg, const world *w,
+                             const gy_sim_req_view *r) {
+    gy_sim_decision d;
+    memset(&d, 0x5a, sizeof d); /* the policy must set everything it returns */
+    CHECK_OK(p->place(state, cfg, &w->v, r, &d));
+    return d;
+}
+
+GYTEST(sim_policy_registry_and_groups) {
+    CHECK(gy_sim_policy_find("gyges") == &gy_sim_policy_gyges);
+    CHECK(gy_sim_policy_find("static") == &gy_sim_policy_static);
+    CHECK(gy_sim_policy_find("nope") == NULL && gy_sim_policy_find(NULL) == NULL);
+    CHECK(strstr(gy_sim_policy_names(), "round_robin") != NULL);
+    CHECK(gy_sim_level(1) == 0 && gy_sim_level(8) == 3 && gy_sim_level(6) == -1);
+    world w;
+    const int32_t tps[] = {2, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 16, 8, tps, 12);
+    CHECK(gy_sim_group_valid(&w.v, 0, 4) && gy_sim_group_valid(&w.v, 8, 8));
+    CHECK(!gy_sim_group_valid(&w.v, 2, 4) && !gy_sim_group_valid(&w.v, 4, 16));
+    CHECK(!gy_sim_group_valid(&w.v, 6, 4)); /* not aligned */
+    CHECK(gy_sim_group_instance(&w.v, 0, 2) == 0 && gy_sim_group_instance(&w.v, 2, 1) == 1);
+    CHECK(gy_sim_group_instance(&w.v, 0, 4) == -1);
+    /* quartet {0..3} = TP2 + TP1 + TP1: first merge the TP1 pair */
+    gy_sim_decision d = {0};
+    CHECK(gy_sim_policy_build_group(&w.v, 0, 4, &d) == 0);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    /* {4..7} is one TP4 already; {4,5} is inside it */
+    d = (gy_sim_decision){0};
+    CHECK(gy_sim_policy_build_group(&w.v, 4, 4, &d) == 1 && d.n_ops == 0);
+    CHECK(gy_sim_policy_build_group(&w.v, 4, 2, &d) == -1);
+    /* host 2 (GPUs 8..15), all TP1, to TP8: four pair merges at once */
+    d = (gy_sim_decision){0};
+    CHECK(gy_sim_policy_build_group(&w.v, 8, 8, &d) == 0 && d.n_ops == 4);
+    for (int g = 8; g < 16; g += 2) CHECK(has_op(&d, GY_SIM_OP_MERGE, g, 2));
+    /* a half under way: wait, no op */
+    w.inst[1].xform = GY_SIM_XFORM_MERGING;
+    d = (gy_sim_decision){0};
+    CHECK(gy_sim_policy_build_group(&w.v, 2, 2, &d) == 0 && d.n_ops == 0);
+    /* split plausibility: halves of a TP2 hold 100 blocks each */
+    gy_sim_inst_view t = w.inst[0];
+    t.footprint = 190;
+    t.max_footprint = 100;
+    CHECK(gy_sim_policy_split_plausible(&w.v, &t));
+    t.max_footprint = 101;
+    CHECK(!gy_sim_policy_split_plausible(&w.v, &t));
+    t.max_footprint = 50;
+    t.footprint = 191;
+    CHECK(!gy_sim_policy_split_plausible(&w.v, &t));
+    d = (gy_sim_decision){0};
+    for (int k = 0; k < GY_SIM_MAX_OPS; k++) CHECK(gy_sim_decision_add_op(&d, 0, 2 * k, 2));
+    CHECK(gy_sim_decision_add_op(&d, 0, 0, 2));  /* a duplicate is not added twice */
+    CHECK(!gy_sim_decision_add_op(&d, 0, 64, 2)); /* full */
+}
+
+GYTEST(sim_policy_gyges_short_requests) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {1, 1, 1, 1, 2, 2};
+    world_init(&w, 8, 8, tps, 6);
+    for (int k = 0; k < 4; k++) set_load(&w, k, 1000 * (k + 1), 0);
+    set_load(&w, 4, 10000, 0);
+    set_load(&w, 5, 10000, 0);
+    gy_sim_req_view r = req(10, 1);
+    gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0 && d.n_ops == 0);
+    /* reserved and held instances are skipped for short requests */
+    w.inst[0].reserved = 1;
+    w.inst[1].held = 1;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
+    /* short requests stay off higher-TP instances, however idle */
+    set_load(&w, 4, 0, 0);
+    set_load(&w, 2, 3000, 0);
+    set_load(&w, 3, 3000, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2); /* equal load: the lower GPU */
+    /* decode tokens weigh decode_weight each */
+    set_load(&w, 2, 0, 1000); /* 8000 */
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 3);
+    /* every TP1 reserved or held: the least loaded TP1 all the same */
+    for (int k = 0; k < 6; k++) w.inst[k].reserved = 1;
+    set_load(&w, 0, 3000, 0);
+    set_load(&w, 1, 2500, 0);
+    set_load(&w, 4, 0, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
+    /* no TP1 can take it: a higher TP, least load per GPU */
+    for (int k = 0; k < 4; k++) w.inst[k].placeable = 0;
+    set_load(&w, 4, 6000, 0);
+    set_load(&w, 5, 4000, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 5);
+    /* splitting instances are not placeable */
+    for (int k = 0; k < 6; k++) w.inst[k].placeable = 0;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER);
+    /* nothing can ever hold it */
+    r = req(100000, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_REJECT);
+}
+
+GYTEST(sim_policy_gyges_long_requests) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps, 8);
+    for (int k = 0; k < 8; k++) set_load(&w, k, 100, 0);
+    set_load(&w, 2, 10, 0);
+    set_load(&w, 3, 10, 0);
+    /* needs TP2: the least-loaded pair {2,3} merges */
+    gy_sim_req_view r = req(200, 2);
+    gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 2 && d.group.size == 2);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    /* needs TP4: x2 steps, both pairs of the least-loaded quartet now */
+    r = req(500, 4);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 4);
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    /* a pending scale-up of {4..7} with room joins; without room, another group */
+    w.pending[0] = (gy_sim_group){4, 4, 0};
+    w.v.n_pending = 1;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
+    w.pending[0].footprint = 200; /* 200 + 500 > 600 */
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 4);
+    w.v.n_pending = 0;
+    /* a TP2 instance with room takes a TP2 request instead of a new scale-up */
+    const int32_t tps2[] = {2, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps2, 7);
+    set_load(&w, 0, 1000, 0);
+    for (int k = 1; k < 7; k++) set_load(&w, k, 100, 0);
+    w.inst[0].held = 1;
+    r = req(200, 2);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_UNHOLD, 0, 2)); /* held: reused, un-held */
+    /* ... unless its committed footprint leaves no room for this one */
+    w.inst[0].footprint = 100;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 && d.group.gpu_first != 0);
+    /* ... or it is far busier than a fresh group (scale_up_load) */
+    w.inst[0].footprint = 0;
+    set_load(&w, 0, 2 * (int64_t)cfg.scale_up_load + 1000, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 && d.group.gpu_first != 0);
+    /* the group of a new scale-up is reserved at once, but each merge waits for its halves to
+     * drain (no requests left) unless the request has waited merge_wait */
+    const int32_t tps4[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps4, 8);
+    for (int k = 0; k < 8; k++) {
+        set_load(&w, k, 100, 0);
+        w.inst[k].n_requests = k == 2 ? 0 : 1;
+    }
+    set_load(&w, 2, 10, 0);
+    set_load(&w, 3, 10, 0);
+    r = req(200, 2);
+    r.arrival = 5.0;
+    w.v.now = 5.0;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 2 && d.group.size == 2);
+    CHECK(d.n_ops == 0); /* GPU 3 still serves a request */
+    w.inst[3].n_requests = 0;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    w.inst[3].n_requests = 1;
+    w.v.now = 5.0 + cfg.merge_wait;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    w.v.now = 0;
+    /* scale_up_cap: with half the GPUs at TP2 already, a busy TP2 with room takes it */
+    const int32_t tps5[] = {2, 2, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps5, 6);
+    set_load(&w, 0, 1 << 20, 0);
+    set_load(&w, 1, 1 << 21, 0);
+    r = req(200, 2);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+    cfg.scale_up_cap = 0.75;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 && d.group.gpu_first >= 4);
+    cfg = gy_sim_policy_config_default();
+    /* a deferred request whose group is now one instance goes there */
+    const int32_t tps3[] = {1, 1, 2, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps3, 7);
+    r = req(200, 2);
+    r.deferred = 1;
+    r.group = (gy_sim_group){2, 2, 0};
+    set_load(&w, 2, 1 << 30, 0); /* busy does not matter: its group is ready */
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
+}
+
+GYTEST(sim_policy_gyges_rebalance) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {2, 1, 1, 4};
+    world_init(&w, 8, 8, tps, 4);
+    gy_sim_decision d;
+    /* TP2 still needed by a request: nothing */
+    w.inst[0].max_min_tp = 2;
+    w.inst[3].max_min_tp = 4;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.action == GY_SIM_ACTION_NONE && d.n_ops == 0);
+    /* no longer needed, KV 80% used: hold only */
+    w.inst[0].max_min_tp = 1;
+    w.inst[0].kv_used = 200;
+    w.inst[0].footprint = 150;
+    w.inst[0].max_footprint = 10;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_HOLD, 0, 2));
+    /* held, half free, fits the halves: split */
+    w.inst[0].held = 1;
+    w.inst[0].kv_used = 125;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_SPLIT, 0, 2));
+    /* ... but not while a pending scale-up reserves it, nor while transforming */
+    w.inst[0].reserved = 1;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.inst[0].reserved = 0;
+    w.inst[0].xform = GY_SIM_XFORM_SPLIT_TAIL;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    /* the TP4 with only TP2-sized requests: hold, and split (x2 step down) when empty enough */
+    w.inst[0].xform = GY_SIM_XFORM_NONE;
+    w.inst[0].max_min_tp = 2;
+    w.inst[3].max_min_tp = 2;
+    w.inst[3].footprint = 400;
+    w.inst[3].max_footprint = 200;
+    w.inst[3].kv_used = 100;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_HOLD, 4, 4) && has_op(&d, GY_SIM_OP_SPLIT, 4, 4));
+    /* the baselines split without holding and without the 50% rule */
+    w.inst[3].kv_used = 590;
+    CHECK_OK(gy_sim_policy_round_robin.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_SPLIT, 4, 4));
+    CHECK(gy_sim_policy_static.rebalance == NULL);
+}
+
+GYTEST(sim_policy_baselines) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {1, 1, 2, 4};
+    world_init(&w, 8, 8, tps, 4);
+    int32_t rr_state[4] = {0};
+    gy_sim_req_view r = req(10, 1);
+    /* round robin: 0, 1, 2 (TP2), 3 (TP4), 0, then it is GPU 1's turn */
+    const int32_t order[] = {0, 1, 2, 3, 0};
+    for (int k = 0; k < 5; k++) {
+        gy_sim_decision d = place(&gy_sim_policy_round_robin, rr_state, &cfg, &w, &r);
+        CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == order[k]);
+    }
+    /* eager: the TP1 whose turn it is cannot hold a TP2 request: its pair {0,1} merges */
+    r = req(200, 2);
+    gy_sim_decision d = place(&gy_sim_policy_round_robin, rr_state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 2);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    /* not eager: the turn skips to an instance that can hold it */
+    cfg.eager_scale_up = 0;
+    memset(rr_state, 0, sizeof rr_state);
+    d = place(&gy_sim_policy_round_robin, rr_state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
+    d = place(&gy_sim_policy_round_robin, rr_state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 3);
+    /* least load */
+    cfg.eager_scale_up = 1;
+    set_load(&w, 0, 500, 0);
+    set_load(&w, 1, 100, 0);
+    set_load(&w, 2, 300, 0);  /* 150 per GPU */
+    set_load(&w, 3, 1000, 0); /* 250 per GPU */
+    r = req(10, 1);
+    d = place(&gy_sim_policy_least_load, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
+    r = req(500, 4); /* eager: GPU 1 is least loaded -> its quartet {0..3} = TP1 TP1 TP2 */
+    d = place(&gy_sim_policy_least_load, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 4);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    cfg.eager_scale_up = 0; /* the TP4 holds it */
+    d = place(&gy_sim_policy_least_load, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 3);
+    /* static: least loaded that fits, never transforms, rejects what fits nowhere */
+    r = req(200, 2);
+    d = place(&gy_sim_policy_static, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2 && d.n_ops == 0);
+    r = req(1000, 8);
+    d = place(&gy_sim_policy_static, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_REJECT);
+    d = place(&gy_sim_policy_round_robin, rr_state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 8);
+}
+
+/* ---- instance ---- */
+
+static const gy_sim_sched_params small_sched = {.block_size = 4, .max_batch_tokens = 64,
+                                                .max_running = 8, .max_prefill_chunk = 0,
+                                                .watermark = 0.0};
+
+GYTEST(sim_instance_capacity_and_carry) {
+    gy_sim_instance a, b;
+    CHECK_STATUS(gy_sim_instance_init(&a, &small_sched, 0, 10), GY_ERR_INVALID);
+    CHECK_OK(gy_sim_instance_init(&a, &small_sched, 10, 20));
+    CHECK(a.capacity == 10 && gy_sim_instance_used(&a) == 0);
+    CHECK(gy_sched_block_counter_free_blocks(a.bc) == 10);
+    /* request 1: 10 prompt tokens, 5 new; request 2: 6 + 3 */
+    gy_sim_carry c1 = {.prompt = 10, .max_new = 5}, c2 = {.prompt = 6, .max_new = 3};
+    CHECK_OK(gy_sim_instance_put(&a, 1, &c1, 0.0, 0));
+    CHECK_OK(gy_sim_instance_put(&a, 2, &c2, 0.0, 0));
+    gy_sched_batch bt;
+    CHECK_OK(gy_sched_schedule(a.sched, 0.0, &bt)); /* both prefills: 3 + 2 blocks */
+    CHECK(bt.n_entries == 2);
+    CHECK_OK(gy_sched_commit(a.sched, 1.0, NULL, bt.n_entries, NULL));
+    CHECK(gy_sim_instance_used(&a) == 5);
+    CHECK_STATUS(gy_sim_instance_set_capacity(&a, 4), GY_ERR_STATE);  /* below used */
+    CHECK_STATUS(gy_sim_instance_set_capacity(&a, 21), GY_ERR_STATE); /* above the counter */
+    CHECK_OK(gy_sim_instance_set_capacity(&a, 16));
+    CHECK(gy_sched_block_counter_free_blocks(a.bc) == 11 && gy_sim_instance_used(&a) == 5);
+    CHECK_OK(gy_sched_schedule(a.sched, 1.0, &bt)); /* two decodes */
+    CHECK(bt.n_entries == 2 && bt.n_decode == 2);
+    CHECK_OK(gy_sched_commit(a.sched, 2.0, NULL, bt.n_entries, NULL));
+    /* request 1 decodes: G = 2, C = 11 -> prompt' 11, max_new' 4, kept 11, shift 1 */
+    gy_sim_carry c;
+    CHECK_OK(gy_sim_instance_take(&a, 1, &c));
+    CHECK(c.prompt == 11 && c.max_new == 4 && c.kept == 11 && c.gen_shift == 1);
+    CHECK(gy_sim_instance_used(&a) == 2); /* its blocks are back */
+    CHECK_STATUS(gy_sim_instance_take(&a, 1, &c), GY_ERR_INVALID); /* gone */
+    CHECK_OK(gy_sim_instance_init(&b, &small_sched, 30, 30));
+    CHECK_OK(gy_sim_instance_put(&b, 1, &c, 0.0, 0));
+    /* in b: the prefill of the 11 known tokens samples token index 0 = its G 1 again */
+    CHECK_OK(gy_sched_schedule(b.sched, 2.0, &bt));
+    CHECK(bt.n_entries == 1 && bt.entries[0].n_tokens == 11 && bt.entries[0].samples &&
+          bt.entries[0].sample_index == 0);
+    CHECK_OK(gy_sched_commit(b.sched, 2.0, NULL, 1, NULL));
+    gy_sched_info in;
+    CHECK_OK(gy_sched_info_get(b.sched, 1, &in));
+    CHECK(in.n_computed == 11 && in.n_generated == 1 && in.prefill_end == 11);
+    /* request 3 mid-prefill: chunk cap 64 tokens, prompt 100 -> C 64 after one step */
+    CHECK_OK(gy_sim_instance_set_capacity(&a, 20));
+    gy_sim_carry c3 = {.prompt = 70, .max_new = 2};
+    CHECK_OK(gy_sim_instance_put(&a, 3, &c3, 0.0, 0));
+    CHECK_OK(gy_sched_schedule(a.sched, 2.0, &bt));
+    CHECK_OK(gy_sched_commit(a.sched, 3.0, NULL, bt.n_entries, NULL));
+    CHECK_OK(gy_sched_info_get(a.sched, 3, &in));
+    CHECK(in.state == GY_SCHED_STATE_RUNNING && in.n_computed < 70);
+    const int64_t computed = in.n_computed;
+    CHECK_OK(gy_sim_instance_take(&a, 3, &c));
+    CHECK(c.prompt == 70 && c.max_new == 2 && c.kept == computed && c.gen_shift == 0);
+    /* a queued request carries nothing computed */
+    gy_sim_carry c4 = {.prompt = 5, .max_new = 1};
+    CHECK_OK(gy_sim_instance_put(&a, 4, &c4, 0.0, 0));
+    CHECK_OK(gy_sim_instance_take(&a, 4, &c));
+    CHECK(c.prompt == 5 && c.max_new == 1 && c.kept == 0 && c.gen_shift == 0);
+    gy_sim_instance_free(&a);
+    gy_sim_instance_free(&b);
+}
+
+/* ---- whole simulations ---- */
+
+static uint64_t lcg(uint64_t *s) {
+    *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return *s >> 33;
+}
+
+static void run_random(const char *policy, const int32_t *layout, int n_layout, uint64_t seed,
+                       int hosts) {
+    const int64_t n = 400;
+    double *arr = malloc(n * sizeof *arr);
+    int64_t *in = malloc(n * sizeof *in), *out = malloc(n * sizeof *out);
+    int32_t *prio = malloc(n * sizeof *prio);
+    double t = 0;
+    for (int64_t k = 0; k < n; k++) {
+        t += (double)(lcg(&seed) % 1000) / 400.0;
+        arr[k] = t;
+        /* mostly short, some needing TP2 / TP4 / TP8, a few that fit nothing */
+        const uint64_t kind = lcg(&seed) % 100;
+        in[k] = kind < 80 ? 1 + (int64_t)(lcg(&seed) % 300)
+              : kind < 92 ? 400 + (int64_t)(lcg(&seed) % 500)
+              : kind < 97 ? 1100 + (int64_t)(lcg(&seed) % 1000)
+              : kind < 99 ? 2500 + (int64_t)(lcg(&seed) % 2000)
+                          : 50000;
+        out[k] = 1 + (int64_t)(lcg(&seed) % 60);
+        prio[k] = 0;
+    }
+    /* blocks of 4 tokens: TP1 holds 640 tokens, TP2 1600, TP4 4000, TP8 8800 */
+    const int64_t cap[] = {160, 400, 1000, 2200}, mid[] = {200, 480, 1150, 2200};
+    gy_sim_cost_constant cc = {.step_time = 0.05, .phase_time = 0.3, .transform_slowdown = 0.1};
+    gy_sim_config c = {
+        .hosts = hosts, .gpus_per_host = 8, .max_tp = 8, .n_layout = n_layout, .layout = layout,
+        .capacity = cap, .capacity_mid = mid,
+        .sched = {.block_size = 4, .max_batch_tokens = 128, .max_running = 16,
+                  .max_prefill_chunk = 0, .watermark = 0.01},
+        .cost = gy_sim_cost_constant_ops(&cc),
+        .policy = gy_sim_policy_find(policy),
+        .policy_config = gy_sim_policy_config_default(),
+        .sample_interval = 1.0,
+        .record_tokens = 1,
+    };
+    gy_sim_trace tr = {.n = n, .arrival = arr, .input_tokens = in, .output_tokens = out,
+                       .priority = prio};
+    gy_sim *s = NULL;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    gy_sim_stats st;
+    for (double until = 0; until < 1e6; until += 7.3) {
+        CHECK_OK(gy_sim_run(s, until));
+        CHECK_OK(gy_sim_check(s));
+        gy_sim_stats_get(s, &st);
+        if (st.done) break;
+    }
+    gy_sim_stats_get(s, &st);
+    CHECK(st.done);
+    CHECK(st.n_finished + st.n_rejected == n); /* each exactly once (statuses are exclusive) */
+    int64_t m = 0;
+    const gy_sim_request_out *o = gy_sim_requests(s, &m);
+    int64_t tokens = 0, rejected_long = 0;
+    for (int64_t k = 0; k < m; k++) {
+        if (o[k].status == GY_SIM_REQ_FINISHED) {
+            CHECK(o[k].arrival <= o[k].scheduled && o[k].scheduled <= o[k].first_token &&
+                  o[k].first_token <= o[k].finish);
+            tokens += o[k].output_tokens;
+        } else {
+            CHECK(o[k].status == GY_SIM_REQ_REJECTED && isnan(o[k].scheduled));
+            rejected_long += o[k].input_tokens >= 50000 || o[k].min_tp > 1;
+        }
+    }
+    CHECK(rejected_long == st.n_rejected); /* only what fits nowhere (or not the layout) */
+    int64_t n_tok = 0;
+    gy_sim_tokens(s, &n_tok);
+    CHECK(n_tok == tokens); /* every output token exactly once */
+    double binned = 0;
+    int64_t n_bins = 0;
+    const double *bins = gy_sim_bins(s, &n_bins, NULL);
+    for (int64_t k = 0; k < n_bins; k++) binned += bins[k];
+    CHECK(binned == (double)tokens);
+    if (strcmp(policy, "static") != 0) CHECK(st.n_merges > 0);
+    gy_sim_free(s);
+    free(arr);
+    free(in);
+    free(out);
+    free(prio);
+}
+
+GYTEST(sim_random_runs_keep_invariants) {
+    const int32_t all_tp1[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    const int32_t mixed[] = {4, 1, 1, 1, 1};
+    const char *policies[] = {"gyges", "round_robin", "least_load"};
+    for (int p = 0; p < 3; p++)
+        for (uint64_t seed = 1; seed <= 3; seed++)
+            run_random(policies[p], all_tp1, 8, seed, 1 + (int)(seed % 2));
+    run_random("gyges", mixed, 5, 7, 1);
+    run_random("static", mixed, 5, 8, 2);
+}
+
+GYTEST(sim_bad_configs) {
+    const int32_t layout[] = {1, 1, 2, 4};
+    const int64_t cap[] = {10, 30, 70, 150}, mid[] = {12, 34, 75, 150};
+    gy_sim_cost_constant cc = {.step_time = 1};
+    double arr[2] = {0, 1};
+    int64_t in[2] = {5, 5}, out[2] = {1, 1};
+    gy_sim_config c = {
+        .hosts = 1, .gpus_per_host = 8, .max_tp = 8, .n_layout = 4, .layout = layout,
+        .capacity = cap, .capacity_mid = mid,
+        .sched = {.block_size = 4, .max_batch_tokens = 16, .max_running = 4},
+        .cost = gy_sim_cost_constant_ops(&cc), .policy = &gy_sim_policy_gyges,
+        .policy_config = gy_sim_policy_config_default(), .sample_interval = 1};
+    gy_sim_trace tr = {.n = 2, .arrival = arr, .input_tokens = in, .output_tokens = out};
+    gy_sim *s = NULL;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    CHECK_OK(gy_sim_run(s, INFINITY));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_free(s);
+    const int32_t misaligned[] = {1, 2, 1, 4};
+    c.layout = misaligned;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    CHECK(strstr(gy_error_message(), "multiple") != NULL && s == NULL);
+    c.layout = layout;
+    c.n_layout = 3; /* covers 4 of 8 GPUs */
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    c.n_layout = 4;
+    c.gpus_per_host = 6;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    c.gpus_per_host = 8;
+    const int64_t bad_mid[] = {9, 34, 75, 150};
+    c.capacity_mid = bad_mid;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    c.capacity_mid = mid;
+    arr[1] = -1; /* not sorted */
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    arr[1] = 1;
+    out[0] = 0;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    out[0] = 1;
+    c.sample_interval = 0;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    CHECK(s == NULL);
+}

@@ -1,0 +1,402 @@
+"""The cluster simulator (gyges.sim, csrc/sim): timelines worked out by hand with a constant-time
+cost model (plain serving, a scale-up, a scale-up that carries a running request, a
+scale-down); one instance checked step for step against the pure-Python model of the batch
+scheduler in test_sched.py; invariants on random traces under every policy (each request
+finishes or is rejected exactly once, KV never over capacity, every GPU in exactly one
+instance); the C cost model against its Python reference; the profiled fit; results files; and
+the errors for bad names, layouts and values."""
+import math
+import random
+
+import numpy as np
+import pytest
+
+import gyges
+from gyges import _C, metrics, sim, traces
+from gyges.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
+                             gpu_spec, model_config)
+from gyges.results import Results
+
+from test_sched import Model as SchedModel
+
+
+def trace_of(rows):
+    """rows: (arrival, input, output)"""
+    a, i, o = zip(*rows)
+    return traces.from_arrays(a, i, o)
+
+
+# ---- hand-computed timelines (ConstantCost: every step 1 s, every phase 0.5 s) ----------------
+
+def test_two_requests_on_one_instance_by_hand():
+    # A (4 prompt, 3 out) at 0; B (4, 2) at 0.5. Steps of 1 s:
+    #   [0,1) A prefill -> A token 1 at 1;  B arrived meanwhile, waits for the next step
+    #   [1,2) A decode + B prefill -> A token 2, B token 1 at 2
+    #   [2,3) A decode, B decode -> both finish at 3
+    tr = trace_of([(0.0, 4, 3), (0.5, 4, 2)])
+    res = sim.run(tr, policy="static", gpus_per_host=1, layout="1xTP1",
+                  cost=ConstantCost(step=1.0, capacity=(64,)), block_size=4,
+                  max_batch_tokens=16, record_tokens=True, check=True)
+    r = res.requests
+    assert list(r["scheduled"]) == [0.0, 1.0]
+    assert list(r["first_token"]) == [1.0, 2.0]
+    assert list(r["finish"]) == [3.0, 3.0]
+    assert list(r["status"]) == [3, 3] and list(r["tp"]) == [1, 1]
+    times = res.token_times()
+    assert list(times[0]) == [1.0, 2.0, 3.0] and list(times[1]) == [2.0, 3.0]
+    s = res.summary()
+    assert s["completed"] == 2 and s["policy_rejected"] == 0 and s["transformations"] == 0
+    assert s["ttft_mean"] == pytest.approx((1.0 + 1.5) / 2)
+
+
+def gyges_two_gpus(rows, **kw):
+    # TP1 holds 4 blocks of 4 tokens, TP2 12; a TP1 half of a scale-up holds 6 after phase 0.
+    cost = ConstantCost(step=1.0, phase=0.5, capacity=(4, 12), capacity_mid=(6, 12))
+    return sim.run(trace_of(rows), policy="gyges", gpus_per_host=2, cost=cost, block_size=4,
+                   max_batch_tokens=64, watermark=0.0, record_tokens=True, check=True, **kw)
+
+
+def test_scale_up_then_scale_down_by_hand():
+    # L: 30 + 2 tokens = 8 blocks: only a TP2 holds it. At 0 the pair merges: phase 0 (weights
+    # drop) to 0.5, phase 1 (KV) to 1.0; L is placed at 1.0: prefill [1,2), decode [2,3).
+    # Its finish leaves nothing needing TP2: held and split at 3.0 (KV 3.0-3.5, then the
+    # halves exist; weights 3.5-4.0).
+    res = gyges_two_gpus([(0.0, 30, 2)])
+    r = res.requests[0]
+    assert (r["scheduled"], r["first_token"], r["finish"]) == (1.0, 2.0, 3.0)
+    assert r["min_tp"] == 2 and r["tp"] == 2 and r["migrations"] == 0
+    t = res.transformations
+    assert list(t["kind"]) == [0, 1]
+    assert list(t["start"]) == [0.0, 3.0]
+    assert list(t["phase_end"]) == [0.5, 3.5]
+    assert list(t["end"]) == [1.0, 4.0]
+    assert res.layout_at(0.9) == [(0, 1), (1, 1)]
+    assert res.layout_at(1.0) == [(0, 2)]
+    assert res.layout_at(3.4) == [(0, 2)]
+    assert res.layout_at(3.5) == [(0, 1), (1, 1)]
+    s = res.summary()
+    assert s["transformations"] == 2 and s["scale_ups"] == 1 and s["scale_downs"] == 1
+
+
+def test_scale_up_carries_a_running_request_by_hand():
+    # S (4 + 5) on GPU 0 from 0: prefill [0,1) token 1, decode [1,2) token 2.
+    # L (30 + 2) at 0.1 needs TP2; with merge_wait=0 the pair merges at once: phases end at 0.6
+    # and 1.1, but GPU 0 is in a step until 2.0: the switch waits for it. At 2.0 S moves with
+    # its KV (no recompute: the re-prefill of its 5 tokens is free) and L is placed behind it:
+    #   [2,3) S token 3;  [3,4) S token 4 + L prefill -> L token 1;  [4,5) S token 5, L token 2.
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)], merge_wait=0.0)
+    s_, l_ = res.requests
+    assert list(res.token_times()[0]) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert (s_["scheduled"], s_["first_token"], s_["finish"]) == (0.0, 1.0, 5.0)
+    assert s_["migrations"] == 1 and s_["preemptions"] == 0 and s_["tp"] == 2
+    assert (l_["scheduled"], l_["first_token"], l_["finish"]) == (3.0, 4.0, 5.0)
+    t = res.transformations[0]
+    assert (t["kind"], t["start"], t["phase_end"], t["end"], t["migrated"]) == \
+        (0, 0.1, 0.6, 2.0, 1)
+
+
+def test_reserved_group_drains_before_merging_by_hand():
+    # As above with the default merge_wait (10 s): the pair is reserved at 0.1 and merges only
+    # once S has finished on GPU 0 (tokens at 1..5, finish 5.0): phases 5.0-5.5-6.0, L placed
+    # at 6.0: prefill [6,7), decode [7,8). S never moves.
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)])
+    s_, l_ = res.requests
+    assert (s_["finish"], s_["migrations"], s_["tp"]) == (5.0, 0, 1)
+    assert (l_["scheduled"], l_["first_token"], l_["finish"]) == (6.0, 7.0, 8.0)
+    t = res.transformations[0]
+    assert (t["start"], t["phase_end"], t["end"], t["migrated"]) == (5.0, 5.5, 6.0, 0)
+    # ... but not longer than merge_wait (checked at every sample, here each second): with 2 s
+    # the merge starts at the sample at 3.0 (2.9 s after L arrived), GPU 0 finishes its step
+    # [3,4) before the switch at 4.0, S moves with 4 tokens and finishes on the TP2 at 5.0
+    # (after its free catch-up), then L: [5,6) prefill, [6,7) decode.
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)], merge_wait=2.0, sample_interval=1.0)
+    s_, l_ = res.requests
+    t = res.transformations[0]
+    assert (t["start"], t["phase_end"], t["end"], t["migrated"]) == (3.0, 3.5, 4.0, 1)
+    assert (s_["finish"], s_["migrations"], s_["tp"]) == (5.0, 1, 2)
+    assert (l_["scheduled"], l_["first_token"], l_["finish"]) == (5.0, 6.0, 7.0)
+
+
+# ---- one instance against the Python model of the batch scheduler ------------------------------
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_one_instance_matches_the_scheduler_model(seed):
+    rng = random.Random(seed)
+    n, t, rows = 300, 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.5) + 1e-6          # no two arrivals at the same time
+        rows.append((t, rng.randint(1, 60), rng.randint(1, 20)))
+    tr = trace_of(rows)
+    cap, bs, budget, running = 40, 4, 32, 6
+    step = 0.37
+    res = sim.run(tr, policy="static", gpus_per_host=1, layout="1xTP1",
+                  cost=ConstantCost(step=step, capacity=(cap,)), block_size=bs,
+                  max_batch_tokens=budget, max_running=running, watermark=0.05, check=True)
+    # the model: add what has arrived, step, commit `step` later; idle until the next arrival
+    m = SchedModel(total_blocks=cap, block_size=bs, max_batch_tokens=budget,
+                   max_running=running, watermark_blocks=int(0.05 * cap))
+    sched, first, fin = {}, {}, {}
+    now, i = rows[0][0], 0
+    while True:
+        while i < n and rows[i][0] <= now:
+            m.add(i, rows[i][1], rows[i][2], rows[i][0], 0)
+            i += 1
+        entries, _ = m.schedule(now)
+        if not entries:
+            m.commit(set())
+            if i >= n:
+                break
+            now = rows[i][0]
+            continue
+        for e in entries:
+            sched.setdefault(e[0], now)
+        now += step
+        for rid in m.commit(set()):
+            fin[rid] = now
+        for e in entries:
+            if e[3] and m.reqs[e[0]].G == 1 and e[0] not in first:
+                first[e[0]] = now
+    r = res.requests
+    assert len(fin) == n
+    np.testing.assert_allclose(r["scheduled"], [sched[k] for k in range(n)], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(r["first_token"], [first[k] for k in range(n)], rtol=0,
+                               atol=1e-9)
+    np.testing.assert_allclose(r["finish"], [fin[k] for k in range(n)], rtol=0, atol=1e-9)
+    assert r["preemptions"].sum() == sum(q.preemptions for q in m.reqs.values())
+
+
+# ---- invariants on random traces -------------------------------------------------------------
+
+def random_trace(seed, n=500):
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(0.3, n))
+    kind = rng.random(n)
+    inp = np.where(kind < 0.85, rng.integers(1, 400, n),
+                   np.where(kind < 0.95, rng.integers(500, 2000, n),
+                            np.where(kind < 0.99, rng.integers(2500, 6000, n), 40000)))
+    out = rng.integers(1, 80, n)
+    return traces.from_arrays(arrival, inp, out)
+
+
+def check_invariants(res, n_gpus):
+    r = res.requests
+    status = r["status"]
+    # every request finished or was rejected, once
+    assert set(np.unique(status)) <= {3, 4}
+    assert np.all(np.isfinite(r["finish"]) == (status == 3))
+    assert np.all(np.isnan(r["scheduled"][status == 4]))
+    done = status == 3
+    assert np.all(r["arrival"][done] <= r["scheduled"][done])
+    assert np.all(r["scheduled"][done] <= r["first_token"][done])
+    assert np.all(r["first_token"][done] <= r["finish"][done])
+    # tokens: each output token counted once
+    assert res.bins_output.sum() == r["output_tokens"][done].sum()
+    # KV never over capacity
+    tl = res.timeline
+    assert np.all(tl["kv_used"] <= tl["kv_total"]) and np.all(tl["kv_used"] >= 0)
+    # every GPU in exactly one instance at every moment (replaying the layout events)
+    owner = {}
+    ev = res.layout[np.argsort(res.layout["time"], kind="stable")]
+    for time in np.unique(ev["time"]):
+        for e in ev[ev["time"] == time]:
+            gpus = range(e["gpu"], e["gpu"] + e["tp"])
+            if e["change"] < 0:
+                for g in gpus:
+                    assert owner.pop(g) == (e["gpu"], e["tp"])
+        for e in ev[ev["time"] == time]:
+            if e["change"] > 0:
+                assert e["gpu"] % e["tp"] == 0
+                for g in range(e["gpu"], e["gpu"] + e["tp"]):
+                    assert g not in owner
+                    owner[g] = (e["gpu"], e["tp"])
+        assert sorted(owner) == list(range(n_gpus))
+    # samples show only aligned instances covering the GPUs
+    for t in np.unique(tl["time"])[::17]:
+        rows = tl[tl["time"] == t]
+        assert rows["tp"].sum() == n_gpus and np.all(rows["gpu"] % rows["tp"] == 0)
+
+
+COST = ConstantCost(step=0.05, phase=0.2, capacity=(160, 400, 1000, 2200),
+                    capacity_mid=(200, 480, 1150, 2200), transform_slowdown=0.1)
+
+
+@pytest.mark.parametrize("policy", ["gyges", "round_robin", "least_load"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traces_keep_invariants(policy, seed):
+    tr = random_trace(seed)
+    hosts = 1 + seed
+    res = sim.run(tr, policy=policy, hosts=hosts, gpus_per_host=8, cost=COST, block_size=4,
+                  max_batch_tokens=256, max_running=32, check=True,
+                  eager_scale_up=bool(seed % 2 == 0))
+    check_invariants(res, 8 * hosts)
+    s = res.summary()
+    # only what no TP8 can hold is rejected
+    assert s["policy_rejected"] == int((tr["input_tokens"] + tr["output_tokens"] >
+                                        2200 * 4).sum())
+    assert s["completed"] + s["policy_rejected"] == tr.size
+    assert s["scale_ups"] > 0
+
+
+@pytest.mark.parametrize("layout", ["8xTP1", "4xTP2", "1xTP4+4xTP1", "2xTP1+1xTP2+1xTP4"])
+def test_static_layouts_reject_what_fits_nowhere(layout):
+    tr = random_trace(5, n=300)
+    res = sim.run(tr, policy="static", layout=layout, cost=COST, block_size=4,
+                  max_batch_tokens=256, check=True)
+    check_invariants(res, 8)
+    biggest = max(int(t.split("TP")[1]) for t in layout.split("+"))
+    cap = {1: 160, 2: 400, 4: 1000}[biggest] * 4
+    too_big = (tr["input_tokens"] + tr["output_tokens"]) > cap
+    assert res.summary()["policy_rejected"] == int(too_big.sum())
+    assert res.transformations.size == 0
+
+
+def test_roofline_runs_and_is_deterministic():
+    tr = traces.gyges_mixed(900, seed=3)
+    a = sim.run(tr, policy="gyges", check=True)
+    b = sim.run(tr, policy="gyges")
+    check_invariants(a, 8)
+    np.testing.assert_array_equal(a.requests, b.requests)
+    s = a.summary(slo={"ttft": 10, "tpot": 0.1})
+    assert s["completed"] == tr.size and s["scale_ups"] >= 1 and "goodput" in s
+
+
+# ---- the cost model ----------------------------------------------------------------------------
+
+def test_c_cost_model_matches_python_reference():
+    rng = np.random.default_rng(0)
+    for model in ("qwen2.5-32b", "llama3-8b", "llama2-7b"):
+        cm = CostModel.create(model, "h20", transform_slowdown=0.03)
+        p = cm.params()
+        for _ in range(200):
+            tp = int(rng.choice([1, 2, 4, 8]))
+            n_tok = int(rng.integers(0, 9000))
+            n_samp = int(rng.integers(0, 300))
+            kv = float(rng.integers(0, 10**6))
+            pairs = float(rng.integers(0, 10**10))
+            trans = bool(rng.integers(0, 2))
+            ref = cm.step_time(tp, n_tok, 1, n_samp, kv, pairs, trans)
+            got = _C.sim_step_time("roofline", p, tp, trans, n_tok, 1, n_samp, kv, pairs)
+            assert got == pytest.approx(ref, rel=1e-12, abs=0)  # same float64 formula
+        for phase, kind in (("weights_drop", 0), ("kv_scatter", 1), ("weights_gather", 2)):
+            for a, b in ((1, 2), (2, 4), (4, 1), (8, 2)):
+                ref = cm.phase_time(phase, a, b, 123456.0)
+                got = _C.sim_phase_time("roofline", p, kind, a, b, 123456.0)
+                assert got == pytest.approx(ref, rel=1e-12)
+
+
+def test_capacities_and_table1_memory():
+    cm = CostModel.create("qwen2.5-32b", "h20")
+    cap, mid = cm.capacities(8)
+    assert cap == sorted(cap) and all(m >= c for m, c in zip(mid, cap))
+    # by hand: per rank 96 GiB * 0.9 - 0.15 * 96 GiB - weights / tp, KV 256 KiB per token (TP1)
+    gib = 1024 ** 3
+    room = 96 * gib * 0.9 - 0.15 * 96 * gib - cm.weight_bytes
+    assert cap[0] == int(room // (262144 * 16))
+    # TP2 holds a 50K prompt, TP1 does not (the Gyges 6.2.4 long requests need a scale-up)
+    assert cm.max_tokens(1) < 50_256 < cm.max_tokens(2)
+    # the batch shape helper
+    shape = CostModel.batch_shape([(0, 4, True), (10, 1, True), (3, 0, False)])
+    assert shape == {"n_tokens": 5, "n_seqs": 2, "n_samples": 2, "kv_read_tokens": 15,
+                     "attn_pairs": 10 + 11}
+
+
+def test_profiled_fit_recovers_known_factors():
+    truth = CostModel.create("llama3-8b", "a100-80gb", eff_bw=0.63, eff_flops=0.41,
+                             step_overhead=0.0031)
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(80):
+        n = int(rng.choice([1, 4, 16, 64, 512, 2048, 4096]))
+        ctx = int(rng.integers(0, 8000))
+        shape = CostModel.batch_shape([(ctx, n, True)])
+        samples.append({**shape, "seconds": truth.step_time(1, **shape)})
+    fit = CostModel.profiled(samples, "llama3-8b", "a100-80gb")
+    assert fit.eff_bw == pytest.approx(0.63, rel=1e-6)
+    assert fit.eff_flops == pytest.approx(0.41, rel=1e-6)
+    assert fit.step_overhead == pytest.approx(0.0031, rel=1e-6)
+    with pytest.raises(CostModelError, match="at least 3"):
+        CostModel.profiled(samples[:2], "llama3-8b", "a100-80gb")
+
+
+# ---- results files, plots ----------------------------------------------------------------------
+
+def test_results_save_load_roundtrip(tmp_path):
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)])
+    js, npz = res.save(tmp_path / "run")
+    assert js.suffix == ".json" and npz.suffix == ".npz"
+    back = Results.load(tmp_path / "run.json")
+    np.testing.assert_array_equal(back.requests, res.requests)
+    np.testing.assert_array_equal(back.transformations, res.transformations)
+    assert back.config == res.config
+    assert back.summary()["completed"] == res.summary()["completed"] == 2
+    metrics.summarize(back.requests)  # REQUEST_DTYPE is what gyges.metrics reads
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    res = gyges_two_gpus([(0.0, 4, 2)])
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        res.plot()
+
+
+def test_plot_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)])
+    res.plot(tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+TR = trace_of([(0.0, 10, 2)])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policy="fifo"), "unknown policy 'fifo'"),
+    (dict(gpu="b200"), "unknown GPU 'b200'"),
+    (dict(model="gpt-5"), "unknown model 'gpt-5'"),
+    (dict(policy="static"), "needs a layout"),
+    (dict(layout="8xTP3"), "'8xTP3'"),
+    (dict(layout="7xTP1"), "covers 7 GPUs"),
+    (dict(layout="2xTP1+1xTP4+1xTP2"), "not a multiple of 4"),
+    (dict(layout="eight"), "'eight'"),
+    (dict(gpus_per_host=6), "power of two"),
+    (dict(hosts=0), "hosts"),
+    (dict(max_tp=16), "max_tp"),
+    (dict(layout="1xTP8", max_tp=4), "max_tp is 4"),
+    (dict(watermark=1.0), "watermark"),
+    (dict(block_size=0), "block_size"),
+    (dict(sample_interval=0), "sample_interval"),
+    (dict(model="llama3-70b", gpu="l40s"), "does not fit a TP1 instance"),
+    (dict(cost="fast"), "CostModel or ConstantCost"),
+])
+def test_bad_arguments_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sim.run(TR, **kwargs)
+
+
+def test_bad_traces_and_cost_values():
+    with pytest.raises(traces.TraceError):
+        sim.run(trace_of([(1.0, 10, 2), (0.5, 10, 2)]))
+    with pytest.raises(CostModelError, match="eff_flops"):
+        CostModel.create(eff_flops=0)
+    with pytest.raises(CostModelError, match="bad cost model option"):
+        CostModel.create(efficiency=0.5)
+    assert gpu_spec("H100") is GPUS["h100"] and gpu_spec("A100-40GB") is GPUS["a100-40gb"]
+    assert model_config("Qwen2.5-32B") == gyges.config.ModelConfig.qwen2_5_32b()
+    assert model_config("llama3_8b") == gyges.config.ModelConfig.llama3_8b()
+    assert set(CALIBRATION) == {"eff_flops", "eff_link", "allreduce_latency", "step_overhead"}
+
+
+def test_empty_trace():
+    res = sim.run(traces.empty(0), check=True)
+    assert res.requests.size == 0 and res.summary()["completed"] == 0
+    assert math.isnan(res.summary()["duration"])
