@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from . import _C
+
 from .errors import OutOfMemoryError
 
 
@@ -467,42 +469,46 @@ class StaggeredScaleUp(Transformation):
         if self.done:
             return
         start = time.perf_counter()
+        items, sent = self._move_plan()
         boundary = self.boundary
         for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
-            self._move_layer(layer)
+            _C.kv_move_layer(items, layer)
+            for (src_w, dst_w), nbytes in sent.items():
+                self.stats["bytes_sent"][src_w] += nbytes
+                self.stats["bytes_received"][dst_w] += nbytes
+            for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
+                worker = self.host.worker(w)
+                worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, self.new_rank[w]))
             self.merged._c.transition_set_boundary(layer)
         self._time("layers", start)
         if self.boundary == 0:
             self._finish()
 
-    def _move_layer(self, layer):
-        host, k = self.host, self.to_tp
+    def _move_plan(self):
+        """What moving one layer copies, the same for every layer until the next step: for every
+        request and new rank, the heads it owns, from the old rank of the request's group that
+        holds them. Returns the items for _C.kv_move_layer and the bytes per (src, dst) worker."""
         c = self.merged._c
-        staged = []
-        # Stage the whole layer first: new blocks may overlap old blocks of the same layer.
+        items, sent = [], {}
+        D = self.host.model.config.head_dim
         for rid in c.request_ids():
             new_seqs = c.export(rid)["seqs"]
             for i, w in enumerate(self.rank_order):
                 group, _ = c.transition_seq(rid, i)
                 if new_seqs[i] < 0 or group < 0:
                     continue
-                heads = range(i * self.h_new, (i + 1) * self.h_new)
-                src_rank = heads.start // self.h_old  # the old rank of its group holding them
+                first = i * self.h_new
+                src_rank = first // self.h_old
                 src = self.group_ranks[group][src_rank]
                 _, old_seq = c.transition_seq(rid, src)
                 src_w = self.rank_order[src]
-                kk, vv = self.old_kvs[src_w].gather(old_seq, layer)
-                lo = heads.start - src_rank * self.h_old
-                staged.append((w, new_seqs[i], kk[:, lo:lo + self.h_new].copy(),
-                               vv[:, lo:lo + self.h_new].copy()))
+                src_kv = self.old_kvs[src_w]
+                n_tokens = src_kv.n_tokens(old_seq)
+                items.append((src_kv._c, old_seq, first - src_rank * self.h_old, self.h_new,
+                              n_tokens, self.host.worker(w).kv._c, new_seqs[i]))
                 if src_w != w:
-                    self.stats["bytes_sent"][src_w] += 2 * staged[-1][2].nbytes
-                    self.stats["bytes_received"][w] += 2 * staged[-1][2].nbytes
-        for w, seq, kk, vv in staged:
-            host.worker(w).kv.write(seq, layer, 0, kk, vv)
-        for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
-            worker = host.worker(w)
-            worker.weights.drop_layer_shards(layer, worker.owned_shards(k, self.new_rank[w]))
+                    sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_new * D * 4
+        return items, sent
 
     def _finish(self):
         host = self.host

@@ -550,3 +550,53 @@ void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out) {
     out->free_blocks = kv->n_free;
     out->pages_per_layer = kv->pages_per_layer;
 }
+
+gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
+                           uint64_t *bytes_moved) {
+    if (items == NULL && n_items > 0) return GY_FAIL(GY_ERR_INVALID, "NULL items");
+    int64_t total = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const gy_kv_move_item *it = &items[i];
+        float *src_base, *dst_base;
+        GY_TRY(gy_kv_check_access(it->src, it->src_seq, layer, 0, it->n_tokens, it, it, &src_base));
+        GY_TRY(gy_kv_check_access(it->dst, it->dst_seq, layer, 0, it->n_tokens, it, it, &dst_base));
+        if (it->n_heads <= 0 || it->src_head < 0 || it->src_head + it->n_heads > it->src->config.n_heads ||
+            it->n_heads > it->dst->config.n_heads || it->src->config.head_dim != it->dst->config.head_dim)
+            return GY_FAIL(GY_ERR_INVALID, "move item %lld: heads [%lld, %lld) do not fit", (long long)i,
+                           (long long)it->src_head, (long long)(it->src_head + it->n_heads));
+        total += 2 * it->n_tokens * it->n_heads * it->src->config.head_dim;
+    }
+    float *stage = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
+    if (stage == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory to stage %lld values", (long long)total);
+    /* Staged in logical order (block of tokens, head, K/V, token): both phases walk it alike, and
+     * where a layout keeps a head's tokens together (header-centric) a whole run is one copy. */
+    for (int pass = 0; pass < 2; pass++) {
+        float *p = stage;
+        for (int64_t i = 0; i < n_items; i++) {
+            const gy_kv_move_item *it = &items[i];
+            gy_kv_cache *kv = pass == 0 ? it->src : it->dst;
+            const gy_kv_layout *L = &kv->layout;
+            float *base = gy_kv_layer_ptr(kv, layer);
+            const int32_t *blocks = kv->seqs[pass == 0 ? it->src_seq : it->dst_seq].blocks;
+            const int64_t D = L->head_dim, B = L->block_size, head0 = pass == 0 ? it->src_head : 0;
+            const int runs = L->stride_token == D; /* tokens of a head are contiguous */
+            for (int64_t t0 = 0; t0 < it->n_tokens; t0 += B) {
+                const int64_t count = it->n_tokens - t0 < B ? it->n_tokens - t0 : B;
+                const int64_t block = blocks[t0 / B];
+                for (int64_t h = 0; h < it->n_heads; h++)
+                    for (int64_t kvi = 0; kvi < 2; kvi++) {
+                        for (int64_t t = 0; t < count; t += runs ? count : 1) {
+                            const int64_t n = (runs ? count : 1) * D;
+                            float *at = base + gy_kv_layout_offset(L, kvi, block, t, head0 + h);
+                            if (pass == 0) memcpy(p, at, (size_t)n * sizeof(float));
+                            else memcpy(at, p, (size_t)n * sizeof(float));
+                            p += n;
+                        }
+                    }
+            }
+        }
+    }
+    free(stage);
+    if (bytes_moved) *bytes_moved = (uint64_t)total * sizeof(float);
+    return GY_OK;
+}

@@ -101,6 +101,19 @@ gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, 
 gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
                        float *k_out, float *v_out);
 
+/* Moves one layer's K/V between caches of other geometries (a layer-staggered transformation):
+ * item i copies heads [src_head[i], src_head[i] + n_heads[i]) of tokens [0, n_tokens[i]) of
+ * src_seq[i] in src[i] to heads [0, n_heads[i]) of dst_seq[i] in dst[i]. Everything is read
+ * before anything is written, because new blocks may overlap old blocks of the same layer.
+ * `bytes_moved` gets the bytes copied (may be NULL). fp32 host caches only. */
+typedef struct gy_kv_move_item {
+    gy_kv_cache *src, *dst;
+    int64_t src_seq, dst_seq;
+    int64_t src_head, n_heads, n_tokens;
+} gy_kv_move_item;
+gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
+                           uint64_t *bytes_moved);
+
 /* Layout and placement. */
 const gy_kv_layout *gy_kv_layout_of(const gy_kv_cache *kv); /* for the current n_blocks */
 const gy_kv_config *gy_kv_config_of(const gy_kv_cache *kv);
