@@ -155,7 +155,22 @@ class InstanceLoop:
         return batch_tokens
 
 
-class Engine:
+class Serving:
+    """run() and generate() for anything with submit(), step() and has_unfinished()."""
+
+    def run(self):
+        """Steps until every submitted request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts, params=None):
+        """Submits every prompt, runs to completion, returns the request handles in order."""
+        requests = [self.submit(p, params) for p in prompts]
+        self.run()
+        return requests
+
+
+class Engine(Serving):
     def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
                  kv_layout="header", weight_dtype="f32", threads=2, max_batch_tokens=512,
                  max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True):
@@ -223,17 +238,6 @@ class Engine:
         if batch_tokens:
             self.steps += 1
         return batch_tokens
-
-    def run(self):
-        """Steps until every submitted request has finished."""
-        while self.has_unfinished():
-            self.step()
-
-    def generate(self, prompts, params=None):
-        """Submits every prompt, runs to completion, returns the request handles in order."""
-        requests = [self.submit(p, params) for p in prompts]
-        self.run()
-        return requests
 
     def stats(self):
         return self._c.stats()

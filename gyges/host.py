@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _C
-from .engine import InstanceLoop, SamplingParams
+from .engine import InstanceLoop, SamplingParams, Serving
 from .units import parse_size
 from .worker import Worker, default_max_tp
 
@@ -93,7 +93,7 @@ class Instance:
         return f"Instance(TP{self.tp}, workers={list(self.workers)}, requests={len(self.requests)})"
 
 
-class Host:
+class Host(Serving):
     def __init__(self, model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
                  layout=None, block_size=16, kv_layout="header", weight_dtype="f32",
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
@@ -246,15 +246,6 @@ class Host:
         if tokens:
             self.steps += 1
         return tokens
-
-    def run(self):
-        while self.has_unfinished():
-            self.step()
-
-    def generate(self, prompts, params=None):
-        requests = [self.submit(p, params) for p in prompts]
-        self.run()
-        return requests
 
     def memory(self):
         """Per worker: bytes in use, peak, weights and KV."""

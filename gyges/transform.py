@@ -356,17 +356,7 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     tr._time("kv_all_to_all", start)
 
     # ---- 4. the merged instance takes over every request ----
-    start = time.perf_counter()
-    for w in group:
-        host.worker(w).set_tp(k, new_rank[w])
-    merged = host.make_instance(rank_order, k)
-    _adopt_all(merged, moved, lambda rid: [seq_of[w].get(rid, -1) for w in rank_order])
-    host.instances.append(merged)
-    host.instances.sort(key=lambda inst: min(inst.workers))
-    tr.stats["requests_moved"] = len(moved)
-    tr._time("adopt", start)
-    tr.done = True
-    return tr
+    return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
 
 
 class StaggeredScaleUp(Transformation):
@@ -534,6 +524,21 @@ def _reserve_growing(kv, seq, n_tokens, page_size):
     kv.reserve(seq, n_tokens)
 
 
+def _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of):
+    """The merged TPk instance takes over every moved request (its KV already in place)."""
+    start = time.perf_counter()
+    for w in group:
+        host.worker(w).set_tp(k, new_rank[w])
+    merged = host.make_instance(rank_order, k)
+    _adopt_all(merged, moved, lambda rid: [seq_of[w].get(rid, -1) for w in rank_order])
+    host.instances.append(merged)
+    host.instances.sort(key=lambda inst: min(inst.workers))
+    tr.stats["requests_moved"] = len(moved)
+    tr._time("adopt", start)
+    tr.done = True
+    return tr
+
+
 def _weights_up(host, tr, group, new_rank, k, mechanism):
     for w in group:
         worker = host.worker(w)
@@ -565,17 +570,7 @@ def _scale_up_copying(host, tr, old, moved, owner, group, worker_of, new_rank, r
         inst.close()
     _switch_caches(host, tr, new_kv)
     tr._time("kv_migrate_and_trim", start)
-    start = time.perf_counter()
-    for w in group:
-        host.worker(w).set_tp(k, new_rank[w])
-    merged = host.make_instance(rank_order, k)
-    _adopt_all(merged, moved, lambda rid: [seq_of[w].get(rid, -1) for w in rank_order])
-    host.instances.append(merged)
-    host.instances.sort(key=lambda inst: min(inst.workers))
-    tr.stats["requests_moved"] = len(moved)
-    tr._time("adopt", start)
-    tr.done = True
-    return tr
+    return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
 
 
 def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
