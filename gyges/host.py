@@ -174,7 +174,8 @@ class Host(Serving):
         the KV migration into rounds (more rounds, less extra memory). Returns the
         Transformation handle; refused with a reason, and nothing changed, when it cannot be
         done."""
-        from .transform import StaggeredScaleUp, TransformError, scale_down, scale_up
+        from .transform import (StaggeredScaleDown, StaggeredScaleUp, TransformError, scale_down,
+                                scale_up)
         if any(not t.done for t in self.transformations):
             raise TransformError("a transformation is already under way; wait until it is done")
         if layers_per_step is not None and (not isinstance(layers_per_step, int) or layers_per_step < 1):
@@ -196,11 +197,11 @@ class Host(Serving):
             else:
                 t = scale_up(self, first, k, method, chunks=phase_chunks)
         elif len(current) == 1 and current[0].tp == k:
-            if layers_per_step is not None:
-                raise TransformError("layer-staggered scale-down is not implemented yet; omit "
-                                     "layers_per_step")
             self.check_group(first, tp)
-            t = scale_down(self, first, k, tp, method, weights_from)
+            if layers_per_step is not None and method != "stop_world":
+                t = StaggeredScaleDown(self, first, k, tp, method, layers_per_step, weights_from)
+            else:
+                t = scale_down(self, first, k, tp, method, weights_from)
         else:
             raise TransformError(f"cannot take workers {workers} (layout {self.layout()}) to TP{tp}: "
                                  f"merge them into TP{k} or split one TP{k} instance")

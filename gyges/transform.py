@@ -515,6 +515,181 @@ class StaggeredScaleUp(Transformation):
         self.done = True
 
 
+class StaggeredScaleDown(Transformation):
+    """Layer-staggered scale-down: the TPk instance keeps serving while its layers move to the new
+    TPt instances, last layer first. Layers below the boundary run in TPk on every row; above it,
+    each new instance runs its own requests' rows with the new KV geometry (a shadow over the
+    same pages) and FFN shards gathered back layer by layer (KV first, then the weights). When the
+    last layer has moved, the new instances take over the requests."""
+
+    def __init__(self, host, first, k, tp, method, layers_per_step, weights_from):
+        if method != "gyges":
+            raise TransformError(f"layer-staggered execution is the gyges method; {method!r} "
+                                 f"runs all layers at once (omit layers_per_step)")
+        if not host.worker(0).weights.pad:
+            raise TransformError("a layer-staggered transformation needs padded FFN weights")
+        if host.kv_layout == "raw":
+            raise TransformError("the raw layout moves V blocks when it grows, so two geometries "
+                                 "cannot share its pages; use page or header")
+        if weights_from not in ("peers", "host"):
+            raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
+        group = list(range(first, first + k))
+        matches = [inst for inst in host.instances if set(inst.workers) == set(group)]
+        if not matches or matches[0].tp != k:
+            raise TransformError(f"workers {group} are not one TP{k} instance (layout {host.layout()})")
+        if tp >= k or k % tp:
+            raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
+        super().__init__("scale-down", group, k, tp, method)
+        self.host, self.layers_per_step, self.weights_from = host, layers_per_step, weights_from
+        inst = self.inst = matches[0]
+        config = host.model.config
+        self.L = config.num_hidden_layers
+        m = self.m = k // tp
+        H = config.num_key_value_heads
+        self.h_old, self.h_new = H // k, H // tp
+        self.rank_worker = list(inst.workers)
+        self.worker_of = {(j, r): first + j * tp + r for j in range(m) for r in range(tp)}
+        start = time.perf_counter()
+        moved = _collect(inst)
+        load = [0] * m
+        self.target = {}
+        for handle, ex, tabs, ntok in sorted(moved, key=lambda x: -max(x[3])):
+            j = min(range(m), key=lambda i: load[i])
+            self.target[handle.id] = j
+            load[j] += -(-max(ntok) // host.block_size)
+        # Room: every worker must hold the new geometry of its instance's requests and the FFN
+        # shards its new rank needs, beside what it has now.
+        for (j, r), w in self.worker_of.items():
+            worker = host.worker(w)
+            s = worker.arena.stats()
+            new_block = worker.kv.block_bytes // self.h_old * self.h_new
+            need = -(-load[j] * new_block // worker.page_size) * self.L * worker.page_size
+            need += _shards_to_restore(worker, tp, r) * worker.page_size
+            if need > s["budget_bytes"] - s["bytes_in_use"] + worker.kv.stats()["pages_per_layer"] * self.L * worker.page_size:
+                raise TransformError(f"scale-down refused: worker {w} cannot hold the KV of its "
+                                     f"new instance's requests ({load[j]} blocks) and its FFN shards")
+        self.base = {w: host.worker(w).arena.stats()["bytes_in_use"] for w in group}
+        for w in group:
+            host.worker(w).arena.reset_peak()
+        # The new geometry and models, next to the old ones.
+        self.new_kv, self.new_model = {}, {}
+        for (j, r), w in self.worker_of.items():
+            worker = host.worker(w)
+            self.new_kv[w] = worker.kv.shadow(self.h_new)
+            self.new_model[w] = worker.model_for_shards(worker.owned_shards(tp, r), pending=True)
+        rank_of = {w: i for i, w in enumerate(self.rank_worker)}
+        self.group_ranks = [[rank_of[self.worker_of[(j, r)]] for r in range(tp)] for j in range(m)]
+        groups = [(ranks, host.comm(first + j * tp, tp) if tp > 1 else None)
+                  for j, ranks in enumerate(self.group_ranks)]
+        inst._c.transition_begin([self.new_model[w] for w in self.rank_worker],
+                                 [self.new_kv[w]._c for w in self.rank_worker], groups, True)
+        for handle, ex, tabs, ntok in moved:
+            j = self.target[handle.id]
+            seqs = []
+            for r in range(tp):
+                w = self.worker_of[(j, r)]
+                if max(ntok):
+                    seq = self.new_kv[w].new_sequence()
+                    _reserve_growing(self.new_kv[w], seq, max(ntok), host.worker(w).page_size)
+                    seqs.append(seq)
+                else:
+                    seqs.append(-1)
+            inst._c.transition_adopt(handle.id, j, seqs)
+        self.stats["requests_moved"] = len(moved)
+        self._time("begin", start)
+
+    @property
+    def boundary(self):
+        return self.inst._c.transition_boundary()
+
+    def advance(self):
+        if self.done:
+            return
+        start = time.perf_counter()
+        items, sent = self._move_plan()
+        holders = {}
+        for w in self.workers:
+            for s in self.host.worker(w).weights.held:
+                holders.setdefault(s, w)
+        boundary = self.boundary
+        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
+            _C.kv_move_layer(items, layer)  # KV first...
+            for (src_w, dst_w), nbytes in sent.items():
+                self.stats["bytes_sent"][src_w] += nbytes
+                self.stats["bytes_received"][dst_w] += nbytes
+            for (j, r), w in self.worker_of.items():  # ...then the weights of that layer
+                worker = self.host.worker(w)
+                source = ((lambda s: self.host.worker(holders[s]).weights)
+                          if self.weights_from == "peers" else None)
+                self.stats["weight_bytes_copied"][w] += worker.weights.restore_layer_shards(
+                    layer, worker.owned_shards(self.to_tp, r), source)
+            self.inst._c.transition_set_boundary(layer)
+        self._time("layers", start)
+        if self.boundary == 0:
+            self._finish()
+
+    def _move_plan(self):
+        c = self.inst._c
+        items, sent = [], {}
+        D = self.host.model.config.head_dim
+        for rid in c.request_ids():
+            old_seqs = c.export(rid)["seqs"]
+            group, _ = c.transition_seq(rid, 0)
+            if group < 0 or min(old_seqs) < 0:
+                continue
+            for r, rank in enumerate(self.group_ranks[group]):
+                _, new_seq = c.transition_seq(rid, rank)
+                w = self.rank_worker[rank]
+                for g in range(self.m):  # old rank r*m + g holds sub-group g of the new heads
+                    src_rank = r * self.m + g
+                    src_w = self.rank_worker[src_rank]
+                    src_kv = self.host.worker(src_w).kv
+                    n_tokens = src_kv.n_tokens(old_seqs[src_rank])
+                    items.append((src_kv._c, old_seqs[src_rank], 0, self.h_old, n_tokens,
+                                  self.new_kv[w]._c, new_seq, g * self.h_old))
+                    if src_w != w:
+                        sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_old * D * 4
+        return items, sent
+
+    def _finish(self):
+        host, tp = self.host, self.to_tp
+        c = self.inst._c
+        ids = c.request_ids()
+        exports = {rid: c.export(rid) for rid in ids}
+        group_seqs = {rid: [c.transition_seq(rid, rank)[1] for rank in range(len(self.rank_worker))]
+                      for rid in ids}
+        homes = {rid: c.transition_seq(rid, 0)[0] for rid in ids}
+        count = [sum(1 for h in homes.values() if h == j) for j in range(self.m)]
+        for rid in ids:  # never scheduled yet, so no KV and no group: the least loaded one
+            if homes[rid] < 0:
+                homes[rid] = min(range(self.m), key=lambda j: count[j])
+                count[homes[rid]] += 1
+        c.transition_detach()           # the new sequences stay...
+        handles = dict(self.inst.requests)
+        host.instances.remove(self.inst)
+        self.inst.close()               # ...the old ones go with the TPk engine
+        for (j, r), w in self.worker_of.items():
+            worker = host.worker(w)
+            self.new_kv[w].take_pages()
+            worker.kv = self.new_kv[w]
+            worker.weights.finish_layer_restores(worker.owned_shards(tp, r))
+            self.stats["weight_bytes_released"][w] = worker.weights.drop_shards(worker.owned_shards(tp, r))
+            worker.tp_size, worker.tp_rank = tp, r
+            worker.c_model = self.new_model[w]
+        for j in range(self.m):
+            ranks = [self.worker_of[(j, r)] for r in range(tp)]
+            new = host.make_instance(ranks, tp)
+            rank_of = {w: i for i, w in enumerate(self.rank_worker)}
+            mine = [(handles[rid], exports[rid], None, None) for rid in ids if homes[rid] == j]
+            _adopt_all(new, mine, lambda rid: [group_seqs[rid][rank_of[w]] for w in ranks])
+            host.instances.append(new)
+        host.instances.sort(key=lambda inst: min(inst.workers))
+        for w in self.workers:
+            s = host.worker(w).arena.stats()
+            self.stats["peak_extra_bytes"][w] = max(s["peak_bytes"] - self.base[w], 0)
+        self.done = True
+
+
 def _reserve_growing(kv, seq, n_tokens, page_size):
     """reserve, mapping pages first when the free blocks are too few."""
     want = -(-n_tokens // kv.block_size) - len(kv.block_table(seq))

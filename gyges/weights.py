@@ -151,6 +151,7 @@ class ModelWeights:
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
         self._dropped = set()           # (layer, shard) released by a staggered transformation
+        self._restored = set()          # (layer, shard) mapped again by a staggered scale-down
         self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
         self.bytes_total = (self.end_slot - first_slot) * self.page_size
 
@@ -259,6 +260,36 @@ class ModelWeights:
         self.held = set(keep)
         self._dropped.clear()
 
+    def restore_layer_shards(self, layer, shards, source=None):
+        """restore_shards for one layer (a layer-staggered scale-down); `held` changes once
+        every layer is done (finish_layer_restores). Returns the bytes copied."""
+        copied = 0
+        elem = DTYPES[self.dtype][1]
+        p = f"model.layers.{layer}.mlp."
+        for shard in sorted(set(shards) - self.held):
+            if (layer, shard) in self._restored:
+                continue
+            peer = source(shard) if source is not None else None
+            for kind in FFN_KINDS:
+                slots = self.shard_slots_of(layer, kind, shard)
+                self.arena.grow(slots.start, len(slots), "weights")
+                offset = self.shard_offset(layer, kind, shard)
+                nbytes = self.shard_rows * self.config.hidden_size * elem
+                if peer is not None:
+                    one = np.array([offset], dtype=np.uint64)
+                    self.arena._c.copy_runs(peer.arena._c, one, one, np.array([nbytes], np.uint64))
+                else:
+                    mat = self._host[p + f"{kind}_proj.weight"]
+                    mat = np.asarray(mat).T if kind == "down" else mat
+                    self._store(offset, mat[shard * self.shard_rows:(shard + 1) * self.shard_rows], self.dtype)
+                copied += nbytes
+            self._restored.add((layer, shard))
+        return copied
+
+    def finish_layer_restores(self, shards):
+        self.held |= set(shards)
+        self._restored.clear()
+
     def restore_shards(self, shards, source=None):
         """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the
         ModelWeights of a peer worker that holds it (same placement, so same offsets), or from the
@@ -287,10 +318,12 @@ class ModelWeights:
             self.held.add(shard)
         return copied
 
-    def c_offsets(self, shards=None):
+    def c_offsets(self, shards=None, pending=False):
         """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
-        the FFN shards given to a subset of those held (default: all held)."""
-        shards = self.held if shards is None else set(shards) & self.held
+        the FFN shards given to a subset of those held (default: all held). pending=True gives
+        the offsets of shards not held yet too (a staggered scale-down maps them layer by layer,
+        before the model uses them)."""
+        shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
         cfg = self.config
         out = [self._offset("model.embed_tokens.weight"), self._offset("model.norm.weight"),
                self._offset("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")]

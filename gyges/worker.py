@@ -66,19 +66,24 @@ class Worker:
                        first_slot=first + region * per_layer * config.num_hidden_layers,
                        slots_per_layer=per_layer)
 
-    def _new_c_model(self, shards=None):
+    def _new_c_model(self, shards=None, pending=False):
         config = self.config
         spec = (config.vocab_size, config.hidden_size, config.intermediate_size,
                 config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                 config.head_dim, self.max_tp, self.max_pos, WEIGHT_DTYPE_IDS[self.weight_dtype],
                 float(config.rms_norm_eps), float(config.rope_theta))
-        shards = self.weights.held if shards is None else set(shards) & self.weights.held
+        if shards is None:
+            shards = self.weights.held
+        elif not pending:
+            shards = set(shards) & self.weights.held
         mask = sum(1 << s for s in shards)
-        return _C.Model(self.arena._c, spec, self.weights.c_offsets(shards), mask, self.threads)
+        return _C.Model(self.arena._c, spec, self.weights.c_offsets(shards, pending), mask,
+                        self.threads)
 
-    def model_for_shards(self, shards):
-        """A C model over the given FFN shards only (the model of a future TP rank)."""
-        return self._new_c_model(shards)
+    def model_for_shards(self, shards, pending=False):
+        """A C model over the given FFN shards (the model of a future TP rank); pending=True
+        allows shards that are mapped later, before a layer using them runs."""
+        return self._new_c_model(shards, pending)
 
     def owned_shards(self, tp_size, tp_rank):
         per = self.max_tp // tp_size

@@ -273,9 +273,10 @@ def test_staggered_refusals_and_round_trip(tiny, reference):
         host.transform(workers=(0, 1, 2, 3), tp=1)
     while not t.done:
         host.step()
-    with pytest.raises(TransformError, match="scale-down is not implemented"):
-        host.transform(workers=(0, 1, 2, 3), tp=1, layers_per_step=1)
-    host.transform(workers=(0, 1, 2, 3), tp=1)
+    down = host.transform(workers=(0, 1, 2, 3), tp=1, layers_per_step=2, weights_from="host")
+    while not down.done:
+        host.step()
+    assert host.layout() == "4xTP1"
     host.step()
     host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=2)
     host.run()
@@ -284,3 +285,32 @@ def test_staggered_refusals_and_round_trip(tiny, reference):
     raw = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, layout="2xTP1", kv_layout="raw")
     with pytest.raises(TransformError, match="raw layout"):
         raw.transform(workers=(0, 1), tp=2, layers_per_step=1)
+
+
+@pytest.mark.parametrize("start, workers, target, layers_per_step, weights_from", [
+    ("1xTP4", (0, 1, 2, 3), 1, 1, "peers"), ("1xTP4", (0, 1, 2, 3), 2, 3, "host"),
+    ("2xTP2", (0, 1), 1, 2, "peers"), ("1xTP4", (0, 1, 2, 3), 1, 4, "peers"),
+])
+def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start, workers, target,
+                                                          layers_per_step, weights_from):
+    host = new_host(tiny, start)
+    ps = prompts(10, seed=1)
+    early = [host.submit(p, PARAMS) for p in ps[:7]]
+    for _ in range(3):
+        host.step()
+    before = kv_by_request(host)
+    t = host.transform(workers=workers, tp=target, layers_per_step=layers_per_step,
+                       weights_from=weights_from)
+    late = [host.submit(p, PARAMS) for p in ps[7:]]  # arrive while layers move
+    while not t.done:
+        host.step()
+    check_placement(host)
+    after = kv_by_request(host)
+    for rid in set(before) & set(after):  # KV written before the split survived it
+        for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
+            n = min(k0.shape[0], k1.shape[0])
+            np.testing.assert_array_equal(k0[:n], k1[:n])
+            np.testing.assert_array_equal(v0[:n], v1[:n])
+    host.run()
+    assert [r.output_tokens for r in early + late] == reference(1)
+    assert all(m["kv"] == 0 for m in host.memory())

@@ -63,10 +63,16 @@ typedef struct gy_engine_old_group_state {
     int64_t *entry_index;        /* (n_entries) index into the step's batch */
     int32_t *rows;               /* (n_tokens) token rows in the step's batch */
     int32_t *tokens, *token_seq, *token_pos;
+    int64_t n_logits;            /* groups_last: the group's sampling rows... */
+    int32_t *logit_rows;         /* (n_entries) ...in its own rows */
+    int64_t *logit_index;        /* (n_entries) ...and their place among the step's logits */
+    float *logits;               /* (n_entries, vocab) */
+    int64_t cap_logits;
 } gy_engine_old_group_state;
 
 typedef struct gy_engine_transition {
     int active;
+    int groups_last;             /* scale-down: the groups run layers [boundary, L) instead */
     int64_t boundary;
     int32_t n_groups;
     gy_engine_old_group_state groups[GY_ENGINE_MAX_RANKS];
@@ -245,12 +251,43 @@ static gy_status gy_engine_old_layers(gy_engine *e, int32_t i) {
     return GY_OK;
 }
 
+/* Scale-down: layers [0, boundary) in this engine's group on every row, then each rank's new
+ * group runs [boundary, L) on its own rows and its rank 0 computes their logits. */
+static gy_status gy_engine_rank_pass_groups_last(gy_engine *e, int32_t i, const gy_tp_group *tp) {
+    gy_engine_rank_state *rs = &e->ranks[i];
+    const int64_t b = e->tr.boundary, hid = e->model->hidden;
+    if (b > 0) {
+        GY_TRY(gy_forward_begin(rs->r.model, tp, rs->r.kv, &rs->batch, &rs->ws, 1));
+        GY_TRY(gy_forward_layers(rs->r.model, tp, rs->r.kv, &rs->batch, &rs->ws, rs->r.pool, 0, b));
+    }
+    gy_engine_old_rank *o = &e->tr.old[i];
+    gy_engine_old_group_state *gs = &e->tr.groups[o->group];
+    if (gs->n_tokens == 0) return GY_OK;
+    const gy_tp_group gtp = {.rank = o->group_rank, .size = gs->g.size,
+                             .all_reduce = gs->g.size > 1 ? gy_comm_rank_all_reduce : NULL,
+                             .ctx = &o->comm_rank};
+    GY_TRY(gy_forward_begin(o->r.model, &gtp, o->r.kv, &o->batch, &o->ws, b == 0));
+    if (b > 0)
+        for (int64_t t = 0; t < gs->n_tokens; t++)
+            memcpy(o->ws.x + t * hid, rs->ws.x + (int64_t)gs->rows[t] * hid, (size_t)hid * sizeof(float));
+    GY_TRY(gy_forward_layers(o->r.model, &gtp, o->r.kv, &o->batch, &o->ws, o->r.pool, b,
+                             e->model->n_layers));
+    if (o->group_rank != 0 || gs->n_logits == 0) return GY_OK;
+    GY_TRY(gy_forward_end(gs->logits, o->r.model, &o->batch, &o->ws, o->r.pool));
+    const int64_t V = e->model->vocab;
+    for (int64_t k = 0; k < gs->n_logits; k++)
+        memcpy(e->logits + gs->logit_index[k] * V, gs->logits + k * V, (size_t)V * sizeof(float));
+    return GY_OK;
+}
+
 static gy_status gy_engine_rank_pass(gy_engine *e, int32_t i) {
     gy_engine_rank_state *rs = &e->ranks[i];
     const gy_tp_group tp = {.rank = i, .size = e->n_ranks,
                             .all_reduce = e->n_ranks > 1 ? gy_comm_rank_all_reduce : NULL,
                             .ctx = &rs->comm_rank};
-    if (!e->tr.active || e->tr.boundary == 0)
+    if (e->tr.active && e->tr.groups_last && e->tr.boundary < e->model->n_layers)
+        return gy_engine_rank_pass_groups_last(e, i, &tp);
+    if (!e->tr.active || e->tr.groups_last || e->tr.boundary == 0)
         return gy_forward(i == 0 ? e->logits : NULL, rs->r.model, &tp, rs->r.kv, &rs->batch,
                           &rs->ws, rs->r.pool);
     /* Every rank reaches the barrier, even after a failure, so that none waits forever. */
@@ -513,6 +550,7 @@ static void gy_engine_transition_free(gy_engine *e) {
     for (int32_t g = 0; g < e->tr.n_groups; g++) {
         gy_engine_old_group_state *gs = &e->tr.groups[g];
         free(gs->entry_index); free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
+        free(gs->logit_rows); free(gs->logit_index); free(gs->logits);
     }
     gy_idmap_free(&e->tr.home);
     free(e->tr.x_full);
@@ -520,7 +558,8 @@ static void gy_engine_transition_free(gy_engine *e) {
 }
 
 gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups) {
+                                     const gy_engine_old_group *groups, int32_t n_groups,
+                                     int groups_last) {
     if (e == NULL || old_ranks == NULL || groups == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_transition_begin: NULL argument");
     if (e->tr.active) return GY_FAIL(GY_ERR_BUSY, "a transformation is already under way");
@@ -562,6 +601,7 @@ gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ran
         return s;
     }
     e->tr.boundary = e->model->n_layers;
+    e->tr.groups_last = groups_last != 0;
     e->tr.active = 1;
     return GY_OK;
 }
@@ -597,6 +637,11 @@ gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank,
     *group = gy_idmap_get(&e->tr.home, id, &g) ? (int32_t)g : -1;
     *seq = gy_sched_kv_adapter_seq(e->tr.old[rank].adapter, id);
     return GY_OK;
+}
+
+void gy_engine_transition_detach(gy_engine *e) {
+    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++)
+        gy_sched_kv_adapter_detach_all(e->tr.old[i].adapter);
 }
 
 gy_status gy_engine_transition_end(gy_engine *e) {
@@ -770,11 +815,18 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
             gs->token_pos = malloc((size_t)n_tokens * sizeof(int32_t));
             gs->cap_tokens = (gs->rows && gs->tokens && gs->token_seq && gs->token_pos) ? n_tokens : 0;
         }
-        if (gs->cap_entries < b->n_entries || gs->cap_tokens < n_tokens)
+        if (b->n_entries > gs->cap_logits) {
+            free(gs->logit_rows); free(gs->logit_index); free(gs->logits);
+            gs->logit_rows = malloc((size_t)b->n_entries * sizeof(int32_t));
+            gs->logit_index = malloc((size_t)b->n_entries * sizeof(int64_t));
+            gs->logits = malloc((size_t)(b->n_entries * e->model->vocab) * sizeof(float));
+            gs->cap_logits = (gs->logit_rows && gs->logit_index && gs->logits) ? b->n_entries : 0;
+        }
+        if (gs->cap_entries < b->n_entries || gs->cap_tokens < n_tokens || gs->cap_logits < b->n_entries)
             return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a group's rows");
-        gs->n_entries = gs->n_tokens = 0;
+        gs->n_entries = gs->n_tokens = gs->n_logits = 0;
     }
-    int64_t row = 0;
+    int64_t row = 0, sample = 0;
     for (int64_t i = 0; i < b->n_entries; i++) {
         const gy_sched_entry *en = &b->entries[i];
         const int32_t g = gy_engine_home(e, en->id);
@@ -788,6 +840,11 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
             gs->token_seq[gs->n_tokens] = local;
             gs->token_pos[gs->n_tokens] = e->token_pos[row];
             gs->n_tokens++;
+        }
+        if (en->samples) {
+            gs->logit_rows[gs->n_logits] = (int32_t)(gs->n_tokens - 1);
+            gs->logit_index[gs->n_logits] = sample++;
+            gs->n_logits++;
         }
     }
     for (int32_t i = 0; i < e->n_ranks; i++) {
@@ -825,8 +882,8 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
             .tokens = gs->tokens,
             .paged = {.n_tokens = gs->n_tokens, .token_seq = gs->token_seq, .token_pos = gs->token_pos,
                       .n_seqs = gs->n_entries, .bt_indptr = o->bt_indptr, .bt_indices = o->bt_indices},
-            .n_logits = 0,
-            .logit_rows = NULL,
+            .n_logits = e->tr.groups_last && o->group_rank == 0 ? gs->n_logits : 0,
+            .logit_rows = gs->logit_rows,
         };
     }
     return GY_OK;
@@ -854,7 +911,8 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             rows++;
         }
     }
-    if (e->tr.active && e->tr.boundary > 0) GY_TRY(gy_engine_build_old(e, b, t));
+    if (e->tr.active && (e->tr.groups_last ? e->tr.boundary < e->model->n_layers : e->tr.boundary > 0))
+        GY_TRY(gy_engine_build_old(e, b, t));
     for (int32_t i = 0; i < e->n_ranks; i++) {
         gy_engine_rank_state *rs = &e->ranks[i];
         GY_TRY(gy_engine_rank_tables(rs, b));

@@ -111,9 +111,15 @@ typedef struct gy_engine_old_group {
     struct gy_comm *comm;           /* of that size; NULL for one rank */
 } gy_engine_old_group;
 
-/* old_ranks[i]: engine rank i's old model and KV cache (borrowed). Starts with boundary L. */
+/* old_ranks[i]: engine rank i's model and KV cache in its group (borrowed). Starts with
+ * boundary L. groups_last = 0 (scale-up): the groups are the old configuration and run layers
+ * [0, boundary). groups_last = 1 (scale-down): the groups are the new configuration and run
+ * [boundary, L) on their own rows, their rank 0 computing those rows' logits. */
 gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups);
+                                     const gy_engine_old_group *groups, int32_t n_groups,
+                                     int groups_last);
+/* Forgets the groups' KV sequences without freeing them (a scale-down keeps them). */
+void gy_engine_transition_detach(gy_engine *e);
 /* Records where an adopted request's KV lives in its old group: old_seqs[k] on the group's
  * rank k. */
 gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs);

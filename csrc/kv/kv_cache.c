@@ -571,7 +571,8 @@ static void *gy_kv_move_pass(void *arg) {
         const gy_kv_layout *L = &kv->layout;
         float *base = gy_kv_layer_ptr(kv, w->layer);
         const int32_t *blocks = kv->seqs[w->pass == 0 ? it->src_seq : it->dst_seq].blocks;
-        const int64_t D = L->head_dim, B = L->block_size, head0 = w->pass == 0 ? it->src_head : 0;
+        const int64_t D = L->head_dim, B = L->block_size;
+        const int64_t head0 = w->pass == 0 ? it->src_head : it->dst_head;
         const int runs = L->stride_token == D;
         float *p = w->stage + w->stage_at[i];
         for (int64_t t0 = 0; t0 < it->n_tokens; t0 += B) {
@@ -604,7 +605,7 @@ gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_
         if (s == GY_OK) s = gy_kv_check_access(it->dst, it->dst_seq, layer, 0, it->n_tokens, it, it, &dst_base);
         if (s == GY_OK && (it->n_heads <= 0 || it->src_head < 0 ||
                            it->src_head + it->n_heads > it->src->config.n_heads ||
-                           it->n_heads > it->dst->config.n_heads ||
+                           it->dst_head < 0 || it->dst_head + it->n_heads > it->dst->config.n_heads ||
                            it->src->config.head_dim != it->dst->config.head_dim))
             s = GY_FAIL(GY_ERR_INVALID, "move item %lld: heads [%lld, %lld) do not fit", (long long)i,
                         (long long)it->src_head, (long long)(it->src_head + it->n_heads));

@@ -103,13 +103,14 @@ gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_
 
 /* Moves one layer's K/V between caches of other geometries (a layer-staggered transformation):
  * item i copies heads [src_head[i], src_head[i] + n_heads[i]) of tokens [0, n_tokens[i]) of
- * src_seq[i] in src[i] to heads [0, n_heads[i]) of dst_seq[i] in dst[i]. Everything is read
+ * src_seq[i] in src[i] to heads [dst_head[i], dst_head[i] + n_heads[i]) of dst_seq[i] in dst[i]. Everything is read
  * before anything is written, because new blocks may overlap old blocks of the same layer.
  * `bytes_moved` gets the bytes copied (may be NULL). fp32 host caches only. */
 typedef struct gy_kv_move_item {
     gy_kv_cache *src, *dst;
     int64_t src_seq, dst_seq;
     int64_t src_head, n_heads, n_tokens;
+    int64_t dst_head;
 } gy_kv_move_item;
 gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
                            uint64_t *bytes_moved);

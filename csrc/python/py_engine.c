@@ -278,7 +278,8 @@ static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
  * groups: a list of (ranks tuple, Comm or None). */
 static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *args) {
     PyObject *models, *kvs, *groups;
-    if (!PyArg_ParseTuple(args, "OOO", &models, &kvs, &groups)) return NULL;
+    int groups_last = 0;
+    if (!PyArg_ParseTuple(args, "OOO|p", &models, &kvs, &groups, &groups_last)) return NULL;
     const int32_t n = gy_engine_n_ranks(self->engine);
     if (PySequence_Size(models) != n || PySequence_Size(kvs) != n)
         return PyErr_Format(PyExc_ValueError, "need an old model and KV cache for each of %d ranks", (int)n);
@@ -323,7 +324,7 @@ static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *a
             return NULL;
         }
     }
-    gy_status s = gy_engine_transition_begin(self->engine, old, grps, (int32_t)n_groups);
+    gy_status s = gy_engine_transition_begin(self->engine, old, grps, (int32_t)n_groups, groups_last);
     if (s != GY_OK) {
         Py_DECREF(keep);
         return gy_py_raise(s);
@@ -377,6 +378,11 @@ static PyObject *gy_py_engine_transition_end(GyEngineObject *self, PyObject *unu
     Py_RETURN_NONE;
 }
 
+static PyObject *gy_py_engine_transition_detach(GyEngineObject *self, PyObject *unused) {
+    gy_engine_transition_detach(self->engine);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gy_py_engine_transition_boundary(GyEngineObject *self, PyObject *unused) {
     return PyLong_FromLongLong(gy_engine_transition_boundary(self->engine));
 }
@@ -398,6 +404,8 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"transition_seq", (PyCFunction)gy_py_engine_transition_seq, METH_VARARGS,
      "transition_seq(id, rank) -> (group, old seq)"},
     {"transition_end", (PyCFunction)gy_py_engine_transition_end, METH_NOARGS, "transition_end()"},
+    {"transition_detach", (PyCFunction)gy_py_engine_transition_detach, METH_NOARGS,
+     "transition_detach(): forget the groups' KV sequences without freeing them"},
     {"transition_boundary", (PyCFunction)gy_py_engine_transition_boundary, METH_NOARGS,
      "transition_boundary() -> layer, or -1"},
     {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},

@@ -292,7 +292,7 @@ gy_kv_cache *gy_py_kv_unwrap(PyObject *object) {
 }
 
 /* kv_move_layer(items, layer) -> bytes: items are (src KVCache, src_seq, src_head, n_heads,
- * n_tokens, dst KVCache, dst_seq). */
+ * n_tokens, dst KVCache, dst_seq, dst_head). */
 static PyObject *gy_py_kv_move_layer(PyObject *module, PyObject *args) {
     PyObject *list;
     long long layer;
@@ -303,14 +303,15 @@ static PyObject *gy_py_kv_move_layer(PyObject *module, PyObject *args) {
     if (items == NULL) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(list, i), *src, *dst;
-        long long src_seq, src_head, n_heads, n_tokens, dst_seq;
-        int ok = item && PyArg_ParseTuple(item, "OLLLLOL", &src, &src_seq, &src_head, &n_heads,
-                                          &n_tokens, &dst, &dst_seq);
+        long long src_seq, src_head, n_heads, n_tokens, dst_seq, dst_head = 0;
+        int ok = item && PyArg_ParseTuple(item, "OLLLLOL|L", &src, &src_seq, &src_head, &n_heads,
+                                          &n_tokens, &dst, &dst_seq, &dst_head);
         Py_XDECREF(item); /* the caches are kept alive by the list */
         if (ok) {
             items[i] = (gy_kv_move_item){.src = gy_py_kv_unwrap(src), .dst = gy_py_kv_unwrap(dst),
                                          .src_seq = src_seq, .dst_seq = dst_seq, .src_head = src_head,
-                                         .n_heads = n_heads, .n_tokens = n_tokens};
+                                         .n_heads = n_heads, .n_tokens = n_tokens,
+                                         .dst_head = dst_head};
             ok = items[i].src != NULL && items[i].dst != NULL;
         }
         if (!ok) {
