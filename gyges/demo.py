@@ -1,87 +1,36 @@
-"""`make demo`: what gyges can show today, on the CPU backend.
+"""`make demo`: one trace, three ways to run four CPU workers.
 
-1. The engine: the embedded tiny model serves a batch of requests with continuous batching;
-   per-request metrics (vLLM's TTFT, TPOT, E2E) and the worker's memory before, during and after.
-2. The memory underneath: an arena with a paged KV cache in each of the three Gyges layouts,
-   page tables and block tables as NumPy arrays, and the bytes each layout moves when it grows.
+1. A live transformation in a few lines: four TP1 instances serving short requests merge into
+   one TP4 instance for a request none of them can hold, and split back.
+2. The main job: a mixed trace of short chat-like requests and a few long ones (longer than a
+   TP1 instance can hold) replayed on the embedded tiny model with 4 CPU workers of 32 MiB,
+   under the Gyges policy (gyges.experiment: the simulator's C policy driving the real host),
+   under a static 4xTP1 layout (the long requests are rejected) and a static 1xTP4 layout
+   (everything on one instance). A table compares throughput, TTFT, TPOT, rejections and
+   transformations, and a PNG shows throughput over time with the transformations and the
+   layout timeline of each run.
+
+Timings are wall-clock on whatever machine runs it; on a small shared machine they move by
+10-20% from run to run.
 """
+import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import gyges
+from gyges import experiment, traces
+
+MEMORY = "32MiB"   # per worker: a TP1 instance holds ~3,000 tokens of KV, TP2 ~8,300, TP4 ~18,900
+RUNS = (("gyges", "gyges", "4xTP1"), ("static 4xTP1", "static", "4xTP1"),
+        ("static 1xTP4", "static", "1xTP4"))
+OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "demo.png"
 
 
-def show_layout(layout):
-    arena = gyges.Arena(budget="1MiB", page_size="16KiB", n_slots=40)
-    kv = gyges.KVCache(arena, n_layers=2, n_kv_heads=4, head_dim=16, block_size=8,
-                       layout=layout, first_slot=0, slots_per_layer=20)
-    kv.grow(3)
-    seqs = [kv.new_sequence() for _ in range(3)]
-    rng = np.random.default_rng(0)
-    lengths = (21, 9, 30)
-    for seq, n in zip(seqs, lengths):
-        kv.reserve(seq, n)
-        for layer in range(2):
-            k = rng.standard_normal((n, 4, 16)).astype(np.float32)
-            kv.write(seq, layer, 0, k, -k)
-    before = kv.stats()["bytes_moved"]
-    kv.grow(1)
-    moved = kv.stats()["bytes_moved"] - before
-    k, v = kv.gather(seqs[2], 1)
-    view = kv.layer(1)  # logical axes (kv, block, token, head, dim), zero-copy
-    table = kv.block_table(seqs[2])
-    assert np.array_equal(view[0, table[0], 3], k[3])
-    print(f"\n== layout {layout!r}: {kv}")
-    print(f"   stride order (outermost first): "
-          f"{[('kv', 'block', 'token', 'head')[i] for i in kv.layout()['stride_order']]}")
-    print(f"   growing by one page per layer moved {moved:,} bytes")
-    indptr, indices, last = kv.block_tables(seqs)
-    print(f"   block tables (CSR): indptr={indptr.tolist()} indices={indices.tolist()} "
-          f"last_page_len={last.tolist()}")
-    table = arena.page_table()
-    mapped = table[table["page"] >= 0]
-    print(f"   mapped slots -> physical pages: {dict(zip(mapped['slot'].tolist(), mapped['page'].tolist()))}")
-    print(f"   arena: {arena.stats()['bytes_in_use']:,} bytes in use, "
-          f"{arena.stats()['bytes_by_tag']['kv']:,} of them KV")
-
-
-def serve():
-    model = gyges.Model.tiny()
-    print(f"\n== serving {model}")
-    engine = gyges.Engine(model, memory="64MiB", page_size="64KiB", block_size=16,
-                          kv_layout="header", threads=2)
-    idle = engine.memory()
-    print(f"   weights {idle['weights']:,} bytes ({idle['weight_padding']:,} of FFN padding, "
-          f"{engine.weights.padding_overhead():.1%}); KV 0 bytes until requests arrive")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist()
-               for n in (12, 40, 7, 100, 25, 64, 3, 33)]
-    params = gyges.SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=1,
-                                  ignore_eos=True)
-    start = time.perf_counter()
-    requests = [engine.submit(p, params) for p in prompts]
-    peak_kv = 0
-    while engine.has_unfinished():
-        engine.step()
-        peak_kv = max(peak_kv, engine.memory()["kv"])
-    seconds = time.perf_counter() - start
-    print(f"   {len(requests)} requests, {sum(len(r.output_tokens) for r in requests)} tokens in "
-          f"{seconds:.2f} s over {engine.steps} steps; KV peaked at {peak_kv:,} bytes")
-    print(f"   {'id':>3} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'TPOT ms':>8} {'E2E ms':>8}  first tokens")
-    for r in requests:
-        m = r.metrics
-        print(f"   {r.id:>3} {len(r.prompt):>6} {len(r.output_tokens):>6} {m.ttft * 1e3:>8.1f} "
-              f"{m.tpot * 1e3:>8.2f} {m.e2e * 1e3:>8.1f}  {r.output_tokens[:6]}")
-    after = engine.memory()
-    print(f"   after: {after['in_use']:,} bytes in use (weights only: {after['in_use'] == after['weights']})")
-
-
-def transform_live():
-    model = gyges.Model.tiny()
-    host = gyges.Host(model, workers=4, memory_per_worker="24MiB", page_size="64KiB",
-                      layout="4xTP1")
-    print(f"\n== {host}: four TP1 instances, 24 MiB a worker")
+def transform_live(model):
+    host = gyges.Host(model, workers=4, memory_per_worker="24MiB", layout="4xTP1")
     rng = np.random.default_rng(1)
     params = gyges.SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
     short = [host.submit(rng.integers(0, 4096, size=40).tolist(), params) for _ in range(8)]
@@ -91,37 +40,149 @@ def transform_live():
     try:
         host.submit(long_prompt, params)
     except ValueError as e:
-        print(f"   a 1500-token request arrives: {e}")
+        print(f"   a 1500-token request arrives at {host.layout()}: {str(e).split(';')[0]}")
     t = host.transform(workers=(0, 1, 2, 3), tp=4)
     s = t.stats
     print(f"   merged live into {host.layout()}: {s['requests_moved']} requests moved with their "
-          f"progress; FFN pages released {sum(s['weight_bytes_released'].values()):,} bytes, "
-          f"0 copied; KV sent {sum(s['bytes_sent'].values()):,} bytes; extra KV pages mapped "
-          f"{max(s['peak_extra_bytes'].values()):,} bytes at most")
+          f"progress, FFN pages released {sum(s['weight_bytes_released'].values()):,} bytes "
+          f"(0 copied), KV sent {sum(s['bytes_sent'].values()):,} bytes")
     long = host.submit(long_prompt, params)
     host.run()
-    print(f"   the long request got {len(long.output_tokens)} tokens (TTFT {long.metrics.ttft * 1e3:.0f} ms); "
-          f"the short ones kept going: {[len(r.output_tokens) for r in short]}")
     back = host.transform(workers=(0, 1, 2, 3), tp=1)
-    print(f"   split back into {host.layout()} in "
-          f"{sum(back.stats['phase_seconds'].values()) * 1e3:.1f} ms; memory per worker: "
-          f"{[m['in_use'] for m in host.memory()]}")
+    print(f"   the long request got {len(long.output_tokens)} tokens (TTFT "
+          f"{long.metrics.ttft * 1e3:.0f} ms), the short ones "
+          f"{sorted(set(len(r.output_tokens) for r in short))}; split back into {host.layout()} "
+          f"in {sum(back.stats['phase_seconds'].values()) * 1e3:.0f} ms")
+
+
+RATE = 6.0
+
+
+def mixed_trace(duration=16.0, seed=0):
+    """Short requests (Poisson, 5/s, 64-512 prompt tokens, 16-96 output tokens) and four long
+    ones (3,200-3,900 prompt tokens: more KV than a TP1 instance holds at 32 MiB)."""
+    short = traces.poisson(RATE, duration=duration, input_tokens=(64, 512),
+                           output_tokens=(16, 96), seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    n_long = 4
+    arrival = np.sort(rng.uniform(0.1, 0.75, n_long)) * duration
+    long = traces.from_arrays(arrival, rng.integers(3200, 3900, n_long), np.full(n_long, 48))
+    return traces.merge([short, long])
+
+
+def compare(trace, model):
+    rows, results = [], {}
+    for label, policy, layout in RUNS:
+        host = gyges.Host(model, workers=4, memory_per_worker=MEMORY, layout=layout)
+        start = time.perf_counter()
+        res = experiment.run(trace, policy, host=host, time_scale=1.0)
+        s = res.summary()
+        results[label] = res
+        rows.append({"run": label, "done": s["completed"], "rejected": s["policy_rejected"],
+                     "out_tps": s["output_throughput"], "tok_tps": s["total_token_throughput"],
+                     "ttft50": s["ttft_median"] * 1e3, "ttft99": s["ttft_p99"] * 1e3,
+                     "tpot": s["tpot_mean"] * 1e3, "xf": s["transformations"],
+                     "wall": time.perf_counter() - start})
+        print(f"   {label:<13} {time.perf_counter() - start:5.1f} s, final layout "
+              f"{res.stats['final_layout']}", flush=True)
+    cols = (("run", "run", "{}"), ("done", "completed", "{}"), ("rejected", "rejected", "{}"),
+            ("out_tps", "output tok/s", "{:.0f}"), ("tok_tps", "total tok/s", "{:.0f}"),
+            ("ttft50", "TTFT p50 ms", "{:.0f}"), ("ttft99", "TTFT p99 ms", "{:.0f}"),
+            ("tpot", "TPOT ms", "{:.1f}"), ("xf", "transformations", "{}"))
+    cells = [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
+    print()
+    print("   " + "  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)))
+    print("   " + "  ".join("-" * w for w in widths))
+    for c in cells:
+        print("   " + "  ".join(v.rjust(w) for v, w in zip(c, widths)))
+    return results
+
+
+def plot(results, path):
+    """Throughput over time of every run (scale-ups and scale-downs of the gyges run marked) and
+    the layout timeline of each run, one row of workers per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5), constrained_layout=True,
+                             gridspec_kw={"height_ratios": [3, 2]})
+    ax = axes[0]
+    for label, res in results.items():
+        t, out, _ = res.throughput()
+        k = max(1, int(round(1.0 / res.bin_seconds)))   # 1-second moving average
+        smooth = np.convolve(out, np.ones(k) / k, mode="same")
+        ax.plot(t + res.bin_seconds / 2, smooth, lw=1.2, label=label)
+    g = results.get("gyges")
+    if g is not None:
+        for tr in g.transformations:
+            ax.axvline(tr["start"], color="tab:red" if tr["kind"] == 0 else "tab:green",
+                       lw=0.8, ls="--", alpha=0.7)
+        long = g.requests[g.requests["min_tp"] != 1]
+        ax.plot(long["arrival"], np.zeros(long.size), "k^", ms=7, label="long request arrives")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("output tokens/s (1 s average)")
+    ax.set_title("throughput; gyges run: red = merge (scale-up), green = split (scale-down)")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[1]
+    colours = {1: "tab:blue", 2: "tab:orange", 4: "tab:red"}
+    ticks = []
+    for row, (label, res) in enumerate(results.items()):
+        base = row * 5
+        end = float(np.nanmax(res.requests["finish"]))
+        open_at = {}
+        for ev in res.layout[np.argsort(res.layout["time"], kind="stable")]:
+            key = (int(ev["gpu"]), int(ev["tp"]))
+            if ev["change"] > 0:
+                open_at[key] = float(ev["time"])
+            elif key in open_at:
+                s = open_at.pop(key)
+                ax.broken_barh([(s, float(ev["time"]) - s)], (base + key[0], key[1] - 0.1),
+                               facecolors=colours.get(key[1], "k"))
+        for (gpu, tp), s in open_at.items():
+            ax.broken_barh([(s, end - s)], (base + gpu, tp - 0.1), facecolors=colours.get(tp, "k"))
+        ticks.append((base + 2, label))
+    ax.set_yticks([t for t, _ in ticks], [lab for _, lab in ticks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    ax.set_title("layout over time, workers 0-3 per run (blue TP1, orange TP2, red TP4)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
+    start = time.perf_counter()
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
-    serve()
-    transform_live()
-    arena = gyges.Arena(budget="256KiB", page_size="64KiB", n_slots=8)
-    arena.grow(0, 2, "weights")
-    page = arena.create_page("kv")
-    arena.map(5, page)
-    print("\nAn arena of 4 pages of 64KiB with 8 virtual slots:")
-    print(arena.page_table())
-    print(arena.stats())
-    for layout in ("raw", "page", "header"):
-        show_layout(layout)
+    model = gyges.Model.tiny()
+    print(f"\n== live transformation on 4 CPU workers ({model})")
+    transform_live(model)
+
+    trace = mixed_trace()
+    n_long = int((trace["input_tokens"] > 3000).sum())
+    print(f"\n== one trace, three layouts: {trace.size} requests over "
+          f"{trace['arrival'][-1]:.0f} s ({trace.size - n_long} short, {n_long} long of "
+          f"{trace['input_tokens'].max():,} tokens at most), 4 workers of {MEMORY}")
+    host = gyges.Host(model, workers=4, memory_per_worker=MEMORY, layout="4xTP1")
+    caps = experiment.capacities(host)
+    print(f"   a fresh instance holds {', '.join(f'TP{1 << i} {c * host.block_size:,}' for i, c in enumerate(caps))} "
+          f"tokens of KV; the policies are the simulator's C code (csrc/sim/policy_*.c)")
+    del host
+    results = compare(trace, model)
+    path = Path(os.environ.get("GYGES_DEMO_PNG", OUT))
+    try:
+        plot(results, path)
+        print(f"\nplot: {path}")
+    except ImportError:
+        print("\n(matplotlib is not installed: no plot)")
+    g = results["gyges"]
+    print(f"gyges transformations: " + ", ".join(
+        f"{'merge' if t['kind'] == 0 else 'split'} TP{t['tp_from']}->TP{t['tp_to']} at worker "
+        f"{t['gpu']} ({t['start']:.1f} s, {(t['end'] - t['start']) * 1e3:.0f} ms)"
+        for t in g.transformations))
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

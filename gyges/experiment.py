@@ -1,0 +1,976 @@
+"""Replay a request trace against a real gyges.Host with the simulator's cluster policies: one
+scheduler (csrc/sim/policy_*.c), two executors (gyges.sim and this module).
+
+    res = gyges.experiment.run(trace, policy="gyges", host=host, time_scale=0.05)
+    res.summary(); res.requests; res.plot("run.png"); res.save("runs/gyges")
+
+At each arrival the policy gets a view of the real host (instances, TP, KV blocks total and used,
+queues, footprints, what is transforming, held or reserved) and returns a decision, which is
+applied to the host: the request is submitted to the chosen instance, deferred at the cluster
+until a scale-up it waits for is done, or rejected; its merge / split / hold ops become
+host.transform(...) calls and held flags. Deferred requests are reconsidered after every
+transformation, after every step that finished a request, and every `sample_interval`; the policy
+may rebalance (split instances no request needs) after transformations and after steps of TP > 1
+or held instances that finished something, as in the simulator (csrc/sim/sim.h).
+
+Every instance steps on its own thread, back to back while it has work, as the simulator's
+instances (GPUs) do; Host.step's lockstep would make each instance wait for the slowest one's
+step (a long prefill chunk on a TP2 instance would set the decode pace of the TP1 ones). The
+main thread acts on an instance only between two of its steps: a request submitted to it, or a
+transformation of it, waits for its step in flight. Policy views come from what each instance
+reported at the end of its last step plus the requests the main thread placed since.
+
+Time: trace arrivals are multiplied by `time_scale` (wall seconds per trace second, so a
+10-minute trace can take seconds) and replayed open-loop on the host's clock; a request joins
+its instance at the end of the step in flight there, and its latencies count from its arrival.
+With idle="skip" the clock jumps over the gaps in which the host has nothing to do (no
+sleeping); idle="sleep" waits for real. Every time in the Results is in seconds from the first
+arrival, so `gyges.sim.run` on the same trace with arrivals multiplied by time_scale is the
+simulated twin of a run (benchmarks/bench_experiment.py compares them).
+
+The Results are gyges.results.Results, as gyges.sim.run returns: requests (status finished,
+rejected, deferred-and-never-served, or queued-and-unfinished when time_limit cut the run),
+transformations, layout events, per-instance samples, throughput bins and every token's time.
+Prompt tokens enter the throughput bins when a request's first token comes out (the real engine
+does not report its prefill chunks).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _C, traces
+from .costmodel import CostModel as _CostModel
+from .engine import SamplingParams
+from .errors import Error as GygesError
+from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
+    Results
+
+__all__ = ["run", "Policy", "View", "Decision", "ExperimentError", "POLICIES",
+           "INST_VIEW_DTYPE", "GROUP_DTYPE", "STEP_DTYPE", "capacities"]
+
+POLICIES = ("gyges", "round_robin", "least_load", "static")
+
+# gy_sim_inst_view and gy_sim_group (csrc/sim/policy.h), field for field.
+INST_VIEW_DTYPE = np.dtype([
+    ("gpu_first", "i4"), ("tp", "i4"), ("host", "i4"), ("xform", "i4"), ("placeable", "i4"),
+    ("held", "i4"), ("reserved", "i4"), ("max_min_tp", "i4"),
+    ("kv_total", "i8"), ("kv_used", "i8"), ("footprint", "i8"), ("max_footprint", "i8"),
+    ("n_requests", "i8"), ("n_running", "i8"), ("n_waiting", "i8"),
+    ("pending_prefill", "i8"), ("pending_output", "i8")])
+GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
+if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
+        GROUP_DTYPE.itemsize != _C.POLICY_GROUP_SIZE:  # pragma: no cover - a build mismatch
+    raise ImportError("gyges._C's policy view structs do not match gyges/experiment.py's dtypes; "
+                      "rebuild the extension (make build)")
+
+# One measured instance step (record_steps=True): its TP, gyges.costmodel's batch shape, and
+# two wall times: `seconds` from the end of the instance's previous step (or the start of its
+# runner) to the end of this one, i.e. what the instance pays per step with the host's
+# overhead and the CPU shared with the other workers, which is what the simulator's step time
+# stands for; `busy_seconds` inside the step call only. `concurrent`: instances running when
+# it started (CPU contention).
+STEP_DTYPE = np.dtype([
+    ("tp", "i4"), ("n_tokens", "i8"), ("n_seqs", "i8"), ("n_samples", "i8"),
+    ("kv_read_tokens", "f8"), ("attn_pairs", "f8"), ("seconds", "f8"), ("busy_seconds", "f8"),
+    ("concurrent", "i4")])
+
+# gy_sim_xform, gy_sim_action, gy_sim_op_kind
+XFORM_NONE, XFORM_MERGING = 0, 1
+ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
+OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold"}
+# gyges.results.STATUS
+PENDING, DEFERRED, QUEUED, FINISHED, REJECTED = 0, 1, 2, 3, 4
+
+
+class ExperimentError(ValueError):
+    """A bad argument to the experiment (the message names the value)."""
+
+
+# ---- the policies, callable on any view ----------------------------------------------------
+
+@dataclass
+class View:
+    """What a policy sees of a cluster (gy_sim_view): instances in GPU order (INST_VIEW_DTYPE),
+    KV blocks of a fresh instance per TP level (TP 1, 2, 4, ... up to max_tp), and the groups
+    deferred requests wait for (GROUP_DTYPE). gpu_inst is derived."""
+    inst: np.ndarray
+    capacity: np.ndarray
+    n_gpus: int
+    gpus_per_host: int | None = None
+    max_tp: int | None = None
+    block_size: int = 16
+    watermark: float = 0.0
+    now: float = 0.0
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, GROUP_DTYPE))
+
+    @classmethod
+    def of(cls, instances, capacity, n_gpus=None, **kwargs) -> "View":
+        """A view from dicts: [{"gpu_first": 0, "tp": 1, "kv_total": 60, ...}, ...] (missing
+        fields are 0; placeable defaults to 1), e.g. for trying a policy by hand."""
+        inst = np.zeros(len(instances), INST_VIEW_DTYPE)
+        for row, spec in zip(inst, instances):
+            unknown = set(spec) - set(INST_VIEW_DTYPE.names)
+            if unknown:
+                raise ExperimentError(f"unknown instance field(s) {sorted(unknown)}; known: "
+                                      f"{', '.join(INST_VIEW_DTYPE.names)}")
+            row["placeable"] = 1
+            for k, v in spec.items():
+                row[k] = v
+        inst = inst[np.argsort(inst["gpu_first"], kind="stable")]
+        if n_gpus is None:
+            n_gpus = int((inst["gpu_first"] + inst["tp"]).max()) if inst.size else 0
+        pending = kwargs.pop("pending", None)
+        pend = np.zeros(len(pending or ()), GROUP_DTYPE)
+        for row, g in zip(pend, pending or ()):
+            row["gpu_first"], row["size"] = g[0], g[1]
+            row["footprint"] = g[2] if len(g) > 2 else 0
+        return cls(inst=inst, capacity=np.asarray(capacity, np.int64), n_gpus=n_gpus,
+                   pending=pend, **kwargs)
+
+    def gpu_inst(self) -> np.ndarray:
+        out = np.full(self.n_gpus, -1, np.int32)
+        for k, row in enumerate(self.inst):
+            out[row["gpu_first"]:row["gpu_first"] + row["tp"]] = k
+        return out
+
+    def as_tuple(self):
+        gph = self.gpus_per_host or self.n_gpus
+        max_tp = self.max_tp or gph
+        return (float(self.now), int(self.n_gpus), int(gph), int(max_tp), int(self.block_size),
+                float(self.watermark), np.ascontiguousarray(self.inst, INST_VIEW_DTYPE),
+                self.gpu_inst(), np.ascontiguousarray(self.capacity, np.int64),
+                np.ascontiguousarray(self.pending, GROUP_DTYPE))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """action: 'place', 'defer', 'reject' (or 'none' from rebalance); target: the index into
+    view.inst (place); group: (first GPU, size) the request waits for (defer; size 0: none);
+    ops: [('merge' | 'split' | 'hold' | 'unhold', first GPU, size), ...] in order."""
+    action: str
+    target: int
+    group: tuple
+    ops: tuple
+
+
+class Policy:
+    """A cluster policy of the simulator with its per-run state (round_robin keeps a cursor):
+
+        p = Policy("gyges", merge_wait=1.0)
+        p.place(view, prompt=2000, output=32)     # -> Decision
+        p.rebalance(view)
+
+    The configuration is gy_sim_policy_config (see gyges.sim.run for each knob)."""
+
+    def __init__(self, name="gyges", decode_weight=8.0, scale_down_free=0.5, scale_up_cap=0.5,
+                 merge_wait=10.0, scale_up_load=16384.0, eager_scale_up=True):
+        if name not in POLICIES:
+            raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        for key, v, high in (("decode_weight", decode_weight, None),
+                             ("scale_down_free", scale_down_free, 1.0),
+                             ("scale_up_cap", scale_up_cap, None),
+                             ("merge_wait", merge_wait, None),
+                             ("scale_up_load", scale_up_load, None)):
+            _check_number(key, v, 0.0, high)
+        self.name = name
+        self._c = _C.Policy(name, decode_weight=float(decode_weight),
+                            scale_down_free=float(scale_down_free),
+                            scale_up_cap=float(scale_up_cap), merge_wait=float(merge_wait),
+                            scale_up_load=float(scale_up_load),
+                            eager_scale_up=bool(eager_scale_up))
+
+    @property
+    def config(self) -> dict:
+        return self._c.config
+
+    @property
+    def rebalances(self) -> bool:
+        """Whether the policy transforms on its own (static: no)."""
+        return self._c.rebalances
+
+    def place(self, view: View, prompt: int, output: int, footprint: int | None = None,
+              min_tp: int | None = None, deferred: bool = False, group=(0, 0),
+              arrival: float = 0.0, request_id: int = 0) -> Decision:
+        """Where a request of `prompt` + `output` tokens goes. footprint (KV blocks at its end)
+        and min_tp (the smallest TP whose fresh instance holds it, 0: none) are derived from the
+        view when not given."""
+        for key, v, low in (("prompt", prompt, 1), ("output", output, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ExperimentError(f"{key} must be an int >= {low}, got {v!r}")
+        if footprint is None:
+            footprint = -(-(int(prompt) + int(output)) // view.block_size)
+        if min_tp is None:
+            min_tp = _min_tp(footprint, view.capacity)
+        req = (int(request_id), int(prompt), int(output), int(footprint), int(min_tp),
+               int(bool(deferred)), int(group[0]), int(group[1]), float(arrival))
+        return _decision(self._c.place(view.as_tuple(), req))
+
+    def rebalance(self, view: View) -> Decision:
+        return _decision(self._c.rebalance(view.as_tuple()))
+
+    def __repr__(self):
+        return f"Policy({self.name!r}, {self.config})"
+
+
+def _decision(raw) -> Decision:
+    action, target, group, ops = raw
+    return Decision(ACTIONS[action], target, (group[0], group[1]),
+                    tuple((OPS[k], g, s) for k, g, s in ops))
+
+
+def _min_tp(footprint, capacity, tokens=None, max_pos=None):
+    if max_pos is not None and tokens is not None and tokens > max_pos:
+        return 0
+    for level, blocks in enumerate(capacity):
+        if footprint <= blocks:
+            return 1 << level
+    return 0
+
+
+def _check_number(name, v, low, high=None, low_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(v) or v < low or (low_open and v == low) \
+            or (high is not None and v >= high):
+        raise ExperimentError(f"{name} must be a finite number {'>' if low_open else '>='} {low}"
+                              f"{'' if high is None else f' and < {high}'}, got {v!r}")
+    return float(v)
+
+
+# ---- the real host -------------------------------------------------------------------------
+
+def capacities(host, max_tp=None) -> list[int]:
+    """KV blocks of a fresh TP-1, 2, 4, ... instance of `host` (up to max_tp): the memory budget
+    of a worker less the weights a rank of that TP keeps, in whole pages per layer, as blocks of
+    that TP's geometry. Checked against the instances the host has."""
+    max_tp = max_tp or min(host.max_tp, len(host._workers))
+    w = host.worker(0)
+    c = host.model.config
+    ws = w.weights
+    page = w.page_size
+    budget_pages = w.arena.stats()["budget_bytes"] // page
+    block_bytes_tp1 = w.kv.block_bytes * w.tp_size  # a block of every KV head
+    out = []
+    tp = 1
+    while tp <= max_tp:
+        shards = ws.max_tp // tp
+        if ws.pad:
+            tensor_pages = ws.shard_slots * shards
+        else:
+            from .weights import DTYPES
+            nbytes = ws.shard_rows * c.hidden_size * DTYPES[ws.dtype][1] * shards
+            tensor_pages = -(-nbytes // page)
+        weight_pages = ws.replicated_slots + 3 * c.num_hidden_layers * tensor_pages
+        per_layer = (budget_pages - weight_pages) // c.num_hidden_layers
+        out.append(max(per_layer, 0) * (page // (block_bytes_tp1 // tp)))
+        tp *= 2
+    for inst in host.instances:
+        level = int(math.log2(inst.tp))
+        if level < len(out) and inst.capacity_blocks() != out[level]:  # pragma: no cover
+            raise ExperimentError(f"a TP{inst.tp} instance of the host holds "
+                                  f"{inst.capacity_blocks()} KV blocks but the formula says "
+                                  f"{out[level]}; gyges/experiment.py's capacities() is out of "
+                                  f"date with gyges/weights.py")
+    return out
+
+
+@dataclass(eq=False)
+class _Req:
+    index: int
+    prompt: int
+    output: int
+    footprint: int
+    min_tp: int
+    arrival: float                 # host clock
+    status: int = PENDING
+    handle: object = None
+    inst: object = None            # the Instance serving it (queued)
+    deferred_before: bool = False
+    group: tuple = (0, 0)
+    gpu: int = -1
+    tp: int = 0
+    preemptions: int = 0
+    migrations: int = 0
+
+
+class _Replay:
+    """One run: the host, the policy, the requests and what was recorded.
+
+    Every instance steps on its own thread, back to back while it has work, as a GPU would (the
+    lockstep of Host.step would make each instance wait for the slowest one). The main thread
+    decides and acts only at step boundaries of the instances it touches: it waits for an
+    instance's step in flight before it submits to it or transforms it, and it builds views from
+    what each instance reported at the end of its last step plus its own request records."""
+
+    def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
+                 layers_per_step, idle, sample_interval, max_tp, record_steps=False):
+        self.trace, self.policy, self.host = trace, policy, host
+        self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
+        self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
+        self.n_gpus = len(host._workers)
+        self.max_tp = max_tp
+        self.capacity = np.asarray(capacities(host, max_tp), np.int64)
+        self.block_size = host.block_size
+        self.max_pos = host.worker(0).max_pos
+        self.vocab = host.model.config.vocab_size
+        self.sample_interval = sample_interval
+        self.initial_layout = host.layout()
+        self.reqs = []
+        self.by_id = {}              # host request id -> _Req
+        self.active = []             # queued, unfinished
+        self.deferred = []           # in the order they were deferred
+        self.held = set()            # (gpu_first, tp)
+        self.xforms = []             # (row dict, Transformation handle)
+        self.layout_events = []
+        self.samples = []
+        self.cache = {}              # Instance -> what it reported after its last step
+        self.running = {}            # Instance -> (Future of its runner, stop Event)
+        self.events = queue.Queue()  # (what, Instance) from the runners
+        self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
+                                       thread_name_prefix="gyges-experiment")
+        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_ops_refused": 0,
+                      "n_migrations": 0, "n_preemptions": 0, "refusals": {},
+                      "skipped_idle_seconds": 0.0, "policy_seconds": 0.0,
+                      "transform_seconds": 0.0, "n_decisions": 0, "n_rebalances": 0}
+        self.last_refusal = None
+        self.dirty = False           # a transformation ended: reconsider and rebalance
+        self.want_reconsider = self.want_rebalance = False
+        self.record_steps = record_steps
+        self.steps = []              # STEP_DTYPE rows
+        for inst in host.instances:
+            self.refresh(inst)
+
+    # ---- clock ----
+    def now(self):
+        return self.host.now()
+
+    def skip_to(self, t):
+        """Moves the host's clock forward to t (idle="skip": at once; "sleep": waits). Only
+        while no step is in flight."""
+        gap = t - self.host.now()
+        if gap <= 0:
+            return
+        if self.idle == "sleep":
+            time.sleep(gap)
+        else:
+            self.host._start -= gap  # every timestamp of the host comes from Host.now()
+            self.stats["skipped_idle_seconds"] += gap
+
+    # ---- steps ----
+    def refresh(self, inst):
+        """Reads an instance's scheduler and KV state into the cache (from its runner thread
+        after each step, or from the main thread while it is stopped)."""
+        st = inst._c.stats()
+        kv = self.host.worker(inst.workers[0]).kv.stats()
+        computed = {}
+        for rid, handle in list(inst.requests.items()):
+            if not handle.output_tokens:
+                computed[rid] = inst._c.info(rid)["n_computed"]
+        self.cache[inst] = {"capacity": st["capacity_blocks"], "running": st["running"],
+                            "waiting": st["waiting"] + st["preempted_queued"],
+                            "kv_used": kv["n_blocks"] - kv["free_blocks"], "computed": computed,
+                            "preemptions": st["preemptions"]}
+
+    def busy(self):
+        return bool(self.active) or any(not t.done for t in self.host.transformations)
+
+    def _staggered(self):
+        """The workers of a layer-staggered scale-up under way."""
+        out = set()
+        for t in self.host.transformations:
+            if not t.done:
+                out |= set(t.workers)
+        return out
+
+    def launch(self):
+        """Starts a runner on every stopped instance that has work."""
+        has_work = {r.inst for r in self.active}
+        staggered = [t for t in self.host.transformations if not t.done]
+        for inst in list(self.host.instances):
+            if inst in self.running:
+                continue
+            moving = [t for t in staggered if set(t.workers) & set(inst.workers)]
+            if inst not in has_work and not moving:
+                continue
+            stop = threading.Event()
+            self.running[inst] = (self.pool.submit(self.runner, inst, stop, moving), stop)
+
+    def runner(self, inst, stop, moving):
+        """An instance's serving loop: steps back to back while it has work and the main thread
+        does not need it. Only this thread touches the instance meanwhile. It tells the main
+        thread when requests finished, when a transformation ended and when it stops."""
+        steps = preemptions = 0
+        last = time.perf_counter()
+        try:
+            while not stop.is_set():
+                for t in moving:  # the host would do this at the start of its step
+                    if not t.done:
+                        t.advance()
+                        if t.done:
+                            self.events.put(("transformed", inst))
+                if not inst.requests:
+                    break
+                before = self.snapshot(inst) if self.record_steps and not moving else None
+                n_before = len(inst.requests)
+                start = time.perf_counter()
+                tokens = inst.loop.step()
+                end = time.perf_counter()
+                if tokens:
+                    steps += 1
+                if before is not None and tokens:
+                    self.record(inst, before, end - last, end - start)
+                seen = self.cache[inst]["preemptions"] if inst in self.cache else 0
+                self.refresh(inst)
+                now_seen = self.cache[inst]["preemptions"]
+                if now_seen > seen:
+                    preemptions += now_seen - seen
+                    for rid in list(inst.requests):
+                        r = self.by_id.get(rid)
+                        if r is not None:
+                            r.preemptions = max(r.preemptions,
+                                                inst._c.info(rid)["n_preemptions"])
+                if len(inst.requests) < n_before:
+                    self.events.put(("finished", inst))
+                last = end
+        finally:
+            self.events.put(("stopped", inst))
+        return steps, preemptions
+
+    def snapshot(self, inst):
+        return ({rid: (inst._c.info(rid)["n_computed"], len(h.output_tokens), len(h.prompt))
+                 for rid, h in inst.requests.items()}, len(self.running))
+
+    def quiesce(self, inst):
+        """Stops inst's runner, if any, after its step in flight, and takes in what it did."""
+        entry = self.running.pop(inst, None)
+        if entry is None:
+            return
+        fut, stop = entry
+        stop.set()
+        steps, preemptions = fut.result()
+        self.stats["n_steps"] += steps
+        self.stats["n_preemptions"] += preemptions
+        self.collect()
+
+    def quiesce_all(self):
+        for inst in list(self.running):
+            self.quiesce(inst)
+
+    def wait(self, timeout):
+        """Waits for word from the runners (at most `timeout` seconds) and takes it in."""
+        try:
+            events = [self.events.get(timeout=timeout)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        for kind, inst in events:
+            if kind == "stopped" and inst in self.running and self.running[inst][0].done():
+                self.quiesce(inst)
+        self.collect()
+
+    def record(self, inst, before, seconds, busy):
+        """The shape of the step that just ended on inst (gyges.costmodel's batch shape: from
+        each request's computed tokens and outputs before and after) and its wall time."""
+        snapshot, concurrent = before
+        entries = []
+        for rid, (computed, n_out, prompt) in snapshot.items():
+            handle = inst.requests.get(rid)
+            if handle is not None:
+                after = inst._c.info(rid)["n_computed"]
+                sampled = len(handle.output_tokens) - n_out
+            else:  # finished in this step: its KV ends one token short of its tokens
+                r = self.by_id.get(rid)
+                if r is None or not r.handle.finished:
+                    return
+                sampled = len(r.handle.output_tokens) - n_out
+                after = prompt + len(r.handle.output_tokens) - 1
+            if after < computed:
+                return  # preempted: the step recomputed what it had; no clean shape
+            entries.append((computed, after - computed, sampled))
+        shape = _CostModel.batch_shape(entries)
+        if shape["n_tokens"] > 0:
+            self.steps.append((inst.tp, shape["n_tokens"], shape["n_seqs"], shape["n_samples"],
+                               shape["kv_read_tokens"], shape["attn_pairs"], seconds, busy,
+                               concurrent))
+
+    def collect(self):
+        """Takes in the requests that finished and the transformations that ended."""
+        for row, t in self.xforms:
+            if math.isnan(row["end"]) and t.done:
+                self.finish_transform(row, t)
+        finished = wide = False
+        still = []
+        for r in self.active:
+            if r.handle.finished:
+                r.status = FINISHED
+                finished = True
+                wide |= r.tp > 1
+            else:
+                still.append(r)
+        self.active = still
+        # the policy hears of it once the main thread is between decisions (react)
+        self.want_reconsider |= finished and bool(self.deferred)
+        self.want_rebalance |= wide or bool(self.held)
+
+    def react(self):
+        """What the steps that ended call for: the deferred requests when a request finished
+        (room freed), the policy's rebalance after steps of TP > 1 or held instances, and both
+        after a transformation (settle)."""
+        if self.want_reconsider:
+            self.want_reconsider = False
+            self.reconsider()
+        if self.want_rebalance:
+            self.want_rebalance = False
+            self.rebalance()
+        self.settle()
+
+    # ---- the view ----
+    def view(self):
+        insts = sorted(self.host.instances, key=lambda inst: min(inst.workers))
+        pending = {}
+        for r in self.deferred:
+            if r.group[1] > 0:
+                pending[r.group] = pending.get(r.group, 0) + r.footprint
+        pend = np.zeros(len(pending), GROUP_DTYPE)
+        for row, (g, fp) in zip(pend, pending.items()):
+            row["gpu_first"], row["size"], row["footprint"] = g[0], g[1], fp
+        mine = {inst: [] for inst in insts}
+        for r in self.active:
+            mine.setdefault(r.inst, []).append(r)
+        inst_view = np.zeros(len(insts), INST_VIEW_DTYPE)
+        staggered = self._staggered()
+        for row, i in zip(inst_view, insts):
+            g, c, rs = min(i.workers), self.cache[i], mine[i]
+            transforming = bool(staggered & set(i.workers))
+            row["gpu_first"], row["tp"] = g, i.tp
+            row["xform"] = XFORM_MERGING if transforming else XFORM_NONE
+            row["placeable"] = 0 if transforming else 1
+            row["held"] = (g, i.tp) in self.held
+            row["reserved"] = any(g < pg + ps and pg < g + i.tp for pg, ps in pending)
+            row["max_min_tp"] = max((r.min_tp for r in rs), default=0)
+            row["kv_total"] = c["capacity"]
+            row["kv_used"] = c["kv_used"]
+            row["footprint"] = sum(r.footprint for r in rs)
+            row["max_footprint"] = max((r.footprint for r in rs), default=0)
+            row["n_requests"] = len(rs)
+            row["n_running"] = c["running"]
+            row["n_waiting"] = max(c["waiting"], len(rs) - c["running"])
+            row["pending_prefill"] = sum(r.prompt - c["computed"].get(r.handle.id, 0)
+                                         for r in rs if not r.handle.output_tokens)
+            row["pending_output"] = sum(r.output - len(r.handle.output_tokens) for r in rs)
+        return View(inst=inst_view, capacity=self.capacity, n_gpus=self.n_gpus,
+                    gpus_per_host=self.n_gpus, max_tp=self.max_tp, block_size=self.block_size,
+                    watermark=0.0, now=self.now(), pending=pend), insts
+
+    # ---- decisions ----
+    def decide(self, r):
+        start = time.perf_counter()
+        view, insts = self.view()
+        d = _decision(self.policy._c.place(view.as_tuple(), (
+            r.index, r.prompt, r.output, r.footprint, r.min_tp, int(r.deferred_before),
+            r.group[0], r.group[1], r.arrival)))
+        self.stats["policy_seconds"] += time.perf_counter() - start
+        self.stats["n_decisions"] += 1
+        if d.action == "place":
+            inst = insts[d.target]
+            if view.inst[d.target]["kv_total"] < r.footprint or \
+                    view.inst[d.target]["placeable"] == 0:
+                raise ExperimentError(
+                    f"policy {self.policy.name} placed request {r.index} ({r.footprint} blocks) "
+                    f"on the TP{inst.tp} instance at worker {min(inst.workers)}, which cannot "
+                    f"take it ({view.inst[d.target]['kv_total']} blocks)")
+            self.submit(r, inst)
+        elif d.action == "defer":
+            r.status = DEFERRED
+            r.deferred_before = True
+            r.group = d.group
+            self.deferred.append(r)
+        elif d.action == "reject":
+            r.status = REJECTED
+        else:  # pragma: no cover - _C.Policy refuses other actions
+            raise ExperimentError(f"policy {self.policy.name} returned {d.action!r}")
+        self.apply(d.ops)
+
+    def submit(self, r, inst):
+        rng = np.random.default_rng([self.seed, r.index])
+        tokens = rng.integers(3, self.vocab, size=r.prompt).tolist()
+        params = SamplingParams(max_tokens=r.output, temperature=self.temperature,
+                                seed=(self.seed * 1_000_003 + r.index) % 2**63, ignore_eos=True)
+        self.quiesce(inst)
+        r.handle = self.host.submit(tokens, params, instance=self.host.instances.index(inst))
+        r.status = QUEUED
+        r.group = (0, 0)
+        r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
+        self.by_id[r.handle.id] = r
+        self.active.append(r)
+
+    def reconsider(self):
+        todo, self.deferred = self.deferred, []
+        for r in todo:
+            self.decide(r)
+
+    def rebalance(self):
+        if not self.policy.rebalances:
+            return
+        start = time.perf_counter()
+        view, _ = self.view()
+        d = _decision(self.policy._c.rebalance(view.as_tuple()))
+        self.stats["policy_seconds"] += time.perf_counter() - start
+        self.stats["n_rebalances"] += 1
+        self.apply(d.ops)
+
+    def settle(self):
+        """After a transformation: the deferred requests, then the policy's rebalance, until
+        nothing more changes (bounded: a policy that merges and splits in turn stops here)."""
+        for _ in range(16):
+            if not self.dirty:
+                return
+            self.dirty = False
+            self.reconsider()
+            self.rebalance()
+
+    # ---- ops ----
+    def _inst_at(self, g, tp):
+        for inst in self.host.instances:
+            if min(inst.workers) == g and inst.tp == tp:
+                return inst
+        return None
+
+    def refuse(self, why):
+        self.stats["n_ops_refused"] += 1
+        self.stats["refusals"][why] = self.stats["refusals"].get(why, 0) + 1
+
+    def apply(self, ops):
+        for kind, g, size in ops:
+            if kind in ("hold", "unhold"):
+                if self._inst_at(g, size) is None:
+                    self.refuse(f"{kind}: no TP{size} instance at worker {g}")
+                elif kind == "hold":
+                    self.held.add((g, size))
+                else:
+                    self.held.discard((g, size))
+                continue
+            if kind == "merge":
+                sources = [self._inst_at(g, size // 2), self._inst_at(g + size // 2, size // 2)]
+                if size < 2 or None in sources:
+                    self.refuse(f"merge: workers {g}..{g + size - 1} are not two TP{size // 2} "
+                                f"instances")
+                    continue
+                self.transform(0, g, size // 2, size, sources)
+            elif kind == "split":
+                src = self._inst_at(g, size)
+                if size < 2 or src is None:
+                    self.refuse(f"split: no TP{size} instance at worker {g}")
+                    continue
+                self.transform(1, g, size, size // 2, [src])
+
+    def transform(self, kind, g, tp_from, tp_to, sources):
+        host = self.host
+        if any(not t.done for t in host.transformations):
+            self.refuse("a transformation is under way")
+            return
+        for inst in sources:
+            self.quiesce(inst)
+        moving = [r for r in self.active if r.inst in sources]
+        start_wall, start = time.perf_counter(), self.now()
+        workers = tuple(range(g, g + max(tp_from, tp_to)))
+        from .transform import TransformError
+        try:
+            t = host.transform(workers=workers, tp=tp_to, method=self.method,
+                               layers_per_step=self.layers_per_step if kind == 0 else None)
+        except (TransformError, GygesError) as e:
+            self.refuse(f"{('merge', 'split')[kind]}: {type(e).__name__}")
+            self.last_refusal = str(e)
+            return
+        self.stats["transform_seconds"] += time.perf_counter() - start_wall
+        for inst in sources:
+            self.held.discard((min(inst.workers), inst.tp))
+            self.cache.pop(inst, None)
+            self.layout_events.append((start, min(inst.workers), inst.tp, -1))
+        for r in moving:
+            r.migrations += 1
+        self.stats["n_migrations"] += len(moving)
+        row = {"kind": kind, "gpu": g, "tp_from": tp_from, "tp_to": tp_to, "start": start,
+               "phase_end": math.nan, "end": math.nan, "migrated": len(moving)}
+        self.xforms.append((row, t))
+        new = [inst for inst in host.instances if g <= min(inst.workers) < g + len(workers)]
+        for inst in new:
+            self.refresh(inst)
+            self.layout_events.append((start, min(inst.workers), inst.tp, +1))
+            for rid in list(inst.requests):
+                r = self.by_id.get(rid)
+                if r is not None:
+                    r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
+        if t.done:
+            self.finish_transform(row, t)
+
+    def finish_transform(self, row, t):
+        row["end"] = row["phase_end"] = self.now()
+        s = t.stats
+        n = max(len(t.workers), 1)
+        row["kv_bytes"] = sum(s["bytes_received"].values()) / n
+        row["weight_bytes"] = (sum(s["weight_bytes_released"].values()) +
+                               sum(s["weight_bytes_copied"].values())) / n
+        self.stats["n_merges" if row["kind"] == 0 else "n_splits"] += 1
+        self.dirty = True
+
+    def sample(self):
+        t = self.now()
+        staggered = self._staggered()
+        for inst in sorted(self.host.instances, key=lambda i: min(i.workers)):
+            c = self.cache[inst]
+            g = min(inst.workers)
+            self.samples.append((t, g, inst.tp, int(bool(staggered & set(inst.workers))),
+                                 int((g, inst.tp) in self.held), c["kv_used"], c["capacity"],
+                                 c["running"], c["waiting"]))
+
+
+def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: dict | None = None,
+        progress: bool = False, *, layout: str | None = None, seed: int = 0,
+        temperature: float = 0.0, method: str = "gyges", layers_per_step: int | None = None,
+        idle: str = "skip", time_limit: float | None = None,
+        sample_interval: float | None = None, max_tp: int | None = None,
+        decode_weight: float = 8.0, scale_down_free: float = 0.5,
+        scale_up_load: float = 16384.0, scale_up_cap: float = 0.5, merge_wait: float = 1.0,
+        eager_scale_up: bool = True, record_steps: bool = False) -> Results:
+    """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
+    module docstring); returns gyges.results.Results.
+
+    host: a gyges.Host with no requests (its layout is where the run starts); None builds one:
+    the tiny model on 4 CPU workers of 24MiB in `layout` (default 4xTP1). time_scale: wall
+    seconds per trace second. Prompts are random tokens (seeded by `seed` and the request's
+    index), outputs exactly the trace's lengths (ignore_eos), sampled at `temperature`.
+    A request that no TP up to max_tp (default: the host's largest) can hold, or longer than
+    the model's positions, has min_tp 0 and every policy rejects it.
+    method / layers_per_step: how merges run (host.transform); scale-downs run at once.
+    idle: "skip" (jump the clock over idle gaps) or "sleep". time_limit: wall seconds after
+    which the run stops (requests still queued stay unfinished, deferred ones unserved).
+    sample_interval: seconds between per-instance samples and throughput bins (default about
+    1/100 of the scaled trace, at least 0.1 s). The policy knobs are gyges.sim.run's, in the
+    host's seconds and tokens; merge_wait defaults to 1 s here (10 s in the simulator), since a
+    real run lasts seconds. slo: kept for Results.summary (goodput). record_steps: also keep
+    every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
+    res.save), the samples CostModel.profiled fits.
+    """
+    t_wall = time.perf_counter()
+    traces.validate(trace)
+    if trace.shape[0] == 0:
+        raise ExperimentError("the trace has no requests")
+    if policy not in POLICIES:
+        raise ExperimentError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    time_scale = _check_number("time_scale", time_scale, 0.0, low_open=True)
+    if idle not in ("skip", "sleep"):
+        raise ExperimentError(f"idle must be 'skip' or 'sleep', got {idle!r}")
+    if time_limit is not None:
+        time_limit = _check_number("time_limit", time_limit, 0.0, low_open=True)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ExperimentError(f"seed must be an int >= 0, got {seed!r}")
+    _check_number("temperature", temperature, 0.0)
+    if layers_per_step is not None and (isinstance(layers_per_step, bool) or
+                                        not isinstance(layers_per_step, int) or
+                                        layers_per_step < 1):
+        raise ExperimentError(f"layers_per_step must be a positive int or None, got "
+                              f"{layers_per_step!r}")
+    pol = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
+                 scale_up_cap=scale_up_cap, merge_wait=merge_wait, scale_up_load=scale_up_load,
+                 eager_scale_up=eager_scale_up)
+
+    from .host import Host
+    if host is None:
+        from .model import Model
+        host = Host(Model.tiny(), workers=4, memory_per_worker="24MiB", layout=layout or "4xTP1")
+    elif not isinstance(host, Host):
+        raise ExperimentError(f"host must be a gyges.Host, got {type(host).__name__}")
+    elif layout is not None and layout.replace(" ", "") != host.layout():
+        raise ExperimentError(f"the host's layout is {host.layout()!r}, not {layout!r}; layout= "
+                              f"only applies when run() builds the host")
+    if host.has_unfinished():
+        raise ExperimentError("the host still serves requests or transforms; give run() an "
+                              "idle host")
+    n_gpus = len(host._workers)
+    if n_gpus & (n_gpus - 1):
+        raise ExperimentError(f"the policies need a power-of-two number of workers (aligned "
+                              f"groups), the host has {n_gpus}")
+    largest = min(host.max_tp, n_gpus)
+    if max_tp is None:
+        max_tp = largest
+    elif isinstance(max_tp, bool) or not isinstance(max_tp, int) or max_tp < 1 or \
+            max_tp & (max_tp - 1) or max_tp > largest:
+        raise ExperimentError(f"max_tp must be a power of two <= {largest}, got {max_tp!r}")
+    if max(inst.tp for inst in host.instances) > max_tp:
+        raise ExperimentError(f"the host's layout {host.layout()} has an instance above "
+                              f"max_tp={max_tp}")
+
+    n = trace.shape[0]
+    arrival = np.asarray(trace["arrival"], np.float64)
+    rel = (arrival - arrival[0]) * time_scale
+    span = float(rel[-1])
+    if sample_interval is None:
+        sample_interval = max(0.1, span / 100)
+    sample_interval = _check_number("sample_interval", sample_interval, 0.0, low_open=True)
+
+    rp = _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
+                 layers_per_step, idle, sample_interval, max_tp, bool(record_steps))
+    t0 = host.now()
+    for inst in sorted(host.instances, key=lambda i: min(i.workers)):
+        rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
+    for i in range(n):
+        prompt, output = int(trace["input_tokens"][i]), int(trace["output_tokens"][i])
+        fp = -(-(prompt + output) // rp.block_size)
+        min_tp = 0 if prompt + output > rp.max_pos else _min_tp(fp, rp.capacity)
+        rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i])))
+    try:
+        stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
+    finally:
+        rp.quiesce_all()
+        rp.pool.shutdown(wait=True)
+    rp.sample()
+    res = _results(rp, t0, policy, pol, slo, time.perf_counter() - t_wall, stopped)
+    if record_steps:
+        res.steps = np.array(rp.steps, dtype=STEP_DTYPE)
+    return res
+
+
+def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
+    """Arrivals, steps and timers until every request is done (or time_limit); returns whether
+    time_limit stopped it."""
+    host = rp.host
+    nxt, next_sample, shown = 0, t0, 0.0
+    stuck_since = None
+    merge_wait = rp.policy.config["merge_wait"]
+    while True:
+        now = host.now()
+        if time_limit is not None and time.perf_counter() - t_wall > time_limit:
+            return True
+        while nxt < n and rp.reqs[nxt].arrival <= now:
+            rp.decide(rp.reqs[nxt])
+            nxt += 1
+            rp.react()
+        if now >= next_sample:
+            rp.sample()
+            next_sample = now + rp.sample_interval
+            if rp.deferred:  # a policy may wait for time alone (gyges' merge_wait)
+                rp.reconsider()
+                rp.react()
+        if progress and time.perf_counter() - shown > 1.0:
+            shown = time.perf_counter()
+            done = sum(r.status in (FINISHED, REJECTED) for r in rp.reqs)
+            sys.stderr.write(f"\rexperiment {policy}: {now - t0:7.1f} s, {done}/{n} requests "
+                             f"done, layout {host.layout():<16}")
+            sys.stderr.flush()
+        rp.launch()
+        if rp.running:
+            stuck_since = None
+            until = min(rp.reqs[nxt].arrival, next_sample) if nxt < n else next_sample
+            rp.wait(min(max(until - host.now(), 0.0), 0.25))
+            rp.react()
+            continue
+        # nothing runs
+        if rp.deferred:
+            rp.reconsider()
+            rp.react()
+            if rp.busy():
+                continue
+            if stuck_since is None:
+                stuck_since = host.now()
+        if nxt < n:
+            rp.skip_to(min(rp.reqs[nxt].arrival, next_sample) if rp.deferred else
+                       rp.reqs[nxt].arrival)
+            continue
+        if not rp.deferred:
+            if progress and shown:
+                sys.stderr.write("\n")
+            return False
+        # only deferred requests are left and nothing serves: let the policy's timers run out
+        if host.now() - stuck_since > merge_wait + rp.sample_interval:
+            return False
+        rp.skip_to(host.now() + rp.sample_interval)
+
+
+def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
+    n = len(rp.reqs)
+    req = np.zeros(n, REQUEST_DTYPE)
+    token_rows = []
+    for r, row in zip(rp.reqs, req):
+        row["arrival"] = r.arrival - t0
+        row["scheduled"] = row["first_token"] = row["finish"] = math.nan
+        row["input_tokens"], row["output_tokens"] = r.prompt, r.output
+        row["status"], row["min_tp"], row["gpu"], row["tp"] = r.status, r.min_tp, r.gpu, r.tp
+        row["preemptions"], row["migrations"] = r.preemptions, r.migrations
+        h = r.handle
+        if h is None:
+            continue
+        m = h.metrics
+        scheduled = m.scheduled
+        if not h.finished:  # cut by time_limit: ask its instance when it was first scheduled
+            for inst in rp.host.instances:
+                if h.id in inst.requests:
+                    scheduled = inst._c.info(h.id)["first_scheduled"]
+        if scheduled is not None and scheduled >= 0:
+            row["scheduled"] = scheduled - t0
+        if m.token_times:
+            row["first_token"] = m.token_times[0] - t0
+        if h.finished:
+            row["finish"] = m.finish - t0
+        token_rows += [(r.index, t - t0) for t in m.token_times]
+    tokens = np.array(token_rows, dtype=TOKEN_DTYPE)
+    bin_s = rp.sample_interval
+    end = max(float(np.nanmax(req["finish"])) if np.isfinite(req["finish"]).any() else 0.0,
+              float(tokens["time"].max()) if tokens.size else 0.0)
+    n_bins = int(end // bin_s) + 1
+    bins_output = np.bincount((tokens["time"] // bin_s).astype(np.int64),
+                              minlength=n_bins).astype(np.float64)[:n_bins] \
+        if tokens.size else np.zeros(n_bins)
+    bins_prompt = np.zeros(n_bins)
+    started = np.isfinite(req["first_token"])
+    np.add.at(bins_prompt, np.minimum((req["first_token"][started] // bin_s).astype(np.int64),
+                                      n_bins - 1), req["input_tokens"][started])
+    xf = np.zeros(len(rp.xforms), TRANSFORM_DTYPE)
+    for out, (row, _) in zip(xf, rp.xforms):
+        out["kind"], out["gpu"], out["tp_from"], out["tp_to"] = (row["kind"], row["gpu"],
+                                                                 row["tp_from"], row["tp_to"])
+        out["start"] = row["start"] - t0
+        out["phase_end"] = row["phase_end"] - t0
+        out["end"] = row["end"] - t0
+        out["kv_bytes"] = row.get("kv_bytes", math.nan)
+        out["weight_bytes"] = row.get("weight_bytes", math.nan)
+        out["migrated"] = row["migrated"]
+    lay = np.zeros(len(rp.layout_events), LAYOUT_DTYPE)
+    for out, (t, g, tp, change) in zip(lay, rp.layout_events):
+        out["time"], out["gpu"], out["tp"], out["change"] = t - t0, g, tp, change
+    tl = np.array([(t - t0, *rest) for t, *rest in rp.samples], dtype=TIMELINE_DTYPE)
+    host = rp.host
+    w = host.worker(0)
+    config = {"policy": policy, "executor": "gyges.Host", "model": repr(host.model),
+              "hosts": 1, "gpus_per_host": rp.n_gpus, "workers": rp.n_gpus,
+              "memory_per_worker": host.memory_per_worker, "page_size": w.page_size,
+              "layout": rp.initial_layout, "max_tp": rp.max_tp,
+              "capacity_blocks": rp.capacity.tolist(), "block_size": rp.block_size,
+              "max_batch_tokens": host.max_batch_tokens, "max_running": host.max_running,
+              "max_prefill_chunk": host.max_prefill_chunk, "watermark": 0.0,
+              "time_scale": rp.time_scale, "idle": rp.idle, "method": rp.method,
+              "layers_per_step": rp.layers_per_step, "seed": rp.seed,
+              "temperature": rp.temperature, **pol.config,
+              "sample_interval": rp.sample_interval, "record_tokens": True}
+    status = req["status"]
+    stats = {"now": host.now() - t0, "n_requests": n,
+             "n_arrived": int(sum(r.status != PENDING for r in rp.reqs)),
+             "n_finished": int((status == FINISHED).sum()),
+             "n_rejected": int((status == REJECTED).sum()),
+             "n_deferred": int((status == DEFERRED).sum()), "stopped_by_time_limit": stopped,
+             "final_layout": host.layout(), **rp.stats}
+    return Results(requests=req, timeline=tl, layout=lay, transformations=xf,
+                   bins_output=bins_output, bins_prompt=bins_prompt, bin_seconds=bin_s,
+                   config=config, stats=stats, slo=slo, wall_seconds=wall, tokens=tokens)
+
