@@ -360,7 +360,7 @@ class _Replay:
         if self.idle == "sleep":
             time.sleep(gap)
         else:
-            self.host._start -= gap  # every timestamp of the host comes from Host.now()
+            self.host.advance_clock(gap)  # every timestamp of the host comes from Host.now()
             self.stats["skipped_idle_seconds"] += gap
 
     # ---- steps ----

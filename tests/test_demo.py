@@ -1,0 +1,16 @@
+"""`make demo` is part of the test suite: the main job runs to the end and prints its table."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_make_demo_runs_and_prints_the_comparison():
+    run = subprocess.run([sys.executable, "-m", "gyges.demo"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    for expected in ("merged live into TP4", "static 4xTP1", "static 1xTP4", "transformations",
+                     "demo finished"):
+        assert expected in out, f"{expected!r} missing from the demo's output"
