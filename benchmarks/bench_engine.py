@@ -60,6 +60,7 @@ def decode_rate(engine, batch, prompt_len=8, max_tokens=DECODE_TOKENS):
 
 
 def prefill_rate(engine, prompt_len=512):
+    prompt_len = min(prompt_len, engine.model.config.max_position_embeddings - 2)
     params = gyges.SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = [(3 * j) % 1000 + 1 for j in range(prompt_len)]
     best = min(_timed(lambda: engine.generate([prompt], params)) for _ in range(3))

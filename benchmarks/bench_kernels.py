@@ -6,6 +6,9 @@ weight read once per step) and batch 32 (compute-bound): time per call, GFLOP/s,
 next to the read bandwidth of the same number of bytes measured by a plain C read loop
 (_C.kernel_stream_read) with the same thread count, plus a 512 MiB read (DRAM).
 
+Batch 32 is also shown as a fraction of the FMA peak of the same thread count
+(_C.kernel_fma_peak: independent FMA chains on every thread).
+
 "hot" timings: the same weights every call, as in a decode loop whose model fits the caches (the
 15M model's 60 MB does on a 300 MB L3; the 110M model's 440 MB does not: compare with the DRAM
 row). Fixed seeds; best of 5.
@@ -74,6 +77,7 @@ def main():
     rng = np.random.default_rng(0)
 
     dram = {t: read_bandwidth(512 * 2**20, t, min_seconds) for t in thread_counts}
+    peak = {t: max(_C.kernel_fma_peak(t) for _ in range(3)) for t in thread_counts}
     rows, roof = [], {}
     for out, in_ in SHAPES:
         forms = ["linear", "linear_t"] if out < in_ else ["linear"]
@@ -87,17 +91,21 @@ def main():
                             roof[key] = read_bandwidth(key[0], threads, min_seconds)
                         row["read_gbs"] = roof[key]
                         row["pct_read"] = 100.0 * row["gbs"] / row["read_gbs"]
+                        row["pct_peak"] = 100.0 * row["gflops"] * 1e9 / peak[threads]
                         rows.append(row)
     print_table(
         f"linear kernels ({_C.kernel_isa()} path, {os.cpu_count()} CPUs; "
-        + ", ".join(f"512 MiB read {dram[t]:.1f} GB/s at {t} thread(s)" for t in thread_counts) + ")",
+        + ", ".join(f"512 MiB read {dram[t]:.1f} GB/s and FMA peak {peak[t] / 1e9:.0f} GFLOP/s at "
+                    f"{t} thread(s)" for t in thread_counts) + ")",
         rows,
         [("form", "form", "{}"), ("out", "out", "{}"), ("in", "in", "{}"), ("dtype", "dtype", "{}"),
          ("n", "batch", "{}"), ("threads", "thr", "{}"), ("us", "us/call", "{:.1f}"),
          ("gflops", "GFLOP/s", "{:.1f}"), ("gbs", "weight GB/s", "{:.1f}"),
-         ("read_gbs", "read GB/s (same bytes)", "{:.1f}"), ("pct_read", "% of read", "{:.0f}")])
+         ("read_gbs", "read GB/s (same bytes)", "{:.1f}"), ("pct_read", "% of read", "{:.0f}"),
+         ("pct_peak", "% of FMA peak", "{:.0f}")])
     write_json("bench_kernels", {"isa": _C.kernel_isa(), "cpus": os.cpu_count(),
                                  "dram_read_gbs": {str(t): v for t, v in dram.items()},
+                                 "fma_peak_flops": {str(t): v for t, v in peak.items()},
                                  "rows": rows})
 
 

@@ -189,10 +189,109 @@ def test_avx512_and_portable_paths_give_the_same_bits(dtype):
         _C.kernel_exp(e, g, g.size)
         s = np.empty_like(g)
         _C.kernel_swiglu(s, g, g[::-1].copy(), g.size)
+        norm = np.empty((3, 83), np.float32)
+        _C.kernel_rmsnorm(norm, x[:3].copy(), x[3].copy(), 3, 83, 1e-5)
+        tree = np.empty(301, np.float32)
+        _C.kernel_add_tree(tree, [g, g[::-1].copy(), e, s], 301)
         results[isa] = [linear(x, w, DTYPES[dtype], k_splits=1), linear(x, wt, DTYPES[dtype], transposed=True),
-                        e, s]
+                        e, s, norm, tree]
     for a, b in zip(results["portable"], results["avx512"]):
         assert same_bits(a, b)
+
+
+# The batched paths (gy_cpu_linear packs x and runs 8-row tiles of W against 3 rows at a time;
+# gy_cpu_linear_t runs register tiles of 4 rows over strips of up to 6 vectors) must give every row
+# the bits of the batch-1 path and of the portable path (the plain definition: gy_dot_ref per
+# output, or the sequential chain), whatever the batch, the thread count, the k-splits and sizes
+# that leave partial lane blocks, partial tiles and partial groups.
+ODD_SHAPES = [(1, 3), (17, 9), (31, 20), (33, 17), (64, 8), (77, 45), (290, 13), (66, 100)]  # (in, out)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_out_in", "w_in_out"])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("in_,out", ODD_SHAPES)
+def test_batched_paths_give_the_batch1_and_portable_bits(in_, out, dtype, transposed):
+    r = rng(in_ * 7 + out)
+    nmax = 40
+    x = r.standard_normal((nmax, in_), np.float32)
+    w32 = r.standard_normal((in_, out) if transposed else (out, in_), np.float32)
+    w, w_exact = store(w32, DTYPES[dtype])
+    bias = r.standard_normal(out, np.float32)
+    for k_splits in [k for k in (1, 2, 4) if in_ % k == 0]:
+        rows = {}
+        for isa in ISAS:
+            _C.kernel_set_isa(isa)
+            rows[isa] = np.concatenate([linear(x[i:i + 1], w, DTYPES[dtype], bias, k_splits,
+                                               transposed=transposed) for i in range(nmax)])
+        _C.kernel_set_isa(_C.kernel_isa_best())
+        check_close(rows["portable"], x, w_exact, bias, transposed)
+        assert same_bits(rows[ISAS[-1]], rows["portable"]), k_splits
+        for n in range(1, nmax + 1):
+            threads = 1 + n % 3
+            start = (n * 5) % (nmax - n + 1)
+            y = linear(x[start:start + n], w, DTYPES[dtype], bias if n % 2 else None, k_splits,
+                       threads=threads, transposed=transposed)
+            want = rows["portable"][start:start + n]
+            if n % 2 == 0:  # without the bias: the same tree, no addition
+                want = np.concatenate([linear(x[i:i + 1], w, DTYPES[dtype], None, k_splits,
+                                              transposed=transposed) for i in range(start, start + n)])
+            assert same_bits(y, want), (k_splits, n, threads)
+
+
+def test_batched_linear_on_model_shapes_matches_batch1():
+    """The decoder's shapes (15M: in 288, out 288/384/32000 cut short here) at the batch sizes the
+    engine runs, fp32 and bf16, 2 threads."""
+    r = rng(31)
+    for dtype in ("f32", "bf16"):
+        for in_, out in ((288, 288), (288, 384), (768, 200), (288, 1000)):
+            x = r.standard_normal((32, in_), np.float32)
+            w, _ = store(r.standard_normal((out, in_), np.float32), DTYPES[dtype])
+            wt, _ = store(r.standard_normal((in_, out), np.float32), DTYPES[dtype])
+            for tr, ww in ((False, w), (True, wt)):
+                one = np.concatenate([linear(x[i:i + 1], ww, DTYPES[dtype], transposed=tr, threads=2)
+                                      for i in range(32)])
+                for n in (2, 3, 4, 7, 32):
+                    assert same_bits(linear(x[:n], ww, DTYPES[dtype], transposed=tr, threads=2), one[:n])
+
+
+def test_fma_peak_is_a_plausible_rate():
+    for threads in (1, 2):
+        flops = _C.kernel_fma_peak(threads, 0.01)
+        assert 1e8 < flops < 1e14
+    with pytest.raises(gyges.InvalidArgumentError):
+        _C.kernel_fma_peak(1, 0.0)
+
+
+def test_greedy_sampling_on_both_paths_is_numpy_argmax():
+    """The sampler's greedy scan (gy_cpu_argmax_checked) on each kernel path: the first maximum,
+    -inf skipped, and NaN / +inf / all -inf rows refused."""
+    r = rng(32)
+    V, n = 32000, 8
+    x = r.standard_normal((n, V), np.float32)
+    x[1, [3, 17, 31999]] = 9.0  # ties: the lowest index
+    x[2, :] = np.round(x[2])
+    x[3, :-1] = -np.inf
+    x[4, 16:] = -np.inf
+    x[5, 31999] = 12.0  # the maximum in the last element
+    x[6, 0] = 0.0
+    x[6, 1:] = -0.0
+    params = [(0.0, 0, 1.0, i, i) for i in range(n)]
+    for isa in ISAS:
+        _C.kernel_set_isa(isa)
+        assert _C.sample(x, n, V, params) == [int(np.argmax(row)) for row in x]
+        for v in (33, 1, 17):
+            xs = np.ascontiguousarray(x[:, :v])
+            xs[:, -1] = np.where(np.isinf(xs).all(axis=1), 1.0, xs[:, -1])
+            assert _C.sample(xs, n, v, params) == [int(np.argmax(row)) for row in xs]
+        for bad in (np.nan, np.inf):
+            y = x.copy()
+            y[3, 5] = bad
+            with pytest.raises(gyges.InvalidArgumentError, match="row 3"):
+                _C.sample(y, n, V, params)
+        y = x.copy()
+        y[7, :] = -np.inf
+        with pytest.raises(gyges.InvalidArgumentError, match="row 7"):
+            _C.sample(y, n, V, params)
 
 
 # ---- norm, rope, activation, embedding, argmax ------------------------------------------------

@@ -90,31 +90,40 @@ static float gy_attn_softmax_weights(float *s, int64_t len, float m) {
 #define GY_ATTN_GROUP 4 /* pairs of one token whose V passes run together */
 
 #if GY_CPU_HAVE_AVX512
+/* Block by block: within a block the rows of a head are base + slot * stride_token, so the walk
+ * over positions is a pointer step; the pairs share the token's blocks (their heads differ). */
 GY_INLINE void gy_attn_weighted_v_avx512(const gy_attn_ctx *c, int64_t pair0, const int NP,
                                          const float *e, int64_t stride, int64_t len, int64_t seq,
                                          const int64_t *kvh, const float *sum) {
-    const int64_t d = c->layout->head_dim;
+    const gy_kv_layout *L = c->layout;
+    const int64_t d = L->head_dim, bs = L->block_size, st = L->stride_token;
+    const int32_t *blocks = c->batch->bt_indices + c->batch->bt_indptr[seq];
     for (int64_t d0 = 0; d0 < d; d0 += 64) { /* 4 vectors of each head at a time */
         __mmask16 m[4];
         for (int v = 0; v < 4; v++) m[v] = gy_simd_mask(d - d0 - 16 * v > 0 ? d - d0 - 16 * v : 0);
         const int nv = d - d0 >= 64 ? 4 : (int)((d - d0 + 15) / 16);
         __m512 acc[GY_ATTN_GROUP][4];
-        gy_attn_rows it[GY_ATTN_GROUP];
 #pragma GCC unroll 4
-        for (int p = 0; p < NP; p++) {
+        for (int p = 0; p < NP; p++)
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) acc[p][v] = _mm512_setzero_ps();
-            gy_attn_rows_init(&it[p], c, seq, 1, kvh[p]);
-        }
-        for (int64_t j = 0; j < len; j++) {
+        for (int64_t j0 = 0; j0 < len; j0 += bs) {
+            const int64_t n = len - j0 < bs ? len - j0 : bs;
+            const float *vb[GY_ATTN_GROUP];
 #pragma GCC unroll 4
-            for (int p = 0; p < NP; p++) {
-                const float *vr = gy_attn_rows_next(&it[p]) + d0;
-                const __m512 ej = _mm512_set1_ps(e[p * stride + j]);
+            for (int p = 0; p < NP; p++)
+                vb[p] = c->kv + gy_kv_layout_offset(L, 1, blocks[j0 / bs], 0, kvh[p]) + d0;
+            for (int64_t t = 0; t < n; t++) {
 #pragma GCC unroll 4
-                for (int v = 0; v < 4; v++)
-                    if (v < nv)
-                        acc[p][v] = _mm512_fmadd_ps(ej, _mm512_maskz_loadu_ps(m[v], vr + 16 * v), acc[p][v]);
+                for (int p = 0; p < NP; p++) {
+                    const float *vr = vb[p] + t * st;
+                    const __m512 ej = _mm512_set1_ps(e[p * stride + j0 + t]);
+#pragma GCC unroll 4
+                    for (int v = 0; v < 4; v++)
+                        if (v < nv)
+                            acc[p][v] = _mm512_fmadd_ps(ej, _mm512_maskz_loadu_ps(m[v], vr + 16 * v),
+                                                        acc[p][v]);
+                }
             }
         }
 #pragma GCC unroll 4
@@ -125,6 +134,52 @@ GY_INLINE void gy_attn_weighted_v_avx512(const gy_attn_ctx *c, int64_t pair0, co
             for (int v = 0; v < 4; v++)
                 _mm512_mask_storeu_ps(out + 16 * v, m[v], _mm512_div_ps(acc[p][v], sv));
         }
+    }
+}
+
+/* Scores of 16 rows base + r * stride (r < 16) against q [d] in dot.h's order (gy_dot_ref(row, q)),
+ * times scale, into s[0..16). Row by row: each row's chain over its d / 16 blocks is short, the 16
+ * rows are independent, and one running pointer walks them. NV > 0: d = 16 * NV, q held in
+ * registers and every loop unrolled; NV = 0: any d. */
+GY_INLINE void gy_attn_scores16_body(float *s, const float *base, int64_t stride, const float *q,
+                                     int64_t d, float scale, const int NV) {
+    __m512 acc[16], qv[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(q + 16 * v);
+    const int64_t full = d / 16 * 16;
+    const __mmask16 m = gy_simd_mask(d - full);
+    const float *row = base;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+        __m512 a = _mm512_setzero_ps();
+        if (NV > 0) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), qv[v], a);
+        } else {
+            for (int64_t k = 0; k < full; k += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(row + k), _mm512_loadu_ps(q + k), a);
+            if (full < d)
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row + full),
+                                    _mm512_maskz_loadu_ps(m, q + full), a);
+        }
+        acc[r] = a;
+        row += stride;
+        __asm__("" : "+r"(row)); /* one running pointer, not 16 */
+    }
+    _mm512_storeu_ps(s, _mm512_mul_ps(gy_simd_lane_tree16(acc), _mm512_set1_ps(scale)));
+}
+
+static void gy_attn_scores16_avx512(float *s, const float *base, int64_t stride, const float *q,
+                                    int64_t d, float scale) {
+    switch (d) { /* the common head sizes, as constants */
+    case 32: gy_attn_scores16_body(s, base, stride, q, d, scale, 2); return;
+    case 48: gy_attn_scores16_body(s, base, stride, q, d, scale, 3); return;
+    case 64: gy_attn_scores16_body(s, base, stride, q, d, scale, 4); return;
+    case 80: gy_attn_scores16_body(s, base, stride, q, d, scale, 5); return;
+    case 96: gy_attn_scores16_body(s, base, stride, q, d, scale, 6); return;
+    case 128: gy_attn_scores16_body(s, base, stride, q, d, scale, 8); return;
+    default: gy_attn_scores16_body(s, base, stride, q, d, scale, 0); return;
     }
 }
 #endif
@@ -187,10 +242,25 @@ static float gy_attn_weights(const gy_attn_ctx *c, int64_t pair, int64_t seq, in
                              int64_t kvh, float *s) {
     const int64_t d = c->layout->head_dim;
     const float *q = c->q + pair * d;
+    int64_t j0 = 0;
+#if GY_CPU_HAVE_AVX512
+    /* Whole tiles of 16 positions inside one block (blocks of a multiple of 16 positions): the
+     * rows are at a fixed stride. */
+    const int64_t bs = c->layout->block_size;
+    if (gy_cpu_isa_get() == GY_CPU_ISA_AVX512 && bs % 16 == 0) {
+        const int32_t *blocks = c->batch->bt_indices + c->batch->bt_indptr[seq];
+        for (; j0 + 16 <= len; j0 += 16) {
+            const float *rows = c->kv + gy_kv_layout_offset(c->layout, 0, blocks[j0 / bs], j0 % bs, kvh);
+            gy_attn_scores16_avx512(s + j0, rows, c->layout->stride_token, q, d, c->scale);
+        }
+    }
+#endif
     /* Scores, 16 positions per tile (a short last tile repeats the last position). */
     gy_attn_rows it;
     gy_attn_rows_init(&it, c, seq, 0, kvh);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    it.block = j0 / c->layout->block_size; /* resume the walk at position j0 */
+    it.slot = j0 % c->layout->block_size;
+    for (; j0 < len; j0 += 16) {
         const void *kp[16];
         for (int64_t l = 0; l < 16; l++) {
             if (j0 + l < len) {

@@ -2,9 +2,16 @@
 #include "dot.h"
 
 #include <math.h>
+#include <string.h>
 
 #include "isa.h"
 #include "simd.h"
+
+#define GY_DOT_TREE_LEVELS 7 /* log2(64 k-splits) + 1 */
+/* W is read once per call, from L3 or memory. At batch 1 each 16-row tile requests the next tile's
+ * lines into L1 as it reads its own; the batched kernels request the tile GY_DOT_PF_TILES ahead
+ * into L2, spread over their groups. A prefetch never faults, past the weights included. */
+#define GY_DOT_PF_TILES 2
 
 static inline float gy_dot_load(const void *w, gy_dtype dtype, int64_t k) {
     switch (dtype) {
@@ -66,7 +73,7 @@ static void gy_dot_rows16_portable(float *y, int64_t ldy, const float *bias, con
  * k0..k0+len (a chunk: the lane blocks start at k0, the padding is zeros): R * B independent FMA
  * chains, each weight vector loaded (and widened) once for the B activation rows. */
 GY_INLINE void gy_dot_accumulate(__m512 acc[16], const char *const *w, gy_dtype dtype, const int R,
-                                 const float *const *x, int64_t k0, int64_t len) {
+                                 const float *const *x, int64_t k0, int64_t len, int64_t pf) {
     const int B = 16 / R;
     const int64_t end = k0 + len;
     if (dtype == GY_DTYPE_BF16) {
@@ -87,6 +94,7 @@ GY_INLINE void gy_dot_accumulate(__m512 acc[16], const char *const *w, gy_dtype 
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
                 const __m512i u = _mm512_loadu_si512((const uint16_t *)w[r] + k);
+                if (pf) _mm_prefetch((const char *)((const uint16_t *)w[r] + k) + pf, _MM_HINT_T0);
                 const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
                 const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(u, high));
 #pragma GCC unroll 16
@@ -134,6 +142,8 @@ GY_INLINE void gy_dot_accumulate(__m512 acc[16], const char *const *w, gy_dtype 
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const __m512 wv = gy_simd_load_w(w[r], k, dtype);
+            if (pf && (dtype == GY_DTYPE_F32 || k % 32 == 0)) /* one line per prefetch */
+                _mm_prefetch(w[r] + k * (dtype == GY_DTYPE_F32 ? 4 : 2) + pf, _MM_HINT_T0);
 #pragma GCC unroll 16
             for (int b = 0; b < B; b++) acc[r * B + b] = _mm512_fmadd_ps(wv, xv[b], acc[r * B + b]);
         }
@@ -157,7 +167,7 @@ GY_INLINE void gy_dot_tile16_avx512(float out[16], const void *const *w, gy_dtyp
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    gy_dot_accumulate(acc, (const char *const *)w, dtype, R, x, 0, len);
+    gy_dot_accumulate(acc, (const char *const *)w, dtype, R, x, 0, len, 0);
     _mm512_storeu_ps(out, gy_simd_lane_tree16(acc));
 }
 
@@ -189,7 +199,8 @@ static const gy_dot_tile_fn gy_dot_tiles[GY_DTYPE_COUNT][3] = {
  * the bias and stores of R values per activation row. */
 GY_INLINE void gy_dot_slice_avx512(float *y, int64_t ldy, __m512 bias_v, const char *const *wp,
                                    gy_dtype dtype, const int R, int32_t valid, const float *xg,
-                                   int64_t ldx, int64_t L, int32_t k_splits, __m512i to_rows) {
+                                   int64_t ldx, int64_t L, int32_t k_splits, __m512i to_rows,
+                                   int64_t pf) {
     const int B = 16 / R;
     const float *xp[16];
 #pragma GCC unroll 16
@@ -200,7 +211,7 @@ GY_INLINE void gy_dot_slice_avx512(float *y, int64_t ldy, __m512 bias_v, const c
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        gy_dot_accumulate(acc, wp, dtype, R, xp, c * L, L);
+        gy_dot_accumulate(acc, wp, dtype, R, xp, c * L, L, pf);
         res = gy_simd_lane_tree16(acc);
         int l = 0;
         for (; (c >> l) & 1; l++) res = _mm512_add_ps(stack[l], res);
@@ -229,6 +240,9 @@ GY_INLINE void gy_dot_rows16_avx512(float *y, int64_t ldy, const float *bias, co
                                     const float *x, int64_t ldx, int64_t n_rows, int64_t len,
                                     int32_t k_splits) {
     const int B = 16 / R, S = 16 / R;
+    /* A single activation row streams W at the memory's pace: the next tile's lines are requested
+     * as this tile's are read (the hardware prefetchers lose track of 16 interleaved rows). */
+    const int64_t pf = n_rows == B ? 16 * w_row_bytes : 0;
     const char *wp[16];
     for (int r = 0; r < 16; r++) wp[r] = (const char *)w + (r < valid ? r : valid - 1) * w_row_bytes;
     /* Lane order of a result vector is r * B + b; rows of y want b * R + r. */
@@ -247,7 +261,8 @@ GY_INLINE void gy_dot_rows16_avx512(float *y, int64_t ldy, const float *bias, co
     for (int64_t g = 0; g + B <= n_rows; g += B)
         for (int sl = 0; sl < S && sl * R < valid; sl++)
             gy_dot_slice_avx512(y + g * ldy + sl * R, ldy, bias_v[sl], wp + sl * R, dtype, R,
-                                valid - sl * R, x + g * ldx, ldx, len / k_splits, k_splits, to_rows);
+                                valid - sl * R, x + g * ldx, ldx, len / k_splits, k_splits, to_rows,
+                                pf);
 }
 
 #define GY_DOT_ROWS_VARIANT(NAME, DTYPE, R)                                                        \
@@ -303,4 +318,259 @@ void gy_dot_tile16(float out[16], const void *const *w, gy_dtype w_dtype, int32_
     }
 #endif
     gy_dot_tile16_portable(out, w, w_dtype, n_w, x, len);
+}
+
+/* ---- batched kernels over packed activations ------------------------------------------------ */
+
+static int64_t gy_dot_block(gy_dtype dtype) { return dtype == GY_DTYPE_BF16 ? 32 : 16; }
+
+int64_t gy_dot_packed_stride(gy_dtype w_dtype, int64_t len, int32_t k_splits) {
+    const int64_t blk = gy_dot_block(w_dtype), L = len / k_splits;
+    return (L + blk - 1) / blk * blk * k_splits;
+}
+
+void gy_dot_pack(float *xp, const float *x, int64_t ldx, int64_t n_rows, gy_dtype w_dtype,
+                 int64_t len, int32_t k_splits) {
+    const int64_t blk = gy_dot_block(w_dtype), L = len / k_splits, Lp = (L + blk - 1) / blk * blk;
+    const int64_t ldp = Lp * k_splits;
+    for (int64_t i = 0; i < n_rows; i++)
+        for (int32_t c = 0; c < k_splits; c++) {
+            const float *src = x + i * ldx + c * L;
+            float *dst = xp + i * ldp + c * Lp;
+            if (w_dtype != GY_DTYPE_BF16) {
+                memcpy(dst, src, (size_t)L * sizeof(float));
+                memset(dst + L, 0, (size_t)(Lp - L) * sizeof(float));
+                continue;
+            }
+            int64_t k = 0;
+#if GY_CPU_HAVE_AVX512
+            const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            for (; k + 32 <= L; k += 32) {
+                const __m512 lo = _mm512_loadu_ps(src + k), hi = _mm512_loadu_ps(src + k + 16);
+                _mm512_store_ps(dst + k, _mm512_permutex2var_ps(lo, even, hi));
+                _mm512_store_ps(dst + k + 16, _mm512_permutex2var_ps(lo, odd, hi));
+            }
+#endif
+            for (; k < Lp; k += 32)
+                for (int q = 0; q < 16; q++) {
+                    dst[k + q] = k + 2 * q < L ? src[k + 2 * q] : 0.0f;
+                    dst[k + 16 + q] = k + 2 * q + 1 < L ? src[k + 2 * q + 1] : 0.0f;
+                }
+        }
+}
+
+#if GY_CPU_HAVE_AVX512
+/* acc[c * 8 + r] accumulates the dot.h order of weight row r (wp[r], elements kw..kw+L) and packed
+ * row c (xp + c * ldp, floats kx..kx+Lp): 8 * C independent FMA chains, each weight vector loaded
+ * (and widened) once for the C rows, each x vector once for the 8 weight rows. */
+GY_INLINE void gy_dot_block8_acc(__m512 acc[24], const char *const *wp, gy_dtype dtype, const int C,
+                                 const float *xp, int64_t ldp, int64_t kw, int64_t kx, int64_t L,
+                                 const char *pf) {
+    if (dtype == GY_DTYPE_BF16) {
+        /* Per block of 32: the even elements of every row (the low halves of the weight words),
+         * then the odd ones (the high halves), so each lane's chain takes 2l before 2l + 1. */
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        int64_t k = 0;
+        for (; k + 32 <= L; k += 32) {
+            __m512 xv[3];
+            _mm_prefetch(pf + k * 2, _MM_HINT_T1);
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const __m512 we = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_loadu_si512((const uint16_t *)wp[r] + kw + k), 16));
+#pragma GCC unroll 3
+                for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(we, xv[c], acc[c * 8 + r]);
+            }
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k + 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const __m512 wo = _mm512_castsi512_ps(
+                    _mm512_and_si512(_mm512_loadu_si512((const uint16_t *)wp[r] + kw + k), high));
+#pragma GCC unroll 3
+                for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(wo, xv[c], acc[c * 8 + r]);
+            }
+        }
+        if (k < L) {
+            const __mmask32 mw = (__mmask32)((1u << (L - k)) - 1u); /* L - k < 32 */
+            __m512 xv[3];
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const __m512i u = _mm512_maskz_loadu_epi16(mw, (const uint16_t *)wp[r] + kw + k);
+                const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+#pragma GCC unroll 3
+                for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(we, xv[c], acc[c * 8 + r]);
+            }
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k + 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const __m512i u = _mm512_maskz_loadu_epi16(mw, (const uint16_t *)wp[r] + kw + k);
+                const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(u, high));
+#pragma GCC unroll 3
+                for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(wo, xv[c], acc[c * 8 + r]);
+            }
+        }
+        return;
+    }
+    int64_t k = 0;
+    for (; k + 16 <= L; k += 16) {
+        __m512 xv[3];
+        _mm_prefetch(pf + k * (dtype == GY_DTYPE_F32 ? 4 : 2), _MM_HINT_T1);
+#pragma GCC unroll 3
+        for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            __m512 wv = gy_simd_load_w(wp[r], kw + k, dtype);
+            GY_SIMD_IN_REGISTER(wv);
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(wv, xv[c], acc[c * 8 + r]);
+        }
+    }
+    if (k < L) { /* the packed rows hold zeros past L */
+        const __mmask16 m = gy_simd_mask(L - k);
+        __m512 xv[3];
+#pragma GCC unroll 3
+        for (int c = 0; c < C; c++) xv[c] = _mm512_load_ps(xp + c * ldp + kx + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const __m512 wv = gy_simd_load_w_mask(wp[r], kw + k, dtype, m);
+#pragma GCC unroll 3
+            for (int c = 0; c < C; c++) acc[c * 8 + r] = _mm512_fmadd_ps(wv, xv[c], acc[c * 8 + r]);
+        }
+    }
+}
+
+/* One group of C packed rows against the 8 weight rows: per chunk the accumulators, their lane
+ * trees (lanes c * 8 + r of r16 for rows 0-1, r8 for row 2, or r8 alone when C = 1), the chunk
+ * tree on those vectors; then the bias and one 8-wide store per row. */
+GY_INLINE void gy_dot_group8_avx512(float *y, int64_t ldy, const float *bias, const char *const *wp,
+                                    gy_dtype dtype, const int C, int32_t valid, const float *xp,
+                                    int64_t ldp, int64_t L, int64_t Lp, int32_t k_splits,
+                                    const char *pf) {
+    __m512 st16[GY_DOT_TREE_LEVELS], r16 = _mm512_setzero_ps();
+    __m256 st8[GY_DOT_TREE_LEVELS], r8 = _mm256_setzero_ps();
+    for (int32_t c = 0; c < k_splits; c++) {
+        __m512 acc[24];
+#pragma GCC unroll 24
+        for (int i = 0; i < 8 * C; i++) acc[i] = _mm512_setzero_ps();
+        gy_dot_block8_acc(acc, wp, dtype, C, xp, ldp, c * L, c * Lp, L, pf);
+        pf += L * gy_dtype_size(dtype);
+        if (C >= 2) r16 = gy_simd_lane_tree16(acc);
+        if (C != 2) r8 = gy_simd_lane_tree8(acc + (C == 3 ? 16 : 0));
+        int l = 0;
+        for (; (c >> l) & 1; l++) {
+            if (C >= 2) r16 = _mm512_add_ps(st16[l], r16);
+            if (C != 2) r8 = _mm256_add_ps(st8[l], r8);
+        }
+        if (C >= 2) st16[l] = r16;
+        if (C != 2) st8[l] = r8;
+    }
+    const __mmask8 m = (__mmask8)gy_simd_mask(valid);
+    __m256 rows[3];
+    if (C >= 2) {
+        rows[0] = _mm512_castps512_ps256(r16);
+        rows[1] = _mm512_extractf32x8_ps(r16, 1);
+    }
+    if (C != 2) rows[C - 1] = r8;
+    const __m256 b8 = bias ? _mm256_maskz_loadu_ps(m, bias) : _mm256_setzero_ps();
+#pragma GCC unroll 3
+    for (int i = 0; i < C; i++)
+        _mm256_mask_storeu_ps(y + i * ldy, m, bias ? _mm256_add_ps(rows[i], b8) : rows[i]);
+}
+
+#define GY_DOT_GROUP_VARIANT(NAME, DTYPE, C)                                                       \
+    static void NAME(float *y, int64_t ldy, const float *bias, const char *const *wp,             \
+                     int32_t valid, const float *xp, int64_t ldp, int64_t L, int64_t Lp, int32_t ks, \
+                     const char *pf) {                                                             \
+        gy_dot_group8_avx512(y, ldy, bias, wp, DTYPE, C, valid, xp, ldp, L, Lp, ks, pf);           \
+    }
+GY_DOT_GROUP_VARIANT(gy_dot_group_f32_1, GY_DTYPE_F32, 1)
+GY_DOT_GROUP_VARIANT(gy_dot_group_f32_2, GY_DTYPE_F32, 2)
+GY_DOT_GROUP_VARIANT(gy_dot_group_f32_3, GY_DTYPE_F32, 3)
+GY_DOT_GROUP_VARIANT(gy_dot_group_f16_1, GY_DTYPE_F16, 1)
+GY_DOT_GROUP_VARIANT(gy_dot_group_f16_2, GY_DTYPE_F16, 2)
+GY_DOT_GROUP_VARIANT(gy_dot_group_f16_3, GY_DTYPE_F16, 3)
+GY_DOT_GROUP_VARIANT(gy_dot_group_bf16_1, GY_DTYPE_BF16, 1)
+GY_DOT_GROUP_VARIANT(gy_dot_group_bf16_2, GY_DTYPE_BF16, 2)
+GY_DOT_GROUP_VARIANT(gy_dot_group_bf16_3, GY_DTYPE_BF16, 3)
+
+typedef void (*gy_dot_group_fn)(float *y, int64_t ldy, const float *bias, const char *const *wp,
+                                int32_t valid, const float *xp, int64_t ldp, int64_t L, int64_t Lp,
+                                int32_t ks, const char *pf);
+/* [dtype][C - 1] */
+static const gy_dot_group_fn gy_dot_groups[GY_DTYPE_COUNT][3] = {
+    [GY_DTYPE_F32] = {gy_dot_group_f32_1, gy_dot_group_f32_2, gy_dot_group_f32_3},
+    [GY_DTYPE_F16] = {gy_dot_group_f16_1, gy_dot_group_f16_2, gy_dot_group_f16_3},
+    [GY_DTYPE_BF16] = {gy_dot_group_bf16_1, gy_dot_group_bf16_2, gy_dot_group_bf16_3},
+};
+#endif
+
+/* The definition on packed rows: gy_dot_ref's chains, reading x where the packing put it. */
+static void gy_dot_rows8_packed_portable(float *y, int64_t ldy, const float *bias, const void *w,
+                                         int64_t w_row_bytes, gy_dtype dtype, int32_t valid,
+                                         const float *xp, int64_t n_rows, int64_t len,
+                                         int32_t k_splits) {
+    const int64_t blk = gy_dot_block(dtype), L = len / k_splits, Lp = (L + blk - 1) / blk * blk;
+    const int64_t ldp = Lp * k_splits, esize = gy_dtype_size(dtype);
+    float parts[64];
+    for (int64_t i = 0; i < n_rows; i++)
+        for (int32_t r = 0; r < valid; r++) {
+            for (int32_t c = 0; c < k_splits; c++) {
+                const char *wc = (const char *)w + r * w_row_bytes + c * L * esize;
+                const float *xc = xp + i * ldp + c * Lp;
+                if (dtype != GY_DTYPE_BF16) {
+                    parts[c] = gy_dot_ref(wc, dtype, xc, L);
+                    continue;
+                }
+                float acc[GY_DOT_LANES] = {0};
+                for (int64_t k0 = 0; k0 < Lp; k0 += 32)
+                    for (int l = 0; l < GY_DOT_LANES; l++)
+                        for (int h = 0; h < 2; h++) { /* element k0 + 2l + h sits at k0 + 16h + l */
+                            const int64_t k = k0 + 2 * l + h;
+                            const float wv = k < L ? gy_bf16_to_f32(((const uint16_t *)wc)[k]) : 0.0f;
+                            acc[l] = fmaf(wv, xc[k0 + 16 * h + l], acc[l]);
+                        }
+                parts[c] = gy_dot_lane_tree(acc);
+            }
+            for (int32_t width = k_splits; width > 1; width /= 2)
+                for (int32_t p = 0; p < width / 2; p++) parts[p] = parts[2 * p] + parts[2 * p + 1];
+            y[i * ldy + r] = bias ? parts[0] + bias[r] : parts[0];
+        }
+}
+
+void gy_dot_rows8_packed(float *y, int64_t ldy, const float *bias, const void *w,
+                         int64_t w_row_bytes, gy_dtype w_dtype, int32_t valid_rows, const float *xp,
+                         int64_t n_rows, int64_t len, int32_t k_splits) {
+    if (n_rows <= 0 || valid_rows <= 0) return;
+    if (gy_cpu_isa_get() != GY_CPU_ISA_AVX512) {
+        gy_dot_rows8_packed_portable(y, ldy, bias, w, w_row_bytes, w_dtype, valid_rows, xp, n_rows,
+                                     len, k_splits);
+        return;
+    }
+#if GY_CPU_HAVE_AVX512
+    const int64_t blk = gy_dot_block(w_dtype), L = len / k_splits, Lp = (L + blk - 1) / blk * blk;
+    const int64_t ldp = Lp * k_splits;
+    const char *wp[8];
+    for (int r = 0; r < 8; r++)
+        wp[r] = (const char *)w + (r < valid_rows ? r : valid_rows - 1) * w_row_bytes;
+    /* A later tile of W (GY_DOT_PF_TILES ahead) is fetched into L2 while this one runs, one line
+     * per step of each group's inner loop (a group's steps cover one row's bytes), so that the
+     * tiles arrive before their first group needs them. A prefetch past the weights never faults. */
+    const char *pf = (const char *)w + GY_DOT_PF_TILES * 8 * w_row_bytes;
+    for (int64_t i = 0; i < n_rows;) {
+        const int64_t rest = n_rows - i;
+        const int C = rest >= 3 && rest != 4 ? 3 : rest >= 2 ? 2 : 1;
+        gy_dot_groups[w_dtype][C - 1](y + i * ldy, ldy, bias, wp, valid_rows, xp + i * ldp, ldp, L,
+                                      Lp, k_splits, pf);
+        pf += w_row_bytes;
+        i += C;
+    }
+    return;
+#endif
 }

@@ -57,6 +57,30 @@ void gy_dot_rows16(float *y, int64_t ldy, const float *bias, const void *w, int6
                    gy_dtype w_dtype, int32_t n_w, int32_t valid_rows, const float *x, int64_t ldx,
                    int64_t n_rows, int64_t len, int32_t k_splits);
 
+/* ---- batched kernels over packed activations ----
+ *
+ * The batched path of gy_cpu_linear first copies the activation rows once into a packed buffer
+ * (64-byte aligned rows, each k-split chunk zero-padded to whole lane blocks, bf16's blocks of 32
+ * stored as their 16 even then their 16 odd elements), so that the inner loop reads x with plain
+ * aligned loads. Then 8 weight rows at a time run against groups of up to 3 packed rows: 24
+ * accumulators, each exactly the 16-lane chain of one (weight row, activation row) pair, so every
+ * result has the bits of gy_dot_ref (and of gy_dot_rows16) whatever the batch. gy_cpu_linear takes
+ * this path on AVX-512 only (the portable gy_dot_rows8_packed is the plain definition, for tests). */
+
+/* Floats per packed row: k_splits chunks of len / k_splits, each rounded up to a whole lane block
+ * (16 elements, 32 for bf16). A multiple of 16. */
+int64_t gy_dot_packed_stride(gy_dtype w_dtype, int64_t len, int32_t k_splits);
+
+/* xp [n_rows, ldp] (64-byte aligned, ldp = gy_dot_packed_stride) = x [n_rows, ldx] packed. */
+void gy_dot_pack(float *xp, const float *x, int64_t ldx, int64_t n_rows, gy_dtype w_dtype,
+                 int64_t len, int32_t k_splits);
+
+/* gy_dot_rows16's result for one tile of up to 8 weight rows (valid_rows of them) against the
+ * packed rows xp [n_rows, ldp]: y[i * ldy + r] = chunk tree of the dot products (+ bias[r]). */
+void gy_dot_rows8_packed(float *y, int64_t ldy, const float *bias, const void *w,
+                         int64_t w_row_bytes, gy_dtype w_dtype, int32_t valid_rows, const float *xp,
+                         int64_t n_rows, int64_t len, int32_t k_splits);
+
 #ifdef __cplusplus
 }
 #endif

@@ -7,8 +7,12 @@
  *                    run of rows.
  * The two forms use different (each fixed) summation orders and are not bit-identical to each
  * other; a weight is always used through one of them. Performance: at batch 1 both stream W once
- * per call near the memory read bandwidth; in batches each 16-row tile (or column strip) of W is
- * reused from cache by all rows of x.
+ * per call near the memory read bandwidth (16-row tiles that fetch the next tile as they go; one
+ * FMA chain per output vector of a column range). In batches W is still read once per call:
+ * gy_cpu_linear packs x (dot.h) and runs 8-row tiles of W against 3 rows of x at a time (24
+ * accumulators, each one pair's 16-lane chain); gy_cpu_linear_t runs register tiles of 4 rows of x
+ * by up to 6 output vectors over k-blocks of W that stay in L1 while every row of x passes. The
+ * tile shapes change the speed, never the bits.
  *
  * DETERMINISM CONTRACT (both forms)
  *  1. Rows are independent: y[r, :] depends only on x[r, :], W and bias, bit for bit: not on n,

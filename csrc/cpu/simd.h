@@ -14,6 +14,10 @@
 
 #define GY_INLINE static inline __attribute__((always_inline))
 
+/* Keeps a loaded vector in a register: without it the compiler may fold the load into each FMA
+ * that uses it, loading the same data once per use. */
+#define GY_SIMD_IN_REGISTER(v) __asm__("" : "+v"(v))
+
 /* Mask of the first n lanes, n in [0, 16]. */
 GY_INLINE __mmask16 gy_simd_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
@@ -62,6 +66,26 @@ GY_INLINE __m512 gy_simd_lane_tree16(const __m512 a[16]) {
                                    _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, r);
+}
+
+/* The same for 8 vectors: lane i of the result is gy_simd_lane_tree(a[i]), with the same
+ * additions as gy_simd_lane_tree16 (its first three levels on half as many vectors). */
+GY_INLINE __m256 gy_simd_lane_tree8(const __m512 a[8]) {
+    __m512 t[4], u[2];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 2; m++)
+        u[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* quad j: a[j] s2[0..1], a[4 + j] s2[0..1] */
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4j: a[j], lane 4j + 1: a[4 + j] */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(w, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
 }
 
 

@@ -14,6 +14,7 @@
 #include "cpu/kv_write.h"
 #include "cpu/linear.h"
 #include "cpu/norm.h"
+#include "cpu/peak.h"
 #include "cpu/rope.h"
 #include "cpu/stream.h"
 #include "cpu/threadpool.h"
@@ -453,6 +454,19 @@ static PyObject *gy_py_kernel_stream_read(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(sum);
 }
 
+static PyObject *gy_py_kernel_fma_peak(PyObject *self, PyObject *args) {
+    int threads;
+    double seconds = 0.05;
+    if (!PyArg_ParseTuple(args, "i|d", &threads, &seconds)) return NULL;
+    gy_threadpool *pool;
+    if (gy_py_pool(threads, &pool) < 0) return NULL;
+    double flops = 0;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS s = gy_cpu_fma_peak(&flops, seconds, pool);
+    Py_END_ALLOW_THREADS if (s != GY_OK) return gy_py_raise(s);
+    return PyFloat_FromDouble(flops);
+}
+
 /* ---- kernel path ------------------------------------------------------------------------------ */
 
 static PyObject *gy_py_kernel_isa(PyObject *self, PyObject *noargs) {
@@ -504,6 +518,9 @@ static PyMethodDef gy_py_kernel_methods[] = {
      "n_seqs, n_q_heads, threads)"},
     {"kernel_stream_read", gy_py_kernel_stream_read, METH_VARARGS,
      "kernel_stream_read(x, n, threads) -> sum: the read-bandwidth probe of the benchmarks"},
+    {"kernel_fma_peak", gy_py_kernel_fma_peak, METH_VARARGS,
+     "kernel_fma_peak(threads, seconds=0.05) -> fp32 FLOP/s of FMA chains on every thread: the "
+     "compute roofline of the benchmarks"},
     {"kernel_isa", gy_py_kernel_isa, METH_NOARGS, "kernel_isa() -> the kernel path in use"},
     {"kernel_isa_best", gy_py_kernel_isa_best, METH_NOARGS, "kernel_isa_best() -> the best path compiled in"},
     {"kernel_set_isa", gy_py_kernel_set_isa, METH_VARARGS, "kernel_set_isa(name): 'portable' or 'avx512'"},

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cpu/argmax.h"
 #include "rng.h"
 
 /* Writes why the params are bad into `why` and returns 1, or returns 0. */
@@ -34,8 +35,10 @@ gy_status gy_sampler_check(const gy_sampler_params *p, int64_t vocab) {
     return GY_OK;
 }
 
-/* Scans a row: refuses NaN and +inf (returns 1 with `why`), finds the first maximum. */
+/* Scans a row: refuses NaN and +inf (returns 1 with `why`), finds the first maximum. The common
+ * case is one vectorised pass; a refused row is scanned again here for the message. */
 static int gy_sampler_bad_row(const float *x, int64_t V, int64_t *argmax, char *why, size_t n) {
+    if (gy_cpu_argmax_checked(x, V, argmax) == 0) return 0;
     int64_t best = -1;
     for (int64_t i = 0; i < V; i++) {
         const float v = x[i];

@@ -20,6 +20,7 @@
 #include "cpu/kv_write.h"
 #include "cpu/linear.h"
 #include "cpu/norm.h"
+#include "cpu/peak.h"
 #include "cpu/rope.h"
 #include "cpu/stream.h"
 #include "cpu/threadpool.h"
@@ -403,6 +404,157 @@ GYTEST(cpu_linear_avx512_and_portable_paths_agree) {
 }
 #endif
 
+/* The definitions, written here from the headers: linear.h's chunk tree over dot.h's dot product
+ * (gy_dot_ref) for W [out, in], and the sequential chain per chunk for W [in, out]. */
+static float def_linear(const void *w, gy_dtype dt, const float *x, int64_t in, int64_t out,
+                        int64_t o, int k_splits, const float *bias, int transposed) {
+    const int64_t L = in / k_splits, es = gy_dtype_size(dt);
+    float parts[64];
+    for (int c = 0; c < k_splits; c++) {
+        if (!transposed) {
+            parts[c] = gy_dot_ref((const char *)w + (o * in + c * L) * es, dt, x + c * L, L);
+            continue;
+        }
+        float acc = 0.0f, wf;
+        for (int64_t i = c * L; i < (c + 1) * L; i++) {
+            gy_dtype_to_f32(&wf, (const char *)w + (i * out + o) * es, dt, 1);
+            acc = fmaf(x[i], wf, acc);
+        }
+        parts[c] = acc;
+    }
+    for (int width = k_splits; width > 1; width /= 2)
+        for (int p = 0; p < width / 2; p++) parts[p] = parts[2 * p] + parts[2 * p + 1];
+    return bias ? parts[0] + bias[o] : parts[0];
+}
+
+/* Every batch size 1..40 (the batched paths: packed groups of 3 rows against 8-row tiles of W,
+ * register tiles of 4 rows over strips of W [in, out]), 1-3 threads, odd sizes that leave partial
+ * lane blocks, tiles and groups: each output has the bits of the definition. */
+static void check_batches_match_definition(linear_fn fn, int transposed) {
+    rng_seed(40 + transposed);
+    const int64_t shapes[][2] = {{1, 3}, {17, 9}, {33, 17}, {64, 8}, {77, 45}, {290, 13}}; /* in, out */
+    enum { NMAX = 40 };
+    for (int si = 0; si < 6; si++)
+        for (int dt = 0; dt < GY_DTYPE_COUNT; dt++)
+            for (int ks = 1; ks <= 2; ks++) {
+                const int64_t in = shapes[si][0], out = shapes[si][1];
+                if (in % ks != 0) continue;
+                float *wf = malloc((size_t)(in * out) * sizeof(float));
+                void *w = make_weights((gy_dtype)dt, in * out, wf);
+                float *x = malloc((size_t)(NMAX * in) * sizeof(float)), *bias = malloc((size_t)out * sizeof(float));
+                fill_uniform(x, NMAX * in);
+                fill_uniform(bias, out);
+                float *want = malloc((size_t)(NMAX * out) * sizeof(float));
+                for (int64_t r = 0; r < NMAX; r++)
+                    for (int64_t o = 0; o < out; o++)
+                        want[r * out + o] = def_linear(w, (gy_dtype)dt, x + r * in, in, out, o, ks, bias, transposed);
+                for (int isa = 0; isa <= (int)gy_cpu_isa_best(); isa++) {
+                    CHECK_OK(gy_cpu_isa_set((gy_cpu_isa)isa));
+                    int same = 1;
+                    for (int64_t n = 1; n <= NMAX; n++) {
+                        const int64_t first = (n * 3) % (NMAX - n + 1);
+                        float *y = alloc_poisoned(n * out);
+                        CHECK_OK(fn(y, x + first * in, w, (gy_dtype)dt, bias, n, in, out, ks,
+                                    pool_of(1 + (int)(n % 3))));
+                        CHECK(guard_ok(y, n * out));
+                        same &= memcmp(y, want + first * out, (size_t)(n * out) * sizeof(float)) == 0;
+                        free(y);
+                    }
+                    CHECK(same);
+                }
+                CHECK_OK(gy_cpu_isa_set(gy_cpu_isa_best()));
+                free(want);
+                free(w);
+                free(wf);
+                free(x);
+                free(bias);
+            }
+}
+
+GYTEST(cpu_linear_batches_have_the_bits_of_dot_ref) { check_batches_match_definition(gy_cpu_linear, 0); }
+GYTEST(cpu_linear_t_batches_have_the_bits_of_the_chain) { check_batches_match_definition(gy_cpu_linear_t, 1); }
+
+/* The packed rows of the batched gy_cpu_linear: each chunk zero-padded to whole lane blocks, bf16's
+ * blocks of 32 as their even then their odd elements. */
+GYTEST(cpu_dot_pack_layout) {
+    rng_seed(41);
+    const int64_t lens[] = {1, 16, 31, 45, 64, 96};
+    for (int li = 0; li < 6; li++)
+        for (int dt = 0; dt < GY_DTYPE_COUNT; dt++)
+            for (int ks = 1; ks <= 4; ks *= 2) {
+                const int64_t len = lens[li], n = 3, ldx = len + 5, L = len / ks;
+                if (len % ks != 0) continue;
+                const int64_t blk = dt == GY_DTYPE_BF16 ? 32 : 16, Lp = (L + blk - 1) / blk * blk;
+                const int64_t ldp = gy_dot_packed_stride((gy_dtype)dt, len, ks);
+                CHECK(ldp == Lp * ks && ldp % 16 == 0);
+                float x[3 * 101];
+                fill_uniform(x, n * ldx);
+                float *xp = aligned_alloc(64, (size_t)(n * ldp + 16) * sizeof(float));
+                gy_dot_pack(xp, x, ldx, n, (gy_dtype)dt, len, ks);
+                int ok = 1;
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t c = 0; c < ks; c++)
+                        for (int64_t j = 0; j < Lp; j++) {
+                            /* element of the chunk stored at position j */
+                            int64_t e = j;
+                            if (dt == GY_DTYPE_BF16) e = j / 32 * 32 + (j % 32 < 16 ? 2 * (j % 32) : 2 * (j % 32 - 16) + 1);
+                            const float want = e < L ? x[i * ldx + c * L + e] : 0.0f;
+                            ok &= memcmp(&xp[i * ldp + c * Lp + j], &want, 4) == 0;
+                        }
+                CHECK(ok);
+                free(xp);
+            }
+}
+
+/* One 8-row tile on packed rows gives gy_dot_rows16's bits (the definition) on every path, for
+ * partial tiles (valid rows < 8), every group size (n 1..10) and k-splits. */
+GYTEST(cpu_dot_rows8_packed_matches_rows16) {
+    rng_seed(43);
+    const int64_t lens[] = {5, 32, 47, 96};
+    for (int li = 0; li < 4; li++)
+        for (int dt = 0; dt < GY_DTYPE_COUNT; dt++)
+            for (int ks = 1; ks <= 2; ks++) {
+                const int64_t len = lens[li];
+                if (len % ks != 0) continue;
+                const int64_t wrb = len * gy_dtype_size((gy_dtype)dt), ldp = gy_dot_packed_stride((gy_dtype)dt, len, ks);
+                float wf[8 * 96], x[10 * 96], bias[8];
+                void *w = make_weights((gy_dtype)dt, 8 * len, wf);
+                fill_uniform(x, 10 * len);
+                fill_uniform(bias, 8);
+                float *xp = aligned_alloc(64, (size_t)(10 * ldp) * sizeof(float));
+                gy_dot_pack(xp, x, len, 10, (gy_dtype)dt, len, ks);
+                for (int isa = 0; isa <= (int)gy_cpu_isa_best(); isa++) {
+                    CHECK_OK(gy_cpu_isa_set((gy_cpu_isa)isa));
+                    for (int32_t valid = 1; valid <= 8; valid += 3)
+                        for (int64_t n = 1; n <= 10; n++) {
+                            float want[10 * 8], got[10 * 8 + GUARD];
+                            for (int i = 0; i < 10 * 8 + GUARD; i++) got[i] = NAN;
+                            for (int64_t i = 0; i < n; i++)
+                                gy_dot_rows16(want + i * 8, 8, bias, w, wrb, (gy_dtype)dt, 16, valid,
+                                              x + i * len, len, 1, len, ks);
+                            gy_dot_rows8_packed(got, 8, bias, w, wrb, (gy_dtype)dt, valid, xp, n, len, ks);
+                            int same = 1;
+                            for (int64_t i = 0; i < n; i++) {
+                                same &= memcmp(got + i * 8, want + i * 8, (size_t)valid * sizeof(float)) == 0;
+                                for (int r = valid; r < 8; r++) same &= isnan(got[i * 8 + r]); /* not written */
+                            }
+                            CHECK(same);
+                        }
+                }
+                CHECK_OK(gy_cpu_isa_set(gy_cpu_isa_best()));
+                free(xp);
+                free(w);
+            }
+}
+
+GYTEST(cpu_fma_peak_runs) {
+    double flops = 0;
+    CHECK_OK(gy_cpu_fma_peak(&flops, 0.005, pool_of(2)));
+    CHECK(flops > 1e6);
+    CHECK_STATUS(gy_cpu_fma_peak(&flops, 0, NULL), GY_ERR_INVALID);
+    CHECK_STATUS(gy_cpu_fma_peak(NULL, 0.01, NULL), GY_ERR_INVALID);
+}
+
 /* ---- norm, rope, activation, embedding, argmax ----------------------------------------------- */
 
 GYTEST(cpu_rmsnorm_matches_reference) {
@@ -497,6 +649,44 @@ GYTEST(cpu_argmax_ties_and_nans) {
     CHECK_OK(gy_cpu_argmax(out, logits, 3, 5));
     CHECK(out[0] == 1 && out[1] == 2 && out[2] == 0);
     CHECK_STATUS(gy_cpu_argmax(out, logits, 1, 0), GY_ERR_INVALID);
+}
+
+/* The sampler's greedy scan: the first maximum over finite logits, -inf skipped; a NaN, a +inf or
+ * a row of only -inf is refused (and *argmax left alone). Lengths around the 16-lane blocks. */
+GYTEST(cpu_argmax_checked_first_maximum_and_refusals) {
+    rng_seed(42);
+    float v[1000];
+    for (int64_t len = 1; len <= 1000; len += len < 40 ? 1 : 137) {
+        for (int trial = 0; trial < 4; trial++) {
+            for (int64_t i = 0; i < len; i++) v[i] = trial == 1 ? (float)(rng_u32() % 3) : rng_uniform();
+            if (trial == 2) v[rng_u32() % len] = -INFINITY;
+            if (trial == 3 && len > 1) v[0] = v[len - 1] = 5.0f;
+            int64_t want = -1;
+            for (int64_t i = 0; i < len; i++)
+                if (v[i] != -INFINITY && (want < 0 || v[i] > v[want])) want = i;
+            int64_t got = -7;
+            if (want < 0) {
+                CHECK(gy_cpu_argmax_checked(v, len, &got) == 1 && got == -7);
+                continue;
+            }
+            CHECK(gy_cpu_argmax_checked(v, len, &got) == 0 && got == want);
+        }
+        const int64_t at = (int64_t)(rng_u32() % len);
+        const float saved = v[at];
+        const float bad[3] = {NAN, INFINITY, -NAN};
+        for (int b = 0; b < 3; b++) {
+            int64_t got = -7;
+            v[at] = bad[b];
+            CHECK(gy_cpu_argmax_checked(v, len, &got) == 1 && got == -7);
+        }
+        v[at] = saved;
+        for (int64_t i = 0; i < len; i++) v[i] = -INFINITY;
+        int64_t got = -7;
+        CHECK(gy_cpu_argmax_checked(v, len, &got) == 1 && got == -7);
+    }
+    const float zeros[3] = {-0.0f, 0.0f, -0.0f};
+    int64_t got = -1;
+    CHECK(gy_cpu_argmax_checked(zeros, 3, &got) == 0 && got == 0); /* -0 == +0: the first */
 }
 
 /* ---- attention ------------------------------------------------------------------------------- */
