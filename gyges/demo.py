@@ -29,6 +29,28 @@ RUNS = (("gyges", "gyges", "4xTP1"), ("static 4xTP1", "static", "4xTP1"),
 OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "demo.png"
 
 
+def serve(model):
+    """One worker, continuous batching: per-request metrics and the memory they used."""
+    engine = gyges.Engine(model, memory="64MiB", page_size="64KiB", block_size=16, kv_layout="header")
+    idle = engine.memory()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in (12, 40, 7, 100, 25, 64)]
+    params = gyges.SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=1, ignore_eos=True)
+    requests = [engine.submit(p, params) for p in prompts]
+    peak_kv = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak_kv = max(peak_kv, engine.memory()["kv"])
+    print(f"   weights {idle['weights']:,} bytes ({engine.weights.padding_overhead():.1%} FFN padding); "
+          f"KV peaked at {peak_kv:,} bytes and went back to {engine.memory()['kv']} after "
+          f"{engine.steps} steps")
+    print(f"   {'id':>3} {'prompt':>6} {'output':>6} {'TTFT ms':>8} {'TPOT ms':>8} {'E2E ms':>8}  first tokens")
+    for r in requests:
+        m = r.metrics
+        print(f"   {r.id:>3} {len(r.prompt):>6} {len(r.output_tokens):>6} {m.ttft * 1e3:>8.1f} "
+              f"{m.tpot * 1e3:>8.2f} {m.e2e * 1e3:>8.1f}  {r.output_tokens[:6]}")
+
+
 def transform_live(model):
     host = gyges.Host(model, workers=4, memory_per_worker="24MiB", layout="4xTP1")
     rng = np.random.default_rng(1)
@@ -155,7 +177,9 @@ def main():
     start = time.perf_counter()
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
     model = gyges.Model.tiny()
-    print(f"\n== live transformation on 4 CPU workers ({model})")
+    print(f"\n== one worker serving the embedded tiny model ({model})")
+    serve(model)
+    print(f"\n== live transformation on 4 CPU workers")
     transform_live(model)
 
     trace = mixed_trace()

@@ -11,6 +11,6 @@ def test_make_demo_runs_and_prints_the_comparison():
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
-    for expected in ("merged live into TP4", "static 4xTP1", "static 1xTP4", "transformations",
+    for expected in ("TTFT ms", "TPOT ms", "merged live into TP4", "static 4xTP1", "static 1xTP4", "transformations",
                      "demo finished"):
         assert expected in out, f"{expected!r} missing from the demo's output"
