@@ -359,13 +359,14 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
 
 
-class StaggeredScaleUp(Transformation):
-    """Layer-staggered scale-up (Gyges 4.3): the merged instance serves from the start; each host
-    step first moves `layers_per_step` more layers, last layer first. Layers below the boundary
-    still run in the old instances (on their own requests' rows, with the old KV and FFN shards),
-    layers above it in the merged instance; the hidden states cross once, at the boundary."""
+class _Staggered(Transformation):
+    """What both layer-staggered directions share: the checks, the boundary, and advance(), which
+    moves `layers_per_step` layers (last first) before each host step: a layer's KV with one C
+    call, then the layer's weights (`_layer_weights`), then the boundary; `_finish` at layer 0.
+    Subclasses set self.engine (the instance whose C engine runs the transition)."""
 
-    def __init__(self, host, first, k, method, layers_per_step):
+    @staticmethod
+    def _check(host, method):
         if method != "gyges":
             raise TransformError(f"layer-staggered execution is the gyges method; {method!r} "
                                  f"runs all layers at once (omit layers_per_step)")
@@ -374,6 +375,38 @@ class StaggeredScaleUp(Transformation):
         if host.kv_layout == "raw":
             raise TransformError("the raw layout moves V blocks when it grows, so two geometries "
                                  "cannot share its pages; use page or header")
+
+    @property
+    def boundary(self):
+        return self.engine._c.transition_boundary()
+
+    def advance(self):
+        """Moves the next layers (the engine is between steps)."""
+        if self.done:
+            return
+        start = time.perf_counter()
+        items, sent = self._move_plan()
+        boundary = self.boundary
+        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
+            _C.kv_move_layer(items, layer)
+            for (src_w, dst_w), nbytes in sent.items():
+                self.stats["bytes_sent"][src_w] += nbytes
+                self.stats["bytes_received"][dst_w] += nbytes
+            self._layer_weights(layer)
+            self.engine._c.transition_set_boundary(layer)
+        self._time("layers", start)
+        if self.boundary == 0:
+            self._finish()
+
+
+class StaggeredScaleUp(_Staggered):
+    """Layer-staggered scale-up (Gyges 4.3): the merged instance serves from the start; each host
+    step first moves `layers_per_step` more layers, last layer first. Layers below the boundary
+    still run in the old instances (on their own requests' rows, with the old KV and FFN shards),
+    layers above it in the merged instance; the hidden states cross once, at the boundary."""
+
+    def __init__(self, host, first, k, method, layers_per_step):
+        self._check(host, method)
         group = list(range(first, first + k))
         old = sorted((inst for inst in host.instances if inst.workers[0] in group),
                      key=lambda inst: min(inst.workers))
@@ -444,35 +477,16 @@ class StaggeredScaleUp(Transformation):
         for j, (handle, ex, tabs, n) in moved:
             merged._c.transition_adopt(handle.id, j, ex["seqs"])
         self.old_instances = old
-        self.merged = merged
+        self.merged = self.engine = merged
         host.instances.append(merged)
         host.instances.sort(key=lambda inst: min(inst.workers))
         self.stats["requests_moved"] = len(moved)
         self._time("begin", start)
 
-    @property
-    def boundary(self):
-        return self.merged._c.transition_boundary()
-
-    def advance(self):
-        """Moves the next layers (the engine is between steps)."""
-        if self.done:
-            return
-        start = time.perf_counter()
-        items, sent = self._move_plan()
-        boundary = self.boundary
-        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
-            _C.kv_move_layer(items, layer)
-            for (src_w, dst_w), nbytes in sent.items():
-                self.stats["bytes_sent"][src_w] += nbytes
-                self.stats["bytes_received"][dst_w] += nbytes
-            for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
-                worker = self.host.worker(w)
-                worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, self.new_rank[w]))
-            self.merged._c.transition_set_boundary(layer)
-        self._time("layers", start)
-        if self.boundary == 0:
-            self._finish()
+    def _layer_weights(self, layer):
+        for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
+            worker = self.host.worker(w)
+            worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, self.new_rank[w]))
 
     def _move_plan(self):
         """What moving one layer copies, the same for every layer until the next step: for every
@@ -515,7 +529,7 @@ class StaggeredScaleUp(Transformation):
         self.done = True
 
 
-class StaggeredScaleDown(Transformation):
+class StaggeredScaleDown(_Staggered):
     """Layer-staggered scale-down: the TPk instance keeps serving while its layers move to the new
     TPt instances, last layer first. Layers below the boundary run in TPk on every row; above it,
     each new instance runs its own requests' rows with the new KV geometry (a shadow over the
@@ -523,14 +537,7 @@ class StaggeredScaleDown(Transformation):
     last layer has moved, the new instances take over the requests."""
 
     def __init__(self, host, first, k, tp, method, layers_per_step, weights_from):
-        if method != "gyges":
-            raise TransformError(f"layer-staggered execution is the gyges method; {method!r} "
-                                 f"runs all layers at once (omit layers_per_step)")
-        if not host.worker(0).weights.pad:
-            raise TransformError("a layer-staggered transformation needs padded FFN weights")
-        if host.kv_layout == "raw":
-            raise TransformError("the raw layout moves V blocks when it grows, so two geometries "
-                                 "cannot share its pages; use page or header")
+        self._check(host, method)
         if weights_from not in ("peers", "host"):
             raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
         group = list(range(first, first + k))
@@ -541,7 +548,7 @@ class StaggeredScaleDown(Transformation):
             raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
         super().__init__("scale-down", group, k, tp, method)
         self.host, self.layers_per_step, self.weights_from = host, layers_per_step, weights_from
-        inst = self.inst = matches[0]
+        inst = self.inst = self.engine = matches[0]
         config = host.model.config
         self.L = config.num_hidden_layers
         m = self.m = k // tp
@@ -598,35 +605,18 @@ class StaggeredScaleDown(Transformation):
         self.stats["requests_moved"] = len(moved)
         self._time("begin", start)
 
-    @property
-    def boundary(self):
-        return self.inst._c.transition_boundary()
-
-    def advance(self):
-        if self.done:
-            return
-        start = time.perf_counter()
-        items, sent = self._move_plan()
+    def _layer_weights(self, layer):
+        """KV first, then the FFN shards this layer's new ranks need, from a peer or the host."""
         holders = {}
         for w in self.workers:
-            for s in self.host.worker(w).weights.held:
-                holders.setdefault(s, w)
-        boundary = self.boundary
-        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
-            _C.kv_move_layer(items, layer)  # KV first...
-            for (src_w, dst_w), nbytes in sent.items():
-                self.stats["bytes_sent"][src_w] += nbytes
-                self.stats["bytes_received"][dst_w] += nbytes
-            for (j, r), w in self.worker_of.items():  # ...then the weights of that layer
-                worker = self.host.worker(w)
-                source = ((lambda s: self.host.worker(holders[s]).weights)
-                          if self.weights_from == "peers" else None)
-                self.stats["weight_bytes_copied"][w] += worker.weights.restore_layer_shards(
-                    layer, worker.owned_shards(self.to_tp, r), source)
-            self.inst._c.transition_set_boundary(layer)
-        self._time("layers", start)
-        if self.boundary == 0:
-            self._finish()
+            for shard in self.host.worker(w).weights.held:
+                holders.setdefault(shard, w)
+        source = ((lambda shard: self.host.worker(holders[shard]).weights)
+                  if self.weights_from == "peers" else None)
+        for (j, r), w in self.worker_of.items():
+            worker = self.host.worker(w)
+            self.stats["weight_bytes_copied"][w] += worker.weights.restore_layer_shards(
+                layer, worker.owned_shards(self.to_tp, r), source)
 
     def _move_plan(self):
         c = self.inst._c
