@@ -130,7 +130,7 @@ def stagger_rows(model):
     step time (same host, just before) and against stop_world's single pause."""
     L = model.config.num_hidden_layers
     rows = []
-    for lps in list(range(1, L + 1)) + ["stop_world"]:
+    for lps, overlap in [(n, False) for n in range(1, L + 1)] + [(1, True), ("stop_world", False)]:
         host, _ = filled_host(model, "header", "gyges")
         plain = float(np.median(timed_steps(host, 5)))
         start = time.perf_counter()
@@ -139,14 +139,14 @@ def stagger_rows(model):
             host.step()
             during = [time.perf_counter() - start]
         else:
-            t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps)
+            t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps, overlap=overlap)
             begin = time.perf_counter() - start
             during = []
             while not t.done:
                 during += timed_steps(host, 1)
             during[0] += begin
         after = float(np.median(timed_steps(host, 5)))
-        rows.append({"layers_per_step": lps, "plain_step_ms": plain * 1e3,
+        rows.append({"layers_per_step": lps, "overlap": overlap, "plain_step_ms": plain * 1e3,
                      "steps_transforming": len(during),
                      "mean_step_ms": float(np.mean(during)) * 1e3,
                      "worst_step_ms": max(during) * 1e3,
@@ -178,7 +178,8 @@ def main():
     stagger = stagger_rows(model)
     print_table("Step time while transforming 4xTP1 -> TP4 (Gyges Figure 11; plain = 4xTP1 "
                 "steps just before, tp4 = steps just after)", stagger,
-                [("layers_per_step", "layers/step", "{}"), ("plain_step_ms", "plain ms", "{:.2f}"),
+                [("layers_per_step", "layers/step", "{}"), ("overlap", "overlap", "{}"),
+                 ("plain_step_ms", "plain ms", "{:.2f}"),
                  ("steps_transforming", "steps", "{}"), ("mean_step_ms", "mean ms", "{:.2f}"),
                  ("worst_step_ms", "worst ms", "{:.2f}"), ("overhead", "overhead", "{:+.0%}"),
                  ("tp4_step_ms", "tp4 ms", "{:.2f}")])

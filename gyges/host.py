@@ -173,14 +173,17 @@ class Host(Serving):
 
     # ---- transformation ----
     def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers",
-                  phase_chunks=4):
+                  phase_chunks=4, overlap=False):
         """Changes the TP degree of an aligned group of workers while its requests are in flight:
         workers=(0, 1, 2, 3), tp=4 merges the instances there into one TP4 instance; tp=1 splits
-        a TP4 instance into four TP1 ones. Carried out at once, between two steps (the
-        layer-staggered variant is not written yet). phase_chunks cuts each all-to-all phase of
-        the KV migration into rounds (more rounds, less extra memory). Returns the
-        Transformation handle; refused with a reason, and nothing changed, when it cannot be
-        done."""
+        a TP4 instance into four TP1 ones. Without layers_per_step every layer moves at once,
+        between two steps; with it, host.step() moves that many layers per step (last layer
+        first) and serving goes on in between (t.done tells when it is over). overlap=True
+        releases a moved layer's FFN pages on a background thread while the next step runs
+        (staggered scale-up). phase_chunks cuts each all-to-all phase of the in-place KV
+        migration into rounds (more rounds, less extra memory). weights_from: where a
+        scale-down gets FFN shards back ("peers" or "host"). Returns the Transformation handle;
+        refused with a reason, and nothing changed, when it cannot be done."""
         from .transform import (StaggeredScaleDown, StaggeredScaleUp, TransformError, scale_down,
                                 scale_up)
         if any(not t.done for t in self.transformations):
@@ -201,6 +204,7 @@ class Host(Serving):
                 raise TransformError(f"phase_chunks must be a positive integer, got {phase_chunks!r}")
             if layers_per_step is not None and method != "stop_world":
                 t = StaggeredScaleUp(self, first, k, method, layers_per_step)
+                t.overlap = bool(overlap)
             else:
                 t = scale_up(self, first, k, method, chunks=phase_chunks)
         elif len(current) == 1 and current[0].tp == k:

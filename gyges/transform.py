@@ -27,6 +27,7 @@ This version carries a transformation out at once, between two steps of the host
 layer-staggered execution (a few layers per step, serving in between) is not written yet.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -359,6 +360,9 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
 
 
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyges-transform")
+
+
 class _Staggered(Transformation):
     """What both layer-staggered directions share: the checks, the boundary, and advance(), which
     moves `layers_per_step` layers (last first) before each host step: a layer's KV with one C
@@ -380,22 +384,40 @@ class _Staggered(Transformation):
     def boundary(self):
         return self.engine._c.transition_boundary()
 
+    overlap = False  # run _layer_weights beside the next step where that is safe (scale-up)
+    _background = None
+
+    def _wait_background(self):
+        if self._background is not None:
+            self._background.result()  # re-raises what the background work raised
+            self._background = None
+
     def advance(self):
         """Moves the next layers (the engine is between steps)."""
         if self.done:
             return
+        self._wait_background()
         start = time.perf_counter()
         items, sent = self._move_plan()
         boundary = self.boundary
+        released = []
         for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
             _C.kv_move_layer(items, layer)
             for (src_w, dst_w), nbytes in sent.items():
                 self.stats["bytes_sent"][src_w] += nbytes
                 self.stats["bytes_received"][dst_w] += nbytes
-            self._layer_weights(layer)
+            if self.overlap:
+                released.append(layer)
+            else:
+                self._layer_weights(layer)
             self.engine._c.transition_set_boundary(layer)
+        if released:
+            # Layers below the boundary no longer use these pages: releasing them can run on
+            # another thread while the next step computes (the arena has its own lock).
+            self._background = _EXECUTOR.submit(lambda: [self._layer_weights(l) for l in released])
         self._time("layers", start)
         if self.boundary == 0:
+            self._wait_background()
             self._finish()
 
 

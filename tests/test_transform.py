@@ -314,3 +314,16 @@ def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start
     host.run()
     assert [r.output_tokens for r in early + late] == reference(1)
     assert all(m["kv"] == 0 for m in host.memory())
+
+
+def test_overlapped_weight_release_keeps_every_token_stream(tiny, reference):
+    host = new_host(tiny, "4xTP1")
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    for _ in range(2):
+        host.step()
+    t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1, overlap=True)
+    while not t.done:
+        host.step()
+    check_placement(host)  # every foreign FFN page was released by the background thread
+    host.run()
+    assert [r.output_tokens for r in requests] == reference(1)
