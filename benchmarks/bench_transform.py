@@ -15,6 +15,7 @@
 
 Run: .venv/bin/python benchmarks/bench_transform.py
 """
+import gc
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def kv_rows(model):
         best = None
         for _ in range(2):
             host, util = filled_host(model, kv_layout, method)
+            gc.collect()
             kv_before = max(host.worker(w).arena.stats()["bytes_by_tag"]["kv"] for w in range(4))
             start = time.perf_counter()
             t = host.transform(workers=(0, 1, 2, 3), tp=4, method=method, phase_chunks=chunks)
@@ -132,6 +134,7 @@ def stagger_rows(model):
     rows = []
     for lps, overlap in [(n, False) for n in range(1, L + 1)] + [(1, True), ("stop_world", False)]:
         host, _ = filled_host(model, "header", "gyges")
+        gc.collect()  # the previous run's host (large arenas) must not be freed inside a timing
         plain = float(np.median(timed_steps(host, 5)))
         start = time.perf_counter()
         if lps == "stop_world":
