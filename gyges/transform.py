@@ -205,10 +205,9 @@ def _chunk(items, c, chunks):
     return items[c * n // chunks:(c + 1) * n // chunks]
 
 
-def scale_up(host, first, k, method="gyges", chunks=4):
-    """Merges the instances on workers [first, first+k) into one TPk instance; each all-to-all
-    phase of the KV migration runs in `chunks` rounds."""
-    weights_mech, kv_mech = _mechanisms(host, method)
+def _merge_sources(host, first, k):
+    """The instances a scale-up merges, checked: inside the aligned group and all of one TP
+    degree below k. Returns (group, old instances by first worker, their TP degree)."""
     group = list(range(first, first + k))
     old = sorted((inst for inst in host.instances if inst.workers[0] in group),
                  key=lambda inst: min(inst.workers))
@@ -220,13 +219,52 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     if any(inst.tp != t for inst in old) or t >= k:
         raise TransformError(f"scale-up merges instances of one TP degree below TP{k}; found "
                              f"{[inst.tp for inst in old]}")
+    return group, old, t
+
+
+def _merge_ranks(old, group, m, t):
+    """Worker (instance j, old rank r) becomes rank r*m + j of the merged instance, so that it
+    keeps a subset of its heads and FFN shards. Returns (worker_of, new_rank, rank_order)."""
+    worker_of = {(j, r): old[j].workers[r] for j in range(m) for r in range(t)}
+    new_rank = {worker_of[(j, r)]: r * m + j for (j, r) in worker_of}
+    return worker_of, new_rank, sorted(group, key=lambda w: new_rank[w])
+
+
+def _split_source(host, first, k, tp, weights_from):
+    """The TPk instance a scale-down splits, checked. Returns (group, instance)."""
+    if weights_from not in ("peers", "host"):
+        raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
+    group = list(range(first, first + k))
+    matches = [inst for inst in host.instances if set(inst.workers) == set(group)]
+    if not matches or matches[0].tp != k:
+        raise TransformError(f"workers {group} are not one TP{k} instance (layout {host.layout()})")
+    if tp >= k or k % tp:
+        raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
+    return group, matches[0]
+
+
+def _balance(moved, m, block_size):
+    """Spreads requests over m new instances by the KV blocks they hold, largest first.
+    Returns (request id -> instance, blocks per instance)."""
+    load = [0] * m
+    target = {}
+    for handle, ex, tabs, ntok in sorted(moved, key=lambda x: -max(x[3])):
+        j = min(range(m), key=lambda i: load[i])
+        target[handle.id] = j
+        load[j] += -(-max(ntok) // block_size)
+    return target, load
+
+
+def scale_up(host, first, k, method="gyges", chunks=4):
+    """Merges the instances on workers [first, first+k) into one TPk instance; each all-to-all
+    phase of the KV migration runs in `chunks` rounds."""
+    weights_mech, kv_mech = _mechanisms(host, method)
+    group, old, t = _merge_sources(host, first, k)
     m = k // t
     config = host.model.config
     H = config.num_key_value_heads
     h_new = H // k
-    worker_of = {(j, r): old[j].workers[r] for j in range(m) for r in range(t)}
-    new_rank = {worker_of[(j, r)]: r * m + j for (j, r) in worker_of}
-    rank_order = sorted(group, key=lambda w: new_rank[w])
+    worker_of, new_rank, rank_order = _merge_ranks(old, group, m, t)
     tr = Transformation("scale-up", group, t, k, method)
 
     start = time.perf_counter()
@@ -429,17 +467,7 @@ class StaggeredScaleUp(_Staggered):
 
     def __init__(self, host, first, k, method, layers_per_step):
         self._check(host, method)
-        group = list(range(first, first + k))
-        old = sorted((inst for inst in host.instances if inst.workers[0] in group),
-                     key=lambda inst: min(inst.workers))
-        host.check_group(first, k)
-        if sum(inst.tp for inst in old) != k or any(w not in group for inst in old for w in inst.workers):
-            raise TransformError(f"workers {group} are not exactly covered by instances inside the "
-                                 f"group (layout {host.layout()}); busy in another group")
-        t = old[0].tp
-        if any(inst.tp != t for inst in old) or t >= k:
-            raise TransformError(f"scale-up merges instances of one TP degree below TP{k}; found "
-                                 f"{[inst.tp for inst in old]}")
+        group, old, t = _merge_sources(host, first, k)
         super().__init__("scale-up", group, t, k, method)
         self.host, self.layers_per_step = host, layers_per_step
         config = host.model.config
@@ -447,9 +475,7 @@ class StaggeredScaleUp(_Staggered):
         m = k // t
         H = config.num_key_value_heads
         self.h_old, self.h_new = H // t, H // k
-        worker_of = {(j, r): old[j].workers[r] for j in range(m) for r in range(t)}
-        self.new_rank = {worker_of[(j, r)]: r * m + j for (j, r) in worker_of}
-        self.rank_order = sorted(group, key=lambda w: self.new_rank[w])
+        worker_of, self.new_rank, self.rank_order = _merge_ranks(old, group, m, t)
         start = time.perf_counter()
         moved = []
         for j, inst in enumerate(old):
@@ -560,17 +586,10 @@ class StaggeredScaleDown(_Staggered):
 
     def __init__(self, host, first, k, tp, method, layers_per_step, weights_from):
         self._check(host, method)
-        if weights_from not in ("peers", "host"):
-            raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
-        group = list(range(first, first + k))
-        matches = [inst for inst in host.instances if set(inst.workers) == set(group)]
-        if not matches or matches[0].tp != k:
-            raise TransformError(f"workers {group} are not one TP{k} instance (layout {host.layout()})")
-        if tp >= k or k % tp:
-            raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
+        group, inst = _split_source(host, first, k, tp, weights_from)
         super().__init__("scale-down", group, k, tp, method)
         self.host, self.layers_per_step, self.weights_from = host, layers_per_step, weights_from
-        inst = self.inst = self.engine = matches[0]
+        self.inst = self.engine = inst
         config = host.model.config
         self.L = config.num_hidden_layers
         m = self.m = k // tp
@@ -580,12 +599,7 @@ class StaggeredScaleDown(_Staggered):
         self.worker_of = {(j, r): first + j * tp + r for j in range(m) for r in range(tp)}
         start = time.perf_counter()
         moved = _collect(inst)
-        load = [0] * m
-        self.target = {}
-        for handle, ex, tabs, ntok in sorted(moved, key=lambda x: -max(x[3])):
-            j = min(range(m), key=lambda i: load[i])
-            self.target[handle.id] = j
-            load[j] += -(-max(ntok) // host.block_size)
+        self.target, load = _balance(moved, m, host.block_size)
         # Room: every worker must hold the new geometry of its instance's requests and the FFN
         # shards its new rank needs, beside what it has now.
         for (j, r), w in self.worker_of.items():
@@ -765,15 +779,7 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     weights_mech, kv_mech = _mechanisms(host, method)
     if weights_mech != "drop":
         raise TransformError("scale-down needs padded FFN weights (shards are restored page by page)")
-    if weights_from not in ("peers", "host"):
-        raise TransformError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
-    group = list(range(first, first + k))
-    matches = [inst for inst in host.instances if set(inst.workers) == set(group)]
-    if not matches or matches[0].tp != k:
-        raise TransformError(f"workers {group} are not one TP{k} instance (layout {host.layout()})")
-    if tp >= k or k % tp:
-        raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
-    inst = matches[0]
+    group, inst = _split_source(host, first, k, tp, weights_from)
     m = k // tp
     config = host.model.config
     H = config.num_key_value_heads
@@ -788,15 +794,9 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     # New instance j is the aligned group [first + j*tp, ...); its rank r collects the heads of
     # old ranks r*m .. r*m + m-1 (the KV is staged, so any worker can take any rank).
     worker_of = {(j, r): first + j * tp + r for j in range(m) for r in range(tp)}
-    # Balance requests over the new instances by the KV blocks they hold (largest first).
     sample = host.worker(first)
     block_size = host.block_size
-    load = [0] * m
-    target = {}
-    for handle, ex, tabs, ntok in sorted(moved, key=lambda x: -max(x[3])):
-        j = min(range(m), key=lambda i: load[i])
-        target[handle.id] = j
-        load[j] += -(-max(ntok) // block_size)
+    target, load = _balance(moved, m, block_size)
     # Capacity check on every new worker: blocks of h_new heads its budget can hold.
     block_bytes_new = sample.kv.block_bytes // h_old * h_new
     for (j, r), w in worker_of.items():
