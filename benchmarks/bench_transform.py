@@ -25,6 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
+from gyges.config import ModelConfig  # noqa: E402
+from gyges.worker import Worker  # noqa: E402
 
 MIB = 1 << 20
 NOMINAL = 32 * MIB  # per-worker budget the utilisation refers to
@@ -53,13 +55,21 @@ def capacity_rows(model):
     return rows
 
 
-def filled_host(model, kv_layout, method):
-    """4xTP1 whose KV holds 90% of what the nominal budget leaves after the weights."""
+def weights_bytes(model, page_size="64KiB"):
+    """Bytes of padded weights one 4xTP1 worker holds."""
+    return Worker(model, memory="1GiB", page_size=page_size, max_tp=4).weights_bytes
+
+
+def filled_host(model, kv_layout, method, kv_room=None, page_size="64KiB"):
+    """4xTP1 whose KV holds 90% of what the nominal budget leaves after the weights (or of
+    `kv_room` bytes per worker)."""
     pad = method != "partial_swap"
-    host = gyges.Host(model, workers=4, memory_per_worker=3 * NOMINAL, layout="4xTP1",
-                      kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096)
+    weights = weights_bytes(model, page_size) if kv_room else 0
+    nominal = weights + kv_room if kv_room else NOMINAL
+    host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1",
+                      kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096, page_size=page_size)
     worker = host.worker(0)
-    kv_room = NOMINAL - worker.arena.stats()["bytes_in_use"]
+    kv_room = nominal - worker.arena.stats()["bytes_in_use"]
     per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4 * model.config.num_hidden_layers
     tokens = int(0.9 * kv_room / per_token)
     per_request = 240
@@ -127,13 +137,14 @@ def timed_steps(host, n):
     return times
 
 
-def stagger_rows(model):
-    """Gyges Figure 11: the step time while 1, 2, ..., L layers move per step, against the plain
-    step time (same host, just before) and against stop_world's single pause."""
-    L = model.config.num_hidden_layers
+def stagger_rows(model, name, per_step, kv_room=None, page_size="64KiB"):
+    """Gyges Figure 11: the step time while `per_step` layers move per step, without and with
+    overlap, against the plain step time (same host, just before) and against stop_world's single
+    pause."""
     rows = []
-    for lps, overlap in [(n, False) for n in range(1, L + 1)] + [(1, True), ("stop_world", False)]:
-        host, _ = filled_host(model, "header", "gyges")
+    runs = [(n, o) for n in per_step for o in (False, True)] + [("stop_world", False)]
+    for lps, overlap in runs:
+        host, _ = filled_host(model, "header", "gyges", kv_room, page_size)
         gc.collect()  # the previous run's host (large arenas) must not be freed inside a timing
         plain = float(np.median(timed_steps(host, 5)))
         start = time.perf_counter()
@@ -149,7 +160,8 @@ def stagger_rows(model):
                 during += timed_steps(host, 1)
             during[0] += begin
         after = float(np.median(timed_steps(host, 5)))
-        rows.append({"layers_per_step": lps, "overlap": overlap, "plain_step_ms": plain * 1e3,
+        rows.append({"model": name, "layers_per_step": lps, "overlap": overlap,
+                     "plain_step_ms": plain * 1e3,
                      "steps_transforming": len(during),
                      "mean_step_ms": float(np.mean(during)) * 1e3,
                      "worst_step_ms": max(during) * 1e3,
@@ -178,10 +190,20 @@ def main():
                 [("method", "method", "{}"), ("copied", "bytes copied", "{:,}"),
                  ("released", "bytes released", "{:,}"), ("ms_per_layer", "ms/layer", "{:.3f}"),
                  ("padding_overhead", "padding overhead", "{:.1%}")])
-    stagger = stagger_rows(model)
+    # The tiny model has 4 layers, so one layer per step moves a quarter of the KV in a step;
+    # the paper's models have 32 to 80. The same width with 32 layers (and the same KV per layer)
+    # shows the overhead at the paper's depth.
+    L = model.config.num_hidden_layers
+    stagger = stagger_rows(model, f"tiny ({L} layers)", range(1, L + 1))
+    deep_config = ModelConfig.from_dict({**model.config.to_dict(), "num_hidden_layers": 32})
+    deep = gyges.Model.random(deep_config, seed=1)
+    kv_room = NOMINAL - weights_bytes(model)
+    stagger += stagger_rows(deep, "tiny width, 32 layers", (1, 2, 8, 32), kv_room=8 * kv_room,
+                          page_size="256KiB")  # 64 KiB pages would pass vm.max_map_count
     print_table("Step time while transforming 4xTP1 -> TP4 (Gyges Figure 11; plain = 4xTP1 "
                 "steps just before, tp4 = steps just after)", stagger,
-                [("layers_per_step", "layers/step", "{}"), ("overlap", "overlap", "{}"),
+                [("model", "model", "{}"), ("layers_per_step", "layers/step", "{}"),
+                 ("overlap", "overlap", "{}"),
                  ("plain_step_ms", "plain ms", "{:.2f}"),
                  ("steps_transforming", "steps", "{}"), ("mean_step_ms", "mean ms", "{:.2f}"),
                  ("worst_step_ms", "worst ms", "{:.2f}"), ("overhead", "overhead", "{:+.0%}"),

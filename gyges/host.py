@@ -179,8 +179,9 @@ class Host(Serving):
         a TP4 instance into four TP1 ones. Without layers_per_step every layer moves at once,
         between two steps; with it, host.step() moves that many layers per step (last layer
         first) and serving goes on in between (t.done tells when it is over). overlap=True
-        releases a moved layer's FFN pages on a background thread while the next step runs
-        (staggered scale-up). phase_chunks cuts each all-to-all phase of the in-place KV
+        reads the next layers' KV on a low-priority thread while the step runs, so that a step
+        only patches the tokens added since and writes them out; a scale-up also releases the
+        moved layers' FFN pages there. phase_chunks cuts each all-to-all phase of the in-place KV
         migration into rounds (more rounds, less extra memory). weights_from: where a
         scale-down gets FFN shards back ("peers" or "host"). Returns the Transformation handle;
         refused with a reason, and nothing changed, when it cannot be done."""
@@ -211,6 +212,7 @@ class Host(Serving):
             self.check_group(first, tp)
             if layers_per_step is not None and method != "stop_world":
                 t = StaggeredScaleDown(self, first, k, tp, method, layers_per_step, weights_from)
+                t.overlap = bool(overlap)
             else:
                 t = scale_down(self, first, k, tp, method, weights_from)
         else:

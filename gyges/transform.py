@@ -23,9 +23,12 @@ written back in the wider blocks (all layers at once in this version: the stagin
 peak extra bytes), then each worker gathers the FFN shards its new rank
 needs from the peers that hold them (or from the host copy of the weights).
 
-This version carries a transformation out at once, between two steps of the host. The issue's
-layer-staggered execution (a few layers per step, serving in between) is not written yet.
+Both directions run either at once, between two steps of the host (scale_up, scale_down), or
+layer-staggered (Gyges 4.3: StaggeredScaleUp/StaggeredScaleDown move a few layers per step, last
+layer first, serving in between; with overlap=True most of the copying runs beside the steps).
 """
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,7 +57,10 @@ class Transformation:
                       "kv_pages_mapped": {w: 0 for w in workers},
                       "kv_bytes_trimmed": {w: 0 for w in workers},
                       "peak_extra_bytes": {w: 0 for w in workers},
-                      "requests_moved": 0, "phase_seconds": {}}
+                      "requests_moved": 0, "phase_seconds": {},
+                      # layer-staggered with overlap: KV bytes read beside steps, and the host
+                      # memory the largest layer move staged
+                      "bytes_read_beside_steps": 0, "stage_bytes": 0, "steps_waiting": 0}
 
     def _time(self, phase, start):
         self.stats["phase_seconds"][phase] = self.stats["phase_seconds"].get(phase, 0.0) + (
@@ -398,14 +404,32 @@ def scale_up(host, first, k, method="gyges", chunks=4):
     return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
 
 
-_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyges-transform")
+def _lowest_priority():
+    """The background transformation thread yields to serving (nice 19: on Linux a thread's own
+    priority), as Gyges and PipeLive put migration on a low-priority stream."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyges-transform",
+                               initializer=_lowest_priority)
 
 
 class _Staggered(Transformation):
     """What both layer-staggered directions share: the checks, the boundary, and advance(), which
-    moves `layers_per_step` layers (last first) before each host step: a layer's KV with one C
-    call, then the layer's weights (`_layer_weights`), then the boundary; `_finish` at layer 0.
-    Subclasses set self.engine (the instance whose C engine runs the transition)."""
+    moves `layers_per_step` layers (last first) before each host step: a layer's KV, then the
+    layer's weights (`_layer_weights`), then the boundary; `_finish` at layer 0. Subclasses set
+    self.engine (the instance whose C engine runs the transition).
+
+    overlap=True runs most of the work beside the steps, on a low-priority thread: the KV of the
+    layers to move next is read while the step computes (a step never writes the positions it
+    read), and advance() only reads the tokens added since and writes everything out (PipeLive's
+    pre-copy and patch); scale-up also releases moved layers' FFN pages there. The first step
+    only starts the reading, so the transformation takes one step more."""
+
+    _background_weights = False  # can _layer_weights run after the boundary has passed?
 
     @staticmethod
     def _check(host, method):
@@ -422,41 +446,80 @@ class _Staggered(Transformation):
     def boundary(self):
         return self.engine._c.transition_boundary()
 
-    overlap = False  # run _layer_weights beside the next step where that is safe (scale-up)
+    overlap = False
     _background = None
+    _movers = None  # overlap: layer -> KVMover planned for it
 
     def _wait_background(self):
         if self._background is not None:
             self._background.result()  # re-raises what the background work raised
             self._background = None
 
+    def _next_layers(self):
+        b = self.boundary
+        return list(range(b - 1, max(b - self.layers_per_step, 0) - 1, -1))
+
+    # overlap: steps in a row that may go on while the background work is still running before
+    # advance() waits for it (the boundary moves only once a layer's early read is complete)
+    max_steps_behind = 4
+    _behind = 0
+
     def advance(self):
         """Moves the next layers (the engine is between steps)."""
         if self.done:
             return
+        if (self._background is not None and not self._background.done()
+                and self._behind < self.max_steps_behind):
+            self._behind += 1  # the reading is not done: serve on, move nothing this step
+            self.stats["steps_waiting"] += 1
+            return
+        self._behind = 0
         self._wait_background()
         start = time.perf_counter()
         items, sent = self._move_plan()
-        boundary = self.boundary
+        planned = self._movers or {}
+        if self.overlap and not planned:
+            self._start_background(items, [])  # the first step only starts reading
+            self._time("layers", start)
+            return
         released = []
-        for layer in range(boundary - 1, max(boundary - self.layers_per_step, 0) - 1, -1):
-            _C.kv_move_layer(items, layer)
+        for layer in self._next_layers():
+            mover = planned.get(layer) or _C.KVMover()
+            moved = mover.finish(items, layer)
+            self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
+            self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"])
             for (src_w, dst_w), nbytes in sent.items():
                 self.stats["bytes_sent"][src_w] += nbytes
                 self.stats["bytes_received"][dst_w] += nbytes
-            if self.overlap:
+            if self.overlap and self._background_weights:
                 released.append(layer)
             else:
                 self._layer_weights(layer)
             self.engine._c.transition_set_boundary(layer)
-        if released:
-            # Layers below the boundary no longer use these pages: releasing them can run on
-            # another thread while the next step computes (the arena has its own lock).
-            self._background = _EXECUTOR.submit(lambda: [self._layer_weights(l) for l in released])
-        self._time("layers", start)
         if self.boundary == 0:
-            self._wait_background()
+            for layer in released:
+                self._layer_weights(layer)
+            self._time("layers", start)
             self._finish()
+            return
+        if self.overlap:
+            self._start_background(items, released)
+        self._time("layers", start)
+
+    def _start_background(self, items, released):
+        """Plans the next layers' moves and reads them, and releases the weights of `released`,
+        on the transformation thread while the next step runs."""
+        self._movers = {}
+        for layer in self._next_layers():
+            self._movers[layer] = mover = _C.KVMover()
+            mover.plan(items, layer)
+
+        def work(movers=list(self._movers.values())):
+            for mover in movers:
+                mover.read()
+            for layer in released:
+                self._layer_weights(layer)
+        self._background = _EXECUTOR.submit(work)
 
 
 class StaggeredScaleUp(_Staggered):
@@ -464,6 +527,8 @@ class StaggeredScaleUp(_Staggered):
     step first moves `layers_per_step` more layers, last layer first. Layers below the boundary
     still run in the old instances (on their own requests' rows, with the old KV and FFN shards),
     layers above it in the merged instance; the hidden states cross once, at the boundary."""
+
+    _background_weights = True  # a moved layer's other FFN shards are no longer read
 
     def __init__(self, host, first, k, method, layers_per_step):
         self._check(host, method)
@@ -543,6 +608,7 @@ class StaggeredScaleUp(_Staggered):
         c = self.merged._c
         items, sent = [], {}
         D = self.host.model.config.head_dim
+        dst_kvs = [self.host.worker(w).kv._c for w in self.rank_order]
         for rid in c.request_ids():
             new_seqs = c.export(rid)["seqs"]
             for i, w in enumerate(self.rank_order):
@@ -554,10 +620,10 @@ class StaggeredScaleUp(_Staggered):
                 src = self.group_ranks[group][src_rank]
                 _, old_seq = c.transition_seq(rid, src)
                 src_w = self.rank_order[src]
-                src_kv = self.old_kvs[src_w]
-                n_tokens = src_kv.n_tokens(old_seq)
-                items.append((src_kv._c, old_seq, first - src_rank * self.h_old, self.h_new,
-                              n_tokens, self.host.worker(w).kv._c, new_seqs[i]))
+                src_kv = self.old_kvs[src_w]._c
+                n_tokens = src_kv.seq_n_tokens(old_seq)
+                items.append((src_kv, old_seq, first - src_rank * self.h_old, self.h_new,
+                              n_tokens, dst_kvs[i], new_seqs[i]))
                 if src_w != w:
                     sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_new * D * 4
         return items, sent

@@ -236,18 +236,20 @@ def test_gyges_needs_a_fraction_of_the_extra_memory_of_basic(tiny):
     assert peaks[("gyges", 4)] <= peaks[("gyges", 1)]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("start, workers, target, layers_per_step", [
     ("4xTP1", (0, 1, 2, 3), 4, 1), ("4xTP1", (0, 1, 2, 3), 4, 3), ("2xTP2", (0, 1, 2, 3), 4, 2),
     ("4xTP1", (2, 3), 2, 1),
 ])
 def test_layer_staggered_scale_up_serves_while_it_moves(tiny, reference, start, workers, target,
-                                                        layers_per_step):
+                                                        layers_per_step, overlap):
     host = new_host(tiny, start)
     ps = prompts(10, seed=1)
     early = [host.submit(p, PARAMS) for p in ps[:7]]
     for _ in range(3):
         host.step()
-    t = host.transform(workers=workers, tp=target, layers_per_step=layers_per_step)
+    t = host.transform(workers=workers, tp=target, layers_per_step=layers_per_step,
+                       overlap=overlap)
     assert not t.done and t.boundary == tiny.config.num_hidden_layers
     late = [host.submit(p, PARAMS) for p in ps[7:]]  # admitted while layers move
     boundaries = []
@@ -255,7 +257,14 @@ def test_layer_staggered_scale_up_serves_while_it_moves(tiny, reference, start, 
         host.step()
         boundaries.append(t.boundary if not t.done else 0)
     L = tiny.config.num_hidden_layers
-    assert len(boundaries) == -(-L // layers_per_step)
+    # With overlap the first step only starts reading the KV beside it, and a step moves nothing
+    # while that reading is still running.
+    assert len(boundaries) == -(-L // layers_per_step) + overlap + t.stats["steps_waiting"]
+    if overlap:  # all but the first step's layers were read beside a step, the rest patched
+        assert 0 < t.stats["bytes_read_beside_steps"] < sum(t.stats["bytes_received"].values()) * 2
+        assert t.stats["stage_bytes"] > 0
+    else:
+        assert t.stats["bytes_read_beside_steps"] == 0
     check_placement(host)
     host.run()
     assert [r.output_tokens for r in early + late] == reference(1)
@@ -287,12 +296,13 @@ def test_staggered_refusals_and_round_trip(tiny, reference):
         raw.transform(workers=(0, 1), tp=2, layers_per_step=1)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("start, workers, target, layers_per_step, weights_from", [
     ("1xTP4", (0, 1, 2, 3), 1, 1, "peers"), ("1xTP4", (0, 1, 2, 3), 2, 3, "host"),
     ("2xTP2", (0, 1), 1, 2, "peers"), ("1xTP4", (0, 1, 2, 3), 1, 4, "peers"),
 ])
 def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start, workers, target,
-                                                          layers_per_step, weights_from):
+                                                          layers_per_step, weights_from, overlap):
     host = new_host(tiny, start)
     ps = prompts(10, seed=1)
     early = [host.submit(p, PARAMS) for p in ps[:7]]
@@ -300,7 +310,7 @@ def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start
         host.step()
     before = kv_by_request(host)
     t = host.transform(workers=workers, tp=target, layers_per_step=layers_per_step,
-                       weights_from=weights_from)
+                       weights_from=weights_from, overlap=overlap)
     late = [host.submit(p, PARAMS) for p in ps[7:]]  # arrive while layers move
     while not t.done:
         host.step()
@@ -314,16 +324,3 @@ def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start
     host.run()
     assert [r.output_tokens for r in early + late] == reference(1)
     assert all(m["kv"] == 0 for m in host.memory())
-
-
-def test_overlapped_weight_release_keeps_every_token_stream(tiny, reference):
-    host = new_host(tiny, "4xTP1")
-    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
-    for _ in range(2):
-        host.step()
-    t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1, overlap=True)
-    while not t.done:
-        host.step()
-    check_placement(host)  # every foreign FFN page was released by the background thread
-    host.run()
-    assert [r.output_tokens for r in requests] == reference(1)

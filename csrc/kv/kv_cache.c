@@ -1,12 +1,12 @@
 /* kv_cache.c: blocks, block tables and growth of the paged KV cache. */
 #include "kv_cache.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef struct gy_kv_seq {
     int32_t live;
+    uint64_t generation; /* changes each time the id is handed out (gy_kv_seq_generation) */
     int64_t n_tokens;   /* tokens the sequence has reserved room for */
     int64_t n_blocks;
     int64_t capacity;   /* of blocks[] */
@@ -29,6 +29,7 @@ struct gy_kv_cache {
     int64_t *free_seqs;      /* (seq_capacity) stack of dead sequence ids */
     int64_t n_free_seqs;
     int64_t n_live_seqs;
+    uint64_t generations; /* sequences ever handed out */
     gy_kv_stats stats;
     /* A layer-staggered transformation reads the same pages in two geometries: the owner maps
      * them, the shadow borrows them (each only touches the layers in its geometry). */
@@ -358,6 +359,7 @@ gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out) {
     const int64_t id = kv->free_seqs[--kv->n_free_seqs];
     gy_kv_seq *s = &kv->seqs[id];
     s->live = 1;
+    s->generation = ++kv->generations;
     s->n_tokens = 0;
     s->n_blocks = 0;
     kv->n_live_seqs++;
@@ -473,6 +475,11 @@ const int32_t *gy_kv_seq_blocks(const gy_kv_cache *kv, int64_t seq) {
     return s ? s->blocks : NULL;
 }
 
+uint64_t gy_kv_seq_generation(const gy_kv_cache *kv, int64_t seq) {
+    const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
+    return s ? s->generation : 0;
+}
+
 int64_t gy_kv_seq_n_tokens(const gy_kv_cache *kv, int64_t seq) {
     const gy_kv_seq *s = gy_kv_live_seq(kv, seq);
     return s ? s->n_tokens : -1;
@@ -552,91 +559,3 @@ void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out) {
     out->pages_per_layer = kv->pages_per_layer;
 }
 
-/* One pass of a layer move over items [first, end): pass 0 reads into the stage, pass 1 writes
- * it out. The stage is in logical order (block of tokens, head, K/V, token), so both passes walk
- * it alike; where a layout keeps a head's tokens together (header-centric) a run is one copy. */
-typedef struct gy_kv_move_part {
-    const gy_kv_move_item *items;
-    const int64_t *stage_at; /* (n_items) where each item starts in the stage */
-    float *stage;
-    int64_t first, end, layer;
-    int pass;
-} gy_kv_move_part;
-
-static void *gy_kv_move_pass(void *arg) {
-    const gy_kv_move_part *w = arg;
-    for (int64_t i = w->first; i < w->end; i++) {
-        const gy_kv_move_item *it = &w->items[i];
-        gy_kv_cache *kv = w->pass == 0 ? it->src : it->dst;
-        const gy_kv_layout *L = &kv->layout;
-        float *base = gy_kv_layer_ptr(kv, w->layer);
-        const int32_t *blocks = kv->seqs[w->pass == 0 ? it->src_seq : it->dst_seq].blocks;
-        const int64_t D = L->head_dim, B = L->block_size;
-        const int64_t head0 = w->pass == 0 ? it->src_head : it->dst_head;
-        const int runs = L->stride_token == D;
-        float *p = w->stage + w->stage_at[i];
-        for (int64_t t0 = 0; t0 < it->n_tokens; t0 += B) {
-            const int64_t count = it->n_tokens - t0 < B ? it->n_tokens - t0 : B;
-            const int64_t block = blocks[t0 / B];
-            for (int64_t h = 0; h < it->n_heads; h++)
-                for (int64_t kvi = 0; kvi < 2; kvi++)
-                    for (int64_t t = 0; t < count; t += runs ? count : 1) {
-                        const int64_t n = (runs ? count : 1) * D;
-                        float *at = base + gy_kv_layout_offset(L, kvi, block, t, head0 + h);
-                        if (w->pass == 0) memcpy(p, at, (size_t)n * sizeof(float));
-                        else memcpy(at, p, (size_t)n * sizeof(float));
-                        p += n;
-                    }
-        }
-    }
-    return NULL;
-}
-
-gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
-                           uint64_t *bytes_moved) {
-    if (items == NULL && n_items > 0) return GY_FAIL(GY_ERR_INVALID, "NULL items");
-    int64_t total = 0;
-    int64_t *stage_at = malloc((size_t)(n_items > 0 ? n_items : 1) * sizeof(int64_t));
-    if (stage_at == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    for (int64_t i = 0; i < n_items; i++) {
-        const gy_kv_move_item *it = &items[i];
-        float *src_base, *dst_base;
-        gy_status s = gy_kv_check_access(it->src, it->src_seq, layer, 0, it->n_tokens, it, it, &src_base);
-        if (s == GY_OK) s = gy_kv_check_access(it->dst, it->dst_seq, layer, 0, it->n_tokens, it, it, &dst_base);
-        if (s == GY_OK && (it->n_heads <= 0 || it->src_head < 0 ||
-                           it->src_head + it->n_heads > it->src->config.n_heads ||
-                           it->dst_head < 0 || it->dst_head + it->n_heads > it->dst->config.n_heads ||
-                           it->src->config.head_dim != it->dst->config.head_dim))
-            s = GY_FAIL(GY_ERR_INVALID, "move item %lld: heads [%lld, %lld) do not fit", (long long)i,
-                        (long long)it->src_head, (long long)(it->src_head + it->n_heads));
-        if (s != GY_OK) {
-            free(stage_at);
-            return s;
-        }
-        stage_at[i] = total;
-        total += 2 * it->n_tokens * it->n_heads * it->src->config.head_dim;
-    }
-    float *stage = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
-    if (stage == NULL) {
-        free(stage_at);
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory to stage %lld values", (long long)total);
-    }
-    /* Everything is read before anything is written: new blocks may overlap old ones of the same
-     * layer. Each pass runs on two threads (the items split in half). */
-    const int64_t half = n_items / 2;
-    for (int pass = 0; pass < 2; pass++) {
-        gy_kv_move_part parts[2] = {
-            {.items = items, .stage_at = stage_at, .stage = stage, .first = 0, .end = half, .layer = layer, .pass = pass},
-            {.items = items, .stage_at = stage_at, .stage = stage, .first = half, .end = n_items, .layer = layer, .pass = pass},
-        };
-        pthread_t helper;
-        const int threaded = half > 0 && pthread_create(&helper, NULL, gy_kv_move_pass, &parts[0]) == 0;
-        if (!threaded) gy_kv_move_pass(&parts[0]);
-        gy_kv_move_pass(&parts[1]);
-        if (threaded) pthread_join(helper, NULL);
-    }
-    free(stage);
-    free(stage_at);
-    if (bytes_moved) *bytes_moved = (uint64_t)total * sizeof(float);
-    return GY_OK;
-}

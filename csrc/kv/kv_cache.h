@@ -91,6 +91,10 @@ gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq);
 int64_t gy_kv_seq_n_blocks(const gy_kv_cache *kv, int64_t seq);
 const int32_t *gy_kv_seq_blocks(const gy_kv_cache *kv, int64_t seq);
 int64_t gy_kv_seq_n_tokens(const gy_kv_cache *kv, int64_t seq);
+/* Non-zero and different for every sequence the cache ever handed out, even when an id is
+ * reused (0 when `seq` is not live): lets a reader notice that a sequence was freed and made
+ * again in between. */
+uint64_t gy_kv_seq_generation(const gy_kv_cache *kv, int64_t seq);
 /* Blocks needed for n_tokens more than the sequence holds (0 when it already has room). */
 int64_t gy_kv_blocks_needed(const gy_kv_cache *kv, int64_t seq, int64_t n_tokens);
 
@@ -100,20 +104,6 @@ gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, 
                       const float *k, const float *v);
 gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,
                        float *k_out, float *v_out);
-
-/* Moves one layer's K/V between caches of other geometries (a layer-staggered transformation):
- * item i copies heads [src_head[i], src_head[i] + n_heads[i]) of tokens [0, n_tokens[i]) of
- * src_seq[i] in src[i] to heads [dst_head[i], dst_head[i] + n_heads[i]) of dst_seq[i] in dst[i]. Everything is read
- * before anything is written, because new blocks may overlap old blocks of the same layer.
- * `bytes_moved` gets the bytes copied (may be NULL). fp32 host caches only. */
-typedef struct gy_kv_move_item {
-    gy_kv_cache *src, *dst;
-    int64_t src_seq, dst_seq;
-    int64_t src_head, n_heads, n_tokens;
-    int64_t dst_head;
-} gy_kv_move_item;
-gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
-                           uint64_t *bytes_moved);
 
 /* Layout and placement. */
 const gy_kv_layout *gy_kv_layout_of(const gy_kv_cache *kv); /* for the current n_blocks */

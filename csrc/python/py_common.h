@@ -16,6 +16,7 @@ PyObject *gy_py_error_class(gy_status status);
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
+int gy_py_kv_mover_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);

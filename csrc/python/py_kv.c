@@ -291,52 +291,7 @@ gy_kv_cache *gy_py_kv_unwrap(PyObject *object) {
     return ((GyKVObject *)object)->kv;
 }
 
-/* kv_move_layer(items, layer) -> bytes: items are (src KVCache, src_seq, src_head, n_heads,
- * n_tokens, dst KVCache, dst_seq, dst_head). */
-static PyObject *gy_py_kv_move_layer(PyObject *module, PyObject *args) {
-    PyObject *list;
-    long long layer;
-    if (!PyArg_ParseTuple(args, "OL", &list, &layer)) return NULL;
-    const Py_ssize_t n = PySequence_Size(list);
-    if (n < 0) return NULL;
-    gy_kv_move_item *items = calloc((size_t)(n > 0 ? n : 1), sizeof *items);
-    if (items == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_GetItem(list, i), *src, *dst;
-        long long src_seq, src_head, n_heads, n_tokens, dst_seq, dst_head = 0;
-        int ok = item && PyArg_ParseTuple(item, "OLLLLOL|L", &src, &src_seq, &src_head, &n_heads,
-                                          &n_tokens, &dst, &dst_seq, &dst_head);
-        Py_XDECREF(item); /* the caches are kept alive by the list */
-        if (ok) {
-            items[i] = (gy_kv_move_item){.src = gy_py_kv_unwrap(src), .dst = gy_py_kv_unwrap(dst),
-                                         .src_seq = src_seq, .dst_seq = dst_seq, .src_head = src_head,
-                                         .n_heads = n_heads, .n_tokens = n_tokens,
-                                         .dst_head = dst_head};
-            ok = items[i].src != NULL && items[i].dst != NULL;
-        }
-        if (!ok) {
-            free(items);
-            return NULL;
-        }
-    }
-    uint64_t moved = 0;
-    gy_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = gy_kv_move_layer(items, n, layer, &moved);
-    Py_END_ALLOW_THREADS
-    free(items);
-    if (s != GY_OK) return gy_py_raise(s);
-    return PyLong_FromUnsignedLongLong(moved);
-}
-
-static PyMethodDef gy_py_kv_functions[] = {
-    {"kv_move_layer", gy_py_kv_move_layer, METH_VARARGS,
-     "kv_move_layer(items, layer) -> bytes: move one layer's K/V between caches"},
-    {NULL, NULL, 0, NULL},
-};
-
 int gy_py_kv_add(PyObject *module) {
-    if (PyModule_AddFunctions(module, gy_py_kv_functions) < 0) return -1;
     gy_py_kv_type = PyType_FromModuleAndSpec(module, &gy_py_kv_spec, NULL);
     if (gy_py_kv_type == NULL || PyModule_AddObjectRef(module, "KVCache", gy_py_kv_type) < 0)
         return -1;

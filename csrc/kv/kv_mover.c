@@ -1,0 +1,300 @@
+/* kv_mover.c: moving one layer's K/V between caches, read early beside a step, written later. */
+#include "kv_mover.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One item as the mover keeps it. Planned items carry what their early read needs (a copy of the
+ * source blocks, the layer's address and layout), so that the read touches no cache structure a
+ * step may change meanwhile. */
+typedef struct gy_kv_mover_item {
+    gy_kv_move_item it;
+    uint64_t src_gen, dst_gen;
+    int64_t staged;     /* tokens [0, staged) are in the stage at stage_at (floats) */
+    int64_t stage_at;
+    int64_t late_from;  /* finish reads tokens [late_from, n_tokens) into `late` at late_at */
+    int64_t late_at;
+    int64_t blocks_at;  /* planned: the source block ids, in m->blocks */
+    float *src_base;    /* planned: the source layer */
+    int used;           /* planned: matched by finish already */
+} gy_kv_mover_item;
+
+struct gy_kv_mover {
+    int64_t layer;      /* of the plan; -1 when there is none */
+    int read_done;
+    gy_kv_mover_item *planned;
+    int64_t n_planned, planned_cap;
+    int32_t *blocks;
+    int64_t blocks_cap;
+    gy_kv_layout *src_layouts; /* planned: each source cache's layout at plan time */
+    int64_t layouts_cap;
+    float *stage;
+    int64_t stage_cap;  /* floats */
+    float *late;
+    int64_t late_cap;
+    gy_kv_mover_item *now;
+    int64_t now_cap;
+};
+
+/* Grows *buf to hold n elements of `size` bytes; keeps the contents. */
+static gy_status gy_kv_mover_reserve(void **buf, int64_t *cap, int64_t n, size_t size) {
+    if (n <= *cap) return GY_OK;
+    int64_t c = *cap ? *cap : 64;
+    while (c < n) c *= 2;
+    void *p = realloc(*buf, (size_t)c * size);
+    if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a KV move of %lld items",
+                                  (long long)n);
+    *buf = p;
+    *cap = c;
+    return GY_OK;
+}
+
+gy_status gy_kv_mover_init(gy_kv_mover **out) {
+    if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_mover_init: NULL argument");
+    gy_kv_mover *m = calloc(1, sizeof *m);
+    if (m == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    m->layer = -1;
+    *out = m;
+    return GY_OK;
+}
+
+void gy_kv_mover_free(gy_kv_mover *m) {
+    if (m == NULL) return;
+    free(m->planned);
+    free(m->blocks);
+    free(m->src_layouts);
+    free(m->stage);
+    free(m->late);
+    free(m->now);
+    free(m);
+}
+
+static gy_status gy_kv_mover_check_side(const gy_kv_cache *kv, int64_t seq, int64_t head0,
+                                        int64_t n_heads, int64_t n_tokens, int64_t layer,
+                                        int64_t i, const char *side) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "move item %lld: NULL %s cache", (long long)i, side);
+    const gy_kv_config *c = gy_kv_config_of(kv);
+    const int64_t n_blocks = gy_kv_seq_n_blocks(kv, seq);
+    if (n_blocks < 0)
+        return GY_FAIL(GY_ERR_STATE, "move item %lld: %s sequence %lld does not exist", (long long)i,
+                       side, (long long)seq);
+    if (n_tokens < 0 || n_tokens > n_blocks * c->block_size)
+        return GY_FAIL(GY_ERR_INVALID, "move item %lld: %lld tokens do not fit the %lld the %s "
+                       "sequence has room for", (long long)i, (long long)n_tokens,
+                       (long long)(n_blocks * c->block_size), side);
+    if (n_heads <= 0 || head0 < 0 || head0 + n_heads > c->n_heads)
+        return GY_FAIL(GY_ERR_INVALID, "move item %lld: %s heads [%lld, %lld) do not fit %lld heads",
+                       (long long)i, side, (long long)head0, (long long)(head0 + n_heads),
+                       (long long)c->n_heads);
+    if (layer < 0 || layer >= c->n_layers)
+        return GY_FAIL(GY_ERR_INVALID, "layer %lld is out of range [0, %lld)", (long long)layer,
+                       (long long)c->n_layers);
+    if (c->layout == GY_KV_LAYOUT_RAW)
+        return GY_FAIL(GY_ERR_INVALID, "the raw layout moves V when it grows; moves need page or header");
+    if (c->elem_size != (int64_t)sizeof(float) || gy_kv_layer_ptr(kv, layer) == NULL)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "layer moves need fp32 KV in host memory");
+    return GY_OK;
+}
+
+static gy_status gy_kv_mover_check(const gy_kv_move_item *items, int64_t n_items, int64_t layer) {
+    if (items == NULL && n_items > 0) return GY_FAIL(GY_ERR_INVALID, "NULL items");
+    if (n_items < 0) return GY_FAIL(GY_ERR_INVALID, "negative item count");
+    for (int64_t i = 0; i < n_items; i++) {
+        const gy_kv_move_item *it = &items[i];
+        GY_TRY(gy_kv_mover_check_side(it->src, it->src_seq, it->src_head, it->n_heads, it->n_tokens,
+                                      layer, i, "source"));
+        GY_TRY(gy_kv_mover_check_side(it->dst, it->dst_seq, it->dst_head, it->n_heads, it->n_tokens,
+                                      layer, i, "destination"));
+        if (gy_kv_config_of(it->src)->head_dim != gy_kv_config_of(it->dst)->head_dim)
+            return GY_FAIL(GY_ERR_INVALID, "move item %lld: head_dim differs", (long long)i);
+    }
+    return GY_OK;
+}
+
+/* Copies tokens [t0, t1) of heads [head0, head0 + n_heads) between a layer at `base` and `buf`,
+ * which holds them as (head, K/V, token, head_dim) from token t0; where the layout keeps a head's
+ * tokens of a block together (header-centric) a block's run is one copy. */
+static void gy_kv_mover_xfer(float *base, const gy_kv_layout *L, const int32_t *blocks, int64_t head0,
+                             int64_t n_heads, int64_t t0, int64_t t1, float *buf, int to_buf) {
+    const int64_t D = L->head_dim, B = L->block_size, n = t1 - t0;
+    const int runs = L->stride_token == D;
+    for (int64_t h = 0; h < n_heads; h++)
+        for (int64_t kvi = 0; kvi < 2; kvi++) {
+            float *p = buf + (h * 2 + kvi) * n * D;
+            for (int64_t t = t0; t < t1;) {
+                const int64_t slot = t % B;
+                const int64_t count = runs ? (B - slot < t1 - t ? B - slot : t1 - t) : 1;
+                float *at = base + gy_kv_layout_offset(L, kvi, blocks[t / B], slot, head0 + h);
+                if (to_buf) memcpy(p, at, (size_t)(count * D) * sizeof(float));
+                else memcpy(at, p, (size_t)(count * D) * sizeof(float));
+                p += count * D;
+                t += count;
+            }
+        }
+}
+
+static int64_t gy_kv_item_floats(const gy_kv_move_item *it, int64_t tokens) {
+    return 2 * it->n_heads * tokens * gy_kv_config_of(it->src)->head_dim;
+}
+
+gy_status gy_kv_mover_plan(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
+                           int64_t layer) {
+    if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
+    m->layer = -1;
+    m->n_planned = 0;
+    m->read_done = 0;
+    GY_TRY(gy_kv_mover_check(items, n_items, layer));
+    GY_TRY(gy_kv_mover_reserve((void **)&m->planned, &m->planned_cap, n_items, sizeof *m->planned));
+    int64_t floats = 0, n_blocks = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t B = gy_kv_config_of(items[i].src)->block_size;
+        floats += gy_kv_item_floats(&items[i], items[i].n_tokens);
+        n_blocks += (items[i].n_tokens + B - 1) / B;
+    }
+    GY_TRY(gy_kv_mover_reserve((void **)&m->blocks, &m->blocks_cap, n_blocks, sizeof *m->blocks));
+    GY_TRY(gy_kv_mover_reserve((void **)&m->stage, &m->stage_cap, floats, sizeof *m->stage));
+    GY_TRY(gy_kv_mover_reserve((void **)&m->src_layouts, &m->layouts_cap, n_items, sizeof *m->src_layouts));
+    floats = 0;
+    n_blocks = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const gy_kv_move_item *it = &items[i];
+        const int64_t B = gy_kv_config_of(it->src)->block_size, nb = (it->n_tokens + B - 1) / B;
+        if (nb > 0)
+            memcpy(m->blocks + n_blocks, gy_kv_seq_blocks(it->src, it->src_seq), (size_t)nb * sizeof(int32_t));
+        m->planned[i] = (gy_kv_mover_item){
+            .it = *it, .src_gen = gy_kv_seq_generation(it->src, it->src_seq),
+            .dst_gen = gy_kv_seq_generation(it->dst, it->dst_seq), .staged = it->n_tokens,
+            .stage_at = floats, .blocks_at = n_blocks, .src_base = gy_kv_layer_ptr(it->src, layer)};
+        /* The layer's address and layout stay valid while the caches live: page and header
+         * layouts only append when they grow, and a shadowed cache cannot shrink. */
+        m->src_layouts[i] = *gy_kv_layout_of(it->src);
+        floats += gy_kv_item_floats(it, it->n_tokens);
+        n_blocks += nb;
+    }
+    m->n_planned = n_items;
+    m->layer = layer;
+    return GY_OK;
+}
+
+gy_status gy_kv_mover_read(gy_kv_mover *m) {
+    if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
+    if (m->layer < 0 || m->read_done) return GY_OK;
+    for (int64_t i = 0; i < m->n_planned; i++) {
+        const gy_kv_mover_item *p = &m->planned[i];
+        gy_kv_mover_xfer(p->src_base, &m->src_layouts[i],
+                         m->blocks + p->blocks_at, p->it.src_head, p->it.n_heads, 0, p->staged,
+                         m->stage + p->stage_at, 1);
+    }
+    m->read_done = 1;
+    return GY_OK;
+}
+
+/* The planned item `now` can reuse, or NULL. `hint` is where to look first: finish usually sees
+ * the items in the order they were planned. */
+static gy_kv_mover_item *gy_kv_mover_match(gy_kv_mover *m, const gy_kv_move_item *now, int64_t hint) {
+    for (int64_t k = 0; k < m->n_planned; k++) {
+        gy_kv_mover_item *p = &m->planned[(hint + k) % m->n_planned];
+        const gy_kv_move_item *it = &p->it;
+        if (!p->used && it->src == now->src && it->dst == now->dst && it->src_seq == now->src_seq &&
+            it->dst_seq == now->dst_seq && it->src_head == now->src_head &&
+            it->dst_head == now->dst_head && it->n_heads == now->n_heads &&
+            p->src_gen == gy_kv_seq_generation(now->src, now->src_seq) &&
+            p->dst_gen == gy_kv_seq_generation(now->dst, now->dst_seq) && p->staged <= now->n_tokens)
+            return p;
+    }
+    return NULL;
+}
+
+/* One of finish's passes over items [first, end): pass 0 reads the late tokens, pass 1 writes
+ * the staged and the late tokens out. */
+typedef struct gy_kv_mover_part {
+    gy_kv_mover *m;
+    int64_t first, end, layer;
+    int pass;
+} gy_kv_mover_part;
+
+static void *gy_kv_mover_pass(void *arg) {
+    const gy_kv_mover_part *w = arg;
+    gy_kv_mover *m = w->m;
+    for (int64_t i = w->first; i < w->end; i++) {
+        const gy_kv_mover_item *x = &m->now[i];
+        const gy_kv_move_item *it = &x->it;
+        if (w->pass == 0) {
+            gy_kv_mover_xfer(gy_kv_layer_ptr(it->src, w->layer), gy_kv_layout_of(it->src),
+                             gy_kv_seq_blocks(it->src, it->src_seq), it->src_head, it->n_heads,
+                             x->late_from, it->n_tokens, m->late + x->late_at, 1);
+            continue;
+        }
+        float *base = gy_kv_layer_ptr(it->dst, w->layer);
+        const gy_kv_layout *L = gy_kv_layout_of(it->dst);
+        const int32_t *blocks = gy_kv_seq_blocks(it->dst, it->dst_seq);
+        if (x->staged > 0)
+            gy_kv_mover_xfer(base, L, blocks, it->dst_head, it->n_heads, 0, x->staged,
+                             m->stage + x->stage_at, 0);
+        gy_kv_mover_xfer(base, L, blocks, it->dst_head, it->n_heads, x->late_from, it->n_tokens,
+                         m->late + x->late_at, 0);
+    }
+    return NULL;
+}
+
+gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
+                             int64_t layer, int threads, gy_kv_move_stats *stats) {
+    if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
+    GY_TRY(gy_kv_mover_check(items, n_items, layer));
+    GY_TRY(gy_kv_mover_reserve((void **)&m->now, &m->now_cap, n_items, sizeof *m->now));
+    const int planned = m->layer == layer && m->read_done;
+    gy_kv_move_stats st = {0};
+    int64_t late = 0;
+    for (int64_t i = 0; i < m->n_planned; i++) m->planned[i].used = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        gy_kv_mover_item *p = planned ? gy_kv_mover_match(m, &items[i], i) : NULL;
+        gy_kv_mover_item *x = &m->now[i];
+        *x = (gy_kv_mover_item){.it = items[i]};
+        if (p != NULL) {
+            p->used = 1;
+            x->staged = p->staged;
+            x->stage_at = p->stage_at;
+            st.items_reused++;
+            st.bytes_early += (uint64_t)gy_kv_item_floats(&items[i], p->staged) * sizeof(float);
+        }
+        x->late_from = x->staged;
+        x->late_at = late;
+        late += gy_kv_item_floats(&items[i], items[i].n_tokens - x->staged);
+    }
+    if (planned) st.items_stale = m->n_planned - st.items_reused;
+    gy_status s = gy_kv_mover_reserve((void **)&m->late, &m->late_cap, late, sizeof *m->late);
+    if (s != GY_OK) return s;
+    /* Every read before any write: new blocks may overlap old ones of the same layer. */
+    const int64_t half = threads > 1 ? n_items / 2 : 0;
+    for (int pass = 0; pass < 2; pass++) {
+        gy_kv_mover_part parts[2] = {
+            {.m = m, .first = 0, .end = half, .layer = layer, .pass = pass},
+            {.m = m, .first = half, .end = n_items, .layer = layer, .pass = pass},
+        };
+        pthread_t helper;
+        const int threaded = half > 0 && pthread_create(&helper, NULL, gy_kv_mover_pass, &parts[0]) == 0;
+        if (!threaded) gy_kv_mover_pass(&parts[0]);
+        gy_kv_mover_pass(&parts[1]);
+        if (threaded) pthread_join(helper, NULL);
+    }
+    st.bytes_late = (uint64_t)late * sizeof(float);
+    st.bytes_moved = st.bytes_early + st.bytes_late;
+    st.stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
+    m->layer = -1;
+    m->n_planned = 0;
+    m->read_done = 0;
+    if (stats) *stats = st;
+    return GY_OK;
+}
+
+gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
+                           uint64_t *bytes_moved) {
+    gy_kv_mover *m;
+    GY_TRY(gy_kv_mover_init(&m));
+    gy_kv_move_stats st;
+    const gy_status s = gy_kv_mover_finish(m, items, n_items, layer, 2, &st);
+    gy_kv_mover_free(m);
+    if (s == GY_OK && bytes_moved) *bytes_moved = st.bytes_moved;
+    return s;
+}
