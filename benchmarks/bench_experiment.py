@@ -63,6 +63,9 @@ class HostCapacityCost(CostModel):
         cap = [int(c) for c in self.measured[:levels]]
         return cap, cap
 
+    def max_inputs(self, max_tp):
+        return None  # the CPU engine prefills in chunks: only its KV limits a prompt
+
 
 def mixed_trace(duration, rate, seed):
     """Short requests (Poisson at `rate`/s, 64-512 prompt tokens, 16-96 output tokens) and one

@@ -5,7 +5,9 @@
    sequences (768 prompt + 256 output); throughput = prompt + output tokens/s at the highest
    rate at which >= 90% of requests meet the SLO (bisection on the rate, 600 s per trial).
    Only the efficiency factors are calibrated (gyges.costmodel.CALIBRATION; --calibrate redoes
-   the Nelder-Mead fit of eff_flops, eff_link, allreduce_latency and step_overhead).
+   the Nelder-Mead fit of eff_flops, eff_link, allreduce_latency and step_overhead to the
+   throughput rows, and of mem_util and prefill_act_bytes to the maximal-sequence row: the
+   longest prompt an instance can prefill, which its activations limit well below its KV room).
 2. Gyges 6.2.4: short 1K prompts at 60/min + long 50K prompts at 1/min on 8 TP1 instances;
    gyges vs round_robin and least_load, at the paper's rate and at 1.5x and 2x (the gains in
    throughput only exist once the cluster is saturated).
@@ -66,7 +68,9 @@ def table1(cost):
                      "single_err": 100 * (tput / paper - 1), "total": total,
                      "paper_total": paper * 4 / tp,
                      "total_err": 100 * (total / (paper * 4 / tp) - 1),
-                     "max_seq": cost.max_tokens(tp), "paper_max_seq": paper_seq})
+                     "max_seq": cost.max_input_tokens(tp), "paper_max_seq": paper_seq,
+                     "max_seq_err": 100 * (cost.max_input_tokens(tp) / paper_seq - 1),
+                     "kv_tokens": cost.max_tokens(tp)})
     return rows
 
 
@@ -99,18 +103,36 @@ def nelder_mead(f, x0, step, iterations=80):
     return pts[i], vals[i]
 
 
+def calibrate_memory():
+    """mem_util and prefill_act_bytes from Table 1's maximal supported sequences (the
+    throughput rows do not depend on them at 1K-token sequences)."""
+    names = ("mem_util", "prefill_act_bytes")
+
+    def objective(x):
+        v = {"mem_util": min(float(x[0]), 1.0), "prefill_act_bytes": float(np.exp(x[1]))}
+        cost = CostModel.create("qwen2.5-32b", "h20", **v)
+        return sum(math.log(max(cost.max_input_tokens(tp), 1) / PAPER_TABLE1[tp][1]) ** 2
+                   for tp in (1, 2, 4))
+
+    x, err = nelder_mead(objective, np.array([CALIBRATION["mem_util"],
+                                              math.log(CALIBRATION["prefill_act_bytes"])]),
+                         [0.02, 0.3])
+    return {"mem_util": min(float(x[0]), 1.0), "prefill_act_bytes": float(np.exp(x[1]))}, err
+
+
 def calibrate():
+    memory, _ = calibrate_memory()
     names = ("eff_flops", "eff_link", "allreduce_latency", "step_overhead")
 
     def objective(x):
         v = dict(zip(names, np.exp(x)))
-        cost = CostModel.create("qwen2.5-32b", "h20", **v)
+        cost = CostModel.create("qwen2.5-32b", "h20", **v, **memory)
         return sum(math.log(max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0]) ** 2
                    for tp in (1, 2, 4))
 
     x, err = nelder_mead(objective, np.log([CALIBRATION[n] for n in names]),
                          [0.3, 0.5, 1.0, 1.0])
-    return dict(zip(names, (float(v) for v in np.exp(x)))), err
+    return {**dict(zip(names, (float(v) for v in np.exp(x)))), **memory}, err
 
 
 # ---- 2. Gyges 6.2.4 ---------------------------------------------------------------------------
@@ -145,12 +167,14 @@ def azure_trace(cost, tail=0.03, rate_factor=0.07):
     tr = traces.load_azure(AZURE)
     tot = tr["input_tokens"] + tr["output_tokens"]
     long = tot >= np.percentile(tot, 100 * (1 - tail))
-    tp1 = cost.max_tokens(1)
-    factor = 1.05 * tp1 / tot[long].min()
+    # a request exceeds TP1 when its KV does not fit or its prompt cannot be prefilled there
+    tp1, tp1_prompt = cost.max_tokens(1), cost.max_input_tokens(1)
+    factor = 1.05 * min(tp1 / tot[long].min(), tp1_prompt / tr["input_tokens"][long].min())
     out = tr.copy()
     out["input_tokens"][long] = np.rint(tr["input_tokens"][long] * factor).astype(np.int64)
     out = traces.scale_rate(out, rate_factor)
-    exceed = float(((out["input_tokens"] + out["output_tokens"]) > tp1).mean())
+    exceed = float(((out["input_tokens"] + out["output_tokens"] > tp1)
+                    | (out["input_tokens"] > tp1_prompt)).mean())
     return out, factor, exceed
 
 
@@ -232,7 +256,8 @@ def main():
                  ("paper_single", "paper", "{:.0f}"), ("single_err", "err %", "{:+.1f}"),
                  ("total", "4 GPUs", "{:.0f}"), ("paper_total", "paper", "{:.0f}"),
                  ("total_err", "err %", "{:+.1f}"), ("rate", "req/s", "{:.3f}"),
-                 ("max_seq", "max seq", "{:,}"), ("paper_max_seq", "paper", "{:,}")])
+                 ("max_seq", "max prompt", "{:,}"), ("paper_max_seq", "paper", "{:,}"),
+                 ("max_seq_err", "err %", "{:+.1f}"), ("kv_tokens", "KV tokens", "{:,}")])
 
     duration = 1800.0 if args.quick else 7200.0
     seeds = [0] if args.quick else [0, 1, 2]

@@ -15,7 +15,9 @@ reference, which the tests compare with the C evaluation). Per TP rank of a TP-`
 KV room of a TP-`tp` instance: tp * (memory * mem_util - activation) - weights, in blocks of
 `block_size` tokens (each rank holds max(1, kv_heads / tp) of the KV heads). During a scale-up
 the FFN shards a rank drops (weights padded so that no bytes move, Gyges 4.2) become KV room
-first (capacity_mid). Transformation phases: bytes moved per GPU / (link * eff_xfer) +
+first (capacity_mid). The longest prompt it can prefill (Gyges Table 1's "maximal supported
+sequence") is smaller: while a prompt is prefilled its activations need room too, so
+max_input = room / (kv_rank + prefill_act_bytes / tp). Transformation phases: bytes moved per GPU / (link * eff_xfer) +
 layers * phase_latency_per_layer; the KV phase moves the heads that change owner
 ((1 - small/large) of the KV in use), the scale-down weight phase gathers the FFN shards a rank
 lacks.
@@ -91,13 +93,17 @@ CALIBRATION = {
     "eff_link": 0.00898,
     "allreduce_latency": 62.7e-6,
     "step_overhead": 7.10e-3,
+    # Fitted to Table 1's "maximal supported sequence" row (3.75K, 41.25K, 120.5K): the memory
+    # share the serving stack leaves usable and the activation bytes a prompt token needs while
+    # it is prefilled (at TP1; a TP-tp rank holds 1/tp of them).
+    "mem_util": 0.855,
+    "prefill_act_bytes": 1.64e6,
 }
 
 # Not calibrated: our choices, documented.
 DEFAULTS = {
     "eff_bw": 0.80,                # typical achieved HBM bandwidth of decode GEMVs
     "eff_xfer": 0.70,              # bulk NVLink copies of a transformation
-    "mem_util": 0.90,              # vLLM's gpu_memory_utilization
     "activation_fraction": 0.15,   # Gyges 3.1: 14.3 GB of runtime activations on a 96 GB H20
     "phase_latency_per_layer": 2e-3,   # driver calls per layer per phase (Gyges 6.2.2 scale)
     "transform_slowdown": 0.02,    # Gyges 6.2.3: < 1% with overlap; we take 2%
@@ -158,8 +164,9 @@ class CostModel:
     allreduce_latency: float = CALIBRATION["allreduce_latency"]
     phase_latency_per_layer: float = DEFAULTS["phase_latency_per_layer"]
     transform_slowdown: float = DEFAULTS["transform_slowdown"]
-    mem_util: float = DEFAULTS["mem_util"]
+    mem_util: float = CALIBRATION["mem_util"]
     activation_bytes: float | None = None   # per GPU; None: activation_fraction of its memory
+    prefill_act_bytes: float = CALIBRATION["prefill_act_bytes"]  # per prompt token at TP1
     note: str = field(default="", compare=False)
 
     kind = "roofline"
@@ -176,6 +183,9 @@ class CostModel:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
                 raise CostModelError(f"{name} must be a finite number >= 0, got {v!r}")
+        v = self.prefill_act_bytes
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise CostModelError(f"prefill_act_bytes must be a finite number >= 0, got {v!r}")
         if not 0 < self.mem_util <= 1:
             raise CostModelError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
 
@@ -237,8 +247,20 @@ class CostModel:
         return cap, mid
 
     def max_tokens(self, tp: int, block_size: int = 16) -> int:
-        """The longest request (prompt + output) a TP-`tp` instance can hold."""
+        """The most tokens (prompts + outputs) the KV of a TP-`tp` instance can hold."""
         return self.kv_blocks(tp, block_size) * block_size
+
+    def max_input_tokens(self, tp: int) -> int:
+        """The longest prompt a TP-`tp` instance can prefill: its KV and its activations while
+        it is prefilled (both split over the ranks) must fit the room left after the weights."""
+        room = self.kv_room(tp)
+        if room <= 0:
+            return 0
+        return int(room // (self.kv_bytes_per_token_rank(tp) + self.prefill_act_bytes / tp))
+
+    def max_inputs(self, max_tp: int) -> list[int]:
+        """max_input_tokens per level TP 1, 2, 4, ..., max_tp, as the simulator takes them."""
+        return [max(1, self.max_input_tokens(1 << l)) for l in range(int(math.log2(max_tp)) + 1)]
 
     # ---- the parameters C evaluates ----
 
@@ -340,7 +362,10 @@ class CostModel:
         communication). `samples`: a structured array or list of dicts with n_tokens, n_samples,
         kv_read_tokens, attn_pairs and seconds (n_seqs optional). Each sample is assigned to the
         memory- or the compute-bound side by the current fit; the three coefficients then come
-        from one linear least-squares solve; repeat until the assignment stops changing."""
+        from one linear least-squares solve; repeat until the assignment stops changing.
+        prefill_act_bytes defaults to 0 here (an engine that prefills in chunks: only its KV
+        limits a prompt) unless `fixed` sets it."""
+        fixed.setdefault("prefill_act_bytes", 0.0)
         base = cls.create(model, gpu, **fixed)
         cols = {k: np.asarray([_get(s, k) for s in samples], dtype=np.float64)
                 for k in ("n_tokens", "n_samples", "kv_read_tokens", "attn_pairs", "seconds")}
@@ -380,7 +405,7 @@ class CostModel:
                 **{k: getattr(self, k) for k in ("eff_bw", "eff_flops", "eff_link", "eff_xfer",
                                                  "step_overhead", "allreduce_latency",
                                                  "phase_latency_per_layer", "transform_slowdown",
-                                                 "mem_util")},
+                                                 "mem_util", "prefill_act_bytes")},
                 "activation_bytes": self.activation, "note": self.note}
 
 
@@ -393,6 +418,7 @@ class ConstantCost:
     capacity: tuple = (64, 128, 256, 512)
     capacity_mid: tuple | None = None
     transform_slowdown: float = 0.0
+    max_input: tuple | None = None   # longest prompt per TP level; None: only the KV limits
 
     kind = "constant"
 
@@ -414,6 +440,11 @@ class ConstantCost:
         cap = [int(c) for c in self.capacity[:levels]]
         mid = cap if self.capacity_mid is None else [int(c) for c in self.capacity_mid[:levels]]
         return cap, mid
+
+    def max_inputs(self, max_tp: int):
+        if self.max_input is None:
+            return None
+        return [int(c) for c in self.max_input[:int(math.log2(max_tp)) + 1]]
 
     def describe(self) -> dict:
         return {"kind": self.kind, "step": self.step, "phase": self.phase,

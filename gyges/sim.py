@@ -158,6 +158,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     elif not isinstance(cost, (CostModel, ConstantCost)):
         raise SimError(f"cost must be a CostModel or ConstantCost, got {type(cost).__name__}")
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
+    max_input = cost.max_inputs(max_tp)
     for level, blocks in enumerate(capacity):
         if blocks < 1:
             name = getattr(getattr(cost, "gpu", None), "name", "this GPU")
@@ -185,7 +186,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         arrival=arrival,
         input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
         output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
-        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32))
+        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32), max_input=max_input)
 
     start = float(arrival[0]) if n else 0.0
     chunk = max(span / 100, 1.0)
@@ -210,6 +211,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     config = {"policy": policy, "hosts": hosts, "gpus_per_host": gpus_per_host,
               "max_tp": max_tp, "layout": layout, "cost": cost.describe(),
               "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
+              "max_input_tokens": max_input,
               "block_size": block_size, "max_batch_tokens": max_batch_tokens,
               "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
               "watermark": watermark, "decode_weight": decode_weight,

@@ -288,12 +288,20 @@ def test_capacities_and_table1_memory():
     cm = CostModel.create("qwen2.5-32b", "h20")
     cap, mid = cm.capacities(8)
     assert cap == sorted(cap) and all(m >= c for m, c in zip(mid, cap))
-    # by hand: per rank 96 GiB * 0.9 - 0.15 * 96 GiB - weights / tp, KV 256 KiB per token (TP1)
+    # by hand: per rank 96 GiB * mem_util - 0.15 * 96 GiB - weights / tp, KV 256 KiB per token
     gib = 1024 ** 3
-    room = 96 * gib * 0.9 - 0.15 * 96 * gib - cm.weight_bytes
+    room = 96 * gib * cm.mem_util - 0.15 * 96 * gib - cm.weight_bytes
     assert cap[0] == int(room // (262144 * 16))
-    # TP2 holds a 50K prompt, TP1 does not (the Gyges 6.2.4 long requests need a scale-up)
-    assert cm.max_tokens(1) < 50_256 < cm.max_tokens(2)
+    # the longest prompt: the same room holds its KV and its prefill activations
+    assert cm.max_input_tokens(1) == int(room // (262144 + cm.prefill_act_bytes))
+    room4 = 96 * gib * cm.mem_util - 0.15 * 96 * gib - cm.weight_bytes / 4
+    assert cm.max_input_tokens(4) == int(room4 // (65536 + cm.prefill_act_bytes / 4))
+    # Table 1's maximal supported sequences, within 5%
+    for tp, paper in ((1, 3750), (2, 41250), (4, 120500)):
+        assert abs(cm.max_input_tokens(tp) / paper - 1) < 0.05
+    # a 50K prompt needs TP4, as in the paper (Gyges 6.2.4's long requests scale up twice)
+    assert cm.max_input_tokens(2) < 50_000 < cm.max_input_tokens(4)
+    assert cm.max_inputs(8) == [cm.max_input_tokens(tp) for tp in (1, 2, 4, 8)]
     # the batch shape helper
     shape = CostModel.batch_shape([(0, 4, True), (10, 1, True), (3, 0, False)])
     assert shape == {"n_tokens": 5, "n_seqs": 2, "n_samples": 2, "kv_read_tokens": 15,
@@ -393,10 +401,30 @@ def test_bad_traces_and_cost_values():
     assert gpu_spec("H100") is GPUS["h100"] and gpu_spec("A100-40GB") is GPUS["a100-40gb"]
     assert model_config("Qwen2.5-32B") == gyges.config.ModelConfig.qwen2_5_32b()
     assert model_config("llama3_8b") == gyges.config.ModelConfig.llama3_8b()
-    assert set(CALIBRATION) == {"eff_flops", "eff_link", "allreduce_latency", "step_overhead"}
+    assert set(CALIBRATION) == {"eff_flops", "eff_link", "allreduce_latency", "step_overhead",
+                                "mem_util", "prefill_act_bytes"}
 
 
 def test_empty_trace():
     res = sim.run(traces.empty(0), check=True)
     assert res.requests.size == 0 and res.summary()["completed"] == 0
     assert math.isnan(res.summary()["duration"])
+
+
+def test_a_prompt_longer_than_a_level_can_prefill_needs_a_larger_tp():
+    """max_input: a prompt that fits the KV of a TP1 instance but not its prefill activations
+    must go to TP2 (scale-up under gyges) or be rejected by a static 8xTP1."""
+    cost = ConstantCost(step=0.01, phase=0.05, capacity=(400, 800, 1600, 3200),
+                        max_input=(100, 1000, 2000, 4000))
+    tr = gyges.traces.from_arrays(arrival=[0.0, 0.1, 0.2], input_tokens=[50, 500, 60],
+                                  output_tokens=[4, 4, 4])
+    res = gyges.sim.run(tr, policy="static", layout="8xTP1", cost=cost, hosts=1,
+                        gpus_per_host=8)
+    assert res.summary()["policy_rejected"] == 1 and res.requests["status"][1] == 4  # rejected
+    res = gyges.sim.run(tr, policy="gyges", cost=cost, hosts=1, gpus_per_host=8)
+    assert res.summary()["rejected"] == 0
+    assert res.requests["tp"][1] >= 2 and res.requests["tp"][0] == 1
+    assert res.config["max_input_tokens"] == [100, 1000, 2000, 4000]
+    with pytest.raises(gyges.Error, match="max_input"):
+        gyges.sim.run(tr, policy="gyges", cost=ConstantCost(max_input=(100, 50, 2000, 4000)),
+                      hosts=1, gpus_per_host=8)

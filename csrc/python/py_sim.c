@@ -123,19 +123,20 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "policy", "decode_weight", "scale_down_free", "scale_up_load",
                             "scale_up_cap", "merge_wait", "eager_scale_up",
                             "sample_interval", "record_tokens", "arrival", "input_tokens",
-                            "output_tokens", "priority", NULL};
+                            "output_tokens", "priority", "max_input", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
         sample_interval;
     const char *cost_kind, *policy_name;
-    PyObject *layout_o, *cap_o, *mid_o, *cost_params, *arr_o, *in_o, *out_o, *prio_o;
+    PyObject *layout_o, *cap_o, *mid_o, *cost_params, *arr_o, *in_o, *out_o, *prio_o,
+        *max_in_o = Py_None;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO", names, &hosts, &gpus_per_host, &max_tp,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|O", names, &hosts, &gpus_per_host, &max_tp,
             &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
-            &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o))
+            &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o))
         return NULL;
     const gy_sim_policy_ops *policy = gy_sim_policy_find(policy_name);
     if (policy == NULL)
@@ -152,6 +153,14 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         return PyErr_Format(PyExc_ValueError,
                             "capacity and capacity_mid need log2(max_tp) + 1 = %d entries",
                             gy_sim_level(max_tp) + 1);
+    int64_t max_input[GY_SIM_MAX_LEVELS];
+    if (max_in_o != Py_None) {
+        const Py_ssize_t n_in = gy_py_sim_ints(max_in_o, max_input, GY_SIM_MAX_LEVELS, "max_input");
+        if (n_in < 0) return NULL;
+        if (n_in != n_cap)
+            return PyErr_Format(PyExc_ValueError, "max_input needs log2(max_tp) + 1 = %d entries",
+                                (int)n_cap);
+    }
     int32_t layout[64];
     for (Py_ssize_t i = 0; i < n_layout; i++) layout[i] = (int32_t)layout64[i];
 
@@ -160,6 +169,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     gy_sim_config c = {
         .hosts = hosts, .gpus_per_host = gpus_per_host, .max_tp = max_tp,
         .n_layout = (int32_t)n_layout, .layout = layout, .capacity = cap, .capacity_mid = mid,
+        .max_input = max_in_o == Py_None ? NULL : max_input,
         .sched = {.block_size = block_size, .max_batch_tokens = max_batch_tokens,
                   .max_running = max_running, .max_prefill_chunk = max_prefill_chunk,
                   .watermark = watermark},

@@ -39,7 +39,7 @@ double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_vie
 }
 
 int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r) {
-    return i->placeable && r->footprint <= i->kv_total;
+    return i->placeable && r->footprint <= i->kv_total && r->min_tp > 0 && r->min_tp <= i->tp;
 }
 
 int gy_sim_group_valid(const gy_sim_view *v, int32_t g, int32_t size) {

@@ -58,7 +58,7 @@ static int32_t gyges_pick(const gy_sim_policy_config *cfg, const gy_sim_view *v,
 /* Room for all of a long request's KV beside what the instance has already committed: a long
  * request is only "capable" where it will not be preempted by the requests already there. */
 static int gyges_has_room(const gy_sim_inst_view *i, const gy_sim_req_view *r) {
-    return i->placeable && i->footprint + r->footprint <= i->kv_total;
+    return i->placeable && r->min_tp <= i->tp && i->footprint + r->footprint <= i->kv_total;
 }
 
 /* The blocks committed on, and the load per GPU of, the instances inside group [g, g + s). */

@@ -64,6 +64,7 @@ struct gy_sim {
     gy_sim_config config;
     int32_t layout[64];
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
+    int64_t max_input[GY_SIM_MAX_LEVELS]; /* INT64_MAX when the config gives none */
     int32_t n_levels, n_gpus;
     void *policy_state;
 
@@ -701,7 +702,8 @@ static gy_status gy_sim_decide(gy_sim *s, int64_t r) {
                            s->config.policy->name, (long long)r, (int)d.target, (int)v.n_inst);
         const int32_t slot = s->view_slot[d.target];
         gy_sim_inst *i = &s->inst[slot];
-        if (i->xform == GY_SIM_XFORM_SPLITTING || q->footprint > i->core.capacity)
+        if (i->xform == GY_SIM_XFORM_SPLITTING || q->footprint > i->core.capacity ||
+            o->min_tp == 0 || i->tp < o->min_tp)
             return GY_FAIL(GY_ERR_STATE,
                            "policy %s placed request %lld (%lld blocks) on the TP%d instance at "
                            "GPU %d, which cannot take it (%lld blocks, %s)",
@@ -859,6 +861,9 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
         if (c->capacity_mid[l] < c->capacity[l])
             return GY_FAIL(GY_ERR_INVALID, "capacity_mid[%d] %lld is below capacity %lld", (int)l,
                            (long long)c->capacity_mid[l], (long long)c->capacity[l]);
+        if (c->max_input && (c->max_input[l] < 1 || (l > 0 && c->max_input[l] < c->max_input[l - 1])))
+            return GY_FAIL(GY_ERR_INVALID, "max_input[%d] %lld must be >= 1 and not below the "
+                           "smaller TP's", (int)l, (long long)c->max_input[l]);
     }
     if (c->n_layout < 1 || c->n_layout > 64 || c->layout == NULL)
         return GY_FAIL(GY_ERR_INVALID, "a host layout needs 1 to 64 instances, got %d",
@@ -920,8 +925,10 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->config.layout = s->layout;
     memcpy(s->capacity, c->capacity, (size_t)n_levels * sizeof *s->capacity);
     memcpy(s->capacity_mid, c->capacity_mid, (size_t)n_levels * sizeof *s->capacity_mid);
+    for (int32_t l = 0; l < n_levels; l++) s->max_input[l] = c->max_input ? c->max_input[l] : INT64_MAX;
     s->config.capacity = s->capacity;
     s->config.capacity_mid = s->capacity_mid;
+    s->config.max_input = s->max_input;
     s->n_levels = n_levels;
     s->n_gpus = c->hosts * c->gpus_per_host;
     s->n = t->n;
@@ -951,7 +958,7 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
         q->half = -1;
         q->priority = t->priority ? t->priority[r] : 0;
         for (int32_t l = 0; l < n_levels; l++)
-            if (s->capacity[l] >= q->footprint) {
+            if (s->capacity[l] >= q->footprint && s->max_input[l] >= o->input_tokens) {
                 o->min_tp = INT32_C(1) << l;
                 break;
             }

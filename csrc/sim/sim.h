@@ -52,6 +52,9 @@ typedef struct gy_sim_config {
     const int64_t *capacity;      /* (log2(max_tp) + 1) KV blocks of a TP-2^l instance, >= 1 */
     const int64_t *capacity_mid;  /* (same) blocks of a TP-2^l instance after it dropped the FFN
                                      shards of TP-2^(l+1) in a scale-up; >= capacity[l] */
+    const int64_t *max_input;     /* (same) or NULL: the longest prompt a TP-2^l instance can
+                                     prefill (its activations grow with the prompt; Gyges Table 1's
+                                     "maximal supported sequence"), non-decreasing, >= 1 */
     gy_sim_sched_params sched;
     gy_sim_cost_ops cost;         /* its ctx must outlive the simulator */
     const gy_sim_policy_ops *policy;
