@@ -2,11 +2,11 @@
  * with the scale-up and scale-down rules of AMOEBAs (section 3.3).
  *
  * place (Algorithm 1, schedule_request):
- *   - a request that fits a TP1 instance ("short") goes to the least-loaded TP1 instance,
- *     skipping reserved instances (check_reserve: GPUs a pending scale-up will take); instances
- *     at a higher TP serve long requests or are held (drained for a scale-down: Algorithm 2
- *     "reduces the request rate to these instances"). Only when every TP1 is reserved does it
- *     take a reserved one, and only when there is no TP1 at all a higher TP (gyges_pick);
+ *   - a request that fits a TP1 instance ("short") goes to the least-loaded instance (load per
+ *     GPU; ties to the smaller TP), skipping reserved instances (check_reserve: GPUs a pending
+ *     scale-up will take) and held ones (drained for a scale-down: Algorithm 2 "reduces the
+ *     request rate to these instances"). Only when every candidate is reserved or held does it
+ *     take a reserved TP1, then anything (gyges_pick);
  *   - a request that needs TP > 1 ("long") is capable on an instance with room for its whole
  *     KV beside the footprints already committed there (no preemption thrash); held instances
  *     count (they are un-held: consecutive long requests reuse an instance already at a higher
@@ -38,18 +38,19 @@ static int gyges_better(const gy_sim_policy_config *cfg, const gy_sim_inst_view 
     return a->gpu_first < b->gpu_first;
 }
 
-/* The least-loaded instance that can hold a short request, in tiers: tier 0, TP1 instances
- * neither reserved nor held; tier 1, any TP1 (a reserved group only drains more slowly); tier 2,
- * anything that fits. Instances at a higher TP serve long requests, whose long prefill chunks
- * would stall a short request's decoding, or are draining towards a scale-down. */
+/* The least-loaded instance that can hold a short request (Algorithm 1's check_and_update), in
+ * tiers: tier 0, instances neither reserved nor held, at TP1 or at a higher TP that serves no
+ * long request (a short request queued behind a long prompt's prefill waits for all of it);
+ * tier 1, any TP1 (a reserved group only drains more slowly); tier 2, anything that fits (held
+ * instances are draining towards a scale-down). */
 static int32_t gyges_pick(const gy_sim_policy_config *cfg, const gy_sim_view *v,
                           const gy_sim_req_view *r, int tier) {
     int32_t best = -1;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         if (!gy_sim_policy_fits(i, r)) continue;
-        if (tier < 2 && i->tp > 1) continue;
-        if (tier < 1 && (i->reserved || i->held)) continue;
+        if (tier == 1 && i->tp > 1) continue;
+        if (tier < 1 && (i->reserved || i->held || i->max_min_tp > 1)) continue;
         if (best < 0 || gyges_better(cfg, i, &v->inst[best], 0)) best = k;
     }
     return best;
