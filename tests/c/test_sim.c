@@ -249,10 +249,13 @@ GYTEST(sim_policy_gyges_short_requests) {
     w.inst[1].held = 1;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
-    /* short requests stay off higher-TP instances, however idle */
+    /* an idle higher-TP instance takes short requests too, unless it serves a long one */
     set_load(&w, 4, 0, 0);
     set_load(&w, 2, 3000, 0);
     set_load(&w, 3, 3000, 0);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 4);
+    w.inst[4].max_min_tp = 2;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2); /* equal load: the lower GPU */
     /* decode tokens weigh decode_weight each */
