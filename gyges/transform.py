@@ -609,16 +609,15 @@ class StaggeredScaleUp(_Staggered):
         items, sent = [], {}
         D = self.host.model.config.head_dim
         dst_kvs = [self.host.worker(w).kv._c for w in self.rank_order]
-        for rid in c.request_ids():
-            new_seqs = c.export(rid)["seqs"]
+        for rid, new_seqs, olds in c.transition_table():
             for i, w in enumerate(self.rank_order):
-                group, _ = c.transition_seq(rid, i)
+                group = olds[i][0]
                 if new_seqs[i] < 0 or group < 0:
                     continue
                 first = i * self.h_new
                 src_rank = first // self.h_old
                 src = self.group_ranks[group][src_rank]
-                _, old_seq = c.transition_seq(rid, src)
+                old_seq = olds[src][1]
                 src_w = self.rank_order[src]
                 src_kv = self.old_kvs[src_w]._c
                 n_tokens = src_kv.seq_n_tokens(old_seq)
@@ -724,20 +723,20 @@ class StaggeredScaleDown(_Staggered):
         c = self.inst._c
         items, sent = [], {}
         D = self.host.model.config.head_dim
-        for rid in c.request_ids():
-            old_seqs = c.export(rid)["seqs"]
-            group, _ = c.transition_seq(rid, 0)
+        src_kvs = [self.host.worker(w).kv._c for w in self.rank_worker]
+        for rid, old_seqs, news in c.transition_table():
+            group = news[0][0]
             if group < 0 or min(old_seqs) < 0:
                 continue
             for r, rank in enumerate(self.group_ranks[group]):
-                _, new_seq = c.transition_seq(rid, rank)
+                new_seq = news[rank][1]
                 w = self.rank_worker[rank]
                 for g in range(self.m):  # old rank r*m + g holds sub-group g of the new heads
                     src_rank = r * self.m + g
                     src_w = self.rank_worker[src_rank]
-                    src_kv = self.host.worker(src_w).kv
-                    n_tokens = src_kv.n_tokens(old_seqs[src_rank])
-                    items.append((src_kv._c, old_seqs[src_rank], 0, self.h_old, n_tokens,
+                    src_kv = src_kvs[src_rank]
+                    n_tokens = src_kv.seq_n_tokens(old_seqs[src_rank])
+                    items.append((src_kv, old_seqs[src_rank], 0, self.h_old, n_tokens,
                                   self.new_kv[w]._c, new_seq, g * self.h_old))
                     if src_w != w:
                         sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_old * D * 4

@@ -371,6 +371,41 @@ static PyObject *gy_py_engine_transition_seq(GyEngineObject *self, PyObject *arg
     return Py_BuildValue("(iL)", (int)group, (long long)seq);
 }
 
+/* transition_table() -> [(id, new seqs per rank, (group, old seq) per rank)] for every unfinished
+ * request: what a layer move plans from, in one call instead of one per request and rank. */
+static PyObject *gy_py_engine_transition_table(GyEngineObject *self, PyObject *unused) {
+    const int64_t n = gy_engine_request_ids(self->engine, NULL, 0);
+    const int32_t R = gy_engine_n_ranks(self->engine);
+    int64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
+    if (ids == NULL) return PyErr_NoMemory();
+    gy_engine_request_ids(self->engine, ids, n);
+    PyObject *list = PyList_New(n);
+    for (int64_t i = 0; list != NULL && i < n; i++) {
+        gy_engine_request_view view;
+        gy_status s = gy_engine_request_get(self->engine, ids[i], &view);
+        PyObject *seqs = s == GY_OK ? PyTuple_New(R) : NULL, *olds = seqs ? PyTuple_New(R) : NULL;
+        for (int32_t r = 0; olds != NULL && r < R; r++) {
+            int32_t group;
+            int64_t seq;
+            s = gy_engine_transition_seq(self->engine, ids[i], r, &group, &seq);
+            if (s != GY_OK) break;
+            PyTuple_SET_ITEM(seqs, r, PyLong_FromLongLong(view.seqs[r]));
+            PyTuple_SET_ITEM(olds, r, Py_BuildValue("(iL)", (int)group, (long long)seq));
+        }
+        PyObject *row = s == GY_OK && olds ? Py_BuildValue("(LOO)", (long long)ids[i], seqs, olds) : NULL;
+        Py_XDECREF(seqs);
+        Py_XDECREF(olds);
+        if (row == NULL) {
+            if (s != GY_OK && !PyErr_Occurred()) gy_py_raise(s);
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, row);
+    }
+    free(ids);
+    return list;
+}
+
 static PyObject *gy_py_engine_transition_end(GyEngineObject *self, PyObject *unused) {
     gy_status s = gy_engine_transition_end(self->engine);
     if (s != GY_OK) return gy_py_raise(s);
@@ -403,6 +438,8 @@ static PyMethodDef gy_py_engine_methods[] = {
      "transition_set_boundary(layer)"},
     {"transition_seq", (PyCFunction)gy_py_engine_transition_seq, METH_VARARGS,
      "transition_seq(id, rank) -> (group, old seq)"},
+    {"transition_table", (PyCFunction)gy_py_engine_transition_table, METH_NOARGS,
+     "transition_table() -> [(id, new seqs per rank, (group, old seq) per rank)]"},
     {"transition_end", (PyCFunction)gy_py_engine_transition_end, METH_NOARGS, "transition_end()"},
     {"transition_detach", (PyCFunction)gy_py_engine_transition_detach, METH_NOARGS,
      "transition_detach(): forget the groups' KV sequences without freeing them"},
