@@ -186,26 +186,32 @@ gy_status gy_comm_rank_all_reduce(void *ctx, float *buf, int64_t n) {
     return gy_comm_all_reduce(r->comm, r->rank, buf, n);
 }
 
+/* Atomic: with no host barrier between two calls (nccl), one rank may count its all-gather
+ * while another credits it for an all-to-all. */
+static void gy_comm_count(uint64_t *counter, uint64_t bytes) {
+    __atomic_fetch_add(counter, bytes, __ATOMIC_RELAXED);
+}
+
 void gy_comm_count_all_reduce(gy_comm *c, int32_t rank, int64_t n) {
     /* As a ring all-reduce would: reduce-scatter then all-gather, (size-1)/size of it each. */
     const uint64_t moved = (uint64_t)n * sizeof(float) * 2 * (uint64_t)(c->size - 1) / (uint64_t)c->size;
-    c->stats.bytes_sent[rank] += moved;
-    c->stats.bytes_received[rank] += moved;
+    gy_comm_count(&c->stats.bytes_sent[rank], moved);
+    gy_comm_count(&c->stats.bytes_received[rank], moved);
 }
 
 void gy_comm_count_all_gather(gy_comm *c, int32_t rank, int64_t bytes) {
-    c->stats.bytes_sent[rank] += (uint64_t)bytes * (uint64_t)(c->size - 1);
-    c->stats.bytes_received[rank] += (uint64_t)bytes * (uint64_t)(c->size - 1);
+    gy_comm_count(&c->stats.bytes_sent[rank], (uint64_t)bytes * (uint64_t)(c->size - 1));
+    gy_comm_count(&c->stats.bytes_received[rank], (uint64_t)bytes * (uint64_t)(c->size - 1));
 }
 
 void gy_comm_count_received(gy_comm *c, int32_t rank, int32_t src, int64_t bytes) {
     if (src == rank) return;
-    c->stats.bytes_received[rank] += (uint64_t)bytes;
-    __atomic_fetch_add(&c->stats.bytes_sent[src], (uint64_t)bytes, __ATOMIC_RELAXED);
+    gy_comm_count(&c->stats.bytes_received[rank], (uint64_t)bytes);
+    gy_comm_count(&c->stats.bytes_sent[src], (uint64_t)bytes);
 }
 
 void gy_comm_count_call(gy_comm *c, int32_t rank) {
-    if (rank == 0) c->stats.calls++;
+    if (rank == 0) gy_comm_count(&c->stats.calls, 1);
 }
 
 void gy_comm_stats_get(const gy_comm *c, gy_comm_stats *out) { *out = c->stats; }

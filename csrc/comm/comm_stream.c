@@ -15,7 +15,13 @@
  * (cudaStreamWaitEvent waits for the record that precedes it on the host): rank s records
  * ready[s] again before B1 of the next call, which it reaches only after B2 of this one, i.e.
  * after every rank's step-3 waits; it records done[s] again after B1 of the next call, which
- * every rank reaches only after its step-5 waits. Two host barriers per call, whatever fails. */
+ * every rank reaches only after its step-5 waits. A wait that caught a later record would not
+ * be too weak but too strong: it would hold a rank's stream behind work a peer enqueued after
+ * the collective, and when that work is an NCCL kernel waiting for this very rank, neither
+ * stream moves again. Hence two host barriers per call (the barrier too), whatever fails.
+ *
+ * tests/fake_cuda/ runs this protocol on a pretend GPU whose streams are threads that overtake
+ * each other; dropping any one wait or barrier above makes its tests fail or hang. */
 #include "comm_backend.h"
 
 #ifdef GY_WITH_CUDA
