@@ -660,3 +660,12 @@ def test_device_backends_on_a_pretend_gpu(fake_build, sanitizer, machine):
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed, 0 failed" in result.stdout and "Sanitizer" not in result.stderr, (
         result.stdout + result.stderr)
+
+
+def test_comm_benchmark_skips_cleanly_without_a_gpu():
+    if GPU_SKIP_REASON is None:
+        pytest.skip("a GPU is present: `make bench` runs benchmarks/bench_cuda_comm.py for real")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda_comm.py")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"skipped: {GPU_SKIP_REASON}"
