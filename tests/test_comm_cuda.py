@@ -193,6 +193,10 @@ def test_shm_python_arguments_are_checked_before_the_ranks_meet():
         comm.all_to_all(0, [x], [0], [x], [0])
     with pytest.raises(ValueError, match="needs 17"):
         comm.all_to_all(0, [x, x], [17, 0], [x, x], [0, 0])
+    with pytest.raises(TypeError, match="host memory already"):
+        comm.upload(0, 12345, x)
+    with pytest.raises(TypeError, match="host memory already"):
+        comm.download(0, x, 12345)
     before = sys.getrefcount(x)
     for _ in range(1000):
         with pytest.raises(ValueError):
@@ -316,15 +320,19 @@ def test_host_uses_the_pool():
 # ---- device buffers for the GPU tests: one CUDA arena per rank, like virtual workers ----
 
 class RankMemory:
-    """A CUDA arena per rank (on the rank's device) with a bump allocator over it."""
+    """A CUDA arena per rank of `comm` (on the rank's device) with a bump allocator over it.
+    Data goes in and out with comm.upload/download, in the order of the rank's stream: a write
+    is seen by the rank's next collective, a read sees its last one (no host synchronisation,
+    and no legacy-stream copy that a non-blocking stream would not wait for)."""
 
-    def __init__(self, devices, nbytes):
+    def __init__(self, comm, nbytes):
         pages = max(1, -(-nbytes // PAGE))
+        self.comm = comm
         self.arenas = [gyges.Arena(budget=pages * PAGE, page_size=PAGE, n_slots=pages,
-                                   backend="cuda", device=d) for d in devices]
+                                   backend="cuda", device=d) for d in comm.devices]
         for a in self.arenas:
             a.grow(0, pages, "other")
-        self.used = [0] * len(devices)
+        self.used = [0] * comm.size
         self.capacity = pages * PAGE
 
     def alloc(self, rank, nbytes):
@@ -333,14 +341,12 @@ class RankMemory:
         assert self.used[rank] <= self.capacity, "test arena too small"
         return self.arenas[rank].base_address + offset
 
-    @staticmethod
-    def write(address, array):
-        _C.cuda_memcpy_htod(address, np.ascontiguousarray(array))
+    def write(self, rank, address, array):
+        self.comm.upload(rank, address, np.ascontiguousarray(array))
 
-    @staticmethod
-    def read(address, nbytes, dtype=np.uint8):
+    def read(self, rank, address, nbytes, dtype=np.uint8):
         out = np.empty(nbytes, np.uint8)
-        _C.cuda_memcpy_dtoh(out, address)
+        self.comm.download(rank, out, address)
         return out.view(dtype)
 
 
@@ -358,15 +364,14 @@ def test_d2d_all_reduce_has_the_bits_of_shm(size, n):
     parts = rank_inputs(size, n, seed=size * 7 + n)
     shm_bufs, shm_stats = shm_all_reduce(parts)
     comm = _C.Comm(size, "d2d", 0)
-    mem = RankMemory([0] * size, n * 4)
+    mem = RankMemory(comm, n * 4)
     bufs = [mem.alloc(r, n * 4) for r in range(size)]
     for r in range(size):
-        mem.write(bufs[r], parts[r])
+        mem.write(r, bufs[r], parts[r])
     run_ranks(size, lambda r: comm.all_reduce(r, bufs[r], n))
-    sync_all(comm)
     want = tree_sum(parts)
     for r in range(size):
-        got = mem.read(bufs[r], n * 4, np.float32)
+        got = mem.read(r, bufs[r], n * 4, np.float32)  # ordered after it on the rank's stream
         assert got.tobytes() == shm_bufs[r].tobytes() == want.tobytes(), (
             f"rank {r}: {np.count_nonzero(got != want)} of {n} differ from the tree sum")
     assert comm.stats() == shm_stats
@@ -376,17 +381,16 @@ def test_d2d_all_reduce_has_the_bits_of_shm(size, n):
 def test_d2d_all_reduce_reuses_and_grows_its_scratch():
     size, largest = 4, 40000
     comm = _C.Comm(size, "d2d", 0)
-    mem = RankMemory([0] * size, largest * 4)
+    mem = RankMemory(comm, largest * 4)
     bufs = [mem.alloc(r, largest * 4) for r in range(size)]
     sizes = [1000, largest, 7, largest, largest - 1]  # grows twice, then reuses
     for k, n in enumerate(sizes):
         parts = rank_inputs(size, n, seed=100 + k)
         for r in range(size):
-            mem.write(bufs[r], parts[r])
+            mem.write(r, bufs[r], parts[r])
         run_ranks(size, lambda r: comm.all_reduce(r, bufs[r], n))
-        sync_all(comm)
         want = tree_sum(parts).tobytes()
-        assert all(mem.read(bufs[r], n * 4).tobytes() == want for r in range(size)), n
+        assert all(mem.read(r, bufs[r], n * 4).tobytes() == want for r in range(size)), n
     assert comm.stats()["calls"] == len(sizes)
 
 
@@ -397,17 +401,17 @@ def test_d2d_all_gather_and_all_to_all_are_exact(size):
     nbytes = 1001
     comm = _C.Comm(size, "d2d", 0)
     sizes = a2a_sizes(size, seed=size + 1, unit=97)
-    mem = RankMemory([0] * size, size * nbytes + 2 * int(sizes.max()) * size + 64 * 1024)
+    mem = RankMemory(comm, size * nbytes + 2 * int(sizes.max()) * size + 64 * 1024)
     ins = [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(size)]
     in_addr = [mem.alloc(r, nbytes) for r in range(size)]
     out_addr = [mem.alloc(r, size * nbytes) for r in range(size)]
     for r in range(size):
-        mem.write(in_addr[r], ins[r])
-        mem.write(out_addr[r], np.full(size * nbytes, 0xEE, np.uint8))
+        mem.write(r, in_addr[r], ins[r])
+        mem.write(r, out_addr[r], np.full(size * nbytes, 0xEE, np.uint8))
     run_ranks(size, lambda r: comm.all_gather(r, out_addr[r], in_addr[r], nbytes))
     sync_all(comm)
     for r in range(size):
-        assert mem.read(out_addr[r], size * nbytes).tobytes() == b"".join(x.tobytes() for x in ins)
+        assert mem.read(r, out_addr[r], size * nbytes).tobytes() == b"".join(x.tobytes() for x in ins)
     gather_stats = comm.stats()
     assert gather_stats == {"calls": 1, "bytes_sent": [nbytes * (size - 1)] * size,
                             "bytes_received": [nbytes * (size - 1)] * size}
@@ -418,14 +422,14 @@ def test_d2d_all_gather_and_all_to_all_are_exact(size):
     recv_addr = [[mem.alloc(d, sizes[s][d]) for s in range(size)] for d in range(size)]
     for s in range(size):
         for d in range(size):
-            mem.write(send_addr[s][d], send[s][d])
+            mem.write(s, send_addr[s][d], send[s][d])
     comm.reset_stats()
     run_ranks(size, lambda r: comm.all_to_all(r, recv_addr[r], sizes[:, r].tolist(),
                                               send_addr[r], sizes[r].tolist()))
     sync_all(comm)
     for d in range(size):
         for s in range(size):
-            got = mem.read(recv_addr[d][s], int(sizes[s][d]))
+            got = mem.read(d, recv_addr[d][s], int(sizes[s][d]))
             assert got.tobytes() == send[s][d].tobytes(), (s, d)
     off = sizes * (1 - np.eye(size, dtype=np.int64))
     assert comm.stats() == {"calls": 1, "bytes_sent": off.sum(1).tolist(),
@@ -435,11 +439,11 @@ def test_d2d_all_gather_and_all_to_all_are_exact(size):
 @needs_gpu
 def test_d2d_refuses_a_mismatched_all_to_all_on_the_receiver():
     comm = _C.Comm(2, "d2d", 0)
-    mem = RankMemory([0, 0], 4096)
+    mem = RankMemory(comm, 4096)
     send = [mem.alloc(r, 64) for r in range(2)]
     recv = [[mem.alloc(r, 64) for _ in range(2)] for r in range(2)]
     for r in range(2):
-        mem.write(send[r], np.full(64, r + 1, np.uint8))
+        mem.write(r, send[r], np.full(64, r + 1, np.uint8))
 
     def rank(r):
         expect = [16, 16] if r == 0 else [15, 16]
@@ -452,7 +456,7 @@ def test_d2d_refuses_a_mismatched_all_to_all_on_the_receiver():
     messages = run_ranks(2, rank)
     sync_all(comm)
     assert messages[0] is None and "rank 1 expects 15 bytes from rank 0" in messages[1]
-    assert (mem.read(recv[1][1], 16) == 2).all()  # the other pairs still moved
+    assert (mem.read(1, recv[1][1], 16) == 2).all()  # the other pairs still moved
 
 
 @needs_gpu
@@ -470,17 +474,17 @@ def test_d2d_streams_priorities_and_set_stream_are_honoured():
     # synchronising that stream alone is enough to see the result.
     n = 1 << 20
     parts = rank_inputs(size, n, seed=9)
-    mem = RankMemory([0] * size, n * 4)
+    mem = RankMemory(compute, n * 4)
     bufs = [mem.alloc(r, n * 4) for r in range(size)]
     for r in range(size):
-        mem.write(bufs[r], parts[r])
+        mem.write(r, bufs[r], parts[r])  # on compute's own stream, before the switch
         compute.set_stream(r, migration.stream(r))
         assert compute.stream(r) == migration.stream(r)
         assert compute.stream_priority(r) == migration.stream_priority(r)
     run_ranks(size, lambda r: compute.all_reduce(r, bufs[r], n))
     sync_all(migration)
     want = tree_sum(parts).tobytes()
-    assert all(mem.read(bufs[r], n * 4).tobytes() == want for r in range(size))
+    assert all(mem.read(r, bufs[r], n * 4).tobytes() == want for r in range(size))
     # The legacy default stream is a stream too.
     for r in range(size):
         compute.set_stream(r, 0)
@@ -494,11 +498,11 @@ def test_d2d_collectives_in_a_loop_with_barriers():
     call's reads before the next call's writes (a race shows as wrong sums)."""
     size, n, rounds = 4, 4099, 50
     comm = _C.Comm(size, "d2d", 0)
-    mem = RankMemory([0] * size, n * 4)
+    mem = RankMemory(comm, n * 4)
     bufs = [mem.alloc(r, n * 4) for r in range(size)]
     ones = np.ones(n, np.float32)
     for r in range(size):
-        mem.write(bufs[r], ones)
+        mem.write(r, bufs[r], ones)
 
     def rank(r):
         for k in range(rounds):
@@ -509,7 +513,7 @@ def test_d2d_collectives_in_a_loop_with_barriers():
     run_ranks(size, rank)
     sync_all(comm)
     want = np.full(n, 4.0 ** rounds, np.float32).tobytes()
-    assert all(mem.read(bufs[r], n * 4).tobytes() == want for r in range(size))
+    assert all(mem.read(r, bufs[r], n * 4).tobytes() == want for r in range(size))
     assert comm.stats()["calls"] == rounds
 
 
@@ -536,20 +540,20 @@ def test_nccl_collectives(size):
     assert comm.devices == tuple(devices)
     n = 100003
     rng = np.random.default_rng(size)
-    mem = RankMemory(devices, 8 * n * 4)
+    mem = RankMemory(comm, 8 * n * 4)
     # Small integers: every order of additions gives them exactly.
     ints = rng.integers(-1000, 1000, size=(size, n)).astype(np.float32)
     floats = rank_inputs(size, n, seed=5)
     for parts in (ints, floats):
         bufs = [mem.alloc(r, n * 4) for r in range(size)]
         for r in range(size):
-            mem.write(bufs[r], parts[r])
+            mem.write(r, bufs[r], parts[r])
         run_ranks(size, lambda r: comm.all_reduce(r, bufs[r], n))
         sync_all(comm)
         want = parts.astype(np.float64).sum(0)
         bound = size * 2.0**-24 * np.abs(parts.astype(np.float64)).sum(0)
         for r in range(size):
-            got = mem.read(bufs[r], n * 4, np.float32)
+            got = mem.read(r, bufs[r], n * 4, np.float32)
             if parts is ints:
                 assert got.tobytes() == want.astype(np.float32).tobytes()
             else:
@@ -560,12 +564,12 @@ def test_nccl_collectives(size):
     in_addr = [mem.alloc(r, nbytes) for r in range(size)]
     out_addr = [mem.alloc(r, size * nbytes) for r in range(size)]
     for r in range(size):
-        mem.write(in_addr[r], ins[r])
+        mem.write(r, in_addr[r], ins[r])
     comm.reset_stats()
     run_ranks(size, lambda r: comm.all_gather(r, out_addr[r], in_addr[r], nbytes))
     sync_all(comm)
     for r in range(size):
-        assert mem.read(out_addr[r], size * nbytes).tobytes() == b"".join(x.tobytes() for x in ins)
+        assert mem.read(r, out_addr[r], size * nbytes).tobytes() == b"".join(x.tobytes() for x in ins)
     assert comm.stats()["bytes_received"] == [nbytes * (size - 1)] * size
 
     sizes = a2a_sizes(size, seed=size + 2, unit=1001)
@@ -575,14 +579,14 @@ def test_nccl_collectives(size):
     recv_addr = [[mem.alloc(d, sizes[s][d]) for s in range(size)] for d in range(size)]
     for s in range(size):
         for d in range(size):
-            mem.write(send_addr[s][d], send[s][d])
+            mem.write(s, send_addr[s][d], send[s][d])
     comm.reset_stats()
     run_ranks(size, lambda r: comm.all_to_all(r, recv_addr[r], sizes[:, r].tolist(),
                                               send_addr[r], sizes[r].tolist()))
     sync_all(comm)
     for d in range(size):
         for s in range(size):
-            assert mem.read(recv_addr[d][s], int(sizes[s][d])).tobytes() == send[s][d].tobytes()
+            assert mem.read(d, recv_addr[d][s], int(sizes[s][d])).tobytes() == send[s][d].tobytes()
     off = sizes * (1 - np.eye(size, dtype=np.int64))
     assert comm.stats() == {"calls": 1, "bytes_sent": off.sum(1).tolist(),
                             "bytes_received": off.sum(0).tolist()}
@@ -593,7 +597,7 @@ def test_nccl_collectives(size):
 @needs_gpus(2)
 def test_nccl_refuses_a_mismatched_all_to_all_on_every_rank():
     comm = _C.Comm(2, "nccl", [0, 1])
-    mem = RankMemory([0, 1], 4096)
+    mem = RankMemory(comm, 4096)
     send = [mem.alloc(r, 64) for r in range(2)]
     recv = [[mem.alloc(r, 64) for _ in range(2)] for r in range(2)]
 

@@ -71,6 +71,22 @@ extern "C" gy_status gy_cuda_comm_copy(void *dst, const void *src, uint64_t byte
     return GY_OK;
 }
 
+extern "C" gy_status gy_cuda_comm_copy_h2d(void *dst, const void *src_host, uint64_t bytes,
+                                           gy_cuda_stream stream) {
+    if (bytes == 0) return GY_OK;
+    if (dst == NULL || src_host == NULL) return GY_FAIL(GY_ERR_INVALID, "comm_copy_h2d: NULL");
+    GY_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, (size_t)bytes, cudaMemcpyHostToDevice, stream));
+    return GY_OK;
+}
+
+extern "C" gy_status gy_cuda_comm_copy_d2h(void *dst_host, const void *src, uint64_t bytes,
+                                           gy_cuda_stream stream) {
+    if (bytes == 0) return GY_OK;
+    if (dst_host == NULL || src == NULL) return GY_FAIL(GY_ERR_INVALID, "comm_copy_d2h: NULL");
+    GY_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, (size_t)bytes, cudaMemcpyDeviceToHost, stream));
+    return GY_OK;
+}
+
 /* ---- devices, streams, events, memory ---- */
 
 extern "C" gy_status gy_cuda_comm_device_count(int32_t *count) {

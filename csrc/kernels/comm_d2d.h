@@ -55,6 +55,14 @@ void gy_cuda_comm_free(void *ptr);
  * ranges must not overlap (dst == src is a no-op). */
 gy_status gy_cuda_comm_copy(void *dst, const void *src, uint64_t bytes, gy_cuda_stream stream);
 
+/* Host <-> device copies in the order of `stream` (for tools and tests that feed a rank's
+ * buffers): from pageable host memory the source has been read when the call returns; to host
+ * memory the data is there once the stream has reached the copy. */
+gy_status gy_cuda_comm_copy_h2d(void *dst, const void *src_host, uint64_t bytes,
+                                gy_cuda_stream stream);
+gy_status gy_cuda_comm_copy_d2h(void *dst_host, const void *src, uint64_t bytes,
+                                gy_cuda_stream stream);
+
 /* comm_d2d.cu: out[i] = the pairwise-tree sum of in[0][i] .. in[n_in - 1][i] for i < n,
  * ((in0 + in1) + (in2 + in3)) for n_in = 4: the order of comm_shm.c, so both give the same bits
  * (fp32 adds round the same on the host and the device; no FMA can form from adds alone).

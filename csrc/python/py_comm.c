@@ -4,11 +4,14 @@
  * statistics, and can call the collectives too, one Python thread per rank (the GIL is released
  * while a rank waits for the others), so that tests and benchmarks can drive every backend:
  * buffers are objects with the buffer protocol (NumPy arrays) for shm, and device addresses
- * (ints) for d2d and nccl. Sizes are checked against the buffers for shm only; a device address
- * is trusted. */
+ * (ints) for d2d and nccl, fed with upload/download on the rank's stream. Sizes are checked
+ * against the buffers for shm only; a device address is trusted. */
 #include "py_common.h"
 
 #include "comm/comm.h"
+#ifdef GY_WITH_CUDA
+#include "kernels/comm_d2d.h"
+#endif
 
 typedef struct {
     PyObject_HEAD
@@ -361,6 +364,64 @@ static PyObject *gy_py_comm_synchronize(GyCommObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- feeding a rank's device buffers (tests, benchmarks) ---- */
+
+/* Host <-> device copy in the order of the rank's stream, with the rank's device current; a
+ * download waits for the stream, so the bytes are there when it returns. */
+static PyObject *gy_py_comm_transfer(GyCommObject *self, int rank, unsigned long long address,
+                                     PyObject *object, int download) {
+    if (!gy_py_comm_is_device(self))
+        return PyErr_Format(PyExc_TypeError, "upload and download are for device communicators "
+                            "(an shm communicator's buffers are host memory already)");
+#ifdef GY_WITH_CUDA
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | (download ? PyBUF_WRITABLE : 0)) < 0)
+        return NULL;
+    void *device = (void *)(uintptr_t)address;
+    void *stream = gy_comm_stream(self->comm, rank);
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    int32_t previous = -1;
+    s = gy_cuda_comm_device_swap(gy_comm_device(self->comm, rank), &previous);
+    if (s == GY_OK)
+        s = download ? gy_cuda_comm_copy_d2h(view.buf, device, (uint64_t)view.len, stream)
+                     : gy_cuda_comm_copy_h2d(device, view.buf, (uint64_t)view.len, stream);
+    if (s == GY_OK && download) s = gy_cuda_comm_stream_synchronize(stream);
+    if (previous >= 0) {
+        int32_t ignored;
+        if (gy_cuda_comm_device_swap(previous, &ignored) != GY_OK && s == GY_OK) gy_error_clear();
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+#else
+    (void)rank;
+    (void)address;
+    (void)object;
+    (void)download;
+    return gy_py_raise(GY_FAIL(GY_ERR_UNAVAILABLE, "gyges was not built with CUDA"));
+#endif
+}
+
+static PyObject *gy_py_comm_upload(GyCommObject *self, PyObject *args) {
+    int rank;
+    unsigned long long address;
+    PyObject *object;
+    if (!PyArg_ParseTuple(args, "iKO", &rank, &address, &object) || gy_py_comm_rank(self, rank) < 0)
+        return NULL;
+    return gy_py_comm_transfer(self, rank, address, object, 0);
+}
+
+static PyObject *gy_py_comm_download(GyCommObject *self, PyObject *args) {
+    int rank;
+    unsigned long long address;
+    PyObject *object;
+    if (!PyArg_ParseTuple(args, "iOK", &rank, &object, &address) || gy_py_comm_rank(self, rank) < 0)
+        return NULL;
+    return gy_py_comm_transfer(self, rank, address, object, 1);
+}
+
 /* ---- statistics and attributes ---- */
 
 static PyObject *gy_py_comm_stats(GyCommObject *self, PyObject *unused) {
@@ -438,6 +499,11 @@ static PyMethodDef gy_py_comm_methods[] = {
      "stream_priority(rank) -> int (lower runs first; 0 for shm)"},
     {"synchronize", (PyCFunction)gy_py_comm_synchronize, METH_VARARGS,
      "synchronize(rank): waits until the rank's stream has done its work"},
+    {"upload", (PyCFunction)gy_py_comm_upload, METH_VARARGS,
+     "upload(rank, address, buffer): host bytes -> the rank's device memory, on its stream"},
+    {"download", (PyCFunction)gy_py_comm_download, METH_VARARGS,
+     "download(rank, buffer, address): device bytes -> host buffer, after the rank's stream's "
+     "earlier work; returns when they are there"},
     {"stats", (PyCFunction)gy_py_comm_stats, METH_NOARGS, "stats() -> dict"},
     {"reset_stats", (PyCFunction)gy_py_comm_reset, METH_NOARGS, "reset_stats()"},
     {NULL, NULL, 0, NULL},

@@ -314,6 +314,16 @@ gy_status gy_cuda_comm_copy(void *dst, const void *src, uint64_t bytes, gy_cuda_
     return fake_enqueue(s, op);
 }
 
+gy_status gy_cuda_comm_copy_h2d(void *dst, const void *src_host, uint64_t bytes,
+                                gy_cuda_stream stream) {
+    return gy_cuda_comm_copy(dst, src_host, bytes, stream);
+}
+
+gy_status gy_cuda_comm_copy_d2h(void *dst_host, const void *src, uint64_t bytes,
+                                gy_cuda_stream stream) {
+    return gy_cuda_comm_copy(dst_host, src, bytes, stream);
+}
+
 gy_status gy_cuda_comm_sum_tree(float *out, const float *const *in, int32_t n_in, int64_t n,
                                 gy_cuda_stream stream) {
     if (n < 0 || n_in < 1 || n_in > GY_CUDA_COMM_MAX_INPUTS || (n_in & (n_in - 1)))
