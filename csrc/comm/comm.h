@@ -17,7 +17,9 @@
  * that stream has reached the point where the call left it (later work on the same stream sees
  * it; the host sees it after gy_comm_synchronize). A rank's inputs are not read after its stream
  * has passed the collective, so work enqueued after the call may overwrite them. The calling
- * thread's current CUDA device is left as it was.
+ * thread's current CUDA device is left as it was. A device call that fails on one rank only is
+ * reported by that rank; the others' results of that collective are then undefined (a CUDA error
+ * breaks the context they share, so in practice they fail too).
  *
  * Sum order. shm and d2d add in one fixed order, the pairwise tree ((r0 + r1) + (r2 + r3)) of
  * cpu/linear.h, so partial sums split across TP ranks add up to the same bits as TP1's, and the
