@@ -38,7 +38,8 @@ static int gy_py_comm_devices(PyObject *object, int32_t size, int32_t *devices, 
     if (PyLong_Check(object)) {
         const long d = PyLong_AsLong(object);
         if (d == -1 && PyErr_Occurred()) return -1;
-        for (int32_t r = 0; r < size; r++) devices[r] = (int32_t)d;
+        for (int32_t r = 0; r < size; r++)
+            devices[r] = d < INT32_MIN ? INT32_MIN : d > INT32_MAX ? INT32_MAX : (int32_t)d;
         return 0;
     }
     PyObject *seq = PySequence_Fast(object, "devices must be None, an int or a sequence of ints");
