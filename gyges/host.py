@@ -8,13 +8,15 @@ more tensor-parallel instances.
 
 Instances are aligned groups as in Flying Serving section 4.3: a TPk instance starts at a worker
 whose index is a multiple of k (pairs {0,1},{2,3}; the quartet {0..3}). One communicator per
-aligned group is created at start-up, so forming a group never pays for set-up.
+aligned group is created at start-up, so forming a group never pays for set-up, and one more
+for migration traffic (gyges.comm.CommPool).
 """
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _C
+from .comm import CommPool, aligned_groups
 from .engine import InstanceLoop, SamplingParams, Serving
 from .units import parse_size
 from .worker import Worker, default_max_tp
@@ -115,13 +117,9 @@ class Host(Serving):
                                 weight_dtype=weight_dtype, max_tp=self.max_tp,
                                 threads=threads_per_worker, pad_ffn=pad_ffn)
                          for _ in range(workers)]
-        # One communicator per aligned group of every size, made now (Flying Serving's pool).
-        self._comms = {}
-        size = 2
-        while size <= workers and size <= self.max_tp:
-            for first in range(0, workers - size + 1, size):
-                self._comms[(first, size)] = _C.Comm(size)
-            size *= 2
+        # A compute and a migration communicator per aligned group of every size, made now
+        # (Flying Serving's pool).
+        self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
         for first, tp in groups:
             self.check_group(first, tp)
             for rank in range(tp):
@@ -158,11 +156,12 @@ class Host(Serving):
         return self._workers[index]
 
     def comm(self, first, size):
-        try:
-            return self._comms[(first, size)]
-        except KeyError:
-            raise ValueError(f"no communicator for workers {first}..{first + size - 1}: groups "
-                             f"must be aligned") from None
+        """The compute communicator of the aligned group of `size` workers from `first`."""
+        return self.comms.comm(first, size)
+
+    def migration_comm(self, first, size):
+        """The same group's communicator for migration traffic."""
+        return self.comms.migration(first, size)
 
     def layout(self):
         """The current layout, e.g. '2xTP1+TP2'."""

@@ -1,57 +1,115 @@
-/* comm.c: shared-memory collectives for worker threads.
- *
- * Every collective publishes the ranks' buffer pointers, waits at a barrier, lets each rank read
- * what it needs from the others, and waits again before anyone may reuse a buffer. The barrier
- * sleeps on a condition variable: on a machine with fewer cores than workers, spinning ranks
- * would steal the core from the rank everyone waits for. */
+/* comm.c: the communicator interface: configuration checks, dispatch to a backend
+ * (comm_shm.c, comm_d2d.c, comm_nccl.c), the host barrier and the statistics they share. */
 #include "comm.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-struct gy_comm {
-    int32_t size;
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    int32_t waiting;
-    uint64_t generation;
-    const void *ptrs[GY_COMM_MAX_RANKS];
-    const void *const *send[GY_COMM_MAX_RANKS];
-    const int64_t *send_bytes[GY_COMM_MAX_RANKS];
-    float *scratch;          /* all-reduce result, grown by rank 0 */
-    int64_t scratch_capacity;
-    gy_status failure;       /* a rank's argument error, seen by all ranks of that call */
-    gy_comm_stats stats;
-};
+#include "comm_backend.h"
 
-gy_status gy_comm_init(gy_comm **out, int32_t size) {
-    if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL out");
-    *out = NULL;
+static const gy_comm_ops *gy_comm_ops_for(gy_comm_backend_kind kind) {
+    switch (kind) {
+    case GY_COMM_BACKEND_SHM: return &gy_comm_shm_ops;
+    case GY_COMM_BACKEND_D2D: return &gy_comm_d2d_ops;
+    case GY_COMM_BACKEND_NCCL: return &gy_comm_nccl_ops;
+    default: return NULL;
+    }
+}
+
+const char *gy_comm_backend_name(gy_comm_backend_kind kind) {
+    const gy_comm_ops *ops = gy_comm_ops_for(kind);
+    return ops ? ops->name : "?";
+}
+
+/* Everything that can be said about a configuration without a device. */
+static gy_status gy_comm_check_config(const gy_comm_config *config, int32_t *devices) {
+    const int32_t size = config->size;
+    if (gy_comm_ops_for(config->backend) == NULL)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "unknown communicator backend %d (expected 0=shm, 1=d2d, 2=nccl)",
+                       (int)config->backend);
     if (size < 1 || size > GY_COMM_MAX_RANKS || (size & (size - 1)) != 0)
         return GY_FAIL(GY_ERR_INVALID, "a communicator has a power-of-two size up to %d, got %d",
                        GY_COMM_MAX_RANKS, (int)size);
+    if ((unsigned)config->channel >= GY_COMM_CHANNEL_COUNT)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "unknown communicator channel %d (expected 0=compute, 1=migration)",
+                       (int)config->channel);
+    for (int32_t r = 0; r < size; r++) {
+        if (config->backend == GY_COMM_BACKEND_SHM) {
+            devices[r] = -1;
+            continue;
+        }
+        const int32_t d = config->devices ? config->devices[r]
+                                          : (config->backend == GY_COMM_BACKEND_NCCL ? r : 0);
+        if (d < 0)
+            return GY_FAIL(GY_ERR_INVALID, "rank %d: CUDA device %d is negative", (int)r, (int)d);
+        devices[r] = d;
+        if (config->backend == GY_COMM_BACKEND_D2D && d != devices[0])
+            return GY_FAIL(GY_ERR_INVALID,
+                           "a d2d communicator joins virtual workers on one GPU, but rank 0 is "
+                           "on device %d and rank %d on device %d (use nccl for one GPU per rank)",
+                           (int)devices[0], (int)r, (int)d);
+        if (config->backend == GY_COMM_BACKEND_NCCL)
+            for (int32_t q = 0; q < r; q++)
+                if (devices[q] == d)
+                    return GY_FAIL(GY_ERR_INVALID,
+                                   "an nccl communicator needs one GPU per rank, but ranks %d and "
+                                   "%d are both on device %d (use d2d for virtual workers "
+                                   "sharing one GPU)",
+                                   (int)q, (int)r, (int)d);
+    }
+    return GY_OK;
+}
+
+gy_status gy_comm_init_config(gy_comm **out, const gy_comm_config *config) {
+    if (out == NULL || config == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL out or config");
+    *out = NULL;
+    int32_t devices[GY_COMM_MAX_RANKS];
+    GY_TRY(gy_comm_check_config(config, devices));
     gy_comm *c = calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    c->size = size;
+    c->ops = gy_comm_ops_for(config->backend);
+    c->backend = config->backend;
+    c->channel = config->channel;
+    c->size = config->size;
+    memcpy(c->devices, devices, sizeof(int32_t) * (size_t)c->size);
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->cond, NULL);
+    gy_status s = c->ops->init(c);
+    if (s != GY_OK) {
+        if (c->ops->destroy) c->ops->destroy(c);
+        pthread_mutex_destroy(&c->lock);
+        pthread_cond_destroy(&c->cond);
+        free(c);
+        return s;
+    }
     *out = c;
     return GY_OK;
 }
 
+gy_status gy_comm_init(gy_comm **out, int32_t size) {
+    const gy_comm_config config = {.backend = GY_COMM_BACKEND_SHM, .size = size};
+    return gy_comm_init_config(out, &config);
+}
+
 void gy_comm_free(gy_comm *c) {
     if (c == NULL) return;
+    c->ops->destroy(c);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->cond);
-    free(c->scratch);
     free(c);
 }
 
 int32_t gy_comm_size(const gy_comm *c) { return c->size; }
+gy_comm_backend_kind gy_comm_backend(const gy_comm *c) { return c->backend; }
+gy_comm_channel gy_comm_channel_of(const gy_comm *c) { return c->channel; }
 
-void gy_comm_barrier(gy_comm *c, int32_t rank) {
-    (void)rank;
+int32_t gy_comm_device(const gy_comm *c, int32_t rank) {
+    return c != NULL && rank >= 0 && rank < c->size ? c->devices[rank] : -1;
+}
+
+void gy_comm_host_barrier(gy_comm *c) {
     if (c->size == 1) return;
     pthread_mutex_lock(&c->lock);
     const uint64_t generation = c->generation;
@@ -72,83 +130,88 @@ static gy_status gy_comm_check_rank(const gy_comm *c, int32_t rank) {
     return GY_OK;
 }
 
+gy_status gy_comm_set_stream(gy_comm *c, int32_t rank, void *stream) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    if (c->ops->set_stream) return c->ops->set_stream(c, rank, stream);
+    c->streams[rank] = stream;
+    return GY_OK;
+}
+
+void *gy_comm_stream(const gy_comm *c, int32_t rank) {
+    return c != NULL && rank >= 0 && rank < c->size ? c->streams[rank] : NULL;
+}
+
+gy_status gy_comm_stream_priority(const gy_comm *c, int32_t rank, int32_t *priority) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    if (priority == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL priority");
+    *priority = 0;
+    /* The query does not change the communicator; the table takes it non-const like the rest. */
+    return c->ops->stream_priority ? c->ops->stream_priority((gy_comm *)c, rank, priority) : GY_OK;
+}
+
+gy_status gy_comm_synchronize(gy_comm *c, int32_t rank) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    return c->ops->synchronize ? c->ops->synchronize(c, rank) : GY_OK;
+}
+
+gy_status gy_comm_barrier(gy_comm *c, int32_t rank) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    return c->ops->barrier(c, rank);
+}
+
 gy_status gy_comm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t n) {
     GY_TRY(gy_comm_check_rank(c, rank));
-    if (c->size == 1 || n == 0) return GY_OK;
-    c->ptrs[rank] = buf;
-    if (rank == 0 && n > c->scratch_capacity) {
-        free(c->scratch);
-        c->scratch = malloc((size_t)n * sizeof(float));
-        c->scratch_capacity = c->scratch ? n : 0;
-        c->failure = c->scratch ? GY_OK : GY_ERR_SYSTEM;
-    }
-    gy_comm_barrier(c, rank);
-    if (c->failure != GY_OK) {
-        gy_comm_barrier(c, rank);
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for an all-reduce of %lld floats", (long long)n);
-    }
-    /* Each rank sums one slice of the vector, in the pairwise tree order. */
-    const int64_t per = (n + c->size - 1) / c->size;
-    const int64_t lo = rank * per, hi = lo + per < n ? lo + per : n;
-    float v[GY_COMM_MAX_RANKS];
-    for (int64_t i = lo; i < hi; i++) {
-        for (int32_t r = 0; r < c->size; r++) v[r] = ((const float *)c->ptrs[r])[i];
-        for (int32_t m = c->size; m > 1; m /= 2)
-            for (int32_t j = 0; j < m / 2; j++) v[j] = v[2 * j] + v[2 * j + 1];
-        c->scratch[i] = v[0];
-    }
-    gy_comm_barrier(c, rank);
-    memcpy(buf, c->scratch, (size_t)n * sizeof(float));
-    /* As a ring all-reduce would: reduce-scatter then all-gather, (size-1)/size of it each. */
-    const uint64_t moved = (uint64_t)n * sizeof(float) * 2 * (uint64_t)(c->size - 1) / (uint64_t)c->size;
-    c->stats.bytes_sent[rank] += moved;
-    c->stats.bytes_received[rank] += moved;
-    if (rank == 0) c->stats.calls++;
-    gy_comm_barrier(c, rank);
-    return GY_OK;
+    if (n < 0) return GY_FAIL(GY_ERR_INVALID, "all-reduce of %lld floats", (long long)n);
+    return c->ops->all_reduce(c, rank, buf, n);
 }
 
 gy_status gy_comm_all_gather(gy_comm *c, int32_t rank, void *out, const void *in, int64_t bytes) {
     GY_TRY(gy_comm_check_rank(c, rank));
-    c->ptrs[rank] = in;
-    gy_comm_barrier(c, rank);
-    for (int32_t r = 0; r < c->size; r++)
-        memcpy((char *)out + r * bytes, c->ptrs[r], (size_t)bytes);
-    c->stats.bytes_sent[rank] += (uint64_t)bytes * (uint64_t)(c->size - 1);
-    c->stats.bytes_received[rank] += (uint64_t)bytes * (uint64_t)(c->size - 1);
-    if (rank == 0) c->stats.calls++;
-    gy_comm_barrier(c, rank);
-    return GY_OK;
+    if (bytes < 0) return GY_FAIL(GY_ERR_INVALID, "all-gather of %lld bytes", (long long)bytes);
+    return c->ops->all_gather(c, rank, out, in, bytes);
 }
 
 gy_status gy_comm_all_to_all(gy_comm *c, int32_t rank, void *const *recv, const int64_t *recv_bytes,
                              const void *const *send, const int64_t *send_bytes) {
     GY_TRY(gy_comm_check_rank(c, rank));
-    c->send[rank] = send;
-    c->send_bytes[rank] = send_bytes;
-    gy_comm_barrier(c, rank);
-    gy_status s = GY_OK;
-    for (int32_t src = 0; src < c->size; src++) {
-        const int64_t n = c->send_bytes[src][rank];
-        if (n != recv_bytes[src]) {
-            s = GY_FAIL(GY_ERR_INVALID, "rank %d expects %lld bytes from rank %d, which sends %lld",
-                        (int)rank, (long long)recv_bytes[src], (int)src, (long long)n);
-            continue;
-        }
-        if (n > 0) memcpy(recv[src], c->send[src][rank], (size_t)n);
-        if (src != rank) {
-            c->stats.bytes_received[rank] += (uint64_t)n;
-            __atomic_fetch_add(&c->stats.bytes_sent[src], (uint64_t)n, __ATOMIC_RELAXED);
-        }
-    }
-    if (rank == 0) c->stats.calls++;
-    gy_comm_barrier(c, rank);
-    return s;
+    if (recv == NULL || recv_bytes == NULL || send == NULL || send_bytes == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "all-to-all: NULL buffer or size list");
+    /* Negative sizes are refused by the backends after the ranks have met: a rank that left
+     * here alone would leave the others waiting for it. */
+    return c->ops->all_to_all(c, rank, recv, recv_bytes, send, send_bytes);
 }
 
 gy_status gy_comm_rank_all_reduce(void *ctx, float *buf, int64_t n) {
     gy_comm_rank *r = ctx;
     return gy_comm_all_reduce(r->comm, r->rank, buf, n);
+}
+
+/* Atomic: with no host barrier between two calls (nccl), one rank may count its all-gather
+ * while another credits it for an all-to-all. */
+static void gy_comm_count(uint64_t *counter, uint64_t bytes) {
+    __atomic_fetch_add(counter, bytes, __ATOMIC_RELAXED);
+}
+
+void gy_comm_count_all_reduce(gy_comm *c, int32_t rank, int64_t n) {
+    /* As a ring all-reduce would: reduce-scatter then all-gather, (size-1)/size of it each. */
+    const uint64_t moved = (uint64_t)n * sizeof(float) * 2 * (uint64_t)(c->size - 1) / (uint64_t)c->size;
+    gy_comm_count(&c->stats.bytes_sent[rank], moved);
+    gy_comm_count(&c->stats.bytes_received[rank], moved);
+}
+
+void gy_comm_count_all_gather(gy_comm *c, int32_t rank, int64_t bytes) {
+    gy_comm_count(&c->stats.bytes_sent[rank], (uint64_t)bytes * (uint64_t)(c->size - 1));
+    gy_comm_count(&c->stats.bytes_received[rank], (uint64_t)bytes * (uint64_t)(c->size - 1));
+}
+
+void gy_comm_count_received(gy_comm *c, int32_t rank, int32_t src, int64_t bytes) {
+    if (src == rank) return;
+    gy_comm_count(&c->stats.bytes_received[rank], (uint64_t)bytes);
+    gy_comm_count(&c->stats.bytes_sent[src], (uint64_t)bytes);
+}
+
+void gy_comm_count_call(gy_comm *c, int32_t rank) {
+    if (rank == 0) gy_comm_count(&c->stats.calls, 1);
 }
 
 void gy_comm_stats_get(const gy_comm *c, gy_comm_stats *out) { *out = c->stats; }

@@ -1,11 +1,46 @@
-/* comm.h: collectives among the worker threads of one process, over shared memory.
+/* comm.h: collectives among the ranks of one process (worker threads), over three backends.
  *
- * A communicator joins `size` ranks (threads). Every collective is called by all ranks with the
- * same arguments (each with its own buffers) and returns once all have finished, like NCCL's.
- * The all-reduce sums in one fixed order, the pairwise tree ((r0 + r1) + (r2 + r3)) of
- * cpu/linear.h, so partial sums split across TP ranks add up to the same bits as TP1's.
+ * A communicator joins `size` ranks. Every collective is called by all ranks, each from its own
+ * thread, in the same order and with the same sizes (each with its own buffers), like NCCL's.
  *
- * The CUDA backend puts an NCCL communicator behind the same calls (comm_nccl.c). */
+ *   shm   host memory; the CPU engine's worker threads. A collective has finished, and its result
+ *         is in the caller's buffers, when the call returns. Streams are accepted and unused.
+ *   d2d   several virtual workers sharing one GPU: buffers are device pointers on that GPU (any
+ *         rank's arena), each rank has its own stream. Ranks meet on the host (a barrier) to
+ *         exchange pointers, order their streams with CUDA events, and move data with
+ *         device-to-device copies; the all-reduce adds with a kernel.
+ *   nccl  one GPU per rank in this process: NCCL (libnccl.so.2 opened at run time, never
+ *         linked), one NCCL communicator per rank made with ncclCommInitAll.
+ *
+ * Device backends (d2d, nccl) are asynchronous like NCCL: a call enqueues the collective on the
+ * rank's stream and returns; its result is visible, and the rank's buffers may be reused, once
+ * that stream has reached the point where the call left it (later work on the same stream sees
+ * it; the host sees it after gy_comm_synchronize). A rank's inputs are not read after its stream
+ * has passed the collective, so work enqueued after the call may overwrite them. The calling
+ * thread's current CUDA device is left as it was. A device call that fails on one rank only is
+ * reported by that rank; the others' results of that collective are then undefined (a CUDA error
+ * breaks the context they share, so in practice they fail too).
+ *
+ * Sum order. shm and d2d add in one fixed order, the pairwise tree ((r0 + r1) + (r2 + r3)) of
+ * cpu/linear.h, so partial sums split across TP ranks add up to the same bits as TP1's, and the
+ * two backends give the same bits for the same inputs. nccl adds in NCCL's own order (ring or
+ * tree, chosen by NCCL): close to the others, not bit-identical.
+ *
+ * Channels. A group of workers gets two communicators (gyges/comm.py's CommPool): a compute one
+ * for the forward pass's all-reduces, and a migration one for KV and weight movement during a
+ * TP transformation. Each device communicator creates one stream per rank at start-up, at the
+ * device's greatest priority for the compute channel and its least for the migration channel
+ * (cudaDeviceGetStreamPriorityRange), and, for nccl, its own NCCL communicators: migration
+ * traffic is ordered on its own stream and communicator, so it never sits in front of an
+ * all-reduce, and when both streams have kernels ready the GPU schedules the compute stream's
+ * blocks first (priority orders kernel blocks; copies on copy engines are not reordered). An
+ * engine uses gy_comm_stream(compute comm, rank) as its compute stream, or passes its own with
+ * gy_comm_set_stream (create it at the greatest priority to keep that advantage).
+ *
+ * Stats (every backend): calls (counted once per collective, by rank 0) and the bytes each rank
+ * sent to and received from other ranks. An all-reduce of n floats counts what a ring would move,
+ * 2 * (size - 1) / size * 4n bytes each way per rank; an all-gather of b bytes, (size - 1) * b;
+ * an all-to-all, the bytes between distinct ranks. Barriers are not counted. */
 #ifndef GY_COMM_COMM_H
 #define GY_COMM_COMM_H
 
@@ -21,27 +56,78 @@ extern "C" {
 
 typedef struct gy_comm gy_comm;
 
+typedef enum gy_comm_backend_kind {
+    GY_COMM_BACKEND_SHM = 0,
+    GY_COMM_BACKEND_D2D = 1,
+    GY_COMM_BACKEND_NCCL = 2,
+    GY_COMM_BACKEND_COUNT
+} gy_comm_backend_kind;
+
+typedef enum gy_comm_channel {
+    GY_COMM_CHANNEL_COMPUTE = 0,   /* streams at the device's greatest priority */
+    GY_COMM_CHANNEL_MIGRATION = 1, /* streams at the device's least priority */
+    GY_COMM_CHANNEL_COUNT
+} gy_comm_channel;
+
+typedef struct gy_comm_config {
+    gy_comm_backend_kind backend;
+    int32_t size;            /* a power of two in [1, GY_COMM_MAX_RANKS] */
+    /* [size] the CUDA device of each rank: d2d, one device for all; nccl, distinct devices.
+     * NULL: device 0 for every rank (d2d), device r for rank r (nccl). Unused by shm. */
+    const int32_t *devices;
+    gy_comm_channel channel;
+} gy_comm_config;
+
 typedef struct gy_comm_stats {
     uint64_t calls;
     uint64_t bytes_sent[GY_COMM_MAX_RANKS];     /* bytes each rank sent to other ranks */
     uint64_t bytes_received[GY_COMM_MAX_RANKS]; /* bytes each rank received from other ranks */
 } gy_comm_stats;
 
-/* size: a power of two in [1, GY_COMM_MAX_RANKS]. */
+/* A shm communicator of `size` ranks (size: a power of two in [1, GY_COMM_MAX_RANKS]). */
 gy_status gy_comm_init(gy_comm **out, int32_t size);
+/* Any backend. GY_ERR_INVALID for a bad size, backend, channel or device list (checked first),
+ * GY_ERR_UNAVAILABLE naming the reason when the backend cannot run here (built without CUDA, no
+ * driver or device, fewer devices than asked for, no libnccl.so.2). */
+gy_status gy_comm_init_config(gy_comm **out, const gy_comm_config *config);
 void gy_comm_free(gy_comm *comm);
-int32_t gy_comm_size(const gy_comm *comm);
 
-void gy_comm_barrier(gy_comm *comm, int32_t rank);
-/* buf [n] on every rank becomes the tree sum over ranks. */
+int32_t gy_comm_size(const gy_comm *comm);
+gy_comm_backend_kind gy_comm_backend(const gy_comm *comm);
+gy_comm_channel gy_comm_channel_of(const gy_comm *comm);
+/* "shm", "d2d", "nccl"; "?" for a value outside the enum. */
+const char *gy_comm_backend_name(gy_comm_backend_kind kind);
+/* The CUDA device of `rank`; -1 for shm or a rank outside the communicator. */
+int32_t gy_comm_device(const gy_comm *comm, int32_t rank);
+
+/* The stream (a cudaStream_t) `rank`'s collectives are enqueued on: the one the communicator
+ * made for the rank until gy_comm_set_stream gives another (NULL = the legacy default stream,
+ * allowed). The communicator never destroys a stream it did not make; the caller keeps a stream
+ * it sets alive, and on the rank's device, until the communicator is freed or another is set.
+ * Call it from the rank's own thread, between collectives. shm stores the value and ignores it. */
+gy_status gy_comm_set_stream(gy_comm *comm, int32_t rank, void *stream);
+void *gy_comm_stream(const gy_comm *comm, int32_t rank);
+/* The priority of `rank`'s current stream (lower numbers run first; 0 for shm). */
+gy_status gy_comm_stream_priority(const gy_comm *comm, int32_t rank, int32_t *priority);
+/* Waits on the host until `rank`'s stream has finished what was enqueued on it, and reports an
+ * error a kernel or copy hit; immediate for shm. */
+gy_status gy_comm_synchronize(gy_comm *comm, int32_t rank);
+
+/* No rank gets past it (shm: returns; device backends: its stream) before every rank has
+ * reached it. */
+gy_status gy_comm_barrier(gy_comm *comm, int32_t rank);
+/* buf [n] float32 on every rank becomes the sum over ranks (see "Sum order"). */
 gy_status gy_comm_all_reduce(gy_comm *comm, int32_t rank, float *buf, int64_t n);
 /* out [size * bytes] on every rank = the ranks' `in` [bytes] in rank order. */
 gy_status gy_comm_all_gather(gy_comm *comm, int32_t rank, void *out, const void *in, int64_t bytes);
 /* All-to-all with variable sizes: rank r sends send[d] (send_bytes[d] bytes) to rank d and
- * receives into recv[s] (recv_bytes[s], which must equal what s sends to r) from rank s. */
+ * receives into recv[s] (recv_bytes[s], which must equal what s sends to r) from rank s.
+ * A mismatch is GY_ERR_INVALID: shm and d2d refuse it on the receiving rank only (the other
+ * pairs still move), nccl on every rank before anything moves (NCCL would hang on it). */
 gy_status gy_comm_all_to_all(gy_comm *comm, int32_t rank, void *const *recv,
                              const int64_t *recv_bytes, const void *const *send,
                              const int64_t *send_bytes);
+
 /* The adapter gy_tp_group (engine/forward.h) uses: ctx is a gy_comm_rank. */
 typedef struct gy_comm_rank {
     gy_comm *comm;

@@ -25,10 +25,21 @@ static void *all_reduce_rank(void *p) {
     return NULL;
 }
 
+/* By gy_comm_init, or by gy_comm_init_config with the shm backend: the same communicator. */
+static gy_status make_shm(gy_comm **comm, int32_t size, int by_config) {
+    if (!by_config) return gy_comm_init(comm, size);
+    const gy_comm_config config = {.backend = GY_COMM_BACKEND_SHM, .size = size,
+                                   .channel = GY_COMM_CHANNEL_MIGRATION};
+    return gy_comm_init_config(comm, &config);
+}
+
 GYTEST(comm_all_reduce_sums_in_tree_order) {
-    for (int32_t size = 1; size <= 8; size *= 2) {
+    for (int32_t k = 0; k < 8; k++) {
+        const int32_t size = 1 << (k % 4);
+        const int by_config = k >= 4;
         gy_comm *comm;
-        CHECK_OK(gy_comm_init(&comm, size));
+        CHECK_OK(make_shm(&comm, size, by_config));
+        CHECK(gy_comm_backend(comm) == GY_COMM_BACKEND_SHM);
         rank_arg args[8];
         pthread_t threads[8];
         for (int32_t r = 0; r < size; r++) {
@@ -52,6 +63,10 @@ GYTEST(comm_all_reduce_sums_in_tree_order) {
         gy_comm_stats st;
         gy_comm_stats_get(comm, &st);
         CHECK(st.calls == (size > 1 ? 1u : 0u));
+        /* What a ring would move: 2 (size - 1) / size of the vector each way. */
+        for (int32_t r = 0; r < size; r++)
+            CHECK(st.bytes_sent[r] == (uint64_t)N * 4 * 2 * (size - 1) / size &&
+                  st.bytes_received[r] == st.bytes_sent[r]);
         gy_comm_free(comm);
     }
 }
@@ -105,6 +120,115 @@ GYTEST(comm_all_to_all_with_variable_sizes) {
     gy_comm_free(comm);
 }
 
+typedef struct {
+    gy_comm *comm;
+    int32_t rank, size;
+    int ok;
+} gather_arg;
+
+/* Rank r contributes 7 bytes of value r + 1, twice, around a barrier. */
+static void *all_gather_rank(void *p) {
+    gather_arg *a = p;
+    unsigned char in[7], out[8 * 7];
+    memset(in, a->rank + 1, sizeof in);
+    a->ok = 1;
+    for (int round = 0; round < 2; round++) {
+        memset(out, 0xee, sizeof out);
+        a->ok &= gy_comm_all_gather(a->comm, a->rank, out, in, 7) == GY_OK;
+        for (int32_t r = 0; r < a->size; r++)
+            for (int i = 0; i < 7; i++) a->ok &= out[r * 7 + i] == r + 1;
+        a->ok &= gy_comm_barrier(a->comm, a->rank) == GY_OK;
+    }
+    return NULL;
+}
+
+GYTEST(comm_all_gather_in_rank_order_with_exact_stats) {
+    const int32_t size = 4;
+    gy_comm *comm;
+    CHECK_OK(make_shm(&comm, size, 1));
+    gather_arg args[4];
+    pthread_t threads[4];
+    for (int32_t r = 0; r < size; r++) {
+        args[r] = (gather_arg){.comm = comm, .rank = r, .size = size};
+        pthread_create(&threads[r], NULL, all_gather_rank, &args[r]);
+    }
+    for (int32_t r = 0; r < size; r++) pthread_join(threads[r], NULL);
+    for (int32_t r = 0; r < size; r++) CHECK(args[r].ok);
+    gy_comm_stats st;
+    gy_comm_stats_get(comm, &st);
+    CHECK(st.calls == 2); /* barriers are not counted */
+    for (int32_t r = 0; r < size; r++)
+        CHECK(st.bytes_sent[r] == 2u * 7 * 3 && st.bytes_received[r] == 2u * 7 * 3);
+    gy_comm_stats_reset(comm);
+    gy_comm_stats_get(comm, &st);
+    CHECK(st.calls == 0 && st.bytes_sent[0] == 0);
+    gy_comm_free(comm);
+}
+
+GYTEST(comm_shm_takes_streams_and_names_itself) {
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 2));
+    CHECK(gy_comm_size(comm) == 2);
+    CHECK(gy_comm_channel_of(comm) == GY_COMM_CHANNEL_COMPUTE);
+    CHECK(strcmp(gy_comm_backend_name(gy_comm_backend(comm)), "shm") == 0);
+    CHECK(strcmp(gy_comm_backend_name(GY_COMM_BACKEND_D2D), "d2d") == 0);
+    CHECK(strcmp(gy_comm_backend_name(GY_COMM_BACKEND_NCCL), "nccl") == 0);
+    CHECK(strcmp(gy_comm_backend_name((gy_comm_backend_kind)9), "?") == 0);
+    CHECK(gy_comm_device(comm, 0) == -1 && gy_comm_device(comm, 5) == -1);
+    CHECK(gy_comm_stream(comm, 1) == NULL);
+    int marker;
+    CHECK_OK(gy_comm_set_stream(comm, 1, &marker)); /* stored, never used */
+    CHECK(gy_comm_stream(comm, 1) == &marker);
+    int32_t priority = 7;
+    CHECK_OK(gy_comm_stream_priority(comm, 1, &priority));
+    CHECK(priority == 0);
+    CHECK_OK(gy_comm_synchronize(comm, 0));
+    CHECK_STATUS(gy_comm_set_stream(comm, 2, NULL), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_synchronize(comm, -1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_barrier(comm, 2), GY_ERR_INVALID);
+    gy_comm_free(comm);
+}
+
+GYTEST(comm_configs_are_checked_before_any_device) {
+    gy_comm *comm = NULL;
+    gy_comm_config config = {.backend = (gy_comm_backend_kind)7, .size = 2};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    CHECK(strstr(gy_error_message(), "unknown communicator backend") != NULL);
+    config = (gy_comm_config){.backend = GY_COMM_BACKEND_SHM, .size = 2,
+                              .channel = (gy_comm_channel)5};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    const int32_t mixed[2] = {0, 1}, same[2] = {1, 1}, negative[2] = {0, -1};
+    config = (gy_comm_config){.backend = GY_COMM_BACKEND_D2D, .size = 2, .devices = mixed};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    CHECK(strstr(gy_error_message(), "one GPU") != NULL);
+    config = (gy_comm_config){.backend = GY_COMM_BACKEND_NCCL, .size = 2, .devices = same};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    CHECK(strstr(gy_error_message(), "one GPU per rank") != NULL);
+    config = (gy_comm_config){.backend = GY_COMM_BACKEND_NCCL, .size = 2, .devices = negative};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    for (int b = GY_COMM_BACKEND_SHM; b < GY_COMM_BACKEND_COUNT; b++) {
+        config = (gy_comm_config){.backend = (gy_comm_backend_kind)b, .size = 3};
+        CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
+    }
+    CHECK_STATUS(gy_comm_init_config(&comm, NULL), GY_ERR_INVALID);
+    CHECK(comm == NULL);
+    gy_error_clear();
+}
+
+#ifndef GY_WITH_CUDA
+GYTEST(comm_device_backends_are_unavailable_without_cuda) {
+    for (int b = GY_COMM_BACKEND_D2D; b <= GY_COMM_BACKEND_NCCL; b++) {
+        gy_comm *comm = NULL;
+        const gy_comm_config config = {.backend = (gy_comm_backend_kind)b, .size = 2};
+        CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
+        CHECK(strstr(gy_error_message(), "not built with CUDA") != NULL);
+        CHECK(strstr(gy_error_message(), gy_comm_backend_name((gy_comm_backend_kind)b)) != NULL);
+        CHECK(comm == NULL);
+    }
+    gy_error_clear();
+}
+#endif
+
 GYTEST(comm_rejects_bad_sizes) {
     gy_comm *comm = NULL;
     CHECK_STATUS(gy_comm_init(&comm, 3), GY_ERR_INVALID);
@@ -114,5 +238,9 @@ GYTEST(comm_rejects_bad_sizes) {
     CHECK_OK(gy_comm_init(&comm, 2));
     float x = 1.0f;
     CHECK_STATUS(gy_comm_all_reduce(comm, 2, &x, 1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_all_reduce(comm, 0, &x, -1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_all_gather(comm, 0, &x, &x, -4), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_all_to_all(comm, 0, NULL, NULL, NULL, NULL), GY_ERR_INVALID);
+    gy_error_clear();
     gy_comm_free(comm);
 }

@@ -1,0 +1,100 @@
+/* comm_backend.h (private): the table of functions a communicator backend provides to comm.c,
+ * and the part of a communicator every backend shares.
+ *
+ * comm.c has checked the rank (and, for the collectives, that sizes are not negative) before it
+ * calls a backend. Every collective of a backend goes through the same number of host barriers
+ * on every rank whatever fails, so a rank that hits an error never leaves the others waiting. */
+#ifndef GY_COMM_COMM_BACKEND_H
+#define GY_COMM_COMM_BACKEND_H
+
+#include <pthread.h>
+
+#include "comm.h"
+
+typedef struct gy_comm_ops {
+    const char *name;
+    /* Makes comm->state (comm's size, devices and channel are set); streams too, for device
+     * backends. On failure everything made so far is undone by destroy, which must accept a
+     * half-made state. */
+    gy_status (*init)(gy_comm *comm);
+    void (*destroy)(gy_comm *comm);
+    gy_status (*barrier)(gy_comm *comm, int32_t rank);
+    gy_status (*all_reduce)(gy_comm *comm, int32_t rank, float *buf, int64_t n);
+    gy_status (*all_gather)(gy_comm *comm, int32_t rank, void *out, const void *in, int64_t bytes);
+    gy_status (*all_to_all)(gy_comm *comm, int32_t rank, void *const *recv,
+                            const int64_t *recv_bytes, const void *const *send,
+                            const int64_t *send_bytes);
+    /* Optional, NULL for shm: the device calls behind gy_comm_set_stream,
+     * gy_comm_stream_priority and gy_comm_synchronize. Without them a stream is stored only,
+     * priority is 0, synchronize returns at once. set_stream orders the new stream after the
+     * work already on the old one, then stores it. */
+    gy_status (*set_stream)(gy_comm *comm, int32_t rank, void *stream);
+    gy_status (*stream_priority)(gy_comm *comm, int32_t rank, int32_t *priority);
+    gy_status (*synchronize)(gy_comm *comm, int32_t rank);
+} gy_comm_ops;
+
+struct gy_comm {
+    const gy_comm_ops *ops;
+    gy_comm_backend_kind backend;
+    gy_comm_channel channel;
+    int32_t size;
+    int32_t devices[GY_COMM_MAX_RANKS]; /* CUDA device of each rank; -1 for shm */
+    void *streams[GY_COMM_MAX_RANKS];   /* the stream each rank's collectives go on */
+    /* The host barrier every backend uses: a generation counter under a mutex. It sleeps on a
+     * condition variable: on a machine with fewer cores than ranks, spinning ranks would steal
+     * the core from the rank everyone waits for. */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int32_t waiting;
+    uint64_t generation;
+    gy_comm_stats stats;
+    void *state; /* the backend's */
+};
+
+extern const gy_comm_ops gy_comm_shm_ops;
+/* When built without CUDA, tables whose init answers GY_ERR_UNAVAILABLE. */
+extern const gy_comm_ops gy_comm_d2d_ops;
+extern const gy_comm_ops gy_comm_nccl_ops;
+
+/* Returns once all `size` ranks have called it (immediately for size 1). */
+void gy_comm_host_barrier(gy_comm *comm);
+
+/* Stats of one rank's part of a collective, with the formulas of comm.h; rank 0 counts the
+ * call. All-to-all counts are the receiver's: it adds what it received and credits each
+ * sender (atomically: senders are counted by other ranks' threads). */
+void gy_comm_count_all_reduce(gy_comm *comm, int32_t rank, int64_t n);
+void gy_comm_count_all_gather(gy_comm *comm, int32_t rank, int64_t bytes);
+void gy_comm_count_received(gy_comm *comm, int32_t rank, int32_t src, int64_t bytes);
+void gy_comm_count_call(gy_comm *comm, int32_t rank);
+
+#ifdef GY_WITH_CUDA
+/* comm_stream.c: what the device backends share. */
+
+/* One stream per rank on the rank's device, non-blocking with the legacy default stream, at
+ * the priority of comm->channel; an event pair per rank for the barrier protocol below. */
+typedef struct gy_comm_streams {
+    void *own[GY_COMM_MAX_RANKS];   /* streams made here (comm->streams starts as these) */
+    void *ready[GY_COMM_MAX_RANKS]; /* events, recorded before a collective's first barrier */
+    void *done[GY_COMM_MAX_RANKS];  /* events, recorded before its second barrier */
+    void *handoff[GY_COMM_MAX_RANKS]; /* events, old stream -> new one in gy_comm_set_stream */
+} gy_comm_streams;
+
+gy_status gy_comm_streams_init(gy_comm_streams *s, gy_comm *comm, const char *backend_name);
+/* Waits for the streams it made and destroys them and the events; accepts a half-made set. */
+void gy_comm_streams_free(gy_comm_streams *s, gy_comm *comm);
+/* Makes `rank`'s device current on the calling thread; *previous receives the device to
+ * restore with gy_comm_device_leave. */
+gy_status gy_comm_device_enter(gy_comm *comm, int32_t rank, int32_t *previous);
+void gy_comm_device_leave(int32_t previous);
+/* Records events[rank] on rank's stream (when *s is GY_OK; else records nothing). */
+void gy_comm_event_record(gy_comm *comm, void *const *events, int32_t rank, gy_status *s);
+/* rank's stream waits for every rank's events[r] (when *s is GY_OK). */
+void gy_comm_event_wait_all(gy_comm *comm, void *const *events, int32_t rank, gy_status *s);
+/* The barrier of comm.h for device backends: ready events, host barrier, waits, host barrier. */
+gy_status gy_comm_stream_barrier(gy_comm *comm, gy_comm_streams *s, int32_t rank);
+gy_status gy_comm_streams_switch(gy_comm *comm, gy_comm_streams *s, int32_t rank, void *stream);
+gy_status gy_comm_streams_priority(gy_comm *comm, int32_t rank, int32_t *priority);
+gy_status gy_comm_streams_synchronize(gy_comm *comm, int32_t rank);
+#endif
+
+#endif

@@ -1,0 +1,472 @@
+/* test_comm_fake.c: the d2d and nccl communicators, compiled with GY_WITH_CUDA against the
+ * pretend GPU of fake_cuda.c (and the pretend NCCL of fake_nccl.c), run by real rank threads.
+ * tests/test_comm_cuda.py builds and runs this under ThreadSanitizer and under ASan+UBSan:
+ *
+ *   FAKE_MODE=gpu   FAKE_CUDA_DEVICES=4 GYGES_NCCL_LIBRARY=<libfake_nccl.so>
+ *   FAKE_MODE=bare  FAKE_CUDA_DEVICES=0 GYGES_NCCL_LIBRARY=/nonexistent
+ *
+ * The fake streams run their work on their own threads after random pauses, so a collective
+ * whose events let one rank's stream overtake another's reads or writes a buffer too early:
+ * the sums come out wrong, and ThreadSanitizer names the two accesses. What it checks beyond
+ * tests/test_comm_cuda.py's GPU tests: many rounds back to back with the inputs written and the
+ * results read by later work on the same stream (the visibility rule of comm.h), stream
+ * switches between rounds, the current device being restored, and the nccl glue. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../c/gytest.h"
+#include "comm/comm.h"
+#include "fake_cuda.h"
+
+#define ROUNDS 12
+#define MAX_N 4099
+
+static int mode_is(const char *mode) {
+    const char *m = getenv("FAKE_MODE");
+    return m != NULL && strcmp(m, mode) == 0;
+}
+
+/* Deterministic floats of mixed magnitudes and signs: the order of additions shows. */
+static float value(uint32_t seed, int32_t rank, int64_t i) {
+    uint32_t x = seed * 2654435761u ^ (uint32_t)rank * 40503u ^ (uint32_t)i * 2246822519u;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    const float scales[5] = {1e-3f, 0.1f, 1.0f, 10.0f, 1e3f};
+    return ((float)(x % 20001) - 10000.0f) / 997.0f * scales[(x >> 20) % 5];
+}
+
+static float tree(const float *v, int32_t size) {
+    float t[GY_COMM_MAX_RANKS];
+    memcpy(t, v, sizeof(float) * (size_t)size);
+    for (int32_t w = size; w > 1; w /= 2)
+        for (int32_t j = 0; j < w / 2; j++) t[j] = t[2 * j] + t[2 * j + 1];
+    return t[0];
+}
+
+typedef struct rank_job {
+    gy_comm *comm;
+    gy_comm *other; /* a second communicator whose streams the rank switches to */
+    int32_t rank, size;
+    int64_t n[ROUNDS];
+    float *inputs;  /* [ROUNDS][MAX_N] host data "uploaded" by a copy on the rank's stream */
+    float *results; /* [ROUNDS][MAX_N] "downloaded" by a copy after each all-reduce */
+    float *device;  /* [MAX_N] the rank's buffer */
+    int failures;
+} rank_job;
+
+static void run_ranks(rank_job *jobs, int32_t size, void *(*fn)(void *)) {
+    pthread_t threads[GY_COMM_MAX_RANKS];
+    for (int32_t r = 0; r < size; r++) pthread_create(&threads[r], NULL, fn, &jobs[r]);
+    for (int32_t r = 0; r < size; r++) pthread_join(threads[r], NULL);
+}
+
+/* Every round: upload on the stream, all-reduce, download on the stream; never a host wait in
+ * between, so only the stream order and the communicator's events keep it right. Round k of
+ * the switching variant runs on the rank's own stream, the other comm's, or the default one. */
+static void *all_reduce_rounds(void *p) {
+    rank_job *j = p;
+    /* A rank thread works with its device current, as engines' do (its own copies need it). */
+    const int32_t device = gy_comm_device(j->comm, j->rank);
+    j->failures += gy_cuda_comm_device_swap(device, NULL) != GY_OK;
+    void *own = gy_comm_stream(j->comm, j->rank);
+    for (int k = 0; k < ROUNDS; k++) {
+        if (j->other != NULL) {
+            void *streams[3] = {own, gy_comm_stream(j->other, j->rank), NULL};
+            j->failures += gy_comm_set_stream(j->comm, j->rank, streams[k % 3]) != GY_OK;
+        }
+        void *stream = gy_comm_stream(j->comm, j->rank);
+        const int64_t n = j->n[k];
+        j->failures += gy_cuda_comm_copy(j->device, j->inputs + k * MAX_N, (uint64_t)n * 4,
+                                         stream) != GY_OK;
+        j->failures += gy_comm_all_reduce(j->comm, j->rank, j->device, n) != GY_OK;
+        j->failures += gy_cuda_comm_copy(j->results + k * MAX_N, j->device, (uint64_t)n * 4,
+                                         stream) != GY_OK;
+        if (k % 5 == 4) j->failures += gy_comm_barrier(j->comm, j->rank) != GY_OK;
+    }
+    j->failures += gy_comm_synchronize(j->comm, j->rank) != GY_OK;
+    if (j->other != NULL) j->failures += gy_comm_set_stream(j->comm, j->rank, own) != GY_OK;
+    return NULL;
+}
+
+/* Runs ROUNDS all-reduces of varying sizes on `comm` and checks them against the tree; with
+ * `other`, the ranks switch streams between rounds. */
+static int check_all_reduce_rounds(gy_comm *comm, gy_comm *other, uint32_t seed, int exact_tree) {
+    const int32_t size = gy_comm_size(comm);
+    rank_job jobs[GY_COMM_MAX_RANKS];
+    const int64_t sizes[ROUNDS] = {1003, 1, 3, MAX_N, 7, 1003, MAX_N - 1, 64, 4, 2, 999, 5};
+    for (int32_t r = 0; r < size; r++) {
+        jobs[r] = (rank_job){.comm = comm, .other = other, .rank = r, .size = size};
+        memcpy(jobs[r].n, sizes, sizeof sizes);
+        jobs[r].inputs = malloc(sizeof(float) * ROUNDS * MAX_N);
+        jobs[r].results = malloc(sizeof(float) * ROUNDS * MAX_N);
+        jobs[r].device = malloc(sizeof(float) * MAX_N);
+        for (int k = 0; k < ROUNDS; k++)
+            for (int64_t i = 0; i < MAX_N; i++)
+                jobs[r].inputs[k * MAX_N + i] = value(seed + (uint32_t)k, r, i);
+    }
+    run_ranks(jobs, size, all_reduce_rounds);
+    int bad = 0;
+    for (int32_t r = 0; r < size; r++) bad += jobs[r].failures;
+    for (int k = 0; k < ROUNDS && size > 1; k++)
+        for (int64_t i = 0; i < sizes[k]; i++) {
+            float v[GY_COMM_MAX_RANKS];
+            double exact = 0.0, magnitude = 0.0;
+            for (int32_t r = 0; r < size; r++) {
+                v[r] = jobs[r].inputs[k * MAX_N + i];
+                exact += v[r];
+                magnitude += v[r] < 0 ? -v[r] : v[r];
+            }
+            const float want = tree(v, size);
+            for (int32_t r = 0; r < size; r++) {
+                const float got = jobs[r].results[k * MAX_N + i];
+                if (exact_tree) {
+                    bad += memcmp(&got, &want, sizeof got) != 0;
+                } else { /* another order of additions: within size roundings */
+                    const double err = got > exact ? got - exact : exact - got;
+                    bad += err > size * magnitude * 0x1p-24 + 1e-30;
+                }
+            }
+        }
+    for (int32_t r = 0; r < size; r++) {
+        free(jobs[r].inputs);
+        free(jobs[r].results);
+        free(jobs[r].device);
+    }
+    if (bad) fprintf(stderr, "  %d wrong values or failed calls (%s)\n", bad, gy_error_message());
+    return bad == 0;
+}
+
+static gy_comm *make(gy_comm_backend_kind backend, int32_t size, const int32_t *devices,
+                     gy_comm_channel channel) {
+    gy_comm *comm = NULL;
+    const gy_comm_config config = {.backend = backend, .size = size, .devices = devices,
+                                   .channel = channel};
+    if (gy_comm_init_config(&comm, &config) != GY_OK) {
+        fprintf(stderr, "  init failed: %s\n", gy_error_message());
+        return NULL;
+    }
+    return comm;
+}
+
+GYTEST(fake_d2d_all_reduce_rounds_have_the_tree_bits) {
+    if (!mode_is("gpu")) return;
+    for (int32_t size = 1; size <= 8; size *= 2) {
+        gy_comm *comm = make(GY_COMM_BACKEND_D2D, size, NULL, GY_COMM_CHANNEL_COMPUTE);
+        CHECK(comm != NULL);
+        if (comm == NULL) continue;
+        CHECK(check_all_reduce_rounds(comm, NULL, 11u * (uint32_t)size, 1));
+        gy_comm_stats st;
+        gy_comm_stats_get(comm, &st);
+        CHECK(st.calls == (size > 1 ? ROUNDS : 0u));
+        gy_comm_free(comm);
+    }
+}
+
+GYTEST(fake_d2d_on_another_device_restores_the_current_one) {
+    if (!mode_is("gpu")) return;
+    const int32_t devices[4] = {3, 3, 3, 3};
+    gy_comm *comm = make(GY_COMM_BACKEND_D2D, 4, devices, GY_COMM_CHANNEL_COMPUTE);
+    CHECK(comm != NULL);
+    if (comm == NULL) return;
+    CHECK(gy_comm_device(comm, 2) == 3);
+    CHECK(fake_cuda_stream_device(gy_comm_stream(comm, 1)) == 3);
+    CHECK(check_all_reduce_rounds(comm, NULL, 5, 1));
+    gy_comm_free(comm);
+    /* Called from a thread whose current device is another: the work goes to the rank's device
+     * and the thread's device is put back. */
+    comm = make(GY_COMM_BACKEND_D2D, 1, devices, GY_COMM_CHANNEL_COMPUTE);
+    CHECK(comm != NULL);
+    if (comm == NULL) return;
+    CHECK_OK(gy_cuda_comm_device_swap(1, NULL));
+    unsigned char in[40], out[40];
+    memset(in, 9, sizeof in);
+    memset(out, 0, sizeof out);
+    CHECK_OK(gy_comm_all_gather(comm, 0, out, in, sizeof in));
+    CHECK(fake_cuda_current_device() == 1);
+    CHECK_OK(gy_comm_synchronize(comm, 0));
+    CHECK(fake_cuda_current_device() == 1);
+    CHECK(memcmp(in, out, sizeof in) == 0);
+    CHECK_OK(gy_cuda_comm_device_swap(0, NULL));
+    gy_comm_free(comm);
+    const int32_t absent[2] = {4, 4};
+    gy_comm *none = NULL;
+    const gy_comm_config config = {.backend = GY_COMM_BACKEND_D2D, .size = 2, .devices = absent};
+    CHECK_STATUS(gy_comm_init_config(&none, &config), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "wants CUDA device 4, this machine has 4") != NULL);
+    gy_error_clear();
+}
+
+GYTEST(fake_d2d_stream_switches_and_priorities) {
+    if (!mode_is("gpu")) return;
+    gy_comm *compute = make(GY_COMM_BACKEND_D2D, 4, NULL, GY_COMM_CHANNEL_COMPUTE);
+    gy_comm *migration = make(GY_COMM_BACKEND_D2D, 4, NULL, GY_COMM_CHANNEL_MIGRATION);
+    CHECK(compute != NULL && migration != NULL);
+    if (compute == NULL || migration == NULL) return;
+    int32_t high = 1, low = -1;
+    CHECK_OK(gy_comm_stream_priority(compute, 0, &high));
+    CHECK_OK(gy_comm_stream_priority(migration, 0, &low));
+    CHECK(high < low); /* the fake's range is [0, -5], like an H100's */
+    CHECK(check_all_reduce_rounds(compute, migration, 77, 1));
+    gy_comm_free(compute);
+    gy_comm_free(migration);
+}
+
+#define MOVE_ROUNDS 6
+#define REFUSED_ROUND 3
+#define GATHER_BYTES 33
+#define GATHER_ROUND(k) ((k) % 2 == 0)
+
+typedef struct {
+    gy_comm *comm;
+    int32_t rank, size;
+    int64_t sizes[8][8]; /* bytes rank s sends rank d */
+    unsigned char *send[8], *recv[8], *gather_in, *gather_out; /* the rank's "device" buffers */
+    /* Host copies: what each round uploads before its calls and downloads after them. */
+    unsigned char *send_src[MOVE_ROUNDS][8], *recv_dst[MOVE_ROUNDS][8];
+    unsigned char *gather_src[MOVE_ROUNDS], *gather_dst[MOVE_ROUNDS], *gather_dst2[MOVE_ROUNDS];
+    int failures, refused;
+} move_job;
+
+static unsigned char pattern(int round, int32_t src, int32_t dst) {
+    return (unsigned char)(16 * src + dst + 37 * round);
+}
+
+/* A copy ordered on the rank's stream (shm has none: its calls are synchronous). */
+static int move(move_job *j, void *dst, const void *src, int64_t bytes) {
+    if (gy_comm_backend(j->comm) == GY_COMM_BACKEND_SHM) {
+        memcpy(dst, src, (size_t)bytes);
+        return 0;
+    }
+    return gy_cuda_comm_copy(dst, src, (uint64_t)bytes, gy_comm_stream(j->comm, j->rank)) != GY_OK;
+}
+
+/* Each round rewrites the inputs and reads the outputs with work on the rank's stream, right
+ * before and after the calls: a rank whose stream ran ahead of a peer's reads, or one that read
+ * a peer's input before it was written, leaves another round's bytes behind. */
+static void *move_rounds(void *p) {
+    move_job *j = p;
+    if (gy_comm_backend(j->comm) != GY_COMM_BACKEND_SHM)
+        j->failures += gy_cuda_comm_device_swap(gy_comm_device(j->comm, j->rank), NULL) != GY_OK;
+    for (int k = 0; k < MOVE_ROUNDS; k++) {
+        int64_t send_bytes[8], recv_bytes[8];
+        const void *send[8];
+        void *recv[8];
+        for (int32_t d = 0; d < j->size; d++) {
+            send_bytes[d] = j->sizes[j->rank][d];
+            recv_bytes[d] = j->sizes[d][j->rank];
+            send[d] = j->send[d];
+            recv[d] = j->recv[d];
+            j->failures += move(j, j->send[d], j->send_src[k][d], send_bytes[d]);
+        }
+        if (k == REFUSED_ROUND && j->rank == 1) recv_bytes[0] += 1; /* refused */
+        const gy_status s = gy_comm_all_to_all(j->comm, j->rank, recv, recv_bytes, send, send_bytes);
+        if (k == REFUSED_ROUND) j->refused += s == GY_ERR_INVALID;
+        else j->failures += s != GY_OK;
+        gy_error_clear();
+        for (int32_t src = 0; src < j->size; src++)
+            j->failures += move(j, j->recv_dst[k][src], j->recv[src], j->sizes[src][j->rank]);
+        if (!GATHER_ROUND(k)) continue; /* back-to-back all-to-alls in between */
+        j->failures += move(j, j->gather_in, j->gather_src[k], GATHER_BYTES);
+        j->failures += gy_comm_all_gather(j->comm, j->rank, j->gather_out, j->gather_in,
+                                          GATHER_BYTES) != GY_OK;
+        j->failures += move(j, j->gather_dst[k], j->gather_out, GATHER_BYTES * j->size);
+    }
+    for (int k = 0; k < MOVE_ROUNDS; k++) { /* and back-to-back all-gathers */
+        j->failures += move(j, j->gather_in, j->gather_src[k], GATHER_BYTES);
+        j->failures += gy_comm_all_gather(j->comm, j->rank, j->gather_out, j->gather_in,
+                                          GATHER_BYTES) != GY_OK;
+        j->failures += move(j, j->gather_dst2[k], j->gather_out, GATHER_BYTES * j->size);
+    }
+    j->failures += gy_comm_synchronize(j->comm, j->rank) != GY_OK;
+    return NULL;
+}
+
+static int check_moves(gy_comm *comm, int nccl) {
+    const int32_t size = gy_comm_size(comm);
+    move_job jobs[8];
+    for (int32_t r = 0; r < size; r++) {
+        jobs[r] = (move_job){.comm = comm, .rank = r, .size = size};
+        for (int32_t s = 0; s < size; s++)
+            for (int32_t d = 0; d < size; d++)
+                jobs[r].sizes[s][d] = ((s * 7 + d * 3) % 5) * 101 + (s != d) * ((s + d) % 3);
+        for (int32_t d = 0; d < size; d++) {
+            jobs[r].send[d] = malloc(1024);
+            jobs[r].recv[d] = malloc(1024);
+            memset(jobs[r].recv[d], 0xee, 1024);
+            for (int k = 0; k < MOVE_ROUNDS; k++) {
+                jobs[r].send_src[k][d] = malloc(1024);
+                jobs[r].recv_dst[k][d] = calloc(1, 1024);
+                memset(jobs[r].send_src[k][d], pattern(k, r, d), 1024);
+            }
+        }
+        jobs[r].gather_in = malloc(GATHER_BYTES);
+        jobs[r].gather_out = malloc(GATHER_BYTES * (size_t)size);
+        for (int k = 0; k < MOVE_ROUNDS; k++) {
+            jobs[r].gather_src[k] = malloc(GATHER_BYTES);
+            jobs[r].gather_dst[k] = calloc(1, GATHER_BYTES * (size_t)size);
+            jobs[r].gather_dst2[k] = calloc(1, GATHER_BYTES * (size_t)size);
+            memset(jobs[r].gather_src[k], pattern(k, r, 99), GATHER_BYTES);
+        }
+    }
+    pthread_t threads[8];
+    for (int32_t r = 0; r < size; r++) pthread_create(&threads[r], NULL, move_rounds, &jobs[r]);
+    for (int32_t r = 0; r < size; r++) pthread_join(threads[r], NULL);
+    int bad = 0;
+    for (int32_t r = 0; r < size; r++) {
+        bad += jobs[r].failures;
+        /* shm and d2d refuse on the receiver only; nccl on every rank, before anything moves */
+        bad += jobs[r].refused != (nccl || r == 1 ? 1 : 0);
+        for (int k = 0; k < MOVE_ROUNDS; k++)
+            for (int32_t s = 0; s < size; s++) {
+                /* A refused pair keeps the previous round's bytes. */
+                const int refused = k == REFUSED_ROUND && (nccl || (s == 0 && r == 1));
+                const unsigned char want = pattern(refused ? k - 1 : k, s, r);
+                for (int64_t i = 0; i < jobs[r].sizes[s][r]; i++)
+                    bad += jobs[r].recv_dst[k][s][i] != want;
+                for (int i = 0; i < GATHER_BYTES; i++) {
+                    if (GATHER_ROUND(k))
+                        bad += jobs[r].gather_dst[k][s * GATHER_BYTES + i] != pattern(k, s, 99);
+                    bad += jobs[r].gather_dst2[k][s * GATHER_BYTES + i] != pattern(k, s, 99);
+                }
+            }
+        for (int32_t s = 0; s < size; s++)
+            bad += jobs[r].recv[s][jobs[r].sizes[s][r]] != 0xee; /* nothing past the end */
+    }
+    gy_comm_stats st;
+    gy_comm_stats_get(comm, &st);
+    const uint64_t gathers = (MOVE_ROUNDS + 1) / 2 + MOVE_ROUNDS;
+    bad += st.calls != MOVE_ROUNDS + gathers; /* the refused all-to-all counts too */
+    for (int32_t r = 0; r < size; r++) {
+        uint64_t sent = 0, received = 0;
+        for (int32_t d = 0; d < size; d++)
+            if (d != r) {
+                sent += (uint64_t)jobs[r].sizes[r][d];
+                received += (uint64_t)jobs[r].sizes[d][r];
+            }
+        /* The refused all-to-all moved all but the refused pair (shm, d2d) or nothing (nccl). */
+        const uint64_t refused_received = nccl ? received : r == 1 ? (uint64_t)jobs[r].sizes[0][1] : 0;
+        const uint64_t refused_sent = nccl ? sent : r == 0 ? (uint64_t)jobs[r].sizes[0][1] : 0;
+        const uint64_t gathered = gathers * GATHER_BYTES * (uint64_t)(size - 1);
+        bad += st.bytes_received[r] != MOVE_ROUNDS * received - refused_received + gathered;
+        bad += st.bytes_sent[r] != MOVE_ROUNDS * sent - refused_sent + gathered;
+    }
+    for (int32_t r = 0; r < size; r++) {
+        for (int32_t d = 0; d < size; d++) {
+            free(jobs[r].send[d]);
+            free(jobs[r].recv[d]);
+            for (int k = 0; k < MOVE_ROUNDS; k++) {
+                free(jobs[r].send_src[k][d]);
+                free(jobs[r].recv_dst[k][d]);
+            }
+        }
+        free(jobs[r].gather_in);
+        free(jobs[r].gather_out);
+        for (int k = 0; k < MOVE_ROUNDS; k++) {
+            free(jobs[r].gather_src[k]);
+            free(jobs[r].gather_dst[k]);
+            free(jobs[r].gather_dst2[k]);
+        }
+    }
+    if (bad) fprintf(stderr, "  %d wrong bytes, stats or calls\n", bad);
+    return bad == 0;
+}
+
+GYTEST(fake_d2d_all_to_all_and_all_gather_match_shm) {
+    if (!mode_is("gpu")) return;
+    for (int32_t size = 2; size <= 8; size *= 2) {
+        gy_comm *shm = make(GY_COMM_BACKEND_SHM, size, NULL, GY_COMM_CHANNEL_COMPUTE);
+        gy_comm *d2d = make(GY_COMM_BACKEND_D2D, size, NULL, GY_COMM_CHANNEL_MIGRATION);
+        CHECK(shm != NULL && d2d != NULL);
+        if (shm == NULL || d2d == NULL) return;
+        CHECK(check_moves(shm, 0));
+        CHECK(check_moves(d2d, 0));
+        gy_comm_stats a, b;
+        gy_comm_stats_get(shm, &a);
+        gy_comm_stats_get(d2d, &b);
+        CHECK(memcmp(&a, &b, sizeof a) == 0);
+        gy_comm_free(shm);
+        gy_comm_free(d2d);
+    }
+}
+
+/* ---- nccl over fake_nccl.c ---- */
+
+static int (*fake_nccl_errors_fn)(void);
+static const char *(*fake_nccl_problem_fn)(void);
+
+static int fake_nccl_clean(void) {
+    if (fake_nccl_errors_fn == NULL) {
+        void *lib = dlopen(getenv("GYGES_NCCL_LIBRARY"), RTLD_NOW | RTLD_NOLOAD);
+        if (lib == NULL) return 0;
+        *(void **)&fake_nccl_errors_fn = dlsym(lib, "fake_nccl_errors");
+        *(void **)&fake_nccl_problem_fn = dlsym(lib, "fake_nccl_last_problem");
+        if (fake_nccl_errors_fn == NULL || fake_nccl_problem_fn == NULL) return 0;
+    }
+    if (fake_nccl_errors_fn() != 0) fprintf(stderr, "  fake NCCL: %s\n", fake_nccl_problem_fn());
+    return fake_nccl_errors_fn() == 0;
+}
+
+GYTEST(fake_nccl_collectives_and_all_to_all) {
+    if (!mode_is("gpu")) return;
+    const int32_t devices[4] = {2, 0, 3, 1};
+    for (int32_t size = 1; size <= 4; size *= 2) {
+        gy_comm *comm = make(GY_COMM_BACKEND_NCCL, size, devices, GY_COMM_CHANNEL_COMPUTE);
+        CHECK(comm != NULL);
+        if (comm == NULL) return;
+        CHECK(gy_comm_device(comm, 0) == 2);
+        CHECK(fake_cuda_stream_device(gy_comm_stream(comm, 0)) == 2);
+        CHECK(check_all_reduce_rounds(comm, NULL, 3, 0));
+        gy_comm_stats_reset(comm);
+        if (size > 1) CHECK(check_moves(comm, 1));
+        CHECK(fake_nccl_clean());
+        gy_comm_free(comm);
+    }
+}
+
+GYTEST(fake_nccl_migration_comm_switches_streams) {
+    if (!mode_is("gpu")) return;
+    gy_comm *compute = make(GY_COMM_BACKEND_NCCL, 4, NULL, GY_COMM_CHANNEL_COMPUTE);
+    gy_comm *migration = make(GY_COMM_BACKEND_NCCL, 4, NULL, GY_COMM_CHANNEL_MIGRATION);
+    CHECK(compute != NULL && migration != NULL);
+    if (compute == NULL || migration == NULL) return;
+    int32_t high = 1, low = -1;
+    CHECK_OK(gy_comm_stream_priority(compute, 3, &high));
+    CHECK_OK(gy_comm_stream_priority(migration, 3, &low));
+    CHECK(high < low);
+    CHECK(check_all_reduce_rounds(migration, compute, 8, 0));
+    CHECK(fake_nccl_clean());
+    gy_comm_free(compute);
+    gy_comm_free(migration);
+}
+
+GYTEST(fake_nccl_refuses_more_gpus_than_there_are) {
+    if (!mode_is("gpu")) return;
+    gy_comm *comm = NULL;
+    const gy_comm_config config = {.backend = GY_COMM_BACKEND_NCCL, .size = 8};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "wants CUDA device 4, this machine has 4") != NULL);
+    gy_error_clear();
+}
+
+/* ---- a machine with neither ---- */
+
+GYTEST(fake_bare_machine_refuses_with_reasons) {
+    if (!mode_is("bare")) return;
+    gy_comm *comm = NULL;
+    gy_comm_config config = {.backend = GY_COMM_BACKEND_D2D, .size = 2};
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "the d2d communicator is not available: CUDA is not "
+                                     "available: no CUDA device") != NULL);
+    config.backend = GY_COMM_BACKEND_NCCL;
+    CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "NCCL could not be loaded") != NULL);
+    CHECK(strstr(gy_error_message(), "GYGES_NCCL_LIBRARY") != NULL);
+    CHECK(comm == NULL);
+    gy_error_clear();
+}
+
+__attribute__((destructor)) static void fake_shutdown(void) { fake_cuda_shutdown(); }
