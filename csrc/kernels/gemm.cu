@@ -218,8 +218,9 @@ extern "C" gy_status gy_cuda_gemm_check(gy_dtype y_dtype, int64_t ldy, gy_dtype 
                        "gemm: x is %s but w is %s; cuBLAS multiplies matrices of one dtype",
                        gy_dtype_name(x_dtype), gy_dtype_name(w_dtype));
     if (y_dtype != x_dtype && y_dtype != GY_DTYPE_F32)
-        return GY_FAIL(GY_ERR_INVALID, "gemm: a %s product can be written as %s or f32, not %s",
-                       gy_dtype_name(x_dtype), gy_dtype_name(x_dtype), gy_dtype_name(y_dtype));
+        return GY_FAIL(GY_ERR_INVALID, "gemm: the product of %s inputs is written as %s%s, not %s",
+                       gy_dtype_name(x_dtype), gy_dtype_name(x_dtype),
+                       x_dtype == GY_DTYPE_F32 ? "" : " or f32", gy_dtype_name(y_dtype));
     if (orientation != GY_GEMM_W_OUT_IN && orientation != GY_GEMM_W_IN_OUT)
         return GY_FAIL(GY_ERR_INVALID, "gemm: unknown weight orientation %d", (int)orientation);
     if (m < 0 || n_in <= 0 || n_out <= 0)
