@@ -1,6 +1,7 @@
 /* kernels_pending.h (temporary): the paged-KV kernels the CUDA forward pass calls, declared with
  * exactly the signatures being added to csrc/kernels/kernels.h on the kernels branch. Delete this
- * file, and include "../kernels/kernels.h" in forward_cuda.c instead, once that branch is merged;
+ * file, and include "../kernels/kernels.h" in forward_cuda.c (and tests/cuda_emu/emu.c) instead,
+ * once that branch is merged;
  * until then setup.py keeps forward_cuda.c's pass out of the build (kernels.h does not declare
  * gy_cuda_paged_attention_decode), so nothing refers to these symbols.
  *
