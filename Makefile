@@ -3,12 +3,12 @@ PYTHON := .venv/bin/python
 SAN_FLAGS := -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Icsrc
 CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*')
 
-.PHONY: demo test build ctest pytest bench clean
+.PHONY: demo test build ctest cudaemu pytest bench clean
 
 demo: build
 	$(PYTHON) -m gyges.demo
 
-test: build ctest pytest
+test: build ctest cudaemu pytest
 
 build: .venv/.installed
 	$(PYTHON) setup.py -q build_ext --inplace -j 2
@@ -22,6 +22,14 @@ ctest: build/ctest_san
 
 build/ctest_san: $(CORE_SOURCES) $(wildcard tests/c/*.c tests/c/*.h csrc/*/*.h)
 	mkdir -p build && cc $(SAN_FLAGS) $(CORE_SOURCES) tests/c/*.c -o $@ -lm -ldl -lpthread
+
+# The CUDA forward pass, unchanged, on an emulated device (host memory, naive kernels), against the
+# CPU pass: how its plumbing is checked on machines without a GPU (tests/cuda_emu/harness.c).
+cudaemu: build/cuda_emu
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 build/cuda_emu
+
+build/cuda_emu: $(CORE_SOURCES) $(wildcard tests/cuda_emu/*) $(wildcard csrc/*/*.h)
+	mkdir -p build && cc $(SAN_FLAGS) -Itests/cuda_emu -DGY_WITH_CUDA=1 -DGY_WITH_CUDA_FORWARD=1 -Dgy_arena_backend=emu_arena_backend -Dgy_arena_device=emu_arena_device -c csrc/engine/forward_cuda.c -o build/cuda_emu_forward.o && cc $(SAN_FLAGS) -Itests/cuda_emu -DGY_WITH_CUDA=1 -c tests/cuda_emu/emu.c -o build/cuda_emu_device.o && cc $(SAN_FLAGS) $(filter-out csrc/engine/forward_cuda.c,$(CORE_SOURCES)) tests/cuda_emu/harness.c build/cuda_emu_forward.o build/cuda_emu_device.o -o $@ -lm -ldl -lpthread
 
 pytest: build
 	$(PYTHON) -m pytest -q tests

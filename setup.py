@@ -3,6 +3,11 @@
 GYGES_CUDA=0 turns the CUDA part off; GYGES_CUDA_ARCH picks the SM targets (default "90", the
 H100/H200). The CUDA driver is never linked: csrc/mem/arena_cuda.c loads libcuda.so.1 at run time,
 and the CUDA runtime is linked statically, so `import gyges` works on machines with no GPU.
+cuBLAS is not linked either: csrc/kernels/gemm.cu loads libcublas.so at run time.
+
+The CUDA forward pass (csrc/engine/forward_cuda.c) joins the build when csrc/kernels/kernels.h
+declares the paged-attention kernels it calls (GY_WITH_CUDA_FORWARD); without them it compiles to
+entry points that answer "unavailable" with the reason, and the rest of the CUDA backend works.
 """
 import os
 import shutil
@@ -30,6 +35,14 @@ def cuda_home():
 
 
 CUDA_HOME = cuda_home()
+
+
+def cuda_forward_kernels_present():
+    """True when kernels.h declares every kernel the CUDA forward pass calls."""
+    header = (ROOT / "csrc" / "kernels" / "kernels.h").read_text()
+    return all(f"{name}(" in header for name in (
+        "gy_cuda_kv_write", "gy_cuda_paged_attention_decode", "gy_cuda_paged_attention_prefill",
+        "gy_cuda_paged_attention_workspace_bytes"))
 CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GNU_SOURCE",
           "-fno-strict-aliasing", "-march=native"]
 
@@ -55,6 +68,7 @@ class BuildExtWithCuda(build_ext):
             if not obj.exists() or obj.stat().st_mtime < self._newest_input(source):
                 cmd = [str(CUDA_HOME / "bin" / "nvcc"), "-c", source, "-o", str(obj), "-O3",
                        "-std=c++17", "-Xcompiler", "-fPIC", "-DGY_WITH_CUDA=1",
+                       f'-DGY_CUDA_LIBDIR="{CUDA_HOME / "lib64"}"',
                        "--expt-relaxed-constexpr", *gencode]
                 print(" ".join(cmd), flush=True)
                 subprocess.check_call(cmd)
@@ -73,6 +87,8 @@ def extension():
     library_dirs, libraries, extra_link_args = [], ["m", "dl", "pthread"], []
     if CUDA_HOME is not None:
         define_macros.append(("GY_WITH_CUDA", "1"))
+        if cuda_forward_kernels_present():
+            define_macros.append(("GY_WITH_CUDA_FORWARD", "1"))
         include_dirs.append(str(CUDA_HOME / "include"))
         lib = CUDA_HOME / "lib64"
         library_dirs.append(str(lib))

@@ -80,6 +80,17 @@ class Arena:
     def base_address(self):
         return self._c.base_address
 
+    @property
+    def device(self):
+        """The CUDA device ordinal (0 for a cpu arena)."""
+        return self._c.device
+
+    @property
+    def host_accessible(self):
+        """True when the pages are host memory: view() works. A cuda arena's pages are device
+        memory, reached from the host only through write() and read()."""
+        return self._c.host_accessible
+
     # ---- operations ----
     def create_page(self, tag="other"):
         """Creates a physical page (the lowest free id) and returns its id."""
@@ -110,6 +121,30 @@ class Arena:
         """memmove inside the arena (counted in stats()['bytes_copied_total'])."""
         self._c.copy(_index(dst_offset, "dst_offset"), _index(src_offset, "src_offset"),
                      _index(nbytes, "nbytes"))
+
+    def write(self, offset, data):
+        """Copies the bytes of `data` (a C-contiguous array or buffer) into the arena at `offset`;
+        every slot touched must be mapped. Works on every backend (for cuda: host to device)."""
+        offset = _index(offset, "offset")
+        if offset < 0:
+            raise ValueError(f"offset must not be negative, got {offset}")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(data, dtype=np.uint8)
+        self._c.write(offset, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+    def read(self, offset, nbytes, dtype=np.uint8):
+        """A copy of [offset, offset+nbytes) as a 1-D array of `dtype`; every slot touched must
+        be mapped. Works on every backend (for cuda: device to host)."""
+        dtype = np.dtype(dtype)
+        offset, nbytes = _index(offset, "offset"), _index(nbytes, "nbytes")
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"read needs offset >= 0 and nbytes >= 0, got {offset}, {nbytes}")
+        if nbytes % dtype.itemsize:
+            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} values")
+        out = np.empty(nbytes // dtype.itemsize, dtype=dtype)
+        if nbytes:
+            self._c.read(offset, out)
+        return out
 
     def reset_peak(self):
         self._c.reset_peak()

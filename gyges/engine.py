@@ -171,9 +171,18 @@ class Serving:
 
 
 class Engine(Serving):
-    def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
+    """Engine(model, memory="256MiB", page_size=None, block_size=16, kv_layout="header",
+    weight_dtype="f32", threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
+    max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0)
+
+    backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler: only the
+    forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
+    """
+
+    def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
                  kv_layout="header", weight_dtype="f32", threads=2, max_batch_tokens=512,
-                 max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True):
+                 max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True,
+                 backend="cpu", device=0):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_running", max_running), ("threads", threads)):
             if not isinstance(value, int) or value < 1:
@@ -181,7 +190,8 @@ class Engine(Serving):
         self.model = model
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
                              kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,
-                             threads=threads, max_pos=max_pos, pad_ffn=pad_ffn)
+                             threads=threads, max_pos=max_pos, pad_ffn=pad_ffn,
+                             backend=backend, device=device)
         self._start = time.perf_counter()
         self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
                             max_running, max_prefill_chunk)

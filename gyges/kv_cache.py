@@ -10,6 +10,10 @@ sequences own lists of blocks (their block tables). Everything is readable as Nu
 a layer's storage in its physical order (`layer_raw`) and in logical order (`layer`, a strided
 zero-copy view with axes (kv, block, token, head, dim) whatever the layout: Gyges'
 kv_stride_order()/permute), and the K/V of a sequence gathered into (tokens, heads, head_dim).
+
+The values are fp32 by default (the CPU engine's); a cache in a cuda arena may hold f16 or bf16
+(the CUDA engine keeps its KV in the activation dtype). Zero-copy views need host memory; gather
+works on every arena and dtype (a device cache is read through the arena's copy-out path).
 """
 import operator
 
@@ -17,11 +21,21 @@ import numpy as np
 
 from . import _C
 from .arena import Arena
+from .errors import InvalidArgumentError
 
 LAYOUTS = {"raw": 0, "page": 1, "header": 2}
 _ALIASES = {"head": "header", "header-centric": "header", "page-friendly": "page",
             "token-first": "raw"}
 LOGICAL_AXES = ("kv", "block", "token", "head", "dim")
+# name -> how one value is stored (bf16 as its 16 bits)
+KV_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(np.uint16)}
+
+
+def decode_values(raw, dtype):
+    """Stored values (as KV_DTYPES[dtype]) -> float32; exact for every dtype."""
+    if dtype == "bf16":
+        return (np.asarray(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(raw).astype(np.float32)
 
 
 def layout_name(layout):
@@ -42,18 +56,23 @@ def _index(value, what):
 
 class KVCache:
     """KVCache(arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
-    first_slot=0, slots_per_layer=None)
+    first_slot=0, slots_per_layer=None, dtype="f32")
 
     Layer l occupies arena slots [first_slot + l*slots_per_layer, ... + slots_per_layer); by
     default the slots from first_slot to the end of the arena are shared equally by the layers.
-    No memory is used until grow(pages) maps pages (the same number in every layer).
+    No memory is used until grow(pages) maps pages (the same number in every layer). `dtype` is
+    how the values are stored: "f32", "f16" or "bf16".
     """
 
     def __init__(self, arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
-                 first_slot=0, slots_per_layer=None):
+                 first_slot=0, slots_per_layer=None, dtype="f32"):
         if not isinstance(arena, Arena):
             raise TypeError(f"arena must be a gyges.Arena, got {type(arena).__name__}")
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {', '.join(KV_DTYPES)}")
         self.arena = arena
+        self.value_dtype = dtype  # how values are stored; gather and write speak float32
+        self.storage_dtype = KV_DTYPES[dtype]
         self.layout_name = layout_name(layout)
         n_layers, first_slot = _index(n_layers, "n_layers"), _index(first_slot, "first_slot")
         if slots_per_layer is None:
@@ -66,8 +85,8 @@ class KVCache:
         self.block_size = _index(block_size, "block_size")
         self.dtype = np.dtype(np.float32)
         self._c = _C.KVCache(arena._c, LAYOUTS[self.layout_name], n_layers, self.n_kv_heads,
-                             self.head_dim, self.block_size, self.dtype.itemsize, first_slot,
-                             _index(slots_per_layer, "slots_per_layer"))
+                             self.head_dim, self.block_size, self.storage_dtype.itemsize,
+                             first_slot, _index(slots_per_layer, "slots_per_layer"))
         self.first_slot = first_slot
         self.slots_per_layer = slots_per_layer
 
@@ -184,21 +203,53 @@ class KVCache:
         n = _index(n, "n")
         if n < 0:
             raise ValueError(f"n must not be negative, got {n}")
+        layer = _index(layer, "layer")
+        if self.value_dtype != "f32" or not self.arena.host_accessible:
+            return self._gather_copied(seq, layer, start, n)
         k = np.empty((n, self.n_kv_heads, self.head_dim), dtype=self.dtype)
         v = np.empty_like(k)
-        self._c.gather(seq, _index(layer, "layer"), start, k, v)
+        self._c.gather(seq, layer, start, k, v)
         return k, v
 
+    def _gather_copied(self, seq, layer, start, n):
+        """gather() through arena.read: for device memory and 16-bit values. Each block is read
+        once per K/V half, over the span its tokens and heads cover in the layout, and indexed
+        with the layout's strides (the same description the kernels use)."""
+        if not 0 <= layer < self.n_layers:
+            raise InvalidArgumentError(f"layer {layer} is out of range [0, {self.n_layers})")
+        blocks = self.block_table(seq)
+        B, H, D = self.block_size, self.n_kv_heads, self.head_dim
+        if start < 0 or start + n > len(blocks) * B:
+            raise InvalidArgumentError(f"tokens [{start}, {start + n}) are outside the "
+                                       f"{len(blocks) * B} tokens sequence {seq} has room for")
+        d = self._c.layout()
+        item = self.storage_dtype.itemsize
+        span = (B - 1) * d["stride_token"] + (H - 1) * d["stride_head"] + D
+        base = self.layer_offset(layer)
+        out = np.empty((2, n, H, D), dtype=np.float32)
+        for b in range(start // B, (start + n + B - 1) // B):
+            lo, hi = max(start, b * B), min(start + n, (b + 1) * B)
+            for kv in (0, 1):
+                first = kv * d["stride_kv"] + int(blocks[b]) * d["stride_block"]
+                raw = self.arena.read(base + first * item, span * item, self.storage_dtype)
+                tokens = np.lib.stride_tricks.as_strided(
+                    raw, shape=(B, H, D), strides=(d["stride_token"] * item,
+                                                   d["stride_head"] * item, item))
+                out[kv, lo - start:hi - start] = decode_values(tokens[lo - b * B:hi - b * B],
+                                                               self.value_dtype)
+        return out[0], out[1]
+
     def layer_raw(self, layer):
-        """Zero-copy float32 array over the layer's blocks in physical order (pins its pages)."""
-        return np.frombuffer(self._c.layer_view(_index(layer, "layer")), dtype=self.dtype)
+        """Zero-copy array over the layer's blocks in physical order (pins its pages); float32,
+        float16, or bf16 as uint16 bits. Host memory only."""
+        return np.frombuffer(self._c.layer_view(_index(layer, "layer")), dtype=self.storage_dtype)
 
     def layer(self, layer):
         """Zero-copy view of a layer with logical axes (kv, block, token, head, dim), whatever
         the layout; writes through it land in the cache."""
         raw = self.layer_raw(layer)
         d = self._c.layout()
-        item = self.dtype.itemsize
+        item = self.storage_dtype.itemsize
         shape = (2, d["n_blocks"], d["block_size"], d["n_heads"], d["head_dim"])
         strides = tuple(s * item for s in (d["stride_kv"], d["stride_block"], d["stride_token"],
                                            d["stride_head"], 1))
@@ -206,6 +257,7 @@ class KVCache:
 
     def __repr__(self):
         s = self._c.stats()
-        return (f"KVCache(layout={self.layout_name!r}, layers={self.n_layers}, "
+        return (f"KVCache(layout={self.layout_name!r}, dtype={self.value_dtype!r}, "
+                f"layers={self.n_layers}, "
                 f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"block_size={self.block_size}, blocks={s['n_blocks']}, free={s['free_blocks']})")

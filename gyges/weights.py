@@ -169,9 +169,8 @@ class ModelWeights:
                              f"the arena has {self.arena.n_slots}")
 
     def _store(self, offset, array, stored):
-        data = _encode(array, stored)
-        view = self.arena.view_bytes(offset, data.nbytes, dtype=np.uint8)
-        view[:] = data.reshape(-1).view(np.uint8)
+        # Through the arena's copy-in path: host memory or device memory alike.
+        self.arena.write(offset, _encode(array, stored))
 
     def shard_offset(self, layer, kind, shard):
         """Byte offset of one FFN shard in the arena."""
@@ -345,7 +344,7 @@ class ModelWeights:
         """A tensor read back from the arena as float32 (a copy), as stored (o_proj transposed)."""
         offset, shape, stored = self.offsets[name]
         n = int(np.prod(shape))
-        raw = self.arena.view_bytes(offset, n * DTYPES[stored][1], dtype=DTYPES[stored][0])
+        raw = self.arena.read(offset, n * DTYPES[stored][1], dtype=DTYPES[stored][0])
         if stored == "bf16":
             return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
         return raw.astype(np.float32).reshape(shape)
@@ -355,7 +354,7 @@ class ModelWeights:
         parts = []
         storage, elem = DTYPES[self.dtype][0], DTYPES[self.dtype][1]
         for offset, rows in self.ffn[layer][kind]:
-            raw = self.arena.view_bytes(offset, rows * self.config.hidden_size * elem, dtype=storage)
+            raw = self.arena.read(offset, rows * self.config.hidden_size * elem, dtype=storage)
             if self.dtype == "bf16":
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
             parts.append(raw.astype(np.float32).reshape(rows, self.config.hidden_size))

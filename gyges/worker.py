@@ -2,16 +2,24 @@
 heads it holds, and the C model that runs forward passes on them.
 
 An Engine has one worker; a Host has several, grouped into tensor-parallel instances.
+
+backend="cpu" keeps everything in host memory and runs the CPU kernels (fp32 activations and KV).
+backend="cuda" puts the arena on GPU `device` (its pages are device memory, 2 MiB by default, the
+driver's granularity), writes the weights through the arena's copy-in path, keeps the KV cache in
+the weight dtype and runs the CUDA forward pass on the worker's own stream; several workers may
+share one GPU (each has its arena, stream and cuBLAS handle).
 """
 import numpy as np
 
 from . import _C
-from .arena import Arena
+from .arena import BACKENDS, Arena
+from .errors import UnavailableError
 from .kv_cache import KVCache, layout_name
 from .units import parse_size
 from .weights import DTYPES, ModelWeights
 
 WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
+DEFAULT_PAGE_SIZE = {"cpu": "64KiB", "cuda": "2MiB"}
 
 
 def default_max_tp(config, limit=4):
@@ -25,26 +33,40 @@ def default_max_tp(config, limit=4):
 
 
 class Worker:
-    def __init__(self, model, memory="256MiB", page_size="64KiB", block_size=16,
+    def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
                  kv_layout="header", weight_dtype="f32", max_tp=None, threads=2, max_pos=None,
-                 backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0):
+                 backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None):
         config = model.config
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if weight_dtype not in DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of "
                              f"{', '.join(DTYPES)}")
+        # The CPU kernels keep fp32 KV; the CUDA ones the activation (= weight) dtype, or fp32.
+        kv_dtype = kv_dtype or ("f32" if backend == "cpu" else weight_dtype)
+        if kv_dtype not in ("f32", weight_dtype) or (backend == "cpu" and kv_dtype != "f32"):
+            raise ValueError(f"kv_dtype {kv_dtype!r} does not fit the {backend} backend with "
+                             f"{weight_dtype} weights (use f32" +
+                             (f" or {weight_dtype})" if backend == "cuda" else ")"))
         self.config = config
         max_tp = default_max_tp(config) if max_tp is None else max_tp
         self.max_tp = max_tp
-        self.page_size = parse_size(page_size, "page_size")
+        self.backend, self.kv_dtype = backend, kv_dtype
+        self.page_size = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size")
         budget = parse_size(memory, "memory")
         budget -= budget % self.page_size
-        self.arena = Arena(budget=budget, page_size=self.page_size, backend=backend,
+        self.arena = Arena(budget=budget, page_size=self.page_size, backend=backend, device=device,
                            n_slots=8 * max(budget // self.page_size, 1))
+        if backend == "cuda" and _C.cuda_forward_unavailable():
+            # Refused before the weights are copied in, with the build's reason.
+            raise UnavailableError(_C.cuda_forward_unavailable())
+        self.device = self.arena.device
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,
                                     max_tp=max_tp, pad=pad_ffn)
         self.weights_bytes = self.arena.stats()["bytes_in_use"]
         self.max_pos = max_pos or config.max_position_embeddings
-        self.threads, self.weight_dtype = threads, weight_dtype
+        # A CUDA worker has no use for CPU threads: its work is on its stream.
+        self.threads, self.weight_dtype = (threads if backend == "cpu" else 1), weight_dtype
         self.block_size, self.kv_layout = block_size, layout_name(kv_layout)
         self.tp_size, self.tp_rank = 1, 0
         self.kv = self._new_kv(1)
@@ -64,7 +86,7 @@ class Worker:
                        n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
                        block_size=self.block_size, layout=self.kv_layout,
                        first_slot=first + region * per_layer * config.num_hidden_layers,
-                       slots_per_layer=per_layer)
+                       slots_per_layer=per_layer, dtype=self.kv_dtype)
 
     def _new_c_model(self, shards=None, pending=False):
         config = self.config

@@ -370,6 +370,15 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     for (int32_t i = 0; i < n_ranks; i++)
         if (ranks[i].model == NULL || ranks[i].kv == NULL)
             return GY_FAIL(GY_ERR_INVALID, "rank %d has no model or KV cache", (int)i);
+    for (int32_t i = 1; i < n_ranks; i++)
+        if (ranks[i].model->backend != ranks[0].model->backend)
+            return GY_FAIL(GY_ERR_INVALID, "rank %d runs on another backend than rank 0", (int)i);
+    /* The communicator adds host buffers; the CUDA pass needs a device all-reduce. */
+    if (n_ranks > 1 && ranks[0].model->backend == GY_MODEL_BACKEND_CUDA)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "tensor parallelism on CUDA needs a device communicator (an all-reduce of "
+                       "device buffers on each worker's stream); the shared-memory communicator "
+                       "works on host memory");
     gy_engine *e = calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     e->model = ranks[0].model;
@@ -578,6 +587,12 @@ gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ran
     for (int32_t i = 0; i < e->n_ranks; i++)
         if (!seen[i] || old_ranks[i].model == NULL || old_ranks[i].kv == NULL)
             return GY_FAIL(GY_ERR_INVALID, "rank %d has no old group, model or KV cache", (int)i);
+    /* The boundary's hidden states are gathered in host memory between the two passes. */
+    for (int32_t i = 0; i < e->n_ranks; i++)
+        if (e->ranks[i].r.model->backend != GY_MODEL_BACKEND_CPU ||
+            old_ranks[i].model->backend != GY_MODEL_BACKEND_CPU)
+            return GY_FAIL(GY_ERR_UNAVAILABLE,
+                           "layer-staggered transformations run on the CPU backend only");
     memset(&e->tr, 0, sizeof e->tr);
     e->tr.n_groups = n_groups;
     for (int32_t g = 0; g < n_groups; g++) {
@@ -948,10 +963,13 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
                                         e->sample_params, e->sample_index);
     }
     if (s != GY_OK) {
-        /* The step did not happen: an empty commit keeps the scheduler consistent. */
+        /* The step did not happen: an empty commit keeps the scheduler consistent. The commit
+         * may itself refuse (a non-empty batch); the forward pass's message is the one to keep. */
+        char message[512];
+        snprintf(message, sizeof message, "%s", gy_error_message());
         gy_sched_done none;
         gy_sched_commit(e->sched, now, NULL, 0, &none);
-        return s;
+        return GY_FAIL(s, "%s", message);
     }
     /* Append the sampled tokens and decide which requests stop. */
     int64_t row = 0;

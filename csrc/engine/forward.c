@@ -11,9 +11,9 @@
 #include "../cpu/linear.h"
 #include "../cpu/norm.h"
 #include "../cpu/rope.h"
+#include "forward_cuda.h"
 
-void gy_forward_ws_free(gy_forward_ws *ws) {
-    if (ws == NULL) return;
+static void gy_forward_ws_free_host(gy_forward_ws *ws) {
     float **buffers[] = {&ws->x, &ws->h, &ws->q, &ws->k, &ws->v, &ws->attn, &ws->o,
                          &ws->g, &ws->u, &ws->parts, &ws->sel};
     for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) {
@@ -23,9 +23,16 @@ void gy_forward_ws_free(gy_forward_ws *ws) {
     ws->capacity_tokens = 0;
 }
 
+void gy_forward_ws_free(gy_forward_ws *ws) {
+    if (ws == NULL) return;
+    gy_forward_ws_free_host(ws);
+    gy_forward_cuda_ws_free(ws->cuda);
+    ws->cuda = NULL;
+}
+
 static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int64_t n) {
     if (n <= ws->capacity_tokens) return GY_OK;
-    gy_forward_ws_free(ws);
+    gy_forward_ws_free_host(ws);
     const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
     const struct { float **buf; int64_t width; } plan[] = {
         {&ws->x, m->hidden}, {&ws->h, m->hidden}, {&ws->q, qd}, {&ws->k, kvd}, {&ws->v, kvd},
@@ -35,7 +42,7 @@ static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
         *plan[i].buf = malloc((size_t)(n * plan[i].width) * sizeof(float));
         if (*plan[i].buf == NULL) {
-            gy_forward_ws_free(ws);
+            gy_forward_ws_free_host(ws);
             return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a batch of %lld tokens", (long long)n);
         }
     }
@@ -43,8 +50,8 @@ static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int
     return GY_OK;
 }
 
-static gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv_cache *kv,
-                                  const gy_forward_batch *b) {
+gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv_cache *kv,
+                           const gy_forward_batch *b, int64_t *max_len_out) {
     if (tp->size <= 0 || tp->rank < 0 || tp->rank >= tp->size || m->n_kv_heads % tp->size != 0 ||
         m->max_tp % tp->size != 0 || (tp->size > 1 && tp->all_reduce == NULL))
         return GY_FAIL(GY_ERR_INVALID,
@@ -53,7 +60,7 @@ static gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, cons
     const gy_kv_layout *L = gy_kv_layout_of(kv);
     const gy_kv_config *c = gy_kv_config_of(kv);
     if (L->n_heads != m->n_kv_heads / tp->size || L->head_dim != m->head_dim ||
-        c->n_layers != m->n_layers || L->elem_size != 4)
+        c->n_layers != m->n_layers)
         return GY_FAIL(GY_ERR_INVALID,
                        "the KV cache (%lld layers, %lld heads of %lld) does not match the model's "
                        "%lld layers and %lld local KV heads of %lld",
@@ -69,15 +76,25 @@ static gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, cons
     if (b->n_logits < 0 || b->n_logits > b->paged.n_tokens)
         return GY_FAIL(GY_ERR_INVALID, "%lld logit rows for %lld tokens", (long long)b->n_logits,
                        (long long)b->paged.n_tokens);
+    if (b->n_logits > 0 && b->logit_rows == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "%lld logit rows but no row list", (long long)b->n_logits);
     for (int64_t i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->paged.n_tokens)
             return GY_FAIL(GY_ERR_INVALID, "logit row %d is not a token of the batch", (int)b->logit_rows[i]);
+    if (max_len_out != NULL) *max_len_out = max_len;
     return GY_OK;
 }
 
 gy_status gy_forward_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                            const gy_forward_batch *b, gy_forward_ws *ws, int embed) {
-    GY_TRY(gy_forward_check(m, tp, kv, b));
+    if (m->backend == GY_MODEL_BACKEND_CUDA) return gy_forward_cuda_begin(m, tp, kv, b, ws, embed);
+    GY_TRY(gy_forward_check(m, tp, kv, b, NULL));
+    if (tp->size > 1 && tp->device_buffers)
+        return GY_FAIL(GY_ERR_INVALID, "the CPU forward pass all-reduces host buffers, but this TP "
+                                       "group's all-reduce takes device buffers");
+    if (gy_kv_layout_of(kv)->elem_size != 4)
+        return GY_FAIL(GY_ERR_INVALID, "the CPU forward pass needs an fp32 KV cache (elem_size 4, "
+                                       "not %lld)", (long long)gy_kv_layout_of(kv)->elem_size);
     GY_TRY(gy_forward_ws_reserve(ws, m, b->paged.n_tokens));
     if (!embed) return GY_OK;
     return gy_cpu_embedding(ws->x, m->embed, m->weight_dtype, b->tokens, b->paged.n_tokens,
@@ -87,6 +104,8 @@ gy_status gy_forward_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache
 gy_status gy_forward_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                             const gy_forward_batch *b, gy_forward_ws *ws, gy_threadpool *pool,
                             int64_t first_layer, int64_t end_layer) {
+    if (m->backend == GY_MODEL_BACKEND_CUDA)
+        return gy_forward_cuda_layers(m, tp, kv, b, ws, first_layer, end_layer);
     if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
         return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
                        (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
@@ -146,6 +165,7 @@ gy_status gy_forward_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cach
 
 gy_status gy_forward_end(float *logits, const gy_model *m, const gy_forward_batch *b,
                          gy_forward_ws *ws, gy_threadpool *pool) {
+    if (m->backend == GY_MODEL_BACKEND_CUDA) return gy_forward_cuda_end(logits, m, b, ws);
     const int64_t hid = m->hidden;
     if (b->n_logits == 0) return GY_OK;
     if (logits == NULL) return GY_FAIL(GY_ERR_INVALID, "logits requested but no output buffer given");

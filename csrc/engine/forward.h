@@ -9,7 +9,12 @@
  * [r * n_heads / size, ...) and KV heads likewise, and the FFN shards
  * [r * max_tp / size, (r + 1) * max_tp / size). The o_proj and FFN partial sums are combined by
  * the group's all-reduce in the tree order of linear.h, so every TP degree gives the same bits as
- * TP1. The KV cache of a worker holds only its KV heads. */
+ * TP1. The KV cache of a worker holds only its KV heads.
+ *
+ * Backends: the three calls below dispatch on model->backend. A cpu model runs here (forward.c,
+ * the CPU kernels, fp32 activations); a cuda model runs in forward_cuda.c on the worker's stream
+ * with the same contract, its activations in the weight dtype and its logits copied back to the
+ * host (see forward_cuda.h). Callers (the engine, the extension) never need to know which. */
 #ifndef GY_ENGINE_FORWARD_H
 #define GY_ENGINE_FORWARD_H
 
@@ -31,6 +36,10 @@ typedef struct gy_tp_group {
      * unused when size == 1. */
     gy_status (*all_reduce)(void *ctx, float *buf, int64_t n);
     void *ctx;
+    /* 0: buf is host memory (the CPU pass). 1: buf is device memory of the worker's GPU and the
+     * reduction is ordered on the worker's stream (model->stream; e.g. an NCCL communicator on
+     * that stream), which the CUDA pass needs when size > 1. */
+    int32_t device_buffers;
 } gy_tp_group;
 
 typedef struct gy_forward_batch {
@@ -40,13 +49,22 @@ typedef struct gy_forward_batch {
     const int32_t *logit_rows; /* [n_logits] indices of the tokens whose logits are wanted */
 } gy_forward_batch;
 
-/* Scratch buffers, grown on demand and reused from step to step. */
+struct gy_forward_cuda_ws;
+
+/* Scratch buffers, grown on demand and reused from step to step (a zeroed struct is empty). */
 typedef struct gy_forward_ws {
     int64_t capacity_tokens;
     float *x, *h, *q, *k, *v, *attn, *o, *g, *u, *parts, *sel;
+    struct gy_forward_cuda_ws *cuda; /* a cuda model's device workspace, made on first use */
 } gy_forward_ws;
 
 void gy_forward_ws_free(gy_forward_ws *ws);
+
+/* The checks every backend makes before touching memory: the TP group fits the model, the KV
+ * cache matches the model's layers and this rank's KV heads, the batch's tokens, positions and
+ * block tables fit the cache (*max_len gets the largest position + 1), and the logit rows exist. */
+gy_status gy_forward_check(const gy_model *model, const gy_tp_group *tp, const gy_kv_cache *kv,
+                           const gy_forward_batch *batch, int64_t *max_len);
 
 /* The pass in three parts, so that a layer-staggered transformation can run some layers in one
  * configuration and the rest in another: begin checks the batch and sizes the workspace, and

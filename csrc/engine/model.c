@@ -25,6 +25,7 @@ gy_status gy_model_init(gy_model *m, double rope_theta) {
     if (!(rope_theta > 0.0)) return GY_FAIL(GY_ERR_INVALID, "rope_theta must be positive");
     GY_TRY(gy_dtype_check(m->weight_dtype, "weight dtype"));
     m->shard_rows = m->intermediate / m->max_tp;
+    m->rope_theta = (float)rope_theta;
     m->layers = calloc((size_t)m->n_layers, sizeof *m->layers);
     const size_t table = (size_t)(m->max_pos * (m->head_dim / 2));
     m->rope_cos = malloc(table * sizeof(float));

@@ -6,7 +6,11 @@
  * transposed so that a tensor-parallel shard of their reduction dimension is a run of rows:
  *   wo_t   [n_heads * head_dim, hidden]   (o_proj.weight.T)
  *   down_t [intermediate, hidden]         (down_proj.weight.T), one pointer per shard
- * and the rest keep the Hugging Face orientation [out, in]. */
+ * and the rest keep the Hugging Face orientation [out, in].
+ *
+ * Where the pointers point is the model's backend: host memory (cpu, the default of a zeroed
+ * struct) or the device memory of a CUDA arena (cuda), in which case the model also names its
+ * device and the worker's stream (forward_cuda.h sets them up). */
 #ifndef GY_ENGINE_MODEL_H
 #define GY_ENGINE_MODEL_H
 
@@ -34,6 +38,11 @@ typedef struct gy_layer_weights {
     const void *down_t[GY_MODEL_MAX_TP]; /* shard s: [shard_rows, hidden] */
 } gy_layer_weights;
 
+typedef enum gy_model_backend {
+    GY_MODEL_BACKEND_CPU = 0,  /* weights in host memory; forward.c's CPU kernels */
+    GY_MODEL_BACKEND_CUDA = 1, /* weights in device memory; forward_cuda.c */
+} gy_model_backend;
+
 typedef struct gy_model {
     int64_t vocab;
     int64_t hidden;
@@ -46,12 +55,16 @@ typedef struct gy_model {
     int64_t shard_rows;  /* intermediate / max_tp */
     int64_t max_pos;     /* rotary table length */
     float rms_eps;
+    float rope_theta;    /* set by gy_model_init; the CUDA rope kernel computes its angles */
     gy_dtype weight_dtype;
+    gy_model_backend backend;
+    int32_t device;               /* cuda: the device ordinal */
+    struct CUstream_st *stream;   /* cuda: the worker's stream (a cudaStream_t), owned */
     const void *embed;        /* [vocab, hidden] */
     const float *final_norm;  /* [hidden] */
     const void *lm_head;      /* [vocab, hidden]; equals embed when tied */
     gy_layer_weights *layers; /* [n_layers], owned */
-    float *rope_cos;          /* [max_pos, head_dim / 2], owned */
+    float *rope_cos;          /* [max_pos, head_dim / 2], owned (host; the cpu backend's) */
     float *rope_sin;
 } gy_model;
 

@@ -553,6 +553,11 @@ void *gy_kv_layer_ptr(const gy_kv_cache *kv, int64_t layer) {
     return gy_arena_host_ptr(kv->arena, gy_kv_layer_offset(kv, layer));
 }
 
+uintptr_t gy_kv_layer_address(const gy_kv_cache *kv, int64_t layer) {
+    if (layer < 0 || layer >= kv->config.n_layers) return 0;
+    return gy_arena_base_address(kv->arena) + (uintptr_t)gy_kv_layer_offset(kv, layer);
+}
+
 void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out) {
     *out = kv->stats;
     out->free_blocks = kv->n_free;

@@ -112,6 +112,9 @@ const gy_kv_config *gy_kv_config_of(const gy_kv_cache *kv);
 uint64_t gy_kv_layer_offset(const gy_kv_cache *kv, int64_t layer);
 /* Host pointer to the layer's storage, or NULL on a device arena. */
 void *gy_kv_layer_ptr(const gy_kv_cache *kv, int64_t layer);
+/* The layer's storage as an address in the arena's range whatever the backend: the host pointer's
+ * value on cpu, a device address on cuda (for the device kernels; 0 for a layer out of range). */
+uintptr_t gy_kv_layer_address(const gy_kv_cache *kv, int64_t layer);
 void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out);
 gy_arena *gy_kv_arena(const gy_kv_cache *kv);
 

@@ -393,6 +393,36 @@ gy_status gy_arena_copy(gy_arena *a, uint64_t dst_offset, uint64_t src_offset, u
     GY_LOCKED(a, gy_copy_locked(a, dst_offset, src_offset, bytes));
 }
 
+static gy_status gy_check_host_copy(const gy_arena *a, uint64_t offset, uint64_t bytes,
+                                    const void *host, const char *what) {
+    if (host == NULL) return GY_FAIL(GY_ERR_INVALID, "%s: NULL host buffer", what);
+    if (!gy_is_mapped_locked(a, offset, bytes))
+        return GY_FAIL(GY_ERR_INVALID, "%s of %llu bytes at offset %llu touches unmapped slots",
+                       what, (unsigned long long)bytes, (unsigned long long)offset);
+    return GY_OK;
+}
+
+static gy_status gy_write_locked(gy_arena *a, uint64_t offset, const void *src, uint64_t bytes) {
+    if (bytes == 0) return GY_OK;
+    GY_TRY(gy_check_host_copy(a, offset, bytes, src, "arena write"));
+    return a->ops->write(a->backend_state, offset, src, bytes);
+}
+
+gy_status gy_arena_write(gy_arena *a, uint64_t offset, const void *src, uint64_t bytes) {
+    GY_LOCKED(a, gy_write_locked(a, offset, src, bytes));
+}
+
+static gy_status gy_read_locked(const gy_arena *a, void *dst, uint64_t offset, uint64_t bytes) {
+    if (bytes == 0) return GY_OK;
+    GY_TRY(gy_check_host_copy(a, offset, bytes, dst, "arena read"));
+    return a->ops->read(a->backend_state, dst, offset, bytes);
+}
+
+gy_status gy_arena_read(const gy_arena *a, void *dst, uint64_t offset, uint64_t bytes) {
+    gy_arena *m = (gy_arena *)a; /* the lock only */
+    GY_LOCKED(m, gy_read_locked(a, dst, offset, bytes));
+}
+
 /* ---- queries ---- */
 
 void gy_arena_stats_get(const gy_arena *a, gy_arena_stats *out) {
@@ -410,6 +440,9 @@ void gy_arena_reset_peak(gy_arena *a) {
 uint64_t gy_arena_page_size(const gy_arena *a) { return a->config.page_size; }
 uint64_t gy_arena_n_slots(const gy_arena *a) { return a->config.n_slots; }
 gy_arena_backend_kind gy_arena_backend(const gy_arena *a) { return a->config.backend; }
+int32_t gy_arena_device(const gy_arena *a) {
+    return a->config.backend == GY_ARENA_BACKEND_CUDA ? a->config.device : 0;
+}
 uintptr_t gy_arena_base_address(const gy_arena *a) { return a->base; }
 
 int64_t gy_arena_page_at(const gy_arena *a, int64_t slot) {

@@ -111,6 +111,12 @@ int gy_arena_any_pinned(const gy_arena *arena, int64_t slot, int64_t n);
  * Every slot touched must be mapped. */
 gy_status gy_arena_copy(gy_arena *arena, uint64_t dst_offset, uint64_t src_offset, uint64_t bytes);
 
+/* Copies `bytes` of host memory into the arena at `offset`, or out of it into `dst`: the way
+ * the host reaches an arena whatever its backend (a device arena's memory has no host pointer).
+ * Every slot touched must be mapped. Synchronous; not counted in bytes_copied_total. */
+gy_status gy_arena_write(gy_arena *arena, uint64_t offset, const void *src, uint64_t bytes);
+gy_status gy_arena_read(const gy_arena *arena, void *dst, uint64_t offset, uint64_t bytes);
+
 /* Copies `n` runs between two arenas (a peer-to-peer copy between workers): run i is bytes[i]
  * bytes from src_offsets[i] of `src` to dst_offsets[i] of `dst`. Every range is checked to be
  * mapped before anything is copied. Host-memory arenas only for now. */
@@ -123,6 +129,7 @@ void gy_arena_reset_peak(gy_arena *arena);
 uint64_t gy_arena_page_size(const gy_arena *arena);
 uint64_t gy_arena_n_slots(const gy_arena *arena);
 gy_arena_backend_kind gy_arena_backend(const gy_arena *arena);
+int32_t gy_arena_device(const gy_arena *arena); /* the CUDA device ordinal (0 on the cpu backend) */
 int64_t gy_arena_page_at(const gy_arena *arena, int64_t slot); /* -1 when unmapped or out of range */
 int64_t gy_arena_slot_of(const gy_arena *arena, int64_t page); /* -1 when unmapped or not created */
 /* Base of the virtual range: a host pointer for cpu, a device address for cuda. */

@@ -19,6 +19,10 @@ typedef struct gy_arena_backend_ops {
     gy_status (*unmap)(void *state, int64_t slot);
     /* memmove inside the range; both ends mapped. */
     gy_status (*copy)(void *state, uint64_t dst_offset, uint64_t src_offset, uint64_t bytes);
+    /* Host memory to the range and back (mapped); synchronous, and ordered after everything
+     * issued to the memory before (a device backend waits for its context first). */
+    gy_status (*write)(void *state, uint64_t offset, const void *src, uint64_t bytes);
+    gy_status (*read)(void *state, void *dst, uint64_t offset, uint64_t bytes);
     /* Non-zero when the range is host memory that C and NumPy may touch directly. */
     int host_accessible;
 } gy_arena_backend_ops;

@@ -164,6 +164,18 @@ static gy_status gy_cpu_copy(void *state, uint64_t dst, uint64_t src, uint64_t b
     return GY_OK;
 }
 
+static gy_status gy_cpu_write(void *state, uint64_t offset, const void *src, uint64_t bytes) {
+    gy_cpu_arena *c = state;
+    memcpy(c->base + offset, src, bytes);
+    return GY_OK;
+}
+
+static gy_status gy_cpu_read(void *state, void *dst, uint64_t offset, uint64_t bytes) {
+    gy_cpu_arena *c = state;
+    memcpy(dst, c->base + offset, bytes);
+    return GY_OK;
+}
+
 const gy_arena_backend_ops gy_arena_cpu_ops = {
     .name = "cpu",
     .init = gy_cpu_init,
@@ -173,5 +185,7 @@ const gy_arena_backend_ops gy_arena_cpu_ops = {
     .map = gy_cpu_map,
     .unmap = gy_cpu_unmap,
     .copy = gy_cpu_copy,
+    .write = gy_cpu_write,
+    .read = gy_cpu_read,
     .host_accessible = 1,
 };

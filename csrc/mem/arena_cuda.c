@@ -6,6 +6,7 @@
  *   unmap     cuMemUnmap                                    (the slot faults again afterwards)
  *   release   the handle goes back to the pool (else cuMemRelease)
  *   copy      device-to-device memmove inside the range
+ *   write     host-to-device copy into the range (how weights get in), read the way back
  *
  * The driver is never linked: libcuda.so.1 is opened at run time and every entry point is
  * resolved through cuGetProcAddress, so `import gyges` works on machines without a driver and
@@ -93,6 +94,8 @@ typedef struct gy_cu_driver {
     CUresult (*mem_unmap)(CUdeviceptr, size_t);
     CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*memcpy_dtod)(CUdeviceptr, CUdeviceptr, size_t);
+    CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t);
+    CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t);
     CUresult (*mem_alloc)(CUdeviceptr *, size_t);
     CUresult (*mem_free)(CUdeviceptr);
 } gy_cu_driver;
@@ -172,6 +175,8 @@ static void gy_cu_load(void) {
         GY_CU_SYMBOL("cuMemUnmap", mem_unmap),
         GY_CU_SYMBOL("cuMemSetAccess", mem_set_access),
         GY_CU_SYMBOL("cuMemcpyDtoD", memcpy_dtod),
+        GY_CU_SYMBOL("cuMemcpyHtoD", memcpy_htod),
+        GY_CU_SYMBOL("cuMemcpyDtoH", memcpy_dtoh),
         GY_CU_SYMBOL("cuMemAlloc", mem_alloc),
         GY_CU_SYMBOL("cuMemFree", mem_free),
 #undef GY_CU_SYMBOL
@@ -529,6 +534,27 @@ static gy_status gy_cuda_copy(void *state, uint64_t dst_offset, uint64_t src_off
     return GY_OK;
 }
 
+/* Host <-> device. The context is synchronised on both sides: before, so that work issued on
+ * other streams (a forward pass writing KV) is complete; after, because a copy from pageable
+ * memory may return before its DMA lands, and kernels on non-blocking streams would not wait
+ * for it. Neither is on a serving path (weights are written once, reads are for inspection). */
+static gy_status gy_cuda_write(void *state, uint64_t offset, const void *src, uint64_t bytes) {
+    gy_cuda_arena *c = state;
+    GY_CU_CHECK("cuCtxSetCurrent", gy_cu.ctx_set_current(c->ctx));
+    GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+    GY_CU_CHECK("cuMemcpyHtoD", gy_cu.memcpy_htod(c->base + offset, src, bytes));
+    GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+    return GY_OK;
+}
+
+static gy_status gy_cuda_read(void *state, void *dst, uint64_t offset, uint64_t bytes) {
+    gy_cuda_arena *c = state;
+    GY_CU_CHECK("cuCtxSetCurrent", gy_cu.ctx_set_current(c->ctx));
+    GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+    GY_CU_CHECK("cuMemcpyDtoH", gy_cu.memcpy_dtoh(dst, c->base + offset, bytes));
+    return GY_OK;
+}
+
 const gy_arena_backend_ops gy_arena_cuda_ops = {
     .name = "cuda",
     .init = gy_cuda_init,
@@ -538,6 +564,8 @@ const gy_arena_backend_ops gy_arena_cuda_ops = {
     .map = gy_cuda_map,
     .unmap = gy_cuda_unmap,
     .copy = gy_cuda_copy,
+    .write = gy_cuda_write,
+    .read = gy_cuda_read,
     .host_accessible = 0,
 };
 

@@ -133,6 +133,38 @@ static PyObject *gy_py_arena_copy(GyArenaObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* write(offset, buffer): the buffer's bytes into the arena (any backend). */
+static PyObject *gy_py_arena_write(GyArenaObject *self, PyObject *args) {
+    unsigned long long offset;
+    PyObject *object;
+    if (!PyArg_ParseTuple(args, "KO", &offset, &object)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_arena_write(self->arena, offset, view.buf, (uint64_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+/* read(offset, out): fills the writable buffer `out` from the arena (any backend). */
+static PyObject *gy_py_arena_read(GyArenaObject *self, PyObject *args) {
+    unsigned long long offset;
+    PyObject *object;
+    if (!PyArg_ParseTuple(args, "KO", &offset, &object)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_arena_read(self->arena, view.buf, offset, (uint64_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gy_py_arena_stats(GyArenaObject *self, PyObject *unused) {
     gy_arena_stats st;
     gy_arena_stats_get(self->arena, &st);
@@ -194,6 +226,12 @@ static PyObject *gy_py_arena_get_n_slots(GyArenaObject *self, void *closure) {
 static PyObject *gy_py_arena_get_backend(GyArenaObject *self, void *closure) {
     return PyLong_FromLong((long)gy_arena_backend(self->arena));
 }
+static PyObject *gy_py_arena_get_device(GyArenaObject *self, void *closure) {
+    return PyLong_FromLong((long)gy_arena_device(self->arena));
+}
+static PyObject *gy_py_arena_get_host_accessible(GyArenaObject *self, void *closure) {
+    return PyBool_FromLong(gy_arena_host_ptr(self->arena, 0) != NULL);
+}
 static PyObject *gy_py_arena_get_base_address(GyArenaObject *self, void *closure) {
     return PyLong_FromUnsignedLongLong((unsigned long long)gy_arena_base_address(self->arena));
 }
@@ -236,6 +274,8 @@ static PyMethodDef gy_py_arena_methods[] = {
     {"grow", (PyCFunction)gy_py_arena_grow, METH_VARARGS, "grow(slot, n, tag)"},
     {"shrink", (PyCFunction)gy_py_arena_shrink, METH_VARARGS, "shrink(slot, n)"},
     {"copy", (PyCFunction)gy_py_arena_copy, METH_VARARGS, "copy(dst_offset, src_offset, nbytes)"},
+    {"write", (PyCFunction)gy_py_arena_write, METH_VARARGS, "write(offset, buffer): host bytes into the arena"},
+    {"read", (PyCFunction)gy_py_arena_read, METH_VARARGS, "read(offset, out): arena bytes into a host buffer"},
     {"stats", (PyCFunction)gy_py_arena_stats, METH_NOARGS, "stats() -> dict"},
     {"reset_peak", (PyCFunction)gy_py_arena_reset_peak, METH_NOARGS, "reset_peak()"},
     {"page_table", (PyCFunction)gy_py_arena_page_table, METH_O, "page_table(out) -> rows"},
@@ -249,6 +289,9 @@ static PyGetSetDef gy_py_arena_getset[] = {
     {"n_slots", (getter)gy_py_arena_get_n_slots, NULL, "virtual slots", NULL},
     {"backend", (getter)gy_py_arena_get_backend, NULL, "0 = cpu, 1 = cuda", NULL},
     {"base_address", (getter)gy_py_arena_get_base_address, NULL, "start of the virtual range", NULL},
+    {"device", (getter)gy_py_arena_get_device, NULL, "CUDA device ordinal (0 on cpu)", NULL},
+    {"host_accessible", (getter)gy_py_arena_get_host_accessible, NULL,
+     "True when the memory is host memory (NumPy views work)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

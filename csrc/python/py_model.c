@@ -1,9 +1,10 @@
 /* py_model.c: gyges._C.Model, a decoder whose weights live in an Arena, with its own thread
- * pool, and its forward pass over a KVCache. gyges/model.py and gyges/engine.py check the
- * arguments; this file checks what C needs to stay safe. */
+ * pool (cpu) or CUDA stream (cuda: the arena's device), and its forward pass over a KVCache.
+ * gyges/worker.py checks the arguments; this file checks what C needs to stay safe. */
 #include "py_common.h"
 
 #include "engine/forward.h"
+#include "engine/forward_cuda.h"
 #include "engine/model.h"
 #include "kv/kv_cache.h"
 
@@ -41,10 +42,12 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
         return NULL;
     gy_arena *arena = gy_py_arena_unwrap(arena_object);
     if (arena == NULL) return NULL;
-    uintptr_t base = (uintptr_t)gy_arena_host_ptr(arena, 0);
+    /* The weights' addresses: host pointers on a cpu arena, device addresses on a cuda one. */
+    const int on_cuda = gy_arena_backend(arena) == GY_ARENA_BACKEND_CUDA;
+    uintptr_t base = on_cuda ? gy_arena_base_address(arena) : (uintptr_t)gy_arena_host_ptr(arena, 0);
     if (base == 0)
         return PyErr_Format(gy_py_error_class(GY_ERR_UNAVAILABLE),
-                            "the CPU forward pass needs weights in host memory (a cpu arena)");
+                            "the arena's memory is neither host memory nor a CUDA device's");
     GyModelObject *self = (GyModelObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     gy_model *m = &self->model;
@@ -95,7 +98,13 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     }
     PyBuffer_Release(&view);
     s = gy_model_check(m, shards);
-    if (s == GY_OK && threads > 1) s = gy_threadpool_init(&self->pool, threads);
+    if (s == GY_OK && on_cuda) {
+        Py_BEGIN_ALLOW_THREADS
+        s = gy_forward_cuda_attach(m, gy_arena_device(arena));
+        Py_END_ALLOW_THREADS
+    } else if (s == GY_OK && threads > 1) {
+        s = gy_threadpool_init(&self->pool, threads);
+    }
     if (s != GY_OK) {
         Py_DECREF(self);
         return gy_py_raise(s);
@@ -107,7 +116,8 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
 static void gy_py_model_dealloc(GyModelObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_threadpool_free(self->pool);
-    gy_forward_ws_free(&self->ws);
+    gy_forward_ws_free(&self->ws); /* before the stream its cuBLAS handle is bound to */
+    gy_forward_cuda_detach(&self->model);
     gy_model_free(&self->model);
     Py_XDECREF(self->arena_object);
     type->tp_free((PyObject *)self);
@@ -176,6 +186,20 @@ gy_model *gy_py_model_unwrap(PyObject *object, gy_threadpool **pool) {
     return &((GyModelObject *)object)->model;
 }
 
+static PyObject *gy_py_model_get_backend(GyModelObject *self, void *closure) {
+    return PyUnicode_FromString(self->model.backend == GY_MODEL_BACKEND_CUDA ? "cuda" : "cpu");
+}
+
+static PyObject *gy_py_model_get_device(GyModelObject *self, void *closure) {
+    return PyLong_FromLong((long)self->model.device);
+}
+
+static PyGetSetDef gy_py_model_getset[] = {
+    {"backend", (getter)gy_py_model_get_backend, NULL, "'cpu' or 'cuda'", NULL},
+    {"device", (getter)gy_py_model_get_device, NULL, "CUDA device ordinal (cuda)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef gy_py_model_methods[] = {
     {"forward", (PyCFunction)gy_py_model_forward, METH_VARARGS,
      "forward(kv, tokens, token_seq, token_pos, bt_indptr, bt_indices, logit_rows, logits_out)"},
@@ -186,7 +210,9 @@ static PyType_Slot gy_py_model_slots[] = {
     {Py_tp_new, gy_py_model_new},
     {Py_tp_dealloc, gy_py_model_dealloc},
     {Py_tp_methods, gy_py_model_methods},
-    {Py_tp_doc, "Model(arena, spec, offsets, shards, threads=1): a decoder in arena memory."},
+    {Py_tp_getset, gy_py_model_getset},
+    {Py_tp_doc, "Model(arena, spec, offsets, shards, threads=1): a decoder in arena memory (on the "
+                "arena's CUDA device when it is a cuda arena)."},
     {0, NULL},
 };
 

@@ -135,3 +135,27 @@ GYTEST(arena_released_pages_come_back_zeroed_lowest_first) {
     CHECK(m[0] == 0 && m[2048] == 0);
     gy_arena_free(a);
 }
+
+GYTEST(arena_write_and_read_reach_mapped_memory_only) {
+    gy_arena *a = make_arena(4096, 4, 4);
+    CHECK_OK(gy_arena_grow(a, 1, 2, GY_PAGE_TAG_WEIGHTS)); /* slots 1 and 2 */
+    unsigned char in[6000], out[6000];
+    for (int i = 0; i < 6000; i++) in[i] = (unsigned char)(i * 7 + 3);
+    /* Across the boundary between the two pages. */
+    CHECK_OK(gy_arena_write(a, 4096 + 1000, in, sizeof in));
+    memset(out, 0, sizeof out);
+    CHECK_OK(gy_arena_read(a, out, 4096 + 1000, sizeof out));
+    CHECK(memcmp(in, out, sizeof in) == 0);
+    CHECK(memcmp((unsigned char *)gy_arena_host_ptr(a, 4096 + 1000), in, sizeof in) == 0);
+    /* Zero bytes is a no-op anywhere; unmapped slots and NULL buffers are refused. */
+    CHECK_OK(gy_arena_write(a, 0, in, 0));
+    CHECK_STATUS(gy_arena_write(a, 4096 * 2 + 100, in, 4096), GY_ERR_INVALID);
+    CHECK_STATUS(gy_arena_read(a, out, 0, 10), GY_ERR_INVALID);
+    CHECK_STATUS(gy_arena_read(a, out, 4096 * 4, 1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_arena_write(a, 4096, NULL, 1), GY_ERR_INVALID);
+    gy_arena_stats st;
+    gy_arena_stats_get(a, &st);
+    CHECK(st.bytes_copied_total == 0);
+    CHECK(gy_arena_device(a) == 0);
+    gy_arena_free(a);
+}

@@ -5,6 +5,7 @@
 
 #include "comm/comm.h"
 #include "engine/engine.h"
+#include "engine/forward_cuda.h"
 #include "gytest.h"
 
 enum { V = 97, H = 32, I = 48, L = 2, NH = 4, NKV = 2, D = 8, MAX_TP = 2 };
@@ -123,6 +124,47 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
 
     gy_engine_rank bad = {.model = &model, .kv = NULL};
     CHECK_STATUS(gy_engine_init(&e, &bad, 1, NULL, &cfg), GY_ERR_INVALID);
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* A cuda model in a build without the CUDA forward pass: every call is refused with the reason,
+ * the engine stays consistent, and nothing leaks. TP on CUDA and mixed backends are refused at
+ * engine creation whatever the build (the communicator adds host buffers). */
+GYTEST(engine_refuses_what_the_cuda_backend_cannot_do_here) {
+    owned o = {0};
+    gy_model model;
+    build_model(&model, &o);
+    gy_arena *arena;
+    gy_kv_cache *kv;
+    make_kv(&arena, &kv, NKV);
+    gy_model cuda = model; /* the same host pointers: nothing may dereference them */
+    cuda.backend = GY_MODEL_BACKEND_CUDA;
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    gy_engine *e = NULL;
+#ifndef GY_WITH_CUDA
+    CHECK_STATUS(gy_forward_cuda_attach(&cuda, 0), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "not built with CUDA") != NULL);
+    const gy_engine_rank one = {.model = &cuda, .kv = kv};
+    CHECK_OK(gy_engine_init(&e, &one, 1, NULL, &cfg));
+    const int32_t prompt[3] = {1, 2, 3};
+    const gy_engine_params p = {.sampler = {.temperature = 0.0, .top_p = 1.0}, .max_new_tokens = 4};
+    CHECK_OK(gy_engine_add(e, 0, prompt, 3, &p, 0.0));
+    gy_engine_step_out out;
+    CHECK_STATUS(gy_engine_step(e, 0.0, &out), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "CUDA forward pass") != NULL);
+    gy_engine_free(e);
+#endif
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 2));
+    gy_engine_rank two[2] = {{.model = &cuda, .kv = kv}, {.model = &cuda, .kv = kv}};
+    CHECK_STATUS(gy_engine_init(&e, two, 2, comm, &cfg), GY_ERR_UNAVAILABLE);
+    CHECK(strstr(gy_error_message(), "device communicator") != NULL);
+    two[1].model = &model;
+    CHECK_STATUS(gy_engine_init(&e, two, 2, comm, &cfg), GY_ERR_INVALID);
+    gy_comm_free(comm);
+    gy_kv_free(kv);
+    gy_arena_free(arena);
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
 }

@@ -1,0 +1,470 @@
+/* forward_cuda.c: the decoder forward pass on the CUDA kernels (csrc/kernels) and cuBLAS
+ * (csrc/kernels/gemm.h), on the worker's stream. forward_cuda.h says what differs from the CPU
+ * pass; this file follows forward.c's order of operations layer by layer.
+ *
+ * One layer, for TP rank r of size S (heads, KV heads and FFN shards are this rank's):
+ *   h    = rmsnorm(x)                                    act dtype
+ *   q,k,v = h @ wq/wk/wv (rows of rank r) (+ bias)       act dtype
+ *   rope(q, k); kv_write(k, v) into the layer's pages; attn = paged attention(q)
+ *   o    = x (rank 0) or 0 (other ranks), fp32;  o += attn @ wo_t (rows of rank r)
+ *   o    = all_reduce(o) when S > 1;  x = o rounded to the act dtype
+ *   h    = rmsnorm(x)
+ *   o    = x or 0 as above; for each shard s: gu = [h @ gate_s | h @ up_s], g = silu(gate) * up,
+ *          o += g @ down_t_s
+ *   o    = all_reduce(o) when S > 1;  x = o rounded to the act dtype
+ * The conversions x -> o and o -> x are the embedding kernel gathering rows 0..n-1 (an exact copy
+ * or one rounding), so no kernel beyond kernels.h and gemm.h is needed. */
+#include "forward_cuda.h"
+
+#if defined(GY_WITH_CUDA) && defined(GY_WITH_CUDA_FORWARD)
+
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../kernels/gemm.h"
+#include "kernels_pending.h" /* includes ../kernels/kernels.h */
+
+/* ---- runtime errors ---- */
+
+static gy_status gy_fwd_cuda_status(cudaError_t e, const char *what, const char *file, int line) {
+    cudaGetLastError(); /* clear a non-sticky error so the next launch check is not confused */
+    switch (e) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorStubLibrary:
+    case cudaErrorCallRequiresNewerDriver:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorDevicesUnavailable:
+        return gy_error_set(GY_ERR_UNAVAILABLE, file, line,
+                            "CUDA is not available: %s (%s, from %s)", cudaGetErrorString(e),
+                            cudaGetErrorName(e), what);
+    default:
+        return gy_error_set(GY_ERR_CUDA, file, line, "%s failed: %s (%s)", what,
+                            cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+}
+
+#define GY_FWD_CUDA_CHECK(call)                                                                    \
+    do {                                                                                           \
+        cudaError_t gy_fwd_e_ = (call);                                                            \
+        if (gy_fwd_e_ != cudaSuccess)                                                              \
+            return gy_fwd_cuda_status(gy_fwd_e_, #call, __FILE__, __LINE__);                       \
+    } while (0)
+
+/* ---- the workspace ---- */
+
+typedef struct gy_dev_buf {
+    void *ptr;
+    int64_t bytes;
+} gy_dev_buf;
+
+struct gy_forward_cuda_ws {
+    int32_t device;
+    cudaStream_t stream;  /* the model's; blas is bound to it */
+    gy_cuda_blas *blas;
+    /* Device buffers, each grown on demand to the largest step seen (n = tokens of the step):
+     *   x, h (n, hidden)  q, attn (n, heads*D)  k, v (n, kv_heads*D)  gu (n, 2*shard_rows)
+     *   g (n, shard_rows), all act dtype;  o (n, hidden) fp32;  sel (n_logits, hidden) act;
+     *   logits (n_logits, vocab) fp32;  attn_ws: the attention kernels' scratch;
+     *   idx: the step's packed int32 index arrays (layout in gy_fwd_cuda_upload) */
+    gy_dev_buf x, h, q, k, v, attn, gu, g, o, sel, logits, attn_ws, idx;
+    int32_t *host_idx; /* (host_idx_cap) pinned staging of idx */
+    int64_t host_idx_cap;
+    /* The step, set by begin for layers and end. */
+    int64_t n_tokens, n_seqs, n_logits, max_len;
+    int decode; /* one query token per sequence: the decode attention kernel */
+    const int32_t *d_tokens, *d_token_seq, *d_token_pos, *d_indptr, *d_indices, *d_logit_rows,
+        *d_iota;
+};
+
+static gy_status gy_dev_reserve(gy_dev_buf *b, int64_t bytes) {
+    if (bytes <= b->bytes) return GY_OK;
+    /* A quarter of headroom, so a batch that grows a little does not reallocate every step. */
+    int64_t want = bytes + bytes / 4;
+    want = (want + 255) & ~(int64_t)255;
+    if (b->ptr != NULL) cudaFree(b->ptr); /* waits for the device: nothing of ours is in flight */
+    b->ptr = NULL;
+    b->bytes = 0;
+    GY_FWD_CUDA_CHECK(cudaMalloc(&b->ptr, (size_t)want));
+    b->bytes = want;
+    return GY_OK;
+}
+
+void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *c) {
+    if (c == NULL) return;
+    cudaSetDevice(c->device);
+    if (c->stream != NULL) cudaStreamSynchronize(c->stream);
+    gy_cuda_blas_free(c->blas);
+    gy_dev_buf *bufs[] = {&c->x, &c->h, &c->q, &c->k, &c->v, &c->attn, &c->gu, &c->g,
+                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]->ptr != NULL) cudaFree(bufs[i]->ptr);
+    if (c->host_idx != NULL) cudaFreeHost(c->host_idx);
+    cudaGetLastError(); /* a cleanup: the first error's message is what matters */
+    free(c);
+}
+
+const char *gy_forward_cuda_unavailable(void) { return NULL; }
+
+/* ---- the model's stream ---- */
+
+gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
+    if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_forward_cuda_attach: NULL model");
+    if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
+    GY_FWD_CUDA_CHECK(cudaSetDevice(device));
+    GY_TRY(gy_cuda_blas_available());
+    cudaStream_t stream = NULL;
+    GY_FWD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    m->backend = GY_MODEL_BACKEND_CUDA;
+    m->device = device;
+    m->stream = stream;
+    return GY_OK;
+}
+
+void gy_forward_cuda_detach(gy_model *m) {
+    if (m == NULL || m->backend != GY_MODEL_BACKEND_CUDA || m->stream == NULL) return;
+    cudaSetDevice(m->device);
+    cudaStreamSynchronize(m->stream);
+    cudaStreamDestroy(m->stream);
+    cudaGetLastError();
+    m->stream = NULL;
+}
+
+/* ---- checks ---- */
+
+/* The dtype of the KV values: fp32 for 4-byte elements, the activation dtype for 2-byte ones. */
+static gy_status gy_fwd_cuda_kv_dtype(const gy_model *m, const gy_kv_cache *kv, gy_dtype *out) {
+    const int64_t elem = gy_kv_layout_of(kv)->elem_size;
+    if (elem == 4) {
+        *out = GY_DTYPE_F32;
+        return GY_OK;
+    }
+    if (elem == 2 && m->weight_dtype != GY_DTYPE_F32) {
+        *out = m->weight_dtype;
+        return GY_OK;
+    }
+    return GY_FAIL(GY_ERR_INVALID,
+                   "a KV cache of %lld-byte values does not fit a model computing in %s (use 4 "
+                   "bytes, or 2 with f16/bf16 weights)",
+                   (long long)elem, gy_dtype_name(m->weight_dtype));
+}
+
+static gy_status gy_fwd_cuda_check(const gy_model *m, const gy_tp_group *tp,
+                                   const gy_kv_cache *kv) {
+    if (m->backend != GY_MODEL_BACKEND_CUDA || m->stream == NULL)
+        return GY_FAIL(GY_ERR_STATE, "the model is not attached to a CUDA device");
+    const gy_arena *arena = gy_kv_arena(kv);
+    if (gy_arena_backend(arena) != GY_ARENA_BACKEND_CUDA || gy_arena_device(arena) != m->device)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "the KV cache must live in a CUDA arena on the model's device %d (it is in "
+                       "a %s arena%s)",
+                       (int)m->device,
+                       gy_arena_backend(arena) == GY_ARENA_BACKEND_CUDA ? "cuda" : "cpu",
+                       gy_arena_backend(arena) == GY_ARENA_BACKEND_CUDA ? " on another device" : "");
+    if (tp->size > 1 && !tp->device_buffers)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "tensor parallelism on CUDA needs an all-reduce over device buffers on the "
+                       "worker's stream (a device communicator); this TP group's all-reduce works "
+                       "on host memory");
+    gy_dtype kv_dtype;
+    return gy_fwd_cuda_kv_dtype(m, kv, &kv_dtype);
+}
+
+/* ---- per step ---- */
+
+static gy_status gy_fwd_cuda_ws_get(gy_forward_ws *ws, const gy_model *m,
+                                    struct gy_forward_cuda_ws **out) {
+    GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    struct gy_forward_cuda_ws *c = ws->cuda;
+    if (c != NULL && c->device != m->device) { /* a workspace moves with its model's device */
+        gy_forward_cuda_ws_free(c);
+        ws->cuda = c = NULL;
+        GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    }
+    if (c == NULL) {
+        c = calloc(1, sizeof *c);
+        if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a CUDA workspace");
+        c->device = m->device;
+        c->stream = (cudaStream_t)m->stream;
+        gy_status s = gy_cuda_blas_init(&c->blas, m->stream);
+        if (s != GY_OK) {
+            free(c);
+            return s;
+        }
+        ws->cuda = c;
+    }
+    if (c->stream != (cudaStream_t)m->stream) {
+        /* Another model on the same device: finish the old stream's work before switching. */
+        GY_FWD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        GY_TRY(gy_cuda_blas_set_stream(c->blas, m->stream));
+        c->stream = (cudaStream_t)m->stream;
+    }
+    *out = c;
+    return GY_OK;
+}
+
+/* One host-to-device copy of the step's index arrays, packed as int32:
+ *   tokens (n) | token_seq (n) | token_pos (n) | bt_indptr (S+1) | bt_indices (bt_indptr[S])
+ *   | logit_rows (n_logits) | iota 0..n-1 (n) */
+static gy_status gy_fwd_cuda_upload(struct gy_forward_cuda_ws *c, const gy_forward_batch *b) {
+    const gy_cpu_paged_batch *p = &b->paged;
+    const int64_t n = p->n_tokens, S = p->n_seqs, nb = p->bt_indptr[S], nl = b->n_logits;
+    const int64_t total = 4 * n + (S + 1) + nb + nl;
+    if (total > c->host_idx_cap) {
+        if (c->host_idx != NULL) cudaFreeHost(c->host_idx);
+        c->host_idx = NULL;
+        c->host_idx_cap = 0;
+        const int64_t want = total + total / 4;
+        GY_FWD_CUDA_CHECK(cudaMallocHost((void **)&c->host_idx, (size_t)want * sizeof(int32_t)));
+        c->host_idx_cap = want;
+    }
+    GY_TRY(gy_dev_reserve(&c->idx, total * (int64_t)sizeof(int32_t)));
+    int32_t *h = c->host_idx;
+    const int32_t *d = c->idx.ptr;
+    int64_t at = 0;
+#define GY_FWD_PACK(src, count, dev)                                                               \
+    do {                                                                                           \
+        if ((count) > 0 && (src) != NULL)                                                          \
+            memcpy(h + at, (src), (size_t)(count) * sizeof(int32_t));                              \
+        else if ((count) > 0)                                                                      \
+            memset(h + at, 0, (size_t)(count) * sizeof(int32_t));                                 \
+        (dev) = d + at;                                                                            \
+        at += (count);                                                                             \
+    } while (0)
+    GY_FWD_PACK(b->tokens, n, c->d_tokens);
+    GY_FWD_PACK(p->token_seq, n, c->d_token_seq);
+    GY_FWD_PACK(p->token_pos, n, c->d_token_pos);
+    GY_FWD_PACK(p->bt_indptr, S + 1, c->d_indptr);
+    GY_FWD_PACK(p->bt_indices, nb, c->d_indices);
+    GY_FWD_PACK(b->logit_rows, nl, c->d_logit_rows);
+#undef GY_FWD_PACK
+    for (int64_t t = 0; t < n; t++) h[at + t] = (int32_t)t;
+    c->d_iota = d + at;
+    at += n;
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->idx.ptr, h, (size_t)at * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, c->stream));
+    return GY_OK;
+}
+
+gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                                const gy_forward_batch *b, gy_forward_ws *ws, int embed) {
+    int64_t max_len = 0;
+    GY_TRY(gy_forward_check(m, tp, kv, b, &max_len));
+    GY_TRY(gy_fwd_cuda_check(m, tp, kv));
+    const gy_cpu_paged_batch *p = &b->paged;
+    const int64_t n = p->n_tokens, hid = m->hidden, D = m->head_dim;
+    if (embed) {
+        if (b->tokens == NULL) return GY_FAIL(GY_ERR_INVALID, "forward batch: NULL tokens");
+        for (int64_t t = 0; t < n; t++)
+            if (b->tokens[t] < 0 || b->tokens[t] >= m->vocab)
+                return GY_FAIL(GY_ERR_INVALID, "token %lld is %d, outside the vocabulary [0, %lld)",
+                               (long long)t, (int)b->tokens[t], (long long)m->vocab);
+    }
+    struct gy_forward_cuda_ws *c = NULL;
+    GY_TRY(gy_fwd_cuda_ws_get(ws, m, &c));
+    /* Normally idle already (end waits); after a failed step this keeps the pinned staging and
+     * the buffers below from being reused under work still in flight. */
+    GY_FWD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+
+    const int64_t esz = gy_dtype_size(m->weight_dtype);
+    const int64_t heads = m->n_heads / tp->size, kv_heads = m->n_kv_heads / tp->size;
+    const int64_t qd = heads * D, kvd = kv_heads * D, R = m->shard_rows;
+    const int64_t nl = b->n_logits;
+    const struct { gy_dev_buf *buf; int64_t bytes; } plan[] = {
+        {&c->x, n * hid * esz},      {&c->h, n * hid * esz},     {&c->q, n * qd * esz},
+        {&c->k, n * kvd * esz},      {&c->v, n * kvd * esz},     {&c->attn, n * qd * esz},
+        {&c->gu, n * 2 * R * esz},   {&c->g, n * R * esz},       {&c->o, n * hid * 4},
+        {&c->sel, nl * hid * esz},   {&c->logits, nl * m->vocab * 4},
+        {&c->attn_ws, gy_cuda_paged_attention_workspace_bytes(n, heads, D, max_len)},
+    };
+    for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++)
+        GY_TRY(gy_dev_reserve(plan[i].buf, plan[i].bytes));
+    GY_TRY(gy_fwd_cuda_upload(c, b));
+
+    c->n_tokens = n;
+    c->n_seqs = p->n_seqs;
+    c->n_logits = nl;
+    c->max_len = max_len;
+    /* The decode kernel when every sequence brings exactly one query token, in order (the
+     * engine's pure decode steps); the prefill kernel otherwise. Both are correct for any batch. */
+    c->decode = n == p->n_seqs;
+    for (int64_t t = 0; c->decode && t < n; t++) c->decode = p->token_seq[t] == (int32_t)t;
+
+    if (!embed) return GY_OK;
+    return gy_cuda_embedding(c->x.ptr, m->embed, c->d_tokens, n, m->vocab, hid, m->weight_dtype,
+                             m->weight_dtype, c->stream);
+}
+
+/* o = x widened to fp32 on rank 0, nothing elsewhere (the rank's first product overwrites o). */
+static gy_status gy_fwd_cuda_residual_open(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                           const gy_tp_group *tp) {
+    if (tp->rank != 0) return GY_OK;
+    return gy_cuda_embedding(c->o.ptr, c->x.ptr, c->d_iota, c->n_tokens, c->n_tokens, m->hidden,
+                             GY_DTYPE_F32, m->weight_dtype, c->stream);
+}
+
+/* Sums o over the ranks, then x = o in the activation dtype. */
+static gy_status gy_fwd_cuda_residual_close(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                            const gy_tp_group *tp) {
+    if (tp->size > 1) GY_TRY(tp->all_reduce(tp->ctx, c->o.ptr, c->n_tokens * m->hidden));
+    return gy_cuda_embedding(c->x.ptr, c->o.ptr, c->d_iota, c->n_tokens, c->n_tokens, m->hidden,
+                             m->weight_dtype, GY_DTYPE_F32, c->stream);
+}
+
+gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                                 const gy_forward_batch *b, gy_forward_ws *ws,
+                                 int64_t first_layer, int64_t end_layer) {
+    if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
+                       (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
+    struct gy_forward_cuda_ws *c = ws->cuda;
+    if (c == NULL || c->n_tokens != b->paged.n_tokens || c->stream != (cudaStream_t)m->stream)
+        return GY_FAIL(GY_ERR_STATE, "gy_forward_layers before gy_forward_begin of this batch");
+    GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    gy_dtype kv_dtype;
+    GY_TRY(gy_fwd_cuda_kv_dtype(m, kv, &kv_dtype));
+    const gy_dtype act = m->weight_dtype, F32 = GY_DTYPE_F32;
+    const int64_t n = c->n_tokens, hid = m->hidden, D = m->head_dim, R = m->shard_rows;
+    const int64_t esz = gy_dtype_size(act);
+    const int64_t heads = m->n_heads / tp->size, kv_heads = m->n_kv_heads / tp->size;
+    const int64_t q_rows = heads * D, kv_rows = kv_heads * D;
+    const int64_t shards_here = m->max_tp / tp->size, first_shard = tp->rank * shards_here;
+    const gy_kv_layout *layout = gy_kv_layout_of(kv);
+    const float scale = 1.0f / sqrtf((float)D);
+    const cudaStream_t st = c->stream;
+    gy_cuda_blas *blas = c->blas;
+    /* Rows [row, ...) of a row-major matrix whose rows hold `hidden` values. */
+#define GY_ROWS(ptr, row) ((const void *)((const char *)(ptr) + (row) * hid * esz))
+    for (int64_t l = first_layer; l < end_layer; l++) {
+        const gy_layer_weights *w = &m->layers[l];
+        void *layer_base = (void *)gy_kv_layer_address(kv, l);
+
+        /* Attention: this rank's heads only. */
+        GY_TRY(gy_cuda_rmsnorm(c->h.ptr, c->x.ptr, w->attn_norm, n, hid, m->rms_eps, act, F32, st));
+        GY_TRY(gy_cuda_gemm(c->q.ptr, act, q_rows, c->h.ptr, act, hid,
+                            GY_ROWS(w->wq, tp->rank * q_rows), act, GY_GEMM_W_OUT_IN,
+                            w->bq ? w->bq + tp->rank * q_rows : NULL, n, hid, q_rows, 0, blas));
+        GY_TRY(gy_cuda_gemm(c->k.ptr, act, kv_rows, c->h.ptr, act, hid,
+                            GY_ROWS(w->wk, tp->rank * kv_rows), act, GY_GEMM_W_OUT_IN,
+                            w->bk ? w->bk + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
+        GY_TRY(gy_cuda_gemm(c->v.ptr, act, kv_rows, c->h.ptr, act, hid,
+                            GY_ROWS(w->wv, tp->rank * kv_rows), act, GY_GEMM_W_OUT_IN,
+                            w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
+        GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
+                            m->rope_theta, act, st));
+        GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, c->k.ptr, c->v.ptr, act,
+                                c->d_token_seq, c->d_token_pos, n, c->d_indptr, c->d_indices,
+                                c->n_seqs, st));
+        if (c->decode)
+            GY_TRY(gy_cuda_paged_attention_decode(
+                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
+                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
+                c->attn_ws.ptr, c->attn_ws.bytes, st));
+        else
+            GY_TRY(gy_cuda_paged_attention_prefill(
+                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
+                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
+                c->attn_ws.ptr, c->attn_ws.bytes, st));
+        /* o_proj is row-parallel: this rank's heads' partial sum, onto the residual on rank 0. */
+        GY_TRY(gy_fwd_cuda_residual_open(c, m, tp));
+        GY_TRY(gy_cuda_gemm(c->o.ptr, F32, hid, c->attn.ptr, act, q_rows,
+                            GY_ROWS(w->wo_t, tp->rank * q_rows), act, GY_GEMM_W_IN_OUT, NULL, n,
+                            q_rows, hid, tp->rank == 0, blas));
+        GY_TRY(gy_fwd_cuda_residual_close(c, m, tp));
+
+        /* FFN: each shard's product accumulates onto o in fp32. */
+        GY_TRY(gy_cuda_rmsnorm(c->h.ptr, c->x.ptr, w->ffn_norm, n, hid, m->rms_eps, act, F32, st));
+        GY_TRY(gy_fwd_cuda_residual_open(c, m, tp));
+        for (int64_t j = 0; j < shards_here; j++) {
+            const int64_t s = first_shard + j;
+            if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
+                return GY_FAIL(GY_ERR_STATE, "layer %lld: FFN shard %lld is not held here",
+                               (long long)l, (long long)s);
+            /* gate and up side by side in one (n, 2R) buffer: silu_mul's fused layout. */
+            GY_TRY(gy_cuda_gemm(c->gu.ptr, act, 2 * R, c->h.ptr, act, hid, w->gate[s], act,
+                                GY_GEMM_W_OUT_IN, NULL, n, hid, R, 0, blas));
+            GY_TRY(gy_cuda_gemm((char *)c->gu.ptr + R * esz, act, 2 * R, c->h.ptr, act, hid,
+                                w->up[s], act, GY_GEMM_W_OUT_IN, NULL, n, hid, R, 0, blas));
+            GY_TRY(gy_cuda_silu_mul(c->g.ptr, c->gu.ptr, n, R, act, st));
+            GY_TRY(gy_cuda_gemm(c->o.ptr, F32, hid, c->g.ptr, act, R, w->down_t[s], act,
+                                GY_GEMM_W_IN_OUT, NULL, n, R, hid, tp->rank == 0 || j > 0, blas));
+        }
+        GY_TRY(gy_fwd_cuda_residual_close(c, m, tp));
+    }
+#undef GY_ROWS
+    return GY_OK;
+}
+
+gy_status gy_forward_cuda_end(float *logits, const gy_model *m, const gy_forward_batch *b,
+                              gy_forward_ws *ws) {
+    struct gy_forward_cuda_ws *c = ws->cuda;
+    if (c == NULL || c->n_tokens != b->paged.n_tokens || c->n_logits != b->n_logits)
+        return GY_FAIL(GY_ERR_STATE, "gy_forward_end before gy_forward_begin of this batch");
+    GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    const int64_t nl = b->n_logits, hid = m->hidden, V = m->vocab;
+    if (nl > 0) {
+        if (logits == NULL)
+            return GY_FAIL(GY_ERR_INVALID, "logits requested but no output buffer given");
+        const gy_dtype act = m->weight_dtype;
+        /* The sampled rows, gathered (the embedding kernel with the rows as ids). */
+        GY_TRY(gy_cuda_embedding(c->sel.ptr, c->x.ptr, c->d_logit_rows, nl, c->n_tokens, hid, act,
+                                 act, c->stream));
+        GY_TRY(gy_cuda_rmsnorm(c->sel.ptr, c->sel.ptr, m->final_norm, nl, hid, m->rms_eps, act,
+                               GY_DTYPE_F32, c->stream));
+        GY_TRY(gy_cuda_gemm(c->logits.ptr, GY_DTYPE_F32, V, c->sel.ptr, act, hid, m->lm_head, act,
+                            GY_GEMM_W_OUT_IN, NULL, nl, hid, V, 0, c->blas));
+        GY_FWD_CUDA_CHECK(cudaMemcpyAsync(logits, c->logits.ptr, (size_t)(nl * V) * sizeof(float),
+                                          cudaMemcpyDeviceToHost, c->stream));
+    }
+    /* Also where an error a kernel hit while running surfaces. */
+    GY_FWD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    return GY_OK;
+}
+
+#else /* the CUDA forward pass is not in this build */
+
+#ifdef GY_WITH_CUDA
+#define GY_FWD_CUDA_WHY                                                                            \
+    "the CUDA forward pass is not in this build of gyges: csrc/kernels/kernels.h does not "       \
+    "declare the paged-attention kernels it needs (gy_cuda_kv_write, "                             \
+    "gy_cuda_paged_attention_decode/prefill)"
+#else
+#define GY_FWD_CUDA_WHY                                                                            \
+    "the CUDA forward pass is not available: gyges was not built with CUDA (nvcc was not found "   \
+    "at build time, or GYGES_CUDA=0)"
+#endif
+
+const char *gy_forward_cuda_unavailable(void) { return GY_FWD_CUDA_WHY; }
+
+gy_status gy_forward_cuda_attach(gy_model *model, int32_t device) {
+    (void)model;
+    (void)device;
+    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
+}
+
+void gy_forward_cuda_detach(gy_model *model) { (void)model; }
+
+gy_status gy_forward_cuda_begin(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
+                                const gy_forward_batch *batch, gy_forward_ws *ws, int embed) {
+    (void)model, (void)tp, (void)kv, (void)batch, (void)ws, (void)embed;
+    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
+}
+
+gy_status gy_forward_cuda_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
+                                 const gy_forward_batch *batch, gy_forward_ws *ws,
+                                 int64_t first_layer, int64_t end_layer) {
+    (void)model, (void)tp, (void)kv, (void)batch, (void)ws, (void)first_layer, (void)end_layer;
+    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
+}
+
+gy_status gy_forward_cuda_end(float *logits, const gy_model *model, const gy_forward_batch *batch,
+                              gy_forward_ws *ws) {
+    (void)logits, (void)model, (void)batch, (void)ws;
+    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
+}
+
+void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *cws) { (void)cws; }
+
+#endif
