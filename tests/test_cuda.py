@@ -1013,6 +1013,38 @@ def test_cuda_sample_refuses_bad_arguments_before_the_device():
         _C.cuda_sample(tokens, x, F16, 2, 4, [ok, ok])
 
 
+def test_refused_new_entry_points_release_their_buffers():
+    """kv_write, the attention kernels and the sampler: 1000 calls refused after their buffers
+    were borrowed (a bad table, a short buffer, bad params) keep no reference to the arrays."""
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    rng = np.random.default_rng(32000)
+    layout = Layout(PAGE, 4, 2, 8, 4, 3)
+    batch = PagedBatch(rng, layout, [5], [(0, 3), (0, 4)])
+    batch.token_pos[1] = 9  # past the sequence's 2 blocks: refused by the host check
+    storage = np.zeros(layout.n_elems, np.float32)
+    q = np.zeros((2, 4, 8), np.float32)
+    k = np.zeros((2, 2, 8), np.float32)
+    logits = np.zeros((1, 5), np.float32)
+    tokens = np.zeros(1, np.int32)
+    arrays = (storage, q, k, batch.token_seq, batch.token_pos, batch.indptr, batch.indices,
+              logits)
+    before = [sys.getrefcount(x) for x in arrays]
+    for _ in range(1000):
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_kv_write(storage, layout.tuple(), F32, k, k, F32, *batch.args())
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_paged_attention_decode(q.copy(), q, F32, storage, layout.tuple(), F32,
+                                           *batch.args(), 4, 0, 0.5)
+        with pytest.raises(ValueError):
+            _C.cuda_paged_attention_prefill(q[:1].copy(), q, F32, storage, layout.tuple(), F32,
+                                            *batch.args(), 4, 0, 0.5)
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_sample(tokens, logits, F32, 1, 5, [(1.0, 9, 1.0, 0, 0)])
+    gc.collect()
+    assert [sys.getrefcount(x) for x in arrays] == before
+
+
 def test_workspace_sizes():
     if not _C.WITH_CUDA:
         pytest.skip("gyges was built without CUDA")
