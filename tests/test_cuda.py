@@ -574,6 +574,488 @@ def test_model_kernels_match_the_cpu_backend():
     np.testing.assert_array_equal(gpu, cpu)
 
 
+# ---- paged batches: sequences in one layer, and the tokens of a batch (cpu/paged.h's CSR) ----
+
+class PagedBatch:
+    """Sequences of the given lengths owning blocks of one layer in a shuffled order, and a batch
+    of (sequence, position) tokens: the CSR arguments of kv_write and the attention kernels."""
+
+    def __init__(self, rng, layout, seq_lens, tokens):
+        bs = layout.block_size
+        owned = [-(-n // bs) for n in seq_lens]
+        assert sum(owned) <= layout.n_blocks
+        self.indptr = np.concatenate([[0], np.cumsum(owned)]).astype(np.int32)
+        self.indices = rng.permutation(layout.n_blocks)[:sum(owned)].astype(np.int32)
+        self.token_seq = np.array([s for s, _ in tokens], np.int32)
+        self.token_pos = np.array([p for _, p in tokens], np.int32)
+        self.n_seqs, self.n_tokens = len(seq_lens), len(tokens)
+        self.max_len = int(self.token_pos.max()) + 1 if tokens else 0
+
+    def blocks(self, s):
+        return self.indices[self.indptr[s]:self.indptr[s + 1]]
+
+    def args(self):
+        return (self.token_seq, self.token_pos, self.n_tokens, self.indptr, self.indices,
+                self.n_seqs)
+
+    def slots(self, layout, s, positions):
+        """(2, len(positions), n_heads, head_dim) storage indices of positions of sequence s."""
+        positions = np.asarray(positions)
+        blocks = self.blocks(s)[positions // layout.block_size]
+        return layout.index(np.arange(2)[:, None, None], blocks[None, :, None],
+                            (positions % layout.block_size)[None, :, None],
+                            np.arange(layout.n_heads)[None, None, :])
+
+
+def nan_storage(layout, dtype):
+    """A layer whose every value is NaN: a read of a slot nobody wrote poisons the output."""
+    return encode(np.full(layout.n_elems, np.nan), dtype)
+
+
+def fill_cache(rng, layout, batch, seq_lens, kv_dtype):
+    """Random K and V for every position of every sequence, written by NumPy; returns the storage
+    and the exact (decoded) K and V of each sequence, (len, n_heads, head_dim) float64."""
+    storage = nan_storage(layout, kv_dtype)
+    ks, vs = [], []
+    for s, n in enumerate(seq_lens):
+        shape = (n, layout.n_heads, layout.head_dim)
+        k, v = encode(rng.standard_normal(shape), kv_dtype), encode(rng.standard_normal(shape), kv_dtype)
+        idx = batch.slots(layout, s, np.arange(n))
+        storage[idx[0]], storage[idx[1]] = k, v
+        ks.append(decode(k, kv_dtype))
+        vs.append(decode(v, kv_dtype))
+    return storage, ks, vs
+
+
+def attention_reference(q, ks, vs, batch, n_q_heads, scale, keep=None):
+    """float64 causal attention: token t over positions 0..token_pos[t] of its sequence (those
+    with keep[s][position] when given); GQA by repeating each KV head for its query heads."""
+    out = np.zeros_like(q)
+    for t in range(batch.n_tokens):
+        s, p = int(batch.token_seq[t]), int(batch.token_pos[t])
+        k, v = ks[s][:p + 1], vs[s][:p + 1]
+        if keep is not None:
+            k, v = k[keep[s][:p + 1]], v[keep[s][:p + 1]]
+        group = n_q_heads // k.shape[1]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (len, n_q_heads, d)
+        scores = np.einsum("lhd,hd->hl", k, q[t]) * scale
+        w = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[t] = np.einsum("hl,lhd->hd", w, v) / w.sum(axis=1)[:, None]
+    return out
+
+
+ATTENTION = {"decode": "cuda_paged_attention_decode", "prefill": "cuda_paged_attention_prefill"}
+
+
+def run_attention(kernel, q, act_dtype, storage, layout, kv_dtype, batch, n_q_heads, scale,
+                  max_len=0, check=True):
+    out = poison(q.shape, ELEM_SIZE[act_dtype]).view(q.dtype)
+    getattr(_C, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype,
+                                   *batch.args(), n_q_heads, max_len, scale, check)
+    return out
+
+
+# Tolerance: the reference is fed the same dtype-rounded q, K and V, so what remains is fp32
+# arithmetic (dot products of head_dim terms, the online softmax's rescaling, sums of up to a few
+# thousand weighted rows: measured within ~20 ulps of the V scale) and, for 16-bit outputs, one
+# rounding, which fp32 noise may push to the other neighbour near a tie: 2 ulps. fp32: 200 ulps
+# (~1e-5 relative to the V scale). The scale is max |V| because the output is a convex
+# combination of V rows and errors do not shrink with cancelling outputs.
+def attention_ulps(act_dtype):
+    return 200 if act_dtype == F32 else 2
+
+
+# A batch mixing every case: a prefill chunk cut in two by other tokens, a long decode (the KV
+# split into partitions), a chunk in the middle of a sequence, a first token, and a 64-token
+# prefill (two tiles of 32).
+MIXED_LENS = [13, 150, 37, 1, 64]
+MIXED_TOKENS = ([(0, p) for p in range(6)] + [(1, 149)] + [(0, p) for p in range(6, 13)]
+                + [(2, p) for p in range(30, 37)] + [(3, 0), (4, 63)] + [(4, p) for p in range(64)])
+
+
+@needs_gpu
+@pytest.mark.parametrize("act_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("kernel", ATTENTION)
+def test_paged_attention_matches_reference(kernel, kind, kv_dtype, act_dtype):
+    """Odd block size, 2 KV heads with 3 query heads each, head_dim 40 (a partial 16-byte chunk
+    per lane group), every layout and dtype pair, on the mixed batch."""
+    rng = np.random.default_rng(20000 + 100 * kind + 10 * kv_dtype + act_dtype)
+    n_kv, group, head_dim = 2, 3, 40
+    layout = Layout(kind, 5, n_kv, head_dim, ELEM_SIZE[kv_dtype], 60)
+    batch = PagedBatch(rng, layout, MIXED_LENS, MIXED_TOKENS)
+    storage, ks, vs = fill_cache(rng, layout, batch, MIXED_LENS, kv_dtype)
+    n_q = n_kv * group
+    q = encode(rng.standard_normal((batch.n_tokens, n_q, head_dim)), act_dtype)
+    scale = float(np.float32(1 / np.sqrt(head_dim)))
+    out = run_attention(kernel, q, act_dtype, storage, layout, kv_dtype, batch, n_q, scale)
+    want = attention_reference(decode(q, act_dtype), ks, vs, batch, n_q, scale)
+    assert_close(decode(out, act_dtype), want, act_dtype, ulps=attention_ulps(act_dtype),
+                 scale=max(np.abs(v).max() for v in vs), what=f"{kernel} attention")
+
+
+# (head_dim, n_kv_heads, query heads per KV head): every head-size bucket of the kernels (64,
+# 128, 256) at and between sizes, and every group template (1, 2, 4, 8, and 12 = two chunks).
+HEAD_CASES = [(8, 3, 1), (64, 2, 2), (128, 1, 5), (136, 2, 8), (256, 1, 12), (256, 2, 4)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: "d%d_kv%d_g%d" % c)
+@pytest.mark.parametrize("kernel", ATTENTION)
+def test_paged_attention_head_dims_and_groups(kernel, case, kv_dtype):
+    head_dim, n_kv, group = case
+    rng = np.random.default_rng(21000 + head_dim + 10 * group + kv_dtype)
+    lens = [3, 20, 41]
+    tokens = [(0, 2), (1, 19)] + [(2, p) for p in range(20, 41)]
+    layout = Layout(HEAD, 16, n_kv, head_dim, ELEM_SIZE[kv_dtype], 7)
+    batch = PagedBatch(rng, layout, lens, tokens)
+    storage, ks, vs = fill_cache(rng, layout, batch, lens, kv_dtype)
+    n_q = n_kv * group
+    q = encode(rng.standard_normal((batch.n_tokens, n_q, head_dim)), F32)
+    scale = float(np.float32(1 / np.sqrt(head_dim)))
+    out = run_attention(kernel, q, F32, storage, layout, kv_dtype, batch, n_q, scale)
+    want = attention_reference(q.astype(np.float64), ks, vs, batch, n_q, scale)
+    assert_close(out, want, F32, ulps=200, scale=max(np.abs(v).max() for v in vs),
+                 what=f"{kernel} d={head_dim} group={group}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("max_len", [0, 100, 5000], ids=["exact", "too_small", "too_large"])
+def test_paged_attention_decode_splits_long_sequences(max_len):
+    """Two sequences of 2000 and 777 positions: the decode kernel splits the KV length into up to
+    16 partitions and merges them. max_len is only an upper bound for the split: one that is too
+    small (a single partition that takes everything) or too large gives the same result."""
+    rng = np.random.default_rng(22000 + max_len)
+    lens = [2000, 777]
+    layout = Layout(PAGE, 16, 2, 64, 2, 176)
+    batch = PagedBatch(rng, layout, lens, [(0, 1999), (1, 776)])
+    storage, ks, vs = fill_cache(rng, layout, batch, lens, BF16)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    want = attention_reference(q.astype(np.float64), ks, vs, batch, 8, 0.125)
+    for kernel in ATTENTION:
+        out = run_attention(kernel, q, F32, storage, layout, BF16, batch, 8, 0.125, max_len)
+        assert_close(out, want, F32, ulps=200, scale=max(np.abs(v).max() for v in vs),
+                     what=f"{kernel} max_len={max_len}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("kernel", ATTENTION)
+def test_paged_attention_stale_entries_are_safe(kernel):
+    """Tables the host did not check (check=False) never make a kernel read out of bounds: a
+    token of an unknown sequence or at a negative position gets zeros, positions whose block id
+    is invalid or past the sequence's blocks take no part."""
+    rng = np.random.default_rng(23000)
+    lens = [12, 15, 5]
+    layout = Layout(RAW, 5, 1, 8, 4, 9)
+    batch = PagedBatch(rng, layout, lens, [(0, 11), (5, 0), (1, -1), (1, 14), (2, 12)])
+    storage, ks, vs = fill_cache(rng, layout, batch, lens, F32)
+    batch.indices[batch.indptr[1] + 1] = -1  # sequence 1 loses positions 5..9
+    batch.indices[batch.indptr[1] + 2] = 9   # and 10..14 (past the layer's 9 blocks)
+    keep = [np.ones(n, bool) for n in lens]
+    keep[1][5:] = False
+    keep = [np.concatenate([k, np.zeros(20, bool)]) for k in keep]  # sequence 2 owns 5 slots
+    q = rng.standard_normal((5, 1, 8)).astype(np.float32)
+    out = run_attention(kernel, q, F32, storage, layout, F32, batch, 1, 0.5, max_len=15,
+                        check=False)
+    ks[2] = np.concatenate([ks[2], np.zeros((8, 1, 8))])  # positions 5..12: skipped anyway
+    vs[2] = np.concatenate([vs[2], np.zeros((8, 1, 8))])
+    valid = [0, 3, 4]
+    sub = PagedBatch(rng, layout, lens, [(0, 11), (1, 14), (2, 12)])
+    want = attention_reference(q[valid].astype(np.float64), ks, vs, sub, 1, 0.5, keep=keep)
+    assert_close(out[valid], want, F32, ulps=200, scale=4.0, what=f"{kernel} stale")
+    np.testing.assert_array_equal(out[[1, 2]], 0.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_paged_attention_matches_the_cpu_backend(kind):
+    """fp32 cache and activations: both kernels against gyges' own CPU attention on the mixed
+    batch. Two fp32 implementations with different summation orders and exponentials: 200 ulps
+    of the V scale, as against the float64 reference."""
+    rng = np.random.default_rng(24000 + kind)
+    layout = Layout(kind, 5, 2, 40, 4, 60)
+    batch = PagedBatch(rng, layout, MIXED_LENS, MIXED_TOKENS)
+    storage, ks, vs = fill_cache(rng, layout, batch, MIXED_LENS, F32)
+    q = rng.standard_normal((batch.n_tokens, 6, 40)).astype(np.float32)
+    scale = float(np.float32(1 / np.sqrt(40)))  # what the CPU kernel uses
+    cpu = np.full(q.shape, np.nan, np.float32)
+    _C.kernel_attention(cpu, q, storage, (kind, 5, 2, 40, 60), *batch.args()[:2],
+                        batch.indptr, batch.indices, batch.n_tokens, batch.n_seqs, 6, 1)
+    for kernel in ATTENTION:
+        out = run_attention(kernel, q, F32, storage, layout, F32, batch, 6, scale)
+        assert_close(out, cpu, F32, ulps=200, scale=max(np.abs(v).max() for v in vs),
+                     what=f"{kernel} vs cpu")
+
+
+def test_paged_attention_refuses_bad_arguments_before_the_device():
+    """Refused with a gyges error naming the cause, on machines without a GPU too (the checks
+    run before anything is copied)."""
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    rng = np.random.default_rng(25000)
+
+    def call(kernel="decode", head_dim=16, n_kv=2, n_q=4, kv_dtype=F32, elem_size=4, n_tokens=2,
+             max_len=0, check=True, table=None, scale=0.25, act_dtype=F32):
+        layout = Layout(HEAD, 4, n_kv, head_dim, elem_size, 4)
+        batch = PagedBatch(rng, layout, [5], [(0, 3), (0, 4)])
+        if table is not None:
+            batch.indices[:] = table
+        storage = np.zeros(layout.n_elems * elem_size, np.uint8)
+        act = ELEM_SIZE.get(act_dtype, 4)
+        q = np.zeros(max(n_tokens, 0) * n_q * head_dim * act, np.uint8)
+        out = q.copy()
+        seq, pos, _, indptr, indices, n_seqs = batch.args()
+        getattr(_C, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype, seq,
+                                       pos, n_tokens, indptr, indices, n_seqs, n_q, max_len, scale,
+                                       check)
+
+    for kernel in ATTENTION:
+        for kwargs, words in [
+                (dict(head_dim=12), "head_dim=12 is not supported"),
+                (dict(head_dim=264), "head_dim=264 is not supported"),
+                (dict(n_q=3), "n_q_heads=3 must be a positive multiple"),
+                (dict(n_q=0), "n_q_heads=0"),
+                (dict(n_tokens=-1), "n_tokens=-1"),
+                (dict(kv_dtype=BF16), "elem_size=4 does not match kv_dtype bf16"),
+                (dict(kv_dtype=7), "unknown dtype 7"),
+                (dict(act_dtype=5), "unknown dtype 5"),
+                (dict(scale=float("inf")), "scale=inf"),
+                (dict(check=False), "max_len=0"),
+                (dict(table=[1, 4]), "outside the layer's 4 blocks"),
+                (dict(table=[-1, 0]), "outside the layer's 4 blocks")]:
+            with pytest.raises(InvalidArgumentError, match=words):
+                call(kernel, **kwargs)
+        with pytest.raises(ValueError, match="q has"):  # buffer sizes, before the device too
+            call(kernel, n_tokens=1)
+
+
+# ---- kv_write: new K/V rows of a batch into the paged cache ----
+
+@needs_gpu
+@pytest.mark.parametrize("act_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("kv_dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_kv_write_matches_reference(kind, kv_dtype, act_dtype):
+    """The rows of a mixed batch land in their slots converted to the KV dtype (one rounding to
+    nearest even from the exact value on both sides: bit-exact); every other value keeps its
+    poison."""
+    rng = np.random.default_rng(26000 + 100 * kind + 10 * kv_dtype + act_dtype)
+    layout = Layout(kind, 5, 3, 7, ELEM_SIZE[kv_dtype], 60)
+    batch = PagedBatch(rng, layout, MIXED_LENS, MIXED_TOKENS)
+    shape = (batch.n_tokens, 3, 7)
+    k = encode(rng.standard_normal(shape) * 10, act_dtype)
+    v = encode(rng.standard_normal(shape) * 10, act_dtype)
+    storage = poison(layout.n_elems, ELEM_SIZE[kv_dtype])
+    want = storage.copy()
+    for t in range(batch.n_tokens):
+        idx = batch.slots(layout, int(batch.token_seq[t]), [int(batch.token_pos[t])])
+        want[idx[0, 0]] = encode(decode(k[t], act_dtype), kv_dtype).view(want.dtype)
+        want[idx[1, 0]] = encode(decode(v[t], act_dtype), kv_dtype).view(want.dtype)
+    _C.cuda_kv_write(storage, layout.tuple(), kv_dtype, k, v, act_dtype, *batch.args())
+    diff = np.flatnonzero(storage != want)
+    assert diff.size == 0, f"{diff.size} elements differ, first at {diff[:8]}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_kv_write_matches_cpu_kv_write(kind):
+    rng = np.random.default_rng(27000 + kind)
+    layout = Layout(kind, 5, 3, 7, 4, 60)
+    batch = PagedBatch(rng, layout, MIXED_LENS, MIXED_TOKENS)
+    k = rng.standard_normal((batch.n_tokens, 3, 7)).astype(np.float32)
+    v = rng.standard_normal((batch.n_tokens, 3, 7)).astype(np.float32)
+    gpu = poison(layout.n_elems, 4).view(np.float32)
+    cpu = gpu.copy()
+    _C.cuda_kv_write(gpu, layout.tuple(), F32, k, v, F32, *batch.args())
+    _C.kernel_kv_write(cpu, (kind, 5, 3, 7, 60), k, v, *batch.args()[:2], batch.indptr,
+                       batch.indices, batch.n_tokens, batch.n_seqs)
+    np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
+
+
+@needs_gpu
+def test_kv_write_skips_stale_entries():
+    """Unchecked tables (check=False): a token of an unknown sequence, at a negative position,
+    past its sequence's blocks or in an invalid block writes nothing."""
+    rng = np.random.default_rng(28000)
+    layout = Layout(PAGE, 4, 2, 8, 2, 6)
+    batch = PagedBatch(rng, layout, [8, 4], [(0, 1), (3, 0), (0, -2), (1, 4), (0, 6), (1, 2)])
+    batch.indices[1] = 6  # sequence 0's second block is past the layer: position 6 is dropped
+    k = encode(rng.standard_normal((6, 2, 8)), BF16)
+    storage = poison(layout.n_elems, 2)
+    want = storage.copy()
+    for t in (0, 5):
+        idx = batch.slots(layout, int(batch.token_seq[t]), [int(batch.token_pos[t])])
+        want[idx[0, 0]], want[idx[1, 0]] = k[t], k[t]
+    _C.cuda_kv_write(storage, layout.tuple(), BF16, k, k, BF16, *batch.args(), False)
+    np.testing.assert_array_equal(storage, want)
+
+
+def test_kv_write_refuses_bad_arguments_before_the_device():
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    rng = np.random.default_rng(29000)
+    layout = Layout(HEAD, 4, 2, 8, 2, 4)
+    batch = PagedBatch(rng, layout, [6], [(0, 4), (0, 5)])
+    storage = np.zeros(layout.n_elems, np.uint16)
+    k = np.zeros((2, 2, 8), np.uint16)
+    with pytest.raises(InvalidArgumentError, match="elem_size=2 does not match kv_dtype f32"):
+        _C.cuda_kv_write(storage, layout.tuple(), F32, k, k, F16, *batch.args())
+    with pytest.raises(InvalidArgumentError, match="unknown dtype 9"):
+        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, 9, *batch.args())
+    args = list(batch.args())
+    args[2] = -1
+    with pytest.raises(InvalidArgumentError, match="n_tokens=-1"):
+        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *args)
+    with pytest.raises(ValueError, match="k has"):
+        _C.cuda_kv_write(storage, layout.tuple(), F16, k[:1], k, F16, *batch.args())
+    batch.token_pos[1] = 8  # the sequence owns 2 blocks of 4: positions 0..7
+    with pytest.raises(InvalidArgumentError, match="token 1 is at position 8"):
+        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *batch.args())
+
+
+# ---- sampling on the device, against the CPU sampler ----
+
+def sample_params(rng, n, vocab):
+    """Random rows of (temperature, top_k, top_p, seed, token_index, min_p), every feature on and
+    off, greedy included."""
+    rows = []
+    for _ in range(n):
+        temperature = float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.5, 4.0]))
+        top_k = int(rng.choice([0, 1, 2, 50, vocab, int(rng.integers(0, vocab + 1))]))
+        top_p = float(rng.choice([1.0, 1.0, 0.95, 0.5, 0.05, float(rng.uniform(0.01, 1.0))]))
+        min_p = float(rng.choice([0.0, 0.0, 0.05, 0.3, 1.0]))
+        rows.append((temperature, min(top_k, vocab), top_p, int(rng.integers(0, 2**63)),
+                     int(rng.integers(0, 2**40)), min_p))
+    return rows
+
+
+def sample_rows(rng, n, vocab):
+    x = rng.normal(0, 3, (n, vocab))
+    x[::3] = np.round(x[::3])  # every third row: many equal logits (ties by index)
+    x[1::4, ::7] = -np.inf     # some -inf logits
+    x[:, 0] = np.where(np.isinf(x).all(axis=1), 0.0, x[:, 0])
+    return x
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 5003])
+def test_cuda_sample_picks_the_cpu_samplers_tokens(dtype, vocab):
+    """The same token as gy_sampler_sample_batch for every row (16-bit logits: the CPU sampler
+    fed the exactly widened values). sample.cu names the only possible difference, a draw or a
+    top-p sum within a few double ulps of a boundary (~1e-13 per row): such rows would be
+    reported, and none is expected."""
+    rng = np.random.default_rng(30000 + vocab + dtype)
+    n = 48
+    logits = encode(sample_rows(rng, n, vocab), dtype)
+    widened = decode(logits, dtype).astype(np.float32)
+    params = sample_params(rng, n, vocab)
+    tokens = np.full(n, -7, np.int32)
+    _C.cuda_sample(tokens, logits, dtype, n, vocab, params)
+    want = _C.sample(widened, n, vocab, params)
+    differ = [r for r in range(n) if tokens[r] != want[r]]
+    assert not differ, [(r, params[r], int(tokens[r]), want[r]) for r in differ]
+
+
+@needs_gpu
+def test_cuda_sample_large_vocab_and_top_p_near_one():
+    """A Llama-3-sized vocabulary (every radix-select pass fully used) and top_p = 0.999 (the
+    nucleus holds most of the vocabulary)."""
+    rng = np.random.default_rng(31000)
+    n, vocab = 6, 128256
+    logits = rng.normal(0, 2, (n, vocab)).astype(np.float32)
+    params = [(1.0, 0, 0.999, 1, 1, 0.0), (0.8, 40000, 0.9, 2, 2, 0.0), (1.2, 0, 1.0, 3, 3, 0.0),
+              (0.5, 50, 1.0, 4, 4, 0.01), (2.0, 100000, 0.3, 5, 5, 0.0), (0.0, 0, 1.0, 6, 6, 0.0)]
+    tokens = np.full(n, -7, np.int32)
+    _C.cuda_sample(tokens, logits, F32, n, vocab, params)
+    assert tokens.tolist() == _C.sample(logits, n, vocab, params)
+
+
+@needs_gpu
+def test_cuda_sample_refused_rows_get_minus_one():
+    """Rows the CPU sampler refuses (NaN, +inf, only -inf) get -1 and leave the other rows alone;
+    greedy ties go to the lowest index, -0 ties with +0."""
+    x = np.zeros((5, 6), np.float32)
+    x[0, 3] = np.nan
+    x[1, 2] = np.inf
+    x[2] = -np.inf
+    x[3] = [1, 5, 2, 5, -1, 0]
+    x[4] = [-0.0, 0.0, -1, -2, -3, -4]
+    tokens = np.full(5, 9, np.int32)
+    params = [(0.0, 0, 1.0, 0, 0)] * 4 + [(0.0, 0, 1.0, 0, 0)]
+    _C.cuda_sample(tokens, x, F32, 5, 6, params)
+    assert tokens.tolist() == [-1, -1, -1, 1, 0]
+    sampled = [(1.0, 0, 1.0, 1, 1)] * 5
+    _C.cuda_sample(tokens, x, F32, 5, 6, sampled)
+    assert tokens[:3].tolist() == [-1, -1, -1]
+    assert tokens[3:].tolist() == _C.sample(x[3:], 2, 6, sampled[3:])
+
+
+def test_cuda_sample_refuses_bad_arguments_before_the_device():
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    x = np.zeros((2, 4), np.float32)
+    tokens = np.zeros(2, np.int32)
+    ok = (1.0, 0, 1.0, 0, 0)
+    for row, word in [((1.0, 5, 1.0, 0, 0), "top_k"), ((1.0, 0, 0.0, 0, 0), "top_p"),
+                      ((-1.0, 0, 1.0, 0, 0), "temperature"), ((1.0, 0, 1.0, 0, 0, 2.0), "min_p")]:
+        with pytest.raises(InvalidArgumentError, match=f"row 1: {word}"):
+            _C.cuda_sample(tokens, x, F32, 2, 4, [ok, row])
+    with pytest.raises(InvalidArgumentError, match="vocab=0"):
+        _C.cuda_sample(tokens, x, F32, 2, 0, [ok, ok])
+    with pytest.raises(InvalidArgumentError, match="unknown dtype"):
+        _C.cuda_sample(tokens, x, 3, 2, 4, [ok, ok])
+    with pytest.raises(ValueError, match="params has 1 rows"):
+        _C.cuda_sample(tokens, x, F32, 2, 4, [ok])
+    with pytest.raises(ValueError, match="logits has"):
+        _C.cuda_sample(tokens, x, F16, 2, 4, [ok, ok])
+
+
+def test_refused_new_entry_points_release_their_buffers():
+    """kv_write, the attention kernels and the sampler: 1000 calls refused after their buffers
+    were borrowed (a bad table, a short buffer, bad params) keep no reference to the arrays."""
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    rng = np.random.default_rng(32000)
+    layout = Layout(PAGE, 4, 2, 8, 4, 3)
+    batch = PagedBatch(rng, layout, [5], [(0, 3), (0, 4)])
+    batch.token_pos[1] = 9  # past the sequence's 2 blocks: refused by the host check
+    storage = np.zeros(layout.n_elems, np.float32)
+    q = np.zeros((2, 4, 8), np.float32)
+    k = np.zeros((2, 2, 8), np.float32)
+    logits = np.zeros((1, 5), np.float32)
+    tokens = np.zeros(1, np.int32)
+    arrays = (storage, q, k, batch.token_seq, batch.token_pos, batch.indptr, batch.indices,
+              logits)
+    before = [sys.getrefcount(x) for x in arrays]
+    for _ in range(1000):
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_kv_write(storage, layout.tuple(), F32, k, k, F32, *batch.args())
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_paged_attention_decode(q.copy(), q, F32, storage, layout.tuple(), F32,
+                                           *batch.args(), 4, 0, 0.5)
+        with pytest.raises(ValueError):
+            _C.cuda_paged_attention_prefill(q[:1].copy(), q, F32, storage, layout.tuple(), F32,
+                                            *batch.args(), 4, 0, 0.5)
+        with pytest.raises(InvalidArgumentError):
+            _C.cuda_sample(tokens, logits, F32, 1, 5, [(1.0, 9, 1.0, 0, 0)])
+    gc.collect()
+    assert [sys.getrefcount(x) for x in arrays] == before
+
+
+def test_workspace_sizes():
+    if not _C.WITH_CUDA:
+        pytest.skip("gyges was built without CUDA")
+    ws = _C.cuda_paged_attention_workspace_bytes
+    assert ws(0, 32, 128, 4096) == 0
+    assert ws(128, 32, 128, 4096) == 0  # 4096 (token, head) rows fill the GPU: no split
+    assert ws(64, 32, 128, 4096) == 64 * 32 * 2 * 130 * 4  # 2048 rows: 2 partitions
+    assert ws(1, 32, 128, 100) == 0  # shorter than one partition
+    assert ws(1, 32, 128, 4096) == 32 * 32 * 130 * 4  # 32 partitions of 128 positions
+
+
 # ---- the CUDA arena (GPU) ----
 
 def _cuda_arena(pages=8, n_slots=16, pool_pages=4, page_size=2 * MiB):

@@ -13,8 +13,8 @@ import pytest
 from gyges import _C
 
 
-def ref_probs(x, temperature, top_k, top_p):
-    """float64 reference: temperature, then top-k, then top-p (vLLM's order)."""
+def ref_probs(x, temperature, top_k, top_p, min_p=0.0):
+    """float64 reference: temperature, then min-p, then top-k, then top-p (vLLM's order)."""
     x = np.asarray(x, np.float32).astype(np.float64)
     V = x.size
     if temperature == 0:
@@ -22,6 +22,7 @@ def ref_probs(x, temperature, top_k, top_p):
         out[np.argmax(x)] = 1.0  # np.argmax returns the first maximum
         return out, False
     w = np.exp((x - x[np.isfinite(x)].max()) / temperature)
+    w[w < min_p] = 0.0  # below min_p times the largest probability (whose w is 1)
     order = np.lexsort((np.arange(V), -x))  # logit descending, then index ascending
     if 0 < top_k < V:
         order = order[:top_k]
@@ -37,9 +38,9 @@ def ref_probs(x, temperature, top_k, top_p):
     return w / w.sum(), near
 
 
-def c_probs(x, temperature, top_k, top_p):
+def c_probs(x, temperature, top_k, top_p, min_p=0.0):
     out = np.empty(len(x))
-    _C.sampler_probs(np.ascontiguousarray(x, np.float32), temperature, top_k, top_p, out)
+    _C.sampler_probs(np.ascontiguousarray(x, np.float32), temperature, top_k, top_p, out, min_p)
     return out
 
 
@@ -104,6 +105,41 @@ def test_top_k_top_p_by_hand():
     assert np.flatnonzero(c_probs(z, 1.0, 0, 0.5)).tolist() == [0, 1]
     assert np.flatnonzero(c_probs(z, 1.0, 0, 0.75)).tolist() == [0, 1, 2]
     assert np.flatnonzero(c_probs(z, 1.0, 3, 1.0)).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("V", [1, 17, 5003])
+def test_min_p_keeps_exactly_the_reference_sets(V):
+    """min-p before top-k and top-p: the kept set and the probabilities of the reference."""
+    rng = np.random.default_rng(50 + V)
+    checked = 0
+    while checked < 100:
+        x = random_row(rng, V, ties=rng.random() < 0.5)
+        if np.isinf(x).all():
+            continue
+        T = float(rng.choice([0.3, 1.0, 2.5]))
+        k = min(V, int(rng.choice([0, 1, V // 2, rng.integers(0, V + 1)])))
+        p = float(rng.choice([1.0, 0.9, 0.5]))
+        m = float(rng.choice([0.0, 0.01, 0.1, 0.5, 1.0, rng.random()]))
+        ref, ambiguous = ref_probs(x, T, k, p, m)
+        w = np.exp((x.astype(np.float64) - x[np.isfinite(x)].max()) / T)
+        if ambiguous or np.any(np.abs(w - m) <= 1e-12 * max(m, 1e-300)):
+            continue  # an exp within an ulp of the threshold may go either way
+        got = c_probs(x, T, k, p, m)
+        assert np.array_equal(got > 0, ref > 0), (T, k, p, m)
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=0)
+        checked += 1
+
+
+def test_min_p_by_hand():
+    y = np.log(np.array([0.1, 0.5, 0.15, 0.25], np.float32))  # relative to the max: .2 1 .3 .5
+    assert np.flatnonzero(c_probs(y, 1.0, 0, 1.0, 0.25)).tolist() == [1, 2, 3]
+    assert np.flatnonzero(c_probs(y, 1.0, 0, 1.0, 0.4)).tolist() == [1, 3]
+    assert np.flatnonzero(c_probs(y, 1.0, 0, 1.0, 1.0)).tolist() == [1]
+    assert np.flatnonzero(c_probs(y, 1.0, 0, 1.0, 0.0)).tolist() == [0, 1, 2, 3]
+    # top-p then works on what min-p left: 0.5 / (0.5 + 0.25) = 0.67 >= 0.6
+    assert np.flatnonzero(c_probs(y, 1.0, 0, 0.6, 0.4)).tolist() == [1]
+    tokens = _C.sample(np.tile(y, (50, 1)), 50, 4, [(1.0, 0, 1.0, s, 0, 0.4) for s in range(50)])
+    assert set(tokens) == {1, 3}
 
 
 def chi2(counts, probs):
@@ -185,12 +221,13 @@ def test_bad_parameters_raise_value_errors():
            ((float("inf"), 0, 1.0, 0, 0), "temperature"), ((1.0, -1, 1.0, 0, 0), "top_k"),
            ((1.0, 5, 1.0, 0, 0), "top_k"), ((1.0, 0, 0.0, 0, 0), "top_p"),
            ((1.0, 0, 1.01, 0, 0), "top_p"), ((1.0, 0, float("nan"), 0, 0), "top_p"),
-           ((1.0, 0, -0.2, 0, 0), "top_p")]
+           ((1.0, 0, -0.2, 0, 0), "top_p"), ((1.0, 0, 1.0, 0, 0, -0.1), "min_p"),
+           ((1.0, 0, 1.0, 0, 0, 1.5), "min_p"), ((1.0, 0, 1.0, 0, 0, float("nan")), "min_p")]
     for params, word in bad:
         with pytest.raises(_C.InvalidArgumentError, match=f"row 1: {word}"):
             _C.sample(x, 2, 4, [ok, params])
         with pytest.raises(ValueError, match=word):
-            c_probs(x[0], params[0], params[1], params[2])
+            c_probs(x[0], params[0], params[1], params[2], *params[5:])
     for value, word in [(np.nan, "NaN"), (np.inf, r"\+inf")]:
         y = x.copy()
         y[1, 2] = value

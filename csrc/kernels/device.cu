@@ -117,3 +117,37 @@ extern "C" gy_status gy_cuda_stream_synchronize(gy_cuda_stream stream) {
     GY_CUDA_CHECK(cudaStreamSynchronize(stream));
     return GY_OK;
 }
+
+extern "C" gy_status gy_cuda_memcpy_dtod(void *dst, const void *src, uint64_t bytes,
+                                         gy_cuda_stream stream) {
+    if (bytes != 0)
+        GY_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyDeviceToDevice, stream));
+    return GY_OK;
+}
+
+/* ---- events, for timing ---- */
+
+extern "C" gy_status gy_cuda_event_create(gy_cuda_event *out) {
+    if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_cuda_event_create: NULL out");
+    *out = NULL;
+    cudaEvent_t event;
+    GY_CUDA_CHECK(cudaEventCreate(&event));
+    *out = event;
+    return GY_OK;
+}
+
+extern "C" void gy_cuda_event_destroy(gy_cuda_event event) {
+    if (event != NULL && cudaEventDestroy(event) != cudaSuccess) cudaGetLastError();
+}
+
+extern "C" gy_status gy_cuda_event_record(gy_cuda_event event, gy_cuda_stream stream) {
+    GY_CUDA_CHECK(cudaEventRecord(event, stream));
+    return GY_OK;
+}
+
+extern "C" gy_status gy_cuda_event_elapsed_ms(float *ms, gy_cuda_event start, gy_cuda_event end) {
+    if (ms == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_cuda_event_elapsed_ms: NULL ms");
+    GY_CUDA_CHECK(cudaEventSynchronize(end));
+    GY_CUDA_CHECK(cudaEventElapsedTime(ms, start, end));
+    return GY_OK;
+}

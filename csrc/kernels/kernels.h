@@ -18,6 +18,7 @@
 #include "../core/status.h"
 #include "../cpu/dtype.h"
 #include "../kv/kv_layout.h"
+#include "../sched/sampler.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -51,6 +52,16 @@ gy_status gy_cuda_memcpy_dtoh(void *dst_host, const void *src, uint64_t bytes);
 gy_status gy_cuda_memset(void *dst, int value, uint64_t bytes);
 /* Waits for `stream` and reports any error a kernel hit while running. */
 gy_status gy_cuda_stream_synchronize(gy_cuda_stream stream);
+/* Device-to-device copy, asynchronous on `stream` (the bandwidth reference of the benchmarks). */
+gy_status gy_cuda_memcpy_dtod(void *dst, const void *src, uint64_t bytes, gy_cuda_stream stream);
+
+/* Timing with events: record two on a stream, then the milliseconds between them (waits for
+ * `end`). The runtime's cudaEvent_t, spelled so that C files need no CUDA header. */
+typedef struct CUevent_st *gy_cuda_event;
+gy_status gy_cuda_event_create(gy_cuda_event *out);
+void gy_cuda_event_destroy(gy_cuda_event event); /* NULL is a no-op */
+gy_status gy_cuda_event_record(gy_cuda_event event, gy_cuda_stream stream);
+gy_status gy_cuda_event_elapsed_ms(float *ms, gy_cuda_event start, gy_cuda_event end);
 
 /* ---- KV movement: bit-exact copies, so they work for any elem_size (fp32/fp16/bf16 alike) ----
  *
@@ -87,6 +98,68 @@ gy_status gy_cuda_kv_copy_heads(void *dst, const gy_kv_layout *dst_layout,
                                 const gy_kv_layout *src_layout, const int32_t *src_blocks,
                                 int64_t src_head0, int64_t n_heads, int64_t n_blocks,
                                 gy_cuda_stream stream);
+
+/* kv_write.cu: the batch twin of cpu/kv_write.h. For every token t and KV head h, K[t, h, :] and
+ * V[t, h, :] go to the slot of position token_pos[t] of sequence token_seq[t], converted from
+ * act_dtype to kv_dtype (widened to fp32, rounded once to nearest even: equal dtypes copy exactly).
+ *   storage: (layout) kv_dtype; layout->elem_size must be gy_dtype_size(kv_dtype)
+ *   k, v:    (n_tokens, layout->n_heads, layout->head_dim) act_dtype
+ *   token_seq, token_pos: (n_tokens) int32   bt_indptr: (n_seqs + 1) int32
+ *   bt_indices: (bt_indptr[n_seqs]) int32 block ids: the CSR block tables of cpu/paged.h
+ * Tokens whose sequence, position or block is out of range are skipped (validate the tables on
+ * the host with gy_cpu_paged_batch_check). A slot named by two tokens of one call gets either. */
+/* Its argument checks alone (no pointer, no device): callers that copy buffers to the device
+ * first (the Python entry point) refuse bad arguments before touching it. The same pattern for
+ * the attention and sampling kernels below. */
+gy_status gy_cuda_kv_write_check(const gy_kv_layout *layout, gy_dtype kv_dtype,
+                                 gy_dtype act_dtype, int64_t n_tokens, int64_t n_seqs);
+gy_status gy_cuda_kv_write(void *storage, const gy_kv_layout *layout, gy_dtype kv_dtype,
+                           const void *k, const void *v, gy_dtype act_dtype,
+                           const int32_t *token_seq, const int32_t *token_pos, int64_t n_tokens,
+                           const int32_t *bt_indptr, const int32_t *bt_indices, int64_t n_seqs,
+                           gy_cuda_stream stream);
+
+/* ---- paged attention (attention.cuh, paged_attention_decode.cu, paged_attention_prefill.cu) ----
+ *
+ * Causal attention of query tokens over a layer's paged KV cache, any of the three layouts: query
+ * token t (sequence token_seq[t], position token_pos[t], the CSR tables of cpu/paged.h) attends
+ * over positions 0..token_pos[t] of its sequence, whose K/V must already be in the cache (write a
+ * chunk's K/V with gy_cuda_kv_write first). Query head h reads KV head h / (n_q_heads /
+ * layout->n_heads) (GQA). Scores q.k * scale, online softmax and the weighted sum of V are fp32;
+ * the output is rounded once to act_dtype.
+ *   out, q:     (n_tokens, n_q_heads, layout->head_dim) act_dtype; out must not overlap q
+ *   layer_base: (layout) kv_dtype, 16-byte aligned; layout->elem_size = gy_dtype_size(kv_dtype)
+ *   head_dim:   a multiple of 8, at most 256; n_q_heads: a multiple of layout->n_heads
+ *   max_len:    a host upper bound on token_pos[t] + 1 over the batch (it sizes the split of the
+ *               KV length; a token past it is still right, only slower)
+ *   workspace:  device scratch of gy_cuda_paged_attention_workspace_bytes(n_tokens, n_q_heads,
+ *               head_dim, max_len) bytes, 4-byte aligned (NULL when that is 0)
+ * Both entry points are correct for any batch; the caller picks the faster one: decode splits
+ * each token's KV length into partitions (flash-decoding) so that a few long sequences fill the
+ * GPU; prefill shares K/V tiles among 32 consecutive query tokens of a sequence. Stale entries
+ * (sequence or position out of range) give zeros; positions without a valid block are skipped. */
+gy_status gy_cuda_paged_attention_check(gy_dtype act_dtype, const gy_kv_layout *layout,
+                                        gy_dtype kv_dtype, int64_t n_tokens, int64_t n_seqs,
+                                        int64_t n_q_heads, int64_t max_len, float scale);
+int64_t gy_cuda_paged_attention_workspace_bytes(int64_t n_tokens, int64_t n_q_heads,
+                                                int64_t head_dim, int64_t max_len);
+gy_status gy_cuda_paged_attention_decode(void *out, const void *q, gy_dtype act_dtype,
+                                         const void *layer_base, const gy_kv_layout *layout,
+                                         gy_dtype kv_dtype, const int32_t *token_seq,
+                                         const int32_t *token_pos, int64_t n_tokens,
+                                         const int32_t *bt_indptr, const int32_t *bt_indices,
+                                         int64_t n_seqs, int64_t n_q_heads, int64_t max_len,
+                                         float scale, void *workspace, int64_t workspace_bytes,
+                                         gy_cuda_stream stream);
+/* The same contract; needs no workspace (it is ignored). */
+gy_status gy_cuda_paged_attention_prefill(void *out, const void *q, gy_dtype act_dtype,
+                                          const void *layer_base, const gy_kv_layout *layout,
+                                          gy_dtype kv_dtype, const int32_t *token_seq,
+                                          const int32_t *token_pos, int64_t n_tokens,
+                                          const int32_t *bt_indptr, const int32_t *bt_indices,
+                                          int64_t n_seqs, int64_t n_q_heads, int64_t max_len,
+                                          float scale, void *workspace, int64_t workspace_bytes,
+                                          gy_cuda_stream stream);
 
 /* ---- model kernels (Llama, HF conventions) ---- */
 
@@ -126,6 +199,24 @@ gy_status gy_cuda_embedding(void *out, const void *table, const int32_t *ids, in
  *   out: (rows) int32  logits: (rows, vocab) dtype, vocab < 2^31 */
 gy_status gy_cuda_argmax(int32_t *out, const void *logits, int64_t rows, int64_t vocab,
                          gy_dtype dtype, gy_cuda_stream stream);
+
+/* sample.cu: the next token of each row, with the algorithm, order of operations and random
+ * stream of csrc/sched/sampler.c (temperature, min-p, top-k, top-p, Philox draw at (seed,
+ * token_index)): for fp32 logits the same token as gy_sampler_sample_batch except when a draw or a
+ * top-p boundary lies within a few double ulps (sample.cu says why); 16-bit logits are widened.
+ *   tokens:      (rows) int32; -1 for a row the CPU sampler would refuse (NaN or +inf logit, only
+ *                -inf, parameters out of range) and for a sampled row without a workspace
+ *   logits:      (rows, vocab) dtype, vocab < 2^31
+ *   params:      (rows) gy_sampler_params, device (check them with gy_sampler_check first)
+ *   token_index: (rows) int64, the index of the token being sampled in its request
+ *   workspace:   gy_cuda_sample_workspace_bytes(rows, vocab) bytes, 8-byte aligned; may be NULL
+ *                when every row is greedy (temperature 0) */
+gy_status gy_cuda_sample_check(gy_dtype dtype, int64_t rows, int64_t vocab);
+int64_t gy_cuda_sample_workspace_bytes(int64_t rows, int64_t vocab);
+gy_status gy_cuda_sample(int32_t *tokens, const void *logits, gy_dtype dtype, int64_t rows,
+                         int64_t vocab, const gy_sampler_params *params,
+                         const int64_t *token_index, void *workspace, int64_t workspace_bytes,
+                         gy_cuda_stream stream);
 
 #ifdef __cplusplus
 }

@@ -311,7 +311,7 @@ static int gy_py_get_floats(PyObject *object, Py_buffer *view, Py_ssize_t count,
 }
 
 /* sample(logits, n, vocab, params) -> list of n tokens. logits: float32 (n, vocab) buffer;
- * params: n tuples (temperature, top_k, top_p, seed, token_index). */
+ * params: n tuples (temperature, top_k, top_p, seed, token_index[, min_p]). */
 static PyObject *gy_py_sample(PyObject *module, PyObject *args) {
     PyObject *logits_object, *params_object;
     long long n, vocab;
@@ -339,10 +339,10 @@ static PyObject *gy_py_sample(PyObject *module, PyObject *args) {
     for (long long r = 0; r < n; r++) {
         unsigned long long seed;
         long long top_k, token_index;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, r), "dLdKL;params rows are "
-                              "(temperature, top_k, top_p, seed, token_index)",
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, r), "dLdKL|d;params rows are "
+                              "(temperature, top_k, top_p, seed, token_index[, min_p])",
                               &params[r].temperature, &top_k, &params[r].top_p, &seed,
-                              &token_index))
+                              &token_index, &params[r].min_p))
             goto done;
         params[r].top_k = top_k;
         params[r].seed = seed;
@@ -378,14 +378,14 @@ done:
     return result;
 }
 
-/* sampler_probs(logits, temperature, top_k, top_p, out): out (vocab) float64 receives the
- * distribution the draw uses; vocab is the length of logits (float32). */
+/* sampler_probs(logits, temperature, top_k, top_p, out[, min_p]): out (vocab) float64 receives
+ * the distribution the draw uses; vocab is the length of logits (float32). */
 static PyObject *gy_py_sampler_probs(PyObject *module, PyObject *args) {
     PyObject *logits_object, *out_object;
     gy_sampler_params p = {0};
     long long top_k;
-    if (!PyArg_ParseTuple(args, "OdLdO", &logits_object, &p.temperature, &top_k, &p.top_p,
-                          &out_object))
+    if (!PyArg_ParseTuple(args, "OdLdO|d", &logits_object, &p.temperature, &top_k, &p.top_p,
+                          &out_object, &p.min_p))
         return NULL;
     p.top_k = top_k;
     Py_buffer logits, out;
@@ -416,9 +416,11 @@ static PyObject *gy_py_rng_uniform(PyObject *module, PyObject *args) {
 
 static PyMethodDef gy_py_scheduler_functions[] = {
     {"sample", gy_py_sample, METH_VARARGS,
-     "sample(logits, n, vocab, [(temperature, top_k, top_p, seed, token_index)] * n) -> tokens"},
+     "sample(logits, n, vocab, [(temperature, top_k, top_p, seed, token_index[, min_p])] * n) "
+     "-> tokens"},
     {"sampler_probs", gy_py_sampler_probs, METH_VARARGS,
-     "sampler_probs(logits_f32, temperature, top_k, top_p, out_f64): the draw's distribution"},
+     "sampler_probs(logits_f32, temperature, top_k, top_p, out_f64[, min_p]): the draw's "
+     "distribution"},
     {"rng_uniform", gy_py_rng_uniform, METH_VARARGS,
      "rng_uniform(seed, index, stream=sampler's) -> float in [0, 1)"},
     {NULL, NULL, 0, NULL},

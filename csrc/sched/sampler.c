@@ -1,4 +1,4 @@
-/* sampler.c: temperature / top-k / top-p / draw. Ranks are 64-bit keys (order-preserving logit
+/* sampler.c: temperature / min-p / top-k / top-p / draw. Ranks are 64-bit keys (order-preserving logit
  * bits inverted, then the index), so one integer comparison gives "logit descending, index
  * ascending"; top-k is a quickselect on the keys, top-p a sort of the survivors. */
 #include "sampler.h"
@@ -23,6 +23,8 @@ static int gy_sampler_bad_params(const gy_sampler_params *p, int64_t vocab, char
                  (long long)p->top_k);
     else if (!(p->top_p > 0 && p->top_p <= 1))
         snprintf(why, n, "top_p must be in (0, 1] (1 = off), got %g", p->top_p);
+    else if (!(p->min_p >= 0 && p->min_p <= 1))
+        snprintf(why, n, "min_p must be in [0, 1] (0 = off), got %g", p->min_p);
     else
         return 0;
     return 1;
@@ -107,6 +109,9 @@ static double gy_sampler_weights(double *w, uint64_t *keys, const float *x, int6
     }
     const double m = (double)x[argmax], t = p->temperature;
     for (int64_t i = 0; i < V; i++) w[i] = exp(((double)x[i] - m) / t);
+    if (p->min_p > 0) /* before top-k and top-p, as vLLM applies it; w[argmax] = 1 stays */
+        for (int64_t i = 0; i < V; i++)
+            if (w[i] < p->min_p) w[i] = 0;
     const int top_k = p->top_k > 0 && p->top_k < V, top_p = p->top_p < 1.0;
     if (top_k || top_p) {
         for (int64_t i = 0; i < V; i++) keys[i] = gy_sampler_key(x[i], i);

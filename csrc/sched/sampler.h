@@ -1,11 +1,13 @@
-/* sampler.h: the next token from fp32 logits, vLLM's way: temperature, then top-k, then top-p,
- * then a draw. The draw's randomness is gy_rng_uniform(seed, token_index), so a request samples
+/* sampler.h: the next token from fp32 logits, vLLM's way: temperature, then min-p, then top-k,
+ * then top-p, then a draw. The draw's randomness is gy_rng_uniform(seed, token_index), so a request samples
  * the same token for the same (seed, token index, logits) whatever batch it is in and however
  * often it was preempted and recomputed.
  *
  * For one row of logits x (V):
  *   temperature == 0: greedy, the lowest index among the maxima (top_k/top_p ignored).
  *   otherwise w_i = exp((x_i - max x) / temperature) (in double; -inf logits give 0);
+ *   min-p (0 = off): w_i = 0 where w_i < min_p, i.e. where the probability is below min_p times
+ *     the largest probability (the largest w is exp(0) = 1);
  *   top-k (0 = off): keep the k tokens ranked first by (logit descending, index ascending);
  *   top-p (1 = off): over the survivors in that rank order, keep the shortest prefix whose sum of
  *     w (summed sequentially in rank order) reaches top_p * (sum of the survivors' w);
@@ -30,6 +32,7 @@ typedef struct gy_sampler_params {
     double top_p;       /* (0, 1]; 1 = off */
     int64_t top_k;      /* [0, vocab]; 0 = off */
     uint64_t seed;      /* per request */
+    double min_p;       /* [0, 1]; 0 = off */
 } gy_sampler_params;
 
 /* GY_ERR_INVALID naming the bad field when the params are out of range for `vocab`. */

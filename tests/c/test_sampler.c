@@ -95,6 +95,26 @@ GYTEST(sampler_top_k_and_top_p_sets) {
     CHECK(fabs(probs[3] - 1 / (1 + exp(-0.5))) < 1e-12);
 }
 
+GYTEST(sampler_min_p_comes_before_top_k_and_top_p) {
+    /* probabilities 0.5, 0.3, 0.2: relative to the largest 1, 0.6, 0.4 */
+    const float y[3] = {logf(0.5f), logf(0.3f), logf(0.2f)};
+    gy_sampler_params p = params(1, 0, 1);
+    p.min_p = 0.5;
+    CHECK(support(y, 3, p) == 0x3);
+    p.min_p = 0.7;
+    CHECK(support(y, 3, p) == 0x1);
+    p.min_p = 1.0; /* only the maximum */
+    CHECK(support(y, 3, p) == 0x1);
+    p.min_p = 0.3;
+    CHECK(support(y, 3, p) == 0x7);
+    /* top-p over what min-p kept: 0.5 / 0.8 = 0.625 */
+    p = params(1, 0, 0.6);
+    p.min_p = 0.5;
+    CHECK(support(y, 3, p) == 0x1);
+    p.top_p = 0.65;
+    CHECK(support(y, 3, p) == 0x3);
+}
+
 GYTEST(sampler_same_seed_and_index_same_token_in_any_batch) {
     enum { V = 37, N = 6 };
     float logits[N * V];
@@ -139,6 +159,9 @@ GYTEST(sampler_refusals_name_the_cause) {
         {params(INFINITY, 0, 1), "temperature"}, {params(1, -1, 1), "top_k"},
         {params(1, 5, 1), "top_k"}, {params(1, 0, 0), "top_p"}, {params(1, 0, 1.5), "top_p"},
         {params(1, 0, NAN), "top_p"},
+        {{.temperature = 1, .top_p = 1, .min_p = -0.5}, "min_p"},
+        {{.temperature = 1, .top_p = 1, .min_p = 2}, "min_p"},
+        {{.temperature = 1, .top_p = 1, .min_p = NAN}, "min_p"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         CHECK_STATUS(gy_sampler_sample(&tok, x, 4, &bad[i].p, 0), GY_ERR_INVALID);
