@@ -5,9 +5,8 @@ H100/H200). The CUDA driver is never linked: csrc/mem/arena_cuda.c loads libcuda
 and the CUDA runtime is linked statically, so `import gyges` works on machines with no GPU.
 cuBLAS is not linked either: csrc/kernels/gemm.cu loads libcublas.so at run time.
 
-The CUDA forward pass (csrc/engine/forward_cuda.c) joins the build when csrc/kernels/kernels.h
-declares the paged-attention kernels it calls (GY_WITH_CUDA_FORWARD); without them it compiles to
-entry points that answer "unavailable" with the reason, and the rest of the CUDA backend works.
+The CUDA forward pass (csrc/engine/forward_cuda.c) is built with the CUDA backend
+(GY_WITH_CUDA_FORWARD); without it, it compiles to entry points that answer "unavailable".
 """
 import os
 import shutil
@@ -37,12 +36,6 @@ def cuda_home():
 CUDA_HOME = cuda_home()
 
 
-def cuda_forward_kernels_present():
-    """True when kernels.h declares every kernel the CUDA forward pass calls."""
-    header = (ROOT / "csrc" / "kernels" / "kernels.h").read_text()
-    return all(f"{name}(" in header for name in (
-        "gy_cuda_kv_write", "gy_cuda_paged_attention_decode", "gy_cuda_paged_attention_prefill",
-        "gy_cuda_paged_attention_workspace_bytes"))
 CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GNU_SOURCE",
           "-fno-strict-aliasing", "-march=native"]
 
@@ -87,8 +80,7 @@ def extension():
     library_dirs, libraries, extra_link_args = [], ["m", "dl", "pthread"], []
     if CUDA_HOME is not None:
         define_macros.append(("GY_WITH_CUDA", "1"))
-        if cuda_forward_kernels_present():
-            define_macros.append(("GY_WITH_CUDA_FORWARD", "1"))
+        define_macros.append(("GY_WITH_CUDA_FORWARD", "1"))
         include_dirs.append(str(CUDA_HOME / "include"))
         lib = CUDA_HOME / "lib64"
         library_dirs.append(str(lib))

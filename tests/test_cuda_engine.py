@@ -41,15 +41,7 @@ BF16_RTOL = 5e-2
 KIB, MIB = 1 << 10, 1 << 20
 
 
-def _gpu_skip_reason():
-    if not _C.WITH_CUDA:
-        return "gyges was built without CUDA (nvcc was not found at build time)"
-    if _C.cuda_device_count() == 0:
-        return "no CUDA driver or device on this machine"
-    return None
-
-
-GPU_SKIP_REASON = _gpu_skip_reason()
+from gpu import GPU_SKIP_REASON  # noqa: E402  (tests/gpu.py)
 FORWARD_SKIP_REASON = GPU_SKIP_REASON or _C.cuda_forward_unavailable()
 BLAS_SKIP_REASON = GPU_SKIP_REASON or (_C.cuda_blas_available() if _C.WITH_CUDA else None)
 needs_forward = pytest.mark.skipif(FORWARD_SKIP_REASON is not None,

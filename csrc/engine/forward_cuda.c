@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "../kernels/gemm.h"
-#include "kernels_pending.h" /* includes ../kernels/kernels.h */
+#include "../kernels/kernels.h"
 
 /* ---- runtime errors ---- */
 
@@ -323,7 +323,7 @@ gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv
     if (c == NULL || c->n_tokens != b->paged.n_tokens || c->stream != (cudaStream_t)m->stream)
         return GY_FAIL(GY_ERR_STATE, "gy_forward_layers before gy_forward_begin of this batch");
     GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
-    gy_dtype kv_dtype;
+    gy_dtype kv_dtype = GY_DTYPE_F32; /* set by the call below; gcc cannot see it */
     GY_TRY(gy_fwd_cuda_kv_dtype(m, kv, &kv_dtype));
     const gy_dtype act = m->weight_dtype, F32 = GY_DTYPE_F32;
     const int64_t n = c->n_tokens, hid = m->hidden, D = m->head_dim, R = m->shard_rows;

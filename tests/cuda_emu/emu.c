@@ -1,17 +1,16 @@
 /* emu.c: an emulated CUDA device for tests/cuda_emu/harness.c: the runtime calls of
- * cuda_runtime_api.h, the kernels forward_cuda.c launches (kernels.h and kernels_pending.h) and
+ * cuda_runtime_api.h, the kernels forward_cuda.c launches (kernels.h) and
  * the cuBLAS wrapper (gemm.h), on host memory, naive and plainly correct (float64 sums, the HF
  * conventions the real kernels document). What it checks is forward_cuda.c itself: pointers,
  * offsets, orientations, leading dimensions, dtypes, the residual and TP plumbing. The real
- * kernels and cuBLAS are checked on a GPU by tests/test_cuda.py and tests/test_cuda_engine.py.
- * When the kernels branch is merged, include kernels/kernels.h here instead of the pending
- * header, as forward_cuda.c will. */
+ * kernels and cuBLAS are checked on a GPU by tests/test_cuda.py and tests/test_cuda_engine.py
+ * (and without one by tests/kernel_emu/, which runs the real kernels' code on the host). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cuda_runtime_api.h>
-#include "engine/kernels_pending.h"
+#include "kernels/kernels.h"
 #include "kernels/gemm.h"
 #include "cpu/dtype.h"
 #include "mem/arena.h"

@@ -2,9 +2,9 @@
 AddressSanitizer, and runs tests/test_cuda.py against it: the kernels' indexing, bounds, barriers
 and warp collectives checked on a machine without a GPU.
 
-    .venv/bin/python tests/cuda_emu/build.py [OUT_DIR] [-- pytest arguments]
+    .venv/bin/python tests/kernel_emu/build.py [OUT_DIR] [-- pytest arguments]
 
-OUT_DIR (default /tmp/gyges_cuda_emu) receives a copy of csrc/ whose kernels include emu.h and
+OUT_DIR (default /tmp/gyges_kernel_emu) receives a copy of csrc/ whose kernels include emu.h and
 launch through gy_emu_launch, a gyges/ package built from it, and a copy of tests/test_cuda.py;
 the tests then run there with libasan preloaded. Only the kernels' tests are meaningful: the CUDA
 arena needs the real driver, and timings mean nothing. GY_EMU_MAX_GRID=3 (set here) shrinks every
@@ -115,7 +115,7 @@ def main():
     if "--" in args:
         i = args.index("--")
         args, pytest_args = args[:i], args[i + 1:]
-    out = Path(args[0] if args else "/tmp/gyges_cuda_emu").resolve()
+    out = Path(args[0] if args else "/tmp/gyges_kernel_emu").resolve()
     build(out)
     asan = subprocess.check_output(["gcc", "-print-file-name=libasan.so"], text=True).strip()
     ubsan = subprocess.check_output(["gcc", "-print-file-name=libubsan.so"], text=True).strip()
