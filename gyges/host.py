@@ -329,9 +329,12 @@ class Host(Serving):
                 "on the device, which is not implemented; omit layers_per_step to move every "
                 "layer at once")
         if method == "basic" or (method == "partial_swap" and self.kv_layout != "header"):
+            how = ("method='basic'" if method == "basic" else
+                   f"method='partial_swap' with the {self.kv_layout!r} KV layout (basic's migration)")
             raise UnavailableError(
-                "method='basic' builds the new KV blocks through host copies (KVCache.write), "
-                "which device arenas do not have; use 'gyges', 'stop_world' or 'partial_swap'")
+                f"{how} builds the new KV blocks through host copies (KVCache.write), which "
+                f"device arenas do not have; use 'gyges', 'stop_world' or 'partial_swap' with "
+                f"the header layout")
 
     # ---- serving ----
     def submit(self, tokens, params=None, instance=None):

@@ -18,10 +18,17 @@ that the heads and FFN shards it keeps are a subset of those it has. The all-red
 ranks in a fixed tree, so the order of workers does not change a bit of the result.
 
 Scale-down, TPk -> m instances of TPt: requests are spread over the new instances to balance
-their KV (refused with the reason when they cannot fit), the KV is staged in host memory and
-written back in the wider blocks (all layers at once in this version: the staging is reported as
-peak extra bytes), then each worker gathers the FFN shards its new rank
+their KV (refused with the reason when they cannot fit), the KV is staged and written back in the
+wider blocks (all layers at once in this version: the staging is reported as peak extra bytes),
+then each worker gathers the FFN shards its new rank
 needs from the peers that hold them (or from the host copy of the weights).
+
+Where the bytes move (KV_COPY_PATH): CPU workers copy host memory (NumPy views, arena copy_runs,
+staging in host memory). CUDA workers, virtual workers sharing one GPU, never move KV through the
+host: the all-to-all is KVCache.copy_heads_from (a kernel per layer and pair of workers), a
+scale-down stages in a device arena of its own (outside the workers' budgets, like the host
+staging; stats["stage_bytes"]), and FFN shards come back from peers by device-to-device copies.
+The plan, the order of the rounds and every count are the same on both paths.
 
 Both directions run either at once, between two steps of the host (scale_up, scale_down), or
 layer-staggered (Gyges 4.3: StaggeredScaleUp/StaggeredScaleDown move a few layers per step, last
