@@ -921,23 +921,9 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     start = time.perf_counter()
     host.instances.remove(inst)
     inst.close()
-    run_bytes = sample.kv.block_bytes  # one old block = h_old heads
-    staged, stages = {}, None
-    if _device_path(host):
-        stages = _stage_device(host, tr, moved, rank_worker)
-    for layer in range(config.num_hidden_layers if stages is None else 0):
-        for handle, ex, tabs, ntok in moved:
-            for rank, tab in enumerate(tabs):
-                if tab is None:
-                    continue
-                w = rank_worker[rank]
-                kv = host.worker(w).kv
-                raw = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * run_bytes,
-                                                      dtype=np.uint8).reshape(kv.n_blocks, run_bytes)
-                staged[(layer, handle.id, rank)] = raw[tab].copy()
-                # Staged in host memory, not in the arena: this version stages every layer.
-                tr.stats["peak_extra_bytes"][w] += staged[(layer, handle.id, rank)].nbytes
-                del raw
+    device = _device_path(host)
+    stage, unstage = (_stage_device, _unstage_device) if device else (_stage_host, _unstage_host)
+    staged = stage(host, tr, moved, rank_worker)
     for w in group:
         kv = host.worker(w).kv
         pages = kv.stats()["pages_per_layer"]
@@ -958,30 +944,8 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
             seq = kv.new_sequence()
             kv.reserve(seq, max(ntok))
             seq_of[w][handle.id] = seq
-    if stages is not None:
-        _unstage_device(host, tr, moved, stages, worker_of, rank_worker, seq_of, m, h_old)
-        del stages  # the staging arenas go back
-    for layer in range(config.num_hidden_layers if not _device_path(host) else 0):
-        for (j, r), w in worker_of.items():
-            kv = host.worker(w).kv
-            if not kv.n_blocks:
-                continue
-            dst = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * kv.block_bytes,
-                                                  dtype=np.uint8).reshape(kv.n_blocks, m, run_bytes)
-            for handle, ex, tabs, ntok in moved:
-                if handle.id not in seq_of[w]:
-                    continue
-                table = kv.block_table(seq_of[w][handle.id])
-                for g in range(m):  # old rank r*m + g held sub-group g of the new rank's heads
-                    data = staged[(layer, handle.id, r * m + g)]
-                    dst[table, g] = data
-                    src_w = rank_worker[r * m + g]
-                    if src_w != w:
-                        tr.stats["bytes_sent"][src_w] += data.nbytes
-                        tr.stats["bytes_received"][w] += data.nbytes
-            del dst
-        for key in [key for key in staged if key[0] == layer]:
-            del staged[key]
+    unstage(host, tr, moved, staged, worker_of, rank_worker, seq_of, m, h_old)
+    del staged  # the stage goes back (host memory, or the device path's staging arenas)
     tr._time("kv", start)
 
     # ---- 2. weights: each worker takes back the FFN shards of its new rank ----
@@ -1015,6 +979,54 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     tr._time("adopt", start)
     tr.done = True
     return tr
+
+
+def _stage_host(host, tr, moved, rank_worker):
+    """Scale-down's staging on the host path: each moved request's old blocks of every rank and
+    layer, copied out of the arena's host memory. Returns {(layer, request id, rank): bytes}."""
+    staged = {}
+    for layer in range(host.model.config.num_hidden_layers):
+        for handle, ex, tabs, ntok in moved:
+            for rank, tab in enumerate(tabs):
+                if tab is None:
+                    continue
+                w = rank_worker[rank]
+                kv = host.worker(w).kv
+                run_bytes = kv.block_bytes  # one old block = h_old heads
+                raw = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * run_bytes,
+                                                      dtype=np.uint8).reshape(kv.n_blocks, run_bytes)
+                staged[(layer, handle.id, rank)] = raw[tab].copy()
+                # Staged in host memory, not in the arena: this version stages every layer.
+                tr.stats["peak_extra_bytes"][w] += staged[(layer, handle.id, rank)].nbytes
+                del raw
+    return staged
+
+
+def _unstage_host(host, tr, moved, staged, worker_of, rank_worker, seq_of, m, h_old):
+    """Writes the staged blocks into the new workers' wider blocks through host views: new rank
+    r of instance j takes from old rank r*m + g the sub-group g of its heads."""
+    for layer in range(host.model.config.num_hidden_layers):
+        for (j, r), w in worker_of.items():
+            kv = host.worker(w).kv
+            if not kv.n_blocks:
+                continue
+            run_bytes = kv.block_bytes // m
+            dst = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * kv.block_bytes,
+                                                  dtype=np.uint8).reshape(kv.n_blocks, m, run_bytes)
+            for handle, ex, tabs, ntok in moved:
+                if handle.id not in seq_of[w]:
+                    continue
+                table = kv.block_table(seq_of[w][handle.id])
+                for g in range(m):  # old rank r*m + g held sub-group g of the new rank's heads
+                    data = staged[(layer, handle.id, r * m + g)]
+                    dst[table, g] = data
+                    src_w = rank_worker[r * m + g]
+                    if src_w != w:
+                        tr.stats["bytes_sent"][src_w] += data.nbytes
+                        tr.stats["bytes_received"][w] += data.nbytes
+            del dst
+        for key in [key for key in staged if key[0] == layer]:
+            del staged[key]
 
 
 def _stage_device(host, tr, moved, rank_worker):

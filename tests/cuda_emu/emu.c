@@ -4,6 +4,8 @@
  * conventions the real kernels document). What it checks is forward_cuda.c itself: pointers,
  * offsets, orientations, leading dimensions, dtypes, the residual and TP plumbing. The real
  * kernels and cuBLAS are checked on a GPU by tests/test_cuda.py and tests/test_cuda_engine.py.
+ * emu_device.c adds the rest of kernels.h and the communicators' device side; build_ext.py links
+ * both into a whole extension for the Python tests that otherwise need a GPU.
  * When the kernels branch is merged, include kernels/kernels.h here instead of the pending
  * header, as forward_cuda.c will. */
 #include <math.h>
