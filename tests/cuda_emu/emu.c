@@ -21,15 +21,16 @@
 const char *cudaGetErrorString(cudaError_t e) { return e ? "emu error" : "no error"; }
 const char *cudaGetErrorName(cudaError_t e) { return e ? "cudaErrorEmu" : "cudaSuccess"; }
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-long emu_live_allocs;
-cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); emu_live_allocs++; return *p ? cudaSuccess : cudaErrorMemoryAllocation; }
-cudaError_t cudaFree(void *p) { free(p); if (p) emu_live_allocs--; return cudaSuccess; }
+long emu_live_allocs; /* counted atomically: TP ranks allocate from their own threads */
+#define EMU_COUNT(d) __atomic_fetch_add(&emu_live_allocs, (d), __ATOMIC_RELAXED)
+cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); EMU_COUNT(1); return *p ? cudaSuccess : cudaErrorMemoryAllocation; }
+cudaError_t cudaFree(void *p) { free(p); if (p) EMU_COUNT(-1); return cudaSuccess; }
 cudaError_t cudaMallocHost(void **p, size_t n) { return cudaMalloc(p, n); }
 cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k, cudaStream_t st) { (void)k; (void)st; memcpy(d, s, n); return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { (void)d; return cudaSuccess; }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned f) { (void)f; *s = (cudaStream_t)malloc(8); emu_live_allocs++; return cudaSuccess; }
-cudaError_t cudaStreamDestroy(cudaStream_t s) { free(s); emu_live_allocs--; return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned f) { (void)f; *s = (cudaStream_t)malloc(8); EMU_COUNT(1); return cudaSuccess; }
+cudaError_t cudaStreamDestroy(cudaStream_t s) { free(s); EMU_COUNT(-1); return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { (void)s; return cudaSuccess; }
 
 /* the arena is a cpu one in the harness; the forward asks whether it is a cuda one */
@@ -124,8 +125,8 @@ int64_t gy_cuda_paged_attention_workspace_bytes(int64_t n, int64_t nq, int64_t D
 
 struct gy_cuda_blas { gy_cuda_stream s; };
 gy_status gy_cuda_blas_available(void) { return GY_OK; }
-gy_status gy_cuda_blas_init(gy_cuda_blas **out, gy_cuda_stream s) { *out = malloc(sizeof **out); (*out)->s = s; emu_live_allocs++; return GY_OK; }
-void gy_cuda_blas_free(gy_cuda_blas *b) { if (b) { free(b); emu_live_allocs--; } }
+gy_status gy_cuda_blas_init(gy_cuda_blas **out, gy_cuda_stream s) { *out = malloc(sizeof **out); (*out)->s = s; EMU_COUNT(1); return GY_OK; }
+void gy_cuda_blas_free(gy_cuda_blas *b) { if (b) { free(b); EMU_COUNT(-1); } }
 gy_status gy_cuda_blas_set_stream(gy_cuda_blas *b, gy_cuda_stream s) { b->s = s; return GY_OK; }
 gy_cuda_stream gy_cuda_blas_stream(const gy_cuda_blas *b) { return b->s; }
 gy_status gy_cuda_gemm_check(gy_dtype yd, int64_t ldy, gy_dtype xd, int64_t ldx, gy_dtype wd, gy_gemm_weight o, int64_t m, int64_t n_in, int64_t n_out) {
