@@ -3,6 +3,7 @@ more tensor-parallel instances.
 
     host = gyges.Host(model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
                       layout="4xTP1")                    # or "2xTP2", "1xTP4", "TP2+2xTP1"
+    host = gyges.Host(model, workers=4, backend="cuda")  # the same, on GPUs
     r = host.submit(tokens, params)                      # least-loaded instance that can hold it
     host.step(); r.output_tokens
 
@@ -10,7 +11,17 @@ Instances are aligned groups as in Flying Serving section 4.3: a TPk instance st
 whose index is a multiple of k (pairs {0,1},{2,3}; the quartet {0..3}). One communicator per
 aligned group is created at start-up, so forming a group never pays for set-up, and one more
 for migration traffic (gyges.comm.CommPool).
+
+backend="cuda": each worker's arena is device memory and its forward pass runs on its own CUDA
+stream. With one GPU per worker (devices=[0, 1, ...], or devices=None on a machine with as many
+GPUs as workers) the workers are joined by NCCL (comm="nccl"); otherwise they are virtual workers
+sharing one GPU (devices=None: device 0; or devices=d), each with its own arena and stream, joined
+by device-to-device copies (comm="d2d"), which add partial sums in the CPU backend's order. When
+NCCL cannot be loaded, devices=None falls back to virtual workers on device 0 (host.comm_note
+says why). Without a usable GPU the constructor raises UnavailableError with the reason before
+anything is allocated.
 """
+import operator
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from . import _C
 from .comm import CommPool, aligned_groups
 from .engine import InstanceLoop, SamplingParams, Serving
+from .errors import UnavailableError
 from .units import parse_size
-from .worker import Worker, default_max_tp
+from .worker import Worker, cuda_unavailable, default_max_tp
+
+COMMS = ("d2d", "nccl")
+DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
 
 _GROUP = re.compile(r"^(?:(\d+)x)?TP(\d+)$")
 
@@ -95,31 +110,86 @@ class Instance:
         return f"Instance(TP{self.tp}, workers={list(self.workers)}, requests={len(self.requests)})"
 
 
+def cuda_placement(n_workers, devices=None, comm=None):
+    """Where CUDA workers go: (device of each worker, communicator backend), checked before
+    anything is allocated. devices: None (one GPU each when there are enough, else all on device
+    0), an int (all on that device) or one device per worker; comm: None (d2d when the workers
+    share a device, nccl when each has its own), "d2d" or "nccl". Raises UnavailableError with
+    the reason when CUDA cannot run here, ValueError for a placement that cannot work."""
+    if comm is not None and comm not in COMMS:
+        raise ValueError(f"unknown communicator {comm!r} for CUDA workers; expected one of "
+                         f"{', '.join(COMMS)} (or None to choose)")
+    why = cuda_unavailable()
+    if why is not None:
+        raise UnavailableError(f"backend='cuda' cannot run here: {why}")
+    count = _C.cuda_device_count()
+    if devices is None:
+        own = comm == "nccl" or (comm is None and 1 < n_workers <= count)
+        devices = list(range(n_workers)) if own else [0] * n_workers
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        devices = [devices] * n_workers
+    else:
+        devices = [operator.index(d) for d in devices]
+        if len(devices) != n_workers:
+            raise ValueError(f"devices names {len(devices)} GPUs for {n_workers} workers")
+    missing = sorted({d for d in devices if not 0 <= d < count})
+    if missing:
+        raise ValueError(f"CUDA device(s) {missing} do not exist: this machine has {count} "
+                         f"(0..{count - 1})")
+    shared = len(set(devices)) < len(devices)
+    if comm is None:
+        comm = "d2d" if len(set(devices)) == 1 else "nccl"
+    if comm == "d2d" and len(set(devices)) > 1:
+        raise ValueError(f"comm='d2d' joins virtual workers sharing one GPU, but the workers are "
+                         f"on devices {devices}; use comm='nccl' (one GPU each) or one device")
+    if comm == "nccl" and shared:
+        raise ValueError(f"comm='nccl' needs one GPU per worker, but devices {devices} repeat "
+                         f"one; use comm='d2d' with one device for virtual workers")
+    return devices, comm
+
+
 class Host(Serving):
-    def __init__(self, model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
+    def __init__(self, model, workers=4, memory_per_worker=None, page_size=None,
                  layout=None, block_size=16, kv_layout="header", weight_dtype="f32",
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
-                 max_prefill_chunk=0, max_tp=None, pad_ffn=True):
+                 max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
+                 comm=None):
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        if backend not in DEFAULT_MEMORY:
+            raise ValueError(f"unknown backend {backend!r}; expected one of "
+                             f"{', '.join(DEFAULT_MEMORY)}")
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers)
         self.model = model
+        self.backend = backend
         self.block_size = block_size
         self.kv_layout = kv_layout
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.max_prefill_chunk = max_prefill_chunk
         self.max_tp = max_tp or default_max_tp(model.config, limit=8)
+        memory_per_worker = memory_per_worker or DEFAULT_MEMORY[backend]
         self.memory_per_worker = parse_size(memory_per_worker, "memory_per_worker")
+        self.comm_note = None
+        if backend == "cuda":
+            # Checked, and the communicators made, before any worker memory is allocated.
+            self.devices, comm_backend = cuda_placement(workers, devices, comm)
+            self.comms = self._cuda_comms(workers, comm_backend, devices is None and comm is None)
+        else:
+            if devices is not None or comm is not None:
+                raise ValueError("devices and comm are for backend='cuda'; CPU workers are "
+                                 "threads joined by shared memory")
+            self.devices = [None] * workers
+            # A compute and a migration communicator per aligned group of every size, made now
+            # (Flying Serving's pool).
+            self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
         self._start = time.perf_counter()
         self._workers = [Worker(model, memory=memory_per_worker, page_size=page_size,
                                 block_size=block_size, kv_layout=kv_layout,
                                 weight_dtype=weight_dtype, max_tp=self.max_tp,
-                                threads=threads_per_worker, pad_ffn=pad_ffn)
-                         for _ in range(workers)]
-        # A compute and a migration communicator per aligned group of every size, made now
-        # (Flying Serving's pool).
-        self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
+                                threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend,
+                                device=device or 0)
+                         for device in self.devices]
         for first, tp in groups:
             self.check_group(first, tp)
             for rank in range(tp):
@@ -130,6 +200,26 @@ class Host(Serving):
         self._next_id = 0
         self._executor = ThreadPoolExecutor(max_workers=max(len(self.instances), 1))
         self.steps = 0
+
+    def _cuda_comms(self, workers, backend, may_fall_back):
+        """The pool for CUDA workers. nccl chosen on its own (devices=None) falls back to
+        virtual workers on device 0 when NCCL cannot be loaded."""
+        groups = aligned_groups(workers, self.max_tp)
+        devices = self.devices if backend == "nccl" else self.devices[0]
+        try:
+            return CommPool(groups, backend=backend, devices=devices)
+        except UnavailableError as e:
+            if backend != "nccl" or not may_fall_back:
+                raise
+            self.comm_note = (f"virtual workers on device 0 (d2d): the nccl communicator is not "
+                              f"available ({e})")
+            self.devices = [0] * workers
+            return CommPool(groups, backend="d2d", devices=0)
+
+    @property
+    def comm_backend(self):
+        """"shm" (CPU workers), "d2d" (virtual workers sharing one GPU) or "nccl"."""
+        return self.comms.backend
 
     def check_group(self, first, tp):
         """Refuses, naming the reason, a TP degree the model cannot use or an unaligned group."""
@@ -190,6 +280,8 @@ class Host(Serving):
             raise TransformError("a transformation is already under way; wait until it is done")
         if layers_per_step is not None and (not isinstance(layers_per_step, int) or layers_per_step < 1):
             raise TransformError(f"layers_per_step must be a positive integer, got {layers_per_step!r}")
+        if self.backend == "cuda":
+            self._check_cuda_transform(method, layers_per_step)
         workers = sorted(workers)
         first, k = workers[0], len(workers)
         if workers != list(range(first, first + k)) or k & (k - 1) or first % k:
@@ -219,6 +311,30 @@ class Host(Serving):
                                  f"merge them into TP{k} or split one TP{k} instance")
         self.transformations.append(t)
         return t
+
+    def _check_cuda_transform(self, method, layers_per_step):
+        """What a transformation of CUDA workers cannot do yet, refused before anything changes:
+        the KV and the FFN shards move by device copies within one GPU (virtual workers), every
+        layer at once."""
+        if self.comm_backend != "d2d":
+            raise UnavailableError(
+                "transformations of CUDA workers on separate GPUs (comm='nccl') are not "
+                "implemented: moving KV and FFN shards between GPUs needs peer copies or the "
+                "migration communicator's all-to-all; virtual workers sharing one GPU (comm='d2d') "
+                "can transform")
+        if layers_per_step is not None:
+            raise UnavailableError(
+                "layer-staggered transformations (layers_per_step) run on the CPU backend only: "
+                "on CUDA the old groups' hidden states at the boundary would have to be gathered "
+                "on the device, which is not implemented; omit layers_per_step to move every "
+                "layer at once")
+        if method == "basic" or (method == "partial_swap" and self.kv_layout != "header"):
+            how = ("method='basic'" if method == "basic" else
+                   f"method='partial_swap' with the {self.kv_layout!r} KV layout (basic's migration)")
+            raise UnavailableError(
+                f"{how} builds the new KV blocks through host copies (KVCache.write), which "
+                f"device arenas do not have; use 'gyges', 'stop_world' or 'partial_swap' with "
+                f"the header layout")
 
     # ---- serving ----
     def submit(self, tokens, params=None, instance=None):
@@ -270,4 +386,5 @@ class Host(Serving):
         return rows
 
     def __repr__(self):
-        return f"Host(workers={len(self._workers)}, layout={self.layout()!r})"
+        where = "" if self.backend == "cpu" else f", backend='cuda', comm={self.comm_backend!r}"
+        return f"Host(workers={len(self._workers)}, layout={self.layout()!r}{where})"

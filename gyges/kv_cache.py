@@ -141,6 +141,28 @@ class KVCache:
         self._c.reshape(_index(n_kv_heads, "n_kv_heads"))
         self.n_kv_heads = n_kv_heads
 
+    def copy_heads_from(self, src, dst_blocks, src_blocks, dst_head0=0, src_head0=0,
+                        n_heads=None, layers=None):
+        """Copies heads [src_head0, src_head0 + n_heads) of block src_blocks[i] of `src` (K and
+        V, every token) into heads [dst_head0, ...) of block dst_blocks[i] of this cache, in each
+        layer of `layers` (a range; default all), where the caches live: on the host, or on the
+        GPU both arenas share (one kernel per layer, no byte through the host). n_heads defaults
+        to all of src's heads. The regions must not overlap; refused, copying nothing, for block
+        ids that are not mapped, heads out of range or caches on different devices."""
+        if not isinstance(src, KVCache):
+            raise TypeError(f"src must be a gyges.KVCache, got {type(src).__name__}")
+        dst_blocks = np.ascontiguousarray(dst_blocks, dtype=np.int32).ravel()
+        src_blocks = np.ascontiguousarray(src_blocks, dtype=np.int32).ravel()
+        if dst_blocks.size != src_blocks.size:
+            raise ValueError(f"{dst_blocks.size} destination blocks for {src_blocks.size} sources")
+        layers = range(self.n_layers) if layers is None else layers
+        if not isinstance(layers, range) or layers.step != 1:
+            raise ValueError(f"layers must be a range with step 1, got {layers!r}")
+        n_heads = src.n_kv_heads - src_head0 if n_heads is None else n_heads
+        self._c.copy_heads(src._c, dst_blocks, src_blocks, _index(dst_head0, "dst_head0"),
+                           _index(src_head0, "src_head0"), _index(n_heads, "n_heads"),
+                           layers.start, len(layers))
+
     def layer_offset(self, layer):
         """Arena byte offset of the layer's storage."""
         return self._c.layer_offset(_index(layer, "layer"))

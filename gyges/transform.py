@@ -18,10 +18,17 @@ that the heads and FFN shards it keeps are a subset of those it has. The all-red
 ranks in a fixed tree, so the order of workers does not change a bit of the result.
 
 Scale-down, TPk -> m instances of TPt: requests are spread over the new instances to balance
-their KV (refused with the reason when they cannot fit), the KV is staged in host memory and
-written back in the wider blocks (all layers at once in this version: the staging is reported as
-peak extra bytes), then each worker gathers the FFN shards its new rank
+their KV (refused with the reason when they cannot fit), the KV is staged and written back in the
+wider blocks (all layers at once in this version: the staging is reported as peak extra bytes),
+then each worker gathers the FFN shards its new rank
 needs from the peers that hold them (or from the host copy of the weights).
+
+Where the bytes move (KV_COPY_PATH): CPU workers copy host memory (NumPy views, arena copy_runs,
+staging in host memory). CUDA workers, virtual workers sharing one GPU, never move KV through the
+host: the all-to-all is KVCache.copy_heads_from (a kernel per layer and pair of workers), a
+scale-down stages in a device arena of its own (outside the workers' budgets, like the host
+staging; stats["stage_bytes"]), and FFN shards come back from peers by device-to-device copies.
+The plan, the order of the rounds and every count are the same on both paths.
 
 Both directions run either at once, between two steps of the host (scale_up, scale_down), or
 layer-staggered (Gyges 4.3: StaggeredScaleUp/StaggeredScaleDown move a few layers per step, last
@@ -36,11 +43,26 @@ import numpy as np
 
 from . import _C
 
+from .arena import Arena
 from .errors import OutOfMemoryError
+from .kv_cache import KVCache
 
 
 class TransformError(ValueError):
     """A transformation that cannot be carried out; nothing was changed."""
+
+
+# How a transformation moves KV between workers: "host" copies host memory (NumPy views and
+# arena copy_runs: the CPU backend's way), "device" uses KVCache.copy_heads_from, which copies on
+# the GPU the workers' arenas share (and with memmove on CPU arenas). None: by the host's backend.
+# Tests set "device" to run the GPU's path on CPU hosts.
+KV_COPY_PATH = None
+
+
+def _device_path(host):
+    if KV_COPY_PATH is not None:
+        return KV_COPY_PATH == "device"
+    return host.backend == "cuda"
 
 
 class Transformation:
@@ -386,6 +408,10 @@ def scale_up(host, first, k, method="gyges", chunks=4):
         pair = rounds.setdefault(rnd, {}).setdefault((src, dst), ([], []))
         pair[0].append(b)
         pair[1].append(dest)
+    if _device_path(host):
+        _all_to_all_device(host, tr, rounds, new_rank, m, run_bytes)
+        tr._time("kv_all_to_all", start)
+        return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
     for layer in range(config.num_hidden_layers):
         for rnd in sorted(rounds):
             for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
@@ -402,6 +428,21 @@ def scale_up(host, first, k, method="gyges", chunks=4):
 
     # ---- 4. the merged instance takes over every request ----
     return _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of)
+
+
+def _all_to_all_device(host, tr, rounds, new_rank, m, run_bytes):
+    """The phased all-to-all with device copies (KVCache.copy_heads_from: one kernel per layer
+    and pair on a GPU): every layer of a round at once, the rounds in order, so that in each
+    layer a round still receives only into blocks that earlier rounds have already sent away."""
+    L = host.model.config.num_hidden_layers
+    for rnd in sorted(rounds):
+        for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
+            sub = new_rank[dst] % m  # the sub-group of heads the destination's rank owns
+            src_kv, dst_kv = host.worker(src).kv, host.worker(dst).kv
+            dst_kv.copy_heads_from(src_kv, dst_blocks, m * np.asarray(src_blocks, np.int64) + sub)
+            nbytes = len(dst_blocks) * run_bytes * L
+            tr.stats["bytes_sent"][src] += nbytes
+            tr.stats["bytes_received"][dst] += nbytes
 
 
 def _lowest_priority():
@@ -880,21 +921,9 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     start = time.perf_counter()
     host.instances.remove(inst)
     inst.close()
-    run_bytes = sample.kv.block_bytes  # one old block = h_old heads
-    staged = {}
-    for layer in range(config.num_hidden_layers):
-        for handle, ex, tabs, ntok in moved:
-            for rank, tab in enumerate(tabs):
-                if tab is None:
-                    continue
-                w = rank_worker[rank]
-                kv = host.worker(w).kv
-                raw = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * run_bytes,
-                                                      dtype=np.uint8).reshape(kv.n_blocks, run_bytes)
-                staged[(layer, handle.id, rank)] = raw[tab].copy()
-                # Staged in host memory, not in the arena: this version stages every layer.
-                tr.stats["peak_extra_bytes"][w] += staged[(layer, handle.id, rank)].nbytes
-                del raw
+    device = _device_path(host)
+    stage, unstage = (_stage_device, _unstage_device) if device else (_stage_host, _unstage_host)
+    staged = stage(host, tr, moved, rank_worker)
     for w in group:
         kv = host.worker(w).kv
         pages = kv.stats()["pages_per_layer"]
@@ -915,27 +944,8 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
             seq = kv.new_sequence()
             kv.reserve(seq, max(ntok))
             seq_of[w][handle.id] = seq
-    for layer in range(config.num_hidden_layers):
-        for (j, r), w in worker_of.items():
-            kv = host.worker(w).kv
-            if not kv.n_blocks:
-                continue
-            dst = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * kv.block_bytes,
-                                                  dtype=np.uint8).reshape(kv.n_blocks, m, run_bytes)
-            for handle, ex, tabs, ntok in moved:
-                if handle.id not in seq_of[w]:
-                    continue
-                table = kv.block_table(seq_of[w][handle.id])
-                for g in range(m):  # old rank r*m + g held sub-group g of the new rank's heads
-                    data = staged[(layer, handle.id, r * m + g)]
-                    dst[table, g] = data
-                    src_w = rank_worker[r * m + g]
-                    if src_w != w:
-                        tr.stats["bytes_sent"][src_w] += data.nbytes
-                        tr.stats["bytes_received"][w] += data.nbytes
-            del dst
-        for key in [key for key in staged if key[0] == layer]:
-            del staged[key]
+    unstage(host, tr, moved, staged, worker_of, rank_worker, seq_of, m, h_old)
+    del staged  # the stage goes back (host memory, or the device path's staging arenas)
     tr._time("kv", start)
 
     # ---- 2. weights: each worker takes back the FFN shards of its new rank ----
@@ -969,6 +979,122 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
     tr._time("adopt", start)
     tr.done = True
     return tr
+
+
+def _stage_host(host, tr, moved, rank_worker):
+    """Scale-down's staging on the host path: each moved request's old blocks of every rank and
+    layer, copied out of the arena's host memory. Returns {(layer, request id, rank): bytes}."""
+    staged = {}
+    for layer in range(host.model.config.num_hidden_layers):
+        for handle, ex, tabs, ntok in moved:
+            for rank, tab in enumerate(tabs):
+                if tab is None:
+                    continue
+                w = rank_worker[rank]
+                kv = host.worker(w).kv
+                run_bytes = kv.block_bytes  # one old block = h_old heads
+                raw = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * run_bytes,
+                                                      dtype=np.uint8).reshape(kv.n_blocks, run_bytes)
+                staged[(layer, handle.id, rank)] = raw[tab].copy()
+                # Staged in host memory, not in the arena: this version stages every layer.
+                tr.stats["peak_extra_bytes"][w] += staged[(layer, handle.id, rank)].nbytes
+                del raw
+    return staged
+
+
+def _unstage_host(host, tr, moved, staged, worker_of, rank_worker, seq_of, m, h_old):
+    """Writes the staged blocks into the new workers' wider blocks through host views: new rank
+    r of instance j takes from old rank r*m + g the sub-group g of its heads."""
+    for layer in range(host.model.config.num_hidden_layers):
+        for (j, r), w in worker_of.items():
+            kv = host.worker(w).kv
+            if not kv.n_blocks:
+                continue
+            run_bytes = kv.block_bytes // m
+            dst = host.worker(w).arena.view_bytes(kv.layer_offset(layer), kv.n_blocks * kv.block_bytes,
+                                                  dtype=np.uint8).reshape(kv.n_blocks, m, run_bytes)
+            for handle, ex, tabs, ntok in moved:
+                if handle.id not in seq_of[w]:
+                    continue
+                table = kv.block_table(seq_of[w][handle.id])
+                for g in range(m):  # old rank r*m + g held sub-group g of the new rank's heads
+                    data = staged[(layer, handle.id, r * m + g)]
+                    dst[table, g] = data
+                    src_w = rank_worker[r * m + g]
+                    if src_w != w:
+                        tr.stats["bytes_sent"][src_w] += data.nbytes
+                        tr.stats["bytes_received"][w] += data.nbytes
+            del dst
+        for key in [key for key in staged if key[0] == layer]:
+            del staged[key]
+
+
+def _stage_device(host, tr, moved, rank_worker):
+    """Scale-down's staging on the device path: every moved request's KV blocks of each old
+    rank, all layers, copied into a staging cache in an arena of its own on the rank's device
+    (outside the workers' budgets, like the host path's staging in host memory; counted in
+    peak_extra_bytes and stage_bytes). Returns {rank: (staging cache, {request id: its first
+    staging block})}."""
+    config = host.model.config
+    L = config.num_hidden_layers
+    stages = {}
+    for rank, w in enumerate(rank_worker):
+        worker = host.worker(w)
+        kv = worker.kv
+        items = [(handle.id, tabs[rank]) for handle, _, tabs, _ in moved
+                 if tabs[rank] is not None and len(tabs[rank])]
+        n = sum(len(tab) for _, tab in items)
+        if not n:
+            continue
+        pages = -(-n * kv.block_bytes // worker.page_size)
+        arena = Arena(budget=pages * L * worker.page_size, page_size=worker.page_size,
+                      n_slots=pages * L, backend=worker.backend, device=worker.device)
+        stage = KVCache(arena, n_layers=L, n_kv_heads=kv.n_kv_heads, head_dim=config.head_dim,
+                        block_size=host.block_size, layout=host.kv_layout, first_slot=0,
+                        slots_per_layer=pages, dtype=worker.kv_dtype)
+        stage.grow(pages)
+        first, at = {}, 0
+        for rid, tab in items:
+            first[rid] = at
+            at += len(tab)
+        stage.copy_heads_from(kv, np.arange(n), np.concatenate([tab for _, tab in items]))
+        stages[rank] = (stage, first)
+        tr.stats["peak_extra_bytes"][w] += n * kv.block_bytes * L
+        tr.stats["stage_bytes"] += pages * L * worker.page_size
+    return stages
+
+
+def _unstage_device(host, tr, moved, stages, worker_of, rank_worker, seq_of, m, h_old):
+    """Writes the staged blocks into the new workers' wider blocks: new rank r of instance j
+    takes from old rank r*m + g the sub-group g of its heads (heads g*h_old ...), one device copy
+    per (worker, g) for every request and layer."""
+    L = host.model.config.num_hidden_layers
+    for (j, r), w in worker_of.items():
+        kv = host.worker(w).kv
+        for g in range(m):
+            rank = r * m + g
+            if rank not in stages:
+                continue
+            stage, first = stages[rank]
+            dst, src = [], []
+            for handle, _, tabs, _ in moved:
+                rid = handle.id
+                if rid not in seq_of[w] or rid not in first:
+                    continue
+                table = kv.block_table(seq_of[w][rid])
+                if len(table) != len(tabs[rank]):
+                    raise AssertionError(f"request {rid}: {len(table)} new blocks for "
+                                         f"{len(tabs[rank])} staged ones")
+                dst.append(table)
+                src.append(np.arange(first[rid], first[rid] + len(table)))
+            if not dst:
+                continue
+            dst, src = np.concatenate(dst), np.concatenate(src)
+            kv.copy_heads_from(stage, dst, src, dst_head0=g * h_old, n_heads=h_old)
+            src_w = rank_worker[rank]
+            if src_w != w:
+                tr.stats["bytes_sent"][src_w] += len(dst) * stage.block_bytes * L
+                tr.stats["bytes_received"][w] += len(dst) * stage.block_bytes * L
 
 
 def _shards_to_restore(worker, tp, rank):

@@ -22,6 +22,17 @@ WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
 DEFAULT_PAGE_SIZE = {"cpu": "64KiB", "cuda": "2MiB"}
 
 
+def cuda_unavailable():
+    """Why backend="cuda" cannot run on this machine and build (None when it can): gyges built
+    without CUDA, no driver or device, or a build without the CUDA forward pass's kernels."""
+    if not _C.WITH_CUDA:
+        return ("gyges was built without CUDA (nvcc was not found at build time, or "
+                "GYGES_CUDA=0)")
+    if _C.cuda_device_count() == 0:
+        return "no CUDA driver or device on this machine"
+    return _C.cuda_forward_unavailable()
+
+
 def default_max_tp(config, limit=4):
     """The largest TP degree up to `limit` that divides the heads, KV heads and FFN width: the
     FFN is cut into that many shards and o_proj's reduction into as many chunks."""

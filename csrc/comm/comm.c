@@ -141,6 +141,10 @@ void *gy_comm_stream(const gy_comm *c, int32_t rank) {
     return c != NULL && rank >= 0 && rank < c->size ? c->streams[rank] : NULL;
 }
 
+void *gy_comm_own_stream(const gy_comm *c, int32_t rank) {
+    return c != NULL && rank >= 0 && rank < c->size ? c->own_streams[rank] : NULL;
+}
+
 gy_status gy_comm_stream_priority(const gy_comm *c, int32_t rank, int32_t *priority) {
     GY_TRY(gy_comm_check_rank(c, rank));
     if (priority == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL priority");

@@ -104,9 +104,13 @@ int32_t gy_comm_device(const gy_comm *comm, int32_t rank);
  * made for the rank until gy_comm_set_stream gives another (NULL = the legacy default stream,
  * allowed). The communicator never destroys a stream it did not make; the caller keeps a stream
  * it sets alive, and on the rank's device, until the communicator is freed or another is set.
- * Call it from the rank's own thread, between collectives. shm stores the value and ignores it. */
+ * Call it between collectives of that rank: from its own thread, or from any thread while none
+ * is under way (an engine does it as it starts). shm stores the value and ignores it. */
 gy_status gy_comm_set_stream(gy_comm *comm, int32_t rank, void *stream);
 void *gy_comm_stream(const gy_comm *comm, int32_t rank);
+/* The stream the communicator made for `rank` (NULL for shm): what a borrower of the rank's
+ * stream sets back before its own stream goes away (an engine does it when it is freed). */
+void *gy_comm_own_stream(const gy_comm *comm, int32_t rank);
 /* The priority of `rank`'s current stream (lower numbers run first; 0 for shm). */
 gy_status gy_comm_stream_priority(const gy_comm *comm, int32_t rank, int32_t *priority);
 /* Waits on the host until `rank`'s stream has finished what was enqueued on it, and reports an

@@ -40,6 +40,7 @@ struct gy_comm {
     int32_t size;
     int32_t devices[GY_COMM_MAX_RANKS]; /* CUDA device of each rank; -1 for shm */
     void *streams[GY_COMM_MAX_RANKS];   /* the stream each rank's collectives go on */
+    void *own_streams[GY_COMM_MAX_RANKS]; /* the ones the backend made (NULL for shm) */
     /* The host barrier every backend uses: a generation counter under a mutex. It sleeps on a
      * condition variable: on a machine with fewer cores than ranks, spinning ranks would steal
      * the core from the rank everyone waits for. */

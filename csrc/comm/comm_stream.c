@@ -72,7 +72,7 @@ gy_status gy_comm_streams_init(gy_comm_streams *s, gy_comm *c, const char *backe
         s->handoff[r] = handoff;
         gy_comm_device_leave(previous);
         if (st != GY_OK) return st;
-        c->streams[r] = stream;
+        c->streams[r] = c->own_streams[r] = stream;
     }
     return GY_OK;
 }

@@ -37,6 +37,7 @@ typedef struct gy_engine_rank_state {
     char error[512];
     pthread_t thread;
     int has_thread;
+    int stream_borrowed;         /* the communicator's rank runs on this rank's model stream */
 } gy_engine_rank_state;
 
 /* A layer-staggered transformation (Gyges 4.3): layers [0, boundary) still run in the old
@@ -284,7 +285,8 @@ static gy_status gy_engine_rank_pass(gy_engine *e, int32_t i) {
     gy_engine_rank_state *rs = &e->ranks[i];
     const gy_tp_group tp = {.rank = i, .size = e->n_ranks,
                             .all_reduce = e->n_ranks > 1 ? gy_comm_rank_all_reduce : NULL,
-                            .ctx = &rs->comm_rank};
+                            .ctx = &rs->comm_rank,
+                            .device_buffers = rs->r.model->backend == GY_MODEL_BACKEND_CUDA};
     if (e->tr.active && e->tr.groups_last && e->tr.boundary < e->model->n_layers)
         return gy_engine_rank_pass_groups_last(e, i, &tp);
     if (!e->tr.active || e->tr.groups_last || e->tr.boundary == 0)
@@ -358,6 +360,63 @@ static gy_status gy_engine_forward_all(gy_engine *e) {
 
 /* ---- life cycle ---- */
 
+/* The communicator must move the buffers the ranks' forward passes all-reduce: host memory for
+ * cpu ranks (shm), device memory of each rank's own GPU for cuda ranks (d2d or nccl). */
+static gy_status gy_engine_check_comm(const gy_engine_rank *ranks, int32_t n_ranks,
+                                      const gy_comm *comm) {
+    const gy_comm_backend_kind kind = gy_comm_backend(comm);
+    const char *name = gy_comm_backend_name(kind);
+    if (ranks[0].model->backend == GY_MODEL_BACKEND_CPU) {
+        if (kind != GY_COMM_BACKEND_SHM)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "the ranks run on the CPU, whose all-reduce adds host buffers, but the "
+                           "communicator is %s (device buffers); CPU ranks need shm",
+                           name);
+        return GY_OK;
+    }
+    if (kind == GY_COMM_BACKEND_SHM)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "tensor parallelism on CUDA needs a device communicator (d2d for virtual "
+                       "workers sharing one GPU, nccl for one GPU each) that all-reduces device "
+                       "buffers on each worker's stream; shm adds host buffers");
+    for (int32_t i = 0; i < n_ranks; i++) {
+        const gy_model *m = ranks[i].model;
+        if (m->stream == NULL)
+            return GY_FAIL(GY_ERR_STATE, "rank %d's model is not attached to a CUDA stream", (int)i);
+        if (gy_comm_device(comm, i) != m->device)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "rank %d's model is on CUDA device %d but the %s communicator's rank %d "
+                           "is on device %d",
+                           (int)i, (int)m->device, name, (int)i, (int)gy_comm_device(comm, i));
+    }
+    return GY_OK;
+}
+
+/* CUDA ranks: each rank's collectives go on its model's stream, so the all-reduce is ordered
+ * between the kernels before and after it with no host wait. Done from the constructing thread
+ * before any collective (switching orders the new stream after the old one's work). */
+static gy_status gy_engine_borrow_streams(gy_engine *e) {
+    if (e->n_ranks == 1 || e->model->backend != GY_MODEL_BACKEND_CUDA) return GY_OK;
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        GY_TRY(gy_comm_set_stream(e->comm, i, e->ranks[i].r.model->stream));
+        e->ranks[i].stream_borrowed = 1;
+    }
+    return GY_OK;
+}
+
+/* Gives each rank of the communicator its own stream back while the model's still exists (the
+ * models outlive the engine; the communicator outlives both). A later engine that took the rank
+ * over meanwhile keeps it. */
+static void gy_engine_return_streams(gy_engine *e) {
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        if (!e->ranks[i].stream_borrowed) continue;
+        if (gy_comm_stream(e->comm, i) == (void *)e->ranks[i].r.model->stream &&
+            gy_comm_set_stream(e->comm, i, gy_comm_own_stream(e->comm, i)) != GY_OK)
+            gy_error_clear();
+        e->ranks[i].stream_borrowed = 0;
+    }
+}
+
 gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
                          gy_comm *comm, const gy_engine_config *config) {
     if (out == NULL || ranks == NULL || config == NULL)
@@ -373,12 +432,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     for (int32_t i = 1; i < n_ranks; i++)
         if (ranks[i].model->backend != ranks[0].model->backend)
             return GY_FAIL(GY_ERR_INVALID, "rank %d runs on another backend than rank 0", (int)i);
-    /* The communicator adds host buffers; the CUDA pass needs a device all-reduce. */
-    if (n_ranks > 1 && ranks[0].model->backend == GY_MODEL_BACKEND_CUDA)
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "tensor parallelism on CUDA needs a device communicator (an all-reduce of "
-                       "device buffers on each worker's stream); the shared-memory communicator "
-                       "works on host memory");
+    if (n_ranks > 1) GY_TRY(gy_engine_check_comm(ranks, n_ranks, comm));
     gy_engine *e = calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     e->model = ranks[0].model;
@@ -413,6 +467,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
         else
             s = gy_sched_init(&e->sched, &sc, &ops);
     }
+    if (s == GY_OK) s = gy_engine_borrow_streams(e);
     for (int32_t i = 1; i < n_ranks && s == GY_OK; i++) {
         gy_engine_thread_arg *arg = malloc(sizeof *arg);
         if (arg == NULL) {
@@ -428,8 +483,10 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
         e->ranks[i].has_thread = 1;
     }
     if (s != GY_OK) {
+        char message[512];
+        snprintf(message, sizeof message, "%s", gy_error_message());
         gy_engine_free(e);
-        return s;
+        return GY_FAIL(s, "%s", message);
     }
     *out = e;
     return GY_OK;
@@ -455,6 +512,7 @@ void gy_engine_free(gy_engine *e) {
     pthread_mutex_unlock(&e->lock);
     for (int32_t i = 0; i < e->n_ranks; i++)
         if (e->ranks[i].has_thread) pthread_join(e->ranks[i].thread, NULL);
+    gy_engine_return_streams(e);
     for (int64_t i = 0; i < e->requests.capacity; i++)
         if (e->requests.used[i]) gy_engine_request_free((gy_engine_request *)(intptr_t)e->requests.values[i]);
     gy_idmap_free(&e->requests);

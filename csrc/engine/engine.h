@@ -61,7 +61,12 @@ typedef struct gy_engine_rank {
     gy_threadpool *pool;
 } gy_engine_rank;
 
-/* ranks [n_ranks]; comm joins them (NULL when n_ranks == 1) and is borrowed. */
+/* ranks [n_ranks]; comm joins them (NULL when n_ranks == 1) and is borrowed. Every rank runs on
+ * one backend, and the communicator must fit it: shm for cpu ranks; d2d or nccl for cuda ranks,
+ * its rank i on rank i's device (GY_ERR_INVALID naming the mismatch otherwise). With cuda ranks
+ * the engine points the communicator's rank i at model i's stream (gy_comm_set_stream), so the
+ * all-reduce runs in order on the worker's stream, and gives it its own stream back when freed:
+ * free the engine before the models, and use a communicator in one engine at a time. */
 gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
                          struct gy_comm *comm, const gy_engine_config *config);
 void gy_engine_free(gy_engine *e);

@@ -506,14 +506,24 @@ gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_o
                              const uint64_t *src_offsets, const uint64_t *bytes, int64_t n) {
     if (dst == NULL || src == NULL || (n > 0 && (!dst_offsets || !src_offsets || !bytes)))
         return GY_FAIL(GY_ERR_INVALID, "gy_arena_copy_runs: NULL argument");
-    if (!dst->ops->host_accessible || !src->ops->host_accessible)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "copies between device arenas are not implemented yet");
+    if (dst->ops != src->ops || (!dst->ops->host_accessible && dst->ops->copy_runs_from == NULL))
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "copies between a %s arena and a %s arena are not implemented",
+                       src->ops->name, dst->ops->name);
+    if (!dst->ops->host_accessible && gy_arena_device(dst) != gy_arena_device(src))
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "copies between arenas on CUDA devices %d and %d are not implemented (only "
+                       "between virtual workers sharing one GPU)",
+                       (int)gy_arena_device(src), (int)gy_arena_device(dst));
     for (int64_t i = 0; i < n; i++)
         if (!gy_arena_is_mapped(dst, dst_offsets[i], bytes[i]) ||
             !gy_arena_is_mapped(src, src_offsets[i], bytes[i]))
             return GY_FAIL(GY_ERR_INVALID, "run %lld (%llu bytes from %llu to %llu) touches unmapped slots",
                            (long long)i, (unsigned long long)bytes[i],
                            (unsigned long long)src_offsets[i], (unsigned long long)dst_offsets[i]);
+    if (!dst->ops->host_accessible)
+        return dst->ops->copy_runs_from(dst->backend_state, src->backend_state, dst_offsets,
+                                        src_offsets, bytes, n);
     for (int64_t i = 0; i < n; i++)
         memmove((char *)dst->base + dst_offsets[i], (const char *)src->base + src_offsets[i], bytes[i]);
     return GY_OK;

@@ -23,6 +23,12 @@ typedef struct gy_arena_backend_ops {
      * issued to the memory before (a device backend waits for its context first). */
     gy_status (*write)(void *state, uint64_t offset, const void *src, uint64_t bytes);
     gy_status (*read)(void *state, void *dst, uint64_t offset, uint64_t bytes);
+    /* Optional (NULL: host arenas, which arena.c copies with memmove): runs from another arena
+     * of this backend and device, checked mapped, run i being bytes[i] bytes from src_offsets[i]
+     * of src to dst_offsets[i] of dst (dst may be src; runs may then overlap, memmove-like).
+     * Synchronous and ordered like `copy`. */
+    gy_status (*copy_runs_from)(void *dst_state, void *src_state, const uint64_t *dst_offsets,
+                                const uint64_t *src_offsets, const uint64_t *bytes, int64_t n);
     /* Non-zero when the range is host memory that C and NumPy may touch directly. */
     int host_accessible;
 } gy_arena_backend_ops;

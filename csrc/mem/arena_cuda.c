@@ -534,6 +534,31 @@ static gy_status gy_cuda_copy(void *state, uint64_t dst_offset, uint64_t src_off
     return GY_OK;
 }
 
+/* Runs from another arena on the same device (virtual workers sharing a GPU: one context, so
+ * one device-to-device copy reaches both ranges). Synchronised like `copy`: before, so that
+ * the workers' streams have written what is read; after, so the caller may free or reuse
+ * either side. Runs inside one arena may overlap and go through gy_cuda_copy's memmove. */
+static gy_status gy_cuda_copy_runs_from(void *dst_state, void *src_state,
+                                        const uint64_t *dst_offsets, const uint64_t *src_offsets,
+                                        const uint64_t *bytes, int64_t n) {
+    gy_cuda_arena *d = dst_state, *s = src_state;
+    if (d->device != s->device)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "copies between arenas on two CUDA devices are not implemented");
+    if (d == s) {
+        for (int64_t i = 0; i < n; i++) GY_TRY(gy_cuda_copy(d, dst_offsets[i], src_offsets[i], bytes[i]));
+        return GY_OK;
+    }
+    GY_CU_CHECK("cuCtxSetCurrent", gy_cu.ctx_set_current(d->ctx));
+    GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+    for (int64_t i = 0; i < n; i++)
+        if (bytes[i] > 0)
+            GY_CU_CHECK("cuMemcpyDtoD", gy_cu.memcpy_dtod(d->base + dst_offsets[i],
+                                                          s->base + src_offsets[i], bytes[i]));
+    GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+    return GY_OK;
+}
+
 /* Host <-> device. The context is synchronised on both sides: before, so that work issued on
  * other streams (a forward pass writing KV) is complete; after, because a copy from pageable
  * memory may return before its DMA lands, and kernels on non-blocking streams would not wait
@@ -566,6 +591,7 @@ const gy_arena_backend_ops gy_arena_cuda_ops = {
     .copy = gy_cuda_copy,
     .write = gy_cuda_write,
     .read = gy_cuda_read,
+    .copy_runs_from = gy_cuda_copy_runs_from,
     .host_accessible = 0,
 };
 

@@ -3,6 +3,7 @@
 #include "py_common.h"
 
 #include "kv/kv_cache.h"
+#include "kv/kv_copy.h"
 
 typedef struct {
     PyObject_HEAD
@@ -246,7 +247,42 @@ static PyObject *gy_py_kv_take_pages(GyKVObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* copy_heads(src, dst_blocks_int32, src_blocks_int32, dst_head0, src_head0, n_heads,
+ *            first_layer, n_layers): gy_kv_copy_heads into this cache (kv_copy.h), GIL released.
+ * The block lists are int32 buffers of one length. */
+static PyObject *gy_py_kv_copy_heads(GyKVObject *self, PyObject *args) {
+    PyObject *src_object, *lists[2];
+    long long dst_head0, src_head0, n_heads, first_layer, n_layers;
+    if (!PyArg_ParseTuple(args, "OOOLLLLL", &src_object, &lists[0], &lists[1], &dst_head0,
+                          &src_head0, &n_heads, &first_layer, &n_layers))
+        return NULL;
+    gy_kv_cache *src = gy_py_kv_unwrap(src_object);
+    if (src == NULL) return NULL;
+    Py_buffer views[2];
+    if (PyObject_GetBuffer(lists[0], &views[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(lists[1], &views[1], PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&views[0]);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (views[0].len != views[1].len || views[0].len % 4 != 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_heads: block lists must be int32 of one length");
+    } else {
+        gy_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = gy_kv_copy_heads(self->kv, views[0].buf, dst_head0, src, views[1].buf, src_head0,
+                             n_heads, views[0].len / 4, first_layer, n_layers);
+        Py_END_ALLOW_THREADS
+        result = s == GY_OK ? Py_NewRef(Py_None) : gy_py_raise(s);
+    }
+    PyBuffer_Release(&views[0]);
+    PyBuffer_Release(&views[1]);
+    return result;
+}
+
 static PyMethodDef gy_py_kv_methods[] = {
+    {"copy_heads", (PyCFunction)gy_py_kv_copy_heads, METH_VARARGS,
+     "copy_heads(src, dst_blocks, src_blocks, dst_head0, src_head0, n_heads, first_layer, n_layers)"},
     {"shadow", (PyCFunction)gy_py_kv_shadow, METH_VARARGS, "shadow(n_heads) -> KVCache over the same pages"},
     {"take_pages", (PyCFunction)gy_py_kv_take_pages, METH_NOARGS, "take_pages(): a shadow becomes the owner"},
     {"reshape", (PyCFunction)gy_py_kv_reshape, METH_VARARGS, "reshape(n_heads): header-centric blocks of n_heads heads"},

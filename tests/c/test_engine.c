@@ -129,8 +129,9 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
 }
 
 /* A cuda model in a build without the CUDA forward pass: every call is refused with the reason,
- * the engine stays consistent, and nothing leaks. TP on CUDA and mixed backends are refused at
- * engine creation whatever the build (the communicator adds host buffers). */
+ * the engine stays consistent, and nothing leaks. TP on CUDA over the shm communicator (it adds
+ * host buffers) and mixed backends are refused at engine creation whatever the build; the
+ * pairings with device communicators are checked by tests/cuda_emu/harness.c. */
 GYTEST(engine_refuses_what_the_cuda_backend_cannot_do_here) {
     owned o = {0};
     gy_model model;
@@ -158,8 +159,11 @@ GYTEST(engine_refuses_what_the_cuda_backend_cannot_do_here) {
     gy_comm *comm;
     CHECK_OK(gy_comm_init(&comm, 2));
     gy_engine_rank two[2] = {{.model = &cuda, .kv = kv}, {.model = &cuda, .kv = kv}};
-    CHECK_STATUS(gy_engine_init(&e, two, 2, comm, &cfg), GY_ERR_UNAVAILABLE);
+    CHECK_STATUS(gy_engine_init(&e, two, 2, comm, &cfg), GY_ERR_INVALID);
     CHECK(strstr(gy_error_message(), "device communicator") != NULL);
+    CHECK(strstr(gy_error_message(), "shm adds host buffers") != NULL);
+    CHECK(e == NULL);
+    CHECK(gy_comm_stream(comm, 0) == NULL && gy_comm_own_stream(comm, 1) == NULL);
     two[1].model = &model;
     CHECK_STATUS(gy_engine_init(&e, two, 2, comm, &cfg), GY_ERR_INVALID);
     gy_comm_free(comm);

@@ -1,10 +1,21 @@
 /* harness.c: csrc/engine/forward_cuda.c, compiled unchanged against the emulated device of emu.c,
  * against the CPU pass (forward.c) on a small random model: two sequences mixing prefill chunks
  * and decode steps (both attention entry points), every KV layout and several block sizes, q/k/v
- * biases, TP2 on two threads whose all-reduce takes "device" buffers, fp32 and bf16 (activations
- * and KV in bf16). Logits and KV contents must agree: 1e-5 of the largest value in fp32 (only the
- * order of sums differs), 5e-2 in bf16 (8-bit activations against the CPU's fp32 ones). Exits
- * non-zero on any failure; ASan checks that every emulated allocation is freed. `make cudaemu`. */
+ * biases, fp32 and bf16 (activations and KV in bf16), and tensor parallelism: TP2 over the shm
+ * communicator on "device" buffers, and TP2/TP4 over the d2d communicator itself (comm_d2d.c and
+ * comm_stream.c compiled with GY_WITH_CUDA against emu_device.c), each rank with its own model
+ * and stream. Logits and KV contents must agree: 1e-5 of the largest value in fp32 (only the
+ * order of sums differs), 5e-2 in bf16 (8-bit activations against the CPU's fp32 ones).
+ *
+ * Then the serving loop: an engine of emulated CUDA ranks over a d2d communicator generates the
+ * same greedy tokens as a CPU engine, its ranks' collectives run on their models' streams while
+ * it lives and on the communicator's own afterwards, and the pairings that cannot work (shm with
+ * CUDA ranks, d2d with CPU ranks, a rank on another device, a model without a stream) are refused
+ * with the reason. And gy_kv_copy_heads' device path (kv_copy.c built a second time against the
+ * emulated device) copies the same bytes as its host path.
+ *
+ * Exits non-zero on any failure; ASan checks that every emulated allocation is freed.
+ * `make cudaemu`. */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -14,9 +25,14 @@
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
 #include "cpu/dtype.h"
+#include "kv/kv_copy.h"
 
-enum { V = 97, H = 64, I = 96, L = 3, NH = 4, NKV = 2, D = 16, MAX_TP = 2 };
-extern int emu_decode_calls, emu_prefill_calls; extern long emu_live_allocs;
+enum { V = 97, H = 64, I = 96, L = 3, NH = 8, NKV = 4, D = 16, MAX_TP = 4 };
+extern int emu_decode_calls, emu_prefill_calls; extern long emu_live_allocs, emu_stream_mismatches;
+/* kv_copy.c built against the emulated device (its arenas look like CUDA ones) */
+gy_status emu_device_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
+                                   const gy_kv_cache *src, const int32_t *src_blocks, int64_t src_head0,
+                                   int64_t n_heads, int64_t n_blocks, int64_t first_layer, int64_t n_layers);
 static int failures;
 #define EXPECT(c) do { if (!(c)) { printf("FAIL %s:%d %s (%s)\n", __FILE__, __LINE__, #c, gy_error_message()); failures++; } } while (0)
 
@@ -123,49 +139,195 @@ static void free_weights(gy_model *m) {
     gy_model_free(m);
 }
 
-static void one_case(gy_dtype dt, int bias, gy_kv_layout_kind kind, int64_t bs, int tp_size, double tol) {
+enum { COMM_SHM, COMM_D2D, COMM_D2D_OWN_STREAMS };
+
+/* comm: COMM_SHM joins the ranks over host memory (the "device" buffers are host memory here);
+ * COMM_D2D over the d2d communicator with each rank's collectives on its model's stream, as an
+ * engine sets it up; COMM_D2D_OWN_STREAMS leaves them on the communicator's own streams, which a
+ * GPU would not order after the kernels (the emulation counts it, and the case expects it). */
+static void one_case(gy_dtype dt, int bias, gy_kv_layout_kind kind, int64_t bs, int tp_size, double tol,
+                     int comm_kind) {
     step steps[16]; int64_t ns = plan(steps), nl = 0; for (int64_t k = 0; k < ns; k++) nl += steps[k].nl;
     gy_model cpu; build(&cpu, dt, bias);
-    gy_model dev = cpu; dev.layers = cpu.layers; dev.rope_cos = cpu.rope_cos; dev.rope_sin = cpu.rope_sin;
-    dev.stream = NULL; dev.backend = GY_MODEL_BACKEND_CPU;
-    EXPECT(gy_forward_cuda_attach(&dev, 0) == GY_OK);
+    gy_model dev[MAX_TP];
+    for (int r = 0; r < tp_size; r++) {
+        dev[r] = cpu; dev[r].stream = NULL; dev[r].backend = GY_MODEL_BACKEND_CPU;
+        EXPECT(gy_forward_cuda_attach(&dev[r], 0) == GY_OK);
+    }
     float *ref = calloc(nl * V, 4), *got = calloc(nl * V, 4);
     gy_arena *ar; gy_kv_cache *kr; kv_make(&ar, &kr, NKV, 4, GY_KV_LAYOUT_PAGE, 4);
     runner rr = {.m = &cpu, .kv = kr, .tp = {.rank = 0, .size = 1}, .logits = ref, .nsteps = ns, .steps = steps};
     run(&rr); EXPECT(rr.st == GY_OK);
     int64_t elem = dt == GY_DTYPE_F32 ? 4 : 2;
-    gy_arena *ag[2]; gy_kv_cache *kg[2]; runner rg[2]; pthread_t th[2];
-    gy_comm *comm = NULL; gy_comm_rank cr[2];
-    if (tp_size > 1) gy_comm_init(&comm, tp_size);
+    gy_arena *ag[MAX_TP]; gy_kv_cache *kg[MAX_TP]; runner rg[MAX_TP]; pthread_t th[MAX_TP];
+    gy_comm *comm = NULL; gy_comm_rank cr[MAX_TP];
+    if (tp_size > 1) {
+        const gy_comm_config cc = {.backend = comm_kind == COMM_SHM ? GY_COMM_BACKEND_SHM : GY_COMM_BACKEND_D2D,
+                                   .size = tp_size};
+        EXPECT(gy_comm_init_config(&comm, &cc) == GY_OK);
+        for (int r = 0; r < tp_size && comm_kind == COMM_D2D; r++)
+            EXPECT(gy_comm_set_stream(comm, r, dev[r].stream) == GY_OK);
+    }
     emu_decode_calls = emu_prefill_calls = 0;
+    emu_stream_mismatches = 0;
     for (int r = 0; r < tp_size; r++) {
         kv_make(&ag[r], &kg[r], NKV / tp_size, elem, kind, bs);
         cr[r] = (gy_comm_rank){.comm = comm, .rank = r};
-        rg[r] = (runner){.m = &dev, .kv = kg[r], .tp = {.rank = r, .size = tp_size, .all_reduce = tp_size > 1 ? gy_comm_rank_all_reduce : NULL, .ctx = &cr[r], .device_buffers = 1}, .logits = got, .nsteps = ns, .steps = steps};
+        rg[r] = (runner){.m = &dev[r], .kv = kg[r], .tp = {.rank = r, .size = tp_size, .all_reduce = tp_size > 1 ? gy_comm_rank_all_reduce : NULL, .ctx = &cr[r], .device_buffers = 1}, .logits = got, .nsteps = ns, .steps = steps};
         pthread_create(&th[r], NULL, run, &rg[r]);
     }
     for (int r = 0; r < tp_size; r++) { pthread_join(th[r], NULL); EXPECT(rg[r].st == GY_OK); }
     double e = compare(ref, got, nl * V);
-    /* TP ranks hold half the heads each: their caches are compared through the logits only. */
+    /* TP ranks hold some of the heads each: their caches are compared through the logits only. */
     double ke = tp_size == 1 ? kv_compare(kr, kg[0], elem) : 0;
-    printf("dtype=%d bias=%d layout=%d bs=%lld tp=%d: logits rel err %.3g, kv rel err %s%.3g (decode calls %d, prefill %d)\n",
-           dt, bias, kind, (long long)bs, tp_size, e, tp_size == 1 ? "" : "(not compared) ", ke, emu_decode_calls, emu_prefill_calls);
+    static const char *const comm_names[] = {"shm", "d2d", "d2d on its own streams"};
+    printf("dtype=%d bias=%d layout=%d bs=%lld tp=%d%s%s: logits rel err %.3g, kv rel err %s%.3g (decode calls %d, prefill %d, off-stream collectives %ld)\n",
+           dt, bias, kind, (long long)bs, tp_size, tp_size > 1 ? " over " : "", tp_size > 1 ? comm_names[comm_kind] : "",
+           e, tp_size == 1 ? "" : "(not compared) ", ke, emu_decode_calls, emu_prefill_calls, emu_stream_mismatches);
     EXPECT(e < tol); EXPECT(ke < tol);
     EXPECT(emu_decode_calls > 0 && emu_prefill_calls > 0);
+    if (comm_kind == COMM_D2D) EXPECT(emu_stream_mismatches == 0);
+    if (comm_kind == COMM_D2D_OWN_STREAMS) EXPECT(emu_stream_mismatches > 0);
     for (int r = 0; r < tp_size; r++) { gy_forward_ws_free(&rg[r].ws); gy_kv_free(kg[r]); gy_arena_free(ag[r]); }
     gy_forward_ws_free(&rr.ws); gy_kv_free(kr); gy_arena_free(ar);
     if (comm) gy_comm_free(comm);
-    gy_forward_cuda_detach(&dev);
+    for (int r = 0; r < tp_size; r++) gy_forward_cuda_detach(&dev[r]);
     free(ref); free(got); free_weights(&cpu);
 }
 
+/* ---- the serving loop on emulated CUDA ranks ---- */
+
+typedef struct { gy_arena *arena[MAX_TP]; gy_kv_cache *kv[MAX_TP]; gy_engine_rank ranks[MAX_TP]; } engine_ranks;
+
+static void ranks_make(engine_ranks *er, gy_model *models, int n, int64_t elem) {
+    for (int r = 0; r < n; r++) {
+        kv_make(&er->arena[r], &er->kv[r], NKV / n, elem, GY_KV_LAYOUT_HEAD, 4);
+        er->ranks[r] = (gy_engine_rank){.model = &models[r], .kv = er->kv[r]};
+    }
+}
+
+static void ranks_free(engine_ranks *er, int n) {
+    for (int r = 0; r < n; r++) { gy_kv_free(er->kv[r]); gy_arena_free(er->arena[r]); }
+}
+
+/* Greedy tokens of three requests (prefill chunks mixed with decodes: max_batch_tokens 16). */
+static void generate(gy_engine *e, int32_t out[3][6]) {
+    const int32_t *prompts[3] = {toksA, toksB, toksA + 7};
+    const int64_t lens[3] = {23, 9, 14};
+    const gy_engine_params p = {.sampler = {.temperature = 0.0, .top_p = 1.0}, .max_new_tokens = 6};
+    for (int i = 0; i < 3; i++) EXPECT(gy_engine_add(e, i, prompts[i], lens[i], &p, 0.0) == GY_OK);
+    int64_t n[3] = {0, 0, 0};
+    for (int k = 0; k < 64 && (n[0] < 6 || n[1] < 6 || n[2] < 6); k++) {
+        gy_engine_step_out o;
+        if (gy_engine_step(e, 0.0, &o) != GY_OK) { EXPECT(0); return; }
+        for (int64_t t = 0; t < o.n_tokens; t++)
+            if (n[o.token_ids[t]] < 6) out[o.token_ids[t]][n[o.token_ids[t]]++] = o.tokens[t];
+    }
+    EXPECT(n[0] == 6 && n[1] == 6 && n[2] == 6);
+}
+
+static void engine_cases(void) {
+    gy_model cpu; build(&cpu, GY_DTYPE_F32, 1);
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    int32_t want[3][6], got[3][6];
+    engine_ranks one; ranks_make(&one, &cpu, 1, 4);
+    gy_engine *e = NULL;
+    EXPECT(gy_engine_init(&e, one.ranks, 1, NULL, &cfg) == GY_OK);
+    generate(e, want);
+    gy_engine_free(e);
+    ranks_free(&one, 1);
+    for (int tp = 2; tp <= MAX_TP; tp *= 2) {
+        gy_model dev[MAX_TP];
+        for (int r = 0; r < tp; r++) {
+            dev[r] = cpu; dev[r].stream = NULL; dev[r].backend = GY_MODEL_BACKEND_CPU;
+            EXPECT(gy_forward_cuda_attach(&dev[r], 0) == GY_OK);
+        }
+        gy_comm *d2d = NULL, *shm = NULL;
+        const gy_comm_config cc = {.backend = GY_COMM_BACKEND_D2D, .size = tp};
+        EXPECT(gy_comm_init_config(&d2d, &cc) == GY_OK);
+        EXPECT(gy_comm_init(&shm, tp) == GY_OK);
+        engine_ranks er; ranks_make(&er, dev, tp, 4);
+        emu_stream_mismatches = 0;
+        EXPECT(gy_engine_init(&e, er.ranks, tp, d2d, &cfg) == GY_OK);
+        for (int r = 0; r < tp; r++) EXPECT(gy_comm_stream(d2d, r) == (void *)dev[r].stream);
+        generate(e, got);
+        gy_engine_free(e);
+        for (int r = 0; r < tp; r++) EXPECT(gy_comm_stream(d2d, r) == gy_comm_own_stream(d2d, r) && gy_comm_own_stream(d2d, r) != NULL);
+        EXPECT(memcmp(want, got, sizeof want) == 0);
+        EXPECT(emu_stream_mismatches == 0);
+        printf("engine: TP%d of emulated CUDA ranks over d2d: greedy tokens %s the CPU engine's, off-stream collectives %ld\n",
+               tp, memcmp(want, got, sizeof want) == 0 ? "equal" : "DIFFER from", emu_stream_mismatches);
+
+        /* Pairings that cannot work are refused with the reason, and nothing is borrowed. */
+        EXPECT(gy_engine_init(&e, er.ranks, tp, shm, &cfg) == GY_ERR_INVALID);
+        EXPECT(strstr(gy_error_message(), "needs a device communicator") != NULL);
+        gy_model cpus[MAX_TP];
+        for (int r = 0; r < tp; r++) cpus[r] = cpu;
+        engine_ranks host; ranks_make(&host, cpus, tp, 4);
+        EXPECT(gy_engine_init(&e, host.ranks, tp, d2d, &cfg) == GY_ERR_INVALID);
+        EXPECT(strstr(gy_error_message(), "CPU ranks need shm") != NULL);
+        ranks_free(&host, tp);
+        dev[tp - 1].device = 1;
+        EXPECT(gy_engine_init(&e, er.ranks, tp, d2d, &cfg) == GY_ERR_INVALID);
+        EXPECT(strstr(gy_error_message(), "on CUDA device 1 but the d2d communicator") != NULL);
+        dev[tp - 1].device = 0;
+        void *stream = dev[0].stream;
+        dev[0].stream = NULL;
+        EXPECT(gy_engine_init(&e, er.ranks, tp, d2d, &cfg) == GY_ERR_STATE);
+        EXPECT(strstr(gy_error_message(), "not attached") != NULL);
+        dev[0].stream = stream;
+        for (int r = 0; r < tp; r++) EXPECT(gy_comm_stream(d2d, r) == gy_comm_own_stream(d2d, r));
+        ranks_free(&er, tp);
+        gy_comm_free(d2d);
+        gy_comm_free(shm);
+        for (int r = 0; r < tp; r++) gy_forward_cuda_detach(&dev[r]);
+    }
+    free_weights(&cpu);
+}
+
+/* kv_copy.c's device path against its host path: the same bytes, every layout. */
+static void kv_copy_case(gy_kv_layout_kind kind) {
+    gy_arena *a[3]; gy_kv_cache *src, *d1, *d2;
+    kv_make(&a[0], &src, 4, 4, kind, 4);
+    kv_make(&a[1], &d1, 2, 4, kind, 4);
+    kv_make(&a[2], &d2, 2, 4, kind, 4);
+    for (int l = 0; l < L; l++) {
+        float *p = gy_kv_layer_ptr(src, l), *q = gy_kv_layer_ptr(d1, l);
+        const int64_t ns = gy_kv_layout_layer_elems(gy_kv_layout_of(src)), nd = gy_kv_layout_layer_elems(gy_kv_layout_of(d1));
+        for (int64_t i = 0; i < ns; i++) p[i] = rnd01();
+        for (int64_t i = 0; i < nd; i++) q[i] = rnd01();
+        memcpy(gy_kv_layer_ptr(d2, l), q, (size_t)nd * 4);
+    }
+    const int32_t sb[5] = {3, 0, 13, 9, 15}, db[5] = {1, 20, 4, 0, 12}; /* of 16 and 32 blocks */
+    EXPECT(gy_kv_copy_heads(d1, db, 1, src, sb, 2, 1, 5, 1, 2) == GY_OK);
+    EXPECT(emu_device_kv_copy_heads(d2, db, 1, src, sb, 2, 1, 5, 1, 2) == GY_OK);
+    int same = 1, changed = 0;
+    for (int l = 0; l < L; l++) {
+        const int64_t nd = gy_kv_layout_layer_elems(gy_kv_layout_of(d1));
+        same &= memcmp(gy_kv_layer_ptr(d1, l), gy_kv_layer_ptr(d2, l), (size_t)nd * 4) == 0;
+        changed |= l > 0 && ((float *)gy_kv_layer_ptr(d1, l))[gy_kv_layout_offset(gy_kv_layout_of(d1), 1, 12, 3, 1)] ==
+                                ((float *)gy_kv_layer_ptr(src, l))[gy_kv_layout_offset(gy_kv_layout_of(src), 1, 15, 3, 2)];
+    }
+    EXPECT(same); EXPECT(changed);
+    const int32_t bad[5] = {3, 0, 13, 9, 999};
+    EXPECT(emu_device_kv_copy_heads(d2, db, 1, src, bad, 2, 1, 5, 1, 2) == GY_ERR_INVALID);
+    printf("kv_copy_heads layout=%d: device path %s the host path\n", kind, same ? "matches" : "DIFFERS from");
+    for (int i = 0; i < 3; i++) gy_kv_free(i == 0 ? src : i == 1 ? d1 : d2), gy_arena_free(a[i]);
+}
+
 int main(void) {
-    for (int kind = 0; kind < 3; kind++) one_case(GY_DTYPE_F32, 0, kind, kind == 1 ? 8 : 4, 1, 1e-5);
-    one_case(GY_DTYPE_F32, 1, GY_KV_LAYOUT_HEAD, 4, 1, 1e-5);
-    one_case(GY_DTYPE_F32, 0, GY_KV_LAYOUT_HEAD, 4, 2, 1e-5);
-    one_case(GY_DTYPE_F32, 1, GY_KV_LAYOUT_RAW, 16, 2, 1e-5);
-    one_case(GY_DTYPE_BF16, 0, GY_KV_LAYOUT_HEAD, 4, 1, 5e-2);
-    one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_PAGE, 4, 2, 5e-2);
+    for (int kind = 0; kind < 3; kind++) one_case(GY_DTYPE_F32, 0, kind, kind == 1 ? 8 : 4, 1, 1e-5, COMM_SHM);
+    one_case(GY_DTYPE_F32, 1, GY_KV_LAYOUT_HEAD, 4, 1, 1e-5, COMM_SHM);
+    one_case(GY_DTYPE_F32, 0, GY_KV_LAYOUT_HEAD, 4, 2, 1e-5, COMM_SHM);
+    one_case(GY_DTYPE_F32, 1, GY_KV_LAYOUT_RAW, 16, 2, 1e-5, COMM_SHM);
+    one_case(GY_DTYPE_F32, 1, GY_KV_LAYOUT_HEAD, 4, 2, 1e-5, COMM_D2D);
+    one_case(GY_DTYPE_F32, 0, GY_KV_LAYOUT_PAGE, 8, 4, 1e-5, COMM_D2D);
+    one_case(GY_DTYPE_F32, 0, GY_KV_LAYOUT_HEAD, 4, 4, 1e-5, COMM_D2D_OWN_STREAMS);
+    one_case(GY_DTYPE_BF16, 0, GY_KV_LAYOUT_HEAD, 4, 1, 5e-2, COMM_SHM);
+    one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_PAGE, 4, 2, 5e-2, COMM_SHM);
+    one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_HEAD, 4, 4, 5e-2, COMM_D2D);
+    engine_cases();
+    for (int kind = 0; kind < 3; kind++) kv_copy_case(kind);
     printf("live emulated allocations at exit: %ld\n", emu_live_allocs);
     EXPECT(emu_live_allocs == 0);
     printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
