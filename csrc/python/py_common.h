@@ -41,6 +41,14 @@ gy_arena *gy_py_arena_unwrap(PyObject *object);
 PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t offset,
                                uint64_t nbytes, int readonly);
 
+/* From py_sched.c: parses `rows` sampler rows (temperature, top_k, top_p, seed, token_index[,
+ * min_p]) from a sequence into two new arrays (free both with PyMem_Free), each row checked
+ * against `vocab` when it is > 0 (the error names the row). 0, or -1 with an exception and
+ * nothing to free. */
+struct gy_sampler_params;
+int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
+                       struct gy_sampler_params **params, int64_t **index);
+
 /* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
 struct gy_kv_cache;
 struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);

@@ -629,38 +629,11 @@ static PyObject *gy_py_cuda_sample(PyObject *self, PyObject *args) {
         return NULL;
     gy_status s = gy_cuda_sample_check((gy_dtype)dtype, rows, vocab);
     if (s != GY_OK) return gy_py_raise(s);
-    PyObject *seq = PySequence_Fast(params_o, "params must be a sequence of tuples");
-    if (seq == NULL) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != rows) {
-        PyErr_Format(PyExc_ValueError, "params has %zd rows, expected %lld",
-                     PySequence_Fast_GET_SIZE(seq), rows);
-        Py_DECREF(seq);
-        return NULL;
-    }
+    gy_sampler_params *params;
+    int64_t *index;
+    if (gy_py_sampler_rows(params_o, rows, vocab, &params, &index) < 0) return NULL;
     PyObject *result = NULL;
     gy_py_devs ds = {.n = 0};
-    gy_sampler_params *params = PyMem_Calloc((size_t)(rows > 0 ? rows : 1), sizeof *params);
-    int64_t *index = PyMem_Calloc((size_t)(rows > 0 ? rows : 1), sizeof *index);
-    if (params == NULL || index == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (long long r = 0; r < rows; r++) {
-        unsigned long long seed;
-        long long top_k, token_index;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, r), "dLdKL|d;params rows are "
-                              "(temperature, top_k, top_p, seed, token_index[, min_p])",
-                              &params[r].temperature, &top_k, &params[r].top_p, &seed,
-                              &token_index, &params[r].min_p))
-            goto done;
-        params[r].top_k = top_k;
-        params[r].seed = seed;
-        index[r] = token_index;
-        if ((s = gy_sampler_check(&params[r], vocab)) != GY_OK) {
-            gy_py_raise(GY_FAIL(s, "row %lld: %s", r, gy_error_message()));
-            goto done;
-        }
-    }
     if (gy_py_devs_add(&ds, out, 1, "tokens", rows, 1, 1, 4) < 0 ||
         gy_py_devs_add(&ds, logits, 0, "logits", rows, vocab, 1,
                        gy_dtype_size((gy_dtype)dtype)) < 0 ||
@@ -690,7 +663,6 @@ done:
     gy_py_devs_release(&ds);
     PyMem_Free(params);
     PyMem_Free(index);
-    Py_DECREF(seq);
     return result;
 }
 

@@ -310,6 +310,50 @@ static int gy_py_get_floats(PyObject *object, Py_buffer *view, Py_ssize_t count,
     return 0;
 }
 
+int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
+                       gy_sampler_params **params_out, int64_t **index_out) {
+    *params_out = NULL;
+    *index_out = NULL;
+    PyObject *seq = PySequence_Fast(rows_object, "params must be a sequence of tuples");
+    if (seq == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != rows) {
+        PyErr_Format(PyExc_ValueError, "params has %zd rows, expected %lld",
+                     PySequence_Fast_GET_SIZE(seq), rows);
+        Py_DECREF(seq);
+        return -1;
+    }
+    gy_sampler_params *params = PyMem_Calloc((size_t)(rows > 0 ? rows : 1), sizeof *params);
+    int64_t *index = PyMem_Calloc((size_t)(rows > 0 ? rows : 1), sizeof *index);
+    int ok = params != NULL && index != NULL;
+    if (!ok) PyErr_NoMemory();
+    for (long long r = 0; ok && r < rows; r++) {
+        unsigned long long seed;
+        long long top_k, token_index;
+        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, r), "dLdKL|d;params rows are "
+                              "(temperature, top_k, top_p, seed, token_index[, min_p])",
+                              &params[r].temperature, &top_k, &params[r].top_p, &seed,
+                              &token_index, &params[r].min_p);
+        if (!ok) break;
+        params[r].top_k = top_k;
+        params[r].seed = seed;
+        index[r] = token_index;
+        gy_status s;
+        if (vocab > 0 && (s = gy_sampler_check(&params[r], vocab)) != GY_OK) {
+            gy_py_raise(GY_FAIL(s, "row %lld: %s", r, gy_error_message()));
+            ok = 0;
+        }
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        PyMem_Free(params);
+        PyMem_Free(index);
+        return -1;
+    }
+    *params_out = params;
+    *index_out = index;
+    return 0;
+}
+
 /* sample(logits, n, vocab, params) -> list of n tokens. logits: float32 (n, vocab) buffer;
  * params: n tuples (temperature, top_k, top_p, seed, token_index[, min_p]). */
 static PyObject *gy_py_sample(PyObject *module, PyObject *args) {
@@ -318,35 +362,17 @@ static PyObject *gy_py_sample(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLLO", &logits_object, &n, &vocab, &params_object)) return NULL;
     if (n < 0 || vocab < 1 || vocab > INT32_MAX || (n > 0 && vocab > PY_SSIZE_T_MAX / 8 / n))
         return PyErr_Format(PyExc_ValueError, "bad shape (%lld, %lld)", n, vocab);
-    PyObject *seq = PySequence_Fast(params_object, "params must be a sequence of tuples");
-    if (seq == NULL) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "params has %zd rows, expected %lld",
-                     PySequence_Fast_GET_SIZE(seq), n);
-        Py_DECREF(seq);
-        return NULL;
-    }
+    gy_sampler_params *params;
+    int64_t *index;
+    /* the C sampler checks each row itself (vocab 0: no check here) */
+    if (gy_py_sampler_rows(params_object, n, 0, &params, &index) < 0) return NULL;
     PyObject *result = NULL;
     Py_buffer logits = {0};
     int have_logits = 0;
-    gy_sampler_params *params = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *params);
-    int64_t *index = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *index);
     int32_t *tokens = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *tokens);
-    if (params == NULL || index == NULL || tokens == NULL) {
+    if (tokens == NULL) {
         PyErr_NoMemory();
         goto done;
-    }
-    for (long long r = 0; r < n; r++) {
-        unsigned long long seed;
-        long long top_k, token_index;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, r), "dLdKL|d;params rows are "
-                              "(temperature, top_k, top_p, seed, token_index[, min_p])",
-                              &params[r].temperature, &top_k, &params[r].top_p, &seed,
-                              &token_index, &params[r].min_p))
-            goto done;
-        params[r].top_k = top_k;
-        params[r].seed = seed;
-        index[r] = token_index;
     }
     if (gy_py_get_floats(logits_object, &logits, (Py_ssize_t)(n * vocab), "logits", 0, 'f') < 0)
         goto done;
@@ -374,7 +400,6 @@ done:
     PyMem_Free(params);
     PyMem_Free(index);
     PyMem_Free(tokens);
-    Py_DECREF(seq);
     return result;
 }
 
