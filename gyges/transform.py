@@ -490,6 +490,12 @@ class _Staggered(Transformation):
     overlap = False
     _background = None
     _movers = None  # overlap: layer -> KVMover planned for it
+    _mover_pool = None  # one KVMover per layer a step moves, reused: each keeps its stage
+
+    def _pool(self):
+        if self._mover_pool is None:
+            self._mover_pool = [_C.KVMover() for _ in range(self.layers_per_step)]
+        return self._mover_pool
 
     def _wait_background(self):
         if self._background is not None:
@@ -524,8 +530,8 @@ class _Staggered(Transformation):
             self._time("layers", start)
             return
         released = []
-        for layer in self._next_layers():
-            mover = planned.get(layer) or _C.KVMover()
+        for layer, spare in zip(self._next_layers(), self._pool()):
+            mover = planned.get(layer, spare)
             moved = mover.finish(items, layer)
             self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
             self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"])
@@ -551,8 +557,8 @@ class _Staggered(Transformation):
         """Plans the next layers' moves and reads them, and releases the weights of `released`,
         on the transformation thread while the next step runs."""
         self._movers = {}
-        for layer in self._next_layers():
-            self._movers[layer] = mover = _C.KVMover()
+        for layer, mover in zip(self._next_layers(), self._pool()):
+            self._movers[layer] = mover
             mover.plan(items, layer)
 
         def work(movers=list(self._movers.values())):
@@ -645,7 +651,7 @@ class StaggeredScaleUp(_Staggered):
     def _move_plan(self):
         """What moving one layer copies, the same for every layer until the next step: for every
         request and new rank, the heads it owns, from the old rank of the request's group that
-        holds them. Returns the items for _C.kv_move_layer and the bytes per (src, dst) worker."""
+        holds them. Returns the items for _C.KVMover and the bytes per (src, dst) worker."""
         c = self.merged._c
         items, sent = [], {}
         D = self.host.model.config.head_dim

@@ -287,14 +287,3 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
     if (stats) *stats = st;
     return GY_OK;
 }
-
-gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
-                           uint64_t *bytes_moved) {
-    gy_kv_mover *m;
-    GY_TRY(gy_kv_mover_init(&m));
-    gy_kv_move_stats st;
-    const gy_status s = gy_kv_mover_finish(m, items, n_items, layer, 2, &st);
-    gy_kv_mover_free(m);
-    if (s == GY_OK && bytes_moved) *bytes_moved = st.bytes_moved;
-    return s;
-}

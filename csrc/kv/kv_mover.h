@@ -62,10 +62,6 @@ gy_status gy_kv_mover_read(gy_kv_mover *m);
 gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
                              int64_t layer, int threads, gy_kv_move_stats *stats);
 
-/* One-shot move: finish with a fresh mover (no plan). `bytes_moved` may be NULL. */
-gy_status gy_kv_move_layer(const gy_kv_move_item *items, int64_t n_items, int64_t layer,
-                           uint64_t *bytes_moved);
-
 #ifdef __cplusplus
 }
 #endif

@@ -1,4 +1,4 @@
-/* py_kv_mover.c: gyges._C.KVMover (kv/kv_mover.h) and the one-shot kv_move_layer. Items are
+/* py_kv_mover.c: gyges._C.KVMover (kv/kv_mover.h). Items are
  * tuples (src KVCache, src_seq, src_head, n_heads, n_tokens, dst KVCache, dst_seq[, dst_head]). */
 #include "py_common.h"
 
@@ -30,23 +30,6 @@ static gy_kv_move_item *gy_py_move_items(PyObject *list, Py_ssize_t *n_out) {
     }
     *n_out = n;
     return items;
-}
-
-static PyObject *gy_py_kv_move_layer(PyObject *module, PyObject *args) {
-    PyObject *list;
-    long long layer;
-    if (!PyArg_ParseTuple(args, "OL", &list, &layer)) return NULL;
-    Py_ssize_t n;
-    gy_kv_move_item *items = gy_py_move_items(list, &n);
-    if (items == NULL) return NULL;
-    uint64_t moved = 0;
-    gy_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = gy_kv_move_layer(items, n, layer, &moved);
-    Py_END_ALLOW_THREADS
-    free(items);
-    if (s != GY_OK) return gy_py_raise(s);
-    return PyLong_FromUnsignedLongLong(moved);
 }
 
 typedef struct {
@@ -165,14 +148,7 @@ static PyType_Spec gy_py_mover_spec = {
     .slots = gy_py_mover_slots,
 };
 
-static PyMethodDef gy_py_kv_mover_functions[] = {
-    {"kv_move_layer", gy_py_kv_move_layer, METH_VARARGS,
-     "kv_move_layer(items, layer) -> bytes: move one layer's K/V between caches"},
-    {NULL, NULL, 0, NULL},
-};
-
 int gy_py_kv_mover_add(PyObject *module) {
-    if (PyModule_AddFunctions(module, gy_py_kv_mover_functions) < 0) return -1;
     PyObject *type = PyType_FromModuleAndSpec(module, &gy_py_mover_spec, NULL);
     if (type == NULL) return -1;
     const int r = PyModule_AddObjectRef(module, "KVMover", type);
