@@ -56,12 +56,12 @@ def test_early_read_then_patch_equals_a_one_shot_move(layout):
     mover.plan(items_for(old, new, other, src, dst, oth), layer)
     mover.read()
     # A step happens: sequence 0 gets 6 more tokens, sequence 1 is freed and remade (same id,
-    # new data), sequence 2 is unchanged, and a new sequence 3 appears.
+    # new data, longer than planned), sequence 2 is unchanged, and a new sequence 3 appears.
     fill(old, src[0], 6, seed=10, start=old.n_tokens(src[0]))
     old.free(src[1])
     remade = old.new_sequence()
     assert remade == src[1]
-    fill(old, remade, 9, seed=11)
+    fill(old, remade, 20, seed=11)  # more tokens than planned: only its generation tells
     src.append(old.new_sequence())
     fill(old, src[3], 3, seed=12)
     dst.append(new.new_sequence())
