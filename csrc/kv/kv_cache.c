@@ -487,9 +487,9 @@ int64_t gy_kv_seq_n_tokens(const gy_kv_cache *kv, int64_t seq) {
 
 /* ---- values ---- */
 
-static gy_status gy_kv_check_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos,
-                                    int64_t n, const void *a, const void *b, float **base) {
-    if (kv == NULL || a == NULL || b == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+gy_status gy_kv_host_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos,
+                            int64_t n, float **base) {
+    if (kv == NULL || base == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
     GY_TRY(gy_kv_check_seq(kv, seq));
     if (layer < 0 || layer >= kv->config.n_layers)
         return GY_FAIL(GY_ERR_INVALID, "layer %lld is out of range [0, %lld)", (long long)layer,
@@ -506,6 +506,12 @@ static gy_status gy_kv_check_access(const gy_kv_cache *kv, int64_t seq, int64_t 
     if (*base == NULL)
         return GY_FAIL(GY_ERR_UNAVAILABLE, "the KV cache lives in device memory; use the device kernels");
     return GY_OK;
+}
+
+static gy_status gy_kv_check_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos,
+                                    int64_t n, const void *a, const void *b, float **base) {
+    if (a == NULL || b == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    return gy_kv_host_access(kv, seq, layer, pos, n, base);
 }
 
 gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,

@@ -98,6 +98,11 @@ uint64_t gy_kv_seq_generation(const gy_kv_cache *kv, int64_t seq);
 /* Blocks needed for n_tokens more than the sequence holds (0 when it already has room). */
 int64_t gy_kv_blocks_needed(const gy_kv_cache *kv, int64_t seq, int64_t n_tokens);
 
+/* GY_OK when tokens [pos, pos+n) of live sequence `seq` in `layer` can be read and written from
+ * the host (fp32 KV in host memory), with the layer's address in *base; else the refusal,
+ * naming its cause. */
+gy_status gy_kv_host_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos,
+                            int64_t n, float **base);
 /* Values of tokens [pos, pos+n) of a sequence in one layer, in logical order
  * k, v: (n, n_heads, head_dim) float32. Host memory only. */
 gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, int64_t n,

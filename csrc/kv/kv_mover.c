@@ -73,27 +73,17 @@ void gy_kv_mover_free(gy_kv_mover *m) {
 static gy_status gy_kv_mover_check_side(const gy_kv_cache *kv, int64_t seq, int64_t head0,
                                         int64_t n_heads, int64_t n_tokens, int64_t layer,
                                         int64_t i, const char *side) {
-    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "move item %lld: NULL %s cache", (long long)i, side);
+    float *base;
+    const gy_status s = gy_kv_host_access(kv, seq, layer, 0, n_tokens, &base);
+    if (s != GY_OK)
+        return GY_FAIL(s, "move item %lld, %s: %s", (long long)i, side, gy_error_message());
     const gy_kv_config *c = gy_kv_config_of(kv);
-    const int64_t n_blocks = gy_kv_seq_n_blocks(kv, seq);
-    if (n_blocks < 0)
-        return GY_FAIL(GY_ERR_STATE, "move item %lld: %s sequence %lld does not exist", (long long)i,
-                       side, (long long)seq);
-    if (n_tokens < 0 || n_tokens > n_blocks * c->block_size)
-        return GY_FAIL(GY_ERR_INVALID, "move item %lld: %lld tokens do not fit the %lld the %s "
-                       "sequence has room for", (long long)i, (long long)n_tokens,
-                       (long long)(n_blocks * c->block_size), side);
     if (n_heads <= 0 || head0 < 0 || head0 + n_heads > c->n_heads)
         return GY_FAIL(GY_ERR_INVALID, "move item %lld: %s heads [%lld, %lld) do not fit %lld heads",
                        (long long)i, side, (long long)head0, (long long)(head0 + n_heads),
                        (long long)c->n_heads);
-    if (layer < 0 || layer >= c->n_layers)
-        return GY_FAIL(GY_ERR_INVALID, "layer %lld is out of range [0, %lld)", (long long)layer,
-                       (long long)c->n_layers);
     if (c->layout == GY_KV_LAYOUT_RAW)
         return GY_FAIL(GY_ERR_INVALID, "the raw layout moves V when it grows; moves need page or header");
-    if (c->elem_size != (int64_t)sizeof(float) || gy_kv_layer_ptr(kv, layer) == NULL)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "layer moves need fp32 KV in host memory");
     return GY_OK;
 }
 
