@@ -80,9 +80,11 @@ class Transformation:
                       "kv_bytes_trimmed": {w: 0 for w in workers},
                       "peak_extra_bytes": {w: 0 for w in workers},
                       "requests_moved": 0, "phase_seconds": {},
-                      # layer-staggered with overlap: KV bytes read beside steps, and the host
-                      # memory the largest layer move staged
-                      "bytes_read_beside_steps": 0, "stage_bytes": 0, "steps_waiting": 0}
+                      # layer-staggered: KV bytes read beside steps (overlap), KV bytes already
+                      # in place (a rank's own heads), and the host memory the largest layer
+                      # move staged
+                      "bytes_read_beside_steps": 0, "bytes_in_place": 0, "stage_bytes": 0,
+                      "steps_waiting": 0}
 
     def _time(self, phase, start):
         self.stats["phase_seconds"][phase] = self.stats["phase_seconds"].get(phase, 0.0) + (
@@ -497,7 +499,9 @@ class _Staggered(Transformation):
             self._mover_pool = [_C.KVMover() for _ in range(self.layers_per_step)]
         return self._mover_pool
 
-    def _wait_background(self):
+    def wait_background(self):
+        """Blocks until the work running beside the steps is done (benchmarks charge it to the
+        step it ran beside)."""
         if self._background is not None:
             self._background.result()  # re-raises what the background work raised
             self._background = None
@@ -521,7 +525,7 @@ class _Staggered(Transformation):
             self.stats["steps_waiting"] += 1
             return
         self._behind = 0
-        self._wait_background()
+        self.wait_background()
         start = time.perf_counter()
         items, sent = self._move_plan()
         planned = self._movers or {}
@@ -534,6 +538,7 @@ class _Staggered(Transformation):
             mover = planned.get(layer, spare)
             moved = mover.finish(items, layer)
             self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
+            self.stats["bytes_in_place"] += moved["bytes_in_place"]
             self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"])
             for (src_w, dst_w), nbytes in sent.items():
                 self.stats["bytes_sent"][src_w] += nbytes
@@ -617,14 +622,26 @@ class StaggeredScaleUp(_Staggered):
             worker.kv = worker.kv.shadow(self.h_new)
             worker.c_model = worker.model_for_shards(worker.owned_shards(k, self.new_rank[w]))
         seq_of = {w: {} for w in group}
+        if host.kv_layout == "header":
+            # Worker (j, r) keeps heads run j of its old heads (_merge_ranks). In the header
+            # layout that run of old block X is the shadow's block m*X + j, so a sequence made
+            # of those blocks finds its heads already in place: the layer moves skip them, and
+            # only the other ranks' heads are copied (Gyges 4.1.2). These come first, while
+            # every shadow block is free.
+            for j, (handle, ex, tabs, n) in moved:
+                for r, w in enumerate(old[j].workers):
+                    if tabs[r] is not None and n[r]:
+                        blocks = m * np.asarray(tabs[r], np.int64) + j
+                        seq_of[w][handle.id] = host.worker(w).kv.adopt(blocks, n[r])
         for _, (handle, ex, tabs, n) in moved:
             if not max(n):
                 continue
             for w in group:
                 kv = host.worker(w).kv
-                seq = kv.new_sequence()
+                seq = seq_of[w].get(handle.id)
+                if seq is None:
+                    seq = seq_of[w][handle.id] = kv.new_sequence()
                 _reserve_growing(kv, seq, max(n), host.worker(w).page_size)
-                seq_of[w][handle.id] = seq
         merged = host.make_instance(self.rank_order, k)
         _adopt_all(merged, [item for _, item in moved],
                    lambda rid: [seq_of[w].get(rid, -1) for w in self.rank_order])

@@ -49,6 +49,10 @@ def test_early_read_then_patch_equals_a_one_shot_move(layout):
     src = [old.new_sequence() for _ in range(3)]
     for i, s in enumerate(src):
         fill(old, s, 5 + 7 * i, seed=i)
+    # The shadow's blocks 0..31 overlap the old blocks these sequences use (0..15 at most): a
+    # spacer takes them, so that no destination block is by chance the source's own head run
+    # (that run would stay in place; test_own_heads_stay_in_place covers it).
+    new.reserve(new.new_sequence(), 32 * B)
     dst = [new.new_sequence() for _ in src]
     oth = [other.new_sequence() for _ in src]
     mover = _C.KVMover()
@@ -75,6 +79,48 @@ def test_early_read_then_patch_equals_a_one_shot_move(layout):
     assert stats["bytes_early"] == planned
     assert stats["bytes_moved"] == sum(old.n_tokens(s) for s in src) * 2 * per_token
     assert stats["bytes_late"] == stats["bytes_moved"] - planned
+    assert stats["bytes_in_place"] == 0
+    for s, d, o in zip(src, dst, oth):
+        k, v = expect[s]
+        k_new, v_new = new.gather(d, layer, 0, old.n_tokens(s))
+        k_oth, v_oth = other.gather(o, layer, 0, old.n_tokens(s))
+        np.testing.assert_array_equal(k_new, k[:, :2])
+        np.testing.assert_array_equal(v_new, v[:, :2])
+        np.testing.assert_array_equal(k_oth, k[:, 2:])
+        np.testing.assert_array_equal(v_oth, v[:, 2:])
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_own_heads_stay_in_place(early):
+    """A destination block that is the source block's own head run (old block X's heads [0, 2)
+    are the shadow's block 2X) is neither read nor written; tokens that grow into other blocks
+    move as usual, and the result equals the old cache's contents either way."""
+    arena, old, new, other = caches()
+    src = [old.new_sequence() for _ in range(2)]
+    for i, s in enumerate(src):
+        fill(old, s, 9 + 4 * i, seed=20 + i)
+    dst = [new.adopt(2 * np.asarray(old.block_table(s)), old.n_tokens(s)) for s in src]
+    oth = [other.new_sequence() for _ in src]
+    layer = 2
+    in_place = sum(old.n_tokens(s) for s in src)  # tokens: every token of the adopted blocks
+    mover = _C.KVMover()
+    if early:
+        mover.plan(items_for(old, new, other, src, dst, oth), layer)
+        mover.read()
+    # The first sequence grows from 9 to 14 tokens: tokens 9..11 fill its third block (in place),
+    # tokens 12 and 13 go to a fourth block, which the shadow takes from its free list.
+    fill(old, src[0], 5, seed=30, start=old.n_tokens(src[0]))
+    new.reserve(dst[0], old.n_tokens(src[0]))
+    grown = old.n_tokens(src[0]) - 3 * B        # tokens in the fourth block: they move
+    in_place += 3 * B - 9
+    expect = {s: old.gather(s, layer) for s in src}
+    stats = mover.finish(items_for(old, new, other, src, dst, oth), layer)
+    per_token = 2 * H_NEW * D * 4
+    total = sum(old.n_tokens(s) for s in src) * 2 * per_token
+    assert stats["bytes_in_place"] == in_place * per_token
+    assert stats["bytes_moved"] == total - in_place * per_token
+    assert new.block_table(dst[0])[3] != 2 * old.block_table(src[0])[3]
+    assert grown > 0
     for s, d, o in zip(src, dst, oth):
         k, v = expect[s]
         k_new, v_new = new.gather(d, layer, 0, old.n_tokens(s))

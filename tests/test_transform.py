@@ -270,6 +270,39 @@ def test_layer_staggered_scale_up_serves_while_it_moves(tiny, reference, start, 
     assert [r.output_tokens for r in early + late] == reference(1)
 
 
+@pytest.mark.parametrize("start, target", [("4xTP1", 4), ("2xTP2", 4), ("4xTP1", 2)])
+def test_staggered_scale_up_leaves_each_ranks_own_heads_in_place(tiny, reference, start, target):
+    """In the header layout a merged rank's new blocks for its own requests are its old blocks'
+    runs of the heads it keeps, so the first layer's move copies only the other ranks' heads:
+    in place exactly the kept heads of every token, moved exactly the rest."""
+    host = new_host(tiny, start)
+    requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
+    for _ in range(3):
+        host.step()
+    config = tiny.config
+    per_head_token = 2 * config.head_dim * 4  # K and V, fp32
+    group = range(target)
+    tokens = sum(host.worker(w).kv.n_tokens(seq) for inst in host.instances
+                 if inst.workers[0] in group for rid in inst._c.request_ids()
+                 for w, seq in zip(inst.workers, inst._c.export(rid)["seqs"]) if seq >= 0)
+    h_new = config.num_key_value_heads // target
+    t = host.transform(workers=tuple(group), tp=target, layers_per_step=1)
+    host.step()  # moves the last layer before the step adds tokens
+    # Every old rank's tokens: h_new of its heads stay, the rest (h_old - h_new) move.
+    h_old = config.num_key_value_heads // host_tp(start)
+    assert t.stats["bytes_in_place"] == tokens * h_new * per_head_token
+    assert sum(t.stats["bytes_received"].values()) == tokens * (h_old - h_new) * per_head_token
+    while not t.done:
+        host.step()
+    check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in requests] == reference(1)
+
+
+def host_tp(layout):
+    return int(layout.split("TP")[1])
+
+
 def test_staggered_refusals_and_round_trip(tiny, reference):
     host = new_host(tiny, "4xTP1")
     requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]

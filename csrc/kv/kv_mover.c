@@ -16,7 +16,10 @@ typedef struct gy_kv_mover_item {
     int64_t late_from;  /* finish reads tokens [late_from, n_tokens) into `late` at late_at */
     int64_t late_at;
     int64_t blocks_at;  /* planned: the source block ids, in m->blocks */
-    float *src_base;    /* planned: the source layer */
+    int64_t dst_blocks_at; /* planned: the destination block ids, in m->blocks */
+    float *src_base, *dst_base; /* planned: both ends' layer */
+    int64_t in_place;   /* floats of the staged tokens already where they go (not staged) */
+    int64_t late_in_place; /* the same for the late tokens */
     int used;           /* planned: matched by finish already */
 } gy_kv_mover_item;
 
@@ -27,7 +30,7 @@ struct gy_kv_mover {
     int64_t n_planned, planned_cap;
     int32_t *blocks;
     int64_t blocks_cap;
-    gy_kv_layout *src_layouts; /* planned: each source cache's layout at plan time */
+    gy_kv_layout *layouts;     /* planned: item i's source (2i) and destination (2i+1) layout */
     int64_t layouts_cap;
     float *stage;
     int64_t stage_cap;  /* floats */
@@ -63,7 +66,7 @@ void gy_kv_mover_free(gy_kv_mover *m) {
     if (m == NULL) return;
     free(m->planned);
     free(m->blocks);
-    free(m->src_layouts);
+    free(m->layouts);
     free(m->stage);
     free(m->late);
     free(m->now);
@@ -102,26 +105,52 @@ static gy_status gy_kv_mover_check(const gy_kv_move_item *items, int64_t n_items
     return GY_OK;
 }
 
-/* Copies tokens [t0, t1) of heads [head0, head0 + n_heads) between a layer at `base` and `buf`,
+/* One end of an item in one layer: where its heads' tokens are. */
+typedef struct gy_kv_mover_end {
+    float *base;               /* the layer */
+    const gy_kv_layout *L;
+    const int32_t *blocks;
+    int64_t head0;
+} gy_kv_mover_end;
+
+/* Copies tokens [t0, t1) of heads [head0, head0 + n_heads) between the layer `at` and `buf`,
  * which holds them as (head, K/V, token, head_dim) from token t0; where the layout keeps a head's
- * tokens of a block together (header-centric) a block's run is one copy. */
-static void gy_kv_mover_xfer(float *base, const gy_kv_layout *L, const int32_t *blocks, int64_t head0,
-                             int64_t n_heads, int64_t t0, int64_t t1, float *buf, int to_buf) {
+ * tokens of a block together (header-centric) a block's run is one copy. A run whose address is
+ * the same at `other`, the item's other end, is already where it goes and is skipped (its place
+ * in `buf` is left as it is): a merged rank's own heads stay in place (Gyges 4.1.2). Returns the
+ * floats skipped. */
+static int64_t gy_kv_mover_xfer(const gy_kv_mover_end *at, const gy_kv_mover_end *other,
+                                int64_t n_heads, int64_t t0, int64_t t1, float *buf, int to_buf) {
+    const gy_kv_layout *L = at->L;
     const int64_t D = L->head_dim, B = L->block_size, n = t1 - t0;
     const int runs = L->stride_token == D;
+    /* Runs line up at both ends only when their layouts cut tokens the same way. */
+    const int same_cut = other->L->kind == L->kind && other->L->block_size == B &&
+                         other->L->stride_token == L->stride_token;
+    int64_t skipped = 0;
     for (int64_t h = 0; h < n_heads; h++)
         for (int64_t kvi = 0; kvi < 2; kvi++) {
             float *p = buf + (h * 2 + kvi) * n * D;
             for (int64_t t = t0; t < t1;) {
                 const int64_t slot = t % B;
                 const int64_t count = runs ? (B - slot < t1 - t ? B - slot : t1 - t) : 1;
-                float *at = base + gy_kv_layout_offset(L, kvi, blocks[t / B], slot, head0 + h);
-                if (to_buf) memcpy(p, at, (size_t)(count * D) * sizeof(float));
-                else memcpy(at, p, (size_t)(count * D) * sizeof(float));
+                float *here = at->base + gy_kv_layout_offset(L, kvi, at->blocks[t / B], slot, at->head0 + h);
+                const float *there = same_cut ? other->base + gy_kv_layout_offset(
+                    other->L, kvi, other->blocks[t / B], slot, other->head0 + h) : NULL;
+                if (here == there) skipped += count * D;
+                else if (to_buf) memcpy(p, here, (size_t)(count * D) * sizeof(float));
+                else memcpy(here, p, (size_t)(count * D) * sizeof(float));
                 p += count * D;
                 t += count;
             }
         }
+    return skipped;
+}
+
+/* Blocks that hold n_tokens in a cache. */
+static int64_t gy_kv_item_blocks(const gy_kv_cache *kv, int64_t n_tokens) {
+    const int64_t B = gy_kv_config_of(kv)->block_size;
+    return (n_tokens + B - 1) / B;
 }
 
 static int64_t gy_kv_item_floats(const gy_kv_move_item *it, int64_t tokens) {
@@ -138,29 +167,33 @@ gy_status gy_kv_mover_plan(gy_kv_mover *m, const gy_kv_move_item *items, int64_t
     GY_TRY(gy_kv_mover_reserve((void **)&m->planned, &m->planned_cap, n_items, sizeof *m->planned));
     int64_t floats = 0, n_blocks = 0;
     for (int64_t i = 0; i < n_items; i++) {
-        const int64_t B = gy_kv_config_of(items[i].src)->block_size;
         floats += gy_kv_item_floats(&items[i], items[i].n_tokens);
-        n_blocks += (items[i].n_tokens + B - 1) / B;
+        n_blocks += gy_kv_item_blocks(items[i].src, items[i].n_tokens) +
+                    gy_kv_item_blocks(items[i].dst, items[i].n_tokens);
     }
     GY_TRY(gy_kv_mover_reserve((void **)&m->blocks, &m->blocks_cap, n_blocks, sizeof *m->blocks));
     GY_TRY(gy_kv_mover_reserve((void **)&m->stage, &m->stage_cap, floats, sizeof *m->stage));
-    GY_TRY(gy_kv_mover_reserve((void **)&m->src_layouts, &m->layouts_cap, n_items, sizeof *m->src_layouts));
+    GY_TRY(gy_kv_mover_reserve((void **)&m->layouts, &m->layouts_cap, 2 * n_items, sizeof *m->layouts));
     floats = 0;
     n_blocks = 0;
     for (int64_t i = 0; i < n_items; i++) {
         const gy_kv_move_item *it = &items[i];
-        const int64_t B = gy_kv_config_of(it->src)->block_size, nb = (it->n_tokens + B - 1) / B;
-        if (nb > 0)
-            memcpy(m->blocks + n_blocks, gy_kv_seq_blocks(it->src, it->src_seq), (size_t)nb * sizeof(int32_t));
+        const int64_t nb = gy_kv_item_blocks(it->src, it->n_tokens);
+        const int64_t nd = gy_kv_item_blocks(it->dst, it->n_tokens);
+        /* Block tables only append, but a step may move them in memory as they grow. */
+        if (nb > 0) memcpy(m->blocks + n_blocks, gy_kv_seq_blocks(it->src, it->src_seq), (size_t)nb * sizeof(int32_t));
+        if (nd > 0) memcpy(m->blocks + n_blocks + nb, gy_kv_seq_blocks(it->dst, it->dst_seq), (size_t)nd * sizeof(int32_t));
         m->planned[i] = (gy_kv_mover_item){
             .it = *it, .src_gen = gy_kv_seq_generation(it->src, it->src_seq),
             .dst_gen = gy_kv_seq_generation(it->dst, it->dst_seq), .staged = it->n_tokens,
-            .stage_at = floats, .blocks_at = n_blocks, .src_base = gy_kv_layer_ptr(it->src, layer)};
+            .stage_at = floats, .blocks_at = n_blocks, .dst_blocks_at = n_blocks + nb,
+            .src_base = gy_kv_layer_ptr(it->src, layer), .dst_base = gy_kv_layer_ptr(it->dst, layer)};
         /* The layer's address and layout stay valid while the caches live: page and header
          * layouts only append when they grow, and a shadowed cache cannot shrink. */
-        m->src_layouts[i] = *gy_kv_layout_of(it->src);
+        m->layouts[2 * i] = *gy_kv_layout_of(it->src);
+        m->layouts[2 * i + 1] = *gy_kv_layout_of(it->dst);
         floats += gy_kv_item_floats(it, it->n_tokens);
-        n_blocks += nb;
+        n_blocks += nb + nd;
     }
     m->n_planned = n_items;
     m->layer = layer;
@@ -171,10 +204,13 @@ gy_status gy_kv_mover_read(gy_kv_mover *m) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
     if (m->layer < 0 || m->read_done) return GY_OK;
     for (int64_t i = 0; i < m->n_planned; i++) {
-        const gy_kv_mover_item *p = &m->planned[i];
-        gy_kv_mover_xfer(p->src_base, &m->src_layouts[i],
-                         m->blocks + p->blocks_at, p->it.src_head, p->it.n_heads, 0, p->staged,
-                         m->stage + p->stage_at, 1);
+        gy_kv_mover_item *p = &m->planned[i];
+        const gy_kv_mover_end src = {p->src_base, &m->layouts[2 * i], m->blocks + p->blocks_at,
+                                     p->it.src_head};
+        const gy_kv_mover_end dst = {p->dst_base, &m->layouts[2 * i + 1],
+                                     m->blocks + p->dst_blocks_at, p->it.dst_head};
+        p->in_place = gy_kv_mover_xfer(&src, &dst, p->it.n_heads, 0, p->staged,
+                                       m->stage + p->stage_at, 1);
     }
     m->read_done = 1;
     return GY_OK;
@@ -208,22 +244,22 @@ static void *gy_kv_mover_pass(void *arg) {
     const gy_kv_mover_part *w = arg;
     gy_kv_mover *m = w->m;
     for (int64_t i = w->first; i < w->end; i++) {
-        const gy_kv_mover_item *x = &m->now[i];
+        gy_kv_mover_item *x = &m->now[i];
         const gy_kv_move_item *it = &x->it;
+        const gy_kv_mover_end src = {gy_kv_layer_ptr(it->src, w->layer), gy_kv_layout_of(it->src),
+                                     gy_kv_seq_blocks(it->src, it->src_seq), it->src_head};
+        const gy_kv_mover_end dst = {gy_kv_layer_ptr(it->dst, w->layer), gy_kv_layout_of(it->dst),
+                                     gy_kv_seq_blocks(it->dst, it->dst_seq), it->dst_head};
         if (w->pass == 0) {
-            gy_kv_mover_xfer(gy_kv_layer_ptr(it->src, w->layer), gy_kv_layout_of(it->src),
-                             gy_kv_seq_blocks(it->src, it->src_seq), it->src_head, it->n_heads,
-                             x->late_from, it->n_tokens, m->late + x->late_at, 1);
+            x->late_in_place = gy_kv_mover_xfer(&src, &dst, it->n_heads, x->late_from, it->n_tokens,
+                                                m->late + x->late_at, 1);
             continue;
         }
-        float *base = gy_kv_layer_ptr(it->dst, w->layer);
-        const gy_kv_layout *L = gy_kv_layout_of(it->dst);
-        const int32_t *blocks = gy_kv_seq_blocks(it->dst, it->dst_seq);
+        /* The write skips the same runs the reads did: a reused item's first blocks at both ends
+         * are those planned (same generations, and tables only append). */
         if (x->staged > 0)
-            gy_kv_mover_xfer(base, L, blocks, it->dst_head, it->n_heads, 0, x->staged,
-                             m->stage + x->stage_at, 0);
-        gy_kv_mover_xfer(base, L, blocks, it->dst_head, it->n_heads, x->late_from, it->n_tokens,
-                         m->late + x->late_at, 0);
+            gy_kv_mover_xfer(&dst, &src, it->n_heads, 0, x->staged, m->stage + x->stage_at, 0);
+        gy_kv_mover_xfer(&dst, &src, it->n_heads, x->late_from, it->n_tokens, m->late + x->late_at, 0);
     }
     return NULL;
 }
@@ -245,8 +281,10 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
             p->used = 1;
             x->staged = p->staged;
             x->stage_at = p->stage_at;
+            x->in_place = p->in_place;
             st.items_reused++;
-            st.bytes_early += (uint64_t)gy_kv_item_floats(&items[i], p->staged) * sizeof(float);
+            st.bytes_early += (uint64_t)(gy_kv_item_floats(&items[i], p->staged) - p->in_place) *
+                              sizeof(float);
         }
         x->late_from = x->staged;
         x->late_at = late;
@@ -268,7 +306,13 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
         gy_kv_mover_pass(&parts[1]);
         if (threaded) pthread_join(helper, NULL);
     }
-    st.bytes_late = (uint64_t)late * sizeof(float);
+    int64_t in_place = 0, late_in_place = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        in_place += m->now[i].in_place + m->now[i].late_in_place;
+        late_in_place += m->now[i].late_in_place;
+    }
+    st.bytes_in_place = (uint64_t)in_place * sizeof(float);
+    st.bytes_late = (uint64_t)(late - late_in_place) * sizeof(float);
     st.bytes_moved = st.bytes_early + st.bytes_late;
     st.stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
     m->layer = -1;

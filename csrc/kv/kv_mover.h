@@ -17,6 +17,7 @@
  *                       same caches, sequences (same generations) and heads reuses its staged
  *                       tokens and reads only those added since; any other item is read whole.
  *                       Then everything is written. Without a plan, finish is a plain move.
+ * A run whose source and destination addresses are the same is neither read nor written.
  * Every read and write goes through gy_kv_layout_offset. Host caches (fp32) with the page or
  * header layout only: the raw layout moves V when it grows, so a planned address could go stale. */
 #ifndef GY_KV_MOVER_H
@@ -41,6 +42,8 @@ typedef struct gy_kv_move_stats {
     uint64_t bytes_moved;      /* written to the destinations by the last finish */
     uint64_t bytes_early;      /* of those, read by gy_kv_mover_read beside a step */
     uint64_t bytes_late;       /* read by finish itself */
+    uint64_t bytes_in_place;   /* already where they go: neither read nor written (a rank's
+                                  own heads, when its new blocks are its old ones' head runs) */
     int64_t items_reused;      /* items whose planned read was used */
     int64_t items_stale;       /* planned items finish found changed or gone (read again) */
     uint64_t stage_bytes;      /* host memory the mover holds for its stage */

@@ -73,3 +73,48 @@ GYTEST(kv_mover_reuses_early_reads_and_notices_remade_sequences) {
     gy_kv_free(old);
     gy_arena_free(arena);
 }
+
+GYTEST(kv_mover_leaves_a_ranks_own_heads_in_place) {
+    gy_arena_config c = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 64,
+                         .budget_bytes = 32 * 4096};
+    gy_arena *arena;
+    CHECK_OK(gy_arena_init(&arena, &c));
+    gy_kv_config k = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = 2, .n_heads = 2, .head_dim = 8,
+                      .block_size = 4, .elem_size = 4, .first_slot = 0, .slots_per_layer = 16};
+    gy_kv_cache *old, *shadow;
+    CHECK_OK(gy_kv_init(&old, arena, &k));
+    CHECK_OK(gy_kv_grow(old, 2));
+    CHECK_OK(gy_kv_init_shadow(&shadow, old, 1));
+    int64_t a, own, peer;
+    CHECK_OK(gy_kv_seq_new(old, &a));
+    fill(old, a, 0, 7, 3.0f);
+    /* Head 1 of old block X is the shadow's block 2X + 1: head 1 stays where it is; head 0 goes
+     * to blocks of its own elsewhere. */
+    const int32_t *ob = gy_kv_seq_blocks(old, a);
+    const int32_t in_place[2] = {2 * ob[0] + 1, 2 * ob[1] + 1};
+    CHECK_OK(gy_kv_seq_adopt(shadow, in_place, 2, 7, &own));
+    const int32_t elsewhere[2] = {20, 21}; /* not the run of any old block in use */
+    CHECK_OK(gy_kv_seq_adopt(shadow, elsewhere, 2, 7, &peer));
+    float k0[7 * 16], v0[7 * 16], k1[7 * 8], v1[7 * 8];
+    CHECK_OK(gy_kv_gather(old, a, 1, 0, 7, k0, v0));
+    gy_kv_move_item items[2] = {
+        {.src = old, .dst = shadow, .src_seq = a, .dst_seq = own, .src_head = 1, .n_heads = 1, .n_tokens = 7},
+        {.src = old, .dst = shadow, .src_seq = a, .dst_seq = peer, .src_head = 0, .n_heads = 1, .n_tokens = 7},
+    };
+    gy_kv_mover *m;
+    CHECK_OK(gy_kv_mover_init(&m));
+    gy_kv_move_stats st;
+    CHECK_OK(gy_kv_mover_finish(m, items, 2, 1, 1, &st));
+    CHECK(st.bytes_in_place == 7 * 2 * 8 * 4);
+    CHECK(st.bytes_moved == 7 * 2 * 8 * 4);
+    for (int64_t h = 0; h < 2; h++) {
+        CHECK_OK(gy_kv_gather(shadow, h ? own : peer, 1, 0, 7, k1, v1));
+        for (int64_t t = 0; t < 7; t++)
+            CHECK(memcmp(k1 + t * 8, k0 + t * 16 + h * 8, 8 * sizeof(float)) == 0 &&
+                  memcmp(v1 + t * 8, v0 + t * 16 + h * 8, 8 * sizeof(float)) == 0);
+    }
+    gy_kv_mover_free(m);
+    gy_kv_free(shadow);
+    gy_kv_free(old);
+    gy_arena_free(arena);
+}
