@@ -30,6 +30,8 @@ from . import _C
 from .comm import CommPool, aligned_groups
 from .engine import InstanceLoop, SamplingParams, Serving
 from .errors import UnavailableError
+from .transform import (StaggeredScaleDown, StaggeredScaleUp, TransformError, scale_down,
+                        scale_up)
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp
 
@@ -274,8 +276,6 @@ class Host(Serving):
         migration into rounds (more rounds, less extra memory). weights_from: where a
         scale-down gets FFN shards back ("peers" or "host"). Returns the Transformation handle;
         refused with a reason, and nothing changed, when it cannot be done."""
-        from .transform import (StaggeredScaleDown, StaggeredScaleUp, TransformError, scale_down,
-                                scale_up)
         if any(not t.done for t in self.transformations):
             raise TransformError("a transformation is already under way; wait until it is done")
         if layers_per_step is not None and (not isinstance(layers_per_step, int) or layers_per_step < 1):

@@ -30,6 +30,17 @@ def _round_up(x, to):
     return -(-x // to) * to
 
 
+def _runs(slots):
+    """(start, length) of each run of consecutive numbers in sorted `slots`."""
+    runs = []
+    for s in slots:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return [tuple(r) for r in runs]
+
+
 def _encode(array, dtype):
     array = np.asarray(array, dtype=np.float32)
     if dtype == "bf16":
@@ -247,13 +258,14 @@ class ModelWeights:
     def drop_layer_shards(self, layer, keep):
         """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
         `held` changes once every layer has been done (finish_layer_drops)."""
-        for shard in sorted(self.held - set(keep)):
-            if (layer, shard) in self._dropped:
-                continue
-            for kind in FFN_KINDS:
-                slots = self.shard_slots_of(layer, kind, shard)
-                self.arena.shrink(slots.start, len(slots))
-            self._dropped.add((layer, shard))
+        drop = [shard for shard in sorted(self.held - set(keep)) if (layer, shard) not in self._dropped]
+        slots = sorted(s for shard in drop for kind in FFN_KINDS
+                       for s in self.shard_slots_of(layer, kind, shard))
+        # One call per run of neighbouring slots: each call is one TLB flush of every core
+        # running the serving threads (a layer's gate, up and down shards are neighbours).
+        for start, n in _runs(slots):
+            self.arena.shrink(start, n)
+        self._dropped.update((layer, shard) for shard in drop)
 
     def finish_layer_drops(self, keep):
         self.held = set(keep)

@@ -227,13 +227,18 @@ static gy_status gy_check_unmappable(const gy_arena *a, int64_t slot) {
     return GY_OK;
 }
 
-static gy_status gy_unmap_locked(gy_arena *a, int64_t slot) {
-    GY_TRY(gy_check_unmappable(a, slot));
-    GY_TRY(a->ops->unmap(a->backend_state, slot));
+/* The bookkeeping of a slot the backend has unmapped. */
+static void gy_forget_mapping(gy_arena *a, int64_t slot) {
     a->page_slot[a->slot_page[slot]] = -1;
     a->slot_page[slot] = -1;
     a->stats.pages_mapped--;
     a->stats.unmaps_total++;
+}
+
+static gy_status gy_unmap_locked(gy_arena *a, int64_t slot) {
+    GY_TRY(gy_check_unmappable(a, slot));
+    GY_TRY(a->ops->unmap(a->backend_state, slot));
+    gy_forget_mapping(a, slot);
     return GY_OK;
 }
 
@@ -327,6 +332,15 @@ gy_status gy_arena_grow(gy_arena *a, int64_t slot, int64_t n, gy_page_tag tag) {
 static gy_status gy_shrink_locked(gy_arena *a, int64_t slot, int64_t n) {
     GY_TRY(gy_check_range(a, slot, n));
     for (int64_t s = slot; s < slot + n; s++) GY_TRY(gy_check_unmappable(a, s));
+    if (a->ops->unmap_run != NULL && n > 1) {
+        GY_TRY(a->ops->unmap_run(a->backend_state, slot, n));
+        for (int64_t s = slot; s < slot + n; s++) {
+            const int64_t page = a->slot_page[s];
+            gy_forget_mapping(a, s);
+            GY_TRY(gy_release_locked(a, page));
+        }
+        return GY_OK;
+    }
     for (int64_t s = slot; s < slot + n; s++) {
         const int64_t page = a->slot_page[s];
         GY_TRY(gy_unmap_locked(a, s));

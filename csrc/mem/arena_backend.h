@@ -17,6 +17,10 @@ typedef struct gy_arena_backend_ops {
     gy_status (*release)(void *state, int64_t page);
     gy_status (*map)(void *state, int64_t slot, int64_t page);
     gy_status (*unmap)(void *state, int64_t slot);
+    /* Optional (NULL: arena.c unmaps slot by slot): unmaps the n consecutive mapped slots from
+     * `slot` in one call. On the cpu backend each unmapping call flushes the TLBs of every core
+     * running the process's threads (the serving threads included), so a run is one flush. */
+    gy_status (*unmap_run)(void *state, int64_t slot, int64_t n);
     /* memmove inside the range; both ends mapped. */
     gy_status (*copy)(void *state, uint64_t dst_offset, uint64_t src_offset, uint64_t bytes);
     /* Host memory to the range and back (mapped); synchronous, and ordered after everything

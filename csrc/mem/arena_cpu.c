@@ -144,19 +144,22 @@ static gy_status gy_cpu_map(void *state, int64_t slot, int64_t page) {
     return GY_OK;
 }
 
-static gy_status gy_cpu_unmap(void *state, int64_t slot) {
+/* Puts reserved, inaccessible address space back over the slots (the range stays ours). */
+static gy_status gy_cpu_unmap_run(void *state, int64_t slot, int64_t n) {
     gy_cpu_arena *c = state;
     void *at = c->base + (uint64_t)slot * c->page_size;
-    void *r = mmap(at, c->page_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                   -1, 0);
+    void *r = mmap(at, (size_t)n * c->page_size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     if (r == MAP_FAILED) {
         int e = errno;
-        return GY_FAIL(GY_ERR_SYSTEM, "unmapping slot %lld failed: %s", (long long)slot,
-                       strerror(e));
+        return GY_FAIL(GY_ERR_SYSTEM, "unmapping slots [%lld, %lld) failed: %s", (long long)slot,
+                       (long long)(slot + n), strerror(e));
     }
-    atomic_fetch_sub(&gy_cpu_mapped_slots, 1);
+    atomic_fetch_sub(&gy_cpu_mapped_slots, n);
     return GY_OK;
 }
+
+static gy_status gy_cpu_unmap(void *state, int64_t slot) { return gy_cpu_unmap_run(state, slot, 1); }
 
 static gy_status gy_cpu_copy(void *state, uint64_t dst, uint64_t src, uint64_t bytes) {
     gy_cpu_arena *c = state;
@@ -184,6 +187,7 @@ const gy_arena_backend_ops gy_arena_cpu_ops = {
     .release = gy_cpu_release,
     .map = gy_cpu_map,
     .unmap = gy_cpu_unmap,
+    .unmap_run = gy_cpu_unmap_run,
     .copy = gy_cpu_copy,
     .write = gy_cpu_write,
     .read = gy_cpu_read,
