@@ -11,12 +11,14 @@
 3. Weights (Gyges Figure 10): bytes copied and time per layer for `partial_swap` (unpadded FFN)
    and padding (`gyges`), and the padding overhead.
 4. Gyges Figure 11: the step time while 1, 2, ..., L layers move per step (layer-staggered,
-   serving in between), without and with overlap, against the plain step and against
-   stop_world's single pause; on the tiny model (4 layers) and on the same width with 32 layers
-   (the paper's models have 32 to 80: one layer per step is then 1/32 of the KV). "vs plain"
-   compares with the 4xTP1 steps before; "vs mix" with what a step of that boundary would take
-   without the transformation's work (its layers below the boundary at the 4xTP1 step time,
-   the rest at the TP4 one), which isolates the transformation's own cost. Median of 3 runs.
+   serving in between), without and with overlap, and stop_world's single pause; on the tiny
+   model (4 layers) and on the same width with 32 and 64 layers (the paper's models have 32 to
+   80: one layer per step is then 1/32 or 1/64 of the KV). The transforming host is stepped in
+   turn with two control hosts serving the same requests: "plain" never transforms, "mix" runs
+   the same boundary each step but moves nothing. "vs plain" is the transforming host's time
+   over the plain host's for the same steps (the step time a user had without transforming);
+   "vs mix" isolates the transformation's own work. Work still running beside a step when it
+   ends is waited for and charged to that step. Median of 3 runs.
 
 Run: .venv/bin/python benchmarks/bench_transform.py
 """
@@ -133,63 +135,85 @@ def weight_rows(model):
     return rows
 
 
-def timed_steps(host, n):
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        host.step()
-        times.append(time.perf_counter() - start)
-    return times
+def timed_step(host, t=None):
+    """One host step, in seconds; with `t`, also the transformation work still running beside it
+    (charged to the step, so that none of it spills into another host's timing)."""
+    start = time.perf_counter()
+    host.step()
+    if t is not None and hasattr(t, "wait_background"):
+        t.wait_background()
+    return time.perf_counter() - start
+
+
+def dry_transformation(host, lps):
+    """The staggered 4xTP1 -> TP4 steps without the transformation's work: the boundary is set
+    from outside and nothing moves (the KV above the boundary is garbage, so tokens differ; the
+    requests ignore EOS, so every step's batch is the same as with the real one)."""
+    t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps or 1)
+    t.advance = lambda: None
+    return t
 
 
 def stagger_run(model, lps, overlap, kv_room, page_size):
-    """One transformation of a filled 4xTP1 host; the step times before, during and after, and
-    the boundary each step ran with."""
-    host, _ = filled_host(model, "header", "gyges", kv_room, page_size)
-    gc.collect()  # the previous run's host (large arenas) must not be freed inside a timing
-    L = model.config.num_hidden_layers
-    plain = float(np.median(timed_steps(host, 5)))
-    start = time.perf_counter()
-    if lps == "stop_world":
-        host.transform(workers=(0, 1, 2, 3), tp=4, method="stop_world")
-        host.step()
-        during, boundaries = [time.perf_counter() - start], [0]
-    else:
-        t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps, overlap=overlap)
-        begin = time.perf_counter() - start
-        during, boundaries = [], []
-        while not t.done:
-            during += timed_steps(host, 1)
-            boundaries.append(t.boundary if not t.done else 0)
-        during[0] += begin
-    after = float(np.median(timed_steps(host, 5)))
-    # A step with boundary b runs b layers as 4xTP1 and the rest as TP4: its time without any
-    # transformation work would be in between.
-    mix = [plain * b / L + after * (1 - b / L) for b in boundaries]
-    return {"plain": plain, "after": after, "during": during,
-            "overhead": float(np.mean(during)) / plain - 1,
-            "overhead_vs_mix": float(np.sum(during) / np.sum(mix)) - 1}
+    """One transformation of a filled 4xTP1 host, stepped in turn with two controls that serve the
+    same requests: `plain` never transforms, `mix` runs the same boundary every step but moves
+    nothing. Their steps at the same index are the baselines (this machine's speed drifts, and the
+    steps grow longer as the contexts grow, so steps taken before would overstate the overhead)."""
+    hosts = [filled_host(model, "header", "gyges", kv_room, page_size)[0] for _ in range(3)]
+    real, mix, plain = hosts
+    gc.collect()  # the previous run's hosts (large arenas) must not be freed inside a timing
+    for _ in range(2):
+        for h in hosts:
+            timed_step(h)
+    dry = dry_transformation(mix, lps if lps != "stop_world" else None)
+    times = {"real": [], "mix": [], "plain": []}
+    boundaries = []
+    t = None
+    while t is None or not t.done:
+        # The real one first (the mixed control follows its boundary); the controls swap places
+        # every step, since whoever runs after whom finds the caches in another state.
+        controls = [("mix", mix), ("plain", plain)][::1 if len(boundaries) % 2 else -1]
+        for name, h in [("real", real)] + controls:
+            start = time.perf_counter()
+            if name == "real" and t is None:
+                if lps == "stop_world":
+                    t = real.transform(workers=(0, 1, 2, 3), tp=4, method="stop_world")
+                else:
+                    t = real.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=lps,
+                                       overlap=overlap)
+            if name == "mix":
+                b = 0 if t is None or t.done or lps == "stop_world" else t.boundary
+                dry.engine._c.transition_set_boundary(b)
+            if name == "real":
+                boundaries.append(0 if t.done else t.boundary)
+            times[name].append(time.perf_counter() - start + timed_step(h, t if name == "real" else None))
+    during, mixed, plain_t = (np.array(times[k]) for k in ("real", "mix", "plain"))
+    return {"plain": float(np.mean(plain_t)), "mix": float(np.mean(mixed)), "during": list(during),
+            "overhead": float(during.sum() / plain_t.sum()) - 1,
+            "overhead_vs_mix": float(during.sum() / mixed.sum()) - 1,
+            "mix_vs_plain": float(mixed.sum() / plain_t.sum()) - 1}
 
 
-def stagger_rows(model, name, per_step, kv_room=None, page_size="64KiB", reps=3):
+def stagger_rows(model, name, per_step, kv_room=None, page_size="64KiB", reps=3, stop_world=True):
     """Gyges Figure 11: the step time while `per_step` layers move per step, without and with
-    overlap, against the plain step time (same host, just before) and against stop_world's single
-    pause. Each configuration runs `reps` times (this machine is noisy); the row is the run with
-    the median overhead."""
+    overlap, against the plain and the mixed control steps, and stop_world's single pause. Each
+    configuration runs `reps` times (this machine is noisy); the row is the run with the median
+    overhead against the plain steps."""
     rows = []
-    runs = [(n, o) for n in per_step for o in (False, True)] + [("stop_world", False)]
+    runs = [(n, o) for n in per_step for o in (False, True)] + [("stop_world", False)] * stop_world
     for lps, overlap in runs:
         results = sorted((stagger_run(model, lps, overlap, kv_room, page_size)
-                          for _ in range(reps)), key=lambda r: r["overhead_vs_mix"])
+                          for _ in range(reps)), key=lambda r: r["overhead"])
         r = results[len(results) // 2]
         rows.append({"model": name, "layers_per_step": lps, "overlap": overlap,
-                     "plain_step_ms": r["plain"] * 1e3,
+                     "plain_step_ms": r["plain"] * 1e3, "mix_step_ms": r["mix"] * 1e3,
                      "steps_transforming": len(r["during"]),
                      "mean_step_ms": float(np.mean(r["during"])) * 1e3,
                      "worst_step_ms": max(r["during"]) * 1e3,
                      "overhead": r["overhead"], "overhead_vs_mix": r["overhead_vs_mix"],
-                     "overheads_vs_mix": [x["overhead_vs_mix"] for x in results],
-                     "tp4_step_ms": r["after"] * 1e3})
+                     "mix_vs_plain": r["mix_vs_plain"],
+                     "overheads": [x["overhead"] for x in results],
+                     "overheads_vs_mix": [x["overhead_vs_mix"] for x in results]})
     return rows
 
 
@@ -218,20 +242,24 @@ def main():
     # shows the overhead at the paper's depth.
     L = model.config.num_hidden_layers
     stagger = stagger_rows(model, f"tiny ({L} layers)", range(1, L + 1))
-    deep_config = ModelConfig.from_dict({**model.config.to_dict(), "num_hidden_layers": 32})
-    deep = gyges.Model.random(deep_config, seed=1)
+    # The same width at the depth of Llama-3-8B (32 layers) and of Qwen2.5-32B (64, the paper's
+    # main model), with the same KV room per worker: each layer then holds 1/32 or 1/64 of it.
     kv_room = NOMINAL - weights_bytes(model)
-    stagger += stagger_rows(deep, "tiny width, 32 layers", (1, 8, 32), kv_room=8 * kv_room,
-                          page_size="256KiB")  # 64 KiB pages would pass vm.max_map_count
-    print_table("Step time while transforming 4xTP1 -> TP4 (Gyges Figure 11; plain = 4xTP1 "
-                "steps just before, tp4 = steps just after)", stagger,
+    for depth, per_step, stop_world in ((32, (1, 8, 32), True), (64, (1,), False)):
+        deep_config = ModelConfig.from_dict({**model.config.to_dict(), "num_hidden_layers": depth})
+        deep = gyges.Model.random(deep_config, seed=1)
+        stagger += stagger_rows(deep, f"tiny width, {depth} layers", per_step, kv_room=8 * kv_room,
+                                page_size="256KiB",  # 64 KiB pages would pass vm.max_map_count
+                                stop_world=stop_world)
+    print_table("Step time while transforming 4xTP1 -> TP4 (Gyges Figure 11; plain and mix are "
+                "control hosts stepped in turn with it: no transformation / same boundary, "
+                "nothing moved)", stagger,
                 [("model", "model", "{}"), ("layers_per_step", "layers/step", "{}"),
-                 ("overlap", "overlap", "{}"),
-                 ("plain_step_ms", "plain ms", "{:.2f}"),
-                 ("steps_transforming", "steps", "{}"), ("mean_step_ms", "mean ms", "{:.2f}"),
-                 ("worst_step_ms", "worst ms", "{:.2f}"), ("overhead", "vs plain", "{:+.0%}"),
-                 ("overhead_vs_mix", "vs mix", "{:+.1%}"),
-                 ("tp4_step_ms", "tp4 ms", "{:.2f}")])
+                 ("overlap", "overlap", "{}"), ("steps_transforming", "steps", "{}"),
+                 ("mean_step_ms", "mean ms", "{:.2f}"), ("worst_step_ms", "worst ms", "{:.2f}"),
+                 ("plain_step_ms", "plain ms", "{:.2f}"), ("mix_step_ms", "mix ms", "{:.2f}"),
+                 ("overhead", "vs plain", "{:+.1%}"), ("overhead_vs_mix", "vs mix", "{:+.1%}"),
+                 ("mix_vs_plain", "mix vs plain", "{:+.1%}")])
     write_json("bench_transform", {"capacity": cap, "kv": kv, "weights": weights,
                                    "stagger": stagger})
 
