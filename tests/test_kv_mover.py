@@ -43,6 +43,18 @@ def items_for(old, new, other, src_seqs, dst_seqs, other_seqs):
     return items
 
 
+def check_moved(old, new, other, src, dst, oth, layer, expect):
+    """Heads [0, 2) of every old sequence are in `new`, heads [2, 4) in `other`, as `expect`."""
+    for s, d, o in zip(src, dst, oth):
+        k, v = expect[s]
+        k_new, v_new = new.gather(d, layer, 0, old.n_tokens(s))
+        k_oth, v_oth = other.gather(o, layer, 0, old.n_tokens(s))
+        np.testing.assert_array_equal(k_new, k[:, :2])
+        np.testing.assert_array_equal(v_new, v[:, :2])
+        np.testing.assert_array_equal(k_oth, k[:, 2:])
+        np.testing.assert_array_equal(v_oth, v[:, 2:])
+
+
 @pytest.mark.parametrize("layout", ["header", "page"])
 def test_early_read_then_patch_equals_a_one_shot_move(layout):
     arena, old, new, other = caches(layout)
@@ -80,14 +92,7 @@ def test_early_read_then_patch_equals_a_one_shot_move(layout):
     assert stats["bytes_moved"] == sum(old.n_tokens(s) for s in src) * 2 * per_token
     assert stats["bytes_late"] == stats["bytes_moved"] - planned
     assert stats["bytes_in_place"] == 0
-    for s, d, o in zip(src, dst, oth):
-        k, v = expect[s]
-        k_new, v_new = new.gather(d, layer, 0, old.n_tokens(s))
-        k_oth, v_oth = other.gather(o, layer, 0, old.n_tokens(s))
-        np.testing.assert_array_equal(k_new, k[:, :2])
-        np.testing.assert_array_equal(v_new, v[:, :2])
-        np.testing.assert_array_equal(k_oth, k[:, 2:])
-        np.testing.assert_array_equal(v_oth, v[:, 2:])
+    check_moved(old, new, other, src, dst, oth, layer, expect)
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -121,14 +126,7 @@ def test_own_heads_stay_in_place(early):
     assert stats["bytes_moved"] == total - in_place * per_token
     assert new.block_table(dst[0])[3] != 2 * old.block_table(src[0])[3]
     assert grown > 0
-    for s, d, o in zip(src, dst, oth):
-        k, v = expect[s]
-        k_new, v_new = new.gather(d, layer, 0, old.n_tokens(s))
-        k_oth, v_oth = other.gather(o, layer, 0, old.n_tokens(s))
-        np.testing.assert_array_equal(k_new, k[:, :2])
-        np.testing.assert_array_equal(v_new, v[:, :2])
-        np.testing.assert_array_equal(k_oth, k[:, 2:])
-        np.testing.assert_array_equal(v_oth, v[:, 2:])
+    check_moved(old, new, other, src, dst, oth, layer, expect)
 
 
 def test_a_plan_of_another_layer_or_without_read_is_ignored():

@@ -15,13 +15,23 @@ static void fill(gy_kv_cache *kv, int64_t seq, int64_t pos, int64_t n, float bas
     for (int64_t layer = 0; layer < 2; layer++) CHECK_OK(gy_kv_write(kv, seq, layer, pos, n, k, v));
 }
 
-GYTEST(kv_mover_reuses_early_reads_and_notices_remade_sequences) {
+static gy_arena *new_arena(void) {
     gy_arena_config c = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 64,
                          .budget_bytes = 32 * 4096};
-    gy_arena *arena;
+    gy_arena *arena = NULL;
     CHECK_OK(gy_arena_init(&arena, &c));
-    gy_kv_config k = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = 2, .n_heads = 2, .head_dim = 8,
-                      .block_size = 4, .elem_size = 4, .first_slot = 0, .slots_per_layer = 16};
+    return arena;
+}
+
+/* Two layers of two heads, header-centric, blocks of 4 tokens. */
+static gy_kv_config kv_config(void) {
+    return (gy_kv_config){.layout = GY_KV_LAYOUT_HEAD, .n_layers = 2, .n_heads = 2, .head_dim = 8,
+                          .block_size = 4, .elem_size = 4, .first_slot = 0, .slots_per_layer = 16};
+}
+
+GYTEST(kv_mover_reuses_early_reads_and_notices_remade_sequences) {
+    gy_arena *arena = new_arena();
+    gy_kv_config k = kv_config();
     gy_kv_cache *old, *dst;
     CHECK_OK(gy_kv_init(&old, arena, &k));
     CHECK_OK(gy_kv_grow(old, 2));
@@ -75,12 +85,8 @@ GYTEST(kv_mover_reuses_early_reads_and_notices_remade_sequences) {
 }
 
 GYTEST(kv_mover_leaves_a_ranks_own_heads_in_place) {
-    gy_arena_config c = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 64,
-                         .budget_bytes = 32 * 4096};
-    gy_arena *arena;
-    CHECK_OK(gy_arena_init(&arena, &c));
-    gy_kv_config k = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = 2, .n_heads = 2, .head_dim = 8,
-                      .block_size = 4, .elem_size = 4, .first_slot = 0, .slots_per_layer = 16};
+    gy_arena *arena = new_arena();
+    gy_kv_config k = kv_config();
     gy_kv_cache *old, *shadow;
     CHECK_OK(gy_kv_init(&old, arena, &k));
     CHECK_OK(gy_kv_grow(old, 2));
