@@ -205,12 +205,9 @@ class ModelWeights:
         if not keep <= self.held:
             raise ValueError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
         before = self.arena.stats()["bytes_in_use"]
-        for shard in sorted(self.held - keep):
-            for layer in range(self.config.num_hidden_layers):
-                for kind in FFN_KINDS:
-                    slots = self.shard_slots_of(layer, kind, shard)
-                    self.arena.shrink(slots.start, len(slots))
-        self.held = keep
+        for layer in range(self.config.num_hidden_layers):
+            self.drop_layer_shards(layer, keep)
+        self.finish_layer_drops(keep)
         return before - self.arena.stats()["bytes_in_use"]
 
     def bytes_freed_keeping(self, keep):
@@ -305,28 +302,13 @@ class ModelWeights:
         """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the
         ModelWeights of a peer worker that holds it (same placement, so same offsets), or from the
         host copy of the weights when source is None. Returns the bytes copied."""
-        copied = 0
         for shard in sorted(set(shards) - self.held):
             peer = source(shard) if source is not None else None
             if peer is not None and shard not in peer.held:
                 raise ValueError(f"the peer does not hold FFN shard {shard}")
-            for layer in range(self.config.num_hidden_layers):
-                p = f"model.layers.{layer}.mlp."
-                for kind in FFN_KINDS:
-                    slots = self.shard_slots_of(layer, kind, shard)
-                    self.arena.grow(slots.start, len(slots), "weights")
-                    offset = self.shard_offset(layer, kind, shard)
-                    nbytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
-                    if peer is not None:
-                        one = np.array([offset], dtype=np.uint64)
-                        self.arena._c.copy_runs(peer.arena._c, one, one, np.array([nbytes], np.uint64))
-                    else:
-                        mat = self._host[p + f"{kind}_proj.weight"]
-                        mat = np.asarray(mat).T if kind == "down" else mat
-                        rows = mat[shard * self.shard_rows:(shard + 1) * self.shard_rows]
-                        self._store(offset, rows, self.dtype)
-                    copied += nbytes
-            self.held.add(shard)
+        copied = sum(self.restore_layer_shards(layer, shards, source)
+                     for layer in range(self.config.num_hidden_layers))
+        self.finish_layer_restores(shards)
         return copied
 
     def c_offsets(self, shards=None, pending=False):
