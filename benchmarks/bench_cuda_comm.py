@@ -37,19 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from gyges import _C  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
+from gyges.worker import cuda_device_unavailable  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 2 * MiB
 RANKS = 4
 SIZES = [64 * KiB << (2 * i) for i in range(7)]  # 64 KiB, 256 KiB, ..., 256 MiB
-
-
-def skip_reason():
-    if not _C.WITH_CUDA:
-        return "gyges was built without CUDA (nvcc was not found at build time)"
-    if _C.cuda_device_count() == 0:
-        return "no CUDA driver or device on this machine"
-    return None
 
 
 class RankMemory:
@@ -237,7 +230,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timings")
     args = parser.parse_args()
-    reason = skip_reason()
+    reason = cuda_device_unavailable()
     if reason is not None:
         print(f"skipped: {reason}")
         return

@@ -34,7 +34,7 @@ import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import _C  # noqa: E402
 from gyges.config import ModelConfig  # noqa: E402
-from gyges.worker import Worker  # noqa: E402
+from gyges.worker import Worker, cuda_unavailable  # noqa: E402
 
 # Llama-3.2-1B's shapes (its llama3 rope scaling is left out: it changes no timing).
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -46,14 +46,6 @@ BLOCK_SIZE = 16
 WARMUP, STEPS = 3, 20
 SEED = 0
 GiB = 1 << 30
-
-
-def skip_reason():
-    if not _C.WITH_CUDA:
-        return "gyges was built without CUDA"
-    if _C.cuda_device_count() == 0:
-        return "no CUDA driver or device on this machine"
-    return _C.cuda_forward_unavailable() or _C.cuda_blas_available()
 
 
 def copy_bandwidth(nbytes=GiB):
@@ -208,7 +200,7 @@ def torch_times(model, config, dev="cuda"):
 
 
 def main():
-    reason = skip_reason()
+    reason = cuda_unavailable() or _C.cuda_blas_available()
     if reason:
         print(f"skipped: {reason}")
         return

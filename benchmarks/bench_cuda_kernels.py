@@ -26,20 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from gyges import _C  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
+from gyges.worker import cuda_device_unavailable  # noqa: E402
 
 MiB = 1 << 20
 KVCACHED_A100_US = {"create": 193.0, "map": 1.45 + 36.0, "unmap": 25.6}  # map = map + set-access
 KINDS = {"raw": 0, "page": 1, "header": 2}
 DTYPES = {"f32": (0, 4), "f16": (1, 2), "bf16": (2, 2)}
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-
-
-def skip_reason():
-    if not _C.WITH_CUDA:
-        return "gyges was built without CUDA (nvcc was not found at build time)"
-    if _C.cuda_device_count() == 0:
-        return "no CUDA driver or device on this machine"
-    return None
 
 
 def per_page_us(fn, items):
@@ -85,7 +78,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timings")
     args = parser.parse_args(sys.argv[1:] if __name__ == "__main__" else [])
-    reason = skip_reason()
+    reason = cuda_device_unavailable()
     if reason is not None:
         print(f"skipped: {reason}")
         return

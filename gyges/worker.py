@@ -22,15 +22,21 @@ WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
 DEFAULT_PAGE_SIZE = {"cpu": "64KiB", "cuda": "2MiB"}
 
 
-def cuda_unavailable():
-    """Why backend="cuda" cannot run on this machine and build (None when it can): gyges built
-    without CUDA, no driver or device, or a build without the CUDA forward pass's kernels."""
+def cuda_device_unavailable():
+    """Why no CUDA device can be used (None when one can): gyges built without CUDA, or no
+    driver or device. What the GPU tests and benchmarks skip with."""
     if not _C.WITH_CUDA:
         return ("gyges was built without CUDA (nvcc was not found at build time, or "
                 "GYGES_CUDA=0)")
     if _C.cuda_device_count() == 0:
         return "no CUDA driver or device on this machine"
-    return _C.cuda_forward_unavailable()
+    return None
+
+
+def cuda_unavailable():
+    """Why backend="cuda" cannot run on this machine and build (None when it can): no usable
+    device (cuda_device_unavailable), or a build without the CUDA forward pass's kernels."""
+    return cuda_device_unavailable() or _C.cuda_forward_unavailable()
 
 
 def default_max_tp(config, limit=4):

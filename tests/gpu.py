@@ -2,16 +2,7 @@
 files."""
 import pytest
 
-from gyges import _C
+from gyges.worker import cuda_device_unavailable
 
-
-def _gpu_skip_reason():
-    if not _C.WITH_CUDA:
-        return "gyges was built without CUDA (nvcc was not found at build time)"
-    if _C.cuda_device_count() == 0:
-        return "no CUDA driver or device on this machine"
-    return None
-
-
-GPU_SKIP_REASON = _gpu_skip_reason()
+GPU_SKIP_REASON = cuda_device_unavailable()
 needs_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
