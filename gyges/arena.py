@@ -41,9 +41,12 @@ def tag_id(tag):
 class Arena:
     """A worker's page arena.
 
-    Arena(budget="64MiB", page_size="2MiB", n_slots=None, backend="cpu", device=0)
+    Arena(budget="64MiB", page_size="2MiB", n_slots=None, backend="cpu", device=0, pool_pages=0)
     `n_slots` defaults to four times the budget in pages: virtual space is cheap, and a layout
     that leaves gaps (one run of slots per KV layer, say) needs more slots than pages.
+    `pool_pages` released pages are kept ready for the next creation (cuda: created handles,
+    also made ahead of need; cpu: their memory, with their old contents). With no pool a cpu
+    page goes back to the system when released and reads zeros when created again.
     """
 
     def __init__(self, budget="64MiB", page_size="2MiB", n_slots=None, backend="cpu", device=0,

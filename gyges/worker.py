@@ -72,8 +72,14 @@ class Worker:
         self.page_size = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size")
         budget = parse_size(memory, "memory")
         budget -= budget % self.page_size
+        # A worker's memory is its device's: on the cpu backend a released page keeps its memory
+        # for the next creation (the arena's pool), so that dropping a layer's FFN shards in a
+        # transformation does not pay the kernel for freeing them on the serving path. The budget
+        # counts the page free at once. (The cuda pool creates its handles at start-up; it is not
+        # sized for workers until that is measured on a GPU.)
+        pool = budget // self.page_size if backend == "cpu" else 0
         self.arena = Arena(budget=budget, page_size=self.page_size, backend=backend, device=device,
-                           n_slots=8 * max(budget // self.page_size, 1))
+                           n_slots=8 * max(budget // self.page_size, 1), pool_pages=pool)
         if backend == "cuda" and _C.cuda_forward_unavailable():
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())

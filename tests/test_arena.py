@@ -161,6 +161,22 @@ def test_released_memory_goes_back_and_reads_zero():
     assert not a.view(5, 2).any()
 
 
+def test_pool_keeps_released_pages_and_their_contents():
+    """pool_pages=1: the first released page keeps its memory and contents, the next one goes back
+    to the system (zeros); the budget counts both free at once and still bounds creation."""
+    a = gyges.Arena(budget=2 * 64 * KIB, page_size=64 * KIB, pool_pages=1)
+    a.grow(0, 2)
+    a.view(0, 2)[:] = 0xEE
+    a.shrink(0, 2)
+    assert a.stats()["bytes_in_use"] == 0
+    a.grow(5, 2)
+    again = a.view(5, 2)
+    assert (again[:64 * KIB] == 0xEE).all() and not again[64 * KIB:].any()
+    del again
+    with pytest.raises(gyges.OutOfMemoryError):
+        a.grow(0, 1)
+
+
 class ArenaModel:
     """A pure-Python model of the arena's state, the reference for the random test."""
 

@@ -46,7 +46,8 @@ typedef struct gy_arena_config {
     uint64_t page_size;    /* bytes; a power of two >= 4 KiB (cuda: a multiple of its granularity) */
     uint64_t n_slots;      /* virtual slots reserved */
     uint64_t budget_bytes; /* physical budget; a multiple of page_size */
-    uint32_t pool_pages;   /* cuda: created handles kept ready off the critical path; cpu: unused */
+    uint32_t pool_pages;   /* released pages kept ready (cuda: handles, also made ahead of need;
+                            * cpu: their memory, not punched out of the file) */
 } gy_arena_config;
 
 typedef struct gy_arena_stats {

@@ -12,7 +12,8 @@ typedef struct gy_arena_backend_ops {
     /* Reserves n_slots * page_size bytes of address space; fills *state and *base. */
     gy_status (*init)(const gy_arena_config *config, void **state, uintptr_t *base);
     void (*destroy)(void *state, uintptr_t base, const gy_arena_config *config);
-    /* Backs physical page `page` with memory (it reads as zeros on the cpu backend). */
+    /* Backs physical page `page` with memory (on the cpu backend it reads as zeros unless the pool
+     * kept it when it was released). */
     gy_status (*create)(void *state, int64_t page);
     gy_status (*release)(void *state, int64_t page);
     gy_status (*map)(void *state, int64_t slot, int64_t page);

@@ -136,6 +136,28 @@ GYTEST(arena_released_pages_come_back_zeroed_lowest_first) {
     gy_arena_free(a);
 }
 
+/* pool_pages = 1: the first released page keeps its memory (and contents: no hole is punched),
+ * the second, past the pool, goes back to the system and reads zeros when created again. The
+ * budget counts both as free. */
+GYTEST(arena_cpu_pool_keeps_released_pages_up_to_its_size) {
+    gy_arena_config c = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 4,
+                         .budget_bytes = 2 * 4096, .pool_pages = 1};
+    gy_arena *a = NULL;
+    CHECK_OK(gy_arena_init(&a, &c));
+    CHECK_OK(gy_arena_grow(a, 0, 2, GY_PAGE_TAG_WEIGHTS));
+    memset(gy_arena_host_ptr(a, 0), 0x5A, 2 * 4096);
+    CHECK_OK(gy_arena_shrink(a, 0, 2)); /* page 0 kept, page 1 punched */
+    gy_arena_stats st;
+    gy_arena_stats_get(a, &st);
+    CHECK(st.bytes_in_use == 0);
+    CHECK_OK(gy_arena_grow(a, 2, 2, GY_PAGE_TAG_KV)); /* pages 0 and 1 again, lowest first */
+    const unsigned char *m = gy_arena_host_ptr(a, 2 * 4096);
+    CHECK(m[0] == 0x5A && m[4095] == 0x5A);
+    CHECK(m[4096] == 0 && m[8191] == 0);
+    CHECK_STATUS(gy_arena_grow(a, 0, 1, GY_PAGE_TAG_KV), GY_ERR_OUT_OF_MEMORY); /* still the budget */
+    gy_arena_free(a);
+}
+
 GYTEST(arena_write_and_read_reach_mapped_memory_only) {
     gy_arena *a = make_arena(4096, 4, 4);
     CHECK_OK(gy_arena_grow(a, 1, 2, GY_PAGE_TAG_WEIGHTS)); /* slots 1 and 2 */
