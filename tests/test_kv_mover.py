@@ -129,6 +129,40 @@ def test_own_heads_stay_in_place(early):
     check_moved(old, new, other, src, dst, oth, layer, expect)
 
 
+@pytest.mark.parametrize("layout", ["header", "page"])
+def test_a_move_without_early_read_copies_over_its_own_sources(layout):
+    """New blocks laid over head runs that other items still have to read: a's heads [0, 2) go
+    where b's heads [2, 4) are and b's go where a's were (a cycle), a's heads [2, 4) go where c's
+    heads [0, 2) are, and c's to free blocks (a chain). The header layout copies each run once, in
+    an order that reads every source first (parking one run per cycle); the page layout goes
+    through the stage. Both must land exactly the old contents."""
+    arena, old, new, other = caches(layout)
+    a, b, c = (old.new_sequence() for _ in range(3))
+    for i, s in enumerate((a, b, c)):
+        fill(old, s, 2 * B, seed=40 + i)
+    blocks = {s: np.asarray(old.block_table(s)) for s in (a, b, c)}
+    n = 2 * B
+    dest = {(a, 0): new.adopt(2 * blocks[b] + 1, n),   # over b's heads [2, 4)
+            (b, 2): new.adopt(2 * blocks[a], n),       # over a's heads [0, 2)
+            (a, 2): new.adopt(2 * blocks[c], n),       # over c's heads [0, 2)
+            (c, 0): new.adopt(np.array([400, 401]), n)}  # free
+    layer = 1
+    expect = {s: old.gather(s, layer) for s in (a, b, c)}
+    items = [(old._c, s, h, H_NEW, n, new._c, d, 0) for (s, h), d in dest.items()]
+    stats = _C.KVMover().finish(items, layer)
+    runs = len(items) * H_NEW * 2 * 2  # heads x K/V x blocks
+    if layout == "header":
+        assert stats["runs_direct"] == runs
+        assert stats["runs_parked"] == H_NEW * 2 * 2  # every run of the a/b swap is a cycle of 2
+    else:
+        assert stats["runs_direct"] == 0
+    assert stats["bytes_moved"] == len(items) * n * 2 * H_NEW * D * 4
+    for (s, h), d in dest.items():
+        k, v = new.gather(d, layer, 0, n)
+        np.testing.assert_array_equal(k, expect[s][0][:, h:h + H_NEW])
+        np.testing.assert_array_equal(v, expect[s][1][:, h:h + H_NEW])
+
+
 def test_a_plan_of_another_layer_or_without_read_is_ignored():
     arena, old, new, other = caches()
     s = old.new_sequence()

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "run_order.h"
+
 /* One item as the mover keeps it. Planned items carry what their early read needs (a copy of the
  * source blocks, the layer's address and layout), so that the read touches no cache structure a
  * step may change meanwhile. */
@@ -38,6 +40,9 @@ struct gy_kv_mover {
     int64_t late_cap;
     gy_kv_mover_item *now;
     int64_t now_cap;
+    gy_run *runs;              /* finish without an early read: the runs, copied once */
+    int64_t runs_cap;
+    gy_run_order *order;
 };
 
 /* Grows *buf to hold n elements of `size` bytes; keeps the contents. */
@@ -57,6 +62,11 @@ gy_status gy_kv_mover_init(gy_kv_mover **out) {
     if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_mover_init: NULL argument");
     gy_kv_mover *m = calloc(1, sizeof *m);
     if (m == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    const gy_status s = gy_run_order_init(&m->order);
+    if (s != GY_OK) {
+        free(m);
+        return s;
+    }
     m->layer = -1;
     *out = m;
     return GY_OK;
@@ -70,6 +80,8 @@ void gy_kv_mover_free(gy_kv_mover *m) {
     free(m->stage);
     free(m->late);
     free(m->now);
+    free(m->runs);
+    gy_run_order_free(m->order);
     free(m);
 }
 
@@ -264,6 +276,57 @@ static void *gy_kv_mover_pass(void *arg) {
     return NULL;
 }
 
+/* finish with nothing read early: every run copied once, straight to its destination, in an
+ * order that reads each source before it is overwritten (run_order.h), instead of through the
+ * stage (twice the memory traffic). Sets *done = 0, having moved nothing, unless both ends of
+ * every item are header-centric with the same block size (a head's tokens of a block are then
+ * one run, and runs line up); the page layout's unit is a token of all heads. */
+static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
+                                    int64_t layer, int threads, gy_kv_move_stats *st, int *done) {
+    *done = 0;
+    int64_t n_runs = 0, B = 0, D = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const gy_kv_layout *s = gy_kv_layout_of(items[i].src), *d = gy_kv_layout_of(items[i].dst);
+        if (i == 0) B = s->block_size, D = s->head_dim;
+        if (s->kind != GY_KV_LAYOUT_HEAD || d->kind != GY_KV_LAYOUT_HEAD || s->block_size != B ||
+            d->block_size != B || s->head_dim != D || d->head_dim != D)
+            return GY_OK;
+        n_runs += 2 * items[i].n_heads * gy_kv_item_blocks(items[i].src, items[i].n_tokens);
+    }
+    GY_TRY(gy_kv_mover_reserve((void **)&m->runs, &m->runs_cap, n_runs, sizeof *m->runs));
+    int64_t k = 0, in_place = 0, runs_in_place = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const gy_kv_move_item *it = &items[i];
+        const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
+        float *sb = gy_kv_layer_ptr(it->src, layer), *db = gy_kv_layer_ptr(it->dst, layer);
+        const int32_t *sbl = gy_kv_seq_blocks(it->src, it->src_seq);
+        const int32_t *dbl = gy_kv_seq_blocks(it->dst, it->dst_seq);
+        for (int64_t h = 0; h < it->n_heads; h++)
+            for (int64_t kvi = 0; kvi < 2; kvi++)
+                for (int64_t t = 0; t < it->n_tokens; t += B) {
+                    const int64_t count = it->n_tokens - t < B ? it->n_tokens - t : B;
+                    float *src = sb + gy_kv_layout_offset(ls, kvi, sbl[t / B], 0, it->src_head + h);
+                    float *dst = db + gy_kv_layout_offset(ld, kvi, dbl[t / B], 0, it->dst_head + h);
+                    if (src == dst) {
+                        in_place += count * D;
+                        runs_in_place++;
+                    }
+                    m->runs[k++] = (gy_run){src, dst, count * D * (int64_t)sizeof(float)};
+                }
+    }
+    gy_run_order_stats ost;
+    GY_TRY(gy_run_order_copy(m->order, m->runs, k, B * D * (int64_t)sizeof(float), threads, done,
+                             &ost));
+    if (!*done) return GY_OK;
+    int64_t floats = 0;
+    for (int64_t i = 0; i < n_items; i++) floats += gy_kv_item_floats(&items[i], items[i].n_tokens);
+    st->bytes_in_place = (uint64_t)in_place * sizeof(float);
+    st->bytes_late = st->bytes_moved = (uint64_t)(floats - in_place) * sizeof(float);
+    st->runs_direct = ost.runs_copied - runs_in_place;
+    st->runs_parked = ost.runs_parked;
+    return GY_OK;
+}
+
 gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
                              int64_t layer, int threads, gy_kv_move_stats *stats) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
@@ -271,6 +334,18 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
     GY_TRY(gy_kv_mover_reserve((void **)&m->now, &m->now_cap, n_items, sizeof *m->now));
     const int planned = m->layer == layer && m->read_done;
     gy_kv_move_stats st = {0};
+    if (!planned) {
+        int done;
+        GY_TRY(gy_kv_mover_direct(m, items, n_items, layer, threads, &st, &done));
+        if (done) {
+            st.stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
+            m->layer = -1;
+            m->n_planned = 0;
+            m->read_done = 0;
+            if (stats) *stats = st;
+            return GY_OK;
+        }
+    }
     int64_t late = 0;
     for (int64_t i = 0; i < m->n_planned; i++) m->planned[i].used = 0;
     for (int64_t i = 0; i < n_items; i++) {

@@ -3,8 +3,10 @@
  *
  * Item i copies heads [src_head, src_head + n_heads) of tokens [0, n_tokens) of sequence src_seq
  * in cache src to heads [dst_head, ...) of dst_seq in dst. New blocks may overlap old blocks of
- * the same layer (a shadow cache reads the same pages in another geometry), so nothing is written
- * before everything has been read: the mover reads into its own stage, then writes the stage out.
+ * the same layer (a shadow cache reads the same pages in another geometry), so no source may be
+ * overwritten before it is read: the mover reads into its own stage, then writes the stage out;
+ * or, when nothing was read early and both ends are header-centric, copies each run once in an
+ * order that reads every source first (run_order.h), half the memory traffic.
  *
  * The read can start early (PipeLive's pre-copy, then a patch of what changed):
  *   gy_kv_mover_plan    between steps: remembers the items and each source sequence's blocks and
@@ -47,6 +49,9 @@ typedef struct gy_kv_move_stats {
     int64_t items_reused;      /* items whose planned read was used */
     int64_t items_stale;       /* planned items finish found changed or gone (read again) */
     uint64_t stage_bytes;      /* host memory the mover holds for its stage */
+    int64_t runs_direct;       /* runs copied once, straight to their destination (a finish
+                                  with nothing read early, header layout); 0: through the stage */
+    int64_t runs_parked;       /* of those, one per cycle of runs waiting on each other */
 } gy_kv_move_stats;
 
 typedef struct gy_kv_mover gy_kv_mover;

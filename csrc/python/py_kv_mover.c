@@ -116,12 +116,14 @@ static PyObject *gy_py_mover_finish(GyKVMoverObject *self, PyObject *args) {
     free(items);
     Py_CLEAR(self->planned);
     if (s != GY_OK) return gy_py_raise(s);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:L,s:L,s:K}", "bytes_moved", (unsigned long long)st.bytes_moved,
-                         "bytes_early", (unsigned long long)st.bytes_early, "bytes_late",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:L,s:L,s:K,s:L,s:L}", "bytes_moved",
+                         (unsigned long long)st.bytes_moved, "bytes_early",
+                         (unsigned long long)st.bytes_early, "bytes_late",
                          (unsigned long long)st.bytes_late, "bytes_in_place",
                          (unsigned long long)st.bytes_in_place, "items_reused", (long long)st.items_reused,
                          "items_stale", (long long)st.items_stale, "stage_bytes",
-                         (unsigned long long)st.stage_bytes);
+                         (unsigned long long)st.stage_bytes, "runs_direct", (long long)st.runs_direct,
+                         "runs_parked", (long long)st.runs_parked);
 }
 
 static PyMethodDef gy_py_mover_methods[] = {
