@@ -123,7 +123,7 @@ class Worker:
             shards = set(shards) & self.weights.held
         mask = sum(1 << s for s in shards)
         return _C.Model(self.arena._c, spec, self.weights.c_offsets(shards, pending), mask,
-                        self.threads)
+                        self.threads, getattr(self, "c_model", None))  # its rotary tables
 
     def model_for_shards(self, shards, pending=False):
         """A C model over the given FFN shards (the model of a future TP rank); pending=True

@@ -57,6 +57,23 @@ def test_prefill_and_decode_logits_match_the_reference(which, tiny, qwen):
     assert err < RTOL, f"largest relative error {err:.2e}"
 
 
+def test_a_model_copying_its_rotary_tables_gives_the_same_logits(tiny):
+    """A worker's next C model copies the rotary tables of the current one (a transformation
+    builds one per new rank); the logits must not change by a bit. Tables that do not match
+    (another max_pos) are computed, not copied: positions past the shorter table would be wrong."""
+    worker = Worker(tiny, memory="64MiB", page_size="64KiB")
+    tokens = prompts(1, seed=3, lo=100, hi=101)[0]
+    computed = paged_logits(worker, tokens, [80] + [1] * 20)
+    worker.c_model = worker._new_c_model()  # tables copied from the first
+    np.testing.assert_array_equal(paged_logits(worker, tokens, [80] + [1] * 20), computed)
+    worker.c_model = Worker(tiny, memory="64MiB", page_size="64KiB", max_pos=64).c_model
+    worker.c_model = worker._new_c_model()  # 4096 positions: not from a table of 64
+    np.testing.assert_array_equal(paged_logits(worker, tokens, [80] + [1] * 20), computed)
+    worker.c_model = "tables"
+    with pytest.raises(TypeError, match="tables_from must be a Model"):
+        worker._new_c_model()
+
+
 @pytest.mark.parametrize("which", ["tiny", "qwen"])
 def test_greedy_tokens_equal_the_reference_for_64_steps(which, tiny, qwen):
     model = tiny if which == "tiny" else qwen

@@ -2,10 +2,11 @@
 #include "model.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "../cpu/rope.h"
 
-gy_status gy_model_init(gy_model *m, double rope_theta) {
+gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_from) {
     if (m->vocab <= 0 || m->hidden <= 0 || m->intermediate <= 0 || m->n_layers <= 0 ||
         m->n_heads <= 0 || m->n_kv_heads <= 0 || m->head_dim <= 0 || m->max_pos <= 0)
         return GY_FAIL(GY_ERR_INVALID, "model sizes must be positive");
@@ -33,6 +34,13 @@ gy_status gy_model_init(gy_model *m, double rope_theta) {
     if (m->layers == NULL || m->rope_cos == NULL || m->rope_sin == NULL) {
         gy_model_free(m);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables");
+    }
+    const gy_model *from = tables_from;
+    if (from != NULL && from->rope_cos != NULL && from->max_pos == m->max_pos &&
+        from->head_dim == m->head_dim && from->rope_theta == m->rope_theta) {
+        memcpy(m->rope_cos, from->rope_cos, table * sizeof(float));
+        memcpy(m->rope_sin, from->rope_sin, table * sizeof(float));
+        return GY_OK;
     }
     gy_status s = gy_cpu_rope_table(m->rope_cos, m->rope_sin, m->max_pos, m->head_dim, rope_theta);
     if (s != GY_OK) gy_model_free(m);

@@ -69,8 +69,10 @@ typedef struct gy_model {
 } gy_model;
 
 /* Checks the shape fields, allocates `layers` and the rotary tables (theta = rope_theta); the
- * caller fills the weight pointers afterwards. */
-gy_status gy_model_init(gy_model *model, double rope_theta);
+ * caller fills the weight pointers afterwards. The tables are copied from `tables_from` when it
+ * has the same max_pos, head_dim and theta (computing them costs ~1 ms for 4096 positions, which
+ * a transformation pays for every new rank's model), else computed; it may be NULL. */
+gy_status gy_model_init(gy_model *model, double rope_theta, const gy_model *tables_from);
 void gy_model_free(gy_model *model);
 /* GY_ERR_INVALID naming the first missing tensor (shard pointers are checked for `shards`,
  * a bitmask of the FFN shards this worker must hold). */

@@ -29,17 +29,20 @@ static const void *gy_py_at(uintptr_t base, int64_t offset) {
 }
 
 static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"arena", "spec", "offsets", "shards", "threads", NULL};
-    PyObject *arena_object, *offsets_object;
+    static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from", NULL};
+    PyObject *arena_object, *offsets_object, *tables_from = Py_None;
     long long vocab, hidden, inter, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos;
     int dtype, threads = 1;
     unsigned int shards;
     double eps, theta;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|i", names, &arena_object,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|iO", names, &arena_object,
                                      &vocab, &hidden, &inter, &n_layers, &n_heads, &n_kv_heads,
                                      &head_dim, &max_tp, &max_pos, &dtype, &eps, &theta,
-                                     &offsets_object, &shards, &threads))
+                                     &offsets_object, &shards, &threads, &tables_from))
         return NULL;
+    if (tables_from != Py_None && !PyObject_TypeCheck(tables_from, (PyTypeObject *)gy_py_model_type))
+        return PyErr_Format(PyExc_TypeError, "tables_from must be a Model or None, not %s",
+                            Py_TYPE(tables_from)->tp_name);
     gy_arena *arena = gy_py_arena_unwrap(arena_object);
     if (arena == NULL) return NULL;
     /* The weights' addresses: host pointers on a cpu arena, device addresses on a cuda one. */
@@ -55,7 +58,8 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     m->n_heads = n_heads; m->n_kv_heads = n_kv_heads; m->head_dim = head_dim; m->max_tp = max_tp;
     m->max_pos = max_pos; m->weight_dtype = (gy_dtype)dtype; m->rms_eps = (float)eps;
     self->shards = shards;
-    gy_status s = gy_model_init(m, theta);
+    gy_status s = gy_model_init(m, theta, tables_from == Py_None ? NULL
+                                          : &((GyModelObject *)tables_from)->model);
     if (s != GY_OK) {
         Py_DECREF(self);
         return gy_py_raise(s);
@@ -211,8 +215,9 @@ static PyType_Slot gy_py_model_slots[] = {
     {Py_tp_dealloc, gy_py_model_dealloc},
     {Py_tp_methods, gy_py_model_methods},
     {Py_tp_getset, gy_py_model_getset},
-    {Py_tp_doc, "Model(arena, spec, offsets, shards, threads=1): a decoder in arena memory (on the "
-                "arena's CUDA device when it is a cuda arena)."},
+    {Py_tp_doc, "Model(arena, spec, offsets, shards, threads=1, tables_from=None): a decoder in "
+                "arena memory (on the arena's CUDA device when it is a cuda arena); the rotary "
+                "tables are copied from the model tables_from when they match."},
     {0, NULL},
 };
 

@@ -29,7 +29,7 @@ static void build_model(gy_model *m, owned *o) {
     m->vocab = V; m->hidden = H; m->intermediate = I; m->n_layers = L; m->n_heads = NH;
     m->n_kv_heads = NKV; m->head_dim = D; m->max_tp = MAX_TP; m->max_pos = 64;
     m->rms_eps = 1e-5f; m->weight_dtype = GY_DTYPE_F32;
-    CHECK_OK(gy_model_init(m, 10000.0));
+    CHECK_OK(gy_model_init(m, 10000.0, NULL));
     m->embed = keep(o, random_tensor(V * H, &state, 2.0f));
     m->lm_head = keep(o, random_tensor(V * H, &state, 1.0f));
     m->final_norm = keep(o, random_tensor(H, &state, 0.2f));
