@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/grow.h"
 #include "run_order.h"
 
 /* One item as the mover keeps it. Planned items carry what their early read needs (a copy of the
@@ -45,17 +46,8 @@ struct gy_kv_mover {
     gy_run_order *order;
 };
 
-/* Grows *buf to hold n elements of `size` bytes; keeps the contents. */
 static gy_status gy_kv_mover_reserve(void **buf, int64_t *cap, int64_t n, size_t size) {
-    if (n <= *cap) return GY_OK;
-    int64_t c = *cap ? *cap : 64;
-    while (c < n) c *= 2;
-    void *p = realloc(*buf, (size_t)c * size);
-    if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a KV move of %lld items",
-                                  (long long)n);
-    *buf = p;
-    *cap = c;
-    return GY_OK;
+    return gy_grow(buf, cap, n, size, "a KV move");
 }
 
 gy_status gy_kv_mover_init(gy_kv_mover **out) {
@@ -327,6 +319,16 @@ static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items
     return GY_OK;
 }
 
+/* The end of a finish, either way: the plan is forgotten and the stats reported. */
+static gy_status gy_kv_mover_done(gy_kv_mover *m, gy_kv_move_stats *st, gy_kv_move_stats *stats) {
+    st->stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
+    m->layer = -1;
+    m->n_planned = 0;
+    m->read_done = 0;
+    if (stats) *stats = *st;
+    return GY_OK;
+}
+
 gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
                              int64_t layer, int threads, gy_kv_move_stats *stats) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
@@ -337,14 +339,7 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
     if (!planned) {
         int done;
         GY_TRY(gy_kv_mover_direct(m, items, n_items, layer, threads, &st, &done));
-        if (done) {
-            st.stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
-            m->layer = -1;
-            m->n_planned = 0;
-            m->read_done = 0;
-            if (stats) *stats = st;
-            return GY_OK;
-        }
+        if (done) return gy_kv_mover_done(m, &st, stats);
     }
     int64_t late = 0;
     for (int64_t i = 0; i < m->n_planned; i++) m->planned[i].used = 0;
@@ -389,10 +384,5 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
     st.bytes_in_place = (uint64_t)in_place * sizeof(float);
     st.bytes_late = (uint64_t)(late - late_in_place) * sizeof(float);
     st.bytes_moved = st.bytes_early + st.bytes_late;
-    st.stage_bytes = (uint64_t)(m->stage_cap + m->late_cap) * sizeof(float);
-    m->layer = -1;
-    m->n_planned = 0;
-    m->read_done = 0;
-    if (stats) *stats = st;
-    return GY_OK;
+    return gy_kv_mover_done(m, &st, stats);
 }

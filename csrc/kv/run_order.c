@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/grow.h"
+
 /* A run of the chains and cycles: `after` is the run whose source is at this run's destination
  * (read it first), `before` the run whose destination is this run's source (it waits for this
  * one); -1 for none. */
@@ -35,15 +37,7 @@ struct gy_run_order {
 };
 
 static gy_status gy_run_order_reserve(void **buf, int64_t *cap, int64_t n, size_t size) {
-    if (n <= *cap) return GY_OK;
-    int64_t c = *cap ? *cap : 64;
-    while (c < n) c *= 2;
-    void *p = realloc(*buf, (size_t)c * size);
-    if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for ordering %lld runs",
-                                  (long long)n);
-    *buf = p;
-    *cap = c;
-    return GY_OK;
+    return gy_grow(buf, cap, n, size, "ordering runs");
 }
 
 gy_status gy_run_order_init(gy_run_order **out) {
