@@ -286,7 +286,7 @@ static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items
         n_runs += 2 * items[i].n_heads * gy_kv_item_blocks(items[i].src, items[i].n_tokens);
     }
     GY_TRY(gy_kv_mover_reserve((void **)&m->runs, &m->runs_cap, n_runs, sizeof *m->runs));
-    int64_t k = 0, in_place = 0, runs_in_place = 0;
+    int64_t k = 0, moved = 0, in_place = 0, runs_in_place = 0;
     for (int64_t i = 0; i < n_items; i++) {
         const gy_kv_move_item *it = &items[i];
         const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
@@ -302,6 +302,8 @@ static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items
                     if (src == dst) {
                         in_place += count * D;
                         runs_in_place++;
+                    } else {
+                        moved += count * D;
                     }
                     m->runs[k++] = (gy_run){src, dst, count * D * (int64_t)sizeof(float)};
                 }
@@ -310,10 +312,8 @@ static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items
     GY_TRY(gy_run_order_copy(m->order, m->runs, k, B * D * (int64_t)sizeof(float), threads, done,
                              &ost));
     if (!*done) return GY_OK;
-    int64_t floats = 0;
-    for (int64_t i = 0; i < n_items; i++) floats += gy_kv_item_floats(&items[i], items[i].n_tokens);
     st->bytes_in_place = (uint64_t)in_place * sizeof(float);
-    st->bytes_late = st->bytes_moved = (uint64_t)(floats - in_place) * sizeof(float);
+    st->bytes_late = st->bytes_moved = (uint64_t)moved * sizeof(float);
     st->runs_direct = ost.runs_copied - runs_in_place;
     st->runs_parked = ost.runs_parked;
     return GY_OK;
