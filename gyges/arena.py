@@ -62,9 +62,12 @@ class Arena:
         if n_slots is None:
             n_slots = max(4 * (budget // page_size), 1)
         n_slots = _index(n_slots, "n_slots")
+        pool_pages = _index(pool_pages, "pool_pages")
+        if not 0 <= pool_pages < 1 << 32:  # the C config's field is 32 bits
+            raise ValueError(f"pool_pages must be in [0, 2**32), got {pool_pages}")
         self.backend = backend
         self._c = _C.Arena(BACKENDS[backend], _index(device, "device"), page_size, n_slots, budget,
-                           _index(pool_pages, "pool_pages"))
+                           pool_pages)
 
     # ---- properties ----
     @property

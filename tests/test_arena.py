@@ -175,6 +175,9 @@ def test_pool_keeps_released_pages_and_their_contents():
     del again
     with pytest.raises(gyges.OutOfMemoryError):
         a.grow(0, 1)
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="pool_pages must be in"):
+            gyges.Arena(budget=2 * 64 * KIB, page_size=64 * KIB, pool_pages=bad)
 
 
 class ArenaModel:
