@@ -385,6 +385,30 @@ def test_d2d_all_reduce_reuses_and_grows_its_scratch():
     assert comm.stats()["calls"] == len(sizes)
 
 
+def check_all_to_all(comm, mem, size, sizes, rng):
+    """An all-to-all of random bytes, sizes[s][d] from rank s to rank d, between fresh buffers:
+    every byte lands where it should, and the stats count each pair once (a rank's own part
+    moves no bytes between ranks)."""
+    send = [[rng.integers(0, 256, sizes[s][d], dtype=np.uint8) for d in range(size)]
+            for s in range(size)]
+    send_addr = [[mem.alloc(s, sizes[s][d]) for d in range(size)] for s in range(size)]
+    recv_addr = [[mem.alloc(d, sizes[s][d]) for s in range(size)] for d in range(size)]
+    for s in range(size):
+        for d in range(size):
+            mem.write(s, send_addr[s][d], send[s][d])
+    comm.reset_stats()
+    run_ranks(size, lambda r: comm.all_to_all(r, recv_addr[r], sizes[:, r].tolist(),
+                                              send_addr[r], sizes[r].tolist()))
+    sync_all(comm)
+    for d in range(size):
+        for s in range(size):
+            got = mem.read(d, recv_addr[d][s], int(sizes[s][d]))
+            assert got.tobytes() == send[s][d].tobytes(), (s, d)
+    off = sizes * (1 - np.eye(size, dtype=np.int64))
+    assert comm.stats() == {"calls": 1, "bytes_sent": off.sum(1).tolist(),
+                            "bytes_received": off.sum(0).tolist()}
+
+
 @needs_gpu
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
 def test_d2d_all_gather_and_all_to_all_are_exact(size):
@@ -407,24 +431,7 @@ def test_d2d_all_gather_and_all_to_all_are_exact(size):
     assert gather_stats == {"calls": 1, "bytes_sent": [nbytes * (size - 1)] * size,
                             "bytes_received": [nbytes * (size - 1)] * size}
 
-    send = [[rng.integers(0, 256, sizes[s][d], dtype=np.uint8) for d in range(size)]
-            for s in range(size)]
-    send_addr = [[mem.alloc(s, sizes[s][d]) for d in range(size)] for s in range(size)]
-    recv_addr = [[mem.alloc(d, sizes[s][d]) for s in range(size)] for d in range(size)]
-    for s in range(size):
-        for d in range(size):
-            mem.write(s, send_addr[s][d], send[s][d])
-    comm.reset_stats()
-    run_ranks(size, lambda r: comm.all_to_all(r, recv_addr[r], sizes[:, r].tolist(),
-                                              send_addr[r], sizes[r].tolist()))
-    sync_all(comm)
-    for d in range(size):
-        for s in range(size):
-            got = mem.read(d, recv_addr[d][s], int(sizes[s][d]))
-            assert got.tobytes() == send[s][d].tobytes(), (s, d)
-    off = sizes * (1 - np.eye(size, dtype=np.int64))
-    assert comm.stats() == {"calls": 1, "bytes_sent": off.sum(1).tolist(),
-                            "bytes_received": off.sum(0).tolist()}
+    check_all_to_all(comm, mem, size, sizes, rng)
 
 
 @needs_gpu
@@ -564,23 +571,7 @@ def test_nccl_collectives(size):
     assert comm.stats()["bytes_received"] == [nbytes * (size - 1)] * size
 
     sizes = a2a_sizes(size, seed=size + 2, unit=1001)
-    send = [[rng.integers(0, 256, sizes[s][d], dtype=np.uint8) for d in range(size)]
-            for s in range(size)]
-    send_addr = [[mem.alloc(s, sizes[s][d]) for d in range(size)] for s in range(size)]
-    recv_addr = [[mem.alloc(d, sizes[s][d]) for s in range(size)] for d in range(size)]
-    for s in range(size):
-        for d in range(size):
-            mem.write(s, send_addr[s][d], send[s][d])
-    comm.reset_stats()
-    run_ranks(size, lambda r: comm.all_to_all(r, recv_addr[r], sizes[:, r].tolist(),
-                                              send_addr[r], sizes[r].tolist()))
-    sync_all(comm)
-    for d in range(size):
-        for s in range(size):
-            assert mem.read(d, recv_addr[d][s], int(sizes[s][d])).tobytes() == send[s][d].tobytes()
-    off = sizes * (1 - np.eye(size, dtype=np.int64))
-    assert comm.stats() == {"calls": 1, "bytes_sent": off.sum(1).tolist(),
-                            "bytes_received": off.sum(0).tolist()}
+    check_all_to_all(comm, mem, size, sizes, rng)
     run_ranks(size, comm.barrier)
     sync_all(comm)
 
