@@ -3,12 +3,12 @@ PYTHON := .venv/bin/python
 SAN_FLAGS := -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Icsrc
 CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*')
 
-.PHONY: demo test build ctest cudaemu pytest bench clean
+.PHONY: demo test build ctest tsan cudaemu pytest bench clean
 
 demo: build
 	$(PYTHON) -m gyges.demo
 
-test: build ctest cudaemu pytest
+test: build ctest tsan cudaemu pytest
 
 build: .venv/.installed
 	$(PYTHON) setup.py -q build_ext --inplace -j 2
@@ -22,6 +22,16 @@ ctest: build/ctest_san
 
 build/ctest_san: $(CORE_SOURCES) $(wildcard tests/c/*.c tests/c/*.h csrc/*/*.h)
 	mkdir -p build && cc $(SAN_FLAGS) $(CORE_SOURCES) tests/c/*.c -o $@ -lm -ldl -lpthread
+
+# Where threads meet (an engine's callers, its rank threads, the communicator), under
+# ThreadSanitizer: the C tests named *threads*.
+TSAN_FLAGS := -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=thread -fno-omit-frame-pointer -Icsrc
+
+tsan: build/ctest_tsan
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build/ctest_tsan threads
+
+build/ctest_tsan: $(CORE_SOURCES) $(wildcard tests/c/*.c tests/c/*.h csrc/*/*.h)
+	mkdir -p build && cc $(TSAN_FLAGS) $(CORE_SOURCES) tests/c/*.c -o $@ -lm -ldl -lpthread
 
 # The CUDA forward pass and the d2d communicator, unchanged, on an emulated device (host memory,
 # naive kernels and GEMM, synchronous streams) against the CPU pass: how their plumbing is checked

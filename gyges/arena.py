@@ -162,6 +162,11 @@ class Arena:
         self._c.page_table(table)
         return table
 
+    def pinned_slots(self):
+        """The slots a live NumPy view pins now (they cannot be unmapped or remapped away)."""
+        table = self.page_table()
+        return table["slot"][table["pins"] > 0]
+
     def physical_pages(self):
         """One row per created physical page: page id, slot it is mapped at (-1 if none), tag."""
         table = np.empty(self._c.stats()["max_pages"], dtype=PHYSICAL_DTYPE)

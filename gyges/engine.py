@@ -8,17 +8,29 @@
 
 The loop (scheduler, forward pass, sampler) is C; this file owns the request handles, the
 timestamps and the argument checks.
+
+Guarantees (README "Guarantees"): a bad argument raises a gyges.Error naming it and changes
+nothing; a failed step changes nothing (the same step is tried again), except that a request whose
+logits are not numbers finishes alone with finish_reason "error" and the reason in
+request.error; abort() finishes the handle; an Engine is safe to call from several threads (one
+lock: a step runs whole while a submit or an abort from another thread waits); close() (or a
+with block) gives the worker's memory back, and so does dropping the last reference.
 """
 import math
-import operator
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _C
+from . import _C, checks
+from .errors import ArgumentTypeError, InvalidArgumentError, StateError
 from .units import parse_size
 from .worker import Worker
+
+# An arrival further ahead of the engine's clock than this is almost surely an absolute time
+# (time.time()) where seconds since the engine started were meant; it would never be served.
+MAX_ARRIVAL_AHEAD = 3600.0
 
 
 @dataclass(frozen=True)
@@ -34,17 +46,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        checks.integer("max_tokens", self.max_tokens, lo=1)
+        checks.number("temperature", self.temperature, lo=0)
+        checks.integer("top_k", self.top_k, lo=0)
+        checks.number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
+        checks.integer("seed", self.seed, lo=0, hi=2**64 - 1)
+        stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0)
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        checks.boolean("ignore_eos", self.ignore_eos)
 
 
 @dataclass
@@ -75,7 +84,8 @@ class RequestMetrics:
 
 
 class Request:
-    """A submitted request: its tokens so far, whether it finished, and its metrics."""
+    """A submitted request: its tokens so far, whether it finished (finish_reason "stop",
+    "length", "abort" or "error"; error says why for the last), and its metrics."""
 
     def __init__(self, request_id, prompt, params, arrival):
         self.id = request_id
@@ -84,6 +94,7 @@ class Request:
         self.output_tokens = []
         self.finished = False
         self.finish_reason = None
+        self.error = None
         self.metrics = RequestMetrics(arrival=arrival)
 
     def __repr__(self):
@@ -93,25 +104,54 @@ class Request:
 
 
 def check_prompt(tokens, vocab):
-    """A list of ints in [0, vocab); raises ValueError naming the problem."""
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-        raise ValueError(f"a prompt must be a sequence of token ids, got {type(tokens).__name__}")
-    if len(tokens) == 0:
-        raise ValueError("a prompt must have at least one token")
-    try:
-        array = np.array([operator.index(t) for t in tokens], dtype=np.int64)
-    except TypeError:
-        raise ValueError("token ids must be integers") from None
+    """A list, tuple, range or 1-D integer array of token ids in [0, vocab); returns int32.
+    Raises ArgumentTypeError (a str, dict, set or bool, float tokens) or InvalidArgumentError
+    (empty, out of the vocabulary) naming the problem."""
+    if isinstance(tokens, (str, bytes)):
+        raise ArgumentTypeError(f"a prompt must be a sequence of token ids, not a "
+                                f"{type(tokens).__name__} (tokenize it first)")
+    ids = checks.int_sequence("prompt", tokens)
+    if not ids:
+        raise InvalidArgumentError("a prompt must have at least one token")
+    array = np.array(ids, dtype=np.int64)
     bad = np.flatnonzero((array < 0) | (array >= vocab))
     if bad.size:
-        raise ValueError(f"token {array[bad[0]]} at index {bad[0]} is outside the vocabulary "
-                         f"[0, {vocab})")
+        raise InvalidArgumentError(f"prompt token {array[bad[0]]} at index {bad[0]} is outside "
+                                   f"the vocabulary [0, {vocab})")
     return array.astype(np.int32)
+
+
+class Clock:
+    """Seconds since a start. An engine or a host and its serving loops share one; it refers to
+    none of them, so no reference cycle keeps them alive."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self):
+        return time.perf_counter() - self.start
+
+    def advance(self, seconds):
+        self.start -= seconds
+
+
+def check_arrival(arrival, now):
+    """arrival: None (now) or seconds since the engine started, not hours ahead of its clock."""
+    if arrival is None:
+        return now
+    arrival = checks.number("arrival", arrival)
+    if arrival > now + MAX_ARRIVAL_AHEAD:
+        raise InvalidArgumentError(
+            f"arrival={arrival:.6g} is {arrival - now:.3g} s ahead of the engine's clock "
+            f"({now:.3f} s): arrival is seconds since the engine started (engine.now()), not an "
+            f"absolute time such as time.time(); pass None for now")
+    return arrival
 
 
 class InstanceLoop:
     """The Python side of one C serving loop (gyges._C.Engine over one or several TP ranks): the
-    request handles it serves and their timestamps. Engine has one; a Host has one per instance."""
+    request handles it serves and their timestamps. Engine has one; a Host has one per instance.
+    Its owner serializes the calls (a lock)."""
 
     def __init__(self, c_engine, config, clock):
         self._c = c_engine
@@ -121,10 +161,14 @@ class InstanceLoop:
 
     def add(self, request_id, tokens, params, arrival=None):
         prompt = check_prompt(tokens, self.config.vocab_size)
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"stop_token_ids {bad} are outside the vocabulary "
+                                       f"[0, {self.config.vocab_size})")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= set(self.config.eos_tokens())
-        arrival = self.clock() if arrival is None else float(arrival)
+        arrival = check_arrival(arrival, self.clock())
         request = Request(request_id, prompt.tolist(), params, arrival)
         self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
                     params.top_k, float(params.top_p), params.seed,
@@ -136,7 +180,8 @@ class InstanceLoop:
         return sum(1 for r in self.requests.values() if not r.finished)
 
     def step(self):
-        """One C step; returns the tokens it ran through the model."""
+        """One C step; returns the tokens it ran through the model. A failed step raises and
+        changes nothing."""
         tokens, finished, batch_tokens, _ = self._c.step(self.clock())
         done = self.clock()
         for request_id, token in tokens:
@@ -144,19 +189,40 @@ class InstanceLoop:
             r.output_tokens.append(token)
             r.metrics.token_times.append(done)
         for request_id in finished:
-            r = self.requests.pop(request_id)
-            info = self._c.info(request_id)
-            r.finished = True
-            r.finish_reason = info["finish"]
-            r.metrics.scheduled = info["first_scheduled"]
-            r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
-            r.metrics.finish = done
-            self._c.release(request_id)
+            self._finish(request_id, done)
         return batch_tokens
+
+    def abort(self, request):
+        """Finishes a request this loop serves (reason "abort"); False when it had finished."""
+        if request.finished:
+            return False
+        self._c.abort(request.id)
+        self._finish(request.id, self.clock())
+        return True
+
+    def _finish(self, request_id, now):
+        r = self.requests.pop(request_id)
+        info = self._c.info(request_id)
+        r.finished = True
+        r.finish_reason = info["finish"]
+        r.error = info["error"] or None
+        r.metrics.scheduled = info["first_scheduled"]
+        r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
+        r.metrics.finish = now
+        self._c.release(request_id)
+
+    def close(self, why):
+        """Stops the loop; requests still in it finish with reason "abort" and `why`."""
+        now = self.clock()
+        for r in list(self.requests.values()):
+            r.finished, r.finish_reason, r.error = True, "abort", why
+            r.metrics.finish = now
+        self.requests.clear()
+        self._c = None
 
 
 class Serving:
-    """run() and generate() for anything with submit(), step() and has_unfinished()."""
+    """run() and generate() for anything with submit(), step(), has_unfinished() and a lock."""
 
     def run(self):
         """Steps until every submitted request has finished."""
@@ -165,9 +231,26 @@ class Serving:
 
     def generate(self, prompts, params=None):
         """Submits every prompt, runs to completion, returns the request handles in order."""
-        requests = [self.submit(p, params) for p in prompts]
-        self.run()
+        with self._lock:
+            requests = [self.submit(p, params) for p in prompts]
+            self.run()
         return requests
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def check_params(params):
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ArgumentTypeError(f"params must be a gyges.SamplingParams, got "
+                                f"{type(params).__name__}")
+    return params
 
 
 class Engine(Serving):
@@ -177,6 +260,7 @@ class Engine(Serving):
 
     backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler: only the
     forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
+    Use it in a with block, or call close(), to give its memory back at a known point.
     """
 
     def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
@@ -185,69 +269,109 @@ class Engine(Serving):
                  backend="cpu", device=0):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_running", max_running), ("threads", threads)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            checks.integer(name, value, lo=1)
+        checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
+        self._lock = threading.RLock()
         self.model = model
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
                              kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,
                              threads=threads, max_pos=max_pos, pad_ffn=pad_ffn,
                              backend=backend, device=device)
-        self._start = time.perf_counter()
+        self.clock = Clock()
         self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
                             max_running, max_prefill_chunk)
-        self._loop = InstanceLoop(self._c, model.config, self.now)
+        self._loop = InstanceLoop(self._c, model.config, self.clock)
         self._next_id = 0
         self.steps = 0
         self.memory_budget = parse_size(memory, "memory")
 
     # ---- state ----
     @property
+    def closed(self):
+        return self._c is None
+
+    def _check_open(self):
+        if self._c is None:
+            raise StateError("the engine is closed")
+
+    @property
     def arena(self):
+        self._check_open()
         return self.worker.arena
 
     @property
     def kv(self):
+        self._check_open()
         return self.worker.kv
 
     @property
     def weights(self):
+        self._check_open()
         return self.worker.weights
 
     def now(self):
-        return time.perf_counter() - self._start
+        return self.clock()
 
     def memory(self):
         """Bytes of the worker's budget: in use, by owner, and the KV cache's blocks."""
-        s = self.arena.stats()
-        kv = self.kv.stats()
-        return {"budget": s["budget_bytes"], "in_use": s["bytes_in_use"], "peak": s["peak_bytes"],
-                "weights": s["bytes_by_tag"]["weights"], "kv": s["bytes_by_tag"]["kv"],
-                "weight_padding": self.weights.padding_bytes, "kv_blocks": kv["n_blocks"],
-                "kv_free_blocks": kv["free_blocks"], "kv_block_bytes": kv["block_bytes"]}
+        with self._lock:
+            s = self.arena.stats()
+            kv = self.kv.stats()
+            return {"budget": s["budget_bytes"], "in_use": s["bytes_in_use"],
+                    "peak": s["peak_bytes"], "weights": s["bytes_by_tag"]["weights"],
+                    "kv": s["bytes_by_tag"]["kv"], "weight_padding": self.weights.padding_bytes,
+                    "kv_blocks": kv["n_blocks"], "kv_free_blocks": kv["free_blocks"],
+                    "kv_block_bytes": kv["block_bytes"]}
 
     def has_unfinished(self):
-        return self._loop.unfinished() > 0
+        with self._lock:
+            return self._c is not None and self._loop.unfinished() > 0
 
     # ---- requests ----
     def submit(self, tokens, params=None, arrival=None):
-        """Queues a request and returns its handle. Raises ValueError for a bad prompt or
-        parameters and InvalidArgumentError when it could never fit in this worker's memory."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a gyges.SamplingParams")
-        request = self._loop.add(self._next_id, tokens, params, arrival)
-        self._next_id += 1
-        return request
+        """Queues a request and returns its handle. arrival: seconds since the engine started
+        (now by default). A bad prompt or parameter raises a gyges.Error naming it, and so does a
+        request that could never fit in this worker's memory; nothing is queued then."""
+        params = check_params(params)
+        with self._lock:
+            self._check_open()
+            request = self._loop.add(self._next_id, tokens, params, arrival)
+            self._next_id += 1
+            return request
 
     def abort(self, request):
-        self._c.abort(request.id)
+        """Finishes a request of this engine (finish_reason "abort"; its KV is freed). Returns
+        False when it had already finished."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request must be a gyges.Request, got "
+                                    f"{type(request).__name__}")
+        with self._lock:
+            self._check_open()
+            if not request.finished and self._loop.requests.get(request.id) is not request:
+                raise InvalidArgumentError(f"request {request.id} was not submitted to this engine")
+            return self._loop.abort(request)
 
     def step(self):
         """Runs one engine step; returns the number of tokens it ran through the model."""
-        batch_tokens = self._loop.step()
-        if batch_tokens:
-            self.steps += 1
-        return batch_tokens
+        with self._lock:
+            self._check_open()
+            batch_tokens = self._loop.step()
+            if batch_tokens:
+                self.steps += 1
+            return batch_tokens
 
     def stats(self):
-        return self._c.stats()
+        with self._lock:
+            self._check_open()
+            return self._c.stats()
+
+    def close(self):
+        """Stops the engine and gives its memory back (once no NumPy view of it is alive).
+        Unfinished requests finish with reason "abort". Later calls raise StateError; closing
+        twice is harmless."""
+        with self._lock:
+            if self._c is None:
+                return
+            self._loop.close("the engine was closed")
+            self._c = None
+            self.worker = None

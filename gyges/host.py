@@ -23,15 +23,16 @@ anything is allocated.
 """
 import operator
 import re
-import time
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from . import _C
+from . import _C, checks, recovery
 from .comm import CommPool, aligned_groups
-from .engine import InstanceLoop, SamplingParams, Serving
-from .errors import UnavailableError
-from .transform import (StaggeredScaleDown, StaggeredScaleUp, TransformError, scale_down,
-                        scale_up)
+from .engine import Clock, InstanceLoop, Request, Serving, check_params
+from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
+from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
+                        scale_down, scale_up, views_in)
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp
 
@@ -81,14 +82,14 @@ class Instance:
     rank order (after a transformation rank order need not be worker order)."""
 
     def __init__(self, host, workers, tp):
-        self.host = host
+        self.host = weakref.proxy(host)  # the host owns its instances: no cycle
         self.workers = tuple(workers)
         self.tp = tp
         ranks = [host.worker(w) for w in self.workers]
         comm = host.comm(min(self.workers), tp) if tp > 1 else None
         self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
                             host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
-        self.loop = InstanceLoop(self._c, host.model.config, host.now)
+        self.loop = InstanceLoop(self._c, host.model.config, host.clock)
 
     @property
     def requests(self):
@@ -156,11 +157,17 @@ class Host(Serving):
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
                  comm=None):
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        checks.integer("workers", workers, lo=1)
+        for name, value in (("block_size", block_size), ("threads_per_worker", threads_per_worker),
+                            ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            checks.integer(name, value, lo=1)
+        checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
         if backend not in DEFAULT_MEMORY:
-            raise ValueError(f"unknown backend {backend!r}; expected one of "
-                             f"{', '.join(DEFAULT_MEMORY)}")
+            raise InvalidArgumentError(f"unknown backend {backend!r}; expected one of "
+                                       f"{', '.join(DEFAULT_MEMORY)}")
+        if layout is not None and not isinstance(layout, str):
+            raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
+        self._lock = threading.RLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers)
         self.model = model
@@ -185,13 +192,13 @@ class Host(Serving):
             # A compute and a migration communicator per aligned group of every size, made now
             # (Flying Serving's pool).
             self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
-        self._start = time.perf_counter()
-        self._workers = [Worker(model, memory=memory_per_worker, page_size=page_size,
-                                block_size=block_size, kv_layout=kv_layout,
-                                weight_dtype=weight_dtype, max_tp=self.max_tp,
-                                threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend,
-                                device=device or 0)
-                         for device in self.devices]
+        self.clock = Clock()
+        # What a worker is made of: how the host makes one again when its group is rebuilt.
+        self._worker_args = dict(memory=memory_per_worker, page_size=page_size,
+                                 block_size=block_size, kv_layout=kv_layout,
+                                 weight_dtype=weight_dtype, max_tp=self.max_tp,
+                                 threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend)
+        self._workers = [self.new_worker(i) for i in range(workers)]
         for first, tp in groups:
             self.check_group(first, tp)
             for rank in range(tp):
@@ -235,17 +242,36 @@ class Host(Serving):
 
     # ---- parts ----
     def now(self):
-        return time.perf_counter() - self._start
+        return self.clock()
 
     def advance_clock(self, seconds):
         """Moves the host's clock forward (an experiment that skips idle time between arrivals
         keeps every timestamp consistent this way)."""
+        seconds = checks.number("seconds", seconds)
         if seconds < 0:
-            raise ValueError(f"the clock only moves forward, got {seconds}")
-        self._start -= seconds
+            raise InvalidArgumentError(f"the clock only moves forward, got {seconds}")
+        self.clock.advance(seconds)
+
+    def new_worker(self, index):
+        """A fresh worker for position `index` (TP1, the whole model), as the host made it."""
+        return Worker(self.model, device=self.devices[index] or 0, **self._worker_args)
 
     def worker(self, index):
+        self._check_open()
+        checks.integer("index", index, 0, len(self._workers) - 1)
         return self._workers[index]
+
+    @property
+    def n_workers(self):
+        return len(self._workers)
+
+    @property
+    def closed(self):
+        return self._workers is None
+
+    def _check_open(self):
+        if self._workers is None:
+            raise StateError("the host is closed")
 
     def comm(self, first, size):
         """The compute communicator of the aligned group of `size` workers from `first`."""
@@ -274,15 +300,43 @@ class Host(Serving):
         only patches the tokens added since and writes them out; a scale-up also releases the
         moved layers' FFN pages there. phase_chunks cuts each all-to-all phase of the in-place KV
         migration into rounds (more rounds, less extra memory). weights_from: where a
-        scale-down gets FFN shards back ("peers" or "host"). Returns the Transformation handle;
-        refused with a reason, and nothing changed, when it cannot be done."""
+        scale-down gets FFN shards back ("peers" or "host"). Returns the Transformation handle.
+
+        Refused with a gyges.Error naming the reason, and nothing changed, when it cannot be
+        done: bad arguments, too little memory, or a live NumPy view of a group worker's memory
+        (its pages are about to change). A failure past that point (an allocation, a page, a
+        copy or a collective failing) rebuilds the group in the target layout and recomputes its
+        requests (gyges.recovery): t.recovered and t.error say so; no request is lost."""
+        with self._lock:
+            self._check_open()
+            return self._transform(workers, tp, method, layers_per_step, weights_from,
+                                   phase_chunks, overlap)
+
+    def _check_transform_args(self, workers, tp, layers_per_step, weights_from, phase_chunks,
+                              overlap):
+        workers = checks.int_sequence("workers", workers, 0, len(self._workers) - 1)
+        if not workers:
+            raise InvalidArgumentError("workers must name at least one worker, got none")
+        if len(set(workers)) != len(workers):
+            raise InvalidArgumentError(f"workers {workers} name a worker twice")
+        tp = checks.integer("tp", tp, lo=1)
+        if layers_per_step is not None:
+            checks.integer("layers_per_step", layers_per_step, lo=1)
+        checks.integer("phase_chunks", phase_chunks, lo=1)
+        checks.boolean("overlap", overlap)
+        if weights_from not in ("peers", "host"):
+            raise InvalidArgumentError(f"weights_from must be 'peers' or 'host', got "
+                                       f"{weights_from!r}")
+        return sorted(workers), tp
+
+    def _transform(self, workers, tp, method, layers_per_step, weights_from, phase_chunks,
+                   overlap):
         if any(not t.done for t in self.transformations):
             raise TransformError("a transformation is already under way; wait until it is done")
-        if layers_per_step is not None and (not isinstance(layers_per_step, int) or layers_per_step < 1):
-            raise TransformError(f"layers_per_step must be a positive integer, got {layers_per_step!r}")
+        workers, tp = self._check_transform_args(workers, tp, layers_per_step, weights_from,
+                                                 phase_chunks, overlap)
         if self.backend == "cuda":
             self._check_cuda_transform(method, layers_per_step)
-        workers = sorted(workers)
         first, k = workers[0], len(workers)
         if workers != list(range(first, first + k)) or k & (k - 1) or first % k:
             raise TransformError(f"workers {workers} are not an aligned group (pairs {{0,1}}, "
@@ -291,26 +345,60 @@ class Host(Serving):
         if any(not set(inst.workers) <= set(workers) for inst in current):
             raise TransformError(f"workers {workers} are busy in a group that reaches outside "
                                  f"them (layout {self.layout()})")
+        staggered = layers_per_step is not None and method != "stop_world"
         if tp == k:
-            if not isinstance(phase_chunks, int) or phase_chunks < 1:
-                raise TransformError(f"phase_chunks must be a positive integer, got {phase_chunks!r}")
-            if layers_per_step is not None and method != "stop_world":
-                t = StaggeredScaleUp(self, first, k, method, layers_per_step)
-                t.overlap = bool(overlap)
+            target = [(first, k)]
+            if staggered:
+                build = lambda: StaggeredScaleUp(self, first, k, method, layers_per_step, overlap)
             else:
-                t = scale_up(self, first, k, method, chunks=phase_chunks)
+                build = lambda: scale_up(self, first, k, method, chunks=phase_chunks)
         elif len(current) == 1 and current[0].tp == k:
             self.check_group(first, tp)
-            if layers_per_step is not None and method != "stop_world":
-                t = StaggeredScaleDown(self, first, k, tp, method, layers_per_step, weights_from)
-                t.overlap = bool(overlap)
+            if tp > k or k % tp:
+                raise TransformError(f"scale-down goes from TP{k} to a smaller divisor, not TP{tp}")
+            target = [(first + j * tp, tp) for j in range(k // tp)]
+            if staggered:
+                build = lambda: StaggeredScaleDown(self, first, k, tp, method, layers_per_step,
+                                                   weights_from, overlap)
             else:
-                t = scale_down(self, first, k, tp, method, weights_from)
+                build = lambda: scale_down(self, first, k, tp, method, weights_from)
         else:
-            raise TransformError(f"cannot take workers {workers} (layout {self.layout()}) to TP{tp}: "
-                                 f"merge them into TP{k} or split one TP{k} instance")
+            raise TransformError(f"cannot take workers {workers} (layout {self.layout()}) to "
+                                 f"TP{tp}: merge them into TP{k} or split one TP{k} instance")
+        viewed = views_in(self, workers)
+        if viewed:
+            raise BusyError(f"{viewed}: a transformation of workers {workers} changes their "
+                            f"pages; delete the views first")
+        source = [(min(inst.workers), inst.tp) for inst in current]
+        self._changing = False  # set by the transformation at its first change
+        try:
+            t = build()
+        except Exception as e:
+            if not self._changing:
+                raise  # refused: nothing changed
+            t = Transformation("scale-up" if tp == k else "scale-down", workers,
+                               current[0].tp if current else tp, tp, method)
+            t.source_layout, t.target_layout, t.source_instances = source, target, current
+            self.transformations.append(t)
+            return recovery.rebuild(self, t, target, source, recovery.group_handles(
+                current + [i for i in self.instances if set(i.workers) & set(workers)]), e,
+                extra_instances=current)
+        t.source_layout, t.target_layout, t.source_instances = source, target, current
         self.transformations.append(t)
         return t
+
+    def _advance(self, t):
+        """Moves a layer-staggered transformation on; a failure rebuilds its group."""
+        try:
+            t.advance()
+        except Exception as e:
+            group = set(t.workers)
+            engines = [t.engine] if getattr(t, "engine", None) is not None else []
+            handles = recovery.group_handles(
+                engines + list(t.source_instances) +
+                [i for i in self.instances if set(i.workers) & group])
+            recovery.rebuild(self, t, t.target_layout, t.source_layout, handles, e,
+                             extra_instances=engines + list(t.source_instances))
 
     def _check_cuda_transform(self, method, layers_per_step):
         """What a transformation of CUDA workers cannot do yet, refused before anything changes:
@@ -339,45 +427,105 @@ class Host(Serving):
     # ---- serving ----
     def submit(self, tokens, params=None, instance=None):
         """Places a request on `instance` (an index into host.instances) or on the least-loaded
-        instance that can hold it; returns its handle."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a gyges.SamplingParams")
-        if instance is not None:
-            target = self.instances[instance]
-        else:
-            need = -(-(len(tokens) + params.max_tokens) // self.block_size)
-            fits = [inst for inst in self.instances if inst.capacity_blocks() >= need]
-            if not fits:
-                best = max(inst.capacity_blocks() for inst in self.instances)
-                raise ValueError(f"the request needs {need} KV blocks but the largest instance "
-                                 f"holds {best} (layout {self.layout()}); merge instances first")
-            target = min(fits, key=Instance.load)
-        request = target.loop.add(self._next_id, tokens, params)
-        self._next_id += 1
-        return request
+        instance that can hold it; returns its handle. A bad prompt or parameter raises a
+        gyges.Error naming it and queues nothing."""
+        params = check_params(params)
+        with self._lock:
+            self._check_open()
+            if instance is not None:
+                target = self.instances[checks.integer("instance", instance, 0,
+                                                       len(self.instances) - 1)]
+            else:
+                length = len(tokens) if hasattr(tokens, "__len__") else 0
+                need = -(-(length + params.max_tokens) // self.block_size)
+                fits = [inst for inst in self.instances if inst.capacity_blocks() >= need]
+                if not fits:
+                    best = max(inst.capacity_blocks() for inst in self.instances)
+                    raise InvalidArgumentError(
+                        f"the request needs {need} KV blocks but the largest instance holds "
+                        f"{best} (layout {self.layout()}); merge instances first")
+                target = min(fits, key=Instance.load)
+            request = target.loop.add(self._next_id, tokens, params)
+            self._next_id += 1
+            return request
+
+    def abort(self, request):
+        """Finishes a request wherever it is served (finish_reason "abort"; its KV is freed).
+        Returns False when it had already finished."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request must be a gyges.Request, got "
+                                    f"{type(request).__name__}")
+        with self._lock:
+            self._check_open()
+            if request.finished:
+                return False
+            for inst in self.instances:
+                if inst.loop.requests.get(request.id) is request:
+                    return inst.loop.abort(request)
+            raise InvalidArgumentError(f"request {request.id} is not served by this host")
 
     def has_unfinished(self):
-        return any(inst.loop.unfinished() for inst in self.instances) or any(
-            not t.done for t in self.transformations)
+        with self._lock:
+            if self._workers is None:
+                return False
+            return any(inst.loop.unfinished() for inst in self.instances) or any(
+                not t.done for t in self.transformations)
 
     def step(self):
         """Advances a layer-staggered transformation by its layers, then runs one step of every
-        instance, in parallel (each releases the GIL while it computes)."""
-        for t in self.transformations:
-            if not t.done and hasattr(t, "advance"):
-                t.advance()
-        busy = [inst for inst in self.instances if inst.loop.unfinished()]
-        if len(busy) <= 1:
-            tokens = sum(inst.loop.step() for inst in busy)
-        else:
-            tokens = sum(self._executor.map(lambda inst: inst.loop.step(), busy))
-        if tokens:
-            self.steps += 1
-        return tokens
+        instance, in parallel (each releases the GIL while it computes). A failed instance step
+        changes nothing of that instance (the others' steps stand) and its error is raised
+        after all have run."""
+        with self._lock:
+            self._check_open()
+            for t in self.transformations:
+                if not t.done and hasattr(t, "advance"):
+                    self._advance(t)
+            busy = [inst for inst in self.instances if inst.loop.unfinished()]
+            if not busy:
+                blocked = [t for t in self.transformations if not t.done and t.blocked_by]
+                if blocked:
+                    raise BusyError(f"{blocked[0]!r} cannot move on: {blocked[0].blocked_by}")
+                return 0
+            if len(busy) == 1:
+                tokens = busy[0].loop.step()
+            else:
+                futures = [self._executor.submit(inst.loop.step) for inst in busy]
+                results, errors = [], []
+                for f in futures:  # every instance's step ends before anything is raised
+                    try:
+                        results.append(f.result())
+                    except Exception as e:
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
+                tokens = sum(results)
+            if tokens:
+                self.steps += 1
+            return tokens
+
+    def close(self):
+        """Stops every instance and gives the workers' memory back (once no NumPy view of it
+        is alive). Unfinished requests finish with reason "abort". Later calls raise StateError;
+        closing twice is harmless."""
+        with self._lock:
+            if self._workers is None:
+                return
+            for t in self.transformations:
+                if not t.done:
+                    t.release_resources()
+            for inst in self.instances:
+                inst.loop.close("the host was closed")
+                inst.close()
+            self.instances = []
+            self.transformations = []
+            self._executor.shutdown(wait=True)
+            self._workers = None
+            self.comms = None
 
     def memory(self):
         """Per worker: bytes in use, peak, weights and KV."""
+        self._check_open()
         rows = []
         for i, w in enumerate(self._workers):
             s = w.arena.stats()

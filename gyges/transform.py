@@ -37,6 +37,7 @@ layer first, serving in between; with overlap=True most of the copying runs besi
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,12 +45,28 @@ import numpy as np
 from . import _C
 
 from .arena import Arena
-from .errors import OutOfMemoryError
+from .errors import InvalidArgumentError, OutOfMemoryError
 from .kv_cache import KVCache
 
 
-class TransformError(ValueError):
+class TransformError(InvalidArgumentError):
     """A transformation that cannot be carried out; nothing was changed."""
+
+
+def views_in(host, workers):
+    """Why the workers' pages cannot change now (a live NumPy view pins a slot), or None."""
+    for w in workers:
+        pinned = host.worker(w).arena.pinned_slots()
+        if pinned.size:
+            return (f"worker {w} has {pinned.size} slot(s) under a live NumPy view (slot "
+                    f"{int(pinned[0])} first)")
+    return None
+
+
+def _changes_begin(host):
+    """Marks the point past which a failure rebuilds the group (gyges.recovery) instead of
+    leaving it as it was: before it, a transformation has only looked."""
+    host._changing = True
 
 
 # How a transformation moves KV between workers: "host" copies host memory (NumPy views and
@@ -73,6 +90,10 @@ class Transformation:
         self.kind, self.workers, self.from_tp, self.to_tp = kind, tuple(workers), from_tp, to_tp
         self.method = method
         self.done = False
+        self.recovered = False  # failed half-way and rebuilt (gyges.recovery)
+        self.error = None       # what failed, then
+        self.blocked_by = None  # why a layer-staggered one is waiting (a live view), or None
+        self.source_instances = ()
         self.stats = {"bytes_sent": {w: 0 for w in workers}, "bytes_received": {w: 0 for w in workers},
                       "weight_bytes_released": {w: 0 for w in workers},
                       "weight_bytes_copied": {w: 0 for w in workers},
@@ -86,12 +107,15 @@ class Transformation:
                       "bytes_read_beside_steps": 0, "bytes_in_place": 0, "stage_bytes": 0,
                       "steps_waiting": 0}
 
+    def release_resources(self):
+        """Lets go of everything it holds of the workers (a failed one is rebuilt without it)."""
+
     def _time(self, phase, start):
         self.stats["phase_seconds"][phase] = self.stats["phase_seconds"].get(phase, 0.0) + (
             time.perf_counter() - start)
 
     def __repr__(self):
-        state = "done" if self.done else "pending"
+        state = "recovered" if self.recovered else "done" if self.done else "pending"
         return (f"Transformation({self.kind} TP{self.from_tp}->TP{self.to_tp} on workers "
                 f"{list(self.workers)}, {state})")
 
@@ -379,6 +403,7 @@ def scale_up(host, first, k, method="gyges", chunks=4):
 
     # ---- 1. MLP first: drop the FFN shards the new rank does not own ----
     start = time.perf_counter()
+    _changes_begin(host)
     for inst in old:
         host.instances.remove(inst)
         inst.close()
@@ -515,9 +540,24 @@ class _Staggered(Transformation):
     max_steps_behind = 4
     _behind = 0
 
+    def release_resources(self):
+        try:
+            self.wait_background()
+        except Exception:  # the transformation failed anyway; what it read is dropped
+            self._background = None
+        self._movers = self._mover_pool = None
+        for name in ("old_models", "old_kvs", "new_kv", "new_model"):
+            if hasattr(self, name):
+                setattr(self, name, {})
+
     def advance(self):
-        """Moves the next layers (the engine is between steps)."""
+        """Moves the next layers (the engine is between steps). While a NumPy view pins a page
+        of the group it waits instead (blocked_by says why; serving goes on)."""
         if self.done:
+            return
+        self.blocked_by = views_in(self.host, self.workers)
+        if self.blocked_by:
+            self.stats["steps_blocked"] = self.stats.get("steps_blocked", 0) + 1
             return
         if (self._background is not None and not self._background.done()
                 and self._behind < self.max_steps_behind):
@@ -582,11 +622,12 @@ class StaggeredScaleUp(_Staggered):
 
     _background_weights = True  # a moved layer's other FFN shards are no longer read
 
-    def __init__(self, host, first, k, method, layers_per_step):
+    def __init__(self, host, first, k, method, layers_per_step, overlap=False):
         self._check(host, method)
         group, old, t = _merge_sources(host, first, k)
         super().__init__("scale-up", group, t, k, method)
-        self.host, self.layers_per_step = host, layers_per_step
+        self.host, self.layers_per_step = weakref.proxy(host), layers_per_step
+        self.overlap = bool(overlap)
         config = host.model.config
         self.L = config.num_hidden_layers
         m = k // t
@@ -610,6 +651,7 @@ class StaggeredScaleUp(_Staggered):
         self.base = {w: host.worker(w).arena.stats()["bytes_in_use"] for w in group}
         for w in group:
             host.worker(w).arena.reset_peak()
+        _changes_begin(host)
         # The old engines go; their KV sequences stay for the old layers.
         for inst in old:
             inst._c.detach_kv()
@@ -713,11 +755,12 @@ class StaggeredScaleDown(_Staggered):
     same pages) and FFN shards gathered back layer by layer (KV first, then the weights). When the
     last layer has moved, the new instances take over the requests."""
 
-    def __init__(self, host, first, k, tp, method, layers_per_step, weights_from):
+    def __init__(self, host, first, k, tp, method, layers_per_step, weights_from, overlap=False):
         self._check(host, method)
         group, inst = _split_source(host, first, k, tp, weights_from)
         super().__init__("scale-down", group, k, tp, method)
-        self.host, self.layers_per_step, self.weights_from = host, layers_per_step, weights_from
+        self.host, self.layers_per_step = weakref.proxy(host), layers_per_step
+        self.weights_from, self.overlap = weights_from, bool(overlap)
         self.inst = self.engine = inst
         config = host.model.config
         self.L = config.num_hidden_layers
@@ -743,6 +786,7 @@ class StaggeredScaleDown(_Staggered):
         self.base = {w: host.worker(w).arena.stats()["bytes_in_use"] for w in group}
         for w in group:
             host.worker(w).arena.reset_peak()
+        _changes_begin(host)
         # The new geometry and models, next to the old ones.
         self.new_kv, self.new_model = {}, {}
         for (j, r), w in self.worker_of.items():
@@ -891,6 +935,7 @@ def _scale_up_copying(host, tr, old, moved, owner, group, worker_of, new_rank, r
     home_ranks = {h.id: list(old[owner[h.id]].workers) for h, _, _, _ in moved}
     tr._time("plan", start)
     start = time.perf_counter()
+    _changes_begin(host)
     _weights_up(host, tr, group, new_rank, k, weights_mech)
     tr._time("weights", start)
     start = time.perf_counter()
@@ -942,6 +987,7 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
 
     # ---- 1. KV first: stage each layer in host memory, then write it in the wider blocks ----
     start = time.perf_counter()
+    _changes_begin(host)
     host.instances.remove(inst)
     inst.close()
     device = _device_path(host)

@@ -606,7 +606,8 @@ def test_nccl_pool_has_migration_comms_on_least_priority_streams():
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "fake_cuda"
 COMM_SOURCES = ["csrc/comm/comm.c", "csrc/comm/comm_shm.c", "csrc/comm/comm_d2d.c",
-                "csrc/comm/comm_stream.c", "csrc/comm/comm_nccl.c", "csrc/core/status.c"]
+                "csrc/comm/comm_stream.c", "csrc/comm/comm_nccl.c", "csrc/core/status.c",
+                "csrc/core/fault.c"]
 SANITIZERS = {"thread": ["-fsanitize=thread"],
               "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]}
 

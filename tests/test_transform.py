@@ -307,8 +307,8 @@ def test_staggered_refusals_and_round_trip(tiny, reference):
     host = new_host(tiny, "4xTP1")
     requests = [host.submit(p, PARAMS) for p in prompts(10, seed=1)]
     host.step()
-    for bad, match in ((dict(layers_per_step=0), "positive"), (dict(layers_per_step="2"), "positive")):
-        with pytest.raises(TransformError, match=match):
+    for bad, match in ((dict(layers_per_step=0), "positive"), (dict(layers_per_step="2"), "integer")):
+        with pytest.raises(gyges.InvalidArgumentError, match=match):
             host.transform(workers=(0, 1, 2, 3), tp=4, **bad)
     t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
     with pytest.raises(TransformError, match="under way"):

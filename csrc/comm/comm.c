@@ -1,11 +1,14 @@
 /* comm.c: the communicator interface: configuration checks, dispatch to a backend
  * (comm_shm.c, comm_d2d.c, comm_nccl.c), the host barrier and the statistics they share. */
 #include "comm.h"
+#include "../core/alloc.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "comm_backend.h"
+#include "../core/fault.h"
 
 static const gy_comm_ops *gy_comm_ops_for(gy_comm_backend_kind kind) {
     switch (kind) {
@@ -67,7 +70,7 @@ gy_status gy_comm_init_config(gy_comm **out, const gy_comm_config *config) {
     *out = NULL;
     int32_t devices[GY_COMM_MAX_RANKS];
     GY_TRY(gy_comm_check_config(config, devices));
-    gy_comm *c = calloc(1, sizeof *c);
+    gy_comm *c = gy_calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     c->ops = gy_comm_ops_for(config->backend);
     c->backend = config->backend;
@@ -109,18 +112,70 @@ int32_t gy_comm_device(const gy_comm *c, int32_t rank) {
     return c != NULL && rank >= 0 && rank < c->size ? c->devices[rank] : -1;
 }
 
-void gy_comm_host_barrier(gy_comm *c) {
-    if (c->size == 1) return;
+static gy_status gy_comm_aborted_status(const gy_comm *c) {
+    return GY_FAIL(GY_ERR_STATE, "the communicator was aborted: %s", c->abort_reason);
+}
+
+gy_status gy_comm_host_barrier(gy_comm *c) {
+    if (c->size == 1) return GY_OK;
     pthread_mutex_lock(&c->lock);
+    gy_status s = GY_OK;
     const uint64_t generation = c->generation;
-    if (++c->waiting == c->size) {
+    if (c->aborted) {
+        s = gy_comm_aborted_status(c);
+    } else if (++c->waiting == c->size) {
         c->waiting = 0;
         c->generation++;
         pthread_cond_broadcast(&c->cond);
     } else {
-        while (generation == c->generation) pthread_cond_wait(&c->cond, &c->lock);
+        while (generation == c->generation && !c->aborted) pthread_cond_wait(&c->cond, &c->lock);
+        if (generation == c->generation) s = gy_comm_aborted_status(c); /* woken by an abort */
     }
     pthread_mutex_unlock(&c->lock);
+    return s;
+}
+
+void gy_comm_abort(gy_comm *c, int32_t rank, const char *reason) {
+    if (c == NULL) return;
+    pthread_mutex_lock(&c->lock);
+    if (!c->aborted) {
+        c->aborted = 1;
+        snprintf(c->abort_reason, sizeof c->abort_reason, "rank %d failed: %s", (int)rank,
+                 reason ? reason : "");
+    }
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void gy_comm_reset(gy_comm *c) {
+    if (c == NULL) return;
+    pthread_mutex_lock(&c->lock);
+    c->aborted = 0;
+    c->waiting = 0;
+    c->generation++;
+    c->abort_reason[0] = '\0';
+    pthread_mutex_unlock(&c->lock);
+}
+
+int gy_comm_aborted(const gy_comm *c) {
+    if (c == NULL) return 0;
+    pthread_mutex_lock((pthread_mutex_t *)&c->lock);
+    const int aborted = c->aborted;
+    pthread_mutex_unlock((pthread_mutex_t *)&c->lock);
+    return aborted;
+}
+
+/* Entry of every collective: an aborted communicator fails at once, and an injected fault
+ * fails this rank's call and aborts the communicator, so its peers fail too. */
+static gy_status gy_comm_enter(gy_comm *c, int32_t rank, const char *what) {
+    if (gy_fault_hit(GY_FAULT_COMM)) {
+        char reason[128];
+        snprintf(reason, sizeof reason, "injected fault in its %s", what);
+        gy_comm_abort(c, rank, reason);
+        return GY_FAIL(GY_ERR_SYSTEM, "rank %d: injected fault in a collective (%s)", (int)rank, what);
+    }
+    if (c->size > 1 && gy_comm_aborted(c)) return gy_comm_aborted_status(c);
+    return GY_OK;
 }
 
 static gy_status gy_comm_check_rank(const gy_comm *c, int32_t rank) {
@@ -160,18 +215,21 @@ gy_status gy_comm_synchronize(gy_comm *c, int32_t rank) {
 
 gy_status gy_comm_barrier(gy_comm *c, int32_t rank) {
     GY_TRY(gy_comm_check_rank(c, rank));
+    GY_TRY(gy_comm_enter(c, rank, "barrier"));
     return c->ops->barrier(c, rank);
 }
 
 gy_status gy_comm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t n) {
     GY_TRY(gy_comm_check_rank(c, rank));
     if (n < 0) return GY_FAIL(GY_ERR_INVALID, "all-reduce of %lld floats", (long long)n);
+    GY_TRY(gy_comm_enter(c, rank, "all-reduce"));
     return c->ops->all_reduce(c, rank, buf, n);
 }
 
 gy_status gy_comm_all_gather(gy_comm *c, int32_t rank, void *out, const void *in, int64_t bytes) {
     GY_TRY(gy_comm_check_rank(c, rank));
     if (bytes < 0) return GY_FAIL(GY_ERR_INVALID, "all-gather of %lld bytes", (long long)bytes);
+    GY_TRY(gy_comm_enter(c, rank, "all-gather"));
     return c->ops->all_gather(c, rank, out, in, bytes);
 }
 
@@ -180,6 +238,7 @@ gy_status gy_comm_all_to_all(gy_comm *c, int32_t rank, void *const *recv, const 
     GY_TRY(gy_comm_check_rank(c, rank));
     if (recv == NULL || recv_bytes == NULL || send == NULL || send_bytes == NULL)
         return GY_FAIL(GY_ERR_INVALID, "all-to-all: NULL buffer or size list");
+    GY_TRY(gy_comm_enter(c, rank, "all-to-all"));
     /* Negative sizes are refused by the backends after the ranks have met: a rank that left
      * here alone would leave the others waiting for it. */
     return c->ops->all_to_all(c, rank, recv, recv_bytes, send, send_bytes);

@@ -132,6 +132,15 @@ gy_status gy_comm_all_to_all(gy_comm *comm, int32_t rank, void *const *recv,
                              const int64_t *recv_bytes, const void *const *send,
                              const int64_t *send_bytes);
 
+/* Failure of one rank. A rank whose work fails half-way (its forward pass, an injected fault)
+ * aborts the communicator: every collective under way and every later one then fails on every
+ * rank with GY_ERR_STATE naming `reason`, so no peer waits forever for a rank that will not
+ * come (NCCL's ncclCommAbort, for the host side: shm, and d2d's meetings on the host). Once no
+ * rank is inside a collective, gy_comm_reset makes it usable again. */
+void gy_comm_abort(gy_comm *comm, int32_t rank, const char *reason);
+void gy_comm_reset(gy_comm *comm);
+int gy_comm_aborted(const gy_comm *comm);
+
 /* The adapter gy_tp_group (engine/forward.h) uses: ctx is a gy_comm_rank. */
 typedef struct gy_comm_rank {
     gy_comm *comm;

@@ -48,6 +48,8 @@ struct gy_comm {
     pthread_cond_t cond;
     int32_t waiting;
     uint64_t generation;
+    int aborted;            /* gy_comm_abort: every barrier fails until gy_comm_reset */
+    char abort_reason[256];
     gy_comm_stats stats;
     void *state; /* the backend's */
 };
@@ -57,8 +59,16 @@ extern const gy_comm_ops gy_comm_shm_ops;
 extern const gy_comm_ops gy_comm_d2d_ops;
 extern const gy_comm_ops gy_comm_nccl_ops;
 
-/* Returns once all `size` ranks have called it (immediately for size 1). */
-void gy_comm_host_barrier(gy_comm *comm);
+/* Returns once all `size` ranks have called it (immediately for size 1), or at once with
+ * GY_ERR_STATE naming the reason when the communicator is or gets aborted: a backend returns
+ * that failure and touches no peer's buffer after it. */
+gy_status gy_comm_host_barrier(gy_comm *comm);
+/* The same for backends that carry on with a status: a failed barrier becomes *s (when *s is
+ * GY_OK), and the caller does no more work with its peers' buffers once *s failed. */
+static inline void gy_comm_barrier_into(gy_comm *comm, gy_status *s) {
+    const gy_status b = gy_comm_host_barrier(comm);
+    if (*s == GY_OK) *s = b;
+}
 
 /* Stats of one rank's part of a collective, with the formulas of comm.h; rank 0 counts the
  * call. All-to-all counts are the receiver's: it adds what it received and credits each

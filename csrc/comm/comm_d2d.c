@@ -12,6 +12,7 @@
  * A rank reads the others' buffers (its pulls) on its own stream, so the work of a collective is
  * spread over all the ranks' streams. */
 #include <stdlib.h>
+#include "../core/alloc.h"
 #include <string.h>
 
 #include "comm_backend.h"
@@ -67,7 +68,7 @@ static void gy_d2d_destroy(gy_comm *c) {
 }
 
 static gy_status gy_d2d_init(gy_comm *c) {
-    gy_comm_d2d *d = calloc(1, sizeof *d);
+    gy_comm_d2d *d = gy_calloc(1, sizeof *d);
     if (d == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     c->state = d;
     return gy_comm_streams_init(&d->streams, c, "d2d");
@@ -109,7 +110,7 @@ static gy_status gy_d2d_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
     d->ptrs[rank] = buf;
     d->counts[rank] = n;
     gy_comm_event_record(c, d->streams.ready, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     int same = 1;
     for (int32_t r = 0; r < c->size; r++) same &= d->counts[r] == n && d->ptrs[r] != NULL;
     if (!same && s == GY_OK)
@@ -119,7 +120,7 @@ static gy_status gy_d2d_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
                     (int)rank, (long long)n);
     if (same && n > capacity) { /* every rank sees the same n and capacity: all take this turn */
         if (rank == 0) d->grow_status = gy_d2d_grow(c, d, n);
-        gy_comm_host_barrier(c);
+        gy_comm_barrier_into(c, &s);
         if (d->grow_status != GY_OK && s == GY_OK)
             s = GY_FAIL(d->grow_status,
                         "all-reduce: no device scratch for %lld floats (see rank 0's error)",
@@ -134,7 +135,7 @@ static gy_status gy_d2d_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
         s = gy_cuda_comm_sum_tree(d->scratch + lo, in, c->size, hi - lo, c->streams[rank]);
     }
     gy_comm_event_record(c, d->streams.done, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     gy_comm_event_wait_all(c, d->streams.done, rank, &s);
     if (s == GY_OK)
         s = gy_cuda_comm_copy(buf, d->scratch, (uint64_t)n * sizeof(float), c->streams[rank]);
@@ -154,7 +155,7 @@ static gy_status gy_d2d_all_gather(gy_comm *c, int32_t rank, void *out, const vo
     d->ptrs[rank] = in;
     d->counts[rank] = bytes;
     gy_comm_event_record(c, d->streams.ready, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     for (int32_t r = 0; r < c->size && s == GY_OK; r++)
         if (d->counts[r] != bytes || (bytes > 0 && d->ptrs[r] == NULL))
             s = GY_FAIL(GY_ERR_INVALID,
@@ -166,7 +167,7 @@ static gy_status gy_d2d_all_gather(gy_comm *c, int32_t rank, void *out, const vo
         s = gy_cuda_comm_copy((char *)out + (int64_t)r * bytes, d->ptrs[r], (uint64_t)bytes,
                               c->streams[rank]);
     gy_comm_event_record(c, d->streams.done, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     gy_comm_event_wait_all(c, d->streams.done, rank, &s);
     if (s == GY_OK) gy_comm_count_all_gather(c, rank, bytes);
     gy_comm_count_call(c, rank);
@@ -183,7 +184,7 @@ static gy_status gy_d2d_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     d->send[rank] = send;
     d->send_bytes[rank] = send_bytes;
     gy_comm_event_record(c, d->streams.ready, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     gy_comm_event_wait_all(c, d->streams.ready, rank, &s);
     /* As comm_shm.c: a mismatched pair is refused on the receiver; the others still move. A
      * CUDA failure stops this rank's copies. */
@@ -201,7 +202,7 @@ static gy_status gy_d2d_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     }
     gy_comm_count_call(c, rank);
     gy_comm_event_record(c, d->streams.done, rank, &s);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &s);
     gy_comm_event_wait_all(c, d->streams.done, rank, &s);
     gy_comm_device_leave(previous);
     return s != GY_OK ? s : refused;

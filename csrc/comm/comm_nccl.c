@@ -20,6 +20,7 @@
  * Several communicators used at once (a compute and a migration one on the same GPUs) must be
  * called in the same order on every rank, as NCCL requires of concurrent communicators. */
 #include <stdlib.h>
+#include "../core/alloc.h"
 #include <string.h>
 
 #include "comm_backend.h"
@@ -176,7 +177,7 @@ static void gy_nccl_destroy(gy_comm *c) {
 static gy_status gy_nccl_init(gy_comm *c) {
     pthread_once(&gy_nccl_once, gy_nccl_load);
     if (!gy_nccl_loaded) return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", gy_nccl_load_message);
-    gy_comm_nccl *m = calloc(1, sizeof *m);
+    gy_comm_nccl *m = gy_calloc(1, sizeof *m);
     if (m == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     c->state = m;
     GY_TRY(gy_comm_streams_init(&m->streams, c, "nccl"));
@@ -269,7 +270,7 @@ static gy_status gy_nccl_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     const int parity = (int)(m->a2a_calls[rank]++ & 1);
     memcpy(m->sizes[parity][rank][0], send_bytes, sizeof(int64_t) * (size_t)c->size);
     memcpy(m->sizes[parity][rank][1], recv_bytes, sizeof(int64_t) * (size_t)c->size);
-    gy_comm_host_barrier(c);
+    GY_TRY(gy_comm_host_barrier(c));
     /* Every rank checks the whole table, so all of them agree on going ahead. */
     for (int32_t src = 0; src < c->size; src++)
         for (int32_t dst = 0; dst < c->size; dst++) {

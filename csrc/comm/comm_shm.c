@@ -3,6 +3,7 @@
  * Every collective publishes the ranks' buffer pointers, waits at a barrier, lets each rank read
  * what it needs from the others, and waits again before anyone may reuse a buffer. */
 #include <stdlib.h>
+#include "../core/alloc.h"
 #include <string.h>
 
 #include "comm_backend.h"
@@ -17,7 +18,7 @@ typedef struct gy_comm_shm {
 } gy_comm_shm;
 
 static gy_status gy_shm_init(gy_comm *c) {
-    c->state = calloc(1, sizeof(gy_comm_shm));
+    c->state = gy_calloc(1, sizeof(gy_comm_shm));
     if (c->state == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     return GY_OK;
 }
@@ -32,8 +33,7 @@ static void gy_shm_destroy(gy_comm *c) {
 
 static gy_status gy_shm_barrier(gy_comm *c, int32_t rank) {
     (void)rank;
-    gy_comm_host_barrier(c);
-    return GY_OK;
+    return gy_comm_host_barrier(c);
 }
 
 static gy_status gy_shm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t n) {
@@ -42,13 +42,13 @@ static gy_status gy_shm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
     m->ptrs[rank] = buf;
     if (rank == 0 && n > m->scratch_capacity) {
         free(m->scratch);
-        m->scratch = malloc((size_t)n * sizeof(float));
+        m->scratch = gy_malloc((size_t)n * sizeof(float));
         m->scratch_capacity = m->scratch ? n : 0;
         m->failure = m->scratch ? GY_OK : GY_ERR_SYSTEM;
     }
-    gy_comm_host_barrier(c);
+    GY_TRY(gy_comm_host_barrier(c));
     if (m->failure != GY_OK) {
-        gy_comm_host_barrier(c);
+        GY_TRY(gy_comm_host_barrier(c));
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for an all-reduce of %lld floats", (long long)n);
     }
     /* Each rank sums one slice of the vector, in the pairwise tree order. */
@@ -61,25 +61,23 @@ static gy_status gy_shm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
             for (int32_t j = 0; j < w / 2; j++) v[j] = v[2 * j] + v[2 * j + 1];
         m->scratch[i] = v[0];
     }
-    gy_comm_host_barrier(c);
+    GY_TRY(gy_comm_host_barrier(c));
     memcpy(buf, m->scratch, (size_t)n * sizeof(float));
     gy_comm_count_all_reduce(c, rank, n);
     gy_comm_count_call(c, rank);
-    gy_comm_host_barrier(c);
-    return GY_OK;
+    return gy_comm_host_barrier(c);
 }
 
 static gy_status gy_shm_all_gather(gy_comm *c, int32_t rank, void *out, const void *in,
                                    int64_t bytes) {
     gy_comm_shm *m = c->state;
     m->ptrs[rank] = in;
-    gy_comm_host_barrier(c);
+    GY_TRY(gy_comm_host_barrier(c));
     for (int32_t r = 0; r < c->size; r++)
         memcpy((char *)out + r * bytes, m->ptrs[r], (size_t)bytes);
     gy_comm_count_all_gather(c, rank, bytes);
     gy_comm_count_call(c, rank);
-    gy_comm_host_barrier(c);
-    return GY_OK;
+    return gy_comm_host_barrier(c);
 }
 
 static gy_status gy_shm_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
@@ -88,7 +86,7 @@ static gy_status gy_shm_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     gy_comm_shm *m = c->state;
     m->send[rank] = send;
     m->send_bytes[rank] = send_bytes;
-    gy_comm_host_barrier(c);
+    GY_TRY(gy_comm_host_barrier(c));
     gy_status s = GY_OK;
     for (int32_t src = 0; src < c->size; src++) {
         const int64_t n = m->send_bytes[src][rank];
@@ -101,8 +99,8 @@ static gy_status gy_shm_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
         gy_comm_count_received(c, rank, src, n);
     }
     gy_comm_count_call(c, rank);
-    gy_comm_host_barrier(c);
-    return s;
+    const gy_status b = gy_comm_host_barrier(c);
+    return s != GY_OK ? s : b;
 }
 
 const gy_comm_ops gy_comm_shm_ops = {

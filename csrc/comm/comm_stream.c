@@ -108,9 +108,9 @@ gy_status gy_comm_stream_barrier(gy_comm *c, gy_comm_streams *s, int32_t rank) {
     int32_t previous = -1;
     gy_status st = gy_comm_device_enter(c, rank, &previous);
     gy_comm_event_record(c, s->ready, rank, &st);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &st);
     gy_comm_event_wait_all(c, s->ready, rank, &st);
-    gy_comm_host_barrier(c);
+    gy_comm_barrier_into(c, &st);
     gy_comm_device_leave(previous);
     return st;
 }

@@ -3,6 +3,7 @@
 #define GY_CORE_GROW_H
 
 #include <stdint.h>
+#include "alloc.h"
 #include <stdlib.h>
 
 #include "status.h"
@@ -13,7 +14,7 @@ static inline gy_status gy_grow(void **buf, int64_t *cap, int64_t n, size_t size
     if (n <= *cap) return GY_OK;
     int64_t c = *cap ? *cap : 64;
     while (c < n) c *= 2;
-    void *p = realloc(*buf, (size_t)c * size);
+    void *p = gy_realloc(*buf, (size_t)c * size);
     if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %s (%lld elements)", what,
                                   (long long)n);
     *buf = p;

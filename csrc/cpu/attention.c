@@ -1,5 +1,6 @@
 /* attention.c: two-pass softmax attention per (token, query head), in position order. */
 #include "attention.h"
+#include "../core/alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -319,7 +320,7 @@ gy_status gy_cpu_attention(float *out, const float *q, const float *layer_base,
     if (tasks < threads) tasks = threads < c.pairs ? threads : c.pairs;
     c.per_task = (c.pairs + tasks - 1) / tasks;
     tasks = (c.pairs + c.per_task - 1) / c.per_task;
-    c.scratch = malloc((size_t)(tasks * GY_ATTN_GROUP * c.scratch_stride) * sizeof(float));
+    c.scratch = gy_malloc((size_t)(tasks * GY_ATTN_GROUP * c.scratch_stride) * sizeof(float));
     if (c.scratch == NULL)
         return GY_FAIL(GY_ERR_SYSTEM, "gy_cpu_attention: cannot allocate %lld floats of scratch",
                        (long long)(tasks * GY_ATTN_GROUP * c.scratch_stride));

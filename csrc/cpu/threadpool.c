@@ -6,6 +6,7 @@
  * read names the job, and fn/ctx were read after it and before the claim, while the job (which
  * cannot finish before the claimed task runs) was still the current one. */
 #include "threadpool.h"
+#include "../core/alloc.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -117,7 +118,7 @@ gy_status gy_threadpool_init(gy_threadpool **out, int32_t n_threads) {
     if (n_threads > GY_THREADPOOL_MAX_THREADS)
         return GY_FAIL(GY_ERR_INVALID, "thread pool of %d threads exceeds the limit of %d",
                        (int)n_threads, GY_THREADPOOL_MAX_THREADS);
-    gy_threadpool *pool = calloc(1, sizeof *pool);
+    gy_threadpool *pool = gy_calloc(1, sizeof *pool);
     if (pool == NULL) return GY_FAIL(GY_ERR_SYSTEM, "cannot allocate a thread pool");
     pool->n_threads = n_threads;
     pool->spin_us = GY_TP_DEFAULT_SPIN_US;
@@ -126,7 +127,7 @@ gy_status gy_threadpool_init(gy_threadpool **out, int32_t n_threads) {
     pthread_cond_init(&pool->cv_work, NULL);
     pthread_cond_init(&pool->cv_done, NULL);
     if (n_threads > 1) {
-        pool->workers = calloc((size_t)n_threads - 1, sizeof *pool->workers);
+        pool->workers = gy_calloc((size_t)n_threads - 1, sizeof *pool->workers);
         if (pool->workers == NULL) {
             gy_threadpool_free(pool);
             return GY_FAIL(GY_ERR_SYSTEM, "cannot allocate a thread pool");

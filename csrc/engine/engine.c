@@ -1,5 +1,6 @@
 /* engine.c: the serving loop of one instance (one or several TP ranks). */
 #include "engine.h"
+#include "../core/alloc.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@ typedef struct gy_engine_request {
     int64_t prompt_len;
     gy_engine_params params;
     int32_t *stop_tokens; /* owned copy of params.stop_tokens */
+    char *error;          /* why the engine failed it (finish reason "error"), or NULL */
 } gy_engine_request;
 
 /* What one rank needs beyond gy_engine_rank: its KV adapter, workspace, block tables and, for
@@ -84,8 +86,11 @@ typedef struct gy_engine_transition {
 } gy_engine_transition;
 
 struct gy_engine {
+    /* Every public call holds it, so callers on several threads take turns (engine.h). */
+    pthread_mutex_t api;
     const gy_model *model;       /* rank 0's: the shapes every rank shares */
     int32_t n_ranks;
+    int64_t max_running;         /* bounds what one step can change (its undo record) */
     gy_engine_rank_state ranks[GY_ENGINE_MAX_RANKS];
     gy_engine_transition tr;
     gy_comm *comm;
@@ -102,7 +107,8 @@ struct gy_engine {
     int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
     int64_t *sample_index, *sampled_ids, *finished;
     gy_sampler_params *sample_params;
-    uint8_t *stop;
+    uint8_t *stop;               /* (entries) gy_sched_end of each entry */
+    uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
     float *logits;
 };
 
@@ -178,13 +184,15 @@ static gy_status gy_engine_rank_make_room(gy_engine_rank_state *rs, int64_t want
     return gy_kv_grow(rs->r.kv, pages);
 }
 
-static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
-    gy_engine *e = ctx;
-    /* Check every rank before reserving on any, so that a refusal changes nothing. */
-    const int64_t need = gy_engine_blocks_needed(e, req, n_tokens);
-    if (need > gy_engine_free_blocks(e))
-        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
-                       (long long)need);
+/* Every adapter of the engine: its ranks', then (while transforming) the old ranks'. */
+static int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_ranks; i++) out[n++] = e->ranks[i].adapter;
+    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++) out[n++] = e->tr.old[i].adapter;
+    return n;
+}
+
+static gy_status gy_engine_reserve_all(gy_engine *e, int64_t req, int64_t n_tokens, int64_t need) {
     for (int32_t i = 0; i < e->n_ranks; i++) {
         gy_engine_rank_state *rs = &e->ranks[i];
         GY_TRY(gy_engine_rank_make_room(rs, need));
@@ -204,6 +212,25 @@ static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
     return GY_OK;
 }
 
+static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
+    gy_engine *e = ctx;
+    /* Check every rank before reserving on any, so that a refusal changes nothing. */
+    const int64_t need = gy_engine_blocks_needed(e, req, n_tokens);
+    if (need > gy_engine_free_blocks(e))
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
+                       (long long)need);
+    /* All ranks or none: a failure on one rank takes back what the others reserved (the step's
+     * mark is on, gy_engine_step). Pages mapped meanwhile stay, free. */
+    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    gy_sched_kv_point points[2 * GY_ENGINE_MAX_RANKS];
+    const int32_t n = gy_engine_adapters(e, adapters);
+    for (int32_t i = 0; i < n; i++) points[i] = gy_sched_kv_adapter_point(adapters[i]);
+    const gy_status s = gy_engine_reserve_all(e, req, n_tokens, need);
+    if (s != GY_OK)
+        for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_undo_to(adapters[i], points[i]);
+    return s;
+}
+
 static void gy_engine_release_kv(void *ctx, int64_t req) {
     gy_engine *e = ctx;
     for (int32_t i = 0; i < e->n_ranks; i++) e->ranks[i].inner.release(e->ranks[i].inner.ctx, req);
@@ -219,7 +246,7 @@ static void gy_engine_release_kv(void *ctx, int64_t req) {
     }
 }
 
-int64_t gy_engine_capacity_blocks(const gy_engine *e) {
+static int64_t gy_engine_capacity_blocks_locked(const gy_engine *e) {
     int64_t least = INT64_MAX;
     for (int32_t i = 0; i < e->n_ranks; i++) {
         gy_kv_stats ks;
@@ -304,10 +331,25 @@ static gy_status gy_engine_rank_pass(gy_engine *e, int32_t i) {
     return i == 0 ? gy_forward_end(e->logits, rs->r.model, &rs->batch, &rs->ws, rs->r.pool) : GY_OK;
 }
 
+/* Every communicator a step's forward passes use: the group's, and the old groups' while a
+ * layer-staggered transformation runs. */
+static int32_t gy_engine_comms(gy_engine *e, gy_comm **out) {
+    int32_t n = 0;
+    if (e->comm != NULL) out[n++] = e->comm;
+    for (int32_t g = 0; e->tr.active && g < e->tr.n_groups; g++)
+        if (e->tr.groups[g].g.comm != NULL) out[n++] = e->tr.groups[g].g.comm;
+    return n;
+}
+
 static void gy_engine_rank_forward(gy_engine *e, int32_t i) {
     gy_engine_rank_state *rs = &e->ranks[i];
     rs->status = gy_engine_rank_pass(e, i);
-    if (rs->status != GY_OK) snprintf(rs->error, sizeof rs->error, "%s", gy_error_message());
+    if (rs->status == GY_OK) return;
+    snprintf(rs->error, sizeof rs->error, "%s", gy_error_message());
+    /* Peers waiting for this rank in a collective would wait forever: fail them too. */
+    gy_comm *comms[GY_ENGINE_MAX_RANKS + 1];
+    const int32_t n = gy_engine_comms(e, comms);
+    for (int32_t c = 0; c < n; c++) gy_comm_abort(comms[c], i, rs->error);
 }
 
 typedef struct gy_engine_thread_arg {
@@ -352,9 +394,19 @@ static gy_status gy_engine_forward_all(gy_engine *e) {
         while (e->n_done < e->n_ranks - 1) pthread_cond_wait(&e->done, &e->lock);
         pthread_mutex_unlock(&e->lock);
     }
+    /* Every rank is out of its collectives now: an aborted communicator can be used again. */
+    gy_comm *comms[GY_ENGINE_MAX_RANKS + 1];
+    const int32_t n = gy_engine_comms(e, comms);
+    for (int32_t c = 0; c < n; c++) gy_comm_reset(comms[c]);
+    /* The first failure, not a peer's report of the abort it caused. */
+    int32_t first = -1;
     for (int32_t i = 0; i < e->n_ranks; i++)
-        if (e->ranks[i].status != GY_OK)
-            return GY_FAIL(e->ranks[i].status, "rank %d: %s", (int)i, e->ranks[i].error);
+        if (e->ranks[i].status != GY_OK &&
+            (first < 0 || (strstr(e->ranks[first].error, "was aborted") != NULL &&
+                           strstr(e->ranks[i].error, "was aborted") == NULL)))
+            first = i;
+    if (first >= 0)
+        return GY_FAIL(e->ranks[first].status, "rank %d: %s", (int)first, e->ranks[first].error);
     return GY_OK;
 }
 
@@ -433,11 +485,13 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
         if (ranks[i].model->backend != ranks[0].model->backend)
             return GY_FAIL(GY_ERR_INVALID, "rank %d runs on another backend than rank 0", (int)i);
     if (n_ranks > 1) GY_TRY(gy_engine_check_comm(ranks, n_ranks, comm));
-    gy_engine *e = calloc(1, sizeof *e);
+    gy_engine *e = gy_calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     e->model = ranks[0].model;
     e->n_ranks = n_ranks;
+    e->max_running = config->max_running;
     e->comm = comm;
+    pthread_mutex_init(&e->api, NULL);
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->done, NULL);
@@ -454,7 +508,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
                                  .reserve = gy_engine_reserve, .release = gy_engine_release_kv};
     if (s == GY_OK) {
         const gy_sched_config sc = {
-            .total_blocks = gy_engine_capacity_blocks(e),
+            .total_blocks = gy_engine_capacity_blocks_locked(e),
             .block_size = gy_kv_config_of(ranks[0].kv)->block_size,
             .max_batch_tokens = config->max_batch_tokens,
             .max_running = config->max_running,
@@ -469,7 +523,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     }
     if (s == GY_OK) s = gy_engine_borrow_streams(e);
     for (int32_t i = 1; i < n_ranks && s == GY_OK; i++) {
-        gy_engine_thread_arg *arg = malloc(sizeof *arg);
+        gy_engine_thread_arg *arg = gy_malloc(sizeof *arg);
         if (arg == NULL) {
             s = GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
             break;
@@ -496,6 +550,7 @@ static void gy_engine_request_free(gy_engine_request *r) {
     if (r == NULL) return;
     free(r->tokens);
     free(r->stop_tokens);
+    free(r->error);
     free(r);
 }
 
@@ -527,8 +582,9 @@ void gy_engine_free(gy_engine *e) {
     }
     void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->logit_rows, e->sampled,
                        e->sample_index, e->sampled_ids, e->finished, e->sample_params, e->stop,
-                       e->logits};
+                       e->failed, e->logits};
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
+    pthread_mutex_destroy(&e->api);
     pthread_mutex_destroy(&e->lock);
     pthread_cond_destroy(&e->wake);
     pthread_cond_destroy(&e->done);
@@ -553,14 +609,14 @@ static gy_status gy_engine_add_request(gy_engine *e, int64_t id, const int32_t *
     GY_TRY(gy_sampler_check(&p->sampler, e->model->vocab));
     if (gy_engine_find(e, id) != NULL)
         return GY_FAIL(GY_ERR_STATE, "request id %lld is already in use", (long long)id);
-    gy_engine_request *r = calloc(1, sizeof *r);
+    gy_engine_request *r = gy_calloc(1, sizeof *r);
     if (r == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     r->id = id;
     r->prompt_len = prompt_len;
     r->params = *p;
     r->capacity = prompt_len + (p->max_new_tokens > 0 ? p->max_new_tokens : 0);
-    r->tokens = malloc((size_t)r->capacity * sizeof(int32_t));
-    r->stop_tokens = p->n_stop_tokens > 0 ? malloc((size_t)p->n_stop_tokens * sizeof(int32_t)) : NULL;
+    r->tokens = gy_malloc((size_t)r->capacity * sizeof(int32_t));
+    r->stop_tokens = p->n_stop_tokens > 0 ? gy_malloc((size_t)p->n_stop_tokens * sizeof(int32_t)) : NULL;
     if (r->tokens == NULL || (p->n_stop_tokens > 0 && r->stop_tokens == NULL)) {
         gy_engine_request_free(r);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a prompt of %lld tokens", (long long)prompt_len);
@@ -574,7 +630,7 @@ static gy_status gy_engine_add_request(gy_engine *e, int64_t id, const int32_t *
     return s;
 }
 
-gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
+static gy_status gy_engine_add_locked(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
                         const gy_engine_params *p, double arrival) {
     GY_TRY(gy_engine_add_request(e, id, prompt, prompt_len, p));
     const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
@@ -588,12 +644,12 @@ gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t
     return s;
 }
 
-gy_status gy_engine_abort(gy_engine *e, int64_t id) {
+static gy_status gy_engine_abort_locked(gy_engine *e, int64_t id) {
     if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     return gy_sched_abort(e->sched, id);
 }
 
-gy_status gy_engine_release(gy_engine *e, int64_t id) {
+static gy_status gy_engine_release_locked(gy_engine *e, int64_t id) {
     gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     GY_TRY(gy_sched_forget(e->sched, id));
@@ -602,7 +658,22 @@ gy_status gy_engine_release(gy_engine *e, int64_t id) {
     return GY_OK;
 }
 
-gy_sched *gy_engine_sched(const gy_engine *e) { return e->sched; }
+gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size) {
+    if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_sched_info_get(e->sched, id, out);
+    const gy_engine_request *r = gy_engine_find(e, id);
+    if (error != NULL && error_size > 0)
+        snprintf(error, error_size, "%s", s == GY_OK && r != NULL && r->error ? r->error : "");
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
+    pthread_mutex_lock(&e->api);
+    gy_sched_stats_get(e->sched, out);
+    pthread_mutex_unlock(&e->api);
+}
 
 /* ---- layer-staggered transformation ---- */
 
@@ -624,7 +695,7 @@ static void gy_engine_transition_free(gy_engine *e) {
     memset(&e->tr, 0, sizeof e->tr);
 }
 
-gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
+static gy_status gy_engine_transition_begin_locked(gy_engine *e, const gy_engine_rank *old_ranks,
                                      const gy_engine_old_group *groups, int32_t n_groups,
                                      int groups_last) {
     if (e == NULL || old_ranks == NULL || groups == NULL)
@@ -679,7 +750,7 @@ gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ran
     return GY_OK;
 }
 
-gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
+static gy_status gy_engine_transition_adopt_locked(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
     if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
     if (group < 0 || group >= e->tr.n_groups)
         return GY_FAIL(GY_ERR_INVALID, "old group %d does not exist", (int)group);
@@ -693,7 +764,7 @@ gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, co
     return GY_OK;
 }
 
-gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary) {
+static gy_status gy_engine_transition_set_boundary_locked(gy_engine *e, int64_t boundary) {
     if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
     if (boundary < 0 || boundary > e->tr.boundary)
         return GY_FAIL(GY_ERR_INVALID, "the boundary only moves down, from %lld (got %lld)",
@@ -702,7 +773,7 @@ gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary) {
     return GY_OK;
 }
 
-gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
+static gy_status gy_engine_transition_seq_locked(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
                                    int64_t *seq) {
     if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
     if (rank < 0 || rank >= e->n_ranks) return GY_FAIL(GY_ERR_INVALID, "rank %d out of range", (int)rank);
@@ -712,12 +783,12 @@ gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank,
     return GY_OK;
 }
 
-void gy_engine_transition_detach(gy_engine *e) {
+static void gy_engine_transition_detach_locked(gy_engine *e) {
     for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++)
         gy_sched_kv_adapter_detach_all(e->tr.old[i].adapter);
 }
 
-gy_status gy_engine_transition_end(gy_engine *e) {
+static gy_status gy_engine_transition_end_locked(gy_engine *e) {
     if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
     if (e->tr.boundary != 0)
         return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->tr.boundary);
@@ -725,16 +796,21 @@ gy_status gy_engine_transition_end(gy_engine *e) {
     return GY_OK;
 }
 
-int64_t gy_engine_transition_boundary(const gy_engine *e) { return e->tr.active ? e->tr.boundary : -1; }
+int64_t gy_engine_transition_boundary(const gy_engine *e) {
+    pthread_mutex_lock((pthread_mutex_t *)&e->api);
+    const int64_t b = e->tr.active ? e->tr.boundary : -1;
+    pthread_mutex_unlock((pthread_mutex_t *)&e->api);
+    return b;
+}
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->n_ranks; }
 
-void gy_engine_detach_kv(gy_engine *e) {
+static void gy_engine_detach_kv_locked(gy_engine *e) {
     for (int32_t i = 0; i < e->n_ranks; i++) gy_sched_kv_adapter_detach_all(e->ranks[i].adapter);
 }
 
 /* ---- moving requests between instances ---- */
 
-int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity) {
+static int64_t gy_engine_request_ids_locked(const gy_engine *e, int64_t *ids, int64_t capacity) {
     int64_t n = 0;
     for (int64_t i = 0; i < e->requests.capacity; i++) {
         if (!e->requests.used[i]) continue;
@@ -755,7 +831,7 @@ int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity
     return n;
 }
 
-gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
+static gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
     const gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     GY_TRY(gy_sched_info_get(e->sched, id, &out->info));
@@ -768,7 +844,7 @@ gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_reques
     return GY_OK;
 }
 
-gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs) {
     if (e == NULL || tokens == NULL || params == NULL || info == NULL || seqs == NULL)
@@ -804,26 +880,27 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
 static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries) {
     if (n_tokens > e->cap_tokens) {
         free(e->tokens); free(e->token_seq); free(e->token_pos);
-        e->tokens = malloc((size_t)n_tokens * sizeof(int32_t));
-        e->token_seq = malloc((size_t)n_tokens * sizeof(int32_t));
-        e->token_pos = malloc((size_t)n_tokens * sizeof(int32_t));
+        e->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+        e->token_seq = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+        e->token_pos = gy_malloc((size_t)n_tokens * sizeof(int32_t));
         e->cap_tokens = n_tokens;
         if (!e->tokens || !e->token_seq || !e->token_pos) goto oom;
     }
     if (n_entries > e->cap_entries) {
         free(e->logit_rows); free(e->sampled); free(e->sample_index); free(e->sampled_ids);
-        free(e->finished); free(e->sample_params); free(e->stop); free(e->logits);
-        e->logit_rows = malloc((size_t)n_entries * sizeof(int32_t));
-        e->sampled = malloc((size_t)n_entries * sizeof(int32_t));
-        e->sample_index = malloc((size_t)n_entries * sizeof(int64_t));
-        e->sampled_ids = malloc((size_t)n_entries * sizeof(int64_t));
-        e->finished = malloc((size_t)n_entries * sizeof(int64_t));
-        e->sample_params = malloc((size_t)n_entries * sizeof(gy_sampler_params));
-        e->stop = malloc((size_t)n_entries);
-        e->logits = malloc((size_t)(n_entries * e->model->vocab) * sizeof(float));
+        free(e->finished); free(e->sample_params); free(e->stop); free(e->failed); free(e->logits);
+        e->logit_rows = gy_malloc((size_t)n_entries * sizeof(int32_t));
+        e->sampled = gy_malloc((size_t)n_entries * sizeof(int32_t));
+        e->sample_index = gy_malloc((size_t)n_entries * sizeof(int64_t));
+        e->sampled_ids = gy_malloc((size_t)n_entries * sizeof(int64_t));
+        e->finished = gy_malloc((size_t)n_entries * sizeof(int64_t));
+        e->sample_params = gy_malloc((size_t)n_entries * sizeof(gy_sampler_params));
+        e->stop = gy_malloc((size_t)n_entries);
+        e->failed = gy_malloc((size_t)n_entries);
+        e->logits = gy_malloc((size_t)(n_entries * e->model->vocab) * sizeof(float));
         e->cap_entries = n_entries;
         if (!e->logit_rows || !e->sampled || !e->sample_index || !e->sampled_ids || !e->finished ||
-            !e->sample_params || !e->stop || !e->logits)
+            !e->sample_params || !e->stop || !e->failed || !e->logits)
             goto oom;
     }
     return GY_OK;
@@ -842,12 +919,12 @@ static gy_status gy_engine_rank_tables(gy_engine_rank_state *rs, const gy_sched_
     }
     if (b->n_entries + 1 > rs->cap_entries) {
         free(rs->bt_indptr);
-        rs->bt_indptr = malloc((size_t)(b->n_entries + 1) * sizeof(int32_t));
+        rs->bt_indptr = gy_malloc((size_t)(b->n_entries + 1) * sizeof(int32_t));
         rs->cap_entries = rs->bt_indptr ? b->n_entries + 1 : 0;
     }
     if (n_blocks > rs->cap_blocks || rs->bt_indices == NULL) {
         free(rs->bt_indices);
-        rs->bt_indices = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
+        rs->bt_indices = gy_malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
         rs->cap_blocks = rs->bt_indices ? n_blocks : 0;
     }
     if (rs->bt_indptr == NULL || rs->bt_indices == NULL)
@@ -869,7 +946,7 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
     const int64_t hid = e->model->hidden;
     if (n_tokens > e->tr.cap_x) {
         free(e->tr.x_full);
-        e->tr.x_full = malloc((size_t)(n_tokens * hid) * sizeof(float));
+        e->tr.x_full = gy_malloc((size_t)(n_tokens * hid) * sizeof(float));
         e->tr.cap_x = e->tr.x_full ? n_tokens : 0;
         if (e->tr.x_full == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     }
@@ -877,22 +954,22 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
         gy_engine_old_group_state *gs = &e->tr.groups[g];
         if (b->n_entries > gs->cap_entries) {
             free(gs->entry_index);
-            gs->entry_index = malloc((size_t)b->n_entries * sizeof(int64_t));
+            gs->entry_index = gy_malloc((size_t)b->n_entries * sizeof(int64_t));
             gs->cap_entries = gs->entry_index ? b->n_entries : 0;
         }
         if (n_tokens > gs->cap_tokens) {
             free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
-            gs->rows = malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->tokens = malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->token_seq = malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->token_pos = malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->rows = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->token_seq = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+            gs->token_pos = gy_malloc((size_t)n_tokens * sizeof(int32_t));
             gs->cap_tokens = (gs->rows && gs->tokens && gs->token_seq && gs->token_pos) ? n_tokens : 0;
         }
         if (b->n_entries > gs->cap_logits) {
             free(gs->logit_rows); free(gs->logit_index); free(gs->logits);
-            gs->logit_rows = malloc((size_t)b->n_entries * sizeof(int32_t));
-            gs->logit_index = malloc((size_t)b->n_entries * sizeof(int64_t));
-            gs->logits = malloc((size_t)(b->n_entries * e->model->vocab) * sizeof(float));
+            gs->logit_rows = gy_malloc((size_t)b->n_entries * sizeof(int32_t));
+            gs->logit_index = gy_malloc((size_t)b->n_entries * sizeof(int64_t));
+            gs->logits = gy_malloc((size_t)(b->n_entries * e->model->vocab) * sizeof(float));
             gs->cap_logits = (gs->logit_rows && gs->logit_index && gs->logits) ? b->n_entries : 0;
         }
         if (gs->cap_entries < b->n_entries || gs->cap_tokens < n_tokens || gs->cap_logits < b->n_entries)
@@ -932,12 +1009,12 @@ static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int6
         }
         if (gs->n_entries + 1 > o->cap_entries) {
             free(o->bt_indptr);
-            o->bt_indptr = malloc((size_t)(gs->n_entries + 1) * sizeof(int32_t));
+            o->bt_indptr = gy_malloc((size_t)(gs->n_entries + 1) * sizeof(int32_t));
             o->cap_entries = o->bt_indptr ? gs->n_entries + 1 : 0;
         }
         if (n_blocks > o->cap_blocks || o->bt_indices == NULL) {
             free(o->bt_indices);
-            o->bt_indices = malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
+            o->bt_indices = gy_malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
             o->cap_blocks = o->bt_indices ? n_blocks : 0;
         }
         if (o->bt_indptr == NULL || o->bt_indices == NULL)
@@ -1007,43 +1084,136 @@ static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
     return 0;
 }
 
-gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
-    if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
-    memset(out, 0, sizeof *out);
-    gy_sched_batch b;
-    GY_TRY(gy_sched_schedule(e->sched, now, &b));
-    int64_t n_logits = 0;
-    gy_status s = b.n_entries > 0 ? gy_engine_build(e, &b, &n_logits) : GY_OK;
-    if (s == GY_OK && b.n_entries > 0) {
-        s = gy_engine_forward_all(e);
-        if (s == GY_OK && n_logits > 0)
-            s = gy_sampler_sample_batch(e->sampled, e->logits, n_logits, e->model->vocab,
-                                        e->sample_params, e->sample_index);
+/* ---- the step's undo (a step that fails takes everything back) ---- */
+
+/* Marks every KV adapter and remembers each cache's pages, so that a failed step can take back
+ * what its scheduler reserved and released, and unmap what it grew. */
+static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
+    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    const int32_t n = gy_engine_adapters(e, adapters);
+    for (int32_t i = 0; i < n; i++) {
+        /* A step touches at most max_running requests, each reserved and released once. */
+        const gy_status st = gy_sched_kv_adapter_mark(adapters[i], 2 * e->max_running + 4);
+        if (st != GY_OK) {
+            for (int32_t j = 0; j < i; j++) gy_sched_kv_adapter_unmark(adapters[j]);
+            return st;
+        }
     }
-    if (s != GY_OK) {
-        /* The step did not happen: an empty commit keeps the scheduler consistent. The commit
-         * may itself refuse (a non-empty batch); the forward pass's message is the one to keep. */
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_kv_stats ks;
+        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
+        pages[i] = ks.pages_per_layer;
+    }
+    return GY_OK;
+}
+
+static void gy_engine_unmark(gy_engine *e) {
+    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    const int32_t n = gy_engine_adapters(e, adapters);
+    for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_unmark(adapters[i]);
+}
+
+/* Back to the mark; pages grown since go back too where nothing holds them (a live view of a
+ * raw layer, or a transformation's shared pages, keep them: free blocks, no request changed). */
+static void gy_engine_undo(gy_engine *e, const int64_t *pages) {
+    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    const int32_t n = gy_engine_adapters(e, adapters);
+    for (int32_t i = n - 1; i >= 0; i--) gy_sched_kv_adapter_undo(adapters[i]);
+    for (int32_t i = 0; i < e->n_ranks; i++) {
+        gy_kv_stats ks;
+        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
+        if (ks.pages_per_layer > pages[i] && gy_kv_shrink(e->ranks[i].r.kv, ks.pages_per_layer - pages[i]) != GY_OK)
+            gy_error_clear();
+    }
+}
+
+/* ---- sampling ---- */
+
+/* Samples every row; a row the sampler refuses (its logits are NaN or +inf: the weights or the
+ * activations overflowed) fails its request alone: ends[row] = GY_SCHED_END_FAIL and the reason
+ * is kept on the request. */
+static gy_status gy_engine_sample(gy_engine *e, int64_t n_logits, uint8_t *failed) {
+    memset(failed, 0, (size_t)n_logits);
+    const int64_t V = e->model->vocab;
+    if (gy_sampler_sample_batch(e->sampled, e->logits, n_logits, V, e->sample_params,
+                                e->sample_index) == GY_OK)
+        return GY_OK;
+    for (int64_t row = 0; row < n_logits; row++) {
+        if (gy_sampler_sample(&e->sampled[row], e->logits + row * V, V, &e->sample_params[row],
+                              e->sample_index[row]) == GY_OK)
+            continue;
+        gy_engine_request *r = gy_engine_find(e, e->sampled_ids[row]);
+        char *why = gy_malloc(strlen(gy_error_message()) + 1);
+        if (why == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+        strcpy(why, gy_error_message());
+        free(r->error);
+        r->error = why;
+        failed[row] = 1;
+    }
+    return GY_OK;
+}
+
+/* ---- one step ---- */
+
+/* Everything but the commit; any failure leaves the step for the caller to cancel. */
+static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
+    if (b->n_entries == 0) return GY_OK;
+    GY_TRY(gy_engine_build(e, b, n_logits));
+    GY_TRY(gy_engine_forward_all(e));
+    return *n_logits > 0 ? gy_engine_sample(e, *n_logits, e->failed) : GY_OK;
+}
+
+static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_out *out) {
+    memset(out, 0, sizeof *out);
+    int64_t pages[GY_ENGINE_MAX_RANKS];
+    GY_TRY(gy_engine_mark(e, pages));
+    gy_sched_batch b;
+    gy_status s = gy_sched_schedule(e->sched, now, &b);
+    if (s != GY_OK) { /* the scheduler took its own changes back */
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());
-        gy_sched_done none;
-        gy_sched_commit(e->sched, now, NULL, 0, &none);
+        gy_engine_undo(e, pages);
         return GY_FAIL(s, "%s", message);
     }
-    /* Append the sampled tokens and decide which requests stop. */
+    int64_t n_logits = 0;
+    s = gy_engine_run(e, &b, &n_logits);
+    if (s != GY_OK) {
+        /* The step did not happen: the scheduler and the caches go back to before it, so the
+         * next step tries the same again. */
+        char message[512];
+        snprintf(message, sizeof message, "%s", gy_error_message());
+        gy_sched_cancel(e->sched);
+        gy_engine_undo(e, pages);
+        return GY_FAIL(s, "%s", message);
+    }
+    gy_engine_unmark(e);
+    /* Append the sampled tokens and decide which requests stop or fail. */
     int64_t row = 0;
     for (int64_t i = 0; i < b.n_entries; i++) {
-        e->stop[i] = 0;
+        e->stop[i] = GY_SCHED_END_NONE;
         if (!b.entries[i].samples) continue;
         gy_engine_request *r = gy_engine_find(e, b.entries[i].id);
+        const int failed = e->failed[row];
         const int32_t token = e->sampled[row++];
+        if (failed) {
+            e->stop[i] = GY_SCHED_END_FAIL;
+            continue;
+        }
         /* A recomputed request already has this token: sampling is keyed by (seed, index), so
          * it drew the same one again; keep the list as it is. */
         const int64_t index = r->prompt_len + b.entries[i].sample_index;
         if (index == r->n_tokens && r->n_tokens < r->capacity) r->tokens[r->n_tokens++] = token;
-        e->stop[i] = (uint8_t)gy_engine_is_stop(r, token);
+        if (gy_engine_is_stop(r, token)) e->stop[i] = GY_SCHED_END_STOP;
     }
     gy_sched_done done;
     GY_TRY(gy_sched_commit(e->sched, now, e->stop, b.n_entries, &done));
+    /* Only the tokens of requests that did not fail are reported. */
+    int64_t n_out = 0;
+    for (int64_t k = 0; k < n_logits; k++)
+        if (!e->failed[k]) {
+            e->sampled_ids[n_out] = e->sampled_ids[k];
+            e->sampled[n_out++] = e->sampled[k];
+        }
     memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
     if (done.n_finished > 0) {
         /* Give the free tails back; a live NumPy view of a raw-layout layer may refuse, which
@@ -1053,7 +1223,7 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
             if (spare > 0 && gy_kv_shrink(e->ranks[i].r.kv, spare) != GY_OK) gy_error_clear();
         }
     }
-    out->n_tokens = n_logits;
+    out->n_tokens = n_out;
     out->token_ids = e->sampled_ids;
     out->tokens = e->sampled;
     out->n_finished = done.n_finished;
@@ -1061,4 +1231,128 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     out->n_batch_tokens = b.n_tokens;
     out->n_preempted = b.n_preempted;
     return GY_OK;
+}
+
+gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
+    if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_step_locked(e, now, out);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+/* ---- the public calls: each holds the engine's lock (engine.h) ---- */
+
+gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
+                        const gy_engine_params *p, double arrival) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_add_locked(e, id, prompt, prompt_len, p, arrival);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_abort(gy_engine *e, int64_t id) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_abort_locked(e, id);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_release(gy_engine *e, int64_t id) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_release_locked(e, id);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
+                                     const gy_engine_old_group *groups, int32_t n_groups,
+                                     int groups_last) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_transition_begin_locked(e, old_ranks, groups, n_groups, groups_last);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_transition_adopt_locked(e, id, group, old_seqs);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_transition_set_boundary_locked(e, boundary);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
+                                   int64_t *seq) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&((gy_engine *)e)->api);
+    const gy_status s = gy_engine_transition_seq_locked(e, id, rank, group, seq);
+    pthread_mutex_unlock(&((gy_engine *)e)->api);
+    return s;
+}
+
+void gy_engine_transition_detach(gy_engine *e) {
+    if (e == NULL) return;
+    pthread_mutex_lock(&e->api);
+    gy_engine_transition_detach_locked(e);
+    pthread_mutex_unlock(&e->api);
+}
+
+gy_status gy_engine_transition_end(gy_engine *e) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_transition_end_locked(e);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+void gy_engine_detach_kv(gy_engine *e) {
+    if (e == NULL) return;
+    pthread_mutex_lock(&e->api);
+    gy_engine_detach_kv_locked(e);
+    pthread_mutex_unlock(&e->api);
+}
+
+int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity) {
+    pthread_mutex_lock(&((gy_engine *)e)->api);
+    const int64_t n = gy_engine_request_ids_locked(e, ids, capacity);
+    pthread_mutex_unlock(&((gy_engine *)e)->api);
+    return n;
+}
+
+gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&((gy_engine *)e)->api);
+    const gy_status s = gy_engine_request_get_locked(e, id, out);
+    pthread_mutex_unlock(&((gy_engine *)e)->api);
+    return s;
+}
+
+gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                          int64_t prompt_len, const gy_engine_params *params,
+                          const gy_sched_info *info, const int64_t *seqs) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_adopt_locked(e, id, tokens, n_tokens, prompt_len, params, info, seqs);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+int64_t gy_engine_capacity_blocks(const gy_engine *e) {
+    pthread_mutex_lock(&((gy_engine *)e)->api);
+    const int64_t n = gy_engine_capacity_blocks_locked(e);
+    pthread_mutex_unlock(&((gy_engine *)e)->api);
+    return n;
 }

@@ -10,11 +10,23 @@
  * The KV cache grows on demand: when the scheduler wants blocks that are not there, the engine
  * maps more pages while the arena's budget allows, and after requests finish it gives the free
  * pages at the end of the cache back, so an idle engine holds its weights and nothing else.
- * The scheduler therefore sees every block the budget could hold as available. */
+ * The scheduler therefore sees every block the budget could hold as available.
+ *
+ * Threads. Every call below holds the engine's own lock, so callers on several threads take
+ * turns: a step runs whole, and an add or abort from another thread waits for it.
+ *
+ * Failure. A step either happens or not. If the schedule, the batch, a rank's forward pass
+ * (peers waiting for that rank in a collective are released: gy_comm_abort) or the sampling
+ * fails, the step is taken back: the scheduler's state, every request's progress and every
+ * rank's block tables are as before it (gy_sched_cancel, gy_kv_mark), the KV pages it mapped are
+ * unmapped again, and the same step can be tried again. A request whose logits are not numbers
+ * (NaN or +inf: an overflow in the weights or activations) fails alone: it finishes with reason
+ * "error" and the sampler's message (gy_engine_info), and the step goes on for the others. */
 #ifndef GY_ENGINE_ENGINE_H
 #define GY_ENGINE_ENGINE_H
 
 #include <stdint.h>
+#include <stddef.h>
 
 #include "../sched/batch.h"
 #include "../sched/sampler.h"
@@ -136,7 +148,10 @@ gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank,
 gy_status gy_engine_transition_end(gy_engine *e);
 int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs */
 
-gy_sched *gy_engine_sched(const gy_engine *e);
+/* A request's scheduler record and, when it finished with reason "error", why (copied into
+ * `error`, "" otherwise; may be NULL). */
+gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);
+void gy_engine_stats(gy_engine *e, gy_sched_stats *out);
 int32_t gy_engine_n_ranks(const gy_engine *e);
 /* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
  * leaves them in the caches (a layer-staggered transformation keeps reading them). */

@@ -1,5 +1,6 @@
 /* forward.c: the decoder forward pass on the CPU kernels. */
 #include "forward.h"
+#include "../core/alloc.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +41,7 @@ static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int
         {&ws->parts, m->max_tp * m->hidden}, {&ws->sel, m->hidden},
     };
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
-        *plan[i].buf = malloc((size_t)(n * plan[i].width) * sizeof(float));
+        *plan[i].buf = gy_malloc((size_t)(n * plan[i].width) * sizeof(float));
         if (*plan[i].buf == NULL) {
             gy_forward_ws_free_host(ws);
             return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a batch of %lld tokens", (long long)n);

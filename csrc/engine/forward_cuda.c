@@ -15,6 +15,7 @@
  * The conversions x -> o and o -> x are the embedding kernel gathering rows 0..n-1 (an exact copy
  * or one rounding), so no kernel beyond kernels.h and gemm.h is needed. */
 #include "forward_cuda.h"
+#include "../core/alloc.h"
 
 #if defined(GY_WITH_CUDA) && defined(GY_WITH_CUDA_FORWARD)
 
@@ -184,7 +185,7 @@ static gy_status gy_fwd_cuda_ws_get(gy_forward_ws *ws, const gy_model *m,
         GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
     }
     if (c == NULL) {
-        c = calloc(1, sizeof *c);
+        c = gy_calloc(1, sizeof *c);
         if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a CUDA workspace");
         c->device = m->device;
         c->stream = (cudaStream_t)m->stream;

@@ -1,5 +1,6 @@
 /* model.c: shape checks and the rotary tables of a gy_model. */
 #include "model.h"
+#include "../core/alloc.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -27,10 +28,10 @@ gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_f
     GY_TRY(gy_dtype_check(m->weight_dtype, "weight dtype"));
     m->shard_rows = m->intermediate / m->max_tp;
     m->rope_theta = (float)rope_theta;
-    m->layers = calloc((size_t)m->n_layers, sizeof *m->layers);
+    m->layers = gy_calloc((size_t)m->n_layers, sizeof *m->layers);
     const size_t table = (size_t)(m->max_pos * (m->head_dim / 2));
-    m->rope_cos = malloc(table * sizeof(float));
-    m->rope_sin = malloc(table * sizeof(float));
+    m->rope_cos = gy_malloc(table * sizeof(float));
+    m->rope_sin = gy_malloc(table * sizeof(float));
     if (m->layers == NULL || m->rope_cos == NULL || m->rope_sin == NULL) {
         gy_model_free(m);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables");

@@ -1,8 +1,25 @@
 /* kv_cache.c: blocks, block tables and growth of the paged KV cache. */
 #include "kv_cache.h"
+#include "../core/alloc.h"
+#include "../core/grow.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+/* One change gy_kv_undo can take back. */
+typedef enum gy_kv_undo_kind {
+    GY_KV_UNDO_NEW = 0,     /* a sequence id was handed out */
+    GY_KV_UNDO_RESERVE = 1, /* blocks were appended to a sequence */
+    GY_KV_UNDO_FREE = 2,    /* a sequence was freed (its id is held back until unmark) */
+} gy_kv_undo_kind;
+
+typedef struct gy_kv_undo_entry {
+    gy_kv_undo_kind kind;
+    int64_t seq;
+    int64_t n_blocks;    /* RESERVE: before it; FREE: the blocks it had */
+    int64_t n_tokens;    /* RESERVE, FREE: before it */
+    uint64_t generation; /* NEW: the cache's counter before it */
+} gy_kv_undo_entry;
 
 typedef struct gy_kv_seq {
     int32_t live;
@@ -35,6 +52,11 @@ struct gy_kv_cache {
      * them, the shadow borrows them (each only touches the layers in its geometry). */
     gy_kv_cache *owner;  /* set on a shadow */
     gy_kv_cache *shadow; /* set on the owner of a shadow */
+    /* gy_kv_mark: while `marked`, what each sequence call changes is written down first, so
+     * that gy_kv_undo can take it back in reverse order (see kv_cache.h). */
+    int marked;
+    gy_kv_undo_entry *undo;      /* (n_undo) */
+    int64_t n_undo, undo_cap;
 };
 
 static gy_status gy_kv_set_blocks(gy_kv_cache *kv, int64_t n_blocks) {
@@ -77,15 +99,15 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
         return GY_FAIL(GY_ERR_INVALID, "%lld blocks per layer is more than block ids can name",
                        (long long)max_blocks);
 
-    gy_kv_cache *kv = calloc(1, sizeof *kv);
+    gy_kv_cache *kv = gy_calloc(1, sizeof *kv);
     if (kv == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     kv->config = *c;
     kv->arena = arena;
     kv->page_size = page_size;
     kv->block_bytes = block_bytes;
     kv->max_blocks = max_blocks;
-    kv->block_used = calloc((size_t)max_blocks, 1);
-    kv->free_blocks = malloc((size_t)max_blocks * sizeof *kv->free_blocks);
+    kv->block_used = gy_calloc((size_t)max_blocks, 1);
+    kv->free_blocks = gy_malloc((size_t)max_blocks * sizeof *kv->free_blocks);
     if (kv->block_used == NULL || kv->free_blocks == NULL) {
         gy_kv_free(kv);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
@@ -117,7 +139,94 @@ void gy_kv_free(gy_kv_cache *kv) {
     free(kv->free_seqs);
     free(kv->block_used);
     free(kv->free_blocks);
+    free(kv->undo);
     free(kv);
+}
+
+/* ---- undo (kv_cache.h) ---- */
+
+static gy_status gy_kv_refuse_if_marked(const gy_kv_cache *kv, const char *what) {
+    if (kv->marked)
+        return GY_FAIL(GY_ERR_BUSY, "cannot %s while a step's changes to this KV cache are being "
+                                    "recorded", what);
+    return GY_OK;
+}
+
+/* Writes an entry down before the change it describes (so a failure here changes nothing).
+ * Within the room gy_kv_mark reserved it cannot fail. */
+static gy_status gy_kv_record(gy_kv_cache *kv, gy_kv_undo_entry e) {
+    if (!kv->marked) return GY_OK;
+    GY_TRY(gy_grow((void **)&kv->undo, &kv->undo_cap, kv->n_undo + 1, sizeof *kv->undo,
+                   "a KV undo record"));
+    kv->undo[kv->n_undo++] = e;
+    return GY_OK;
+}
+
+gy_status gy_kv_mark(gy_kv_cache *kv, int64_t changes) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->marked) gy_kv_unmark(kv);
+    GY_TRY(gy_grow((void **)&kv->undo, &kv->undo_cap, changes > 0 ? changes : 1, sizeof *kv->undo,
+                   "a KV undo record"));
+    kv->marked = 1;
+    kv->n_undo = 0;
+    return GY_OK;
+}
+
+/* The ids of sequences freed while marked go back now, in the order they were freed. */
+void gy_kv_unmark(gy_kv_cache *kv) {
+    if (kv == NULL || !kv->marked) return;
+    for (int64_t i = 0; i < kv->n_undo; i++)
+        if (kv->undo[i].kind == GY_KV_UNDO_FREE) kv->free_seqs[kv->n_free_seqs++] = kv->undo[i].seq;
+    kv->marked = 0;
+    kv->n_undo = 0;
+}
+
+/* Every change is taken back in reverse order, so each one finds the free stacks exactly as it
+ * left them: the blocks a reserve took are back on top once later changes are undone, and so
+ * are the blocks and the id a free gave back. Nothing is allocated. */
+int64_t gy_kv_undo_point(const gy_kv_cache *kv) { return kv != NULL && kv->marked ? kv->n_undo : 0; }
+
+void gy_kv_undo(gy_kv_cache *kv) {
+    if (kv == NULL || !kv->marked) return;
+    gy_kv_undo_to(kv, 0);
+    kv->marked = 0;
+}
+
+void gy_kv_undo_to(gy_kv_cache *kv, int64_t point) {
+    if (kv == NULL || !kv->marked || point < 0) return;
+    for (int64_t i = kv->n_undo - 1; i >= point; i--) {
+        const gy_kv_undo_entry *e = &kv->undo[i];
+        gy_kv_seq *s = &kv->seqs[e->seq];
+        switch (e->kind) {
+        case GY_KV_UNDO_RESERVE:
+            for (int64_t b = s->n_blocks - 1; b >= e->n_blocks; b--) {
+                kv->block_used[s->blocks[b]] = 0;
+                kv->free_blocks[kv->n_free++] = s->blocks[b];
+            }
+            s->n_blocks = e->n_blocks;
+            s->n_tokens = e->n_tokens;
+            break;
+        case GY_KV_UNDO_NEW:
+            s->live = 0;
+            s->n_blocks = s->n_tokens = 0;
+            kv->free_seqs[kv->n_free_seqs++] = e->seq;
+            kv->n_live_seqs--;
+            kv->generations = e->generation;
+            break;
+        case GY_KV_UNDO_FREE:
+            /* Its id was held back, so its table is intact; its blocks are on top of the free
+             * stack, pushed from the last to the first. */
+            kv->n_free -= e->n_blocks;
+            for (int64_t b = 0; b < e->n_blocks; b++) kv->block_used[s->blocks[b]] = 1;
+            s->live = 1;
+            s->n_blocks = e->n_blocks;
+            s->n_tokens = e->n_tokens;
+            kv->n_live_seqs++;
+            break;
+        }
+    }
+    kv->stats.n_sequences = kv->n_live_seqs;
+    if (point < kv->n_undo) kv->n_undo = point;
 }
 
 static int64_t gy_kv_layer_slot(const gy_kv_cache *kv, int64_t layer) {
@@ -212,6 +321,7 @@ gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
     if (kv->owner != NULL || kv->shadow != NULL)
         return GY_FAIL(GY_ERR_BUSY, "a transformation reads these pages in two geometries; "
                                     "they cannot shrink until it ends");
+    GY_TRY(gy_kv_refuse_if_marked(kv, "shrink"));
     if (pages <= 0 || pages > kv->pages_per_layer)
         return GY_FAIL(GY_ERR_INVALID, "cannot shrink by %lld pages: %lld are mapped per layer",
                        (long long)pages, (long long)kv->pages_per_layer);
@@ -256,6 +366,7 @@ int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages) {
 
 gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    GY_TRY(gy_kv_refuse_if_marked(kv, "reshape"));
     if (kv->config.layout != GY_KV_LAYOUT_HEAD)
         return GY_FAIL(GY_ERR_INVALID,
                        "only the header-centric layout can be reshaped in place (this cache is %s)",
@@ -269,8 +380,8 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     if (max_blocks > INT32_MAX)
         return GY_FAIL(GY_ERR_INVALID, "%lld blocks per layer is more than block ids can name",
                        (long long)max_blocks);
-    uint8_t *used = calloc((size_t)max_blocks, 1);
-    int32_t *free_blocks = malloc((size_t)max_blocks * sizeof *free_blocks);
+    uint8_t *used = gy_calloc((size_t)max_blocks, 1);
+    int32_t *free_blocks = gy_malloc((size_t)max_blocks * sizeof *free_blocks);
     if (used == NULL || free_blocks == NULL) {
         free(used);
         free(free_blocks);
@@ -319,6 +430,7 @@ gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_hea
 void gy_kv_take_pages(gy_kv_cache *shadow) {
     if (shadow == NULL || shadow->owner == NULL) return;
     gy_kv_cache *owner = shadow->owner;
+    gy_kv_unmark(owner);
     for (int64_t i = 0; i < owner->seq_capacity; i++)
         if (owner->seqs[i].live) gy_kv_seq_free(owner, i);
     owner->pages_per_layer = 0;
@@ -346,17 +458,20 @@ gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out) {
     if (kv == NULL || seq_out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_seq_new: NULL argument");
     if (kv->n_free_seqs == 0) {
         const int64_t cap = kv->seq_capacity ? kv->seq_capacity * 2 : 64;
-        gy_kv_seq *seqs = realloc(kv->seqs, (size_t)cap * sizeof *seqs);
+        gy_kv_seq *seqs = gy_realloc(kv->seqs, (size_t)cap * sizeof *seqs);
         if (seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
         kv->seqs = seqs;
-        int64_t *free_seqs = realloc(kv->free_seqs, (size_t)cap * sizeof *free_seqs);
+        int64_t *free_seqs = gy_realloc(kv->free_seqs, (size_t)cap * sizeof *free_seqs);
         if (free_seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
         kv->free_seqs = free_seqs;
         memset(kv->seqs + kv->seq_capacity, 0, (size_t)(cap - kv->seq_capacity) * sizeof *seqs);
         for (int64_t i = cap - 1; i >= kv->seq_capacity; i--) kv->free_seqs[kv->n_free_seqs++] = i;
         kv->seq_capacity = cap;
     }
-    const int64_t id = kv->free_seqs[--kv->n_free_seqs];
+    const int64_t id = kv->free_seqs[kv->n_free_seqs - 1];
+    GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_NEW, .seq = id,
+                                               .generation = kv->generations}));
+    kv->n_free_seqs--;
     gy_kv_seq *s = &kv->seqs[id];
     s->live = 1;
     s->generation = ++kv->generations;
@@ -387,10 +502,13 @@ gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
                        "are free",
                        (long long)seq, (long long)extra, (long long)n_tokens, (long long)kv->n_free,
                        (long long)kv->stats.n_blocks);
+    if (extra > 0 || n_tokens > s->n_tokens)
+        GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_RESERVE, .seq = seq,
+                                                   .n_blocks = s->n_blocks, .n_tokens = s->n_tokens}));
     if (s->n_blocks + extra > s->capacity) {
         int64_t cap = s->capacity ? s->capacity : 4;
         while (cap < s->n_blocks + extra) cap *= 2;
-        int32_t *blocks = realloc(s->blocks, (size_t)cap * sizeof *blocks);
+        int32_t *blocks = gy_realloc(s->blocks, (size_t)cap * sizeof *blocks);
         if (blocks == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a block table");
         s->blocks = blocks;
         s->capacity = cap;
@@ -408,6 +526,8 @@ gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_check_seq(kv, seq));
     gy_kv_seq *s = &kv->seqs[seq];
+    GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_FREE, .seq = seq,
+                                               .n_blocks = s->n_blocks, .n_tokens = s->n_tokens}));
     /* Push in reverse so the sequence's first block is the next one handed out. */
     for (int64_t i = s->n_blocks - 1; i >= 0; i--) {
         kv->block_used[s->blocks[i]] = 0;
@@ -416,7 +536,7 @@ gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {
     s->live = 0;
     s->n_blocks = 0;
     s->n_tokens = 0;
-    kv->free_seqs[kv->n_free_seqs++] = seq;
+    if (!kv->marked) kv->free_seqs[kv->n_free_seqs++] = seq; /* else at unmark */
     kv->n_live_seqs--;
     kv->stats.n_sequences = kv->n_live_seqs;
     return GY_OK;
@@ -426,6 +546,7 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
                           int64_t n_tokens, int64_t *seq_out) {
     if (kv == NULL || seq_out == NULL || (blocks == NULL && n_blocks > 0))
         return GY_FAIL(GY_ERR_INVALID, "gy_kv_seq_adopt: NULL argument");
+    GY_TRY(gy_kv_refuse_if_marked(kv, "adopt blocks"));
     if (n_blocks < 0 || n_tokens < 0 || n_tokens > n_blocks * kv->config.block_size)
         return GY_FAIL(GY_ERR_INVALID, "%lld tokens do not fit %lld blocks", (long long)n_tokens,
                        (long long)n_blocks);
@@ -442,7 +563,7 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
     GY_TRY(gy_kv_seq_new(kv, &seq));
     gy_kv_seq *s = &kv->seqs[seq];
     if (n_blocks > s->capacity) {
-        int32_t *table = realloc(s->blocks, (size_t)n_blocks * sizeof *table);
+        int32_t *table = gy_realloc(s->blocks, (size_t)n_blocks * sizeof *table);
         if (table == NULL) {
             gy_kv_seq_free(kv, seq);
             return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a block table");

@@ -81,6 +81,25 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
 gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_heads);
 void gy_kv_take_pages(gy_kv_cache *shadow);
 
+/* Undo, for a step that fails half-way (engine.c): from gy_kv_mark on, every sequence call
+ * (new, reserve, free) first writes down what it changes, and gy_kv_undo takes all of it back,
+ * in reverse order, leaving every sequence, block table and the free block stack exactly as at
+ * the mark. Undo allocates nothing and cannot fail. The mark reserves room for `changes`
+ * records (a call makes at most one), so within that many calls none can fail to write its
+ * record; past it a record may fail, and the call then changes nothing. Ids of sequences freed
+ * while marked are held back (their tables stay readable for an undo) and become reusable at
+ * unmark, which keeps the changes. Growing is allowed meanwhile (the new blocks are free again
+ * after an undo; the caller shrinks the pages back); adopt, shrink and reshape are refused with
+ * GY_ERR_BUSY. Marking again forgets the older record. */
+gy_status gy_kv_mark(gy_kv_cache *kv, int64_t changes);
+void gy_kv_undo(gy_kv_cache *kv);
+void gy_kv_unmark(gy_kv_cache *kv);
+/* Part of the way back: gy_kv_undo_point says where the record is now, gy_kv_undo_to takes back
+ * what was recorded after that point and stays marked (an all-or-nothing call over several
+ * caches undoes its own part this way). */
+int64_t gy_kv_undo_point(const gy_kv_cache *kv);
+void gy_kv_undo_to(gy_kv_cache *kv, int64_t point);
+
 /* Sequences and their block tables. reserve makes room for `n_tokens` tokens in total (it only
  * adds blocks), all-or-nothing; it fails with GY_ERR_OUT_OF_MEMORY when too few blocks are free. */
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);

@@ -1,6 +1,7 @@
 /* kv_copy.c: head ranges of block lists between two KV caches, on the host or on the device (see
  * kv_copy.h). Every address goes through gy_kv_layout_offset. */
 #include "kv_copy.h"
+#include "../core/fault.h"
 
 #include <string.h>
 
@@ -117,6 +118,9 @@ gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t 
     GY_TRY(gy_kv_copy_check(dst, dst_blocks, dst_head0, src, src_blocks, src_head0, n_heads,
                             n_blocks, first_layer, n_layers));
     if (n_heads == 0 || n_blocks == 0 || n_layers == 0) return GY_OK;
+    if (gy_fault_hit(GY_FAULT_COPY))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: copying %lld blocks' heads failed",
+                       (long long)n_blocks);
     if (gy_arena_backend(gy_kv_arena(dst)) == GY_ARENA_BACKEND_CUDA) {
 #ifdef GY_WITH_CUDA
         return gy_kv_copy_device(dst, dst_blocks, dst_head0, src, src_blocks, src_head0, n_heads,

@@ -1,5 +1,7 @@
 /* kv_mover.c: moving one layer's K/V between caches, read early beside a step, written later. */
 #include "kv_mover.h"
+#include "../core/alloc.h"
+#include "../core/fault.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -52,7 +54,7 @@ static gy_status gy_kv_mover_reserve(void **buf, int64_t *cap, int64_t n, size_t
 
 gy_status gy_kv_mover_init(gy_kv_mover **out) {
     if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_mover_init: NULL argument");
-    gy_kv_mover *m = calloc(1, sizeof *m);
+    gy_kv_mover *m = gy_calloc(1, sizeof *m);
     if (m == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     const gy_status s = gy_run_order_init(&m->order);
     if (s != GY_OK) {
@@ -276,6 +278,10 @@ static void *gy_kv_mover_pass(void *arg) {
 static gy_status gy_kv_mover_direct(gy_kv_mover *m, const gy_kv_move_item *items, int64_t n_items,
                                     int64_t layer, int threads, gy_kv_move_stats *st, int *done) {
     *done = 0;
+    if (n_items == 0) { /* nothing to copy: done (the grid below would be 0) */
+        *done = 1;
+        return GY_OK;
+    }
     int64_t n_runs = 0, B = 0, D = 0;
     for (int64_t i = 0; i < n_items; i++) {
         const gy_kv_layout *s = gy_kv_layout_of(items[i].src), *d = gy_kv_layout_of(items[i].dst);
@@ -334,6 +340,8 @@ gy_status gy_kv_mover_finish(gy_kv_mover *m, const gy_kv_move_item *items, int64
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL mover");
     GY_TRY(gy_kv_mover_check(items, n_items, layer));
     GY_TRY(gy_kv_mover_reserve((void **)&m->now, &m->now_cap, n_items, sizeof *m->now));
+    if (n_items > 0 && gy_fault_hit(GY_FAULT_COPY))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: moving layer %lld's KV failed", (long long)layer);
     const int planned = m->layer == layer && m->read_done;
     gy_kv_move_stats st = {0};
     if (!planned) {

@@ -1,6 +1,7 @@
 /* run_order.c: each run copied once, in an order that reads every source before it is overwritten
  * (see run_order.h). */
 #include "run_order.h"
+#include "../core/alloc.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -42,7 +43,7 @@ static gy_status gy_run_order_reserve(void **buf, int64_t *cap, int64_t n, size_
 
 gy_status gy_run_order_init(gy_run_order **out) {
     if (out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_run_order_init: NULL argument");
-    *out = calloc(1, sizeof **out);
+    *out = gy_calloc(1, sizeof **out);
     if (*out == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     return GY_OK;
 }
@@ -192,7 +193,7 @@ gy_status gy_run_order_copy(gy_run_order *o, const gy_run *runs, int64_t n, int6
     int64_t half = 0;
     for (int64_t acc = 0; half < k && threads > 1 && acc + o->comps[half].runs <= total / 2; half++)
         acc += o->comps[half].runs;
-    void *parks = malloc(2 * (size_t)grid);
+    void *parks = gy_malloc(2 * (size_t)grid);
     if (parks == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     gy_run_part parts[2] = {{o, runs, 0, half, parks},
                             {o, runs, half, k, (char *)parks + grid}};

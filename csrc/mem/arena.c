@@ -5,6 +5,8 @@
  * The two multi-page operations (grow, shrink) check the whole range first and roll back if the
  * backend fails half-way. */
 #include "arena.h"
+#include "../core/alloc.h"
+#include "../core/fault.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -74,17 +76,17 @@ gy_status gy_arena_init(gy_arena **out, const gy_arena_config *config) {
                        (int)config->backend);
     GY_TRY(gy_arena_check_config(config));
 
-    gy_arena *a = calloc(1, sizeof *a);
+    gy_arena *a = gy_calloc(1, sizeof *a);
     if (a == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the arena");
     a->config = *config;
     a->ops = ops;
     a->max_pages = config->budget_bytes / config->page_size;
     const uint64_t n = config->n_slots, m = a->max_pages ? a->max_pages : 1;
-    a->slot_page = malloc(n * sizeof *a->slot_page);
-    a->slot_pins = calloc(n, sizeof *a->slot_pins);
-    a->page_slot = malloc(m * sizeof *a->page_slot);
-    a->page_state = calloc(m, 1);
-    a->page_tag = calloc(m, 1);
+    a->slot_page = gy_malloc(n * sizeof *a->slot_page);
+    a->slot_pins = gy_calloc(n, sizeof *a->slot_pins);
+    a->page_slot = gy_malloc(m * sizeof *a->page_slot);
+    a->page_state = gy_calloc(m, 1);
+    a->page_tag = gy_calloc(m, 1);
     if (!a->slot_page || !a->slot_pins || !a->page_slot || !a->page_state || !a->page_tag) {
         gy_arena_free(a);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a page table of %llu slots",
@@ -168,6 +170,8 @@ static gy_status gy_create_locked(gy_arena *a, gy_page_tag tag, int64_t *page_ou
                        "physical budget exhausted: %llu of %llu pages (%llu bytes) in use",
                        (unsigned long long)gy_pages_created(a), (unsigned long long)a->max_pages,
                        (unsigned long long)a->config.budget_bytes);
+    if (gy_fault_hit(GY_FAULT_PAGE_CREATE))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: creating a physical page failed");
     uint64_t p = a->next_free_hint;
     while (a->page_state[p] != GY_PAGE_FREE) p++; /* a free page exists: checked above */
     GY_TRY(a->ops->create(a->backend_state, (int64_t)p));
@@ -208,6 +212,9 @@ static gy_status gy_map_locked(gy_arena *a, int64_t slot, int64_t page) {
     if (a->page_slot[page] >= 0)
         return GY_FAIL(GY_ERR_STATE, "page %lld is already mapped at slot %lld", (long long)page,
                        (long long)a->page_slot[page]);
+    if (gy_fault_hit(GY_FAULT_PAGE_MAP))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: mapping page %lld at slot %lld failed",
+                       (long long)page, (long long)slot);
     GY_TRY(a->ops->map(a->backend_state, slot, page));
     a->slot_page[slot] = page;
     a->page_slot[page] = slot;
@@ -272,6 +279,9 @@ static gy_status gy_remap_locked(gy_arena *a, int64_t from_slot, int64_t to_slot
                        (long long)to_slot, (long long)a->slot_page[to_slot]);
     const int64_t page = a->slot_page[from_slot];
     /* Map the new place first: if that fails the page is still where it was. */
+    if (gy_fault_hit(GY_FAULT_PAGE_MAP))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: remapping slot %lld to %lld failed",
+                       (long long)from_slot, (long long)to_slot);
     GY_TRY(a->ops->map(a->backend_state, to_slot, page));
     gy_status s = a->ops->unmap(a->backend_state, from_slot);
     if (s != GY_OK) {
@@ -535,6 +545,9 @@ gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_o
             return GY_FAIL(GY_ERR_INVALID, "run %lld (%llu bytes from %llu to %llu) touches unmapped slots",
                            (long long)i, (unsigned long long)bytes[i],
                            (unsigned long long)src_offsets[i], (unsigned long long)dst_offsets[i]);
+    if (n > 0 && gy_fault_hit(GY_FAULT_COPY))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: a copy of %lld runs between workers failed",
+                       (long long)n);
     if (!dst->ops->host_accessible)
         return dst->ops->copy_runs_from(dst->backend_state, src->backend_state, dst_offsets,
                                         src_offsets, bytes, n);

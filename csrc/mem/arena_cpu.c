@@ -16,6 +16,7 @@
  * hold only vm.max_map_count of them: mappings are counted across all arenas and refused with
  * GY_ERR_LIMIT well before the kernel would fail in the middle of an operation. */
 #include <errno.h>
+#include "../core/alloc.h"
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <stdatomic.h>
@@ -61,13 +62,13 @@ static gy_status gy_cpu_init(const gy_arena_config *config, void **state, uintpt
     if (os_page > 0 && config->page_size % (uint64_t)os_page != 0)
         return GY_FAIL(GY_ERR_INVALID, "page_size %llu is not a multiple of the OS page size %ld",
                        (unsigned long long)config->page_size, os_page);
-    gy_cpu_arena *c = calloc(1, sizeof *c);
+    gy_cpu_arena *c = gy_calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     c->page_size = config->page_size;
     c->n_slots = config->n_slots;
     const uint64_t max_pages = config->budget_bytes / config->page_size;
     c->pool_cap = config->pool_pages < max_pages ? config->pool_pages : max_pages;
-    if (c->pool_cap > 0 && (c->kept = calloc(max_pages, 1)) == NULL) {
+    if (c->pool_cap > 0 && (c->kept = gy_calloc(max_pages, 1)) == NULL) {
         free(c);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     }

@@ -33,6 +33,7 @@
  * Outside the budget: the CUDA context itself, and a staging buffer (GY_CUDA_STAGING_BYTES,
  * cuMemAlloc'd on first use) for overlapping copies whose source and destination are close. */
 #include "arena_backend.h"
+#include "../core/alloc.h"
 
 #ifndef GY_WITH_CUDA
 
@@ -372,10 +373,10 @@ static gy_status gy_cuda_setup(gy_cuda_arena *c, const gy_arena_config *config) 
     GY_CU_CHECK("cuMemAddressReserve",
                 gy_cu.mem_address_reserve(&c->base, c->n_slots * c->page_size, c->page_size, 0, 0));
 
-    c->handles = calloc(c->max_pages ? c->max_pages : 1, sizeof *c->handles);
-    c->has_handle = calloc(c->max_pages ? c->max_pages : 1, 1);
+    c->handles = gy_calloc(c->max_pages ? c->max_pages : 1, sizeof *c->handles);
+    c->has_handle = gy_calloc(c->max_pages ? c->max_pages : 1, 1);
     c->pool_cap = config->pool_pages < c->max_pages ? config->pool_pages : c->max_pages;
-    c->pool = calloc(c->pool_cap ? c->pool_cap : 1, sizeof *c->pool);
+    c->pool = gy_calloc(c->pool_cap ? c->pool_cap : 1, sizeof *c->pool);
     if (c->handles == NULL || c->has_handle == NULL || c->pool == NULL)
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the CUDA arena's handle tables");
     /* The first fill is synchronous: init is not on the serving path, and a budget the device
@@ -397,7 +398,7 @@ static gy_status gy_cuda_setup(gy_cuda_arena *c, const gy_arena_config *config) 
 
 static gy_status gy_cuda_init(const gy_arena_config *config, void **state, uintptr_t *base) {
     GY_TRY(gy_cu_require());
-    gy_cuda_arena *c = calloc(1, sizeof *c);
+    gy_cuda_arena *c = gy_calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the CUDA arena");
     pthread_mutex_init(&c->pool_lock, NULL);
     pthread_cond_init(&c->refill_wake, NULL);

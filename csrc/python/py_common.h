@@ -26,6 +26,7 @@ int gy_py_sim_add(PyObject *module);
 int gy_py_comm_add(PyObject *module);
 int gy_py_policy_add(PyObject *module);
 int gy_py_forward_cuda_add(PyObject *module);
+int gy_py_fault_add(PyObject *module);
 
 /* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
  * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */

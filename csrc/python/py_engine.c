@@ -155,9 +155,10 @@ static PyObject *gy_py_engine_info(GyEngineObject *self, PyObject *args) {
     long long id;
     if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
     gy_sched_info info;
-    gy_status s = gy_sched_info_get(gy_engine_sched(self->engine), id, &info);
+    char error[1024];
+    gy_status s = gy_engine_info(self->engine, id, &info, error, sizeof error);
     if (s != GY_OK) return gy_py_raise(s);
-    return Py_BuildValue("{sssssLsLsLsdsdsdsd}", "state", gy_sched_state_name(info.state),
+    return Py_BuildValue("{sssssssLsLsLsdsdsdsd}", "error", error, "state", gy_sched_state_name(info.state),
                          "finish", gy_sched_finish_name(info.finish), "n_generated",
                          (long long)info.n_generated, "n_computed", (long long)info.n_computed,
                          "n_preemptions", (long long)info.n_preemptions, "arrival", info.arrival,
@@ -167,7 +168,7 @@ static PyObject *gy_py_engine_info(GyEngineObject *self, PyObject *args) {
 
 static PyObject *gy_py_engine_stats(GyEngineObject *self, PyObject *unused) {
     gy_sched_stats st;
-    gy_sched_stats_get(gy_engine_sched(self->engine), &st);
+    gy_engine_stats(self->engine, &st);
     return Py_BuildValue("{sLsLsLsLsLsLsL}", "waiting", (long long)st.n_waiting, "preempted_queued",
                          (long long)st.n_preempted, "running", (long long)st.n_running, "finished",
                          (long long)st.n_finished, "steps", (long long)st.n_steps, "preemptions",

@@ -2,6 +2,7 @@
  * found by id through an id map; the waiting queue is two linked lists (preempted, then never-run
  * sorted by key), the running set an array in admission order. */
 #include "batch.h"
+#include "../core/alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -59,7 +60,21 @@ struct gy_sched {
     int64_t n_steps, n_preemptions;
     double now;                 /* the latest time seen */
     int32_t in_flight;
-    gy_status broken;           /* a backend failure left the state inconsistent */
+
+    /* The undo record of the step under way (a schedule that fails half-way, gy_sched_cancel):
+     * a copy of each request before schedule changed it (a request may be copied more than
+     * once; restoring in reverse order ends with its first copy) and what else it changed. */
+    int recording;              /* schedule is running: copy before changing */
+    int undoable;               /* the record describes the step under way */
+    gy_sched_req *saved;        /* (n_saved) */
+    int64_t *saved_slot;        /* (n_saved) */
+    int64_t n_saved, saved_cap; /* room reserved before the step: it never runs out */
+    int64_t *saved_running;     /* (max_running) */
+    int64_t saved_n_running;
+    gy_sched_queue saved_preempted_q, saved_waiting_q;
+    int64_t saved_counts[GY_SCHED_STATE_COUNT];
+    int64_t saved_next_admission, saved_n_preemptions;
+    double saved_now;
 };
 
 const char *gy_sched_state_name(gy_sched_state state) {
@@ -78,6 +93,7 @@ const char *gy_sched_finish_name(gy_sched_finish finish) {
     case GY_SCHED_FINISH_STOP: return "stop";
     case GY_SCHED_FINISH_LENGTH: return "length";
     case GY_SCHED_FINISH_ABORT: return "abort";
+    case GY_SCHED_FINISH_ERROR: return "error";
     default: return "unknown";
     }
 }
@@ -106,7 +122,7 @@ gy_status gy_sched_init(gy_sched **out, const gy_sched_config *c, const gy_sched
     if (c->watermark_blocks < 0 || c->watermark_blocks >= c->total_blocks)
         return GY_FAIL(GY_ERR_INVALID, "watermark_blocks must be in [0, total_blocks=%lld), got %lld",
                        (long long)c->total_blocks, (long long)c->watermark_blocks);
-    gy_sched *s = calloc(1, sizeof *s);
+    gy_sched *s = gy_calloc(1, sizeof *s);
     if (s == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     s->config = *c;
     s->ops = *ops;
@@ -114,13 +130,14 @@ gy_status gy_sched_init(gy_sched **out, const gy_sched_config *c, const gy_sched
     s->waiting_q.head = s->waiting_q.tail = -1;
     s->now = -INFINITY;
     const size_t m = (size_t)c->max_running;
-    s->running = malloc(m * sizeof *s->running);
-    s->entries = malloc(m * sizeof *s->entries);
-    s->entry_slot = malloc(m * sizeof *s->entry_slot);
-    s->preempted = malloc(m * sizeof *s->preempted);
-    s->finished = malloc(m * sizeof *s->finished);
+    s->running = gy_malloc(m * sizeof *s->running);
+    s->entries = gy_malloc(m * sizeof *s->entries);
+    s->entry_slot = gy_malloc(m * sizeof *s->entry_slot);
+    s->preempted = gy_malloc(m * sizeof *s->preempted);
+    s->finished = gy_malloc(m * sizeof *s->finished);
+    s->saved_running = gy_malloc(m * sizeof *s->saved_running);
     if (s->running == NULL || s->entries == NULL || s->entry_slot == NULL ||
-        s->preempted == NULL || s->finished == NULL) {
+        s->preempted == NULL || s->finished == NULL || s->saved_running == NULL) {
         gy_sched_free(s);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for max_running=%lld",
                        (long long)c->max_running);
@@ -140,17 +157,66 @@ void gy_sched_free(gy_sched *s) {
     free(s->entry_slot);
     free(s->preempted);
     free(s->finished);
+    free(s->saved);
+    free(s->saved_slot);
+    free(s->saved_running);
     free(s);
 }
 
 const gy_sched_config *gy_sched_config_of(const gy_sched *s) { return &s->config; }
 
-static gy_status gy_sched_usable(const gy_sched *s) {
-    if (s->broken != GY_OK)
-        return GY_FAIL(GY_ERR_STATE,
-                       "the scheduler is unusable: its KV backend failed during a step (%s)",
-                       gy_status_name(s->broken));
+/* ---- the undo record ---- */
+
+/* Copies request `slot` before schedule changes it. The room was reserved when the step began
+ * (gy_sched_record_begin), so this cannot fail. */
+static void gy_sched_save(gy_sched *s, int64_t slot) {
+    if (!s->recording || slot < 0 || s->n_saved >= s->saved_cap) return;
+    s->saved[s->n_saved] = s->reqs[slot];
+    s->saved_slot[s->n_saved++] = slot;
+}
+
+/* A schedule copies at most 11 requests per request it touches (a preemption: the victim, its
+ * state and the queue it joins; an admission: the queue it leaves, its state, its entry), and
+ * it touches at most max_running requests. */
+static gy_status gy_sched_record_begin(gy_sched *s) {
+    const int64_t need = 12 * s->config.max_running + 16;
+    if (s->saved_cap < need) {
+        gy_sched_req *saved = gy_realloc(s->saved, (size_t)need * sizeof *saved);
+        if (saved == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's undo record");
+        s->saved = saved;
+        int64_t *slots = gy_realloc(s->saved_slot, (size_t)need * sizeof *slots);
+        if (slots == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's undo record");
+        s->saved_slot = slots;
+        s->saved_cap = need;
+    }
+    s->n_saved = 0;
+    memcpy(s->saved_running, s->running, (size_t)s->n_running * sizeof *s->running);
+    s->saved_n_running = s->n_running;
+    s->saved_preempted_q = s->preempted_q;
+    s->saved_waiting_q = s->waiting_q;
+    memcpy(s->saved_counts, s->counts, sizeof s->counts);
+    s->saved_next_admission = s->next_admission;
+    s->saved_n_preemptions = s->n_preemptions;
+    s->saved_now = s->now;
+    s->recording = 1;
+    s->undoable = 1;
     return GY_OK;
+}
+
+/* Everything back as it was before the schedule that began the record. */
+static void gy_sched_record_undo(gy_sched *s) {
+    for (int64_t i = s->n_saved - 1; i >= 0; i--) s->reqs[s->saved_slot[i]] = s->saved[i];
+    memcpy(s->running, s->saved_running, (size_t)s->saved_n_running * sizeof *s->running);
+    s->n_running = s->saved_n_running;
+    s->preempted_q = s->saved_preempted_q;
+    s->waiting_q = s->saved_waiting_q;
+    memcpy(s->counts, s->saved_counts, sizeof s->counts);
+    s->next_admission = s->saved_next_admission;
+    s->n_preemptions = s->saved_n_preemptions;
+    s->now = s->saved_now;
+    s->n_entries = s->n_preempted = 0;
+    s->recording = s->undoable = 0;
+    s->n_saved = 0;
 }
 
 static gy_status gy_sched_lookup(const gy_sched *s, int64_t id, int64_t *slot) {
@@ -160,6 +226,7 @@ static gy_status gy_sched_lookup(const gy_sched *s, int64_t id, int64_t *slot) {
 }
 
 static void gy_sched_set_state(gy_sched *s, gy_sched_req *r, gy_sched_state state) {
+    gy_sched_save(s, r - s->reqs);
     s->counts[r->state]--;
     s->counts[state]++;
     r->state = state;
@@ -169,6 +236,9 @@ static void gy_sched_set_state(gy_sched *s, gy_sched_req *r, gy_sched_state stat
 
 static void gy_sched_queue_unlink(gy_sched *s, gy_sched_queue *q, int64_t slot) {
     gy_sched_req *r = &s->reqs[slot];
+    gy_sched_save(s, slot);
+    gy_sched_save(s, r->prev);
+    gy_sched_save(s, r->next);
     if (r->prev >= 0) s->reqs[r->prev].next = r->next; else q->head = r->next;
     if (r->next >= 0) s->reqs[r->next].prev = r->prev; else q->tail = r->prev;
     r->prev = r->next = -1;
@@ -177,6 +247,9 @@ static void gy_sched_queue_unlink(gy_sched *s, gy_sched_queue *q, int64_t slot) 
 /* Links `slot` after `after` (-1: at the head). */
 static void gy_sched_queue_link(gy_sched *s, gy_sched_queue *q, int64_t after, int64_t slot) {
     gy_sched_req *r = &s->reqs[slot];
+    gy_sched_save(s, slot);
+    gy_sched_save(s, after);
+    gy_sched_save(s, after >= 0 ? s->reqs[after].next : q->head);
     r->prev = after;
     r->next = after >= 0 ? s->reqs[after].next : q->head;
     if (r->next >= 0) s->reqs[r->next].prev = slot; else q->tail = slot;
@@ -198,10 +271,10 @@ static gy_sched_queue *gy_sched_queue_of(gy_sched *s, const gy_sched_req *r) {
 static gy_status gy_sched_new_slot(gy_sched *s, int64_t *slot) {
     if (s->n_free_slots == 0) {
         const int64_t capacity = s->capacity ? 2 * s->capacity : 64;
-        gy_sched_req *reqs = realloc(s->reqs, (size_t)capacity * sizeof *reqs);
+        gy_sched_req *reqs = gy_realloc(s->reqs, (size_t)capacity * sizeof *reqs);
         if (reqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for requests");
         s->reqs = reqs;
-        int64_t *free_slots = realloc(s->free_slots, (size_t)capacity * sizeof *free_slots);
+        int64_t *free_slots = gy_realloc(s->free_slots, (size_t)capacity * sizeof *free_slots);
         if (free_slots == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for requests");
         s->free_slots = free_slots;
         for (int64_t i = capacity - 1; i >= s->capacity; i--) s->free_slots[s->n_free_slots++] = i;
@@ -213,7 +286,6 @@ static gy_status gy_sched_new_slot(gy_sched *s, int64_t *slot) {
 
 gy_status gy_sched_add(gy_sched *s, const gy_sched_request *q) {
     if (s == NULL || q == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_add: NULL argument");
-    GY_TRY(gy_sched_usable(s));
     const int64_t limit = INT64_C(1) << 40; /* keeps every sum of lengths far from overflow */
     if (q->prompt_len < 1 || q->prompt_len > limit)
         return GY_FAIL(GY_ERR_INVALID, "request %lld: prompt length must be in [1, 2^40], got %lld",
@@ -244,6 +316,7 @@ gy_status gy_sched_add(gy_sched *s, const gy_sched_request *q) {
         s->free_slots[s->n_free_slots++] = slot;
         return st;
     }
+    s->undoable = 0; /* a step under way can no longer be cancelled */
     gy_sched_req *r = &s->reqs[slot];
     memset(r, 0, sizeof *r);
     r->id = q->id;
@@ -266,7 +339,6 @@ gy_status gy_sched_add(gy_sched *s, const gy_sched_request *q) {
 
 gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *q, const gy_sched_info *info) {
     if (s == NULL || q == NULL || info == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_adopt: NULL argument");
-    GY_TRY(gy_sched_usable(s));
     if (s->in_flight) return GY_FAIL(GY_ERR_STATE, "cannot adopt a request while a step is in flight");
     const gy_sched_state state = info->state;
     if (state == GY_SCHED_STATE_FINISHED || (int)state < 0 || state >= GY_SCHED_STATE_COUNT)
@@ -333,6 +405,7 @@ static void gy_sched_remove_entry(gy_sched *s, int64_t e) {
 static int64_t gy_sched_preempt_newest(gy_sched *s, int64_t *budget) {
     const int64_t slot = s->running[s->n_running - 1]; /* running is in admission order */
     gy_sched_req *v = &s->reqs[slot];
+    gy_sched_save(s, slot);
     if (v->entry >= 0) {
         *budget += s->entries[v->entry].n_tokens;
         gy_sched_remove_entry(s, v->entry);
@@ -351,20 +424,21 @@ static int64_t gy_sched_preempt_newest(gy_sched *s, int64_t *budget) {
 }
 
 /* 1 and reserved when the request fits n_tokens in total (after `margin` free blocks), 0 when
- * not, -1 when the backend failed (s->broken set). */
+ * not, -1 when the backend failed (*failure set, its message kept). */
 static int gy_sched_try_reserve(gy_sched *s, const gy_sched_req *r, int64_t n_tokens,
-                                int64_t margin) {
+                                int64_t margin, gy_status *failure) {
     const int64_t need = s->ops.blocks_needed(s->ops.ctx, r->id, n_tokens);
     if (need + margin > s->ops.free_blocks(s->ops.ctx)) return 0;
     const gy_status st = s->ops.reserve(s->ops.ctx, r->id, n_tokens);
     if (st == GY_OK) return 1;
     if (st == GY_ERR_OUT_OF_MEMORY) return 0;
-    s->broken = st;
+    *failure = st;
     return -1;
 }
 
 static void gy_sched_emit(gy_sched *s, int64_t slot, int64_t n, int64_t *budget) {
     gy_sched_req *r = &s->reqs[slot];
+    gy_sched_save(s, slot);
     const int64_t e = s->n_entries++;
     const int prefill = r->n_computed < r->prefill_end;
     s->entries[e] = (gy_sched_entry){
@@ -398,8 +472,9 @@ static gy_status gy_sched_run_pass(gy_sched *s, int decode, int64_t *budget) {
         if (in_decode != decode) continue;
         const int64_t n = decode ? 1 : gy_sched_chunk(s, r->prefill_end - r->n_computed, *budget);
         for (;;) {
-            const int fit = gy_sched_try_reserve(s, r, r->n_computed + n, 0);
-            if (fit < 0) return s->broken;
+            gy_status failure = GY_OK;
+            const int fit = gy_sched_try_reserve(s, r, r->n_computed + n, 0, &failure);
+            if (fit < 0) return failure;
             if (fit) {
                 gy_sched_emit(s, slot, n, budget);
                 break;
@@ -426,9 +501,11 @@ static gy_status gy_sched_admit(gy_sched *s, double now, int64_t *budget) {
             const int64_t n = gy_sched_chunk(s, total, *budget);
             /* the watermark protects running requests; with none, a lone request always fits */
             const int64_t margin = s->n_running > 0 ? s->config.watermark_blocks : 0;
-            const int fit = gy_sched_try_reserve(s, r, n, margin);
-            if (fit < 0) return s->broken;
+            gy_status failure = GY_OK;
+            const int fit = gy_sched_try_reserve(s, r, n, margin, &failure);
+            if (fit < 0) return failure;
             if (!fit) return GY_OK; /* head-of-line blocking */
+            gy_sched_save(s, slot);
             gy_sched_queue_unlink(s, queues[q], slot);
             gy_sched_set_state(s, r, GY_SCHED_STATE_RUNNING);
             r->n_computed = 0;
@@ -454,17 +531,22 @@ static gy_status gy_sched_check_time(gy_sched *s, double now) {
 gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out) {
     if (s == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_schedule: NULL argument");
     memset(out, 0, sizeof *out);
-    GY_TRY(gy_sched_usable(s));
     if (s->in_flight)
         return GY_FAIL(GY_ERR_STATE, "a step is under way: commit it before scheduling the next");
     GY_TRY(gy_sched_check_time(s, now));
+    GY_TRY(gy_sched_record_begin(s));
     s->now = now;
     s->n_entries = 0;
     s->n_preempted = 0;
     int64_t budget = s->config.max_batch_tokens;
-    GY_TRY(gy_sched_run_pass(s, 1, &budget));
-    GY_TRY(gy_sched_run_pass(s, 0, &budget));
-    if (s->n_preempted == 0) GY_TRY(gy_sched_admit(s, now, &budget));
+    gy_status st = gy_sched_run_pass(s, 1, &budget);
+    if (st == GY_OK) st = gy_sched_run_pass(s, 0, &budget);
+    if (st == GY_OK && s->n_preempted == 0) st = gy_sched_admit(s, now, &budget);
+    s->recording = 0;
+    if (st != GY_OK) {
+        gy_sched_record_undo(s); /* the ops' own changes are the caller's to undo */
+        return st;
+    }
     s->in_flight = 1;
     s->n_steps++;
     out->n_entries = s->n_entries;
@@ -497,12 +579,15 @@ gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t 
                           gy_sched_done *done) {
     if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_commit: NULL scheduler");
     if (done != NULL) memset(done, 0, sizeof *done);
-    GY_TRY(gy_sched_usable(s));
     if (!s->in_flight) return GY_FAIL(GY_ERR_STATE, "no step is under way: schedule one first");
     if (n != s->n_entries)
         return GY_FAIL(GY_ERR_INVALID, "commit got %lld stop flags for a batch of %lld entries",
                        (long long)n, (long long)s->n_entries);
     GY_TRY(gy_sched_check_time(s, now));
+    for (int64_t i = 0; stop != NULL && i < n; i++)
+        if (stop[i] > GY_SCHED_END_FAIL)
+            return GY_FAIL(GY_ERR_INVALID, "entry %lld: unknown end %d", (long long)i, (int)stop[i]);
+    s->undoable = 0;
     s->now = now;
     s->n_finished_step = 0;
     for (int64_t i = 0; i < s->n_entries; i++) {
@@ -512,11 +597,16 @@ gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t 
         if (r->entry != i || r->state != GY_SCHED_STATE_RUNNING) continue;
         const gy_sched_entry *e = &s->entries[i];
         r->entry = -1;
+        if (stop != NULL && stop[i] == GY_SCHED_END_FAIL) { /* nothing of this step counts */
+            gy_sched_finish_request(s, slot, GY_SCHED_FINISH_ERROR, now);
+            s->finished[s->n_finished_step++] = r->id;
+            continue;
+        }
         r->n_computed += e->n_tokens;
         if (!e->samples) continue;
         r->n_generated++;
         if (r->n_generated == 1) r->first_token = now;
-        const int stopped = stop != NULL && stop[i];
+        const int stopped = stop != NULL && stop[i] == GY_SCHED_END_STOP;
         if (stopped || r->n_generated >= r->max_new) {
             gy_sched_finish_request(s, slot, stopped ? GY_SCHED_FINISH_STOP : GY_SCHED_FINISH_LENGTH,
                                     now);
@@ -533,13 +623,25 @@ gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t 
 
 gy_status gy_sched_abort(gy_sched *s, int64_t id) {
     if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_abort: NULL scheduler");
-    GY_TRY(gy_sched_usable(s));
     int64_t slot;
     GY_TRY(gy_sched_lookup(s, id, &slot));
     if (s->reqs[slot].state == GY_SCHED_STATE_FINISHED)
         return GY_FAIL(GY_ERR_STATE, "request %lld has already finished (%s)", (long long)id,
                        gy_sched_finish_name(s->reqs[slot].finish));
+    s->undoable = 0;
     gy_sched_finish_request(s, slot, GY_SCHED_FINISH_ABORT, s->now);
+    return GY_OK;
+}
+
+gy_status gy_sched_cancel(gy_sched *s) {
+    if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_cancel: NULL scheduler");
+    if (!s->in_flight) return GY_FAIL(GY_ERR_STATE, "no step is under way to cancel");
+    if (!s->undoable)
+        return GY_FAIL(GY_ERR_STATE, "the step under way cannot be cancelled: requests were "
+                                     "added, adopted or aborted since it was scheduled");
+    gy_sched_record_undo(s);
+    s->n_steps--;
+    s->in_flight = 0;
     return GY_OK;
 }
 

@@ -7,8 +7,16 @@
  *     gy_sched_schedule(s, now, &batch)   -> which tokens run this step
  *     (the engine runs the batch, samples one token for each entry with `samples` set)
  *     gy_sched_commit(s, now, stop, n)    -> the step is done; stop[i] says the engine ended entry
- *                                           i's request (EOS, stop string)
- * Every schedule is followed by exactly one commit, even for an empty batch.
+ *                                           i's request (GY_SCHED_END_STOP: EOS, stop string) or
+ *                                           that it failed (GY_SCHED_END_FAIL: its logits were
+ *                                           not numbers)
+ * Every schedule is followed by exactly one commit, even for an empty batch, or by one
+ * gy_sched_cancel when the step could not run: everything is then as before the schedule.
+ *
+ * Failure. A schedule whose KV backend fails (a reserve failing other than with
+ * GY_ERR_OUT_OF_MEMORY) returns that failure with the scheduler exactly as before the call: it
+ * keeps an undo record of what it changed. What the ops themselves changed before the failure is
+ * the caller's to take back (the engine marks its KV caches, kv_adapter.h).
  *
  * A request with prompt length P has, between steps: G tokens generated (committed), T = P + G
  * known tokens, C tokens whose KV is computed, and, while running, a prefill end E (the T it had
@@ -44,9 +52,10 @@
  * first. Priority only orders the waiting queue: the victim is always the most recently admitted.
  * Batch entries come out as: decodes, then prefill continuations, then admissions.
  *
- * gy_sched_commit(now, stop): for each entry whose request still runs (not aborted meanwhile),
- * C += n; if it samples, G += 1 and the request finishes when stop[i] is set (reason STOP) or G
- * reaches max_new_tokens (reason LENGTH); a finished request releases its KV.
+ * gy_sched_commit(now, stop): for each entry whose request still runs (not aborted meanwhile):
+ * stop[i] == FAIL finishes it (reason ERROR, nothing of the step counted); otherwise C += n, and
+ * if it samples, G += 1 and the request finishes when stop[i] == STOP (reason STOP) or G reaches
+ * max_new_tokens (reason LENGTH); a finished request releases its KV.
  *
  * Liveness: the oldest running request is preempted only after every newer one, and it alone fits
  * the whole cache (gy_sched_add refuses a request when ceil((P + max_new_tokens) / block_size) >
@@ -79,7 +88,15 @@ typedef enum gy_sched_finish {
     GY_SCHED_FINISH_STOP = 1,   /* the engine said so at commit (EOS, stop string) */
     GY_SCHED_FINISH_LENGTH = 2, /* max_new_tokens generated */
     GY_SCHED_FINISH_ABORT = 3,  /* gy_sched_abort */
+    GY_SCHED_FINISH_ERROR = 4,  /* the engine failed it at commit (GY_SCHED_END_FAIL) */
 } gy_sched_finish;
+
+/* How the engine ends an entry's request at commit (the `stop` flags). */
+typedef enum gy_sched_end {
+    GY_SCHED_END_NONE = 0,
+    GY_SCHED_END_STOP = 1, /* it sampled a stop token */
+    GY_SCHED_END_FAIL = 2, /* the step failed for this request alone */
+} gy_sched_end;
 
 typedef struct gy_sched_config {
     int64_t total_blocks;      /* KV blocks of the instance (for the submit-time check) */
@@ -165,10 +182,15 @@ void gy_sched_free(gy_sched *s);
 gy_status gy_sched_add(gy_sched *s, const gy_sched_request *request);
 /* One step of the policy above. `now` is finite and never below an earlier call's. */
 gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out);
-/* Ends the step; `stop` is (n) flags aligned with the batch's entries (n == batch.n_entries;
- * NULL when none stopped). `done` (may be NULL) lists the requests it finished. */
+/* Ends the step; `stop` is (n) gy_sched_end values aligned with the batch's entries
+ * (n == batch.n_entries; NULL when none ended). `done` (may be NULL) lists the requests it
+ * finished. */
 gy_status gy_sched_commit(gy_sched *s, double now, const uint8_t *stop, int64_t n,
                           gy_sched_done *done);
+/* Takes back the step under way, which did not run: every request's state, progress, place in
+ * its queue, and the statistics are as before its schedule (the ops' changes are the caller's to
+ * undo). Refused (GY_ERR_STATE) when requests were added, adopted or aborted since. */
+gy_status gy_sched_cancel(gy_sched *s);
 /* Finishes a queued or running request (reason ABORT) and releases its KV; an entry of it in the
  * step under way is then ignored by commit. */
 gy_status gy_sched_abort(gy_sched *s, int64_t id);

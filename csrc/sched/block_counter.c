@@ -1,5 +1,6 @@
 /* block_counter.c: blocks per request in an id map; free = total - sum of held. */
 #include "block_counter.h"
+#include "../core/alloc.h"
 
 #include <stdlib.h>
 
@@ -20,7 +21,7 @@ gy_status gy_sched_block_counter_init(gy_sched_block_counter **out, int64_t tota
         return GY_FAIL(GY_ERR_INVALID,
                        "block counter needs total_blocks > 0 and block_size > 0 (got %lld, %lld)",
                        (long long)total_blocks, (long long)block_size);
-    gy_sched_block_counter *c = calloc(1, sizeof *c);
+    gy_sched_block_counter *c = gy_calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     c->total_blocks = total_blocks;
     c->block_size = block_size;

@@ -1,6 +1,7 @@
 /* idmap.c: open addressing with linear probing; deletion shifts the following run back so no
  * tombstones accumulate over millions of simulated requests. */
 #include "idmap.h"
+#include "../core/alloc.h"
 
 #include <stdlib.h>
 
@@ -44,9 +45,9 @@ static void gy_idmap_place(int64_t *keys, int64_t *values, uint8_t *used, int64_
 }
 
 static gy_status gy_idmap_rehash(gy_idmap *m, int64_t capacity) {
-    int64_t *keys = malloc((size_t)capacity * sizeof *keys);
-    int64_t *values = malloc((size_t)capacity * sizeof *values);
-    uint8_t *used = calloc((size_t)capacity, 1);
+    int64_t *keys = gy_malloc((size_t)capacity * sizeof *keys);
+    int64_t *values = gy_malloc((size_t)capacity * sizeof *values);
+    uint8_t *used = gy_calloc((size_t)capacity, 1);
     if (keys == NULL || values == NULL || used == NULL) {
         free(keys);
         free(values);

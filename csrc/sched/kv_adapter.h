@@ -28,6 +28,19 @@ gy_status gy_sched_kv_adapter_adopt(gy_sched_kv_adapter *a, int64_t req, int64_t
 void gy_sched_kv_adapter_detach_all(gy_sched_kv_adapter *a);
 /* Forgets request `req`'s sequence without freeing it (undoes an adopt). */
 void gy_sched_kv_adapter_forget(gy_sched_kv_adapter *a, int64_t req);
+/* Undo of a step (engine.c), over the request -> sequence map and the cache together (see
+ * gy_kv_mark): from a mark on, reserve and release write down what they change, and undo takes
+ * it back exactly; a point and undo_to take back only what came after the point. `changes`
+ * bounds the reserves and releases to come (each of those that fits cannot fail for want of a
+ * record). unmark keeps the changes. */
+typedef struct gy_sched_kv_point {
+    int64_t map, kv;
+} gy_sched_kv_point;
+gy_status gy_sched_kv_adapter_mark(gy_sched_kv_adapter *a, int64_t changes);
+gy_sched_kv_point gy_sched_kv_adapter_point(const gy_sched_kv_adapter *a);
+void gy_sched_kv_adapter_undo_to(gy_sched_kv_adapter *a, gy_sched_kv_point point);
+void gy_sched_kv_adapter_undo(gy_sched_kv_adapter *a);
+void gy_sched_kv_adapter_unmark(gy_sched_kv_adapter *a);
 /* The KV sequence of request `req`, or -1 when it holds none. */
 int64_t gy_sched_kv_adapter_seq(const gy_sched_kv_adapter *a, int64_t req);
 

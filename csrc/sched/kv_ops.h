@@ -23,7 +23,7 @@ typedef struct gy_sched_kv_ops {
     int64_t (*blocks_needed)(void *ctx, int64_t req, int64_t n_tokens);
     /* Makes room for `n_tokens` tokens in total, all-or-nothing. GY_ERR_OUT_OF_MEMORY means "does
      * not fit" and the scheduler treats it like a failed blocks_needed check; any other failure
-     * is a broken backend and stops the scheduler. */
+     * fails the schedule, which takes its own changes back (batch.h, "Failure"). */
     gy_status (*reserve)(void *ctx, int64_t req, int64_t n_tokens);
     /* Frees every block of `req`; a no-op when it holds none. */
     void (*release)(void *ctx, int64_t req);

@@ -2,6 +2,7 @@
  * bits inverted, then the index), so one integer comparison gives "logit descending, index
  * ascending"; top-k is a quickselect on the keys, top-p a sort of the survivors. */
 #include "sampler.h"
+#include "../core/alloc.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -174,7 +175,7 @@ gy_status gy_sampler_probs(double *probs_out, const float *logits, int64_t vocab
     char why[256];
     if (gy_sampler_bad_row(logits, vocab, &argmax, why, sizeof why))
         return GY_FAIL(GY_ERR_INVALID, "%s", why);
-    uint64_t *keys = malloc((size_t)vocab * sizeof *keys);
+    uint64_t *keys = gy_malloc((size_t)vocab * sizeof *keys);
     if (keys == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a vocab of %lld",
                                      (long long)vocab);
     const double total = gy_sampler_weights(probs_out, keys, logits, vocab, params, argmax);
@@ -204,8 +205,8 @@ gy_status gy_sampler_sample_batch(int32_t *tokens_out, const float *logits, int6
     double *w = NULL;
     uint64_t *keys = NULL;
     if (need_work) {
-        w = malloc((size_t)vocab * sizeof *w);
-        keys = malloc((size_t)vocab * sizeof *keys);
+        w = gy_malloc((size_t)vocab * sizeof *w);
+        keys = gy_malloc((size_t)vocab * sizeof *keys);
         if (w == NULL || keys == NULL) {
             free(w);
             free(keys);

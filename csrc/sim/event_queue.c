@@ -1,6 +1,7 @@
 /* event_queue.c: an array heap ordered by (time, rank, seq); seq makes every key unique, so the
  * pop order is a total order fixed by the pushes alone. */
 #include "event_queue.h"
+#include "../core/alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -23,7 +24,7 @@ gy_status gy_sim_eventq_push(gy_sim_eventq *q, double time, int32_t rank, int32_
     if (!isfinite(time)) return GY_FAIL(GY_ERR_INVALID, "event time must be finite, got %g", time);
     if (q->n == q->capacity) {
         const int64_t capacity = q->capacity ? 2 * q->capacity : 64;
-        gy_sim_event *heap = realloc(q->heap, (size_t)capacity * sizeof *heap);
+        gy_sim_event *heap = gy_realloc(q->heap, (size_t)capacity * sizeof *heap);
         if (heap == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the event queue");
         q->heap = heap;
         q->capacity = capacity;

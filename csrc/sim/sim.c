@@ -2,6 +2,7 @@
  * that a step-end event of a replaced instance is recognised as stale; each GPU names the slot
  * that owns it; requests keep an intrusive list per instance (for carry-over and packing). */
 #include "sim.h"
+#include "../core/alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -53,7 +54,7 @@ typedef struct gy_sim_xf {
     do {                                                                                           \
         if ((n) >= (cap)) {                                                                        \
             int64_t c_ = (cap) ? 2 * (cap) : 64;                                                   \
-            void *p_ = realloc((ptr), (size_t)c_ * sizeof *(ptr));                                 \
+            void *p_ = gy_realloc((ptr), (size_t)c_ * sizeof *(ptr));                                 \
             if (p_ == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the simulator"); \
             (ptr) = p_;                                                                            \
             (cap) = c_;                                                                            \
@@ -132,10 +133,10 @@ static gy_status gy_sim_bin_at(gy_sim *s, double t, int64_t *bin) {
     while (s->n_bins <= b) {
         if (s->n_bins >= s->cap_bins) {
             const int64_t c = s->cap_bins ? 2 * s->cap_bins : 1024;
-            double *o = realloc(s->bin_out, (size_t)c * sizeof *o);
+            double *o = gy_realloc(s->bin_out, (size_t)c * sizeof *o);
             if (o == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for bins");
             s->bin_out = o;
-            double *p = realloc(s->bin_prompt, (size_t)c * sizeof *p);
+            double *p = gy_realloc(s->bin_prompt, (size_t)c * sizeof *p);
             if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for bins");
             s->bin_prompt = p;
             s->cap_bins = c;
@@ -346,10 +347,10 @@ static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any) 
 
 static gy_status gy_sim_build_view(gy_sim *s, gy_sim_view *v) {
     if (s->cap_view < s->n_gpus) {
-        gy_sim_inst_view *vi = realloc(s->view, (size_t)s->n_gpus * sizeof *vi);
+        gy_sim_inst_view *vi = gy_realloc(s->view, (size_t)s->n_gpus * sizeof *vi);
         if (vi == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
         s->view = vi;
-        int32_t *vs = realloc(s->view_slot, (size_t)s->n_gpus * sizeof *vs);
+        int32_t *vs = gy_realloc(s->view_slot, (size_t)s->n_gpus * sizeof *vs);
         if (vs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
         s->view_slot = vs;
         s->cap_view = s->n_gpus;
@@ -738,7 +739,7 @@ static gy_status gy_sim_decide(gy_sim *s, int64_t r) {
 static gy_status gy_sim_reconsider(gy_sim *s) {
     const int64_t n = s->n_deferred;
     if (n == 0) return GY_OK;
-    int64_t *list = malloc((size_t)n * sizeof *list);
+    int64_t *list = gy_malloc((size_t)n * sizeof *list);
     if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     memcpy(list, s->deferred, (size_t)n * sizeof *list);
     s->n_deferred = 0;
@@ -918,7 +919,7 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     *out = NULL;
     int32_t n_levels = 0;
     GY_TRY(gy_sim_check_config(c, t, &n_levels));
-    gy_sim *s = calloc(1, sizeof *s);
+    gy_sim *s = gy_calloc(1, sizeof *s);
     if (s == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     s->config = *c;
     memcpy(s->layout, c->layout, (size_t)c->n_layout * sizeof *s->layout);
@@ -933,11 +934,11 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->n_gpus = c->hosts * c->gpus_per_host;
     s->n = t->n;
     gy_status st = GY_OK;
-    s->gpu_slot = calloc((size_t)s->n_gpus, sizeof *s->gpu_slot);
-    s->view_gpu = calloc((size_t)s->n_gpus, sizeof *s->view_gpu);
-    s->out = calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->out);
-    s->req = calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->req);
-    s->policy_state = calloc(1, c->policy->state_size ? c->policy->state_size : 1);
+    s->gpu_slot = gy_calloc((size_t)s->n_gpus, sizeof *s->gpu_slot);
+    s->view_gpu = gy_calloc((size_t)s->n_gpus, sizeof *s->view_gpu);
+    s->out = gy_calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->out);
+    s->req = gy_calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->req);
+    s->policy_state = gy_calloc(1, c->policy->state_size ? c->policy->state_size : 1);
     if (s->gpu_slot == NULL || s->view_gpu == NULL || s->out == NULL || s->req == NULL ||
         s->policy_state == NULL) {
         st = GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld requests", (long long)s->n);

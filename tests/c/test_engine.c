@@ -2,6 +2,7 @@
  * and by two TP ranks on their own threads must give the same tokens, with no leak. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm/comm.h"
 #include "engine/engine.h"
@@ -169,6 +170,238 @@ GYTEST(engine_refuses_what_the_cuda_backend_cannot_do_here) {
     gy_comm_free(comm);
     gy_kv_free(kv);
     gy_arena_free(arena);
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* ---- failures and threads ---- */
+
+#include <pthread.h>
+
+#include "core/fault.h"
+
+/* What a caller can see of an engine's requests: state, progress and each rank's table. */
+typedef struct {
+    gy_sched_info info[3];
+    int64_t n_tokens[3];
+    int32_t tables[3][2][16];
+    int64_t n_blocks[3][2];
+} engine_view;
+
+static void engine_look(gy_engine *e, gy_kv_cache *const *kvs, int n_ranks, engine_view *v) {
+    memset(v, 0, sizeof *v);
+    for (int64_t id = 0; id < 3; id++) {
+        gy_engine_request_view r;
+        if (gy_engine_request_get(e, id, &r) != GY_OK) continue;
+        v->info[id] = r.info;
+        v->n_tokens[id] = r.n_tokens;
+        for (int k = 0; k < n_ranks; k++) {
+            v->n_blocks[id][k] = r.seqs[k] >= 0 ? gy_kv_seq_n_blocks(kvs[k], r.seqs[k]) : -1;
+            if (v->n_blocks[id][k] > 0)
+                memcpy(v->tables[id][k], gy_kv_seq_blocks(kvs[k], r.seqs[k]),
+                       (size_t)v->n_blocks[id][k] * sizeof(int32_t));
+        }
+    }
+}
+
+/* serve() with the n-th event of `site` failing during step `at`: a failed step must leave every
+ * request and table as it was, and the run must still give the tokens of `want`. */
+static int serve_with_fault(gy_engine *e, gy_kv_cache *const *kvs, int n_ranks, gy_fault_site site,
+                            int64_t n, int at, int32_t want[3][12], int *failed) {
+    const int32_t prompts[3][5] = {{1, 2, 3, 4, 5}, {9, 8, 7, 0, 0}, {50, 60, 70, 80, 90}};
+    const int64_t lengths[3] = {5, 3, 5};
+    int32_t out[3][12];
+    int64_t produced[3] = {0, 0, 0};
+    int ok = 1;
+    for (int r = 0; r < 3; r++) {
+        gy_engine_params p = {.sampler = {.temperature = r == 2 ? 0.9 : 0.0, .top_p = 1.0, .seed = 5},
+                              .max_new_tokens = 12};
+        ok &= gy_engine_add(e, r, prompts[r], lengths[r], &p, 0.0) == GY_OK;
+    }
+    *failed = 0;
+    for (int step = 0; step < 100; step++) {
+        engine_view before, after;
+        engine_look(e, kvs, n_ranks, &before);
+        if (step == at) gy_fault_arm(site, n);
+        gy_engine_step_out o;
+        const gy_status s = gy_engine_step(e, (double)step, &o);
+        gy_fault_disarm_all();
+        if (s != GY_OK) {
+            *failed = 1;
+            engine_look(e, kvs, n_ranks, &after);
+            ok &= memcmp(&before, &after, sizeof before) == 0;
+            CHECK_OK(gy_engine_step(e, (double)step, &o)); /* the same step, again */
+        }
+        for (int64_t i = 0; i < o.n_tokens; i++) {
+            const int64_t id = o.token_ids[i];
+            if (produced[id] < 12) out[id][produced[id]++] = o.tokens[i];
+        }
+        for (int64_t i = 0; i < o.n_finished; i++) CHECK_OK(gy_engine_release(e, o.finished[i]));
+    }
+    ok &= produced[0] == 12 && produced[1] == 12 && produced[2] == 12;
+    return ok && memcmp(out, want, sizeof out) == 0;
+}
+
+/* Every allocation, page, map and collective of a TP2 step fails once in turn: the step is taken
+ * back (the same requests, states and block tables), the next try succeeds, the tokens are
+ * those of a run without failures, and nothing leaks (ASan). */
+GYTEST(engine_a_failed_step_changes_nothing) {
+    owned o = {0};
+    gy_model model;
+    build_model(&model, &o);
+    int32_t want[3][12];
+    gy_arena *a0;
+    gy_kv_cache *kv0;
+    make_kv(&a0, &kv0, NKV);
+    gy_engine *e;
+    const gy_engine_rank one = {.model = &model, .kv = kv0};
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    CHECK_OK(gy_engine_init(&e, &one, 1, NULL, &cfg));
+    serve(e, want);
+    gy_engine_free(e);
+    gy_kv_free(kv0);
+    gy_arena_free(a0);
+
+    const gy_fault_site sites[] = {GY_FAULT_ALLOC, GY_FAULT_PAGE_CREATE, GY_FAULT_PAGE_MAP,
+                                   GY_FAULT_COMM};
+    int all_ok = 1, fired = 0;
+    for (size_t k = 0; k < sizeof sites / sizeof sites[0]; k++)
+        for (int at = 0; at < 3; at++)
+            for (int64_t n = 1; n <= 24; n++) {
+                gy_arena *arenas[2];
+                gy_kv_cache *kvs[2];
+                gy_comm *comm;
+                CHECK_OK(gy_comm_init(&comm, 2));
+                gy_engine_rank two[2];
+                for (int r = 0; r < 2; r++) {
+                    make_kv(&arenas[r], &kvs[r], NKV / 2);
+                    two[r] = (gy_engine_rank){.model = &model, .kv = kvs[r]};
+                }
+                CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
+                int failed;
+                all_ok &= serve_with_fault(e, kvs, 2, sites[k], n, at, want, &failed);
+                fired += failed;
+                gy_engine_free(e);
+                for (int r = 0; r < 2; r++) {
+                    gy_arena_stats st;
+                    gy_arena_stats_get(arenas[r], &st);
+                    all_ok &= st.bytes_in_use == 0;
+                    gy_kv_free(kvs[r]);
+                    gy_arena_free(arenas[r]);
+                }
+                gy_comm_free(comm);
+            }
+    CHECK(all_ok);
+    CHECK(fired > 40); /* the sweep did reach the steps' resources */
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* Two threads on one TP2 engine: one steps, the other adds and aborts requests and reads them
+ * back. The engine's lock takes them in turn (built under ThreadSanitizer by `make tsan`); every
+ * request ends, and the ones nobody aborted give the tokens of a run on one thread. */
+typedef struct {
+    gy_engine *e;
+    int32_t tokens[40][8];
+    int64_t produced[40];
+    int aborted[40];
+    int stop;
+    int finished;
+    pthread_mutex_t lock; /* the test's own bookkeeping */
+} thread_run;
+
+static void *threads_stepper(void *arg) {
+    thread_run *t = arg;
+    for (int step = 0; step < 4000 && !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); step++) {
+        gy_engine_step_out o;
+        if (gy_engine_step(t->e, (double)step, &o) != GY_OK) continue;
+        pthread_mutex_lock(&t->lock);
+        for (int64_t i = 0; i < o.n_tokens; i++) {
+            const int64_t id = o.token_ids[i];
+            if (t->produced[id] < 8) t->tokens[id][t->produced[id]++] = o.tokens[i];
+        }
+        pthread_mutex_unlock(&t->lock);
+        for (int64_t i = 0; i < o.n_finished; i++) {
+            gy_engine_release(t->e, o.finished[i]);
+            __atomic_add_fetch(&t->finished, 1, __ATOMIC_ACQ_REL);
+        }
+    }
+    return NULL;
+}
+
+static void threads_serve(gy_engine *e, thread_run *t, int abort_some) {
+    pthread_t stepper;
+    pthread_create(&stepper, NULL, threads_stepper, t);
+    for (int id = 0; id < 40; id++) {
+        const int32_t prompt[4] = {id % 97, (id * 7) % 97, 3, 5};
+        const gy_engine_params p = {.sampler = {.temperature = 0.0, .top_p = 1.0}, .max_new_tokens = 8};
+        CHECK_OK(gy_engine_add(e, id, prompt, 4, &p, 0.0));
+        if (abort_some && id % 5 == 4 && gy_engine_abort(e, id - 2) == GY_OK) {
+            t->aborted[id - 2] = 1;
+            __atomic_add_fetch(&t->finished, 1, __ATOMIC_ACQ_REL);
+        }
+        int64_t ids[64];
+        gy_engine_request_ids(e, ids, 64);
+    }
+    for (int i = 0; i < 100000 && __atomic_load_n(&t->finished, __ATOMIC_ACQUIRE) < 40; i++) {
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    __atomic_store_n(&t->stop, 1, __ATOMIC_RELEASE);
+    pthread_join(stepper, NULL);
+    /* Aborted requests are released by the caller here; finished ones were by the stepper. */
+    for (int id = 0; id < 40; id++)
+        if (t->aborted[id]) gy_engine_release(e, id);
+}
+
+GYTEST(engine_threads_submit_abort_and_step_take_turns) {
+    owned o = {0};
+    gy_model model;
+    build_model(&model, &o);
+    gy_arena *arenas[2];
+    gy_kv_cache *kvs[2];
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 2));
+    gy_engine_rank two[2];
+    for (int r = 0; r < 2; r++) {
+        make_kv(&arenas[r], &kvs[r], NKV / 2);
+        two[r] = (gy_engine_rank){.model = &model, .kv = kvs[r]};
+    }
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    static thread_run plain, racing;
+    memset(&plain, 0, sizeof plain);
+    memset(&racing, 0, sizeof racing);
+    pthread_mutex_init(&plain.lock, NULL);
+    pthread_mutex_init(&racing.lock, NULL);
+    gy_engine *e;
+    CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
+    plain.e = e;
+    threads_serve(e, &plain, 0);
+    CHECK(plain.finished == 40);
+    gy_engine_free(e);
+    CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
+    racing.e = e;
+    threads_serve(e, &racing, 1);
+    CHECK(racing.finished == 40);
+    int same = 1, aborted = 0;
+    for (int id = 0; id < 40; id++) {
+        aborted += racing.aborted[id];
+        if (!racing.aborted[id])
+            same &= racing.produced[id] == 8 &&
+                    memcmp(racing.tokens[id], plain.tokens[id], sizeof plain.tokens[id]) == 0;
+    }
+    CHECK(same && aborted > 0);
+    gy_engine_free(e);
+    for (int r = 0; r < 2; r++) {
+        gy_arena_stats st;
+        gy_arena_stats_get(arenas[r], &st);
+        CHECK(st.bytes_in_use == 0);
+        gy_kv_free(kvs[r]);
+        gy_arena_free(arenas[r]);
+    }
+    gy_comm_free(comm);
+    pthread_mutex_destroy(&plain.lock);
+    pthread_mutex_destroy(&racing.lock);
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
 }

@@ -138,3 +138,114 @@ GYTEST(kv_refusals) {
     gy_kv_free(kv);
     gy_arena_free(arena);
 }
+
+/* What a caller can see of a cache's sequences: each live one's table, then the order the next
+ * allocations would take (reserving the free blocks one by one). */
+typedef struct {
+    int64_t n_blocks[32], tokens[32];
+    int32_t blocks[32][64];
+    uint64_t gens[32];
+    int64_t free_blocks;
+    int32_t next[64]; /* the free blocks in the order they would be handed out (unmarked only) */
+} kv_view;
+static void kv_look(const gy_kv_cache *kv, kv_view *v) {
+    memset(v, 0, sizeof *v);
+    for (int64_t s = 0; s < 32; s++) {
+        v->n_blocks[s] = gy_kv_seq_n_blocks(kv, s);
+        if (v->n_blocks[s] < 0) continue;
+        if (v->n_blocks[s] > 0)
+            memcpy(v->blocks[s], gy_kv_seq_blocks(kv, s), (size_t)v->n_blocks[s] * sizeof(int32_t));
+        v->tokens[s] = gy_kv_seq_n_tokens(kv, s);
+        v->gens[s] = gy_kv_seq_generation(kv, s);
+    }
+    gy_kv_stats st;
+    gy_kv_stats_get(kv, &st);
+    v->free_blocks = st.free_blocks;
+}
+
+/* A probe sequence takes every free block and gives them back (a free pushes them back in the
+ * order they were taken, so the stack ends as it was). */
+static void kv_look_free_order(gy_kv_cache *kv, kv_view *v) {
+    int64_t s;
+    if (v->free_blocks == 0 || gy_kv_seq_new(kv, &s) != GY_OK) return;
+    if (gy_kv_seq_reserve(kv, s, v->free_blocks * 4) == GY_OK)
+        memcpy(v->next, gy_kv_seq_blocks(kv, s), (size_t)v->free_blocks * sizeof(int32_t));
+    gy_kv_seq_free(kv, s);
+}
+
+static uint64_t kv_lcg(uint64_t *x) {
+    *x = *x * 6364136223846793005ULL + 1442695040888963407ULL;
+    return *x >> 33;
+}
+
+/* Random sequence calls after a mark, then undo: every table, token count, generation and the
+ * free stack (the blocks a new sequence gets next) are as at the mark; calls past a point are
+ * taken back alone by undo_to; unmark keeps the changes and frees held-back ids. */
+GYTEST(kv_undo_takes_back_every_sequence_change) {
+    gy_arena *arena;
+    gy_kv_cache *kv = make_kv(&arena, GY_KV_LAYOUT_HEAD);
+    CHECK_OK(gy_kv_grow(kv, 2)); /* 16 blocks */
+    uint64_t seed = 3;
+    int ok = 1;
+    for (int trial = 0; trial < 200; trial++) {
+        /* some state to start from */
+        for (int k = 0; k < 3; k++) {
+            int64_t s;
+            if (gy_kv_seq_new(kv, &s) == GY_OK && gy_kv_seq_reserve(kv, s, (int64_t)(kv_lcg(&seed) % 9)) != GY_OK)
+                gy_kv_seq_free(kv, s);
+        }
+        kv_view before, after, middle;
+        kv_look(kv, &before);
+        kv_look_free_order(kv, &before);
+        CHECK_OK(gy_kv_mark(kv, 64));
+        int64_t point = -1;
+        for (int op = 0; op < 12; op++) {
+            if (op == 6) {
+                point = gy_kv_undo_point(kv);
+                kv_look(kv, &middle);
+            }
+            const int64_t s = (int64_t)(kv_lcg(&seed) % 12);
+            switch (kv_lcg(&seed) % 4) {
+            case 0: {
+                int64_t id;
+                gy_kv_seq_new(kv, &id);
+                break;
+            }
+            case 1:
+            case 2: gy_kv_seq_reserve(kv, s, (int64_t)(kv_lcg(&seed) % 20)); break;
+            default: gy_kv_seq_free(kv, s); break;
+            }
+            gy_error_clear();
+        }
+        if (kv_lcg(&seed) % 2) {
+            gy_kv_undo_to(kv, point);
+            kv_look(kv, &after);
+            ok &= memcmp(&middle, &after, sizeof after) == 0;
+        }
+        gy_kv_undo(kv);
+        kv_look(kv, &after);
+        kv_look_free_order(kv, &after);
+        ok &= memcmp(&before, &after, sizeof after) == 0;
+        /* free everything, marked half the time (then unmarked: the ids come back) */
+        if (trial % 2) CHECK_OK(gy_kv_mark(kv, 4));
+        for (int64_t s = 0; s < 32; s++)
+            if (gy_kv_seq_n_blocks(kv, s) >= 0) gy_kv_seq_free(kv, s);
+        gy_kv_unmark(kv);
+        gy_kv_stats st;
+        gy_kv_stats_get(kv, &st);
+        ok &= st.free_blocks == 16 && st.n_sequences == 0;
+    }
+    CHECK(ok);
+    /* While marked: adopt, shrink and reshape are refused; growing is allowed. */
+    CHECK_OK(gy_kv_mark(kv, 4));
+    int32_t b0 = 0;
+    int64_t s;
+    CHECK_STATUS(gy_kv_seq_adopt(kv, &b0, 1, 1, &s), GY_ERR_BUSY);
+    CHECK_STATUS(gy_kv_shrink(kv, 1), GY_ERR_BUSY);
+    CHECK_STATUS(gy_kv_reshape(kv, 1), GY_ERR_BUSY);
+    CHECK_OK(gy_kv_grow(kv, 1));
+    gy_kv_undo(kv);
+    CHECK_OK(gy_kv_shrink(kv, 1));
+    gy_kv_free(kv);
+    gy_arena_free(arena);
+}

@@ -340,43 +340,165 @@ GYTEST(sched_arrival_priority_and_watermark) {
     gy_sched_block_counter_free(bc);
 }
 
-/* A backend whose reserve breaks after a few calls: the scheduler reports it and stays stopped. */
+static uint64_t lcg(uint64_t *x);
+
+/* A block counter that fails a reserve when told to and writes down what each reserve and
+ * release changed since its mark: the caller's half of undoing a step (batch.h, "Failure"). */
 typedef struct {
     gy_sched_block_counter *bc;
-    int calls_left;
+    int64_t block_size;
+    int fail_next;           /* the next reserve fails (GY_ERR_SYSTEM) */
+    int64_t log_req[4096], log_held[4096];
+    int64_t n_log;
 } flaky;
 static int64_t flaky_free(void *ctx) { return gy_sched_block_counter_free_blocks(((flaky *)ctx)->bc); }
 static int64_t flaky_needed(void *ctx, int64_t req, int64_t n) {
     return gy_sched_block_counter_blocks_needed(((flaky *)ctx)->bc, req, n);
 }
+static void flaky_log(flaky *f, int64_t req) {
+    f->log_req[f->n_log] = req;
+    f->log_held[f->n_log++] = gy_sched_block_counter_held(f->bc, req);
+}
 static gy_status flaky_reserve(void *ctx, int64_t req, int64_t n) {
     flaky *f = ctx;
-    if (f->calls_left-- <= 0) return GY_FAIL(GY_ERR_SYSTEM, "the device went away");
+    if (f->fail_next) {
+        f->fail_next = 0;
+        return GY_FAIL(GY_ERR_SYSTEM, "the device went away");
+    }
+    flaky_log(f, req);
     return gy_sched_block_counter_reserve(f->bc, req, n);
 }
-static void flaky_release(void *ctx, int64_t req) { gy_sched_block_counter_release(((flaky *)ctx)->bc, req); }
+static void flaky_release(void *ctx, int64_t req) {
+    flaky_log(ctx, req);
+    gy_sched_block_counter_release(((flaky *)ctx)->bc, req);
+}
+static void flaky_undo(flaky *f) {
+    for (int64_t i = f->n_log - 1; i >= 0; i--) {
+        gy_sched_block_counter_release(f->bc, f->log_req[i]);
+        if (f->log_held[i] > 0)
+            gy_sched_block_counter_reserve(f->bc, f->log_req[i], f->log_held[i] * f->block_size);
+    }
+    f->n_log = 0;
+}
 
-GYTEST(sched_backend_failure_stops_the_scheduler) {
-    flaky fl = {.calls_left = 1};
-    CHECK_OK(gy_sched_block_counter_init(&fl.bc, 10, 1));
+/* Everything a caller can see of a scheduler, to compare before and after an undo. */
+typedef struct {
+    gy_sched_info info[200];
+    gy_sched_stats stats;
+} sched_view;
+static void sched_look(gy_sched *s, int64_t n_ids, sched_view *v) {
+    memset(v, 0, sizeof *v);
+    for (int64_t i = 0; i < n_ids; i++) gy_sched_info_get(s, i, &v->info[i]);
+    gy_sched_stats_get(s, &v->stats);
+}
+static int sched_same(const sched_view *a, const sched_view *b, int64_t n_ids) {
+    for (int64_t i = 0; i < n_ids; i++) {
+        const gy_sched_info *x = &a->info[i], *y = &b->info[i];
+        if (x->state != y->state || x->finish != y->finish || x->n_generated != y->n_generated ||
+            x->n_computed != y->n_computed || x->prefill_end != y->prefill_end ||
+            x->n_preemptions != y->n_preemptions ||
+            memcmp(&x->first_scheduled, &y->first_scheduled, sizeof(double)) != 0)
+            return 0;
+    }
+    return memcmp(&a->stats, &b->stats, sizeof a->stats) == 0;
+}
+
+/* A scheduler whose backend fails now and then, and whose steps are sometimes cancelled, runs
+ * exactly like one that never fails: every failed schedule and every cancel leaves it as before
+ * (and, with its ops undone, the retry makes the same batch as the reference's). */
+GYTEST(sched_failed_and_cancelled_steps_change_nothing) {
+    enum { N = 150 };
+    const int64_t total = 24, bs = 2;
+    flaky fl = {.block_size = bs};
+    gy_sched_block_counter *ref_bc;
+    CHECK_OK(gy_sched_block_counter_init(&fl.bc, total, bs));
+    CHECK_OK(gy_sched_block_counter_init(&ref_bc, total, bs));
     gy_sched_kv_ops ops = {&fl, flaky_free, flaky_needed, flaky_reserve, flaky_release};
-    gy_sched_config c = {.total_blocks = 10, .block_size = 1, .max_batch_tokens = 100,
-                         .max_running = 8};
-    gy_sched *s;
+    gy_sched_kv_ops ref_ops = gy_sched_block_counter_ops(ref_bc);
+    gy_sched_config c = {.total_blocks = total, .block_size = bs, .max_batch_tokens = 9,
+                         .max_running = 5};
+    gy_sched *s, *ref;
     CHECK_OK(gy_sched_init(&s, &c, &ops));
-    gy_sched_request r = {.id = 1, .prompt_len = 2, .max_new_tokens = 3};
-    CHECK_OK(gy_sched_add(s, &r));
-    r.id = 2;
-    CHECK_OK(gy_sched_add(s, &r));
+    CHECK_OK(gy_sched_init(&ref, &c, &ref_ops));
+    uint64_t seed = 7;
+    int64_t added = 0, finished = 0, failures = 0, cancels = 0;
+    double now = 0;
+    int same_batches = 1, unchanged = 1;
+    for (int64_t it = 0; it < 5000 && finished < N; it++) {
+        while (added < N && lcg(&seed) % 3 == 0) {
+            gy_sched_request r = {.id = added, .prompt_len = 1 + (int64_t)(lcg(&seed) % 20),
+                                  .max_new_tokens = 1 + (int64_t)(lcg(&seed) % 20), .arrival = now};
+            CHECK_OK(gy_sched_add(s, &r));
+            CHECK_OK(gy_sched_add(ref, &r));
+            added++;
+        }
+        gy_sched_batch b, rb;
+        CHECK_OK(gy_sched_schedule(ref, now, &rb));
+        for (;;) {
+            sched_view before, after;
+            sched_look(s, added, &before);
+            fl.n_log = 0;
+            fl.fail_next = lcg(&seed) % 4 == 0;
+            const gy_status st = gy_sched_schedule(s, now, &b);
+            if (st != GY_OK) {
+                CHECK(st == GY_ERR_SYSTEM);
+                failures++;
+                flaky_undo(&fl);
+                sched_look(s, added, &after);
+                unchanged &= sched_same(&before, &after, added);
+                continue;
+            }
+            fl.fail_next = 0;
+            if (lcg(&seed) % 5 == 0) {
+                CHECK_OK(gy_sched_cancel(s));
+                cancels++;
+                flaky_undo(&fl);
+                sched_look(s, added, &after);
+                unchanged &= sched_same(&before, &after, added);
+                continue;
+            }
+            break;
+        }
+        same_batches &= b.n_entries == rb.n_entries && b.n_preempted == rb.n_preempted &&
+                        memcmp(b.entries, rb.entries, (size_t)b.n_entries * sizeof *b.entries) == 0;
+        uint8_t stop[8];
+        for (int64_t e = 0; e < b.n_entries; e++) {
+            const uint64_t x = lcg(&seed) % 40;
+            stop[e] = x == 0 ? GY_SCHED_END_STOP : x == 1 ? GY_SCHED_END_FAIL : GY_SCHED_END_NONE;
+        }
+        now += 1;
+        gy_sched_done d, rd;
+        CHECK_OK(gy_sched_commit(s, now, stop, b.n_entries, &d));
+        CHECK_OK(gy_sched_commit(ref, now, stop, rb.n_entries, &rd));
+        same_batches &= d.n_finished == rd.n_finished;
+        finished += d.n_finished;
+    }
+    CHECK(finished == N);
+    CHECK(same_batches);
+    CHECK(unchanged);
+    CHECK(failures > 20 && cancels > 20);
+    int errors = 0;
+    for (int64_t i = 0; i < N; i++) {
+        gy_sched_info in;
+        CHECK_OK(gy_sched_info_get(s, i, &in));
+        errors += in.finish == GY_SCHED_FINISH_ERROR;
+    }
+    CHECK(errors > 0 && strcmp(gy_sched_finish_name(GY_SCHED_FINISH_ERROR), "error") == 0);
+    CHECK(gy_sched_block_counter_free_blocks(fl.bc) == total);
+    /* Refused: cancel with no step, and after an add since the schedule. */
+    CHECK_STATUS(gy_sched_cancel(s), GY_ERR_STATE);
+    gy_sched_request late = {.id = 900, .prompt_len = 2, .max_new_tokens = 2, .arrival = now};
+    CHECK_OK(gy_sched_add(s, &late));
     gy_sched_batch b;
-    CHECK_STATUS(gy_sched_schedule(s, 0, &b), GY_ERR_SYSTEM);
-    CHECK_STATUS(gy_sched_schedule(s, 0, &b), GY_ERR_STATE);
-    CHECK(strstr(gy_error_message(), "unusable") != NULL);
-    r.id = 3;
-    CHECK_STATUS(gy_sched_add(s, &r), GY_ERR_STATE);
-    gy_sched_free(s); /* still releases what it held */
-    CHECK(gy_sched_block_counter_n_holders(fl.bc) == 0);
+    CHECK_OK(gy_sched_schedule(s, now, &b));
+    late.id = 901;
+    CHECK_OK(gy_sched_add(s, &late));
+    CHECK_STATUS(gy_sched_cancel(s), GY_ERR_STATE);
+    CHECK_OK(gy_sched_commit(s, now, NULL, b.n_entries, NULL));
+    gy_sched_free(s);
+    gy_sched_free(ref);
     gy_sched_block_counter_free(fl.bc);
+    gy_sched_block_counter_free(ref_bc);
 }
 
 static uint64_t lcg(uint64_t *x) {
