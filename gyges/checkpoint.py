@@ -4,7 +4,8 @@ A checkpoint directory holds config.json and one or more *.safetensors files; wh
 several, model.safetensors.index.json maps each tensor name to its file ("weight_map").
 
 Tensors keep HF's names and orientation: projections are [out_features, in_features], so
-y = x @ W.T. Loading returns float32 arrays whatever the stored dtype (f32, f16 or bf16).
+y = x @ W.T. Loading returns float32 arrays whatever the stored dtype (f32, f16, bf16 or f64);
+a weight stored as integers is refused (converting it by value would give another model).
 
 Extra tensors: rotary `inv_freq` buffers (recomputed from the config) and a tied model's
 `lm_head.weight` are dropped. Any other unexpected tensor is an error, because it almost always
@@ -24,6 +25,7 @@ import numpy as np
 
 from . import safetensors
 from .config import EXECUTABLE_MODEL_TYPES, ConfigError, ModelConfig
+from .errors import FormatError
 
 __all__ = ["CheckpointError", "expected_shapes", "check_tensors", "random_weights", "load",
            "save", "INDEX_FILE", "CONFIG_FILE"]
@@ -36,7 +38,7 @@ SINGLE_FILE = "model.safetensors"
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FormatError):
     """A checkpoint directory is incomplete, inconsistent, or unsupported."""
 
 
@@ -152,13 +154,27 @@ def _shard_plan(path: str) -> dict[str, list[str] | None]:
     return {os.path.basename(f): None for f in files}
 
 
+def _check_float(config: ModelConfig, fpath: str, present: Mapping[str, safetensors.TensorInfo],
+                 names: list[str] | None) -> None:
+    """Refuses a weight stored as integers. The reader would hand it over as integers and it
+    would be converted to floats by value: an F32 tensor relabelled I32 (same size, so the file
+    is well formed) would load and run as a different model. Dropped buffers are not weights."""
+    for name in present if names is None else names:
+        dtype = present[name].dtype
+        if dtype not in safetensors.FLOAT_DTYPES and not _drop(config, name):
+            raise safetensors.SafetensorsError(
+                f"{fpath}: tensor {name!r} has dtype {dtype}; model weights must be floating "
+                f"point (F32, F16, BF16 or F64)")
+
+
 def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Reads config.json and all weights of a checkpoint directory, as float32 arrays in model
     order (the order of expected_shapes).
 
     With model.safetensors.index.json, each tensor is read from the file its weight_map names;
     without it, every *.safetensors file in the directory is read and a name found in two files
-    is an error. A malformed safetensors file raises safetensors.SafetensorsError.
+    is an error. A malformed safetensors file, or a weight whose dtype is not floating point,
+    raises safetensors.SafetensorsError (a gyges.FormatError).
     """
     path = os.fspath(path)
     try:
@@ -171,12 +187,13 @@ def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         fpath = os.path.join(path, fname)
         if not os.path.exists(fpath):
             raise CheckpointError(f"{path}: {INDEX_FILE} names {fname!r}, which does not exist")
+        present = safetensors.read_header(fpath).tensors
         if names is not None:
-            present = safetensors.read_header(fpath).tensors
             absent = [n for n in names if n not in present]
             if absent:
                 raise CheckpointError(f"{fpath}: {INDEX_FILE} places tensor {absent[0]!r} "
                                       f"here, but the file does not hold it")
+        _check_float(config, fpath, present, names)
         for name, array in safetensors.read(fpath, names=names).items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and "

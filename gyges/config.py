@@ -16,10 +16,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidArgumentError
+
 __all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES"]
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidArgumentError):
     """A config is malformed, inconsistent, or asks for a feature gyges does not implement."""
 
 

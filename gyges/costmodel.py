@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import ModelConfig
+from .errors import InvalidArgumentError
 
 __all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "CostModelError",
            "gpu_spec", "model_config", "MODEL_NAMES", "PHASES"]
@@ -50,7 +51,7 @@ GiB = 1024 ** 3
 PHASES = {"weights_drop": 0, "kv_scatter": 1, "weights_gather": 2}
 
 
-class CostModelError(ValueError):
+class CostModelError(InvalidArgumentError):
     """An unknown GPU or model name, or cost parameters that make no sense."""
 
 

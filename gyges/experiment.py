@@ -50,6 +50,7 @@ from . import _C, traces
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
 from .errors import Error as GygesError
+from .errors import InvalidArgumentError
 from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
     Results
 
@@ -90,7 +91,7 @@ OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold"}
 PENDING, DEFERRED, QUEUED, FINISHED, REJECTED = 0, 1, 2, 3, 4
 
 
-class ExperimentError(ValueError):
+class ExperimentError(InvalidArgumentError):
     """A bad argument to the experiment (the message names the value)."""
 
 

@@ -249,7 +249,8 @@ class Host(Serving):
         keeps every timestamp consistent this way)."""
         seconds = checks.number("seconds", seconds)
         if seconds < 0:
-            raise InvalidArgumentError(f"the clock only moves forward, got {seconds}")
+            raise InvalidArgumentError(f"seconds must be >= 0: the clock only moves forward, got "
+                                       f"{seconds}")
         self.clock.advance(seconds)
 
     def new_worker(self, index):

@@ -112,6 +112,14 @@ class KVCache:
         """Gives back `pages` pages from the end of every layer (their blocks must be free)."""
         self._c.shrink(_index(pages, "pages"))
 
+    def trim(self):
+        """Gives back the pages past the last block in use (an idle cache holds none); returns
+        how many per layer."""
+        pages = self._c.shrinkable()
+        if pages > 0:
+            self._c.shrink(pages)
+        return pages
+
     def stats(self):
         return self._c.stats()
 

@@ -31,6 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import InvalidArgumentError
+
 REQUEST_FIELDS = ("arrival", "scheduled", "first_token", "finish", "input_tokens",
                   "output_tokens")
 
@@ -46,7 +48,7 @@ SLO_KEYS = ("ttft", "tpot", "e2e", "queue")
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
 
 
-class MetricsError(ValueError):
+class MetricsError(InvalidArgumentError):
     """Per-request records or token times are inconsistent (the message names the request)."""
 
 

@@ -8,8 +8,9 @@ Layout of a file:
 
 Every header is checked before any tensor is touched, as the reference implementation does: the
 tensors must tile the data area exactly (no overlap, no hole, nothing after the last one), so a
-file that passes cannot make us read outside it. All problems raise `SafetensorsError`, whose
-message names the file and, where there is one, the tensor.
+file that passes cannot make us read outside it. All problems raise `SafetensorsError` (a
+gyges.FormatError, so also a ValueError), whose message names the file and, where there is one,
+the tensor.
 
 NumPy has no bfloat16: raw BF16 data is handled as uint16 and converted with bit shifts.
 """
@@ -25,9 +26,11 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from .errors import FormatError
+
 __all__ = [
     "SafetensorsError", "TensorInfo", "Header", "read", "read_header", "write",
-    "bf16_to_f32", "f32_to_bf16", "MAX_HEADER_BYTES",
+    "bf16_to_f32", "f32_to_bf16", "MAX_HEADER_BYTES", "FLOAT_DTYPES",
 ]
 
 # The reference implementation refuses headers above 100 MB (a guard against memory exhaustion).
@@ -41,15 +44,16 @@ _DTYPES: dict[str, np.dtype] = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # (NumPy kind, itemsize) -> safetensors dtype, for arrays written in their own dtype.
 _FROM_NUMPY = {(v.kind, v.itemsize): k for k, v in _DTYPES.items() if k != "BF16"}
 _WRITE_TARGETS = {"f32": "F32", "f16": "F16", "bf16": "BF16", "f64": "F64"}
 _MAX_NDIM = 32  # NumPy's own limit is 64; no model tensor comes close
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file is malformed, or a request cannot be met by it."""
+class SafetensorsError(FormatError):
+    """A safetensors file is malformed, or a request cannot be met by it. A gyges.FormatError,
+    and so a gyges.Error and a ValueError."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,8 @@ def read(path: str | os.PathLike, names: Iterable[str] | None = None,
 
     Arrays are read-only views of a memory map (zero-copy) when no conversion is needed. With
     as_float32, every floating tensor (F16, BF16, F64) becomes a float32 copy; integer tensors are
-    never converted. Without it, BF16 tensors come back as raw uint16 bit patterns.
+    never converted. Without it, BF16 tensors come back as raw uint16 bit patterns. Model weights
+    must be floating point: checkpoint.load refuses integer tensors before calling this.
     """
     path = os.fspath(path)
     header = read_header(path)
@@ -255,7 +260,7 @@ def read(path: str | os.PathLike, names: Iterable[str] | None = None,
             arr = np.zeros(info.shape, dtype=dt)
         else:
             arr = np.ndarray(info.shape, dtype=dt, buffer=data, offset=info.begin)
-        if as_float32 and info.dtype in _FLOAT_DTYPES and info.dtype != "F32":
+        if as_float32 and info.dtype in FLOAT_DTYPES and info.dtype != "F32":
             arr = bf16_to_f32(arr) if info.dtype == "BF16" else arr.astype(np.float32)
         out[name] = arr
     return out

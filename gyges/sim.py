@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _C, traces
 from .costmodel import ConstantCost, CostModel, CostModelError
+from .errors import InvalidArgumentError
 from .results import Results
 
 __all__ = ["run", "parse_layout", "POLICIES", "SimError"]
@@ -37,7 +38,7 @@ __all__ = ["run", "parse_layout", "POLICIES", "SimError"]
 POLICIES = ("gyges", "round_robin", "least_load", "static")
 
 
-class SimError(ValueError):
+class SimError(InvalidArgumentError):
     """A bad simulator argument (the message names the value)."""
 
 

@@ -12,14 +12,18 @@ first request is at 0.0 unless the caller asks otherwise). Three groups of funct
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import json
 import math
 import warnings
+import zlib
 from typing import Sequence
 
 import numpy as np
+
+from .errors import FormatError
 
 TRACE_DTYPE = np.dtype(
     [("arrival", "f8"), ("input_tokens", "i8"), ("output_tokens", "i8"), ("priority", "i4")]
@@ -33,8 +37,9 @@ MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 # (low, high) tuple of ints (uniform), or a callable(rng, n) -> n whole numbers >= 1.
 
 
-class TraceError(ValueError):
-    """A trace file or trace array is malformed (the message names the file, row and value)."""
+class TraceError(FormatError):
+    """A trace file or trace array is malformed (the message names the file, row and value).
+    A gyges.FormatError, and so a ValueError."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +130,7 @@ def load(path, **kwargs) -> np.ndarray:
     JSON objects -> load_mooncake, an Azure header -> load_azure, a BurstGPT header ->
     load_burstgpt. Keyword arguments go to that loader."""
     path = str(path)
-    with _open(path) as f:
+    with contextlib.closing(_lines(path)) as f:
         first = ""
         for line in f:
             if line.strip():
@@ -135,8 +140,10 @@ def load(path, **kwargs) -> np.ndarray:
         raise TraceError(f"{path}: file is empty; cannot tell its format")
     if first.startswith("{"):
         return load_mooncake(path, **kwargs)
-    header = next(csv.reader([first]))
-    header = [h.strip() for h in header]
+    try:
+        header = [h.strip() for h in next(csv.reader([first]))]
+    except csv.Error:                         # not CSV (e.g. a huge field): an unknown format
+        header = []
     if all(c in header for c in AZURE_COLUMNS):
         return load_azure(path, **kwargs)
     if all(c in header for c in BURSTGPT_COLUMNS):
@@ -216,7 +223,7 @@ def load_mooncake(path, sort: bool = False, allow_zero_output: bool = False,
     """
     path = str(path)
     ts, inp, out, lines, hashes = [], [], [], [], []
-    with _open(path) as f:
+    with contextlib.closing(_lines(path)) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -254,10 +261,54 @@ def load_mooncake(path, sort: bool = False, allow_zero_output: bool = False,
 
 
 def _open(path: str):
-    # The public traces are often shipped gzipped; read them without unpacking.
+    # The public traces are often shipped gzipped; read them without unpacking. utf-8-sig: files
+    # saved by Excel and some Windows tools start with a byte-order mark, which is not data.
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", newline="", encoding="utf-8")
-    return open(path, "r", newline="", encoding="utf-8")
+        return gzip.open(path, "rt", newline="", encoding="utf-8-sig")
+    return open(path, "r", newline="", encoding="utf-8-sig")
+
+
+def _lines(path: str):
+    """The lines of a trace file (gzipped or not). A file that cannot be decoded raises
+    TraceError naming it and the line, not a bare UnicodeDecodeError or EOFError."""
+    done = 0                                  # lines decoded in full so far
+    try:
+        with _open(path) as f:
+            for line in f:
+                done += 1
+                yield line
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from e
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        # EOFError: the stream ends early (an interrupted download); zlib.error: corrupt data;
+        # BadGzipFile: not gzip at all, or a bad CRC or length at the end.
+        if not done and isinstance(e, gzip.BadGzipFile):
+            raise TraceError(f"{path}: not a gzip file, though its name ends in .gz: "
+                             f"{e}") from e
+        where = f"after line {done}" if done else "before its first line"
+        raise TraceError(f"{path}: the gzip stream is truncated or corrupt {where}: "
+                         f"{e}") from e
+
+
+def _not_utf8(path: str, e: UnicodeDecodeError) -> TraceError:
+    """The TraceError for a file that is not UTF-8, naming its first bad line. The text layer
+    decodes in blocks, so its error gives an offset in a block; re-read the bytes to find the
+    line (a newline byte never occurs inside a UTF-8 character, so lines decode alone)."""
+    try:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    hint = " (it looks gzipped: name it .gz)" \
+                        if lineno == 1 and raw.startswith(b"\x1f\x8b") else ""
+                    return TraceError(f"{path}: line {lineno} is not valid UTF-8 (byte "
+                                      f"0x{raw[bad.start]:02x} at position {bad.start}: "
+                                      f"{bad.reason}); trace files must be UTF-8 text{hint}")
+    except (OSError, EOFError, zlib.error):
+        pass                                  # the re-read failed too: report what we know
+    return TraceError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason}); "
+                      f"trace files must be UTF-8 text")
 
 
 def _where(path: str, lines: np.ndarray, i: int) -> str:
@@ -266,27 +317,30 @@ def _where(path: str, lines: np.ndarray, i: int) -> str:
 
 def _read_csv(path: str, required: Sequence[str]):
     """Columns (lists of strings, by header name) and each data row's physical line number."""
-    with _open(path) as f:
+    with contextlib.closing(_lines(path)) as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        while header is not None and not any(h.strip() for h in header):
+        try:
             header = next(reader, None)
-        if header is None:
-            raise TraceError(f"{path}: file is empty; expected header {','.join(required)}")
-        header = [h.strip() for h in header]
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise TraceError(f"{path}: header lacks column(s) {missing}; header is {header}")
-        rows, lines = [], []
-        for row in reader:
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) != len(header):
-                i = len(rows)
-                raise TraceError(f"{path}: data row {i + 1} (line {reader.line_num}) has "
-                                 f"{len(row)} fields, header has {len(header)}: {row}")
-            rows.append(row)
-            lines.append(reader.line_num)
+            while header is not None and not any(h.strip() for h in header):
+                header = next(reader, None)
+            if header is None:
+                raise TraceError(f"{path}: file is empty; expected header {','.join(required)}")
+            header = [h.strip() for h in header]
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise TraceError(f"{path}: header lacks column(s) {missing}; header is {header}")
+            rows, lines = [], []
+            for row in reader:
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                if len(row) != len(header):
+                    i = len(rows)
+                    raise TraceError(f"{path}: data row {i + 1} (line {reader.line_num}) has "
+                                     f"{len(row)} fields, header has {len(header)}: {row}")
+                rows.append(row)
+                lines.append(reader.line_num)
+        except csv.Error as e:                # e.g. a field over the csv module's size limit
+            raise TraceError(f"{path}: line {reader.line_num} is not valid CSV: {e}") from e
     idx = {c: header.index(c) for c in required}
     cols = {c: [r[j] for r in rows] for c, j in idx.items()}
     return cols, np.asarray(lines, dtype=np.int64)

@@ -63,6 +63,13 @@ def views_in(host, workers):
     return None
 
 
+def _trim_kv(host, workers):
+    """A transformation that ends gives back the KV pages its new caches do not use: the
+    requests that held them may have finished while it ran, and an idle instance holds none."""
+    for w in workers:
+        host.worker(w).kv.trim()
+
+
 def _changes_begin(host):
     """Marks the point past which a failure rebuilds the group (gyges.recovery) instead of
     leaving it as it was: before it, a transformation has only looked."""
@@ -743,6 +750,7 @@ class StaggeredScaleUp(_Staggered):
             worker.tp_size, worker.tp_rank = self.to_tp, self.new_rank[w]
             s = worker.arena.stats()
             self.stats["peak_extra_bytes"][w] = max(s["peak_bytes"] - self.base[w], 0)
+        _trim_kv(host, self.workers)
         self.old_models.clear()
         self.old_kvs.clear()
         self.done = True
@@ -886,6 +894,7 @@ class StaggeredScaleDown(_Staggered):
         for w in self.workers:
             s = host.worker(w).arena.stats()
             self.stats["peak_extra_bytes"][w] = max(s["peak_bytes"] - self.base[w], 0)
+        _trim_kv(host, self.workers)
         self.done = True
 
 
@@ -907,6 +916,7 @@ def _install_merged(host, tr, group, new_rank, rank_order, k, moved, seq_of):
     _adopt_all(merged, moved, lambda rid: [seq_of[w].get(rid, -1) for w in rank_order])
     host.instances.append(merged)
     host.instances.sort(key=lambda inst: min(inst.workers))
+    _trim_kv(host, group)
     tr.stats["requests_moved"] = len(moved)
     tr._time("adopt", start)
     tr.done = True
@@ -1044,6 +1054,7 @@ def scale_down(host, first, k, tp, method="gyges", weights_from="peers"):
         _adopt_all(new, mine, lambda rid: [seq_of[w].get(rid, -1) for w in ranks])
         host.instances.append(new)
     host.instances.sort(key=lambda inst: min(inst.workers))
+    _trim_kv(host, group)
     tr.stats["requests_moved"] = len(moved)
     tr._time("adopt", start)
     tr.done = True

@@ -328,3 +328,65 @@ def test_fuzz_header_json_values():
             raw_file(p, {"a": e}, F32_2)
             with pytest.raises(SafetensorsError):
                 safetensors.read(p)
+
+
+# ---------------------------------------------------------------- model weights must be floats
+
+SMALL_MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+RELABELLED = "model.layers.0.mlp.up_proj.weight"
+
+
+def relabel_dtype(path, name, new):
+    """Rewrites tensor `name`'s header dtype in place. The header keeps its length (padded with
+    the spaces the format allows), so the bytes are untouched and only their label changes."""
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    old = header[name]["dtype"]
+    header[name]["dtype"] = new
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    assert len(blob) <= n
+    data[8:8 + n] = blob + b" " * (n - len(blob))
+    path.write_bytes(bytes(data))
+    return old
+
+
+def test_safetensors_error_is_a_gyges_format_error():
+    import gyges
+    assert issubclass(SafetensorsError, gyges.FormatError)
+    assert issubclass(SafetensorsError, gyges.Error) and issubclass(SafetensorsError, ValueError)
+
+
+# Each float dtype relabelled to an integer dtype of the same byte size, which the reader would
+# otherwise accept and convert to floats by value: a silently different model.
+@pytest.mark.parametrize("dtype, label", [("f32", "I32"), ("f16", "I16"), ("bf16", "U16"),
+                                          ("f64", "I64"), ("f32", "U32")])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_model_load_refuses_integer_weights(tmp_path, dtype, label, sharded):
+    import gyges
+    model = gyges.Model.random(gyges.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
+    files = model.save(tmp_path, dtype=dtype, shard_bytes=4096 if sharded else None)
+    fname = next(f for f in files if RELABELLED in
+                 safetensors.read_header(tmp_path / f).tensors)
+    relabel_dtype(tmp_path / fname, RELABELLED, label)
+    # The generic reader still hands out the raw integers: it is not reading model weights.
+    assert safetensors.read(tmp_path / fname, [RELABELLED])[RELABELLED].dtype.kind in "iu"
+    with pytest.raises(gyges.FormatError) as err:
+        gyges.Model.load(tmp_path)
+    assert isinstance(err.value, SafetensorsError)
+    msg = str(err.value)
+    for fragment in (fname, repr(RELABELLED), f"dtype {label}", "floating point"):
+        assert fragment in msg, f"{fragment!r} missing from: {msg}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "f64"])
+def test_model_load_accepts_every_float_dtype(tmp_path, dtype):
+    import gyges
+    model = gyges.Model.random(gyges.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
+    model.save(tmp_path, dtype=dtype)
+    back = gyges.Model.load(tmp_path)
+    tol = {"f32": 0, "f64": 0, "f16": 2.0**-11, "bf16": 2.0**-8}[dtype]  # half an ulp
+    for name, w in model.tensors.items():
+        assert back.tensors[name].dtype == np.float32
+        np.testing.assert_allclose(back.tensors[name], w, rtol=tol, atol=1e-7 if tol else 0)

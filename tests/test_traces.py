@@ -510,3 +510,87 @@ def test_summary_hand_computed():
     assert s["output_max"] == 100 and s["output_total"] == 113
     e = traces.summary(traces.empty())
     assert e["count"] == 0 and math.isnan(e["rate"]) and math.isnan(e["input_mean"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that cannot be decoded: a TraceError (a gyges.FormatError) naming the file, never a bare
+# decoder error; a UTF-8 byte-order mark is not an error at all.
+
+# Per format: (file suffix, valid text, an extra row whose text holds a non-ASCII character, the
+# line that row lands on). Extra columns and keys are ignored by the loaders.
+DECODING = {
+    "azure": (".csv", "TIMESTAMP,ContextTokens,GeneratedTokens,Note\n"
+                      + "".join(f"2023-11-16 18:15:{i // 10:02d}.{i % 10},{i + 1},{i % 7 + 1},"
+                                f"r{i}\n" for i in range(400)),
+              "2023-11-16 18:16:00.0,5,6,caf\u00e9\n", 402),
+    "burstgpt": (".csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                         + "".join(f"{i},m{i % 3},{i + 1},{i % 7 + 1},{i + i % 7 + 2},x\n"
+                                   for i in range(400)),
+                 "500,Caf\u00e9GPT,5,6,11,x\n", 402),
+    "mooncake": (".jsonl", "".join(f'{{"timestamp": {i}, "input_length": {i + 1}, '
+                                   f'"output_length": {i % 7 + 1}, "hash_ids": [{i}]}}\n'
+                                   for i in range(400)),
+                 '{"timestamp": 500, "input_length": 5, "output_length": 6, "note": "caf\u00e9"}\n',
+                 401),
+}
+LOADERS = {"azure": traces.load_azure, "burstgpt": traces.load_burstgpt,
+           "mooncake": traces.load_mooncake, "any": traces.load}
+
+
+def bad_file(tmp_path, fmt, case) -> tuple[Path, list[str]]:
+    """Writes a file the loaders must refuse; returns it and fragments its error must hold."""
+    suffix, text, extra, line = DECODING[fmt]
+    if case == "binary":                  # e.g. a model file or an image passed by mistake
+        path = tmp_path / f"bin{suffix}"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00\x80" * 8)
+        return path, ["line 1", "not valid UTF-8", "0x89"]
+    if case == "latin1":                  # exported by a tool that does not write UTF-8
+        path = tmp_path / f"latin1{suffix}"
+        path.write_bytes((text + extra).encode("latin-1"))
+        return path, [f"line {line}", "not valid UTF-8", "0xe9"]
+    if case == "truncated_gzip":          # an interrupted download
+        path = tmp_path / f"cut{suffix}.gz"
+        whole = gzip.compress(text.encode("utf-8"))
+        path.write_bytes(whole[:len(whole) // 2])
+        return path, ["gzip", "truncated or corrupt"]
+    if case == "not_gzip":                # plain text named .gz
+        path = tmp_path / f"plain{suffix}.gz"
+        path.write_text(text)
+        return path, ["not a gzip file"]
+    raise AssertionError(case)
+
+
+# Each format's own loader, and load(), which reads the first line to choose one.
+@pytest.mark.parametrize("fmt, loader", [(f, ld) for f in sorted(DECODING) for ld in (f, "any")])
+@pytest.mark.parametrize("case", ["binary", "latin1", "truncated_gzip", "not_gzip"])
+def test_undecodable_files_raise_trace_error_naming_file(tmp_path, case, fmt, loader):
+    import gyges
+    path, fragments = bad_file(tmp_path, fmt, case)
+    with pytest.raises(gyges.FormatError) as err:
+        LOADERS[loader](path)
+    assert isinstance(err.value, TraceError)
+    assert err.value.__cause__ is not None          # chained to the decoder's error
+    msg = str(err.value)
+    assert str(path) in msg
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} missing from: {msg}"
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("fmt", sorted(DECODING))
+def test_utf8_byte_order_mark_is_accepted(tmp_path, fmt, gz):
+    suffix, text, _, _ = DECODING[fmt]
+    data = {"plain": text.encode("utf-8"), "bom": b"\xef\xbb\xbf" + text.encode("utf-8")}
+    paths = {}
+    for name, raw in data.items():
+        paths[name] = tmp_path / f"{name}{suffix}{'.gz' if gz else ''}"
+        paths[name].write_bytes(gzip.compress(raw) if gz else raw)
+    expect = LOADERS[fmt](paths["plain"])
+    assert expect.size == 400
+    np.testing.assert_array_equal(LOADERS[fmt](paths["bom"]), expect)
+    np.testing.assert_array_equal(traces.load(paths["bom"]), expect)
+
+
+def test_trace_error_is_a_gyges_format_error():
+    import gyges
+    assert issubclass(TraceError, gyges.FormatError) and issubclass(TraceError, gyges.Error)

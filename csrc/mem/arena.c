@@ -88,6 +88,7 @@ gy_status gy_arena_init(gy_arena **out, const gy_arena_config *config) {
     a->page_state = gy_calloc(m, 1);
     a->page_tag = gy_calloc(m, 1);
     if (!a->slot_page || !a->slot_pins || !a->page_slot || !a->page_state || !a->page_tag) {
+        a->ops = NULL; /* no backend state yet: nothing to unmap or destroy */
         gy_arena_free(a);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a page table of %llu slots",
                        (unsigned long long)n);

@@ -79,6 +79,10 @@ static PyObject *gy_py_kv_shrink(GyKVObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *gy_py_kv_shrinkable(GyKVObject *self, PyObject *unused) {
+    return PyLong_FromLongLong(gy_kv_shrinkable_pages(self->kv));
+}
+
 static PyObject *gy_py_kv_seq_new(GyKVObject *self, PyObject *unused) {
     int64_t seq;
     gy_status s = gy_kv_seq_new(self->kv, &seq);
@@ -289,6 +293,8 @@ static PyMethodDef gy_py_kv_methods[] = {
     {"seq_adopt", (PyCFunction)gy_py_kv_seq_adopt, METH_VARARGS, "seq_adopt(blocks, n_tokens) -> seq"},
     {"grow", (PyCFunction)gy_py_kv_grow, METH_VARARGS, "grow(pages)"},
     {"shrink", (PyCFunction)gy_py_kv_shrink, METH_VARARGS, "shrink(pages)"},
+    {"shrinkable", (PyCFunction)gy_py_kv_shrinkable, METH_NOARGS,
+     "shrinkable() -> pages per layer past the last block in use"},
     {"seq_new", (PyCFunction)gy_py_kv_seq_new, METH_NOARGS, "seq_new() -> seq id"},
     {"seq_reserve", (PyCFunction)gy_py_kv_seq_reserve, METH_VARARGS, "seq_reserve(seq, n_tokens)"},
     {"seq_free", (PyCFunction)gy_py_kv_seq_free, METH_VARARGS, "seq_free(seq)"},
