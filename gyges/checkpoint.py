@@ -120,6 +120,11 @@ def check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
         if actual != shape:
             raise CheckpointError(f"tensor {name!r}: expected shape {shape}, got {actual}"
                                   f" in {where.get(name, 'the checkpoint')}")
+        dtype = np.asarray(tensors[name]).dtype
+        if dtype.kind != "f":  # converting integers by value would give another model
+            raise CheckpointError(f"tensor {name!r} has dtype {dtype} in "
+                                  f"{where.get(name, 'the checkpoint')}; model weights must be "
+                                  f"floating point")
 
 
 def _drop(config: ModelConfig, name: str) -> bool:

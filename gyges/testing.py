@@ -8,7 +8,10 @@ Sweeping n from 1 to `count(site, operation)` fails each resource an operation u
     with gyges.testing.inject("page_create", 3):
         host.step()        # the third page created during the step fails
 """
+import warnings
 from contextlib import contextmanager
+
+import numpy as np
 
 from . import _C
 
@@ -144,3 +147,268 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
     fresh.close()
     ref.close()
     return result
+
+
+# ---- what a caller can see, to compare before and after a refused call ----
+
+def snapshot(target):
+    """An Engine's or a Host's visible state: the layout, every worker's page table, and every
+    request's state and progress (in C and in its handle) with its KV block tables. Equal
+    snapshots mean a call changed nothing a caller could see."""
+    from .engine import Engine
+
+    if isinstance(target, Engine):
+        parts = [(target._loop, [target.worker])]
+        workers, layout = [target.worker], None
+    else:
+        parts = [(inst.loop, [target.worker(w) for w in inst.workers]) for inst in target.instances]
+        workers, layout = [target.worker(w) for w in range(target.n_workers)], target.layout()
+    state = {"layout": layout, "pages": [w.arena.page_table().tobytes() for w in workers],
+             "requests": {}}
+    for loop, ranks in parts:
+        for rid, r in loop.requests.items():
+            ex = loop._c.export(rid)
+            info = {k: ex["info"][k] for k in ("state", "n_generated", "n_computed", "prefill_end",
+                                               "n_preemptions")}
+            tables = [ranks[k].kv.block_table(seq).tolist() if seq >= 0 else None
+                      for k, seq in enumerate(ex["seqs"])]
+            state["requests"][rid] = (info, tables, list(r.output_tokens), r.finished)
+    return state
+
+
+# ---- fault sweeps over whole operations ----
+
+def spread(count, most=None):
+    """Event numbers to fail: all of 1..count, or `most` of them spread evenly (the first and
+    the last among them)."""
+    if most is None or count <= most:
+        return list(range(1, count + 1))
+    return sorted({1 + round(i * (count - 1) / (most - 1)) for i in range(most)})
+
+
+# kind -> (layout before, Host.transform arguments, layout after)
+TRANSFORMS = {
+    "merge": ("4xTP1", dict(workers=(0, 1, 2, 3), tp=4), "TP4"),
+    "split": ("1xTP4", dict(workers=(0, 1, 2, 3), tp=1), "4xTP1"),
+    "merge, staggered": ("4xTP1", dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "TP4"),
+    "split, staggered": ("2xTP2", dict(workers=(0, 1), tp=1, layers_per_step=2, overlap=True),
+                         "2xTP1+TP2"),
+}
+
+
+class _Workload:
+    """Eight requests (greedy and seeded sampling) on a 4-worker host, their tokens served by a
+    plain engine, and what each worker of an idle host of a layout holds."""
+
+    def __init__(self, model, memory):
+        from .engine import Engine, SamplingParams
+
+        self.model, self.memory = model, memory
+        rng = np.random.default_rng(0)
+        vocab = model.config.vocab_size
+        self.prompts = [rng.integers(0, vocab, size=int(rng.integers(3, 40))).tolist()
+                        for _ in range(8)]
+        self.params = [SamplingParams(max_tokens=6, ignore_eos=True) if i % 2 == 0 else
+                       SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3,
+                                      ignore_eos=True) for i in range(8)]
+        with Engine(model, memory="128MiB") as e:
+            reqs = [e.submit(p, q) for p, q in zip(self.prompts, self.params)]
+            e.run()
+            self.reference = [r.output_tokens for r in reqs]
+        self._fresh = {}
+
+    def host(self, layout, steps=2):
+        from .host import Host
+
+        host = Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout)
+        reqs = [host.submit(p, q) for p, q in zip(self.prompts, self.params)]
+        for _ in range(steps):
+            host.step()
+        return host, reqs
+
+    def fresh_bytes(self, layout):
+        if layout not in self._fresh:
+            from .host import Host
+
+            with Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout) as h:
+                self._fresh[layout] = [h.worker(w).arena.stats()["bytes_in_use"] for w in range(4)]
+        return self._fresh[layout]
+
+    def finish(self, host, reqs, out):
+        """Serves everything; counts lost requests, token mismatches and leftover pages."""
+        host.run()
+        out["lost"] += sum(r.finish_reason != "length" for r in reqs)
+        out["mismatches"] += sum(r.output_tokens != w for r, w in zip(reqs, self.reference))
+        held = [host.worker(w).arena.stats()["bytes_in_use"] for w in range(4)]
+        out["leaked_pages"] += sum(held) != sum(self.fresh_bytes(host.layout()))
+
+
+def _transform_to_the_end(host, kwargs):
+    from .errors import Error
+
+    t = host.transform(**kwargs)  # raises when refused
+    while not t.done:
+        try:
+            host.step()
+        except Error:
+            pass  # a failed step changes nothing: the next one tries again
+    return t
+
+
+def sweep_transformation(model, kind, site, most=None, memory="48MiB"):
+    """Fails the n-th `site` event of a transformation of `kind` (TRANSFORMS), for every n it
+    has (or `most` of them), each on a fresh host serving eight requests. Returns the counts:
+    events, runs, refused, done, recovered; and what must stay 0: refusals that changed
+    something (changed), runs ending in another layout (wrong_layout), lost requests, token
+    mismatches against a plain engine, runs leaving pages behind (leaked_pages)."""
+    from .errors import Error
+    from .recovery import RecoveryWarning
+
+    start, kwargs, target = TRANSFORMS[kind]
+    load = _Workload(model, memory)
+    host, _ = load.host(start)
+    events, _ = count(site, lambda: _transform_to_the_end(host, kwargs))
+    host.close()
+    out = dict(kind=kind, site=site, events=events, runs=0, refused=0, done=0, recovered=0,
+               changed=0, wrong_layout=0, lost=0, mismatches=0, leaked_pages=0)
+    for n in spread(events, most):
+        host, reqs = load.host(start)
+        before = snapshot(host)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecoveryWarning)  # counted here instead
+            with inject(site, n):
+                try:
+                    t = _transform_to_the_end(host, kwargs)
+                except Error:
+                    t = None
+        out["runs"] += 1
+        if t is None:
+            out["refused"] += 1
+            out["changed"] += snapshot(host) != before
+        else:
+            out["recovered" if t.recovered else "done"] += 1
+            out["wrong_layout"] += host.layout() != target
+        load.finish(host, reqs, out)
+        host.close()
+    return out
+
+
+def sweep_step(model, site, most=None, memory="48MiB"):
+    """Fails the n-th `site` event of a step of a TP2+2xTP1 host that also grows its KV (long
+    prompts arrive), for every n (or `most`). A failed step raises, and the instance it failed in
+    is as before (the others' steps stand). Returns events, runs, failed, and what must stay 0:
+    changed (a failed instance that changed), lost, mismatches, leaked_pages."""
+    from .errors import Error
+
+    load = _Workload(model, memory)
+    rng = np.random.default_rng(9)
+    long = [rng.integers(0, model.config.vocab_size, size=int(rng.integers(60, 90))).tolist()
+            for _ in range(6)]
+
+    def setup():
+        from .engine import SamplingParams
+
+        host, reqs = load.host("TP2+2xTP1", steps=1)
+        for i, p in enumerate(long):
+            host.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), instance=i % 3)
+        return host, reqs
+
+    host, _ = setup()
+    events, _ = count(site, host.step)
+    host.close()
+    out = dict(site=site, events=events, runs=0, failed=0, changed=0, lost=0, mismatches=0,
+               leaked_pages=0)
+    for n in spread(events, most):
+        host, reqs = setup()
+        before = snapshot(host)
+        with inject(site, n):
+            try:
+                host.step()
+                failed = False
+            except Error:
+                failed = True
+        out["runs"] += 1
+        if failed:
+            out["failed"] += 1
+            after = snapshot(host)
+            untouched = any(all(before["requests"][rid] == after["requests"][rid]
+                                for rid in inst.loop.requests) for inst in host.instances)
+            out["changed"] += not untouched or before["layout"] != after["layout"]
+        load.finish(host, reqs, out)
+        out["lost"] += sum(not r.finished for inst in host.instances
+                           for r in inst.loop.requests.values())
+        host.close()
+    return out
+
+
+# ---- two threads on one host ----
+
+def stress_threads(model, seed=1, requests=60, memory="48MiB"):
+    """One thread steps a 4-worker host without pause while another submits requests, aborts
+    some (a long one at once, and a random earlier one), and starts random transformations
+    (refused ones change nothing). Returns the counts: requests, aborted, transformations,
+    refused, and what must stay 0: errors raised to the stepping thread, unfinished or lost
+    requests, token mismatches of the requests not aborted against a plain engine, aborts
+    that did not finish their handle."""
+    import threading
+    import time
+
+    from .engine import SamplingParams
+    from .errors import Error
+    from .host import Host
+
+    load = _Workload(model, memory)
+    host = Host(model, workers=4, memory_per_worker=memory)
+    stop, errors = threading.Event(), []
+    handles, aborted = [], set()
+    out = dict(seed=seed, requests=0, aborted=0, transformations=0, refused=0, errors=0,
+               lost=0, mismatches=0, bad_aborts=0)
+
+    def stepper():
+        while not stop.is_set():
+            try:
+                host.step()
+            except Error as e:
+                errors.append(e)
+
+    thread = threading.Thread(target=stepper)
+    thread.start()
+    rng = np.random.default_rng(seed)
+    moves = [((0, 1, 2, 3), 4), ((0, 1, 2, 3), 1), ((0, 1), 2), ((2, 3), 2), ((0, 1, 2, 3), 2)]
+    try:
+        for k in range(requests):
+            i = k % len(load.prompts)
+            handles.append((i, host.submit(load.prompts[i], load.params[i])))
+            if k % 7 == 3:  # a long request aborted at once cannot have finished
+                long = host.submit(load.prompts[i], SamplingParams(max_tokens=200))
+                out["bad_aborts"] += not host.abort(long) or long.finish_reason != "abort"
+                out["aborted"] += 1
+                _, h = handles[int(rng.integers(len(handles)))]  # and one that may be done
+                if host.abort(h):
+                    aborted.add(h.id)
+            if k % 10 == 5:
+                workers, tp = moves[int(rng.integers(len(moves)))]
+                try:
+                    host.transform(workers=workers, tp=tp,
+                                   layers_per_step=[None, 1][int(rng.integers(2))])
+                    out["transformations"] += 1
+                except Error:
+                    out["refused"] += 1  # not a legal move from the layout of the moment
+            time.sleep(0.002)
+        deadline = time.time() + 300
+        while host.has_unfinished() and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    out["requests"] = len(handles)
+    out["aborted"] += len(aborted)
+    out["errors"] = len(errors)
+    for i, h in handles:
+        if h.id in aborted:
+            out["bad_aborts"] += h.finish_reason != "abort"
+        else:
+            out["lost"] += h.finish_reason != "length"
+            out["mismatches"] += h.output_tokens != load.reference[i]
+    host.close()
+    return out

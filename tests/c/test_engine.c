@@ -83,11 +83,45 @@ static void serve(gy_engine *e, int32_t out[3][12]) {
     CHECK(produced[0] == 12 && produced[1] == 12 && produced[2] == 12);
 }
 
+/* A TP2 engine over two workers' arenas and KV caches joined by a shm communicator. */
+typedef struct {
+    gy_arena *arenas[2];
+    gy_kv_cache *kvs[2];
+    gy_comm *comm;
+    gy_engine *e;
+} tp2;
+
+static void tp2_init(tp2 *t, const gy_model *model) {
+    CHECK_OK(gy_comm_init(&t->comm, 2));
+    gy_engine_rank two[2];
+    for (int r = 0; r < 2; r++) {
+        make_kv(&t->arenas[r], &t->kvs[r], NKV / 2);
+        two[r] = (gy_engine_rank){.model = model, .kv = t->kvs[r]};
+    }
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    CHECK_OK(gy_engine_init(&t->e, two, 2, t->comm, &cfg));
+}
+
+/* Frees it all; returns 1 when every KV page had gone back to the arenas. */
+static int tp2_free(tp2 *t) {
+    int clean = 1;
+    gy_engine_free(t->e);
+    for (int r = 0; r < 2; r++) {
+        gy_arena_stats st;
+        gy_arena_stats_get(t->arenas[r], &st);
+        clean &= st.bytes_in_use == 0;
+        gy_kv_free(t->kvs[r]);
+        gy_arena_free(t->arenas[r]);
+    }
+    gy_comm_free(t->comm);
+    return clean;
+}
+
 GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
     owned o = {0};
     gy_model model;
     build_model(&model, &o);
-    int32_t tp1[3][12], tp2[3][12];
+    int32_t tp1[3][12], tp2_tokens[3][12];
 
     gy_arena *a0;
     gy_kv_cache *kv0;
@@ -101,27 +135,11 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
     gy_kv_free(kv0);
     gy_arena_free(a0);
 
-    gy_arena *arenas[2];
-    gy_kv_cache *kvs[2];
-    gy_comm *comm;
-    CHECK_OK(gy_comm_init(&comm, 2));
-    gy_engine_rank two[2];
-    for (int r = 0; r < 2; r++) {
-        make_kv(&arenas[r], &kvs[r], NKV / 2);
-        two[r] = (gy_engine_rank){.model = &model, .kv = kvs[r]};
-    }
-    CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
-    serve(e, tp2);
-    gy_engine_free(e);
-    for (int r = 0; r < 2; r++) {
-        gy_arena_stats st;
-        gy_arena_stats_get(arenas[r], &st);
-        CHECK(st.bytes_in_use == 0); /* every KV page went back when the requests finished */
-        gy_kv_free(kvs[r]);
-        gy_arena_free(arenas[r]);
-    }
-    gy_comm_free(comm);
-    CHECK(memcmp(tp1, tp2, sizeof tp1) == 0);
+    tp2 t;
+    tp2_init(&t, &model);
+    serve(t.e, tp2_tokens);
+    CHECK(tp2_free(&t)); /* every KV page went back when the requests finished */
+    CHECK(memcmp(tp1, tp2_tokens, sizeof tp1) == 0);
 
     gy_engine_rank bad = {.model = &model, .kv = NULL};
     CHECK_STATUS(gy_engine_init(&e, &bad, 1, NULL, &cfg), GY_ERR_INVALID);
@@ -268,28 +286,12 @@ GYTEST(engine_a_failed_step_changes_nothing) {
     for (size_t k = 0; k < sizeof sites / sizeof sites[0]; k++)
         for (int at = 0; at < 3; at++)
             for (int64_t n = 1; n <= 24; n++) {
-                gy_arena *arenas[2];
-                gy_kv_cache *kvs[2];
-                gy_comm *comm;
-                CHECK_OK(gy_comm_init(&comm, 2));
-                gy_engine_rank two[2];
-                for (int r = 0; r < 2; r++) {
-                    make_kv(&arenas[r], &kvs[r], NKV / 2);
-                    two[r] = (gy_engine_rank){.model = &model, .kv = kvs[r]};
-                }
-                CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
+                tp2 t;
+                tp2_init(&t, &model);
                 int failed;
-                all_ok &= serve_with_fault(e, kvs, 2, sites[k], n, at, want, &failed);
+                all_ok &= serve_with_fault(t.e, t.kvs, 2, sites[k], n, at, want, &failed);
                 fired += failed;
-                gy_engine_free(e);
-                for (int r = 0; r < 2; r++) {
-                    gy_arena_stats st;
-                    gy_arena_stats_get(arenas[r], &st);
-                    all_ok &= st.bytes_in_use == 0;
-                    gy_kv_free(kvs[r]);
-                    gy_arena_free(arenas[r]);
-                }
-                gy_comm_free(comm);
+                all_ok &= tp2_free(&t);
             }
     CHECK(all_ok);
     CHECK(fired > 40); /* the sweep did reach the steps' resources */
@@ -358,30 +360,20 @@ GYTEST(engine_threads_submit_abort_and_step_take_turns) {
     owned o = {0};
     gy_model model;
     build_model(&model, &o);
-    gy_arena *arenas[2];
-    gy_kv_cache *kvs[2];
-    gy_comm *comm;
-    CHECK_OK(gy_comm_init(&comm, 2));
-    gy_engine_rank two[2];
-    for (int r = 0; r < 2; r++) {
-        make_kv(&arenas[r], &kvs[r], NKV / 2);
-        two[r] = (gy_engine_rank){.model = &model, .kv = kvs[r]};
-    }
-    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
     static thread_run plain, racing;
     memset(&plain, 0, sizeof plain);
     memset(&racing, 0, sizeof racing);
     pthread_mutex_init(&plain.lock, NULL);
     pthread_mutex_init(&racing.lock, NULL);
-    gy_engine *e;
-    CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
-    plain.e = e;
-    threads_serve(e, &plain, 0);
+    tp2 t;
+    tp2_init(&t, &model);
+    plain.e = t.e;
+    threads_serve(t.e, &plain, 0);
     CHECK(plain.finished == 40);
-    gy_engine_free(e);
-    CHECK_OK(gy_engine_init(&e, two, 2, comm, &cfg));
-    racing.e = e;
-    threads_serve(e, &racing, 1);
+    CHECK(tp2_free(&t));
+    tp2_init(&t, &model);
+    racing.e = t.e;
+    threads_serve(t.e, &racing, 1);
     CHECK(racing.finished == 40);
     int same = 1, aborted = 0;
     for (int id = 0; id < 40; id++) {
@@ -391,15 +383,7 @@ GYTEST(engine_threads_submit_abort_and_step_take_turns) {
                     memcmp(racing.tokens[id], plain.tokens[id], sizeof plain.tokens[id]) == 0;
     }
     CHECK(same && aborted > 0);
-    gy_engine_free(e);
-    for (int r = 0; r < 2; r++) {
-        gy_arena_stats st;
-        gy_arena_stats_get(arenas[r], &st);
-        CHECK(st.bytes_in_use == 0);
-        gy_kv_free(kvs[r]);
-        gy_arena_free(arenas[r]);
-    }
-    gy_comm_free(comm);
+    CHECK(tp2_free(&t));
     pthread_mutex_destroy(&plain.lock);
     pthread_mutex_destroy(&racing.lock);
     gy_model_free(&model);
