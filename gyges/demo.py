@@ -184,7 +184,7 @@ def main():
     # GYGES_DEMO_QUICK=1 (the test suite): the same job on a shorter trace, for machines whose
     # CPU has no AVX-512 (the portable kernels are several times slower).
     quick = os.environ.get("GYGES_DEMO_QUICK") == "1"
-    trace = mixed_trace(duration=6.0, n_long=2) if quick else mixed_trace()
+    trace = mixed_trace(duration=5.0, n_long=1) if quick else mixed_trace()
     n_long = int((trace["input_tokens"] > 3000).sum())
     print(f"\n== one trace, three layouts: {trace.size} requests over "
           f"{trace['arrival'][-1]:.0f} s ({trace.size - n_long} short, {n_long} long of "

@@ -83,6 +83,21 @@ static void serve(gy_engine *e, int32_t out[3][12]) {
     CHECK(produced[0] == 12 && produced[1] == 12 && produced[2] == 12);
 }
 
+/* serve() on a one-rank engine: the tokens every other arrangement must give. */
+static void serve_tp1(const gy_model *model, int32_t out[3][12]) {
+    gy_arena *arena;
+    gy_kv_cache *kv;
+    make_kv(&arena, &kv, NKV);
+    gy_engine *e;
+    const gy_engine_rank one = {.model = model, .kv = kv};
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    CHECK_OK(gy_engine_init(&e, &one, 1, NULL, &cfg));
+    serve(e, out);
+    gy_engine_free(e);
+    gy_kv_free(kv);
+    gy_arena_free(arena);
+}
+
 /* A TP2 engine over two workers' arenas and KV caches joined by a shm communicator. */
 typedef struct {
     gy_arena *arenas[2];
@@ -123,17 +138,7 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
     build_model(&model, &o);
     int32_t tp1[3][12], tp2_tokens[3][12];
 
-    gy_arena *a0;
-    gy_kv_cache *kv0;
-    make_kv(&a0, &kv0, NKV);
-    gy_engine *e;
-    const gy_engine_rank one = {.model = &model, .kv = kv0};
-    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
-    CHECK_OK(gy_engine_init(&e, &one, 1, NULL, &cfg));
-    serve(e, tp1);
-    gy_engine_free(e);
-    gy_kv_free(kv0);
-    gy_arena_free(a0);
+    serve_tp1(&model, tp1);
 
     tp2 t;
     tp2_init(&t, &model);
@@ -141,7 +146,9 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
     CHECK(tp2_free(&t)); /* every KV page went back when the requests finished */
     CHECK(memcmp(tp1, tp2_tokens, sizeof tp1) == 0);
 
+    gy_engine *e;
     gy_engine_rank bad = {.model = &model, .kv = NULL};
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
     CHECK_STATUS(gy_engine_init(&e, &bad, 1, NULL, &cfg), GY_ERR_INVALID);
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
@@ -268,17 +275,7 @@ GYTEST(engine_a_failed_step_changes_nothing) {
     gy_model model;
     build_model(&model, &o);
     int32_t want[3][12];
-    gy_arena *a0;
-    gy_kv_cache *kv0;
-    make_kv(&a0, &kv0, NKV);
-    gy_engine *e;
-    const gy_engine_rank one = {.model = &model, .kv = kv0};
-    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
-    CHECK_OK(gy_engine_init(&e, &one, 1, NULL, &cfg));
-    serve(e, want);
-    gy_engine_free(e);
-    gy_kv_free(kv0);
-    gy_arena_free(a0);
+    serve_tp1(&model, want);
 
     const gy_fault_site sites[] = {GY_FAULT_ALLOC, GY_FAULT_PAGE_CREATE, GY_FAULT_PAGE_MAP,
                                    GY_FAULT_COMM};
