@@ -13,11 +13,10 @@ Guarantees (README "Guarantees"): a bad argument raises a gyges.Error naming it 
 nothing; a failed step changes nothing (the same step is tried again), except that a request whose
 logits are not numbers finishes alone with finish_reason "error" and the reason in
 request.error; abort() finishes the handle; an Engine is safe to call from several threads (one
-lock: a step runs whole while a submit or an abort from another thread waits); close() (or a
+lock, granted in turn: a step runs whole while a submit or an abort from another thread waits); close() (or a
 with block) gives the worker's memory back, and so does dropping the last reference.
 """
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from . import _C, checks
 from .errors import ArgumentTypeError, InvalidArgumentError, StateError
+from .fairlock import FairLock
 from .units import parse_size
 from .worker import Worker
 
@@ -271,7 +271,7 @@ class Engine(Serving):
                             ("max_running", max_running), ("threads", threads)):
             checks.integer(name, value, lo=1)
         checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
-        self._lock = threading.RLock()
+        self._lock = FairLock()
         self.model = model
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
                              kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,

@@ -23,7 +23,6 @@ anything is allocated.
 """
 import operator
 import re
-import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +30,7 @@ from . import _C, checks, recovery
 from .comm import CommPool, aligned_groups
 from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
+from .fairlock import FairLock
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
                         scale_down, scale_up, views_in)
 from .units import parse_size
@@ -167,7 +167,7 @@ class Host(Serving):
                                        f"{', '.join(DEFAULT_MEMORY)}")
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
-        self._lock = threading.RLock()
+        self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers)
         self.model = model

@@ -232,6 +232,32 @@ def test_two_threads_stepping_one_engine(tiny, reference):
         assert all(r.output_tokens == reference[i] for i, r in reqs)
 
 
+def test_the_lock_is_reentrant_and_granted_in_turn():
+    """A thread stepping without pause must not starve one that waits to submit or abort: the
+    lock goes to its waiters in the order they asked."""
+    import threading
+
+    from gyges.fairlock import FairLock
+
+    lock, order = FairLock(), []
+    with lock:
+        with lock:  # reentrant
+            pass
+        waiters = []
+        for k in range(5):
+            t = threading.Thread(target=lambda k=k: (lock.acquire(), order.append(k),
+                                                     lock.release()))
+            t.start()
+            waiters.append(t)
+            while lock._next_ticket < k + 2:  # wait until thread k holds its ticket
+                time.sleep(0.001)
+    for t in waiters:
+        t.join()
+    assert order == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
 # ---- 8. weight dtypes ----
 
 def test_integer_weights_are_refused_by_name(tiny):

@@ -1,0 +1,43 @@
+"""FairLock: the lock of an Engine or a Host. Reentrant, and granted in the order it was asked
+for: a thread that steps without pause (a serving loop) would otherwise take it again before a
+thread waiting to submit or abort wakes up, and starve it for hundreds of steps."""
+import threading
+
+
+class FairLock:
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner = None
+        self._depth = 0
+        self._next_ticket = 0  # handed to the next thread that has to wait its turn
+        self._serving = 0      # the ticket whose turn it is
+
+    def acquire(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while self._owner is not None or self._serving != ticket:
+                self._cond.wait()
+            self._owner, self._depth = me, 1
+            return True
+
+    def release(self):
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("release of a FairLock this thread does not hold")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._serving += 1
+                self._cond.notify_all()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
