@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _C
 from .units import format_size, parse_size
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 BACKENDS = {"cpu": 0, "cuda": 1}
 TAGS = ("weights", "kv", "staging", "other")
@@ -26,14 +27,14 @@ def _index(value, what):
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
 def tag_id(tag):
     """Accepts a tag name ('weights', 'kv', 'staging', 'other') or its number."""
     if isinstance(tag, str):
         if tag not in TAGS:
-            raise ValueError(f"unknown page tag {tag!r}; expected one of {', '.join(TAGS)}")
+            raise InvalidArgumentError(f"unknown page tag {tag!r}; expected one of {', '.join(TAGS)}")
         return TAGS.index(tag)
     return _index(tag, "tag")
 
@@ -54,17 +55,17 @@ class Arena:
         page_size = parse_size(page_size, "page_size")
         budget = parse_size(budget, "budget")
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+            raise InvalidArgumentError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if page_size < 4096 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two of at least 4KiB, got {page_size}")
+            raise InvalidArgumentError(f"page_size must be a power of two of at least 4KiB, got {page_size}")
         if budget % page_size:
-            raise ValueError(f"budget {budget} bytes is not a multiple of page_size {page_size}")
+            raise InvalidArgumentError(f"budget {budget} bytes is not a multiple of page_size {page_size}")
         if n_slots is None:
             n_slots = max(4 * (budget // page_size), 1)
         n_slots = _index(n_slots, "n_slots")
         pool_pages = _index(pool_pages, "pool_pages")
         if not 0 <= pool_pages < 1 << 32:  # the C config's field is 32 bits
-            raise ValueError(f"pool_pages must be in [0, 2**32), got {pool_pages}")
+            raise InvalidArgumentError(f"pool_pages must be in [0, 2**32), got {pool_pages}")
         self.backend = backend
         self._c = _C.Arena(BACKENDS[backend], _index(device, "device"), page_size, n_slots, budget,
                            pool_pages)
@@ -133,7 +134,7 @@ class Arena:
         every slot touched must be mapped. Works on every backend (for cuda: host to device)."""
         offset = _index(offset, "offset")
         if offset < 0:
-            raise ValueError(f"offset must not be negative, got {offset}")
+            raise InvalidArgumentError(f"offset must not be negative, got {offset}")
         if isinstance(data, (bytes, bytearray, memoryview)):
             data = np.frombuffer(data, dtype=np.uint8)
         self._c.write(offset, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
@@ -144,9 +145,9 @@ class Arena:
         dtype = np.dtype(dtype)
         offset, nbytes = _index(offset, "offset"), _index(nbytes, "nbytes")
         if offset < 0 or nbytes < 0:
-            raise ValueError(f"read needs offset >= 0 and nbytes >= 0, got {offset}, {nbytes}")
+            raise InvalidArgumentError(f"read needs offset >= 0 and nbytes >= 0, got {offset}, {nbytes}")
         if nbytes % dtype.itemsize:
-            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} values")
+            raise InvalidArgumentError(f"{nbytes} bytes is not a whole number of {dtype} values")
         out = np.empty(nbytes // dtype.itemsize, dtype=dtype)
         if nbytes:
             self._c.read(offset, out)
@@ -182,7 +183,7 @@ class Arena:
         cannot be unmapped or remapped away) until the array and every view of it are gone."""
         slot, n_slots = _index(slot, "slot"), _index(n_slots, "n_slots")
         if n_slots <= 0:
-            raise ValueError(f"n_slots must be positive, got {n_slots}")
+            raise InvalidArgumentError(f"n_slots must be positive, got {n_slots}")
         return self.view_bytes(slot * self.page_size, n_slots * self.page_size, dtype, readonly)
 
     def view_bytes(self, offset, nbytes, dtype=np.uint8, readonly=False):
@@ -190,9 +191,9 @@ class Arena:
         dtype = np.dtype(dtype)
         offset, nbytes = _index(offset, "offset"), _index(nbytes, "nbytes")
         if offset < 0 or nbytes <= 0:
-            raise ValueError(f"a view needs offset >= 0 and nbytes > 0, got {offset}, {nbytes}")
+            raise InvalidArgumentError(f"a view needs offset >= 0 and nbytes > 0, got {offset}, {nbytes}")
         if nbytes % dtype.itemsize:
-            raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} values")
+            raise InvalidArgumentError(f"{nbytes} bytes is not a whole number of {dtype} values")
         buffer = self._c.view(offset, nbytes, bool(readonly))
         array = np.frombuffer(buffer, dtype=dtype)
         if not readonly:

@@ -20,6 +20,7 @@ same bits); "nccl" joins workers on distinct GPUs of this machine.
 import operator
 
 from . import _C
+from .errors import InvalidArgumentError
 
 BACKENDS = ("shm", "d2d", "nccl")
 CHANNELS = ("compute", "migration")
@@ -30,7 +31,7 @@ def aligned_groups(n_workers, max_size=None):
     min(n_workers, max_size)."""
     n_workers = operator.index(n_workers)
     if n_workers < 1:
-        raise ValueError(f"n_workers must be positive, got {n_workers}")
+        raise InvalidArgumentError(f"n_workers must be positive, got {n_workers}")
     limit = n_workers if max_size is None else min(n_workers, operator.index(max_size))
     groups, size = [], 2
     while size <= limit:
@@ -49,7 +50,7 @@ def _worker_devices(backend, devices, n_workers):
         return [devices] * n_workers
     devices = [operator.index(d) for d in devices]
     if len(devices) < n_workers:
-        raise ValueError(f"devices names {len(devices)} GPUs for {n_workers} workers")
+        raise InvalidArgumentError(f"devices names {len(devices)} GPUs for {n_workers} workers")
     return devices
 
 
@@ -57,10 +58,10 @@ def make_comm(size, backend="shm", devices=None, channel="compute"):
     """One communicator (gyges._C.Comm), with its arguments checked here. devices: the CUDA
     device of each rank (a list) or of all of them (an int)."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown communicator backend {backend!r}; expected one of "
+        raise InvalidArgumentError(f"unknown communicator backend {backend!r}; expected one of "
                          f"{', '.join(BACKENDS)}")
     if channel not in CHANNELS:
-        raise ValueError(f"unknown channel {channel!r}; expected one of {', '.join(CHANNELS)}")
+        raise InvalidArgumentError(f"unknown channel {channel!r}; expected one of {', '.join(CHANNELS)}")
     size = operator.index(size)
     return _C.Comm(size, backend, None if backend == "shm" else devices, channel)
 
@@ -75,9 +76,9 @@ class CommPool:
         groups = [(operator.index(first), operator.index(size)) for first, size in groups]
         for first, size in groups:
             if size < 1 or size & (size - 1) or first < 0 or first % size:
-                raise ValueError(f"workers {first}..{first + size - 1} are not an aligned group")
+                raise InvalidArgumentError(f"workers {first}..{first + size - 1} are not an aligned group")
         if backend not in BACKENDS:
-            raise ValueError(f"unknown communicator backend {backend!r}; expected one of "
+            raise InvalidArgumentError(f"unknown communicator backend {backend!r}; expected one of "
                              f"{', '.join(BACKENDS)}")
         n_workers = max((first + size for first, size in groups), default=0)
         self.backend = backend
@@ -97,8 +98,8 @@ class CommPool:
             return table[(first, size)]
         except KeyError:
             if (first, size) in self._compute:
-                raise ValueError("this pool was made without migration communicators") from None
-            raise ValueError(f"no {what} communicator for workers {first}..{first + size - 1}: "
+                raise InvalidArgumentError("this pool was made without migration communicators") from None
+            raise InvalidArgumentError(f"no {what} communicator for workers {first}..{first + size - 1}: "
                              f"groups must be aligned (pool: {self.groups()})") from None
 
     def comm(self, first, size):

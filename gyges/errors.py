@@ -1,17 +1,20 @@
-"""The gyges exception hierarchy. Every error raised by the C core is a gyges.Error; the
-subclasses say what kind of failure it was, and several also derive from the matching builtin
-(InvalidArgumentError is a ValueError, OutOfMemoryError a MemoryError) so ordinary handlers work.
+"""The gyges exception hierarchy: everything gyges raises is a gyges.Error. The subclasses say
+what kind of failure it was, and several also derive from the matching builtin
+(InvalidArgumentError is a ValueError, OutOfMemoryError a MemoryError, SystemCallError an
+OSError) so ordinary handlers work. No class shadows a builtin name.
 
 ArgumentTypeError is an InvalidArgumentError that is also a TypeError: an argument of the wrong
-type (a dict where a prompt goes, 2.0 where a TP degree goes)."""
-from ._C import (BusyError, CudaError, Error, FormatError, InvalidArgumentError, LimitError,
-                 OutOfMemoryError, StateError, SystemError, UnavailableError)
+type (a dict where a prompt goes, 2.0 where a TP degree goes). The C extension raises it too.
+Each module's own errors (TraceError, TransformError, ...) derive from one of these."""
+from ._C import (ArgumentTypeError, BusyError, CudaError, Error, FormatError, InvalidArgumentError,
+                 LimitError, OutOfMemoryError, StateError, SystemCallError, UnavailableError)
 
 
-class ArgumentTypeError(InvalidArgumentError, TypeError):
-    """An argument of the wrong type; the message names the parameter and the value."""
+class DependencyError(UnavailableError, ImportError):
+    """A package or a build that gyges needs is missing or stale (matplotlib for plots, an
+    extension built from other sources); the message says how to get it."""
 
 
 __all__ = ["Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError",
-           "StateError", "BusyError", "SystemError", "CudaError", "UnavailableError",
-           "LimitError", "FormatError"]
+           "StateError", "BusyError", "SystemCallError", "CudaError", "UnavailableError",
+           "LimitError", "FormatError", "DependencyError"]

@@ -50,7 +50,7 @@ from . import _C, traces
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
 from .errors import Error as GygesError
-from .errors import InvalidArgumentError
+from .errors import DependencyError, InvalidArgumentError
 from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
     Results
 
@@ -69,7 +69,7 @@ INST_VIEW_DTYPE = np.dtype([
 GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
 if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
         GROUP_DTYPE.itemsize != _C.POLICY_GROUP_SIZE:  # pragma: no cover - a build mismatch
-    raise ImportError("gyges._C's policy view structs do not match gyges/experiment.py's dtypes; "
+    raise DependencyError("gyges._C's policy view structs do not match gyges/experiment.py's dtypes; "
                       "rebuild the extension (make build)")
 
 # One measured instance step (record_steps=True): its TP, gyges.costmodel's batch shape, and

@@ -3,6 +3,8 @@ for: a thread that steps without pause (a serving loop) would otherwise take it 
 thread waiting to submit or abort wakes up, and starve it for hundreds of steps."""
 import threading
 
+from .errors import StateError
+
 
 class FairLock:
     def __init__(self):
@@ -28,7 +30,7 @@ class FairLock:
     def release(self):
         with self._cond:
             if self._owner != threading.get_ident():
-                raise RuntimeError("release of a FairLock this thread does not hold")
+                raise StateError("release of a FairLock this thread does not hold")
             self._depth -= 1
             if self._depth == 0:
                 self._owner = None

@@ -1,8 +1,10 @@
 """gyges.Host: a group of workers (each a thread with its own arena, its "GPU") serving as one or
-more tensor-parallel instances.
+more instances, each a plan of stages (engine/stage.h): a tensor-parallel group over every layer,
+or a pipeline of workers each running a range of layers.
 
     host = gyges.Host(model, workers=4, memory_per_worker="64MiB", page_size="64KiB",
                       layout="4xTP1")                    # or "2xTP2", "1xTP4", "TP2+2xTP1"
+    host = gyges.Host(model, workers=4, layout="PP[3,1]+2xTP1")  # a pipeline and two TP1
     host = gyges.Host(model, workers=4, backend="cuda")  # the same, on GPUs
     r = host.submit(tokens, params)                      # least-loaded instance that can hold it
     host.step(); r.output_tokens
@@ -39,57 +41,105 @@ from .worker import Worker, cuda_unavailable, default_max_tp
 COMMS = ("d2d", "nccl")
 DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
 
-_GROUP = re.compile(r"^(?:(\d+)x)?TP(\d+)$")
+_GROUP = re.compile(r"^(?:(\d+)x)?(?:TP(\d+)|PP(\d+)|PP\[(\d+(?:,\d+)*)\])$")
 
 
-def parse_layout(layout, n_workers):
-    """'TP2+2xTP1' -> [(0, 2), (2, 1), (3, 1)]: (first worker, TP degree) per instance, checked
-    for alignment and for covering exactly the workers."""
+def even_split(n_layers, n_stages):
+    """PPn: layers as even as they go, the first stages taking one more when they do not divide."""
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (i < extra) for i in range(n_stages))
+
+
+def parse_layout(layout, n_workers, n_layers):
+    """'TP2+2xTP1' -> [(0, 2, None), (2, 1, None), (3, 1, None)]; 'PP[3,1]+TP2' ->
+    [(0, 1, (3, 1)), (2, 2, None)]: (first worker, TP degree, layers per pipeline stage or None)
+    per instance, checked for alignment, for stages of at least one layer covering the model's
+    n_layers, and for covering exactly the workers. A pipeline's stages are TP1, one worker
+    each: PP2 splits the layers evenly over two workers, PP[3,1] gives 3 to the first and 1 to
+    the second."""
     groups, start = [], 0
     for part in layout.replace(" ", "").split("+"):
         match = _GROUP.match(part)
         if match is None:
-            raise ValueError(f"layout part {part!r} is not like 'TP2' or '4xTP1' (in {layout!r})")
-        count, tp = int(match.group(1) or 1), int(match.group(2))
-        if count < 1 or tp < 1 or tp & (tp - 1):
-            raise ValueError(f"layout part {part!r}: TP degrees are powers of two, counts >= 1")
+            raise InvalidArgumentError(f"layout part {part!r} is not like 'TP2', '4xTP1', 'PP2' or "
+                                       f"'PP[3,1]' (in {layout!r})")
+        count = int(match.group(1) or 1)
+        if count < 1:
+            raise InvalidArgumentError(f"layout part {part!r}: counts are at least 1")
+        stages = None
+        if match.group(2) is not None:
+            tp = int(match.group(2))
+            if tp < 1 or tp & (tp - 1):
+                raise InvalidArgumentError(f"layout part {part!r}: TP degrees are powers of two")
+        else:
+            tp = 1
+            if match.group(3) is not None:
+                n = int(match.group(3))
+                if not 2 <= n <= min(n_layers, 8):
+                    raise InvalidArgumentError(f"layout part {part!r}: a pipeline has 2 to "
+                                               f"{min(n_layers, 8)} stages for {n_layers} layers")
+                stages = even_split(n_layers, n)
+            else:
+                stages = tuple(int(x) for x in match.group(4).split(","))
+                if len(stages) < 2 or len(stages) > 8 or min(stages) < 1 or sum(stages) != n_layers:
+                    raise InvalidArgumentError(
+                        f"layout part {part!r}: a pipeline has 2 to 8 stages of at least one layer "
+                        f"each, adding up to the model's {n_layers} layers")
         for _ in range(count):
             if start % tp:
-                raise ValueError(f"layout {layout!r}: a TP{tp} instance would start at worker "
+                raise InvalidArgumentError(f"layout {layout!r}: a TP{tp} instance would start at worker "
                                  f"{start}, which is not aligned to {tp} (use aligned groups "
                                  f"such as {{0,1}}, {{2,3}}, {{0..3}})")
-            groups.append((start, tp))
-            start += tp
+            groups.append((start, tp, stages))
+            start += len(stages) if stages else tp
     if start != n_workers:
-        raise ValueError(f"layout {layout!r} covers {start} workers, the host has {n_workers}")
+        raise InvalidArgumentError(f"layout {layout!r} covers {start} workers, the host has {n_workers}")
     return groups
 
 
-def layout_string(tps):
-    """[1, 1, 2] -> '2xTP1+TP2' (runs of equal degrees collapsed, in worker order)."""
-    parts, i = [], 0
-    while i < len(tps):
+def layout_string(parts):
+    """['TP1', 'TP1', 'TP2'] -> '2xTP1+TP2' (runs of equal parts collapsed, in worker order)."""
+    out, i = [], 0
+    while i < len(parts):
         j = i
-        while j < len(tps) and tps[j] == tps[i]:
+        while j < len(parts) and parts[j] == parts[i]:
             j += 1
-        parts.append(f"{j - i}xTP{tps[i]}" if j - i > 1 else f"TP{tps[i]}")
+        out.append(f"{j - i}x{parts[i]}" if j - i > 1 else parts[i])
         i = j
-    return "+".join(parts)
+    return "+".join(out)
 
 
 class Instance:
-    """A TP group of workers with one scheduler and serving loop. `workers` lists the workers in
-    rank order (after a transformation rank order need not be worker order)."""
+    """A group of workers with one scheduler and serving loop, running a plan: a TP group over
+    every layer (`stages` None), or a pipeline whose stage i runs layers stages[i] = (first, end)
+    on workers[i]. `workers` lists the workers in rank order (after a transformation rank order
+    need not be worker order)."""
 
-    def __init__(self, host, workers, tp):
+    def __init__(self, host, workers, tp, stages=None):
         self.host = weakref.proxy(host)  # the host owns its instances: no cycle
         self.workers = tuple(workers)
         self.tp = tp
+        self.stages = tuple(stages) if stages else None
         ranks = [host.worker(w) for w in self.workers]
-        comm = host.comm(min(self.workers), tp) if tp > 1 else None
-        self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
-                            host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
+        if self.stages:
+            self._c = _C.Engine([[w.c_model] for w in ranks], [[w.kv._c] for w in ranks],
+                                [None] * len(ranks), host.max_batch_tokens, host.max_running,
+                                host.max_prefill_chunk, layers=list(self.stages))
+        else:
+            comm = host.comm(min(self.workers), tp) if tp > 1 else None
+            self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
+                                host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
         self.loop = InstanceLoop(self._c, host.model.config, host.clock)
+
+    @property
+    def layout(self):
+        """'TP2', or 'PP2' (an even split) / 'PP[3,1]'."""
+        if not self.stages:
+            return f"TP{self.tp}"
+        counts = tuple(end - first for first, end in self.stages)
+        if counts == even_split(sum(counts), len(counts)):
+            return f"PP{len(counts)}"
+        return "PP[" + ",".join(map(str, counts)) + "]"
 
     @property
     def requests(self):
@@ -110,7 +160,7 @@ class Instance:
         return blocks / max(self.capacity_blocks(), 1)
 
     def __repr__(self):
-        return f"Instance(TP{self.tp}, workers={list(self.workers)}, requests={len(self.requests)})"
+        return f"Instance({self.layout}, workers={list(self.workers)}, requests={len(self.requests)})"
 
 
 def cuda_placement(n_workers, devices=None, comm=None):
@@ -120,7 +170,7 @@ def cuda_placement(n_workers, devices=None, comm=None):
     share a device, nccl when each has its own), "d2d" or "nccl". Raises UnavailableError with
     the reason when CUDA cannot run here, ValueError for a placement that cannot work."""
     if comm is not None and comm not in COMMS:
-        raise ValueError(f"unknown communicator {comm!r} for CUDA workers; expected one of "
+        raise InvalidArgumentError(f"unknown communicator {comm!r} for CUDA workers; expected one of "
                          f"{', '.join(COMMS)} (or None to choose)")
     why = cuda_unavailable()
     if why is not None:
@@ -134,19 +184,19 @@ def cuda_placement(n_workers, devices=None, comm=None):
     else:
         devices = [operator.index(d) for d in devices]
         if len(devices) != n_workers:
-            raise ValueError(f"devices names {len(devices)} GPUs for {n_workers} workers")
+            raise InvalidArgumentError(f"devices names {len(devices)} GPUs for {n_workers} workers")
     missing = sorted({d for d in devices if not 0 <= d < count})
     if missing:
-        raise ValueError(f"CUDA device(s) {missing} do not exist: this machine has {count} "
+        raise InvalidArgumentError(f"CUDA device(s) {missing} do not exist: this machine has {count} "
                          f"(0..{count - 1})")
     shared = len(set(devices)) < len(devices)
     if comm is None:
         comm = "d2d" if len(set(devices)) == 1 else "nccl"
     if comm == "d2d" and len(set(devices)) > 1:
-        raise ValueError(f"comm='d2d' joins virtual workers sharing one GPU, but the workers are "
+        raise InvalidArgumentError(f"comm='d2d' joins virtual workers sharing one GPU, but the workers are "
                          f"on devices {devices}; use comm='nccl' (one GPU each) or one device")
     if comm == "nccl" and shared:
-        raise ValueError(f"comm='nccl' needs one GPU per worker, but devices {devices} repeat "
+        raise InvalidArgumentError(f"comm='nccl' needs one GPU per worker, but devices {devices} repeat "
                          f"one; use comm='d2d' with one device for virtual workers")
     return devices, comm
 
@@ -169,7 +219,7 @@ class Host(Serving):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
-        groups = parse_layout(layout, workers)
+        groups = parse_layout(layout, workers, model.config.num_hidden_layers)
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -186,7 +236,7 @@ class Host(Serving):
             self.comms = self._cuda_comms(workers, comm_backend, devices is None and comm is None)
         else:
             if devices is not None or comm is not None:
-                raise ValueError("devices and comm are for backend='cuda'; CPU workers are "
+                raise InvalidArgumentError("devices and comm are for backend='cuda'; CPU workers are "
                                  "threads joined by shared memory")
             self.devices = [None] * workers
             # A compute and a migration communicator per aligned group of every size, made now
@@ -199,12 +249,20 @@ class Host(Serving):
                                  weight_dtype=weight_dtype, max_tp=self.max_tp,
                                  threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend)
         self._workers = [self.new_worker(i) for i in range(workers)]
-        for first, tp in groups:
+        self.instances = []
+        for first, tp, stages in groups:
+            if stages:  # a pipeline: worker first + i holds the layers of stage i
+                bounds = [sum(stages[:i]) for i in range(len(stages) + 1)]
+                ranges = list(zip(bounds[:-1], bounds[1:]))
+                for i, (lo, hi) in enumerate(ranges):
+                    self._workers[first + i].join_stage(lo, hi)
+                self.instances.append(Instance(self, range(first, first + len(stages)), 1, ranges))
+                continue
             self.check_group(first, tp)
             for rank in range(tp):
                 if tp > 1:
                     self._workers[first + rank].join_tp(tp, rank)
-        self.instances = [Instance(self, range(first, first + tp), tp) for first, tp in groups]
+            self.instances.append(Instance(self, range(first, first + tp), tp))
         self.transformations = []
         self._next_id = 0
         self._executor = ThreadPoolExecutor(max_workers=max(len(self.instances), 1))
@@ -233,11 +291,11 @@ class Host(Serving):
     def check_group(self, first, tp):
         """Refuses, naming the reason, a TP degree the model cannot use or an unaligned group."""
         if first % tp or first < 0 or first + tp > len(self._workers):
-            raise ValueError(f"workers {first}..{first + tp - 1} are not an aligned group of "
+            raise InvalidArgumentError(f"workers {first}..{first + tp - 1} are not an aligned group of "
                              f"{tp} on a host of {len(self._workers)}")
         c = self.model.config
         if c.num_key_value_heads % tp or c.num_attention_heads % tp or self.max_tp % tp:
-            raise ValueError(f"TP{tp} does not divide the model's {c.num_key_value_heads} KV "
+            raise InvalidArgumentError(f"TP{tp} does not divide the model's {c.num_key_value_heads} KV "
                              f"heads, {c.num_attention_heads} heads and {self.max_tp} FFN shards")
 
     # ---- parts ----
@@ -283,8 +341,8 @@ class Host(Serving):
         return self.comms.migration(first, size)
 
     def layout(self):
-        """The current layout, e.g. '2xTP1+TP2'."""
-        return layout_string([inst.tp for inst in self.instances])
+        """The current layout, e.g. '2xTP1+TP2' or 'PP[3,1]+2xTP1'."""
+        return layout_string([inst.layout for inst in self.instances])
 
     def make_instance(self, workers, tp):
         return Instance(self, workers, tp)
@@ -343,6 +401,12 @@ class Host(Serving):
             raise TransformError(f"workers {workers} are not an aligned group (pairs {{0,1}}, "
                                  f"{{2,3}}; quartets {{0..3}})")
         current = [inst for inst in self.instances if set(inst.workers) & set(workers)]
+        piped = [inst for inst in current if inst.stages]
+        if piped:
+            raise TransformError(f"workers {workers} serve a pipeline ({piped[0].layout} on "
+                                 f"workers {list(piped[0].workers)}): Gyges transformations change "
+                                 f"TP groups over every layer; re-splitting a pipeline is "
+                                 f"PipeLive's reconfiguration")
         if any(not set(inst.workers) <= set(workers) for inst in current):
             raise TransformError(f"workers {workers} are busy in a group that reaches outside "
                                  f"them (layout {self.layout()})")

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _C
 from .arena import Arena
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 LAYOUTS = {"raw": 0, "page": 1, "header": 2}
 _ALIASES = {"head": "header", "header-centric": "header", "page-friendly": "page",
@@ -44,32 +44,34 @@ def layout_name(layout):
         name = _ALIASES.get(layout, layout)
         if name in LAYOUTS:
             return name
-    raise ValueError(f"unknown KV layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    raise InvalidArgumentError(f"unknown KV layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
 def _index(value, what):
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
 class KVCache:
     """KVCache(arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
-    first_slot=0, slots_per_layer=None, dtype="f32")
+    first_slot=0, slots_per_layer=None, dtype="f32", first_layer=0)
 
-    Layer l occupies arena slots [first_slot + l*slots_per_layer, ... + slots_per_layer); by
+    The cache holds the model's layers [first_layer, first_layer + n_layers) (a pipeline stage
+    holds only its own); its layer l, as every method here numbers them, is the model's
+    first_layer + l. Layer l occupies arena slots [first_slot + l*slots_per_layer, ... + slots_per_layer); by
     default the slots from first_slot to the end of the arena are shared equally by the layers.
     No memory is used until grow(pages) maps pages (the same number in every layer). `dtype` is
     how the values are stored: "f32", "f16" or "bf16".
     """
 
     def __init__(self, arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
-                 first_slot=0, slots_per_layer=None, dtype="f32"):
+                 first_slot=0, slots_per_layer=None, dtype="f32", first_layer=0):
         if not isinstance(arena, Arena):
-            raise TypeError(f"arena must be a gyges.Arena, got {type(arena).__name__}")
+            raise ArgumentTypeError(f"arena must be a gyges.Arena, got {type(arena).__name__}")
         if dtype not in KV_DTYPES:
-            raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {', '.join(KV_DTYPES)}")
+            raise InvalidArgumentError(f"unknown KV dtype {dtype!r}; expected one of {', '.join(KV_DTYPES)}")
         self.arena = arena
         self.value_dtype = dtype  # how values are stored; gather and write speak float32
         self.storage_dtype = KV_DTYPES[dtype]
@@ -77,16 +79,20 @@ class KVCache:
         n_layers, first_slot = _index(n_layers, "n_layers"), _index(first_slot, "first_slot")
         if slots_per_layer is None:
             if n_layers <= 0:
-                raise ValueError(f"n_layers must be positive, got {n_layers}")
+                raise InvalidArgumentError(f"n_layers must be positive, got {n_layers}")
             slots_per_layer = (arena.n_slots - first_slot) // n_layers
         self.n_layers = n_layers
         self.n_kv_heads = _index(n_kv_heads, "n_kv_heads")
         self.head_dim = _index(head_dim, "head_dim")
         self.block_size = _index(block_size, "block_size")
         self.dtype = np.dtype(np.float32)
+        # The model's layers [first_layer, first_layer + n_layers): a pipeline stage's cache
+        # holds its own layers only; its layer 0 is the model's first_layer.
+        self.first_layer = _index(first_layer, "first_layer")
         self._c = _C.KVCache(arena._c, LAYOUTS[self.layout_name], n_layers, self.n_kv_heads,
                              self.head_dim, self.block_size, self.storage_dtype.itemsize,
-                             first_slot, _index(slots_per_layer, "slots_per_layer"))
+                             first_slot, _index(slots_per_layer, "slots_per_layer"),
+                             self.first_layer)
         self.first_slot = first_slot
         self.slots_per_layer = slots_per_layer
 
@@ -158,14 +164,14 @@ class KVCache:
         to all of src's heads. The regions must not overlap; refused, copying nothing, for block
         ids that are not mapped, heads out of range or caches on different devices."""
         if not isinstance(src, KVCache):
-            raise TypeError(f"src must be a gyges.KVCache, got {type(src).__name__}")
+            raise ArgumentTypeError(f"src must be a gyges.KVCache, got {type(src).__name__}")
         dst_blocks = np.ascontiguousarray(dst_blocks, dtype=np.int32).ravel()
         src_blocks = np.ascontiguousarray(src_blocks, dtype=np.int32).ravel()
         if dst_blocks.size != src_blocks.size:
-            raise ValueError(f"{dst_blocks.size} destination blocks for {src_blocks.size} sources")
+            raise InvalidArgumentError(f"{dst_blocks.size} destination blocks for {src_blocks.size} sources")
         layers = range(self.n_layers) if layers is None else layers
         if not isinstance(layers, range) or layers.step != 1:
-            raise ValueError(f"layers must be a range with step 1, got {layers!r}")
+            raise InvalidArgumentError(f"layers must be a range with step 1, got {layers!r}")
         n_heads = src.n_kv_heads - src_head0 if n_heads is None else n_heads
         self._c.copy_heads(src._c, dst_blocks, src_blocks, _index(dst_head0, "dst_head0"),
                            _index(src_head0, "src_head0"), _index(n_heads, "n_heads"),
@@ -213,7 +219,7 @@ class KVCache:
     def _tokens(self, array, what):
         array = np.ascontiguousarray(array, dtype=self.dtype)
         if array.ndim != 3 or array.shape[1:] != (self.n_kv_heads, self.head_dim):
-            raise ValueError(f"{what} must have shape (tokens, {self.n_kv_heads}, "
+            raise InvalidArgumentError(f"{what} must have shape (tokens, {self.n_kv_heads}, "
                              f"{self.head_dim}), got {array.shape}")
         return array
 
@@ -221,7 +227,7 @@ class KVCache:
         """Stores k, v of shape (tokens, n_kv_heads, head_dim) at positions pos, pos+1, ..."""
         k, v = self._tokens(k, "k"), self._tokens(v, "v")
         if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+            raise InvalidArgumentError(f"k and v shapes differ: {k.shape} vs {v.shape}")
         self._c.write(_index(seq, "seq"), _index(layer, "layer"), _index(pos, "pos"), k, v)
 
     def gather(self, seq, layer, start=0, n=None):
@@ -232,7 +238,7 @@ class KVCache:
             n = max(self._c.seq_n_tokens(seq) - start, 0)
         n = _index(n, "n")
         if n < 0:
-            raise ValueError(f"n must not be negative, got {n}")
+            raise InvalidArgumentError(f"n must not be negative, got {n}")
         layer = _index(layer, "layer")
         if self.value_dtype != "f32" or not self.arena.host_accessible:
             return self._gather_copied(seq, layer, start, n)

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 REQUEST_FIELDS = ("arrival", "scheduled", "first_token", "finish", "input_tokens",
                   "output_tokens")
@@ -141,7 +141,7 @@ def throughput_timeseries(requests: np.ndarray, token_times: Sequence[np.ndarray
     times = _check_token_times(r, token_times)
     if isinstance(bin_seconds, bool) or not isinstance(bin_seconds, (int, float)) \
             or not math.isfinite(bin_seconds) or bin_seconds <= 0:
-        raise ValueError(f"bin_seconds must be a finite number > 0, got {bin_seconds!r}")
+        raise InvalidArgumentError(f"bin_seconds must be a finite number > 0, got {bin_seconds!r}")
     if start is None:
         start = float(r["arrival"].min()) if r["arrival"].size else 0.0
     flat = np.concatenate(times) if times else np.empty(0)
@@ -169,14 +169,14 @@ def _stats(name: str, x: np.ndarray, percentiles) -> dict:
 
 def _meets_slo(pr: np.ndarray, output_tokens: np.ndarray, slo: dict) -> np.ndarray:
     if not isinstance(slo, dict):
-        raise TypeError(f"slo must be a dict like {{'ttft': 2.0, 'tpot': 0.1}}, got {slo!r}")
+        raise ArgumentTypeError(f"slo must be a dict like {{'ttft': 2.0, 'tpot': 0.1}}, got {slo!r}")
     good = np.ones(pr.shape[0], dtype=bool)
     for key, limit in slo.items():
         if key not in SLO_KEYS:
-            raise ValueError(f"unknown SLO {key!r}; known SLOs: {list(SLO_KEYS)} (seconds)")
+            raise InvalidArgumentError(f"unknown SLO {key!r}; known SLOs: {list(SLO_KEYS)} (seconds)")
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) \
                 or math.isnan(limit) or limit < 0:
-            raise ValueError(f"SLO {key!r} must be a number of seconds >= 0, got {limit!r}")
+            raise InvalidArgumentError(f"SLO {key!r} must be a number of seconds >= 0, got {limit!r}")
         value = pr[key]
         if key == "tpot":
             value = np.where(output_tokens > 1, value, 0.0)
@@ -187,7 +187,7 @@ def _meets_slo(pr: np.ndarray, output_tokens: np.ndarray, slo: dict) -> np.ndarr
 def _check_requests(requests) -> dict:
     names = getattr(getattr(requests, "dtype", None), "names", None)
     if names is None:
-        raise TypeError(f"requests must be a NumPy structured array with fields "
+        raise ArgumentTypeError(f"requests must be a NumPy structured array with fields "
                         f"{REQUEST_FIELDS}, got {type(requests).__name__}")
     missing = [f for f in REQUEST_FIELDS if f not in names]
     if missing:
@@ -233,7 +233,7 @@ def _check_requests(requests) -> dict:
 def _check_token_times(r: dict, token_times) -> list:
     n = r["arrival"].shape[0]
     if isinstance(token_times, np.ndarray) and token_times.dtype != object:
-        raise TypeError("token_times must be a list with one 1-D array per request")
+        raise ArgumentTypeError("token_times must be a list with one 1-D array per request")
     if len(token_times) != n:
         raise MetricsError(f"token_times has {len(token_times)} entries for {n} requests")
     out = []

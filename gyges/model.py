@@ -10,6 +10,7 @@ worker's arena (gyges/weights.py) in the storage dtype it is asked for.
 """
 from . import checkpoint
 from .config import ModelConfig
+from .errors import ArgumentTypeError
 
 TINY_SEED = 20251121
 
@@ -17,7 +18,7 @@ TINY_SEED = 20251121
 class Model:
     def __init__(self, config, tensors):
         if not isinstance(config, ModelConfig):
-            raise TypeError("config must be a gyges.config.ModelConfig")
+            raise ArgumentTypeError("config must be a gyges.config.ModelConfig")
         checkpoint.check_tensors(config, tensors)
         self.config = config
         self.tensors = dict(tensors)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import metrics
+from .errors import DependencyError, InvalidArgumentError
 
 __all__ = ["Results", "REQUEST_DTYPE", "TIMELINE_DTYPE", "LAYOUT_DTYPE", "TRANSFORM_DTYPE",
            "STATUS"]
@@ -161,7 +162,7 @@ class Results:
         base = _base(path)
         meta = json.loads(base.with_suffix(".json").read_text())
         if meta.get("format") != "gyges.sim.results/1":
-            raise ValueError(f"{base.with_suffix('.json')}: not a gyges simulation result "
+            raise InvalidArgumentError(f"{base.with_suffix('.json')}: not a gyges simulation result "
                              f"(format {meta.get('format')!r})")
         with np.load(base.with_suffix(".npz")) as z:
             arrays = {k: z[k] for k in z.files}
@@ -184,7 +185,7 @@ class Results:
                 matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError("Results.plot needs matplotlib, which is not installed: "
+            raise DependencyError("Results.plot needs matplotlib, which is not installed: "
                               "pip install matplotlib") from None
         fig, axes = plt.subplots(3, 1, figsize=(10, 10), constrained_layout=True)
         t0 = float(self.requests["arrival"].min()) if self.requests.size else 0.0

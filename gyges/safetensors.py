@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, InvalidArgumentError
 
 __all__ = [
     "SafetensorsError", "TensorInfo", "Header", "read", "read_header", "write",
@@ -110,7 +110,7 @@ def _no_duplicate_keys(pairs: list) -> dict:
     out = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise InvalidArgumentError(f"duplicate key {key!r}")
         out[key] = value
     return out
 

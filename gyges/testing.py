@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import _C
+from .errors import InvalidArgumentError
 
 SITES = {"alloc": _C.FAULT_ALLOC, "page_create": _C.FAULT_PAGE_CREATE,
          "page_map": _C.FAULT_PAGE_MAP, "copy": _C.FAULT_COPY, "comm": _C.FAULT_COMM}
@@ -21,7 +22,7 @@ SITES = {"alloc": _C.FAULT_ALLOC, "page_create": _C.FAULT_PAGE_CREATE,
 
 def _site(site):
     if site not in SITES:
-        raise ValueError(f"unknown fault site {site!r}; expected one of {', '.join(SITES)}")
+        raise InvalidArgumentError(f"unknown fault site {site!r}; expected one of {', '.join(SITES)}")
     return SITES[site]
 
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import ArgumentTypeError, FormatError, InvalidArgumentError
 
 TRACE_DTYPE = np.dtype(
     [("arrival", "f8"), ("input_tokens", "i8"), ("output_tokens", "i8"), ("priority", "i4")]
@@ -59,7 +59,7 @@ def from_arrays(arrival, input_tokens, output_tokens, priority=0, sort: bool = F
     """
     arrival = np.asarray(arrival, dtype=np.float64)
     if arrival.ndim != 1:
-        raise ValueError(f"arrival must be 1-D, got shape {arrival.shape}")
+        raise InvalidArgumentError(f"arrival must be 1-D, got shape {arrival.shape}")
     n = arrival.shape[0]
     out = empty(n)
     out["arrival"] = arrival
@@ -114,7 +114,7 @@ def merge(traces: Sequence[np.ndarray]) -> np.ndarray:
 def _check_fields(trace) -> None:
     names = getattr(getattr(trace, "dtype", None), "names", None)
     if names is None:
-        raise TypeError(f"a trace must be a NumPy structured array with fields "
+        raise ArgumentTypeError(f"a trace must be a NumPy structured array with fields "
                         f"{TRACE_DTYPE.names}, got {type(trace).__name__}")
     missing = [f for f in TRACE_DTYPE.names if f not in names]
     if missing:
@@ -536,9 +536,9 @@ def time_varying(rates: Sequence[float], period: float, duration: float | None =
     """
     rates = np.asarray(rates, dtype=np.float64)
     if rates.ndim != 1 or rates.size == 0:
-        raise ValueError(f"rates must be a non-empty list of requests/s, got {rates!r}")
+        raise InvalidArgumentError(f"rates must be a non-empty list of requests/s, got {rates!r}")
     if not np.all(np.isfinite(rates)) or np.any(rates < 0) or not np.any(rates > 0):
-        raise ValueError(f"rates must be finite, >= 0 and not all 0, got {rates.tolist()}")
+        raise InvalidArgumentError(f"rates must be finite, >= 0 and not all 0, got {rates.tolist()}")
     _check_positive("period", period)
     duration, n = _check_stop(duration, n)
     ss_arr, ss_in, ss_out = _seedseq(seed).spawn(3)
@@ -575,20 +575,20 @@ def mixture(classes: Sequence[dict], duration: float, seed=0, start: float = 0.0
     first request is at `start`. Class k uses the k-th stream spawned from `seed`.
     """
     if isinstance(classes, dict) or not len(classes):
-        raise ValueError("classes must be a non-empty list of dicts")
+        raise InvalidArgumentError("classes must be a non-empty list of dicts")
     _check_positive("duration", duration)
     allowed = {"rate_per_min", "rate", "burstiness", "input_tokens", "output_tokens",
                "priority"}
     parts = []
     for k, (cls, ss) in enumerate(zip(classes, _seedseq(seed).spawn(len(classes)))):
         if not isinstance(cls, dict):
-            raise ValueError(f"class {k} must be a dict, got {cls!r}")
+            raise InvalidArgumentError(f"class {k} must be a dict, got {cls!r}")
         unknown = set(cls) - allowed
         if unknown:
-            raise ValueError(f"class {k}: unknown key(s) {sorted(unknown)}; "
+            raise InvalidArgumentError(f"class {k}: unknown key(s) {sorted(unknown)}; "
                              f"allowed: {sorted(allowed)}")
         if ("rate" in cls) == ("rate_per_min" in cls):
-            raise ValueError(f"class {k}: give exactly one of 'rate' (per s) or 'rate_per_min'")
+            raise InvalidArgumentError(f"class {k}: give exactly one of 'rate' (per s) or 'rate_per_min'")
         rate = cls["rate"] if "rate" in cls else cls["rate_per_min"] / 60.0
         _check_positive(f"class {k} rate", rate)
         burstiness = cls.get("burstiness", 1.0)
@@ -629,7 +629,7 @@ def flying_alternating(duration: float, seed=0, low=(2.0, 5.0), high=(10.0, 30.0
     _check_positive("period", period)
     for name, rng_ in (("low", low), ("high", high)):
         if len(rng_) != 2 or not 0 < rng_[0] <= rng_[1]:
-            raise ValueError(f"{name} must be a (min, max) rate range with 0 < min <= max, "
+            raise InvalidArgumentError(f"{name} must be a (min, max) rate range with 0 < min <= max, "
                              f"got {rng_!r}")
     ss_rates, ss_trace = _seedseq(seed).spawn(2)
     rng = np.random.default_rng(ss_rates)
@@ -643,25 +643,25 @@ def _seedseq(seed) -> np.random.SeedSequence:
     if isinstance(seed, np.random.SeedSequence):
         return seed
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        raise InvalidArgumentError(f"seed must be a non-negative int, got {seed!r}")
     return np.random.SeedSequence(int(seed))
 
 
 def _check_positive(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
             or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        raise InvalidArgumentError(f"{name} must be a finite number > 0, got {v!r}")
 
 
 def _check_stop(duration, n):
     if duration is None and n is None:
-        raise ValueError("give duration (seconds), n (requests) or both")
+        raise InvalidArgumentError("give duration (seconds), n (requests) or both")
     if duration is not None:
         _check_positive("duration", duration)
         duration = float(duration)
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+            raise InvalidArgumentError(f"n must be an int >= 0, got {n!r}")
         n = int(n)
     return duration, n
 
@@ -701,30 +701,30 @@ def _renewal(rng, rate, burstiness, duration, n, first_at_zero: bool) -> np.ndar
 
 def _draw_lengths(spec, rng, n: int, name: str) -> np.ndarray:
     if isinstance(spec, (bool, np.bool_)):
-        raise ValueError(f"{name} must be an int, a (low, high) tuple or a callable, got {spec!r}")
+        raise InvalidArgumentError(f"{name} must be an int, a (low, high) tuple or a callable, got {spec!r}")
     if isinstance(spec, (int, np.integer)):
         if spec < 1:
-            raise ValueError(f"{name} must be >= 1, got {spec}")
+            raise InvalidArgumentError(f"{name} must be >= 1, got {spec}")
         return np.full(n, int(spec), dtype=np.int64)
     if isinstance(spec, tuple) and len(spec) == 2:
         low, high = spec
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in spec) \
                 or not 1 <= low <= high:
-            raise ValueError(f"{name} range must be two ints with 1 <= low <= high, got {spec!r}")
+            raise InvalidArgumentError(f"{name} range must be two ints with 1 <= low <= high, got {spec!r}")
         return rng.integers(low, high, size=n, endpoint=True, dtype=np.int64)
     if callable(spec):
         v = np.asarray(spec(rng, n))
         if v.shape != (n,):
-            raise ValueError(f"{name} callable returned shape {v.shape}, expected ({n},)")
+            raise InvalidArgumentError(f"{name} callable returned shape {v.shape}, expected ({n},)")
         if v.dtype.kind == "f" and (not np.all(np.isfinite(v)) or np.any(v != np.round(v))):
-            raise ValueError(f"{name} callable returned non-integer lengths, e.g. "
+            raise InvalidArgumentError(f"{name} callable returned non-integer lengths, e.g. "
                              f"{v[v != np.round(v)][:3]}")
         if v.dtype.kind not in "iuf":
-            raise ValueError(f"{name} callable returned dtype {v.dtype}, expected integers")
+            raise InvalidArgumentError(f"{name} callable returned dtype {v.dtype}, expected integers")
         if n and v.min() < 1:
-            raise ValueError(f"{name} callable returned a length < 1: {v.min()}")
+            raise InvalidArgumentError(f"{name} callable returned a length < 1: {v.min()}")
         return v.astype(np.int64)
-    raise ValueError(f"{name} must be an int, a (low, high) tuple or a callable(rng, n), "
+    raise InvalidArgumentError(f"{name} must be an int, a (low, high) tuple or a callable(rng, n), "
                      f"got {spec!r}")
 
 
@@ -805,7 +805,7 @@ def fit(trace: np.ndarray, max_model_len: int, max_input: int | None = None,
     if max_output is not None:
         _check_min("max_output", max_output, 1)
     if mode not in ("clip", "drop"):
-        raise ValueError(f"mode must be 'clip' or 'drop', got {mode!r}")
+        raise InvalidArgumentError(f"mode must be 'clip' or 'drop', got {mode!r}")
     inp, out = trace["input_tokens"], trace["output_tokens"]
     if mode == "drop":
         ok = inp + out <= max_model_len
@@ -828,7 +828,7 @@ def fit(trace: np.ndarray, max_model_len: int, max_input: int | None = None,
 
 def _check_min(name, v, low) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        raise InvalidArgumentError(f"{name} must be an int >= {low}, got {v!r}")
 
 
 def summary(trace: np.ndarray) -> dict:

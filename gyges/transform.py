@@ -1163,7 +1163,7 @@ def _unstage_device(host, tr, moved, stages, worker_of, rank_worker, seq_of, m, 
                     continue
                 table = kv.block_table(seq_of[w][rid])
                 if len(table) != len(tabs[rank]):
-                    raise AssertionError(f"request {rid}: {len(table)} new blocks for "
+                    raise TransformError(f"request {rid}: {len(table)} new blocks for "
                                          f"{len(tabs[rank])} staged ones")
                 dst.append(table)
                 src.append(np.arange(first[rid], first[rid] + len(table)))

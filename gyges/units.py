@@ -1,5 +1,6 @@
 """Byte sizes written the way people write them: 64MiB, 2 MiB, 4096, "1.5GiB"."""
 import re
+from .errors import InvalidArgumentError
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "k": 1 << 10, "m": 1 << 20,
@@ -11,19 +12,19 @@ def parse_size(value, what="size"):
     """Returns a byte count from an int or a string such as '64KiB'; raises ValueError naming
     `what` for anything else (negative, fractional bytes, unknown unit)."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a byte count, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a byte count, got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{what} must not be negative, got {value}")
+            raise InvalidArgumentError(f"{what} must not be negative, got {value}")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"{what} must be an int or a string like '64MiB', got {value!r}")
+        raise InvalidArgumentError(f"{what} must be an int or a string like '64MiB', got {value!r}")
     match = _PATTERN.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what} {value!r} is not a size like '64MiB', '2 MiB' or '4096'")
+        raise InvalidArgumentError(f"{what} {value!r} is not a size like '64MiB', '2 MiB' or '4096'")
     number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if number != int(number):
-        raise ValueError(f"{what} {value!r} is not a whole number of bytes")
+        raise InvalidArgumentError(f"{what} {value!r} is not a whole number of bytes")
     return int(number)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .arena import Arena
 from .config import ModelConfig
-from .errors import OutOfMemoryError
+from .errors import ArgumentTypeError, InvalidArgumentError, OutOfMemoryError
 from .safetensors import f32_to_bf16
 
 DTYPES = {"f32": (np.float32, 4, 0), "bf16": (np.uint16, 2, 2), "f16": (np.float16, 2, 1)}
@@ -86,15 +86,15 @@ class ModelWeights:
 
     def __init__(self, arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True):
         if not isinstance(arena, Arena):
-            raise TypeError("arena must be a gyges.Arena")
+            raise ArgumentTypeError("arena must be a gyges.Arena")
         if not isinstance(config, ModelConfig):
-            raise TypeError("config must be a gyges.config.ModelConfig")
+            raise ArgumentTypeError("config must be a gyges.config.ModelConfig")
         if dtype not in DTYPES:
-            raise ValueError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+            raise InvalidArgumentError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         if max_tp < 1 or max_tp & (max_tp - 1):
-            raise ValueError(f"max_tp must be a power of two, got {max_tp}")
+            raise InvalidArgumentError(f"max_tp must be a power of two, got {max_tp}")
         if config.intermediate_size % max_tp:
-            raise ValueError(f"intermediate_size {config.intermediate_size} is not divisible by "
+            raise InvalidArgumentError(f"intermediate_size {config.intermediate_size} is not divisible by "
                              f"max_tp={max_tp}")
         self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
         self._host = tensors  # the host copy, for restoring dropped shards
@@ -109,7 +109,7 @@ class ModelWeights:
         plan = []
         for name in replicated_names(config):
             if name not in tensors:
-                raise KeyError(f"tensor {name!r} is missing")
+                raise InvalidArgumentError(f"tensor {name!r} is missing")
             array = tensors[name]
             stored = dtype if _is_matrix(name) else "f32"
             nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
@@ -145,7 +145,7 @@ class ModelWeights:
             layer = {}
             for kind in FFN_KINDS:
                 if mats[kind].shape != (inter, hidden):
-                    raise ValueError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
+                    raise InvalidArgumentError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
                                      f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
                 shards = []
                 arena.grow(slot, self.tensor_slots, "weights")
@@ -176,7 +176,7 @@ class ModelWeights:
                 f"{self.page_size:,}) but only {free:,} of the arena's {stats['budget_bytes']:,} "
                 f"are free")
         if first_slot < 0 or first_slot + n_slots > self.arena.n_slots:
-            raise ValueError(f"the weights need slots [{first_slot}, {first_slot + n_slots}) but "
+            raise InvalidArgumentError(f"the weights need slots [{first_slot}, {first_slot + n_slots}) but "
                              f"the arena has {self.arena.n_slots}")
 
     def _store(self, offset, array, stored):
@@ -190,7 +190,7 @@ class ModelWeights:
     def shard_slots_of(self, layer, kind, shard):
         """The slots a padded shard owns alone (what a TP worker unmaps when it drops it)."""
         if not self.pad:
-            raise ValueError("unpadded shards share pages; they cannot be released one by one")
+            raise InvalidArgumentError("unpadded shards share pages; they cannot be released one by one")
         first = self.ffn[layer][kind][shard][0] // self.page_size
         return range(first, first + self.shard_slots)
 
@@ -203,7 +203,7 @@ class ModelWeights:
         worker keeps its own shards; no byte is copied). Returns the bytes given back."""
         keep = set(keep)
         if not keep <= self.held:
-            raise ValueError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
+            raise InvalidArgumentError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
         before = self.arena.stats()["bytes_in_use"]
         for layer in range(self.config.num_hidden_layers):
             self.drop_layer_shards(layer, keep)
@@ -224,11 +224,11 @@ class ModelWeights:
         pages with the others, so each tensor's kept shards are copied to the front of its pages
         and the pages past them are released. Returns (bytes copied, bytes released)."""
         if self.pad:
-            raise ValueError("partial_swap is for unpadded weights; padded shards are released "
+            raise InvalidArgumentError("partial_swap is for unpadded weights; padded shards are released "
                              "page by page (drop_shards)")
         keep = sorted(set(keep))
         if not set(keep) <= self.held:
-            raise ValueError(f"cannot keep FFN shards {sorted(set(keep) - self.held)}: not held")
+            raise InvalidArgumentError(f"cannot keep FFN shards {sorted(set(keep) - self.held)}: not held")
         elem = DTYPES[self.dtype][1]
         shard_bytes = self.shard_rows * self.config.hidden_size * elem
         copied = released = 0
@@ -305,7 +305,7 @@ class ModelWeights:
         for shard in sorted(set(shards) - self.held):
             peer = source(shard) if source is not None else None
             if peer is not None and shard not in peer.held:
-                raise ValueError(f"the peer does not hold FFN shard {shard}")
+                raise InvalidArgumentError(f"the peer does not hold FFN shard {shard}")
         copied = sum(self.restore_layer_shards(layer, shards, source)
                      for layer in range(self.config.num_hidden_layers))
         self.finish_layer_restores(shards)

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _C
 from .arena import BACKENDS, Arena
-from .errors import UnavailableError
+from .errors import InvalidArgumentError, UnavailableError
 from .kv_cache import KVCache, layout_name
 from .units import parse_size
 from .weights import DTYPES, ModelWeights
@@ -55,14 +55,14 @@ class Worker:
                  backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None):
         config = model.config
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+            raise InvalidArgumentError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if weight_dtype not in DTYPES:
-            raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of "
+            raise InvalidArgumentError(f"unknown weight dtype {weight_dtype!r}; expected one of "
                              f"{', '.join(DTYPES)}")
         # The CPU kernels keep fp32 KV; the CUDA ones the activation (= weight) dtype, or fp32.
         kv_dtype = kv_dtype or ("f32" if backend == "cpu" else weight_dtype)
         if kv_dtype not in ("f32", weight_dtype) or (backend == "cpu" and kv_dtype != "f32"):
-            raise ValueError(f"kv_dtype {kv_dtype!r} does not fit the {backend} backend with "
+            raise InvalidArgumentError(f"kv_dtype {kv_dtype!r} does not fit the {backend} backend with "
                              f"{weight_dtype} weights (use f32" +
                              (f" or {weight_dtype})" if backend == "cuda" else ")"))
         self.config = config
@@ -92,6 +92,7 @@ class Worker:
         self.threads, self.weight_dtype = (threads if backend == "cpu" else 1), weight_dtype
         self.block_size, self.kv_layout = block_size, layout_name(kv_layout)
         self.tp_size, self.tp_rank = 1, 0
+        self.layers = (0, config.num_hidden_layers)  # the layers its KV cache holds
         self.kv = self._new_kv(1)
         self.c_model = self._new_c_model()
         if tp_size > 1:
@@ -103,13 +104,14 @@ class Worker:
         old one still holds its data."""
         config = self.config
         first = self.weights.end_slot
-        per_layer = (self.arena.n_slots - first) // (2 * config.num_hidden_layers)
+        n_layers = self.layers[1] - self.layers[0]
+        per_layer = (self.arena.n_slots - first) // (2 * n_layers)
         self.kv_region = region
-        return KVCache(self.arena, n_layers=config.num_hidden_layers,
+        return KVCache(self.arena, n_layers=n_layers,
                        n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
                        block_size=self.block_size, layout=self.kv_layout,
-                       first_slot=first + region * per_layer * config.num_hidden_layers,
-                       slots_per_layer=per_layer, dtype=self.kv_dtype)
+                       first_slot=first + region * per_layer * n_layers,
+                       slots_per_layer=per_layer, dtype=self.kv_dtype, first_layer=self.layers[0])
 
     def _new_c_model(self, shards=None, pending=False):
         config = self.config
@@ -139,10 +141,10 @@ class Worker:
         and its KV cache holds only its KV heads."""
         config = self.config
         if config.num_key_value_heads % tp_size or self.max_tp % tp_size:
-            raise ValueError(f"TP{tp_size} does not divide {config.num_key_value_heads} KV heads "
+            raise InvalidArgumentError(f"TP{tp_size} does not divide {config.num_key_value_heads} KV heads "
                              f"and {self.max_tp} FFN shards")
         if self.kv.stats()["n_sequences"]:
-            raise ValueError("the worker still holds requests; transform it instead")
+            raise InvalidArgumentError("the worker still holds requests; transform it instead")
         if self.weights.pad:
             self.weights.drop_shards(self.owned_shards(tp_size, tp_rank))
         else:
@@ -153,10 +155,25 @@ class Worker:
         self.kv = self._new_kv(tp_size)
         self.c_model = self._new_c_model()
 
+    def join_stage(self, first, end):
+        """Becomes a pipeline stage running layers [first, end) (while it holds no KV): its KV
+        cache holds those layers only. (Its weights stay whole for now: per-layer weight runs,
+        to drop the others, are the next step of the execution plans.)"""
+        n = self.config.num_hidden_layers
+        if not 0 <= first < end <= n:
+            raise InvalidArgumentError(f"a stage runs layers [first, end) within [0, {n}), got "
+                                       f"[{first}, {end})")
+        if self.kv.stats()["n_sequences"]:
+            raise InvalidArgumentError("the worker still holds requests; it cannot change layers")
+        if self.kv.n_blocks:
+            self.kv.shrink(self.kv.stats()["pages_per_layer"])
+        self.layers = (first, end)
+        self.kv = self._new_kv(self.tp_size)
+
     def kv_pages_free(self):
-        """Pages of the budget not in use, as whole KV pages across all layers."""
+        """Pages of the budget not in use, as whole KV pages across the cache's layers."""
         s = self.arena.stats()
-        return (s["budget_bytes"] - s["bytes_in_use"]) // self.page_size // self.config.num_hidden_layers
+        return (s["budget_bytes"] - s["bytes_in_use"]) // self.page_size // self.kv.n_layers
 
     def forward(self, tokens, token_seq, token_pos, block_tables, logit_rows):
         """One forward pass (TP1) over tokens of several sequences; returns the logits of

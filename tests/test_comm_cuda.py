@@ -167,6 +167,69 @@ def test_shm_refuses_a_mismatched_all_to_all_on_the_receiver():
     assert (recv[0][1] == 2).all() and (recv[1][1] == 2).all()  # the other pairs moved
 
 
+def test_shm_send_recv_passes_a_pipeline_of_stages_in_order():
+    """Hidden states through a pipeline: rank r receives from r - 1, adds, sends to r + 1; two
+    messages of different sizes per step, so order within a pair matters."""
+    size, steps = 4, 6
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(17 * (k + 1)).astype(np.float32) for k in range(steps)]
+    got = []
+    comm = _C.Comm(size)
+
+    def rank(r):
+        for k, x in enumerate(inputs):
+            buf = x.copy() if r == 0 else np.empty_like(x)
+            tag = np.empty(1, np.int64) if r else np.array([k], np.int64)
+            if r > 0:
+                comm.recv(r, r - 1, tag)
+                comm.recv(r, r - 1, buf)
+                buf += np.float32(r)
+            if r + 1 < size:
+                comm.send(r, r + 1, tag)
+                comm.send(r, r + 1, buf)
+            else:
+                got.append((int(tag[0]), buf))
+
+    run_ranks(size, rank)
+    assert [k for k, _ in got] == list(range(steps))
+    for (_, y), x in zip(got, inputs):
+        want = x.copy()
+        for r in range(1, size):
+            want += np.float32(r)  # the same float32 adds in the same order
+        assert y.tobytes() == want.tobytes()
+    stats = comm.stats()
+    moved = sum(8 + x.nbytes for x in inputs)
+    assert stats["calls"] == 2 * steps * (size - 1)
+    assert stats["bytes_sent"] == [moved] * (size - 1) + [0]
+    assert stats["bytes_received"] == [0] + [moved] * (size - 1)
+
+
+def test_shm_send_recv_of_another_size_fails_both_ranks():
+    comm = _C.Comm(2)
+    out = np.full(8, 7, np.uint8)
+
+    def rank(r):
+        try:
+            if r == 0:
+                comm.send(0, 1, np.arange(4, dtype=np.uint8))
+            else:
+                comm.recv(1, 0, out)
+        except InvalidArgumentError as error:
+            return str(error)
+
+    messages = run_ranks(2, rank)
+    assert "rank 0 sends 4 bytes to rank 1, which expects 8" in messages[0]
+    assert "rank 1 expects 8 bytes from rank 0, which sends 4" in messages[1]
+    assert (out == 7).all()
+    assert comm.stats()["calls"] == 0
+    with pytest.raises(InvalidArgumentError, match="cannot exchange with rank 0"):
+        comm.send(0, 0, out)
+    with pytest.raises(InvalidArgumentError, match="needs 9"):
+        comm.recv(1, 0, out, 9)
+    with pytest.raises(TypeError, match="writable"):
+        comm.recv(1, 0, out.tobytes())
+
+
 def test_shm_python_arguments_are_checked_before_the_ranks_meet():
     comm = _C.Comm(2)
     x = np.zeros(4, np.float32)
@@ -513,6 +576,47 @@ def test_d2d_collectives_in_a_loop_with_barriers():
     want = np.full(n, 4.0 ** rounds, np.float32).tobytes()
     assert all(mem.read(r, bufs[r], n * 4).tobytes() == want for r in range(size))
     assert comm.stats()["calls"] == rounds
+
+
+def check_send_recv_chain(comm, mem, rounds=8, seed=9):
+    """Round k moves a block of bytes from rank 0 through every rank to the last, each hop
+    receiving into its one device buffer and sending from it at once, with no host wait."""
+    size = comm.size
+    rng = np.random.default_rng(seed)
+    cap = 1 << 16
+    bufs = [mem.alloc(r, cap) for r in range(size)]
+    data = [rng.integers(0, 256, int(rng.integers(1, cap)), dtype=np.uint8) for _ in range(rounds)]
+
+    def rank(r):
+        for k, x in enumerate(data):
+            if r == 0:
+                mem.write(0, bufs[0], x)
+            else:
+                comm.recv(r, r - 1, bufs[r], x.nbytes)
+            if r + 1 < size:
+                comm.send(r, r + 1, bufs[r], x.nbytes)
+            else:
+                got[k] = mem.read(r, bufs[r], x.nbytes)  # in the order of the rank's stream
+        comm.synchronize(r)
+
+    got = [None] * rounds
+    run_ranks(size, rank)
+    for k, x in enumerate(data):
+        assert got[k].tobytes() == x.tobytes()
+
+
+@needs_gpu
+@pytest.mark.parametrize("size", [2, 4])
+def test_d2d_send_recv_chain(size):
+    comm = make_comm(size, "d2d")
+    check_send_recv_chain(comm, RankMemory(comm, 1 << 20))
+
+
+@needs_gpus(2)
+def test_nccl_send_recv_chain():
+    size = min(GPUS, 4) if GPUS != 3 else 2
+    comm = _C.Comm(size, "nccl", list(range(size)))
+    check_send_recv_chain(comm, RankMemory(comm, 1 << 20))
 
 
 @needs_gpu

@@ -168,7 +168,7 @@ def test_gyges_serves_everything_with_transformations(model):
     # the layout events replay to the final layout
     alive = res.layout_at(math.inf)
     assert sum(tp for _, tp in alive) == 4
-    assert res.stats["final_layout"] == gyges.host.layout_string([tp for _, tp in alive])
+    assert res.stats["final_layout"] == gyges.host.layout_string([f"TP{tp}" for _, tp in alive])
     # every step was measured with a batch shape
     st = res.steps
     assert st.size > 0 and np.all(st["seconds"] > 0) and np.all(st["n_tokens"] >= st["n_seqs"])

@@ -19,16 +19,23 @@ def prompts(n, seed=0, lo=4, hi=60):
 
 
 def test_layouts_parse_and_print():
-    assert parse_layout("4xTP1", 4) == [(0, 1), (1, 1), (2, 1), (3, 1)]
-    assert parse_layout("TP2+2xTP1", 4) == [(0, 2), (2, 1), (3, 1)]
-    assert parse_layout("2xTP1+TP2", 4) == [(0, 1), (1, 1), (2, 2)]
-    assert parse_layout("1xTP4", 4) == [(0, 4)]
-    assert layout_string([1, 1, 2]) == "2xTP1+TP2"
-    assert layout_string([4]) == "TP4"
+    assert parse_layout("4xTP1", 4, 4) == [(0, 1, None), (1, 1, None), (2, 1, None), (3, 1, None)]
+    assert parse_layout("TP2+2xTP1", 4, 4) == [(0, 2, None), (2, 1, None), (3, 1, None)]
+    assert parse_layout("2xTP1+TP2", 4, 4) == [(0, 1, None), (1, 1, None), (2, 2, None)]
+    assert parse_layout("1xTP4", 4, 4) == [(0, 4, None)]
+    assert parse_layout("PP2", 2, 4) == [(0, 1, (2, 2))]
+    assert parse_layout("PP3", 3, 4) == [(0, 1, (2, 1, 1))]  # uneven: the first stages get more
+    assert parse_layout("PP[3,1]+TP2", 4, 4) == [(0, 1, (3, 1)), (2, 2, None)]
+    assert parse_layout("2xPP[1,3]", 4, 4) == [(0, 1, (1, 3)), (2, 1, (1, 3))]
+    assert layout_string(["TP1", "TP1", "TP2"]) == "2xTP1+TP2"
+    assert layout_string(["TP4"]) == "TP4"
+    assert layout_string(["PP[3,1]", "TP1", "TP1"]) == "PP[3,1]+2xTP1"
     for bad, match in (("TP1+TP2+TP1", "aligned"), ("3xTP1", "covers 3"), ("TP3+TP1", "powers"),
-                       ("4xPP1", "not like"), ("2xTP2+TP1", "covers 5")):
-        with pytest.raises(ValueError, match=match):
-            parse_layout(bad, 4)
+                       ("4xPP1", "2 to 4 stages"), ("2xTP2+TP1", "covers 5"), ("PP5", "2 to 4"),
+                       ("PP[3,2]", "adding up to the model's 4"), ("PP[4,0]", "at least one"),
+                       ("PP[4]", "2 to 8 stages"), ("PP[2,2", "not like"), ("QQ2", "not like")):
+        with pytest.raises(gyges.InvalidArgumentError, match=match):
+            parse_layout(bad, 4, 4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

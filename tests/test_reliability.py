@@ -254,7 +254,7 @@ def test_the_lock_is_reentrant_and_granted_in_turn():
     for t in waiters:
         t.join()
     assert order == [0, 1, 2, 3, 4]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(gyges.StateError):
         lock.release()
 
 

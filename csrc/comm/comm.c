@@ -154,6 +154,7 @@ void gy_comm_reset(gy_comm *c) {
     c->waiting = 0;
     c->generation++;
     c->abort_reason[0] = '\0';
+    memset(c->posts, 0, sizeof c->posts); /* an abort may have left a message half-way */
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -244,6 +245,128 @@ gy_status gy_comm_all_to_all(gy_comm *c, int32_t rank, void *const *recv, const 
     return c->ops->all_to_all(c, rank, recv, recv_bytes, send, send_bytes);
 }
 
+/* The peer of a send or receive: another rank of the communicator. Refused on the caller only:
+ * no rank waits for a pairing that names a rank which does not exist. */
+static gy_status gy_comm_check_peer(const gy_comm *c, int32_t rank, int32_t peer, const char *what) {
+    if (peer < 0 || peer >= c->size || peer == rank)
+        return GY_FAIL(GY_ERR_INVALID, "%s: rank %d cannot exchange with rank %d in a "
+                       "communicator of %d", what, (int)rank, (int)peer, (int)c->size);
+    return GY_OK;
+}
+
+/* A size or buffer the caller got wrong is carried to the peer, so both fail. */
+static gy_status gy_comm_check_message(const void *buf, int64_t bytes, const char *what) {
+    if (bytes < 0) return GY_FAIL(GY_ERR_INVALID, "%s of %lld bytes", what, (long long)bytes);
+    if (bytes > 0 && buf == NULL) return GY_FAIL(GY_ERR_INVALID, "%s: NULL buffer", what);
+    return GY_OK;
+}
+
+gy_status gy_comm_send(gy_comm *c, int32_t rank, int32_t peer, const void *buf, int64_t bytes) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    GY_TRY(gy_comm_check_peer(c, rank, peer, "send"));
+    GY_TRY(gy_comm_enter(c, rank, "send"));
+    return c->ops->send(c, rank, peer, buf, bytes, gy_comm_check_message(buf, bytes, "send"));
+}
+
+gy_status gy_comm_recv(gy_comm *c, int32_t rank, int32_t peer, void *buf, int64_t bytes) {
+    GY_TRY(gy_comm_check_rank(c, rank));
+    GY_TRY(gy_comm_check_peer(c, rank, peer, "receive"));
+    GY_TRY(gy_comm_enter(c, rank, "receive"));
+    return c->ops->recv(c, rank, peer, buf, bytes, gy_comm_check_message(buf, bytes, "receive"));
+}
+
+/* ---- the host side of a message (comm_backend.h) ---- */
+
+gy_status gy_comm_post_send(gy_comm *c, int32_t rank, int32_t peer, const void *buf,
+                            int64_t bytes, void *event, gy_status status, void **reply) {
+    gy_comm_post *p = &c->posts[rank][peer];
+    if (reply != NULL) *reply = NULL;
+    pthread_mutex_lock(&c->lock);
+    gy_status s = status;
+    if (c->aborted) {
+        if (s == GY_OK) s = gy_comm_aborted_status(c);
+        pthread_mutex_unlock(&c->lock);
+        return s;
+    }
+    p->buf = buf;
+    p->bytes = bytes;
+    p->event = event;
+    p->sender = status;
+    const uint64_t n = ++p->posted;
+    pthread_cond_broadcast(&c->cond);
+    while (p->taken < n && !c->aborted) pthread_cond_wait(&c->cond, &c->lock);
+    if (s != GY_OK) {
+        /* our own failure, already described */
+    } else if (p->taken < n) {
+        s = gy_comm_aborted_status(c);
+    } else if (p->receiver != GY_OK && p->expected != bytes) {
+        s = GY_FAIL(GY_ERR_INVALID,
+                    "rank %d sends %lld bytes to rank %d, which expects %lld (nothing was moved)",
+                    (int)rank, (long long)bytes, (int)peer, (long long)p->expected);
+    } else if (p->receiver != GY_OK) {
+        s = GY_FAIL(p->receiver, "rank %d's receive of this send from rank %d failed (see its "
+                    "error)", (int)peer, (int)rank);
+    } else if (reply != NULL) {
+        *reply = p->reply;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return s;
+}
+
+void gy_comm_post_ack(gy_comm *c, int32_t rank, int32_t peer) {
+    gy_comm_post *p = &c->posts[rank][peer];
+    pthread_mutex_lock(&c->lock);
+    if (p->acked < p->taken) p->acked++;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+gy_status gy_comm_post_take(gy_comm *c, int32_t rank, int32_t peer, int64_t bytes,
+                            gy_status status, gy_comm_post *post) {
+    gy_comm_post *p = &c->posts[peer][rank];
+    pthread_mutex_lock(&c->lock);
+    while (p->posted == p->taken && !c->aborted) pthread_cond_wait(&c->cond, &c->lock);
+    gy_status s = status;
+    if (p->posted == p->taken) {
+        if (s == GY_OK) s = gy_comm_aborted_status(c);
+        pthread_mutex_unlock(&c->lock);
+        return s;
+    }
+    p->expected = bytes;
+    *post = *p;
+    pthread_mutex_unlock(&c->lock);
+    if (s != GY_OK) return s;
+    if (post->sender != GY_OK)
+        return GY_FAIL(post->sender, "rank %d's send to rank %d failed (see its error)",
+                       (int)peer, (int)rank);
+    if (post->bytes != bytes)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "rank %d expects %lld bytes from rank %d, which sends %lld (nothing was "
+                       "moved)",
+                       (int)rank, (long long)bytes, (int)peer, (long long)post->bytes);
+    return GY_OK;
+}
+
+gy_status gy_comm_post_finish(gy_comm *c, int32_t rank, int32_t peer, gy_status verdict,
+                              void *reply) {
+    gy_comm_post *p = &c->posts[peer][rank];
+    pthread_mutex_lock(&c->lock);
+    gy_status s = verdict;
+    if (p->posted == p->taken) { /* take found nothing: aborted */
+        if (s == GY_OK) s = gy_comm_aborted_status(c);
+        pthread_mutex_unlock(&c->lock);
+        return s;
+    }
+    p->receiver = verdict;
+    p->reply = reply;
+    const uint64_t n = ++p->taken;
+    pthread_cond_broadcast(&c->cond);
+    while (p->acked < n && !c->aborted) pthread_cond_wait(&c->cond, &c->lock);
+    if (s == GY_OK && p->acked < n) s = gy_comm_aborted_status(c);
+    pthread_mutex_unlock(&c->lock);
+    return s;
+}
+
 gy_status gy_comm_rank_all_reduce(void *ctx, float *buf, int64_t n) {
     gy_comm_rank *r = ctx;
     return gy_comm_all_reduce(r->comm, r->rank, buf, n);
@@ -275,6 +398,11 @@ void gy_comm_count_received(gy_comm *c, int32_t rank, int32_t src, int64_t bytes
 
 void gy_comm_count_call(gy_comm *c, int32_t rank) {
     if (rank == 0) gy_comm_count(&c->stats.calls, 1);
+}
+
+void gy_comm_count_message(gy_comm *c, int32_t rank, int32_t src, int64_t bytes) {
+    gy_comm_count_received(c, rank, src, bytes);
+    gy_comm_count(&c->stats.calls, 1);
 }
 
 void gy_comm_stats_get(const gy_comm *c, gy_comm_stats *out) { *out = c->stats; }

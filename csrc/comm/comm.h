@@ -40,7 +40,8 @@
  * Stats (every backend): calls (counted once per collective, by rank 0) and the bytes each rank
  * sent to and received from other ranks. An all-reduce of n floats counts what a ring would move,
  * 2 * (size - 1) / size * 4n bytes each way per rank; an all-gather of b bytes, (size - 1) * b;
- * an all-to-all, the bytes between distinct ranks. Barriers are not counted. */
+ * an all-to-all, the bytes between distinct ranks; a send, its bytes (counted once a call, by
+ * the receiver). Barriers are not counted. */
 #ifndef GY_COMM_COMM_H
 #define GY_COMM_COMM_H
 
@@ -131,6 +132,18 @@ gy_status gy_comm_all_gather(gy_comm *comm, int32_t rank, void *out, const void 
 gy_status gy_comm_all_to_all(gy_comm *comm, int32_t rank, void *const *recv,
                              const int64_t *recv_bytes, const void *const *send,
                              const int64_t *send_bytes);
+
+/* Point to point, for hidden states between pipeline stages: `rank` sends `bytes` bytes of
+ * `buf` to `peer`, which calls gy_comm_recv(comm, peer, rank, out, bytes). Only the two ranks
+ * meet (the others carry on with their own work); the messages of one pair arrive in the order
+ * they were sent. Like a collective, a call has finished on shm when it returns; on a device
+ * backend it is enqueued on both ranks' streams: the receiver's stream sees the bytes after the
+ * call, and the sender's stream does not pass the send before they were read, so later work may
+ * overwrite `buf`. A receiver expecting another size refuses on both ranks with GY_ERR_INVALID
+ * and nothing moves (NCCL would wait forever on it); so does a peer outside the communicator or
+ * equal to `rank`. A failed send fails the matching receive, and the reverse. */
+gy_status gy_comm_send(gy_comm *comm, int32_t rank, int32_t peer, const void *buf, int64_t bytes);
+gy_status gy_comm_recv(gy_comm *comm, int32_t rank, int32_t peer, void *buf, int64_t bytes);
 
 /* Failure of one rank. A rank whose work fails half-way (its forward pass, an injected fault)
  * aborts the communicator: every collective under way and every later one then fails on every

@@ -24,6 +24,12 @@ typedef struct gy_comm_ops {
     gy_status (*all_to_all)(gy_comm *comm, int32_t rank, void *const *recv,
                             const int64_t *recv_bytes, const void *const *send,
                             const int64_t *send_bytes);
+    /* Point to point (comm.c has checked the ranks; `status` is its verdict on the size and
+     * buffer, which the backend carries to the peer); both meet through gy_comm_post_*. */
+    gy_status (*send)(gy_comm *comm, int32_t rank, int32_t peer, const void *buf, int64_t bytes,
+                      gy_status status);
+    gy_status (*recv)(gy_comm *comm, int32_t rank, int32_t peer, void *buf, int64_t bytes,
+                      gy_status status);
     /* Optional, NULL for shm: the device calls behind gy_comm_set_stream,
      * gy_comm_stream_priority and gy_comm_synchronize. Without them a stream is stored only,
      * priority is 0, synchronize returns at once. set_stream orders the new stream after the
@@ -32,6 +38,23 @@ typedef struct gy_comm_ops {
     gy_status (*stream_priority)(gy_comm *comm, int32_t rank, int32_t *priority);
     gy_status (*synchronize)(gy_comm *comm, int32_t rank);
 } gy_comm_ops;
+
+/* The mailbox of one ordered pair of ranks (sender, receiver) for gy_comm_send/recv. A message
+ * is posted by the sender, taken by the receiver, and acknowledged by the sender once it has
+ * done its part after the receiver's (a device backend: its stream waits for the receiver's
+ * read). The receiver returns only after the acknowledgement, so neither rank can start its
+ * next call while the other still uses the events of this one. Counters only grow; the fields
+ * describe the message under way. */
+typedef struct gy_comm_post {
+    uint64_t posted, taken, acked;
+    const void *buf;     /* the sender's */
+    int64_t bytes;       /* what the sender sends */
+    int64_t expected;    /* what the receiver expects */
+    void *event;         /* device backends: recorded by the sender before posting */
+    void *reply;         /* device backends: recorded by the receiver after its read */
+    gy_status sender;    /* the sender's status when it posted */
+    gy_status receiver;  /* the receiver's verdict on the message */
+} gy_comm_post;
 
 struct gy_comm {
     const gy_comm_ops *ops;
@@ -51,6 +74,7 @@ struct gy_comm {
     int aborted;            /* gy_comm_abort: every barrier fails until gy_comm_reset */
     char abort_reason[256];
     gy_comm_stats stats;
+    gy_comm_post posts[GY_COMM_MAX_RANKS][GY_COMM_MAX_RANKS]; /* [sender][receiver] */
     void *state; /* the backend's */
 };
 
@@ -70,6 +94,24 @@ static inline void gy_comm_barrier_into(gy_comm *comm, gy_status *s) {
     if (*s == GY_OK) *s = b;
 }
 
+/* The host side of a send and a receive, under the communicator's lock; each wait fails with
+ * GY_ERR_STATE when the communicator is or gets aborted.
+ *   sender:   gy_comm_post_send (publishes buf, bytes, event and its own status, waits until
+ *             taken; returns the receiver's verdict and its reply event, when not NULL), its
+ *             part, then gy_comm_post_ack;
+ *   receiver: gy_comm_post_take (waits for the post, checks it against what it expects, fills
+ *             *post), its part when that returned GY_OK, then gy_comm_post_finish with its
+ *             verdict and reply event (waits for the acknowledgement).
+ * The sender acknowledges even after a failure; a status already failed goes through unchanged,
+ * so the two always meet as many times whatever fails. */
+gy_status gy_comm_post_send(gy_comm *comm, int32_t rank, int32_t peer, const void *buf,
+                            int64_t bytes, void *event, gy_status status, void **reply);
+void gy_comm_post_ack(gy_comm *comm, int32_t rank, int32_t peer);
+gy_status gy_comm_post_take(gy_comm *comm, int32_t rank, int32_t peer, int64_t bytes,
+                            gy_status status, gy_comm_post *post);
+gy_status gy_comm_post_finish(gy_comm *comm, int32_t rank, int32_t peer, gy_status verdict,
+                              void *reply);
+
 /* Stats of one rank's part of a collective, with the formulas of comm.h; rank 0 counts the
  * call. All-to-all counts are the receiver's: it adds what it received and credits each
  * sender (atomically: senders are counted by other ranks' threads). */
@@ -77,6 +119,8 @@ void gy_comm_count_all_reduce(gy_comm *comm, int32_t rank, int64_t n);
 void gy_comm_count_all_gather(gy_comm *comm, int32_t rank, int64_t bytes);
 void gy_comm_count_received(gy_comm *comm, int32_t rank, int32_t src, int64_t bytes);
 void gy_comm_count_call(gy_comm *comm, int32_t rank);
+/* A received message: its bytes, and one call. */
+void gy_comm_count_message(gy_comm *comm, int32_t rank, int32_t src, int64_t bytes);
 
 #ifdef GY_WITH_CUDA
 /* comm_stream.c: what the device backends share. */

@@ -9,6 +9,7 @@
  *                all-gather half). The same slices and the same adds as comm_shm.c: same bits.
  *   all-gather   rank r copies every rank's input into its own output.
  *   all-to-all   rank r copies what each rank sends it into its own receive buffers.
+ *   send/recv    the receiver copies from the sender's buffer on its own stream (events below).
  * A rank reads the others' buffers (its pulls) on its own stream, so the work of a collective is
  * spread over all the ranks' streams. */
 #include <stdlib.h>
@@ -208,6 +209,44 @@ static gy_status gy_d2d_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     return s != GY_OK ? s : refused;
 }
 
+/* The sender records `ready` on its stream and posts its pointer; the receiver's stream waits
+ * for it, copies, and records `done`, which the sender's stream then waits for before anything
+ * enqueued after the send may overwrite the buffer. The events are the rank's own: the sender
+ * cannot record `ready` again before the receiver has waited on it (post_send returns after the
+ * take), nor the receiver `done` before the sender has (post_finish returns after the ack). */
+static gy_status gy_d2d_send(gy_comm *c, int32_t rank, int32_t peer, const void *buf,
+                             int64_t bytes, gy_status status) {
+    gy_comm_d2d *d = c->state;
+    int32_t previous = -1;
+    gy_status s = status;
+    if (s == GY_OK) s = gy_comm_device_enter(c, rank, &previous);
+    gy_comm_event_record(c, d->streams.ready, rank, &s);
+    void *reply = NULL;
+    s = gy_comm_post_send(c, rank, peer, buf, bytes, d->streams.ready[rank], s, &reply);
+    if (s == GY_OK) s = gy_cuda_comm_stream_wait(c->streams[rank], reply);
+    gy_comm_post_ack(c, rank, peer);
+    gy_comm_device_leave(previous);
+    return s;
+}
+
+static gy_status gy_d2d_recv(gy_comm *c, int32_t rank, int32_t peer, void *buf, int64_t bytes,
+                             gy_status status) {
+    gy_comm_d2d *d = c->state;
+    int32_t previous = -1;
+    gy_status s = status;
+    if (s == GY_OK) s = gy_comm_device_enter(c, rank, &previous);
+    gy_comm_post post;
+    s = gy_comm_post_take(c, rank, peer, bytes, s, &post);
+    if (s == GY_OK) s = gy_cuda_comm_stream_wait(c->streams[rank], post.event);
+    if (s == GY_OK && bytes > 0)
+        s = gy_cuda_comm_copy(buf, post.buf, (uint64_t)bytes, c->streams[rank]);
+    gy_comm_event_record(c, d->streams.done, rank, &s);
+    s = gy_comm_post_finish(c, rank, peer, s, d->streams.done[rank]);
+    if (s == GY_OK) gy_comm_count_message(c, rank, peer, bytes);
+    gy_comm_device_leave(previous);
+    return s;
+}
+
 const gy_comm_ops gy_comm_d2d_ops = {
     .name = "d2d",
     .init = gy_d2d_init,
@@ -216,6 +255,8 @@ const gy_comm_ops gy_comm_d2d_ops = {
     .all_reduce = gy_d2d_all_reduce,
     .all_gather = gy_d2d_all_gather,
     .all_to_all = gy_d2d_all_to_all,
+    .send = gy_d2d_send,
+    .recv = gy_d2d_recv,
     .set_stream = gy_d2d_set_stream,
     .stream_priority = gy_comm_streams_priority,
     .synchronize = gy_comm_streams_synchronize,

@@ -14,6 +14,7 @@
  *                block is a device-to-device copy. The ranks first meet on the host to compare
  *                the sizes: a mismatched pair would leave NCCL waiting forever, so it is refused
  *                on every rank before anything moves.
+ *   send/recv    ncclSend / ncclRecv of bytes, after the pair compared sizes on the host.
  * All-reduce and all-gather sizes must agree on every rank: NCCL hangs otherwise, and checking
  * would cost a host barrier on the hot path.
  *
@@ -295,6 +296,41 @@ static gy_status gy_nccl_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     return s;
 }
 
+/* The ranks compare sizes on the host first (a mismatch would leave NCCL waiting forever), then
+ * each enqueues its half: ncclSend after the receiver's verdict, ncclRecv after the sender's
+ * acknowledgement. NCCL orders the two on the device. */
+static gy_status gy_nccl_p2p(gy_comm *c, int32_t rank, int32_t peer, void *buf, int64_t bytes,
+                             int send) {
+    gy_comm_nccl *m = c->state;
+    int32_t previous = -1;
+    GY_TRY(gy_comm_device_enter(c, rank, &previous));
+    const gy_nccl_result r =
+        send ? gy_nccl.send(buf, (size_t)bytes, GY_NCCL_INT8, peer, m->comms[rank], c->streams[rank])
+             : gy_nccl.recv(buf, (size_t)bytes, GY_NCCL_INT8, peer, m->comms[rank], c->streams[rank]);
+    gy_comm_device_leave(previous);
+    if (r != GY_NCCL_SUCCESS)
+        return gy_nccl_fail(r, send ? "ncclSend" : "ncclRecv", m->comms[rank], __FILE__, __LINE__);
+    return GY_OK;
+}
+
+static gy_status gy_nccl_send(gy_comm *c, int32_t rank, int32_t peer, const void *buf,
+                              int64_t bytes, gy_status status) {
+    gy_status s = gy_comm_post_send(c, rank, peer, buf, bytes, NULL, status, NULL);
+    if (s == GY_OK && bytes > 0) s = gy_nccl_p2p(c, rank, peer, (void *)buf, bytes, 1);
+    gy_comm_post_ack(c, rank, peer);
+    return s;
+}
+
+static gy_status gy_nccl_recv(gy_comm *c, int32_t rank, int32_t peer, void *buf, int64_t bytes,
+                              gy_status status) {
+    gy_comm_post post;
+    gy_status s = gy_comm_post_take(c, rank, peer, bytes, status, &post);
+    s = gy_comm_post_finish(c, rank, peer, s, NULL);
+    if (s == GY_OK && bytes > 0) s = gy_nccl_p2p(c, rank, peer, buf, bytes, 0);
+    if (s == GY_OK) gy_comm_count_message(c, rank, peer, bytes);
+    return s;
+}
+
 const gy_comm_ops gy_comm_nccl_ops = {
     .name = "nccl",
     .init = gy_nccl_init,
@@ -303,6 +339,8 @@ const gy_comm_ops gy_comm_nccl_ops = {
     .all_reduce = gy_nccl_all_reduce,
     .all_gather = gy_nccl_all_gather,
     .all_to_all = gy_nccl_all_to_all,
+    .send = gy_nccl_send,
+    .recv = gy_nccl_recv,
     .set_stream = gy_nccl_set_stream,
     .stream_priority = gy_comm_streams_priority,
     .synchronize = gy_comm_streams_synchronize,

@@ -103,6 +103,25 @@ static gy_status gy_shm_all_to_all(gy_comm *c, int32_t rank, void *const *recv,
     return s != GY_OK ? s : b;
 }
 
+/* The receiver copies straight from the sender's buffer, which the sender keeps until the
+ * receiver is done with it (gy_comm_post_send waits for that). */
+static gy_status gy_shm_send(gy_comm *c, int32_t rank, int32_t peer, const void *buf,
+                             int64_t bytes, gy_status status) {
+    const gy_status s = gy_comm_post_send(c, rank, peer, buf, bytes, NULL, status, NULL);
+    gy_comm_post_ack(c, rank, peer);
+    return s;
+}
+
+static gy_status gy_shm_recv(gy_comm *c, int32_t rank, int32_t peer, void *buf, int64_t bytes,
+                             gy_status status) {
+    gy_comm_post post;
+    gy_status s = gy_comm_post_take(c, rank, peer, bytes, status, &post);
+    if (s == GY_OK && bytes > 0) memcpy(buf, post.buf, (size_t)bytes);
+    s = gy_comm_post_finish(c, rank, peer, s, NULL);
+    if (s == GY_OK) gy_comm_count_message(c, rank, peer, bytes);
+    return s;
+}
+
 const gy_comm_ops gy_comm_shm_ops = {
     .name = "shm",
     .init = gy_shm_init,
@@ -111,4 +130,6 @@ const gy_comm_ops gy_comm_shm_ops = {
     .all_reduce = gy_shm_all_reduce,
     .all_gather = gy_shm_all_gather,
     .all_to_all = gy_shm_all_to_all,
+    .send = gy_shm_send,
+    .recv = gy_shm_recv,
 };

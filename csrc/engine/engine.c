@@ -1,8 +1,9 @@
-/* engine.c: the serving loop of one instance (one or several TP ranks). */
+/* engine.c: the serving loop of one instance: its requests and its step. What the instance runs
+ * is its plan, a list of stages (stage.h); the ranks of each stage run on a crew of threads
+ * (rank_threads.h). */
 #include "engine.h"
 #include "../core/alloc.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,8 +11,8 @@
 #include "../comm/comm.h"
 #include "../sched/idmap.h"
 #include "../sched/kv_adapter.h"
-
-#define GY_ENGINE_MAX_RANKS GY_MODEL_MAX_TP
+#include "rank_threads.h"
+#include "stage.h"
 
 typedef struct gy_engine_request {
     int64_t id;
@@ -24,189 +25,95 @@ typedef struct gy_engine_request {
     char *error;          /* why the engine failed it (finish reason "error"), or NULL */
 } gy_engine_request;
 
-/* What one rank needs beyond gy_engine_rank: its KV adapter, workspace, block tables and, for
- * ranks above 0, the thread that runs its forward passes. */
-typedef struct gy_engine_rank_state {
-    gy_engine_rank r;
-    gy_sched_kv_adapter *adapter;
-    gy_sched_kv_ops inner;       /* the adapter's ops */
-    gy_forward_ws ws;
-    gy_comm_rank comm_rank;
-    int32_t *bt_indptr, *bt_indices;
-    int64_t cap_entries, cap_blocks;
-    gy_forward_batch batch;      /* the step's batch as this rank sees it */
-    gy_status status;            /* of its last forward */
-    char error[512];
-    pthread_t thread;
-    int has_thread;
-    int stream_borrowed;         /* the communicator's rank runs on this rank's model stream */
-} gy_engine_rank_state;
-
-/* A layer-staggered transformation (Gyges 4.3): layers [0, boundary) still run in the old
- * groups, each on the rows of the requests it held before, with the old models and KV caches;
- * their hidden states are gathered and layers [boundary, L) run in this engine's group. */
-typedef struct gy_engine_old_rank {
-    gy_engine_rank r;            /* the worker's old model and old (owner) KV cache */
-    gy_sched_kv_adapter *adapter;
-    gy_sched_kv_ops inner;
-    gy_forward_ws ws;
-    int32_t group, group_rank;
-    gy_comm_rank comm_rank;
-    int32_t *bt_indptr, *bt_indices;
-    int64_t cap_entries, cap_blocks;
-    gy_forward_batch batch;
-} gy_engine_old_rank;
-
-typedef struct gy_engine_old_group_state {
-    gy_engine_old_group g;
-    int64_t n_requests;          /* homed here, for placing new requests */
-    /* The step's rows of this group: entries, tokens, positions (in the group's own numbering). */
-    int64_t cap_tokens, cap_entries;
-    int64_t n_entries, n_tokens;
-    int64_t *entry_index;        /* (n_entries) index into the step's batch */
-    int32_t *rows;               /* (n_tokens) token rows in the step's batch */
-    int32_t *tokens, *token_seq, *token_pos;
-    int64_t n_logits;            /* groups_last: the group's sampling rows... */
-    int32_t *logit_rows;         /* (n_entries) ...in its own rows */
-    int64_t *logit_index;        /* (n_entries) ...and their place among the step's logits */
-    float *logits;               /* (n_entries, vocab) */
-    int64_t cap_logits;
-} gy_engine_old_group_state;
-
-typedef struct gy_engine_transition {
-    int active;
-    int groups_last;             /* scale-down: the groups run layers [boundary, L) instead */
-    int64_t boundary;
-    int32_t n_groups;
-    gy_engine_old_group_state groups[GY_ENGINE_MAX_RANKS];
-    gy_engine_old_rank old[GY_ENGINE_MAX_RANKS]; /* indexed by engine rank */
-    gy_idmap home;               /* request id -> old group */
-    float *x_full;               /* (tokens, hidden) gathered at the boundary */
-    int64_t cap_x;
-} gy_engine_transition;
+/* Where engine rank i sits in the transformation's stage: group and rank in the group. */
+typedef struct gy_engine_slot {
+    int32_t group, rank;
+} gy_engine_slot;
 
 struct gy_engine {
     /* Every public call holds it, so callers on several threads take turns (engine.h). */
     pthread_mutex_t api;
-    const gy_model *model;       /* rank 0's: the shapes every rank shares */
-    int32_t n_ranks;
+    const gy_model *model;       /* the first rank's: the shapes every rank shares */
     int64_t max_running;         /* bounds what one step can change (its undo record) */
-    gy_engine_rank_state ranks[GY_ENGINE_MAX_RANKS];
-    gy_engine_transition tr;
-    gy_comm *comm;
+    /* The plan, in the order a step runs it. `main` is the stage of the engine's own group (what
+     * requests move in and out of); `transition` the stage a layer-staggered transformation
+     * added (-1 when none runs), whose ranks are indexed by engine rank through `slots`. */
+    gy_stage stages[GY_ENGINE_MAX_STAGES];
+    int32_t n_stages;
+    int32_t main;
+    int32_t transition;
+    int groups_last;             /* the transformation's groups run the upper layers */
+    gy_engine_slot slots[GY_MODEL_MAX_TP];
+    gy_rank_threads crew;
     gy_sched *sched;
     gy_idmap requests;           /* id -> gy_engine_request * */
-    /* The rank threads wait for a new generation, run, and count themselves done. */
-    pthread_mutex_t lock;
-    pthread_cond_t wake, done;
-    uint64_t generation;
-    int32_t n_done;
-    int stopping;
-    /* Per-step scratch shared by the ranks, grown on demand. */
+    /* This step: the rows every stage reads, which stage computes the logits, and how each
+     * thread's ranks fared (the first failure wins). */
+    gy_step_rows rows;
+    int32_t last_stage;
+    int32_t n_live_stages;       /* non-empty stages: more than one hands over between them */
+    int step_failed;             /* set atomically by a failing thread */
+    gy_status status[GY_RANK_THREADS_MAX];
+    char error[GY_RANK_THREADS_MAX][512];
+    /* Per-step scratch, grown on demand. */
     int64_t cap_tokens, cap_entries;
     int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
     int64_t *sample_index, *sampled_ids, *finished;
     gy_sampler_params *sample_params;
     uint8_t *stop;               /* (entries) gy_sched_end of each entry */
     uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
-    float *logits;
+    float *logits;               /* (entries, vocab) */
+    float *x;                    /* (tokens, hidden) the hidden states between stages */
 };
 
-static void gy_engine_transition_free(gy_engine *e);
+static gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
 
-/* ---- KV on demand, on every rank ---- */
+/* ---- KV on demand, on every rank of the plan ---- */
 
-static int64_t gy_engine_growable_pages(const gy_kv_cache *kv) {
-    gy_arena_stats st;
-    gy_arena_stats_get(gy_kv_arena(kv), &st);
-    const int64_t n_layers = gy_kv_config_of(kv)->n_layers;
-    const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) / n_layers;
-    gy_kv_stats ks;
-    gy_kv_stats_get(kv, &ks);
-    const int64_t room = gy_kv_config_of(kv)->slots_per_layer - ks.pages_per_layer;
-    return free_pages < room ? free_pages : room;
-}
-
-/* Blocks rank i could still hand out: free ones plus what its budget could map. */
-static int64_t gy_engine_rank_free(const gy_engine_rank_state *rs) {
-    return rs->inner.free_blocks(rs->inner.ctx) +
-           gy_kv_blocks_if_grown(rs->r.kv, gy_engine_growable_pages(rs->r.kv));
-}
-
-static int64_t gy_engine_old_free(const gy_engine_old_rank *o) {
-    return o->inner.free_blocks(o->inner.ctx) +
-           gy_kv_blocks_if_grown(o->r.kv, gy_engine_growable_pages(o->r.kv));
+/* The ranks that hold request `req`'s KV in stage `st`: the whole stage with one group, the
+ * request's home group with several. */
+static gy_stage_group *gy_engine_group_of(gy_stage *st, int64_t req) {
+    const int32_t g = gy_stage_home(st, req);
+    return g < 0 ? NULL : &st->groups[g];
 }
 
 static int64_t gy_engine_free_blocks(void *ctx) {
     gy_engine *e = ctx;
-    int64_t least = gy_engine_rank_free(&e->ranks[0]);
-    for (int32_t i = 1; i < e->n_ranks; i++) {
-        const int64_t f = gy_engine_rank_free(&e->ranks[i]);
-        if (f < least) least = f;
-    }
-    /* While transforming, a request also needs room in the old caches of its group. */
-    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++) {
-        const int64_t f = gy_engine_old_free(&e->tr.old[i]);
-        if (f < least) least = f;
-    }
+    /* Conservative: every rank, as if each request could land on any of them. */
+    int64_t least = INT64_MAX;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {
+            const int64_t f = gy_stage_rank_free_blocks(gy_stage_rank_at(&e->stages[s], k, NULL));
+            if (f < least) least = f;
+        }
     return least;
-}
-
-/* The old group of a request during a transformation; new requests go to the group with the
- * fewest requests. */
-static int32_t gy_engine_home(gy_engine *e, int64_t req) {
-    int64_t g;
-    if (gy_idmap_get(&e->tr.home, req, &g)) return (int32_t)g;
-    int32_t best = 0;
-    for (int32_t i = 1; i < e->tr.n_groups; i++)
-        if (e->tr.groups[i].n_requests < e->tr.groups[best].n_requests) best = i;
-    if (gy_idmap_put(&e->tr.home, req, best) != GY_OK) return -1;
-    e->tr.groups[best].n_requests++;
-    return best;
 }
 
 static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens) {
     gy_engine *e = ctx;
-    return e->ranks[0].inner.blocks_needed(e->ranks[0].inner.ctx, req, n_tokens);
+    const gy_stage_rank *rk = &gy_engine_main(e)->groups[0].ranks[0];
+    return rk->inner.blocks_needed(rk->inner.ctx, req, n_tokens);
 }
 
-/* Maps pages on one rank until it has `want` free blocks. */
-static gy_status gy_engine_rank_make_room(gy_engine_rank_state *rs, int64_t want) {
-    const int64_t short_by = want - rs->inner.free_blocks(rs->inner.ctx);
-    if (short_by <= 0) return GY_OK;
-    const int64_t max_pages = gy_engine_growable_pages(rs->r.kv);
-    int64_t pages = 1;
-    while (pages <= max_pages && gy_kv_blocks_if_grown(rs->r.kv, pages) < short_by) pages++;
-    if (pages > max_pages)
-        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "KV budget exhausted: %lld more blocks needed",
-                       (long long)short_by);
-    return gy_kv_grow(rs->r.kv, pages);
-}
-
-/* Every adapter of the engine: its ranks', then (while transforming) the old ranks'. */
+/* Every adapter of the plan, stage after stage. */
 static int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
     int32_t n = 0;
-    for (int32_t i = 0; i < e->n_ranks; i++) out[n++] = e->ranks[i].adapter;
-    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++) out[n++] = e->tr.old[i].adapter;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++)
+            out[n++] = gy_stage_rank_at(&e->stages[s], k, NULL)->adapter;
     return n;
 }
 
+#define GY_ENGINE_MAX_ADAPTERS (GY_ENGINE_MAX_STAGES * GY_STAGE_MAX_RANKS)
+
 static gy_status gy_engine_reserve_all(gy_engine *e, int64_t req, int64_t n_tokens, int64_t need) {
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_engine_rank_state *rs = &e->ranks[i];
-        GY_TRY(gy_engine_rank_make_room(rs, need));
-        GY_TRY(rs->inner.reserve(rs->inner.ctx, req, n_tokens));
-    }
-    if (e->tr.active) {
-        const int32_t g = gy_engine_home(e, req);
-        if (g < 0) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-        const gy_engine_old_group *grp = &e->tr.groups[g].g;
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        gy_stage_group *grp = gy_engine_group_of(&e->stages[s], req);
+        if (grp == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
         for (int32_t k = 0; k < grp->size; k++) {
-            gy_engine_old_rank *o = &e->tr.old[grp->ranks[k]];
-            gy_engine_rank_state view = {.r = o->r, .inner = o->inner};
-            GY_TRY(gy_engine_rank_make_room(&view, need));
-            GY_TRY(o->inner.reserve(o->inner.ctx, req, n_tokens));
+            gy_stage_rank *rk = &grp->ranks[k];
+            GY_TRY(gy_stage_rank_make_room(rk, need));
+            GY_TRY(rk->inner.reserve(rk->inner.ctx, req, n_tokens));
         }
     }
     return GY_OK;
@@ -221,8 +128,8 @@ static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
                        (long long)need);
     /* All ranks or none: a failure on one rank takes back what the others reserved (the step's
      * mark is on, gy_engine_step). Pages mapped meanwhile stay, free. */
-    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
-    gy_sched_kv_point points[2 * GY_ENGINE_MAX_RANKS];
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
+    gy_sched_kv_point points[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) points[i] = gy_sched_kv_adapter_point(adapters[i]);
     const gy_status s = gy_engine_reserve_all(e, req, n_tokens, need);
@@ -233,180 +140,85 @@ static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
 
 static void gy_engine_release_kv(void *ctx, int64_t req) {
     gy_engine *e = ctx;
-    for (int32_t i = 0; i < e->n_ranks; i++) e->ranks[i].inner.release(e->ranks[i].inner.ctx, req);
-    int64_t g;
-    if (e->tr.active && gy_idmap_get(&e->tr.home, req, &g)) {
-        const gy_engine_old_group *grp = &e->tr.groups[g].g;
-        for (int32_t k = 0; k < grp->size; k++) {
-            gy_engine_old_rank *o = &e->tr.old[grp->ranks[k]];
-            o->inner.release(o->inner.ctx, req);
-        }
-        gy_idmap_remove(&e->tr.home, req);
-        e->tr.groups[g].n_requests--;
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        gy_stage *st = &e->stages[s];
+        int64_t g = 0;
+        if (st->n_groups > 1 && !gy_idmap_get(&st->home, req, &g)) continue; /* never placed */
+        for (int32_t k = 0; k < st->groups[g].size; k++)
+            st->groups[g].ranks[k].inner.release(st->groups[g].ranks[k].inner.ctx, req);
+        gy_stage_unhome(st, req);
     }
 }
 
+/* Blocks every request could get: the least any owned one-group stage could hold. */
 static int64_t gy_engine_capacity_blocks_locked(const gy_engine *e) {
     int64_t least = INT64_MAX;
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_kv_stats ks;
-        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
-        const int64_t n = ks.n_blocks + gy_kv_blocks_if_grown(e->ranks[i].r.kv,
-                                                             gy_engine_growable_pages(e->ranks[i].r.kv));
-        if (n < least) least = n;
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        const gy_stage *st = &e->stages[s];
+        if (!st->owned || st->n_groups != 1) continue;
+        for (int32_t k = 0; k < st->groups[0].size; k++) {
+            const int64_t n = gy_stage_rank_capacity_blocks(&st->groups[0].ranks[k]);
+            if (n < least) least = n;
+        }
     }
     return least;
 }
 
-/* ---- rank threads ---- */
+/* ---- the ranks' forward passes ---- */
 
-/* Layers [0, boundary) in the rank's old group, on that group's rows; every rank then meets at
- * the barrier, and the old groups' rank 0 have put their rows of hidden state into x_full. */
-static gy_status gy_engine_old_layers(gy_engine *e, int32_t i) {
-    gy_engine_old_rank *o = &e->tr.old[i];
-    const gy_engine_old_group_state *gs = &e->tr.groups[o->group];
-    if (gs->n_tokens == 0) return GY_OK;
-    const gy_tp_group tp = {.rank = o->group_rank, .size = gs->g.size,
-                            .all_reduce = gs->g.size > 1 ? gy_comm_rank_all_reduce : NULL,
-                            .ctx = &o->comm_rank};
-    GY_TRY(gy_forward_begin(o->r.model, &tp, o->r.kv, &o->batch, &o->ws, 1));
-    GY_TRY(gy_forward_layers(o->r.model, &tp, o->r.kv, &o->batch, &o->ws, o->r.pool, 0, e->tr.boundary));
-    if (o->group_rank == 0) {
-        const int64_t hid = e->model->hidden;
-        for (int64_t t = 0; t < gs->n_tokens; t++)
-            memcpy(e->tr.x_full + (int64_t)gs->rows[t] * hid, o->ws.x + t * hid, (size_t)hid * sizeof(float));
-    }
-    return GY_OK;
-}
-
-/* Scale-down: layers [0, boundary) in this engine's group on every row, then each rank's new
- * group runs [boundary, L) on its own rows and its rank 0 computes their logits. */
-static gy_status gy_engine_rank_pass_groups_last(gy_engine *e, int32_t i, const gy_tp_group *tp) {
-    gy_engine_rank_state *rs = &e->ranks[i];
-    const int64_t b = e->tr.boundary, hid = e->model->hidden;
-    if (b > 0) {
-        GY_TRY(gy_forward_begin(rs->r.model, tp, rs->r.kv, &rs->batch, &rs->ws, 1));
-        GY_TRY(gy_forward_layers(rs->r.model, tp, rs->r.kv, &rs->batch, &rs->ws, rs->r.pool, 0, b));
-    }
-    gy_engine_old_rank *o = &e->tr.old[i];
-    gy_engine_old_group_state *gs = &e->tr.groups[o->group];
-    if (gs->n_tokens == 0) return GY_OK;
-    const gy_tp_group gtp = {.rank = o->group_rank, .size = gs->g.size,
-                             .all_reduce = gs->g.size > 1 ? gy_comm_rank_all_reduce : NULL,
-                             .ctx = &o->comm_rank};
-    GY_TRY(gy_forward_begin(o->r.model, &gtp, o->r.kv, &o->batch, &o->ws, b == 0));
-    if (b > 0)
-        for (int64_t t = 0; t < gs->n_tokens; t++)
-            memcpy(o->ws.x + t * hid, rs->ws.x + (int64_t)gs->rows[t] * hid, (size_t)hid * sizeof(float));
-    GY_TRY(gy_forward_layers(o->r.model, &gtp, o->r.kv, &o->batch, &o->ws, o->r.pool, b,
-                             e->model->n_layers));
-    if (o->group_rank != 0 || gs->n_logits == 0) return GY_OK;
-    GY_TRY(gy_forward_end(gs->logits, o->r.model, &o->batch, &o->ws, o->r.pool));
-    const int64_t V = e->model->vocab;
-    for (int64_t k = 0; k < gs->n_logits; k++)
-        memcpy(e->logits + gs->logit_index[k] * V, gs->logits + k * V, (size_t)V * sizeof(float));
-    return GY_OK;
-}
-
-static gy_status gy_engine_rank_pass(gy_engine *e, int32_t i) {
-    gy_engine_rank_state *rs = &e->ranks[i];
-    const gy_tp_group tp = {.rank = i, .size = e->n_ranks,
-                            .all_reduce = e->n_ranks > 1 ? gy_comm_rank_all_reduce : NULL,
-                            .ctx = &rs->comm_rank,
-                            .device_buffers = rs->r.model->backend == GY_MODEL_BACKEND_CUDA};
-    if (e->tr.active && e->tr.groups_last && e->tr.boundary < e->model->n_layers)
-        return gy_engine_rank_pass_groups_last(e, i, &tp);
-    if (!e->tr.active || e->tr.groups_last || e->tr.boundary == 0)
-        return gy_forward(i == 0 ? e->logits : NULL, rs->r.model, &tp, rs->r.kv, &rs->batch,
-                          &rs->ws, rs->r.pool);
-    /* Every rank reaches the barrier, even after a failure, so that none waits forever. */
-    gy_status s = gy_engine_old_layers(e, i);
-    if (e->n_ranks > 1) gy_comm_barrier(e->comm, i);
-    GY_TRY(s);
-    const int64_t L = e->model->n_layers;
-    GY_TRY(gy_forward_begin(rs->r.model, &tp, rs->r.kv, &rs->batch, &rs->ws, 0));
-    memcpy(rs->ws.x, e->tr.x_full, (size_t)(rs->batch.paged.n_tokens * e->model->hidden) * sizeof(float));
-    GY_TRY(gy_forward_layers(rs->r.model, &tp, rs->r.kv, &rs->batch, &rs->ws, rs->r.pool,
-                             e->tr.boundary, L));
-    return i == 0 ? gy_forward_end(e->logits, rs->r.model, &rs->batch, &rs->ws, rs->r.pool) : GY_OK;
-}
-
-/* Every communicator a step's forward passes use: the group's, and the old groups' while a
- * layer-staggered transformation runs. */
+/* Every communicator of the plan (a communicator may appear twice: aborting it twice is
+ * harmless, and so is resetting it). */
 static int32_t gy_engine_comms(gy_engine *e, gy_comm **out) {
     int32_t n = 0;
-    if (e->comm != NULL) out[n++] = e->comm;
-    for (int32_t g = 0; e->tr.active && g < e->tr.n_groups; g++)
-        if (e->tr.groups[g].g.comm != NULL) out[n++] = e->tr.groups[g].g.comm;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t g = 0; g < e->stages[s].n_groups; g++)
+            if (e->stages[s].groups[g].comm != NULL) out[n++] = e->stages[s].groups[g].comm;
     return n;
 }
 
-static void gy_engine_rank_forward(gy_engine *e, int32_t i) {
-    gy_engine_rank_state *rs = &e->ranks[i];
-    rs->status = gy_engine_rank_pass(e, i);
-    if (rs->status == GY_OK) return;
-    snprintf(rs->error, sizeof rs->error, "%s", gy_error_message());
-    /* Peers waiting for this rank in a collective would wait forever: fail them too. */
-    gy_comm *comms[GY_ENGINE_MAX_RANKS + 1];
-    const int32_t n = gy_engine_comms(e, comms);
-    for (int32_t c = 0; c < n; c++) gy_comm_abort(comms[c], i, rs->error);
-}
-
-typedef struct gy_engine_thread_arg {
-    gy_engine *e;
-    int32_t rank;
-} gy_engine_thread_arg;
-
-static void *gy_engine_rank_main(void *p) {
-    gy_engine_thread_arg arg = *(gy_engine_thread_arg *)p;
-    free(p);
-    gy_engine *e = arg.e;
-    uint64_t seen = 0;
-    for (;;) {
-        pthread_mutex_lock(&e->lock);
-        while (e->generation == seen && !e->stopping) pthread_cond_wait(&e->wake, &e->lock);
-        if (e->stopping) {
-            pthread_mutex_unlock(&e->lock);
-            return NULL;
+/* Thread t's share of a step: rank t of every non-empty stage, in order, meeting the other
+ * threads between stages. After a failure the thread does no more work, but still meets the
+ * others, and its communicators are aborted so that no peer waits for it in a collective. */
+static void gy_engine_thread_step(void *ctx, int32_t t) {
+    gy_engine *e = ctx;
+    e->status[t] = GY_OK;
+    e->error[t][0] = '\0';
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        gy_stage *st = &e->stages[s];
+        if (st->first == st->end) continue;
+        if (t < st->n_ranks && !__atomic_load_n(&e->step_failed, __ATOMIC_ACQUIRE)) {
+            const gy_status status = gy_stage_run_rank(st, t, &e->rows, s == e->last_stage,
+                                                       e->model->hidden, e->model->vocab);
+            if (status != GY_OK) {
+                e->status[t] = status;
+                snprintf(e->error[t], sizeof e->error[t], "%s", gy_error_message());
+                __atomic_store_n(&e->step_failed, 1, __ATOMIC_RELEASE);
+                gy_comm *comms[GY_ENGINE_MAX_ADAPTERS];
+                const int32_t n = gy_engine_comms(e, comms);
+                for (int32_t c = 0; c < n; c++) gy_comm_abort(comms[c], t, e->error[t]);
+            }
         }
-        seen = e->generation;
-        pthread_mutex_unlock(&e->lock);
-        gy_engine_rank_forward(e, arg.rank);
-        pthread_mutex_lock(&e->lock);
-        e->n_done++;
-        pthread_cond_signal(&e->done);
-        pthread_mutex_unlock(&e->lock);
+        if (e->n_live_stages > 1) gy_rank_threads_barrier(&e->crew);
     }
 }
 
-/* Runs the forward pass on every rank (rank 0 on this thread); the first failure wins. */
+/* Runs the step's stages on every thread (thread 0 is this one); the first failure wins. */
 static gy_status gy_engine_forward_all(gy_engine *e) {
-    if (e->n_ranks > 1) {
-        pthread_mutex_lock(&e->lock);
-        e->n_done = 0;
-        e->generation++;
-        pthread_cond_broadcast(&e->wake);
-        pthread_mutex_unlock(&e->lock);
-    }
-    gy_engine_rank_forward(e, 0);
-    if (e->n_ranks > 1) {
-        pthread_mutex_lock(&e->lock);
-        while (e->n_done < e->n_ranks - 1) pthread_cond_wait(&e->done, &e->lock);
-        pthread_mutex_unlock(&e->lock);
-    }
+    e->step_failed = 0;
+    gy_rank_threads_run(&e->crew);
     /* Every rank is out of its collectives now: an aborted communicator can be used again. */
-    gy_comm *comms[GY_ENGINE_MAX_RANKS + 1];
+    gy_comm *comms[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_comms(e, comms);
     for (int32_t c = 0; c < n; c++) gy_comm_reset(comms[c]);
     /* The first failure, not a peer's report of the abort it caused. */
     int32_t first = -1;
-    for (int32_t i = 0; i < e->n_ranks; i++)
-        if (e->ranks[i].status != GY_OK &&
-            (first < 0 || (strstr(e->ranks[first].error, "was aborted") != NULL &&
-                           strstr(e->ranks[i].error, "was aborted") == NULL)))
-            first = i;
+    for (int32_t t = 0; t < e->crew.n; t++)
+        if (e->status[t] != GY_OK &&
+            (first < 0 || (strstr(e->error[first], "was aborted") != NULL &&
+                           strstr(e->error[t], "was aborted") == NULL)))
+            first = t;
     if (first >= 0)
-        return GY_FAIL(e->ranks[first].status, "rank %d: %s", (int)first, e->ranks[first].error);
+        return GY_FAIL(e->status[first], "rank %d: %s", (int)first, e->error[first]);
     return GY_OK;
 }
 
@@ -448,60 +260,121 @@ static gy_status gy_engine_check_comm(const gy_engine_rank *ranks, int32_t n_ran
  * between the kernels before and after it with no host wait. Done from the constructing thread
  * before any collective (switching orders the new stream after the old one's work). */
 static gy_status gy_engine_borrow_streams(gy_engine *e) {
-    if (e->n_ranks == 1 || e->model->backend != GY_MODEL_BACKEND_CUDA) return GY_OK;
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        GY_TRY(gy_comm_set_stream(e->comm, i, e->ranks[i].r.model->stream));
-        e->ranks[i].stream_borrowed = 1;
-    }
+    if (e->model->backend != GY_MODEL_BACKEND_CUDA) return GY_OK;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t g = 0; g < e->stages[s].n_groups; g++) {
+            gy_stage_group *grp = &e->stages[s].groups[g];
+            for (int32_t k = 0; grp->size > 1 && k < grp->size; k++) {
+                GY_TRY(gy_comm_set_stream(grp->comm, k, grp->ranks[k].r.model->stream));
+                grp->ranks[k].stream_borrowed = 1;
+            }
+        }
     return GY_OK;
 }
 
-/* Gives each rank of the communicator its own stream back while the model's still exists (the
+/* Gives each rank of a communicator its own stream back while the model's still exists (the
  * models outlive the engine; the communicator outlives both). A later engine that took the rank
  * over meanwhile keeps it. */
 static void gy_engine_return_streams(gy_engine *e) {
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        if (!e->ranks[i].stream_borrowed) continue;
-        if (gy_comm_stream(e->comm, i) == (void *)e->ranks[i].r.model->stream &&
-            gy_comm_set_stream(e->comm, i, gy_comm_own_stream(e->comm, i)) != GY_OK)
-            gy_error_clear();
-        e->ranks[i].stream_borrowed = 0;
-    }
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t g = 0; g < e->stages[s].n_groups; g++) {
+            gy_stage_group *grp = &e->stages[s].groups[g];
+            for (int32_t k = 0; k < grp->size; k++) {
+                gy_stage_rank *rk = &grp->ranks[k];
+                if (!rk->stream_borrowed) continue;
+                if (gy_comm_stream(grp->comm, k) == (void *)rk->r.model->stream &&
+                    gy_comm_set_stream(grp->comm, k, gy_comm_own_stream(grp->comm, k)) != GY_OK)
+                    gy_error_clear();
+                rk->stream_borrowed = 0;
+            }
+        }
 }
 
-gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
-                         gy_comm *comm, const gy_engine_config *config) {
-    if (out == NULL || ranks == NULL || config == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "gy_engine_init: NULL argument");
+/* What a plan must be before any of it is built: stages covering [0, L) in order, each a TP
+ * group of ranks with models of one shape and caches of one block size, each group's
+ * communicator fitting its ranks. */
+static gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
+    if (n_stages < 1 || n_stages > GY_ENGINE_MAX_STAGES)
+        return GY_FAIL(GY_ERR_INVALID, "a plan has 1 to %d stages, got %d", GY_ENGINE_MAX_STAGES,
+                       (int)n_stages);
+    for (int32_t s = 0; s < n_stages; s++)
+        if (stages[s].size < 1 || stages[s].size > GY_MODEL_MAX_TP || stages[s].ranks == NULL ||
+            (stages[s].size > 1 && stages[s].comm == NULL) ||
+            (stages[s].comm != NULL && gy_comm_size(stages[s].comm) != stages[s].size))
+            return GY_FAIL(GY_ERR_INVALID,
+                           "stage %d: an engine of %d ranks needs a communicator of that size",
+                           (int)s, (int)stages[s].size);
+    for (int32_t s = 0; s < n_stages; s++)
+        for (int32_t k = 0; k < stages[s].size; k++)
+            if (stages[s].ranks[k].model == NULL || stages[s].ranks[k].kv == NULL)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d has no model or KV cache",
+                               (int)s, (int)k);
+    const gy_model *m0 = stages[0].ranks[0].model;
+    const int64_t block_size = gy_kv_config_of(stages[0].ranks[0].kv)->block_size;
+    int64_t next = 0;
+    for (int32_t s = 0; s < n_stages; s++) {
+        const gy_engine_stage *st = &stages[s];
+        if (st->first_layer != next || st->end_layer <= st->first_layer ||
+            st->end_layer > m0->n_layers)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "stage %d runs layers [%lld, %lld); the stages must cover the model's "
+                           "%lld layers in order, each at least one",
+                           (int)s, (long long)st->first_layer, (long long)st->end_layer,
+                           (long long)m0->n_layers);
+        next = st->end_layer;
+        for (int32_t k = 0; k < st->size; k++) {
+            const gy_model *m = st->ranks[k].model;
+            if (m->backend != m0->backend)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d runs on another backend than "
+                               "stage 0 rank 0", (int)s, (int)k);
+            if (m->n_layers != m0->n_layers || m->hidden != m0->hidden || m->vocab != m0->vocab)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's model has another shape than "
+                               "stage 0 rank 0's", (int)s, (int)k);
+            const gy_kv_config *kc = gy_kv_config_of(st->ranks[k].kv);
+            if (kc->first_layer > st->first_layer || kc->first_layer + kc->n_layers < st->end_layer)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's KV cache holds layers [%lld, "
+                               "%lld), not the stage's [%lld, %lld)", (int)s, (int)k,
+                               (long long)kc->first_layer, (long long)(kc->first_layer + kc->n_layers),
+                               (long long)st->first_layer, (long long)st->end_layer);
+            if (kc->block_size != block_size)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's KV blocks hold %lld tokens, "
+                               "stage 0's %lld", (int)s, (int)k,
+                               (long long)gy_kv_config_of(st->ranks[k].kv)->block_size,
+                               (long long)block_size);
+        }
+        if (st->size > 1) GY_TRY(gy_engine_check_comm(st->ranks, st->size, st->comm));
+    }
+    if (next != m0->n_layers)
+        return GY_FAIL(GY_ERR_INVALID, "the stages end at layer %lld of %lld", (long long)next,
+                       (long long)m0->n_layers);
+    if (n_stages > 1 && m0->backend != GY_MODEL_BACKEND_CPU)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "a plan of several stages runs on the CPU backend only for now: the hidden "
+                       "states between stages go through host memory (CUDA needs the stages' "
+                       "send/recv on the device)");
+    return GY_OK;
+}
+
+gy_status gy_engine_init_plan(gy_engine **out, const gy_engine_stage *stages, int32_t n_stages,
+                              const gy_engine_config *config) {
+    if (out == NULL || stages == NULL || config == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_init_plan: NULL argument");
     *out = NULL;
-    if (n_ranks < 1 || n_ranks > GY_ENGINE_MAX_RANKS || (n_ranks > 1 && comm == NULL) ||
-        (comm != NULL && gy_comm_size(comm) != n_ranks))
-        return GY_FAIL(GY_ERR_INVALID, "an engine of %d ranks needs a communicator of that size",
-                       (int)n_ranks);
-    for (int32_t i = 0; i < n_ranks; i++)
-        if (ranks[i].model == NULL || ranks[i].kv == NULL)
-            return GY_FAIL(GY_ERR_INVALID, "rank %d has no model or KV cache", (int)i);
-    for (int32_t i = 1; i < n_ranks; i++)
-        if (ranks[i].model->backend != ranks[0].model->backend)
-            return GY_FAIL(GY_ERR_INVALID, "rank %d runs on another backend than rank 0", (int)i);
-    if (n_ranks > 1) GY_TRY(gy_engine_check_comm(ranks, n_ranks, comm));
+    GY_TRY(gy_engine_check_plan(stages, n_stages));
     gy_engine *e = gy_calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    e->model = ranks[0].model;
-    e->n_ranks = n_ranks;
+    e->model = stages[0].ranks[0].model;
     e->max_running = config->max_running;
-    e->comm = comm;
+    e->transition = -1;
     pthread_mutex_init(&e->api, NULL);
-    pthread_mutex_init(&e->lock, NULL);
-    pthread_cond_init(&e->wake, NULL);
-    pthread_cond_init(&e->done, NULL);
     gy_status s = GY_OK;
-    for (int32_t i = 0; i < n_ranks && s == GY_OK; i++) {
-        gy_engine_rank_state *rs = &e->ranks[i];
-        rs->r = ranks[i];
-        rs->comm_rank = (gy_comm_rank){.comm = comm, .rank = i};
-        s = gy_sched_kv_adapter_init(&rs->adapter, ranks[i].kv);
-        if (s == GY_OK) rs->inner = gy_sched_kv_adapter_ops(rs->adapter);
+    int32_t n_threads = 1;
+    for (int32_t i = 0; i < n_stages && s == GY_OK; i++) {
+        const gy_stage_group_spec group = {.size = stages[i].size, .ranks = stages[i].ranks,
+                                           .comm = stages[i].comm};
+        s = gy_stage_init(&e->stages[i], stages[i].first_layer, stages[i].end_layer, &group, 1, 1);
+        if (s == GY_OK) e->n_stages = i + 1;
+        if (stages[i].size > n_threads) n_threads = stages[i].size;
     }
     const gy_sched_kv_ops ops = {.ctx = e, .free_blocks = gy_engine_free_blocks,
                                  .blocks_needed = gy_engine_blocks_needed,
@@ -509,7 +382,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     if (s == GY_OK) {
         const gy_sched_config sc = {
             .total_blocks = gy_engine_capacity_blocks_locked(e),
-            .block_size = gy_kv_config_of(ranks[0].kv)->block_size,
+            .block_size = gy_kv_config_of(stages[0].ranks[0].kv)->block_size,
             .max_batch_tokens = config->max_batch_tokens,
             .max_running = config->max_running,
             .max_prefill_chunk = config->max_prefill_chunk,
@@ -522,20 +395,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
             s = gy_sched_init(&e->sched, &sc, &ops);
     }
     if (s == GY_OK) s = gy_engine_borrow_streams(e);
-    for (int32_t i = 1; i < n_ranks && s == GY_OK; i++) {
-        gy_engine_thread_arg *arg = gy_malloc(sizeof *arg);
-        if (arg == NULL) {
-            s = GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-            break;
-        }
-        *arg = (gy_engine_thread_arg){.e = e, .rank = i};
-        if (pthread_create(&e->ranks[i].thread, NULL, gy_engine_rank_main, arg) != 0) {
-            free(arg);
-            s = GY_FAIL(GY_ERR_SYSTEM, "could not start the thread of rank %d", (int)i);
-            break;
-        }
-        e->ranks[i].has_thread = 1;
-    }
+    if (s == GY_OK) s = gy_rank_threads_start(&e->crew, n_threads, gy_engine_thread_step, e);
     if (s != GY_OK) {
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());
@@ -544,6 +404,23 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     }
     *out = e;
     return GY_OK;
+}
+
+gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n_ranks,
+                         gy_comm *comm, const gy_engine_config *config) {
+    if (out == NULL || ranks == NULL || config == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_init: NULL argument");
+    *out = NULL;
+    if (n_ranks < 1 || n_ranks > GY_MODEL_MAX_TP || (n_ranks > 1 && comm == NULL) ||
+        (comm != NULL && gy_comm_size(comm) != n_ranks))
+        return GY_FAIL(GY_ERR_INVALID, "an engine of %d ranks needs a communicator of that size",
+                       (int)n_ranks);
+    for (int32_t i = 0; i < n_ranks; i++)
+        if (ranks[i].model == NULL || ranks[i].kv == NULL)
+            return GY_FAIL(GY_ERR_INVALID, "rank %d has no model or KV cache", (int)i);
+    const gy_engine_stage stage = {.first_layer = 0, .end_layer = ranks[0].model->n_layers,
+                                   .size = n_ranks, .ranks = ranks, .comm = comm};
+    return gy_engine_init_plan(out, &stage, 1, config);
 }
 
 static void gy_engine_request_free(gy_engine_request *r) {
@@ -561,33 +438,18 @@ static gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
 
 void gy_engine_free(gy_engine *e) {
     if (e == NULL) return;
-    pthread_mutex_lock(&e->lock);
-    e->stopping = 1;
-    pthread_cond_broadcast(&e->wake);
-    pthread_mutex_unlock(&e->lock);
-    for (int32_t i = 0; i < e->n_ranks; i++)
-        if (e->ranks[i].has_thread) pthread_join(e->ranks[i].thread, NULL);
+    gy_rank_threads_stop(&e->crew);
     gy_engine_return_streams(e);
     for (int64_t i = 0; i < e->requests.capacity; i++)
         if (e->requests.used[i]) gy_engine_request_free((gy_engine_request *)(intptr_t)e->requests.values[i]);
     gy_idmap_free(&e->requests);
     gy_sched_free(e->sched);
-    if (e->tr.active) gy_engine_transition_free(e);
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_engine_rank_state *rs = &e->ranks[i];
-        gy_sched_kv_adapter_free(rs->adapter);
-        gy_forward_ws_free(&rs->ws);
-        free(rs->bt_indptr);
-        free(rs->bt_indices);
-    }
+    for (int32_t s = 0; s < e->n_stages; s++) gy_stage_free(&e->stages[s]);
     void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->logit_rows, e->sampled,
                        e->sample_index, e->sampled_ids, e->finished, e->sample_params, e->stop,
-                       e->failed, e->logits};
+                       e->failed, e->logits, e->x};
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
     pthread_mutex_destroy(&e->api);
-    pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->wake);
-    pthread_cond_destroy(&e->done);
     free(e);
 }
 
@@ -677,22 +539,14 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
 
 /* ---- layer-staggered transformation ---- */
 
-static void gy_engine_transition_free(gy_engine *e) {
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_engine_old_rank *o = &e->tr.old[i];
-        gy_sched_kv_adapter_free(o->adapter);
-        gy_forward_ws_free(&o->ws);
-        free(o->bt_indptr);
-        free(o->bt_indices);
-    }
-    for (int32_t g = 0; g < e->tr.n_groups; g++) {
-        gy_engine_old_group_state *gs = &e->tr.groups[g];
-        free(gs->entry_index); free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
-        free(gs->logit_rows); free(gs->logit_index); free(gs->logits);
-    }
-    gy_idmap_free(&e->tr.home);
-    free(e->tr.x_full);
-    memset(&e->tr, 0, sizeof e->tr);
+/* ---- layer-staggered transformation: a second stage over the same workers ---- */
+
+/* The boundary is where the lower of the two stages ends. */
+int64_t gy_engine_transition_boundary(const gy_engine *e) {
+    pthread_mutex_lock((pthread_mutex_t *)&e->api);
+    const int64_t b = e->transition >= 0 ? e->stages[0].end : -1;
+    pthread_mutex_unlock((pthread_mutex_t *)&e->api);
+    return b;
 }
 
 static gy_status gy_engine_transition_begin_locked(gy_engine *e, const gy_engine_rank *old_ranks,
@@ -700,112 +554,129 @@ static gy_status gy_engine_transition_begin_locked(gy_engine *e, const gy_engine
                                      int groups_last) {
     if (e == NULL || old_ranks == NULL || groups == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_transition_begin: NULL argument");
-    if (e->tr.active) return GY_FAIL(GY_ERR_BUSY, "a transformation is already under way");
-    if (n_groups < 1 || n_groups > e->n_ranks)
-        return GY_FAIL(GY_ERR_INVALID, "%d old groups for %d ranks", (int)n_groups, (int)e->n_ranks);
-    int seen[GY_ENGINE_MAX_RANKS] = {0};
+    if (e->transition >= 0) return GY_FAIL(GY_ERR_BUSY, "a transformation is already under way");
+    if (e->n_stages != 1)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "layer-staggered transformations start from a plan of one stage, this "
+                       "engine has %d", (int)e->n_stages);
+    gy_stage *main = gy_engine_main(e);
+    const int32_t n_ranks = main->n_ranks;
+    if (n_groups < 1 || n_groups > n_ranks)
+        return GY_FAIL(GY_ERR_INVALID, "%d old groups for %d ranks", (int)n_groups, (int)n_ranks);
+    int seen[GY_MODEL_MAX_TP] = {0};
     for (int32_t g = 0; g < n_groups; g++) {
         if (groups[g].size < 1 || (groups[g].size > 1 && groups[g].comm == NULL))
             return GY_FAIL(GY_ERR_INVALID, "old group %d needs a size and a communicator", (int)g);
         for (int32_t k = 0; k < groups[g].size; k++) {
             const int32_t r = groups[g].ranks[k];
-            if (r < 0 || r >= e->n_ranks || seen[r]++)
+            if (r < 0 || r >= n_ranks || seen[r]++)
                 return GY_FAIL(GY_ERR_INVALID, "old groups must cover every rank once (rank %d)", (int)r);
         }
     }
-    for (int32_t i = 0; i < e->n_ranks; i++)
+    for (int32_t i = 0; i < n_ranks; i++)
         if (!seen[i] || old_ranks[i].model == NULL || old_ranks[i].kv == NULL)
             return GY_FAIL(GY_ERR_INVALID, "rank %d has no old group, model or KV cache", (int)i);
-    /* The boundary's hidden states are gathered in host memory between the two passes. */
-    for (int32_t i = 0; i < e->n_ranks; i++)
-        if (e->ranks[i].r.model->backend != GY_MODEL_BACKEND_CPU ||
+    /* The boundary's hidden states are handed over in host memory between the two stages. */
+    for (int32_t i = 0; i < n_ranks; i++)
+        if (main->groups[0].ranks[i].r.model->backend != GY_MODEL_BACKEND_CPU ||
             old_ranks[i].model->backend != GY_MODEL_BACKEND_CPU)
             return GY_FAIL(GY_ERR_UNAVAILABLE,
                            "layer-staggered transformations run on the CPU backend only");
-    memset(&e->tr, 0, sizeof e->tr);
-    e->tr.n_groups = n_groups;
+    gy_engine_rank members[GY_MODEL_MAX_TP][GY_MODEL_MAX_TP];
+    gy_stage_group_spec specs[GY_MODEL_MAX_TP];
     for (int32_t g = 0; g < n_groups; g++) {
-        e->tr.groups[g].g = groups[g];
         for (int32_t k = 0; k < groups[g].size; k++) {
-            gy_engine_old_rank *o = &e->tr.old[groups[g].ranks[k]];
-            o->group = g;
-            o->group_rank = k;
-            o->comm_rank = (gy_comm_rank){.comm = groups[g].comm, .rank = k};
+            members[g][k] = old_ranks[groups[g].ranks[k]];
+            e->slots[groups[g].ranks[k]] = (gy_engine_slot){.group = g, .rank = k};
         }
+        specs[g] = (gy_stage_group_spec){.size = groups[g].size, .ranks = members[g],
+                                         .comm = groups[g].comm};
     }
-    gy_status s = GY_OK;
-    for (int32_t i = 0; i < e->n_ranks && s == GY_OK; i++) {
-        gy_engine_old_rank *o = &e->tr.old[i];
-        o->r = old_ranks[i];
-        s = gy_sched_kv_adapter_init(&o->adapter, o->r.kv);
-        if (s == GY_OK) o->inner = gy_sched_kv_adapter_ops(o->adapter);
+    /* Starts with the boundary at L: the transformation's groups run every layer (scale-up:
+     * below the boundary) or none yet (scale-down: above it). */
+    const int64_t L = e->model->n_layers;
+    gy_stage added;
+    GY_TRY(gy_stage_init(&added, groups_last ? L : 0, L, specs, n_groups, 0));
+    if (groups_last) {
+        e->stages[1] = added;
+        e->transition = 1;
+    } else {
+        e->stages[1] = e->stages[0];
+        e->stages[1].first = L;
+        e->stages[0] = added;
+        e->main = 1;
+        e->transition = 0;
     }
-    if (s != GY_OK) {
-        gy_engine_transition_free(e);
-        return s;
-    }
-    e->tr.boundary = e->model->n_layers;
-    e->tr.groups_last = groups_last != 0;
-    e->tr.active = 1;
+    e->n_stages = 2;
+    e->groups_last = groups_last != 0;
     return GY_OK;
 }
 
 static gy_status gy_engine_transition_adopt_locked(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
-    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    if (group < 0 || group >= e->tr.n_groups)
+    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    gy_stage *tr = &e->stages[e->transition];
+    if (group < 0 || group >= tr->n_groups)
         return GY_FAIL(GY_ERR_INVALID, "old group %d does not exist", (int)group);
     if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
-    const gy_engine_old_group *grp = &e->tr.groups[group].g;
+    const gy_stage_group *grp = &tr->groups[group];
     for (int32_t k = 0; k < grp->size; k++)
-        if (old_seqs[k] >= 0)
-            GY_TRY(gy_sched_kv_adapter_adopt(e->tr.old[grp->ranks[k]].adapter, id, old_seqs[k]));
-    GY_TRY(gy_idmap_put(&e->tr.home, id, group));
-    e->tr.groups[group].n_requests++;
-    return GY_OK;
+        if (old_seqs[k] >= 0) GY_TRY(gy_sched_kv_adapter_adopt(grp->ranks[k].adapter, id, old_seqs[k]));
+    return gy_stage_set_home(tr, id, group);
 }
 
 static gy_status gy_engine_transition_set_boundary_locked(gy_engine *e, int64_t boundary) {
-    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    if (boundary < 0 || boundary > e->tr.boundary)
+    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    const int64_t now = e->stages[0].end;
+    if (boundary < 0 || boundary > now)
         return GY_FAIL(GY_ERR_INVALID, "the boundary only moves down, from %lld (got %lld)",
-                       (long long)e->tr.boundary, (long long)boundary);
-    e->tr.boundary = boundary;
+                       (long long)now, (long long)boundary);
+    e->stages[0].end = boundary;
+    e->stages[1].first = boundary;
     return GY_OK;
 }
 
 static gy_status gy_engine_transition_seq_locked(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
                                    int64_t *seq) {
-    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    if (rank < 0 || rank >= e->n_ranks) return GY_FAIL(GY_ERR_INVALID, "rank %d out of range", (int)rank);
+    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    const gy_stage *tr = &e->stages[e->transition];
+    if (rank < 0 || rank >= tr->n_ranks) return GY_FAIL(GY_ERR_INVALID, "rank %d out of range", (int)rank);
+    const gy_engine_slot slot = e->slots[rank];
+    *seq = gy_sched_kv_adapter_seq(tr->groups[slot.group].ranks[slot.rank].adapter, id);
     int64_t g;
-    *group = gy_idmap_get(&e->tr.home, id, &g) ? (int32_t)g : -1;
-    *seq = gy_sched_kv_adapter_seq(e->tr.old[rank].adapter, id);
+    if (tr->n_groups == 1) *group = *seq >= 0 ? 0 : -1;
+    else *group = gy_idmap_get(&tr->home, id, &g) ? (int32_t)g : -1;
     return GY_OK;
+}
+
+static void gy_engine_detach_stage(gy_stage *st) {
+    for (int32_t k = 0; k < st->n_ranks; k++)
+        gy_sched_kv_adapter_detach_all(gy_stage_rank_at(st, k, NULL)->adapter);
 }
 
 static void gy_engine_transition_detach_locked(gy_engine *e) {
-    for (int32_t i = 0; e->tr.active && i < e->n_ranks; i++)
-        gy_sched_kv_adapter_detach_all(e->tr.old[i].adapter);
+    if (e->transition >= 0) gy_engine_detach_stage(&e->stages[e->transition]);
 }
 
 static gy_status gy_engine_transition_end_locked(gy_engine *e) {
-    if (!e->tr.active) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    if (e->tr.boundary != 0)
-        return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->tr.boundary);
-    gy_engine_transition_free(e); /* the adapters free the old sequences */
+    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
+    if (e->stages[0].end != 0)
+        return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->stages[0].end);
+    gy_stage_free(&e->stages[e->transition]); /* the adapters free the old sequences */
+    if (e->transition == 0) e->stages[0] = e->stages[1];
+    memset(&e->stages[1], 0, sizeof e->stages[1]);
+    e->stages[0].first = 0;
+    e->stages[0].end = e->model->n_layers;
+    e->n_stages = 1;
+    e->main = 0;
+    e->transition = -1;
     return GY_OK;
 }
 
-int64_t gy_engine_transition_boundary(const gy_engine *e) {
-    pthread_mutex_lock((pthread_mutex_t *)&e->api);
-    const int64_t b = e->tr.active ? e->tr.boundary : -1;
-    pthread_mutex_unlock((pthread_mutex_t *)&e->api);
-    return b;
-}
-int32_t gy_engine_n_ranks(const gy_engine *e) { return e->n_ranks; }
+int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
 
 static void gy_engine_detach_kv_locked(gy_engine *e) {
-    for (int32_t i = 0; i < e->n_ranks; i++) gy_sched_kv_adapter_detach_all(e->ranks[i].adapter);
+    for (int32_t s = 0; s < e->n_stages; s++)
+        if (e->stages[s].owned) gy_engine_detach_stage(&e->stages[s]);
 }
 
 /* ---- moving requests between instances ---- */
@@ -839,8 +710,9 @@ static gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy
     out->n_tokens = r->n_tokens;
     out->prompt_len = r->prompt_len;
     out->params = r->params;
+    const gy_stage_group *grp = &e->stages[e->main].groups[0];
     for (int32_t i = 0; i < GY_MODEL_MAX_TP; i++)
-        out->seqs[i] = i < e->n_ranks ? gy_sched_kv_adapter_seq(e->ranks[i].adapter, id) : -1;
+        out->seqs[i] = i < grp->size ? gy_sched_kv_adapter_seq(grp->ranks[i].adapter, id) : -1;
     return GY_OK;
 }
 
@@ -857,17 +729,18 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
     gy_engine_request *r = gy_engine_find(e, id);
     memcpy(r->tokens + prompt_len, tokens + prompt_len, (size_t)(n_tokens - prompt_len) * sizeof(int32_t));
     r->n_tokens = n_tokens;
+    gy_stage_group *grp = &e->stages[e->main].groups[0];
     gy_status s = GY_OK;
     int32_t adopted = 0;
-    for (; adopted < e->n_ranks && s == GY_OK; adopted++)
-        if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(e->ranks[adopted].adapter, id, seqs[adopted]);
+    for (; adopted < grp->size && s == GY_OK; adopted++)
+        if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(grp->ranks[adopted].adapter, id, seqs[adopted]);
     const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
                                  .max_new_tokens = params->max_new_tokens, .arrival = info->arrival};
     if (s == GY_OK) s = gy_sched_adopt(e->sched, &sr, info);
     if (s != GY_OK) {
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());
-        for (int32_t i = 0; i < adopted; i++) gy_sched_kv_adapter_forget(e->ranks[i].adapter, id);
+        for (int32_t i = 0; i < adopted; i++) gy_sched_kv_adapter_forget(grp->ranks[i].adapter, id);
         gy_idmap_remove(&e->requests, id);
         gy_engine_request_free(r);
         return GY_FAIL(s, "%s", message);
@@ -879,12 +752,18 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
 
 static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries) {
     if (n_tokens > e->cap_tokens) {
-        free(e->tokens); free(e->token_seq); free(e->token_pos);
+        free(e->tokens); free(e->token_seq); free(e->token_pos); free(e->x);
         e->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
         e->token_seq = gy_malloc((size_t)n_tokens * sizeof(int32_t));
         e->token_pos = gy_malloc((size_t)n_tokens * sizeof(int32_t));
+        /* Only a plan of several stages hands hidden states over. */
+        e->x = e->n_stages > 1 ? gy_malloc((size_t)(n_tokens * e->model->hidden) * sizeof(float)) : NULL;
         e->cap_tokens = n_tokens;
-        if (!e->tokens || !e->token_seq || !e->token_pos) goto oom;
+        if (!e->tokens || !e->token_seq || !e->token_pos || (e->n_stages > 1 && !e->x)) goto oom;
+    }
+    if (e->n_stages > 1 && e->x == NULL) {
+        e->x = gy_malloc((size_t)(e->cap_tokens * e->model->hidden) * sizeof(float));
+        if (e->x == NULL) goto oom;
     }
     if (n_entries > e->cap_entries) {
         free(e->logit_rows); free(e->sampled); free(e->sample_index); free(e->sampled_ids);
@@ -909,137 +788,7 @@ oom:
     return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's batch");
 }
 
-/* One rank's block tables for the batch, in entry order. */
-static gy_status gy_engine_rank_tables(gy_engine_rank_state *rs, const gy_sched_batch *b) {
-    int64_t n_blocks = 0;
-    for (int64_t i = 0; i < b->n_entries; i++) {
-        const int64_t seq = gy_sched_kv_adapter_seq(rs->adapter, b->entries[i].id);
-        if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld is scheduled without KV", (long long)b->entries[i].id);
-        n_blocks += gy_kv_seq_n_blocks(rs->r.kv, seq);
-    }
-    if (b->n_entries + 1 > rs->cap_entries) {
-        free(rs->bt_indptr);
-        rs->bt_indptr = gy_malloc((size_t)(b->n_entries + 1) * sizeof(int32_t));
-        rs->cap_entries = rs->bt_indptr ? b->n_entries + 1 : 0;
-    }
-    if (n_blocks > rs->cap_blocks || rs->bt_indices == NULL) {
-        free(rs->bt_indices);
-        rs->bt_indices = gy_malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
-        rs->cap_blocks = rs->bt_indices ? n_blocks : 0;
-    }
-    if (rs->bt_indptr == NULL || rs->bt_indices == NULL)
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
-    int64_t blocks = 0;
-    rs->bt_indptr[0] = 0;
-    for (int64_t i = 0; i < b->n_entries; i++) {
-        const int64_t seq = gy_sched_kv_adapter_seq(rs->adapter, b->entries[i].id);
-        const int64_t nb = gy_kv_seq_n_blocks(rs->r.kv, seq);
-        memcpy(rs->bt_indices + blocks, gy_kv_seq_blocks(rs->r.kv, seq), (size_t)nb * sizeof(int32_t));
-        blocks += nb;
-        rs->bt_indptr[i + 1] = (int32_t)blocks;
-    }
-    return GY_OK;
-}
-
-/* The rows of each old group and its ranks' old block tables (during a transformation). */
-static gy_status gy_engine_build_old(gy_engine *e, const gy_sched_batch *b, int64_t n_tokens) {
-    const int64_t hid = e->model->hidden;
-    if (n_tokens > e->tr.cap_x) {
-        free(e->tr.x_full);
-        e->tr.x_full = gy_malloc((size_t)(n_tokens * hid) * sizeof(float));
-        e->tr.cap_x = e->tr.x_full ? n_tokens : 0;
-        if (e->tr.x_full == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    }
-    for (int32_t g = 0; g < e->tr.n_groups; g++) {
-        gy_engine_old_group_state *gs = &e->tr.groups[g];
-        if (b->n_entries > gs->cap_entries) {
-            free(gs->entry_index);
-            gs->entry_index = gy_malloc((size_t)b->n_entries * sizeof(int64_t));
-            gs->cap_entries = gs->entry_index ? b->n_entries : 0;
-        }
-        if (n_tokens > gs->cap_tokens) {
-            free(gs->rows); free(gs->tokens); free(gs->token_seq); free(gs->token_pos);
-            gs->rows = gy_malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->token_seq = gy_malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->token_pos = gy_malloc((size_t)n_tokens * sizeof(int32_t));
-            gs->cap_tokens = (gs->rows && gs->tokens && gs->token_seq && gs->token_pos) ? n_tokens : 0;
-        }
-        if (b->n_entries > gs->cap_logits) {
-            free(gs->logit_rows); free(gs->logit_index); free(gs->logits);
-            gs->logit_rows = gy_malloc((size_t)b->n_entries * sizeof(int32_t));
-            gs->logit_index = gy_malloc((size_t)b->n_entries * sizeof(int64_t));
-            gs->logits = gy_malloc((size_t)(b->n_entries * e->model->vocab) * sizeof(float));
-            gs->cap_logits = (gs->logit_rows && gs->logit_index && gs->logits) ? b->n_entries : 0;
-        }
-        if (gs->cap_entries < b->n_entries || gs->cap_tokens < n_tokens || gs->cap_logits < b->n_entries)
-            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a group's rows");
-        gs->n_entries = gs->n_tokens = gs->n_logits = 0;
-    }
-    int64_t row = 0, sample = 0;
-    for (int64_t i = 0; i < b->n_entries; i++) {
-        const gy_sched_entry *en = &b->entries[i];
-        const int32_t g = gy_engine_home(e, en->id);
-        if (g < 0) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-        gy_engine_old_group_state *gs = &e->tr.groups[g];
-        const int32_t local = (int32_t)gs->n_entries;
-        gs->entry_index[gs->n_entries++] = i;
-        for (int64_t j = 0; j < en->n_tokens; j++, row++) {
-            gs->rows[gs->n_tokens] = (int32_t)row;
-            gs->tokens[gs->n_tokens] = e->tokens[row];
-            gs->token_seq[gs->n_tokens] = local;
-            gs->token_pos[gs->n_tokens] = e->token_pos[row];
-            gs->n_tokens++;
-        }
-        if (en->samples) {
-            gs->logit_rows[gs->n_logits] = (int32_t)(gs->n_tokens - 1);
-            gs->logit_index[gs->n_logits] = sample++;
-            gs->n_logits++;
-        }
-    }
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_engine_old_rank *o = &e->tr.old[i];
-        gy_engine_old_group_state *gs = &e->tr.groups[o->group];
-        int64_t n_blocks = 0;
-        for (int64_t k = 0; k < gs->n_entries; k++) {
-            const int64_t seq = gy_sched_kv_adapter_seq(o->adapter, b->entries[gs->entry_index[k]].id);
-            if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld has no KV in its old group",
-                                        (long long)b->entries[gs->entry_index[k]].id);
-            n_blocks += gy_kv_seq_n_blocks(o->r.kv, seq);
-        }
-        if (gs->n_entries + 1 > o->cap_entries) {
-            free(o->bt_indptr);
-            o->bt_indptr = gy_malloc((size_t)(gs->n_entries + 1) * sizeof(int32_t));
-            o->cap_entries = o->bt_indptr ? gs->n_entries + 1 : 0;
-        }
-        if (n_blocks > o->cap_blocks || o->bt_indices == NULL) {
-            free(o->bt_indices);
-            o->bt_indices = gy_malloc((size_t)(n_blocks > 0 ? n_blocks : 1) * sizeof(int32_t));
-            o->cap_blocks = o->bt_indices ? n_blocks : 0;
-        }
-        if (o->bt_indptr == NULL || o->bt_indices == NULL)
-            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
-        int64_t blocks = 0;
-        o->bt_indptr[0] = 0;
-        for (int64_t k = 0; k < gs->n_entries; k++) {
-            const int64_t seq = gy_sched_kv_adapter_seq(o->adapter, b->entries[gs->entry_index[k]].id);
-            const int64_t nb = gy_kv_seq_n_blocks(o->r.kv, seq);
-            memcpy(o->bt_indices + blocks, gy_kv_seq_blocks(o->r.kv, seq), (size_t)nb * sizeof(int32_t));
-            blocks += nb;
-            o->bt_indptr[k + 1] = (int32_t)blocks;
-        }
-        o->batch = (gy_forward_batch){
-            .tokens = gs->tokens,
-            .paged = {.n_tokens = gs->n_tokens, .token_seq = gs->token_seq, .token_pos = gs->token_pos,
-                      .n_seqs = gs->n_entries, .bt_indptr = o->bt_indptr, .bt_indices = o->bt_indices},
-            .n_logits = e->tr.groups_last && o->group_rank == 0 ? gs->n_logits : 0,
-            .logit_rows = gs->logit_rows,
-        };
-    }
-    return GY_OK;
-}
-
-/* Gathers the tokens and positions, and every rank's block tables and batch. */
+/* Gathers the tokens and positions, and every stage's rows, block tables and batches. */
 static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
     GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries));
     int64_t t = 0, rows = 0;
@@ -1061,19 +810,19 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             rows++;
         }
     }
-    if (e->tr.active && (e->tr.groups_last ? e->tr.boundary < e->model->n_layers : e->tr.boundary > 0))
-        GY_TRY(gy_engine_build_old(e, b, t));
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_engine_rank_state *rs = &e->ranks[i];
-        GY_TRY(gy_engine_rank_tables(rs, b));
-        rs->batch = (gy_forward_batch){
-            .tokens = e->tokens,
-            .paged = {.n_tokens = b->n_tokens, .token_seq = e->token_seq, .token_pos = e->token_pos,
-                      .n_seqs = b->n_entries, .bt_indptr = rs->bt_indptr, .bt_indices = rs->bt_indices},
-            .n_logits = i == 0 ? rows : 0,
-            .logit_rows = e->logit_rows,
-        };
-    }
+    e->rows = (gy_step_rows){.batch = b, .tokens = e->tokens, .token_seq = e->token_seq,
+                             .token_pos = e->token_pos, .n_logits = rows,
+                             .logit_rows = e->logit_rows, .x = e->x, .logits = e->logits};
+    e->n_live_stages = 0;
+    e->last_stage = -1;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        if (e->stages[s].first < e->stages[s].end) {
+            e->n_live_stages++;
+            e->last_stage = s;
+        }
+    for (int32_t s = 0; s < e->n_stages; s++)
+        if (e->stages[s].first < e->stages[s].end)
+            GY_TRY(gy_stage_build(&e->stages[s], &e->rows, s == e->last_stage, e->model->vocab));
     *n_logits = rows;
     return GY_OK;
 }
@@ -1088,8 +837,12 @@ static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
 
 /* Marks every KV adapter and remembers each cache's pages, so that a failed step can take back
  * what its scheduler reserved and released, and unmap what it grew. */
+/* ---- the step's undo (a step that fails takes everything back) ---- */
+
+/* Marks every KV adapter and remembers the pages of each owned cache, so that a failed step can
+ * take back what its scheduler reserved and released, and unmap what it grew. */
 static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
-    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) {
         /* A step touches at most max_running requests, each reserved and released once. */
@@ -1099,16 +852,20 @@ static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
             return st;
         }
     }
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_kv_stats ks;
-        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
-        pages[i] = ks.pages_per_layer;
-    }
+    for (int32_t i = 0; i < n; i++) pages[i] = -1;
+    int32_t i = 0;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++, i++) {
+            if (!e->stages[s].owned) continue;
+            gy_kv_stats ks;
+            gy_kv_stats_get(gy_stage_rank_at(&e->stages[s], k, NULL)->r.kv, &ks);
+            pages[i] = ks.pages_per_layer;
+        }
     return GY_OK;
 }
 
 static void gy_engine_unmark(gy_engine *e) {
-    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_unmark(adapters[i]);
 }
@@ -1116,22 +873,34 @@ static void gy_engine_unmark(gy_engine *e) {
 /* Back to the mark; pages grown since go back too where nothing holds them (a live view of a
  * raw layer, or a transformation's shared pages, keep them: free blocks, no request changed). */
 static void gy_engine_undo(gy_engine *e, const int64_t *pages) {
-    gy_sched_kv_adapter *adapters[2 * GY_ENGINE_MAX_RANKS];
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = n - 1; i >= 0; i--) gy_sched_kv_adapter_undo(adapters[i]);
-    for (int32_t i = 0; i < e->n_ranks; i++) {
-        gy_kv_stats ks;
-        gy_kv_stats_get(e->ranks[i].r.kv, &ks);
-        if (ks.pages_per_layer > pages[i] && gy_kv_shrink(e->ranks[i].r.kv, ks.pages_per_layer - pages[i]) != GY_OK)
-            gy_error_clear();
+    int32_t i = 0;
+    for (int32_t s = 0; s < e->n_stages; s++)
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++, i++) {
+            if (pages[i] < 0) continue;
+            gy_kv_cache *kv = gy_stage_rank_at(&e->stages[s], k, NULL)->r.kv;
+            gy_kv_stats ks;
+            gy_kv_stats_get(kv, &ks);
+            if (ks.pages_per_layer > pages[i] && gy_kv_shrink(kv, ks.pages_per_layer - pages[i]) != GY_OK)
+                gy_error_clear();
+        }
+}
+
+/* Gives the free tails of the owned caches back; a live NumPy view of a raw-layout layer may
+ * refuse, which only delays the shrink to a later step. */
+static void gy_engine_shrink(gy_engine *e) {
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        if (!e->stages[s].owned) continue;
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {
+            gy_kv_cache *kv = gy_stage_rank_at(&e->stages[s], k, NULL)->r.kv;
+            const int64_t spare = gy_kv_shrinkable_pages(kv);
+            if (spare > 0 && gy_kv_shrink(kv, spare) != GY_OK) gy_error_clear();
+        }
     }
 }
 
-/* ---- sampling ---- */
-
-/* Samples every row; a row the sampler refuses (its logits are NaN or +inf: the weights or the
- * activations overflowed) fails its request alone: ends[row] = GY_SCHED_END_FAIL and the reason
- * is kept on the request. */
 static gy_status gy_engine_sample(gy_engine *e, int64_t n_logits, uint8_t *failed) {
     memset(failed, 0, (size_t)n_logits);
     const int64_t V = e->model->vocab;
@@ -1165,7 +934,7 @@ static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n
 
 static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_out *out) {
     memset(out, 0, sizeof *out);
-    int64_t pages[GY_ENGINE_MAX_RANKS];
+    int64_t pages[GY_ENGINE_MAX_ADAPTERS];
     GY_TRY(gy_engine_mark(e, pages));
     gy_sched_batch b;
     gy_status s = gy_sched_schedule(e->sched, now, &b);
@@ -1215,14 +984,7 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
             e->sampled[n_out++] = e->sampled[k];
         }
     memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
-    if (done.n_finished > 0) {
-        /* Give the free tails back; a live NumPy view of a raw-layout layer may refuse, which
-         * only delays the shrink to a later step. */
-        for (int32_t i = 0; i < e->n_ranks; i++) {
-            const int64_t spare = gy_kv_shrinkable_pages(e->ranks[i].r.kv);
-            if (spare > 0 && gy_kv_shrink(e->ranks[i].r.kv, spare) != GY_OK) gy_error_clear();
-        }
-    }
+    if (done.n_finished > 0) gy_engine_shrink(e);
     out->n_tokens = n_out;
     out->token_ids = e->sampled_ids;
     out->tokens = e->sampled;

@@ -1,7 +1,8 @@
-/* engine.h: the serving loop of one instance: a group of `n_ranks` workers serving with tensor
- * parallelism (1 for a plain engine). One step = schedule (sched/batch.h) -> gather the batch's
- * tokens and every rank's block tables -> forward on all ranks at once, each on its own thread,
- * joined by the communicator's all-reduce (forward.h) -> sample on rank 0 -> commit.
+/* engine.h: the serving loop of one instance. The instance runs a plan: stages of layers, each
+ * run by a group of workers with tensor parallelism (one stage of one rank for a plain engine;
+ * stage.h). One step = schedule (sched/batch.h) -> gather the batch's tokens and every rank's
+ * block tables -> run the stages in order, the ranks of a stage at once, each on its own thread,
+ * joined by their communicator's all-reduce (forward.h) -> sample -> commit.
  *
  * Every rank has its own KV cache holding its KV heads; the scheduler sees the smallest of their
  * capacities, and a request's blocks are reserved on all ranks together. The block ids may differ
@@ -73,7 +74,30 @@ typedef struct gy_engine_rank {
     gy_threadpool *pool;
 } gy_engine_rank;
 
-/* ranks [n_ranks]; comm joins them (NULL when n_ranks == 1) and is borrowed. Every rank runs on
+#define GY_ENGINE_MAX_STAGES 8
+
+/* One stage of a plan: layers [first_layer, end_layer) run by a TP group of `size` ranks (their
+ * models, caches and pools borrowed), joined by `comm` (NULL for one rank). */
+typedef struct gy_engine_stage {
+    int64_t first_layer, end_layer;
+    int32_t size;
+    const gy_engine_rank *ranks;   /* [size] */
+    struct gy_comm *comm;
+} gy_engine_stage;
+
+/* An instance running a plan of `n_stages` stages (at most 8) in order, covering the model's
+ * layers [0, L) each at least one, the hidden states of every token handed from one stage to the
+ * next (PP[3,1]: layers [0, 3) on one worker, [3, 4) on another). Every model has the same shape
+ * and every cache the same block size; a request holds KV blocks on every rank of every stage,
+ * and the scheduler sees the least any rank could hold. Tokens are bit-identical to a plan of
+ * one stage: each stage runs its layers exactly as the one-stage pass does. Several stages run
+ * on the CPU backend only (GY_ERR_UNAVAILABLE otherwise, naming what is missing). Moving
+ * requests in and out (gy_engine_request_get, gy_engine_adopt) and layer-staggered
+ * transformations are for one-stage plans. */
+gy_status gy_engine_init_plan(gy_engine **out, const gy_engine_stage *stages, int32_t n_stages,
+                              const gy_engine_config *config);
+
+/* A plan of one stage: ranks [n_ranks]; comm joins them (NULL when n_ranks == 1) and is borrowed. Every rank runs on
  * one backend, and the communicator must fit it: shm for cpu ranks; d2d or nccl for cuda ranks,
  * its rank i on rank i's device (GY_ERR_INVALID naming the mismatch otherwise). With cuda ranks
  * the engine points the communicator's rank i at model i's stream (gy_comm_set_stream), so the

@@ -61,13 +61,13 @@ gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv
     const gy_kv_layout *L = gy_kv_layout_of(kv);
     const gy_kv_config *c = gy_kv_config_of(kv);
     if (L->n_heads != m->n_kv_heads / tp->size || L->head_dim != m->head_dim ||
-        c->n_layers != m->n_layers)
+        c->first_layer + c->n_layers > m->n_layers)
         return GY_FAIL(GY_ERR_INVALID,
-                       "the KV cache (%lld layers, %lld heads of %lld) does not match the model's "
-                       "%lld layers and %lld local KV heads of %lld",
-                       (long long)c->n_layers, (long long)L->n_heads, (long long)L->head_dim,
-                       (long long)m->n_layers, (long long)(m->n_kv_heads / tp->size),
-                       (long long)m->head_dim);
+                       "the KV cache (layers [%lld, %lld), %lld heads of %lld) does not match the "
+                       "model's %lld layers and %lld local KV heads of %lld",
+                       (long long)c->first_layer, (long long)(c->first_layer + c->n_layers),
+                       (long long)L->n_heads, (long long)L->head_dim, (long long)m->n_layers,
+                       (long long)(m->n_kv_heads / tp->size), (long long)m->head_dim);
     if (b->paged.n_tokens <= 0) return GY_FAIL(GY_ERR_INVALID, "a forward pass needs at least one token");
     int64_t max_len = 0;
     GY_TRY(gy_cpu_paged_batch_check(&b->paged, L, "forward batch", &max_len));
@@ -83,6 +83,20 @@ gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->paged.n_tokens)
             return GY_FAIL(GY_ERR_INVALID, "logit row %d is not a token of the batch", (int)b->logit_rows[i]);
     if (max_len_out != NULL) *max_len_out = max_len;
+    return GY_OK;
+}
+
+gy_status gy_forward_check_layers(const gy_model *m, const gy_kv_cache *kv, int64_t first_layer,
+                                  int64_t end_layer) {
+    if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
+                       (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
+    const gy_kv_config *c = gy_kv_config_of(kv);
+    if (first_layer < end_layer &&
+        (first_layer < c->first_layer || end_layer > c->first_layer + c->n_layers))
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not all in the KV cache, which "
+                       "holds [%lld, %lld)", (long long)first_layer, (long long)end_layer,
+                       (long long)c->first_layer, (long long)(c->first_layer + c->n_layers));
     return GY_OK;
 }
 
@@ -107,9 +121,8 @@ gy_status gy_forward_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cach
                             int64_t first_layer, int64_t end_layer) {
     if (m->backend == GY_MODEL_BACKEND_CUDA)
         return gy_forward_cuda_layers(m, tp, kv, b, ws, first_layer, end_layer);
-    if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
-        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
-                       (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
+    GY_TRY(gy_forward_check_layers(m, kv, first_layer, end_layer));
+    const int64_t kv_first = gy_kv_config_of(kv)->first_layer;
     const int64_t n = b->paged.n_tokens, hid = m->hidden, D = m->head_dim;
     const int64_t esz = gy_dtype_size(m->weight_dtype);
     const int64_t heads = m->n_heads / tp->size, kv_heads = m->n_kv_heads / tp->size;
@@ -120,7 +133,7 @@ gy_status gy_forward_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cach
 #define GY_ROWS(ptr, row) ((const void *)((const char *)(ptr) + (row) * hid * esz))
     for (int64_t l = first_layer; l < end_layer; l++) {
         const gy_layer_weights *w = &m->layers[l];
-        float *layer_base = gy_kv_layer_ptr(kv, l);
+        float *layer_base = gy_kv_layer_ptr(kv, l - kv_first);
         if (layer_base == NULL) return GY_FAIL(GY_ERR_UNAVAILABLE, "the KV cache is not in host memory");
 
         /* Attention: this rank's heads only. */

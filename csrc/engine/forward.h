@@ -70,6 +70,10 @@ gy_status gy_forward_check(const gy_model *model, const gy_tp_group *tp, const g
  * configuration and the rest in another: begin checks the batch and sizes the workspace, and
  * embeds the tokens into ws->x when `embed` (else the caller fills ws->x); layers runs
  * [first_layer, end_layer) on ws->x; end computes the logits of batch->logit_rows. */
+/* GY_ERR_INVALID unless layers [first_layer, end_layer) are the model's and all in the cache
+ * (a stage's cache may hold only the stage's layers: kv_cache.h's first_layer). */
+gy_status gy_forward_check_layers(const gy_model *model, const gy_kv_cache *kv,
+                                  int64_t first_layer, int64_t end_layer);
 gy_status gy_forward_begin(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
                            const gy_forward_batch *batch, gy_forward_ws *ws, int embed);
 gy_status gy_forward_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,

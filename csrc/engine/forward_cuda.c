@@ -317,9 +317,8 @@ static gy_status gy_fwd_cuda_residual_close(struct gy_forward_cuda_ws *c, const 
 gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                  const gy_forward_batch *b, gy_forward_ws *ws,
                                  int64_t first_layer, int64_t end_layer) {
-    if (first_layer < 0 || end_layer > m->n_layers || first_layer > end_layer)
-        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not within [0, %lld)",
-                       (long long)first_layer, (long long)end_layer, (long long)m->n_layers);
+    GY_TRY(gy_forward_check_layers(m, kv, first_layer, end_layer));
+    const int64_t kv_first = gy_kv_config_of(kv)->first_layer;
     struct gy_forward_cuda_ws *c = ws->cuda;
     if (c == NULL || c->n_tokens != b->paged.n_tokens || c->stream != (cudaStream_t)m->stream)
         return GY_FAIL(GY_ERR_STATE, "gy_forward_layers before gy_forward_begin of this batch");
@@ -340,7 +339,7 @@ gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv
 #define GY_ROWS(ptr, row) ((const void *)((const char *)(ptr) + (row) * hid * esz))
     for (int64_t l = first_layer; l < end_layer; l++) {
         const gy_layer_weights *w = &m->layers[l];
-        void *layer_base = (void *)gy_kv_layer_address(kv, l);
+        void *layer_base = (void *)gy_kv_layer_address(kv, l - kv_first);
 
         /* Attention: this rank's heads only. */
         GY_TRY(gy_cuda_rmsnorm(c->h.ptr, c->x.ptr, w->attn_norm, n, hid, m->rms_eps, act, F32, st));

@@ -71,6 +71,9 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
     if (out == NULL || arena == NULL || c == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_kv_init: NULL argument");
     *out = NULL;
+    if (c->first_layer < 0)
+        return GY_FAIL(GY_ERR_INVALID, "KV cache first_layer must not be negative, got %lld",
+                       (long long)c->first_layer);
     if (c->n_layers <= 0 || c->slots_per_layer <= 0 || c->first_slot < 0)
         return GY_FAIL(GY_ERR_INVALID,
                        "KV cache needs n_layers > 0, slots_per_layer > 0 and first_slot >= 0 "

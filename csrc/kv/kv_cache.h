@@ -27,7 +27,8 @@ extern "C" {
 
 typedef struct gy_kv_config {
     gy_kv_layout_kind layout;
-    int64_t n_layers;
+    int64_t n_layers;        /* layers held: the model's [first_layer, first_layer + n_layers) */
+    int64_t first_layer;     /* 0 unless the cache serves a stage of a plan (engine/stage.h) */
     int64_t n_heads;         /* KV heads held by this worker */
     int64_t head_dim;
     int64_t block_size;      /* tokens per block */

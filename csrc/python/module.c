@@ -5,6 +5,19 @@
 /* One exception class per gy_status; all derive from gyges._C.Error. The mapping is fixed at
  * import, so it is kept in a static table rather than looked up on every failure. */
 static PyObject *gy_py_errors[GY_STATUS_COUNT];
+/* An InvalidArgumentError that is also a TypeError: an argument of the wrong type. */
+static PyObject *gy_py_argument_type_error;
+
+PyObject *gy_py_type_error(void) { return gy_py_argument_type_error; }
+
+PyObject *gy_py_sequence(PyObject *object, const char *message) {
+    PyObject *seq = PySequence_Fast(object, message);
+    if (seq == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(gy_py_argument_type_error, message);
+    }
+    return seq;
+}
 
 PyObject *gy_py_error_class(gy_status status) {
     if (status <= GY_OK || status >= GY_STATUS_COUNT) status = GY_ERR_STATE;
@@ -24,12 +37,12 @@ int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int wr
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, view, flags) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be a %sC-contiguous buffer", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s must be a %sC-contiguous buffer", what,
                      writable ? "writable " : "");
         return -1;
     }
     if (view->len != bytes) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, expected %zd", what, view->len, bytes);
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd bytes, expected %zd", what, view->len, bytes);
         PyBuffer_Release(view);
         return -1;
     }
@@ -47,7 +60,7 @@ static const struct {
     {GY_ERR_OUT_OF_MEMORY, "OutOfMemoryError", &PyExc_MemoryError, "A worker's physical memory budget would be exceeded."},
     {GY_ERR_STATE, "StateError", NULL, "The call does not fit the current state (double map, double free...)."},
     {GY_ERR_BUSY, "BusyError", NULL, "A live view or an operation under way holds the resource."},
-    {GY_ERR_SYSTEM, "SystemError", &PyExc_OSError, "The operating system refused a memory operation."},
+    {GY_ERR_SYSTEM, "SystemCallError", &PyExc_OSError, "The operating system refused a memory operation."},
     {GY_ERR_CUDA, "CudaError", NULL, "The CUDA driver or runtime refused an operation."},
     {GY_ERR_UNAVAILABLE, "UnavailableError", NULL, "The backend or device is not available here."},
     {GY_ERR_LIMIT, "LimitError", NULL, "A fixed limit (such as vm.max_map_count) would be crossed."},
@@ -80,6 +93,18 @@ static int gy_py_add_errors(PyObject *module) {
     }
     gy_py_errors[GY_OK] = base;
     Py_DECREF(base);
+    PyObject *bases = PyTuple_Pack(2, gy_py_errors[GY_ERR_INVALID], PyExc_TypeError);
+    if (bases == NULL) return -1;
+    PyObject *cls = PyErr_NewExceptionWithDoc(
+        "gyges._C.ArgumentTypeError",
+        "An argument of the wrong type; the message names the parameter and the value.", bases, NULL);
+    Py_DECREF(bases);
+    if (cls == NULL || PyModule_AddObjectRef(module, "ArgumentTypeError", cls) < 0) {
+        Py_XDECREF(cls);
+        return -1;
+    }
+    gy_py_argument_type_error = cls; /* the module keeps it alive */
+    Py_DECREF(cls);
     return 0;
 fail:
     Py_DECREF(base);

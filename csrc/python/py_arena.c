@@ -28,7 +28,7 @@ static PyObject *gy_py_arena_view_type;
 
 gy_arena *gy_py_arena_unwrap(PyObject *object) {
     if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_arena_type)) {
-        PyErr_SetString(PyExc_TypeError, "expected a gyges._C.Arena");
+        PyErr_SetString(GY_PY_TYPE_ERROR, "expected a gyges._C.Arena");
         return NULL;
     }
     return ((GyArenaObject *)object)->arena;
@@ -249,7 +249,7 @@ static PyObject *gy_py_arena_copy_runs(GyArenaObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (n_views == 3) {
         if (views[1].len != views[0].len || views[2].len != views[0].len || views[0].len % 8 != 0) {
-            PyErr_SetString(PyExc_ValueError, "copy_runs: offset and size buffers must be uint64 of one length");
+            PyErr_SetString(GY_PY_VALUE_ERROR, "copy_runs: offset and size buffers must be uint64 of one length");
         } else {
             gy_status s;
             Py_BEGIN_ALLOW_THREADS
@@ -320,18 +320,18 @@ PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t 
     const uint64_t page_size = gy_arena_page_size(arena);
     const uint64_t total = gy_arena_n_slots(arena) * page_size;
     if (nbytes == 0 || offset >= total || nbytes > total - offset) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(GY_PY_VALUE_ERROR,
                      "a view of %llu bytes at offset %llu does not fit the arena's %llu bytes",
                      (unsigned long long)nbytes, (unsigned long long)offset, (unsigned long long)total);
         return NULL;
     }
     if (nbytes > (uint64_t)PY_SSIZE_T_MAX) {
-        PyErr_SetString(PyExc_ValueError, "view too large");
+        PyErr_SetString(GY_PY_VALUE_ERROR, "view too large");
         return NULL;
     }
     char *ptr = gy_arena_host_ptr(arena, offset);
     if (ptr == NULL) {
-        PyErr_SetString(PyExc_ValueError,
+        PyErr_SetString(GY_PY_VALUE_ERROR,
                         "this arena's memory is device memory; NumPy views need the cpu backend");
         return NULL;
     }

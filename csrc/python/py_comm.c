@@ -24,7 +24,7 @@ static const char *const gy_py_channel_names[GY_COMM_CHANNEL_COUNT] = {"compute"
 
 struct gy_comm *gy_py_comm_unwrap(PyObject *object) {
     if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_comm_type)) {
-        PyErr_SetString(PyExc_TypeError, "expected a gyges._C.Comm");
+        PyErr_SetString(GY_PY_TYPE_ERROR, "expected a gyges._C.Comm");
         return NULL;
     }
     return ((GyCommObject *)object)->comm;
@@ -42,10 +42,10 @@ static int gy_py_comm_devices(PyObject *object, int32_t size, int32_t *devices, 
             devices[r] = d < INT32_MIN ? INT32_MIN : d > INT32_MAX ? INT32_MAX : (int32_t)d;
         return 0;
     }
-    PyObject *seq = PySequence_Fast(object, "devices must be None, an int or a sequence of ints");
+    PyObject *seq = gy_py_sequence(object, "devices must be None, an int or a sequence of ints");
     if (seq == NULL) return -1;
     if (PySequence_Fast_GET_SIZE(seq) != size) {
-        PyErr_Format(PyExc_ValueError, "devices lists %zd devices for %d ranks",
+        PyErr_Format(GY_PY_VALUE_ERROR, "devices lists %zd devices for %d ranks",
                      PySequence_Fast_GET_SIZE(seq), (int)size);
         Py_DECREF(seq);
         return -1;
@@ -139,7 +139,7 @@ static int gy_py_comm_buf_get(GyCommObject *self, gy_py_comm_buf *b, PyObject *o
     b->ptr = NULL;
     if (gy_py_comm_is_device(self)) {
         if (!PyLong_Check(object)) {
-            PyErr_Format(PyExc_TypeError, "%s: a %s communicator takes device addresses (ints)",
+            PyErr_Format(GY_PY_TYPE_ERROR, "%s: a %s communicator takes device addresses (ints)",
                          what, gy_comm_backend_name(gy_comm_backend(self->comm)));
             return -1;
         }
@@ -151,14 +151,14 @@ static int gy_py_comm_buf_get(GyCommObject *self, gy_py_comm_buf *b, PyObject *o
     const int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, &b->view, flags) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s must be a %sC-contiguous buffer (an shm communicator "
+        PyErr_Format(GY_PY_TYPE_ERROR, "%s must be a %sC-contiguous buffer (an shm communicator "
                      "works on host memory)", what, writable ? "writable " : "");
         return -1;
     }
     b->held = 1;
     b->ptr = b->view.buf;
     if (b->view.len < min_bytes) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, the call needs %lld", what, b->view.len,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd bytes, the call needs %lld", what, b->view.len,
                      (long long)min_bytes);
         return -1;
     }
@@ -202,7 +202,7 @@ static PyObject *gy_py_comm_all_reduce(GyCommObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iO|L", &rank, &object, &n) || gy_py_comm_rank(self, rank) < 0)
         return NULL;
     if (gy_py_comm_is_device(self) && n < 0)
-        return PyErr_Format(PyExc_ValueError, "all_reduce on device addresses needs n");
+        return PyErr_Format(GY_PY_VALUE_ERROR, "all_reduce on device addresses needs n");
     gy_py_comm_buf b;
     if (gy_py_comm_buf_get(self, &b, object, n < 0 ? 0 : 4 * (int64_t)n, 1, "buf") < 0) {
         gy_py_comm_buf_release(&b, 1);
@@ -211,7 +211,7 @@ static PyObject *gy_py_comm_all_reduce(GyCommObject *self, PyObject *args) {
     if (n < 0) {
         if (b.view.len % 4 != 0) {
             gy_py_comm_buf_release(&b, 1);
-            return PyErr_Format(PyExc_ValueError, "buf holds %zd bytes, not float32 values",
+            return PyErr_Format(GY_PY_VALUE_ERROR, "buf holds %zd bytes, not float32 values",
                                 b.view.len);
         }
         n = b.view.len / 4;
@@ -233,7 +233,7 @@ static PyObject *gy_py_comm_all_gather(GyCommObject *self, PyObject *args) {
         gy_py_comm_rank(self, rank) < 0)
         return NULL;
     if (gy_py_comm_is_device(self) && bytes < 0)
-        return PyErr_Format(PyExc_ValueError, "all_gather on device addresses needs nbytes");
+        return PyErr_Format(GY_PY_VALUE_ERROR, "all_gather on device addresses needs nbytes");
     gy_py_comm_buf b[2];
     memset(b, 0, sizeof b);
     if (gy_py_comm_buf_get(self, &b[1], in_object, bytes < 0 ? 0 : bytes, 0, "in") < 0)
@@ -253,12 +253,47 @@ fail:
     return NULL;
 }
 
+/* send(rank, peer, buf, nbytes=None) and recv(rank, peer, buf, nbytes=None): one message. */
+static PyObject *gy_py_comm_message(GyCommObject *self, PyObject *args, int receive) {
+    int rank, peer;
+    PyObject *object;
+    long long bytes = -1;
+    if (!PyArg_ParseTuple(args, "iiO|L", &rank, &peer, &object, &bytes) ||
+        gy_py_comm_rank(self, rank) < 0)
+        return NULL;
+    if (gy_py_comm_is_device(self) && bytes < 0)
+        return PyErr_Format(GY_PY_VALUE_ERROR, "%s on device addresses needs nbytes",
+                            receive ? "recv" : "send");
+    gy_py_comm_buf b;
+    if (gy_py_comm_buf_get(self, &b, object, bytes < 0 ? 0 : bytes, receive, "buf") < 0) {
+        gy_py_comm_buf_release(&b, 1);
+        return NULL;
+    }
+    if (bytes < 0) bytes = b.view.len;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = receive ? gy_comm_recv(self->comm, rank, peer, b.ptr, (int64_t)bytes)
+                : gy_comm_send(self->comm, rank, peer, b.ptr, (int64_t)bytes);
+    Py_END_ALLOW_THREADS
+    gy_py_comm_buf_release(&b, 1);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_comm_send(GyCommObject *self, PyObject *args) {
+    return gy_py_comm_message(self, args, 0);
+}
+
+static PyObject *gy_py_comm_recv(GyCommObject *self, PyObject *args) {
+    return gy_py_comm_message(self, args, 1);
+}
+
 /* A sequence of `n` ints into out. 0, or -1 with an exception. */
 static int gy_py_comm_sizes(PyObject *object, int32_t n, int64_t *out, const char *what) {
-    PyObject *seq = PySequence_Fast(object, "sizes must be a sequence of ints");
+    PyObject *seq = gy_py_sequence(object, "sizes must be a sequence of ints");
     if (seq == NULL) return -1;
     if (PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "%s lists %zd sizes for %d ranks", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s lists %zd sizes for %d ranks", what,
                      PySequence_Fast_GET_SIZE(seq), (int)n);
         Py_DECREF(seq);
         return -1;
@@ -289,12 +324,12 @@ static PyObject *gy_py_comm_all_to_all(GyCommObject *self, PyObject *args) {
     gy_py_comm_buf b[2 * GY_COMM_MAX_RANKS];
     memset(b, 0, sizeof b);
     PyObject *recv_seq = NULL, *send_seq = NULL;
-    recv_seq = PySequence_Fast(recv_object, "recv must be a sequence of buffers or addresses");
+    recv_seq = gy_py_sequence(recv_object, "recv must be a sequence of buffers or addresses");
     if (recv_seq == NULL) goto fail;
-    send_seq = PySequence_Fast(send_object, "send must be a sequence of buffers or addresses");
+    send_seq = gy_py_sequence(send_object, "send must be a sequence of buffers or addresses");
     if (send_seq == NULL) goto fail;
     if (PySequence_Fast_GET_SIZE(recv_seq) != size || PySequence_Fast_GET_SIZE(send_seq) != size) {
-        PyErr_Format(PyExc_ValueError, "recv and send list one buffer per rank (%d)", (int)size);
+        PyErr_Format(GY_PY_VALUE_ERROR, "recv and send list one buffer per rank (%d)", (int)size);
         goto fail;
     }
     void *recv[GY_COMM_MAX_RANKS];
@@ -372,7 +407,7 @@ static PyObject *gy_py_comm_synchronize(GyCommObject *self, PyObject *args) {
 static PyObject *gy_py_comm_transfer(GyCommObject *self, int rank, unsigned long long address,
                                      PyObject *object, int download) {
     if (!gy_py_comm_is_device(self))
-        return PyErr_Format(PyExc_TypeError, "upload and download are for device communicators "
+        return PyErr_Format(GY_PY_TYPE_ERROR, "upload and download are for device communicators "
                             "(an shm communicator's buffers are host memory already)");
 #ifdef GY_WITH_CUDA
     Py_buffer view;
@@ -493,6 +528,10 @@ static PyMethodDef gy_py_comm_methods[] = {
      "all_gather(rank, out, in_, nbytes=None): out = every rank's in_, in rank order"},
     {"all_to_all", (PyCFunction)gy_py_comm_all_to_all, METH_VARARGS,
      "all_to_all(rank, recv, recv_bytes, send, send_bytes): one buffer and size per rank"},
+    {"send", (PyCFunction)gy_py_comm_send, METH_VARARGS,
+     "send(rank, peer, buf, nbytes=None): buf to rank `peer`, which calls recv(peer, rank, ...)"},
+    {"recv", (PyCFunction)gy_py_comm_recv, METH_VARARGS,
+     "recv(rank, peer, buf, nbytes=None): fills buf with what rank `peer` sends to `rank`"},
     {"set_stream", (PyCFunction)gy_py_comm_set_stream, METH_VARARGS,
      "set_stream(rank, stream): the cudaStream_t (an int) the rank's collectives go on"},
     {"stream", (PyCFunction)gy_py_comm_stream, METH_VARARGS, "stream(rank) -> int"},

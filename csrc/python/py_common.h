@@ -12,6 +12,14 @@
 PyObject *gy_py_raise(gy_status status);
 /* The exception class for `status` (borrowed). */
 PyObject *gy_py_error_class(gy_status status);
+/* Arguments the C core never sees are checked here, and their errors are gyges errors too:
+ * a bad value is an InvalidArgumentError (a ValueError), a wrong type an ArgumentTypeError
+ * (an InvalidArgumentError and a TypeError). Both borrowed. */
+#define GY_PY_VALUE_ERROR gy_py_error_class(GY_ERR_INVALID)
+PyObject *gy_py_type_error(void);
+#define GY_PY_TYPE_ERROR gy_py_type_error()
+/* PySequence_Fast whose refusal is an ArgumentTypeError with `message`. */
+PyObject *gy_py_sequence(PyObject *object, const char *message);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);

@@ -55,7 +55,7 @@ typedef struct gy_py_devs {
 
 static gy_py_dev *gy_py_devs_next(gy_py_devs *ds) {
     if (ds->n >= GY_PY_MAX_DEVS) {
-        PyErr_SetString(PyExc_RuntimeError, "too many buffers in one CUDA call");
+        PyErr_SetString(gy_py_error_class(GY_ERR_LIMIT), "too many buffers in one CUDA call");
         return NULL;
     }
     gy_py_dev *d = &ds->d[ds->n];
@@ -68,13 +68,13 @@ static int gy_py_dev_nbytes(Py_ssize_t *bytes, const char *what, long long d0, l
                             long long d2, long long elem) {
     long long r;
     if (d0 < 0 || d1 < 0 || d2 < 0 || elem <= 0) {
-        PyErr_Format(PyExc_ValueError, "%s: sizes must not be negative (%lld, %lld, %lld)", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s: sizes must not be negative (%lld, %lld, %lld)", what,
                      d0, d1, d2);
         return -1;
     }
     if (__builtin_mul_overflow(d0, d1, &r) || __builtin_mul_overflow(r, d2, &r) ||
         __builtin_mul_overflow(r, elem, &r) || r > PY_SSIZE_T_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s: size overflows", what);
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s: size overflows", what);
         return -1;
     }
     *bytes = (Py_ssize_t)r;
@@ -97,7 +97,7 @@ static int gy_py_devs_add(gy_py_devs *ds, PyObject *object, int writeback, const
         int flags = PyBUF_C_CONTIGUOUS | (writeback ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(object, &d->view, flags) < 0) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s must be a %sC-contiguous buffer", what,
+            PyErr_Format(GY_PY_VALUE_ERROR, "%s must be a %sC-contiguous buffer", what,
                          writeback ? "writable " : "");
             return -1;
         }
@@ -114,7 +114,7 @@ static int gy_py_devs_add_int32(gy_py_devs *ds, PyObject *object, int64_t *n, co
     const int slot = gy_py_devs_add(ds, object, 0, what, 0, 0, 0, 0);
     if (slot < 0) return -1;
     if (ds->d[slot].bytes % 4 != 0) {
-        PyErr_Format(PyExc_ValueError, "%s must hold int32 values (%llu bytes)", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s must hold int32 values (%llu bytes)", what,
                      (unsigned long long)ds->d[slot].bytes);
         return -1;
     }
@@ -236,7 +236,7 @@ static int gy_py_check_table(const gy_kv_layout *layout, int64_t n_table, long l
     if (n_tokens == 0) return 0;
     const long long need = (start + n_tokens + layout->block_size - 1) / layout->block_size;
     if (start < 0 || need > n_table) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(GY_PY_VALUE_ERROR,
                      "block_table has %lld entries; tokens [%lld, %lld) need %lld (start >= 0)",
                      (long long)n_table, start, start + n_tokens, need);
         return -1;
@@ -401,7 +401,7 @@ static PyObject *gy_py_cuda_kv_copy_heads(PyObject *self, PyObject *args) {
         gy_py_devs_add_int32(&ds, src_blocks, &n_src, "src_blocks") < 0)
         return gy_py_devs_fail(&ds);
     if (n_dst != n_src) {
-        PyErr_Format(PyExc_ValueError, "dst_blocks has %lld entries, src_blocks %lld",
+        PyErr_Format(GY_PY_VALUE_ERROR, "dst_blocks has %lld entries, src_blocks %lld",
                      (long long)n_dst, (long long)n_src);
         return gy_py_devs_fail(&ds);
     }
@@ -535,7 +535,7 @@ static PyObject *gy_py_cuda_rope(PyObject *self, PyObject *args) {
         return NULL;
     const int64_t es = gy_py_dtype_size(dtype);
     if (es <= 0) return NULL;
-    if (n_kv < 0) return PyErr_Format(PyExc_ValueError, "sizes must be >= 0");
+    if (n_kv < 0) return PyErr_Format(GY_PY_VALUE_ERROR, "sizes must be >= 0");
     gy_py_devs ds = {.n = 0};
     int k_slot = -1;
     if (gy_py_devs_add(&ds, q, 1, "q", n_tokens, n_q, head_dim, es) < 0 ||
@@ -694,7 +694,7 @@ static PyObject *gy_py_cuda_bench_memcpy(PyObject *self, PyObject *args) {
     long long bytes, repeat;
     if (!PyArg_ParseTuple(args, "LL", &bytes, &repeat)) return NULL;
     if (bytes <= 0 || repeat <= 0)
-        return PyErr_Format(PyExc_ValueError, "bytes and repeat must be positive");
+        return PyErr_Format(GY_PY_VALUE_ERROR, "bytes and repeat must be positive");
     double seconds = 0.0;
     gy_status st = GY_OK;
     Py_BEGIN_ALLOW_THREADS
@@ -726,10 +726,10 @@ static PyObject *gy_py_cuda_bench_paged_attention(PyObject *self, PyObject *args
     gy_kv_layout L;
     if (gy_py_layout(layout_t, &L) < 0) return NULL;
     if (n_seqs <= 0 || context <= 0 || repeat <= 0)
-        return PyErr_Format(PyExc_ValueError, "n_seqs, context and repeat must be positive");
+        return PyErr_Format(GY_PY_VALUE_ERROR, "n_seqs, context and repeat must be positive");
     const long long per_seq = (context + L.block_size - 1) / L.block_size;
     if (per_seq * n_seqs > L.n_blocks || per_seq * n_seqs > INT32_MAX)
-        return PyErr_Format(PyExc_ValueError, "%lld sequences of %lld blocks do not fit %lld blocks",
+        return PyErr_Format(GY_PY_VALUE_ERROR, "%lld sequences of %lld blocks do not fit %lld blocks",
                             n_seqs, per_seq, (long long)L.n_blocks);
     const long long n_tokens = prefill ? n_seqs * context : n_seqs;
     gy_status s = gy_cuda_paged_attention_check((gy_dtype)act_dtype, &L, (gy_dtype)kv_dtype,

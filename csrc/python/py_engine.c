@@ -11,47 +11,83 @@ typedef struct {
     gy_engine *engine;
 } GyEngineObject;
 
-/* Engine(models, kvs, comm, max_batch_tokens, max_running, max_prefill_chunk=0,
- *        watermark_blocks=0): models and kvs are sequences of one entry per TP rank; comm is a
- * gyges._C.Comm of that size, or None for one rank. */
-static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"models", "kvs", "comm", "max_batch_tokens", "max_running",
-                            "max_prefill_chunk", "watermark_blocks", NULL};
-    PyObject *models, *kvs, *comm_object;
-    long long max_batch_tokens, max_running, max_prefill_chunk = 0, watermark = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLL|LL", names, &models, &kvs, &comm_object,
-                                     &max_batch_tokens, &max_running, &max_prefill_chunk, &watermark))
-        return NULL;
-    PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comm_object);
-    if (keep == NULL) return NULL;
-    gy_engine_rank ranks[GY_MODEL_MAX_TP];
-    const Py_ssize_t n = PySequence_Size(models);
-    if (n < 1 || n > GY_MODEL_MAX_TP || PySequence_Size(kvs) != n) {
-        Py_DECREF(keep);
-        return PyErr_Format(PyExc_ValueError, "an engine needs 1 to %d ranks, as many models as KV caches",
-                            GY_MODEL_MAX_TP);
+/* The ranks of one stage: models and kvs are sequences of one entry per TP rank. 0, or -1 with
+ * an exception. The objects stay alive in the engine's `keep`. */
+static int gy_py_engine_ranks(PyObject *models, PyObject *kvs, gy_engine_rank *ranks, int32_t *n) {
+    const Py_ssize_t size = PySequence_Size(models);
+    if (size < 1 || size > GY_MODEL_MAX_TP || PySequence_Size(kvs) != size) {
+        PyErr_Clear();
+        PyErr_Format(GY_PY_VALUE_ERROR, "a stage needs 1 to %d ranks, as many models as KV caches",
+                     GY_MODEL_MAX_TP);
+        return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < size; i++) {
         PyObject *m = PySequence_GetItem(models, i), *k = PySequence_GetItem(kvs, i);
         ranks[i].model = m ? gy_py_model_unwrap(m, &ranks[i].pool) : NULL;
         ranks[i].kv = k ? gy_py_kv_unwrap(k) : NULL;
-        Py_XDECREF(m); /* kept alive by `keep` */
+        Py_XDECREF(m); /* kept alive by the engine's `keep` */
         Py_XDECREF(k);
-        if (ranks[i].model == NULL || ranks[i].kv == NULL) {
-            Py_DECREF(keep);
-            return NULL;
-        }
+        if (ranks[i].model == NULL || ranks[i].kv == NULL) return -1;
     }
-    struct gy_comm *comm = NULL;
-    if (comm_object != Py_None && (comm = gy_py_comm_unwrap(comm_object)) == NULL) {
-        Py_DECREF(keep);
+    *n = (int32_t)size;
+    return 0;
+}
+
+/* Engine(models, kvs, comm, max_batch_tokens, max_running, max_prefill_chunk=0,
+ *        watermark_blocks=0, layers=None): one stage over every layer, models and kvs one entry
+ * per TP rank and comm a gyges._C.Comm of that size (None for one rank). With layers, a list
+ * of (first, end) per stage, the plan of engine.h: models, kvs and comm are then lists of one
+ * entry per stage, each as above. */
+static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"models", "kvs", "comm", "max_batch_tokens", "max_running",
+                            "max_prefill_chunk", "watermark_blocks", "layers", NULL};
+    PyObject *models, *kvs, *comm_object, *layers = Py_None;
+    long long max_batch_tokens, max_running, max_prefill_chunk = 0, watermark = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLL|LLO", names, &models, &kvs, &comm_object,
+                                     &max_batch_tokens, &max_running, &max_prefill_chunk, &watermark,
+                                     &layers))
         return NULL;
+    PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comm_object);
+    if (keep == NULL) return NULL;
+    gy_engine_rank ranks[GY_ENGINE_MAX_STAGES][GY_MODEL_MAX_TP];
+    gy_engine_stage stages[GY_ENGINE_MAX_STAGES];
+    int32_t n_stages = 1;
+    if (layers == Py_None) {
+        stages[0] = (gy_engine_stage){.ranks = ranks[0]};
+        if (gy_py_engine_ranks(models, kvs, ranks[0], &stages[0].size) < 0) goto fail;
+        stages[0].end_layer = ranks[0][0].model->n_layers;
+        if (comm_object != Py_None && (stages[0].comm = gy_py_comm_unwrap(comm_object)) == NULL)
+            goto fail;
+    } else {
+        const Py_ssize_t n = PySequence_Size(layers);
+        if (n < 1 || n > GY_ENGINE_MAX_STAGES || PySequence_Size(models) != n || PySequence_Size(kvs) != n ||
+            PySequence_Size(comm_object) != n) {
+            PyErr_Clear();
+            PyErr_Format(GY_PY_VALUE_ERROR, "a plan has 1 to %d stages, each with its layers, "
+                         "models, KV caches and communicator", GY_ENGINE_MAX_STAGES);
+            goto fail;
+        }
+        n_stages = (int32_t)n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *range = PySequence_GetItem(layers, i), *m = PySequence_GetItem(models, i),
+                     *k = PySequence_GetItem(kvs, i), *c = PySequence_GetItem(comm_object, i);
+            long long first = 0, end = 0;
+            int ok = range && m && k && c && PyArg_ParseTuple(range, "LL", &first, &end);
+            stages[i] = (gy_engine_stage){.first_layer = first, .end_layer = end, .ranks = ranks[i]};
+            ok = ok && gy_py_engine_ranks(m, k, ranks[i], &stages[i].size) == 0;
+            ok = ok && (c == Py_None || (stages[i].comm = gy_py_comm_unwrap(c)) != NULL);
+            Py_XDECREF(range);
+            Py_XDECREF(m);
+            Py_XDECREF(k);
+            Py_XDECREF(c);
+            if (!ok) goto fail;
+        }
     }
     const gy_engine_config config = {.max_batch_tokens = max_batch_tokens, .max_running = max_running,
                                      .max_prefill_chunk = max_prefill_chunk,
                                      .watermark_blocks = watermark};
     gy_engine *engine;
-    gy_status s = gy_engine_init(&engine, ranks, (int32_t)n, comm, &config);
+    gy_status s = gy_engine_init_plan(&engine, stages, n_stages, &config);
     if (s != GY_OK) {
         Py_DECREF(keep);
         return gy_py_raise(s);
@@ -65,6 +101,9 @@ static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *
     self->keep = keep;
     self->engine = engine;
     return (PyObject *)self;
+fail:
+    Py_DECREF(keep);
+    return NULL;
 }
 
 static void gy_py_engine_dealloc(GyEngineObject *self) {
@@ -247,7 +286,7 @@ static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
     int64_t seqs[GY_MODEL_MAX_TP];
     for (int i = 0; i < GY_MODEL_MAX_TP; i++) seqs[i] = -1;
     const Py_ssize_t n_seqs = PySequence_Size(seqs_object);
-    if (n_seqs < 0 || n_seqs > GY_MODEL_MAX_TP) return PyErr_Format(PyExc_ValueError, "bad seqs");
+    if (n_seqs < 0 || n_seqs > GY_MODEL_MAX_TP) return PyErr_Format(GY_PY_VALUE_ERROR, "bad seqs");
     for (Py_ssize_t i = 0; i < n_seqs; i++) {
         PyObject *x = PySequence_GetItem(seqs_object, i);
         seqs[i] = x ? PyLong_AsLongLong(x) : -1;
@@ -283,7 +322,7 @@ static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *a
     if (!PyArg_ParseTuple(args, "OOO|p", &models, &kvs, &groups, &groups_last)) return NULL;
     const int32_t n = gy_engine_n_ranks(self->engine);
     if (PySequence_Size(models) != n || PySequence_Size(kvs) != n)
-        return PyErr_Format(PyExc_ValueError, "need an old model and KV cache for each of %d ranks", (int)n);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "need an old model and KV cache for each of %d ranks", (int)n);
     PyObject *keep = Py_BuildValue("(OOO)", models, kvs, groups);
     if (keep == NULL) return NULL;
     gy_engine_rank old[GY_MODEL_MAX_TP];
@@ -291,7 +330,7 @@ static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *a
     const Py_ssize_t n_groups = PySequence_Size(groups);
     if (n_groups < 1 || n_groups > n) {
         Py_DECREF(keep);
-        return PyErr_Format(PyExc_ValueError, "between 1 and %d old groups", (int)n);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "between 1 and %d old groups", (int)n);
     }
     for (int32_t i = 0; i < n; i++) {
         PyObject *m = PySequence_GetItem(models, i), *k = PySequence_GetItem(kvs, i);
@@ -321,7 +360,7 @@ static PyObject *gy_py_engine_transition_begin(GyEngineObject *self, PyObject *a
         Py_XDECREF(item);
         if (!ok) {
             Py_DECREF(keep);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a group is (ranks, comm)");
+            if (!PyErr_Occurred()) PyErr_SetString(GY_PY_VALUE_ERROR, "a group is (ranks, comm)");
             return NULL;
         }
     }
@@ -341,7 +380,7 @@ static PyObject *gy_py_engine_transition_adopt(GyEngineObject *self, PyObject *a
     if (!PyArg_ParseTuple(args, "LiO", &id, &group, &seqs_object)) return NULL;
     int64_t seqs[GY_MODEL_MAX_TP];
     const Py_ssize_t n = PySequence_Size(seqs_object);
-    if (n < 0 || n > GY_MODEL_MAX_TP) return PyErr_Format(PyExc_ValueError, "bad old sequences");
+    if (n < 0 || n > GY_MODEL_MAX_TP) return PyErr_Format(GY_PY_VALUE_ERROR, "bad old sequences");
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PySequence_GetItem(seqs_object, i);
         seqs[i] = x ? PyLong_AsLongLong(x) : -1;

@@ -6,7 +6,7 @@
 static int gy_py_fault_site(PyObject *args, int *site, long long *n, int with_n) {
     if (with_n ? !PyArg_ParseTuple(args, "iL", site, n) : !PyArg_ParseTuple(args, "i", site)) return -1;
     if (*site < 0 || *site >= GY_FAULT_SITE_COUNT) {
-        PyErr_Format(PyExc_ValueError, "fault site %d is not in [0, %d)", *site, GY_FAULT_SITE_COUNT);
+        PyErr_Format(GY_PY_VALUE_ERROR, "fault site %d is not in [0, %d)", *site, GY_FAULT_SITE_COUNT);
         return -1;
     }
     return 0;
@@ -17,7 +17,7 @@ static PyObject *gy_py_fault_arm(PyObject *module, PyObject *args) {
     int site;
     long long n;
     if (gy_py_fault_site(args, &site, &n, 1) < 0) return NULL;
-    if (n < 0) return PyErr_Format(PyExc_ValueError, "fault event number must be >= 0, got %lld", n);
+    if (n < 0) return PyErr_Format(GY_PY_VALUE_ERROR, "fault event number must be >= 0, got %lld", n);
     gy_fault_arm((gy_fault_site)site, n);
     Py_RETURN_NONE;
 }

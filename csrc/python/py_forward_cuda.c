@@ -97,7 +97,7 @@ static PyObject *gy_py_cuda_gemm(PyObject *module, PyObject *args) {
             goto done;
         const int exact = held >= 2; /* w and bias exactly; y and x at least */
         if (exact ? views[held].len != need[held] : views[held].len < need[held]) {
-            PyErr_Format(PyExc_ValueError, "cuda_gemm: %s has %zd bytes, needs %s%zd", what[held],
+            PyErr_Format(GY_PY_VALUE_ERROR, "cuda_gemm: %s has %zd bytes, needs %s%zd", what[held],
                          views[held].len, exact ? "" : "at least ", need[held]);
             held++;
             goto done;

@@ -29,7 +29,7 @@ static gy_threadpool *gy_py_pools[GY_PY_MAX_THREADS + 1];
 static int gy_py_pool(int threads, gy_threadpool **out) {
     *out = NULL;
     if (threads < 1 || threads > GY_PY_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "threads=%d must be in [1, %d]", threads, GY_PY_MAX_THREADS);
+        PyErr_Format(GY_PY_VALUE_ERROR, "threads=%d must be in [1, %d]", threads, GY_PY_MAX_THREADS);
         return -1;
     }
     if (threads == 1) return 0;
@@ -53,7 +53,7 @@ typedef struct {
 static void *gy_py_borrow(gy_py_buffers *b, PyObject *object, Py_ssize_t bytes, int writable,
                           const char *what) {
     if (b->count >= GY_PY_MAX_BUFFERS) {
-        PyErr_SetString(PyExc_RuntimeError, "too many buffers in one kernel call");
+        PyErr_SetString(gy_py_error_class(GY_ERR_LIMIT), "too many buffers in one kernel call");
         return NULL;
     }
     if (gy_py_get_buffer(object, &b->views[b->count], bytes, writable, what) < 0) return NULL;
@@ -69,14 +69,14 @@ static void gy_py_release(gy_py_buffers *b) {
 static int gy_py_nbytes(Py_ssize_t *bytes, const char *what, long long d0, long long d1,
                         long long d2, long long elem) {
     if (d0 < 0 || d1 < 0 || d2 < 0 || elem <= 0) {
-        PyErr_Format(PyExc_ValueError, "%s: sizes must not be negative (%lld, %lld, %lld)", what, d0,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s: sizes must not be negative (%lld, %lld, %lld)", what, d0,
                      d1, d2);
         return -1;
     }
     long long r;
     if (__builtin_mul_overflow(d0, d1, &r) || __builtin_mul_overflow(r, d2, &r) ||
         __builtin_mul_overflow(r, elem, &r) || r > PY_SSIZE_T_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s: size overflows", what);
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s: size overflows", what);
         return -1;
     }
     *bytes = (Py_ssize_t)r;
@@ -153,11 +153,11 @@ static PyObject *gy_py_kernel_add_tree(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOL", &oo, &po, &n)) return NULL;
     Py_ssize_t bytes;
     if (gy_py_nbytes(&bytes, "kernel_add_tree", n, 1, 1, 4) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(po, "parts must be a sequence of buffers");
+    PyObject *seq = gy_py_sequence(po, "parts must be a sequence of buffers");
     if (seq == NULL) return NULL;
     const Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(seq);
     if (n_parts < 1 || n_parts > GY_PY_MAX_BUFFERS - 1) {
-        PyErr_Format(PyExc_ValueError, "kernel_add_tree: %zd parts, expected 1 to %d", n_parts,
+        PyErr_Format(GY_PY_VALUE_ERROR, "kernel_add_tree: %zd parts, expected 1 to %d", n_parts,
                      GY_PY_MAX_BUFFERS - 1);
         Py_DECREF(seq);
         return NULL;
@@ -367,7 +367,7 @@ static int gy_py_paged(gy_py_buffers *b, PyObject *layout_tuple, gy_kv_layout *l
         return -1;
     }
     if (n_seqs < 0 || n_tokens < 0) {
-        PyErr_Format(PyExc_ValueError, "n_tokens=%lld and n_seqs=%lld must not be negative",
+        PyErr_Format(GY_PY_VALUE_ERROR, "n_tokens=%lld and n_seqs=%lld must not be negative",
                      n_tokens, n_seqs);
         return -1;
     }
@@ -486,7 +486,7 @@ static PyObject *gy_py_kernel_set_isa(PyObject *self, PyObject *args) {
             if (s != GY_OK) return gy_py_raise(s);
             Py_RETURN_NONE;
         }
-    return PyErr_Format(PyExc_ValueError, "unknown kernel path '%s' (portable, avx512)", name);
+    return PyErr_Format(GY_PY_VALUE_ERROR, "unknown kernel path '%s' (portable, avx512)", name);
 }
 
 static PyMethodDef gy_py_kernel_methods[] = {

@@ -15,19 +15,21 @@ static PyObject *gy_py_kv_type;
 
 static PyObject *gy_py_kv_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"arena", "layout", "n_layers", "n_heads", "head_dim", "block_size",
-                            "elem_size", "first_slot", "slots_per_layer", NULL};
+                            "elem_size", "first_slot", "slots_per_layer", "first_layer", NULL};
     PyObject *arena_object;
     int layout;
     long long n_layers, n_heads, head_dim, block_size, elem_size, first_slot, slots_per_layer;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiLLLLLLL", names, &arena_object, &layout,
+    long long first_layer = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiLLLLLLL|L", names, &arena_object, &layout,
                                      &n_layers, &n_heads, &head_dim, &block_size, &elem_size,
-                                     &first_slot, &slots_per_layer))
+                                     &first_slot, &slots_per_layer, &first_layer))
         return NULL;
     gy_arena *arena = gy_py_arena_unwrap(arena_object);
     if (arena == NULL) return NULL;
     gy_kv_config config = {
         .layout = (gy_kv_layout_kind)layout,
         .n_layers = n_layers,
+        .first_layer = first_layer,
         .n_heads = n_heads,
         .head_dim = head_dim,
         .block_size = block_size,
@@ -138,7 +140,7 @@ static PyObject *gy_py_kv_transfer(GyKVObject *self, PyObject *args, int writing
         return NULL;
     if (k.len % token_bytes != 0) {
         PyBuffer_Release(&k);
-        return PyErr_Format(PyExc_ValueError, "K buffer of %zd bytes is not a whole number of tokens", k.len);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "K buffer of %zd bytes is not a whole number of tokens", k.len);
     }
     if (gy_py_get_buffer(v_object, &v, k.len, !writing, "V buffer") < 0) {
         PyBuffer_Release(&k);
@@ -187,7 +189,7 @@ static PyObject *gy_py_kv_layer_offset(GyKVObject *self, PyObject *args) {
     long long layer;
     if (!PyArg_ParseTuple(args, "L", &layer)) return NULL;
     if (layer < 0 || layer >= gy_kv_config_of(self->kv)->n_layers)
-        return PyErr_Format(PyExc_IndexError, "layer %lld is out of range", layer);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "layer %lld is out of range", layer);
     return PyLong_FromUnsignedLongLong(gy_kv_layer_offset(self->kv, layer));
 }
 
@@ -197,7 +199,7 @@ static PyObject *gy_py_kv_layer_view(GyKVObject *self, PyObject *args) {
     long long layer;
     if (!PyArg_ParseTuple(args, "L", &layer)) return NULL;
     if (layer < 0 || layer >= gy_kv_config_of(self->kv)->n_layers)
-        return PyErr_Format(PyExc_IndexError, "layer %lld is out of range", layer);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "layer %lld is out of range", layer);
     gy_kv_stats st;
     gy_kv_stats_get(self->kv, &st);
     if (st.n_blocks == 0)
@@ -270,7 +272,7 @@ static PyObject *gy_py_kv_copy_heads(GyKVObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     if (views[0].len != views[1].len || views[0].len % 4 != 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_heads: block lists must be int32 of one length");
+        PyErr_SetString(GY_PY_VALUE_ERROR, "copy_heads: block lists must be int32 of one length");
     } else {
         gy_status s;
         Py_BEGIN_ALLOW_THREADS
@@ -327,7 +329,7 @@ static PyType_Spec gy_py_kv_spec = {
 
 gy_kv_cache *gy_py_kv_unwrap(PyObject *object) {
     if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_kv_type)) {
-        PyErr_SetString(PyExc_TypeError, "expected a gyges._C.KVCache");
+        PyErr_SetString(GY_PY_TYPE_ERROR, "expected a gyges._C.KVCache");
         return NULL;
     }
     return ((GyKVObject *)object)->kv;

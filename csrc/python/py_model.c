@@ -41,7 +41,7 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
                                      &offsets_object, &shards, &threads, &tables_from))
         return NULL;
     if (tables_from != Py_None && !PyObject_TypeCheck(tables_from, (PyTypeObject *)gy_py_model_type))
-        return PyErr_Format(PyExc_TypeError, "tables_from must be a Model or None, not %s",
+        return PyErr_Format(GY_PY_TYPE_ERROR, "tables_from must be a Model or None, not %s",
                             Py_TYPE(tables_from)->tp_name);
     gy_arena *arena = gy_py_arena_unwrap(arena_object);
     if (arena == NULL) return NULL;
@@ -77,7 +77,7 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
         if (off[i] >= 0 && (uint64_t)off[i] >= limit) {
             PyBuffer_Release(&view);
             Py_DECREF(self);
-            return PyErr_Format(PyExc_ValueError, "weight offset %lld is outside the arena", (long long)off[i]);
+            return PyErr_Format(GY_PY_VALUE_ERROR, "weight offset %lld is outside the arena", (long long)off[i]);
         }
     m->embed = gy_py_at(base, off[0]);
     m->final_norm = gy_py_at(base, off[1]);
@@ -150,7 +150,7 @@ static PyObject *gy_py_model_forward(GyModelObject *self, PyObject *args) {
     const int64_t n_logits = views[5].len / 4;
     if (views[1].len != views[0].len || views[2].len != views[0].len || n_seqs < 0 ||
         views[6].len != (Py_ssize_t)(n_logits * self->model.vocab * 4)) {
-        PyErr_SetString(PyExc_ValueError, "forward: buffer sizes disagree");
+        PyErr_SetString(GY_PY_VALUE_ERROR, "forward: buffer sizes disagree");
         goto done;
     }
     gy_forward_batch batch = {
@@ -163,7 +163,7 @@ static PyObject *gy_py_model_forward(GyModelObject *self, PyObject *args) {
     const int64_t n_indices = views[4].len / 4;
     const int32_t *indptr = views[3].buf;
     if (indptr[n_seqs] > n_indices) {
-        PyErr_SetString(PyExc_ValueError, "forward: bt_indptr points past bt_indices");
+        PyErr_SetString(GY_PY_VALUE_ERROR, "forward: bt_indptr points past bt_indices");
         goto done;
     }
     gy_tp_group tp = {.rank = 0, .size = 1};
@@ -183,7 +183,7 @@ done:
 
 gy_model *gy_py_model_unwrap(PyObject *object, gy_threadpool **pool) {
     if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_model_type)) {
-        PyErr_SetString(PyExc_TypeError, "expected a gyges._C.Model");
+        PyErr_SetString(GY_PY_TYPE_ERROR, "expected a gyges._C.Model");
         return NULL;
     }
     *pool = ((GyModelObject *)object)->pool;

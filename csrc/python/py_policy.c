@@ -35,7 +35,7 @@ static PyObject *gy_py_policy_new(PyTypeObject *type, PyObject *args, PyObject *
     cfg.eager_scale_up = eager;
     const gy_sim_policy_ops *ops = gy_sim_policy_find(name);
     if (ops == NULL)
-        return PyErr_Format(PyExc_ValueError, "unknown policy %s (known: %s)", name,
+        return PyErr_Format(GY_PY_VALUE_ERROR, "unknown policy %s (known: %s)", name,
                             gy_sim_policy_names());
     GyPolicyObject *self = (GyPolicyObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
@@ -76,11 +76,11 @@ static int gy_py_policy_array(PyObject *object, Py_buffer *view, Py_ssize_t item
                               Py_ssize_t *n, const char *what) {
     if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous buffer", what);
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s must be a C-contiguous buffer", what);
         return -1;
     }
     if (view->len % item != 0) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, not a multiple of %zd", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd bytes, not a multiple of %zd", what,
                      view->len, item);
         PyBuffer_Release(view);
         return -1;
@@ -110,7 +110,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     if (n_gpus < 1 || gpus_per_host < 1 || gy_sim_level(gpus_per_host) < 0 ||
         n_gpus % gpus_per_host != 0 || !gy_py_policy_tp_ok(max_tp, gpus_per_host) ||
         block_size < 1 || !(watermark >= 0.0 && watermark < 1.0)) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(GY_PY_VALUE_ERROR,
                      "bad view: n_gpus %d, gpus_per_host %d (a power of two dividing n_gpus), "
                      "max_tp %d (a power of two <= gpus_per_host), block_size %lld, "
                      "watermark %g",
@@ -137,7 +137,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     const gy_sim_group *pv = b->pending.buf;
     if (n_map != n_gpus || n_inst < 1 || n_inst > n_gpus || n_cap < gy_sim_level(max_tp) + 1 ||
         n_pending > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(GY_PY_VALUE_ERROR,
                      "bad view: %zd instances, %zd GPU entries for %d GPUs, %zd capacity levels "
                      "(max_tp %d needs %d)",
                      n_inst, n_map, n_gpus, n_cap, max_tp, gy_sim_level(max_tp) + 1);
@@ -145,7 +145,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     }
     for (int l = 0; l <= gy_sim_level(max_tp); l++)
         if (cap[l] < 1) {
-            PyErr_Format(PyExc_ValueError, "bad view: capacity of TP%d is %lld blocks", 1 << l,
+            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: capacity of TP%d is %lld blocks", 1 << l,
                          (long long)cap[l]);
             goto fail;
         }
@@ -155,7 +155,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
             i->gpu_first + i->tp > n_gpus ||
             (k > 0 && i->gpu_first < iv[k - 1].gpu_first + iv[k - 1].tp) ||
             i->kv_total < 1) {
-            PyErr_Format(PyExc_ValueError,
+            PyErr_Format(GY_PY_VALUE_ERROR,
                          "bad view: instance %zd (GPU %d, TP%d, %lld blocks) is not an aligned "
                          "group of a power-of-two TP <= max_tp %d with blocks, in GPU order without overlap",
                          k, (int)i->gpu_first, (int)i->tp, (long long)i->kv_total, max_tp);
@@ -165,7 +165,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     for (int32_t g = 0; g < n_gpus; g++) {
         const int32_t k = map[g];
         if (k < 0 || k >= n_inst || g < iv[k].gpu_first || g >= iv[k].gpu_first + iv[k].tp) {
-            PyErr_Format(PyExc_ValueError, "bad view: GPU %d maps to instance %d, which does "
+            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: GPU %d maps to instance %d, which does "
                                            "not own it",
                          (int)g, (int)k);
             goto fail;
@@ -174,7 +174,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     for (Py_ssize_t p = 0; p < n_pending; p++)
         if (!gy_py_policy_tp_ok(pv[p].size, max_tp) || pv[p].gpu_first < 0 ||
             pv[p].gpu_first % pv[p].size || pv[p].gpu_first + pv[p].size > n_gpus) {
-            PyErr_Format(PyExc_ValueError, "bad view: pending group %zd (GPU %d, size %d) is "
+            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: pending group %zd (GPU %d, size %d) is "
                                            "not an aligned group of size <= max_tp",
                          p, (int)pv[p].gpu_first, (int)pv[p].size);
             goto fail;
@@ -233,7 +233,7 @@ static PyObject *gy_py_policy_place(GyPolicyObject *self, PyObject *args) {
         (min_tp > 0 && gy_sim_level(min_tp) < 0) || group_size < 0 ||
         (group_size > 0 && (!gy_py_policy_tp_ok(group_size, v.max_tp) || group_first < 0 ||
                             group_first % group_size || group_first + group_size > v.n_gpus))) {
-        PyErr_Format(PyExc_ValueError,
+        PyErr_Format(GY_PY_VALUE_ERROR,
                      "bad request view: prompt %lld, output %lld, footprint %lld, min_tp %d "
                      "(0 or a power of two), group (%d, %d) (none or an aligned group <= max_tp)",
                      prompt, output, footprint, min_tp, group_first, group_size);

@@ -149,7 +149,7 @@ static PyObject *gy_py_scheduler_commit(GySchedulerObject *self, PyObject *args,
     const gy_sched_entry *entries = gy_sched_step_entries(self->s, &n);
     /* with no step under way, gy_sched_commit itself raises the StateError */
     if (stats.in_flight && stopped != NULL && stopped != Py_None) {
-        seq = PySequence_Fast(stopped, "stopped must be a sequence of request ids");
+        seq = gy_py_sequence(stopped, "stopped must be a sequence of request ids");
         if (seq == NULL) return NULL;
         flags = PyMem_Calloc((size_t)(n > 0 ? n : 1), 1);
         if (flags == NULL) {
@@ -163,7 +163,7 @@ static PyObject *gy_py_scheduler_commit(GySchedulerObject *self, PyObject *args,
             int64_t i = 0;
             while (i < n && !(entries[i].id == id && entries[i].samples)) i++;
             if (i == n) {
-                PyErr_Format(PyExc_ValueError,
+                PyErr_Format(GY_PY_VALUE_ERROR,
                              "request %lld does not sample a token in the step under way", id);
                 goto done;
             }
@@ -289,20 +289,20 @@ static int gy_py_get_floats(PyObject *object, Py_buffer *view, Py_ssize_t count,
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, view, flags) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be a %sC-contiguous buffer", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s must be a %sC-contiguous buffer", what,
                      writable ? "writable " : "");
         return -1;
     }
     const char *f = view->format ? view->format : "B";
     if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
     if (f[0] != code || f[1] != '\0' || view->itemsize != (code == 'f' ? 4 : 8)) {
-        PyErr_Format(PyExc_ValueError, "%s must hold %s values, got format '%s'", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s must hold %s values, got format '%s'", what,
                      code == 'f' ? "float32" : "float64", view->format ? view->format : "B");
         PyBuffer_Release(view);
         return -1;
     }
     if (count >= 0 && view->len != count * view->itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd values, expected %zd", what,
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd values, expected %zd", what,
                      view->len / view->itemsize, count);
         PyBuffer_Release(view);
         return -1;
@@ -314,10 +314,10 @@ int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
                        gy_sampler_params **params_out, int64_t **index_out) {
     *params_out = NULL;
     *index_out = NULL;
-    PyObject *seq = PySequence_Fast(rows_object, "params must be a sequence of tuples");
+    PyObject *seq = gy_py_sequence(rows_object, "params must be a sequence of tuples");
     if (seq == NULL) return -1;
     if (PySequence_Fast_GET_SIZE(seq) != rows) {
-        PyErr_Format(PyExc_ValueError, "params has %zd rows, expected %lld",
+        PyErr_Format(GY_PY_VALUE_ERROR, "params has %zd rows, expected %lld",
                      PySequence_Fast_GET_SIZE(seq), rows);
         Py_DECREF(seq);
         return -1;
@@ -361,7 +361,7 @@ static PyObject *gy_py_sample(PyObject *module, PyObject *args) {
     long long n, vocab;
     if (!PyArg_ParseTuple(args, "OLLO", &logits_object, &n, &vocab, &params_object)) return NULL;
     if (n < 0 || vocab < 1 || vocab > INT32_MAX || (n > 0 && vocab > PY_SSIZE_T_MAX / 8 / n))
-        return PyErr_Format(PyExc_ValueError, "bad shape (%lld, %lld)", n, vocab);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "bad shape (%lld, %lld)", n, vocab);
     gy_sampler_params *params;
     int64_t *index;
     /* the C sampler checks each row itself (vocab 0: no check here) */

@@ -24,14 +24,14 @@ typedef struct {
 static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *roof,
                                  gy_sim_cost_constant *cst, gy_sim_cost_ops *ops) {
     if (!PyDict_Check(params)) {
-        PyErr_SetString(PyExc_TypeError, "cost parameters must be a dict");
+        PyErr_SetString(GY_PY_TYPE_ERROR, "cost parameters must be a dict");
         return -1;
     }
 #define GY_PY_SIM_FIELD(dst, name, is_int)                                                         \
     do {                                                                                           \
         PyObject *v_ = PyDict_GetItemString(params, name);                                         \
         if (v_ == NULL) {                                                                          \
-            PyErr_Format(PyExc_KeyError, "cost parameters lack %s", name);                         \
+            PyErr_Format(GY_PY_VALUE_ERROR, "cost parameters lack %s", name);                         \
             return -1;                                                                             \
         }                                                                                          \
         if (is_int) {                                                                              \
@@ -89,18 +89,18 @@ static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roof
         return 0;
     }
 #undef GY_PY_SIM_FIELD
-    PyErr_Format(PyExc_ValueError, "unknown cost model kind %s (roofline, constant)", kind);
+    PyErr_Format(GY_PY_VALUE_ERROR, "unknown cost model kind %s (roofline, constant)", kind);
     return -1;
 }
 
 /* A tuple/list of ints into `out` (at most `cap`); returns the count or -1. */
 static Py_ssize_t gy_py_sim_ints(PyObject *seq_object, int64_t *out, Py_ssize_t cap,
                                  const char *what) {
-    PyObject *seq = PySequence_Fast(seq_object, "expected a sequence of ints");
+    PyObject *seq = gy_py_sequence(seq_object, "expected a sequence of ints");
     if (seq == NULL) return -1;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > cap) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd entries, at most %zd", what, n, cap);
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd entries, at most %zd", what, n, cap);
         Py_DECREF(seq);
         return -1;
     }
@@ -140,7 +140,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         return NULL;
     const gy_sim_policy_ops *policy = gy_sim_policy_find(policy_name);
     if (policy == NULL)
-        return PyErr_Format(PyExc_ValueError, "unknown policy %s (known: %s)", policy_name,
+        return PyErr_Format(GY_PY_VALUE_ERROR, "unknown policy %s (known: %s)", policy_name,
                             gy_sim_policy_names());
     int64_t layout64[64], cap[GY_SIM_MAX_LEVELS], mid[GY_SIM_MAX_LEVELS];
     const Py_ssize_t n_layout = gy_py_sim_ints(layout_o, layout64, 64, "layout");
@@ -150,7 +150,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     const Py_ssize_t n_mid = gy_py_sim_ints(mid_o, mid, GY_SIM_MAX_LEVELS, "capacity_mid");
     if (n_mid < 0) return NULL;
     if (n_cap != n_mid || gy_sim_level(max_tp) < 0 || n_cap != gy_sim_level(max_tp) + 1)
-        return PyErr_Format(PyExc_ValueError,
+        return PyErr_Format(GY_PY_VALUE_ERROR,
                             "capacity and capacity_mid need log2(max_tp) + 1 = %d entries",
                             gy_sim_level(max_tp) + 1);
     int64_t max_input[GY_SIM_MAX_LEVELS];
@@ -158,7 +158,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         const Py_ssize_t n_in = gy_py_sim_ints(max_in_o, max_input, GY_SIM_MAX_LEVELS, "max_input");
         if (n_in < 0) return NULL;
         if (n_in != n_cap)
-            return PyErr_Format(PyExc_ValueError, "max_input needs log2(max_tp) + 1 = %d entries",
+            return PyErr_Format(GY_PY_VALUE_ERROR, "max_input needs log2(max_tp) + 1 = %d entries",
                                 (int)n_cap);
     }
     int32_t layout[64];
@@ -357,7 +357,7 @@ static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "sOiiid", &kind, &params, &phase, &tp_from, &tp_to, &kv_tokens))
         return NULL;
     if (phase < 0 || phase >= GY_SIM_PHASE_KIND_COUNT)
-        return PyErr_Format(PyExc_ValueError, "unknown phase kind %d", phase);
+        return PyErr_Format(GY_PY_VALUE_ERROR, "unknown phase kind %d", phase);
     gy_sim_roofline roof;
     gy_sim_cost_constant cst;
     gy_sim_cost_ops ops;

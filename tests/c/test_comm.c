@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm/comm.h"
 #include "gytest.h"
@@ -242,5 +243,167 @@ GYTEST(comm_rejects_bad_sizes) {
     CHECK_STATUS(gy_comm_all_gather(comm, 0, &x, &x, -4), GY_ERR_INVALID);
     CHECK_STATUS(gy_comm_all_to_all(comm, 0, NULL, NULL, NULL, NULL), GY_ERR_INVALID);
     gy_error_clear();
+    gy_comm_free(comm);
+}
+
+/* ---- point to point ---- */
+
+#define RING_ROUNDS 40
+#define RING_MAX 700
+
+typedef struct {
+    gy_comm *comm;
+    int32_t rank, size;
+    float buf[RING_MAX];
+    float got[RING_ROUNDS][RING_MAX]; /* rank 0: what came back around the ring */
+    int failures;
+} ring_arg;
+
+static int64_t ring_count(int round) { return (round * 37) % RING_MAX; } /* 0 included */
+
+/* Round k: rank 0 sends ring_count(k) floats to rank 1; each rank adds its rank + 1 and passes
+ * them on; the last sends them back to rank 0. Every hop reuses its buffer at once, so a
+ * receiver still reading a sender's buffer after the sender moved on shows as wrong values. */
+static void *ring_rank(void *p) {
+    ring_arg *a = p;
+    const int32_t next = (a->rank + 1) % a->size, prev = (a->rank + a->size - 1) % a->size;
+    for (int k = 0; k < RING_ROUNDS; k++) {
+        const int64_t n = ring_count(k);
+        if (a->rank == 0) {
+            for (int64_t i = 0; i < n; i++) a->buf[i] = value(k, i);
+            a->failures += gy_comm_send(a->comm, 0, next, a->buf, n * 4) != GY_OK;
+            for (int64_t i = 0; i < n; i++) a->buf[i] = -1.0f; /* the send is over: reusable */
+            a->failures += gy_comm_recv(a->comm, 0, prev, a->got[k], n * 4) != GY_OK;
+        } else {
+            a->failures += gy_comm_recv(a->comm, a->rank, prev, a->buf, n * 4) != GY_OK;
+            for (int64_t i = 0; i < n; i++) a->buf[i] += (float)(a->rank + 1);
+            a->failures += gy_comm_send(a->comm, a->rank, next, a->buf, n * 4) != GY_OK;
+        }
+    }
+    return NULL;
+}
+
+GYTEST(comm_send_recv_threads_around_a_ring) {
+    for (int32_t size = 2; size <= 8; size *= 2) {
+        gy_comm *comm;
+        CHECK_OK(gy_comm_init(&comm, size));
+        ring_arg *args = calloc((size_t)size, sizeof *args);
+        pthread_t threads[8];
+        for (int32_t r = 0; r < size; r++) {
+            args[r].comm = comm, args[r].rank = r, args[r].size = size;
+            pthread_create(&threads[r], NULL, ring_rank, &args[r]);
+        }
+        for (int32_t r = 0; r < size; r++) pthread_join(threads[r], NULL);
+        int exact = 1;
+        uint64_t bytes = 0;
+        for (int k = 0; k < RING_ROUNDS; k++) {
+            bytes += (uint64_t)ring_count(k) * 4;
+            for (int64_t i = 0; i < ring_count(k); i++) {
+                float want = value(k, i); /* the same adds in the same order */
+                for (int32_t r = 1; r < size; r++) want += (float)(r + 1);
+                exact &= memcmp(&args[0].got[k][i], &want, sizeof want) == 0;
+            }
+        }
+        for (int32_t r = 0; r < size; r++) CHECK(args[r].failures == 0);
+        CHECK(exact);
+        gy_comm_stats st;
+        gy_comm_stats_get(comm, &st);
+        CHECK(st.calls == (uint64_t)RING_ROUNDS * (uint64_t)size);
+        for (int32_t r = 0; r < size; r++) CHECK(st.bytes_sent[r] == bytes && st.bytes_received[r] == bytes);
+        free(args);
+        gy_comm_free(comm);
+    }
+}
+
+typedef struct {
+    gy_comm *comm;
+    int64_t send_bytes, recv_bytes;
+    const float *send_buf;
+    gy_status sent, received;
+    float out[8];
+} pair_arg;
+
+static void *pair_sender(void *p) {
+    pair_arg *a = p;
+    a->sent = gy_comm_send(a->comm, 0, 1, a->send_buf, a->send_bytes);
+    return NULL;
+}
+
+/* One message from rank 0 to rank 1, each side on its own thread; the statuses land in *a. */
+static void pair_exchange(pair_arg *a) {
+    pthread_t t;
+    pthread_create(&t, NULL, pair_sender, a);
+    a->received = gy_comm_recv(a->comm, 1, 0, a->out, a->recv_bytes);
+    pthread_join(t, NULL);
+}
+
+GYTEST(comm_send_recv_refusals_fail_both_sides_and_move_nothing) {
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 2));
+    const float data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    /* Sizes that differ: refused on both ranks, nothing written. */
+    pair_arg a = {.comm = comm, .send_bytes = 16, .recv_bytes = 32, .send_buf = data};
+    for (int i = 0; i < 8; i++) a.out[i] = -7.0f;
+    pair_exchange(&a);
+    CHECK(a.sent == GY_ERR_INVALID && a.received == GY_ERR_INVALID);
+    int untouched = 1;
+    for (int i = 0; i < 8; i++) untouched &= a.out[i] == -7.0f;
+    CHECK(untouched);
+    /* A bad sender argument (a NULL buffer) fails the receiver too. */
+    a = (pair_arg){.comm = comm, .send_bytes = 16, .recv_bytes = 16, .send_buf = NULL};
+    pair_exchange(&a);
+    CHECK(a.sent == GY_ERR_INVALID && a.received == GY_ERR_INVALID);
+    /* A negative size on the receiver fails the sender. */
+    a = (pair_arg){.comm = comm, .send_bytes = 16, .recv_bytes = -16, .send_buf = data};
+    pair_exchange(&a);
+    CHECK(a.sent == GY_ERR_INVALID && a.received == GY_ERR_INVALID);
+    gy_comm_stats st;
+    gy_comm_stats_get(comm, &st);
+    CHECK(st.calls == 0 && st.bytes_sent[0] == 0 && st.bytes_received[1] == 0);
+    /* The pair is still in step: the next message goes through whole. */
+    a = (pair_arg){.comm = comm, .send_bytes = 32, .recv_bytes = 32, .send_buf = data};
+    pair_exchange(&a);
+    CHECK(a.sent == GY_OK && a.received == GY_OK);
+    CHECK(memcmp(a.out, data, sizeof data) == 0);
+    gy_comm_stats_get(comm, &st);
+    CHECK(st.calls == 1 && st.bytes_sent[0] == 32 && st.bytes_received[1] == 32 &&
+          st.bytes_sent[1] == 0 && st.bytes_received[0] == 0);
+    /* Peers that cannot be: refused on the caller at once (nobody waits). */
+    CHECK_STATUS(gy_comm_send(comm, 0, 0, data, 4), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_recv(comm, 1, 2, a.out, 4), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_send(comm, 0, -1, data, 4), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_send(comm, 2, 0, data, 4), GY_ERR_INVALID);
+    gy_error_clear();
+    gy_comm_free(comm);
+}
+
+static void *abort_after_a_while(void *p) {
+    struct timespec ts = {0, 20 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    gy_comm_abort(p, 0, "test abort");
+    return NULL;
+}
+
+GYTEST(comm_send_recv_threads_an_abort_wakes_a_waiting_rank) {
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 4));
+    float buf[4] = {0};
+    for (int receive = 0; receive < 2; receive++) {
+        pthread_t t;
+        pthread_create(&t, NULL, abort_after_a_while, comm);
+        /* Nobody will answer: only the abort ends the wait. */
+        const gy_status s = receive ? gy_comm_recv(comm, 3, 1, buf, 16)
+                                    : gy_comm_send(comm, 2, 1, buf, 16);
+        pthread_join(t, NULL);
+        CHECK(s == GY_ERR_STATE);
+        CHECK(strstr(gy_error_message(), "test abort") != NULL);
+        gy_error_clear();
+        CHECK(gy_comm_aborted(comm));
+        gy_comm_reset(comm);
+    }
+    /* After the reset the half-posted message is gone: a fresh exchange works. */
+    pair_arg a = {.comm = comm, .send_bytes = 8, .recv_bytes = 8, .send_buf = (float[]){3, 4}};
+    pair_exchange(&a);
+    CHECK(a.sent == GY_OK && a.received == GY_OK && a.out[0] == 3 && a.out[1] == 4);
     gy_comm_free(comm);
 }

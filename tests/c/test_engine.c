@@ -24,17 +24,18 @@ typedef struct { float *tensors[64]; int n; } owned;
 
 static float *keep(owned *o, float *t) { o->tensors[o->n++] = t; return t; }
 
-static void build_model(gy_model *m, owned *o) {
+/* A random model of n_layers; the same n_layers give the same weights (in new memory). */
+static void build_model_layers(gy_model *m, owned *o, int n_layers) {
     uint32_t state = 7;
     memset(m, 0, sizeof *m);
-    m->vocab = V; m->hidden = H; m->intermediate = I; m->n_layers = L; m->n_heads = NH;
+    m->vocab = V; m->hidden = H; m->intermediate = I; m->n_layers = n_layers; m->n_heads = NH;
     m->n_kv_heads = NKV; m->head_dim = D; m->max_tp = MAX_TP; m->max_pos = 64;
     m->rms_eps = 1e-5f; m->weight_dtype = GY_DTYPE_F32;
     CHECK_OK(gy_model_init(m, 10000.0, NULL));
     m->embed = keep(o, random_tensor(V * H, &state, 2.0f));
     m->lm_head = keep(o, random_tensor(V * H, &state, 1.0f));
     m->final_norm = keep(o, random_tensor(H, &state, 0.2f));
-    for (int l = 0; l < L; l++) {
+    for (int l = 0; l < n_layers; l++) {
         gy_layer_weights *w = &m->layers[l];
         float *an = keep(o, random_tensor(H, &state, 0.1f)), *fn = keep(o, random_tensor(H, &state, 0.1f));
         for (int i = 0; i < H; i++) an[i] += 1.0f, fn[i] += 1.0f;
@@ -52,13 +53,27 @@ static void build_model(gy_model *m, owned *o) {
     }
 }
 
-static void make_kv(gy_arena **arena, gy_kv_cache **kv, int64_t heads) {
+static void build_model(gy_model *m, owned *o) { build_model_layers(m, o, L); }
+
+/* A cache of the model's layers [first_layer, first_layer + n_layers). */
+static void make_kv_range(gy_arena **arena, gy_kv_cache **kv, int64_t heads, int64_t first_layer,
+                          int64_t n_layers) {
     gy_arena_config ac = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 256,
                           .budget_bytes = 64 * 4096};
     CHECK_OK(gy_arena_init(arena, &ac));
-    gy_kv_config kc = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = L, .n_heads = heads, .head_dim = D,
-                       .block_size = 4, .elem_size = 4, .first_slot = 0, .slots_per_layer = 128};
+    gy_kv_config kc = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = n_layers, .first_layer = first_layer,
+                       .n_heads = heads,
+                       .head_dim = D, .block_size = 4, .elem_size = 4, .first_slot = 0,
+                       .slots_per_layer = 256 / n_layers};
     CHECK_OK(gy_kv_init(kv, *arena, &kc));
+}
+
+static void make_kv_layers(gy_arena **arena, gy_kv_cache **kv, int64_t heads, int64_t n_layers) {
+    make_kv_range(arena, kv, heads, 0, n_layers);
+}
+
+static void make_kv(gy_arena **arena, gy_kv_cache **kv, int64_t heads) {
+    make_kv_layers(arena, kv, heads, L);
 }
 
 /* Serves three requests to completion; writes each one's 12 tokens into out[3][12]. */
@@ -87,7 +102,7 @@ static void serve(gy_engine *e, int32_t out[3][12]) {
 static void serve_tp1(const gy_model *model, int32_t out[3][12]) {
     gy_arena *arena;
     gy_kv_cache *kv;
-    make_kv(&arena, &kv, NKV);
+    make_kv_layers(&arena, &kv, NKV, model->n_layers);
     gy_engine *e;
     const gy_engine_rank one = {.model = model, .kv = kv};
     const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
@@ -385,4 +400,155 @@ GYTEST(engine_threads_submit_abort_and_step_take_turns) {
     pthread_mutex_destroy(&racing.lock);
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* ---- plans of several stages ---- */
+
+enum { PLAN_L = 4 };
+
+/* A worker of a plan: its own copy of the model (same weights), arena and KV cache. */
+typedef struct {
+    owned o;
+    gy_model model;
+    gy_arena *arena;
+    gy_kv_cache *kv;
+} plan_worker;
+
+/* Its cache holds the model's layers [first, end) only. */
+static void plan_worker_init(plan_worker *w, int64_t kv_heads, int64_t first, int64_t end) {
+    memset(w, 0, sizeof *w);
+    build_model_layers(&w->model, &w->o, PLAN_L);
+    make_kv_range(&w->arena, &w->kv, kv_heads, first, end - first);
+}
+
+/* Frees it; returns 1 when its arena had got every KV page back. */
+static int plan_worker_free(plan_worker *w) {
+    gy_arena_stats st;
+    gy_arena_stats_get(w->arena, &st);
+    gy_kv_free(w->kv);
+    gy_arena_free(w->arena);
+    gy_model_free(&w->model);
+    for (int i = 0; i < w->o.n; i++) free(w->o.tensors[i]);
+    return st.bytes_in_use == 0;
+}
+
+/* Serves the three requests on a plan of TP1 stages with the given layer counts, one worker a
+ * stage, and checks the tokens against `want`. */
+static void check_pipeline(const int *layers, int n_stages, int32_t want[3][12]) {
+    plan_worker w[4];
+    gy_engine_rank ranks[4];
+    gy_engine_stage stages[4];
+    int64_t first = 0;
+    for (int s = 0; s < n_stages; s++) {
+        plan_worker_init(&w[s], NKV, first, first + layers[s]);
+        ranks[s] = (gy_engine_rank){.model = &w[s].model, .kv = w[s].kv};
+        stages[s] = (gy_engine_stage){.first_layer = first, .end_layer = first + layers[s],
+                                      .size = 1, .ranks = &ranks[s]};
+        first += layers[s];
+    }
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    gy_engine *e;
+    CHECK_OK(gy_engine_init_plan(&e, stages, n_stages, &cfg));
+    int32_t got[3][12];
+    serve(e, got);
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    gy_engine_free(e);
+    for (int s = 0; s < n_stages; s++) CHECK(plan_worker_free(&w[s]));
+}
+
+GYTEST(engine_pipeline_plans_give_the_tokens_of_one_stage) {
+    owned o = {0};
+    gy_model model;
+    build_model_layers(&model, &o, PLAN_L);
+    int32_t want[3][12];
+    serve_tp1(&model, want);
+    const int splits[][4] = {{2, 2}, {3, 1}, {1, 3}, {1, 1, 1, 1}, {2, 1, 1}};
+    const int counts[] = {2, 2, 2, 4, 3};
+    for (int i = 0; i < 5; i++) check_pipeline(splits[i], counts[i], want);
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* Two stages on one worker (one model, two caches), and a TP2 stage feeding a TP1 stage: the
+ * plan does not assume one rank a stage. */
+GYTEST(engine_plans_of_mixed_stages_give_the_tokens_of_one_stage) {
+    owned o = {0};
+    gy_model model;
+    build_model_layers(&model, &o, PLAN_L);
+    int32_t want[3][12], got[3][12];
+    serve_tp1(&model, want);
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+
+    gy_arena *arenas[3];
+    gy_kv_cache *kvs[3];
+    make_kv_range(&arenas[0], &kvs[0], NKV, 0, 1);
+    make_kv_range(&arenas[1], &kvs[1], NKV, 1, PLAN_L - 1);
+    const gy_engine_rank lower = {.model = &model, .kv = kvs[0]}, upper = {.model = &model, .kv = kvs[1]};
+    const gy_engine_stage one_worker[2] = {{.first_layer = 0, .end_layer = 1, .size = 1, .ranks = &lower},
+                                           {.first_layer = 1, .end_layer = PLAN_L, .size = 1, .ranks = &upper}};
+    gy_engine *e;
+    CHECK_OK(gy_engine_init_plan(&e, one_worker, 2, &cfg));
+    serve(e, got);
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    gy_engine_free(e);
+    for (int i = 0; i < 2; i++) {
+        gy_kv_free(kvs[i]);
+        gy_arena_free(arenas[i]);
+    }
+
+    plan_worker w[3];
+    gy_comm *comm;
+    CHECK_OK(gy_comm_init(&comm, 2));
+    for (int i = 0; i < 3; i++) plan_worker_init(&w[i], i < 2 ? NKV / 2 : NKV, i < 2 ? 0 : 3, i < 2 ? 3 : PLAN_L);
+    const gy_engine_rank tp2[2] = {{.model = &w[0].model, .kv = w[0].kv}, {.model = &w[1].model, .kv = w[1].kv}};
+    const gy_engine_rank tp1 = {.model = &w[2].model, .kv = w[2].kv};
+    const gy_engine_stage mixed[2] = {{.first_layer = 0, .end_layer = 3, .size = 2, .ranks = tp2, .comm = comm},
+                                      {.first_layer = 3, .end_layer = PLAN_L, .size = 1, .ranks = &tp1}};
+    CHECK_OK(gy_engine_init_plan(&e, mixed, 2, &cfg));
+    CHECK(gy_engine_n_ranks(e) == 2);
+    serve(e, got);
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    gy_engine_free(e);
+    for (int i = 0; i < 3; i++) CHECK(plan_worker_free(&w[i]));
+    gy_comm_free(comm);
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+GYTEST(engine_refuses_plans_that_do_not_cover_the_model) {
+    plan_worker w[2];
+    for (int i = 0; i < 2; i++) plan_worker_init(&w[i], NKV, 0, PLAN_L);
+    const gy_engine_rank r0 = {.model = &w[0].model, .kv = w[0].kv}, r1 = {.model = &w[1].model, .kv = w[1].kv};
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    const int64_t bad[][4] = {{0, 2, 3, 4},  /* a gap */
+                              {0, 3, 2, 4},  /* an overlap */
+                              {0, 2, 2, 3},  /* short of the last layer */
+                              {0, 0, 0, 4},  /* an empty stage */
+                              {1, 2, 2, 4}}; /* not from layer 0 */
+    for (int i = 0; i < 5; i++) {
+        const gy_engine_stage plan[2] = {{.first_layer = bad[i][0], .end_layer = bad[i][1], .size = 1, .ranks = &r0},
+                                         {.first_layer = bad[i][2], .end_layer = bad[i][3], .size = 1, .ranks = &r1}};
+        gy_engine *e = (gy_engine *)&plan; /* must be cleared */
+        CHECK_STATUS(gy_engine_init_plan(&e, plan, 2, &cfg), GY_ERR_INVALID);
+        CHECK(e == NULL);
+    }
+    /* A two-rank stage without a communicator, and zero stages. */
+    const gy_engine_rank both[2] = {r0, r1};
+    const gy_engine_stage no_comm = {.first_layer = 0, .end_layer = PLAN_L, .size = 2, .ranks = both};
+    gy_engine *e;
+    CHECK_STATUS(gy_engine_init_plan(&e, &no_comm, 1, &cfg), GY_ERR_INVALID);
+    CHECK_STATUS(gy_engine_init_plan(&e, &no_comm, 0, &cfg), GY_ERR_INVALID);
+    /* A cache that does not hold its stage's layers. */
+    gy_arena *arena;
+    gy_kv_cache *upper;
+    make_kv_range(&arena, &upper, NKV, 2, 2);
+    const gy_engine_rank r1_upper = {.model = &w[1].model, .kv = upper};
+    const gy_engine_stage short_kv[2] = {{.first_layer = 0, .end_layer = 1, .size = 1, .ranks = &r0},
+                                         {.first_layer = 1, .end_layer = PLAN_L, .size = 1, .ranks = &r1_upper}};
+    CHECK_STATUS(gy_engine_init_plan(&e, short_kv, 2, &cfg), GY_ERR_INVALID);
+    CHECK(strstr(gy_error_message(), "holds layers [2, 4), not the stage's [1, 4)") != NULL);
+    gy_kv_free(upper);
+    gy_arena_free(arena);
+    gy_error_clear();
+    for (int i = 0; i < 2; i++) CHECK(plan_worker_free(&w[i]));
 }

@@ -58,10 +58,16 @@ typedef struct rank_job {
     int failures;
 } rank_job;
 
-static void run_ranks(rank_job *jobs, int32_t size, void *(*fn)(void *)) {
+/* fn(&jobs[r]) on a thread per rank; jobs is an array of `size` jobs of job_size bytes. */
+static void run_jobs(void *jobs, size_t job_size, int32_t size, void *(*fn)(void *)) {
     pthread_t threads[GY_COMM_MAX_RANKS];
-    for (int32_t r = 0; r < size; r++) pthread_create(&threads[r], NULL, fn, &jobs[r]);
+    for (int32_t r = 0; r < size; r++)
+        pthread_create(&threads[r], NULL, fn, (char *)jobs + (size_t)r * job_size);
     for (int32_t r = 0; r < size; r++) pthread_join(threads[r], NULL);
+}
+
+static void run_ranks(rank_job *jobs, int32_t size, void *(*fn)(void *)) {
+    run_jobs(jobs, sizeof *jobs, size, fn);
 }
 
 /* Every round: upload on the stream, all-reduce, download on the stream; never a host wait in
@@ -393,6 +399,91 @@ GYTEST(fake_d2d_all_to_all_and_all_gather_match_shm) {
     }
 }
 
+/* ---- point to point: a pipeline of ranks ---- */
+
+#define CHAIN_ROUNDS 16
+
+typedef struct chain_job {
+    gy_comm *comm;
+    int32_t rank, size;
+    float *inputs;  /* rank 0: [CHAIN_ROUNDS][MAX_N] uploaded by copies on its stream */
+    float *results; /* the last rank: [CHAIN_ROUNDS][MAX_N] downloaded by copies on its stream */
+    float *device;  /* [MAX_N] the rank's buffer, reused every round */
+    int failures;
+} chain_job;
+
+static int64_t chain_count(int k) { return (k * 1009 + 3) % MAX_N; }
+
+/* Round k moves chain_count(k) floats from rank 0 through every rank to the last, each hop
+ * received into the rank's one buffer and sent on from it at once, with no host wait: only the
+ * events of send/recv keep a hop from reading a buffer the next round has overwritten. */
+static void *chain_rounds(void *p) {
+    chain_job *j = p;
+    j->failures += gy_cuda_comm_device_swap(gy_comm_device(j->comm, j->rank), NULL) != GY_OK;
+    void *stream = gy_comm_stream(j->comm, j->rank);
+    for (int k = 0; k < CHAIN_ROUNDS; k++) {
+        const int64_t n = chain_count(k), bytes = n * 4;
+        if (j->rank == 0)
+            j->failures += gy_cuda_comm_copy(j->device, j->inputs + k * MAX_N, (uint64_t)bytes,
+                                             stream) != GY_OK;
+        else
+            j->failures += gy_comm_recv(j->comm, j->rank, j->rank - 1, j->device, bytes) != GY_OK;
+        if (j->rank + 1 < j->size)
+            j->failures += gy_comm_send(j->comm, j->rank, j->rank + 1, j->device, bytes) != GY_OK;
+        else
+            j->failures += gy_cuda_comm_copy(j->results + k * MAX_N, j->device, (uint64_t)bytes,
+                                             stream) != GY_OK;
+    }
+    j->failures += gy_comm_synchronize(j->comm, j->rank) != GY_OK;
+    return NULL;
+}
+
+static int check_chain(gy_comm *comm, uint32_t seed) {
+    const int32_t size = gy_comm_size(comm);
+    chain_job jobs[GY_COMM_MAX_RANKS];
+    for (int32_t r = 0; r < size; r++) {
+        jobs[r] = (chain_job){.comm = comm, .rank = r, .size = size};
+        jobs[r].device = malloc(sizeof(float) * MAX_N);
+    }
+    jobs[0].inputs = malloc(sizeof(float) * CHAIN_ROUNDS * MAX_N);
+    jobs[size - 1].results = calloc(CHAIN_ROUNDS * MAX_N, sizeof(float));
+    for (int k = 0; k < CHAIN_ROUNDS; k++)
+        for (int64_t i = 0; i < MAX_N; i++) jobs[0].inputs[k * MAX_N + i] = value(seed, k, i);
+    gy_comm_stats_reset(comm);
+    run_jobs(jobs, sizeof *jobs, size, chain_rounds);
+    int bad = 0;
+    for (int32_t r = 0; r < size; r++) bad += jobs[r].failures;
+    uint64_t bytes = 0;
+    for (int k = 0; k < CHAIN_ROUNDS; k++) {
+        bytes += (uint64_t)chain_count(k) * 4;
+        bad += memcmp(jobs[size - 1].results + k * MAX_N, jobs[0].inputs + k * MAX_N,
+                      sizeof(float) * (size_t)chain_count(k)) != 0;
+    }
+    gy_comm_stats st;
+    gy_comm_stats_get(comm, &st);
+    bad += st.calls != (uint64_t)CHAIN_ROUNDS * (uint64_t)(size - 1);
+    for (int32_t r = 0; r < size; r++) {
+        bad += st.bytes_sent[r] != (r + 1 < size ? bytes : 0);
+        bad += st.bytes_received[r] != (r > 0 ? bytes : 0);
+    }
+    for (int32_t r = 0; r < size; r++) free(jobs[r].device);
+    free(jobs[0].inputs);
+    free(jobs[size - 1].results);
+    if (bad) fprintf(stderr, "  chain of %d ranks: %d wrong rounds, stats or calls\n", (int)size, bad);
+    return bad == 0;
+}
+
+GYTEST(fake_d2d_send_recv_chain_keeps_every_round) {
+    if (!mode_is("gpu")) return;
+    for (int32_t size = 2; size <= 8; size *= 2) {
+        gy_comm *comm = make(GY_COMM_BACKEND_D2D, size, NULL, GY_COMM_CHANNEL_COMPUTE);
+        CHECK(comm != NULL);
+        if (comm == NULL) return;
+        CHECK(check_chain(comm, 21));
+        gy_comm_free(comm);
+    }
+}
+
 /* ---- nccl over fake_nccl.c ---- */
 
 static int (*fake_nccl_errors_fn)(void);
@@ -422,6 +513,7 @@ GYTEST(fake_nccl_collectives_and_all_to_all) {
         CHECK(check_all_reduce_rounds(comm, NULL, 3, 0));
         gy_comm_stats_reset(comm);
         if (size > 1) CHECK(check_moves(comm, 1));
+        if (size > 1) CHECK(check_chain(comm, 22));
         CHECK(fake_nccl_clean());
         gy_comm_free(comm);
     }

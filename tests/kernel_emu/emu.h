@@ -127,6 +127,9 @@ template <typename T> static inline T __ldg(const T *p) { return *p; }
 
 /* device math the kernels use that the host libm lacks */
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+/* An add rounded to nearest that the device compiler may not contract into an FMA: on the host
+ * every float add is one already. */
+static inline float __fadd_rn(float a, float b) { return a + b; }
 
 /* The runtime calls the launchers make. */
 template <typename F> static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute, int) {

@@ -1,0 +1,101 @@
+"""Execution plans on a host: pipeline instances (PP2, PP[3,1], PP4, mixed with TP instances)
+give the tokens of one worker bit for bit, each stage's KV cache holds its own layers only and
+gives every page back, and what plans cannot do yet is refused with the reason, changing
+nothing. (The C side: tests/c/test_engine.c's engine_*plan* tests.)"""
+import numpy as np
+import pytest
+
+import gyges
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gyges.Model.tiny()
+
+
+def prompts(n, seed=0, lo=4, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 4096, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Tokens of one TP1 engine, greedy and seeded sampling."""
+    ps = prompts(6, seed=3)
+    out = {}
+    for temperature in (0.0, 0.9):
+        params = gyges.SamplingParams(max_tokens=16, temperature=temperature, top_k=50, seed=11,
+                                      ignore_eos=True)
+        out[temperature] = [r.output_tokens for r in
+                            gyges.Engine(tiny, memory="64MiB").generate(ps, params)]
+    return ps, out
+
+
+@pytest.mark.parametrize("layout,workers", [("PP2", 2), ("PP[3,1]", 2), ("PP[1,3]", 2),
+                                            ("PP4", 4), ("PP[1,2,1]", 3),
+                                            ("PP[3,1]+2xTP1", 4), ("TP2+PP2", 4)])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_pipelines_give_the_tokens_of_one_worker(tiny, reference, layout, workers, temperature):
+    ps, want = reference
+    host = gyges.Host(tiny, workers=workers, memory_per_worker="32MiB", layout=layout)
+    assert host.layout() == layout
+    params = gyges.SamplingParams(max_tokens=16, temperature=temperature, top_k=50, seed=11,
+                                  ignore_eos=True)
+    got = [r.output_tokens for r in host.generate(ps, params)]
+    assert got == want[temperature]
+    host.close()
+
+
+def test_a_stage_cache_holds_its_layers_and_gives_its_pages_back(tiny):
+    host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="PP[3,1]")
+    first, second = host.worker(0), host.worker(1)
+    assert (first.kv.first_layer, first.kv.n_layers) == (0, 3)
+    assert (second.kv.first_layer, second.kv.n_layers) == (3, 1)
+    assert [i.stages for i in host.instances] == [((0, 3), (3, 4))]
+    weights = [m["weights"] for m in host.memory()]
+    requests = [host.submit(p, gyges.SamplingParams(max_tokens=8, ignore_eos=True))
+                for p in prompts(4, seed=5)]
+    host.step()
+    mem = host.memory()
+    # One page a layer holds the same blocks on both stages: three layers' pages on the first.
+    kv0, kv1 = mem[0]["kv"], mem[1]["kv"]
+    assert kv0 > 0 and kv0 == 3 * kv1
+    while host.has_unfinished():
+        host.step()
+    assert all(r.finished for r in requests)
+    assert [m["kv"] for m in host.memory()] == [0, 0]
+    assert [m["weights"] for m in host.memory()] == weights
+    host.close()
+
+
+def test_transformations_of_a_pipeline_are_refused_and_change_nothing(tiny):
+    host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="PP2+2xTP1")
+    r = host.submit(prompts(1, seed=6)[0], gyges.SamplingParams(max_tokens=6, ignore_eos=True))
+    host.step()
+    before = (host.layout(), [m["in_use"] for m in host.memory()], list(r.output_tokens))
+    with pytest.raises(gyges.InvalidArgumentError, match="serve a pipeline .*PipeLive"):
+        host.transform(workers=(0, 1), tp=2)
+    with pytest.raises(gyges.InvalidArgumentError, match="serve a pipeline"):
+        host.transform(workers=(0, 1, 2, 3), tp=4)
+    assert (host.layout(), [m["in_use"] for m in host.memory()], list(r.output_tokens)) == before
+    host.transform(workers=(2, 3), tp=2)  # the TP instances beside it still transform
+    assert host.layout() == "PP2+TP2"
+    while host.has_unfinished():
+        host.step()
+    assert r.finished and len(r.output_tokens) == 6
+    host.close()
+
+
+def test_the_engine_checks_a_plan_and_its_caches(tiny):
+    w = [gyges.worker.Worker(tiny, memory="32MiB") for _ in range(2)]
+    models, kvs = [[x.c_model] for x in w], [[x.kv._c] for x in w]
+    with pytest.raises(gyges.InvalidArgumentError, match=r"must cover the model's 4 layers"):
+        gyges._C.Engine(models, kvs, [None, None], 64, 8, layers=[(0, 2), (3, 4)])
+    w[1].join_stage(3, 4)
+    with pytest.raises(gyges.InvalidArgumentError, match=r"holds layers \[3, 4\), not the stage's \[2, 4\)"):
+        gyges._C.Engine(models[:1] + [[w[1].c_model]], kvs[:1] + [[w[1].kv._c]], [None, None],
+                        64, 8, layers=[(0, 2), (2, 4)])
+    with pytest.raises(gyges.InvalidArgumentError, match="a plan has 1 to 8 stages"):
+        gyges._C.Engine(models, kvs, [None], 64, 8, layers=[(0, 2), (2, 4)])
+    with pytest.raises(gyges.InvalidArgumentError, match="layers"):
+        w[0].join_stage(2, 2)
