@@ -1,7 +1,10 @@
 """A worker's model weights placed in its arena, with the FFN padded as in Gyges section 4.2.
 
-Replicated tensors (embedding, norms, attention projections, LM head) are packed into one run of
-pages; o_proj is stored transposed, (heads * head_dim, hidden), so that the heads of a TP rank
+Replicated tensors (embedding, norms, attention projections, LM head) are packed into runs of
+pages, one run each for the embedding, every layer's attention (its norms, q/k/v/o and biases)
+and the head (final norm, LM head), so that a worker can drop and restore whole layers (a
+pipeline stage keeps its own; KunServe drops replicated ones under memory pressure) and the
+embedding or head; o_proj is stored transposed, (heads * head_dim, hidden), so that the heads of a TP rank
 are a run of rows. The FFN of every layer is cut along the intermediate dimension into `max_tp` shards, and
 each shard of gate, up and down starts on a page boundary with zero padding after it (Gyges
 eq. 2: U' = [U1, 0, U2, 0, ...], D' = [D1; 0; D2; 0; ...]). A worker that joins a TPk group keeps
@@ -48,19 +51,30 @@ def _encode(array, dtype):
     return array.astype(DTYPES[dtype][0])
 
 
+def layer_names(config, i):
+    """HF names of layer i's attention tensors (its run), in storage order."""
+    p = f"model.layers.{i}."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    if config.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
+def replicated_runs(config):
+    """The runs of replicated tensors, in storage order: ("embed", names), (layer, names) for
+    each layer, ("head", names). A tied LM head is the embedding: the head run has the final
+    norm only."""
+    runs = [("embed", ["model.embed_tokens.weight"])]
+    runs += [(i, layer_names(config, i)) for i in range(config.num_hidden_layers)]
+    runs.append(("head", ["model.norm.weight"] +
+                 ([] if config.tie_word_embeddings else ["lm_head.weight"])))
+    return runs
+
+
 def replicated_names(config):
     """HF names of the tensors every worker holds whole, in storage order."""
-    names = ["model.embed_tokens.weight"]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        if config.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    names.append("model.norm.weight")
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+    return [name for _, names in replicated_runs(config) for name in names]
 
 
 def _oriented(name, array):
@@ -79,7 +93,9 @@ class ModelWeights:
 
     Places the tensors (HF names, float arrays) in `arena` from `first_slot` on. Attributes:
     offsets[name] = (byte offset in the arena, shape, dtype name); ffn[layer][kind][shard] =
-    (byte offset, rows); padding_bytes; bytes_total. pad=False packs each tensor's shards
+    (byte offset, rows); runs[key] = (first slot, slots) of each replicated run ("embed", a layer
+    index, "head"); padding_bytes; bytes_total. What the worker holds: `held` (FFN shards),
+    `held_layers`, `has_embed`, `has_head`. pad=False packs each tensor's shards
     back to back instead (the unpadded reference layout; shards then share pages and cannot be
     released one by one).
     """
@@ -103,19 +119,27 @@ class ModelWeights:
         hidden, inter = config.hidden_size, config.intermediate_size
         self.shard_rows = inter // max_tp
 
-        # Replicated tensors: one packed run of pages.
+        # Replicated tensors: one packed run of pages per run key, each on its own pages.
         self.offsets = {}
-        cursor = 0
+        self.runs = {}
         plan = []
-        for name in replicated_names(config):
-            if name not in tensors:
-                raise InvalidArgumentError(f"tensor {name!r} is missing")
-            array = tensors[name]
-            stored = dtype if _is_matrix(name) else "f32"
-            nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
-            plan.append((name, cursor, stored))
-            cursor = _round_up(cursor + nbytes, ALIGN)
-        self.replicated_slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
+        run_slot = packed = 0
+        for key, names in replicated_runs(config):
+            cursor = 0  # bytes into the run
+            for name in names:
+                if name not in tensors:
+                    raise InvalidArgumentError(f"tensor {name!r} is missing")
+                array = tensors[name]
+                stored = dtype if _is_matrix(name) else "f32"
+                nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
+                plan.append((name, run_slot * self.page_size + cursor, stored))
+                cursor = _round_up(cursor + nbytes, ALIGN)
+            slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
+            self.runs[key] = (first_slot + run_slot, slots)
+            run_slot += slots
+            packed += cursor
+        self.replicated_slots = run_slot
+        self.run_names = dict(replicated_runs(config))
         shard_bytes = self.shard_rows * hidden * elem
         self.pad = pad
         # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
@@ -131,7 +155,7 @@ class ModelWeights:
             array = _oriented(name, tensors[name])
             self._store(base + offset, array, stored)
             self.offsets[name] = (base + offset, array.shape, stored)
-        self.replicated_bytes = cursor
+        self.replicated_bytes = packed
 
         # FFN shards: each on its own page-aligned run of slots.
         self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers
@@ -161,12 +185,14 @@ class ModelWeights:
             self.ffn.append(layer)
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
+        self.held_layers = set(range(config.num_hidden_layers))
+        self.has_embed = self.has_head = True
         self._dropped = set()           # (layer, shard) released by a staggered transformation
         self._restored = set()          # (layer, shard) mapped again by a staggered scale-down
         self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
         self.bytes_total = (self.end_slot - first_slot) * self.page_size
 
-    def _check_room(self, first_slot, n_slots):
+    def _check_room(self, first_slot, n_slots, in_place=False):
         # Checked before anything is placed, so a model that does not fit leaves no pages behind.
         stats = self.arena.stats()
         free = stats["budget_bytes"] - stats["bytes_in_use"]
@@ -175,7 +201,7 @@ class ModelWeights:
                 f"the weights need {n_slots * self.page_size:,} bytes ({n_slots} pages of "
                 f"{self.page_size:,}) but only {free:,} of the arena's {stats['budget_bytes']:,} "
                 f"are free")
-        if first_slot < 0 or first_slot + n_slots > self.arena.n_slots:
+        if not in_place and (first_slot < 0 or first_slot + n_slots > self.arena.n_slots):
             raise InvalidArgumentError(f"the weights need slots [{first_slot}, {first_slot + n_slots}) but "
                              f"the arena has {self.arena.n_slots}")
 
@@ -205,7 +231,7 @@ class ModelWeights:
         if not keep <= self.held:
             raise InvalidArgumentError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
         before = self.arena.stats()["bytes_in_use"]
-        for layer in range(self.config.num_hidden_layers):
+        for layer in sorted(self.held_layers):
             self.drop_layer_shards(layer, keep)
         self.finish_layer_drops(keep)
         return before - self.arena.stats()["bytes_in_use"]
@@ -214,7 +240,7 @@ class ModelWeights:
         """The bytes drop_shards (padded) or partial_swap (unpadded) would give back."""
         keep = set(keep) & self.held
         if self.pad:
-            return len(self.held - keep) * self.shard_slots * self.page_size * 3 * self.config.num_hidden_layers
+            return len(self.held - keep) * self.shard_slots * self.page_size * 3 * len(self.held_layers)
         shard_bytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
         used = -(-(len(keep) * shard_bytes) // self.page_size)
         return sum(max(mapped - used, 0) for _, mapped in self.ffn_pages.values()) * self.page_size
@@ -232,7 +258,7 @@ class ModelWeights:
         elem = DTYPES[self.dtype][1]
         shard_bytes = self.shard_rows * self.config.hidden_size * elem
         copied = released = 0
-        for layer in range(self.config.num_hidden_layers):
+        for layer in sorted(self.held_layers):
             for kind in FFN_KINDS:
                 shards = self.ffn[layer][kind]
                 base, mapped = self.ffn_pages[(layer, kind)]
@@ -272,8 +298,6 @@ class ModelWeights:
         """restore_shards for one layer (a layer-staggered scale-down); `held` changes once
         every layer is done (finish_layer_restores). Returns the bytes copied."""
         copied = 0
-        elem = DTYPES[self.dtype][1]
-        p = f"model.layers.{layer}.mlp."
         for shard in sorted(set(shards) - self.held):
             if (layer, shard) in self._restored:
                 continue
@@ -281,18 +305,23 @@ class ModelWeights:
             for kind in FFN_KINDS:
                 slots = self.shard_slots_of(layer, kind, shard)
                 self.arena.grow(slots.start, len(slots), "weights")
-                offset = self.shard_offset(layer, kind, shard)
-                nbytes = self.shard_rows * self.config.hidden_size * elem
-                if peer is not None:
-                    one = np.array([offset], dtype=np.uint64)
-                    self.arena._c.copy_runs(peer.arena._c, one, one, np.array([nbytes], np.uint64))
-                else:
-                    mat = self._host[p + f"{kind}_proj.weight"]
-                    mat = np.asarray(mat).T if kind == "down" else mat
-                    self._store(offset, mat[shard * self.shard_rows:(shard + 1) * self.shard_rows], self.dtype)
-                copied += nbytes
+                copied += self._fill_shard(layer, kind, shard, peer)
             self._restored.add((layer, shard))
         return copied
+
+    def _fill_shard(self, layer, kind, shard, peer):
+        """Writes one FFN shard (its pages mapped) from the peer ModelWeights or the host copy;
+        returns the bytes written."""
+        offset = self.shard_offset(layer, kind, shard)
+        nbytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+        if peer is not None:
+            one = np.array([offset], dtype=np.uint64)
+            self.arena._c.copy_runs(peer.arena._c, one, one, np.array([nbytes], np.uint64))
+        else:
+            mat = self._host[f"model.layers.{layer}.mlp.{kind}_proj.weight"]
+            mat = np.asarray(mat).T if kind == "down" else mat
+            self._store(offset, mat[shard * self.shard_rows:(shard + 1) * self.shard_rows], self.dtype)
+        return nbytes
 
     def finish_layer_restores(self, shards):
         self.held |= set(shards)
@@ -307,8 +336,101 @@ class ModelWeights:
             if peer is not None and shard not in peer.held:
                 raise InvalidArgumentError(f"the peer does not hold FFN shard {shard}")
         copied = sum(self.restore_layer_shards(layer, shards, source)
-                     for layer in range(self.config.num_hidden_layers))
+                     for layer in sorted(self.held_layers))
         self.finish_layer_restores(shards)
+        return copied
+
+    # ---- whole layers, the embedding and the head ----
+
+    def _layer_slots(self, layer):
+        """The slots of a layer's attention run and of its held FFN shards (whole tensors when
+        unpadded), as runs of neighbouring slots."""
+        first, n = self.runs[layer]
+        slots = list(range(first, first + n))
+        for kind in FFN_KINDS:
+            if self.pad:
+                slots += [x for shard in sorted(self.held) for x in self.shard_slots_of(layer, kind, shard)]
+            else:
+                base, mapped = self.ffn_pages[(layer, kind)]
+                slots += list(range(base, base + mapped))
+        return _runs(sorted(slots))
+
+    def layer_bytes(self, layer):
+        """What holding one layer costs: its attention run and its held FFN shards."""
+        return sum(n for _, n in self._layer_slots(layer)) * self.page_size
+
+    def drop_layers(self, layers):
+        """Unmaps whole layers (attention run and held FFN shards); returns the bytes freed."""
+        layers = set(layers)
+        if not layers <= self.held_layers:
+            raise InvalidArgumentError(f"cannot drop layers {sorted(layers - self.held_layers)}: "
+                                       f"not held")
+        before = self.arena.stats()["bytes_in_use"]
+        for layer in sorted(layers):
+            for start, n in self._layer_slots(layer):
+                self.arena.shrink(start, n)
+            self.held_layers.discard(layer)
+        return before - self.arena.stats()["bytes_in_use"]
+
+    def _fill(self, names, source):
+        """Writes tensors again: copied from the peer ModelWeights `source` (same placement, same
+        offsets) or from the host copy. Returns the bytes written."""
+        written = 0
+        for name in names:
+            offset, shape, stored = self.offsets[name]
+            nbytes = int(np.prod(shape)) * DTYPES[stored][1]
+            if source is not None:
+                one = np.array([offset], dtype=np.uint64)
+                self.arena._c.copy_runs(source.arena._c, one, one, np.array([nbytes], np.uint64))
+            else:
+                self._store(offset, _oriented(name, self._host[name]), stored)
+            written += nbytes
+        return written
+
+    def restore_layers(self, layers, source=None):
+        """Maps and fills whole layers again, from a peer holding them (`source`, its
+        ModelWeights) or from the host copy; the FFN shards restored are the ones held.
+        Returns the bytes copied."""
+        if not self.pad:
+            raise InvalidArgumentError("unpadded weights cannot restore layers (their shards "
+                                       "share pages); place them with pad=True")
+        layers = set(layers) - self.held_layers
+        if source is not None and (not layers <= source.held_layers or not self.held <= source.held):
+            raise InvalidArgumentError(f"the peer does not hold layers {sorted(layers)} with FFN "
+                                       f"shards {sorted(self.held)}")
+        if layers:
+            pages = sum(n for layer in layers for _, n in self._layer_slots(layer))
+            self._check_room(self.first_slot, pages, in_place=True)
+        copied = 0
+        for layer in sorted(layers):
+            for start, n in self._layer_slots(layer):
+                self.arena.grow(start, n, "weights")
+            copied += self._fill(self.run_names[layer], source)
+            copied += sum(self._fill_shard(layer, kind, shard, source)
+                          for shard in sorted(self.held) for kind in FFN_KINDS)
+            self.held_layers.add(layer)
+        return copied
+
+    def set_ends(self, embed, head, source=None):
+        """Holds the embedding and the head (final norm, LM head) or not: a pipeline's first
+        stage needs the embedding, its last the head (and the embedding, when the LM head is
+        tied to it). Returns the bytes copied to restore what comes back."""
+        copied = 0
+        for key, want in (("embed", embed), ("head", head)):
+            have = self.has_embed if key == "embed" else self.has_head
+            if want == have:
+                continue
+            start, n = self.runs[key]
+            if want:
+                self._check_room(self.first_slot, n, in_place=True)
+                self.arena.grow(start, n, "weights")
+                copied += self._fill(self.run_names[key], source)
+            else:
+                self.arena.shrink(start, n)
+            if key == "embed":
+                self.has_embed = want
+            else:
+                self.has_head = want
         return copied
 
     def c_offsets(self, shards=None, pending=False):
@@ -318,10 +440,15 @@ class ModelWeights:
         before the model uses them)."""
         shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
         cfg = self.config
-        out = [self._offset("model.embed_tokens.weight"), self._offset("model.norm.weight"),
-               self._offset("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")]
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        out = [self._offset("model.embed_tokens.weight") if self.has_embed else -1,
+               self._offset("model.norm.weight") if self.has_head else -1,
+               self._offset(head) if self.has_head else -1]
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
+            if i not in self.held_layers:
+                out += [-1] * (9 + 3 * self.max_tp)
+                continue
             out += [self._offset(p + n) for n in (
                 "input_layernorm.weight", "post_attention_layernorm.weight",
                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -124,8 +124,14 @@ class Worker:
         elif not pending:
             shards = set(shards) & self.weights.held
         mask = sum(1 << s for s in shards)
-        return _C.Model(self.arena._c, spec, self.weights.c_offsets(shards, pending), mask,
-                        self.threads, getattr(self, "c_model", None))  # its rotary tables
+        w = self.weights
+        held = sorted(w.held_layers)
+        layers = (held[0], held[-1] + 1) if held else (0, 0)
+        if len(held) != layers[1] - layers[0]:
+            raise InvalidArgumentError(f"the worker holds layers {held}, not a range")
+        return _C.Model(self.arena._c, spec, w.c_offsets(shards, pending), mask, self.threads,
+                        getattr(self, "c_model", None),  # its rotary tables
+                        layers=layers, embed=w.has_embed, head=w.has_head)
 
     def model_for_shards(self, shards, pending=False):
         """A C model over the given FFN shards (the model of a future TP rank); pending=True
@@ -155,10 +161,12 @@ class Worker:
         self.kv = self._new_kv(tp_size)
         self.c_model = self._new_c_model()
 
-    def join_stage(self, first, end):
-        """Becomes a pipeline stage running layers [first, end) (while it holds no KV): its KV
-        cache holds those layers only. (Its weights stay whole for now: per-layer weight runs,
-        to drop the others, are the next step of the execution plans.)"""
+    def join_stage(self, first, end, weights_from=None):
+        """Becomes a pipeline stage running layers [first, end) (while it holds no KV): it keeps
+        those layers' weights, the embedding when it is the first stage and the head when the
+        last (with the embedding too when the LM head is tied to it), and gives the rest back;
+        layers it lacks come from the peer Worker `weights_from` or the host copy. Its KV cache
+        holds its layers only."""
         n = self.config.num_hidden_layers
         if not 0 <= first < end <= n:
             raise InvalidArgumentError(f"a stage runs layers [first, end) within [0, {n}), got "
@@ -167,8 +175,15 @@ class Worker:
             raise InvalidArgumentError("the worker still holds requests; it cannot change layers")
         if self.kv.n_blocks:
             self.kv.shrink(self.kv.stats()["pages_per_layer"])
+        peer = weights_from.weights if weights_from is not None else None
+        w = self.weights
+        w.restore_layers(set(range(first, end)) - w.held_layers, peer)
+        w.drop_layers(w.held_layers - set(range(first, end)))
+        w.set_ends(embed=first == 0 or (end == n and self.config.tie_word_embeddings),
+                   head=end == n, source=peer)
         self.layers = (first, end)
         self.kv = self._new_kv(self.tp_size)
+        self.c_model = self._new_c_model()
 
     def kv_pages_free(self):
         """Pages of the budget not in use, as whole KV pages across the cache's layers."""

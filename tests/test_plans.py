@@ -52,7 +52,19 @@ def test_a_stage_cache_holds_its_layers_and_gives_its_pages_back(tiny):
     assert (first.kv.first_layer, first.kv.n_layers) == (0, 3)
     assert (second.kv.first_layer, second.kv.n_layers) == (3, 1)
     assert [i.stages for i in host.instances] == [((0, 3), (3, 4))]
+    # Each stage holds its layers' weights only: the first the embedding, the last the head.
+    w = first.weights
+    page, ffn_layer = w.page_size, 3 * w.tensor_slots * w.page_size
+    runs = {k: n * page for k, (_, n) in w.runs.items()}
+    want = [runs["embed"] + sum(runs[i] for i in range(3)) + 3 * ffn_layer,
+            runs[3] + runs["head"] + ffn_layer]
     weights = [m["weights"] for m in host.memory()]
+    assert weights == want
+    alone = gyges.Host(tiny, workers=1, memory_per_worker="32MiB").memory()[0]["weights"]
+    assert sum(weights) == alone  # the pipeline holds one copy of the model, split
+    assert first.weights.held_layers == {0, 1, 2} and second.weights.held_layers == {3}
+    assert (first.weights.has_embed, first.weights.has_head) == (True, False)
+    assert (second.weights.has_embed, second.weights.has_head) == (False, True)
     requests = [host.submit(p, gyges.SamplingParams(max_tokens=8, ignore_eos=True))
                 for p in prompts(4, seed=5)]
     host.step()
@@ -92,9 +104,13 @@ def test_the_engine_checks_a_plan_and_its_caches(tiny):
     with pytest.raises(gyges.InvalidArgumentError, match=r"must cover the model's 4 layers"):
         gyges._C.Engine(models, kvs, [None, None], 64, 8, layers=[(0, 2), (3, 4)])
     w[1].join_stage(3, 4)
+    with pytest.raises(gyges.InvalidArgumentError,
+                       match=r"model holds layers \[3, 4\), the head, not all the stage \[2, 4\)"):
+        gyges._C.Engine(models[:1] + [[w[1].c_model]], kvs, [None, None], 64, 8,
+                        layers=[(0, 2), (2, 4)])
     with pytest.raises(gyges.InvalidArgumentError, match=r"holds layers \[3, 4\), not the stage's \[2, 4\)"):
-        gyges._C.Engine(models[:1] + [[w[1].c_model]], kvs[:1] + [[w[1].kv._c]], [None, None],
-                        64, 8, layers=[(0, 2), (2, 4)])
+        gyges._C.Engine(models, kvs[:1] + [[w[1].kv._c]], [None, None], 64, 8,
+                        layers=[(0, 2), (2, 4)])
     with pytest.raises(gyges.InvalidArgumentError, match="a plan has 1 to 8 stages"):
         gyges._C.Engine(models, kvs, [None], 64, 8, layers=[(0, 2), (2, 4)])
     with pytest.raises(gyges.InvalidArgumentError, match="layers"):

@@ -1,5 +1,7 @@
 """Padded FFN weight placement (Gyges section 4.2): shards on page boundaries, exact contents,
 padding accounted to the byte."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,70 @@ def test_bad_arguments(tiny):
     small = gyges.Arena(budget="1MiB", page_size=65536)
     with pytest.raises(gyges.OutOfMemoryError):
         ModelWeights(small, config, tensors)
+
+
+def _run_pages(config, page, names_bytes):
+    """Pages of one run: its tensors packed at 64-byte boundaries, rounded up to whole pages."""
+    cursor = 0
+    for nbytes in names_bytes:
+        cursor = -(-(cursor + nbytes) // 64) * 64
+    return max(-(-cursor // page), 1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_replicated_runs_are_accounted_from_the_config(tied):
+    """Embedding, every layer's attention and the head each own their pages; the sizes come from
+    the config alone."""
+    config = dataclasses.replace(ModelConfig.tiny(), tie_word_embeddings=tied)
+    tensors = random_weights(config, seed=4)
+    page = 4096
+    arena = gyges.Arena(budget="64MiB", page_size=page)
+    w = ModelWeights(arena, config, tensors, dtype="f32")
+    H, V, D = config.hidden_size, config.vocab_size, config.head_dim
+    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
+    layer = _run_pages(config, page, [H * 4, H * 4, q * H * 4, kv * H * 4, kv * H * 4, q * H * 4])
+    want = {"embed": _run_pages(config, page, [V * H * 4]),
+            "head": _run_pages(config, page, [H * 4] + ([] if tied else [V * H * 4]))}
+    want.update({i: layer for i in range(config.num_hidden_layers)})
+    assert {k: n for k, (_, n) in w.runs.items()} == want
+    starts = sorted(first for first, _ in w.runs.values())
+    assert starts[0] == 0 and w.replicated_slots == sum(want.values())
+    assert arena.stats()["bytes_by_tag"]["weights"] == w.bytes_total
+
+
+def test_whole_layers_drop_and_come_back_exactly(tiny):
+    config, tensors = tiny
+    page = 65536
+    arena = gyges.Arena(budget="64MiB", page_size=page)
+    w = ModelWeights(arena, config, tensors, dtype="f32")
+    peer_arena = gyges.Arena(budget="64MiB", page_size=page)
+    peer = ModelWeights(peer_arena, config, tensors, dtype="f32")
+    w.drop_shards({0, 1})  # a TP2 rank: the layer holds two shards of each FFN tensor
+    before = arena.stats()["bytes_in_use"]
+    one_layer = (w.runs[2][1] + 2 * 3 * w.shard_slots) * page
+    assert w.layer_bytes(2) == one_layer
+    assert w.drop_layers({2, 3}) == 2 * one_layer
+    assert arena.stats()["bytes_in_use"] == before - 2 * one_layer
+    assert w.held_layers == {0, 1} and w.c_offsets()[3 + 2 * (9 + 12)] == -1
+    with pytest.raises(gyges.InvalidArgumentError, match="not held"):
+        w.drop_layers({3})
+    assert arena.stats()["bytes_in_use"] == before - 2 * one_layer  # refused: nothing changed
+    copied = w.restore_layers({2}) + w.restore_layers({3}, source=peer)
+    assert arena.stats()["bytes_in_use"] == before and w.held_layers == {0, 1, 2, 3}
+    n_attn = sum(int(np.prod(tensors[n].shape)) * 4 for n in w.run_names[2])
+    assert copied == 2 * (n_attn + 2 * 3 * w.shard_rows * config.hidden_size * 4)
+    for layer in (2, 3):
+        for name in w.run_names[layer]:
+            want = tensors[name].T if name.endswith("o_proj.weight") else tensors[name]
+            assert np.array_equal(w.read(name), want), name
+        gate = tensors[f"model.layers.{layer}.mlp.gate_proj.weight"]
+        for shard in (0, 1):  # the shards held; each on its own pages
+            got = arena.read(w.shard_offset(layer, "gate", shard),
+                             w.shard_rows * config.hidden_size * 4, dtype=np.float32)
+            rows = gate[shard * w.shard_rows:(shard + 1) * w.shard_rows]
+            assert np.array_equal(got.reshape(rows.shape), rows)
+    assert w.set_ends(embed=False, head=False) == 0
+    assert arena.stats()["bytes_in_use"] == before - (w.runs["embed"][1] + w.runs["head"][1]) * page
+    w.set_ends(embed=True, head=True, source=peer)
+    assert arena.stats()["bytes_in_use"] == before
+    assert np.array_equal(w.read("model.embed_tokens.weight"), tensors["model.embed_tokens.weight"])

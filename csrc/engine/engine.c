@@ -330,6 +330,13 @@ static gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_s
             if (m->n_layers != m0->n_layers || m->hidden != m0->hidden || m->vocab != m0->vocab)
                 return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's model has another shape than "
                                "stage 0 rank 0's", (int)s, (int)k);
+            if (m->layer_begin > st->first_layer || m->layer_end < st->end_layer ||
+                (s == 0 && !m->has_embed) || (s == n_stages - 1 && !m->has_head))
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's model holds layers [%lld, %lld)%s%s, "
+                               "not all the stage [%lld, %lld) needs", (int)s, (int)k,
+                               (long long)m->layer_begin, (long long)m->layer_end,
+                               m->has_embed ? ", the embedding" : "", m->has_head ? ", the head" : "",
+                               (long long)st->first_layer, (long long)st->end_layer);
             const gy_kv_config *kc = gy_kv_config_of(st->ranks[k].kv);
             if (kc->first_layer > st->first_layer || kc->first_layer + kc->n_layers < st->end_layer)
                 return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's KV cache holds layers [%lld, "

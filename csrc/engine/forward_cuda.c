@@ -15,6 +15,7 @@
  * The conversions x -> o and o -> x are the embedding kernel gathering rows 0..n-1 (an exact copy
  * or one rounding), so no kernel beyond kernels.h and gemm.h is needed. */
 #include "forward_cuda.h"
+#include "forward_backend.h"
 #include "../core/alloc.h"
 
 #if defined(GY_WITH_CUDA) && defined(GY_WITH_CUDA_FORWARD)
@@ -249,10 +250,9 @@ static gy_status gy_fwd_cuda_upload(struct gy_forward_cuda_ws *c, const gy_forwa
     return GY_OK;
 }
 
-gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
-                                const gy_forward_batch *b, gy_forward_ws *ws, int embed) {
-    int64_t max_len = 0;
-    GY_TRY(gy_forward_check(m, tp, kv, b, &max_len));
+static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                                       const gy_forward_batch *b, gy_forward_ws *ws, int embed,
+                                       int64_t max_len) {
     GY_TRY(gy_fwd_cuda_check(m, tp, kv));
     const gy_cpu_paged_batch *p = &b->paged;
     const int64_t n = p->n_tokens, hid = m->hidden, D = m->head_dim;
@@ -314,10 +314,11 @@ static gy_status gy_fwd_cuda_residual_close(struct gy_forward_cuda_ws *c, const 
                              m->weight_dtype, GY_DTYPE_F32, c->stream);
 }
 
-gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
-                                 const gy_forward_batch *b, gy_forward_ws *ws,
-                                 int64_t first_layer, int64_t end_layer) {
-    GY_TRY(gy_forward_check_layers(m, kv, first_layer, end_layer));
+static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
+                                        const gy_forward_batch *b, gy_forward_ws *ws,
+                                        gy_threadpool *pool, int64_t first_layer,
+                                        int64_t end_layer) {
+    (void)pool; /* the work is on the worker's stream */
     const int64_t kv_first = gy_kv_config_of(kv)->first_layer;
     struct gy_forward_cuda_ws *c = ws->cuda;
     if (c == NULL || c->n_tokens != b->paged.n_tokens || c->stream != (cudaStream_t)m->stream)
@@ -397,16 +398,15 @@ gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv
     return GY_OK;
 }
 
-gy_status gy_forward_cuda_end(float *logits, const gy_model *m, const gy_forward_batch *b,
-                              gy_forward_ws *ws) {
+static gy_status gy_forward_cuda_end(float *logits, const gy_model *m, const gy_forward_batch *b,
+                                     gy_forward_ws *ws, gy_threadpool *pool) {
+    (void)pool;
     struct gy_forward_cuda_ws *c = ws->cuda;
     if (c == NULL || c->n_tokens != b->paged.n_tokens || c->n_logits != b->n_logits)
         return GY_FAIL(GY_ERR_STATE, "gy_forward_end before gy_forward_begin of this batch");
     GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
     const int64_t nl = b->n_logits, hid = m->hidden, V = m->vocab;
     if (nl > 0) {
-        if (logits == NULL)
-            return GY_FAIL(GY_ERR_INVALID, "logits requested but no output buffer given");
         const gy_dtype act = m->weight_dtype;
         /* The sampled rows, gathered (the embedding kernel with the rows as ids). */
         GY_TRY(gy_cuda_embedding(c->sel.ptr, c->x.ptr, c->d_logit_rows, nl, c->n_tokens, hid, act,
@@ -422,6 +422,20 @@ gy_status gy_forward_cuda_end(float *logits, const gy_model *m, const gy_forward
     GY_FWD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     return GY_OK;
 }
+
+static void gy_forward_cuda_ws_release(gy_forward_ws *ws) {
+    gy_forward_cuda_ws_free(ws->cuda);
+    ws->cuda = NULL;
+}
+
+const gy_forward_backend gy_forward_cuda_backend = {
+    .name = "cuda",
+    .begin = gy_forward_cuda_begin,
+    .layers = gy_forward_cuda_layers,
+    .end = gy_forward_cuda_end,
+    .ws_free = gy_forward_cuda_ws_release,
+    .unavailable = gy_forward_cuda_unavailable,
+};
 
 #else /* the CUDA forward pass is not in this build */
 
@@ -446,25 +460,12 @@ gy_status gy_forward_cuda_attach(gy_model *model, int32_t device) {
 
 void gy_forward_cuda_detach(gy_model *model) { (void)model; }
 
-gy_status gy_forward_cuda_begin(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
-                                const gy_forward_batch *batch, gy_forward_ws *ws, int embed) {
-    (void)model, (void)tp, (void)kv, (void)batch, (void)ws, (void)embed;
-    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
-}
-
-gy_status gy_forward_cuda_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
-                                 const gy_forward_batch *batch, gy_forward_ws *ws,
-                                 int64_t first_layer, int64_t end_layer) {
-    (void)model, (void)tp, (void)kv, (void)batch, (void)ws, (void)first_layer, (void)end_layer;
-    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
-}
-
-gy_status gy_forward_cuda_end(float *logits, const gy_model *model, const gy_forward_batch *batch,
-                              gy_forward_ws *ws) {
-    (void)logits, (void)model, (void)batch, (void)ws;
-    return GY_FAIL(GY_ERR_UNAVAILABLE, "%s", GY_FWD_CUDA_WHY);
-}
-
 void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *cws) { (void)cws; }
+
+/* No parts: forward.c answers GY_ERR_UNAVAILABLE with the reason. */
+const gy_forward_backend gy_forward_cuda_backend = {
+    .name = "cuda",
+    .unavailable = gy_forward_cuda_unavailable,
+};
 
 #endif

@@ -1,6 +1,6 @@
-/* forward_cuda.h: the forward pass of forward.h on a CUDA worker, called through forward.h's
- * begin / layers / end when model->backend is GY_MODEL_BACKEND_CUDA (nothing else needs to call
- * these directly).
+/* forward_cuda.h: the forward pass of forward.h on a CUDA worker (gy_forward_cuda_backend of
+ * forward_backend.h), called through forward.h's begin / layers / end when model->backend is
+ * GY_MODEL_BACKEND_CUDA; this header has what else a CUDA worker needs.
  *
  * What differs from the CPU pass, and why:
  *   - the weights, the KV cache and every activation are device memory; the weight pointers are
@@ -41,15 +41,6 @@ gy_status gy_forward_cuda_attach(gy_model *model, int32_t device);
 /* Waits for the model's stream and destroys it. Free every workspace that used the model first.
  * A no-op for a cpu model. */
 void gy_forward_cuda_detach(gy_model *model);
-
-gy_status gy_forward_cuda_begin(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
-                                const gy_forward_batch *batch, gy_forward_ws *ws, int embed);
-gy_status gy_forward_cuda_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,
-                                 const gy_forward_batch *batch, gy_forward_ws *ws,
-                                 int64_t first_layer, int64_t end_layer);
-/* logits: host memory [n_logits, vocab] fp32. Returns after the stream has drained. */
-gy_status gy_forward_cuda_end(float *logits, const gy_model *model, const gy_forward_batch *batch,
-                              gy_forward_ws *ws);
 
 /* The device workspace of a gy_forward_ws (its `cuda` member); NULL is a no-op. */
 void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *cws);

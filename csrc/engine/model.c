@@ -27,6 +27,9 @@ gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_f
     if (!(rope_theta > 0.0)) return GY_FAIL(GY_ERR_INVALID, "rope_theta must be positive");
     GY_TRY(gy_dtype_check(m->weight_dtype, "weight dtype"));
     m->shard_rows = m->intermediate / m->max_tp;
+    m->layer_begin = 0;
+    m->layer_end = m->n_layers;
+    m->has_embed = m->has_head = 1;
     m->rope_theta = (float)rope_theta;
     m->layers = gy_calloc((size_t)m->n_layers, sizeof *m->layers);
     const size_t table = (size_t)(m->max_pos * (m->head_dim / 2));
@@ -58,9 +61,14 @@ void gy_model_free(gy_model *m) {
 }
 
 gy_status gy_model_check(const gy_model *m, uint32_t shards) {
-    if (m->embed == NULL || m->final_norm == NULL || m->lm_head == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "the model is missing its embedding, final norm or LM head");
-    for (int64_t l = 0; l < m->n_layers; l++) {
+    if (m->layer_begin < 0 || m->layer_end > m->n_layers || m->layer_begin > m->layer_end)
+        return GY_FAIL(GY_ERR_INVALID, "the model holds layers [%lld, %lld) of %lld",
+                       (long long)m->layer_begin, (long long)m->layer_end, (long long)m->n_layers);
+    if (m->has_embed && m->embed == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "the model is missing its embedding");
+    if (m->has_head && (m->final_norm == NULL || m->lm_head == NULL))
+        return GY_FAIL(GY_ERR_INVALID, "the model is missing its final norm or LM head");
+    for (int64_t l = m->layer_begin; l < m->layer_end; l++) {
         const gy_layer_weights *w = &m->layers[l];
         if (!w->attn_norm || !w->ffn_norm || !w->wq || !w->wk || !w->wv || !w->wo_t)
             return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing an attention tensor", (long long)l);

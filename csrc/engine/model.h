@@ -64,6 +64,11 @@ typedef struct gy_model {
     const float *final_norm;  /* [hidden] */
     const void *lm_head;      /* [vocab, hidden]; equals embed when tied */
     gy_layer_weights *layers; /* [n_layers], owned */
+    /* What this worker holds (gy_model_init: everything): the layers [layer_begin, layer_end)
+     * (a pipeline stage holds its own), the embedding, the final norm and LM head. Only what
+     * it holds is checked, and the forward pass refuses to run anything else. */
+    int64_t layer_begin, layer_end;
+    int32_t has_embed, has_head;
     float *rope_cos;          /* [max_pos, head_dim / 2], owned (host; the cpu backend's) */
     float *rope_sin;
 } gy_model;
@@ -74,8 +79,8 @@ typedef struct gy_model {
  * a transformation pays for every new rank's model), else computed; it may be NULL. */
 gy_status gy_model_init(gy_model *model, double rope_theta, const gy_model *tables_from);
 void gy_model_free(gy_model *model);
-/* GY_ERR_INVALID naming the first missing tensor (shard pointers are checked for `shards`,
- * a bitmask of the FFN shards this worker must hold). */
+/* GY_ERR_INVALID naming the first missing tensor of what the model holds (shard pointers are
+ * checked for `shards`, a bitmask of the FFN shards this worker must hold). */
 gy_status gy_model_check(const gy_model *model, uint32_t shards);
 
 #ifdef __cplusplus

@@ -29,17 +29,22 @@ static const void *gy_py_at(uintptr_t base, int64_t offset) {
 }
 
 static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from", NULL};
-    PyObject *arena_object, *offsets_object, *tables_from = Py_None;
+    static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from",
+                            "layers", "embed", "head", NULL};
+    PyObject *arena_object, *offsets_object, *tables_from = Py_None, *layers = Py_None;
+    int has_embed = 1, has_head = 1;
     long long vocab, hidden, inter, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos;
     int dtype, threads = 1;
     unsigned int shards;
     double eps, theta;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|iO", names, &arena_object,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|iOOpp", names, &arena_object,
                                      &vocab, &hidden, &inter, &n_layers, &n_heads, &n_kv_heads,
                                      &head_dim, &max_tp, &max_pos, &dtype, &eps, &theta,
-                                     &offsets_object, &shards, &threads, &tables_from))
+                                     &offsets_object, &shards, &threads, &tables_from, &layers,
+                                     &has_embed, &has_head))
         return NULL;
+    long long layer_begin = 0, layer_end = n_layers;
+    if (layers != Py_None && !PyArg_ParseTuple(layers, "LL", &layer_begin, &layer_end)) return NULL;
     if (tables_from != Py_None && !PyObject_TypeCheck(tables_from, (PyTypeObject *)gy_py_model_type))
         return PyErr_Format(GY_PY_TYPE_ERROR, "tables_from must be a Model or None, not %s",
                             Py_TYPE(tables_from)->tp_name);
@@ -101,6 +106,10 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
         }
     }
     PyBuffer_Release(&view);
+    m->layer_begin = layer_begin;
+    m->layer_end = layer_end;
+    m->has_embed = has_embed;
+    m->has_head = has_head;
     s = gy_model_check(m, shards);
     if (s == GY_OK && on_cuda) {
         Py_BEGIN_ALLOW_THREADS

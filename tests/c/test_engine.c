@@ -441,6 +441,18 @@ static void check_pipeline(const int *layers, int n_stages, int32_t want[3][12])
     int64_t first = 0;
     for (int s = 0; s < n_stages; s++) {
         plan_worker_init(&w[s], NKV, first, first + layers[s]);
+        /* The stage's model holds its layers only: the others' weights are gone (NULL), so a
+         * stage touching them would crash here. */
+        gy_model *m = &w[s].model;
+        m->layer_begin = first;
+        m->layer_end = first + layers[s];
+        m->has_embed = s == 0;
+        m->has_head = s == n_stages - 1;
+        for (int64_t l = 0; l < PLAN_L; l++)
+            if (l < m->layer_begin || l >= m->layer_end) memset(&m->layers[l], 0, sizeof m->layers[l]);
+        if (!m->has_embed) m->embed = NULL;
+        if (!m->has_head) m->final_norm = NULL, m->lm_head = NULL;
+        CHECK_OK(gy_model_check(m, (1u << MAX_TP) - 1));
         ranks[s] = (gy_engine_rank){.model = &w[s].model, .kv = w[s].kv};
         stages[s] = (gy_engine_stage){.first_layer = first, .end_layer = first + layers[s],
                                       .size = 1, .ranks = &ranks[s]};
@@ -448,6 +460,15 @@ static void check_pipeline(const int *layers, int n_stages, int32_t want[3][12])
     }
     const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
     gy_engine *e;
+    if (n_stages > 1) { /* the stages in the wrong order: each model lacks what it would need */
+        gy_engine_stage swapped[4];
+        memcpy(swapped, stages, sizeof swapped);
+        const gy_engine_rank *r0 = swapped[0].ranks;
+        swapped[0].ranks = swapped[n_stages - 1].ranks;
+        swapped[n_stages - 1].ranks = r0;
+        CHECK_STATUS(gy_engine_init_plan(&e, swapped, n_stages, &cfg), GY_ERR_INVALID);
+        gy_error_clear();
+    }
     CHECK_OK(gy_engine_init_plan(&e, stages, n_stages, &cfg));
     int32_t got[3][12];
     serve(e, got);
