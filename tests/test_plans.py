@@ -115,3 +115,50 @@ def test_the_engine_checks_a_plan_and_its_caches(tiny):
         gyges._C.Engine(models, kvs, [None], 64, 8, layers=[(0, 2), (2, 4)])
     with pytest.raises(gyges.InvalidArgumentError, match="layers"):
         w[0].join_stage(2, 2)
+
+
+def _serve_raw(engines, prompts, steps_before=3):
+    """Adds the prompts to engines[0], steps it `steps_before` times, moves every request to
+    engines[-1] (gy_engine_take, with its KV sequences) when there are two, then steps to the end.
+    Returns each request's tokens."""
+    first, last = engines[0], engines[-1]
+    none = np.zeros(0, np.int32)
+    for i, p in enumerate(prompts):
+        first.add(i, np.array(p, np.int32), 12, 0.8 if i % 2 else 0.0, 40, 1.0, 7, none, 0.0)
+    out = {i: [] for i in range(len(prompts))}
+    now = 0.0
+    for _ in range(steps_before):
+        tokens, *_ = first.step(now)
+        now += 1.0
+        for rid, token in tokens:
+            out[rid].append(token)
+    if first is not last:
+        for rid in first.request_ids():
+            last.take(first, rid, first.export(rid)["seqs"])
+        assert first.request_ids() == []
+    while last.request_ids():
+        tokens, finished, *_ = last.step(now)
+        now += 1.0
+        for rid, token in tokens:
+            out[rid].append(token)
+        for rid in finished:
+            last.release(rid)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_requests_moved_in_c_continue_bit_identically(tiny):
+    from gyges.worker import Worker
+    ps = prompts(5, seed=8)
+    ref = Worker(tiny, memory="32MiB")
+    want = _serve_raw([gyges._C.Engine([ref.c_model], [ref.kv._c], None, 64, 3)], ps)
+    w = Worker(tiny, memory="32MiB")
+    a = gyges._C.Engine([w.c_model], [w.kv._c], None, 64, 3)  # 3 running: 2 still queued
+    b = gyges._C.Engine([w.c_model], [w.kv._c], None, 64, 3)  # a new instance, same worker
+    with pytest.raises(gyges.ArgumentTypeError, match="src must be a gyges._C.Engine"):
+        b.take(w, 0, [-1])
+    got = _serve_raw([a, b], ps)
+    assert got == want and all(len(t) == 12 for t in got)
+    with pytest.raises(gyges.StateError, match="no request"):
+        b.take(a, 0, [-1])
+    del a, b
+    assert w.kv.stats()["n_sequences"] == 0 and w.arena.stats()["bytes_by_tag"]["kv"] == 0

@@ -1109,6 +1109,45 @@ gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_reques
     return s;
 }
 
+/* src lets go of a request dst has adopted: its KV sequences are forgotten on every rank (so the
+ * abort releases nothing), then its record goes. */
+static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
+    const int32_t n = gy_engine_adapters(src, adapters);
+    for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_forget(adapters[i], id);
+    for (int32_t s = 0; s < src->n_stages; s++) gy_stage_unhome(&src->stages[s], id);
+    if (gy_sched_abort(src->sched, id) == GY_OK && gy_sched_forget(src->sched, id) != GY_OK)
+        gy_error_clear();
+    gy_engine_request *r = gy_engine_find(src, id);
+    gy_idmap_remove(&src->requests, id);
+    gy_engine_request_free(r);
+}
+
+gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs) {
+    if (dst == NULL || src == NULL || seqs == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: NULL argument");
+    if (dst == src) return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: an engine cannot take from itself");
+    /* Two locks, always in the same order, so two takes in opposite directions cannot deadlock. */
+    pthread_mutex_t *first = (uintptr_t)dst < (uintptr_t)src ? &dst->api : &src->api;
+    pthread_mutex_t *second = first == &dst->api ? &src->api : &dst->api;
+    pthread_mutex_lock(first);
+    pthread_mutex_lock(second);
+    gy_status s = GY_OK;
+    gy_engine_request_view v;
+    if (src->n_stages != 1 || dst->n_stages != 1)
+        s = GY_FAIL(GY_ERR_UNAVAILABLE, "requests move between engines of one stage for now");
+    if (s == GY_OK) s = gy_engine_request_get_locked(src, id, &v);
+    if (s == GY_OK && v.info.state == GY_SCHED_STATE_FINISHED)
+        s = GY_FAIL(GY_ERR_STATE, "request %lld has finished; there is nothing to move", (long long)id);
+    if (s == GY_OK)
+        s = gy_engine_adopt_locked(dst, id, v.tokens, v.n_tokens, v.prompt_len, &v.params, &v.info,
+                                   seqs);
+    if (s == GY_OK) gy_engine_let_go_locked(src, id);
+    pthread_mutex_unlock(second);
+    pthread_mutex_unlock(first);
+    return s;
+}
+
 gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs) {

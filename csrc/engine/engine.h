@@ -141,6 +141,16 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs);
 
+/* Moves request `id` from `src` to `dst` with everything it has, in C: its tokens, parameters,
+ * progress and timings (sampling is keyed by (seed, token index), so it goes on where it was),
+ * and its KV: seqs[r] is the sequence already holding it in rank r of dst's one-stage plan (-1
+ * for none: a queued request, or one to recompute). src lets go of the request and of its KV
+ * sequences without freeing them (they are dst's now, or their caches' owner's); its stats
+ * count it as aborted. Refused with both engines unchanged when src has no such unfinished
+ * request or dst cannot take it (an id in use, a full running set, a sequence that does not
+ * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
+gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
+
 /* ---- layer-staggered transformation (Gyges 4.3) ----
  * While one runs, layers [0, boundary) still run in the old groups (each on the rows of the
  * requests it holds), with the workers' old models and KV caches; layers [boundary, L) run in

@@ -270,6 +270,38 @@ static PyObject *gy_py_engine_export(GyEngineObject *self, PyObject *args) {
                          "info", gy_py_engine_info_dict(&v.info), "seqs", seqs);
 }
 
+/* The engine's own type, to recognise another Engine (heap types differ per module). */
+static PyObject *gy_py_engine_type;
+
+/* take(src, id, seqs): moves request `id` from Engine `src` here with its progress and KV
+ * (gy_engine_take); seqs: its sequence in each rank's cache here, -1 for none. */
+static PyObject *gy_py_engine_take(GyEngineObject *self, PyObject *args) {
+    PyObject *src_object, *seqs_object;
+    long long id;
+    if (!PyArg_ParseTuple(args, "OLO", &src_object, &id, &seqs_object)) return NULL;
+    if (!PyObject_TypeCheck(src_object, (PyTypeObject *)gy_py_engine_type))
+        return PyErr_Format(GY_PY_TYPE_ERROR, "src must be a gyges._C.Engine, not %s",
+                            Py_TYPE(src_object)->tp_name);
+    int64_t seqs[GY_MODEL_MAX_TP];
+    for (int i = 0; i < GY_MODEL_MAX_TP; i++) seqs[i] = -1;
+    PyObject *seq = gy_py_sequence(seqs_object, "seqs must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n && i < GY_MODEL_MAX_TP; i++)
+        seqs[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    if (n > GY_MODEL_MAX_TP)
+        return PyErr_Format(GY_PY_VALUE_ERROR, "seqs has %zd entries, at most %d", n, GY_MODEL_MAX_TP);
+    gy_status s;
+    gy_engine *src = ((GyEngineObject *)src_object)->engine;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_take(self->engine, src, id, seqs);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
 /* adopt(id, tokens, prompt_len, max_new, temperature, top_k, top_p, seed, stop_tokens,
  *       (state_id, n_generated, n_computed, prefill_end, n_preemptions, arrival,
  *        first_scheduled, first_token), seqs) */
@@ -488,6 +520,8 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},
     {"export", (PyCFunction)gy_py_engine_export, METH_VARARGS, "export(id) -> dict"},
     {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS, "adopt(id, tokens, ...)"},
+    {"take", (PyCFunction)gy_py_engine_take, METH_VARARGS,
+     "take(src, id, seqs): moves a request from Engine src here, with its progress and KV"},
     {"add", (PyCFunction)gy_py_engine_add_request, METH_VARARGS,
      "add(id, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, arrival)"},
     {"step", (PyCFunction)gy_py_engine_step, METH_VARARGS, "step(now) -> (tokens, finished, batch_tokens, preempted)"},
@@ -516,6 +550,7 @@ static PyType_Spec gy_py_engine_spec = {
 int gy_py_engine_add(PyObject *module) {
     PyObject *type = PyType_FromModuleAndSpec(module, &gy_py_engine_spec, NULL);
     if (type == NULL) return -1;
+    gy_py_engine_type = type; /* the module keeps it alive */
     int rc = PyModule_AddObjectRef(module, "Engine", type);
     Py_DECREF(type);
     return rc;

@@ -573,3 +573,76 @@ GYTEST(engine_refuses_plans_that_do_not_cover_the_model) {
     gy_error_clear();
     for (int i = 0; i < 2; i++) CHECK(plan_worker_free(&w[i]));
 }
+
+/* ---- moving requests between engines ---- */
+
+/* Collects the step's tokens into out[3][12] (produced[] counts them). */
+static void collect(const gy_engine_step_out *o, int32_t out[3][12], int64_t produced[3]) {
+    for (int64_t i = 0; i < o->n_tokens; i++) {
+        const int64_t id = o->token_ids[i];
+        if (produced[id] < 12) out[id][produced[id]++] = o->tokens[i];
+    }
+}
+
+GYTEST(engine_take_moves_requests_that_continue_bit_identically) {
+    owned o = {0};
+    gy_model model;
+    build_model(&model, &o);
+    int32_t want[3][12], got[3][12];
+    serve_tp1(&model, want);
+    gy_arena *arena;
+    gy_kv_cache *kv;
+    make_kv(&arena, &kv, NKV);
+    const gy_engine_rank one = {.model = &model, .kv = kv};
+    /* Two running at most, so that the third is still queued when they move. */
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 2};
+    gy_engine *a, *b;
+    CHECK_OK(gy_engine_init(&a, &one, 1, NULL, &cfg));
+    CHECK_OK(gy_engine_init(&b, &one, 1, NULL, &cfg)); /* a new instance over the same worker */
+    const int32_t prompts[3][5] = {{1, 2, 3, 4, 5}, {9, 8, 7, 0, 0}, {50, 60, 70, 80, 90}};
+    const int64_t lengths[3] = {5, 3, 5};
+    for (int r = 0; r < 3; r++) {
+        gy_engine_params p = {.sampler = {.temperature = r == 2 ? 0.9 : 0.0, .top_p = 1.0, .seed = 5},
+                              .max_new_tokens = 12};
+        CHECK_OK(gy_engine_add(a, r, prompts[r], lengths[r], &p, 0.0));
+    }
+    int64_t produced[3] = {0, 0, 0};
+    int step = 0;
+    for (; step < 3; step++) {
+        gy_engine_step_out out;
+        CHECK_OK(gy_engine_step(a, (double)step, &out));
+        collect(&out, got, produced);
+    }
+    int states[3];
+    for (int r = 0; r < 3; r++) {
+        gy_engine_request_view v;
+        CHECK_OK(gy_engine_request_get(a, r, &v));
+        states[r] = v.info.state;
+        /* A refusal changes neither engine: a sequence that does not exist. */
+        const int64_t bogus[GY_MODEL_MAX_TP] = {999, -1, -1, -1, -1, -1, -1, -1};
+        CHECK_STATUS(gy_engine_take(b, a, r, bogus), GY_ERR_STATE);
+        CHECK_OK(gy_engine_request_get(a, r, &v));
+        CHECK_OK(gy_engine_take(b, a, r, v.seqs));
+        CHECK_STATUS(gy_engine_request_get(a, r, &v), GY_ERR_STATE);
+        CHECK_STATUS(gy_engine_take(b, a, r, v.seqs), GY_ERR_STATE); /* a has it no more */
+    }
+    gy_error_clear();
+    CHECK(states[0] == GY_SCHED_STATE_RUNNING && states[2] == GY_SCHED_STATE_WAITING);
+    gy_engine_free(a); /* it let go of their KV: nothing of b's is freed */
+    for (; step < 100; step++) {
+        gy_engine_step_out out;
+        CHECK_OK(gy_engine_step(b, (double)step, &out));
+        collect(&out, got, produced);
+        for (int64_t i = 0; i < out.n_finished; i++) CHECK_OK(gy_engine_release(b, out.finished[i]));
+    }
+    CHECK(produced[0] == 12 && produced[1] == 12 && produced[2] == 12);
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    gy_engine_free(b);
+    gy_arena_stats st;
+    gy_arena_stats_get(arena, &st);
+    CHECK(st.bytes_in_use == 0);
+    gy_kv_free(kv);
+    gy_arena_free(arena);
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
