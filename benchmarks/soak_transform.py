@@ -46,6 +46,9 @@ def main():
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--transformations", type=int, default=1000)
     ap.add_argument("--model", choices=("small", "tiny"), default="small")
+    ap.add_argument("--layout", default=None,
+                    help="the host's starting layout, e.g. PP[3,1]+2xTP1 (default 4xTP1); "
+                         "transformations leave pipelines alone")
     ap.add_argument("--quick", action="store_true",
                     help="100 transformations a seed and at most 24 events a sweep")
     args = ap.parse_args()
@@ -59,7 +62,8 @@ def main():
     for seed in range(args.seeds):
         for faults in (False, True):
             t0 = time.time()
-            r = testing.soak(model, seed=seed, transformations=n, faults=faults)
+            r = testing.soak(model, seed=seed, transformations=n, faults=faults,
+                             layout=args.layout)
             r.update(faults=faults, seconds=round(time.time() - t0, 1),
                      page_delta=sum(abs(d) for d in r["page_delta"]))
             soak.append(r)

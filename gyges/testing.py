@@ -60,8 +60,8 @@ def _legal_targets(host):
         for first in range(0, n, size):
             group = tuple(range(first, first + size))
             inside = [i for i in host.instances if set(i.workers) & set(group)]
-            if any(not set(i.workers) <= set(group) for i in inside):
-                continue
+            if any(not set(i.workers) <= set(group) or i.stages for i in inside):
+                continue  # reaches outside, or holds a pipeline (Gyges transforms TP groups)
             tps = {i.tp for i in inside}
             if len(tps) == 1 and tps.pop() < size:
                 out.append((group, size))
@@ -75,11 +75,11 @@ def _legal_targets(host):
 
 
 def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=False,
-         max_steps=100000):
-    """Serves random requests on a Host while it makes `transformations` random live
-    transformations (merges and splits of random aligned groups, at once or layer-staggered, with
-    and without overlap), then checks every request against the same request served by a plain
-    Engine. faults=True also fails a random resource (fault site and event) inside about half of
+         max_steps=100000, layout=None):
+    """Serves random requests on a Host of `layout` (default: one TP1 instance a worker) while it
+    makes `transformations` random live transformations (merges and splits of random aligned
+    groups outside pipelines, at once or layer-staggered, with and without overlap), then checks
+    every request against the same request served by a plain Engine. faults=True also fails a random resource (fault site and event) inside about half of
     the transformations. Returns the counts: done, refused, recovered, requests, lost, mismatches
     and, per worker, the bytes it holds beyond a fresh host of the same layout (page_delta)."""
     import numpy as np
@@ -89,7 +89,7 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
     from .host import Host
 
     rng = np.random.default_rng(seed)
-    host = Host(model, workers=workers, memory_per_worker=memory)
+    host = Host(model, workers=workers, memory_per_worker=memory, layout=layout)
     vocab = model.config.vocab_size
     handles, params_of = [], []
     done = refused = recovered = failed_steps = steps = 0

@@ -473,3 +473,13 @@ def test_soak_of_random_live_transformations(tiny, faults):
     assert r["transformations"] >= 100
     if faults:
         assert r["recovered"] > 0
+
+
+def test_soak_beside_a_pipeline(tiny):
+    """A PP[3,1] pipeline serving on workers 0 and 1 while workers 2 and 3 merge and split under
+    random faults: the pipeline's requests and the others' all come out right, no page left."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecoveryWarning)
+        r = testing.soak(tiny, seed=21, transformations=30, faults=True, layout="PP[3,1]+2xTP1")
+    assert r["lost"] == 0 and r["mismatches"] == 0 and r["page_delta"] == [0, 0, 0, 0], r
+    assert r["transformations"] >= 30 and r["layout"].startswith("PP[3,1]+"), r
