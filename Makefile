@@ -38,7 +38,8 @@ build/ctest_tsan: $(CORE_SOURCES) $(wildcard tests/c/*.c tests/c/*.h csrc/*/*.h)
 # on machines without a GPU (tests/cuda_emu/harness.c).
 EMU_CC := cc $(SAN_FLAGS) -Itests/cuda_emu -DGY_WITH_CUDA=1
 EMU_AS_CUDA := -Dgy_arena_backend=emu_arena_backend -Dgy_arena_device=emu_arena_device
-EMU_BUILT := csrc/engine/forward_cuda.c csrc/comm/comm_d2d.c csrc/comm/comm_stream.c
+EMU_BUILT := csrc/engine/forward_cuda.c csrc/comm/comm_d2d.c csrc/comm/comm_stream.c \
+             csrc/kernels/kv_copy_device.c
 
 # Then the whole extension built with CUDA on that device and a pretend driver
 # (tests/cuda_emu/build_ext.py), under the Python tests that otherwise need a GPU. The GEMM
@@ -52,7 +53,7 @@ cudaemu: build/cuda_emu .venv/.installed
 	$(EMU_ENV) .venv/bin/pytest -q -p no:cacheprovider tests/test_cuda_host.py tests/test_cuda_engine.py --deselect tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device
 
 build/cuda_emu: $(CORE_SOURCES) $(wildcard tests/cuda_emu/*) $(wildcard csrc/*/*.h)
-	mkdir -p build/emu && $(EMU_CC) -DGY_WITH_CUDA_FORWARD=1 $(EMU_AS_CUDA) -c csrc/engine/forward_cuda.c -o build/emu/forward_cuda.o && $(EMU_CC) $(EMU_AS_CUDA) -Dgy_kv_copy_heads=emu_device_kv_copy_heads -c csrc/kv/kv_copy.c -o build/emu/kv_copy_device.o && $(EMU_CC) -c csrc/comm/comm_d2d.c -o build/emu/comm_d2d.o && $(EMU_CC) -c csrc/comm/comm_stream.c -o build/emu/comm_stream.o && $(EMU_CC) -c tests/cuda_emu/emu.c -o build/emu/emu.o && $(EMU_CC) -c tests/cuda_emu/emu_device.c -o build/emu/emu_device.o && cc $(SAN_FLAGS) $(filter-out $(EMU_BUILT),$(CORE_SOURCES)) tests/cuda_emu/harness.c build/emu/*.o -o $@ -lm -ldl -lpthread
+	mkdir -p build/emu && $(EMU_CC) -DGY_WITH_CUDA_FORWARD=1 $(EMU_AS_CUDA) -c csrc/engine/forward_cuda.c -o build/emu/forward_cuda.o && $(EMU_CC) $(EMU_AS_CUDA) -Dgy_kv_copy_heads=emu_device_kv_copy_heads -c csrc/kv/kv_copy.c -o build/emu/kv_copy_device.o && $(EMU_CC) $(EMU_AS_CUDA) -c csrc/kernels/kv_copy_device.c -o build/emu/kv_copy_heads_device.o && $(EMU_CC) -c csrc/comm/comm_d2d.c -o build/emu/comm_d2d.o && $(EMU_CC) -c csrc/comm/comm_stream.c -o build/emu/comm_stream.o && $(EMU_CC) -c tests/cuda_emu/emu.c -o build/emu/emu.o && $(EMU_CC) -c tests/cuda_emu/emu_device.c -o build/emu/emu_device.o && cc $(SAN_FLAGS) $(filter-out $(EMU_BUILT),$(CORE_SOURCES)) tests/cuda_emu/harness.c build/emu/*.o -o $@ -lm -ldl -lpthread
 
 pytest: build
 	$(PYTHON) -m pytest -q tests

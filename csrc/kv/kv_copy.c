@@ -5,10 +5,6 @@
 
 #include <string.h>
 
-#ifdef GY_WITH_CUDA
-#include "../kernels/kernels.h"
-#endif
-
 static gy_status gy_kv_copy_check_blocks(const gy_kv_cache *kv, const int32_t *blocks,
                                          int64_t n_blocks, const char *which) {
     gy_kv_stats st;
@@ -85,31 +81,6 @@ static void gy_kv_copy_host(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t
                             (size_t)row);
 }
 
-#ifdef GY_WITH_CUDA
-/* The device copy: the block lists go up once, then one launch per layer on the legacy default
- * stream (the workers' streams are non-blocking and idle between steps, when transformations
- * run), and the host waits before the lists are freed. */
-static gy_status gy_kv_copy_device(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
-                                   const gy_kv_cache *src, const int32_t *src_blocks,
-                                   int64_t src_head0, int64_t n_heads, int64_t n_blocks,
-                                   int64_t first_layer, int64_t n_layers) {
-    GY_TRY(gy_cuda_set_device(gy_arena_device(gy_kv_arena(dst))));
-    int32_t *lists = NULL; /* (2, n_blocks): destination blocks, then source blocks */
-    const uint64_t list_bytes = (uint64_t)n_blocks * sizeof(int32_t);
-    GY_TRY(gy_cuda_malloc((void **)&lists, 2 * list_bytes));
-    gy_status s = gy_cuda_memcpy_htod(lists, dst_blocks, list_bytes);
-    if (s == GY_OK) s = gy_cuda_memcpy_htod(lists + n_blocks, src_blocks, list_bytes);
-    for (int64_t l = first_layer; l < first_layer + n_layers && s == GY_OK; l++)
-        s = gy_cuda_kv_copy_heads((void *)gy_kv_layer_address(dst, l), gy_kv_layout_of(dst), lists,
-                                  dst_head0, (const void *)gy_kv_layer_address(src, l),
-                                  gy_kv_layout_of(src), lists + n_blocks, src_head0, n_heads,
-                                  n_blocks, NULL);
-    /* Also where an error a copy hit while running surfaces. */
-    if (s == GY_OK) s = gy_cuda_stream_synchronize(NULL);
-    gy_cuda_free(lists);
-    return s;
-}
-#endif
 
 gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
                            const gy_kv_cache *src, const int32_t *src_blocks, int64_t src_head0,
@@ -121,15 +92,9 @@ gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t 
     if (gy_fault_hit(GY_FAULT_COPY))
         return GY_FAIL(GY_ERR_SYSTEM, "injected fault: copying %lld blocks' heads failed",
                        (long long)n_blocks);
-    if (gy_arena_backend(gy_kv_arena(dst)) == GY_ARENA_BACKEND_CUDA) {
-#ifdef GY_WITH_CUDA
-        return gy_kv_copy_device(dst, dst_blocks, dst_head0, src, src_blocks, src_head0, n_heads,
-                                 n_blocks, first_layer, n_layers);
-#else
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "copy_heads on a cuda arena: gyges was not built with CUDA");
-#endif
-    }
+    if (gy_arena_backend(gy_kv_arena(dst)) == GY_ARENA_BACKEND_CUDA)
+        return gy_kv_copy_heads_device(dst, dst_blocks, dst_head0, src, src_blocks, src_head0,
+                                       n_heads, n_blocks, first_layer, n_layers);
     for (int64_t l = first_layer; l < first_layer + n_layers; l++)
         gy_kv_copy_host(dst, dst_blocks, dst_head0, src, src_blocks, src_head0, n_heads, n_blocks, l);
     return GY_OK;

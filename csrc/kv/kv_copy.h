@@ -30,6 +30,14 @@ gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t 
                            int64_t n_heads, int64_t n_blocks, int64_t first_layer,
                            int64_t n_layers);
 
+/* The device half, after gy_kv_copy_heads' checks: implemented by the CUDA kernels
+ * (csrc/kernels/kv_copy_device.c), so that kv/ does not depend on them; GY_ERR_UNAVAILABLE in a
+ * build without CUDA. */
+gy_status gy_kv_copy_heads_device(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
+                                  const gy_kv_cache *src, const int32_t *src_blocks,
+                                  int64_t src_head0, int64_t n_heads, int64_t n_blocks,
+                                  int64_t first_layer, int64_t n_layers);
+
 #ifdef __cplusplus
 }
 #endif
