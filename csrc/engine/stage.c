@@ -2,6 +2,7 @@
  * and one rank's share of a step. */
 #include "stage.h"
 #include "../core/alloc.h"
+#include "../core/grow.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -218,18 +219,10 @@ static gy_status gy_stage_rank_tables(gy_stage_rank *rk, const gy_sched_batch *b
         if (seq < 0) return GY_FAIL(GY_ERR_STATE, "request %lld is scheduled without KV", (long long)id);
         n_blocks += gy_kv_seq_n_blocks(rk->r.kv, seq);
     }
-    if (n_entries + 1 > rk->cap_entries) {
-        rk->cap_entries = 0;
-        if (gy_stage_reserve((void **)&rk->bt_indptr, n_entries + 1, sizeof(int32_t)))
-            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
-        rk->cap_entries = n_entries + 1;
-    }
-    if (n_blocks > rk->cap_blocks || rk->bt_indices == NULL) {
-        rk->cap_blocks = 0;
-        if (gy_stage_reserve((void **)&rk->bt_indices, n_blocks, sizeof(int32_t)))
-            return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block tables");
-        rk->cap_blocks = n_blocks;
-    }
+    GY_TRY(gy_grow((void **)&rk->bt_indptr, &rk->cap_entries, n_entries + 1, sizeof(int32_t),
+                   "block tables"));
+    GY_TRY(gy_grow((void **)&rk->bt_indices, &rk->cap_blocks, n_blocks > 0 ? n_blocks : 1,
+                   sizeof(int32_t), "block tables"));
     int64_t blocks = 0;
     rk->bt_indptr[0] = 0;
     for (int64_t k = 0; k < n_entries; k++) {

@@ -76,23 +76,33 @@ static void make_kv(gy_arena **arena, gy_kv_cache **kv, int64_t heads) {
     make_kv_layers(arena, kv, heads, L);
 }
 
-/* Serves three requests to completion; writes each one's 12 tokens into out[3][12]. */
-static void serve(gy_engine *e, int32_t out[3][12]) {
+/* Adds the three requests every test serves: greedy ones and a seeded sampled one. */
+static void add_requests(gy_engine *e) {
     const int32_t prompts[3][5] = {{1, 2, 3, 4, 5}, {9, 8, 7, 0, 0}, {50, 60, 70, 80, 90}};
     const int64_t lengths[3] = {5, 3, 5};
-    int64_t produced[3] = {0, 0, 0};
     for (int r = 0; r < 3; r++) {
         gy_engine_params p = {.sampler = {.temperature = r == 2 ? 0.9 : 0.0, .top_p = 1.0, .seed = 5},
                               .max_new_tokens = 12};
         CHECK_OK(gy_engine_add(e, r, prompts[r], lengths[r], &p, 0.0));
     }
+}
+
+/* Collects the step's tokens into out[3][12] (produced[] counts them). */
+static void collect(const gy_engine_step_out *o, int32_t out[3][12], int64_t produced[3]) {
+    for (int64_t i = 0; i < o->n_tokens; i++) {
+        const int64_t id = o->token_ids[i];
+        if (produced[id] < 12) out[id][produced[id]++] = o->tokens[i];
+    }
+}
+
+/* Serves the three requests to completion; writes each one's 12 tokens into out[3][12]. */
+static void serve(gy_engine *e, int32_t out[3][12]) {
+    int64_t produced[3] = {0, 0, 0};
+    add_requests(e);
     for (int step = 0; step < 100; step++) {
         gy_engine_step_out o;
         CHECK_OK(gy_engine_step(e, (double)step, &o));
-        for (int64_t i = 0; i < o.n_tokens; i++) {
-            const int64_t id = o.token_ids[i];
-            if (produced[id] < 12) out[id][produced[id]++] = o.tokens[i];
-        }
+        collect(&o, out, produced);
         for (int64_t i = 0; i < o.n_finished; i++) CHECK_OK(gy_engine_release(e, o.finished[i]));
     }
     CHECK(produced[0] == 12 && produced[1] == 12 && produced[2] == 12);
@@ -576,14 +586,6 @@ GYTEST(engine_refuses_plans_that_do_not_cover_the_model) {
 
 /* ---- moving requests between engines ---- */
 
-/* Collects the step's tokens into out[3][12] (produced[] counts them). */
-static void collect(const gy_engine_step_out *o, int32_t out[3][12], int64_t produced[3]) {
-    for (int64_t i = 0; i < o->n_tokens; i++) {
-        const int64_t id = o->token_ids[i];
-        if (produced[id] < 12) out[id][produced[id]++] = o->tokens[i];
-    }
-}
-
 GYTEST(engine_take_moves_requests_that_continue_bit_identically) {
     owned o = {0};
     gy_model model;
@@ -599,13 +601,7 @@ GYTEST(engine_take_moves_requests_that_continue_bit_identically) {
     gy_engine *a, *b;
     CHECK_OK(gy_engine_init(&a, &one, 1, NULL, &cfg));
     CHECK_OK(gy_engine_init(&b, &one, 1, NULL, &cfg)); /* a new instance over the same worker */
-    const int32_t prompts[3][5] = {{1, 2, 3, 4, 5}, {9, 8, 7, 0, 0}, {50, 60, 70, 80, 90}};
-    const int64_t lengths[3] = {5, 3, 5};
-    for (int r = 0; r < 3; r++) {
-        gy_engine_params p = {.sampler = {.temperature = r == 2 ? 0.9 : 0.0, .top_p = 1.0, .seed = 5},
-                              .max_new_tokens = 12};
-        CHECK_OK(gy_engine_add(a, r, prompts[r], lengths[r], &p, 0.0));
-    }
+    add_requests(a);
     int64_t produced[3] = {0, 0, 0};
     int step = 0;
     for (; step < 3; step++) {
