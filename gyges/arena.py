@@ -129,6 +129,12 @@ class Arena:
         self._c.copy(_index(dst_offset, "dst_offset"), _index(src_offset, "src_offset"),
                      _index(nbytes, "nbytes"))
 
+    def copy_runs(self, src, dst_offsets, src_offsets, sizes):
+        """Copies runs of bytes from arena `src` into this one: run i is sizes[i] bytes from
+        src_offsets[i] there to dst_offsets[i] here (host memory; both arenas' pages mapped)."""
+        as_u64 = lambda a: np.ascontiguousarray(a, dtype=np.uint64)
+        self._c.copy_runs(src._c, as_u64(dst_offsets), as_u64(src_offsets), as_u64(sizes))
+
     def write(self, offset, data):
         """Copies the bytes of `data` (a C-contiguous array or buffer) into the arena at `offset`;
         every slot touched must be mapped. Works on every backend (for cuda: host to device)."""

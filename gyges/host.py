@@ -34,7 +34,7 @@ from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
 from .fairlock import FairLock
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
-                        scale_down, scale_up, views_in)
+                        kv_move, scale_down, scale_up, views_in)
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp
 
@@ -150,6 +150,57 @@ class Instance:
         self._c = None
         self.loop._c = None
 
+    # ---- what transformations ask of an instance ----
+    def request_ids(self):
+        """The unfinished requests, in the order they came."""
+        return self._c.request_ids()
+
+    def request_seqs(self, rid):
+        """The request's KV sequence in each rank's cache (-1: none)."""
+        return self._c.export(rid)["seqs"]
+
+    def take(self, src, rid, seqs):
+        """Moves request `rid` here from instance `src` with its progress and sampling state
+        (gy_engine_take); seqs: its KV sequence in each of this instance's ranks' caches."""
+        self._c.take(src._c, rid, list(seqs))
+        self.loop.requests[rid] = src.loop.requests.pop(rid)
+
+    def detach_kv(self):
+        """Forgets the requests' KV sequences without freeing them: a transformation has
+        planned where they go."""
+        self._c.detach_kv()
+
+    # A layer-staggered transformation runs a second stage over the same workers (per rank
+    # another C model and KV cache, and its own TP groups) beside this instance's, split at a
+    # boundary layer that moves down step by step (engine/stage.h).
+    def begin_transition(self, models, kvs, groups, groups_above=False):
+        """groups: [(engine ranks, Comm or None)]; they run layers [0, boundary) (scale-up: the
+        old groups), or with groups_above layers [boundary, L) (scale-down: the new groups)."""
+        self._c.transition_begin(models, [kv._c for kv in kvs], groups, groups_above)
+
+    def transition_adopt(self, rid, group, seqs):
+        self._c.transition_adopt(rid, group, list(seqs))
+
+    def transition_table(self):
+        return self._c.transition_table()
+
+    def transition_seq(self, rid, rank):
+        return self._c.transition_seq(rid, rank)
+
+    @property
+    def boundary(self):
+        return self._c.transition_boundary()
+
+    def set_boundary(self, layer):
+        self._c.transition_set_boundary(layer)
+
+    def end_transition(self):
+        self._c.transition_end()
+
+    def detach_transition(self):
+        """Forgets the second geometry's sequences without freeing them."""
+        self._c.transition_detach()
+
     def capacity_blocks(self):
         return self._c.stats()["capacity_blocks"]
 
@@ -243,6 +294,8 @@ class Host(Serving):
             # (Flying Serving's pool).
             self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
         self.clock = Clock()
+        # How transformations move KV bytes: host memory, or device copies (gyges.transform.kv_move)
+        self.kv_move = kv_move.for_backend(backend)
         # What a worker is made of: how the host makes one again when its group is rebuilt.
         self._worker_args = dict(memory=memory_per_worker, page_size=page_size,
                                  block_size=block_size, kv_layout=kv_layout,
@@ -346,6 +399,23 @@ class Host(Serving):
 
     def make_instance(self, workers, tp):
         return Instance(self, workers, tp)
+
+    # ---- what transformations change: instances come and go through these ----
+    def install(self, instance):
+        """Starts serving an instance (kept in order of first worker)."""
+        self.instances.append(instance)
+        self.instances.sort(key=lambda inst: min(inst.workers))
+
+    def retire(self, instance):
+        """Stops an instance; its requests must have moved elsewhere (or its KV been detached)."""
+        if instance in self.instances:
+            self.instances.remove(instance)
+        instance.close()
+
+    def begin_change(self):
+        """Marks the point past which a failing transformation rebuilds its group
+        (gyges.recovery) instead of being refused: before it, it has only looked."""
+        self._changing = True
 
     # ---- transformation ----
     def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers",

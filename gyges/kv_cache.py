@@ -182,6 +182,13 @@ class KVCache:
         return self._c.layer_offset(_index(layer, "layer"))
 
     # ---- sequences ----
+    def mover_item(self, seq, head0, n_heads, dst, dst_seq, dst_head0=0):
+        """One item for a C KVMover (csrc/kv/kv_mover.h): heads [head0, head0 + n_heads) of
+        every token of `seq` here, into heads [dst_head0, ...) of dst_seq in cache `dst`.
+        Returns (item, tokens)."""
+        n_tokens = self.n_tokens(seq)
+        return (self._c, seq, head0, n_heads, n_tokens, dst._c, dst_seq, dst_head0), n_tokens
+
     def adopt(self, blocks, n_tokens):
         """A new sequence owning exactly these (free) blocks; returns its id."""
         return self._c.seq_adopt(np.ascontiguousarray(blocks, dtype=np.int32), _index(n_tokens, "n_tokens"))

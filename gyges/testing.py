@@ -294,9 +294,10 @@ def sweep_transformation(model, kind, site, most=None, memory="48MiB"):
     return out
 
 
-def sweep_step(model, site, most=None, memory="48MiB"):
-    """Fails the n-th `site` event of a step of a TP2+2xTP1 host that also grows its KV (long
-    prompts arrive), for every n (or `most`). A failed step raises, and the instance it failed in
+def sweep_step(model, site, most=None, memory="48MiB", layout="TP2+2xTP1"):
+    """Fails the n-th `site` event of a step of a host of three instances (TP2+2xTP1, or a
+    pipeline beside two TP1: PP[3,1]+2xTP1) that also grows its KV (long prompts arrive), for
+    every n (or `most`). A failed step raises, and the instance it failed in
     is as before (the others' steps stand). Returns events, runs, failed, and what must stay 0:
     changed (a failed instance that changed), lost, mismatches, leaked_pages."""
     from .errors import Error
@@ -309,7 +310,7 @@ def sweep_step(model, site, most=None, memory="48MiB"):
     def setup():
         from .engine import SamplingParams
 
-        host, reqs = load.host("TP2+2xTP1", steps=1)
+        host, reqs = load.host(layout, steps=1)
         for i, p in enumerate(long):
             host.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), instance=i % 3)
         return host, reqs

@@ -203,6 +203,15 @@ class Worker:
                              indices, rows, logits)
         return logits
 
+    def install(self, kv=None, c_model=None, tp=None):
+        """Takes a transformation's result: a new KV cache, C model and/or (tp_size, tp_rank)."""
+        if kv is not None:
+            self.kv = kv
+        if c_model is not None:
+            self.c_model = c_model
+        if tp is not None:
+            self.tp_size, self.tp_rank = tp
+
     def set_tp(self, tp_size, tp_rank):
         """Records a new TP position after a transformation changed the weights and KV it holds;
         the C model is rebuilt over the shards now held."""

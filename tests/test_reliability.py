@@ -427,10 +427,14 @@ def test_a_fault_anywhere_in_a_transformation_loses_nothing(tiny, kind, site):
            (0, 0, 0, 0, 0), r
 
 
-@pytest.mark.parametrize("site", ["alloc", "page_create", "page_map", "comm"])
-def test_a_fault_anywhere_in_a_host_step_changes_nothing(tiny, site):
-    """A TP2 instance and two TP1 ones; the step also grows their KV (long prompts arrive)."""
-    r = testing.sweep_step(tiny, site, most=16, memory=MEMORY)
+@pytest.mark.parametrize("layout,site", [("TP2+2xTP1", "alloc"), ("TP2+2xTP1", "page_create"),
+                                         ("TP2+2xTP1", "page_map"), ("TP2+2xTP1", "comm"),
+                                         ("PP[3,1]+2xTP1", "alloc"), ("PP[3,1]+2xTP1", "page_create"),
+                                         ("PP[3,1]+2xTP1", "page_map")])
+def test_a_fault_anywhere_in_a_host_step_changes_nothing(tiny, layout, site):
+    """A TP2 instance (or a two-stage pipeline) and two TP1 ones; the step also grows their KV
+    (long prompts arrive)."""
+    r = testing.sweep_step(tiny, site, most=16, memory=MEMORY, layout=layout)
     assert r["events"] > 0 and r["failed"] > 0
     assert (r["changed"], r["lost"], r["mismatches"], r["leaked_pages"]) == (0, 0, 0, 0), r
 

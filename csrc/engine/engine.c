@@ -1116,8 +1116,7 @@ static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
     const int32_t n = gy_engine_adapters(src, adapters);
     for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_forget(adapters[i], id);
     for (int32_t s = 0; s < src->n_stages; s++) gy_stage_unhome(&src->stages[s], id);
-    if (gy_sched_abort(src->sched, id) == GY_OK && gy_sched_forget(src->sched, id) != GY_OK)
-        gy_error_clear();
+    if (gy_sched_release(src->sched, id) != GY_OK) gy_error_clear(); /* checked by the caller */
     gy_engine_request *r = gy_engine_find(src, id);
     gy_idmap_remove(&src->requests, id);
     gy_engine_request_free(r);

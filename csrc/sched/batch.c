@@ -633,6 +633,25 @@ gy_status gy_sched_abort(gy_sched *s, int64_t id) {
     return GY_OK;
 }
 
+gy_status gy_sched_release(gy_sched *s, int64_t id) {
+    if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_release: NULL scheduler");
+    int64_t slot;
+    GY_TRY(gy_sched_lookup(s, id, &slot));
+    gy_sched_req *r = &s->reqs[slot];
+    if (r->state == GY_SCHED_STATE_FINISHED)
+        return GY_FAIL(GY_ERR_STATE, "request %lld has already finished (%s); there is nothing to "
+                                     "let go", (long long)id, gy_sched_finish_name(r->finish));
+    s->undoable = 0;
+    if (r->state == GY_SCHED_STATE_RUNNING) gy_sched_remove_running(s, slot);
+    else gy_sched_queue_unlink(s, gy_sched_queue_of(s, r), slot);
+    s->counts[r->state]--;
+    r->state = GY_SCHED_STATE_FINISHED; /* a free slot's state, as forget leaves it */
+    r->entry = -1;
+    gy_idmap_remove(&s->by_id, id);
+    s->free_slots[s->n_free_slots++] = slot;
+    return GY_OK;
+}
+
 gy_status gy_sched_cancel(gy_sched *s) {
     if (s == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sched_cancel: NULL scheduler");
     if (!s->in_flight) return GY_FAIL(GY_ERR_STATE, "no step is under way to cancel");

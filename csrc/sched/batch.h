@@ -200,6 +200,11 @@ gy_status gy_sched_abort(gy_sched *s, int64_t id);
  * caller has already placed behind this scheduler's KV ops; WAITING and PREEMPTED ones arrive
  * queued. Refused (nothing changed) when the state is inconsistent or the running set is full. */
 gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *request, const gy_sched_info *info);
+/* Lets go of a queued or running request that another scheduler has adopted: it leaves its
+ * queue or the running set and its record goes, with no finish reason and nothing counted (it
+ * did not end, it moved). Its KV belongs to the adopter now, so the ops' release is not called.
+ * An entry of it in the step under way is then ignored by commit, as after an abort. */
+gy_status gy_sched_release(gy_sched *s, int64_t id);
 /* Drops a finished request's record so its memory and id can be reused. */
 gy_status gy_sched_forget(gy_sched *s, int64_t id);
 

@@ -624,6 +624,9 @@ GYTEST(engine_take_moves_requests_that_continue_bit_identically) {
     }
     gy_error_clear();
     CHECK(states[0] == GY_SCHED_STATE_RUNNING && states[2] == GY_SCHED_STATE_WAITING);
+    gy_sched_stats sa;
+    gy_engine_stats(a, &sa);
+    CHECK(sa.n_finished == 0 && sa.n_running == 0 && sa.n_waiting == 0); /* moved, not aborted */
     gy_engine_free(a); /* it let go of their KV: nothing of b's is freed */
     for (; step < 100; step++) {
         gy_engine_step_out out;

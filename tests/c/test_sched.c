@@ -302,6 +302,35 @@ GYTEST(sched_abort_everywhere) {
     done(&f);
 }
 
+/* Letting go of a request another scheduler adopted: it leaves without finishing (nothing
+ * counted), its blocks stay with their holder (the adopter's now), its entry in the step under
+ * way is ignored, and its id is free again. */
+GYTEST(sched_release_lets_go_without_finishing) {
+    fixture f = make(20, 2, 4, 4, 0);
+    add(&f, 1, 2, 5);
+    add(&f, 2, 2, 5);
+    add(&f, 3, 2, 5);
+    gy_sched_batch b = step(&f, 0);
+    CHECK(b.n_entries == 2); /* 1 and 2 fill the budget; 3 waits */
+    const int64_t held = gy_sched_block_counter_held(f.bc, 1);
+    CHECK(held == 1);
+    CHECK_OK(gy_sched_release(f.s, 1)); /* in the step under way */
+    CHECK_OK(gy_sched_release(f.s, 3)); /* waiting */
+    CHECK(gy_sched_block_counter_held(f.bc, 1) == held);
+    CHECK_STATUS(gy_sched_release(f.s, 1), GY_ERR_INVALID); /* no such request any more */
+    gy_error_clear();
+    gy_sched_done d = commit_none(&f, &b, 1);
+    CHECK(d.n_finished == 0);
+    gy_sched_stats st;
+    gy_sched_stats_get(f.s, &st);
+    CHECK(st.n_running == 1 && st.n_waiting == 0 && st.n_finished == 0);
+    add(&f, 3, 2, 1); /* the id is free */
+    CHECK(info(&f, 3).state == GY_SCHED_STATE_WAITING);
+    gy_sched_kv_ops ops = gy_sched_block_counter_ops(f.bc);
+    ops.release(ops.ctx, 1); /* what the adopter would do */
+    done(&f);
+}
+
 GYTEST(sched_arrival_priority_and_watermark) {
     gy_sched_block_counter *bc;
     CHECK_OK(gy_sched_block_counter_init(&bc, 10, 1));
