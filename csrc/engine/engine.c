@@ -354,11 +354,6 @@ static gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_s
     if (next != m0->n_layers)
         return GY_FAIL(GY_ERR_INVALID, "the stages end at layer %lld of %lld", (long long)next,
                        (long long)m0->n_layers);
-    if (n_stages > 1 && m0->backend != GY_MODEL_BACKEND_CPU)
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "a plan of several stages runs on the CPU backend only for now: the hidden "
-                       "states between stages go through host memory (CUDA needs the stages' "
-                       "send/recv on the device)");
     return GY_OK;
 }
 

@@ -105,6 +105,20 @@ gy_status gy_forward_end(float *logits, const gy_model *m, const gy_forward_batc
     return be->end(logits, m, b, ws, pool);
 }
 
+gy_status gy_forward_x_in(const gy_model *m, gy_forward_ws *ws, const void *host, size_t row_bytes,
+                          const int32_t *map, int64_t n) {
+    const gy_forward_backend *be = gy_forward_backend_of(m);
+    if (be->x_in == NULL) return gy_forward_unavailable(be);
+    return be->x_in(m, ws, host, row_bytes, map, n);
+}
+
+gy_status gy_forward_x_out(const gy_model *m, gy_forward_ws *ws, void *host, size_t row_bytes,
+                           const int32_t *map, int64_t n) {
+    const gy_forward_backend *be = gy_forward_backend_of(m);
+    if (be->x_out == NULL) return gy_forward_unavailable(be);
+    return be->x_out(m, ws, host, row_bytes, map, n);
+}
+
 gy_status gy_forward(float *logits, const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                      const gy_forward_batch *b, gy_forward_ws *ws, gy_threadpool *pool) {
     GY_TRY(gy_forward_begin(m, tp, kv, b, ws, 1));

@@ -52,6 +52,16 @@ typedef struct gy_forward_batch {
 struct gy_forward_cuda_ws;
 
 /* Scratch buffers, grown on demand and reused from step to step (a zeroed struct is empty). */
+/* A rank's scratch for one step of n <= capacity_tokens tokens, grown on demand. The CPU
+ * backend's buffers, fp32, row-major, with this rank's local sizes (qd = n_heads * head_dim,
+ * kvd = n_kv_heads * head_dim; a TP rank uses its share of each row):
+ *   x, h, o   (n, hidden)        the residual stream, the normed input, the output of a block
+ *   q, attn   (n, qd)            queries, attention output
+ *   k, v      (n, kvd)           this step's keys and values
+ *   g, u      (n, shard_rows)    gate and up of one FFN shard
+ *   parts     (n, max_tp*hidden) partial sums before the fixed-order reduction
+ *   sel       (n, hidden)        the rows whose logits are asked for
+ * A CUDA model keeps its own device buffers in `cuda` (forward_cuda.c lists them). */
 typedef struct gy_forward_ws {
     int64_t capacity_tokens;
     float *x, *h, *q, *k, *v, *attn, *o, *g, *u, *parts, *sel;
@@ -81,6 +91,14 @@ gy_status gy_forward_layers(const gy_model *model, const gy_tp_group *tp, gy_kv_
                             int64_t first_layer, int64_t end_layer);
 gy_status gy_forward_end(float *logits, const gy_model *model, const gy_forward_batch *batch,
                          gy_forward_ws *ws, gy_threadpool *pool);
+
+/* A pipeline stage's hidden states through host memory (forward_backend.h says how): after
+ * gy_forward_begin without embedding, x_in fills the workspace's x; after gy_forward_layers,
+ * x_out reads it back. Rows of row_bytes; row i is host row map[i] (i when map is NULL). */
+gy_status gy_forward_x_in(const gy_model *model, gy_forward_ws *ws, const void *host,
+                          size_t row_bytes, const int32_t *map, int64_t n);
+gy_status gy_forward_x_out(const gy_model *model, gy_forward_ws *ws, void *host, size_t row_bytes,
+                           const int32_t *map, int64_t n);
 
 /* All three: logits [n_logits, vocab] (may be NULL when n_logits is 0, e.g. on ranks > 0). */
 gy_status gy_forward(float *logits, const gy_model *model, const gy_tp_group *tp, gy_kv_cache *kv,

@@ -25,6 +25,15 @@ typedef struct gy_forward_backend {
     /* logits: host memory [n_logits, vocab], not NULL when n_logits > 0. */
     gy_status (*end)(float *logits, const gy_model *model, const gy_forward_batch *batch,
                      gy_forward_ws *ws, gy_threadpool *pool);
+    /* The hidden states a pipeline stage hands to the next, through host memory: `host` holds
+     * rows of row_bytes (>= hidden * the activation size; the activations' own bytes, so no
+     * rounding happens on the way). x_in fills ws's x [n, hidden] with host row map[i] (row i
+     * when map is NULL) before the layers; x_out writes ws's x back the same way after them,
+     * and returns once the bytes are in host memory. */
+    gy_status (*x_in)(const gy_model *model, gy_forward_ws *ws, const void *host, size_t row_bytes,
+                      const int32_t *map, int64_t n);
+    gy_status (*x_out)(const gy_model *model, gy_forward_ws *ws, void *host, size_t row_bytes,
+                       const int32_t *map, int64_t n);
     /* Frees the backend's part of a workspace (a workspace may hold both). */
     void (*ws_free)(gy_forward_ws *ws);
     const char *(*unavailable)(void);

@@ -129,10 +129,35 @@ static gy_status gy_forward_cpu_end(float *logits, const gy_model *m, const gy_f
                          m->vocab, 1, pool);
 }
 
+/* x is fp32 in host memory: the hand-off is a copy of each row. */
+static gy_status gy_forward_cpu_x_in(const gy_model *m, gy_forward_ws *ws, const void *host,
+                                     size_t row_bytes, const int32_t *map, int64_t n) {
+    const size_t bytes = (size_t)m->hidden * sizeof(float);
+    if (n > ws->capacity_tokens || row_bytes < bytes)
+        return GY_FAIL(GY_ERR_INVALID, "x_in: %lld rows of %zu bytes into a workspace of %lld "
+                       "rows of %zu", (long long)n, row_bytes, (long long)ws->capacity_tokens, bytes);
+    for (int64_t i = 0; i < n; i++)
+        memcpy(ws->x + i * m->hidden, (const char *)host + (map ? map[i] : i) * row_bytes, bytes);
+    return GY_OK;
+}
+
+static gy_status gy_forward_cpu_x_out(const gy_model *m, gy_forward_ws *ws, void *host,
+                                      size_t row_bytes, const int32_t *map, int64_t n) {
+    const size_t bytes = (size_t)m->hidden * sizeof(float);
+    if (n > ws->capacity_tokens || row_bytes < bytes)
+        return GY_FAIL(GY_ERR_INVALID, "x_out: %lld rows of %zu bytes from a workspace of %lld "
+                       "rows of %zu", (long long)n, row_bytes, (long long)ws->capacity_tokens, bytes);
+    for (int64_t i = 0; i < n; i++)
+        memcpy((char *)host + (map ? map[i] : i) * row_bytes, ws->x + i * m->hidden, bytes);
+    return GY_OK;
+}
+
 const gy_forward_backend gy_forward_cpu_backend = {
     .name = "cpu",
     .begin = gy_forward_cpu_begin,
     .layers = gy_forward_cpu_layers,
     .end = gy_forward_cpu_end,
+    .x_in = gy_forward_cpu_x_in,
+    .x_out = gy_forward_cpu_x_out,
     .ws_free = gy_forward_cpu_ws_free,
 };

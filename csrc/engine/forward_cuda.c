@@ -26,7 +26,9 @@
 #include <string.h>
 
 #include "../kernels/gemm.h"
-#include "../kernels/kernels.h"
+#include "../kernels/attention.h"
+#include "../kernels/kv_ops.h"
+#include "../kernels/model_ops.h"
 
 /* ---- runtime errors ---- */
 
@@ -423,6 +425,46 @@ static gy_status gy_forward_cuda_end(float *logits, const gy_model *m, const gy_
     return GY_OK;
 }
 
+/* x is in the activation dtype on the device: the hand-off copies its bytes, one copy when the
+ * rows are contiguous and in order on both sides, a copy per row otherwise. */
+static gy_status gy_forward_cuda_x_copy(const gy_model *m, gy_forward_ws *ws, void *host,
+                                        size_t row_bytes, const int32_t *map, int64_t n, int in) {
+    struct gy_forward_cuda_ws *c = ws->cuda;
+    const size_t bytes = (size_t)(m->hidden * gy_dtype_size(m->weight_dtype));
+    if (c == NULL || n > c->n_tokens || row_bytes < bytes)
+        return GY_FAIL(GY_ERR_INVALID, "x_%s: %lld rows of %zu bytes for a step of %lld tokens "
+                       "(rows of %zu)", in ? "in" : "out", (long long)n, row_bytes,
+                       (long long)(c ? c->n_tokens : 0), bytes);
+    GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    const enum cudaMemcpyKind kind = in ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+    if (map == NULL && row_bytes == bytes) {
+        void *dst = in ? c->x.ptr : host;
+        const void *src = in ? (const void *)host : c->x.ptr;
+        GY_FWD_CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * bytes, kind, c->stream));
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            char *h = (char *)host + (map ? map[i] : i) * row_bytes;
+            char *d = (char *)c->x.ptr + i * bytes;
+            GY_FWD_CUDA_CHECK(cudaMemcpyAsync(in ? (void *)d : (void *)h, in ? (const void *)h : d,
+                                              bytes, kind, c->stream));
+        }
+    }
+    /* The host buffer is the next stage's input (out) or may be rewritten by this step's other
+     * groups once we return (in): the copies must be over. */
+    GY_FWD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    return GY_OK;
+}
+
+static gy_status gy_forward_cuda_x_in(const gy_model *m, gy_forward_ws *ws, const void *host,
+                                      size_t row_bytes, const int32_t *map, int64_t n) {
+    return gy_forward_cuda_x_copy(m, ws, (void *)host, row_bytes, map, n, 1);
+}
+
+static gy_status gy_forward_cuda_x_out(const gy_model *m, gy_forward_ws *ws, void *host,
+                                       size_t row_bytes, const int32_t *map, int64_t n) {
+    return gy_forward_cuda_x_copy(m, ws, host, row_bytes, map, n, 0);
+}
+
 static void gy_forward_cuda_ws_release(gy_forward_ws *ws) {
     gy_forward_cuda_ws_free(ws->cuda);
     ws->cuda = NULL;
@@ -433,6 +475,8 @@ const gy_forward_backend gy_forward_cuda_backend = {
     .begin = gy_forward_cuda_begin,
     .layers = gy_forward_cuda_layers,
     .end = gy_forward_cuda_end,
+    .x_in = gy_forward_cuda_x_in,
+    .x_out = gy_forward_cuda_x_out,
     .ws_free = gy_forward_cuda_ws_release,
     .unavailable = gy_forward_cuda_unavailable,
 };

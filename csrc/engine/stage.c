@@ -274,24 +274,15 @@ gy_status gy_stage_run_rank(gy_stage *st, int32_t k, const gy_step_rows *rows, i
                             .all_reduce = grp->size > 1 ? gy_comm_rank_all_reduce : NULL,
                             .ctx = &rk->comm_rank,
                             .device_buffers = model->backend == GY_MODEL_BACKEND_CUDA};
-    const size_t row_bytes = (size_t)hidden * sizeof(float);
+    const size_t row_bytes = (size_t)hidden * sizeof(float); /* rows->x: fp32-sized rows */
+    const int32_t *map = whole ? NULL : grp->rows; /* this group's rows of the step */
     GY_TRY(gy_forward_begin(model, &tp, rk->r.kv, &rk->batch, &rk->ws, st->first == 0));
-    if (st->first > 0) { /* the previous stage's hidden states of this group's rows */
-        if (whole) memcpy(rk->ws.x, rows->x, (size_t)n_tokens * row_bytes);
-        else
-            for (int64_t t = 0; t < n_tokens; t++)
-                memcpy(rk->ws.x + t * hidden, rows->x + (int64_t)grp->rows[t] * hidden, row_bytes);
-    }
+    if (st->first > 0) /* the previous stage's hidden states of this group's rows */
+        GY_TRY(gy_forward_x_in(model, &rk->ws, rows->x, row_bytes, map, n_tokens));
     GY_TRY(gy_forward_layers(model, &tp, rk->r.kv, &rk->batch, &rk->ws, rk->r.pool, st->first,
                              st->end));
     if (rk->comm_rank.rank != 0) return GY_OK; /* the group's rank 0 speaks for it */
-    if (!last) {
-        if (whole) memcpy(rows->x, rk->ws.x, (size_t)n_tokens * row_bytes);
-        else
-            for (int64_t t = 0; t < n_tokens; t++)
-                memcpy(rows->x + (int64_t)grp->rows[t] * hidden, rk->ws.x + t * hidden, row_bytes);
-        return GY_OK;
-    }
+    if (!last) return gy_forward_x_out(model, &rk->ws, rows->x, row_bytes, map, n_tokens);
     if (rk->batch.n_logits == 0) return GY_OK;
     if (whole) return gy_forward_end(rows->logits, model, &rk->batch, &rk->ws, rk->r.pool);
     GY_TRY(gy_forward_end(grp->logits, model, &rk->batch, &rk->ws, rk->r.pool));

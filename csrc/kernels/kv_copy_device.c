@@ -5,7 +5,7 @@
 
 #ifdef GY_WITH_CUDA
 
-#include "kernels.h"
+#include "kv_ops.h"
 
 /* The device copy: the block lists go up once, then one launch per layer on the legacy default
  * stream (the workers' streams are non-blocking and idle between steps, when transformations

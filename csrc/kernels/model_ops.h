@@ -1,0 +1,51 @@
+/* model_ops.h: the elementwise and row kernels of a Llama layer (rmsnorm.cu, rope.cu, silu_mul.cu,
+ * residual_add.cu, embedding.cu).
+ * The conventions of every kernel header are in kernels.h. Only declared when gyges is built with
+ * CUDA (GY_WITH_CUDA). */
+#ifndef GY_KERNELS_MODEL_OPS_H
+#define GY_KERNELS_MODEL_OPS_H
+
+#include "../cpu/dtype.h"
+#include "device.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- model kernels (Llama, HF conventions) ---- */
+
+/* rmsnorm.cu: out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), HF LlamaRMSNorm: the normalised row
+ * is rounded to the activation dtype before the weight multiplies it.
+ *   out, x: (rows, dim) act_dtype (out may be x)   w: (dim) w_dtype */
+gy_status gy_cuda_rmsnorm(void *out, const void *x, const void *w, int64_t rows, int64_t dim,
+                          float eps, gy_dtype act_dtype, gy_dtype w_dtype, gy_cuda_stream stream);
+
+/* rope.cu: rotary embedding in place, HF rotate_half convention (the two halves of a head are
+ * the pairs): for i < half = head_dim/2, angle = position * theta^(-2i/head_dim),
+ *   x[i] <- x[i] cos - x[i + half] sin,   x[i + half] <- x[i + half] cos + x[i] sin
+ *   q: (n_tokens, n_q_heads, head_dim)  k: (n_tokens, n_kv_heads, head_dim), dtype; k may be NULL
+ *   positions: (n_tokens) int32; head_dim even */
+gy_status gy_cuda_rope(void *q, void *k, const int32_t *positions, int64_t n_tokens,
+                       int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float theta,
+                       gy_dtype dtype, gy_cuda_stream stream);
+
+/* silu_mul.cu: out[r, j] = silu(x[r, j]) * x[r, dim + j], the fused gate_up convention.
+ *   out: (rows, dim)  x: (rows, 2 * dim), both dtype */
+gy_status gy_cuda_silu_mul(void *out, const void *x, int64_t rows, int64_t dim, gy_dtype dtype,
+                           gy_cuda_stream stream);
+
+/* residual_add.cu: out[i] = a[i] + b[i]; out may be a or b.  out, a, b: (n) dtype */
+gy_status gy_cuda_residual_add(void *out, const void *a, const void *b, int64_t n, gy_dtype dtype,
+                               gy_cuda_stream stream);
+
+/* embedding.cu: out[t] = table[ids[t]], widened or rounded to out_dtype; ids outside [0, vocab)
+ * give a row of zeros.
+ *   out: (n_tokens, dim) out_dtype  table: (vocab, dim) table_dtype  ids: (n_tokens) int32 */
+gy_status gy_cuda_embedding(void *out, const void *table, const int32_t *ids, int64_t n_tokens,
+                            int64_t vocab, int64_t dim, gy_dtype out_dtype, gy_dtype table_dtype,
+                            gy_cuda_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
