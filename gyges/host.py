@@ -150,6 +150,19 @@ class Instance:
         self._c = None
         self.loop._c = None
 
+    @property
+    def closed(self):
+        return self._c is None
+
+    def readmit(self, handle, tokens, stop_tokens, info):
+        """Takes a request back from its handle alone, with no KV (gyges.recovery): tokens are
+        its prompt and output so far, info the scheduler state it arrives in (queued)."""
+        params = handle.params
+        self._c.adopt(handle.id, tokens, len(handle.prompt), params.max_tokens,
+                      float(params.temperature), params.top_k, float(params.top_p), params.seed,
+                      stop_tokens, info, [-1] * self.tp)
+        self.loop.requests[handle.id] = handle
+
     # ---- what transformations ask of an instance ----
     def request_ids(self):
         """The unfinished requests, in the order they came."""

@@ -57,10 +57,7 @@ def _adopt_for_recompute(instance, handle, config):
     first_token = handle.metrics.token_times[0] if handle.metrics.token_times else math.nan
     info = (STATE_PREEMPTED if ran else STATE_WAITING, generated, 0, 0, 1 if ran else 0,
             handle.metrics.arrival, handle.metrics.scheduled, first_token)
-    instance._c.adopt(handle.id, tokens, len(handle.prompt), params.max_tokens,
-                      float(params.temperature), params.top_k, float(params.top_p), params.seed,
-                      np.array(sorted(stops), dtype=np.int32), info, [-1] * instance.tp)
-    instance.loop.requests[handle.id] = handle
+    instance.readmit(handle, tokens, np.array(sorted(stops), dtype=np.int32), info)
 
 
 def _close_group(host, group, extra_instances):
@@ -71,10 +68,9 @@ def _close_group(host, group, extra_instances):
     for inst in doomed:
         host.instances.remove(inst)
     for inst in doomed + list(extra_instances):
-        c = inst._c
-        if c is not None:
-            c.detach_kv()
-            c.transition_detach()
+        if not inst.closed:
+            inst.detach_kv()
+            inst.detach_transition()
         inst.close()
 
 
