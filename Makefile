@@ -33,27 +33,11 @@ tsan: build/ctest_tsan
 build/ctest_tsan: $(CORE_SOURCES) $(wildcard tests/c/*.c tests/c/*.h csrc/*/*.h)
 	mkdir -p build && cc $(TSAN_FLAGS) $(CORE_SOURCES) tests/c/*.c -o $@ -lm -ldl -lpthread
 
-# The CUDA forward pass and the d2d communicator, unchanged, on an emulated device (host memory,
-# naive kernels and GEMM, synchronous streams) against the CPU pass: how their plumbing is checked
-# on machines without a GPU (tests/cuda_emu/harness.c).
-EMU_CC := cc $(SAN_FLAGS) -Itests/cuda_emu -DGY_WITH_CUDA=1
-EMU_AS_CUDA := -Dgy_arena_backend=emu_arena_backend -Dgy_arena_device=emu_arena_device
-EMU_BUILT := csrc/engine/forward_cuda.c csrc/comm/comm_d2d.c csrc/comm/comm_stream.c \
-             csrc/kernels/kv_copy_device.c
-
-# Then the whole extension built with CUDA on that device and a pretend driver
-# (tests/cuda_emu/build_ext.py), under the Python tests that otherwise need a GPU. The GEMM
-# refusal test checks gemm.cu's own messages, which the emulated GEMM does not have.
-EMU_EXT := build/cuda_emu_ext
-EMU_ENV := GYGES_CUDA_EMULATED=1 GYGES_NCCL_LIBRARY=/nonexistent LD_LIBRARY_PATH=$(EMU_EXT)/lib PYTHONPATH=$(EMU_EXT)
-
-cudaemu: build/cuda_emu .venv/.installed
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 build/cuda_emu
-	$(PYTHON) tests/cuda_emu/build_ext.py $(EMU_EXT)
-	$(EMU_ENV) .venv/bin/pytest -q -p no:cacheprovider tests/test_cuda_host.py tests/test_cuda_engine.py --deselect tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device
-
-build/cuda_emu: $(CORE_SOURCES) $(wildcard tests/cuda_emu/*) $(wildcard csrc/*/*.h)
-	mkdir -p build/emu && $(EMU_CC) -DGY_WITH_CUDA_FORWARD=1 $(EMU_AS_CUDA) -c csrc/engine/forward_cuda.c -o build/emu/forward_cuda.o && $(EMU_CC) $(EMU_AS_CUDA) -Dgy_kv_copy_heads=emu_device_kv_copy_heads -c csrc/kv/kv_copy.c -o build/emu/kv_copy_device.o && $(EMU_CC) $(EMU_AS_CUDA) -c csrc/kernels/kv_copy_device.c -o build/emu/kv_copy_heads_device.o && $(EMU_CC) -c csrc/comm/comm_d2d.c -o build/emu/comm_d2d.o && $(EMU_CC) -c csrc/comm/comm_stream.c -o build/emu/comm_stream.o && $(EMU_CC) -c tests/cuda_emu/emu.c -o build/emu/emu.o && $(EMU_CC) -c tests/cuda_emu/emu_device.c -o build/emu/emu_device.o && cc $(SAN_FLAGS) $(filter-out $(EMU_BUILT),$(CORE_SOURCES)) tests/cuda_emu/harness.c build/emu/*.o -o $@ -lm -ldl -lpthread
+# The CUDA backend, unchanged, on an emulated device (host memory, host threads as streams, the
+# real kernels on host fibers, a pretend driver): how its plumbing and kernels are checked on
+# machines without a GPU (tests/gpu_emu/README.md). The communicators' part runs in pytest.
+cudaemu: build
+	$(PYTHON) tests/gpu_emu/run.py all
 
 pytest: build
 	$(PYTHON) -m pytest -q tests

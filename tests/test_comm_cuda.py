@@ -7,7 +7,7 @@ own buffers (NumPy arrays for shm, device addresses for d2d and nccl).
 What runs everywhere: the refusals (unknown backend, bad sizes, device lists, d2d/nccl without a
 GPU raise gyges.UnavailableError naming the reason), the shm collectives against NumPy, the pool,
 and the d2d and nccl backends' host logic compiled against a pretend GPU and NCCL
-(tests/fake_cuda/) under ThreadSanitizer and ASan+UBSan. What needs a GPU (skipped with the
+(tests/gpu_emu/) under ThreadSanitizer and ASan+UBSan. What needs a GPU (skipped with the
 reason otherwise): d2d against shm on the device, nccl (two GPUs or more).
 
 Tolerance policy: exact everywhere except the nccl all-reduce of random floats. The shm and d2d
@@ -17,8 +17,8 @@ random-float sums are checked to within size * u * sum|x| (u = 2^-24, one roundi
 its sums of small integers, which every order gives exactly, bit for bit.
 """
 import gc
+import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -705,45 +705,33 @@ def test_nccl_pool_has_migration_comms_on_least_priority_streams():
     pool.close()
 
 
-# ---- the device backends' host logic on a pretend GPU (tests/fake_cuda/), on every machine ----
+# ---- the device backends' host logic on the emulated GPU (tests/gpu_emu/), on every machine ----
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE = ROOT / "tests" / "fake_cuda"
-COMM_SOURCES = ["csrc/comm/comm.c", "csrc/comm/comm_shm.c", "csrc/comm/comm_d2d.c",
-                "csrc/comm/comm_stream.c", "csrc/comm/comm_nccl.c", "csrc/core/status.c",
-                "csrc/core/fault.c"]
-SANITIZERS = {"thread": ["-fsanitize=thread"],
-              "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]}
+_spec = importlib.util.spec_from_file_location("gpu_emu_build", ROOT / "tests/gpu_emu/build.py")
+gpu_emu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_emu)
+
+SANITIZERS = ("thread", "address")
 
 
 @pytest.fixture(scope="module")
 def fake_build(tmp_path_factory):
-    cc = shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler (cc) to build the pretend-GPU tests")
-    out = tmp_path_factory.mktemp("fake_cuda")
-    flags = ["-std=c11", "-g", "-O1", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror",
-             "-Wno-unused-parameter", f"-I{ROOT / 'csrc'}", f"-I{FAKE}"]
-    built = {"nccl": out / "libfake_nccl.so"}
-    subprocess.run([cc, *flags, "-fPIC", "-shared", str(FAKE / "fake_nccl.c"), "-o",
-                    str(built["nccl"]), "-lpthread"], check=True, cwd=ROOT)
-    for name, sanitizer in SANITIZERS.items():
-        built[name] = out / f"test_comm_fake_{name}"
-        subprocess.run([cc, *flags, *sanitizer, "-DGY_WITH_CUDA=1", "-rdynamic", *COMM_SOURCES,
-                        str(FAKE / "fake_cuda.c"), str(FAKE / "test_comm_fake.c"),
-                        "tests/c/main.c", "-o", str(built[name]), "-ldl", "-lpthread"],
-                       check=True, cwd=ROOT)
-    return built
+    why_not = gpu_emu.check()
+    if why_not is not None:
+        pytest.skip(why_not)
+    return gpu_emu.build_comm(tmp_path_factory.mktemp("gpu_emu"))
 
 
-@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
+@pytest.mark.parametrize("sanitizer", SANITIZERS)
 @pytest.mark.parametrize("machine", ["gpu", "bare"])
 def test_device_backends_on_a_pretend_gpu(fake_build, sanitizer, machine):
-    """The d2d and nccl backends compiled with GY_WITH_CUDA against fake_cuda.c: four pretend
-    GPUs and a pretend NCCL ("gpu"), or none of either ("bare"). Their streams overtake each
-    other at random, so a missing wait shows as wrong bytes or a sanitizer report."""
-    env = {**os.environ, "FAKE_MODE": machine,
-           "FAKE_CUDA_DEVICES": "4" if machine == "gpu" else "0",
+    """The d2d and nccl backends and comm_d2d.cu compiled with GY_WITH_CUDA against the emulated
+    runtime: four emulated GPUs and a pretend NCCL ("gpu"), or none of either ("bare"). Their
+    streams are threads that overtake each other at random, so a missing wait shows as wrong
+    bytes or a sanitizer report."""
+    env = {**os.environ, "FAKE_MODE": machine, "GYGES_EMU_STREAMS": "threads",
+           "GYGES_EMU_DEVICES": "4" if machine == "gpu" else "0",
            "GYGES_NCCL_LIBRARY": str(fake_build["nccl"]) if machine == "gpu" else "/nonexistent",
            "TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1"}
     # A sanitizer runtime that cannot start here (ThreadSanitizer on kernels with high mmap

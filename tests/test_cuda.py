@@ -19,6 +19,7 @@ cancel) and `ulps` given beside each use with its reason. Failures report the la
 """
 import ctypes
 import gc
+import os
 import sys
 
 import numpy as np
@@ -175,6 +176,12 @@ def kv_case(rng, kind, dtype, shape, n_blocks=11):
 
 
 # ---- refusal where there is no GPU (these run on machines without one) ----
+
+@pytest.mark.skipif(os.environ.get("GYGES_CUDA_EMULATED") != "1", reason="only under `make cudaemu`")
+def test_the_emulated_kernels_are_the_ones_under_test():
+    assert GPU_SKIP_REASON is None, GPU_SKIP_REASON
+    assert os.path.join("kernels", "gyges") in gyges.__file__  # tests/gpu_emu/build.py's OUT/kernels
+
 
 def test_import_and_device_count_never_raise():
     assert gyges.WITH_CUDA == bool(_C.WITH_CUDA)

@@ -295,6 +295,29 @@ def test_tensor_parallel_layouts_on_cuda_give_the_cpu_tokens(tiny, layout):
 
 
 @needs_gpu
+@pytest.mark.parametrize("layout", ["PP4", "PP[3,1]+2xTP1", "TP2+PP[1,3]"])
+def test_pipelines_on_cuda_give_the_tokens_of_one_cuda_worker(tiny, layout):
+    """Stages on different virtual workers hand their hidden states on through host memory in
+    the activations' own bytes, so a pipeline computes what one CUDA worker computes, to the
+    bit (greedy and seeded sampling), and gives its KV pages back."""
+    ps = prompts(6, seed=8)
+    for params in (GREEDY, gyges.SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=3,
+                                                ignore_eos=True)):
+        one = gyges.Host(tiny, workers=1, memory_per_worker=MEMORY, page_size=PAGE,
+                         max_prefill_chunk=16, max_batch_tokens=64, backend="cuda")
+        want = [r.output_tokens for r in one.generate(ps, params)]
+        one.close()
+        host = new_host(tiny, "cuda", layout=layout)
+        assert host.layout() == layout
+        pipe = [inst for inst in host.instances if inst.stages][0]
+        requests = [host.submit(p, params, instance=host.instances.index(pipe)) for p in ps]
+        host.run()
+        assert [r.output_tokens for r in requests] == want
+        assert all(m["kv"] == 0 for m in host.memory())
+        host.close()
+
+
+@needs_gpu
 def test_split_and_merge_pairs_and_weights_from_the_host(tiny):
     ps = prompts(8, seed=4)
     cpu = [r.output_tokens for r in gyges.Engine(tiny, memory="256MiB").generate(ps, GREEDY)]

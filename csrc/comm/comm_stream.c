@@ -20,7 +20,7 @@
  * the collective, and when that work is an NCCL kernel waiting for this very rank, neither
  * stream moves again. Hence two host barriers per call (the barrier too), whatever fails.
  *
- * tests/fake_cuda/ runs this protocol on a pretend GPU whose streams are threads that overtake
+ * tests/gpu_emu/ runs this protocol on a pretend GPU whose streams are threads that overtake
  * each other; dropping any one wait or barrier above makes its tests fail or hang. */
 #include "comm_backend.h"
 

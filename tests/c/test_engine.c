@@ -182,7 +182,7 @@ GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {
 /* A cuda model in a build without the CUDA forward pass: every call is refused with the reason,
  * the engine stays consistent, and nothing leaks. TP on CUDA over the shm communicator (it adds
  * host buffers) and mixed backends are refused at engine creation whatever the build; the
- * pairings with device communicators are checked by tests/cuda_emu/harness.c. */
+ * pairings with device communicators are checked by tests/gpu_emu/harness.c. */
 GYTEST(engine_refuses_what_the_cuda_backend_cannot_do_here) {
     owned o = {0};
     gy_model model;

@@ -1,6 +1,6 @@
 /* test_kv_copy.c: gy_kv_copy_heads on host caches against values written and gathered token by
  * token: every layout pair, odd sizes, a copy inside one cache, and refusals that copy nothing.
- * (The device path runs the same plumbing in tests/cuda_emu/harness.c.) */
+ * (The device path runs the same plumbing in tests/gpu_emu/harness.c.) */
 #include <string.h>
 
 #include "gytest.h"

@@ -1,24 +1,33 @@
-/* emu.h: just enough of CUDA's device side, on the host, to run gyges' kernels without a GPU.
+/* kernel_emu.h: just enough of CUDA's device side, on the host, to run gyges' kernels
+ * (csrc/kernels/*.cu) unchanged without a GPU; kernel_emu.cpp runs the launches.
  *
- * tests/cuda_emu/build.py copies csrc/kernels/*.cu, includes this header instead of the CUDA
- * runtime header and turns every `kernel<<<grid, block, smem, stream>>>(args)` into
- * gy_emu_launch(grid, block, smem, kernel, args). A launch runs its blocks one after the other;
- * the threads of a block are fibers (ucontext) scheduled cooperatively on one OS thread, each
- * running until it reaches __syncthreads or a warp-collective (shuffle, ballot, __syncwarp),
- * where it waits until every thread of the block, or every lane of its warp, has arrived:
+ * build.py copies each .cu, includes this header instead of the CUDA runtime header and turns
+ * every `kernel<<<grid, block, smem, stream>>>(args)` into
+ * gy_emu_launch_kernel(grid, block, smem, stream, kernel, args): the arguments are copied, as a
+ * launch copies them, and the launch is enqueued on the stream of the emulated runtime
+ * (runtime.c), so it runs in the stream's order. Its blocks run one after the other; the threads
+ * of a block are fibers (ucontext) scheduled cooperatively on one OS thread, each running until
+ * it reaches __syncthreads or a warp collective (shuffle, ballot, __syncwarp), where it waits
+ * until every thread of the block, or every lane of its warp, has arrived:
  *   - a barrier that not every participant reaches (a collective inside divergent code) is a
  *     deadlock here and aborts with the place of each thread: on a GPU it is undefined behaviour;
- *   - __shared__ variables are statics (one block at a time), dynamic shared memory is a fresh
- *     buffer filled with NaN bytes per block, so reading what nobody wrote shows;
- *   - global memory is host memory, so AddressSanitizer (the build uses it) catches any read or
- *     write out of bounds, in shared memory too.
+ *   - __shared__ variables are statics (one block at a time, launches one at a time), dynamic
+ *     shared memory is a fresh buffer filled with NaN bytes per block, so reading what nobody
+ *     wrote shows;
+ *   - global memory is host memory, so AddressSanitizer (the kernel build uses it) catches any
+ *     read or write out of bounds, in shared memory too.
+ * Built with GY_EMU_SERIAL, the threads of a block run one after the other instead, without
+ * fibers: for builds that only launch kernels without barriers (comm_d2d.cu's tree sum in the
+ * harness, the emulated extension and test_comm.c, on any thread and under ThreadSanitizer);
+ * a barrier there aborts and says so.
  * What it cannot show: data races (the schedule is one fixed interleaving), timing, and the
  * device's own arithmetic (expf, exp, division are the host libm's here). */
-#ifndef GY_CUDA_EMU_H
-#define GY_CUDA_EMU_H
+#ifndef GY_TESTS_KERNEL_EMU_H
+#define GY_TESTS_KERNEL_EMU_H
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
 
 #include <math.h>
 #include <stdint.h>
@@ -50,10 +59,11 @@ struct gy_emu_dim {
     unsigned x, y, z;
 };
 
-/* The running thread's index (a function: one OS thread runs every fiber). */
-gy_emu_dim gy_emu_thread_idx();
-extern gy_emu_dim gy_emu_block_idx, gy_emu_block_dim, gy_emu_grid_dim;
-#define threadIdx (gy_emu_thread_idx())
+/* The running thread's place: per OS thread, since streams may run launches on threads of
+ * their own. */
+extern thread_local gy_emu_dim gy_emu_thread_idx, gy_emu_block_idx, gy_emu_block_dim,
+    gy_emu_grid_dim;
+#define threadIdx gy_emu_thread_idx
 #define blockIdx gy_emu_block_idx
 #define blockDim gy_emu_block_dim
 #define gridDim gy_emu_grid_dim
@@ -136,14 +146,17 @@ template <typename F> static inline cudaError_t cudaFuncSetAttribute(F *, cudaFu
     return cudaSuccess;
 }
 
-void gy_emu_run_grid(unsigned grid, unsigned block, size_t smem, const std::function<void()> &body);
+/* Enqueues the launch of `body` on `stream`; a bad configuration is left for cudaGetLastError. */
+void gy_emu_launch_grid(unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
+                        std::function<void()> body);
 
 template <typename... P, typename... A>
-static inline void gy_emu_launch(unsigned grid, unsigned block, size_t smem, void (*kernel)(P...),
-                                 A &&...args) {
+static inline void gy_emu_launch_kernel(unsigned grid, unsigned block, size_t smem,
+                                        cudaStream_t stream, void (*kernel)(P...), A &&...args) {
     /* the arguments converted once to the kernel's parameter types, as a launch copies them */
     std::tuple<P...> params(static_cast<P>(args)...);
-    gy_emu_run_grid(grid, block, smem, [&]() { std::apply(kernel, params); });
+    gy_emu_launch_grid(grid, block, smem, stream,
+                       [kernel, params]() { std::apply(kernel, params); });
 }
 
 #endif

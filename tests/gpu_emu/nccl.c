@@ -1,21 +1,23 @@
-/* fake_nccl.c: a pretend libnccl.so.2 on top of fake_cuda.c, built as a shared library and
- * loaded by csrc/comm/comm_nccl.c through GYGES_NCCL_LIBRARY, so that the nccl backend's glue
- * (loading, ncclCommInitAll, grouped send/recv, the size table, stats) runs without GPUs.
+/* nccl.c: a pretend libnccl.so.2 on the emulated runtime (runtime.c), built as a shared library
+ * and loaded by csrc/comm/comm_nccl.c through GYGES_NCCL_LIBRARY, so that the nccl backend's
+ * glue (loading, ncclCommInitAll, grouped send/recv, the size table, stats) runs without GPUs.
  *
- * Like NCCL, a collective is enqueued on the caller's stream; when every rank's stream reaches
- * it, the ranks meet (on their stream threads), read what they need into temporaries, meet
- * again, and write their outputs; a send and its receive meet pairwise. The all-reduce adds in rank order (not the tree: NCCL does
- * not promise it either). Whatever NCCL would hang on or refuse (ranks calling different
- * collectives or sizes, a send without its receive, a stream of another device) is counted in
- * fake_nccl_errors() and described by fake_nccl_last_problem(), so the tests can assert that
- * nothing of the kind happened. The fake_cuda_* calls resolve against the test executable
+ * Like NCCL, a collective is enqueued on the caller's stream (cudaLaunchHostFunc); when every
+ * rank's stream reaches it, the ranks meet (on their stream threads, with
+ * GYGES_EMU_STREAMS=threads), read what they need into temporaries, meet again, and write their
+ * outputs; a send and its receive meet pairwise. The all-reduce adds in rank order (not the
+ * tree: NCCL does not promise it either). Whatever NCCL would hang on or refuse (ranks calling
+ * different collectives or sizes, a send without its receive, a stream of another device) is
+ * counted in fake_nccl_errors() and described by fake_nccl_last_problem(), so the tests can
+ * assert that nothing of the kind happened. The cuda* calls resolve against the test executable
  * (linked with -rdynamic). */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "fake_cuda.h"
+#include <cuda_runtime_api.h>
 
 typedef int ncclResult_t;
 enum { ncclSuccess = 0, ncclInvalidArgument = 4, ncclInvalidUsage = 5 };
@@ -181,16 +183,17 @@ static void fake_nccl_run(void *arg) {
 
 static ncclResult_t fake_nccl_enqueue(fake_call *c, void *stream) {
     ncclComm_t comm = c->comm;
-    if (fake_cuda_stream_device(stream) != comm->device) {
+    int device = -1;
+    cudaStreamGetDevice(stream, &device);
+    if (device != comm->device) {
         snprintf(comm->last_error, sizeof comm->last_error,
-                 "stream of device %d for a communicator on device %d",
-                 fake_cuda_stream_device(stream), comm->device);
+                 "stream of device %d for a communicator on device %d", device, comm->device);
         fake_nccl_problem("stream on the wrong device", comm->rank, comm->device);
         free(c);
         return ncclInvalidArgument;
     }
     if (c->kind != FAKE_P2P) c->seq = comm->calls++; /* pairs meet without the clique */
-    if (fake_cuda_host_fn(stream, fake_nccl_run, c) != GY_OK) {
+    if (cudaLaunchHostFunc(stream, fake_nccl_run, c) != cudaSuccess) {
         snprintf(comm->last_error, sizeof comm->last_error, "enqueue failed");
         free(c);
         return ncclInvalidUsage;
@@ -212,8 +215,8 @@ const char *ncclGetErrorString(ncclResult_t r) {
 const char *ncclGetLastError(ncclComm_t comm) { return comm ? comm->last_error : ""; }
 
 ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
-    int32_t count = 0;
-    if (gy_cuda_comm_device_count(&count) != GY_OK || ndev < 1 || ndev > FAKE_NCCL_MAX)
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || ndev < 1 || ndev > FAKE_NCCL_MAX)
         return ncclInvalidArgument;
     for (int i = 0; i < ndev; i++) {
         if (devlist[i] < 0 || devlist[i] >= count) return ncclInvalidArgument;

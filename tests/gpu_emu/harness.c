@@ -1,11 +1,13 @@
-/* harness.c: csrc/engine/forward_cuda.c, compiled unchanged against the emulated device of emu.c,
- * against the CPU pass (forward.c) on a small random model: two sequences mixing prefill chunks
- * and decode steps (both attention entry points), every KV layout and several block sizes, q/k/v
- * biases, fp32 and bf16 (activations and KV in bf16), and tensor parallelism: TP2 over the shm
- * communicator on "device" buffers, and TP2/TP4 over the d2d communicator itself (comm_d2d.c and
- * comm_stream.c compiled with GY_WITH_CUDA against emu_device.c), each rank with its own model
- * and stream. Logits and KV contents must agree: 1e-5 of the largest value in fp32 (only the
- * order of sums differs), 5e-2 in bf16 (8-bit activations against the CPU's fp32 ones).
+/* harness.c: csrc/engine/forward_cuda.c, compiled unchanged against the emulated device (the
+ * runtime of runtime.c, the naive kernels of naive_kernels.c, the real device.cu and
+ * comm_d2d.cu), against the CPU pass (forward.c) on a small random model: two sequences mixing
+ * prefill chunks and decode steps (both attention entry points), every KV layout and several
+ * block sizes, q/k/v biases, fp32 and bf16 (activations and KV in bf16), and tensor
+ * parallelism: TP2 over the shm communicator on "device" buffers, and TP2/TP4 over the d2d
+ * communicator itself (comm_d2d.c and comm_stream.c compiled with GY_WITH_CUDA), each rank with
+ * its own model and stream. Logits and KV contents must agree: 1e-5 of the largest value in
+ * fp32 (only the order of sums differs), 5e-2 in bf16 (8-bit activations against the CPU's
+ * fp32 ones).
  *
  * Then the serving loop: an engine of emulated CUDA ranks over a d2d communicator generates the
  * same greedy tokens as a CPU engine, its ranks' collectives run on their models' streams while
@@ -14,8 +16,12 @@
  * with the reason. And gy_kv_copy_heads' device path (kv_copy.c built a second time against the
  * emulated device) copies the same bytes as its host path.
  *
+ * The arenas here are CPU ones: build.py compiles forward_cuda.c and the device half of kv_copy
+ * with gy_arena_backend and gy_arena_device renamed to emu_arena_backend and emu_arena_device
+ * below, which call every arena a CUDA one on device 0.
+ *
  * Exits non-zero on any failure; ASan checks that every emulated allocation is freed.
- * `make cudaemu`. */
+ * `make cudaemu` (tests/gpu_emu/run.py harness). */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -26,9 +32,12 @@
 #include "engine/forward_cuda.h"
 #include "cpu/dtype.h"
 #include "kv/kv_copy.h"
+#include "mem/arena.h"
+#include "gpu_emu.h"
 
 enum { V = 97, H = 64, I = 96, L = 3, NH = 8, NKV = 4, D = 16, MAX_TP = 4 };
-extern int emu_decode_calls, emu_prefill_calls; extern long emu_live_allocs, emu_stream_mismatches;
+gy_arena_backend_kind emu_arena_backend(const gy_arena *a) { (void)a; return GY_ARENA_BACKEND_CUDA; }
+int32_t emu_arena_device(const gy_arena *a) { (void)a; return 0; }
 /* kv_copy.c built against the emulated device (its arenas look like CUDA ones) */
 gy_status emu_device_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
                                    const gy_kv_cache *src, const int32_t *src_blocks, int64_t src_head0,
@@ -168,8 +177,8 @@ static void one_case(gy_dtype dt, int bias, gy_kv_layout_kind kind, int64_t bs, 
         for (int r = 0; r < tp_size && comm_kind == COMM_D2D; r++)
             EXPECT(gy_comm_set_stream(comm, r, dev[r].stream) == GY_OK);
     }
-    emu_decode_calls = emu_prefill_calls = 0;
-    emu_stream_mismatches = 0;
+    gy_emu_decode_calls = gy_emu_prefill_calls = 0;
+    gy_emu_stream_mismatches = 0;
     for (int r = 0; r < tp_size; r++) {
         kv_make(&ag[r], &kg[r], NKV / tp_size, elem, kind, bs);
         cr[r] = (gy_comm_rank){.comm = comm, .rank = r};
@@ -183,11 +192,11 @@ static void one_case(gy_dtype dt, int bias, gy_kv_layout_kind kind, int64_t bs, 
     static const char *const comm_names[] = {"shm", "d2d", "d2d on its own streams"};
     printf("dtype=%d bias=%d layout=%d bs=%lld tp=%d%s%s: logits rel err %.3g, kv rel err %s%.3g (decode calls %d, prefill %d, off-stream collectives %ld)\n",
            dt, bias, kind, (long long)bs, tp_size, tp_size > 1 ? " over " : "", tp_size > 1 ? comm_names[comm_kind] : "",
-           e, tp_size == 1 ? "" : "(not compared) ", ke, emu_decode_calls, emu_prefill_calls, emu_stream_mismatches);
+           e, tp_size == 1 ? "" : "(not compared) ", ke, gy_emu_decode_calls, gy_emu_prefill_calls, gy_emu_stream_mismatches);
     EXPECT(e < tol); EXPECT(ke < tol);
-    EXPECT(emu_decode_calls > 0 && emu_prefill_calls > 0);
-    if (comm_kind == COMM_D2D) EXPECT(emu_stream_mismatches == 0);
-    if (comm_kind == COMM_D2D_OWN_STREAMS) EXPECT(emu_stream_mismatches > 0);
+    EXPECT(gy_emu_decode_calls > 0 && gy_emu_prefill_calls > 0);
+    if (comm_kind == COMM_D2D) EXPECT(gy_emu_stream_mismatches == 0);
+    if (comm_kind == COMM_D2D_OWN_STREAMS) EXPECT(gy_emu_stream_mismatches > 0);
     for (int r = 0; r < tp_size; r++) { gy_forward_ws_free(&rg[r].ws); gy_kv_free(kg[r]); gy_arena_free(ag[r]); }
     gy_forward_ws_free(&rr.ws); gy_kv_free(kr); gy_arena_free(ar);
     if (comm) gy_comm_free(comm);
@@ -247,16 +256,16 @@ static void engine_cases(void) {
         EXPECT(gy_comm_init_config(&d2d, &cc) == GY_OK);
         EXPECT(gy_comm_init(&shm, tp) == GY_OK);
         engine_ranks er; ranks_make(&er, dev, tp, 4);
-        emu_stream_mismatches = 0;
+        gy_emu_stream_mismatches = 0;
         EXPECT(gy_engine_init(&e, er.ranks, tp, d2d, &cfg) == GY_OK);
         for (int r = 0; r < tp; r++) EXPECT(gy_comm_stream(d2d, r) == (void *)dev[r].stream);
         generate(e, got);
         gy_engine_free(e);
         for (int r = 0; r < tp; r++) EXPECT(gy_comm_stream(d2d, r) == gy_comm_own_stream(d2d, r) && gy_comm_own_stream(d2d, r) != NULL);
         EXPECT(memcmp(want, got, sizeof want) == 0);
-        EXPECT(emu_stream_mismatches == 0);
+        EXPECT(gy_emu_stream_mismatches == 0);
         printf("engine: TP%d of emulated CUDA ranks over d2d: greedy tokens %s the CPU engine's, off-stream collectives %ld\n",
-               tp, memcmp(want, got, sizeof want) == 0 ? "equal" : "DIFFER from", emu_stream_mismatches);
+               tp, memcmp(want, got, sizeof want) == 0 ? "equal" : "DIFFER from", gy_emu_stream_mismatches);
 
         /* Pairings that cannot work are refused with the reason, and nothing is borrowed. */
         EXPECT(gy_engine_init(&e, er.ranks, tp, shm, &cfg) == GY_ERR_INVALID);
@@ -328,8 +337,8 @@ int main(void) {
     one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_HEAD, 4, 4, 5e-2, COMM_D2D);
     engine_cases();
     for (int kind = 0; kind < 3; kind++) kv_copy_case(kind);
-    printf("live emulated allocations at exit: %ld\n", emu_live_allocs);
-    EXPECT(emu_live_allocs == 0);
+    printf("live emulated allocations at exit: %ld\n", gy_emu_live_allocations());
+    EXPECT(gy_emu_live_allocations() == 0);
     printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
     return failures != 0;
 }

@@ -1,11 +1,12 @@
-/* test_comm_fake.c: the d2d and nccl communicators, compiled with GY_WITH_CUDA against the
- * pretend GPU of fake_cuda.c (and the pretend NCCL of fake_nccl.c), run by real rank threads.
- * tests/test_comm_cuda.py builds and runs this under ThreadSanitizer and under ASan+UBSan:
+/* test_comm.c: the d2d and nccl communicators (csrc/comm/) and their device side
+ * (csrc/kernels/comm_d2d.cu), compiled with GY_WITH_CUDA against the emulated runtime
+ * (runtime.c) and the pretend NCCL (nccl.c), run by real rank threads. tests/test_comm_cuda.py
+ * builds it (build.py) and runs it under ThreadSanitizer and under ASan+UBSan:
  *
- *   FAKE_MODE=gpu   FAKE_CUDA_DEVICES=4 GYGES_NCCL_LIBRARY=<libfake_nccl.so>
- *   FAKE_MODE=bare  FAKE_CUDA_DEVICES=0 GYGES_NCCL_LIBRARY=/nonexistent
+ *   FAKE_MODE=gpu   GYGES_EMU_DEVICES=4 GYGES_EMU_STREAMS=threads GYGES_NCCL_LIBRARY=<libnccl.so>
+ *   FAKE_MODE=bare  GYGES_EMU_DEVICES=0 GYGES_EMU_STREAMS=threads GYGES_NCCL_LIBRARY=/nonexistent
  *
- * The fake streams run their work on their own threads after random pauses, so a collective
+ * The emulated streams run their work on their own threads after random pauses, so a collective
  * whose events let one rank's stream overtake another's reads or writes a buffer too early:
  * the sums come out wrong, and ThreadSanitizer names the two accesses. What it checks beyond
  * tests/test_comm_cuda.py's GPU tests: many rounds back to back with the inputs written and the
@@ -19,10 +20,23 @@
 
 #include "../c/gytest.h"
 #include "comm/comm.h"
-#include "fake_cuda.h"
+#include "kernels/comm_d2d.h"
+#include "gpu_emu.h"
 
 #define ROUNDS 12
 #define MAX_N 4099
+
+static int stream_device(gy_cuda_stream stream) {
+    int device = -1;
+    cudaStreamGetDevice(stream, &device);
+    return device;
+}
+
+static int current_device(void) {
+    int device = -1;
+    cudaGetDevice(&device);
+    return device;
+}
 
 static int mode_is(const char *mode) {
     const char *m = getenv("FAKE_MODE");
@@ -179,7 +193,7 @@ GYTEST(fake_d2d_on_another_device_restores_the_current_one) {
     CHECK(comm != NULL);
     if (comm == NULL) return;
     CHECK(gy_comm_device(comm, 2) == 3);
-    CHECK(fake_cuda_stream_device(gy_comm_stream(comm, 1)) == 3);
+    CHECK(stream_device(gy_comm_stream(comm, 1)) == 3);
     CHECK(check_all_reduce_rounds(comm, NULL, 5, 1));
     gy_comm_free(comm);
     /* Called from a thread whose current device is another: the work goes to the rank's device
@@ -192,9 +206,9 @@ GYTEST(fake_d2d_on_another_device_restores_the_current_one) {
     memset(in, 9, sizeof in);
     memset(out, 0, sizeof out);
     CHECK_OK(gy_comm_all_gather(comm, 0, out, in, sizeof in));
-    CHECK(fake_cuda_current_device() == 1);
+    CHECK(current_device() == 1);
     CHECK_OK(gy_comm_synchronize(comm, 0));
-    CHECK(fake_cuda_current_device() == 1);
+    CHECK(current_device() == 1);
     CHECK(memcmp(in, out, sizeof in) == 0);
     CHECK_OK(gy_cuda_comm_device_swap(0, NULL));
     gy_comm_free(comm);
@@ -484,7 +498,7 @@ GYTEST(fake_d2d_send_recv_chain_keeps_every_round) {
     }
 }
 
-/* ---- nccl over fake_nccl.c ---- */
+/* ---- nccl over nccl.c ---- */
 
 static int (*fake_nccl_errors_fn)(void);
 static const char *(*fake_nccl_problem_fn)(void);
@@ -509,7 +523,7 @@ GYTEST(fake_nccl_collectives_and_all_to_all) {
         CHECK(comm != NULL);
         if (comm == NULL) return;
         CHECK(gy_comm_device(comm, 0) == 2);
-        CHECK(fake_cuda_stream_device(gy_comm_stream(comm, 0)) == 2);
+        CHECK(stream_device(gy_comm_stream(comm, 0)) == 2);
         CHECK(check_all_reduce_rounds(comm, NULL, 3, 0));
         gy_comm_stats_reset(comm);
         if (size > 1) CHECK(check_moves(comm, 1));
@@ -551,8 +565,10 @@ GYTEST(fake_bare_machine_refuses_with_reasons) {
     gy_comm *comm = NULL;
     gy_comm_config config = {.backend = GY_COMM_BACKEND_D2D, .size = 2};
     CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
+    /* The runtime answers cudaErrorNoDevice when it sees no device, as a real one does. */
     CHECK(strstr(gy_error_message(), "the d2d communicator is not available: CUDA is not "
-                                     "available: no CUDA device") != NULL);
+                                     "available: ") != NULL);
+    CHECK(strstr(gy_error_message(), "cudaErrorNoDevice") != NULL);
     config.backend = GY_COMM_BACKEND_NCCL;
     CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
     CHECK(strstr(gy_error_message(), "NCCL could not be loaded") != NULL);
@@ -561,4 +577,4 @@ GYTEST(fake_bare_machine_refuses_with_reasons) {
     gy_error_clear();
 }
 
-__attribute__((destructor)) static void fake_shutdown(void) { fake_cuda_shutdown(); }
+__attribute__((destructor)) static void emu_shutdown(void) { gy_emu_shutdown(); }

@@ -1,5 +1,5 @@
-/* fake_libcuda.c: a pretend libcuda.so.1 for the emulated build of the extension
- * (tests/cuda_emu/build_ext.py): the driver entry points csrc/mem/arena_cuda.c resolves through
+/* libcuda.c: a pretend libcuda.so.1 for the emulated builds of the extension
+ * (build.py ext and kernels): the driver entry points csrc/mem/arena_cuda.c resolves through
  * cuGetProcAddress, so that arena_cuda.c itself (reservation, handle pool and its refill thread,
  * map/unmap, copies inside an arena and between arenas, host copies in and out) runs on a machine
  * without a GPU, under the Python tests of tests/test_cuda_host.py.
