@@ -985,8 +985,11 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
             e->sampled_ids[n_out] = e->sampled_ids[k];
             e->sampled[n_out++] = e->sampled[k];
         }
-    memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
-    if (done.n_finished > 0) gy_engine_shrink(e);
+    /* (e->finished is NULL until some request has been added: no memcpy of nothing into it) */
+    if (done.n_finished > 0) {
+        memcpy(e->finished, done.finished, (size_t)done.n_finished * sizeof(int64_t));
+        gy_engine_shrink(e);
+    }
     out->n_tokens = n_out;
     out->token_ids = e->sampled_ids;
     out->tokens = e->sampled;
