@@ -302,10 +302,11 @@ class ModelWeights:
             if (layer, shard) in self._restored:
                 continue
             peer = source(shard) if source is not None else None
-            for kind in FFN_KINDS:
-                slots = self.shard_slots_of(layer, kind, shard)
-                self.arena.grow(slots.start, len(slots), "weights")
-                copied += self._fill_shard(layer, kind, shard, peer)
+            runs = [(slots.start, len(slots)) for slots in
+                    (self.shard_slots_of(layer, kind, shard) for kind in FFN_KINDS)]
+            # a shard comes back whole or not at all, so a failed step can be retried
+            copied += self._map_and_fill(runs, lambda: sum(
+                self._fill_shard(layer, kind, shard, peer) for kind in FFN_KINDS))
             self._restored.add((layer, shard))
         return copied
 
@@ -398,39 +399,51 @@ class ModelWeights:
         if source is not None and (not layers <= source.held_layers or not self.held <= source.held):
             raise InvalidArgumentError(f"the peer does not hold layers {sorted(layers)} with FFN "
                                        f"shards {sorted(self.held)}")
-        if layers:
-            pages = sum(n for layer in layers for _, n in self._layer_slots(layer))
-            self._check_room(self.first_slot, pages, in_place=True)
-        copied = 0
-        for layer in sorted(layers):
-            for start, n in self._layer_slots(layer):
-                self.arena.grow(start, n, "weights")
-            copied += self._fill(self.run_names[layer], source)
-            copied += sum(self._fill_shard(layer, kind, shard, source)
-                          for shard in sorted(self.held) for kind in FFN_KINDS)
-            self.held_layers.add(layer)
+        runs = [run for layer in sorted(layers) for run in self._layer_slots(layer)]
+        if runs:
+            self._check_room(self.first_slot, sum(n for _, n in runs), in_place=True)
+
+        def fill():
+            return sum(self._fill(self.run_names[layer], source)
+                       + sum(self._fill_shard(layer, kind, shard, source)
+                             for shard in sorted(self.held) for kind in FFN_KINDS)
+                       for layer in sorted(layers))
+        copied = self._map_and_fill(runs, fill)
+        self.held_layers |= layers
         return copied
+
+    def _map_and_fill(self, runs, fill):
+        """Maps the slot runs [(start, n), ...], then fill() writes them; all or nothing: when a
+        page or a copy fails, the runs mapped here are released again and the error raised, so a
+        restore that fails leaves the weights as they were. Returns fill()'s result."""
+        mapped = []
+        try:
+            for start, n in runs:
+                self.arena.grow(start, n, "weights")
+                mapped.append((start, n))
+            return fill()
+        except BaseException:
+            for start, n in reversed(mapped):
+                self.arena.shrink(start, n)
+            raise
 
     def set_ends(self, embed, head, source=None):
         """Holds the embedding and the head (final norm, LM head) or not: a pipeline's first
         stage needs the embedding, its last the head (and the embedding, when the LM head is
         tied to it). Returns the bytes copied to restore what comes back."""
-        copied = 0
-        for key, want in (("embed", embed), ("head", head)):
-            have = self.has_embed if key == "embed" else self.has_head
-            if want == have:
-                continue
-            start, n = self.runs[key]
-            if want:
-                self._check_room(self.first_slot, n, in_place=True)
-                self.arena.grow(start, n, "weights")
-                copied += self._fill(self.run_names[key], source)
-            else:
-                self.arena.shrink(start, n)
-            if key == "embed":
-                self.has_embed = want
-            else:
-                self.has_head = want
+        changes = [key for key, want, have in (("embed", embed, self.has_embed),
+                                               ("head", head, self.has_head)) if want != have]
+        back = [key for key in changes if (embed if key == "embed" else head)]
+        runs = [self.runs[key] for key in back]
+        if runs:
+            self._check_room(self.first_slot, sum(n for _, n in runs), in_place=True)
+        # What comes back first (all or nothing), then what goes, which cannot fail.
+        copied = self._map_and_fill(runs, lambda: sum(self._fill(self.run_names[key], source)
+                                                      for key in back))
+        for key in changes:
+            if key not in back:
+                self.arena.shrink(*self.runs[key])
+        self.has_embed, self.has_head = bool(embed), bool(head)
         return copied
 
     def c_offsets(self, shards=None, pending=False):

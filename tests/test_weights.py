@@ -162,3 +162,47 @@ def test_whole_layers_drop_and_come_back_exactly(tiny):
     w.set_ends(embed=True, head=True, source=peer)
     assert arena.stats()["bytes_in_use"] == before
     assert np.array_equal(w.read("model.embed_tokens.weight"), tensors["model.embed_tokens.weight"])
+
+
+# (writes from the host copy are not copies between arenas: no "copy" event without a peer)
+@pytest.mark.parametrize("site, from_peer", [("page_create", False), ("page_map", False),
+                                             ("page_create", True), ("page_map", True),
+                                             ("copy", True)])
+def test_a_failed_restore_of_layers_or_ends_changes_nothing(tiny, site, from_peer):
+    """Every event of `site` in a restore of two whole layers and of the embedding and head fails
+    in turn: the call raises a gyges.Error and the weights are as before it (pages, bytes, what
+    is held); the same restore then succeeds with the right contents."""
+    from gyges import testing
+    config, tensors = tiny
+    page = 65536
+    peer = ModelWeights(gyges.Arena(budget="64MiB", page_size=page), config, tensors, dtype="f32")
+    source = peer if from_peer else None
+    arena = gyges.Arena(budget="64MiB", page_size=page)
+    w = ModelWeights(arena, config, tensors, dtype="f32")
+    w.drop_shards({0, 1})
+    w.drop_layers({1, 3})
+    w.set_ends(embed=False, head=False)
+
+    def state():
+        return (arena.stats()["bytes_in_use"], arena.page_table().tolist(), set(w.held_layers),
+                w.has_embed, w.has_head, w.c_offsets().tolist())
+
+    steps = [(lambda: w.restore_layers({1, 3}, source=source), lambda: w.drop_layers({1, 3})),
+             (lambda: w.set_ends(embed=True, head=True, source=source),
+              lambda: w.set_ends(embed=False, head=False))]
+    for restore, undo in steps:
+        before = state()
+        count = testing.count(site, restore)[0]
+        undo()
+        assert state() == before and count > 0
+        for n in range(1, count + 1):
+            with testing.inject(site, n) as fired:
+                with pytest.raises(gyges.Error):
+                    restore()
+            assert fired() == 1 and state() == before, (site, n)
+        restore()
+    assert w.held_layers == {0, 1, 2, 3} and w.has_embed and w.has_head
+    for name in tensors:
+        if ".mlp." not in name:
+            want = tensors[name].T if name.endswith("o_proj.weight") else tensors[name]
+            assert np.array_equal(w.read(name), want), name
