@@ -40,6 +40,16 @@ e.generate([[1, 2, 3, i] for i in range(16)], p)
 t = time.perf_counter(); e.generate([[5, 6, 7, i] for i in range(16)], p)
 print(16 * 32 / (time.perf_counter() - t))
 """,
+    # bench_engine.py's first row: the stories15M shape (random weights), 2 threads
+    "engine stories15M decode, batch 1 (tok/s)": """
+import time, gyges
+from gyges.config import ModelConfig
+m = gyges.Model.random(ModelConfig.stories15m(), seed=0)
+e = gyges.Engine(m, memory="256MiB", threads=2)
+p = gyges.SamplingParams(max_tokens=128, ignore_eos=True)
+r = e.generate([[1, 2, 3, 4, 5, 6, 7, 8]], p)[0]
+print(127 / (r.metrics.token_times[-1] - r.metrics.token_times[0]))
+""",
     "host TP2 decode, batch 8 (tok/s)": """
 import time, gyges
 m = gyges.Model.tiny()
@@ -71,6 +81,25 @@ for i in range(8):
 for _ in range(4):
     h.step()
 tr = h.transform(workers=(0, 1), tp=2, layers_per_step=1)
+steps, t = 0, time.perf_counter()
+while not tr.done:
+    h.step(); steps += 1
+print(1000 * (time.perf_counter() - t) / max(steps, 1))
+""",
+    # bench_transform.py's Figure 11 at the depth of Llama-3-8B: one layer of 32 per step
+    "staggered merge 4xTP1 -> TP4, 32 layers, mean step (ms)": """
+import time, gyges
+from gyges.config import ModelConfig
+tiny = gyges.Model.tiny()
+m = gyges.Model.random(ModelConfig.from_dict({**tiny.config.to_dict(), "num_hidden_layers": 32}),
+                       seed=1)
+h = gyges.Host(m, workers=4, memory_per_worker="256MiB", layout="4xTP1", page_size="256KiB")
+p = gyges.SamplingParams(max_tokens=200, ignore_eos=True)
+for i in range(8):
+    h.submit([1, 2, 3, i] * 16, p)
+for _ in range(4):
+    h.step()
+tr = h.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
 steps, t = 0, time.perf_counter()
 while not tr.done:
     h.step(); steps += 1

@@ -67,8 +67,11 @@ def run_kernels(out):
                      "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={logs}",
                      "GY_EMU_MAX_GRID": os.environ.get("GY_EMU_MAX_GRID", "3")})
     for report in sorted(logs.parent.glob("sanitizer.*")):
-        print(f"-- {report}\n{report.read_text()}", flush=True)
-        status = status or 1
+        text = report.read_text()
+        # (ASan also writes its warning about the fibers' swapcontext there: not a finding)
+        if "SUMMARY:" in text or "runtime error" in text:
+            print(f"-- {report}\n{text}", flush=True)
+            status = status or 1
     return status
 
 
