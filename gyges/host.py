@@ -129,7 +129,8 @@ class Instance:
             comm = host.comm(min(self.workers), tp) if tp > 1 else None
             self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
                                 host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
-        self.loop = InstanceLoop(self._c, host.model.config, host.clock)
+        self.loop = InstanceLoop(self._c, host.model.config, host.clock,
+                                 getattr(host.model, "tokenizer", None))
 
     @property
     def layout(self):
@@ -267,7 +268,7 @@ def cuda_placement(n_workers, devices=None, comm=None):
 
 class Host(Serving):
     def __init__(self, model, workers=4, memory_per_worker=None, page_size=None,
-                 layout=None, block_size=16, kv_layout="header", weight_dtype="f32",
+                 layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
                  comm=None):
@@ -578,6 +579,9 @@ class Host(Serving):
         instance that can hold it; returns its handle. A bad prompt or parameter raises a
         gyges.Error naming it and queues nothing."""
         params = check_params(params)
+        text = tokens if isinstance(tokens, str) and self.model.tokenizer is not None else None
+        if text is not None:
+            tokens = self.model.tokenizer.encode(text)
         with self._lock:
             self._check_open()
             if instance is not None:
@@ -594,6 +598,7 @@ class Host(Serving):
                         f"{best} (layout {self.layout()}); merge instances first")
                 target = min(fits, key=Instance.load)
             request = target.loop.add(self._next_id, tokens, params)
+            request.prompt_text = text
             self._next_id += 1
             return request
 

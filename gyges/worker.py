@@ -51,9 +51,11 @@ def default_max_tp(config, limit=4):
 
 class Worker:
     def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
-                 kv_layout="header", weight_dtype="f32", max_tp=None, threads=2, max_pos=None,
+                 kv_layout="header", weight_dtype=None, max_tp=None, threads=2, max_pos=None,
                  backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None):
         config = model.config
+        if weight_dtype is None:  # the dtype the model was loaded in
+            weight_dtype = getattr(model, "weight_dtype", "f32")
         if backend not in BACKENDS:
             raise InvalidArgumentError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if weight_dtype not in DTYPES:
