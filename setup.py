@@ -90,6 +90,9 @@ def extension():
     return Extension(
         "gyges._C",
         sources=c_sources(),
+        # every header: a change to one rebuilds the extension (distutils rebuilds everything
+        # when any of these is newer than the library)
+        depends=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h")),
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=CFLAGS,

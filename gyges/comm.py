@@ -26,17 +26,20 @@ BACKENDS = ("shm", "d2d", "nccl")
 CHANNELS = ("compute", "migration")
 
 
-def aligned_groups(n_workers, max_size=None):
-    """Every aligned group of two or more workers: [(first, size), ...], sizes 2, 4, ... up to
-    min(n_workers, max_size)."""
+def aligned_groups(n_workers, max_size=None, sizes=None):
+    """Every aligned group of two or more workers: [(first, size), ...], a group of size k
+    starting at a multiple of k; sizes 2, 4, ... up to min(n_workers, max_size), or the given
+    sizes (e.g. (3,) for a model with 3 KV heads)."""
     n_workers = operator.index(n_workers)
     if n_workers < 1:
         raise InvalidArgumentError(f"n_workers must be positive, got {n_workers}")
     limit = n_workers if max_size is None else min(n_workers, operator.index(max_size))
-    groups, size = [], 2
-    while size <= limit:
-        groups.extend((first, size) for first in range(0, n_workers - size + 1, size))
-        size *= 2
+    if sizes is None:
+        sizes = [1 << i for i in range(1, limit.bit_length())]
+    groups = []
+    for size in sorted(set(operator.index(s) for s in sizes)):
+        if 2 <= size <= limit:
+            groups.extend((first, size) for first in range(0, n_workers - size + 1, size))
     return groups
 
 
@@ -75,7 +78,7 @@ class CommPool:
     def __init__(self, groups, backend="shm", devices=None, migration=True):
         groups = [(operator.index(first), operator.index(size)) for first, size in groups]
         for first, size in groups:
-            if size < 1 or size & (size - 1) or first < 0 or first % size:
+            if size < 1 or first < 0 or first % size:
                 raise InvalidArgumentError(f"workers {first}..{first + size - 1} are not an aligned group")
         if backend not in BACKENDS:
             raise InvalidArgumentError(f"unknown communicator backend {backend!r}; expected one of "

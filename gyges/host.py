@@ -36,7 +36,7 @@ from .fairlock import FairLock
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
                         kv_move, scale_down, scale_up, views_in)
 from .units import parse_size
-from .worker import Worker, cuda_unavailable, default_max_tp
+from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
 
 COMMS = ("d2d", "nccl")
 DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
@@ -69,8 +69,8 @@ def parse_layout(layout, n_workers, n_layers):
         stages = None
         if match.group(2) is not None:
             tp = int(match.group(2))
-            if tp < 1 or tp & (tp - 1):
-                raise InvalidArgumentError(f"layout part {part!r}: TP degrees are powers of two")
+            if tp < 1:
+                raise InvalidArgumentError(f"layout part {part!r}: TP degrees are at least 1")
         else:
             tp = 1
             if match.group(3) is not None:
@@ -292,6 +292,7 @@ class Host(Serving):
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.max_prefill_chunk = max_prefill_chunk
         self.max_tp = max_tp or default_max_tp(model.config, limit=8)
+        self.tp_degrees = tp_degrees(model.config, self.max_tp)
         memory_per_worker = memory_per_worker or DEFAULT_MEMORY[backend]
         self.memory_per_worker = parse_size(memory_per_worker, "memory_per_worker")
         self.comm_note = None
@@ -306,7 +307,7 @@ class Host(Serving):
             self.devices = [None] * workers
             # A compute and a migration communicator per aligned group of every size, made now
             # (Flying Serving's pool).
-            self.comms = CommPool(aligned_groups(workers, self.max_tp), backend="shm")
+            self.comms = CommPool(aligned_groups(workers, sizes=self.tp_degrees), backend="shm")
         self.clock = Clock()
         # How transformations move KV bytes: host memory, or device copies (gyges.transform.kv_move)
         self.kv_move = kv_move.for_backend(backend)
@@ -338,7 +339,7 @@ class Host(Serving):
     def _cuda_comms(self, workers, backend, may_fall_back):
         """The pool for CUDA workers. nccl chosen on its own (devices=None) falls back to
         virtual workers on device 0 when NCCL cannot be loaded."""
-        groups = aligned_groups(workers, self.max_tp)
+        groups = aligned_groups(workers, sizes=self.tp_degrees)
         devices = self.devices if backend == "nccl" else self.devices[0]
         try:
             return CommPool(groups, backend=backend, devices=devices)
@@ -361,9 +362,12 @@ class Host(Serving):
             raise InvalidArgumentError(f"workers {first}..{first + tp - 1} are not an aligned group of "
                              f"{tp} on a host of {len(self._workers)}")
         c = self.model.config
-        if c.num_key_value_heads % tp or c.num_attention_heads % tp or self.max_tp % tp:
-            raise InvalidArgumentError(f"TP{tp} does not divide the model's {c.num_key_value_heads} KV "
-                             f"heads, {c.num_attention_heads} heads and {self.max_tp} FFN shards")
+        if tp not in self.tp_degrees:
+            raise InvalidArgumentError(
+                f"TP{tp} does not fit the model: a TP degree divides its {c.num_key_value_heads} KV "
+                f"heads and {c.num_attention_heads} heads and leaves each rank a power of two of "
+                f"its {self.max_tp} FFN shards, or all of them; this model runs at TP "
+                f"{', '.join(map(str, self.tp_degrees))}")
 
     # ---- parts ----
     def now(self):
@@ -481,9 +485,10 @@ class Host(Serving):
         if self.backend == "cuda":
             self._check_cuda_transform(method, layers_per_step)
         first, k = workers[0], len(workers)
-        if workers != list(range(first, first + k)) or k & (k - 1) or first % k:
-            raise TransformError(f"workers {workers} are not an aligned group (pairs {{0,1}}, "
-                                 f"{{2,3}}; quartets {{0..3}})")
+        if workers != list(range(first, first + k)) or first % k or k not in self.tp_degrees:
+            raise TransformError(f"workers {workers} are not an aligned group (k consecutive "
+                                 f"workers from a multiple of k, k a TP degree of the model: "
+                                 f"{', '.join(map(str, self.tp_degrees))})")
         current = [inst for inst in self.instances if set(inst.workers) & set(workers)]
         piped = [inst for inst in current if inst.stages]
         if piped:
@@ -496,6 +501,7 @@ class Host(Serving):
                                  f"them (layout {self.layout()})")
         staggered = layers_per_step is not None and method != "stop_world"
         if tp == k:
+            self.check_group(first, k)
             target = [(first, k)]
             if staggered:
                 build = lambda: StaggeredScaleUp(self, first, k, method, layers_per_step, overlap)

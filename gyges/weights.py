@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .errors import ArgumentTypeError, InvalidArgumentError, OutOfMemoryError
 from .safetensors import f32_to_bf16
 
+MAX_TP = 8  # GY_MODEL_MAX_TP (csrc/engine/model.h)
 DTYPES = {"f32": (np.float32, 4, 0), "bf16": (np.uint16, 2, 2), "f16": (np.float16, 2, 1)}
 ALIGN = 64  # bytes: one cache line, and the widest vector load
 FFN_KINDS = ("gate", "up", "down")
@@ -107,8 +108,8 @@ class ModelWeights:
             raise ArgumentTypeError("config must be a gyges.config.ModelConfig")
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-        if max_tp < 1 or max_tp & (max_tp - 1):
-            raise InvalidArgumentError(f"max_tp must be a power of two, got {max_tp}")
+        if not 1 <= max_tp <= MAX_TP:
+            raise InvalidArgumentError(f"max_tp must be in [1, {MAX_TP}], got {max_tp}")
         if config.intermediate_size % max_tp:
             raise InvalidArgumentError(f"intermediate_size {config.intermediate_size} is not divisible by "
                              f"max_tp={max_tp}")

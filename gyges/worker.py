@@ -39,14 +39,29 @@ def cuda_unavailable():
     return cuda_device_unavailable() or _C.cuda_forward_unavailable()
 
 
+def _divides_model(config, tp):
+    return not (config.num_attention_heads % tp or config.num_key_value_heads % tp
+                or config.intermediate_size % tp)
+
+
 def default_max_tp(config, limit=4):
-    """The largest TP degree up to `limit` that divides the heads, KV heads and FFN width: the
-    FFN is cut into that many shards and o_proj's reduction into as many chunks."""
-    tp = limit
-    while tp > 1 and (config.num_attention_heads % tp or config.num_key_value_heads % tp
-                      or config.intermediate_size % tp):
-        tp //= 2
+    """How many FFN shards (and o_proj chunks) the model is cut into: the largest power of two up
+    to `limit` dividing the heads, KV heads and FFN width; where that is 1, the largest other such
+    divisor (SmolLM2's 3 KV heads: 3), so that the model has a TP group at all."""
+    tp = 1
+    while tp * 2 <= limit and _divides_model(config, tp * 2):
+        tp *= 2
+    if tp == 1:
+        tp = max(t for t in range(1, limit + 1) if _divides_model(config, t))
     return tp
+
+
+def tp_degrees(config, max_tp):
+    """The TP degrees a model cut into max_tp shards runs at, bit-identically to TP1: each divides
+    the heads and KV heads and leaves each rank a power of two of shards, or all of them
+    (csrc/core/tree.h): 1, 2, 4 for max_tp 4; 1 and 3 for SmolLM2."""
+    return [t for t in range(1, max_tp + 1) if max_tp % t == 0 and _divides_model(config, t)
+            and (t == 1 or (max_tp // t) & (max_tp // t - 1) == 0)]
 
 
 class Worker:

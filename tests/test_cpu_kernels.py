@@ -137,16 +137,19 @@ def test_linear_rows_are_bit_identical_across_batch_and_threads(dtype, transpose
 def test_k_split_tree_makes_tensor_parallel_exact(dtype, transposed):
     """TP1 with k_splits=K == add_tree of t workers' shards (k_splits=K/t) + bias, bit for bit."""
     r = rng(6)
-    n, in_, out = 5, 8 * 29, 41
+    n, in_, out = 5, 24 * 11, 41  # in_ divisible by every K below
     x = r.standard_normal((n, in_), np.float32)
     w32 = r.standard_normal((in_, out) if transposed else (out, in_), np.float32)
     w, w_exact = store(w32, DTYPES[dtype])
     bias = r.standard_normal(out, np.float32)
-    for K in (1, 2, 4, 8):
+    # o_proj (transposed) may have any number of chunks (max_tp = 3 for 3 KV heads); a TP-t rank
+    # takes K/t of them, a power of two, or t = K (core/tree.h's split rule)
+    for K in ((1, 2, 3, 4, 6, 8) if transposed else (1, 2, 4, 8)):
         tp1 = linear(x, w, DTYPES[dtype], bias, k_splits=K, threads=2, transposed=transposed)
         check_close(tp1, x, w_exact, bias, transposed)
-        t = 2
-        while t <= K:
+        for t in range(2, K + 1):
+            if K % t or not (t == K or (K // t) & (K // t - 1) == 0):
+                continue
             shard = in_ // t
             parts = []
             for s in range(t):
@@ -159,10 +162,18 @@ def test_k_split_tree_makes_tensor_parallel_exact(dtype, transposed):
             _C.kernel_add_tree(total, parts, total.size)
             _C.kernel_add_bias(total, bias, n, out)
             assert same_bits(total, tp1), (K, t)
-            t *= 2
     # Different k_splits are different (fixed) orders: not required equal, but each is reproducible.
     assert same_bits(linear(x, w, DTYPES[dtype], bias, k_splits=4, transposed=transposed),
                      linear(x, w, DTYPES[dtype], bias, k_splits=4, threads=3, transposed=transposed))
+
+
+def tree_sum(parts):
+    """core/tree.h's order by its recursive definition: the first 2^k parts (the largest power
+    of two below their number), then the rest, added."""
+    if len(parts) == 1:
+        return parts[0]
+    half = 1 << ((len(parts) - 1).bit_length() - 1)
+    return tree_sum(parts[:half]) + tree_sum(parts[half:])
 
 
 def test_add_tree_is_pairwise():
@@ -170,8 +181,16 @@ def test_add_tree_is_pairwise():
     out = np.empty(1, np.float32)
     _C.kernel_add_tree(out, [a, b, c, d], 1)
     assert out[0] == np.float32(np.float32(1e8) + np.float32(1.0)) + np.float32(np.float32(-1e8) + np.float32(1.0))
+    _C.kernel_add_tree(out, [a, b, c], 1)
+    assert out[0] == np.float32(np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8)  # 0, not 1
+    r = rng(9)
+    for n_parts in range(1, 12):  # both paths (16-wide and the tail), against the definition
+        parts = [(r.standard_normal(37) * 10.0 ** r.integers(-3, 4, 37)).astype(np.float32)
+                 for _ in range(n_parts)]
+        _C.kernel_add_tree(out := np.empty(37, np.float32), parts, 37)
+        assert same_bits(out, tree_sum(parts)), n_parts
     with pytest.raises(ValueError):
-        _C.kernel_add_tree(out, [a, b, c], 1)
+        _C.kernel_add_tree(out, [], 1)
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="the AVX-512 path is not compiled into this build")

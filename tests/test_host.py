@@ -34,12 +34,19 @@ def test_layouts_parse_and_print():
     assert layout_string(["TP1", "TP1", "TP2"]) == "2xTP1+TP2"
     assert layout_string(["TP4"]) == "TP4"
     assert layout_string(["PP[3,1]", "TP1", "TP1"]) == "PP[3,1]+2xTP1"
-    for bad, match in (("TP1+TP2+TP1", "aligned"), ("3xTP1", "covers 3"), ("TP3+TP1", "powers"),
+    assert parse_layout("TP3+TP1", 4, 4) == [(0, 3, None), (3, 1, None)]  # the host checks the model
+    for bad, match in (("TP1+TP2+TP1", "aligned"), ("3xTP1", "covers 3"), ("TP0+4xTP1", "at least 1"),
                        ("4xPP1", "2 to 4 stages"), ("2xTP2+TP1", "covers 5"), ("PP5", "2 to 4"),
                        ("PP[3,2]", "adding up to the model's 4"), ("PP[4,0]", "at least one"),
                        ("PP[4]", "2 to 8 stages"), ("PP[2,2", "not like"), ("QQ2", "not like")):
         with pytest.raises(gyges.InvalidArgumentError, match=match):
             parse_layout(bad, 4, 4)
+
+
+def test_a_tp_degree_the_heads_do_not_allow_is_refused_by_the_rule(tiny):
+    with pytest.raises(gyges.InvalidArgumentError,
+                       match="TP3 does not fit the model: a TP degree divides its 4 KV heads.*1, 2, 4"):
+        gyges.Host(tiny, workers=4, memory_per_worker="48MiB", layout="TP3+TP1")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -104,7 +111,7 @@ def test_bad_groups_are_refused(tiny):
         gyges.Host(tiny, workers=4, memory_per_worker="48MiB", layout="TP1+TP2+TP1")
     odd = gyges.Model.random(ModelConfig.tiny().replace(num_key_value_heads=2,
                                                         num_attention_heads=8), seed=1)
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match="TP4 does not fit the model: a TP degree divides its 2 KV heads"):
         gyges.Host(odd, workers=4, memory_per_worker="48MiB", layout="1xTP4")
     with pytest.raises(ValueError, match="positive"):
         gyges.Host(tiny, workers=0)

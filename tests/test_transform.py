@@ -361,3 +361,66 @@ def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start
     host.run()
     assert [r.output_tokens for r in early + late] == reference(1)
     assert all(m["kv"] == 0 for m in host.memory())
+
+
+# ---- groups of three: a model with 3 KV heads (SmolLM2's shape, small) ----
+
+THREE_HEADS = gyges.config.ModelConfig(vocab_size=1024, hidden_size=192, intermediate_size=384,
+                                      num_hidden_layers=3, num_attention_heads=6,
+                                      num_key_value_heads=3, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def three():
+    return gyges.Model.random(THREE_HEADS, seed=5)
+
+
+@pytest.mark.parametrize("layers_per_step", [None, 1])
+@pytest.mark.parametrize("params", [gyges.SamplingParams(max_tokens=20, ignore_eos=True), PARAMS],
+                         ids=["greedy", "seeded"])
+def test_three_workers_merge_into_tp3_and_split_back_bit_identically(three, params,
+                                                                     layers_per_step):
+    """3 KV heads allow TP1 and TP3 only; 3xTP1 -> TP3 -> 3xTP1 live (at once or layer by
+    layer) with requests in flight gives the tokens of one engine, KV values moved unchanged,
+    each worker holding exactly its rank's heads and FFN shard, and every page back."""
+    ps = [p[:40] for p in prompts(9, seed=3)]
+    ps = [[t % 1024 for t in p] for p in ps]
+    want = [r.output_tokens for r in gyges.Engine(three, memory="64MiB").generate(ps, params)]
+    host = gyges.Host(three, workers=3, memory_per_worker="32MiB", layout="3xTP1",
+                      max_prefill_chunk=16, max_batch_tokens=64)
+    assert host.max_tp == 3 and host.tp_degrees == [1, 3]
+    start = [m["in_use"] for m in host.memory()]
+    requests = [host.submit(p, params) for p in ps]
+    for target in (3, 1):
+        for _ in range(3):
+            host.step()
+        before = kv_by_request(host)
+        t = host.transform(workers=(0, 1, 2), tp=target, layers_per_step=layers_per_step)
+        while not t.done:
+            host.step()
+        assert host.layout() == ("TP3" if target == 3 else "3xTP1")
+        if layers_per_step is None:
+            after = kv_by_request(host)
+            for rid in before:
+                for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
+                    n = min(k0.shape[0], k1.shape[0])
+                    np.testing.assert_array_equal(k0[:n], k1[:n])
+                    np.testing.assert_array_equal(v0[:n], v1[:n])
+        check_placement(host)
+    host.run()
+    assert [r.output_tokens for r in requests] == want
+    assert [m["in_use"] for m in host.memory()] == start
+    host.close()
+
+
+def test_group_sizes_the_heads_do_not_allow_are_refused_by_the_rule(three):
+    with pytest.raises(gyges.InvalidArgumentError, match="divides its 3 KV heads.*runs at TP 1, 3"):
+        gyges.Host(three, workers=2, memory_per_worker="32MiB", layout="TP2")
+    host = gyges.Host(three, workers=4, memory_per_worker="32MiB", layout="TP3+TP1")
+    assert host.layout() == "TP3+TP1"
+    with pytest.raises(gyges.InvalidArgumentError, match="TP2 does not fit the model"):
+        host.transform(workers=(0, 1, 2), tp=2)
+    with pytest.raises(TransformError, match="aligned group"):
+        host.transform(workers=(1, 2, 3), tp=3)
+    assert host.layout() == "TP3+TP1"
+    host.close()

@@ -88,7 +88,9 @@ def test_bad_arguments(tiny):
     arena = gyges.Arena(budget="64MiB", page_size=65536)
     with pytest.raises(ValueError, match="dtype"):
         ModelWeights(arena, config, tensors, dtype="int4")
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match=r"max_tp must be in \[1, 8\], got 9"):
+        ModelWeights(arena, config, tensors, max_tp=9)
+    with pytest.raises(ValueError, match="688 is not divisible by max_tp=3"):
         ModelWeights(arena, config, tensors, max_tp=3)
     with pytest.raises(ValueError, match="divisible"):
         ModelWeights(arena, config.replace(intermediate_size=690), tensors, max_tp=4)

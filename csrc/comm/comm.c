@@ -31,8 +31,8 @@ static gy_status gy_comm_check_config(const gy_comm_config *config, int32_t *dev
         return GY_FAIL(GY_ERR_INVALID,
                        "unknown communicator backend %d (expected 0=shm, 1=d2d, 2=nccl)",
                        (int)config->backend);
-    if (size < 1 || size > GY_COMM_MAX_RANKS || (size & (size - 1)) != 0)
-        return GY_FAIL(GY_ERR_INVALID, "a communicator has a power-of-two size up to %d, got %d",
+    if (size < 1 || size > GY_COMM_MAX_RANKS)
+        return GY_FAIL(GY_ERR_INVALID, "a communicator has 1 to %d ranks, got %d",
                        GY_COMM_MAX_RANKS, (int)size);
     if ((unsigned)config->channel >= GY_COMM_CHANNEL_COUNT)
         return GY_FAIL(GY_ERR_INVALID,

@@ -21,8 +21,8 @@
  * reported by that rank; the others' results of that collective are then undefined (a CUDA error
  * breaks the context they share, so in practice they fail too).
  *
- * Sum order. shm and d2d add in one fixed order, the pairwise tree ((r0 + r1) + (r2 + r3)) of
- * cpu/linear.h, so partial sums split across TP ranks add up to the same bits as TP1's, and the
+ * Sum order. shm and d2d add in one fixed order, the tree of core/tree.h ((r0 + r1) + (r2 + r3),
+ * (r0 + r1) + r2), so partial sums split across TP ranks add up to the same bits as TP1's, and the
  * two backends give the same bits for the same inputs. nccl adds in NCCL's own order (ring or
  * tree, chosen by NCCL): close to the others, not bit-identical.
  *
@@ -72,7 +72,7 @@ typedef enum gy_comm_channel {
 
 typedef struct gy_comm_config {
     gy_comm_backend_kind backend;
-    int32_t size;            /* a power of two in [1, GY_COMM_MAX_RANKS] */
+    int32_t size;            /* in [1, GY_COMM_MAX_RANKS] */
     /* [size] the CUDA device of each rank: d2d, one device for all; nccl, distinct devices.
      * NULL: device 0 for every rank (d2d), device r for rank r (nccl). Unused by shm. */
     const int32_t *devices;
@@ -85,7 +85,7 @@ typedef struct gy_comm_stats {
     uint64_t bytes_received[GY_COMM_MAX_RANKS]; /* bytes each rank received from other ranks */
 } gy_comm_stats;
 
-/* A shm communicator of `size` ranks (size: a power of two in [1, GY_COMM_MAX_RANKS]). */
+/* A shm communicator of `size` ranks (size in [1, GY_COMM_MAX_RANKS]). */
 gy_status gy_comm_init(gy_comm **out, int32_t size);
 /* Any backend. GY_ERR_INVALID for a bad size, backend, channel or device list (checked first),
  * GY_ERR_UNAVAILABLE naming the reason when the backend cannot run here (built without CUDA, no

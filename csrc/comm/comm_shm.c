@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "comm_backend.h"
+#include "../core/tree.h"
 
 typedef struct gy_comm_shm {
     const void *ptrs[GY_COMM_MAX_RANKS];
@@ -51,14 +52,14 @@ static gy_status gy_shm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
         GY_TRY(gy_comm_host_barrier(c));
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for an all-reduce of %lld floats", (long long)n);
     }
-    /* Each rank sums one slice of the vector, in the pairwise tree order. */
+    /* Each rank sums one slice of the vector, in the tree order of core/tree.h. */
     const int64_t per = (n + c->size - 1) / c->size;
     const int64_t lo = rank * per, hi = lo + per < n ? lo + per : n;
     float v[GY_COMM_MAX_RANKS];
     for (int64_t i = lo; i < hi; i++) {
         for (int32_t r = 0; r < c->size; r++) v[r] = ((const float *)m->ptrs[r])[i];
-        for (int32_t w = c->size; w > 1; w /= 2)
-            for (int32_t j = 0; j < w / 2; j++) v[j] = v[2 * j] + v[2 * j + 1];
+        for (int32_t w = c->size; w > 1; w = gy_tree_level(v, w)) {
+        }
         m->scratch[i] = v[0];
     }
     GY_TRY(gy_comm_host_barrier(c));

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/tree.h"
 #include "dot.h"
 #include "isa.h"
 #include "simd.h"
@@ -13,28 +14,40 @@
 #define GY_LINEAR_PACKED_MIN_ROWS 2 /* batches from this size take the packed path (AVX-512) */
 #define GY_LINEAR_LEAD_ROWS 16 /* rows of W a batched task fetches before it starts (dot.c) */
 
-/* The pairwise tree over chunks, built online: after chunk c, slot l (at slots + l * stride) holds
- * the sum of the 2^l chunks ending at c whenever bit l of c + 1 completes a subtree. Same pairings
- * as gy_cpu_add_tree's level-by-level tree. Returns the slot holding the finished subtree. */
-static float *gy_linear_tree_push(float *slots, int64_t stride, int64_t c, float *part,
-                                  int64_t width) {
+/* The tree of core/tree.h over chunks, built online: after chunk c, slot l (at slots + l * stride)
+ * holds the sum of the 2^l chunks ending at c whenever bit l of c + 1 completes a subtree. */
+static void gy_linear_tree_push(float *slots, int64_t stride, int64_t c, float *part, int64_t width) {
     int l = 0;
     for (; (c >> l) & 1; l++)
         for (int64_t i = 0; i < width; i++) part[i] = slots[l * stride + i] + part[i];
     memcpy(slots + l * stride, part, (size_t)width * sizeof(float));
-    return slots + l * stride;
 }
 
+/* After all k chunks, the complete subtrees wait in the slots of k's set bits; the tree adds them
+ * from the last (lowest) up, each earlier one on the left: sum(first 2^a) + sum(rest). For k a
+ * power of two that is the one top slot. Returns the slot holding the sum. */
+static float *gy_linear_tree_finish(float *slots, int64_t stride, int64_t k, int64_t width) {
+    int low = 0;
+    while (!((k >> low) & 1)) low++;
+    float *acc = slots + low * stride;
+    for (int l = low + 1; (k >> l) != 0; l++)
+        if ((k >> l) & 1)
+            for (int64_t i = 0; i < width; i++) acc[i] = slots[l * stride + i] + acc[i];
+    return acc;
+}
+
+/* any_k: whether k_splits may be any count (the transposed form) or only a power of two. */
 static gy_status gy_linear_check(const char *name, const float *y, const float *x, const void *w,
                                  gy_dtype w_dtype, int64_t n, int64_t in, int64_t out,
-                                 int32_t k_splits) {
+                                 int32_t k_splits, int any_k) {
     GY_TRY(gy_dtype_check(w_dtype, name));
     if (n < 0 || out < 0 || in <= 0)
         return GY_FAIL(GY_ERR_INVALID, "%s: need n >= 0, in > 0, out >= 0 (n=%lld in=%lld out=%lld)",
                        name, (long long)n, (long long)in, (long long)out);
-    if (k_splits < 1 || k_splits > GY_LINEAR_MAX_K_SPLITS || (k_splits & (k_splits - 1)) != 0)
-        return GY_FAIL(GY_ERR_INVALID, "%s: k_splits=%d must be a power of two in [1, %d]", name,
-                       (int)k_splits, GY_LINEAR_MAX_K_SPLITS);
+    if (k_splits < 1 || k_splits > GY_LINEAR_MAX_K_SPLITS ||
+        (!any_k && !gy_tree_is_power_of_two(k_splits)))
+        return GY_FAIL(GY_ERR_INVALID, "%s: k_splits=%d must be %s in [1, %d]", name,
+                       (int)k_splits, any_k ? "an integer" : "a power of two", GY_LINEAR_MAX_K_SPLITS);
     if (in % k_splits != 0)
         return GY_FAIL(GY_ERR_INVALID, "%s: in=%lld is not a multiple of k_splits=%d", name,
                        (long long)in, (int)k_splits);
@@ -114,7 +127,7 @@ static void gy_linear_packed_task(void *ctx, int64_t task, int64_t n_tasks) {
 gy_status gy_cpu_linear(float *y, const float *x, const void *w, gy_dtype w_dtype,
                         const float *bias, int64_t n, int64_t in, int64_t out, int32_t k_splits,
                         gy_threadpool *pool) {
-    GY_TRY(gy_linear_check("gy_cpu_linear", y, x, w, w_dtype, n, in, out, k_splits));
+    GY_TRY(gy_linear_check("gy_cpu_linear", y, x, w, w_dtype, n, in, out, k_splits, 0));
     if (n == 0 || out == 0) return GY_OK;
     gy_linear_ctx c = {y, x, (const char *)w, w_dtype, gy_dtype_size(w_dtype), bias, n, in, out,
                        k_splits, in / k_splits, 0, NULL, 0};
@@ -400,8 +413,9 @@ static void gy_linear_t_strip(const gy_linear_ctx *c, float *scratch, int64_t o,
             }
             if (rows - b == 1) gy_linear_t_acc(acc + b * width, c, k0, len, o, width, valid, OV, 1, b0 + b);
         }
-        res = c->k_splits == 1 ? acc : gy_linear_tree_push(slots, GY_LINEAR_T_ACC, k, acc, rows * width);
+        if (c->k_splits > 1) gy_linear_tree_push(slots, GY_LINEAR_T_ACC, k, acc, rows * width);
     }
+    if (c->k_splits > 1) res = gy_linear_tree_finish(slots, GY_LINEAR_T_ACC, c->k_splits, rows * width);
     for (int64_t i = 0; i < rows; i++) gy_linear_t_store(c, res + i * width, b0 + i, o, valid);
 }
 
@@ -418,8 +432,9 @@ static void gy_linear_t_single(const gy_linear_ctx *c, float *scratch, int64_t s
         for (int64_t k = 0; k < c->k_splits; k++) {
             memset(acc, 0, (size_t)width * sizeof(float));
             gy_linear_t_acc(acc, c, k * c->chunk, c->chunk, o, width, valid, OV, 1, b);
-            res = c->k_splits == 1 ? acc : gy_linear_tree_push(slots, GY_LINEAR_T_WIDE, k, acc, width);
+            if (c->k_splits > 1) gy_linear_tree_push(slots, GY_LINEAR_T_WIDE, k, acc, width);
         }
+        if (c->k_splits > 1) res = gy_linear_tree_finish(slots, GY_LINEAR_T_WIDE, c->k_splits, width);
         gy_linear_t_store(c, res, b, o, valid);
     }
 }
@@ -448,7 +463,7 @@ static void gy_linear_t_task(void *ctx, int64_t task, int64_t n_tasks) {
 gy_status gy_cpu_linear_t(float *y, const float *x, const void *wt, gy_dtype w_dtype,
                           const float *bias, int64_t n, int64_t in, int64_t out, int32_t k_splits,
                           gy_threadpool *pool) {
-    GY_TRY(gy_linear_check("gy_cpu_linear_t", y, x, wt, w_dtype, n, in, out, k_splits));
+    GY_TRY(gy_linear_check("gy_cpu_linear_t", y, x, wt, w_dtype, n, in, out, k_splits, 1));
     if (n == 0 || out == 0) return GY_OK;
     gy_linear_ctx c = {y, x, (const char *)wt, w_dtype, gy_dtype_size(w_dtype), bias, n, in, out,
                        k_splits, in / k_splits, 0, NULL, 0};
@@ -475,8 +490,8 @@ gy_status gy_cpu_linear_t(float *y, const float *x, const void *wt, gy_dtype w_d
 /* ---- combining partial results ------------------------------------------------------------------ */
 
 gy_status gy_cpu_add_tree(float *out, const float *const *parts, int32_t n_parts, int64_t n) {
-    if (n_parts < 1 || n_parts > GY_LINEAR_MAX_K_SPLITS || (n_parts & (n_parts - 1)) != 0)
-        return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: n_parts=%d must be a power of two in [1, %d]",
+    if (n_parts < 1 || n_parts > GY_LINEAR_MAX_K_SPLITS)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: n_parts=%d must be in [1, %d]",
                        (int)n_parts, GY_LINEAR_MAX_K_SPLITS);
     if (n < 0) return GY_FAIL(GY_ERR_INVALID, "gy_cpu_add_tree: negative length %lld", (long long)n);
     if (n == 0) return GY_OK;
@@ -489,8 +504,10 @@ gy_status gy_cpu_add_tree(float *out, const float *const *parts, int32_t n_parts
         __m512 t[GY_LINEAR_MAX_K_SPLITS];
         for (; i0 + 16 <= n; i0 += 16) {
             for (int32_t p = 0; p < n_parts; p++) t[p] = _mm512_loadu_ps(parts[p] + i0);
-            for (int32_t width = n_parts; width > 1; width /= 2)
+            for (int32_t width = n_parts; width > 1; width = (width + 1) / 2) { /* core/tree.h */
                 for (int32_t p = 0; p < width / 2; p++) t[p] = _mm512_add_ps(t[2 * p], t[2 * p + 1]);
+                if (width & 1) t[width / 2] = t[width - 1];
+            }
             _mm512_storeu_ps(out + i0, t[0]);
         }
     }
@@ -500,9 +517,11 @@ gy_status gy_cpu_add_tree(float *out, const float *const *parts, int32_t n_parts
         const int64_t m = n - i0 < 16 ? n - i0 : 16;
         for (int32_t p = 0; p < n_parts; p++)
             for (int64_t j = 0; j < m; j++) v[p][j] = parts[p][i0 + j];
-        for (int32_t width = n_parts; width > 1; width /= 2)
+        for (int32_t width = n_parts; width > 1; width = (width + 1) / 2) { /* core/tree.h */
             for (int32_t p = 0; p < width / 2; p++)
                 for (int64_t j = 0; j < m; j++) v[p][j] = v[2 * p][j] + v[2 * p + 1][j];
+            if (width & 1) memcpy(v[width / 2], v[width - 1], (size_t)m * sizeof(float));
+        }
         for (int64_t j = 0; j < m; j++) out[i0 + j] = v[0][j];
     }
     return GY_OK;

@@ -1,6 +1,7 @@
 /* forward.c: the forward pass of forward.h: the checks every backend shares, then the model's
  * backend (forward_backend.h: forward_cpu.c, forward_cuda.c), which never call each other. */
 #include "forward_backend.h"
+#include "../core/tree.h"
 
 #include <stdlib.h>
 
@@ -22,9 +23,10 @@ void gy_forward_ws_free(gy_forward_ws *ws) {
 gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv_cache *kv,
                            const gy_forward_batch *b, int64_t *max_len_out) {
     if (tp->size <= 0 || tp->rank < 0 || tp->rank >= tp->size || m->n_kv_heads % tp->size != 0 ||
-        m->max_tp % tp->size != 0 || (tp->size > 1 && tp->all_reduce == NULL))
+        !gy_tree_split_ok(m->max_tp, tp->size) || (tp->size > 1 && tp->all_reduce == NULL))
         return GY_FAIL(GY_ERR_INVALID,
-                       "TP rank %d of %d does not fit %lld KV heads and %lld FFN shards",
+                       "TP rank %d of %d does not fit %lld KV heads and %lld FFN shards (the "
+                       "degree must divide both, with shards per rank a power of two or TP1)",
                        (int)tp->rank, (int)tp->size, (long long)m->n_kv_heads, (long long)m->max_tp);
     const gy_kv_layout *L = gy_kv_layout_of(kv);
     const gy_kv_config *c = gy_kv_config_of(kv);

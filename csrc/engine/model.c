@@ -17,11 +17,10 @@ gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_f
     if (m->head_dim % 2 != 0)
         return GY_FAIL(GY_ERR_INVALID, "head_dim %lld must be even for rotary embeddings",
                        (long long)m->head_dim);
-    if (m->max_tp <= 0 || m->max_tp > GY_MODEL_MAX_TP || (m->max_tp & (m->max_tp - 1)) != 0 ||
-        m->intermediate % m->max_tp != 0 || m->n_heads % m->max_tp != 0)
+    if (m->max_tp <= 0 || m->max_tp > GY_MODEL_MAX_TP || m->intermediate % m->max_tp != 0 ||
+        m->n_heads % m->max_tp != 0)
         return GY_FAIL(GY_ERR_INVALID,
-                       "max_tp=%lld must be a power of two <= %d dividing intermediate %lld and "
-                       "%lld heads",
+                       "max_tp=%lld must be in [1, %d] and divide intermediate %lld and %lld heads",
                        (long long)m->max_tp, GY_MODEL_MAX_TP, (long long)m->intermediate,
                        (long long)m->n_heads);
     if (!(rope_theta > 0.0)) return GY_FAIL(GY_ERR_INVALID, "rope_theta must be positive");

@@ -1,4 +1,4 @@
-/* comm_d2d.cu: the device side of the communicators (comm_d2d.h): the fp32 pairwise-tree sum of
+/* comm_d2d.cu: the device side of the communicators (comm_d2d.h): the fp32 tree sum of
  * the d2d all-reduce, device-to-device copies, and the stream, event and memory calls the d2d
  * and nccl backends make, so that csrc/comm/ needs no CUDA header. */
 #include "comm_d2d.h"
@@ -12,7 +12,8 @@ struct gy_comm_sum_inputs {
 };
 
 /* out: (n)   in.p[r]: (n), r < N. N is a template argument so that v[] lives in registers. The
- * loop is comm_shm.c's, element by element: v[j] = v[2j] + v[2j+1], halving until one is left. */
+ * loop is core/tree.h's, element by element: v[j] = v[2j] + v[2j+1], an odd last one carried up,
+ * until one is left. */
 template <int N>
 __global__ void gy_comm_sum_tree_kernel(float *out, gy_comm_sum_inputs in, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -21,9 +22,10 @@ __global__ void gy_comm_sum_tree_kernel(float *out, gy_comm_sum_inputs in, int64
 #pragma unroll
         for (int r = 0; r < N; r++) v[r] = in.p[r][i];
 #pragma unroll
-        for (int w = N; w > 1; w /= 2) {
+        for (int w = N; w > 1; w = (w + 1) / 2) {
 #pragma unroll
             for (int j = 0; j < w / 2; j++) v[j] = __fadd_rn(v[2 * j], v[2 * j + 1]);
+            if (w & 1) v[w / 2] = v[w - 1];
         }
         out[i] = v[0];
     }
@@ -41,9 +43,8 @@ static gy_status gy_comm_sum_tree_launch(float *out, const gy_comm_sum_inputs &i
 extern "C" gy_status gy_cuda_comm_sum_tree(float *out, const float *const *in, int32_t n_in,
                                            int64_t n, gy_cuda_stream stream) {
     if (n < 0) return GY_FAIL(GY_ERR_INVALID, "comm_sum_tree: n=%lld must be >= 0", (long long)n);
-    if (n_in < 1 || n_in > GY_CUDA_COMM_MAX_INPUTS || (n_in & (n_in - 1)) != 0)
-        return GY_FAIL(GY_ERR_INVALID,
-                       "comm_sum_tree: %d inputs (a power of two up to %d expected)", (int)n_in,
+    if (n_in < 1 || n_in > GY_CUDA_COMM_MAX_INPUTS)
+        return GY_FAIL(GY_ERR_INVALID, "comm_sum_tree: %d inputs (1 to %d expected)", (int)n_in,
                        GY_CUDA_COMM_MAX_INPUTS);
     if (n == 0) return GY_OK;
     if (out == NULL || in == NULL) return GY_FAIL(GY_ERR_INVALID, "comm_sum_tree: NULL out or in");
@@ -55,8 +56,19 @@ extern "C" gy_status gy_cuda_comm_sum_tree(float *out, const float *const *in, i
     switch (n_in) {
     case 1: return gy_cuda_comm_copy(out, in[0], (uint64_t)n * sizeof(float), stream);
     case 2: return gy_comm_sum_tree_launch<2>(out, inputs, n, stream);
+    case 3: return gy_comm_sum_tree_launch<3>(out, inputs, n, stream);
     case 4: return gy_comm_sum_tree_launch<4>(out, inputs, n, stream);
+    case 5: return gy_comm_sum_tree_launch<5>(out, inputs, n, stream);
+    case 6: return gy_comm_sum_tree_launch<6>(out, inputs, n, stream);
+    case 7: return gy_comm_sum_tree_launch<7>(out, inputs, n, stream);
     case 8: return gy_comm_sum_tree_launch<8>(out, inputs, n, stream);
+    case 9: return gy_comm_sum_tree_launch<9>(out, inputs, n, stream);
+    case 10: return gy_comm_sum_tree_launch<10>(out, inputs, n, stream);
+    case 11: return gy_comm_sum_tree_launch<11>(out, inputs, n, stream);
+    case 12: return gy_comm_sum_tree_launch<12>(out, inputs, n, stream);
+    case 13: return gy_comm_sum_tree_launch<13>(out, inputs, n, stream);
+    case 14: return gy_comm_sum_tree_launch<14>(out, inputs, n, stream);
+    case 15: return gy_comm_sum_tree_launch<15>(out, inputs, n, stream);
     default: return gy_comm_sum_tree_launch<16>(out, inputs, n, stream);
     }
 }

@@ -63,11 +63,12 @@ gy_status gy_cuda_comm_copy_h2d(void *dst, const void *src_host, uint64_t bytes,
 gy_status gy_cuda_comm_copy_d2h(void *dst_host, const void *src, uint64_t bytes,
                                 gy_cuda_stream stream);
 
-/* comm_d2d.cu: out[i] = the pairwise-tree sum of in[0][i] .. in[n_in - 1][i] for i < n,
- * ((in0 + in1) + (in2 + in3)) for n_in = 4: the order of comm_shm.c, so both give the same bits
+/* comm_d2d.cu: out[i] = the tree sum of in[0][i] .. in[n_in - 1][i] for i < n,
+ * ((in0 + in1) + (in2 + in3)) for n_in = 4, (in0 + in1) + in2 for 3: the order of core/tree.h and
+ * comm_shm.c, so both give the same bits
  * (fp32 adds round the same on the host and the device; no FMA can form from adds alone).
  *   out: (n) float32, may be one of the inputs   in: (n_in) host array of (n) float32 device
- *   pointers; n_in a power of two in [1, GY_CUDA_COMM_MAX_INPUTS] */
+ *   pointers; n_in in [1, GY_CUDA_COMM_MAX_INPUTS] */
 gy_status gy_cuda_comm_sum_tree(float *out, const float *const *in, int32_t n_in, int64_t n,
                                 gy_cuda_stream stream);
 

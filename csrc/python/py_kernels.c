@@ -495,7 +495,7 @@ static PyMethodDef gy_py_kernel_methods[] = {
     {"kernel_linear_t", gy_py_kernel_linear_t, METH_VARARGS,
      "kernel_linear_t(y, x, wt, w_dtype, bias|None, n, in, out, k_splits, threads): y = x @ wt + bias, wt [in, out]"},
     {"kernel_add_tree", gy_py_kernel_add_tree, METH_VARARGS,
-     "kernel_add_tree(out, parts, n): pairwise tree sum of the parts (a power of two of them)"},
+     "kernel_add_tree(out, parts, n): the tree sum of core/tree.h over the parts"},
     {"kernel_add_bias", gy_py_kernel_add_bias, METH_VARARGS, "kernel_add_bias(y, bias, n, out): y += bias per row"},
     {"kernel_rmsnorm", gy_py_kernel_rmsnorm, METH_VARARGS, "kernel_rmsnorm(out, x, weight, n, dim, eps)"},
     {"kernel_rope_table", gy_py_kernel_rope_table, METH_VARARGS,

@@ -208,7 +208,7 @@ GYTEST(comm_configs_are_checked_before_any_device) {
     config = (gy_comm_config){.backend = GY_COMM_BACKEND_NCCL, .size = 2, .devices = negative};
     CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
     for (int b = GY_COMM_BACKEND_SHM; b < GY_COMM_BACKEND_COUNT; b++) {
-        config = (gy_comm_config){.backend = (gy_comm_backend_kind)b, .size = 3};
+        config = (gy_comm_config){.backend = (gy_comm_backend_kind)b, .size = GY_COMM_MAX_RANKS + 1};
         CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_INVALID);
     }
     CHECK_STATUS(gy_comm_init_config(&comm, NULL), GY_ERR_INVALID);
@@ -232,8 +232,8 @@ GYTEST(comm_device_backends_are_unavailable_without_cuda) {
 
 GYTEST(comm_rejects_bad_sizes) {
     gy_comm *comm = NULL;
-    CHECK_STATUS(gy_comm_init(&comm, 3), GY_ERR_INVALID);
     CHECK_STATUS(gy_comm_init(&comm, 0), GY_ERR_INVALID);
+    CHECK_STATUS(gy_comm_init(&comm, -1), GY_ERR_INVALID);
     CHECK_STATUS(gy_comm_init(&comm, 32), GY_ERR_INVALID);
     CHECK(comm == NULL);
     CHECK_OK(gy_comm_init(&comm, 2));
