@@ -682,6 +682,24 @@ class Host(Serving):
             self._workers = None
             self.comms = None
 
+    def stats(self):
+        """What a serving front end reports: per instance its layout, workers and requests
+        waiting and running; per worker the KV blocks in use out of its instance's capacity."""
+        with self._lock:
+            self._check_open()
+            instances, workers = [], []
+            for inst in self.instances:
+                c = inst._c.stats()
+                instances.append({"layout": inst.layout, "workers": list(inst.workers),
+                                  "waiting": c["waiting"] + c["preempted_queued"],
+                                  "running": c["running"]})
+                for w in inst.workers:
+                    kv = self._workers[w].kv.stats()
+                    workers.append({"worker": w, "kv_blocks_used": kv["n_blocks"] - kv["free_blocks"],
+                                    "kv_blocks_capacity": c["capacity_blocks"]})
+            return {"instances": instances, "workers": sorted(workers, key=lambda x: x["worker"]),
+                    "transformations": len(self.transformations)}
+
     def memory(self):
         """Per worker: bytes in use, peak, weights and KV."""
         self._check_open()

@@ -58,6 +58,14 @@ def round_to(tensors, dtype):
     return {n: bf16_to_f32(f32_to_bf16(a)) for n, a in tensors.items()}
 
 
+def load_tokenizer(path):
+    """The tokenizer of a packaged model, a GGUF file or an HF directory, without its weights."""
+    file = packaged_path(path) if isinstance(path, str) and path in PACKAGED else os.fspath(path)
+    if os.path.isdir(file):
+        return Tokenizer.from_directory(file, ModelConfig.from_json(os.path.join(file, checkpoint.CONFIG_FILE)))
+    return Tokenizer.from_gguf_metadata(gguf_file.metadata(gguf_file.open_reader(file)))
+
+
 class Model:
     def __init__(self, config, tensors, tokenizer=None, weight_dtype="f32", name=None):
         if not isinstance(config, ModelConfig):

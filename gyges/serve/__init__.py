@@ -1,0 +1,75 @@
+"""An OpenAI-compatible server over a gyges Host (FastAPI + uvicorn, as vLLM's).
+
+    python -m gyges serve --model smollm2-135m-instruct --workers 3 --layout 3xTP1 --port 8000
+
+or from Python (a notebook, a test), on a thread of its own:
+
+    server = gyges.serve.Server(host, model_name="smollm2-135m-instruct", port=8000).start()
+    server.url            # http://127.0.0.1:8000/v1, for openai.OpenAI(base_url=...)
+    server.stop()
+"""
+import socket
+import threading
+import time
+
+from ..errors import StateError
+from .app import build_app
+from .runner import HostRunner
+
+__all__ = ["Server", "build_app", "HostRunner", "free_port"]
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn serving build_app(HostRunner(host)); binds 127.0.0.1 unless told otherwise."""
+
+    def __init__(self, host, model_name, port=8000, bind="127.0.0.1", api_key=None,
+                 enable_admin=False, max_body_bytes=1 << 20, max_tokens_limit=4096,
+                 log_level="warning"):
+        import uvicorn
+        self.host = host
+        self.runner = HostRunner(host)
+        self.app = build_app(self.runner, model_name, api_key=api_key, enable_admin=enable_admin,
+                             max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit)
+        self.port = free_port(bind) if port == 0 else port
+        self.bind = bind
+        config = uvicorn.Config(self.app, host=bind, port=self.port, log_level=log_level,
+                                access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = None
+
+    @property
+    def url(self):
+        return f"http://{self.bind}:{self.port}/v1"
+
+    def start(self, timeout=30.0):
+        """Serves on a background thread; returns once the port accepts connections."""
+        self.runner.start()
+        self._thread = threading.Thread(target=self._server.run, name="gyges-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise StateError(f"the server did not start on {self.bind}:{self.port}")
+            time.sleep(0.02)
+        return self
+
+    def run(self):
+        """Serves on this thread until interrupted (the command line's way)."""
+        self.runner.start()
+        try:
+            self._server.run()
+        finally:
+            self.runner.close()
+
+    def stop(self):
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self.runner.close()

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server: FastAPI over a HostRunner.
+
+    GET  /v1/models                 the one model served
+    POST /v1/completions            text (or token ids) in, text out; stream=true: server-sent events
+    POST /v1/chat/completions       messages through the model's chat template
+    GET  /health                    200 once the host serves
+    GET  /metrics                   Prometheus text (gyges/serve/metrics.py)
+    POST /admin/transform           {"workers": [0, 1, 2], "tp": 3, "layers_per_step": null}:
+                                    a live transformation while streams are open (--enable-admin)
+    GET  /admin/layout              the host's layout and stats (--enable-admin)
+
+Security as vLLM's server does it: an API key makes every /v1 endpoint ask for
+`Authorization: Bearer <key>` (401 otherwise); /admin exists only when enabled, and always asks
+for the key; bodies above max_body_bytes are refused (413). A client that disconnects from a
+stream aborts its request, which frees its KV.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from ..errors import Error, InvalidArgumentError
+from ..transform import TransformError
+from . import protocol
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+def _fastapi():
+    try:
+        import fastapi
+        import fastapi.responses
+    except ImportError as e:  # pragma: no cover - a pinned requirement
+        from ..errors import DependencyError
+        raise DependencyError("the server needs fastapi and uvicorn (pip install fastapi "
+                              "uvicorn)") from e
+    return fastapi
+
+
+def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_bytes=1 << 20,
+              max_tokens_limit=4096):
+    fastapi = _fastapi()
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    if enable_admin and not api_key:
+        raise InvalidArgumentError("enable_admin needs an api_key: /admin endpoints always ask "
+                                   "for it")
+    host = runner.host
+    tokenizer = host.model.tokenizer
+    if tokenizer is None:
+        raise InvalidArgumentError("the server needs a model with a tokenizer (a GGUF file, an "
+                                   "HF directory with tokenizer.json, or a packaged model)")
+    config = host.model.config
+    metrics = ServerMetrics(model_name)
+    app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runner, app.state.metrics = runner, metrics
+
+    def error(e):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e):
+        return error(e)
+
+    @app.exception_handler(fastapi.exceptions.RequestValidationError)
+    async def validation_error(request, e):
+        return error(APIError(400, "the request does not match the API"))
+
+    @app.exception_handler(404)
+    async def not_found(request, e):
+        return error(APIError(404, f"no endpoint {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request, e):
+        return error(APIError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    def check_key(request):
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "a valid API key is needed (Authorization: Bearer <key>)",
+                           type_="authentication_error", code="invalid_api_key")
+
+    async def read_json(request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise APIError(413, f"the request body is over {max_body_bytes} bytes")
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body_bytes:
+                raise APIError(413, f"the request body is over {max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+
+    def check_model(body):
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist (this server serves "
+                                f"{model_name!r})", code="model_not_found", param="model")
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models(request: fastapi.Request):
+        check_key(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": int(runner.started), "owned_by": "gyges",
+                                            "max_model_len": config.max_position_embeddings}]}
+
+    async def generate(request, chat):
+        check_key(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_model(body)
+        prompt = (protocol.chat_prompt(body, tokenizer) if chat else
+                  protocol.completion_prompt(body, tokenizer, config.vocab_size))
+        room = config.max_position_embeddings - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
+                                f"{config.max_position_embeddings}", param="messages" if chat else "prompt")
+        default = min(room, max_tokens_limit) if chat else 16
+        params = protocol.parse_sampling(body, default, max_tokens_limit)
+        if len(prompt) + params.max_tokens > config.max_position_embeddings:
+            raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                                f"is over this model's context of {config.max_position_embeddings}",
+                           param="max_tokens")
+        stream_it, include_usage = protocol.stream_flags(body)
+        loop = asyncio.get_running_loop()
+        try:
+            stream = await loop.run_in_executor(None, runner.submit, prompt, params, loop)
+        except Error as e:  # too long for any instance, ...
+            raise APIError(400, str(e)) from None
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if stream_it:
+            return StreamingResponse(sse(stream, rid, chat, include_usage, len(prompt)),
+                                     media_type="text/event-stream")
+        try:
+            text, tokens, finish = await collect(stream)
+        except asyncio.CancelledError:
+            abandon(stream)
+            raise
+        metrics.observe(stream.request)
+        if protocol.finish_reason(finish) is None:
+            raise APIError(500, f"the request ended with {finish}: {stream.request.error}",
+                           type_="server_error")
+        return protocol.completion(rid, model_name, text, finish, len(prompt), len(tokens), chat)
+
+    def abandon(stream):
+        """The client went away: its request is aborted (its KV freed) on an executor thread.
+        Not awaited: the task that would wait is being cancelled, and under anyio every await
+        of a cancelled task is cancelled too."""
+        future = asyncio.get_running_loop().run_in_executor(None, runner.abort, stream)
+        future.add_done_callback(lambda _: metrics.observe(stream.request))
+
+    async def collect(stream):
+        text, tokens = "", []
+        while True:
+            piece, new, finish = await stream.queue.get()
+            text, tokens = text + piece, tokens + new
+            if finish is not None:
+                return text, tokens, finish
+
+    async def sse(stream, rid, chat, include_usage, n_prompt):
+        n_tokens, first, ended = 0, True, False
+        try:
+            if chat:  # the assistant's role first, as OpenAI's stream does
+                yield _event(protocol.chunk(rid, model_name, "", None, chat, first=True))
+            while True:
+                piece, new, finish = await stream.queue.get()
+                n_tokens += len(new)
+                if finish is not None:
+                    ended = True
+                    metrics.observe(stream.request)
+                    reason = protocol.finish_reason(finish)
+                    if reason is None:
+                        yield _event(APIError(500, f"the request ended with {finish}: "
+                                                   f"{stream.request.error}", "server_error").body())
+                        break
+                    yield _event(protocol.chunk(rid, model_name, piece, reason, chat))
+                    if include_usage:
+                        yield _event(protocol.chunk(rid, model_name, "", None, chat,
+                                                    usage_=protocol.usage(n_prompt, n_tokens)))
+                    break
+                if piece:
+                    yield _event(protocol.chunk(rid, model_name, piece, None, chat))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:  # the client went away mid-stream
+                abandon(stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await generate(request, chat=True)
+
+    @app.get("/metrics")
+    async def prometheus():
+        stats = await asyncio.get_running_loop().run_in_executor(None, host.stats)
+        return PlainTextResponse(metrics.render(stats, runner.steps),
+                                 media_type="text/plain; version=0.0.4")
+
+    if enable_admin:
+        @app.post("/admin/transform")
+        async def transform(request: fastapi.Request):
+            check_key(request)
+            body = await read_json(request)
+            if not isinstance(body, dict) or "workers" not in body or "tp" not in body:
+                raise APIError(400, "the body is {'workers': [...], 'tp': k, 'layers_per_step': "
+                                    "null or n}")
+            args = {k: body[k] for k in ("workers", "tp", "layers_per_step", "method") if k in body}
+            started = time.perf_counter()
+            try:
+                t = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: host.transform(**args))
+            except (TransformError, Error) as e:
+                raise APIError(400, str(e)) from None
+            except TypeError as e:
+                raise APIError(400, f"bad transformation arguments: {e}") from None
+            log.info("transformation to TP%s of workers %s started", body["tp"], body["workers"])
+            return {"layout": host.layout(), "done": t.done,
+                    "seconds": time.perf_counter() - started}
+
+        @app.get("/admin/layout")
+        async def layout(request: fastapi.Request):
+            check_key(request)
+            return {"layout": host.layout(), **host.stats()}
+
+    return app
+
+
+def _event(obj):
+    return f"data: {json.dumps(obj)}\n\n"

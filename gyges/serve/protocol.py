@@ -1,0 +1,169 @@
+"""The OpenAI API's requests and responses as gyges sees them: a request body checked field by
+field into (prompt tokens, SamplingParams, stream options), OpenAI-style errors, and the
+response and chunk objects of /v1/completions and /v1/chat/completions.
+
+Defaults follow the OpenAI API (and vLLM's server): max_tokens 16 for completions and the room
+left for chat, temperature 1.0, top_p 1.0, top_k off (a vLLM extension, -1 or 0), a random seed
+when none is given. n > 1, best_of, echo, logprobs, logit_bias, tools and the penalties are
+refused by name: gyges does not implement them.
+"""
+import secrets
+import time
+
+from ..engine import SamplingParams
+from ..errors import Error
+
+REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_logprobs": "logprobs",
+           "logit_bias": "logit_bias", "suffix": "suffix", "tools": "tools",
+           "tool_choice": "tools", "functions": "functions", "response_format": "response_format",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "repetition_penalty": "repetition_penalty"}
+KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+         "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user",
+         "ignore_eos", "min_tokens", *REFUSED}
+
+
+class APIError(Error):
+    """An error the server answers with (OpenAI's shape: {"error": {message, type, param, code}})."""
+
+    def __init__(self, status, message, type_="invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def _number(body, name, default, lo=None, hi=None, integer=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise APIError(400, f"{name} must be {'an integer' if integer else 'a number'}, got "
+                            f"{value!r}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise APIError(400, f"{name}={value} is out of range [{lo}, {hi}]", param=name)
+    return value
+
+
+def parse_sampling(body, default_max_tokens, max_tokens_limit):
+    """SamplingParams of a request body; APIError(400) naming the bad or refused field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for name, what in REFUSED.items():
+        value = body.get(name)
+        if value not in (None, False, 0, 0.0, 1.0 if name == "repetition_penalty" else 0, {}, []):
+            raise APIError(400, f"{what} is not supported by gyges", param=name)
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:  # pragma: no cover - range says it
+        raise APIError(400, "n must be 1", param="n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_max_tokens if max_tokens is None else _number(
+        {"max_tokens": max_tokens}, "max_tokens", None, 1, max_tokens_limit, integer=True)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise APIError(400, "top_p must be > 0", param="top_p")
+    top_k = _number(body, "top_k", 0, -1, None, integer=True)
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them",
+                       param="stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, "ignore_eos must be a boolean", param="ignore_eos")
+    if body.get("min_tokens") not in (None, 0):
+        raise APIError(400, "min_tokens is not supported by gyges", param="min_tokens")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
+                              top_k=max(top_k, 0), top_p=float(top_p),
+                              seed=secrets.randbits(63) if seed is None else seed,
+                              stop=tuple(stop), ignore_eos=ignore_eos)
+    except Error as e:
+        raise APIError(400, str(e)) from None
+
+
+def stream_flags(body):
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def completion_prompt(body, tokenizer, vocab):
+    """Token ids of a completion's prompt: a string, or a list of token ids (one prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+        return prompt
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt "
+                        "per request)", param="prompt")
+
+
+def chat_prompt(body, tokenizer):
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
+                not isinstance(m.get("content"), str):
+            raise APIError(400, "each message is {'role': 'system'|'user'|'assistant', 'content': "
+                                "str}", param="messages")
+    try:
+        return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                              for m in messages], tokenize=True)
+    except Error as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def new_id(prefix):
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(rid, model, text, finish, prompt_tokens, completion_tokens, chat):
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(rid, model, text, finish, chat, first=False, usage_=None):
+    if chat:
+        delta = {"role": "assistant", "content": text} if first else (
+            {"content": text} if text or finish is None else {})
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    else:
+        choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        out["choices"], out["usage"] = [], usage_
+    return out
+
+
+def finish_reason(reason):
+    """OpenAI's finish reasons: stop (a stop token or string), length; an abort or an engine
+    error ends the stream with an error instead."""
+    return reason if reason in ("stop", "length") else None
