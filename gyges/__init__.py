@@ -1,7 +1,13 @@
 """gyges: a research engine for LLM serving whose parallelism changes while it runs.
 
 The performance-critical parts are C (and CUDA) in gyges._C; this package is the steering wheel.
+Every public submodule is reachable after a bare `import gyges` (gyges.sim, gyges.traces,
+gyges.experiment, gyges.metrics, gyges.results, gyges.serve, ...), imported when first used.
+The package logs through `logging` (logger "gyges"); it prints nothing.
 """
+import importlib
+import logging
+
 from . import _C
 from .arena import Arena
 from .errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, Error, FormatError,
@@ -10,13 +16,27 @@ from .errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, E
 from .engine import Engine, Request, SamplingParams
 from .host import Host
 from .kv_cache import KVCache
+from .llm import LLM
 from .model import Model
 from .units import format_size, parse_size
 
 __version__ = "0.1.0"
 WITH_CUDA = bool(_C.WITH_CUDA)
 
-__all__ = ["Arena", "KVCache", "Model", "Engine", "SamplingParams", "Request", "Host",
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+SUBMODULES = ("arena", "checkpoint", "comm", "config", "costmodel", "demo", "experiment",
+              "gguf_file", "metrics", "recovery", "results", "safetensors", "serve", "sim",
+              "testing", "tokenizer", "traces", "transform", "units", "weights", "worker")
+
+
+def __getattr__(name):
+    if name in SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gyges' has no attribute {name!r}")
+
+
+__all__ = ["Arena", "KVCache", "Model", "Engine", "SamplingParams", "Request", "Host", "LLM",
            "Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError", "StateError",
            "BusyError", "SystemCallError", "CudaError", "UnavailableError", "LimitError",
            "FormatError", "DependencyError", "parse_size", "format_size", "WITH_CUDA"]

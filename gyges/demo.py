@@ -1,5 +1,7 @@
-"""`make demo`: one trace, three ways to run four CPU workers.
+"""`make demo`: a real model, then one trace, three ways to run four CPU workers.
 
+0. SmolLM2-135M-Instruct answers a question, and a story generated across a live merge of three
+   workers into one TP3 instance comes out the same as without it.
 1. A live transformation in a few lines: four TP1 instances serving short requests merge into
    one TP4 instance for a request none of them can hold, and split back.
 2. The main job: a mixed trace of short chat-like requests and a few long ones (longer than a
@@ -27,6 +29,35 @@ MEMORY = "32MiB"   # per worker: a TP1 instance holds ~3,000 tokens of KV, TP2 ~
 RUNS = (("gyges", "gyges", "4xTP1"), ("static 4xTP1", "static", "4xTP1"),
         ("static 1xTP4", "static", "1xTP4"))
 OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "demo.png"
+
+
+def real_model():
+    """SmolLM2-135M-Instruct (shipped by a PyPI package) on three CPU workers: a chat answer,
+    then a story whose generation spans a live 3xTP1 -> TP3 merge and is the same text as
+    without it."""
+    model = gyges.Model.load("smollm2-135m-instruct")
+    print(f"   {model}")
+    host = gyges.Host(model, workers=3, memory_per_worker="768MiB", page_size="256KiB",
+                      layout="3xTP1")
+    q = "What is the capital of France?"
+    chat = host.generate_chat([{"role": "user", "content": q}],
+                              gyges.SamplingParams(max_tokens=40))[0]
+    print(f"   user: {q}\n   assistant: {chat.text}")
+    prompt = "Once upon a time, a lighthouse keeper"
+    params = gyges.SamplingParams(max_tokens=60, ignore_eos=True)
+    plain = host.generate(prompt, params)[0]
+    live = host.submit(prompt, params)
+    for _ in range(20):
+        host.step()
+    t = host.transform(workers=(0, 1, 2), tp=3)
+    print(f"   after {len(live.output_tokens)} tokens, merged live {t.stats['requests_moved']} "
+          f"request into {host.layout()}")
+    host.run()
+    host.transform(workers=(0, 1, 2), tp=1)
+    same = "the same text" if live.text == plain.text else "A DIFFERENT TEXT"
+    print(f"   {prompt}{live.text}\n   ({same} as without the merge; split back into "
+          f"{host.layout()})")
+    host.close()
 
 
 def serve(model):
@@ -175,6 +206,8 @@ def plot(results, path):
 def main():
     start = time.perf_counter()
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
+    print("\n== a real model, text in and out, and a live transformation")
+    real_model()
     model = gyges.Model.tiny()
     print(f"\n== one worker serving the embedded tiny model ({model})")
     serve(model)

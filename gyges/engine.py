@@ -36,7 +36,12 @@ MAX_ARRIVAL_AHEAD = 3600.0
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 and top_p 1 are
-    off; the seed makes sampling reproducible per request (independent of the batch)."""
+    off; the seed makes sampling reproducible per request (independent of the batch).
+
+    Beside vLLM's SamplingParams: the same names; defaults differ where gyges is a research
+    engine that must be reproducible: temperature 0.0 (vLLM 1.0) and seed 0 (vLLM None, a random
+    one); max_tokens 16, top_p 1.0 and top_k off as in vLLM. n > 1, min_tokens, the three
+    penalties and logprobs are refused by name; stop strings and stop_token_ids work."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
@@ -45,6 +50,13 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     stop: tuple = ()  # strings: the text ends before the first of them (needs a tokenizer)
+    # vLLM's fields that gyges does not implement: accepted at their defaults, refused otherwise
+    n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         checks.integer("max_tokens", self.max_tokens, lo=1)
@@ -60,6 +72,12 @@ class SamplingParams:
             raise InvalidArgumentError(f"stop={self.stop!r}: expected a non-empty string or a "
                                        f"list of them")
         object.__setattr__(self, "stop", tuple(stop))
+        for name, default in (("n", 1), ("min_tokens", 0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("logprobs", None)):
+            if getattr(self, name) != default:
+                raise InvalidArgumentError(f"{name}={getattr(self, name)!r}: gyges does not "
+                                           f"implement {name} (only {default!r})")
 
 
 @dataclass
@@ -410,6 +428,15 @@ class Engine(Serving):
             if not request.finished and self._loop.requests.get(request.id) is not request:
                 raise InvalidArgumentError(f"request {request.id} was not submitted to this engine")
             return self._loop.abort(request)
+
+    def kv_sequence(self, request):
+        """The KV sequence (of eng.kv) holding the request's tokens, -1 while it has none
+        (queued, preempted or finished: a finished request's blocks are free again)."""
+        with self._lock:
+            self._check_open()
+            if request.finished or self._loop.requests.get(request.id) is not request:
+                return -1
+            return self._c.export(request.id)["seqs"][0]
 
     def step(self):
         """Runs one engine step; returns the number of tokens it ran through the model."""

@@ -23,6 +23,7 @@ NCCL cannot be loaded, devices=None falls back to virtual workers on device 0 (h
 says why). Without a usable GPU the constructor raises UnavailableError with the reason before
 anything is allocated.
 """
+import logging
 import operator
 import re
 import weakref
@@ -37,6 +38,8 @@ from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, Tr
                         kv_move, scale_down, scale_up, views_in)
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
+
+log = logging.getLogger(__name__)
 
 COMMS = ("d2d", "nccl")
 DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
@@ -456,8 +459,17 @@ class Host(Serving):
         requests (gyges.recovery): t.recovered and t.error say so; no request is lost."""
         with self._lock:
             self._check_open()
-            return self._transform(workers, tp, method, layers_per_step, weights_from,
-                                   phase_chunks, overlap)
+            before = self.layout()
+            try:
+                t = self._transform(workers, tp, method, layers_per_step, weights_from,
+                                    phase_chunks, overlap)
+            except Exception as e:
+                log.warning("transformation of workers %s to TP%s refused: %s", workers, tp, e)
+                raise
+            log.info("transformation %s -> %s (%s%s)%s", before, self.layout(), method,
+                     "" if layers_per_step is None else f", {layers_per_step} layers a step",
+                     "" if t.done else ": under way")
+            return t
 
     def _check_transform_args(self, workers, tp, layers_per_step, weights_from, phase_chunks,
                               overlap):
@@ -622,6 +634,16 @@ class Host(Serving):
                 if inst.loop.requests.get(request.id) is request:
                     return inst.loop.abort(request)
             raise InvalidArgumentError(f"request {request.id} is not served by this host")
+
+    def kv_sequences(self, request):
+        """{worker: the KV sequence in that worker's cache holding the request} over the
+        workers of its instance; -1 where it holds none (queued, preempted, finished)."""
+        with self._lock:
+            self._check_open()
+            for inst in self.instances:
+                if not request.finished and inst.loop.requests.get(request.id) is request:
+                    return dict(zip(inst.workers, inst.request_seqs(request.id)))
+            return {}
 
     def has_unfinished(self):
         with self._lock:

@@ -52,6 +52,33 @@ class MetricsError(InvalidArgumentError):
     """Per-request records or token times are inconsistent (the message names the request)."""
 
 
+def records(handles) -> tuple[np.ndarray, list]:
+    """(REQUEST_DTYPE rows, token times) of request handles: what Engine.generate, Host.submit
+    or LLM.generate returned (gyges.Request, or anything with a `.request` that is one)."""
+    rows = np.empty(len(handles), dtype=REQUEST_DTYPE)
+    times = []
+    for i, h in enumerate(handles):
+        r = getattr(h, "request", h)
+        m = getattr(r, "metrics", None)
+        if m is None or not hasattr(r, "prompt"):
+            raise ArgumentTypeError(f"requests must be a NumPy structured array with fields "
+                                    f"{REQUEST_FIELDS} or request handles; item {i} is a "
+                                    f"{type(h).__name__}")
+        rows[i] = (m.arrival, m.scheduled, m.first_token, m.finish, len(r.prompt),
+                   len(r.output_tokens))
+        times.append(np.asarray(m.token_times, dtype=np.float64))
+    return rows, times
+
+
+def _as_records(requests, token_times):
+    """A structured array as it is; a sequence of request handles through records()."""
+    if getattr(getattr(requests, "dtype", None), "names", None) is None and \
+            isinstance(requests, (list, tuple)):
+        rows, times = records(requests)
+        return rows, times if token_times is None else token_times
+    return requests, token_times
+
+
 def per_request(requests: np.ndarray) -> np.ndarray:
     """TTFT, TPOT, E2E and queue time of each request (PER_REQUEST_DTYPE), NaN where undefined:
     queue needs `scheduled`, TTFT `first_token`, E2E `finish`, TPOT a completed request with more
@@ -69,7 +96,8 @@ def per_request(requests: np.ndarray) -> np.ndarray:
 
 def summarize(requests: np.ndarray, token_times: Sequence[np.ndarray] | None = None,
               slo: dict | None = None, percentiles: Sequence[float] = (90, 99)) -> dict:
-    """vLLM's benchmark metrics as a flat dict.
+    """vLLM's benchmark metrics as a flat dict. `requests`: a structured array, or the request
+    handles an Engine, a Host or an LLM returned (their token times then give the ITL).
 
     Counts: completed, rejected, unfinished, total_input, total_output (completed requests).
     Rates (per second of `duration`): request_throughput, output_throughput,
@@ -81,6 +109,7 @@ def summarize(requests: np.ndarray, token_times: Sequence[np.ndarray] | None = N
     when every given latency is <= its threshold (equal passes, as in vLLM); a request with one
     output token has TPOT 0 for this test (vLLM's rule). An empty dict sets no constraint.
     """
+    requests, token_times = _as_records(requests, token_times)
     r = _check_requests(requests)
     done = np.isfinite(r["finish"])
     scheduled = np.isfinite(r["scheduled"])

@@ -14,6 +14,7 @@ def test_make_demo_runs_and_prints_the_comparison():
                          text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
+    assert "Paris" in out and "(the same text as without the merge" in out
     for expected in ("TTFT ms", "TPOT ms", "merged live into TP4", "static 4xTP1", "static 1xTP4", "transformations",
                      "demo finished"):
         assert expected in out, f"{expected!r} missing from the demo's output"

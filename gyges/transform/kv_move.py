@@ -10,6 +10,8 @@ order of the rounds and every count are the same on both. A host picks by its ba
 
 Both account what they move in the transformation's stats: bytes_sent / bytes_received per
 worker, peak_extra_bytes for what staging holds."""
+import abc
+
 import numpy as np
 
 from ..arena import Arena
@@ -17,25 +19,25 @@ from ..kv_cache import KVCache
 from .transformation import TransformError
 
 
-class KVMove:
+class KVMove(abc.ABC):
     name = None
 
+    @abc.abstractmethod
     def all_to_all(self, host, tr, rounds, m, sub_of, run_bytes):
         """Scale-up's phased all-to-all (plans.AllToAllPlan.rounds), in round order: the
         destination dst receives sub-group sub_of[dst] of the source's old blocks (new block
         m*b + sub of old block b, run_bytes each). Within every
         layer a round receives only into blocks earlier rounds have sent away."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stage(self, host, tr, moved, rank_worker):
         """Scale-down, before the caches change: every moved request's KV blocks of each old
         rank, every layer, copied aside. Returns what unstage() takes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def unstage(self, host, tr, moved, staged, plan, seq_of):
         """Writes the staged blocks into the new caches' wider blocks: new rank r of instance j
         takes sub-group g of its heads from old rank r*m + g (plans.SplitPlan)."""
-        raise NotImplementedError
 
     def __repr__(self):
         return f"<KV move {self.name}>"
