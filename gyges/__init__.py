@@ -7,6 +7,7 @@ The package logs through `logging` (logger "gyges"); it prints nothing.
 """
 import importlib
 import logging
+import os
 
 from . import _C
 from .arena import Arena
@@ -24,6 +25,11 @@ __version__ = "0.1.0"
 WITH_CUDA = bool(_C.WITH_CUDA)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# GYGES_CPU_ISA=portable runs the portable CPU kernels on a machine that has AVX-512 (same bits):
+# how a machine without AVX-512 is timed here.
+if os.environ.get("GYGES_CPU_ISA"):
+    _C.kernel_set_isa(os.environ["GYGES_CPU_ISA"])
 
 SUBMODULES = ("arena", "checkpoint", "comm", "config", "costmodel", "demo", "experiment",
               "gguf_file", "metrics", "recovery", "results", "safetensors", "serve", "sim",

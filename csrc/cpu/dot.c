@@ -21,22 +21,45 @@ static inline float gy_dot_load(const void *w, gy_dtype dtype, int64_t k) {
     }
 }
 
+/* Whole lane blocks as plain loops over the 16 lanes, one dtype each, that the compiler turns
+ * into vector FMAs (each lane's chain is unchanged, so the bits are the definition's); the last
+ * partial block element by element. */
 float gy_dot_ref(const void *w, gy_dtype w_dtype, const float *x, int64_t len) {
     float acc[GY_DOT_LANES] = {0};
+    int64_t k0 = 0;
     if (w_dtype == GY_DTYPE_BF16) {
         /* Blocks of 32: lane l takes element 2l, then 2l + 1 (the two halves of one 32-bit word). */
         const uint16_t *h = (const uint16_t *)w;
-        for (int64_t k0 = 0; k0 < len; k0 += 2 * GY_DOT_LANES)
+        for (; k0 + 2 * GY_DOT_LANES <= len; k0 += 2 * GY_DOT_LANES) {
+            float we[GY_DOT_LANES], xe[GY_DOT_LANES], wo[GY_DOT_LANES], xo[GY_DOT_LANES];
+            for (int l = 0; l < GY_DOT_LANES; l++) {
+                we[l] = gy_bf16_to_f32(h[k0 + 2 * l]);
+                wo[l] = gy_bf16_to_f32(h[k0 + 2 * l + 1]);
+                xe[l] = x[k0 + 2 * l];
+                xo[l] = x[k0 + 2 * l + 1];
+            }
+            for (int l = 0; l < GY_DOT_LANES; l++) acc[l] = fmaf(we[l], xe[l], acc[l]);
+            for (int l = 0; l < GY_DOT_LANES; l++) acc[l] = fmaf(wo[l], xo[l], acc[l]);
+        }
+        if (k0 < len)
             for (int l = 0; l < GY_DOT_LANES; l++)
                 for (int64_t k = k0 + 2 * l; k < k0 + 2 * l + 2; k++)
                     acc[l] = k < len ? fmaf(gy_bf16_to_f32(h[k]), x[k], acc[l])
                                      : fmaf(0.0f, 0.0f, acc[l]);
         return gy_dot_lane_tree(acc);
     }
-    int64_t k0 = 0;
-    for (; k0 + GY_DOT_LANES <= len; k0 += GY_DOT_LANES)
-        for (int l = 0; l < GY_DOT_LANES; l++)
-            acc[l] = fmaf(gy_dot_load(w, w_dtype, k0 + l), x[k0 + l], acc[l]);
+    if (w_dtype == GY_DTYPE_F16) {
+        const uint16_t *h = (const uint16_t *)w;
+        for (; k0 + GY_DOT_LANES <= len; k0 += GY_DOT_LANES) {
+            float wf[GY_DOT_LANES];
+            for (int l = 0; l < GY_DOT_LANES; l++) wf[l] = gy_f16_to_f32(h[k0 + l]);
+            for (int l = 0; l < GY_DOT_LANES; l++) acc[l] = fmaf(wf[l], x[k0 + l], acc[l]);
+        }
+    } else {
+        const float *wf = (const float *)w;
+        for (; k0 + GY_DOT_LANES <= len; k0 += GY_DOT_LANES)
+            for (int l = 0; l < GY_DOT_LANES; l++) acc[l] = fmaf(wf[k0 + l], x[k0 + l], acc[l]);
+    }
     if (k0 < len) /* the zero padding is part of the definition: fma(0, 0, -0) is +0 */
         for (int l = 0; l < GY_DOT_LANES; l++)
             acc[l] = k0 + l < len ? fmaf(gy_dot_load(w, w_dtype, k0 + l), x[k0 + l], acc[l])
