@@ -31,7 +31,7 @@ RUNS = (("gyges", "gyges", "4xTP1"), ("static 4xTP1", "static", "4xTP1"),
 OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "demo.png"
 
 
-def real_model():
+def real_model(n_tokens=60):
     """SmolLM2-135M-Instruct (shipped by a PyPI package) on three CPU workers: a chat answer,
     then a story whose generation spans a live 3xTP1 -> TP3 merge and is the same text as
     without it."""
@@ -44,7 +44,7 @@ def real_model():
                               gyges.SamplingParams(max_tokens=40))[0]
     print(f"   user: {q}\n   assistant: {chat.text}")
     prompt = "Once upon a time, a lighthouse keeper"
-    params = gyges.SamplingParams(max_tokens=60, ignore_eos=True)
+    params = gyges.SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     plain = host.generate(prompt, params)[0]
     live = host.submit(prompt, params)
     for _ in range(20):
@@ -206,17 +206,17 @@ def plot(results, path):
 def main():
     start = time.perf_counter()
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
+    # GYGES_DEMO_QUICK=1 (the test suite): shorter runs, for machines whose CPU has no AVX-512
+    # (the portable kernels are several times slower).
+    quick = os.environ.get("GYGES_DEMO_QUICK") == "1"
     print("\n== a real model, text in and out, and a live transformation")
-    real_model()
+    real_model(n_tokens=32 if quick else 60)
     model = gyges.Model.tiny()
     print(f"\n== one worker serving the embedded tiny model ({model})")
     serve(model)
     print(f"\n== live transformation on 4 CPU workers")
     transform_live(model)
 
-    # GYGES_DEMO_QUICK=1 (the test suite): the same job on a shorter trace, for machines whose
-    # CPU has no AVX-512 (the portable kernels are several times slower).
-    quick = os.environ.get("GYGES_DEMO_QUICK") == "1"
     trace = mixed_trace(duration=5.0, n_long=1) if quick else mixed_trace()
     n_long = int((trace["input_tokens"] > 3000).sum())
     print(f"\n== one trace, three layouts: {trace.size} requests over "

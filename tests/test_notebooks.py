@@ -31,8 +31,20 @@ def kernel_spec_manager(tmp_path_factory):
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:3] == ["01_quickstart.ipynb", "02_transformation.ipynb",
-                                               "03_paper_scale_simulation.ipynb"]
+    assert [p.name for p in NOTEBOOKS][:4] == ["01_quickstart.ipynb", "02_transformation.ipynb",
+                                               "03_paper_scale_simulation.ipynb",
+                                               "04_real_model.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebooks_carry_the_outputs_of_a_full_run(path):
+    """So that they read on a code host (notebooks/execute.py writes them)."""
+    nb = nbformat.read(path, as_version=4)
+    counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), f"{path.name}: run notebooks/execute.py"
+    assert any(c.outputs for c in nb.cells if c.cell_type == "code")
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                if o.output_type == "error"]
 
 
 @pytest.mark.slow

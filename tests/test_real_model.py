@@ -11,7 +11,7 @@ References:
   - GGUF files: ones written here by the `gguf` package's writer from Model.tiny (q/k rows
     permuted as llama.cpp's converter does), read back exactly, and broken ones refused.
 """
-import os
+import json
 import struct
 
 import numpy as np
@@ -269,3 +269,21 @@ def test_a_name_that_is_no_model_is_refused():
         gyges.Model.load("no-such-model")
     with pytest.raises(gyges.InvalidArgumentError, match="dtype="):
         gyges.Model.load(NAME, dtype="f64")
+
+
+def test_an_hf_directory_brings_its_tokenizer_json_and_template(smol, tmp_path):
+    """tokenizer.json is used as it is, tokenizer_config.json gives the template and BOS/EOS."""
+    model = gyges.Model.tiny()
+    model.save(str(tmp_path))
+    smol.tokenizer._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": smol.tokenizer.chat_template, "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"}, "add_bos_token": False}))
+    loaded = gyges.Model.load(str(tmp_path))
+    tok = loaded.tokenizer
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    for text in ("The capital of France is", "<|im_start|>user\nHi<|im_end|>", "日本語 🙂"):
+        assert tok.encode(text) == smol.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages) == smol.tokenizer.apply_chat_template(messages)
+    assert gyges.model.load_tokenizer(str(tmp_path)).encode("abc") == tok.encode("abc")
