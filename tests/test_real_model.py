@@ -17,6 +17,7 @@ import struct
 import numpy as np
 import pytest
 from reference_bpe import ReferenceBPE
+from packaged import NAME, needs_packaged_model
 from reference_model import ReferenceModel
 
 import gyges
@@ -24,22 +25,13 @@ from gyges import gguf_file
 from gyges.checkpoint import CheckpointError
 from gyges.model import PACKAGED, packaged_path
 
-NAME = "smollm2-135m-instruct"
 NEAR_TIE = 2e-3  # of the largest logit's magnitude
 GREEDY = gyges.SamplingParams(max_tokens=32, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village",
            "1 + 1 = 2, 2 + 2 ="]
 
 
-def _installed():
-    try:
-        packaged_path(NAME)
-        return None
-    except gyges.Error as e:
-        return str(e)
-
-
-pytestmark = pytest.mark.skipif(_installed() is not None, reason=_installed() or "")
+pytestmark = needs_packaged_model
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,16 @@ import time
 import pytest
 
 import gyges
-from gyges.model import packaged_path
+from packaged import NAME, needs_packaged_model
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from gyges.serve import Server  # noqa: E402
 
-NAME = "smollm2-135m-instruct"
 KEY = "test-key-123"
 
 
-def _installed():
-    try:
-        packaged_path(NAME)
-        return None
-    except gyges.Error as e:
-        return str(e)
-
-
-pytestmark = pytest.mark.skipif(_installed() is not None, reason=_installed() or "")
+pytestmark = needs_packaged_model
 
 
 @pytest.fixture(scope="module")
