@@ -25,6 +25,7 @@ import numpy as np
 from . import _C, checks
 from .errors import ArgumentTypeError, InvalidArgumentError, StateError
 from .fairlock import FairLock
+from .tokenizer import chat_prompts, tokenize_prompt
 from .units import parse_size
 from .worker import Worker
 
@@ -213,10 +214,8 @@ class InstanceLoop:
         self.tokenizer = tokenizer
         self.requests = {}
 
-    def add(self, request_id, tokens, params, arrival=None):
-        text = tokens if isinstance(tokens, str) and self.tokenizer is not None else None
-        if text is not None:
-            tokens = self.tokenizer.encode(text)
+    def add(self, request_id, tokens, params, arrival=None, prompt_text=None):
+        """Queues a request of token ids (prompt_text: the text they were encoded from)."""
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError(f"stop={list(params.stop)!r}: stop strings need a model "
                                        f"with a tokenizer (use stop_token_ids)")
@@ -230,7 +229,7 @@ class InstanceLoop:
             stops |= set(self.config.eos_tokens())
         arrival = check_arrival(arrival, self.clock())
         detokenizer = self.tokenizer.detokenizer(prompt.tolist()) if self.tokenizer else None
-        request = Request(request_id, prompt.tolist(), params, arrival, detokenizer, text)
+        request = Request(request_id, prompt.tolist(), params, arrival, detokenizer, prompt_text)
         self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
                     params.top_k, float(params.top_p), params.seed,
                     np.array(sorted(stops), dtype=np.int32), arrival)
@@ -306,12 +305,7 @@ class Serving:
     def generate_chat(self, messages, params=None):
         """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
         model's chat template (the assistant's turn opened) and generated; returns the handles."""
-        tokenizer = getattr(self.model, "tokenizer", None)
-        if tokenizer is None:
-            raise InvalidArgumentError("this model has no tokenizer, so no chat template")
-        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([tokenizer.apply_chat_template(m, tokenize=True) for m in chats],
-                             params)
+        return self.generate(chat_prompts(getattr(self.model, "tokenizer", None), messages), params)
 
     def __enter__(self):
         return self
@@ -411,9 +405,10 @@ class Engine(Serving):
         (now by default). A bad prompt or parameter raises a gyges.Error naming it, and so does a
         request that could never fit in this worker's memory; nothing is queued then."""
         params = check_params(params)
+        tokens, text = tokenize_prompt(tokens, self._loop.tokenizer)
         with self._lock:
             self._check_open()
-            request = self._loop.add(self._next_id, tokens, params, arrival)
+            request = self._loop.add(self._next_id, tokens, params, arrival, text)
             self._next_id += 1
             return request
 

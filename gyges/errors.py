@@ -15,6 +15,17 @@ class DependencyError(UnavailableError, ImportError):
     extension built from other sources); the message says how to get it."""
 
 
+def require(module, needed_for, package=None):
+    """`import module`, or a DependencyError saying what needs it and how to install it."""
+    import sys
+    try:
+        __import__(module)  # (through builtins.__import__, as an import statement goes)
+        return sys.modules[module]
+    except ImportError:
+        raise DependencyError(f"{needed_for} needs the `{package or module}` package, which is not "
+                              f"installed: pip install {package or module}") from None
+
+
 __all__ = ["Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError",
            "StateError", "BusyError", "SystemCallError", "CudaError", "UnavailableError",
            "LimitError", "FormatError", "DependencyError"]

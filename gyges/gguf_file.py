@@ -20,7 +20,7 @@ import numpy as np
 
 from .checkpoint import CheckpointError, check_tensors, expected_shapes
 from .config import ConfigError, ModelConfig
-from .errors import DependencyError
+from .errors import require
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # GGUF tensor name (without "blk.N.") -> HF name (without "model.layers.N.")
@@ -45,14 +45,6 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 IGNORED_SUFFIXES = ("rope_freqs.weight",)
 
 
-def _gguf():
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - a pinned requirement
-        raise DependencyError("reading GGUF files needs the `gguf` package (pip install gguf)") from e
-    return gguf
-
-
 def open_reader(path):
     """A gguf.GGUFReader over `path`, or CheckpointError naming the file and what is wrong
     (missing, bad magic, truncated, unknown tensor type, a tensor past the end of the file: the
@@ -60,7 +52,7 @@ def open_reader(path):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such GGUF file")
-    gguf = _gguf()
+    gguf = require("gguf", "reading GGUF files")
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, TypeError, OverflowError) as e:
@@ -150,7 +142,7 @@ def load(path):
     order. Q4_0/Q4_1/Q8_0/F16/BF16/F32 (and every other type the gguf package dequantizes)."""
     path = os.fspath(path)
     reader = open_reader(path)
-    gguf = _gguf()
+    gguf = require("gguf", "reading GGUF files")
     meta = metadata(reader)
     try:
         config = config_from_metadata(meta, {t.name: int(t.shape[-1]) for t in reader.tensors})

@@ -34,6 +34,7 @@ from .comm import CommPool, aligned_groups
 from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
 from .fairlock import FairLock
+from .tokenizer import tokenize_prompt
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
                         kv_move, scale_down, scale_up, views_in)
 from .units import parse_size
@@ -597,9 +598,7 @@ class Host(Serving):
         instance that can hold it; returns its handle. A bad prompt or parameter raises a
         gyges.Error naming it and queues nothing."""
         params = check_params(params)
-        text = tokens if isinstance(tokens, str) and self.model.tokenizer is not None else None
-        if text is not None:
-            tokens = self.model.tokenizer.encode(text)
+        tokens, text = tokenize_prompt(tokens, getattr(self.model, "tokenizer", None))
         with self._lock:
             self._check_open()
             if instance is not None:
@@ -615,8 +614,7 @@ class Host(Serving):
                         f"the request needs {need} KV blocks but the largest instance holds "
                         f"{best} (layout {self.layout()}); merge instances first")
                 target = min(fits, key=Instance.load)
-            request = target.loop.add(self._next_id, tokens, params)
-            request.prompt_text = text
+            request = target.loop.add(self._next_id, tokens, params, prompt_text=text)
             self._next_id += 1
             return request
 

@@ -19,6 +19,7 @@ from .engine import SamplingParams, check_params
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .host import Host
 from .model import Model
+from .tokenizer import chat_prompts
 from .units import parse_size
 
 log = logging.getLogger(__name__)
@@ -90,20 +91,14 @@ class LLM:
             params = [check_params(p) for p in sampling_params]
         else:
             params = [check_params(sampling_params)] * len(prompts)
-        with self.host._lock:
-            requests = [self.host.submit(p, sp) for p, sp in zip(prompts, params)]
-            self.host.run()
+        requests = [self.host.submit(p, sp) for p, sp in zip(prompts, params)]
+        self.host.run()
         return [_output(r) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm=False):
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the model's
         chat template with the assistant's turn opened."""
-        tokenizer = self.model.tokenizer
-        if tokenizer is None:
-            raise InvalidArgumentError("this model has no tokenizer, so no chat template")
-        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(m, tokenize=True)}
-                   for m in chats]
+        prompts = [{"prompt_token_ids": p} for p in chat_prompts(self.model.tokenizer, messages)]
         return self.generate(prompts, sampling_params)
 
     def close(self):

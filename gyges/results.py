@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import metrics
-from .errors import DependencyError, InvalidArgumentError
+from .errors import InvalidArgumentError, require
 
 __all__ = ["Results", "REQUEST_DTYPE", "TIMELINE_DTYPE", "LAYOUT_DTYPE", "TRANSFORM_DTYPE",
            "STATUS"]
@@ -179,14 +179,10 @@ class Results:
         """Three panels: throughput over time with transformation markers, the layout over time
         (each GPU coloured by the TP of its instance), and CDFs of TTFT, TPOT and E2E. Saves to
         `path` when given; returns the matplotlib Figure."""
-        try:
-            import matplotlib
-            if path is not None:
-                matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise DependencyError("Results.plot needs matplotlib, which is not installed: "
-                              "pip install matplotlib") from None
+        matplotlib = require("matplotlib", "Results.plot")
+        if path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
         fig, axes = plt.subplots(3, 1, figsize=(10, 10), constrained_layout=True)
         t0 = float(self.requests["arrival"].min()) if self.requests.size else 0.0
         starts, out_tps, total_tps = self.throughput()

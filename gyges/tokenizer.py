@@ -14,7 +14,7 @@ import json
 import os
 
 from .checkpoint import CheckpointError
-from .errors import ArgumentTypeError, DependencyError, InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError, require
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -26,11 +26,7 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 
 
 def _lib():
-    try:
-        import tokenizers
-    except ImportError as e:  # pragma: no cover - a pinned requirement
-        raise DependencyError("text needs the `tokenizers` package (pip install tokenizers)") from e
-    return tokenizers
+    return require("tokenizers", "text")
 
 
 def _pre_tokenizer(pre):
@@ -176,6 +172,23 @@ class Tokenizer:
                                      bos_token=special(self.bos_token_id) or "",
                                      eos_token=special(self.eos_token_id) or "")
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def tokenize_prompt(prompt, tokenizer):
+    """(token ids, text) of a prompt: a string is encoded when there is a tokenizer; anything else
+    passes as it is, with no text (the token-id checks then name what is wrong)."""
+    if isinstance(prompt, str) and tokenizer is not None:
+        return tokenizer.encode(prompt), prompt
+    return prompt, None
+
+
+def chat_prompts(tokenizer, messages):
+    """Token ids of one conversation ([{"role", "content"}, ...]) or of each of a list of them,
+    rendered with the model's chat template, the assistant's turn opened."""
+    if tokenizer is None:
+        raise InvalidArgumentError("this model has no tokenizer, so no chat template")
+    chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    return [tokenizer.apply_chat_template(m, tokenize=True) for m in chats]
 
 
 class Detokenizer:

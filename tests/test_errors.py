@@ -77,3 +77,11 @@ def test_the_extension_raises_gyges_errors_for_bad_arguments():
     a = gyges.Arena(budget="1MiB", page_size="64KiB")
     with pytest.raises(gyges.Error):
         _C.KVCache(a._c, 99, 1, 1, 8, 4, 4, 0, 1)  # a layout that does not exist
+
+
+def test_a_missing_package_is_a_dependency_error_saying_how_to_get_it():
+    from gyges.errors import require
+    with pytest.raises(gyges.DependencyError, match="plotting needs the `no-such-pkg` package.*"
+                                                    "pip install no-such-pkg"):
+        require("no_such_pkg", "plotting", package="no-such-pkg")
+    assert require("json", "reading").dumps(1) == "1"

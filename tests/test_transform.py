@@ -65,6 +65,16 @@ def kv_by_request(host):
     return out
 
 
+def assert_kv_unchanged(before, after):
+    """Every head of every token of every request (kv_by_request) has its values unchanged."""
+    assert set(before) == set(after)
+    for rid in before:
+        for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
+            n = min(k0.shape[0], k1.shape[0])
+            np.testing.assert_array_equal(k0[:n], k1[:n])
+            np.testing.assert_array_equal(v0[:n], v1[:n])
+
+
 def check_placement(host):
     """Each worker holds the KV heads and FFN shards of its rank, and nothing else."""
     H = host.model.config.num_key_value_heads
@@ -97,13 +107,7 @@ def test_transformations_keep_every_token_stream(tiny, reference, start, target,
     before = kv_by_request(host)
     t = host.transform(workers=workers, tp=target)
     assert t.done and t.stats["requests_moved"] > 0
-    after = kv_by_request(host)
-    assert set(before) == set(after)
-    for rid in before:  # every head of every token moved with its values unchanged
-        for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
-            n = min(k0.shape[0], k1.shape[0])
-            np.testing.assert_array_equal(k0[:n], k1[:n])
-            np.testing.assert_array_equal(v0[:n], v1[:n])
+    assert_kv_unchanged(before, kv_by_request(host))
     check_placement(host)
     host.run()
     assert [r.output_tokens for r in requests] == reference(1)
@@ -400,12 +404,7 @@ def test_three_workers_merge_into_tp3_and_split_back_bit_identically(three, para
             host.step()
         assert host.layout() == ("TP3" if target == 3 else "3xTP1")
         if layers_per_step is None:
-            after = kv_by_request(host)
-            for rid in before:
-                for (k0, v0), (k1, v1) in zip(before[rid], after[rid]):
-                    n = min(k0.shape[0], k1.shape[0])
-                    np.testing.assert_array_equal(k0[:n], k1[:n])
-                    np.testing.assert_array_equal(v0[:n], v1[:n])
+            assert_kv_unchanged(before, kv_by_request(host))
         check_placement(host)
     host.run()
     assert [r.output_tokens for r in requests] == want

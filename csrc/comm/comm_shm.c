@@ -58,8 +58,8 @@ static gy_status gy_shm_all_reduce(gy_comm *c, int32_t rank, float *buf, int64_t
     float v[GY_COMM_MAX_RANKS];
     for (int64_t i = lo; i < hi; i++) {
         for (int32_t r = 0; r < c->size; r++) v[r] = ((const float *)m->ptrs[r])[i];
-        for (int32_t w = c->size; w > 1; w = gy_tree_level(v, w)) {
-        }
+        int32_t w = c->size;
+        while (w > 1) w = gy_tree_level(v, w);
         m->scratch[i] = v[0];
     }
     GY_TRY(gy_comm_host_barrier(c));

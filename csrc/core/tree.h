@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* One level on v[0 .. width): v[j] = v[2j] + v[2j+1], the odd last one moved down; returns the
- * new width. Loop `for (w = n; w > 1; w = gy_tree_level(v, w))`; the sum is then v[0]. */
+ * new width. `while (w > 1) w = gy_tree_level(v, w);` from w = n leaves the sum in v[0]. */
 static inline int32_t gy_tree_level(float *v, int32_t width) {
     for (int32_t j = 0; j < width / 2; j++) v[j] = v[2 * j] + v[2 * j + 1];
     if (width & 1) v[width / 2] = v[width - 1];

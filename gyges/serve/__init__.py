@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 
-from ..errors import StateError
+from ..errors import StateError, require
 from .app import build_app
 from .runner import HostRunner
 
@@ -31,7 +31,7 @@ class Server:
     def __init__(self, host, model_name, port=8000, bind="127.0.0.1", api_key=None,
                  enable_admin=False, max_body_bytes=1 << 20, max_tokens_limit=4096,
                  log_level="warning"):
-        import uvicorn
+        uvicorn = require("uvicorn", "the server")
         self.host = host
         self.runner = HostRunner(host)
         self.app = build_app(self.runner, model_name, api_key=api_key, enable_admin=enable_admin,

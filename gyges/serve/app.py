@@ -20,7 +20,7 @@ import json
 import logging
 import time
 
-from ..errors import Error, InvalidArgumentError
+from ..errors import Error, InvalidArgumentError, require
 from ..transform import TransformError
 from . import protocol
 from .metrics import ServerMetrics
@@ -29,20 +29,9 @@ from .protocol import APIError
 log = logging.getLogger(__name__)
 
 
-def _fastapi():
-    try:
-        import fastapi
-        import fastapi.responses
-    except ImportError as e:  # pragma: no cover - a pinned requirement
-        from ..errors import DependencyError
-        raise DependencyError("the server needs fastapi and uvicorn (pip install fastapi "
-                              "uvicorn)") from e
-    return fastapi
-
-
 def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_bytes=1 << 20,
               max_tokens_limit=4096):
-    fastapi = _fastapi()
+    fastapi = require("fastapi", "the server")
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     if enable_admin and not api_key:

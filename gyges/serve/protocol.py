@@ -54,13 +54,13 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit):
         raise APIError(400, "the request body must be a JSON object")
     for name, what in REFUSED.items():
         value = body.get(name)
-        if value not in (None, False, 0, 0.0, 1.0 if name == "repetition_penalty" else 0, {}, []):
+        off = 1.0 if name == "repetition_penalty" else 0  # the value that asks for nothing
+        if value not in (None, False, off, {}, []):
             raise APIError(400, f"{what} is not supported by gyges", param=name)
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
-    if _number(body, "n", 1, 1, 1, integer=True) != 1:  # pragma: no cover - range says it
-        raise APIError(400, "n must be 1", param="n")
+    _number(body, "n", 1, 1, 1, integer=True)  # gyges returns one choice
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if max_tokens is None else _number(
         {"max_tokens": max_tokens}, "max_tokens", None, 1, max_tokens_limit, integer=True)
