@@ -1,8 +1,9 @@
 """Builds gyges._C: the C11 core in csrc/ and, when nvcc is on the PATH, the CUDA backend.
 
 GYGES_CUDA=0 turns the CUDA part off; GYGES_CUDA_ARCH picks the SM targets (default "90", the
-H100/H200). The CUDA driver is never linked: csrc/mem/arena_cuda.c loads libcuda.so.1 at run time,
-and the CUDA runtime is linked statically, so `import gyges` works on machines with no GPU.
+H100/H200); GYGES_NVCC_FLAGS adds nvcc flags (a kernel's tuning macro, say). The CUDA driver is
+never linked: csrc/mem/arena_cuda.c loads libcuda.so.1 at run time, and the CUDA runtime is
+linked statically, so `import gyges` works on machines with no GPU.
 cuBLAS is not linked either: csrc/kernels/gemm.cu loads libcublas.so at run time.
 
 The CUDA forward pass (csrc/engine/forward_cuda.c) is built with the CUDA backend
@@ -11,6 +12,7 @@ The CUDA forward pass (csrc/engine/forward_cuda.c) is built with the CUDA backen
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 from pathlib import Path
 
@@ -45,7 +47,9 @@ class BuildExtWithCuda(build_ext):
 
     def build_extension(self, ext):
         if CUDA_HOME is not None:
-            ext.extra_objects = ext.extra_objects + self._compile_cuda()
+            objects = self._compile_cuda()
+            ext.extra_objects = ext.extra_objects + objects
+            ext.depends = ext.depends + objects  # a rebuilt kernel relinks the extension
         super().build_extension(ext)
 
     def _compile_cuda(self):
@@ -56,16 +60,30 @@ class BuildExtWithCuda(build_ext):
         out_dir = Path(self.build_temp) / "cuda"
         out_dir.mkdir(parents=True, exist_ok=True)
         objects = []
+        jobs = []
+        extra = os.environ.get("GYGES_NVCC_FLAGS", "").split()  # e.g. -DGY_ATTN_UNROLL=4
         for source in sorted(glob(str(ROOT / "csrc" / "kernels" / "*.cu"))):
             obj = out_dir / (Path(source).stem + ".o")
-            if not obj.exists() or obj.stat().st_mtime < self._newest_input(source):
-                cmd = [str(CUDA_HOME / "bin" / "nvcc"), "-c", source, "-o", str(obj), "-O3",
-                       "-std=c++17", "-Xcompiler", "-fPIC", "-DGY_WITH_CUDA=1",
-                       f'-DGY_CUDA_LIBDIR="{CUDA_HOME / "lib64"}"',
-                       "--expt-relaxed-constexpr", *gencode]
-                print(" ".join(cmd), flush=True)
-                subprocess.check_call(cmd)
+            cmd = [str(CUDA_HOME / "bin" / "nvcc"), "-c", source, "-o", str(obj), "-O3",
+                   "-std=c++17", "-Xcompiler", "-fPIC", "-DGY_WITH_CUDA=1",
+                   f'-DGY_CUDA_LIBDIR="{CUDA_HOME / "lib64"}"', "--expt-relaxed-constexpr",
+                   *gencode, *extra]
+            # the command beside the object: other flags rebuild it too
+            stamp = obj.with_suffix(".cmd")
+            if (not obj.exists() or obj.stat().st_mtime < self._newest_input(source)
+                    or not stamp.exists() or stamp.read_text() != " ".join(cmd)):
+                jobs.append((cmd, stamp))
             objects.append(str(obj))
+        # nvcc runs one file per process: one per core (a GPU machine's 16 cores build in the time
+        # of the slowest kernel)
+        def compile_one(job):
+            cmd, stamp = job
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd)
+            stamp.write_text(" ".join(cmd))
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, jobs))
         return objects
 
     @staticmethod

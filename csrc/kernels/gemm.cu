@@ -10,8 +10,8 @@
  *                                      lda = n_out
  *   X^T is stored column-major as is (transb = N, ldb = ldx); Y^T likewise (ldc = ldy);
  *   cuBLAS's (m, n, k) = (n_out, m, n_in).
- * The compute type is CUBLAS_COMPUTE_32F: fp32 accumulation for every dtype, and no TF32 for fp32
- * inputs (cuBLAS's default math mode), so an fp32 GEMM differs from the CPU's only in the order
+ * The compute type is CUBLAS_COMPUTE_32F: fp32 accumulation for every dtype (split-K partial sums
+ * included: CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION), and no TF32 for fp32 inputs, so an fp32 GEMM differs from the CPU's only in the order
  * of its sums.
  *
  * The bias (an fp32 vector, Qwen2's q/k/v) is added by a small kernel that writes it into y
@@ -35,6 +35,7 @@
 typedef cublasStatus_t (*gy_cublas_create_fn)(cublasHandle_t *);
 typedef cublasStatus_t (*gy_cublas_destroy_fn)(cublasHandle_t);
 typedef cublasStatus_t (*gy_cublas_set_stream_fn)(cublasHandle_t, cudaStream_t);
+typedef cublasStatus_t (*gy_cublas_set_math_mode_fn)(cublasHandle_t, cublasMath_t);
 typedef const char *(*gy_cublas_status_string_fn)(cublasStatus_t);
 typedef cublasStatus_t (*gy_cublas_gemm_ex_fn)(cublasHandle_t, cublasOperation_t,
                                                cublasOperation_t, int, int, int, const void *,
@@ -49,6 +50,7 @@ typedef struct gy_cublas_lib {
     gy_cublas_create_fn create;
     gy_cublas_destroy_fn destroy;
     gy_cublas_set_stream_fn set_stream;
+    gy_cublas_set_math_mode_fn set_math_mode;
     gy_cublas_status_string_fn status_string; /* optional: numbers are printed without it */
     gy_cublas_gemm_ex_fn gemm_ex;
 } gy_cublas_lib;
@@ -80,12 +82,14 @@ static gy_cublas_lib gy_cublas_load(void) {
     lib.create = (gy_cublas_create_fn)dlsym(handle, "cublasCreate_v2");
     lib.destroy = (gy_cublas_destroy_fn)dlsym(handle, "cublasDestroy_v2");
     lib.set_stream = (gy_cublas_set_stream_fn)dlsym(handle, "cublasSetStream_v2");
+    lib.set_math_mode = (gy_cublas_set_math_mode_fn)dlsym(handle, "cublasSetMathMode");
     lib.status_string = (gy_cublas_status_string_fn)dlsym(handle, "cublasGetStatusString");
     lib.gemm_ex = (gy_cublas_gemm_ex_fn)dlsym(handle, "cublasGemmEx");
-    if (lib.create == NULL || lib.destroy == NULL || lib.set_stream == NULL || lib.gemm_ex == NULL) {
+    if (lib.create == NULL || lib.destroy == NULL || lib.set_stream == NULL || lib.gemm_ex == NULL ||
+        lib.set_math_mode == NULL) {
         snprintf(lib.message, sizeof lib.message,
                  "cuBLAS is not available: the library found lacks cublasCreate_v2, "
-                 "cublasDestroy_v2, cublasSetStream_v2 or cublasGemmEx");
+                 "cublasDestroy_v2, cublasSetStream_v2, cublasSetMathMode or cublasGemmEx");
         dlclose(handle);
         return lib;
     }
@@ -142,11 +146,19 @@ extern "C" gy_status gy_cuda_blas_init(gy_cuda_blas **out, gy_cuda_stream stream
         free(b);
         return gy_cublas_status(r, "cublasCreate", __FILE__, __LINE__);
     }
-    r = lib->set_stream(b->handle, (cudaStream_t)stream);
+    /* Split-K partial sums of fp16/bf16 outputs stay fp32: by default cuBLAS may round them to
+     * the output dtype before adding them up (seen on an H200: bf16 64x96x256 off by 25%). */
+    r = lib->set_math_mode(b->handle, (cublasMath_t)(CUBLAS_DEFAULT_MATH |
+                                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    const char *failed = "cublasSetMathMode";
+    if (r == CUBLAS_STATUS_SUCCESS) {
+        r = lib->set_stream(b->handle, (cudaStream_t)stream);
+        failed = "cublasSetStream";
+    }
     if (r != CUBLAS_STATUS_SUCCESS) {
         lib->destroy(b->handle);
         free(b);
-        return gy_cublas_status(r, "cublasSetStream", __FILE__, __LINE__);
+        return gy_cublas_status(r, failed, __FILE__, __LINE__);
     }
     b->stream = (cudaStream_t)stream;
     *out = b;

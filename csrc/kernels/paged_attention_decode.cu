@@ -12,7 +12,7 @@
  * each other: each warp keeps its own online softmax (running maximum m, sum l, and the weighted
  * sum of V rows), and the four are merged once at the end. Within a warp, LPR lanes share one K/V
  * row (16-byte loads, one or two per lane), so a warp reads 32 / LPR rows at a time, U times per
- * step with all loads issued before any is used. Scores are dot products of the fp32 query with
+ * step (GY_ATTN_ROWS rows) with all loads issued before any is used. Scores are dot products of the fp32 query with
  * the widened key in fp32, times `scale`; weights are expf(s - m).
  *
  * With one partition the work item writes the output itself; with more, it writes (m, l, sum) to
@@ -28,7 +28,13 @@
 #define GY_ATTN_TARGET_ROWS 4096
 #define GY_ATTN_MAX_PARTS 256
 #define GY_ATTN_WARPS 4
-#define GY_ATTN_UNROLL 2
+/* K/V rows a warp loads per step, all issued before any is used. Measured on an H200 (head_dim
+ * 128, 32/8 heads, batch 64 x 4K context): f16/bf16 KV (two rows per load round) 43% of the copy
+ * bandwidth at 4 rows, 41% at 8, 35% at 16; fp32 KV (one row per round) 48% at 2 rows, 58% at 4,
+ * 52% at 8. GYGES_NVCC_FLAGS=-DGY_ATTN_ROWS=n tries another. */
+#ifndef GY_ATTN_ROWS
+#define GY_ATTN_ROWS 4
+#endif
 
 static int64_t gy_attn_parts(int64_t n_tokens, int64_t n_q_heads, int64_t max_len) {
     if (n_tokens <= 0 || n_q_heads <= 0 || max_len <= GY_ATTN_MIN_PART) return 1;
@@ -97,12 +103,13 @@ __global__ void __launch_bounds__(32 * GY_ATTN_WARPS)
                           const int32_t *__restrict__ bt_indices, int64_t n_seqs,
                           int64_t n_q_heads, int64_t n_chunks, int64_t P, int64_t part_len,
                           float scale) {
-    constexpr int NW = GY_ATTN_WARPS, U = GY_ATTN_UNROLL;
+    constexpr int NW = GY_ATTN_WARPS;
     constexpr int VEC = gy_attn_vec<KV>::n;            /* values per 16-byte load */
     constexpr int NCH_MAX = D_MAX / VEC;               /* 16-byte chunks of a row, at most */
     constexpr int LPR = NCH_MAX < 32 ? NCH_MAX : 32;   /* lanes sharing a row */
     constexpr int CPL = NCH_MAX / LPR;                 /* chunks per lane */
     constexpr int KPI = 32 / LPR;                      /* rows a warp reads at a time */
+    constexpr int U = KPI < GY_ATTN_ROWS ? GY_ATTN_ROWS / KPI : 1; /* load rounds per step */
     constexpr int KW = KPI * U;                        /* rows a warp takes per step */
     static_assert(NCH_MAX % LPR == 0 && 32 % LPR == 0, "D_MAX must be a power of two >= VEC");
 

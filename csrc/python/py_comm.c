@@ -131,6 +131,23 @@ typedef struct gy_py_comm_buf {
     void *ptr;
 } gy_py_comm_buf;
 
+/* A device address: any integer (a NumPy int64 from address arithmetic too), never a float or a
+ * buffer. A PyArg "O&" converter: 1, or 0 with an exception. */
+static int gy_py_comm_address(PyObject *object, void *out) {
+    PyObject *index = PyIndex_Check(object) ? PyNumber_Index(object) : NULL;
+    if (index == NULL) {
+        PyErr_Clear();
+        PyErr_Format(GY_PY_TYPE_ERROR, "a device address must be an int, not %.100s",
+                     Py_TYPE(object)->tp_name);
+        return 0;
+    }
+    const unsigned long long address = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *(unsigned long long *)out = address;
+    return 1;
+}
+
 /* A device address (an int), or a C-contiguous buffer of at least `min_bytes` bytes (writable
  * when `writable`). 0, or -1 with an exception. */
 static int gy_py_comm_buf_get(GyCommObject *self, gy_py_comm_buf *b, PyObject *object,
@@ -138,13 +155,14 @@ static int gy_py_comm_buf_get(GyCommObject *self, gy_py_comm_buf *b, PyObject *o
     b->held = 0;
     b->ptr = NULL;
     if (gy_py_comm_is_device(self)) {
-        if (!PyLong_Check(object)) {
+        unsigned long long address;
+        if (!gy_py_comm_address(object, &address)) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1; /* an int out of range */
+            PyErr_Clear();
             PyErr_Format(GY_PY_TYPE_ERROR, "%s: a %s communicator takes device addresses (ints)",
                          what, gy_comm_backend_name(gy_comm_backend(self->comm)));
             return -1;
         }
-        const unsigned long long address = PyLong_AsUnsignedLongLong(object);
-        if (address == (unsigned long long)-1 && PyErr_Occurred()) return -1;
         b->ptr = (void *)(uintptr_t)address;
         return 0;
     }
@@ -444,7 +462,8 @@ static PyObject *gy_py_comm_upload(GyCommObject *self, PyObject *args) {
     int rank;
     unsigned long long address;
     PyObject *object;
-    if (!PyArg_ParseTuple(args, "iKO", &rank, &address, &object) || gy_py_comm_rank(self, rank) < 0)
+    if (!PyArg_ParseTuple(args, "iO&O", &rank, gy_py_comm_address, &address, &object) ||
+        gy_py_comm_rank(self, rank) < 0)
         return NULL;
     return gy_py_comm_transfer(self, rank, address, object, 0);
 }
@@ -453,7 +472,8 @@ static PyObject *gy_py_comm_download(GyCommObject *self, PyObject *args) {
     int rank;
     unsigned long long address;
     PyObject *object;
-    if (!PyArg_ParseTuple(args, "iOK", &rank, &object, &address) || gy_py_comm_rank(self, rank) < 0)
+    if (!PyArg_ParseTuple(args, "iOO&", &rank, &object, gy_py_comm_address, &address) ||
+        gy_py_comm_rank(self, rank) < 0)
         return NULL;
     return gy_py_comm_transfer(self, rank, address, object, 1);
 }
