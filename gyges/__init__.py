@@ -31,9 +31,10 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if os.environ.get("GYGES_CPU_ISA"):
     _C.kernel_set_isa(os.environ["GYGES_CPU_ISA"])
 
-SUBMODULES = ("arena", "checkpoint", "comm", "config", "costmodel", "demo", "experiment",
-              "gguf_file", "metrics", "recovery", "results", "safetensors", "serve", "sim",
-              "testing", "tokenizer", "traces", "transform", "units", "weights", "worker")
+SUBMODULES = ("arena", "checkpoint", "cluster", "comm", "config", "costmodel", "demo",
+              "experiment", "gguf_file", "layout", "metrics", "recovery", "results", "safetensors",
+              "serve", "sim", "testing", "tokenizer", "traces", "transform", "units", "weights",
+              "worker")
 
 
 def __getattr__(name):

@@ -1,17 +1,17 @@
-"""Replay a request trace against a real gyges.Host with the simulator's cluster policies: one
-scheduler (csrc/sim/policy_*.c), two executors (gyges.sim and this module).
+"""Replay a request trace against a real gyges.Host under the simulator's cluster policies: one
+controller (csrc/cluster/controller.h, with the policies of csrc/sim/policy_*.c), two executors
+(gyges.sim's discrete events, and this module's real host).
 
     res = gyges.experiment.run(trace, policy="gyges", host=host, time_scale=0.05)
     res.summary(); res.requests; res.plot("run.png"); res.save("runs/gyges")
 
-At each arrival the policy gets a view of the real host (instances, TP, KV blocks total and used,
-queues, footprints, what is transforming, held or reserved) and returns a decision, which is
-applied to the host: the request is submitted to the chosen instance, deferred at the cluster
-until a scale-up it waits for is done, or rejected; its merge / split / hold ops become
-host.transform(...) calls and held flags. Deferred requests are reconsidered after every
-transformation, after every step that finished a request, and every `sample_interval`; the policy
-may rebalance (split instances no request needs) after transformations and after steps of TP > 1
-or held instances that finished something, as in the simulator (csrc/sim/sim.h).
+This module only executes: it tells the controller (gyges._C.Controller) when a request arrives,
+when an instance finished requests, when a transformation ended and when time passes, and
+implements the controller's ops on the host: `instances` (a view of every instance: TP, KV blocks
+total and used, queues, footprints, whether it transforms), `assign` (submit a request to the
+chosen instance, or mark it deferred or rejected) and `reconfigure` (a merge or split op becomes
+host.transform(...)). Which requests wait at the cluster, which instances the policy holds, and
+when the policy is asked again are the controller's, the same code as in the simulator.
 
 Every instance steps on its own thread, back to back while it has work, as the simulator's
 instances (GPUs) do; Host.step's lockstep would make each instance wait for the slowest one's
@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _C, traces
+from .cluster import (DEFER, INST_VIEW_DTYPE, PLACE, XFORM_MERGING, XFORM_NONE, Policy,
+                      check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
 from .errors import Error as GygesError
@@ -54,23 +56,7 @@ from .errors import DependencyError, InvalidArgumentError
 from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
     Results
 
-__all__ = ["run", "Policy", "View", "Decision", "ExperimentError", "POLICIES",
-           "INST_VIEW_DTYPE", "GROUP_DTYPE", "STEP_DTYPE", "capacities"]
-
-POLICIES = ("gyges", "round_robin", "least_load", "static")
-
-# gy_sim_inst_view and gy_sim_group (csrc/sim/policy.h), field for field.
-INST_VIEW_DTYPE = np.dtype([
-    ("gpu_first", "i4"), ("tp", "i4"), ("host", "i4"), ("xform", "i4"), ("placeable", "i4"),
-    ("held", "i4"), ("reserved", "i4"), ("max_min_tp", "i4"),
-    ("kv_total", "i8"), ("kv_used", "i8"), ("footprint", "i8"), ("max_footprint", "i8"),
-    ("n_requests", "i8"), ("n_running", "i8"), ("n_waiting", "i8"),
-    ("pending_prefill", "i8"), ("pending_output", "i8")])
-GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
-if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
-        GROUP_DTYPE.itemsize != _C.POLICY_GROUP_SIZE:  # pragma: no cover - a build mismatch
-    raise DependencyError("gyges._C's policy view structs do not match gyges/experiment.py's dtypes; "
-                      "rebuild the extension (make build)")
+__all__ = ["run", "ExperimentError", "STEP_DTYPE", "capacities"]
 
 # One measured instance step (record_steps=True): its TP, gyges.costmodel's batch shape, and
 # two wall times: `seconds` from the end of the instance's previous step (or the start of its
@@ -83,10 +69,6 @@ STEP_DTYPE = np.dtype([
     ("kv_read_tokens", "f8"), ("attn_pairs", "f8"), ("seconds", "f8"), ("busy_seconds", "f8"),
     ("concurrent", "i4")])
 
-# gy_sim_xform, gy_sim_action, gy_sim_op_kind
-XFORM_NONE, XFORM_MERGING = 0, 1
-ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
-OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold"}
 # gyges.results.STATUS
 PENDING, DEFERRED, QUEUED, FINISHED, REJECTED = 0, 1, 2, 3, 4
 
@@ -95,154 +77,8 @@ class ExperimentError(InvalidArgumentError):
     """A bad argument to the experiment (the message names the value)."""
 
 
-# ---- the policies, callable on any view ----------------------------------------------------
-
-@dataclass
-class View:
-    """What a policy sees of a cluster (gy_sim_view): instances in GPU order (INST_VIEW_DTYPE),
-    KV blocks of a fresh instance per TP level (TP 1, 2, 4, ... up to max_tp), and the groups
-    deferred requests wait for (GROUP_DTYPE). gpu_inst is derived."""
-    inst: np.ndarray
-    capacity: np.ndarray
-    n_gpus: int
-    gpus_per_host: int | None = None
-    max_tp: int | None = None
-    block_size: int = 16
-    watermark: float = 0.0
-    now: float = 0.0
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, GROUP_DTYPE))
-
-    @classmethod
-    def of(cls, instances, capacity, n_gpus=None, **kwargs) -> "View":
-        """A view from dicts: [{"gpu_first": 0, "tp": 1, "kv_total": 60, ...}, ...] (missing
-        fields are 0; placeable defaults to 1), e.g. for trying a policy by hand."""
-        inst = np.zeros(len(instances), INST_VIEW_DTYPE)
-        for row, spec in zip(inst, instances):
-            unknown = set(spec) - set(INST_VIEW_DTYPE.names)
-            if unknown:
-                raise ExperimentError(f"unknown instance field(s) {sorted(unknown)}; known: "
-                                      f"{', '.join(INST_VIEW_DTYPE.names)}")
-            row["placeable"] = 1
-            for k, v in spec.items():
-                row[k] = v
-        inst = inst[np.argsort(inst["gpu_first"], kind="stable")]
-        if n_gpus is None:
-            n_gpus = int((inst["gpu_first"] + inst["tp"]).max()) if inst.size else 0
-        pending = kwargs.pop("pending", None)
-        pend = np.zeros(len(pending or ()), GROUP_DTYPE)
-        for row, g in zip(pend, pending or ()):
-            row["gpu_first"], row["size"] = g[0], g[1]
-            row["footprint"] = g[2] if len(g) > 2 else 0
-        return cls(inst=inst, capacity=np.asarray(capacity, np.int64), n_gpus=n_gpus,
-                   pending=pend, **kwargs)
-
-    def gpu_inst(self) -> np.ndarray:
-        out = np.full(self.n_gpus, -1, np.int32)
-        for k, row in enumerate(self.inst):
-            out[row["gpu_first"]:row["gpu_first"] + row["tp"]] = k
-        return out
-
-    def as_tuple(self):
-        gph = self.gpus_per_host or self.n_gpus
-        max_tp = self.max_tp or gph
-        return (float(self.now), int(self.n_gpus), int(gph), int(max_tp), int(self.block_size),
-                float(self.watermark), np.ascontiguousarray(self.inst, INST_VIEW_DTYPE),
-                self.gpu_inst(), np.ascontiguousarray(self.capacity, np.int64),
-                np.ascontiguousarray(self.pending, GROUP_DTYPE))
-
-
-@dataclass(frozen=True)
-class Decision:
-    """action: 'place', 'defer', 'reject' (or 'none' from rebalance); target: the index into
-    view.inst (place); group: (first GPU, size) the request waits for (defer; size 0: none);
-    ops: [('merge' | 'split' | 'hold' | 'unhold', first GPU, size), ...] in order."""
-    action: str
-    target: int
-    group: tuple
-    ops: tuple
-
-
-class Policy:
-    """A cluster policy of the simulator with its per-run state (round_robin keeps a cursor):
-
-        p = Policy("gyges", merge_wait=1.0)
-        p.place(view, prompt=2000, output=32)     # -> Decision
-        p.rebalance(view)
-
-    The configuration is gy_sim_policy_config (see gyges.sim.run for each knob)."""
-
-    def __init__(self, name="gyges", decode_weight=8.0, scale_down_free=0.5, scale_up_cap=0.5,
-                 merge_wait=10.0, scale_up_load=16384.0, eager_scale_up=True):
-        if name not in POLICIES:
-            raise ExperimentError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-        for key, v, high in (("decode_weight", decode_weight, None),
-                             ("scale_down_free", scale_down_free, 1.0),
-                             ("scale_up_cap", scale_up_cap, None),
-                             ("merge_wait", merge_wait, None),
-                             ("scale_up_load", scale_up_load, None)):
-            _check_number(key, v, 0.0, high)
-        self.name = name
-        self._c = _C.Policy(name, decode_weight=float(decode_weight),
-                            scale_down_free=float(scale_down_free),
-                            scale_up_cap=float(scale_up_cap), merge_wait=float(merge_wait),
-                            scale_up_load=float(scale_up_load),
-                            eager_scale_up=bool(eager_scale_up))
-
-    @property
-    def config(self) -> dict:
-        return self._c.config
-
-    @property
-    def rebalances(self) -> bool:
-        """Whether the policy transforms on its own (static: no)."""
-        return self._c.rebalances
-
-    def place(self, view: View, prompt: int, output: int, footprint: int | None = None,
-              min_tp: int | None = None, deferred: bool = False, group=(0, 0),
-              arrival: float = 0.0, request_id: int = 0) -> Decision:
-        """Where a request of `prompt` + `output` tokens goes. footprint (KV blocks at its end)
-        and min_tp (the smallest TP whose fresh instance holds it, 0: none) are derived from the
-        view when not given."""
-        for key, v, low in (("prompt", prompt, 1), ("output", output, 0)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                raise ExperimentError(f"{key} must be an int >= {low}, got {v!r}")
-        if footprint is None:
-            footprint = -(-(int(prompt) + int(output)) // view.block_size)
-        if min_tp is None:
-            min_tp = _min_tp(footprint, view.capacity)
-        req = (int(request_id), int(prompt), int(output), int(footprint), int(min_tp),
-               int(bool(deferred)), int(group[0]), int(group[1]), float(arrival))
-        return _decision(self._c.place(view.as_tuple(), req))
-
-    def rebalance(self, view: View) -> Decision:
-        return _decision(self._c.rebalance(view.as_tuple()))
-
-    def __repr__(self):
-        return f"Policy({self.name!r}, {self.config})"
-
-
-def _decision(raw) -> Decision:
-    action, target, group, ops = raw
-    return Decision(ACTIONS[action], target, (group[0], group[1]),
-                    tuple((OPS[k], g, s) for k, g, s in ops))
-
-
-def _min_tp(footprint, capacity, tokens=None, max_pos=None):
-    if max_pos is not None and tokens is not None and tokens > max_pos:
-        return 0
-    for level, blocks in enumerate(capacity):
-        if footprint <= blocks:
-            return 1 << level
-    return 0
-
-
 def _check_number(name, v, low, high=None, low_open=False):
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(v) or v < low or (low_open and v == low) \
-            or (high is not None and v >= high):
-        raise ExperimentError(f"{name} must be a finite number {'>' if low_open else '>='} {low}"
-                              f"{'' if high is None else f' and < {high}'}, got {v!r}")
-    return float(v)
+    return check_number(name, v, low, high, low_open, ExperimentError)
 
 
 # ---- the real host -------------------------------------------------------------------------
@@ -293,8 +129,6 @@ class _Req:
     status: int = PENDING
     handle: object = None
     inst: object = None            # the Instance serving it (queued)
-    deferred_before: bool = False
-    group: tuple = (0, 0)
     gpu: int = -1
     tp: int = 0
     preemptions: int = 0
@@ -326,8 +160,6 @@ class _Replay:
         self.reqs = []
         self.by_id = {}              # host request id -> _Req
         self.active = []             # queued, unfinished
-        self.deferred = []           # in the order they were deferred
-        self.held = set()            # (gpu_first, tp)
         self.xforms = []             # (row dict, Transformation handle)
         self.layout_events = []
         self.samples = []
@@ -336,13 +168,14 @@ class _Replay:
         self.events = queue.Queue()  # (what, Instance) from the runners
         self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
                                        thread_name_prefix="gyges-experiment")
-        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_ops_refused": 0,
-                      "n_migrations": 0, "n_preemptions": 0, "refusals": {},
-                      "skipped_idle_seconds": 0.0, "policy_seconds": 0.0,
-                      "transform_seconds": 0.0, "n_decisions": 0, "n_rebalances": 0}
+        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_migrations": 0,
+                      "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
+                      "controller_seconds": 0.0, "transform_seconds": 0.0}
         self.last_refusal = None
-        self.dirty = False           # a transformation ended: reconsider and rebalance
-        self.want_reconsider = self.want_rebalance = False
+        self.ctl = _C.Controller(self, policy._c, self.n_gpus, self.n_gpus, max_tp,
+                                 self.capacity.tolist(), self.block_size, 0.0)
+        self.ended = 0               # transformations ended, not yet told to the controller
+        self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
         self.steps = []              # STEP_DTYPE rows
         for inst in host.instances:
@@ -510,55 +343,63 @@ class _Replay:
         for row, t in self.xforms:
             if math.isnan(row["end"]) and t.done:
                 self.finish_transform(row, t)
-        finished = wide = False
         still = []
         for r in self.active:
             if r.handle.finished:
                 r.status = FINISHED
-                finished = True
-                wide |= r.tp > 1
+                if (r.gpu, r.tp) not in self.steps_ended:
+                    self.steps_ended.append((r.gpu, r.tp))
             else:
                 still.append(r)
         self.active = still
-        # the policy hears of it once the main thread is between decisions (react)
-        self.want_reconsider |= finished and bool(self.deferred)
-        self.want_rebalance |= wide or bool(self.held)
+
+    # ---- telling the controller (between its calls: its ops may not call back) ----
+    def control(self, method, *args):
+        start = time.perf_counter()
+        getattr(self.ctl, method)(*args)
+        self.stats["controller_seconds"] += time.perf_counter() - start
+
+    @property
+    def n_deferred(self):
+        return self.ctl.stats()["deferred"]
 
     def react(self):
-        """What the steps that ended call for: the deferred requests when a request finished
-        (room freed), the policy's rebalance after steps of TP > 1 or held instances, and both
-        after a transformation (settle)."""
-        if self.want_reconsider:
-            self.want_reconsider = False
-            self.reconsider()
-        if self.want_rebalance:
-            self.want_rebalance = False
-            self.rebalance()
-        self.settle()
+        """What happened since the controller last heard: instances that finished requests
+        (it reconsiders the deferred ones and may rebalance; a held instance is reported even
+        without a finish, as the simulator reports its every step), then every transformation
+        that ended (reconsider, rebalance), until none is left (bounded: a policy that merges
+        and splits in turn stops here)."""
+        ended_steps, self.steps_ended = self.steps_ended, []
+        for g, tp in ended_steps:
+            self.control("step_ended", g, tp, True, self.now())
+        if not ended_steps:
+            held = [inst for inst in self.host.instances
+                    if self.ctl.held(min(inst.workers), inst.tp)]
+            if held:
+                self.control("step_ended", min(held[0].workers), held[0].tp, False, self.now())
+        for _ in range(16):
+            if not self.ended:
+                return
+            self.ended -= 1
+            self.control("reconfigured", True, self.now())
 
-    # ---- the view ----
-    def view(self):
+    # ---- the controller's ops ----
+    def instances(self):
+        """gy_sim_inst_view rows of every instance in worker order (the controller adds held
+        and reserved): what each reported at the end of its last step plus the requests placed
+        on it since."""
         insts = sorted(self.host.instances, key=lambda inst: min(inst.workers))
-        pending = {}
-        for r in self.deferred:
-            if r.group[1] > 0:
-                pending[r.group] = pending.get(r.group, 0) + r.footprint
-        pend = np.zeros(len(pending), GROUP_DTYPE)
-        for row, (g, fp) in zip(pend, pending.items()):
-            row["gpu_first"], row["size"], row["footprint"] = g[0], g[1], fp
         mine = {inst: [] for inst in insts}
         for r in self.active:
             mine.setdefault(r.inst, []).append(r)
-        inst_view = np.zeros(len(insts), INST_VIEW_DTYPE)
+        rows = np.zeros(len(insts), INST_VIEW_DTYPE)
         staggered = self._staggered()
-        for row, i in zip(inst_view, insts):
+        for row, i in zip(rows, insts):
             g, c, rs = min(i.workers), self.cache[i], mine[i]
             transforming = bool(staggered & set(i.workers))
             row["gpu_first"], row["tp"] = g, i.tp
             row["xform"] = XFORM_MERGING if transforming else XFORM_NONE
             row["placeable"] = 0 if transforming else 1
-            row["held"] = (g, i.tp) in self.held
-            row["reserved"] = any(g < pg + ps and pg < g + i.tp for pg, ps in pending)
             row["max_min_tp"] = max((r.min_tp for r in rs), default=0)
             row["kv_total"] = c["capacity"]
             row["kv_used"] = c["kv_used"]
@@ -570,38 +411,37 @@ class _Replay:
             row["pending_prefill"] = sum(r.prompt - c["computed"].get(r.handle.id, 0)
                                          for r in rs if not r.handle.output_tokens)
             row["pending_output"] = sum(r.output - len(r.handle.output_tokens) for r in rs)
-        return View(inst=inst_view, capacity=self.capacity, n_gpus=self.n_gpus,
-                    gpus_per_host=self.n_gpus, max_tp=self.max_tp, block_size=self.block_size,
-                    watermark=0.0, now=self.now(), pending=pend), insts
+        return rows.tobytes()
 
-    # ---- decisions ----
-    def decide(self, r):
-        start = time.perf_counter()
-        view, insts = self.view()
-        d = _decision(self.policy._c.place(view.as_tuple(), (
-            r.index, r.prompt, r.output, r.footprint, r.min_tp, int(r.deferred_before),
-            r.group[0], r.group[1], r.arrival)))
-        self.stats["policy_seconds"] += time.perf_counter() - start
-        self.stats["n_decisions"] += 1
-        if d.action == "place":
-            inst = insts[d.target]
-            if view.inst[d.target]["kv_total"] < r.footprint or \
-                    view.inst[d.target]["placeable"] == 0:
-                raise ExperimentError(
-                    f"policy {self.policy.name} placed request {r.index} ({r.footprint} blocks) "
-                    f"on the TP{inst.tp} instance at worker {min(inst.workers)}, which cannot "
-                    f"take it ({view.inst[d.target]['kv_total']} blocks)")
+    def assign(self, index, action, gpu_first, tp):
+        r = self.reqs[index]
+        if action == PLACE:
+            inst = self._inst_at(gpu_first, tp)
+            if inst is None:  # pragma: no cover - the controller names a listed instance
+                raise ExperimentError(f"no TP{tp} instance at worker {gpu_first}")
             self.submit(r, inst)
-        elif d.action == "defer":
+        elif action == DEFER:
             r.status = DEFERRED
-            r.deferred_before = True
-            r.group = d.group
-            self.deferred.append(r)
-        elif d.action == "reject":
+        else:
             r.status = REJECTED
-        else:  # pragma: no cover - _C.Policy refuses other actions
-            raise ExperimentError(f"policy {self.policy.name} returned {d.action!r}")
-        self.apply(d.ops)
+
+    def reconfigure(self, kind, g, size):
+        """A merge (kind 0) of the two TP size/2 halves of workers g..g+size-1, or a split
+        (kind 1) of the TP-size instance at g: whether it started."""
+        if kind == 0:
+            sources = [self._inst_at(g, size // 2), self._inst_at(g + size // 2, size // 2)]
+            if size < 2 or None in sources:
+                return self.refuse(f"merge: workers {g}..{g + size - 1} are not two "
+                                   f"TP{size // 2} instances")
+            return self.transform(0, g, size // 2, size, sources)
+        src = self._inst_at(g, size)
+        if size < 2 or src is None:
+            return self.refuse(f"split: no TP{size} instance at worker {g}")
+        return self.transform(1, g, size, size // 2, [src])
+
+    def arrive(self, r):
+        self.control("arrive", r.index, r.prompt, r.output, r.footprint, r.min_tp, 0, r.arrival,
+                     self.now())
 
     def submit(self, r, inst):
         rng = np.random.default_rng([self.seed, r.index])
@@ -611,35 +451,9 @@ class _Replay:
         self.quiesce(inst)
         r.handle = self.host.submit(tokens, params, instance=self.host.instances.index(inst))
         r.status = QUEUED
-        r.group = (0, 0)
         r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
         self.by_id[r.handle.id] = r
         self.active.append(r)
-
-    def reconsider(self):
-        todo, self.deferred = self.deferred, []
-        for r in todo:
-            self.decide(r)
-
-    def rebalance(self):
-        if not self.policy.rebalances:
-            return
-        start = time.perf_counter()
-        view, _ = self.view()
-        d = _decision(self.policy._c.rebalance(view.as_tuple()))
-        self.stats["policy_seconds"] += time.perf_counter() - start
-        self.stats["n_rebalances"] += 1
-        self.apply(d.ops)
-
-    def settle(self):
-        """After a transformation: the deferred requests, then the policy's rebalance, until
-        nothing more changes (bounded: a policy that merges and splits in turn stops here)."""
-        for _ in range(16):
-            if not self.dirty:
-                return
-            self.dirty = False
-            self.reconsider()
-            self.rebalance()
 
     # ---- ops ----
     def _inst_at(self, g, tp):
@@ -649,38 +463,14 @@ class _Replay:
         return None
 
     def refuse(self, why):
-        self.stats["n_ops_refused"] += 1
+        """An op the host's state does not allow: counted by the controller, the reason here."""
         self.stats["refusals"][why] = self.stats["refusals"].get(why, 0) + 1
-
-    def apply(self, ops):
-        for kind, g, size in ops:
-            if kind in ("hold", "unhold"):
-                if self._inst_at(g, size) is None:
-                    self.refuse(f"{kind}: no TP{size} instance at worker {g}")
-                elif kind == "hold":
-                    self.held.add((g, size))
-                else:
-                    self.held.discard((g, size))
-                continue
-            if kind == "merge":
-                sources = [self._inst_at(g, size // 2), self._inst_at(g + size // 2, size // 2)]
-                if size < 2 or None in sources:
-                    self.refuse(f"merge: workers {g}..{g + size - 1} are not two TP{size // 2} "
-                                f"instances")
-                    continue
-                self.transform(0, g, size // 2, size, sources)
-            elif kind == "split":
-                src = self._inst_at(g, size)
-                if size < 2 or src is None:
-                    self.refuse(f"split: no TP{size} instance at worker {g}")
-                    continue
-                self.transform(1, g, size, size // 2, [src])
+        return False
 
     def transform(self, kind, g, tp_from, tp_to, sources):
         host = self.host
         if any(not t.done for t in host.transformations):
-            self.refuse("a transformation is under way")
-            return
+            return self.refuse("a transformation is under way")
         for inst in sources:
             self.quiesce(inst)
         moving = [r for r in self.active if r.inst in sources]
@@ -691,12 +481,10 @@ class _Replay:
             t = host.transform(workers=workers, tp=tp_to, method=self.method,
                                layers_per_step=self.layers_per_step if kind == 0 else None)
         except (TransformError, GygesError) as e:
-            self.refuse(f"{('merge', 'split')[kind]}: {type(e).__name__}")
             self.last_refusal = str(e)
-            return
+            return self.refuse(f"{('merge', 'split')[kind]}: {type(e).__name__}")
         self.stats["transform_seconds"] += time.perf_counter() - start_wall
         for inst in sources:
-            self.held.discard((min(inst.workers), inst.tp))
             self.cache.pop(inst, None)
             self.layout_events.append((start, min(inst.workers), inst.tp, -1))
         for r in moving:
@@ -715,6 +503,7 @@ class _Replay:
                     r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
         if t.done:
             self.finish_transform(row, t)
+        return True
 
     def finish_transform(self, row, t):
         row["end"] = row["phase_end"] = self.now()
@@ -724,7 +513,7 @@ class _Replay:
         row["weight_bytes"] = (sum(s["weight_bytes_released"].values()) +
                                sum(s["weight_bytes_copied"].values())) / n
         self.stats["n_merges" if row["kind"] == 0 else "n_splits"] += 1
-        self.dirty = True
+        self.ended += 1
 
     def sample(self):
         t = self.now()
@@ -733,7 +522,7 @@ class _Replay:
             c = self.cache[inst]
             g = min(inst.workers)
             self.samples.append((t, g, inst.tp, int(bool(staggered & set(inst.workers))),
-                                 int((g, inst.tp) in self.held), c["kv_used"], c["capacity"],
+                                 int(self.ctl.held(g, inst.tp)), c["kv_used"], c["capacity"],
                                  c["running"], c["waiting"]))
 
 
@@ -768,8 +557,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     traces.validate(trace)
     if trace.shape[0] == 0:
         raise ExperimentError("the trace has no requests")
-    if policy not in POLICIES:
-        raise ExperimentError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    check_policy(policy, ExperimentError)
     time_scale = _check_number("time_scale", time_scale, 0.0, low_open=True)
     if idle not in ("skip", "sleep"):
         raise ExperimentError(f"idle must be 'skip' or 'sleep', got {idle!r}")
@@ -829,14 +617,18 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     for i in range(n):
         prompt, output = int(trace["input_tokens"][i]), int(trace["output_tokens"][i])
         fp = -(-(prompt + output) // rp.block_size)
-        min_tp = 0 if prompt + output > rp.max_pos else _min_tp(fp, rp.capacity)
+        min_tp = 0 if prompt + output > rp.max_pos else smallest_tp(fp, rp.capacity)
         rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i])))
     try:
         stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
+        rp.sample()
+        cs = rp.ctl.stats()
+        rp.controller_stats = {"n_ops_refused": cs["ops_refused"], "n_decisions": cs["decisions"],
+                               "n_rebalances": cs["rebalances"]}
     finally:
         rp.quiesce_all()
         rp.pool.shutdown(wait=True)
-    rp.sample()
+        rp.ctl = None  # the controller holds rp as its executor: no cycle left behind
     res = _results(rp, t0, policy, pol, slo, time.perf_counter() - t_wall, stopped)
     if record_steps:
         res.steps = np.array(rp.steps, dtype=STEP_DTYPE)
@@ -855,14 +647,14 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
         if time_limit is not None and time.perf_counter() - t_wall > time_limit:
             return True
         while nxt < n and rp.reqs[nxt].arrival <= now:
-            rp.decide(rp.reqs[nxt])
+            rp.arrive(rp.reqs[nxt])
             nxt += 1
             rp.react()
         if now >= next_sample:
             rp.sample()
             next_sample = now + rp.sample_interval
-            if rp.deferred:  # a policy may wait for time alone (gyges' merge_wait)
-                rp.reconsider()
+            if rp.n_deferred:  # a policy may wait for time alone (gyges' merge_wait)
+                rp.control("tick", host.now())
                 rp.react()
         if progress and time.perf_counter() - shown > 1.0:
             shown = time.perf_counter()
@@ -878,18 +670,19 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
             rp.react()
             continue
         # nothing runs
-        if rp.deferred:
-            rp.reconsider()
+        if rp.n_deferred:
+            rp.control("tick", host.now())
             rp.react()
             if rp.busy():
                 continue
             if stuck_since is None:
                 stuck_since = host.now()
+        deferred = rp.n_deferred
         if nxt < n:
-            rp.skip_to(min(rp.reqs[nxt].arrival, next_sample) if rp.deferred else
+            rp.skip_to(min(rp.reqs[nxt].arrival, next_sample) if deferred else
                        rp.reqs[nxt].arrival)
             continue
-        if not rp.deferred:
+        if not deferred:
             if progress and shown:
                 sys.stderr.write("\n")
             return False
@@ -970,7 +763,7 @@ def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
              "n_finished": int((status == FINISHED).sum()),
              "n_rejected": int((status == REJECTED).sum()),
              "n_deferred": int((status == DEFERRED).sum()), "stopped_by_time_limit": stopped,
-             "final_layout": host.layout(), **rp.stats}
+             "final_layout": host.layout(), **rp.stats, **rp.controller_stats}
     return Results(requests=req, timeline=tl, layout=lay, transformations=xf,
                    bins_output=bins_output, bins_prompt=bins_prompt, bin_seconds=bin_s,
                    config=config, stats=stats, slo=slo, wall_seconds=wall, tokens=tokens)

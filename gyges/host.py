@@ -25,7 +25,6 @@ anything is allocated.
 """
 import logging
 import operator
-import re
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,6 +36,8 @@ from .fairlock import FairLock
 from .tokenizer import tokenize_prompt
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
                         kv_move, scale_down, scale_up, views_in)
+from .layout import even_split, layout_string, part_string  # noqa: F401  (re-exported)
+from .layout import parse as parse_layout
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
 
@@ -44,74 +45,6 @@ log = logging.getLogger(__name__)
 
 COMMS = ("d2d", "nccl")
 DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
-
-_GROUP = re.compile(r"^(?:(\d+)x)?(?:TP(\d+)|PP(\d+)|PP\[(\d+(?:,\d+)*)\])$")
-
-
-def even_split(n_layers, n_stages):
-    """PPn: layers as even as they go, the first stages taking one more when they do not divide."""
-    base, extra = divmod(n_layers, n_stages)
-    return tuple(base + (i < extra) for i in range(n_stages))
-
-
-def parse_layout(layout, n_workers, n_layers):
-    """'TP2+2xTP1' -> [(0, 2, None), (2, 1, None), (3, 1, None)]; 'PP[3,1]+TP2' ->
-    [(0, 1, (3, 1)), (2, 2, None)]: (first worker, TP degree, layers per pipeline stage or None)
-    per instance, checked for alignment, for stages of at least one layer covering the model's
-    n_layers, and for covering exactly the workers. A pipeline's stages are TP1, one worker
-    each: PP2 splits the layers evenly over two workers, PP[3,1] gives 3 to the first and 1 to
-    the second."""
-    groups, start = [], 0
-    for part in layout.replace(" ", "").split("+"):
-        match = _GROUP.match(part)
-        if match is None:
-            raise InvalidArgumentError(f"layout part {part!r} is not like 'TP2', '4xTP1', 'PP2' or "
-                                       f"'PP[3,1]' (in {layout!r})")
-        count = int(match.group(1) or 1)
-        if count < 1:
-            raise InvalidArgumentError(f"layout part {part!r}: counts are at least 1")
-        stages = None
-        if match.group(2) is not None:
-            tp = int(match.group(2))
-            if tp < 1:
-                raise InvalidArgumentError(f"layout part {part!r}: TP degrees are at least 1")
-        else:
-            tp = 1
-            if match.group(3) is not None:
-                n = int(match.group(3))
-                if not 2 <= n <= min(n_layers, 8):
-                    raise InvalidArgumentError(f"layout part {part!r}: a pipeline has 2 to "
-                                               f"{min(n_layers, 8)} stages for {n_layers} layers")
-                stages = even_split(n_layers, n)
-            else:
-                stages = tuple(int(x) for x in match.group(4).split(","))
-                if len(stages) < 2 or len(stages) > 8 or min(stages) < 1 or sum(stages) != n_layers:
-                    raise InvalidArgumentError(
-                        f"layout part {part!r}: a pipeline has 2 to 8 stages of at least one layer "
-                        f"each, adding up to the model's {n_layers} layers")
-        for _ in range(count):
-            if start % tp:
-                raise InvalidArgumentError(f"layout {layout!r}: a TP{tp} instance would start at worker "
-                                 f"{start}, which is not aligned to {tp} (use aligned groups "
-                                 f"such as {{0,1}}, {{2,3}}, {{0..3}})")
-            groups.append((start, tp, stages))
-            start += len(stages) if stages else tp
-    if start != n_workers:
-        raise InvalidArgumentError(f"layout {layout!r} covers {start} workers, the host has {n_workers}")
-    return groups
-
-
-def layout_string(parts):
-    """['TP1', 'TP1', 'TP2'] -> '2xTP1+TP2' (runs of equal parts collapsed, in worker order)."""
-    out, i = [], 0
-    while i < len(parts):
-        j = i
-        while j < len(parts) and parts[j] == parts[i]:
-            j += 1
-        out.append(f"{j - i}x{parts[i]}" if j - i > 1 else parts[i])
-        i = j
-    return "+".join(out)
-
 
 class Instance:
     """A group of workers with one scheduler and serving loop, running a plan: a TP group over
@@ -138,13 +71,8 @@ class Instance:
 
     @property
     def layout(self):
-        """'TP2', or 'PP2' (an even split) / 'PP[3,1]'."""
-        if not self.stages:
-            return f"TP{self.tp}"
-        counts = tuple(end - first for first, end in self.stages)
-        if counts == even_split(sum(counts), len(counts)):
-            return f"PP{len(counts)}"
-        return "PP[" + ",".join(map(str, counts)) + "]"
+        """'TP2', or 'PP2' (an even split) / 'PP[3,1]' (gyges.layout's grammar)."""
+        return part_string(self.tp, [end - first for first, end in self.stages or ()])
 
     @property
     def requests(self):

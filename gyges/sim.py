@@ -22,56 +22,29 @@ host starts with it (the dynamic policies default to all TP1).
 from __future__ import annotations
 
 import math
-import re
 import sys
 import time
 
 import numpy as np
 
 from . import _C, traces
+from . import layout as layout_mod
+from .cluster import POLICIES, check_policy  # one set of policy names for both executors
 from .costmodel import ConstantCost, CostModel, CostModelError
 from .errors import InvalidArgumentError
 from .results import Results
 
 __all__ = ["run", "parse_layout", "POLICIES", "SimError"]
 
-POLICIES = ("gyges", "round_robin", "least_load", "static")
-
 
 class SimError(InvalidArgumentError):
     """A bad simulator argument (the message names the value)."""
 
 
-_TERM = re.compile(r"^(?:(\d+)\s*[x*]\s*)?tp\s*(\d+)$")
-
-
 def parse_layout(layout: str, gpus_per_host: int) -> list[int]:
-    """"4xTP1+1xTP4" -> [1, 1, 1, 1, 4]: the TP of each instance of one host, in GPU order.
-    Each instance must start on a multiple of its TP (aligned groups) and the layout must cover
-    the host exactly."""
-    if not isinstance(layout, str) or not layout.strip():
-        raise SimError(f"layout must be a string like '8xTP1' or '4xTP1+1xTP4', got {layout!r}")
-    tps = []
-    for term in layout.lower().replace(" ", "").split("+"):
-        m = _TERM.match(term)
-        if m is None:
-            raise SimError(f"bad layout {layout!r}: term {term!r} is not like '4xTP1' or 'TP4'")
-        count = int(m.group(1)) if m.group(1) else 1
-        tp = int(m.group(2))
-        if count < 1 or tp < 1 or tp & (tp - 1):
-            raise SimError(f"bad layout {layout!r}: {term!r} needs a count >= 1 and a TP that is "
-                           f"a power of two")
-        tps += [tp] * count
-    gpu = 0
-    for tp in tps:
-        if gpu % tp:
-            raise SimError(f"bad layout {layout!r}: a TP{tp} instance would start at GPU {gpu}, "
-                           f"not a multiple of {tp} (groups are aligned; list larger instances "
-                           f"first, e.g. '1xTP4+4xTP1')")
-        gpu += tp
-    if gpu != gpus_per_host:
-        raise SimError(f"bad layout {layout!r}: it covers {gpu} GPUs but a host has "
-                       f"{gpus_per_host}")
+    """"4xTP1+1xTP4" -> [1, 1, 1, 1, 4]: the TP of each instance of one host, in GPU order
+    (gyges.layout's grammar; the simulator runs aligned TP groups of power-of-two sizes)."""
+    tps = layout_mod.tp_sizes(layout, gpus_per_host, error=SimError)
     if len(tps) > 64:
         raise SimError(f"bad layout {layout!r}: more than 64 instances per host")
     return tps
@@ -122,8 +95,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     """
     t_wall = time.perf_counter()
     traces.validate(trace)
-    if policy not in POLICIES:
-        raise SimError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    check_policy(policy, SimError)
     hosts = _check_int("hosts", hosts, 1, 4096)
     gpus_per_host = _check_int("gpus_per_host", gpus_per_host, 1, 128)
     if gpus_per_host & (gpus_per_host - 1):

@@ -11,7 +11,8 @@ import pytest
 import gyges
 from gyges import experiment, sim, traces
 from gyges.costmodel import ConstantCost
-from gyges.experiment import ExperimentError, Policy, View
+from gyges.cluster import POLICIES, Policy, PolicyError, View
+from gyges.experiment import ExperimentError
 from gyges.results import Results
 
 CAP = [56, 256, 656]  # KV blocks of a fresh TP1, TP2, TP4 instance at 24 MiB per worker
@@ -112,7 +113,7 @@ def test_round_robin_keeps_its_cursor():
 
 
 def test_requests_no_tp_holds_are_rejected_by_every_policy():
-    for name in experiment.POLICIES:
+    for name in POLICIES:
         d = Policy(name).place(four_tp1(), prompt=20000, output=10)
         assert d.action == "reject", name
 
@@ -135,11 +136,11 @@ def test_bad_views_are_refused_with_the_reason(bad, match):
 
 
 def test_bad_policy_arguments():
-    with pytest.raises(ExperimentError, match="unknown policy 'fifo'"):
+    with pytest.raises(PolicyError, match="unknown policy 'fifo'"):
         Policy("fifo")
-    with pytest.raises(ExperimentError, match="scale_down_free"):
+    with pytest.raises(PolicyError, match="scale_down_free"):
         Policy("gyges", scale_down_free=1.5)
-    with pytest.raises(ExperimentError, match="prompt"):
+    with pytest.raises(PolicyError, match="prompt"):
         Policy("gyges").place(four_tp1(), prompt=0, output=5)
 
 

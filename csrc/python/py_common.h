@@ -33,6 +33,7 @@ int gy_py_engine_add(PyObject *module);
 int gy_py_sim_add(PyObject *module);
 int gy_py_comm_add(PyObject *module);
 int gy_py_policy_add(PyObject *module);
+int gy_py_cluster_add(PyObject *module);
 int gy_py_forward_cuda_add(PyObject *module);
 int gy_py_fault_add(PyObject *module);
 

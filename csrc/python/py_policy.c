@@ -1,18 +1,20 @@
 /* py_policy.c: gyges._C.Policy, one of the simulator's cluster policies (sim/policy.h) with its
- * configuration and per-run state, callable on a view built outside the simulator. This is how
- * gyges/experiment.py drives a real gyges.Host with the very code that gyges.sim runs: one
- * scheduler, two executors.
+ * configuration and per-run state, callable on a view built by hand (gyges.cluster.Policy): how
+ * a policy's decisions are tried and tested outside any executor. Both executors run policies
+ * through the cluster controller instead (py_cluster.c, cluster/controller.h), which takes its
+ * policy and configuration from one of these objects.
  *
- * The view arrives as bytes laid out like the C structs (gyges/experiment.py builds them with
- * NumPy dtypes that mirror gy_sim_inst_view and gy_sim_group; POLICY_INST_VIEW_SIZE and
+ * The view arrives as bytes laid out like the C structs (gyges/cluster.py builds them with NumPy
+ * dtypes that mirror gy_sim_inst_view and gy_sim_group; POLICY_INST_VIEW_SIZE and
  * POLICY_GROUP_SIZE let it check the sizes at import). The policies index the view with the
- * GPU-to-instance map, TP levels and group sizes, so this file checks every index they could
- * follow before calling them; the decision comes back as a tuple that the wrapper checks against
- * the host. Policies run in microseconds, so the GIL is kept. */
+ * GPU-to-instance map, TP levels and group sizes, so every index they could follow is checked
+ * (gy_cluster_view_check, the controller's own check) before calling them. Policies run in
+ * microseconds, so the GIL is kept. */
 #include "py_common.h"
 
 #include <string.h>
 
+#include "cluster/controller.h"
 #include "sim/policy.h"
 
 typedef struct {
@@ -107,16 +109,6 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
                           &now, &n_gpus, &gpus_per_host, &max_tp, &block_size, &watermark, &inst,
                           &gpu_inst, &capacity, &pending))
         return -1;
-    if (n_gpus < 1 || gpus_per_host < 1 || gy_sim_level(gpus_per_host) < 0 ||
-        n_gpus % gpus_per_host != 0 || !gy_py_policy_tp_ok(max_tp, gpus_per_host) ||
-        block_size < 1 || !(watermark >= 0.0 && watermark < 1.0)) {
-        PyErr_Format(GY_PY_VALUE_ERROR,
-                     "bad view: n_gpus %d, gpus_per_host %d (a power of two dividing n_gpus), "
-                     "max_tp %d (a power of two <= gpus_per_host), block_size %lld, "
-                     "watermark %g",
-                     n_gpus, gpus_per_host, max_tp, block_size, watermark);
-        return -1;
-    }
     Py_ssize_t n_inst, n_map, n_cap, n_pending;
     if (gy_py_policy_array(inst, &b->inst, sizeof(gy_sim_inst_view), &n_inst, "view inst") < 0)
         return -1;
@@ -135,7 +127,7 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     const int32_t *map = b->gpu_inst.buf;
     const int64_t *cap = b->capacity.buf;
     const gy_sim_group *pv = b->pending.buf;
-    if (n_map != n_gpus || n_inst < 1 || n_inst > n_gpus || n_cap < gy_sim_level(max_tp) + 1 ||
+    if (n_map != n_gpus || n_inst > n_gpus || n_cap < gy_sim_level(max_tp) + 1 ||
         n_pending > INT32_MAX) {
         PyErr_Format(GY_PY_VALUE_ERROR,
                      "bad view: %zd instances, %zd GPU entries for %d GPUs, %zd capacity levels "
@@ -143,46 +135,16 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
                      n_inst, n_map, n_gpus, n_cap, max_tp, gy_sim_level(max_tp) + 1);
         goto fail;
     }
-    for (int l = 0; l <= gy_sim_level(max_tp); l++)
-        if (cap[l] < 1) {
-            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: capacity of TP%d is %lld blocks", 1 << l,
-                         (long long)cap[l]);
-            goto fail;
-        }
-    for (Py_ssize_t k = 0; k < n_inst; k++) {
-        const gy_sim_inst_view *i = &iv[k];
-        if (!gy_py_policy_tp_ok(i->tp, max_tp) || i->gpu_first < 0 || i->gpu_first % i->tp ||
-            i->gpu_first + i->tp > n_gpus ||
-            (k > 0 && i->gpu_first < iv[k - 1].gpu_first + iv[k - 1].tp) ||
-            i->kv_total < 1) {
-            PyErr_Format(GY_PY_VALUE_ERROR,
-                         "bad view: instance %zd (GPU %d, TP%d, %lld blocks) is not an aligned "
-                         "group of a power-of-two TP <= max_tp %d with blocks, in GPU order without overlap",
-                         k, (int)i->gpu_first, (int)i->tp, (long long)i->kv_total, max_tp);
-            goto fail;
-        }
-    }
-    for (int32_t g = 0; g < n_gpus; g++) {
-        const int32_t k = map[g];
-        if (k < 0 || k >= n_inst || g < iv[k].gpu_first || g >= iv[k].gpu_first + iv[k].tp) {
-            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: GPU %d maps to instance %d, which does "
-                                           "not own it",
-                         (int)g, (int)k);
-            goto fail;
-        }
-    }
-    for (Py_ssize_t p = 0; p < n_pending; p++)
-        if (!gy_py_policy_tp_ok(pv[p].size, max_tp) || pv[p].gpu_first < 0 ||
-            pv[p].gpu_first % pv[p].size || pv[p].gpu_first + pv[p].size > n_gpus) {
-            PyErr_Format(GY_PY_VALUE_ERROR, "bad view: pending group %zd (GPU %d, size %d) is "
-                                           "not an aligned group of size <= max_tp",
-                         p, (int)pv[p].gpu_first, (int)pv[p].size);
-            goto fail;
-        }
     *v = (gy_sim_view){.now = now, .n_gpus = n_gpus, .gpus_per_host = gpus_per_host,
                        .max_tp = max_tp, .n_inst = (int32_t)n_inst, .inst = iv, .gpu_inst = map,
                        .capacity = cap, .block_size = block_size, .watermark = watermark,
                        .n_pending = (int32_t)n_pending, .pending = pv};
+    /* every index the policies could follow (the controller checks its executors' views so) */
+    const gy_status st = gy_cluster_view_check(v);
+    if (st != GY_OK) {
+        gy_py_raise(st);
+        goto fail;
+    }
     return 0;
 fail:
     gy_py_policy_view_release(b);
@@ -325,7 +287,7 @@ static PyType_Slot gy_py_policy_slots[] = {
     {Py_tp_getset, gy_py_policy_getset},
     {Py_tp_doc, "Policy(name, decode_weight, scale_down_free, scale_up_cap, merge_wait, "
                 "scale_up_load, eager_scale_up): a cluster policy of csrc/sim/policy.h with its "
-                "state; use gyges.experiment.Policy, which builds the views."},
+                "state; use gyges.cluster.Policy, which builds the views."},
     {0, NULL},
 };
 
@@ -336,6 +298,19 @@ static PyType_Spec gy_py_policy_spec = {
     .slots = gy_py_policy_slots,
 };
 
+static PyObject *gy_py_policy_type; /* set once by gy_py_policy_add; the module keeps it alive */
+
+const gy_sim_policy_ops *gy_py_policy_unwrap(PyObject *object, gy_sim_policy_config *config) {
+    if (!PyObject_TypeCheck(object, (PyTypeObject *)gy_py_policy_type)) {
+        PyErr_Format(GY_PY_TYPE_ERROR, "policy must be a gyges._C.Policy, not %.100s",
+                     Py_TYPE(object)->tp_name);
+        return NULL;
+    }
+    const GyPolicyObject *p = (const GyPolicyObject *)object;
+    *config = p->config;
+    return p->ops;
+}
+
 int gy_py_policy_add(PyObject *module) {
     PyObject *type = PyType_FromModuleAndSpec(module, &gy_py_policy_spec, NULL);
     if (type == NULL) return -1;
@@ -343,6 +318,7 @@ int gy_py_policy_add(PyObject *module) {
         Py_DECREF(type);
         return -1;
     }
+    gy_py_policy_type = type;
     Py_DECREF(type);
     if (PyModule_AddIntConstant(module, "POLICY_INST_VIEW_SIZE", sizeof(gy_sim_inst_view)) < 0 ||
         PyModule_AddIntConstant(module, "POLICY_GROUP_SIZE", sizeof(gy_sim_group)) < 0 ||

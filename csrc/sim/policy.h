@@ -1,8 +1,9 @@
 /* policy.h: cluster policies behind one interface. A policy sees a read-only view of the
  * cluster (its instances: GPUs, TP degree, KV blocks, queues, whether transforming, held or
  * reserved) and one request, and decides where the request goes and which transformations start.
- * It never touches the simulator: it returns a decision that the simulator checks and carries
- * out, so each policy can be tested on hand-built views (tests/c/test_sim.c).
+ * It never touches an executor: it returns a decision that the cluster controller
+ * (cluster/controller.h) checks and has its executor (the simulator, or a real host) carry out,
+ * so each policy can be tested on hand-built views (tests/c/test_sim.c).
  *
  * Groups of GPUs are aligned as in Flying Serving's communicator pool: a TP-k instance owns GPUs
  * [g, g + k) with g a multiple of k, inside one host; pairs {0,1},{2,3},..., quartets {0..3},

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cluster/controller.h"
 #include "event_queue.h"
 
 enum { GY_SIM_EV_ARRIVAL = 0, GY_SIM_EV_PHASE = 1, GY_SIM_EV_STEP = 2, GY_SIM_EV_SAMPLE = 3 };
@@ -23,8 +24,6 @@ typedef struct gy_sim_req {
     int32_t slot;         /* its instance, or -1 */
     int32_t half;         /* the half it goes to in the split under way, or -1 */
     int32_t priority;
-    int32_t deferred_before;
-    gy_sim_group group;   /* the group it waits for while deferred */
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -32,7 +31,7 @@ typedef struct gy_sim_inst {
     int32_t alive;
     int32_t gpu_first, tp, host;
     int64_t gen;
-    int32_t xform, xform_id, held;
+    int32_t xform, xform_id;
     int32_t stepping;      /* a step-end event is pending */
     int32_t barrier;       /* a transformation waits for it to stop stepping */
     gy_sched_batch batch;  /* the step in flight */
@@ -67,7 +66,7 @@ struct gy_sim {
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
     int64_t max_input[GY_SIM_MAX_LEVELS]; /* INT64_MAX when the config gives none */
     int32_t n_levels, n_gpus;
-    void *policy_state;
+    gy_cluster *cluster;       /* the controller: the policy, deferred and held requests */
 
     int64_t n;                 /* requests */
     gy_sim_request_out *out;   /* (n) */
@@ -82,9 +81,6 @@ struct gy_sim {
     gy_sim_eventq q;
     double now;
 
-    int64_t *deferred;         /* request indices, arrival order of deferral */
-    int64_t n_deferred, cap_deferred;
-
     gy_sim_transform_out *xf_out;
     gy_sim_xf *xf;
     int64_t n_xf, cap_xf, cap_xf_out;
@@ -98,13 +94,6 @@ struct gy_sim {
     int64_t n_tokens, cap_tokens;
     double *bin_out, *bin_prompt;
     int64_t n_bins, cap_bins;
-
-    /* the policy's view, rebuilt before each call */
-    gy_sim_inst_view *view;
-    int32_t *view_slot;        /* view index -> slot */
-    int32_t *view_gpu;         /* (n_gpus) */
-    gy_sim_group *pending;
-    int64_t cap_view, cap_pending;
 
     gy_sim_stats stats;
 };
@@ -343,36 +332,15 @@ static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any) 
     return GY_OK;
 }
 
-/* ---- the policy's view ---- */
+/* ---- the controller's executor ops (cluster/controller.h) ---- */
 
-static gy_status gy_sim_build_view(gy_sim *s, gy_sim_view *v) {
-    if (s->cap_view < s->n_gpus) {
-        gy_sim_inst_view *vi = gy_realloc(s->view, (size_t)s->n_gpus * sizeof *vi);
-        if (vi == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
-        s->view = vi;
-        int32_t *vs = gy_realloc(s->view_slot, (size_t)s->n_gpus * sizeof *vs);
-        if (vs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the view");
-        s->view_slot = vs;
-        s->cap_view = s->n_gpus;
-    }
-    int32_t n_pending = 0;
-    for (int64_t k = 0; k < s->n_deferred; k++) {
-        const gy_sim_group g = s->req[s->deferred[k]].group;
-        if (g.size == 0) continue;
-        int32_t p = 0;
-        while (p < n_pending &&
-               !(s->pending[p].gpu_first == g.gpu_first && s->pending[p].size == g.size))
-            p++;
-        if (p == n_pending) {
-            GY_SIM_GROW(s->pending, n_pending, s->cap_pending);
-            s->pending[n_pending++] = (gy_sim_group){g.gpu_first, g.size, 0};
-        }
-        s->pending[p].footprint += s->req[s->deferred[k]].footprint;
-    }
+/* Every instance in GPU order, as the policy sees it (the controller adds held and reserved). */
+static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t cap,
+                                     int32_t *n_out) {
+    gy_sim *s = ctx;
     int32_t n = 0;
-    for (int32_t g = 0; g < s->n_gpus;) {
-        const int32_t slot = s->gpu_slot[g];
-        gy_sim_inst *i = &s->inst[slot];
+    for (int32_t g = 0; g < s->n_gpus && n < cap;) {
+        gy_sim_inst *i = &s->inst[s->gpu_slot[g]];
         gy_sched_stats st;
         gy_sched_stats_get(i->core.sched, &st);
         int32_t max_min_tp = 0;
@@ -381,18 +349,12 @@ static gy_status gy_sim_build_view(gy_sim *s, gy_sim_view *v) {
                 max_min_tp = INT32_C(1) << l;
                 break;
             }
-        int32_t reserved = 0;
-        for (int32_t p = 0; p < n_pending && !reserved; p++)
-            reserved = gy_sim_ranges_overlap(i->gpu_first, i->tp, s->pending[p].gpu_first,
-                                             s->pending[p].size);
-        s->view[n] = (gy_sim_inst_view){
+        rows[n++] = (gy_sim_inst_view){
             .gpu_first = i->gpu_first,
             .tp = i->tp,
             .host = i->host,
             .xform = i->xform,
             .placeable = i->xform != GY_SIM_XFORM_SPLITTING,
-            .held = i->held,
-            .reserved = reserved,
             .max_min_tp = max_min_tp,
             .kv_total = i->core.capacity,
             .kv_used = gy_sim_instance_used(&i->core),
@@ -404,25 +366,9 @@ static gy_status gy_sim_build_view(gy_sim *s, gy_sim_view *v) {
             .pending_prefill = i->pending_prefill,
             .pending_output = i->pending_output,
         };
-        s->view_slot[n] = slot;
-        for (int32_t x = g; x < g + i->tp; x++) s->view_gpu[x] = n;
-        n++;
         g += i->tp;
     }
-    *v = (gy_sim_view){
-        .now = s->now,
-        .n_gpus = s->n_gpus,
-        .gpus_per_host = s->config.gpus_per_host,
-        .max_tp = s->config.max_tp,
-        .n_inst = n,
-        .inst = s->view,
-        .gpu_inst = s->view_gpu,
-        .capacity = s->capacity,
-        .block_size = s->config.sched.block_size,
-        .watermark = s->config.sched.watermark,
-        .n_pending = n_pending,
-        .pending = s->pending,
-    };
+    *n_out = n;
     return GY_OK;
 }
 
@@ -496,7 +442,6 @@ static gy_status gy_sim_start_split(gy_sim *s, int32_t c) {
     s->xf[x] = (gy_sim_xf){.src = {c, -1}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
     i->xform = GY_SIM_XFORM_SPLITTING;
     i->xform_id = (int32_t)x;
-    i->held = 0;
     return gy_sim_phase(s, x, GY_SIM_PHASE_KV_SCATTER, gy_sim_kv_tokens(s, c));
 }
 
@@ -516,8 +461,6 @@ static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
     return GY_OK;
 }
 
-static gy_status gy_sim_reconsider(gy_sim *s);
-static gy_status gy_sim_rebalance(gy_sim *s);
 
 /* The topology change of a transformation, once its sources are idle. */
 static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
@@ -543,8 +486,7 @@ static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
         s->n_active_xf--;
         s->stats.n_merges++;
         GY_TRY(gy_sim_start_step(s, c));
-        GY_TRY(gy_sim_reconsider(s));
-        return gy_sim_rebalance(s);
+        return gy_cluster_reconfigured(s->cluster, 1, s->now);
     }
     /* split: the halves replace the instance and take their requests */
     const int32_t src = f->src[0];
@@ -572,7 +514,7 @@ static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
     o->phase_end = s->now;
     GY_TRY(gy_sim_phase(s, x, GY_SIM_PHASE_WEIGHTS_GATHER, 0.0));
     for (int k = 0; k < 2; k++) GY_TRY(gy_sim_start_step(s, h[k]));
-    return gy_sim_reconsider(s);
+    return gy_cluster_reconfigured(s->cluster, 0, s->now);
 }
 
 /* Sources that still have a step in flight hold the switch back. */
@@ -618,11 +560,10 @@ static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
     o->end = s->now;
     s->n_active_xf--;
     s->stats.n_splits++;
-    GY_TRY(gy_sim_reconsider(s));
-    return gy_sim_rebalance(s);
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
 }
 
-/* ---- decisions ---- */
+/* ---- decisions (the controller's ops) ---- */
 
 static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) {
     if (gpu_first < 0 || gpu_first >= s->n_gpus) return -1;
@@ -632,9 +573,10 @@ static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) 
     return slot;
 }
 
-static gy_status gy_sim_apply_op(gy_sim *s, const gy_sim_op *op) {
-    switch (op->kind) {
-    case GY_SIM_OP_MERGE: {
+static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
+    gy_sim *s = ctx;
+    *started = 0;
+    if (op->kind == GY_SIM_OP_MERGE) {
         const int32_t size = op->size, half = size / 2;
         const int32_t g = op->gpu_first;
         const int ok_group = gy_sim_level_of(size) >= 1 && size <= s->config.max_tp && g >= 0 &&
@@ -644,120 +586,60 @@ static gy_status gy_sim_apply_op(gy_sim *s, const gy_sim_op *op) {
         const int32_t b = ok_group ? gy_sim_slot_at(s, g + half, half) : -1;
         if (a < 0 || b < 0 || s->inst[a].xform != GY_SIM_XFORM_NONE ||
             s->inst[b].xform != GY_SIM_XFORM_NONE)
-            break;
-        s->inst[a].held = s->inst[b].held = 0;
+            return GY_OK;
+        *started = 1;
         return gy_sim_start_merge(s, a, b, g, size);
     }
-    case GY_SIM_OP_SPLIT: {
+    if (op->kind == GY_SIM_OP_SPLIT) {
         const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
-        if (c < 0 || s->inst[c].tp < 2 || s->inst[c].xform != GY_SIM_XFORM_NONE) break;
-        if (!gy_sim_pack_halves(s, c)) break;
+        if (c < 0 || s->inst[c].tp < 2 || s->inst[c].xform != GY_SIM_XFORM_NONE) return GY_OK;
+        if (!gy_sim_pack_halves(s, c)) return GY_OK;
+        *started = 1;
         return gy_sim_start_split(s, c);
     }
-    case GY_SIM_OP_HOLD:
-    case GY_SIM_OP_UNHOLD: {
-        const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
-        if (c < 0) break;
-        s->inst[c].held = op->kind == GY_SIM_OP_HOLD;
+    return GY_FAIL(GY_ERR_STATE, "the simulator cannot carry out op kind %d", (int)op->kind);
+}
+
+static gy_status gy_sim_op_assign(void *ctx, const gy_cluster_request *cr, int32_t action,
+                                  int32_t gpu_first, int32_t tp) {
+    gy_sim *s = ctx;
+    const int64_t r = cr->id;
+    gy_sim_request_out *o = &s->out[r];
+    if (action == GY_SIM_ACTION_DEFER) {
+        o->status = GY_SIM_REQ_DEFERRED;
         return GY_OK;
     }
-    default:
-        return GY_FAIL(GY_ERR_STATE, "policy %s returned an unknown op kind %d",
-                       s->config.policy->name, (int)op->kind);
-    }
-    s->stats.n_ops_refused++;
-    return GY_OK;
-}
-
-static gy_status gy_sim_apply_ops(gy_sim *s, const gy_sim_decision *d) {
-    if (d->n_ops < 0 || d->n_ops > GY_SIM_MAX_OPS)
-        return GY_FAIL(GY_ERR_STATE, "policy %s returned %d ops", s->config.policy->name,
-                       (int)d->n_ops);
-    for (int32_t k = 0; k < d->n_ops; k++) GY_TRY(gy_sim_apply_op(s, &d->ops[k]));
-    return GY_OK;
-}
-
-static gy_status gy_sim_defer_push(gy_sim *s, int64_t r) {
-    GY_SIM_GROW(s->deferred, s->n_deferred, s->cap_deferred);
-    s->deferred[s->n_deferred++] = r;
-    return GY_OK;
-}
-
-/* Asks the policy about request r (arrived or deferred, not in the deferred list now). */
-static gy_status gy_sim_decide(gy_sim *s, int64_t r) {
-    gy_sim_view v;
-    GY_TRY(gy_sim_build_view(s, &v));
-    gy_sim_req *q = &s->req[r];
-    gy_sim_request_out *o = &s->out[r];
-    const gy_sim_req_view rv = {.id = r, .prompt = o->input_tokens, .output = o->output_tokens,
-                                .footprint = q->footprint, .min_tp = o->min_tp,
-                                .deferred = q->deferred_before, .group = q->group,
-                                .arrival = o->arrival};
-    gy_sim_decision d;
-    memset(&d, 0, sizeof d);
-    GY_TRY(s->config.policy->place(s->policy_state, &s->config.policy_config, &v, &rv, &d));
-    switch (d.action) {
-    case GY_SIM_ACTION_PLACE: {
-        if (d.target < 0 || d.target >= v.n_inst)
-            return GY_FAIL(GY_ERR_STATE, "policy %s placed request %lld on instance %d of %d",
-                           s->config.policy->name, (long long)r, (int)d.target, (int)v.n_inst);
-        const int32_t slot = s->view_slot[d.target];
-        gy_sim_inst *i = &s->inst[slot];
-        if (i->xform == GY_SIM_XFORM_SPLITTING || q->footprint > i->core.capacity ||
-            o->min_tp == 0 || i->tp < o->min_tp)
-            return GY_FAIL(GY_ERR_STATE,
-                           "policy %s placed request %lld (%lld blocks) on the TP%d instance at "
-                           "GPU %d, which cannot take it (%lld blocks, %s)",
-                           s->config.policy->name, (long long)r, (long long)q->footprint,
-                           (int)i->tp, (int)i->gpu_first, (long long)i->core.capacity,
-                           i->xform == GY_SIM_XFORM_SPLITTING ? "splitting" : "too small");
-        const gy_sim_carry c = {.prompt = o->input_tokens, .max_new = o->output_tokens};
-        GY_TRY(gy_sim_instance_put(&i->core, r, &c, o->arrival, q->priority));
-        gy_sim_link(s, slot, r);
-        o->status = GY_SIM_REQ_QUEUED;
-        q->group = (gy_sim_group){0, 0, 0};
-        GY_TRY(gy_sim_apply_ops(s, &d));
-        return gy_sim_start_step(s, slot);
-    }
-    case GY_SIM_ACTION_DEFER:
-        o->status = GY_SIM_REQ_DEFERRED;
-        q->deferred_before = 1;
-        q->group = d.group;
-        GY_TRY(gy_sim_defer_push(s, r));
-        return gy_sim_apply_ops(s, &d);
-    case GY_SIM_ACTION_REJECT:
+    if (action == GY_SIM_ACTION_REJECT) {
         o->status = GY_SIM_REQ_REJECTED;
         s->stats.n_rejected++;
-        return gy_sim_apply_ops(s, &d);
-    default:
-        return GY_FAIL(GY_ERR_STATE, "policy %s returned action %d for request %lld",
-                       s->config.policy->name, (int)d.action, (long long)r);
+        return GY_OK;
     }
+    const int32_t slot = gy_sim_slot_at(s, gpu_first, tp);
+    if (slot < 0)
+        return GY_FAIL(GY_ERR_STATE, "no TP%d instance at GPU %d for request %lld", (int)tp,
+                       (int)gpu_first, (long long)r);
+    gy_sim_inst *i = &s->inst[slot];
+    const gy_sim_carry c = {.prompt = o->input_tokens, .max_new = o->output_tokens};
+    GY_TRY(gy_sim_instance_put(&i->core, r, &c, o->arrival, s->req[r].priority));
+    gy_sim_link(s, slot, r);
+    o->status = GY_SIM_REQ_QUEUED;
+    return GY_OK;
 }
 
-/* Every deferred request, in order, is asked about again. */
-static gy_status gy_sim_reconsider(gy_sim *s) {
-    const int64_t n = s->n_deferred;
-    if (n == 0) return GY_OK;
-    int64_t *list = gy_malloc((size_t)n * sizeof *list);
-    if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-    memcpy(list, s->deferred, (size_t)n * sizeof *list);
-    s->n_deferred = 0;
-    gy_status st = GY_OK;
-    for (int64_t k = 0; k < n && st == GY_OK; k++) st = gy_sim_decide(s, list[k]);
-    free(list);
-    return st;
+/* A placement and its ops are done: the instance starts stepping (after the ops, so that a
+ * transformation they started prices the step). */
+static gy_status gy_sim_op_decided(void *ctx, const gy_cluster_request *cr, int32_t action) {
+    gy_sim *s = ctx;
+    if (action != GY_SIM_ACTION_PLACE) return GY_OK;
+    return gy_sim_start_step(s, s->req[cr->id].slot);
 }
 
-static gy_status gy_sim_rebalance(gy_sim *s) {
-    if (s->config.policy->rebalance == NULL) return GY_OK;
-    gy_sim_view v;
-    GY_TRY(gy_sim_build_view(s, &v));
-    gy_sim_decision d;
-    memset(&d, 0, sizeof d);
-    GY_TRY(s->config.policy->rebalance(s->policy_state, &s->config.policy_config, &v, &d));
-    return gy_sim_apply_ops(s, &d);
-}
+static const gy_cluster_ops gy_sim_cluster_ops = {
+    .instances = gy_sim_op_instances,
+    .assign = gy_sim_op_assign,
+    .reconfigure = gy_sim_op_reconfigure,
+    .decided = gy_sim_op_decided,
+};
 
 /* ---- events ---- */
 
@@ -767,7 +649,12 @@ static gy_status gy_sim_on_arrival(gy_sim *s, int64_t r) {
         GY_TRY(gy_sim_push(s, s->out[s->next_arrival].arrival, GY_SIM_EV_ARRIVAL,
                            s->next_arrival, 0));
     s->stats.n_arrived++;
-    return gy_sim_decide(s, r);
+    const gy_sim_request_out *o = &s->out[r];
+    const gy_cluster_request cr = {.id = r, .prompt = o->input_tokens,
+                                   .output = o->output_tokens, .footprint = s->req[r].footprint,
+                                   .min_tp = o->min_tp, .priority = s->req[r].priority,
+                                   .arrival = o->arrival};
+    return gy_cluster_arrive(s->cluster, &cr, s->now);
 }
 
 static gy_status gy_sim_on_step(gy_sim *s, int32_t slot, int64_t gen) {
@@ -781,11 +668,7 @@ static gy_status gy_sim_on_step(gy_sim *s, int32_t slot, int64_t gen) {
     if (i->barrier) return gy_sim_xf_try_switch(s, i->xform_id);
     GY_TRY(gy_sim_start_step(s, slot));
     i = &s->inst[slot];
-    /* room freed may let a deferred request in without a transformation */
-    if (finished && s->n_deferred > 0) GY_TRY(gy_sim_reconsider(s));
-    i = &s->inst[slot];
-    if ((i->tp > 1 && finished) || i->held) GY_TRY(gy_sim_rebalance(s));
-    return GY_OK;
+    return gy_cluster_step_ended(s->cluster, i->gpu_first, i->tp, finished, s->now);
 }
 
 static int gy_sim_quiet(const gy_sim *s) {
@@ -798,7 +681,7 @@ static int gy_sim_quiet(const gy_sim *s) {
 static gy_status gy_sim_on_sample(gy_sim *s) {
     /* deferred requests are also reconsidered periodically: a policy may wait for time alone
      * (gyges' merge_wait) */
-    if (s->n_deferred > 0) GY_TRY(gy_sim_reconsider(s));
+    GY_TRY(gy_cluster_tick(s->cluster, s->now));
     for (int32_t g = 0; g < s->n_gpus;) {
         gy_sim_inst *i = &s->inst[s->gpu_slot[g]];
         gy_sched_stats st;
@@ -806,7 +689,7 @@ static gy_status gy_sim_on_sample(gy_sim *s) {
         GY_SIM_GROW(s->samples, s->n_samples, s->cap_samples);
         s->samples[s->n_samples++] = (gy_sim_sample){
             .time = s->now, .gpu_first = i->gpu_first, .tp = i->tp, .xform = i->xform,
-            .held = i->held, .kv_used = gy_sim_instance_used(&i->core),
+            .held = gy_cluster_held(s->cluster, i->gpu_first, i->tp), .kv_used = gy_sim_instance_used(&i->core),
             .kv_total = i->core.capacity, .n_running = st.n_running,
             .n_waiting = st.n_waiting + st.n_preempted};
         g += i->tp;
@@ -935,15 +818,19 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->n = t->n;
     gy_status st = GY_OK;
     s->gpu_slot = gy_calloc((size_t)s->n_gpus, sizeof *s->gpu_slot);
-    s->view_gpu = gy_calloc((size_t)s->n_gpus, sizeof *s->view_gpu);
     s->out = gy_calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->out);
     s->req = gy_calloc((size_t)(s->n > 0 ? s->n : 1), sizeof *s->req);
-    s->policy_state = gy_calloc(1, c->policy->state_size ? c->policy->state_size : 1);
-    if (s->gpu_slot == NULL || s->view_gpu == NULL || s->out == NULL || s->req == NULL ||
-        s->policy_state == NULL) {
+    if (s->gpu_slot == NULL || s->out == NULL || s->req == NULL) {
         st = GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld requests", (long long)s->n);
         goto fail;
     }
+    const gy_cluster_config cc = {.n_gpus = s->n_gpus, .gpus_per_host = c->gpus_per_host,
+                                  .max_tp = c->max_tp, .capacity = s->capacity,
+                                  .block_size = c->sched.block_size,
+                                  .watermark = c->sched.watermark, .policy = c->policy,
+                                  .policy_config = c->policy_config};
+    st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
+    if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;
     for (int64_t r = 0; r < s->n; r++) {
         gy_sim_request_out *o = &s->out[r];
@@ -993,9 +880,8 @@ void gy_sim_free(gy_sim *s) {
     free(s->gpu_slot);
     free(s->out);
     free(s->req);
-    free(s->policy_state);
+    gy_cluster_free(s->cluster);
     gy_sim_eventq_free(&s->q);
-    free(s->deferred);
     free(s->xf_out);
     free(s->xf);
     free(s->samples);
@@ -1003,10 +889,6 @@ void gy_sim_free(gy_sim *s) {
     free(s->tokens);
     free(s->bin_out);
     free(s->bin_prompt);
-    free(s->view);
-    free(s->view_slot);
-    free(s->view_gpu);
-    free(s->pending);
     free(s);
 }
 
@@ -1015,7 +897,10 @@ void gy_sim_free(gy_sim *s) {
 void gy_sim_stats_get(const gy_sim *s, gy_sim_stats *out) {
     *out = s->stats;
     out->now = s->now;
-    out->n_deferred = s->n_deferred;
+    gy_cluster_stats cs;
+    gy_cluster_stats_get(s->cluster, &cs);
+    out->n_deferred = cs.n_deferred;
+    out->n_ops_refused = cs.n_ops_refused;
     out->n_transforming = s->n_active_xf;
     out->done = gy_sim_eventq_peek(&s->q) == NULL;
 }
@@ -1079,6 +964,8 @@ gy_status gy_sim_check(const gy_sim *s) {
     if (covered != s->n_gpus)
         return GY_FAIL(GY_ERR_STATE, "instances cover %d GPUs of %d", (int)covered,
                        (int)s->n_gpus);
+    gy_cluster_stats cs;
+    gy_cluster_stats_get(s->cluster, &cs);
     int64_t counts[5] = {0};
     for (int64_t r = 0; r < s->n; r++) {
         const int32_t st = s->out[r].status;
@@ -1091,13 +978,13 @@ gy_status gy_sim_check(const gy_sim *s) {
     }
     if (counts[GY_SIM_REQ_FINISHED] != s->stats.n_finished ||
         counts[GY_SIM_REQ_REJECTED] != s->stats.n_rejected ||
-        counts[GY_SIM_REQ_DEFERRED] != s->n_deferred ||
+        counts[GY_SIM_REQ_DEFERRED] != cs.n_deferred ||
         counts[GY_SIM_REQ_PENDING] != s->n - s->stats.n_arrived)
         return GY_FAIL(GY_ERR_STATE, "request accounting is off: %lld finished (%lld counted), "
                        "%lld rejected (%lld), %lld deferred (%lld), %lld pending (%lld)",
                        (long long)counts[GY_SIM_REQ_FINISHED], (long long)s->stats.n_finished,
                        (long long)counts[GY_SIM_REQ_REJECTED], (long long)s->stats.n_rejected,
-                       (long long)counts[GY_SIM_REQ_DEFERRED], (long long)s->n_deferred,
+                       (long long)counts[GY_SIM_REQ_DEFERRED], (long long)cs.n_deferred,
                        (long long)counts[GY_SIM_REQ_PENDING],
                        (long long)(s->n - s->stats.n_arrived));
     return GY_OK;

@@ -1,8 +1,9 @@
 /* sim.h: the discrete-event simulator of a cluster whose tensor parallelism changes while it
  * serves. Hosts of GPUs carry instances (aligned groups of GPUs, see policy.h); every instance
  * runs the real batch scheduler (sched/batch.h) over a block counter (instance.h), and a cost
- * model (cost.h) says how long each of its steps takes. A policy (policy.h) places arriving
- * requests and starts transformations.
+ * model (cost.h) says how long each of its steps takes. The simulator is one executor of the
+ * cluster controller (cluster/controller.h): the controller asks the policy (policy.h) where
+ * arriving requests go and which transformations start, and the simulator carries them out.
  *
  * Events, in (time, rank, push) order (event_queue.h):
  *   arrival     the next trace request: the policy places, defers or rejects it;

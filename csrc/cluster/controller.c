@@ -1,0 +1,456 @@
+/* controller.c: the cluster controller of controller.h. */
+#include "controller.h"
+#include "../core/alloc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct gy_cluster_waiting {
+    gy_cluster_request r;
+    gy_sim_group group; /* the group it waits for (size 0: none) */
+} gy_cluster_waiting;
+
+struct gy_cluster {
+    gy_cluster_config config;
+    int64_t capacity[GY_SIM_MAX_LEVELS];
+    gy_cluster_ops ops;
+    void *ctx;
+    void *policy_state;
+    int busy; /* inside a call: the ops may not call back */
+
+    gy_cluster_waiting *deferred; /* (n_deferred) in the order they were deferred */
+    int64_t n_deferred, cap_deferred;
+    gy_cluster_request *deferred_out; /* gy_cluster_deferred's copy */
+    gy_sim_group *deferred_groups;
+    int64_t cap_out;
+
+    int32_t *held; /* (n_held) pairs (gpu_first, tp) */
+    int32_t n_held;
+
+    /* the view, rebuilt before each policy call: (n_gpus) rows, GPU map and pending groups */
+    gy_sim_inst_view *rows;
+    int32_t *gpu_inst;
+    gy_sim_group *pending;
+    int32_t n_rows;
+
+    gy_cluster_stats stats;
+};
+
+/* ---- checks ---- */
+
+static int gy_cluster_tp_ok(int32_t tp, int32_t max_tp) {
+    return tp >= 1 && tp <= max_tp && gy_sim_level(tp) >= 0;
+}
+
+gy_status gy_cluster_view_check(const gy_sim_view *v) {
+    if (v == NULL) return GY_FAIL(GY_ERR_INVALID, "view: NULL");
+    if (v->n_gpus < 1 || v->gpus_per_host < 1 || gy_sim_level(v->gpus_per_host) < 0 ||
+        v->n_gpus % v->gpus_per_host != 0 || !gy_cluster_tp_ok(v->max_tp, v->gpus_per_host) ||
+        v->block_size < 1 || !(v->watermark >= 0.0 && v->watermark < 1.0))
+        return GY_FAIL(GY_ERR_INVALID,
+                       "bad view: n_gpus %d, gpus_per_host %d (a power of two dividing n_gpus), "
+                       "max_tp %d (a power of two <= gpus_per_host), block_size %lld, "
+                       "watermark %g",
+                       (int)v->n_gpus, (int)v->gpus_per_host, (int)v->max_tp,
+                       (long long)v->block_size, v->watermark);
+    if (v->n_inst < 1 || v->n_inst > v->n_gpus || v->inst == NULL || v->gpu_inst == NULL ||
+        v->capacity == NULL || v->n_pending < 0 || (v->n_pending > 0 && v->pending == NULL))
+        return GY_FAIL(GY_ERR_INVALID, "bad view: %d instances for %d GPUs, %d pending groups",
+                       (int)v->n_inst, (int)v->n_gpus, (int)v->n_pending);
+    for (int l = 0; l <= gy_sim_level(v->max_tp); l++)
+        if (v->capacity[l] < 1)
+            return GY_FAIL(GY_ERR_INVALID, "bad view: capacity of TP%d is %lld blocks", 1 << l,
+                           (long long)v->capacity[l]);
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (!gy_cluster_tp_ok(i->tp, v->max_tp) || i->gpu_first < 0 || i->gpu_first % i->tp ||
+            i->gpu_first + i->tp > v->n_gpus ||
+            (k > 0 && i->gpu_first < v->inst[k - 1].gpu_first + v->inst[k - 1].tp) ||
+            i->kv_total < 1)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "bad view: instance %d (GPU %d, TP%d, %lld blocks) is not an aligned "
+                           "group of a power-of-two TP <= max_tp %d with blocks, in GPU order "
+                           "without overlap",
+                           (int)k, (int)i->gpu_first, (int)i->tp, (long long)i->kv_total,
+                           (int)v->max_tp);
+    }
+    for (int32_t g = 0; g < v->n_gpus; g++) {
+        const int32_t k = v->gpu_inst[g];
+        if (k < 0 || k >= v->n_inst || g < v->inst[k].gpu_first ||
+            g >= v->inst[k].gpu_first + v->inst[k].tp)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "bad view: GPU %d maps to instance %d, which does not own it", (int)g,
+                           (int)k);
+    }
+    for (int32_t p = 0; p < v->n_pending; p++) {
+        const gy_sim_group *g = &v->pending[p];
+        if (!gy_cluster_tp_ok(g->size, v->max_tp) || g->gpu_first < 0 ||
+            g->gpu_first % g->size || g->gpu_first + g->size > v->n_gpus)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "bad view: pending group %d (GPU %d, size %d) is not an aligned group "
+                           "of size <= max_tp",
+                           (int)p, (int)g->gpu_first, (int)g->size);
+    }
+    return GY_OK;
+}
+
+/* ---- set-up ---- */
+
+gy_status gy_cluster_init(gy_cluster **out, const gy_cluster_config *config,
+                          const gy_cluster_ops *ops, void *ctx) {
+    if (out == NULL || config == NULL || ops == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cluster_init: NULL argument");
+    *out = NULL;
+    if (ops->instances == NULL || ops->assign == NULL || ops->reconfigure == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cluster_init: the executor lacks instances, assign "
+                                       "or reconfigure");
+    if (config->policy == NULL || config->policy->place == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "gy_cluster_init: no policy");
+    const int32_t levels = gy_sim_level(config->max_tp) + 1;
+    if (config->n_gpus < 1 || config->gpus_per_host < 1 ||
+        gy_sim_level(config->gpus_per_host) < 0 || config->n_gpus % config->gpus_per_host != 0 ||
+        levels < 1 || levels > GY_SIM_MAX_LEVELS || config->max_tp > config->gpus_per_host ||
+        config->capacity == NULL || config->block_size < 1 ||
+        !(config->watermark >= 0.0 && config->watermark < 1.0))
+        return GY_FAIL(GY_ERR_INVALID,
+                       "gy_cluster_init: n_gpus %d, gpus_per_host %d, max_tp %d, block_size "
+                       "%lld, watermark %g",
+                       (int)config->n_gpus, (int)config->gpus_per_host, (int)config->max_tp,
+                       (long long)config->block_size, config->watermark);
+    gy_cluster *c = gy_calloc(1, sizeof *c);
+    if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the controller");
+    c->config = *config;
+    memcpy(c->capacity, config->capacity, (size_t)levels * sizeof *c->capacity);
+    c->config.capacity = c->capacity;
+    c->ops = *ops;
+    c->ctx = ctx;
+    const size_t n = (size_t)config->n_gpus;
+    c->rows = gy_calloc(n, sizeof *c->rows);
+    c->gpu_inst = gy_calloc(n, sizeof *c->gpu_inst);
+    c->pending = gy_calloc(n, sizeof *c->pending);
+    c->held = gy_calloc(2 * n, sizeof *c->held);
+    if (config->policy->state_size > 0)
+        c->policy_state = gy_calloc(1, config->policy->state_size);
+    if (c->rows == NULL || c->gpu_inst == NULL || c->pending == NULL || c->held == NULL ||
+        (config->policy->state_size > 0 && c->policy_state == NULL)) {
+        gy_cluster_free(c);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the controller");
+    }
+    *out = c;
+    return GY_OK;
+}
+
+void gy_cluster_free(gy_cluster *c) {
+    if (c == NULL) return;
+    free(c->deferred);
+    free(c->deferred_out);
+    free(c->deferred_groups);
+    free(c->held);
+    free(c->rows);
+    free(c->gpu_inst);
+    free(c->pending);
+    free(c->policy_state);
+    free(c);
+}
+
+/* ---- held instances ---- */
+
+static int32_t gy_cluster_held_index(const gy_cluster *c, int32_t gpu_first, int32_t tp) {
+    for (int32_t k = 0; k < c->n_held; k++)
+        if (c->held[2 * k] == gpu_first && c->held[2 * k + 1] == tp) return k;
+    return -1;
+}
+
+int gy_cluster_held(const gy_cluster *c, int32_t gpu_first, int32_t tp) {
+    return c != NULL && gy_cluster_held_index(c, gpu_first, tp) >= 0;
+}
+
+static void gy_cluster_set_held(gy_cluster *c, int32_t gpu_first, int32_t tp, int held) {
+    const int32_t k = gy_cluster_held_index(c, gpu_first, tp);
+    if (held && k < 0 && c->n_held < c->config.n_gpus) { /* at most one per GPU: instances */
+        c->held[2 * c->n_held] = gpu_first;
+        c->held[2 * c->n_held + 1] = tp;
+        c->n_held++;
+    } else if (!held && k >= 0) {
+        c->n_held--;
+        c->held[2 * k] = c->held[2 * c->n_held];
+        c->held[2 * k + 1] = c->held[2 * c->n_held + 1];
+    }
+}
+
+/* ---- the policy's view ---- */
+
+static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
+    int32_t n = 0;
+    GY_TRY(c->ops.instances(c->ctx, c->rows, c->config.n_gpus, &n));
+    if (n < 1 || n > c->config.n_gpus)
+        return GY_FAIL(GY_ERR_STATE, "the executor listed %d instances for %d GPUs", (int)n,
+                       (int)c->config.n_gpus);
+    c->n_rows = n;
+    /* the groups deferred requests wait for, in the order they were first named */
+    int32_t n_pending = 0;
+    for (int64_t k = 0; k < c->n_deferred; k++) {
+        const gy_sim_group g = c->deferred[k].group;
+        if (g.size == 0) continue;
+        int32_t p = 0;
+        while (p < n_pending &&
+               !(c->pending[p].gpu_first == g.gpu_first && c->pending[p].size == g.size))
+            p++;
+        if (p == n_pending) {
+            if (n_pending == c->config.n_gpus)
+                return GY_FAIL(GY_ERR_STATE, "more pending groups than GPUs");
+            c->pending[n_pending++] = (gy_sim_group){g.gpu_first, g.size, 0};
+        }
+        c->pending[p].footprint += c->deferred[k].r.footprint;
+    }
+    for (int32_t g = 0; g < c->config.n_gpus; g++) c->gpu_inst[g] = -1;
+    for (int32_t k = 0; k < n; k++) {
+        gy_sim_inst_view *i = &c->rows[k];
+        i->held = gy_cluster_held(c, i->gpu_first, i->tp);
+        i->reserved = 0;
+        for (int32_t p = 0; p < n_pending && !i->reserved; p++)
+            i->reserved = gy_sim_ranges_overlap(i->gpu_first, i->tp, c->pending[p].gpu_first,
+                                                c->pending[p].size);
+        for (int32_t x = i->gpu_first; x < i->gpu_first + i->tp; x++)
+            if (x >= 0 && x < c->config.n_gpus) c->gpu_inst[x] = k;
+    }
+    *v = (gy_sim_view){
+        .now = now,
+        .n_gpus = c->config.n_gpus,
+        .gpus_per_host = c->config.gpus_per_host,
+        .max_tp = c->config.max_tp,
+        .n_inst = n,
+        .inst = c->rows,
+        .gpu_inst = c->gpu_inst,
+        .capacity = c->capacity,
+        .block_size = c->config.block_size,
+        .watermark = c->config.watermark,
+        .n_pending = n_pending,
+        .pending = c->pending,
+    };
+    if (gy_cluster_view_check(v) != GY_OK) {
+        char why[512]; /* the message is rewritten below: copy it out first */
+        snprintf(why, sizeof why, "%s", gy_error_message());
+        return GY_FAIL(GY_ERR_STATE, "the executor's instances make a bad view (%s)", why);
+    }
+    return GY_OK;
+}
+
+/* ---- decisions ---- */
+
+static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const gy_sim_op *op) {
+    c->stats.n_ops++;
+    int32_t started = 0;
+    switch (op->kind) {
+    case GY_SIM_OP_MERGE:
+    case GY_SIM_OP_SPLIT:
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        if (op->kind == GY_SIM_OP_MERGE) {
+            c->stats.n_merges_started++;
+            gy_cluster_set_held(c, op->gpu_first, op->size / 2, 0);
+            gy_cluster_set_held(c, op->gpu_first + op->size / 2, op->size / 2, 0);
+        } else {
+            c->stats.n_splits_started++;
+            gy_cluster_set_held(c, op->gpu_first, op->size, 0);
+        }
+        return GY_OK;
+    case GY_SIM_OP_HOLD:
+    case GY_SIM_OP_UNHOLD: {
+        const int32_t k = op->gpu_first >= 0 && op->gpu_first < v->n_gpus
+                              ? v->gpu_inst[op->gpu_first] : -1;
+        if (k < 0 || v->inst[k].gpu_first != op->gpu_first ||
+            (op->size > 0 && v->inst[k].tp != op->size))
+            break;
+        gy_cluster_set_held(c, op->gpu_first, v->inst[k].tp, op->kind == GY_SIM_OP_HOLD);
+        return GY_OK;
+    }
+    default:
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned an unknown op kind %d",
+                       c->config.policy->name, (int)op->kind);
+    }
+    c->stats.n_ops_refused++;
+    return GY_OK;
+}
+
+static gy_status gy_cluster_apply_ops(gy_cluster *c, const gy_sim_view *v,
+                                      const gy_sim_decision *d) {
+    if (d->n_ops < 0 || d->n_ops > GY_SIM_MAX_OPS)
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned %d ops", c->config.policy->name,
+                       (int)d->n_ops);
+    for (int32_t k = 0; k < d->n_ops; k++) GY_TRY(gy_cluster_apply_op(c, v, &d->ops[k]));
+    return GY_OK;
+}
+
+static gy_status gy_cluster_defer_push(gy_cluster *c, const gy_cluster_request *r,
+                                       gy_sim_group group) {
+    if (c->n_deferred == c->cap_deferred) {
+        const int64_t cap = c->cap_deferred ? 2 * c->cap_deferred : 64;
+        gy_cluster_waiting *p = gy_realloc(c->deferred, (size_t)cap * sizeof *p);
+        if (p == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the controller");
+        c->deferred = p;
+        c->cap_deferred = cap;
+    }
+    c->deferred[c->n_deferred++] = (gy_cluster_waiting){.r = *r, .group = group};
+    return GY_OK;
+}
+
+/* Asks the policy about r: `deferred_before` and `group` say whether and on what it waited. */
+static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, int deferred_before,
+                                   gy_sim_group group, double now) {
+    gy_sim_view v;
+    GY_TRY(gy_cluster_view(c, now, &v));
+    const gy_sim_req_view rv = {.id = r->id, .prompt = r->prompt, .output = r->output,
+                                .footprint = r->footprint, .min_tp = r->min_tp,
+                                .deferred = deferred_before, .group = group,
+                                .arrival = r->arrival};
+    gy_sim_decision d;
+    memset(&d, 0, sizeof d);
+    GY_TRY(c->config.policy->place(c->policy_state, &c->config.policy_config, &v, &rv, &d));
+    c->stats.n_decisions++;
+    const char *name = c->config.policy->name;
+    switch (d.action) {
+    case GY_SIM_ACTION_PLACE: {
+        if (d.target < 0 || d.target >= v.n_inst)
+            return GY_FAIL(GY_ERR_STATE, "policy %s placed request %lld on instance %d of %d",
+                           name, (long long)r->id, (int)d.target, (int)v.n_inst);
+        const gy_sim_inst_view *i = &v.inst[d.target];
+        if (!i->placeable || r->footprint > i->kv_total || r->min_tp == 0 || i->tp < r->min_tp)
+            return GY_FAIL(GY_ERR_STATE,
+                           "policy %s placed request %lld (%lld blocks) on the TP%d instance at "
+                           "GPU %d, which cannot take it (%lld blocks, %s)",
+                           name, (long long)r->id, (long long)r->footprint, (int)i->tp,
+                           (int)i->gpu_first, (long long)i->kv_total,
+                           i->placeable ? "too small" : "not placeable");
+        GY_TRY(c->ops.assign(c->ctx, r, GY_SIM_ACTION_PLACE, i->gpu_first, i->tp));
+        break;
+    }
+    case GY_SIM_ACTION_DEFER:
+        GY_TRY(c->ops.assign(c->ctx, r, GY_SIM_ACTION_DEFER, -1, 0));
+        GY_TRY(gy_cluster_defer_push(c, r, d.group));
+        break;
+    case GY_SIM_ACTION_REJECT:
+        GY_TRY(c->ops.assign(c->ctx, r, GY_SIM_ACTION_REJECT, -1, 0));
+        c->stats.n_rejected++;
+        break;
+    default:
+        return GY_FAIL(GY_ERR_STATE, "policy %s returned action %d for request %lld", name,
+                       (int)d.action, (long long)r->id);
+    }
+    GY_TRY(gy_cluster_apply_ops(c, &v, &d));
+    if (c->ops.decided != NULL) GY_TRY(c->ops.decided(c->ctx, r, d.action));
+    return GY_OK;
+}
+
+/* Every deferred request, in the order they were deferred, is decided again. */
+static gy_status gy_cluster_reconsider(gy_cluster *c, double now) {
+    const int64_t n = c->n_deferred;
+    if (n == 0) return GY_OK;
+    gy_cluster_waiting *list = gy_malloc((size_t)n * sizeof *list);
+    if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the controller");
+    memcpy(list, c->deferred, (size_t)n * sizeof *list);
+    c->n_deferred = 0;
+    gy_status st = GY_OK;
+    int64_t k = 0;
+    for (; k < n && st == GY_OK; k++) st = gy_cluster_decide(c, &list[k].r, 1, list[k].group, now);
+    /* after a failure the ones not decided yet stay waiting, behind any deferred meanwhile */
+    for (; k < n && st != GY_OK; k++)
+        if (gy_cluster_defer_push(c, &list[k].r, list[k].group) != GY_OK) break;
+    free(list);
+    return st;
+}
+
+static gy_status gy_cluster_rebalance(gy_cluster *c, double now) {
+    if (c->config.policy->rebalance == NULL) return GY_OK;
+    gy_sim_view v;
+    GY_TRY(gy_cluster_view(c, now, &v));
+    gy_sim_decision d;
+    memset(&d, 0, sizeof d);
+    GY_TRY(c->config.policy->rebalance(c->policy_state, &c->config.policy_config, &v, &d));
+    c->stats.n_rebalances++;
+    return gy_cluster_apply_ops(c, &v, &d);
+}
+
+/* ---- the calls ---- */
+
+#define GY_CLUSTER_ENTER(c)                                                                        \
+    do {                                                                                           \
+        if ((c) == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL controller");                       \
+        if ((c)->busy)                                                                             \
+            return GY_FAIL(GY_ERR_STATE, "the cluster controller was called from one of its "    \
+                                         "executor's ops");                                        \
+        (c)->busy = 1;                                                                             \
+    } while (0)
+
+static gy_status gy_cluster_leave(gy_cluster *c, gy_status s) {
+    c->busy = 0;
+    return s;
+}
+
+gy_status gy_cluster_arrive(gy_cluster *c, const gy_cluster_request *r, double now) {
+    GY_CLUSTER_ENTER(c);
+    if (r == NULL || r->prompt < 1 || r->output < 0 || r->footprint < 1 || r->min_tp < 0 ||
+        (r->min_tp > 0 && gy_sim_level(r->min_tp) < 0))
+        return gy_cluster_leave(
+            c, GY_FAIL(GY_ERR_INVALID,
+                       "gy_cluster_arrive: prompt %lld, output %lld, footprint %lld, min_tp %d "
+                       "(0 or a power of two)",
+                       r ? (long long)r->prompt : 0LL, r ? (long long)r->output : 0LL,
+                       r ? (long long)r->footprint : 0LL, r ? (int)r->min_tp : 0));
+    return gy_cluster_leave(c, gy_cluster_decide(c, r, 0, (gy_sim_group){0, 0, 0}, now));
+}
+
+gy_status gy_cluster_step_ended(gy_cluster *c, int32_t gpu_first, int32_t tp, int finished,
+                                double now) {
+    GY_CLUSTER_ENTER(c);
+    gy_status s = GY_OK;
+    /* room freed may let a deferred request in without a transformation */
+    if (finished && c->n_deferred > 0) s = gy_cluster_reconsider(c, now);
+    if (s == GY_OK && ((tp > 1 && finished) || gy_cluster_held(c, gpu_first, tp)))
+        s = gy_cluster_rebalance(c, now);
+    return gy_cluster_leave(c, s);
+}
+
+gy_status gy_cluster_reconfigured(gy_cluster *c, int rebalance, double now) {
+    GY_CLUSTER_ENTER(c);
+    gy_status s = gy_cluster_reconsider(c, now);
+    if (s == GY_OK && rebalance) s = gy_cluster_rebalance(c, now);
+    return gy_cluster_leave(c, s);
+}
+
+gy_status gy_cluster_tick(gy_cluster *c, double now) {
+    GY_CLUSTER_ENTER(c);
+    return gy_cluster_leave(c, gy_cluster_reconsider(c, now));
+}
+
+/* ---- results ---- */
+
+void gy_cluster_stats_get(const gy_cluster *c, gy_cluster_stats *out) {
+    *out = c->stats;
+    out->n_deferred = c->n_deferred;
+}
+
+const gy_cluster_request *gy_cluster_deferred(const gy_cluster *c, int64_t *n,
+                                              const gy_sim_group **groups) {
+    gy_cluster *m = (gy_cluster *)c; /* the copies are a cache */
+    *n = 0;
+    if (groups) *groups = NULL;
+    if (c->n_deferred == 0) return NULL;
+    if (m->cap_out < c->n_deferred) {
+        gy_cluster_request *r = gy_realloc(m->deferred_out, (size_t)c->n_deferred * sizeof *r);
+        if (r == NULL) return NULL;
+        m->deferred_out = r;
+        gy_sim_group *g = gy_realloc(m->deferred_groups, (size_t)c->n_deferred * sizeof *g);
+        if (g == NULL) return NULL;
+        m->deferred_groups = g;
+        m->cap_out = c->n_deferred;
+    }
+    for (int64_t k = 0; k < c->n_deferred; k++) {
+        m->deferred_out[k] = c->deferred[k].r;
+        m->deferred_groups[k] = c->deferred[k].group;
+    }
+    *n = c->n_deferred;
+    if (groups) *groups = m->deferred_groups;
+    return m->deferred_out;
+}

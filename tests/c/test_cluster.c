@@ -1,0 +1,193 @@
+/* test_cluster.c: the cluster controller (cluster/controller.h) over a scripted executor: a
+ * cluster of 4 GPUs whose instances the test sets, which records every op the controller calls.
+ * Checked: a request each policy places, defers and rejects reaches the executor as that
+ * action; deferred requests are decided again in the order they were deferred; held instances
+ * are the controller's and a reconfiguration that starts on them releases them; refused ops are
+ * counted and change nothing; a bad view from the executor and a call from inside an op are
+ * refused with GY_ERR_STATE. */
+#include <string.h>
+
+#include "cluster/controller.h"
+#include "gytest.h"
+
+typedef struct script {
+    gy_sim_inst_view inst[4];
+    int32_t n_inst;
+    int accept;            /* reconfigure answers started = accept */
+    gy_cluster *self;      /* to call back from inside an op */
+    int call_back;
+    gy_status call_back_status;
+    /* what the controller did */
+    int64_t assigned[32];
+    int32_t actions[32], gpus[32];
+    int n_assigned;
+    gy_sim_op ops[32];
+    int n_ops;
+} script;
+
+static void script_layout(script *s, const int32_t *tps, int n) {
+    memset(s->inst, 0, sizeof s->inst);
+    int32_t g = 0;
+    for (int k = 0; k < n; k++) {
+        const int64_t blocks = tps[k] == 1 ? 10 : tps[k] == 2 ? 25 : 60;
+        s->inst[k] = (gy_sim_inst_view){.gpu_first = g, .tp = tps[k], .placeable = 1,
+                                        .kv_total = blocks};
+        g += tps[k];
+    }
+    s->n_inst = n;
+}
+
+static gy_status op_instances(void *ctx, gy_sim_inst_view *rows, int32_t cap, int32_t *n) {
+    script *s = ctx;
+    if (s->call_back) s->call_back_status = gy_cluster_tick(s->self, 0.0);
+    memcpy(rows, s->inst, (size_t)s->n_inst * sizeof *rows);
+    *n = s->n_inst <= cap ? s->n_inst : cap;
+    return GY_OK;
+}
+
+static gy_status op_assign(void *ctx, const gy_cluster_request *r, int32_t action, int32_t g,
+                           int32_t tp) {
+    script *s = ctx;
+    s->assigned[s->n_assigned] = r->id;
+    s->actions[s->n_assigned] = action;
+    s->gpus[s->n_assigned++] = g;
+    /* a placement adds to the instance's footprint, as an executor's view would show */
+    for (int k = 0; k < s->n_inst; k++)
+        if (action == GY_SIM_ACTION_PLACE && s->inst[k].gpu_first == g) {
+            s->inst[k].footprint += r->footprint;
+            s->inst[k].n_requests++;
+        }
+    return GY_OK;
+}
+
+static gy_status op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
+    script *s = ctx;
+    s->ops[s->n_ops++] = *op;
+    *started = s->accept;
+    return GY_OK;
+}
+
+static const gy_cluster_ops script_ops = {op_instances, op_assign, op_reconfigure, NULL};
+
+static const int64_t CAPS[3] = {10, 25, 60};
+
+static gy_cluster *controller(script *s, const char *policy) {
+    const gy_cluster_config c = {.n_gpus = 4, .gpus_per_host = 4, .max_tp = 4,
+                                 .capacity = CAPS, .block_size = 16, .watermark = 0.0,
+                                 .policy = gy_sim_policy_find(policy),
+                                 .policy_config = gy_sim_policy_config_default()};
+    gy_cluster *out = NULL;
+    if (gy_cluster_init(&out, &c, &script_ops, s) != GY_OK) return NULL;
+    s->self = out;
+    return out;
+}
+
+static gy_cluster_request req(int64_t id, int64_t blocks, int32_t min_tp) {
+    return (gy_cluster_request){.id = id, .prompt = blocks * 16 - 4, .output = 4,
+                                .footprint = blocks, .min_tp = min_tp};
+}
+
+GYTEST(cluster_places_defers_and_rejects_through_the_executor) {
+    script s = {0};
+    const int32_t tps[4] = {1, 1, 1, 1};
+    script_layout(&s, tps, 4);
+    s.accept = 1;
+    gy_cluster *c = controller(&s, "least_load");
+    CHECK(c != NULL);
+    gy_cluster_request a = req(7, 5, 1), b = req(8, 20, 2), z = req(9, 100, 0);
+    CHECK_OK(gy_cluster_arrive(c, &a, 0.0));
+    CHECK(s.n_assigned == 1 && s.assigned[0] == 7 && s.actions[0] == GY_SIM_ACTION_PLACE);
+    /* a TP2-sized request: least_load defers it on a pair and merges the pair */
+    CHECK_OK(gy_cluster_arrive(c, &b, 0.0));
+    CHECK(s.actions[1] == GY_SIM_ACTION_DEFER && s.n_ops >= 1);
+    CHECK(s.ops[0].kind == GY_SIM_OP_MERGE && s.ops[0].size == 2);
+    gy_cluster_stats st;
+    gy_cluster_stats_get(c, &st);
+    CHECK(st.n_deferred == 1 && st.n_merges_started == 1);
+    int64_t n = 0;
+    const gy_sim_group *groups = NULL;
+    const gy_cluster_request *waiting = gy_cluster_deferred(c, &n, &groups);
+    CHECK(n == 1 && waiting[0].id == 8 && groups[0].size == 2);
+    /* nothing any TP holds: rejected */
+    CHECK_OK(gy_cluster_arrive(c, &z, 0.0));
+    CHECK(s.actions[2] == GY_SIM_ACTION_REJECT);
+    /* the merge ended: the pair is one TP2 instance, the deferred request goes there */
+    const int32_t merged[3] = {2, 1, 1};
+    script_layout(&s, merged, 3);
+    const int32_t pair = groups[0].gpu_first;
+    if (pair != 0) { /* the merge chose GPUs 2,3: list the TP2 there */
+        const int32_t other[3] = {1, 1, 2};
+        script_layout(&s, other, 3);
+    }
+    CHECK_OK(gy_cluster_reconfigured(c, 1, 1.0));
+    CHECK(s.assigned[3] == 8 && s.actions[3] == GY_SIM_ACTION_PLACE && s.gpus[3] == pair);
+    gy_cluster_stats_get(c, &st);
+    CHECK(st.n_deferred == 0 && st.n_rejected == 1);
+    gy_cluster_free(c);
+}
+
+GYTEST(cluster_reconsiders_in_deferral_order_and_counts_refused_ops) {
+    script s = {0};
+    const int32_t tps[4] = {1, 1, 1, 1};
+    script_layout(&s, tps, 4);
+    s.accept = 0; /* every reconfiguration refused: requests stay deferred */
+    gy_cluster *c = controller(&s, "least_load");
+    CHECK(c != NULL);
+    for (int64_t id = 0; id < 3; id++) {
+        gy_cluster_request r = req(id, 20, 2);
+        CHECK_OK(gy_cluster_arrive(c, &r, 0.0));
+    }
+    gy_cluster_stats st;
+    gy_cluster_stats_get(c, &st);
+    CHECK(st.n_deferred == 3 && st.n_ops_refused == st.n_ops && st.n_ops >= 3);
+    CHECK(st.n_merges_started == 0);
+    s.n_assigned = 0;
+    CHECK_OK(gy_cluster_tick(c, 1.0));
+    CHECK(s.n_assigned == 3);
+    for (int k = 0; k < 3; k++) CHECK(s.assigned[k] == k && s.actions[k] == GY_SIM_ACTION_DEFER);
+    int64_t n = 0;
+    const gy_cluster_request *waiting = gy_cluster_deferred(c, &n, NULL);
+    CHECK(n == 3 && waiting[0].id == 0 && waiting[1].id == 1 && waiting[2].id == 2);
+    gy_cluster_free(c);
+}
+
+GYTEST(cluster_held_instances_are_released_by_their_reconfiguration) {
+    script s = {0};
+    const int32_t tps[2] = {2, 2};
+    script_layout(&s, tps, 2);
+    s.accept = 1;
+    gy_cluster *c = controller(&s, "gyges");
+    CHECK(c != NULL);
+    /* a TP2 instance whose requests all left: gyges holds it, then splits it (releasing it) */
+    CHECK(!gy_cluster_held(c, 0, 2));
+    CHECK_OK(gy_cluster_step_ended(c, 0, 2, 1, 0.0));
+    int split = 0;
+    for (int k = 0; k < s.n_ops; k++) split |= s.ops[k].kind == GY_SIM_OP_SPLIT;
+    CHECK(split);
+    CHECK(!gy_cluster_held(c, 0, 2) && !gy_cluster_held(c, 2, 2));
+    gy_cluster_free(c);
+}
+
+GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {
+    script s = {0};
+    const int32_t tps[4] = {1, 1, 1, 1};
+    script_layout(&s, tps, 4);
+    gy_cluster *c = controller(&s, "round_robin");
+    CHECK(c != NULL);
+    gy_cluster_request r = req(1, 5, 1);
+    s.inst[2].gpu_first = 1; /* overlaps instance 1 */
+    CHECK_STATUS(gy_cluster_arrive(c, &r, 0.0), GY_ERR_STATE);
+    CHECK(s.n_assigned == 0);
+    script_layout(&s, tps, 4);
+    s.inst[1].kv_total = 0;
+    CHECK_STATUS(gy_cluster_arrive(c, &r, 0.0), GY_ERR_STATE);
+    script_layout(&s, tps, 4);
+    s.call_back = 1;
+    CHECK_OK(gy_cluster_arrive(c, &r, 0.0));
+    CHECK(s.call_back_status == GY_ERR_STATE);
+    s.call_back = 0;
+    CHECK_OK(gy_cluster_arrive(c, &r, 0.0)); /* and the controller works on */
+    r.min_tp = 3;
+    CHECK_STATUS(gy_cluster_arrive(c, &r, 0.0), GY_ERR_INVALID);
+    gy_cluster_free(c);
+}

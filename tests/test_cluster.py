@@ -1,0 +1,81 @@
+"""The one cluster controller (csrc/cluster/controller.h) behind both executors: the simulator
+(gyges.sim) and a real host (gyges.experiment). The same traces go through both and the decisions
+are compared: where each request was placed and which reconfigurations ran, in order.
+
+Timing differs between the executors (the simulator's steps take a constant time here, the host's
+what the CPU takes), so the traces are built for decisions that do not depend on it: arrivals
+far enough apart that every request is done before the next arrives, and a round-robin whose
+placements depend only on its cursor. Where timing matters (requests that overlap, loads), the
+two may decide differently by design; bench_experiment.py measures how close they come."""
+import numpy as np
+import pytest
+
+import gyges
+from gyges import experiment, sim, traces
+from gyges.costmodel import ConstantCost
+
+
+@pytest.fixture(scope="module")
+def host_caps():
+    host = gyges.Host(gyges.Model.tiny(), workers=4, memory_per_worker="24MiB", layout="4xTP1")
+    caps = experiment.capacities(host)
+    host.close()
+    return caps
+
+
+def both(trace, policy, caps, **kw):
+    """(simulator results, host results) of one trace under one policy."""
+    cost = ConstantCost(step=0.001, phase=0.0, capacity=tuple(caps))
+    s = sim.run(trace, policy=policy, gpus_per_host=4, cost=cost, watermark=0.0, merge_wait=1.0,
+                check=True, **kw)
+    h = experiment.run(trace, policy=policy, time_scale=1.0, **kw)
+    return s, h
+
+
+def decisions(res):
+    """Each request's (status, first worker, TP) and the reconfigurations in order."""
+    r = res.requests
+    placed = [(int(st), int(g), int(tp)) for st, g, tp in zip(r["status"], r["gpu"], r["tp"])]
+    x = res.transformations
+    xforms = [(int(k), int(g), int(a), int(b))
+              for k, g, a, b in zip(x["kind"], x["gpu"], x["tp_from"], x["tp_to"])]
+    return placed, xforms
+
+
+def spaced(inputs, outputs, gap=2.0):
+    n = len(inputs)
+    return traces.from_arrays(np.arange(n) * gap, np.asarray(inputs), np.asarray(outputs))
+
+
+def test_round_robin_places_the_same_on_both_executors(host_caps):
+    rng = np.random.default_rng(7)
+    trace = traces.from_arrays(np.sort(rng.uniform(0, 3, 14)), rng.integers(20, 100, 14),
+                               rng.integers(3, 9, 14))
+    s, h = both(trace, "round_robin", host_caps)
+    assert decisions(s) == decisions(h)
+    assert {g for _, g, _ in decisions(s)[0]} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("policy", ["gyges", "least_load", "round_robin"])
+def test_scale_ups_and_downs_happen_in_the_same_order_on_both_executors(host_caps, policy):
+    """Short requests and two long ones that only a TP2 instance holds (a merge for each, and
+    a split once the TP2 is no longer needed): the same placements and reconfigurations. (The
+    tiny model's 4096 positions fit a TP2 instance, so no request here needs TP4.)"""
+    long2 = (host_caps[0] + 20) * 16 - 8  # more than a TP1 instance holds, less than TP2
+    trace = spaced([40, 60, long2, 30, 50, long2 + 300, 20, 70], [5, 6, 4, 7, 5, 3, 6, 4])
+    s, h = both(trace, policy, host_caps)
+    placed_s, xf_s = decisions(s)
+    placed_h, xf_h = decisions(h)
+    assert placed_s == placed_h
+    assert xf_s == xf_h
+    assert sum(k == 0 for k, _, _, _ in xf_s) >= 1 and sum(k == 1 for k, _, _, _ in xf_s) >= 1
+    assert placed_s[2][2] == 2 and placed_s[5][2] == 2
+    assert all(st == 3 for st, _, _ in placed_s)
+
+
+def test_static_rejects_the_same_on_both_executors(host_caps):
+    long2 = (host_caps[0] + 20) * 16 - 8
+    trace = spaced([40, long2, 30], [5, 4, 6])
+    s, h = both(trace, "static", host_caps, layout="4xTP1")
+    assert decisions(s) == decisions(h)
+    assert decisions(s)[0][1][0] == 4  # rejected (status 4): no TP1 instance holds it
