@@ -28,10 +28,15 @@ struct gy_cluster {
     int32_t *held; /* (n_held) pairs (gpu_first, tp) */
     int32_t n_held;
 
-    /* the view, rebuilt before each policy call: (n_gpus) rows, GPU map and pending groups */
+    /* the groups the deferred requests wait for, in the order they were first named, with
+     * the blocks of those requests: kept as requests are deferred (a reconsideration starts
+     * them afresh), so that a view costs nothing per waiting request */
+    gy_sim_group *pending;
+    int32_t n_pending;
+
+    /* the view, rebuilt before each policy call: (n_gpus) rows and GPU map */
     gy_sim_inst_view *rows;
     int32_t *gpu_inst;
-    gy_sim_group *pending;
     int32_t n_rows;
 
     gy_cluster_stats stats;
@@ -188,22 +193,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         return GY_FAIL(GY_ERR_STATE, "the executor listed %d instances for %d GPUs", (int)n,
                        (int)c->config.n_gpus);
     c->n_rows = n;
-    /* the groups deferred requests wait for, in the order they were first named */
-    int32_t n_pending = 0;
-    for (int64_t k = 0; k < c->n_deferred; k++) {
-        const gy_sim_group g = c->deferred[k].group;
-        if (g.size == 0) continue;
-        int32_t p = 0;
-        while (p < n_pending &&
-               !(c->pending[p].gpu_first == g.gpu_first && c->pending[p].size == g.size))
-            p++;
-        if (p == n_pending) {
-            if (n_pending == c->config.n_gpus)
-                return GY_FAIL(GY_ERR_STATE, "more pending groups than GPUs");
-            c->pending[n_pending++] = (gy_sim_group){g.gpu_first, g.size, 0};
-        }
-        c->pending[p].footprint += c->deferred[k].r.footprint;
-    }
+    const int32_t n_pending = c->n_pending;
     for (int32_t g = 0; g < c->config.n_gpus; g++) c->gpu_inst[g] = -1;
     for (int32_t k = 0; k < n; k++) {
         gy_sim_inst_view *i = &c->rows[k];
@@ -283,6 +273,22 @@ static gy_status gy_cluster_apply_ops(gy_cluster *c, const gy_sim_view *v,
     return GY_OK;
 }
 
+/* Adds a deferred request's blocks to the group it waits for. */
+static gy_status gy_cluster_pending_add(gy_cluster *c, gy_sim_group g, int64_t footprint) {
+    if (g.size == 0) return GY_OK;
+    int32_t p = 0;
+    while (p < c->n_pending &&
+           !(c->pending[p].gpu_first == g.gpu_first && c->pending[p].size == g.size))
+        p++;
+    if (p == c->n_pending) {
+        if (c->n_pending == c->config.n_gpus)
+            return GY_FAIL(GY_ERR_STATE, "more pending groups than GPUs");
+        c->pending[c->n_pending++] = (gy_sim_group){g.gpu_first, g.size, 0};
+    }
+    c->pending[p].footprint += footprint;
+    return GY_OK;
+}
+
 static gy_status gy_cluster_defer_push(gy_cluster *c, const gy_cluster_request *r,
                                        gy_sim_group group) {
     if (c->n_deferred == c->cap_deferred) {
@@ -292,6 +298,7 @@ static gy_status gy_cluster_defer_push(gy_cluster *c, const gy_cluster_request *
         c->deferred = p;
         c->cap_deferred = cap;
     }
+    GY_TRY(gy_cluster_pending_add(c, group, r->footprint));
     c->deferred[c->n_deferred++] = (gy_cluster_waiting){.r = *r, .group = group};
     return GY_OK;
 }
@@ -343,22 +350,39 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
     return GY_OK;
 }
 
-/* Every deferred request, in the order they were deferred, is decided again. */
-static gy_status gy_cluster_reconsider(gy_cluster *c, double now) {
+/* Whether a step that ended on the instance at (g, tp) can change the decision about a request
+ * deferred on `group` (the contract of policy.h: a request waiting for a group waits for that
+ * group's instances, or for an instance that could hold it). tp 0: any event. */
+static int gy_cluster_relevant(const gy_cluster_waiting *w, int32_t g, int32_t tp) {
+    return tp == 0 || w->group.size == 0 || tp >= w->r.min_tp ||
+           gy_sim_ranges_overlap(g, tp, w->group.gpu_first, w->group.size);
+}
+
+/* The deferred requests, in the order they were deferred, are decided again: those a step that
+ * ended on (g, tp) can concern (every one when tp is 0); the others keep their place. */
+static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int32_t g, int32_t tp) {
     const int64_t n = c->n_deferred;
     if (n == 0) return GY_OK;
     gy_cluster_waiting *list = gy_malloc((size_t)n * sizeof *list);
     if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the controller");
     memcpy(list, c->deferred, (size_t)n * sizeof *list);
     c->n_deferred = 0;
+    c->n_pending = 0;
     gy_status st = GY_OK;
     int64_t k = 0;
-    for (; k < n && st == GY_OK; k++) st = gy_cluster_decide(c, &list[k].r, 1, list[k].group, now);
+    for (; k < n && st == GY_OK; k++)
+        st = gy_cluster_relevant(&list[k], g, tp)
+                 ? gy_cluster_decide(c, &list[k].r, 1, list[k].group, now)
+                 : gy_cluster_defer_push(c, &list[k].r, list[k].group);
     /* after a failure the ones not decided yet stay waiting, behind any deferred meanwhile */
     for (; k < n && st != GY_OK; k++)
         if (gy_cluster_defer_push(c, &list[k].r, list[k].group) != GY_OK) break;
     free(list);
     return st;
+}
+
+static gy_status gy_cluster_reconsider(gy_cluster *c, double now) {
+    return gy_cluster_reconsider_after(c, now, 0, 0);
 }
 
 static gy_status gy_cluster_rebalance(gy_cluster *c, double now) {
@@ -406,7 +430,7 @@ gy_status gy_cluster_step_ended(gy_cluster *c, int32_t gpu_first, int32_t tp, in
     GY_CLUSTER_ENTER(c);
     gy_status s = GY_OK;
     /* room freed may let a deferred request in without a transformation */
-    if (finished && c->n_deferred > 0) s = gy_cluster_reconsider(c, now);
+    if (finished && c->n_deferred > 0) s = gy_cluster_reconsider_after(c, now, gpu_first, tp);
     if (s == GY_OK && ((tp > 1 && finished) || gy_cluster_held(c, gpu_first, tp)))
         s = gy_cluster_rebalance(c, now);
     return gy_cluster_leave(c, s);

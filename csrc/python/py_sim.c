@@ -265,13 +265,14 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
     gy_sim_stats s;
     gy_sim_stats_get(self->sim, &s);
     return Py_BuildValue(
-        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests", (long long)s.n_requests,
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests", (long long)s.n_requests,
         "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
         (long long)s.n_rejected, "deferred", (long long)s.n_deferred, "steps",
         (long long)s.n_steps, "events", (long long)s.n_events, "preemptions",
         (long long)s.n_preemptions, "migrations", (long long)s.n_migrations, "merges",
         (long long)s.n_merges, "splits", (long long)s.n_splits, "transforming",
-        (long long)s.n_transforming, "ops_refused", (long long)s.n_ops_refused, "done",
+        (long long)s.n_transforming, "ops_refused", (long long)s.n_ops_refused, "decisions",
+        (long long)s.n_decisions, "rebalances", (long long)s.n_rebalances, "done",
         PyBool_FromLong(s.done));
 }
 

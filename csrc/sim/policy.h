@@ -131,6 +131,11 @@ typedef struct gy_sim_policy_config {
                                 to an instance that can hold it, scale up only when none can */
 } gy_sim_policy_config;
 
+/* The contract the controller relies on to decide waiting requests again only when it can
+ * matter: a request deferred on a group (DEFER with group.size > 0) is decided the same until an
+ * instance inside that group changes, an instance of TP >= its min_tp frees room, time passes,
+ * or the topology changes. Every policy here keeps it (a deferred request resumes its group:
+ * gy_sim_policy_resume). */
 typedef struct gy_sim_policy_ops {
     const char *name;
     size_t state_size; /* bytes of per-run state the simulator allocates zeroed (may be 0) */

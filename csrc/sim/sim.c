@@ -901,6 +901,8 @@ void gy_sim_stats_get(const gy_sim *s, gy_sim_stats *out) {
     gy_cluster_stats_get(s->cluster, &cs);
     out->n_deferred = cs.n_deferred;
     out->n_ops_refused = cs.n_ops_refused;
+    out->n_decisions = cs.n_decisions;
+    out->n_rebalances = cs.n_rebalances;
     out->n_transforming = s->n_active_xf;
     out->done = gy_sim_eventq_peek(&s->q) == NULL;
 }

@@ -123,6 +123,7 @@ typedef struct gy_sim_stats {
     int64_t n_requests, n_arrived, n_finished, n_rejected, n_deferred;
     int64_t n_steps, n_events, n_preemptions, n_migrations;
     int64_t n_merges, n_splits, n_transforming, n_ops_refused;
+    int64_t n_decisions, n_rebalances; /* the controller's: policy calls */
     int32_t done;          /* nothing left to happen */
 } gy_sim_stats;
 

@@ -191,3 +191,35 @@ GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {
     CHECK_STATUS(gy_cluster_arrive(c, &r, 0.0), GY_ERR_INVALID);
     gy_cluster_free(c);
 }
+
+GYTEST(cluster_a_step_concerns_the_requests_waiting_on_its_group_only) {
+    script s = {0};
+    const int32_t tps[4] = {1, 1, 1, 1};
+    script_layout(&s, tps, 4);
+    s.accept = 0;
+    gy_cluster *c = controller(&s, "least_load");
+    CHECK(c != NULL);
+    /* loads steer each TP2-sized request to a pair: the first to GPUs 2-3, the second to 0-1 */
+    s.inst[0].pending_prefill = s.inst[1].pending_prefill = 1000;
+    gy_cluster_request a = req(1, 20, 2), b = req(2, 20, 2);
+    CHECK_OK(gy_cluster_arrive(c, &a, 0.0));
+    s.inst[0].pending_prefill = s.inst[1].pending_prefill = 0;
+    s.inst[2].pending_prefill = s.inst[3].pending_prefill = 1000;
+    CHECK_OK(gy_cluster_arrive(c, &b, 0.0));
+    int64_t n = 0;
+    const gy_sim_group *groups = NULL;
+    gy_cluster_deferred(c, &n, &groups);
+    CHECK(n == 2 && groups[0].gpu_first == 2 && groups[1].gpu_first == 0);
+    /* a TP1 step on GPU 0 ends: only the request waiting on GPUs 0-1 is decided again */
+    s.n_assigned = 0;
+    CHECK_OK(gy_cluster_step_ended(c, 0, 1, 1, 1.0));
+    CHECK(s.n_assigned == 1 && s.assigned[0] == 2);
+    /* ... and both keep their order */
+    const gy_cluster_request *w = gy_cluster_deferred(c, &n, NULL);
+    CHECK(n == 2 && w[0].id == 1 && w[1].id == 2);
+    /* a tick decides every one */
+    s.n_assigned = 0;
+    CHECK_OK(gy_cluster_tick(c, 2.0));
+    CHECK(s.n_assigned == 2);
+    gy_cluster_free(c);
+}
