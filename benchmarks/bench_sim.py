@@ -149,7 +149,8 @@ def scheduler_comparison(duration, factors, seeds):
                 acc.append(res.summary())
             mean = {k: float(np.mean([a[k] for a in acc])) for k in
                     ("total_token_throughput", "output_throughput", "goodput", "ttft_mean",
-                     "ttft_p99", "tpot_mean", "transformations", "preemptions")}
+                     "ttft_p99", "tpot_mean", "transformations", "preemptions",
+                     "policy_rejected", "latency_requests")}
             rows.append({"rate": factor, "policy": policy + ("" if eager else " (lazy)"),
                          **mean})
         base = {r["policy"]: r for r in rows if r["rate"] == factor}
@@ -213,6 +214,7 @@ def azure_comparison(cost, rate_factors):
             rows.append({"rate": rf * 5.53, "layout": layout or "gyges (dynamic)",
                          "goodput": g_req, "token_goodput": g_tok, "attained": attained,
                          "plain_goodput": s["goodput"], "rejected": s["policy_rejected"],
+                         "latency_requests": s["latency_requests"],
                          "ttft_p99": s["ttft_p99"], "tpot_mean": s["tpot_mean"],
                          "transformations": s["transformations"]})
     return rows, info
@@ -272,6 +274,8 @@ def main():
                 [("rate", "rate x", "{:.1f}"), ("policy", "policy", "{}"),
                  ("total_token_throughput", "tok/s", "{:.0f}"),
                  ("gyges_gain", "gyges +%", "{:+.1f}"), ("goodput", "goodput", "{:.3f}"),
+                 ("policy_rejected", "rejected", "{:.0f}"),
+                 ("latency_requests", "latency over", "{:.0f}"),
                  ("ttft_mean", "TTFT", "{:.1f}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
                  ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{:.0f}"),
                  ("preemptions", "preempt", "{:.0f}")])
@@ -287,8 +291,9 @@ def main():
                      ("goodput", "goodput", "{:.4f}"), ("token_goodput", "good tok/s", "{:.0f}"),
                      ("attained", "attained", "{:.3f}"),
                      ("plain_goodput", "goodput(10s)", "{:.4f}"),
-                     ("rejected", "rejected", "{}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
-                     ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{}")])
+                     ("rejected", "rejected", "{}"), ("latency_requests", "latency over", "{}"),
+                     ("ttft_p99", "TTFT p99", "{:.0f}"), ("tpot_mean", "TPOT", "{:.3f}"),
+                     ("transformations", "transf.", "{}")])
     else:
         print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
 

@@ -99,11 +99,14 @@ def summarize(requests: np.ndarray, token_times: Sequence[np.ndarray] | None = N
     """vLLM's benchmark metrics as a flat dict. `requests`: a structured array, or the request
     handles an Engine, a Host or an LLM returned (their token times then give the ITL).
 
-    Counts: completed, rejected, unfinished, total_input, total_output (completed requests).
-    Rates (per second of `duration`): request_throughput, output_throughput,
-    total_token_throughput; with `slo`, good_completed and goodput.
+    Counts: requests, completed, rejected (never scheduled), unfinished, total_input,
+    total_output (completed requests). Rates (per second of `duration`): request_throughput,
+    output_throughput, total_token_throughput; with `slo`, good_completed, goodput and
+    slo_attainment (good_completed over every request: a rejected or unfinished request is a
+    miss, so a layout cannot look better by turning requests away).
     For each of ttft, tpot, e2e, queue (and itl when token_times is given):
-    <name>_mean, _median, _std and _p<q> for q in `percentiles` (e.g. ttft_p99).
+    <name>_mean, _median, _std and _p<q> for q in `percentiles` (e.g. ttft_p99), taken over
+    the completed requests only: latency_requests says how many.
 
     slo: {"ttft": s, "tpot": s, "e2e": s, "queue": s}, any subset. A completed request is good
     when every given latency is <= its threshold (equal passes, as in vLLM); a request with one
@@ -115,6 +118,7 @@ def summarize(requests: np.ndarray, token_times: Sequence[np.ndarray] | None = N
     scheduled = np.isfinite(r["scheduled"])
     pr = per_request(requests)[done]
     res: dict = {
+        "requests": int(done.size),
         "completed": int(done.sum()),
         "rejected": int((~done & ~scheduled).sum()),
         "unfinished": int((~done & scheduled).sum()),
@@ -137,6 +141,8 @@ def summarize(requests: np.ndarray, token_times: Sequence[np.ndarray] | None = N
         good = _meets_slo(pr, r["output_tokens"][done], slo)
         res["good_completed"] = int(good.sum())
         res["goodput"] = rate(res["good_completed"])
+        res["slo_attainment"] = res["good_completed"] / done.size if done.size else math.nan
+    res["latency_requests"] = res["completed"]
 
     samples = {"ttft": pr["ttft"], "tpot": pr["tpot"][~np.isnan(pr["tpot"])],
                "e2e": pr["e2e"], "queue": pr["queue"]}

@@ -9,6 +9,7 @@ layout over time, the transformations, throughput bins, and the run's configurat
     res.transformations      TRANSFORM_DTYPE
     res.throughput()         (bin starts, output tokens/s, prompt+output tokens/s)
     res.save(path) / Results.load(path)   path.json (config, stats) + path.npz (arrays)
+    res.to_pandas("requests") / res.to_csv(path, "timeline")   a table, codes as names
     res.plot(path=None)      matplotlib (imported only here)
 
 The dtypes mirror the C structs of csrc/sim/sim.h byte for byte.
@@ -16,6 +17,7 @@ The dtypes mirror the C structs of csrc/sim/sim.h byte for byte.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -26,7 +28,7 @@ from . import metrics
 from .errors import InvalidArgumentError, require
 
 __all__ = ["Results", "REQUEST_DTYPE", "TIMELINE_DTYPE", "LAYOUT_DTYPE", "TRANSFORM_DTYPE",
-           "STATUS"]
+           "TABLES", "STATUS"]
 
 # gy_sim_request_out
 REQUEST_DTYPE = np.dtype([
@@ -49,6 +51,11 @@ TRANSFORM_DTYPE = np.dtype([
 TOKEN_DTYPE = np.dtype([("request", "i8"), ("time", "f8")])
 
 STATUS = {0: "pending", 1: "deferred", 2: "queued", 3: "finished", 4: "rejected"}
+# codes of the other tables, as names in Results.table / to_pandas / to_csv
+KIND = {0: "merge", 1: "split"}                                   # transformations
+XFORM = {0: "none", 1: "merging", 2: "splitting", 3: "split_tail"}  # timeline (gy_sim_xform)
+CHANGE = {1: "created", -1: "gone"}                                # layout
+TABLES = ("requests", "timeline", "layout", "transformations", "tokens")
 
 
 class Results:
@@ -136,6 +143,49 @@ class Results:
             key = (int(ev["gpu"]), int(ev["tp"]))
             alive[key] = alive.get(key, 0) + int(ev["change"])
         return sorted(k for k, v in alive.items() if v > 0)
+
+    # ---- tables ----
+
+    def table(self, name: str = "requests") -> dict:
+        """One of TABLES as {column: array}, codes as names: a request's status ('finished',
+        'rejected', ...), a transformation's kind ('merge', 'split'), a sample's xform ('none',
+        'merging', ...), a layout event's change ('created', 'gone'). Requests and
+        transformations get their index (`request`, `transformation`) as the first column."""
+        if name not in TABLES:
+            raise InvalidArgumentError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        array = getattr(self, name)
+        if array is None:
+            raise InvalidArgumentError(f"this run kept no {name} (record_tokens=True keeps them)")
+        names = {"requests": {"status": STATUS}, "transformations": {"kind": KIND},
+                 "timeline": {"xform": XFORM}, "layout": {"change": CHANGE}}.get(name, {})
+        out = {}
+        if name in ("requests", "transformations"):
+            out[name[:-1]] = np.arange(array.size)
+        for field in array.dtype.names:
+            if field == "pad":
+                continue
+            col = array[field]
+            if field in names:
+                col = np.array([names[field].get(int(v), str(int(v))) for v in col], dtype=object)
+            out[field] = col
+        return out
+
+    def to_pandas(self, name: str = "requests"):
+        """table(name) as a pandas.DataFrame (pandas is optional: pip install pandas)."""
+        pd = require("pandas", "Results.to_pandas")
+        return pd.DataFrame(self.table(name))
+
+    def to_csv(self, path, name: str = "requests") -> Path:
+        """Writes table(name) as CSV (a header row, then one row per record; NaN as 'nan')."""
+        cols = self.table(name)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            for row in zip(*(c.tolist() for c in cols.values())):
+                w.writerow(row)
+        return path
 
     # ---- files ----
 

@@ -47,6 +47,7 @@ HAND_TOKEN_TIMES = [
 def test_summarize_hand_example():
     s = metrics.summarize(hand_example(), token_times=HAND_TOKEN_TIMES)
     assert (s["completed"], s["rejected"], s["unfinished"]) == (3, 1, 1)
+    assert s["requests"] == 5 and s["latency_requests"] == 3  # latencies: completed ones only
     assert s["total_input"] == 350 and s["total_output"] == 9
     assert s["duration"] == 4.0                      # last finish 4.0 - first arrival 0.0
     assert s["request_throughput"] == 0.75
@@ -99,6 +100,7 @@ def test_goodput_slo_edges(slo, good):
     s = metrics.summarize(hand_example(), slo=slo)
     assert s["good_completed"] == good
     assert s["goodput"] == good / 4.0
+    assert s["slo_attainment"] == good / 5  # over all 5 requests: the rejected one is a miss
 
 
 def test_slo_argument_errors():

@@ -428,3 +428,27 @@ def test_a_prompt_longer_than_a_level_can_prefill_needs_a_larger_tp():
     with pytest.raises(gyges.Error, match="max_input"):
         gyges.sim.run(tr, policy="gyges", cost=ConstantCost(max_input=(100, 50, 2000, 4000)),
                       hosts=1, gpus_per_host=8)
+
+
+def test_tables_to_pandas_and_csv(tmp_path):
+    """Results as tables: codes as names, the same rows in pandas and in CSV."""
+    import pandas as pd
+    tr = traces.gyges_mixed(600, seed=0)
+    res = sim.run(tr, policy="gyges", record_tokens=True)
+    df = res.to_pandas("requests")
+    assert len(df) == tr.size and list(df["request"]) == list(range(tr.size))
+    assert set(df["status"]) <= set(gyges.results.STATUS.values())
+    assert (df["status"] == "finished").sum() == res.summary()["completed"]
+    x = res.to_pandas("transformations")
+    assert set(x["kind"]) == {"merge", "split"} and len(x) == res.transformations.size
+    tl = res.to_pandas("timeline")
+    assert set(tl["xform"]) <= {"none", "merging", "splitting", "split_tail"}
+    assert "pad" not in res.to_pandas("layout").columns
+    path = res.to_csv(tmp_path / "requests.csv")
+    back = pd.read_csv(path, float_precision="round_trip")  # the CSV keeps every bit
+    assert list(back.columns) == list(df.columns)
+    np.testing.assert_array_equal(back["finish"].to_numpy(), df["finish"].to_numpy())
+    assert (back["status"] == df["status"]).all()
+    assert len(res.to_pandas("tokens")) == res.tokens.size
+    with pytest.raises(gyges.InvalidArgumentError, match="unknown table 'steps'"):
+        res.table("steps")
