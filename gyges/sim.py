@@ -114,14 +114,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     scale_up_load = _check_float("scale_up_load", scale_up_load, 0.0)
     merge_wait = _check_float("merge_wait", merge_wait, 0.0)
     scale_up_cap = _check_float("scale_up_cap", scale_up_cap, 0.0)
-    if layout is None:
-        if policy == "static":
-            raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or "
-                           "'4xTP1+1xTP4'")
-        layout = f"{gpus_per_host}xTP1"
-    tps = parse_layout(layout, gpus_per_host)
-    if max(tps) > max_tp:
-        raise SimError(f"layout {layout!r} has a TP{max(tps)} instance but max_tp is {max_tp}")
+    if layout is None and policy == "static":
+        raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
 
     if cost is None:
         try:
@@ -132,12 +126,24 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         raise SimError(f"cost must be a CostModel or ConstantCost, got {type(cost).__name__}")
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
     max_input = cost.max_inputs(max_tp)
-    for level, blocks in enumerate(capacity):
-        if blocks < 1:
-            name = getattr(getattr(cost, "gpu", None), "name", "this GPU")
-            raise SimError(f"the model does not fit a TP{1 << level} instance on {name} (no KV "
-                           f"room left after its weights); the simulator needs every TP from 1 "
-                           f"to max_tp={max_tp} to fit")
+    # A large model may fit only from some TP on (Qwen2.5-32B on an H100: TP2): smaller
+    # instances cannot exist (capacity 0), and the layout and every split stay at or above it.
+    capacity = [max(int(b), 0) for b in capacity]
+    fits = [level for level, blocks in enumerate(capacity) if blocks >= 1]
+    name = getattr(getattr(cost, "gpu", None), "name", "this GPU")
+    if not fits:
+        raise SimError(f"the model fits no instance up to TP{max_tp} on {name} (no KV room left "
+                       f"after its weights); raise max_tp or gpus_per_host")
+    min_tp = 1 << fits[0]
+    capacity_mid = [max(int(m), c) if c >= 1 else 0 for m, c in zip(capacity_mid, capacity)]
+    if layout is None:
+        layout = f"{gpus_per_host // min_tp}xTP{min_tp}"
+    tps = parse_layout(layout, gpus_per_host)
+    if max(tps) > max_tp:
+        raise SimError(f"layout {layout!r} has a TP{max(tps)} instance but max_tp is {max_tp}")
+    if min(tps) < min_tp:
+        raise SimError(f"layout {layout!r} has a TP{min(tps)} instance, but the model fits no "
+                       f"instance below TP{min_tp} on {name}")
 
     n = trace.shape[0]
     arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)

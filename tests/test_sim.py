@@ -452,3 +452,25 @@ def test_tables_to_pandas_and_csv(tmp_path):
     assert len(res.to_pandas("tokens")) == res.tokens.size
     with pytest.raises(gyges.InvalidArgumentError, match="unknown table 'steps'"):
         res.table("steps")
+
+
+@pytest.mark.parametrize("policy", ["gyges", "least_load", "round_robin"])
+def test_a_model_that_fits_only_from_tp2_is_simulated_at_tp2_and_up(policy):
+    """Qwen2.5-32B on H100s has no KV room at TP1: the default layout starts at TP2 and no split
+    ever goes below it; a layout with TP1 instances is refused by name."""
+    cost = CostModel.create("qwen2.5-32b", "h100")
+    assert cost.capacities(8)[0][0] == 0 and cost.capacities(8)[0][1] > 0
+    tr = traces.gyges_mixed(1800, seed=1)
+    res = sim.run(tr, policy=policy, cost=cost, check=True)
+    assert res.config["layout"] == "4xTP2"
+    assert res.summary()["completed"] == tr.size
+    assert res.timeline["tp"].min() >= 2 and res.layout["tp"].min() >= 2
+    assert res.summary()["scale_downs"] > 0  # splits happen, down to TP2 only
+    assert np.all(res.transformations["tp_to"] >= 2)
+    with pytest.raises(sim.SimError, match="fits no instance below TP2"):
+        sim.run(tr, policy="static", layout="8xTP1", cost=cost)
+    llama = CostModel.create("llama3-70b", "h100")
+    caps = llama.capacities(8)[0]
+    first = next(level for level, c in enumerate(caps) if c > 0)
+    res = sim.run(tr[:200], policy=policy, cost=llama, check=True)
+    assert res.timeline["tp"].min() >= 1 << first

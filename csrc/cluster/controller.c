@@ -63,13 +63,20 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
         v->capacity == NULL || v->n_pending < 0 || (v->n_pending > 0 && v->pending == NULL))
         return GY_FAIL(GY_ERR_INVALID, "bad view: %d instances for %d GPUs, %d pending groups",
                        (int)v->n_inst, (int)v->n_gpus, (int)v->n_pending);
-    for (int l = 0; l <= gy_sim_level(v->max_tp); l++)
-        if (v->capacity[l] < 1)
+    int min_level = -1; /* the smallest TP the model fits: smaller ones have capacity 0 */
+    for (int l = 0; l <= gy_sim_level(v->max_tp); l++) {
+        if (v->capacity[l] < 0 || (min_level >= 0 && v->capacity[l] < 1))
             return GY_FAIL(GY_ERR_INVALID, "bad view: capacity of TP%d is %lld blocks", 1 << l,
                            (long long)v->capacity[l]);
+        if (min_level < 0 && v->capacity[l] >= 1) min_level = l;
+    }
+    if (min_level < 0)
+        return GY_FAIL(GY_ERR_INVALID, "bad view: no TP up to max_tp %d has KV capacity",
+                       (int)v->max_tp);
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (!gy_cluster_tp_ok(i->tp, v->max_tp) || i->gpu_first < 0 || i->gpu_first % i->tp ||
+        if (!gy_cluster_tp_ok(i->tp, v->max_tp) || gy_sim_level(i->tp) < min_level ||
+            i->gpu_first < 0 || i->gpu_first % i->tp ||
             i->gpu_first + i->tp > v->n_gpus ||
             (k > 0 && i->gpu_first < v->inst[k - 1].gpu_first + v->inst[k - 1].tp) ||
             i->kv_total < 1)

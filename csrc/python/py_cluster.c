@@ -119,7 +119,7 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
             Py_DECREF(seq);
             return NULL;
         }
-        if (capacity[l] < 1) {
+        if (capacity[l] < 0) {
             Py_DECREF(seq);
             return PyErr_Format(GY_PY_VALUE_ERROR, "capacity of TP%d is %lld blocks", 1 << l,
                                 (long long)capacity[l]);

@@ -87,6 +87,7 @@ int gy_sim_policy_split_plausible(const gy_sim_view *v, const gy_sim_inst_view *
     const int l = gy_sim_level(i->tp);
     if (l < 1) return 0;
     const int64_t cap = v->capacity[l - 1];
+    if (cap < 1) return 0; /* the model does not fit the halves */
     const int64_t usable = cap - (int64_t)(v->watermark * (double)cap);
     /* the simulator packs the requests greedily into the halves; keep a little slack so that
      * the greedy packing almost always succeeds when this says yes */

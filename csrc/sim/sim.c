@@ -593,6 +593,7 @@ static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *
     if (op->kind == GY_SIM_OP_SPLIT) {
         const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
         if (c < 0 || s->inst[c].tp < 2 || s->inst[c].xform != GY_SIM_XFORM_NONE) return GY_OK;
+        if (s->capacity[gy_sim_level_of(s->inst[c].tp) - 1] < 1) return GY_OK; /* halves unfit */
         if (!gy_sim_pack_halves(s, c)) return GY_OK;
         *started = 1;
         return gy_sim_start_split(s, c);
@@ -737,11 +738,16 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
     *n_levels = gy_sim_level(c->max_tp) + 1;
     if (c->capacity == NULL || c->capacity_mid == NULL)
         return GY_FAIL(GY_ERR_INVALID, "KV capacities are missing");
+    /* the smallest TPs may not fit the model (no KV room after the weights: capacity 0); from
+     * the first that fits, every larger one does */
+    int32_t min_level = -1;
     for (int32_t l = 0; l < *n_levels; l++) {
-        if (c->capacity[l] < 1)
+        if (c->capacity[l] < 0 || (min_level >= 0 && c->capacity[l] < 1))
             return GY_FAIL(GY_ERR_INVALID,
-                           "a TP%d instance has no KV room (%lld blocks): the model does not fit",
+                           "a TP%d instance has %lld KV blocks: capacities are >= 0, and >= 1 "
+                           "from the smallest TP that fits on",
                            1 << l, (long long)c->capacity[l]);
+        if (min_level < 0 && c->capacity[l] >= 1) min_level = l;
         if (c->capacity_mid[l] < c->capacity[l])
             return GY_FAIL(GY_ERR_INVALID, "capacity_mid[%d] %lld is below capacity %lld", (int)l,
                            (long long)c->capacity_mid[l], (long long)c->capacity[l]);
@@ -749,6 +755,9 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
             return GY_FAIL(GY_ERR_INVALID, "max_input[%d] %lld must be >= 1 and not below the "
                            "smaller TP's", (int)l, (long long)c->max_input[l]);
     }
+    if (min_level < 0)
+        return GY_FAIL(GY_ERR_INVALID, "the model fits no instance up to TP%d (no KV room)",
+                       (int)c->max_tp);
     if (c->n_layout < 1 || c->n_layout > 64 || c->layout == NULL)
         return GY_FAIL(GY_ERR_INVALID, "a host layout needs 1 to 64 instances, got %d",
                        (int)c->n_layout);
@@ -758,6 +767,9 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
         if (gy_sim_level(tp) < 0 || tp > c->max_tp)
             return GY_FAIL(GY_ERR_INVALID, "layout instance %d has TP %d: not a power of two <= "
                            "max_tp %d", (int)k, (int)tp, (int)c->max_tp);
+        if (gy_sim_level(tp) < min_level)
+            return GY_FAIL(GY_ERR_INVALID, "layout instance %d is TP%d, but the model fits no "
+                           "instance below TP%d", (int)k, (int)tp, 1 << min_level);
         if (g % tp != 0)
             return GY_FAIL(GY_ERR_INVALID,
                            "layout instance %d (TP%d) would start at GPU %d, not a multiple of %d: "
