@@ -383,7 +383,7 @@ TR = trace_of([(0.0, 10, 2)])
     (dict(watermark=1.0), "watermark"),
     (dict(block_size=0), "block_size"),
     (dict(sample_interval=0), "sample_interval"),
-    (dict(model="llama3-70b", gpu="l40s"), "does not fit a TP1 instance"),
+    (dict(model="llama3-70b", gpu="l40s", max_tp=2), "fits no instance up to TP2"),
     (dict(cost="fast"), "CostModel or ConstantCost"),
 ])
 def test_bad_arguments_name_the_value(kwargs, match):
