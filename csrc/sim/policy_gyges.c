@@ -15,6 +15,9 @@
  *     transformation scenarios"): it goes to the instance unless that instance's load exceeds
  *     the group's by more than scale_up_load and the new group keeps at most scale_up_cap of
  *     the GPUs at TP > 1 (bursts of long requests must not take every TP1 from the short ones);
+ *     when no instance has room but one at its TP will once its requests finish, a scale-up
+ *     beyond scale_up_cap is not started either: the request waits for that room (DEFER, no
+ *     group);
  *   - the scale-up: a deferred request keeps its group; a new one first joins a pending
  *     scale-up with room for it too, else starts one: the aligned group of min_tp GPUs with
  *     room, needing the fewest x2 merges, able to start now, least loaded; the request waits
@@ -204,6 +207,16 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
     if (!gy_sim_policy_resume(v, r, &up)) {
         memset(&up, 0, sizeof up);
         can_scale = gyges_scale_up(cfg, v, r, &up, &group_load);
+        /* No instance has room for it now, but one at its TP will once its requests finish:
+         * a scale-up beyond scale_up_cap would leave short requests too few instances (at 2x
+         * the 6.2.4 rate, a second TP4 left none), so it waits for room instead. */
+        if (k < 0 && can_scale && up.group.size > 0 && !gyges_within_cap(cfg, v, up.group))
+            for (int32_t j = 0; j < v->n_inst; j++)
+                if (v->inst[j].tp >= r->min_tp && v->inst[j].kv_total >= r->footprint) {
+                    memset(d, 0, sizeof *d);
+                    d->action = GY_SIM_ACTION_DEFER; /* no group: decided again as room frees */
+                    return GY_OK;
+                }
     } else if (up.action == GY_SIM_ACTION_PLACE) {
         *d = up; /* its group is ready */
         return GY_OK;

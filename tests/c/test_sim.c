@@ -680,3 +680,26 @@ GYTEST(sim_bad_configs) {
     CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
     CHECK(s == NULL);
 }
+
+GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default(); /* scale_up_cap 0.5 */
+    world w;
+    const int32_t tps[] = {4, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps, 5);
+    /* the TP4 is full of a long request; a second one would need GPUs 4..7 at TP4 as well */
+    w.inst[0].footprint = w.inst[0].max_footprint = 500;
+    w.inst[0].max_min_tp = 4;
+    gy_sim_req_view r = req(400, 4);
+    gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
+    /* room frees on the TP4: it goes there */
+    w.inst[0].footprint = 100;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+    /* with the cap lifted, the full TP4 no longer stops a second scale-up */
+    w.inst[0].footprint = 500;
+    cfg.scale_up_cap = 1.0;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
+    CHECK(has_op(&d, GY_SIM_OP_MERGE, 4, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
+}
