@@ -357,17 +357,23 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
     return GY_OK;
 }
 
-/* Whether a step that ended on the instance at (g, tp) can change the decision about a request
- * deferred on `group` (the contract of policy.h: a request waiting for a group waits for that
- * group's instances, or for an instance that could hold it). tp 0: any event. */
-static int gy_cluster_relevant(const gy_cluster_waiting *w, int32_t g, int32_t tp) {
-    return tp == 0 || w->group.size == 0 || tp >= w->r.min_tp ||
+/* What the deferred requests are decided again after (the contract of policy.h). */
+enum { GY_CLUSTER_ALL = 0, GY_CLUSTER_STEP = 1, GY_CLUSTER_TIME = 2 };
+
+/* Whether the event can change the decision about a waiting request: a step that ended on the
+ * instance at (g, tp) concerns those waiting for no group, for a group it is part of, or for an
+ * instance it could be; time passing concerns those waiting for a group (its merges wait for
+ * merge_wait); a reconfiguration, all. */
+static int gy_cluster_relevant(const gy_cluster_waiting *w, int event, int32_t g, int32_t tp) {
+    if (event == GY_CLUSTER_TIME) return w->group.size > 0;
+    return event == GY_CLUSTER_ALL || w->group.size == 0 || tp >= w->r.min_tp ||
            gy_sim_ranges_overlap(g, tp, w->group.gpu_first, w->group.size);
 }
 
-/* The deferred requests, in the order they were deferred, are decided again: those a step that
- * ended on (g, tp) can concern (every one when tp is 0); the others keep their place. */
-static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int32_t g, int32_t tp) {
+/* The deferred requests, in the order they were deferred, are decided again: those the event
+ * can concern; the others keep their place. */
+static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int event, int32_t g,
+                                             int32_t tp) {
     const int64_t n = c->n_deferred;
     if (n == 0) return GY_OK;
     gy_cluster_waiting *list = gy_malloc((size_t)n * sizeof *list);
@@ -378,7 +384,7 @@ static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int32_t 
     gy_status st = GY_OK;
     int64_t k = 0;
     for (; k < n && st == GY_OK; k++)
-        st = gy_cluster_relevant(&list[k], g, tp)
+        st = gy_cluster_relevant(&list[k], event, g, tp)
                  ? gy_cluster_decide(c, &list[k].r, 1, list[k].group, now)
                  : gy_cluster_defer_push(c, &list[k].r, list[k].group);
     /* after a failure the ones not decided yet stay waiting, behind any deferred meanwhile */
@@ -388,9 +394,6 @@ static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int32_t 
     return st;
 }
 
-static gy_status gy_cluster_reconsider(gy_cluster *c, double now) {
-    return gy_cluster_reconsider_after(c, now, 0, 0);
-}
 
 static gy_status gy_cluster_rebalance(gy_cluster *c, double now) {
     if (c->config.policy->rebalance == NULL) return GY_OK;
@@ -437,7 +440,8 @@ gy_status gy_cluster_step_ended(gy_cluster *c, int32_t gpu_first, int32_t tp, in
     GY_CLUSTER_ENTER(c);
     gy_status s = GY_OK;
     /* room freed may let a deferred request in without a transformation */
-    if (finished && c->n_deferred > 0) s = gy_cluster_reconsider_after(c, now, gpu_first, tp);
+    if (finished && c->n_deferred > 0)
+        s = gy_cluster_reconsider_after(c, now, GY_CLUSTER_STEP, gpu_first, tp);
     if (s == GY_OK && ((tp > 1 && finished) || gy_cluster_held(c, gpu_first, tp)))
         s = gy_cluster_rebalance(c, now);
     return gy_cluster_leave(c, s);
@@ -445,14 +449,14 @@ gy_status gy_cluster_step_ended(gy_cluster *c, int32_t gpu_first, int32_t tp, in
 
 gy_status gy_cluster_reconfigured(gy_cluster *c, int rebalance, double now) {
     GY_CLUSTER_ENTER(c);
-    gy_status s = gy_cluster_reconsider(c, now);
+    gy_status s = gy_cluster_reconsider_after(c, now, GY_CLUSTER_ALL, 0, 0);
     if (s == GY_OK && rebalance) s = gy_cluster_rebalance(c, now);
     return gy_cluster_leave(c, s);
 }
 
 gy_status gy_cluster_tick(gy_cluster *c, double now) {
     GY_CLUSTER_ENTER(c);
-    return gy_cluster_leave(c, gy_cluster_reconsider(c, now));
+    return gy_cluster_leave(c, gy_cluster_reconsider_after(c, now, GY_CLUSTER_TIME, 0, 0));
 }
 
 /* ---- results ---- */

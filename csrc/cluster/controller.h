@@ -31,7 +31,10 @@
  *                   of TP > 1, or the instance is held;
  *   reconfigured    the deferred requests again, then the rebalance when `rebalance` (the end of
  *                   a scale-up, or of a scale-down's last phase);
- *   tick            the deferred requests again (a policy may wait for time alone).
+ *   tick            the deferred requests waiting for a group again (a merge may wait for
+ *                   time alone: merge_wait).
+ * A step or a tick decides again only the waiting requests it can concern (policy.h's contract);
+ * the others keep their place in the order.
  * The calls are not re-entrant: an op that calls back into the controller is refused. */
 #ifndef GY_CLUSTER_CONTROLLER_H
 #define GY_CLUSTER_CONTROLLER_H

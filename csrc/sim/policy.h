@@ -134,8 +134,9 @@ typedef struct gy_sim_policy_config {
 /* The contract the controller relies on to decide waiting requests again only when it can
  * matter: a request deferred on a group (DEFER with group.size > 0) is decided the same until an
  * instance inside that group changes, an instance of TP >= its min_tp frees room, time passes,
- * or the topology changes. Every policy here keeps it (a deferred request resumes its group:
- * gy_sim_policy_resume). */
+ * or the topology changes; a request deferred on no group, until any instance frees room or the
+ * topology changes (time alone does not change it). Every policy here keeps it (a deferred
+ * request resumes its group: gy_sim_policy_resume; time only gates merges: merge_wait). */
 typedef struct gy_sim_policy_ops {
     const char *name;
     size_t state_size; /* bytes of per-run state the simulator allocates zeroed (may be 0) */
