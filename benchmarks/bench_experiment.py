@@ -11,8 +11,9 @@ from that engine. The goal (issue 5, section 6) is output-token throughput and m
    communication (latency and bandwidth of the all-reduces) to what the TP1 fit leaves of the
    TP > 1 steps, and the transformation phase time to the measured transformations. KV
    capacities are the host's (experiment.capacities), not derived from the spec.
-2. Validate: a second trace (another seed) on the real host and in the simulator, for gyges and
-   for static 4xTP1; the table shows both executors side by side and the relative error.
+2. Validate: a second trace (another seed) on the real host and in the simulator, for every
+   policy (gyges, round_robin, least_load, static 4xTP1) at the trace's rate and compressed 4x;
+   the table shows both executors side by side and the relative error.
 
 The steps are measured under the run's own CPU contention (4 worker threads; on a 2-core machine
 two of them share a core when all instances are busy), so the fit is an average over the load of
@@ -192,9 +193,12 @@ def runs():
     follows the arrivals, latencies tell the executors apart), and compressed 4x (the host
     saturates: throughput is the engine's)."""
     tp1 = f"{WORKERS}xTP1"
-    return (("gyges", "gyges", tp1, 1.0), (f"static {tp1}", "static", tp1, 1.0),
-            ("gyges, 4x rate", "gyges", tp1, 0.25),
-            (f"static {tp1}, 4x rate", "static", tp1, 0.25))
+    out = []
+    for scale, tag in ((1.0, ""), (0.25, ", 4x rate")):
+        for policy in ("gyges", "round_robin", "least_load"):
+            out.append((policy + tag, policy, tp1, scale))
+        out.append((f"static {tp1}{tag}", "static", tp1, scale))
+    return tuple(out)
 METRICS = (("output tokens/s", "output_throughput", 1), ("mean TTFT ms", "ttft_mean", 1e3),
            ("mean TPOT ms", "tpot_mean", 1e3), ("transformations", "transformations", None),
            ("rejected", "policy_rejected", None))
