@@ -8,6 +8,7 @@ layout over time, the transformations, throughput bins, and the run's configurat
     res.layout               LAYOUT_DTYPE: instances appearing (+1) and disappearing (-1)
     res.transformations      TRANSFORM_DTYPE
     res.throughput()         (bin starts, output tokens/s, prompt+output tokens/s)
+    res.window_throughput()  tokens/s while the requests arrive (Gyges' Figure 12 throughput)
     res.save(path) / Results.load(path)   path.json (config, stats) + path.npz (arrays)
     res.to_pandas("requests") / res.to_csv(path, "timeline")   a table, codes as names
     res.plot(path=None)      matplotlib (imported only here)
@@ -133,6 +134,20 @@ class Results:
         starts = np.arange(self.bins_output.size) * self.bin_seconds
         return (starts, self.bins_output / self.bin_seconds,
                 (self.bins_output + self.bins_prompt) / self.bin_seconds)
+
+    def window_throughput(self, end: float | None = None) -> tuple[float, float]:
+        """(prompt + output tokens/s, output tokens/s) processed in [0, end) from the first
+        arrival, default end: the last arrival, in whole bins. The throughput of Gyges'
+        Figure 12/13 (TPS while the workload runs): a policy that falls behind shows it here,
+        while the throughput of summary() waits for every request to finish."""
+        if end is None:
+            end = float(np.nanmax(self.requests["arrival"])) if self.requests.size else 0.0
+        n = min(int(end // self.bin_seconds), self.bins_output.size)
+        if n < 1:
+            return math.nan, math.nan
+        span = n * self.bin_seconds
+        return (float((self.bins_output[:n] + self.bins_prompt[:n]).sum()) / span,
+                float(self.bins_output[:n].sum()) / span)
 
     def layout_at(self, t: float) -> list[tuple[int, int]]:
         """[(first GPU, TP), ...] of the instances alive at time t (seconds, absolute)."""

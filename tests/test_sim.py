@@ -474,3 +474,21 @@ def test_a_model_that_fits_only_from_tp2_is_simulated_at_tp2_and_up(policy):
     first = next(level for level, c in enumerate(caps) if c > 0)
     res = sim.run(tr[:200], policy=policy, cost=llama, check=True)
     assert res.timeline["tp"].min() >= 1 << first
+
+
+def test_window_throughput_counts_the_tokens_of_the_window():
+    """Figure 12's throughput: tokens processed while the requests arrive, checked against the
+    token times kept with record_tokens (output) and the first tokens (prompts enter the bins
+    as they are computed)."""
+    tr = traces.scale_rate(traces.gyges_mixed(900, seed=2), 1.5)
+    res = sim.run(tr, policy="round_robin", record_tokens=True)
+    end = float(tr["arrival"][-1] - tr["arrival"][0])
+    both, out = res.window_throughput()
+    n = int(end // res.bin_seconds)
+    span = n * res.bin_seconds
+    assert out * span == pytest.approx(np.count_nonzero(res.tokens["time"] < span))
+    assert both > out > 0
+    # a policy that falls behind shows it in the window, not once everything is done
+    late = sim.run(tr, policy="round_robin").window_throughput(end / 2)[0]
+    assert late == pytest.approx(res.window_throughput(end / 2)[0])
+    assert math.isnan(res.window_throughput(0.0)[0])
