@@ -218,7 +218,8 @@ def azure_comparison(cost, rate_factors):
                          "goodput": g_req, "token_goodput": g_tok, "attained": attained,
                          "plain_goodput": s["goodput"], "rejected": s["policy_rejected"],
                          "latency_requests": s["latency_requests"],
-                         "ttft_p99": s["ttft_p99"], "tpot_mean": s["tpot_mean"],
+                         "ttft_mean": s["ttft_mean"], "ttft_p99": s["ttft_p99"],
+                         "tpot_mean": s["tpot_mean"],
                          "transformations": s["transformations"]})
     return rows, info
 
@@ -299,7 +300,8 @@ def main():
                      ("attained", "attained", "{:.3f}"),
                      ("plain_goodput", "goodput(10s)", "{:.4f}"),
                      ("rejected", "rejected", "{}"), ("latency_requests", "latency over", "{}"),
-                     ("ttft_p99", "TTFT p99", "{:.0f}"), ("tpot_mean", "TPOT", "{:.3f}"),
+                     ("ttft_mean", "TTFT", "{:.2f}"), ("ttft_p99", "TTFT p99", "{:.1f}"),
+                     ("tpot_mean", "TPOT", "{:.3f}"),
                      ("transformations", "transf.", "{}")])
     else:
         print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
