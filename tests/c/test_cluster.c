@@ -82,6 +82,14 @@ static gy_cluster *controller(script *s, const char *policy) {
     return out;
 }
 
+/* Four TP1 instances under `policy`; reconfigurations start when `accept`. */
+static gy_cluster *four_tp1(script *s, int accept, const char *policy) {
+    const int32_t tps[4] = {1, 1, 1, 1};
+    script_layout(s, tps, 4);
+    s->accept = accept;
+    return controller(s, policy);
+}
+
 static gy_cluster_request req(int64_t id, int64_t blocks, int32_t min_tp) {
     return (gy_cluster_request){.id = id, .prompt = blocks * 16 - 4, .output = 4,
                                 .footprint = blocks, .min_tp = min_tp};
@@ -89,10 +97,7 @@ static gy_cluster_request req(int64_t id, int64_t blocks, int32_t min_tp) {
 
 GYTEST(cluster_places_defers_and_rejects_through_the_executor) {
     script s = {0};
-    const int32_t tps[4] = {1, 1, 1, 1};
-    script_layout(&s, tps, 4);
-    s.accept = 1;
-    gy_cluster *c = controller(&s, "least_load");
+    gy_cluster *c = four_tp1(&s, 1, "least_load");
     CHECK(c != NULL);
     gy_cluster_request a = req(7, 5, 1), b = req(8, 20, 2), z = req(9, 100, 0);
     CHECK_OK(gy_cluster_arrive(c, &a, 0.0));
@@ -128,10 +133,7 @@ GYTEST(cluster_places_defers_and_rejects_through_the_executor) {
 
 GYTEST(cluster_reconsiders_in_deferral_order_and_counts_refused_ops) {
     script s = {0};
-    const int32_t tps[4] = {1, 1, 1, 1};
-    script_layout(&s, tps, 4);
-    s.accept = 0; /* every reconfiguration refused: requests stay deferred */
-    gy_cluster *c = controller(&s, "least_load");
+    gy_cluster *c = four_tp1(&s, 0, "least_load"); /* every reconfiguration refused */
     CHECK(c != NULL);
     for (int64_t id = 0; id < 3; id++) {
         gy_cluster_request r = req(id, 20, 2);
@@ -171,8 +173,7 @@ GYTEST(cluster_held_instances_are_released_by_their_reconfiguration) {
 GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {
     script s = {0};
     const int32_t tps[4] = {1, 1, 1, 1};
-    script_layout(&s, tps, 4);
-    gy_cluster *c = controller(&s, "round_robin");
+    gy_cluster *c = four_tp1(&s, 0, "round_robin");
     CHECK(c != NULL);
     gy_cluster_request r = req(1, 5, 1);
     s.inst[2].gpu_first = 1; /* overlaps instance 1 */
@@ -194,10 +195,7 @@ GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {
 
 GYTEST(cluster_a_step_concerns_the_requests_waiting_on_its_group_only) {
     script s = {0};
-    const int32_t tps[4] = {1, 1, 1, 1};
-    script_layout(&s, tps, 4);
-    s.accept = 0;
-    gy_cluster *c = controller(&s, "least_load");
+    gy_cluster *c = four_tp1(&s, 0, "least_load");
     CHECK(c != NULL);
     /* loads steer each TP2-sized request to a pair: the first to GPUs 2-3, the second to 0-1 */
     s.inst[0].pending_prefill = s.inst[1].pending_prefill = 1000;
