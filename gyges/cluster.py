@@ -20,10 +20,12 @@ from . import _C
 from .errors import DependencyError, InvalidArgumentError
 
 __all__ = ["POLICIES", "Policy", "View", "Decision", "PolicyError", "INST_VIEW_DTYPE",
-           "GROUP_DTYPE", "check_policy", "check_number", "smallest_tp"]
+           "GROUP_DTYPE", "DEFAULTS", "check_policy", "check_number", "smallest_tp"]
 
-# The policies compiled into gyges._C, in their order there.
+# The policies compiled into gyges._C, in their order there, and the knobs' defaults
+# (gy_sim_policy_config_default: one place for both executors).
 POLICIES = tuple(name.strip() for name in _C.sim_policy_names().split(","))
+DEFAULTS = _C.Policy(POLICIES[0]).config
 
 
 class PolicyError(InvalidArgumentError):
@@ -128,23 +130,24 @@ class Policy:
         p.place(view, prompt=2000, output=32)     # -> Decision
         p.rebalance(view)
 
-    The configuration is gy_sim_policy_config (see gyges.sim.run for each knob)."""
+    The configuration is gy_sim_policy_config (see gyges.sim.run for each knob); a knob left
+    None takes the C default (DEFAULTS)."""
 
-    def __init__(self, name="gyges", decode_weight=8.0, scale_down_free=0.5, scale_up_cap=0.5,
-                 merge_wait=10.0, scale_up_load=16384.0, eager_scale_up=True):
+    def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
+                 merge_wait=None, scale_up_load=None, eager_scale_up=None):
         check_policy(name)
+        knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
                              ("scale_down_free", scale_down_free, 1.0),
                              ("scale_up_cap", scale_up_cap, None),
                              ("merge_wait", merge_wait, None),
                              ("scale_up_load", scale_up_load, None)):
-            check_number(key, v, 0.0, high)
+            if v is not None:
+                knobs[key] = check_number(key, v, 0.0, high)
+        if eager_scale_up is not None:
+            knobs["eager_scale_up"] = bool(eager_scale_up)
         self.name = name
-        self._c = _C.Policy(name, decode_weight=float(decode_weight),
-                            scale_down_free=float(scale_down_free),
-                            scale_up_cap=float(scale_up_cap), merge_wait=float(merge_wait),
-                            scale_up_load=float(scale_up_load),
-                            eager_scale_up=bool(eager_scale_up))
+        self._c = _C.Policy(name, **knobs)
 
     @property
     def config(self) -> dict:

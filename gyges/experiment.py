@@ -531,9 +531,10 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         temperature: float = 0.0, method: str = "gyges", layers_per_step: int | None = None,
         idle: str = "skip", time_limit: float | None = None,
         sample_interval: float | None = None, max_tp: int | None = None,
-        decode_weight: float = 8.0, scale_down_free: float = 0.5,
-        scale_up_load: float = 16384.0, scale_up_cap: float = 0.5, merge_wait: float = 1.0,
-        eager_scale_up: bool = True, record_steps: bool = False) -> Results:
+        decode_weight: float | None = None, scale_down_free: float | None = None,
+        scale_up_load: float | None = None, scale_up_cap: float | None = None,
+        merge_wait: float = 1.0, eager_scale_up: bool | None = None,
+        record_steps: bool = False) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -548,8 +549,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     which the run stops (requests still queued stay unfinished, deferred ones unserved).
     sample_interval: seconds between per-instance samples and throughput bins (default about
     1/100 of the scaled trace, at least 0.1 s). The policy knobs are gyges.sim.run's, in the
-    host's seconds and tokens; merge_wait defaults to 1 s here (10 s in the simulator), since a
-    real run lasts seconds. slo: kept for Results.summary (goodput). record_steps: also keep
+    host's seconds and tokens, defaults gyges.cluster.DEFAULTS; merge_wait defaults to 1 s here
+    (2 s in the simulator), since a real run lasts seconds. slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
     """

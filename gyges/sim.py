@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _C, traces
 from . import layout as layout_mod
-from .cluster import POLICIES, check_policy  # one set of policy names for both executors
+from .cluster import POLICIES, Policy, check_policy  # one set of names for both executors
 from .costmodel import ConstantCost, CostModel, CostModelError
 from .errors import InvalidArgumentError
 from .results import Results
@@ -71,9 +71,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         model="qwen2.5-32b", gpu="h20", layout: str | None = None, slo: dict | None = None,
         progress: bool = False, *, cost=None, max_tp: int | None = None, block_size: int = 16,
         max_batch_tokens: int = 2048, max_running: int = 256, max_prefill_chunk: int = 0,
-        watermark: float = 0.01, decode_weight: float = 8.0, scale_down_free: float = 0.5,
-        scale_up_load: float = 16384.0, scale_up_cap: float = 0.5, merge_wait: float = 10.0,
-        eager_scale_up: bool = True,
+        watermark: float = 0.01, decode_weight: float | None = None,
+        scale_down_free: float | None = None, scale_up_load: float | None = None,
+        scale_up_cap: float | None = None, merge_wait: float | None = None,
+        eager_scale_up: bool | None = None,
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
@@ -86,9 +87,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     once this fraction of its KV is free; scale_up_load: gyges starts another scale-up for a long
     request rather than queue it on a capable instance whose load exceeds the new group's by
     more than this (tokens per GPU) and the cluster keeps at most scale_up_cap of its GPUs at
-    TP > 1; merge_wait: seconds gyges lets a reserved group drain before
-    merging it anyway (0: at once). eager_scale_up: the baselines scale up the instance their
-    rule picks when it cannot hold the request (False: only when no instance can). sample_interval: seconds between time-series samples
+    TP > 1; merge_wait: seconds gyges lets a reserved group drain before merging it anyway (0:
+    at once). eager_scale_up: the baselines scale up the instance their rule picks when it
+    cannot hold the request (False: only when no instance can). The policy knobs left None take
+    gyges.cluster.DEFAULTS. sample_interval: seconds between time-series samples
     (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
     throughput series; memory grows with the output). check: verify the simulator's invariants
     after every chunk (tests). slo: kept for Results.summary (goodput).
@@ -109,11 +111,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     max_running = _check_int("max_running", max_running, 1, 1 << 20)
     max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
     watermark = _check_float("watermark", watermark, 0.0, 1.0)
-    decode_weight = _check_float("decode_weight", decode_weight, 0.0)
-    scale_down_free = _check_float("scale_down_free", scale_down_free, 0.0, 1.0)
-    scale_up_load = _check_float("scale_up_load", scale_up_load, 0.0)
-    merge_wait = _check_float("merge_wait", merge_wait, 0.0)
-    scale_up_cap = _check_float("scale_up_cap", scale_up_cap, 0.0)
+    knobs = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
+                   scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
+                   eager_scale_up=eager_scale_up).config  # checked, defaults filled in
     if layout is None and policy == "static":
         raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
 
@@ -157,10 +157,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         capacity=capacity, capacity_mid=capacity_mid, block_size=block_size,
         max_batch_tokens=max_batch_tokens, max_running=max_running,
         max_prefill_chunk=max_prefill_chunk, watermark=watermark, cost_kind=cost.kind,
-        cost_params=cost.params(), policy=policy, decode_weight=decode_weight,
-        scale_down_free=scale_down_free, scale_up_load=scale_up_load, scale_up_cap=scale_up_cap,
-        merge_wait=merge_wait,
-        eager_scale_up=bool(eager_scale_up),
+        cost_params=cost.params(), policy=policy, **knobs,
         sample_interval=sample_interval, record_tokens=bool(record_tokens),
         arrival=arrival,
         input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
@@ -193,10 +190,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
               "max_input_tokens": max_input,
               "block_size": block_size, "max_batch_tokens": max_batch_tokens,
               "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
-              "watermark": watermark, "decode_weight": decode_weight,
-              "scale_down_free": scale_down_free, "scale_up_load": scale_up_load,
-              "scale_up_cap": scale_up_cap, "merge_wait": merge_wait,
-              "eager_scale_up": bool(eager_scale_up),
+              "watermark": watermark, **knobs,
               "sample_interval": sample_interval, "record_tokens": bool(record_tokens)}
     return Results.from_simulator(sim, config, slo=slo,
                                   wall_seconds=time.perf_counter() - t_wall)

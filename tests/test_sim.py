@@ -96,10 +96,10 @@ def test_scale_up_carries_a_running_request_by_hand():
 
 
 def test_reserved_group_drains_before_merging_by_hand():
-    # As above with the default merge_wait (10 s): the pair is reserved at 0.1 and merges only
+    # As above with a merge_wait of 10 s: the pair is reserved at 0.1 and merges only
     # once S has finished on GPU 0 (tokens at 1..5, finish 5.0): phases 5.0-5.5-6.0, L placed
     # at 6.0: prefill [6,7), decode [7,8). S never moves.
-    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)])
+    res = gyges_two_gpus([(0.0, 4, 5), (0.1, 30, 2)], merge_wait=10.0)
     s_, l_ = res.requests
     assert (s_["finish"], s_["migrations"], s_["tp"]) == (5.0, 0, 1)
     assert (l_["scheduled"], l_["first_token"], l_["finish"]) == (6.0, 7.0, 8.0)
