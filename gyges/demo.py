@@ -214,7 +214,7 @@ def main():
     model = gyges.Model.tiny()
     print(f"\n== one worker serving the embedded tiny model ({model})")
     serve(model)
-    print(f"\n== live transformation on 4 CPU workers")
+    print("\n== live transformation on 4 CPU workers")
     transform_live(model)
 
     trace = mixed_trace(duration=5.0, n_long=1) if quick else mixed_trace()
@@ -235,7 +235,7 @@ def main():
     except ImportError:
         print("\n(matplotlib is not installed: no plot)")
     g = results["gyges"]
-    print(f"gyges transformations: " + ", ".join(
+    print("gyges transformations: " + ", ".join(
         f"{'merge' if t['kind'] == 0 else 'split'} TP{t['tp_from']}->TP{t['tp_to']} at worker "
         f"{t['gpu']} ({t['start']:.1f} s, {(t['end'] - t['start']) * 1e3:.0f} ms)"
         for t in g.transformations))

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from .cluster import (DEFER, INST_VIEW_DTYPE, PLACE, XFORM_MERGING, XFORM_NONE, 
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
 from .errors import Error as GygesError
-from .errors import DependencyError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
     Results
 

@@ -36,7 +36,7 @@ from .fairlock import FairLock
 from .tokenizer import tokenize_prompt
 from .transform import (StaggeredScaleDown, StaggeredScaleUp, Transformation, TransformError,
                         kv_move, scale_down, scale_up, views_in)
-from .layout import even_split, layout_string, part_string  # noqa: F401  (re-exported)
+from .layout import layout_string, part_string  # noqa: F401  (layout_string re-exported)
 from .layout import parse as parse_layout
 from .units import parse_size
 from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees

@@ -160,7 +160,7 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                 return text, tokens, finish
 
     async def sse(stream, rid, chat, include_usage, n_prompt):
-        n_tokens, first, ended = 0, True, False
+        n_tokens, ended = 0, False
         try:
             if chat:  # the assistant's role first, as OpenAI's stream does
                 yield _event(protocol.chunk(rid, model_name, "", None, chat, first=True))

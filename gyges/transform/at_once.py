@@ -23,7 +23,7 @@ import time
 
 from ..errors import OutOfMemoryError
 from . import baselines
-from .plans import AllToAllPlan, MergePlan, SplitPlan, balance, plan_all_to_all
+from .plans import MergePlan, SplitPlan, balance, plan_all_to_all
 from .requests import collect, hand_over
 from .transformation import (Transformation, TransformError, merge_sources, shards_to_restore,
                              split_source, trim_kv)

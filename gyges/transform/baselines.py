@@ -9,7 +9,6 @@
         pages; weights as the host is padded or not.
     partial_swap: weights by partial swap (unpadded FFN: copy the kept shard to the front, then
         release); KV in place when the layout allows it."""
-import time
 
 import numpy as np
 
