@@ -9,12 +9,15 @@
    throughput rows, and of mem_util and prefill_act_bytes to the maximal-sequence row: the
    longest prompt an instance can prefill, which its activations limit well below its KV room).
 2. Gyges 6.2.4: short 1K prompts at 60/min + long 50K prompts at 1/min on 8 TP1 instances;
-   gyges vs round_robin and least_load, at the paper's rate and at 1.5x and 2x (the gains in
-   throughput only exist once the cluster is saturated).
+   gyges vs round_robin and least_load, at the paper's rate and at 1.25x, 1.5x and 2x.
+   Throughput as Figure 12 shows it (TPS: tokens processed while the requests arrive,
+   Results.window_throughput) and until every request is done; the gains exist once the
+   baselines fall behind.
 3. The Azure LLM 2023 conversation trace: every prompt scaled by one factor so that ~3% of the
    requests exceed a TP1 instance; arrivals slowed so that 8 H20 are loaded (three rates, up to
    where 1xTP8 collapses); gyges vs every static layout of the 8 GPUs, on goodput.
-4. Speed: 10 hours of the 6.2.4 workload (~36,600 requests) on 8 GPUs.
+4. Speed: 10 hours of the 6.2.4 workload (~36,600 requests) on 8 GPUs, and 40,000 requests of it
+   at 10 req/s (overloaded: the waiting lists grow all run long).
 
 Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--calibrate]
 """
@@ -226,17 +229,25 @@ def azure_comparison(cost, rate_factors):
 
 # ---- 4. Speed ---------------------------------------------------------------------------------
 
-def speed(hours=10.0):
-    tr = traces.gyges_mixed(hours * 3600, seed=0)
+def speed(hours=10.0, overload_requests=40_000):
+    """Wall time of the 6.2.4 workload at the paper's rate for `hours`, and of
+    `overload_requests` of it at 10 req/s (10x the paper's: the queues, and the requests waiting
+    at the cluster, grow all run long; the issue's goal is 200,000 of these in < 10 s)."""
+    base = traces.gyges_mixed(hours * 3600, seed=0)
+    rate = base.size / float(base["arrival"][-1] - base["arrival"][0])
+    over = traces.scale_rate(traces.gyges_mixed(overload_requests / rate, seed=0), 10.0 / rate)
     rows = []
-    for policy in ("gyges", "round_robin", "least_load"):
-        t = time.perf_counter()
-        res = sim.run(tr, policy=policy)
-        wall = time.perf_counter() - t
-        rows.append({"policy": policy, "requests": int(tr.size), "simulated_h": hours,
-                     "wall_s": wall, "steps": res.stats["steps"],
-                     "steps_per_s": res.stats["steps"] / wall,
-                     "transformations": res.summary()["transformations"]})
+    for label, tr in (("paper's rate", base), ("10 req/s", over)):
+        for policy in ("gyges", "round_robin", "least_load"):
+            t = time.perf_counter()
+            res = sim.run(tr, policy=policy)
+            wall = time.perf_counter() - t
+            rows.append({"workload": label, "policy": policy, "requests": int(tr.size),
+                         "simulated_h": float(res.stats["now"] - tr["arrival"][0]) / 3600,
+                         "wall_s": wall, "steps": res.stats["steps"],
+                         "decisions": res.stats["decisions"],
+                         "steps_per_s": res.stats["steps"] / wall,
+                         "transformations": res.summary()["transformations"]})
     return rows
 
 
@@ -306,12 +317,14 @@ def main():
     else:
         print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
 
-    rows = speed(2.0 if args.quick else 10.0)
+    rows = speed(2.0, 10_000) if args.quick else speed()
     payload["speed"] = rows
-    print_table("Speed: the 6.2.4 workload on 8 GPUs (goal: 10 h in < 10 s)", rows,
-                [("policy", "policy", "{}"), ("requests", "requests", "{}"),
-                 ("simulated_h", "hours", "{:.0f}"), ("wall_s", "wall s", "{:.2f}"),
-                 ("steps", "steps", "{}"), ("steps_per_s", "steps/s", "{:.3g}"),
+    print_table("Speed: the 6.2.4 workload on 8 GPUs (goals: 10 h in < 10 s; 200,000 requests "
+                "at 10 req/s in < 10 s)", rows,
+                [("workload", "workload", "{}"), ("policy", "policy", "{}"),
+                 ("requests", "requests", "{}"), ("simulated_h", "hours", "{:.1f}"),
+                 ("wall_s", "wall s", "{:.2f}"), ("steps", "steps", "{}"),
+                 ("decisions", "decisions", "{}"), ("steps_per_s", "steps/s", "{:.3g}"),
                  ("transformations", "transf.", "{}")])
     write_json("bench_sim", payload)
 
