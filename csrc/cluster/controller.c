@@ -310,9 +310,12 @@ static gy_status gy_cluster_defer_push(gy_cluster *c, const gy_cluster_request *
     return GY_OK;
 }
 
-/* Asks the policy about r: `deferred_before` and `group` say whether and on what it waited. */
+/* Asks the policy about r: `deferred_before` and `group` say whether and on what it waited.
+ * *outcome (may be NULL): 1 when r was deferred again on no group with no ops and the policy
+ * says it is blocked (gy_sim_decision.blocked), 0 when it was deferred with nothing changed,
+ * -1 when the cluster changed (a placement, a rejection, an op). */
 static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, int deferred_before,
-                                   gy_sim_group group, double now) {
+                                   gy_sim_group group, double now, int *outcome) {
     gy_sim_view v;
     GY_TRY(gy_cluster_view(c, now, &v));
     const gy_sim_req_view rv = {.id = r->id, .prompt = r->prompt, .output = r->output,
@@ -352,6 +355,10 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
         return GY_FAIL(GY_ERR_STATE, "policy %s returned action %d for request %lld", name,
                        (int)d.action, (long long)r->id);
     }
+    if (outcome != NULL)
+        *outcome = d.action != GY_SIM_ACTION_DEFER || d.n_ops > 0 ? -1
+                   : d.group.size == 0 && d.blocked                ? 1
+                                                                   : 0;
     GY_TRY(gy_cluster_apply_ops(c, &v, &d));
     if (c->ops.decided != NULL) GY_TRY(c->ops.decided(c->ctx, r, d.action));
     return GY_OK;
@@ -374,23 +381,42 @@ static int gy_cluster_relevant(const gy_cluster_waiting *w, int event, int32_t g
  * can concern; the others keep their place. */
 static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int event, int32_t g,
                                              int32_t tp) {
+    /* In place: entry k is read before anything is written at index n_deferred <= k (a
+     * decision defers its request at most once), so the list is rebuilt in order without a
+     * copy and never grows past its n entries (no reallocation while it is read). */
     const int64_t n = c->n_deferred;
     if (n == 0) return GY_OK;
-    gy_cluster_waiting *list = gy_malloc((size_t)n * sizeof *list);
-    if (list == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory in the controller");
-    memcpy(list, c->deferred, (size_t)n * sizeof *list);
     c->n_deferred = 0;
     c->n_pending = 0;
+    /* A stateless policy that found a request blocked (nothing holds it, no scale-up) would
+     * find every later one of its TP and at least its footprint blocked too, until the pass
+     * changes the cluster: those keep their place undecided (the policy's contract). */
+    int64_t blocked[GY_SIM_MAX_LEVELS];
+    const int prune = c->config.policy->state_size == 0;
+    for (int l = 0; l < GY_SIM_MAX_LEVELS; l++) blocked[l] = INT64_MAX;
     gy_status st = GY_OK;
     int64_t k = 0;
-    for (; k < n && st == GY_OK; k++)
-        st = gy_cluster_relevant(&list[k], event, g, tp)
-                 ? gy_cluster_decide(c, &list[k].r, 1, list[k].group, now)
-                 : gy_cluster_defer_push(c, &list[k].r, list[k].group);
-    /* after a failure the ones not decided yet stay waiting, behind any deferred meanwhile */
-    for (; k < n && st != GY_OK; k++)
-        if (gy_cluster_defer_push(c, &list[k].r, list[k].group) != GY_OK) break;
-    free(list);
+    for (; k < n && st == GY_OK; k++) {
+        const gy_cluster_waiting w = c->deferred[k];
+        const int level = w.r.min_tp > 0 ? gy_sim_level(w.r.min_tp) : -1;
+        if (!gy_cluster_relevant(&w, event, g, tp) ||
+            (prune && level >= 0 && w.group.size == 0 && w.r.footprint >= blocked[level])) {
+            c->deferred[c->n_deferred++] = w; /* keeps its place */
+            st = gy_cluster_pending_add(c, w.group, w.r.footprint);
+            continue;
+        }
+        int outcome = 0;
+        st = gy_cluster_decide(c, &w.r, 1, w.group, now, &outcome);
+        if (outcome < 0)
+            for (int l = 0; l < GY_SIM_MAX_LEVELS; l++) blocked[l] = INT64_MAX;
+        else if (outcome > 0 && level >= 0 && w.r.footprint < blocked[level])
+            blocked[level] = w.r.footprint;
+    }
+    /* after a failure the ones not decided yet stay waiting, in order */
+    for (; k < n && st != GY_OK; k++) {
+        c->deferred[c->n_deferred++] = c->deferred[k];
+        (void)gy_cluster_pending_add(c, c->deferred[k].group, c->deferred[k].r.footprint);
+    }
     return st;
 }
 
@@ -432,7 +458,7 @@ gy_status gy_cluster_arrive(gy_cluster *c, const gy_cluster_request *r, double n
                        "(0 or a power of two)",
                        r ? (long long)r->prompt : 0LL, r ? (long long)r->output : 0LL,
                        r ? (long long)r->footprint : 0LL, r ? (int)r->min_tp : 0));
-    return gy_cluster_leave(c, gy_cluster_decide(c, r, 0, (gy_sim_group){0, 0, 0}, now));
+    return gy_cluster_leave(c, gy_cluster_decide(c, r, 0, (gy_sim_group){0, 0, 0}, now, NULL));
 }
 
 gy_status gy_cluster_step_ended(gy_cluster *c, int32_t gpu_first, int32_t tp, int finished,

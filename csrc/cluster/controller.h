@@ -34,7 +34,10 @@
  *   tick            the deferred requests waiting for a group again (a merge may wait for
  *                   time alone: merge_wait).
  * A step or a tick decides again only the waiting requests it can concern (policy.h's contract);
- * the others keep their place in the order.
+ * the others keep their place in the order. With a stateless policy, a pass also skips the
+ * requests a blocked one shows cannot be placed either (gy_sim_decision.blocked: same min_tp, at
+ * least its footprint) until a decision changes the cluster: an overloaded cluster's waiting
+ * list then costs a comparison per request, not a decision.
  * The calls are not re-entrant: an op that calls back into the controller is refused. */
 #ifndef GY_CLUSTER_CONTROLLER_H
 #define GY_CLUSTER_CONTROLLER_H

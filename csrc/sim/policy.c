@@ -134,6 +134,7 @@ void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_
                                   gy_sim_decision *d) {
     if (k < 0) {
         d->action = GY_SIM_ACTION_DEFER;
+        d->blocked = 1; /* nothing placeable, whatever the request */
     } else if (gy_sim_policy_fits(&v->inst[k], r)) {
         d->action = GY_SIM_ACTION_PLACE;
         d->target = k;

@@ -108,6 +108,10 @@ typedef struct gy_sim_decision {
     int32_t action;         /* gy_sim_action */
     int32_t target;         /* PLACE: index into view.inst */
     gy_sim_group group;     /* DEFER */
+    int32_t blocked;        /* DEFER on no group, no ops: 1 when this view would defer so every
+                               request of the same min_tp and at least this footprint (nothing
+                               can hold it, no scale-up can start); a stateless policy's
+                               controller then skips those while nothing changes */
     int32_t n_ops;
     gy_sim_op ops[GY_SIM_MAX_OPS]; /* carried out in order; an op the state no longer allows is
                                       skipped and counted */

@@ -191,6 +191,7 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
             d->target = k;
         } else {
             d->action = GY_SIM_ACTION_DEFER; /* nothing placeable now (everything splitting) */
+            d->blocked = 1;
         }
         return GY_OK;
     }
@@ -235,6 +236,8 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
     }
     *d = up;
     gyges_gate_merges(cfg, v, r, d, 0);
+    /* no instance has room and no group can take it: nor any larger request of its TP */
+    d->blocked = k < 0 && up.group.size == 0 && d->n_ops == 0;
     return GY_OK;
 }
 

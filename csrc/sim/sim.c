@@ -38,6 +38,8 @@ typedef struct gy_sim_inst {
     int64_t head, tail;    /* its requests (indices), in assignment order */
     int64_t n_req, footprint, pending_prefill, pending_output;
     int64_t max_footprint;
+    int64_t max_fp_count;  /* its requests with that footprint: the maximum is recounted only
+                              when the last of them leaves (overloaded queues are long) */
     int32_t max_fp_stale;  /* max_footprint must be recomputed */
     int64_t by_min_tp[GY_SIM_MAX_LEVELS]; /* its requests per level of min_tp */
 } gy_sim_inst;
@@ -192,7 +194,14 @@ static void gy_sim_link(gy_sim *s, int32_t slot, int64_t r) {
     q->slot = slot;
     i->n_req++;
     i->footprint += q->footprint;
-    if (q->footprint > i->max_footprint) i->max_footprint = q->footprint;
+    if (!i->max_fp_stale) {
+        if (q->footprint > i->max_footprint) {
+            i->max_footprint = q->footprint;
+            i->max_fp_count = 1;
+        } else if (q->footprint == i->max_footprint) {
+            i->max_fp_count++;
+        }
+    }
     i->pending_prefill += s->out[r].input_tokens - q->prefill_done;
     i->pending_output += s->out[r].output_tokens - q->generated;
     i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]++;
@@ -207,7 +216,8 @@ static void gy_sim_unlink(gy_sim *s, int64_t r) {
     if (q->next >= 0) s->req[q->next].prev = q->prev; else i->tail = q->prev;
     i->n_req--;
     i->footprint -= q->footprint;
-    if (q->footprint >= i->max_footprint) i->max_fp_stale = 1;
+    if (!i->max_fp_stale && q->footprint == i->max_footprint && --i->max_fp_count == 0)
+        i->max_fp_stale = 1;
     i->pending_prefill -= s->out[r].input_tokens - q->prefill_done;
     i->pending_output -= s->out[r].output_tokens - q->generated;
     i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]--;
@@ -217,9 +227,16 @@ static void gy_sim_unlink(gy_sim *s, int64_t r) {
 
 static int64_t gy_sim_inst_max_footprint(gy_sim *s, gy_sim_inst *i) {
     if (i->max_fp_stale) {
-        i->max_footprint = 0;
-        for (int64_t r = i->head; r >= 0; r = s->req[r].next)
-            if (s->req[r].footprint > i->max_footprint) i->max_footprint = s->req[r].footprint;
+        i->max_footprint = i->max_fp_count = 0;
+        for (int64_t r = i->head; r >= 0; r = s->req[r].next) {
+            const int64_t fp = s->req[r].footprint;
+            if (fp > i->max_footprint) {
+                i->max_footprint = fp;
+                i->max_fp_count = 1;
+            } else if (fp == i->max_footprint) {
+                i->max_fp_count++;
+            }
+        }
         i->max_fp_stale = 0;
     }
     return i->max_footprint;

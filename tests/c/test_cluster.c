@@ -221,3 +221,30 @@ GYTEST(cluster_a_step_concerns_the_requests_waiting_on_its_group_only) {
     CHECK(s.n_assigned == 2);
     gy_cluster_free(c);
 }
+
+GYTEST(cluster_skips_requests_a_blocked_one_shows_cannot_be_placed_either) {
+    script s = {0};
+    gy_cluster *c = four_tp1(&s, 1, "least_load");
+    CHECK(c != NULL);
+    for (int k = 0; k < 4; k++) s.inst[k].placeable = 0; /* all splitting: nothing can take any */
+    const int64_t blocks[3] = {5, 8, 3};
+    for (int k = 0; k < 3; k++) {
+        gy_cluster_request r = req(k, blocks[k], 1);
+        CHECK_OK(gy_cluster_arrive(c, &r, 0.0));
+    }
+    /* a step ends: the first is blocked; the second (larger) is skipped, the third (smaller)
+     * is decided; the order stays */
+    s.n_assigned = 0;
+    CHECK_OK(gy_cluster_step_ended(c, 0, 1, 1, 1.0));
+    CHECK(s.n_assigned == 2 && s.assigned[0] == 0 && s.assigned[1] == 2);
+    int64_t n = 0;
+    const gy_cluster_request *w = gy_cluster_deferred(c, &n, NULL);
+    CHECK(n == 3 && w[0].id == 0 && w[1].id == 1 && w[2].id == 2);
+    /* once an instance can take requests, every one is decided and placed */
+    for (int k = 0; k < 4; k++) s.inst[k].placeable = 1;
+    s.n_assigned = 0;
+    CHECK_OK(gy_cluster_step_ended(c, 0, 1, 1, 2.0));
+    CHECK(s.n_assigned == 3);
+    for (int k = 0; k < 3; k++) CHECK(s.actions[k] == GY_SIM_ACTION_PLACE);
+    gy_cluster_free(c);
+}

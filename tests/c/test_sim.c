@@ -703,3 +703,31 @@ GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
     CHECK(has_op(&d, GY_SIM_OP_MERGE, 4, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
 }
+
+GYTEST(sim_policy_gyges_says_when_a_request_is_blocked) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {4, 4};
+    world_init(&w, 8, 8, tps, 2);
+    /* both TP4s committed in full: a TP4-sized request has no room and no group */
+    w.inst[0].footprint = w.inst[1].footprint = 600;
+    gy_sim_req_view r = req(400, 4);
+    r.deferred = 1;
+    gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0 && d.blocked);
+    /* room on one: placed, not blocked */
+    w.inst[1].footprint = 100;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && !d.blocked);
+    /* short requests with everything splitting: blocked too */
+    w.inst[0].placeable = w.inst[1].placeable = 0;
+    gy_sim_req_view s = req(10, 1);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &s);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.blocked);
+    /* a scale-up it waits for is not blocked */
+    const int32_t ones[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, ones, 8);
+    gy_sim_req_view big = req(200, 2);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &big);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 && !d.blocked);
+}
