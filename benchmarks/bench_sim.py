@@ -140,23 +140,31 @@ def calibrate():
 
 # ---- 2. Gyges 6.2.4 ---------------------------------------------------------------------------
 
+# The best static layout of 8 GPUs that serves every request of the 6.2.4 workload (a 50K prompt
+# needs TP4 on H20): of 1xTP4+4xTP1, 1xTP4+2xTP2, 1xTP4+1xTP2+2xTP1, 2xTP4 and 1xTP8, the first
+# has the highest throughput and lowest TTFT at every rate here.
+BEST_STATIC_6_2_4 = "1xTP4+4xTP1"
+
+
 def scheduler_comparison(duration, factors, seeds):
     rows = []
     for factor in factors:
-        for policy, eager in (("gyges", True), ("round_robin", True), ("least_load", True),
-                              ("round_robin", False), ("least_load", False)):
+        for policy, eager, layout in (("gyges", True, None), ("round_robin", True, None),
+                                      ("least_load", True, None), ("round_robin", False, None),
+                                      ("least_load", False, None),
+                                      ("static", True, BEST_STATIC_6_2_4)):
             acc = []
             for seed in seeds:
                 tr = traces.scale_rate(traces.gyges_mixed(duration, seed=seed), factor)
-                res = sim.run(tr, policy=policy, eager_scale_up=eager, slo=SLO)
+                res = sim.run(tr, policy=policy, eager_scale_up=eager, layout=layout, slo=SLO)
                 window, _ = res.window_throughput()
                 acc.append({**res.summary(), "window_throughput": window})
             mean = {k: float(np.mean([a[k] for a in acc])) for k in
                     ("total_token_throughput", "output_throughput", "goodput", "ttft_mean",
                      "ttft_p99", "tpot_mean", "transformations", "preemptions",
                      "policy_rejected", "latency_requests", "window_throughput")}
-            rows.append({"rate": factor, "policy": policy + ("" if eager else " (lazy)"),
-                         **mean})
+            name = f"static {layout}" if layout else policy + ("" if eager else " (lazy)")
+            rows.append({"rate": factor, "policy": name, **mean})
         base = {r["policy"]: r for r in rows if r["rate"] == factor}
         g = base["gyges"]
         for r in rows:
