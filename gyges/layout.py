@@ -90,7 +90,8 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
                                 f"{n_layers} layers")
         for _ in range(count):
             if start % tp:
-                raise error(f"layout {layout!r}: a TP{tp} instance would start at {unit[:-1]} {start}, "
+                raise error(f"layout {layout!r}: a TP{tp} instance would start at {unit[:-1]} "
+                            f"{start}, "
                             f"which is not aligned to {tp} (groups are aligned, such as {{0,1}}, "
                             f"{{2,3}}, {{0..3}}: list larger instances first, e.g. "
                             f"'1xTP4+4xTP1')")

@@ -11,8 +11,8 @@
  *   X^T is stored column-major as is (transb = N, ldb = ldx); Y^T likewise (ldc = ldy);
  *   cuBLAS's (m, n, k) = (n_out, m, n_in).
  * The compute type is CUBLAS_COMPUTE_32F: fp32 accumulation for every dtype (split-K partial sums
- * included: CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION), and no TF32 for fp32 inputs, so an fp32 GEMM differs from the CPU's only in the order
- * of its sums.
+ * included: CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION), and no TF32 for fp32 inputs,
+ * so an fp32 GEMM differs from the CPU's only in the order of its sums.
  *
  * The bias (an fp32 vector, Qwen2's q/k/v) is added by a small kernel that writes it into y
  * (onto y when accumulating), after which the GEMM accumulates onto y with beta = 1. */
@@ -85,8 +85,8 @@ static gy_cublas_lib gy_cublas_load(void) {
     lib.set_math_mode = (gy_cublas_set_math_mode_fn)dlsym(handle, "cublasSetMathMode");
     lib.status_string = (gy_cublas_status_string_fn)dlsym(handle, "cublasGetStatusString");
     lib.gemm_ex = (gy_cublas_gemm_ex_fn)dlsym(handle, "cublasGemmEx");
-    if (lib.create == NULL || lib.destroy == NULL || lib.set_stream == NULL || lib.gemm_ex == NULL ||
-        lib.set_math_mode == NULL) {
+    if (lib.create == NULL || lib.destroy == NULL || lib.set_stream == NULL ||
+        lib.gemm_ex == NULL || lib.set_math_mode == NULL) {
         snprintf(lib.message, sizeof lib.message,
                  "cuBLAS is not available: the library found lacks cublasCreate_v2, "
                  "cublasDestroy_v2, cublasSetStream_v2, cublasSetMathMode or cublasGemmEx");
@@ -149,8 +149,8 @@ extern "C" gy_status gy_cuda_blas_init(gy_cuda_blas **out, gy_cuda_stream stream
     /* Split-K partial sums of fp16/bf16 outputs stay fp32: by default cuBLAS may round them to
      * the output dtype before adding them up (on an H200, bf16 64x96x256 results were off by
      * up to 0.02 on values near 0.02 without this, and within the test's bound with it). */
-    r = lib->set_math_mode(b->handle, (cublasMath_t)(CUBLAS_DEFAULT_MATH |
-                                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    const int math = CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+    r = lib->set_math_mode(b->handle, (cublasMath_t)math);
     const char *failed = "cublasSetMathMode";
     if (r == CUBLAS_STATUS_SUCCESS) {
         r = lib->set_stream(b->handle, (cudaStream_t)stream);
