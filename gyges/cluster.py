@@ -202,5 +202,5 @@ def check_number(name, v, low, high=None, low_open=False, error=PolicyError):
             or not math.isfinite(v) or v < low or (low_open and v == low) \
             or (high is not None and v >= high):
         raise error(f"{name} must be a finite number {'>' if low_open else '>='} {low}"
-                              f"{'' if high is None else f' and < {high}'}, got {v!r}")
+                    f"{'' if high is None else f' and < {high}'}, got {v!r}")
     return float(v)

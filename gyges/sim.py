@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _C, traces
 from . import layout as layout_mod
-from .cluster import POLICIES, Policy, check_policy  # one set of names for both executors
+from .cluster import POLICIES, Policy, check_number, check_policy  # one set for both executors
 from .costmodel import ConstantCost, CostModel, CostModelError
 from .errors import InvalidArgumentError
 from .results import Results
@@ -59,12 +59,7 @@ def _check_int(name, v, low, high=None):
 
 
 def _check_float(name, v, low, high=None, low_open=False):
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(v) or v < low or (low_open and v == low) \
-            or (high is not None and v >= high):
-        raise SimError(f"{name} must be a finite number {'>' if low_open else '>='} {low}"
-                       f"{'' if high is None else f' and < {high}'}, got {v!r}")
-    return float(v)
+    return check_number(name, v, low, high, low_open, SimError)
 
 
 def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,

@@ -102,30 +102,18 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
                                 .watermark = watermark};
     config.policy = gy_py_policy_unwrap(policy, &config.policy_config);
     if (config.policy == NULL) return NULL;
-    PyObject *seq = gy_py_sequence(capacity_object, "capacity must be a sequence of ints");
-    if (seq == NULL) return NULL;
     int64_t capacity[GY_SIM_MAX_LEVELS];
-    const Py_ssize_t levels = PySequence_Fast_GET_SIZE(seq);
-    if (levels < 1 || levels > GY_SIM_MAX_LEVELS || gy_sim_level(max_tp) < 0 ||
-        levels != gy_sim_level(max_tp) + 1) {
-        Py_DECREF(seq);
+    const Py_ssize_t levels =
+        gy_py_int64s(capacity_object, capacity, GY_SIM_MAX_LEVELS, "capacity");
+    if (levels < 0) return NULL;
+    if (gy_sim_level(max_tp) < 0 || levels != gy_sim_level(max_tp) + 1)
         return PyErr_Format(GY_PY_VALUE_ERROR, "capacity lists %zd TP levels; max_tp=%d needs "
                                                "%d",
                             levels, max_tp, gy_sim_level(max_tp) + 1);
-    }
-    for (Py_ssize_t l = 0; l < levels; l++) {
-        capacity[l] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, l));
-        if (capacity[l] == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (capacity[l] < 0) {
-            Py_DECREF(seq);
+    for (Py_ssize_t l = 0; l < levels; l++)
+        if (capacity[l] < 0)
             return PyErr_Format(GY_PY_VALUE_ERROR, "capacity of TP%d is %lld blocks", 1 << l,
                                 (long long)capacity[l]);
-        }
-    }
-    Py_DECREF(seq);
     config.capacity = capacity;
     GyControllerObject *self = (GyControllerObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;

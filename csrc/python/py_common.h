@@ -20,6 +20,9 @@ PyObject *gy_py_type_error(void);
 #define GY_PY_TYPE_ERROR gy_py_type_error()
 /* PySequence_Fast whose refusal is an ArgumentTypeError with `message`. */
 PyObject *gy_py_sequence(PyObject *object, const char *message);
+/* A sequence of at most `cap` ints into `out` (`what` names it in errors): their count, or -1
+ * with an exception. */
+Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);

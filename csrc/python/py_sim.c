@@ -93,29 +93,6 @@ static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roof
     return -1;
 }
 
-/* A tuple/list of ints into `out` (at most `cap`); returns the count or -1. */
-static Py_ssize_t gy_py_sim_ints(PyObject *seq_object, int64_t *out, Py_ssize_t cap,
-                                 const char *what) {
-    PyObject *seq = gy_py_sequence(seq_object, "expected a sequence of ints");
-    if (seq == NULL) return -1;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > cap) {
-        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd entries, at most %zd", what, n, cap);
-        Py_DECREF(seq);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        out[i] = v;
-    }
-    Py_DECREF(seq);
-    return n;
-}
-
 static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"hosts", "gpus_per_host", "max_tp", "layout", "capacity",
                             "capacity_mid", "block_size", "max_batch_tokens", "max_running",
@@ -143,11 +120,11 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         return PyErr_Format(GY_PY_VALUE_ERROR, "unknown policy %s (known: %s)", policy_name,
                             gy_sim_policy_names());
     int64_t layout64[64], cap[GY_SIM_MAX_LEVELS], mid[GY_SIM_MAX_LEVELS];
-    const Py_ssize_t n_layout = gy_py_sim_ints(layout_o, layout64, 64, "layout");
+    const Py_ssize_t n_layout = gy_py_int64s(layout_o, layout64, 64, "layout");
     if (n_layout < 0) return NULL;
-    const Py_ssize_t n_cap = gy_py_sim_ints(cap_o, cap, GY_SIM_MAX_LEVELS, "capacity");
+    const Py_ssize_t n_cap = gy_py_int64s(cap_o, cap, GY_SIM_MAX_LEVELS, "capacity");
     if (n_cap < 0) return NULL;
-    const Py_ssize_t n_mid = gy_py_sim_ints(mid_o, mid, GY_SIM_MAX_LEVELS, "capacity_mid");
+    const Py_ssize_t n_mid = gy_py_int64s(mid_o, mid, GY_SIM_MAX_LEVELS, "capacity_mid");
     if (n_mid < 0) return NULL;
     if (n_cap != n_mid || gy_sim_level(max_tp) < 0 || n_cap != gy_sim_level(max_tp) + 1)
         return PyErr_Format(GY_PY_VALUE_ERROR,
@@ -155,7 +132,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             gy_sim_level(max_tp) + 1);
     int64_t max_input[GY_SIM_MAX_LEVELS];
     if (max_in_o != Py_None) {
-        const Py_ssize_t n_in = gy_py_sim_ints(max_in_o, max_input, GY_SIM_MAX_LEVELS, "max_input");
+        const Py_ssize_t n_in = gy_py_int64s(max_in_o, max_input, GY_SIM_MAX_LEVELS, "max_input");
         if (n_in < 0) return NULL;
         if (n_in != n_cap)
             return PyErr_Format(GY_PY_VALUE_ERROR, "max_input needs log2(max_tp) + 1 = %d entries",
