@@ -37,7 +37,6 @@ struct gy_cluster {
     /* the view, rebuilt before each policy call: (n_gpus) rows and GPU map */
     gy_sim_inst_view *rows;
     int32_t *gpu_inst;
-    int32_t n_rows;
 
     gy_cluster_stats stats;
 };
@@ -199,7 +198,6 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
     if (n < 1 || n > c->config.n_gpus)
         return GY_FAIL(GY_ERR_STATE, "the executor listed %d instances for %d GPUs", (int)n,
                        (int)c->config.n_gpus);
-    c->n_rows = n;
     const int32_t n_pending = c->n_pending;
     for (int32_t g = 0; g < c->config.n_gpus; g++) c->gpu_inst[g] = -1;
     for (int32_t k = 0; k < n; k++) {
