@@ -57,6 +57,14 @@ def _worker_devices(backend, devices, n_workers):
     return devices
 
 
+_made = 0
+
+
+def communicators_made():
+    """Communicators made in this process so far (a switch that makes none leaves it as is)."""
+    return _made
+
+
 def make_comm(size, backend="shm", devices=None, channel="compute"):
     """One communicator (gyges._C.Comm), with its arguments checked here. devices: the CUDA
     device of each rank (a list) or of all of them (an int)."""
@@ -66,7 +74,10 @@ def make_comm(size, backend="shm", devices=None, channel="compute"):
     if channel not in CHANNELS:
         raise InvalidArgumentError(f"unknown channel {channel!r}; expected one of {', '.join(CHANNELS)}")
     size = operator.index(size)
-    return _C.Comm(size, backend, None if backend == "shm" else devices, channel)
+    global _made
+    made = _C.Comm(size, backend, None if backend == "shm" else devices, channel)
+    _made += 1
+    return made
 
 
 class CommPool:

@@ -28,7 +28,7 @@ import operator
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from . import _C, checks, recovery
+from . import _C, checks, flying, recovery
 from .comm import CommPool, aligned_groups
 from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
@@ -52,19 +52,23 @@ class Instance:
     on workers[i]. `workers` lists the workers in rank order (after a transformation rank order
     need not be worker order)."""
 
-    def __init__(self, host, workers, tp, stages=None):
+    def __init__(self, host, workers, tp, stages=None, kvs=None):
         self.host = weakref.proxy(host)  # the host owns its instances: no cycle
         self.workers = tuple(workers)
         self.tp = tp
         self.stages = tuple(stages) if stages else None
         ranks = [host.worker(w) for w in self.workers]
+        # kvs: the ranks' KV caches when not the workers' own (a replicated host's TP instances
+        # run on views of them, whose blocks hold tp times the tokens)
+        kvs = kvs or [w.kv for w in ranks]
+        self.block_tokens = kvs[0].block_size
         if self.stages:
             self._c = _C.Engine([[w.c_model] for w in ranks], [[w.kv._c] for w in ranks],
                                 [None] * len(ranks), host.max_batch_tokens, host.max_running,
                                 host.max_prefill_chunk, layers=list(self.stages))
         else:
             comm = host.comm(min(self.workers), tp) if tp > 1 else None
-            self._c = _C.Engine([w.c_model for w in ranks], [w.kv._c for w in ranks], comm,
+            self._c = _C.Engine([w.c_model for w in ranks], [kv._c for kv in kvs], comm,
                                 host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
         self.loop = InstanceLoop(self._c, host.model.config, host.clock,
                                  getattr(host.model, "tokenizer", None))
@@ -150,9 +154,16 @@ class Instance:
     def capacity_blocks(self):
         return self._c.stats()["capacity_blocks"]
 
+    def blocks_for(self, tokens):
+        return -(-tokens // self.block_tokens)
+
+    def fits(self, tokens):
+        """Whether a request of `tokens` tokens (prompt and max_tokens) fits the KV it could hold."""
+        return self.blocks_for(tokens) <= self.capacity_blocks()
+
     def load(self):
         """Tokens this instance still has to hold, over its capacity: for placement."""
-        blocks = sum(-(-(len(r.prompt) + r.params.max_tokens) // self.host.block_size)
+        blocks = sum(self.blocks_for(len(r.prompt) + r.params.max_tokens)
                      for r in self.loop.requests.values())
         return blocks / max(self.capacity_blocks(), 1)
 
@@ -203,7 +214,7 @@ class Host(Serving):
                  layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
-                 comm=None):
+                 comm=None, weights="sharded"):
         checks.integer("workers", workers, lo=1)
         for name, value in (("block_size", block_size), ("threads_per_worker", threads_per_worker),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
@@ -214,9 +225,22 @@ class Host(Serving):
                                        f"{', '.join(DEFAULT_MEMORY)}")
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
+        if weights not in ("sharded", "replicated"):
+            raise InvalidArgumentError(f"weights must be 'sharded' (a TP rank keeps its shards; "
+                                       f"Gyges transformations move them) or 'replicated' (every "
+                                       f"worker keeps the whole model; Flying Serving switches), "
+                                       f"got {weights!r}")
+        if weights == "replicated" and backend != "cpu":
+            raise UnavailableError("weights='replicated' runs on the CPU backend: the CUDA "
+                                   "attention kernels have not been checked with the adaptor's "
+                                   "longer TP blocks")
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers, model.config.num_hidden_layers)
+        if weights == "replicated" and any(stages for _, _, stages in groups):
+            raise InvalidArgumentError(f"layout {layout!r}: a replicated host switches between DP "
+                                       f"and TP groups; pipelines need sharded weights")
+        self.weights = weights
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -250,6 +274,19 @@ class Host(Serving):
                                  threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend)
         self._workers = [self.new_worker(i) for i in range(workers)]
         self.instances = []
+        self.replicas = None
+        if weights == "replicated":
+            # every worker keeps the whole model: DP and TP engines over the same replicas
+            # (gyges.flying), the layout's TP groups bound from the start
+            for first, tp, _ in groups:
+                self.check_group(first, tp)
+            self.replicas = flying.Replicas(
+                self, lambda ws, tp, kvs: Instance(self, ws, tp, kvs=kvs))
+            self.instances = self.replicas.instances()
+            for first, tp, _ in groups:
+                if tp > 1:
+                    self.replicas.switch(range(first, first + tp), tp, "hard")
+            groups = []
         for first, tp, stages in groups:
             if stages:  # a pipeline: worker first + i holds the layers of stage i
                 bounds = [sum(stages[:i]) for i in range(len(stages) + 1)]
@@ -345,7 +382,42 @@ class Host(Serving):
 
     def layout(self):
         """The current layout, e.g. '2xTP1+TP2' or 'PP[3,1]+2xTP1'."""
+        if self.replicas is not None:
+            return layout_string(self.replicas.layout_parts())
         return layout_string([inst.layout for inst in self.instances])
+
+    def serving_instances(self):
+        """The instances that step now: all of them, except on a replicated host, where each
+        worker steps its DP engine or its bound group's TP engine."""
+        return self.replicas.serving() if self.replicas is not None else list(self.instances)
+
+    # ---- Flying Serving (weights="replicated") ----
+    def switch(self, workers, tp, preempt="wait"):
+        """Binds an aligned group of workers of a replicated host for TP work (tp = their
+        number), or releases it to DP (tp=1); nothing is copied, mapped or made (gyges.flying).
+        preempt: "wait" (bind once the members' running DP requests are done), "soft" (and
+        meanwhile start pending TP requests in DP mode on idle members, recomputed at the bind)
+        or "hard" (bind now, pausing the members' DP requests with their KV). Returns a
+        flying.Switch: s.done, s.stats."""
+        with self._lock:
+            self._check_open()
+            if self.replicas is None:
+                raise InvalidArgumentError("switch() is for hosts built with "
+                                           "weights='replicated'; this host's workers keep their "
+                                           "shards only: use transform()")
+            s = self.replicas.switch(workers, tp, preempt)
+            log.info("switch of workers %s to TP%s (%s)%s", sorted(workers), tp, preempt,
+                     "" if s.done else ": waiting")
+            return s
+
+    def modes(self):
+        """Per worker: 'DP', 'TPk' (bound into a TPk group) or 'paused' (waiting to bind: it
+        admits nothing and finishes its running DP requests). A sharded host: its TP degrees."""
+        with self._lock:
+            self._check_open()
+            if self.replicas is not None:
+                return self.replicas.modes()
+            return [f"TP{inst.tp}" for inst in self.instances for _ in inst.workers]
 
     def make_instance(self, workers, tp):
         return Instance(self, workers, tp)
@@ -419,6 +491,11 @@ class Host(Serving):
 
     def _transform(self, workers, tp, method, layers_per_step, weights_from, phase_chunks,
                    overlap):
+        if self.replicas is not None:
+            raise TransformError("this host keeps a full replica on every worker "
+                                 "(weights='replicated'): it changes DP and TP with switch(), "
+                                 "which moves nothing; Gyges transformations move the shards of "
+                                 "a sharded host")
         if any(not t.done for t in self.transformations):
             raise TransformError("a transformation is already under way; wait until it is done")
         workers, tp = self._check_transform_args(workers, tp, layers_per_step, weights_from,
@@ -521,29 +598,52 @@ class Host(Serving):
                 f"the header layout")
 
     # ---- serving ----
-    def submit(self, tokens, params=None, instance=None):
+    def submit(self, tokens, params=None, instance=None, tp=None, priority=0):
         """Places a request on `instance` (an index into host.instances) or on the least-loaded
         instance that can hold it; returns its handle. A bad prompt or parameter raises a
-        gyges.Error naming it and queues nothing."""
+        gyges.Error naming it and queues nothing.
+
+        On a replicated host, tp=k asks for TP work: the request queues on an aligned group of k
+        workers, which binds for it ("soft", or "hard" when priority > 0) and goes back to DP
+        once no TP request is left; a request no DP worker can hold binds the smallest group
+        whose pooled KV holds it."""
         params = check_params(params)
         tokens, text = tokenize_prompt(tokens, getattr(self.model, "tokenizer", None))
+        priority = checks.integer("priority", priority, lo=0)
         with self._lock:
             self._check_open()
+            length = len(tokens) if hasattr(tokens, "__len__") else 0
+            group = None
+            if tp is not None:
+                tp = checks.integer("tp", tp, lo=1)
+                if self.replicas is None:
+                    raise InvalidArgumentError("tp= asks a replicated host (weights='replicated') "
+                                               "for a mode; this host's instances have theirs")
             if instance is not None:
                 target = self.instances[checks.integer("instance", instance, 0,
                                                        len(self.instances) - 1)]
+            elif tp is not None and tp > 1:
+                group = self.replicas.group(tp=tp)
+                target = group.instance
             else:
-                length = len(tokens) if hasattr(tokens, "__len__") else 0
-                need = -(-(length + params.max_tokens) // self.block_size)
-                fits = [inst for inst in self.instances if inst.capacity_blocks() >= need]
+                pool = (self.replicas.placements() if self.replicas is not None
+                        else self.instances)
+                if tp == 1:
+                    pool = [inst for inst in pool if inst.tp == 1]
+                fits = [inst for inst in pool if inst.fits(length + params.max_tokens)]
+                if not fits and self.replicas is not None and tp is None:
+                    group = self.replicas.smallest_group_for(length + params.max_tokens)
+                    fits = [group.instance] if group is not None else []
                 if not fits:
-                    best = max(inst.capacity_blocks() for inst in self.instances)
                     raise InvalidArgumentError(
-                        f"the request needs {need} KV blocks but the largest instance holds "
-                        f"{best} (layout {self.layout()}); merge instances first")
+                        f"the request needs {length + params.max_tokens} tokens of KV but no "
+                        f"instance holds that many (layout {self.layout()}); merge instances "
+                        f"first")
                 target = min(fits, key=Instance.load)
             request = target.loop.add(self._next_id, tokens, params, prompt_text=text)
             self._next_id += 1
+            if group is not None:
+                self.replicas.ask(group, "hard" if priority > 0 else "soft")
             return request
 
     def abort(self, request):
@@ -588,11 +688,16 @@ class Host(Serving):
             for t in self.transformations:
                 if not t.done and hasattr(t, "advance"):
                     self._advance(t)
-            busy = [inst for inst in self.instances if inst.loop.unfinished()]
+            if self.replicas is not None:
+                self.replicas.advance()
+            busy = [inst for inst in self.serving_instances() if inst.loop.unfinished()]
             if not busy:
                 blocked = [t for t in self.transformations if not t.done and t.blocked_by]
                 if blocked:
                     raise BusyError(f"{blocked[0]!r} cannot move on: {blocked[0].blocked_by}")
+                stuck = self.replicas and self.replicas.stuck()
+                if stuck:
+                    raise BusyError(stuck)
                 return 0
             if len(busy) == 1:
                 tokens = busy[0].loop.step()
@@ -607,6 +712,8 @@ class Host(Serving):
                 if errors:
                     raise errors[0]
                 tokens = sum(results)
+            if self.replicas is not None:
+                self.replicas.advance(bind=False)
             if tokens:
                 self.steps += 1
             return tokens
@@ -636,7 +743,7 @@ class Host(Serving):
         with self._lock:
             self._check_open()
             instances, workers = [], []
-            for inst in self.instances:
+            for inst in self.serving_instances():
                 c = inst._c.stats()
                 instances.append({"layout": inst.layout, "workers": list(inst.workers),
                                   "waiting": c["waiting"] + c["preempted_queued"],

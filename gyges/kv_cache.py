@@ -105,6 +105,20 @@ class KVCache:
         other.n_kv_heads = n_kv_heads
         return other
 
+    def view(self, factor):
+        """Flying Serving's KV cache adaptor: a cache over this one's blocks, each read as
+        factor * block_size tokens of n_kv_heads / factor heads (the same bytes), sharing this
+        cache's block pool and sequences, so that requests of a TP-`factor` rank and of this
+        cache live in one pool at once and a block id names one physical block in both. Creating
+        it maps and copies nothing."""
+        factor = _index(factor, "factor")
+        other = object.__new__(KVCache)
+        other.__dict__.update(self.__dict__)
+        other._c = self._c.view(factor)
+        other.n_kv_heads = self.n_kv_heads // factor
+        other.block_size = self.block_size * factor
+        return other
+
     def take_pages(self):
         """Ends the sharing: this shadow owns the pages, its owner is left empty."""
         self._c.take_pages()

@@ -539,7 +539,11 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
     pthread_mutex_unlock(&e->api);
 }
 
-/* ---- layer-staggered transformation ---- */
+void gy_engine_hold(gy_engine *e, int held) {
+    pthread_mutex_lock(&e->api);
+    gy_sched_hold(e->sched, held);
+    pthread_mutex_unlock(&e->api);
+}
 
 /* ---- layer-staggered transformation: a second stage over the same workers ---- */
 
@@ -738,7 +742,17 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
         if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(grp->ranks[adopted].adapter, id, seqs[adopted]);
     const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
                                  .max_new_tokens = params->max_new_tokens, .arrival = info->arrival};
-    if (s == GY_OK) s = gy_sched_adopt(e->sched, &sr, info);
+    /* A running request that arrives with no KV at all goes on by recomputing its prompt and
+     * generated tokens, as after a preemption (Flying Serving's soft preemption). */
+    gy_sched_info in = *info;
+    int with_kv = 0;
+    for (int32_t k = 0; k < grp->size; k++) with_kv |= seqs[k] >= 0;
+    if (in.state == GY_SCHED_STATE_RUNNING && !with_kv) {
+        in.state = GY_SCHED_STATE_PREEMPTED;
+        in.n_computed = in.prefill_end = 0;
+        in.n_preemptions++;
+    }
+    if (s == GY_OK) s = gy_sched_adopt(e->sched, &sr, &in);
     if (s != GY_OK) {
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());

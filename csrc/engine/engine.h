@@ -136,7 +136,8 @@ typedef struct gy_engine_request_view {
 int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity);
 gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_request_view *out);
 /* Takes over a request with its progress: `seqs[rank]` are sequences already holding its KV in
- * each rank's cache (all -1 when it holds none: queued requests). */
+ * each rank's cache (all -1 when it holds none: a queued request, or a running one, which is
+ * then queued to be recomputed and counted as preempted). */
 gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs);
@@ -186,6 +187,8 @@ int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs 
  * `error`, "" otherwise; may be NULL). */
 gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);
 void gy_engine_stats(gy_engine *e, gy_sched_stats *out);
+/* held != 0: the engine admits nothing new (queued requests wait) until released (batch.h). */
+void gy_engine_hold(gy_engine *e, int held);
 int32_t gy_engine_n_ranks(const gy_engine *e);
 /* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
  * leaves them in the caches (a layer-staggered transformation keeps reading them). */

@@ -30,14 +30,11 @@ typedef struct gy_kv_seq {
     int32_t *blocks;    /* (n_blocks) block ids: the block table */
 } gy_kv_seq;
 
-struct gy_kv_cache {
-    gy_kv_config config;
-    gy_arena *arena;
-    uint64_t page_size;
-    uint64_t block_bytes;
+/* What the caches reading one set of pages share: the block pool, the sequences and their block
+ * tables, and the undo record. A cache owns one; a view (gy_kv_init_view) uses its base's. */
+typedef struct gy_kv_pool {
     int64_t max_blocks;      /* blocks that fit in slots_per_layer */
     int64_t pages_per_layer;
-    gy_kv_layout layout;     /* for layout.n_blocks == the current block count */
     uint8_t *block_used;     /* (max_blocks) */
     int32_t *free_blocks;    /* (max_blocks) stack of free block ids */
     int64_t n_free;
@@ -48,22 +45,43 @@ struct gy_kv_cache {
     int64_t n_live_seqs;
     uint64_t generations; /* sequences ever handed out */
     gy_kv_stats stats;
-    /* A layer-staggered transformation reads the same pages in two geometries: the owner maps
-     * them, the shadow borrows them (each only touches the layers in its geometry). */
-    gy_kv_cache *owner;  /* set on a shadow */
-    gy_kv_cache *shadow; /* set on the owner of a shadow */
     /* gy_kv_mark: while `marked`, what each sequence call changes is written down first, so
      * that gy_kv_undo can take it back in reverse order (see kv_cache.h). */
     int marked;
     gy_kv_undo_entry *undo;      /* (n_undo) */
     int64_t n_undo, undo_cap;
+} gy_kv_pool;
+
+struct gy_kv_cache {
+    gy_kv_config config;     /* a view's n_heads and block_size are its own */
+    gy_arena *arena;
+    uint64_t page_size;
+    uint64_t block_bytes;
+    gy_kv_layout layout;     /* for layout.n_blocks == the current block count */
+    gy_kv_pool *p;           /* &own, or the base's for a view */
+    gy_kv_pool own;
+    /* A layer-staggered transformation reads the same pages in two geometries: the owner maps
+     * them, the shadow borrows them (each only touches the layers in its geometry). */
+    gy_kv_cache *owner;  /* set on a shadow */
+    gy_kv_cache *shadow; /* set on the owner of a shadow */
+    /* Flying Serving's adaptor: views read the same blocks in other geometries and share the
+     * pool (gy_kv_init_view). */
+    gy_kv_cache *base;                   /* set on a view */
+    gy_kv_cache *views[GY_KV_MAX_VIEWS]; /* set on a base */
+    int32_t n_views;
 };
 
-static gy_status gy_kv_set_blocks(gy_kv_cache *kv, int64_t n_blocks) {
-    GY_TRY(gy_kv_layout_init(&kv->layout, kv->config.layout, kv->config.block_size,
+static gy_status gy_kv_set_layout(gy_kv_cache *kv, int64_t n_blocks) {
+    return gy_kv_layout_init(&kv->layout, kv->config.layout, kv->config.block_size,
                              kv->config.n_heads, kv->config.head_dim, kv->config.elem_size,
-                             n_blocks));
-    kv->stats.n_blocks = n_blocks;
+                             n_blocks);
+}
+
+/* The block count changed: the cache's layout, and its views' (same blocks, other geometry). */
+static gy_status gy_kv_set_blocks(gy_kv_cache *kv, int64_t n_blocks) {
+    GY_TRY(gy_kv_set_layout(kv, n_blocks));
+    for (int32_t i = 0; i < kv->n_views; i++) GY_TRY(gy_kv_set_layout(kv->views[i], n_blocks));
+    kv->p->stats.n_blocks = n_blocks;
     return GY_OK;
 }
 
@@ -104,18 +122,19 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
 
     gy_kv_cache *kv = gy_calloc(1, sizeof *kv);
     if (kv == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    kv->p = &kv->own;
     kv->config = *c;
     kv->arena = arena;
     kv->page_size = page_size;
     kv->block_bytes = block_bytes;
-    kv->max_blocks = max_blocks;
-    kv->block_used = gy_calloc((size_t)max_blocks, 1);
-    kv->free_blocks = gy_malloc((size_t)max_blocks * sizeof *kv->free_blocks);
-    if (kv->block_used == NULL || kv->free_blocks == NULL) {
+    kv->p->max_blocks = max_blocks;
+    kv->p->block_used = gy_calloc((size_t)max_blocks, 1);
+    kv->p->free_blocks = gy_malloc((size_t)max_blocks * sizeof *kv->p->free_blocks);
+    if (kv->p->block_used == NULL || kv->p->free_blocks == NULL) {
         gy_kv_free(kv);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
     }
-    kv->stats.block_bytes = block_bytes;
+    kv->p->stats.block_bytes = block_bytes;
     gy_status s = gy_kv_set_blocks(kv, 0);
     if (s != GY_OK) {
         gy_kv_free(kv);
@@ -127,29 +146,46 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
 
 void gy_kv_free(gy_kv_cache *kv) {
     if (kv == NULL) return;
+    if (kv->base != NULL) { /* a view: the pool and its pages are the base's */
+        gy_kv_cache *base = kv->base;
+        int32_t k = 0;
+        for (int32_t i = 0; i < base->n_views; i++)
+            if (base->views[i] != kv) base->views[k++] = base->views[i];
+        base->n_views = k;
+        free(kv);
+        return;
+    }
+    for (int32_t i = 0; i < kv->n_views; i++) kv->views[i]->base = NULL, kv->views[i]->p = NULL;
     if (kv->owner != NULL) {
         kv->owner->shadow = NULL; /* a shadow never unmaps borrowed pages */
-        kv->pages_per_layer = 0;
+        kv->p->pages_per_layer = 0;
     } else if (kv->shadow != NULL) {
         gy_kv_take_pages(kv->shadow); /* the shadow keeps the pages it reads */
     }
-    if (kv->pages_per_layer > 0)
+    if (kv->p->pages_per_layer > 0)
         for (int64_t l = 0; l < kv->config.n_layers; l++)
             gy_arena_shrink(kv->arena, kv->config.first_slot + l * kv->config.slots_per_layer,
-                            kv->pages_per_layer);
-    for (int64_t i = 0; i < kv->seq_capacity; i++) free(kv->seqs[i].blocks);
-    free(kv->seqs);
-    free(kv->free_seqs);
-    free(kv->block_used);
-    free(kv->free_blocks);
-    free(kv->undo);
+                            kv->p->pages_per_layer);
+    for (int64_t i = 0; i < kv->p->seq_capacity; i++) free(kv->p->seqs[i].blocks);
+    free(kv->p->seqs);
+    free(kv->p->free_seqs);
+    free(kv->p->block_used);
+    free(kv->p->free_blocks);
+    free(kv->p->undo);
     free(kv);
 }
 
 /* ---- undo (kv_cache.h) ---- */
 
+static gy_status gy_kv_refuse_if_viewed(const gy_kv_cache *kv, const char *what) {
+    if (kv->base != NULL || kv->n_views > 0)
+        return GY_FAIL(GY_ERR_BUSY, "cannot %s: the cache's blocks are read in %s geometry "
+                                    "(gy_kv_init_view)", what, kv->base ? "its base's" : "a view's");
+    return GY_OK;
+}
+
 static gy_status gy_kv_refuse_if_marked(const gy_kv_cache *kv, const char *what) {
-    if (kv->marked)
+    if (kv->p->marked)
         return GY_FAIL(GY_ERR_BUSY, "cannot %s while a step's changes to this KV cache are being "
                                     "recorded", what);
     return GY_OK;
@@ -158,53 +194,53 @@ static gy_status gy_kv_refuse_if_marked(const gy_kv_cache *kv, const char *what)
 /* Writes an entry down before the change it describes (so a failure here changes nothing).
  * Within the room gy_kv_mark reserved it cannot fail. */
 static gy_status gy_kv_record(gy_kv_cache *kv, gy_kv_undo_entry e) {
-    if (!kv->marked) return GY_OK;
-    GY_TRY(gy_grow((void **)&kv->undo, &kv->undo_cap, kv->n_undo + 1, sizeof *kv->undo,
+    if (!kv->p->marked) return GY_OK;
+    GY_TRY(gy_grow((void **)&kv->p->undo, &kv->p->undo_cap, kv->p->n_undo + 1, sizeof *kv->p->undo,
                    "a KV undo record"));
-    kv->undo[kv->n_undo++] = e;
+    kv->p->undo[kv->p->n_undo++] = e;
     return GY_OK;
 }
 
 gy_status gy_kv_mark(gy_kv_cache *kv, int64_t changes) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
-    if (kv->marked) gy_kv_unmark(kv);
-    GY_TRY(gy_grow((void **)&kv->undo, &kv->undo_cap, changes > 0 ? changes : 1, sizeof *kv->undo,
+    if (kv->p->marked) gy_kv_unmark(kv);
+    GY_TRY(gy_grow((void **)&kv->p->undo, &kv->p->undo_cap, changes > 0 ? changes : 1, sizeof *kv->p->undo,
                    "a KV undo record"));
-    kv->marked = 1;
-    kv->n_undo = 0;
+    kv->p->marked = 1;
+    kv->p->n_undo = 0;
     return GY_OK;
 }
 
 /* The ids of sequences freed while marked go back now, in the order they were freed. */
 void gy_kv_unmark(gy_kv_cache *kv) {
-    if (kv == NULL || !kv->marked) return;
-    for (int64_t i = 0; i < kv->n_undo; i++)
-        if (kv->undo[i].kind == GY_KV_UNDO_FREE) kv->free_seqs[kv->n_free_seqs++] = kv->undo[i].seq;
-    kv->marked = 0;
-    kv->n_undo = 0;
+    if (kv == NULL || !kv->p->marked) return;
+    for (int64_t i = 0; i < kv->p->n_undo; i++)
+        if (kv->p->undo[i].kind == GY_KV_UNDO_FREE) kv->p->free_seqs[kv->p->n_free_seqs++] = kv->p->undo[i].seq;
+    kv->p->marked = 0;
+    kv->p->n_undo = 0;
 }
 
 /* Every change is taken back in reverse order, so each one finds the free stacks exactly as it
  * left them: the blocks a reserve took are back on top once later changes are undone, and so
  * are the blocks and the id a free gave back. Nothing is allocated. */
-int64_t gy_kv_undo_point(const gy_kv_cache *kv) { return kv != NULL && kv->marked ? kv->n_undo : 0; }
+int64_t gy_kv_undo_point(const gy_kv_cache *kv) { return kv != NULL && kv->p->marked ? kv->p->n_undo : 0; }
 
 void gy_kv_undo(gy_kv_cache *kv) {
-    if (kv == NULL || !kv->marked) return;
+    if (kv == NULL || !kv->p->marked) return;
     gy_kv_undo_to(kv, 0);
-    kv->marked = 0;
+    kv->p->marked = 0;
 }
 
 void gy_kv_undo_to(gy_kv_cache *kv, int64_t point) {
-    if (kv == NULL || !kv->marked || point < 0) return;
-    for (int64_t i = kv->n_undo - 1; i >= point; i--) {
-        const gy_kv_undo_entry *e = &kv->undo[i];
-        gy_kv_seq *s = &kv->seqs[e->seq];
+    if (kv == NULL || !kv->p->marked || point < 0) return;
+    for (int64_t i = kv->p->n_undo - 1; i >= point; i--) {
+        const gy_kv_undo_entry *e = &kv->p->undo[i];
+        gy_kv_seq *s = &kv->p->seqs[e->seq];
         switch (e->kind) {
         case GY_KV_UNDO_RESERVE:
             for (int64_t b = s->n_blocks - 1; b >= e->n_blocks; b--) {
-                kv->block_used[s->blocks[b]] = 0;
-                kv->free_blocks[kv->n_free++] = s->blocks[b];
+                kv->p->block_used[s->blocks[b]] = 0;
+                kv->p->free_blocks[kv->p->n_free++] = s->blocks[b];
             }
             s->n_blocks = e->n_blocks;
             s->n_tokens = e->n_tokens;
@@ -212,24 +248,24 @@ void gy_kv_undo_to(gy_kv_cache *kv, int64_t point) {
         case GY_KV_UNDO_NEW:
             s->live = 0;
             s->n_blocks = s->n_tokens = 0;
-            kv->free_seqs[kv->n_free_seqs++] = e->seq;
-            kv->n_live_seqs--;
-            kv->generations = e->generation;
+            kv->p->free_seqs[kv->p->n_free_seqs++] = e->seq;
+            kv->p->n_live_seqs--;
+            kv->p->generations = e->generation;
             break;
         case GY_KV_UNDO_FREE:
             /* Its id was held back, so its table is intact; its blocks are on top of the free
              * stack, pushed from the last to the first. */
-            kv->n_free -= e->n_blocks;
-            for (int64_t b = 0; b < e->n_blocks; b++) kv->block_used[s->blocks[b]] = 1;
+            kv->p->n_free -= e->n_blocks;
+            for (int64_t b = 0; b < e->n_blocks; b++) kv->p->block_used[s->blocks[b]] = 1;
             s->live = 1;
             s->n_blocks = e->n_blocks;
             s->n_tokens = e->n_tokens;
-            kv->n_live_seqs++;
+            kv->p->n_live_seqs++;
             break;
         }
     }
-    kv->stats.n_sequences = kv->n_live_seqs;
-    if (point < kv->n_undo) kv->n_undo = point;
+    kv->p->stats.n_sequences = kv->p->n_live_seqs;
+    if (point < kv->p->n_undo) kv->p->n_undo = point;
 }
 
 static int64_t gy_kv_layer_slot(const gy_kv_cache *kv, int64_t layer) {
@@ -253,14 +289,14 @@ static gy_status gy_kv_move_values(gy_kv_cache *kv, int64_t old_n, int64_t new_n
         const uint64_t base = gy_kv_layer_offset(kv, l);
         GY_TRY(gy_arena_copy(kv->arena, base + (uint64_t)new_n * half, base + (uint64_t)old_n * half,
                              (uint64_t)kept * half));
-        kv->stats.bytes_moved += (uint64_t)kept * half;
+        kv->p->stats.bytes_moved += (uint64_t)kept * half;
     }
     return GY_OK;
 }
 
 static gy_status gy_kv_check_not_viewed(const gy_kv_cache *kv) {
     for (int64_t l = 0; l < kv->config.n_layers; l++)
-        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->pages_per_layer))
+        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->p->pages_per_layer))
             return GY_FAIL(GY_ERR_BUSY,
                            "layer %lld is under a live NumPy view and the raw layout must move its "
                            "V blocks; delete the view first",
@@ -270,23 +306,24 @@ static gy_status gy_kv_check_not_viewed(const gy_kv_cache *kv) {
 
 /* Blocks appear when the pages they need are mapped (a shadow's pages are its owner's). */
 static gy_status gy_kv_refresh_blocks(gy_kv_cache *kv, int64_t pages) {
-    kv->pages_per_layer = pages;
-    const int64_t old_n = kv->stats.n_blocks, new_n = gy_kv_blocks_for_pages(kv, pages);
+    kv->p->pages_per_layer = pages;
+    const int64_t old_n = kv->p->stats.n_blocks, new_n = gy_kv_blocks_for_pages(kv, pages);
     if (new_n <= old_n) return GY_OK;
     GY_TRY(gy_kv_set_blocks(kv, new_n));
-    for (int64_t b = new_n - 1; b >= old_n; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
+    for (int64_t b = new_n - 1; b >= old_n; b--) kv->p->free_blocks[kv->p->n_free++] = (int32_t)b;
     return GY_OK;
 }
 
 gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     if (kv->owner != NULL) return gy_kv_grow(kv->owner, pages);
+    if (kv->base != NULL) return gy_kv_grow(kv->base, pages);
     if (pages <= 0) return GY_FAIL(GY_ERR_INVALID, "grow needs a positive page count, got %lld", (long long)pages);
-    if (pages > kv->config.slots_per_layer - kv->pages_per_layer)
+    if (pages > kv->config.slots_per_layer - kv->p->pages_per_layer)
         return GY_FAIL(GY_ERR_LIMIT,
                        "growing by %lld pages passes the %lld slots reserved per layer (%lld used)",
                        (long long)pages, (long long)kv->config.slots_per_layer,
-                       (long long)kv->pages_per_layer);
+                       (long long)kv->p->pages_per_layer);
     gy_arena_stats as;
     gy_arena_stats_get(kv->arena, &as);
     const uint64_t needed = (uint64_t)pages * (uint64_t)kv->config.n_layers;
@@ -300,76 +337,78 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
     if (kv->config.layout == GY_KV_LAYOUT_RAW) GY_TRY(gy_kv_check_not_viewed(kv));
 
     for (int64_t l = 0; l < kv->config.n_layers; l++) {
-        gy_status s = gy_arena_grow(kv->arena, gy_kv_layer_slot(kv, l) + kv->pages_per_layer,
+        gy_status s = gy_arena_grow(kv->arena, gy_kv_layer_slot(kv, l) + kv->p->pages_per_layer,
                                     pages, GY_PAGE_TAG_KV);
         if (s != GY_OK) {
             for (int64_t j = 0; j < l; j++)
-                gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, j) + kv->pages_per_layer, pages);
+                gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, j) + kv->p->pages_per_layer, pages);
             return s;
         }
     }
-    const int64_t old_n = kv->stats.n_blocks;
-    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer + pages);
-    kv->pages_per_layer += pages;
+    const int64_t old_n = kv->p->stats.n_blocks;
+    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer + pages);
+    kv->p->pages_per_layer += pages;
     GY_TRY(gy_kv_move_values(kv, old_n, new_n));
     GY_TRY(gy_kv_set_blocks(kv, new_n));
-    for (int64_t b = new_n - 1; b >= old_n; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
-    kv->stats.grows++;
-    if (kv->shadow != NULL) GY_TRY(gy_kv_refresh_blocks(kv->shadow, kv->pages_per_layer));
+    for (int64_t b = new_n - 1; b >= old_n; b--) kv->p->free_blocks[kv->p->n_free++] = (int32_t)b;
+    kv->p->stats.grows++;
+    if (kv->shadow != NULL) GY_TRY(gy_kv_refresh_blocks(kv->shadow, kv->p->pages_per_layer));
     return GY_OK;
 }
 
 gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->base != NULL) return gy_kv_shrink(kv->base, pages);
     if (kv->owner != NULL || kv->shadow != NULL)
         return GY_FAIL(GY_ERR_BUSY, "a transformation reads these pages in two geometries; "
                                     "they cannot shrink until it ends");
     GY_TRY(gy_kv_refuse_if_marked(kv, "shrink"));
-    if (pages <= 0 || pages > kv->pages_per_layer)
+    if (pages <= 0 || pages > kv->p->pages_per_layer)
         return GY_FAIL(GY_ERR_INVALID, "cannot shrink by %lld pages: %lld are mapped per layer",
-                       (long long)pages, (long long)kv->pages_per_layer);
-    const int64_t old_n = kv->stats.n_blocks;
-    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer - pages);
+                       (long long)pages, (long long)kv->p->pages_per_layer);
+    const int64_t old_n = kv->p->stats.n_blocks;
+    const int64_t new_n = gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer - pages);
     for (int64_t b = new_n; b < old_n; b++)
-        if (kv->block_used[b])
+        if (kv->p->block_used[b])
             return GY_FAIL(GY_ERR_BUSY,
                            "cannot shrink: block %lld (beyond the %lld blocks that would remain) is "
                            "in use",
                            (long long)b, (long long)new_n);
     for (int64_t l = 0; l < kv->config.n_layers; l++)
-        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->pages_per_layer))
+        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->p->pages_per_layer))
             return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)l);
     GY_TRY(gy_kv_move_values(kv, old_n, new_n));
     for (int64_t l = 0; l < kv->config.n_layers; l++)
-        GY_TRY(gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, l) + kv->pages_per_layer - pages,
+        GY_TRY(gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, l) + kv->p->pages_per_layer - pages,
                                pages));
-    kv->pages_per_layer -= pages;
+    kv->p->pages_per_layer -= pages;
     /* Drop the vanished blocks from the free stack, keeping the order of the rest. */
     int64_t kept = 0;
-    for (int64_t i = 0; i < kv->n_free; i++)
-        if (kv->free_blocks[i] < new_n) kv->free_blocks[kept++] = kv->free_blocks[i];
-    kv->n_free = kept;
+    for (int64_t i = 0; i < kv->p->n_free; i++)
+        if (kv->p->free_blocks[i] < new_n) kv->p->free_blocks[kept++] = kv->p->free_blocks[i];
+    kv->p->n_free = kept;
     GY_TRY(gy_kv_set_blocks(kv, new_n));
-    kv->stats.shrinks++;
+    kv->p->stats.shrinks++;
     return GY_OK;
 }
 
 int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv) {
     if (kv->owner != NULL || kv->shadow != NULL) return 0;
-    int64_t used_end = kv->stats.n_blocks; /* one past the highest block in use */
-    while (used_end > 0 && !kv->block_used[used_end - 1]) used_end--;
+    int64_t used_end = kv->p->stats.n_blocks; /* one past the highest block in use */
+    while (used_end > 0 && !kv->p->block_used[used_end - 1]) used_end--;
     const uint64_t needed = ((uint64_t)used_end * kv->block_bytes + kv->page_size - 1) / kv->page_size;
-    return kv->pages_per_layer - (int64_t)needed;
+    return kv->p->pages_per_layer - (int64_t)needed;
 }
 
 int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages) {
-    if (pages <= 0 || pages > kv->config.slots_per_layer - kv->pages_per_layer) return 0;
-    return gy_kv_blocks_for_pages(kv, kv->pages_per_layer + pages) - kv->stats.n_blocks;
+    if (pages <= 0 || pages > kv->config.slots_per_layer - kv->p->pages_per_layer) return 0;
+    return gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer + pages) - kv->p->stats.n_blocks;
 }
 
 gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_refuse_if_marked(kv, "reshape"));
+    GY_TRY(gy_kv_refuse_if_viewed(kv, "reshape"));
     if (kv->config.layout != GY_KV_LAYOUT_HEAD)
         return GY_FAIL(GY_ERR_INVALID,
                        "only the header-centric layout can be reshaped in place (this cache is %s)",
@@ -390,20 +429,20 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
         free(free_blocks);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
     }
-    for (int64_t i = 0; i < kv->seq_capacity; i++)
-        if (kv->seqs[i].live) gy_kv_seq_free(kv, i);
-    free(kv->block_used);
-    free(kv->free_blocks);
-    kv->block_used = used;
-    kv->free_blocks = free_blocks;
+    for (int64_t i = 0; i < kv->p->seq_capacity; i++)
+        if (kv->p->seqs[i].live) gy_kv_seq_free(kv, i);
+    free(kv->p->block_used);
+    free(kv->p->free_blocks);
+    kv->p->block_used = used;
+    kv->p->free_blocks = free_blocks;
     kv->config.n_heads = n_heads;
     kv->block_bytes = block_bytes;
-    kv->stats.block_bytes = block_bytes;
-    kv->max_blocks = max_blocks;
-    const int64_t n = gy_kv_blocks_for_pages(kv, kv->pages_per_layer);
+    kv->p->stats.block_bytes = block_bytes;
+    kv->p->max_blocks = max_blocks;
+    const int64_t n = gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer);
     GY_TRY(gy_kv_set_blocks(kv, n));
-    kv->n_free = 0;
-    for (int64_t b = n - 1; b >= 0; b--) kv->free_blocks[kv->n_free++] = (int32_t)b;
+    kv->p->n_free = 0;
+    for (int64_t b = n - 1; b >= 0; b--) kv->p->free_blocks[kv->p->n_free++] = (int32_t)b;
     return GY_OK;
 }
 
@@ -412,6 +451,7 @@ gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_hea
     *out = NULL;
     if (owner->shadow != NULL || owner->owner != NULL)
         return GY_FAIL(GY_ERR_BUSY, "this KV cache already takes part in a transformation");
+    GY_TRY(gy_kv_refuse_if_viewed(owner, "share its pages with a shadow"));
     if (owner->config.layout == GY_KV_LAYOUT_RAW)
         return GY_FAIL(GY_ERR_INVALID, "the raw layout moves its V blocks when it grows, so two "
                                        "geometries cannot share its pages; use page or header");
@@ -421,7 +461,7 @@ gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_hea
     GY_TRY(gy_kv_init(&kv, owner->arena, &c));
     kv->owner = owner;
     owner->shadow = kv;
-    gy_status s = gy_kv_refresh_blocks(kv, owner->pages_per_layer);
+    gy_status s = gy_kv_refresh_blocks(kv, owner->p->pages_per_layer);
     if (s != GY_OK) {
         gy_kv_free(kv);
         return s;
@@ -430,14 +470,45 @@ gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_hea
     return GY_OK;
 }
 
+gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor) {
+    if (out == NULL || base == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_init_view: NULL argument");
+    *out = NULL;
+    if (base->base != NULL || base->owner != NULL || base->shadow != NULL)
+        return GY_FAIL(GY_ERR_BUSY, "a view needs a plain cache as its base (this one is a view "
+                                    "or takes part in a transformation)");
+    if (factor < 1 || base->config.n_heads % factor != 0)
+        return GY_FAIL(GY_ERR_INVALID, "a view of factor %lld must divide the cache's %lld KV "
+                       "heads", (long long)factor, (long long)base->config.n_heads);
+    if (base->n_views >= GY_KV_MAX_VIEWS)
+        return GY_FAIL(GY_ERR_LIMIT, "a cache has at most %d views", GY_KV_MAX_VIEWS);
+    gy_kv_cache *kv = gy_calloc(1, sizeof *kv);
+    if (kv == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    kv->config = base->config;
+    kv->config.n_heads = base->config.n_heads / factor;
+    kv->config.block_size = base->config.block_size * factor;
+    kv->arena = base->arena;
+    kv->page_size = base->page_size;
+    kv->block_bytes = base->block_bytes;
+    kv->base = base;
+    kv->p = base->p;
+    gy_status s = gy_kv_set_layout(kv, base->p->stats.n_blocks);
+    if (s != GY_OK) {
+        free(kv);
+        return s;
+    }
+    base->views[base->n_views++] = kv;
+    *out = kv;
+    return GY_OK;
+}
+
 void gy_kv_take_pages(gy_kv_cache *shadow) {
     if (shadow == NULL || shadow->owner == NULL) return;
     gy_kv_cache *owner = shadow->owner;
     gy_kv_unmark(owner);
-    for (int64_t i = 0; i < owner->seq_capacity; i++)
-        if (owner->seqs[i].live) gy_kv_seq_free(owner, i);
-    owner->pages_per_layer = 0;
-    owner->n_free = 0;
+    for (int64_t i = 0; i < owner->p->seq_capacity; i++)
+        if (owner->p->seqs[i].live) gy_kv_seq_free(owner, i);
+    owner->p->pages_per_layer = 0;
+    owner->p->n_free = 0;
     gy_kv_set_blocks(owner, 0);
     owner->shadow = NULL;
     shadow->owner = NULL;
@@ -446,8 +517,8 @@ void gy_kv_take_pages(gy_kv_cache *shadow) {
 /* ---- sequences ---- */
 
 static gy_kv_seq *gy_kv_live_seq(const gy_kv_cache *kv, int64_t seq) {
-    if (seq < 0 || seq >= kv->seq_capacity || !kv->seqs[seq].live) return NULL;
-    return &kv->seqs[seq];
+    if (seq < 0 || seq >= kv->p->seq_capacity || !kv->p->seqs[seq].live) return NULL;
+    return &kv->p->seqs[seq];
 }
 
 static gy_status gy_kv_check_seq(const gy_kv_cache *kv, int64_t seq) {
@@ -459,29 +530,29 @@ static gy_status gy_kv_check_seq(const gy_kv_cache *kv, int64_t seq) {
 
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out) {
     if (kv == NULL || seq_out == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_kv_seq_new: NULL argument");
-    if (kv->n_free_seqs == 0) {
-        const int64_t cap = kv->seq_capacity ? kv->seq_capacity * 2 : 64;
-        gy_kv_seq *seqs = gy_realloc(kv->seqs, (size_t)cap * sizeof *seqs);
+    if (kv->p->n_free_seqs == 0) {
+        const int64_t cap = kv->p->seq_capacity ? kv->p->seq_capacity * 2 : 64;
+        gy_kv_seq *seqs = gy_realloc(kv->p->seqs, (size_t)cap * sizeof *seqs);
         if (seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
-        kv->seqs = seqs;
-        int64_t *free_seqs = gy_realloc(kv->free_seqs, (size_t)cap * sizeof *free_seqs);
+        kv->p->seqs = seqs;
+        int64_t *free_seqs = gy_realloc(kv->p->free_seqs, (size_t)cap * sizeof *free_seqs);
         if (free_seqs == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for sequences");
-        kv->free_seqs = free_seqs;
-        memset(kv->seqs + kv->seq_capacity, 0, (size_t)(cap - kv->seq_capacity) * sizeof *seqs);
-        for (int64_t i = cap - 1; i >= kv->seq_capacity; i--) kv->free_seqs[kv->n_free_seqs++] = i;
-        kv->seq_capacity = cap;
+        kv->p->free_seqs = free_seqs;
+        memset(kv->p->seqs + kv->p->seq_capacity, 0, (size_t)(cap - kv->p->seq_capacity) * sizeof *seqs);
+        for (int64_t i = cap - 1; i >= kv->p->seq_capacity; i--) kv->p->free_seqs[kv->p->n_free_seqs++] = i;
+        kv->p->seq_capacity = cap;
     }
-    const int64_t id = kv->free_seqs[kv->n_free_seqs - 1];
+    const int64_t id = kv->p->free_seqs[kv->p->n_free_seqs - 1];
     GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_NEW, .seq = id,
-                                               .generation = kv->generations}));
-    kv->n_free_seqs--;
-    gy_kv_seq *s = &kv->seqs[id];
+                                               .generation = kv->p->generations}));
+    kv->p->n_free_seqs--;
+    gy_kv_seq *s = &kv->p->seqs[id];
     s->live = 1;
-    s->generation = ++kv->generations;
+    s->generation = ++kv->p->generations;
     s->n_tokens = 0;
     s->n_blocks = 0;
-    kv->n_live_seqs++;
-    kv->stats.n_sequences = kv->n_live_seqs;
+    kv->p->n_live_seqs++;
+    kv->p->stats.n_sequences = kv->p->n_live_seqs;
     *seq_out = id;
     return GY_OK;
 }
@@ -497,14 +568,14 @@ gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_check_seq(kv, seq));
     if (n_tokens < 0) return GY_FAIL(GY_ERR_INVALID, "token count %lld is negative", (long long)n_tokens);
-    gy_kv_seq *s = &kv->seqs[seq];
+    gy_kv_seq *s = &kv->p->seqs[seq];
     const int64_t extra = gy_kv_blocks_needed(kv, seq, n_tokens);
-    if (extra > kv->n_free)
+    if (extra > kv->p->n_free)
         return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
                        "sequence %lld needs %lld more blocks for %lld tokens but only %lld of %lld "
                        "are free",
-                       (long long)seq, (long long)extra, (long long)n_tokens, (long long)kv->n_free,
-                       (long long)kv->stats.n_blocks);
+                       (long long)seq, (long long)extra, (long long)n_tokens, (long long)kv->p->n_free,
+                       (long long)kv->p->stats.n_blocks);
     if (extra > 0 || n_tokens > s->n_tokens)
         GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_RESERVE, .seq = seq,
                                                    .n_blocks = s->n_blocks, .n_tokens = s->n_tokens}));
@@ -517,8 +588,8 @@ gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
         s->capacity = cap;
     }
     for (int64_t i = 0; i < extra; i++) {
-        const int32_t b = kv->free_blocks[--kv->n_free];
-        kv->block_used[b] = 1;
+        const int32_t b = kv->p->free_blocks[--kv->p->n_free];
+        kv->p->block_used[b] = 1;
         s->blocks[s->n_blocks++] = b;
     }
     if (n_tokens > s->n_tokens) s->n_tokens = n_tokens;
@@ -528,20 +599,20 @@ gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
 gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_check_seq(kv, seq));
-    gy_kv_seq *s = &kv->seqs[seq];
+    gy_kv_seq *s = &kv->p->seqs[seq];
     GY_TRY(gy_kv_record(kv, (gy_kv_undo_entry){.kind = GY_KV_UNDO_FREE, .seq = seq,
                                                .n_blocks = s->n_blocks, .n_tokens = s->n_tokens}));
     /* Push in reverse so the sequence's first block is the next one handed out. */
     for (int64_t i = s->n_blocks - 1; i >= 0; i--) {
-        kv->block_used[s->blocks[i]] = 0;
-        kv->free_blocks[kv->n_free++] = s->blocks[i];
+        kv->p->block_used[s->blocks[i]] = 0;
+        kv->p->free_blocks[kv->p->n_free++] = s->blocks[i];
     }
     s->live = 0;
     s->n_blocks = 0;
     s->n_tokens = 0;
-    if (!kv->marked) kv->free_seqs[kv->n_free_seqs++] = seq; /* else at unmark */
-    kv->n_live_seqs--;
-    kv->stats.n_sequences = kv->n_live_seqs;
+    if (!kv->p->marked) kv->p->free_seqs[kv->p->n_free_seqs++] = seq; /* else at unmark */
+    kv->p->n_live_seqs--;
+    kv->p->stats.n_sequences = kv->p->n_live_seqs;
     return GY_OK;
 }
 
@@ -554,17 +625,17 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
         return GY_FAIL(GY_ERR_INVALID, "%lld tokens do not fit %lld blocks", (long long)n_tokens,
                        (long long)n_blocks);
     for (int64_t i = 0; i < n_blocks; i++) {
-        if (blocks[i] < 0 || blocks[i] >= kv->stats.n_blocks)
+        if (blocks[i] < 0 || blocks[i] >= kv->p->stats.n_blocks)
             return GY_FAIL(GY_ERR_INVALID, "block %d is out of range [0, %lld)", (int)blocks[i],
-                           (long long)kv->stats.n_blocks);
-        if (kv->block_used[blocks[i]])
+                           (long long)kv->p->stats.n_blocks);
+        if (kv->p->block_used[blocks[i]])
             return GY_FAIL(GY_ERR_STATE, "block %d is already in use", (int)blocks[i]);
         for (int64_t j = 0; j < i; j++)
             if (blocks[j] == blocks[i]) return GY_FAIL(GY_ERR_INVALID, "block %d is listed twice", (int)blocks[i]);
     }
     int64_t seq;
     GY_TRY(gy_kv_seq_new(kv, &seq));
-    gy_kv_seq *s = &kv->seqs[seq];
+    gy_kv_seq *s = &kv->p->seqs[seq];
     if (n_blocks > s->capacity) {
         int32_t *table = gy_realloc(s->blocks, (size_t)n_blocks * sizeof *table);
         if (table == NULL) {
@@ -576,15 +647,15 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
     }
     for (int64_t i = 0; i < n_blocks; i++) {
         s->blocks[i] = blocks[i];
-        kv->block_used[blocks[i]] = 1;
+        kv->p->block_used[blocks[i]] = 1;
     }
     s->n_blocks = n_blocks;
     s->n_tokens = n_tokens;
     /* Take the adopted blocks out of the free stack, keeping the order of the rest. */
     int64_t kept = 0;
-    for (int64_t i = 0; i < kv->n_free; i++)
-        if (!kv->block_used[kv->free_blocks[i]]) kv->free_blocks[kept++] = kv->free_blocks[i];
-    kv->n_free = kept;
+    for (int64_t i = 0; i < kv->p->n_free; i++)
+        if (!kv->p->block_used[kv->p->free_blocks[i]]) kv->p->free_blocks[kept++] = kv->p->free_blocks[i];
+    kv->p->n_free = kept;
     *seq_out = seq;
     return GY_OK;
 }
@@ -618,7 +689,7 @@ gy_status gy_kv_host_access(const gy_kv_cache *kv, int64_t seq, int64_t layer, i
     if (layer < 0 || layer >= kv->config.n_layers)
         return GY_FAIL(GY_ERR_INVALID, "layer %lld is out of range [0, %lld)", (long long)layer,
                        (long long)kv->config.n_layers);
-    const int64_t room = kv->seqs[seq].n_blocks * kv->config.block_size;
+    const int64_t room = kv->p->seqs[seq].n_blocks * kv->config.block_size;
     if (pos < 0 || n < 0 || pos > room || n > room - pos)
         return GY_FAIL(GY_ERR_INVALID,
                        "tokens [%lld, %lld) are outside the %lld tokens sequence %lld has room for",
@@ -644,7 +715,7 @@ gy_status gy_kv_write(gy_kv_cache *kv, int64_t seq, int64_t layer, int64_t pos, 
     GY_TRY(gy_kv_check_access(kv, seq, layer, pos, n, k, v, &base));
     const gy_kv_layout *L = &kv->layout;
     const int64_t H = L->n_heads, D = L->head_dim, B = L->block_size;
-    const int32_t *blocks = kv->seqs[seq].blocks;
+    const int32_t *blocks = kv->p->seqs[seq].blocks;
     for (int64_t i = 0; i < n; i++) {
         const int64_t block = blocks[(pos + i) / B], t = (pos + i) % B;
         for (int64_t h = 0; h < H; h++) {
@@ -661,7 +732,7 @@ gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_
     GY_TRY(gy_kv_check_access(kv, seq, layer, pos, n, k_out, v_out, &base));
     const gy_kv_layout *L = &kv->layout;
     const int64_t H = L->n_heads, D = L->head_dim, B = L->block_size;
-    const int32_t *blocks = kv->seqs[seq].blocks;
+    const int32_t *blocks = kv->p->seqs[seq].blocks;
     for (int64_t i = 0; i < n; i++) {
         const int64_t block = blocks[(pos + i) / B], t = (pos + i) % B;
         for (int64_t h = 0; h < H; h++) {
@@ -689,8 +760,8 @@ uintptr_t gy_kv_layer_address(const gy_kv_cache *kv, int64_t layer) {
 }
 
 void gy_kv_stats_get(const gy_kv_cache *kv, gy_kv_stats *out) {
-    *out = kv->stats;
-    out->free_blocks = kv->n_free;
-    out->pages_per_layer = kv->pages_per_layer;
+    *out = kv->p->stats;
+    out->free_blocks = kv->p->n_free;
+    out->pages_per_layer = kv->p->pages_per_layer;
 }
 

@@ -82,6 +82,18 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
 gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_heads);
 void gy_kv_take_pages(gy_kv_cache *shadow);
 
+/* Flying Serving's KV cache adaptor (section 4.2): a view reads the base's blocks as blocks of
+ * block_size * factor tokens of n_heads / factor heads, which are the same bytes, and shares the
+ * base's block pool, sequences and undo record: a block id is one physical block in every
+ * geometry, and DP sequences (the base's) and TP sequences (a view's) live in one pool at once.
+ * A sequence is read in the geometry of the cache it was made through; a block's bytes are the
+ * same in all of them. Growing or shrinking either changes the base's pages, and every view sees
+ * the new block count. Nothing is mapped or copied: a view costs its struct. The base cannot be
+ * reshaped or shadowed while it has views, and must outlive them (freeing it first leaves them
+ * unusable). */
+#define GY_KV_MAX_VIEWS 4
+gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor);
+
 /* Undo, for a step that fails half-way (engine.c): from gy_kv_mark on, every sequence call
  * (new, reserve, free) first writes down what it changes, and gy_kv_undo takes all of it back,
  * in reverse order, leaving every sequence, block table and the free block stack exactly as at

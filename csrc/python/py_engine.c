@@ -215,6 +215,13 @@ static PyObject *gy_py_engine_stats(GyEngineObject *self, PyObject *unused) {
                          (long long)gy_engine_capacity_blocks(self->engine));
 }
 
+static PyObject *gy_py_engine_hold(GyEngineObject *self, PyObject *args) {
+    int held;
+    if (!PyArg_ParseTuple(args, "p", &held)) return NULL;
+    gy_engine_hold(self->engine, held);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gy_py_engine_request_ids(GyEngineObject *self, PyObject *unused) {
     const int64_t n = gy_engine_request_ids(self->engine, NULL, 0);
     int64_t *ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *ids);
@@ -529,6 +536,7 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"release", (PyCFunction)gy_py_engine_release, METH_VARARGS, "release(id)"},
     {"info", (PyCFunction)gy_py_engine_info, METH_VARARGS, "info(id) -> dict"},
     {"stats", (PyCFunction)gy_py_engine_stats, METH_NOARGS, "stats() -> dict"},
+    {"hold", (PyCFunction)gy_py_engine_hold, METH_VARARGS, "hold(held): admit nothing new while held"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,6 +8,7 @@
 typedef struct {
     PyObject_HEAD
     PyObject *arena_object; /* strong: the cache's pages live there */
+    PyObject *base_object;  /* strong, for a view: the cache whose pool it shares */
     gy_kv_cache *kv;
 } GyKVObject;
 
@@ -53,6 +54,7 @@ static PyObject *gy_py_kv_new(PyTypeObject *type, PyObject *args, PyObject *kwar
 static void gy_py_kv_dealloc(GyKVObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_kv_free(self->kv);
+    Py_XDECREF(self->base_object); /* after the view: a base outlives its views */
     Py_XDECREF(self->arena_object);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -248,6 +250,25 @@ static PyObject *gy_py_kv_shadow(GyKVObject *self, PyObject *args) {
     return (PyObject *)shadow;
 }
 
+/* view(factor) -> a KVCache reading this cache's blocks as factor-times-longer blocks of
+ * 1/factor of the heads, sharing its pool (gy_kv_init_view); it keeps this cache alive. */
+static PyObject *gy_py_kv_view(GyKVObject *self, PyObject *args) {
+    long long factor;
+    if (!PyArg_ParseTuple(args, "L", &factor)) return NULL;
+    gy_kv_cache *kv;
+    gy_status s = gy_kv_init_view(&kv, self->kv, factor);
+    if (s != GY_OK) return gy_py_raise(s);
+    GyKVObject *view = (GyKVObject *)((PyTypeObject *)gy_py_kv_type)->tp_alloc((PyTypeObject *)gy_py_kv_type, 0);
+    if (view == NULL) {
+        gy_kv_free(kv);
+        return NULL;
+    }
+    view->arena_object = Py_NewRef(self->arena_object);
+    view->base_object = Py_NewRef((PyObject *)self);
+    view->kv = kv;
+    return (PyObject *)view;
+}
+
 static PyObject *gy_py_kv_take_pages(GyKVObject *self, PyObject *unused) {
     gy_kv_take_pages(self->kv);
     Py_RETURN_NONE;
@@ -291,6 +312,7 @@ static PyMethodDef gy_py_kv_methods[] = {
      "copy_heads(src, dst_blocks, src_blocks, dst_head0, src_head0, n_heads, first_layer, n_layers)"},
     {"shadow", (PyCFunction)gy_py_kv_shadow, METH_VARARGS, "shadow(n_heads) -> KVCache over the same pages"},
     {"take_pages", (PyCFunction)gy_py_kv_take_pages, METH_NOARGS, "take_pages(): a shadow becomes the owner"},
+    {"view", (PyCFunction)gy_py_kv_view, METH_VARARGS, "view(factor) -> KVCache sharing this cache's block pool"},
     {"reshape", (PyCFunction)gy_py_kv_reshape, METH_VARARGS, "reshape(n_heads): header-centric blocks of n_heads heads"},
     {"seq_adopt", (PyCFunction)gy_py_kv_seq_adopt, METH_VARARGS, "seq_adopt(blocks, n_tokens) -> seq"},
     {"grow", (PyCFunction)gy_py_kv_grow, METH_VARARGS, "grow(pages)"},

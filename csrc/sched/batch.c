@@ -60,6 +60,7 @@ struct gy_sched {
     int64_t n_steps, n_preemptions;
     double now;                 /* the latest time seen */
     int32_t in_flight;
+    int32_t held;               /* gy_sched_hold: no admissions */
 
     /* The undo record of the step under way (a schedule that fails half-way, gy_sched_cancel):
      * a copy of each request before schedule changed it (a request may be copied more than
@@ -541,7 +542,7 @@ gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out) {
     int64_t budget = s->config.max_batch_tokens;
     gy_status st = gy_sched_run_pass(s, 1, &budget);
     if (st == GY_OK) st = gy_sched_run_pass(s, 0, &budget);
-    if (st == GY_OK && s->n_preempted == 0) st = gy_sched_admit(s, now, &budget);
+    if (st == GY_OK && s->n_preempted == 0 && !s->held) st = gy_sched_admit(s, now, &budget);
     s->recording = 0;
     if (st != GY_OK) {
         gy_sched_record_undo(s); /* the ops' own changes are the caller's to undo */
@@ -717,3 +718,5 @@ void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out) {
         .in_flight = s->in_flight,
     };
 }
+
+void gy_sched_hold(gy_sched *s, int held) { s->held = held != 0; }

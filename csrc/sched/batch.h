@@ -35,7 +35,8 @@
  *      C + n tokens exactly as in 1 (the victim may be a request already given an entry this step:
  *      its entry is removed and its tokens return to the budget); emit {pos C, n tokens, samples
  *      when C + n == E}, budget -= n.
- *   3. Admission, only when nothing was preempted in this step. Walk the waiting queue in order,
+ *   3. Admission, only when nothing was preempted in this step and admission is not held
+ *      (gy_sched_hold). Walk the waiting queue in order,
  *      skipping requests whose arrival time is after `now`; stop at the first visible request
  *      that cannot be admitted (head-of-line blocking: strict order, no overtaking), or when
  *      budget == 0 or max_running requests run. A request is admitted (C = 0, E = T, new admission
@@ -212,6 +213,9 @@ gy_status gy_sched_forget(gy_sched *s, int64_t id);
 const gy_sched_entry *gy_sched_step_entries(const gy_sched *s, int64_t *n);
 gy_status gy_sched_info_get(const gy_sched *s, int64_t id, gy_sched_info *out);
 void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out);
+/* held != 0 skips step 3 (admission) until released: running requests go on, queued and
+ * preempted ones wait (a Flying Serving member draining before it binds into a TP group). */
+void gy_sched_hold(gy_sched *s, int held);
 const gy_sched_config *gy_sched_config_of(const gy_sched *s);
 const char *gy_sched_state_name(gy_sched_state state);
 const char *gy_sched_finish_name(gy_sched_finish finish);

@@ -249,3 +249,69 @@ GYTEST(kv_undo_takes_back_every_sequence_change) {
     gy_kv_free(kv);
     gy_arena_free(arena);
 }
+
+/* Flying Serving's adaptor: a view of factor 2 reads blocks of 8 tokens of 1 head, the same 512
+ * bytes, from the base's pool. DP and TP sequences share the pool without sharing a block, values
+ * land where the view's layout says, growth through the view is the base's, and refusals. */
+GYTEST(kv_views_share_one_block_pool) {
+    for (int layout = 0; layout < GY_KV_LAYOUT_COUNT; layout++) {
+        gy_arena *arena;
+        gy_kv_cache *kv = make_kv(&arena, (gy_kv_layout_kind)layout);
+        gy_kv_cache *view = NULL;
+        CHECK_STATUS(gy_kv_init_view(&view, kv, 3), GY_ERR_INVALID); /* 3 does not divide 2 heads */
+        CHECK_OK(gy_kv_init_view(&view, kv, 2));
+        const gy_kv_layout *L = gy_kv_layout_of(view);
+        CHECK(L->n_heads == 1 && L->block_size == 8 && L->block_elems == gy_kv_layout_of(kv)->block_elems);
+        CHECK_OK(gy_kv_grow(view, 1)); /* the base's pages: 8 blocks, seen by both */
+        CHECK(gy_kv_layout_of(kv)->n_blocks == 8 && gy_kv_layout_of(view)->n_blocks == 8);
+        int64_t dp, tp;
+        CHECK_OK(gy_kv_seq_new(kv, &dp));
+        CHECK_OK(gy_kv_seq_reserve(kv, dp, 9)); /* 3 blocks of 4 tokens */
+        CHECK_OK(gy_kv_seq_new(view, &tp));
+        CHECK(gy_kv_blocks_needed(view, tp, 17) == 3); /* blocks of 8 tokens */
+        CHECK_OK(gy_kv_seq_reserve(view, tp, 17));
+        gy_kv_stats st;
+        gy_kv_stats_get(kv, &st);
+        CHECK(st.free_blocks == 2 && st.n_sequences == 2);
+        const int32_t *a = gy_kv_seq_blocks(kv, dp), *b = gy_kv_seq_blocks(view, tp);
+        int disjoint = 1;
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < 3; j++) disjoint &= a[i] != b[j];
+        CHECK(disjoint);
+        /* A TP token's values sit at the view's offsets in the shared bytes. */
+        float k[17 * 8], v[17 * 8], k2[17 * 8], v2[17 * 8];
+        fill(k, 17 * 8, 3.0f);
+        fill(v, 17 * 8, -7.0f);
+        CHECK_OK(gy_kv_write(view, tp, 1, 0, 17, k, v));
+        const float *base = gy_kv_layer_ptr(kv, 1);
+        int placed = 1;
+        for (int64_t t = 0; t < 17; t++)
+            placed &= memcmp(base + gy_kv_layout_offset(L, 1, b[t / 8], t % 8, 0), v + t * 8,
+                             8 * sizeof(float)) == 0;
+        CHECK(placed);
+        CHECK_OK(gy_kv_gather(view, tp, 1, 0, 17, k2, v2));
+        CHECK(memcmp(k, k2, sizeof k) == 0 && memcmp(v, v2, sizeof v) == 0);
+        /* The undo record is the pool's: marked through the base, a view's reserve comes back. */
+        CHECK_OK(gy_kv_mark(kv, 4));
+        CHECK_OK(gy_kv_seq_reserve(view, tp, 40)); /* the last 2 free blocks */
+        CHECK_STATUS(gy_kv_seq_reserve(view, tp, 48), GY_ERR_OUT_OF_MEMORY);
+        gy_kv_undo(kv);
+        CHECK(gy_kv_seq_n_blocks(view, tp) == 3);
+        /* Refused while viewed: reshape, a shadow, a view of a view. */
+        gy_kv_cache *other = NULL;
+        CHECK_STATUS(gy_kv_reshape(kv, 1), GY_ERR_BUSY);
+        CHECK_STATUS(gy_kv_init_shadow(&other, kv, 1), GY_ERR_BUSY);
+        CHECK_STATUS(gy_kv_init_view(&other, view, 1), GY_ERR_BUSY);
+        /* Shrinking through the view stops at used blocks, then gives back the base's page. */
+        CHECK_STATUS(gy_kv_shrink(view, 1), GY_ERR_BUSY);
+        CHECK_OK(gy_kv_seq_free(view, tp));
+        CHECK_OK(gy_kv_seq_free(kv, dp));
+        CHECK(gy_kv_shrinkable_pages(view) == 1);
+        CHECK_OK(gy_kv_shrink(view, 1));
+        CHECK(gy_kv_layout_of(view)->n_blocks == 0);
+        gy_kv_free(view);
+        if (layout == GY_KV_LAYOUT_HEAD) CHECK_OK(gy_kv_reshape(kv, 1)); /* no views left */
+        gy_kv_free(kv);
+        gy_arena_free(arena);
+    }
+}
