@@ -44,7 +44,8 @@ INST_VIEW_DTYPE = np.dtype([
     ("held", "i4"), ("reserved", "i4"), ("max_min_tp", "i4"),
     ("kv_total", "i8"), ("kv_used", "i8"), ("footprint", "i8"), ("max_footprint", "i8"),
     ("n_requests", "i8"), ("n_running", "i8"), ("n_waiting", "i8"),
-    ("pending_prefill", "i8"), ("pending_output", "i8")])
+    ("pending_prefill", "i8"), ("pending_output", "i8"), ("bound", "i4"), ("pad_", "i4"),
+    ("n_paused", "i8"), ("n_tp_work", "i8"), ("n_priority", "i8")])
 GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
 if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
         GROUP_DTYPE.itemsize != _C.POLICY_GROUP_SIZE:  # pragma: no cover - a build mismatch
@@ -54,7 +55,7 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
 # gy_sim_xform, gy_sim_action, gy_sim_op_kind
 XFORM_NONE, XFORM_MERGING = 0, 1
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
-OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold"}
+OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 
 
@@ -72,6 +73,8 @@ class View:
     watermark: float = 0.0
     now: float = 0.0
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, GROUP_DTYPE))
+    replicated: bool = False  # Flying Serving's cluster: bind / release (csrc/sim/policy.h)
+    base_tp: int = 1          # replicated: the TP of an unbound instance
 
     @classmethod
     def of(cls, instances, capacity, n_gpus=None, **kwargs) -> "View":
@@ -109,18 +112,21 @@ class View:
         return (float(self.now), int(self.n_gpus), int(gph), int(max_tp), int(self.block_size),
                 float(self.watermark), np.ascontiguousarray(self.inst, INST_VIEW_DTYPE),
                 self.gpu_inst(), np.ascontiguousarray(self.capacity, np.int64),
-                np.ascontiguousarray(self.pending, GROUP_DTYPE))
+                np.ascontiguousarray(self.pending, GROUP_DTYPE), int(bool(self.replicated)),
+                int(self.base_tp))
 
 
 @dataclass(frozen=True)
 class Decision:
     """action: 'place', 'defer', 'reject' (or 'none' from rebalance); target: the index into
     view.inst (place); group: (first GPU, size) the request waits for (defer; size 0: none);
-    ops: [('merge' | 'split' | 'hold' | 'unhold', first GPU, size), ...] in order."""
+    ops: [('merge' | 'split' | 'hold' | 'unhold' | 'bind' | 'release', first GPU, size), ...]
+    in order; tp_work: a placement as TP work (flying: recomputed at its group's bind)."""
     action: str
     target: int
     group: tuple
     ops: tuple
+    tp_work: bool = False
 
 
 class Policy:
@@ -134,18 +140,22 @@ class Policy:
     None takes the C default (DEFAULTS)."""
 
     def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
-                 merge_wait=None, scale_up_load=None, eager_scale_up=None):
+                 merge_wait=None, scale_up_load=None, eager_scale_up=None, flying_tp=None,
+                 light_load=None):
         check_policy(name)
         knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
                              ("scale_down_free", scale_down_free, 1.0),
                              ("scale_up_cap", scale_up_cap, None),
                              ("merge_wait", merge_wait, None),
-                             ("scale_up_load", scale_up_load, None)):
+                             ("scale_up_load", scale_up_load, None),
+                             ("light_load", light_load, None)):
             if v is not None:
                 knobs[key] = check_number(key, v, 0.0, high)
         if eager_scale_up is not None:
             knobs["eager_scale_up"] = bool(eager_scale_up)
+        if flying_tp is not None:
+            knobs["flying_tp"] = int(check_number("flying_tp", flying_tp, 0.0, 1 << 20))
         self.name = name
         self._c = _C.Policy(name, **knobs)
 
@@ -160,7 +170,7 @@ class Policy:
 
     def place(self, view: View, prompt: int, output: int, footprint: int | None = None,
               min_tp: int | None = None, deferred: bool = False, group=(0, 0),
-              arrival: float = 0.0, request_id: int = 0) -> Decision:
+              arrival: float = 0.0, request_id: int = 0, priority: int = 0) -> Decision:
         """Where a request of `prompt` + `output` tokens goes. footprint (KV blocks at its end)
         and min_tp (the smallest TP whose fresh instance holds it, 0: none) are derived from the
         view when not given."""
@@ -172,7 +182,7 @@ class Policy:
         if min_tp is None:
             min_tp = smallest_tp(footprint, view.capacity)
         req = (int(request_id), int(prompt), int(output), int(footprint), int(min_tp),
-               int(bool(deferred)), int(group[0]), int(group[1]), float(arrival))
+               int(bool(deferred)), int(group[0]), int(group[1]), float(arrival), int(priority))
         return _decision(self._c.place(view.as_tuple(), req))
 
     def rebalance(self, view: View) -> Decision:
@@ -183,9 +193,9 @@ class Policy:
 
 
 def _decision(raw) -> Decision:
-    action, target, group, ops = raw
+    action, target, group, ops, tp_work = raw
     return Decision(ACTIONS[action], target, (group[0], group[1]),
-                    tuple((OPS[k], g, s) for k, g, s in ops))
+                    tuple((OPS[k], g, s) for k, g, s in ops), bool(tp_work))
 
 
 def smallest_tp(footprint, capacity, tokens=None, max_pos=None):

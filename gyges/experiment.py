@@ -559,6 +559,11 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     if trace.shape[0] == 0:
         raise ExperimentError("the trace has no requests")
     check_policy(policy, ExperimentError)
+    if policy == "flying":
+        raise ExperimentError("policy 'flying' binds the replicas of a host built with "
+                              "weights='replicated'; the experiment executor drives sharded "
+                              "hosts (merge/split) only so far: run it in gyges.sim.run, or "
+                              "switch a replicated host by hand (Host.switch)")
     time_scale = _check_number("time_scale", time_scale, 0.0, low_open=True)
     if idle not in ("skip", "sleep"):
         raise ExperimentError(f"idle must be 'skip' or 'sleep', got {idle!r}")

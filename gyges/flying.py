@@ -59,11 +59,11 @@ class Switch:
 
 
 class Group:
-    """An aligned group of k workers: its TPk instance and where it stands ("free", "binding",
-    "bound", "releasing")."""
+    """An aligned group of k workers: its TPk instance over views of the members' KV caches,
+    and where it stands ("free", "binding", "bound", "releasing")."""
 
-    def __init__(self, first, size, instance):
-        self.first, self.size, self.instance = first, size, instance
+    def __init__(self, first, size, instance, views):
+        self.first, self.size, self.instance, self.views = first, size, instance, views
         self.workers = tuple(range(first, first + size))
         self.state = "free"
         self.switch = None      # the bind under way or done
@@ -85,7 +85,7 @@ class Replicas:
             views = [host.worker(w).kv.view(size) for w in range(first, first + size)]
             self.groups[(first, size)] = Group(first, size,
                                                make_instance(range(first, first + size), size,
-                                                             views))
+                                                             views), views)
         self.bound_to = [None] * n  # the group binding or bound over each worker
 
     def instances(self):
@@ -188,7 +188,7 @@ class Replicas:
             raise InvalidArgumentError(f"preempt must be one of {', '.join(PREEMPT)}, got "
                                        f"{preempt!r}")
         if tp == 1:
-            return self._release(self.group(workers))
+            return self._release(self.group(workers), preempt)
         if tp != len(workers):
             raise InvalidArgumentError(f"tp={tp} binds {tp} workers, but workers names "
                                        f"{len(workers)}: {sorted(workers)}")
@@ -210,20 +210,49 @@ class Replicas:
             self.advance()
         return s
 
-    def _release(self, g):
+    def _release(self, g, preempt):
         """Back to DP: at once when the group has no TP request left (a group still binding gives
-        its soft-started requests to the TP engine, to run when it binds again), else once its
-        TP requests are done; new TP requests for it bind it again."""
-        s = Switch(g.workers, 1, "wait")
+        its soft-started requests to the TP engine, to run when it binds again); else, with
+        "wait", once its TP requests are done (new TP requests for it bind it again), or with
+        "soft" or "hard" now, its TP requests recomputed on the members in DP mode (their KV
+        has the TP geometry), each on the least-loaded member that holds it; refused, with
+        nothing changed, when one fits no member."""
+        s = Switch(g.workers, 1, preempt)
         if g.state == "binding":
             for rid, w in list(g.soft.items()):
                 self._move_back(g, rid, w)
+            self._free(g)
+        elif g.state != "free" and preempt != "wait":
+            self._recompute_in_dp(g, s)
             self._free(g)
         elif g.state != "free":
             g.state, g.release = "releasing", s
             self.advance()
         s.done = g.state == "free"
         return s
+
+    def _recompute_in_dp(self, g, s):
+        members = [self.dp[w] for w in g.workers]
+        plan = []
+        for rid in g.instance.request_ids():
+            h = g.instance.loop.requests[rid]
+            tokens = len(h.prompt) + h.params.max_tokens
+            fits = [m for m in members if m.fits(tokens)]
+            if not fits:
+                raise BusyError(f"request {rid} ({tokens} tokens) fits no worker of the TP"
+                                f"{g.size} group alone: release it with preempt='wait'")
+            plan.append((rid, fits))
+        for rid, fits in plan:
+            seqs = g.instance.request_seqs(rid)
+            h = g.instance.loop.requests[rid]
+            done = len(h.prompt) + len(h.output_tokens)
+            target = min(fits, key=lambda m: m.load())
+            target.take(g.instance, rid, [-1])
+            for view, seq in zip(g.views, seqs):
+                if seq >= 0:
+                    view.free(seq)
+            s.stats["requests_recomputed"] += 1
+            s.stats["tokens_recomputed"] += done
 
     def ask(self, g, preempt):
         """A TP request was queued on group g: bind it (auto-released once no TP work is left)

@@ -397,8 +397,9 @@ class Host(Serving):
         number), or releases it to DP (tp=1); nothing is copied, mapped or made (gyges.flying).
         preempt: "wait" (bind once the members' running DP requests are done), "soft" (and
         meanwhile start pending TP requests in DP mode on idle members, recomputed at the bind)
-        or "hard" (bind now, pausing the members' DP requests with their KV). Returns a
-        flying.Switch: s.done, s.stats."""
+        or "hard" (bind now, pausing the members' DP requests with their KV). A release waits
+        for the group's TP requests to finish ("wait"), or recomputes them on the members in DP
+        mode now ("soft", "hard"). Returns a flying.Switch: s.done, s.stats."""
         with self._lock:
             self._check_open()
             if self.replicas is None:

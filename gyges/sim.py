@@ -69,7 +69,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         watermark: float = 0.01, decode_weight: float | None = None,
         scale_down_free: float | None = None, scale_up_load: float | None = None,
         scale_up_cap: float | None = None, merge_wait: float | None = None,
-        eager_scale_up: bool | None = None,
+        eager_scale_up: bool | None = None, weights: str = "sharded",
+        switch_time: float = 0.015, flying_tp: int | None = None,
+        light_load: float | None = None,
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
@@ -84,7 +86,13 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     more than this (tokens per GPU) and the cluster keeps at most scale_up_cap of its GPUs at
     TP > 1; merge_wait: seconds gyges lets a reserved group drain before merging it anyway (0:
     at once). eager_scale_up: the baselines scale up the instance their rule picks when it
-    cannot hold the request (False: only when no instance can). The policy knobs left None take
+    cannot hold the request (False: only when no instance can). weights="replicated" is Flying
+    Serving's cluster: every GPU keeps the model (or the smallest TP that fits keeps one copy
+    per group), a TP-k group binds the replicas (policy "flying", or "static" for a fixed
+    layout) in switch_time seconds (the paper's 15 ms) moving nothing, and its KV is the
+    members' pooled KV; flying_tp: the group size priority and light-load requests bind (0:
+    gpus_per_host / 2); light_load: outstanding work per GPU (tokens, as the policies count
+    load) under which arrivals go to TP groups. The policy knobs left None take
     gyges.cluster.DEFAULTS. sample_interval: seconds between time-series samples
     (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
     throughput series; memory grows with the output). check: verify the simulator's invariants
@@ -108,7 +116,17 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     watermark = _check_float("watermark", watermark, 0.0, 1.0)
     knobs = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
-                   eager_scale_up=eager_scale_up).config  # checked, defaults filled in
+                   eager_scale_up=eager_scale_up, flying_tp=flying_tp,
+                   light_load=light_load).config  # checked, defaults filled in
+    if weights not in ("sharded", "replicated"):
+        raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
+    replicated = weights == "replicated"
+    switch_time = _check_float("switch_time", switch_time, 0.0)
+    if replicated and policy not in ("flying", "static"):
+        raise SimError(f"policy {policy!r} transforms by moving shards; a replicated cluster "
+                       f"switches with policy 'flying' (or stays put with 'static')")
+    if policy == "flying" and not replicated:
+        raise SimError("policy 'flying' binds replicas: use weights='replicated'")
     if layout is None and policy == "static":
         raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
 
@@ -131,6 +149,15 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
                        f"after its weights); raise max_tp or gpus_per_host")
     min_tp = 1 << fits[0]
     capacity_mid = [max(int(m), c) if c >= 1 else 0 for m, c in zip(capacity_mid, capacity)]
+    if replicated:
+        # a bound TP-2^l group pools its members' KV: each keeps the smallest TP's copy
+        base = fits[0]
+        capacity = [capacity[base] << (level - base) if level >= base else 0
+                    for level in range(len(capacity))]
+        capacity_mid = list(capacity)
+        if max_input is not None:
+            max_input = [max_input[base] << (level - base) if level >= base else max_input[level]
+                         for level in range(len(max_input))]
     if layout is None:
         layout = f"{gpus_per_host // min_tp}xTP{min_tp}"
     tps = parse_layout(layout, gpus_per_host)
@@ -157,7 +184,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         arrival=arrival,
         input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
         output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
-        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32), max_input=max_input)
+        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32), max_input=max_input,
+        replicated=replicated, switch_time=switch_time)
 
     start = float(arrival[0]) if n else 0.0
     chunk = max(span / 100, 1.0)
@@ -185,7 +213,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
               "max_input_tokens": max_input,
               "block_size": block_size, "max_batch_tokens": max_batch_tokens,
               "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
-              "watermark": watermark, **knobs,
+              "watermark": watermark, **knobs, "weights": weights,
+              "switch_time": switch_time,
               "sample_interval": sample_interval, "record_tokens": bool(record_tokens)}
     return Results.from_simulator(sim, config, slo=slo,
                                   wall_seconds=time.perf_counter() - t_wall)

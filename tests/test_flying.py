@@ -293,3 +293,31 @@ def test_refusals_change_nothing(tiny):
         gyges.Host(tiny, workers=2, memory_per_worker=MEM, layout="PP2", weights="replicated")
     host.run()
     assert r.finished and host.modes() == ["TP2", "TP2", "DP", "DP"]
+
+
+def test_a_release_under_load_recomputes_tp_requests_in_dp(tiny):
+    params = gyges.SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
+    ps = prompts(6, seed=15)
+    host = replicated(tiny, layout="TP4")
+    reqs = [host.submit(p, params) for p in ps]
+    for _ in range(5):
+        host.step()
+    assert all(r.output_tokens for r in reqs[:4])
+    done = sum(len(r.prompt) + len(r.output_tokens) for r in reqs)
+    s = host.switch((0, 1, 2, 3), 1, preempt="soft")
+    assert s.done and host.modes() == ["DP"] * 4
+    assert s.stats["requests_recomputed"] == 6 and s.stats["tokens_recomputed"] == done
+    for w in range(4):  # the TP blocks are free again: the requests wait to be recomputed
+        assert host.worker(w).kv.free_blocks == host.worker(w).kv.n_blocks
+    host.run()
+    assert [r.output_tokens for r in reqs] == static_tokens(tiny, "4xTP1", ps, params)
+    # a request that fits no single worker keeps its group: refused, nothing changed
+    host = replicated(tiny, layout="TP4", memory="22MiB")
+    cap = host.replicas.dp[0].capacity_blocks() * host.block_size
+    long = host.submit(prompts(1, seed=16, lo=cap + 8, hi=cap + 9)[0], params)
+    host.step()
+    with pytest.raises(gyges.BusyError, match="fits no worker"):
+        host.switch((0, 1, 2, 3), 1, preempt="hard")
+    assert host.modes() == ["TP4"] * 4
+    host.run()
+    assert long.finished and len(long.output_tokens) == 24

@@ -492,3 +492,62 @@ def test_window_throughput_counts_the_tokens_of_the_window():
     late = sim.run(tr, policy="round_robin").window_throughput(end / 2)[0]
     assert late == pytest.approx(res.window_throughput(end / 2)[0])
     assert math.isnan(res.window_throughput(0.0)[0])
+
+
+# ---- Flying Serving: a replicated cluster (bind / release) ----
+
+def _bursty(seed=1, scale=0.5, duration=300):
+    return traces.time_varying([3.5 * scale / 2] * 4 + [20 * scale], period=30,
+                               duration=duration, input_tokens=(128, 4000),
+                               output_tokens=(64, 512), seed=seed)
+
+
+def test_flying_binds_and_releases_replicas_and_keeps_its_invariants():
+    cost = CostModel.create("llama3-70b", "h200", eff_link=0.7)
+    res = sim.run(_bursty(), policy="flying", weights="replicated", cost=cost, gpus_per_host=8,
+                  check=True)
+    s = res.summary()
+    assert s["completed"] == s["requests"] and s["rejected"] == 0
+    assert res.stats["binds"] > 0 and res.stats["releases"] > 0
+    assert res.stats["merges"] == res.stats["splits"] == 0
+    t = res.transformations
+    assert set(t["kind"]) <= {4, 5} and not t["kv_bytes"].any() and not t["weight_bytes"].any()
+    # the DP unit is TP2 (70B does not fit one H200); a bound quartet pools two units' KV
+    cap = res.config["capacity_blocks"]
+    assert cap[0] == 0 and cap[2] == 2 * cap[1] and cap[3] == 4 * cap[1]
+    assert set(np.unique(res.requests["tp"])) <= {2, 4}
+
+
+def test_flying_serves_priority_requests_on_tp_groups_and_long_ones_by_binding():
+    # a DP unit (TP1) holds 100 blocks of 16 tokens; a bound group pools its members'
+    cost = ConstantCost(step=0.05, phase=0.1, capacity=(100, 250, 600, 1300))
+    base = traces.poisson(6.0, duration=120, input_tokens=(16, 600), output_tokens=(8, 200),
+                          seed=3)
+    prio = traces.poisson(0.3, duration=120, input_tokens=300, output_tokens=32, priority=1,
+                          seed=4, start=0.5)
+    long = traces.poisson(0.05, duration=120, input_tokens=2500, output_tokens=32, seed=5,
+                          start=1.0)
+    tr = traces.merge([base, prio, long])
+    res = sim.run(tr, policy="flying", weights="replicated", cost=cost, gpus_per_host=8,
+                  light_load=0, check=True)
+    assert res.config["capacity_blocks"] == [100, 200, 400, 800]
+    q = res.requests
+    assert (q["status"] == 3).all()  # every request finished
+    assert (q["tp"][q["input_tokens"] == 2500] >= 2).all()
+    pr = np.isin(q["arrival"], prio["arrival"])
+    assert (q["tp"][pr] >= 4).all()  # flying_tp: half a host
+    assert res.stats["paused"] > 0  # hard binds paused DP work
+    dp = sim.run(tr, policy="static", layout="8xTP1", cost=cost, gpus_per_host=8)
+    ttft = lambda r, m: np.mean((r.requests["first_token"] - r.requests["arrival"])[m])
+    assert ttft(res, pr) < ttft(dp, pr)
+    assert (dp.requests["status"][q["input_tokens"] == 2500] == 4).all()  # DP cannot
+
+
+def test_replicated_and_policy_mismatches_are_refused():
+    tr = traces.poisson(1.0, n=5)
+    with pytest.raises(sim.SimError, match="moving shards"):
+        sim.run(tr, policy="gyges", weights="replicated")
+    with pytest.raises(sim.SimError, match="weights='replicated'"):
+        sim.run(tr, policy="flying")
+    with pytest.raises(sim.SimError, match="weights must be"):
+        sim.run(tr, policy="static", layout="8xTP1", weights="copied")

@@ -223,6 +223,9 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .watermark = c->config.watermark,
         .n_pending = n_pending,
         .pending = c->pending,
+        .replicated = c->config.replicated,
+        .base_tp = c->config.base_tp,
+        .n_deferred = c->n_deferred,
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */
@@ -250,6 +253,18 @@ static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const 
             c->stats.n_splits_started++;
             gy_cluster_set_held(c, op->gpu_first, op->size, 0);
         }
+        return GY_OK;
+    case GY_SIM_OP_BIND:
+    case GY_SIM_OP_RELEASE:
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        if (op->kind == GY_SIM_OP_BIND) c->stats.n_binds_started++;
+        else c->stats.n_releases_started++;
+        /* the members (or the bound instance) are gone once it ends: nothing stays held */
+        for (int32_t k = 0; k < v->n_inst; k++)
+            if (gy_sim_ranges_overlap(v->inst[k].gpu_first, v->inst[k].tp, op->gpu_first,
+                                      op->size))
+                gy_cluster_set_held(c, v->inst[k].gpu_first, v->inst[k].tp, 0);
         return GY_OK;
     case GY_SIM_OP_HOLD:
     case GY_SIM_OP_UNHOLD: {
@@ -319,7 +334,7 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
     const gy_sim_req_view rv = {.id = r->id, .prompt = r->prompt, .output = r->output,
                                 .footprint = r->footprint, .min_tp = r->min_tp,
                                 .deferred = deferred_before, .group = group,
-                                .arrival = r->arrival};
+                                .arrival = r->arrival, .priority = r->priority};
     gy_sim_decision d;
     memset(&d, 0, sizeof d);
     GY_TRY(c->config.policy->place(c->policy_state, &c->config.policy_config, &v, &rv, &d));
@@ -338,7 +353,9 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
                            name, (long long)r->id, (long long)r->footprint, (int)i->tp,
                            (int)i->gpu_first, (long long)i->kv_total,
                            i->placeable ? "too small" : "not placeable");
-        GY_TRY(c->ops.assign(c->ctx, r, GY_SIM_ACTION_PLACE, i->gpu_first, i->tp));
+        gy_cluster_request placed = *r;
+        placed.tp_work = d.tp_work != 0;
+        GY_TRY(c->ops.assign(c->ctx, &placed, GY_SIM_ACTION_PLACE, i->gpu_first, i->tp));
         break;
     }
     case GY_SIM_ACTION_DEFER:

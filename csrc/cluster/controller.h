@@ -58,6 +58,8 @@ typedef struct gy_cluster_request {
     int32_t min_tp;         /* the smallest TP whose fresh instance holds it; 0: none */
     int32_t priority;
     double arrival;
+    int32_t tp_work;        /* set by the controller for assign: the decision's tp_work */
+    int32_t pad_;
 } gy_cluster_request;
 
 typedef struct gy_cluster_ops {
@@ -66,7 +68,8 @@ typedef struct gy_cluster_ops {
     /* action: GY_SIM_ACTION_PLACE (gpu_first, tp name the instance), DEFER or REJECT (-1, 0). */
     gy_status (*assign)(void *ctx, const gy_cluster_request *r, int32_t action,
                         int32_t gpu_first, int32_t tp);
-    /* op->kind: GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT. */
+    /* op->kind: GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT, or on a replicated cluster BIND or
+     * RELEASE. */
     gy_status (*reconfigure)(void *ctx, const gy_sim_op *op, int32_t *started);
     /* May be NULL. */
     gy_status (*decided)(void *ctx, const gy_cluster_request *r, int32_t action);
@@ -80,6 +83,8 @@ typedef struct gy_cluster_config {
     double watermark;              /* fraction of an instance's blocks admission keeps free */
     const gy_sim_policy_ops *policy;
     gy_sim_policy_config policy_config;
+    int32_t replicated;            /* Flying Serving's cluster: BIND / RELEASE (policy.h) */
+    int32_t base_tp;               /* replicated: the TP of an unbound instance */
 } gy_cluster_config;
 
 typedef struct gy_cluster_stats {
@@ -88,6 +93,7 @@ typedef struct gy_cluster_stats {
     int64_t n_ops;         /* ops the policy returned */
     int64_t n_ops_refused; /* of those, refused by the state (the executor's or no instance) */
     int64_t n_merges_started, n_splits_started;
+    int64_t n_binds_started, n_releases_started;
     int64_t n_rejected;
     int64_t n_deferred;    /* waiting now */
 } gy_cluster_stats;

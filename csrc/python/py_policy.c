@@ -26,13 +26,15 @@ typedef struct {
 
 static PyObject *gy_py_policy_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"name",          "decode_weight", "scale_down_free", "scale_up_cap",
-                            "merge_wait",    "scale_up_load", "eager_scale_up",  NULL};
+                            "merge_wait",    "scale_up_load", "eager_scale_up",  "flying_tp",
+                            "light_load", NULL};
     const char *name;
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
     int eager = cfg.eager_scale_up;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|dddddp", names, &name, &cfg.decode_weight,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|dddddpid", names, &name, &cfg.decode_weight,
                                      &cfg.scale_down_free, &cfg.scale_up_cap, &cfg.merge_wait,
-                                     &cfg.scale_up_load, &eager))
+                                     &cfg.scale_up_load, &eager, &cfg.flying_tp,
+                                     &cfg.light_load))
         return NULL;
     cfg.eager_scale_up = eager;
     const gy_sim_policy_ops *ops = gy_sim_policy_find(name);
@@ -97,17 +99,19 @@ static int gy_py_policy_tp_ok(int32_t tp, int32_t max_tp) {
 }
 
 /* view = (now, n_gpus, gpus_per_host, max_tp, block_size, watermark, inst, gpu_inst, capacity,
- * pending): fills *v over the borrowed buffers after checking every index the policies follow. */
+ * pending[, replicated, base_tp]): fills *v over the borrowed buffers after checking every index
+ * the policies follow. */
 static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffers *b) {
     PyObject *inst, *gpu_inst, *capacity, *pending;
-    int n_gpus, gpus_per_host, max_tp;
+    int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1;
     long long block_size;
     double now, watermark;
     memset(b, 0, sizeof *b);
-    if (!PyArg_ParseTuple(tuple, "diiiLdOOOO;view: (now, n_gpus, gpus_per_host, max_tp, "
-                                 "block_size, watermark, inst, gpu_inst, capacity, pending)",
+    if (!PyArg_ParseTuple(tuple, "diiiLdOOOO|ii;view: (now, n_gpus, gpus_per_host, max_tp, "
+                                 "block_size, watermark, inst, gpu_inst, capacity, pending, "
+                                 "replicated, base_tp)",
                           &now, &n_gpus, &gpus_per_host, &max_tp, &block_size, &watermark, &inst,
-                          &gpu_inst, &capacity, &pending))
+                          &gpu_inst, &capacity, &pending, &replicated, &base_tp))
         return -1;
     Py_ssize_t n_inst, n_map, n_cap, n_pending;
     if (gy_py_policy_array(inst, &b->inst, sizeof(gy_sim_inst_view), &n_inst, "view inst") < 0)
@@ -138,7 +142,8 @@ static int gy_py_policy_view(PyObject *tuple, gy_sim_view *v, gy_py_policy_buffe
     *v = (gy_sim_view){.now = now, .n_gpus = n_gpus, .gpus_per_host = gpus_per_host,
                        .max_tp = max_tp, .n_inst = (int32_t)n_inst, .inst = iv, .gpu_inst = map,
                        .capacity = cap, .block_size = block_size, .watermark = watermark,
-                       .n_pending = (int32_t)n_pending, .pending = pv};
+                       .n_pending = (int32_t)n_pending, .pending = pv,
+                       .replicated = replicated, .base_tp = base_tp};
     /* every index the policies could follow (the controller checks its executors' views so) */
     const gy_status st = gy_cluster_view_check(v);
     if (st != GY_OK) {
@@ -171,21 +176,22 @@ static PyObject *gy_py_policy_decision(const GyPolicyObject *self, const gy_sim_
         }
         PyTuple_SET_ITEM(ops, k, op);
     }
-    return Py_BuildValue("(ii(iiL)N)", (int)d->action, (int)d->target, (int)d->group.gpu_first,
-                         (int)d->group.size, (long long)d->group.footprint, ops);
+    return Py_BuildValue("(ii(iiL)Ni)", (int)d->action, (int)d->target, (int)d->group.gpu_first,
+                         (int)d->group.size, (long long)d->group.footprint, ops,
+                         (int)d->tp_work);
 }
 
 /* place(view, request): request = (id, prompt, output, footprint, min_tp, deferred,
- * group_first, group_size, arrival). */
+ * group_first, group_size, arrival, priority). */
 static PyObject *gy_py_policy_place(GyPolicyObject *self, PyObject *args) {
     PyObject *view_tuple;
     long long id, prompt, output, footprint;
-    int min_tp, deferred, group_first, group_size;
+    int min_tp, deferred, group_first, group_size, priority;
     double arrival;
-    if (!PyArg_ParseTuple(args, "O(LLLLiiiid);place(view, (id, prompt, output, footprint, "
-                                "min_tp, deferred, group_first, group_size, arrival))",
+    if (!PyArg_ParseTuple(args, "O(LLLLiiiidi);place(view, (id, prompt, output, footprint, "
+                                "min_tp, deferred, group_first, group_size, arrival, priority))",
                           &view_tuple, &id, &prompt, &output, &footprint, &min_tp, &deferred,
-                          &group_first, &group_size, &arrival))
+                          &group_first, &group_size, &arrival, &priority))
         return NULL;
     gy_sim_view v;
     gy_py_policy_buffers b;
@@ -203,7 +209,8 @@ static PyObject *gy_py_policy_place(GyPolicyObject *self, PyObject *args) {
     }
     const gy_sim_req_view r = {.id = id, .prompt = prompt, .output = output,
                                .footprint = footprint, .min_tp = min_tp, .deferred = deferred != 0,
-                               .group = {group_first, group_size, 0}, .arrival = arrival};
+                               .group = {group_first, group_size, 0}, .arrival = arrival,
+                               .priority = priority};
     gy_sim_decision d;
     memset(&d, 0, sizeof d);
     const gy_status s = self->ops->place(self->state, &self->config, &v, &r, &d);
@@ -258,10 +265,11 @@ static PyObject *gy_py_policy_get_rebalances(GyPolicyObject *self, void *closure
 
 static PyObject *gy_py_policy_get_config(GyPolicyObject *self, void *closure) {
     const gy_sim_policy_config *c = &self->config;
-    return Py_BuildValue("{sdsdsdsdsdsO}", "decode_weight", c->decode_weight, "scale_down_free",
-                         c->scale_down_free, "scale_up_cap", c->scale_up_cap, "merge_wait",
-                         c->merge_wait, "scale_up_load", c->scale_up_load, "eager_scale_up",
-                         c->eager_scale_up ? Py_True : Py_False);
+    return Py_BuildValue("{sdsdsdsdsdsOsisd}", "decode_weight", c->decode_weight,
+                         "scale_down_free", c->scale_down_free, "scale_up_cap", c->scale_up_cap,
+                         "merge_wait", c->merge_wait, "scale_up_load", c->scale_up_load,
+                         "eager_scale_up", c->eager_scale_up ? Py_True : Py_False, "flying_tp",
+                         (int)c->flying_tp, "light_load", c->light_load);
 }
 
 static PyMethodDef gy_py_policy_methods[] = {

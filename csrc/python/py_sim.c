@@ -100,7 +100,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "policy", "decode_weight", "scale_down_free", "scale_up_load",
                             "scale_up_cap", "merge_wait", "eager_scale_up",
                             "sample_interval", "record_tokens", "arrival", "input_tokens",
-                            "output_tokens", "priority", "max_input", NULL};
+                            "output_tokens", "priority", "max_input", "replicated",
+                            "switch_time", "flying_tp", "light_load", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -108,12 +109,16 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     const char *cost_kind, *policy_name;
     PyObject *layout_o, *cap_o, *mid_o, *cost_params, *arr_o, *in_o, *out_o, *prio_o,
         *max_in_o = Py_None;
+    const gy_sim_policy_config defaults = gy_sim_policy_config_default();
+    int replicated = 0, flying_tp = defaults.flying_tp;
+    double switch_time = 0.0, light_load = defaults.light_load;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|O", names, &hosts, &gpus_per_host, &max_tp,
-            &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|Opdid", names, &hosts, &gpus_per_host,
+            &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
-            &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o))
+            &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
+            &replicated, &switch_time, &flying_tp, &light_load))
         return NULL;
     const gy_sim_policy_ops *policy = gy_sim_policy_find(policy_name);
     if (policy == NULL)
@@ -154,9 +159,12 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         .policy_config = {.decode_weight = decode_weight, .scale_down_free = scale_down_free,
                           .scale_up_load = scale_up_load, .scale_up_cap = scale_up_cap,
                           .merge_wait = merge_wait,
-                          .eager_scale_up = eager},
+                          .eager_scale_up = eager,
+                          .flying_tp = flying_tp, .light_load = light_load},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
+        .replicated = replicated,
+        .switch_time = switch_time,
     };
     if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
                               &c.cost) < 0) {
@@ -242,14 +250,17 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
     gy_sim_stats s;
     gy_sim_stats_get(self->sim, &s);
     return Py_BuildValue(
-        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests", (long long)s.n_requests,
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests",
+        (long long)s.n_requests,
         "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
         (long long)s.n_rejected, "deferred", (long long)s.n_deferred, "steps",
         (long long)s.n_steps, "events", (long long)s.n_events, "preemptions",
         (long long)s.n_preemptions, "migrations", (long long)s.n_migrations, "merges",
         (long long)s.n_merges, "splits", (long long)s.n_splits, "transforming",
         (long long)s.n_transforming, "ops_refused", (long long)s.n_ops_refused, "decisions",
-        (long long)s.n_decisions, "rebalances", (long long)s.n_rebalances, "done",
+        (long long)s.n_decisions, "rebalances", (long long)s.n_rebalances, "binds",
+        (long long)s.n_binds, "releases", (long long)s.n_releases, "paused",
+        (long long)s.n_paused, "recomputed", (long long)s.n_recomputed, "done",
         PyBool_FromLong(s.done));
 }
 

@@ -9,6 +9,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_round_robin,
     &gy_sim_policy_least_load,
     &gy_sim_policy_static,
+    &gy_sim_policy_flying,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -18,7 +19,9 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
     return NULL;
 }
 
-const char *gy_sim_policy_names(void) { return "gyges, round_robin, least_load, static"; }
+const char *gy_sim_policy_names(void) {
+    return "gyges, round_robin, least_load, static, flying";
+}
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {
     return (gy_sim_policy_config){.decode_weight = 8.0, .scale_down_free = 0.5,
@@ -27,7 +30,13 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * and p99 TTFT (long prompts waiting for a drain) and the
                                    * 6.2.4 workload does not tell them apart */
                                   .merge_wait = 2.0,
-                                  .eager_scale_up = 1};
+                                  .eager_scale_up = 1,
+                                  /* flying: half a host; arrivals go to TP groups while the
+                                   * outstanding work is at most 4000 tokens per GPU (on
+                                   * bench_flying's bursty Llama-3-70B trace, 1000 keeps DP's
+                                   * burst TTFT but TP's light-load gain is small, 16000 the
+                                   * reverse) */
+                                  .flying_tp = 0, .light_load = 4000.0};
 }
 
 int gy_sim_level(int32_t tp) {

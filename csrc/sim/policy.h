@@ -10,10 +10,16 @@
  * {4..7}. A scale-up merges the two aligned halves of a group (two TP-k instances) into one
  * TP-2k instance (x2 steps, AMOEBAs 3.3); a scale-down splits a TP-2k instance into its halves.
  *
+ * A replicated cluster (Flying Serving: every GPU keeps the whole model, or its base TP's shard)
+ * changes parallelism with BIND and RELEASE instead: a bind makes the instances of an aligned
+ * group one TP instance over their replicas, moving nothing; their requests pause in place with
+ * their KV (those the policy placed there as TP work are recomputed in the bound instance); a
+ * release gives the members back, their paused requests resuming where they were.
+ *
  * Policies (one file each): gyges (policy_gyges.c: Gyges Algorithms 1 and 2 with AMOEBAs 3.3),
  * round_robin and least_load (policy_round_robin.c, policy_least_load.c: Gyges 6.2.4's
  * baselines), static (policy_static.c: a fixed layout; requests no instance can hold are
- * rejected). */
+ * rejected), flying (policy_flying.c: Flying Serving's DP <-> TP switching). */
 #ifndef GY_SIM_POLICY_H
 #define GY_SIM_POLICY_H
 
@@ -36,6 +42,8 @@ typedef enum gy_sim_xform {
     GY_SIM_XFORM_SPLITTING = 2,/* a scale-down under way (KV phase); takes no new requests */
     GY_SIM_XFORM_SPLIT_TAIL = 3,/* a half of a finished split still gathering FFN weights;
                                    serves and takes requests, but cannot transform yet */
+    GY_SIM_XFORM_BINDING = 4,   /* a member of a bind under way; takes no new requests */
+    GY_SIM_XFORM_RELEASING = 5, /* a bound instance being released; takes no new requests */
 } gy_sim_xform;
 
 typedef struct gy_sim_inst_view {
@@ -55,6 +63,11 @@ typedef struct gy_sim_inst_view {
     int64_t n_running, n_waiting;
     int64_t pending_prefill;/* prompt tokens of its requests not computed yet */
     int64_t pending_output; /* output tokens of its requests not generated yet */
+    int32_t bound;          /* replicated: a bound group (its members' requests are paused) */
+    int32_t pad_;
+    int64_t n_paused;       /* replicated: requests paused under it until its release */
+    int64_t n_tp_work;      /* replicated: its requests placed as TP work (decision.tp_work) */
+    int64_t n_priority;     /* its requests with priority > 0 */
 } gy_sim_inst_view;
 
 typedef struct gy_sim_group {
@@ -73,6 +86,9 @@ typedef struct gy_sim_view {
     double watermark;              /* fraction of an instance's blocks admission keeps free */
     int32_t n_pending;
     const gy_sim_group *pending;   /* (n_pending) groups deferred requests wait for */
+    int32_t replicated;            /* 1: BIND / RELEASE (Flying Serving); 0: MERGE / SPLIT */
+    int32_t base_tp;               /* replicated: the TP of the unbound instances (the DP unit) */
+    int64_t n_deferred;            /* requests waiting at the cluster (on a group or none) */
 } gy_sim_view;
 
 typedef struct gy_sim_req_view {
@@ -83,6 +99,8 @@ typedef struct gy_sim_req_view {
     int32_t deferred;              /* 1: it was deferred before and is being reconsidered */
     gy_sim_group group;            /* the group it was deferred on (size 0: none) */
     double arrival;
+    int32_t priority;              /* > 0: a priority request (flying binds a TP group for it) */
+    int32_t pad_;
 } gy_sim_req_view;
 
 typedef enum gy_sim_action {
@@ -98,6 +116,11 @@ typedef enum gy_sim_op_kind {
     GY_SIM_OP_SPLIT = 1,  /* the instance at gpu_first becomes its two halves */
     GY_SIM_OP_HOLD = 2,   /* the instance at gpu_first takes no new requests from the policy */
     GY_SIM_OP_UNHOLD = 3,
+    GY_SIM_OP_BIND = 4,   /* replicated: the unbound instances of group [gpu_first, +size) become
+                             one bound TP-size instance (their requests pause, TP work moves) */
+    GY_SIM_OP_RELEASE = 5,/* replicated: the bound instance at gpu_first becomes its members
+                             again (their paused requests resume; its own requests, which must
+                             fit the members, are recomputed there) */
 } gy_sim_op_kind;
 
 typedef struct gy_sim_op {
@@ -112,6 +135,9 @@ typedef struct gy_sim_decision {
                                request of the same min_tp and at least this footprint (nothing
                                can hold it, no scale-up can start); a stateless policy's
                                controller then skips those while nothing changes */
+    int32_t tp_work;        /* PLACE on a replicated cluster: the request is TP work: when a
+                               group around its instance binds, it moves to the bound instance
+                               and is recomputed there instead of pausing (soft preemption) */
     int32_t n_ops;
     gy_sim_op ops[GY_SIM_MAX_OPS]; /* carried out in order; an op the state no longer allows is
                                       skipped and counted */
@@ -133,6 +159,11 @@ typedef struct gy_sim_policy_config {
     int32_t eager_scale_up;  /* baselines: 1 = the instance the rule picks scales up with its
                                 neighbours when it cannot hold the request (Gyges 6.2.4); 0 = go
                                 to an instance that can hold it, scale up only when none can */
+    int32_t flying_tp;       /* flying: the size of the group priority and light-load requests
+                                bind (0: the largest group of a host) */
+    double light_load;       /* flying: the load is light while the cluster's outstanding work
+                                per GPU (as gy_sim_policy_load counts it, in tokens) is at most
+                                this; new arrivals then go to TP groups (0: never) */
 } gy_sim_policy_config;
 
 /* The contract the controller relies on to decide waiting requests again only when it can
@@ -163,6 +194,7 @@ extern const gy_sim_policy_ops gy_sim_policy_gyges;
 extern const gy_sim_policy_ops gy_sim_policy_round_robin;
 extern const gy_sim_policy_ops gy_sim_policy_least_load;
 extern const gy_sim_policy_ops gy_sim_policy_static;
+extern const gy_sim_policy_ops gy_sim_policy_flying;
 
 /* ---- helpers the policies share ---- */
 

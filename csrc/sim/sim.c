@@ -24,6 +24,9 @@ typedef struct gy_sim_req {
     int32_t slot;         /* its instance, or -1 */
     int32_t half;         /* the half it goes to in the split under way, or -1 */
     int32_t priority;
+    int32_t tp_work;      /* placed as TP work (replicated): recomputed by a bind, not paused */
+    int32_t home;         /* paused: the GPU of the member it resumes on; else -1 */
+    gy_sim_carry paused;  /* paused: what it takes back (instance.h) */
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -42,10 +45,17 @@ typedef struct gy_sim_inst {
                               when the last of them leaves (overloaded queues are long) */
     int32_t max_fp_stale;  /* max_footprint must be recomputed */
     int64_t by_min_tp[GY_SIM_MAX_LEVELS]; /* its requests per level of min_tp */
+    int64_t n_tp_work;     /* its requests placed as TP work */
+    int64_t n_priority;    /* its requests with priority > 0 */
+    int32_t bound;         /* replicated: a bound group of members of TP member_tp */
+    int32_t member_tp;
+    int64_t n_paused, paused_head; /* the requests paused under it (a list through req.next) */
 } gy_sim_inst;
 
+#define GY_SIM_XF_MAX_SRC 16 /* members of one bind */
+
 typedef struct gy_sim_xf {
-    int32_t src[2], n_src; /* slots */
+    int32_t src[GY_SIM_XF_MAX_SRC], n_src; /* slots */
     int32_t dst[2], n_dst;
     int32_t phase;         /* the phase under way: 0, 1; 2 when done */
     int32_t at_barrier;
@@ -68,6 +78,7 @@ struct gy_sim {
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
     int64_t max_input[GY_SIM_MAX_LEVELS]; /* INT64_MAX when the config gives none */
     int32_t n_levels, n_gpus;
+    int32_t base_tp;           /* replicated: the smallest TP with capacity (the DP unit) */
     gy_cluster *cluster;       /* the controller: the policy, deferred and held requests */
 
     int64_t n;                 /* requests */
@@ -168,6 +179,7 @@ static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, in
     i->host = gpu_first / s->config.gpus_per_host;
     i->xform_id = -1;
     i->head = i->tail = -1;
+    i->paused_head = -1;
     for (int32_t g = gpu_first; g < gpu_first + tp; g++) s->gpu_slot[g] = (int32_t)slot;
     *slot_out = (int32_t)slot;
     return gy_sim_layout_record(s, i, +1);
@@ -205,6 +217,8 @@ static void gy_sim_link(gy_sim *s, int32_t slot, int64_t r) {
     i->pending_prefill += s->out[r].input_tokens - q->prefill_done;
     i->pending_output += s->out[r].output_tokens - q->generated;
     i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]++;
+    i->n_tp_work += q->tp_work;
+    i->n_priority += q->priority > 0;
     s->out[r].gpu_first = i->gpu_first;
     s->out[r].tp = i->tp;
 }
@@ -221,6 +235,8 @@ static void gy_sim_unlink(gy_sim *s, int64_t r) {
     i->pending_prefill -= s->out[r].input_tokens - q->prefill_done;
     i->pending_output -= s->out[r].output_tokens - q->generated;
     i->by_min_tp[gy_sim_level_of(s->out[r].min_tp)]--;
+    i->n_tp_work -= q->tp_work;
+    i->n_priority -= q->priority > 0;
     q->prev = q->next = -1;
     q->slot = -1;
 }
@@ -371,7 +387,8 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .tp = i->tp,
             .host = i->host,
             .xform = i->xform,
-            .placeable = i->xform != GY_SIM_XFORM_SPLITTING,
+            .placeable = i->xform != GY_SIM_XFORM_SPLITTING &&
+                         i->xform != GY_SIM_XFORM_BINDING && i->xform != GY_SIM_XFORM_RELEASING,
             .max_min_tp = max_min_tp,
             .kv_total = i->core.capacity,
             .kv_used = gy_sim_instance_used(&i->core),
@@ -382,6 +399,10 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .n_waiting = st.n_waiting + st.n_preempted,
             .pending_prefill = i->pending_prefill,
             .pending_output = i->pending_output,
+            .bound = i->bound,
+            .n_paused = i->n_paused,
+            .n_tp_work = i->n_tp_work,
+            .n_priority = i->n_priority,
         };
         g += i->tp;
     }
@@ -478,12 +499,208 @@ static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
     return GY_OK;
 }
 
+/* ---- binds and releases (replicated) ---- */
+
+/* Starts a bind of the members [first, first + n) (slots) into one TP-size instance: they serve
+ * for switch_time more, then stop at their step's end (the phase, then the barrier). */
+static gy_status gy_sim_start_bind(gy_sim *s, const int32_t *members, int32_t n, int32_t g,
+                                   int32_t size) {
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_BIND, g, s->inst[members[0]].tp, size, &x));
+    s->xf[x] = (gy_sim_xf){.n_src = n, .dst = {-1, -1}, .phase = 0};
+    for (int32_t k = 0; k < n; k++) {
+        s->xf[x].src[k] = members[k];
+        s->inst[members[k]].xform = GY_SIM_XFORM_BINDING;
+        s->inst[members[k]].xform_id = (int32_t)x;
+    }
+    return gy_sim_push(s, s->now + s->config.switch_time, GY_SIM_EV_PHASE, x, 0);
+}
+
+static gy_status gy_sim_start_release(gy_sim *s, int32_t c) {
+    gy_sim_inst *i = &s->inst[c];
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_RELEASE, i->gpu_first, i->tp, i->member_tp, &x));
+    s->xf[x] = (gy_sim_xf){.src = {c}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
+    i->xform = GY_SIM_XFORM_RELEASING;
+    i->xform_id = (int32_t)x;
+    return gy_sim_push(s, s->now + s->config.switch_time, GY_SIM_EV_PHASE, x, 0);
+}
+
+/* The members' TP work moves to the new bound instance (recomputed: its KV had the members'
+ * geometry); the rest pause with their KV, which keeps its blocks in the members' pools. */
+static gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t member_tp = o->tp_from;
+    int64_t moving = -1, paused = -1, n_paused = 0, least_free = INT64_MAX;
+    for (int32_t k = 0; k < f->n_src; k++) {
+        gy_sim_inst *m = &s->inst[f->src[k]];
+        const int32_t home = m->gpu_first;
+        int64_t kept_blocks = 0;
+        while (m->head >= 0) {
+            const int64_t r = m->head;
+            gy_sim_req *q = &s->req[r];
+            gy_sim_carry c;
+            GY_TRY(gy_sim_instance_take(&m->core, r, &c));
+            if (q->kept > c.kept) c.kept = q->kept;
+            gy_sim_unlink(s, r);
+            q->gen_offset += c.gen_shift;
+            if (q->tp_work) {
+                q->kept = 0; /* recomputed under TP */
+                q->paused = c;
+                q->paused.kept = 0;
+                q->next = moving;
+                moving = r;
+                s->stats.n_recomputed++;
+            } else {
+                q->kept = c.kept;
+                q->paused = c;
+                q->home = home;
+                q->next = paused;
+                paused = r;
+                n_paused++;
+                kept_blocks += gy_sim_cdiv(c.kept, s->config.sched.block_size);
+            }
+            m = &s->inst[f->src[k]];
+        }
+        const int64_t free_blocks = m->core.capacity - kept_blocks;
+        if (free_blocks < least_free) least_free = free_blocks;
+    }
+    for (int32_t k = 0; k < f->n_src; k++) GY_TRY(gy_sim_inst_destroy(s, f->src[k]));
+    int32_t c;
+    GY_TRY(gy_sim_inst_create(s, o->gpu_first, o->tp_to, &c));
+    gy_sim_inst *b = &s->inst[c];
+    /* a TP-k block holds k / member_tp times the tokens of a member's block in the same bytes */
+    int64_t cap = least_free * (o->tp_to / member_tp);
+    if (cap > b->core.counter_total) cap = b->core.counter_total;
+    if (cap < 1) cap = 1;
+    GY_TRY(gy_sim_instance_set_capacity(&b->core, cap));
+    b->bound = 1;
+    b->member_tp = member_tp;
+    b->paused_head = paused;
+    b->n_paused = n_paused;
+    s->stats.n_paused += n_paused;
+    while (moving >= 0) {
+        const int64_t r = moving;
+        moving = s->req[r].next;
+        GY_TRY(gy_sim_instance_put(&b->core, r, &s->req[r].paused, s->out[r].arrival,
+                                   s->req[r].priority));
+        gy_sim_link(s, c, r);
+        s->out[r].migrations++;
+        o->n_migrated++;
+    }
+    f = &s->xf[x];
+    f->dst[0] = c;
+    f->n_dst = 1;
+    f->phase = 2;
+    o->end = s->now;
+    s->n_active_xf--;
+    s->stats.n_binds++;
+    GY_TRY(gy_sim_start_step(s, c));
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+}
+
+/* The bound instance's requests, if any, go to the members to be recomputed there (their KV
+ * has the TP geometry): largest first, each to the member with the most room left; 0 when one
+ * does not fit (a long request: the release must wait for it). Sets req.half to the member. */
+static int gy_sim_pack_members(gy_sim *s, int32_t c) {
+    const gy_sim_inst *i = &s->inst[c];
+    const int32_t n = i->tp / i->member_tp;
+    const int64_t cap = s->capacity[gy_sim_level_of(i->member_tp)];
+    const int64_t usable = cap - (int64_t)(s->config.sched.watermark * (double)cap);
+    int64_t room[GY_SIM_XF_MAX_SRC];
+    for (int32_t k = 0; k < n; k++) room[k] = usable;
+    for (int64_t r = i->paused_head; r >= 0; r = s->req[r].next) /* they come back too */
+        room[(s->req[r].home - i->gpu_first) / i->member_tp] -= s->req[r].footprint;
+    for (int64_t r = i->head; r >= 0; r = s->req[r].next) s->req[r].half = -1;
+    for (;;) {
+        int64_t best = -1;
+        for (int64_t r = i->head; r >= 0; r = s->req[r].next)
+            if (s->req[r].half < 0 && (best < 0 || s->req[r].footprint > s->req[best].footprint))
+                best = r;
+        if (best < 0) return 1;
+        int32_t m = 0;
+        for (int32_t k = 1; k < n; k++)
+            if (room[k] > room[m]) m = k;
+        if (s->req[best].footprint > room[m]) return 0;
+        room[m] -= s->req[best].footprint;
+        s->req[best].half = m;
+    }
+}
+
+/* The members come back: their paused requests resume, KV and progress kept; the bound
+ * instance's own requests (a release under load) are recomputed on the members packed. */
+static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t c = f->src[0];
+    int64_t paused = s->inst[c].paused_head;
+    const int32_t first = s->inst[c].gpu_first, size = s->inst[c].tp, member_tp = o->tp_to;
+    if (!gy_sim_pack_members(s, c)) /* arrivals since the release began: cannot happen, as it */
+        return GY_FAIL(GY_ERR_STATE, "a release's requests no longer fit its members");
+    int64_t moving = -1;          /* takes none; stay safe */
+    while (s->inst[c].head >= 0) {
+        const int64_t r = s->inst[c].head;
+        gy_sim_req *q = &s->req[r];
+        gy_sim_carry carry;
+        GY_TRY(gy_sim_instance_take(&s->inst[c].core, r, &carry));
+        const int32_t half = q->half;
+        gy_sim_unlink(s, r);
+        q->half = half;
+        q->gen_offset += carry.gen_shift;
+        q->kept = 0;
+        q->paused = carry;
+        q->paused.kept = 0;
+        q->tp_work = 0;
+        q->next = moving;
+        moving = r;
+        s->stats.n_recomputed++;
+    }
+    GY_TRY(gy_sim_inst_destroy(s, c));
+    int32_t members[GY_SIM_XF_MAX_SRC];
+    const int32_t n = size / member_tp;
+    for (int32_t k = 0; k < n; k++)
+        GY_TRY(gy_sim_inst_create(s, first + k * member_tp, member_tp, &members[k]));
+    while (moving >= 0) {
+        const int64_t r = moving;
+        gy_sim_req *q = &s->req[r];
+        moving = q->next;
+        const int32_t slot = members[q->half];
+        q->half = -1;
+        GY_TRY(gy_sim_instance_put(&s->inst[slot].core, r, &q->paused, s->out[r].arrival,
+                                   q->priority));
+        gy_sim_link(s, slot, r);
+        s->out[r].migrations++;
+        o->n_migrated++;
+    }
+    while (paused >= 0) {
+        const int64_t r = paused;
+        gy_sim_req *q = &s->req[r];
+        paused = q->next;
+        const int32_t slot = s->gpu_slot[q->home];
+        GY_TRY(gy_sim_instance_put(&s->inst[slot].core, r, &q->paused, s->out[r].arrival,
+                                   q->priority));
+        q->home = -1;
+        gy_sim_link(s, slot, r);
+        o->n_migrated++;
+    }
+    f = &s->xf[x];
+    f->n_dst = 0;
+    f->phase = 2;
+    o->end = s->now;
+    s->n_active_xf--;
+    s->stats.n_releases++;
+    for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_start_step(s, members[k]));
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+}
 
 /* The topology change of a transformation, once its sources are idle. */
 static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
     f->at_barrier = 0;
+    if (o->kind == GY_SIM_OP_BIND) return gy_sim_bind_switch(s, x);
+    if (o->kind == GY_SIM_OP_RELEASE) return gy_sim_release_switch(s, x);
     if (o->kind == GY_SIM_OP_MERGE) {
         int32_t c;
         GY_TRY(gy_sim_inst_create(s, o->gpu_first, o->tp_to, &c));
@@ -563,7 +780,8 @@ static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
         for (int k = 0; k < 2; k++) GY_TRY(gy_sim_start_step(s, f->src[k]));
         return GY_OK;
     }
-    if (phase == 0 || o->kind == GY_SIM_OP_MERGE) { /* merge phase 1, split phase 0: switch */
+    if (phase == 0 || o->kind == GY_SIM_OP_MERGE) { /* merge phase 1, split phase 0, a bind's
+                                                       or a release's switch time: switch */
         f->at_barrier = 1;
         for (int k = 0; k < f->n_src; k++) s->inst[f->src[k]].barrier = 1;
         return gy_sim_xf_try_switch(s, x);
@@ -590,9 +808,43 @@ static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) 
     return slot;
 }
 
+/* A bind of the aligned group [g, g + size): its instances, all unbound, of one TP below size,
+ * nothing under way. */
+static gy_status gy_sim_try_bind(gy_sim *s, int32_t g, int32_t size, int32_t *started) {
+    if (gy_sim_level_of(size) < 1 || size > s->config.max_tp || g < 0 || g % size != 0 ||
+        g + size > s->n_gpus || g / s->config.gpus_per_host != (g + size - 1) / s->config.gpus_per_host)
+        return GY_OK;
+    int32_t members[GY_SIM_XF_MAX_SRC], n = 0;
+    for (int32_t x = g; x < g + size;) {
+        const int32_t slot = s->gpu_slot[x];
+        const gy_sim_inst *i = &s->inst[slot];
+        if (i->gpu_first != x || i->tp >= size || i->bound || i->xform != GY_SIM_XFORM_NONE ||
+            n == GY_SIM_XF_MAX_SRC || (n > 0 && i->tp != s->inst[members[0]].tp))
+            return GY_OK;
+        members[n++] = slot;
+        x += i->tp;
+    }
+    *started = 1;
+    return gy_sim_start_bind(s, members, n, g, size);
+}
+
 static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
     gy_sim *s = ctx;
     *started = 0;
+    const int flying = op->kind == GY_SIM_OP_BIND || op->kind == GY_SIM_OP_RELEASE;
+    if ((flying && !s->config.replicated) ||
+        (!flying && s->config.replicated && (op->kind == GY_SIM_OP_MERGE ||
+                                              op->kind == GY_SIM_OP_SPLIT)))
+        return GY_OK; /* Flying moves nothing, Gyges moves shards: each on its own cluster */
+    if (op->kind == GY_SIM_OP_BIND) return gy_sim_try_bind(s, op->gpu_first, op->size, started);
+    if (op->kind == GY_SIM_OP_RELEASE) {
+        const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
+        if (c < 0 || !s->inst[c].bound || s->inst[c].xform != GY_SIM_XFORM_NONE ||
+            !gy_sim_pack_members(s, c))
+            return GY_OK;
+        *started = 1;
+        return gy_sim_start_release(s, c);
+    }
     if (op->kind == GY_SIM_OP_MERGE) {
         const int32_t size = op->size, half = size / 2;
         const int32_t g = op->gpu_first;
@@ -623,6 +875,7 @@ static gy_status gy_sim_op_assign(void *ctx, const gy_cluster_request *cr, int32
     gy_sim *s = ctx;
     const int64_t r = cr->id;
     gy_sim_request_out *o = &s->out[r];
+    s->req[r].tp_work = cr->tp_work;
     if (action == GY_SIM_ACTION_DEFER) {
         o->status = GY_SIM_REQ_DEFERRED;
         return GY_OK;
@@ -810,6 +1063,8 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
         return GY_FAIL(GY_ERR_INVALID, "no policy");
     if (!(c->sample_interval > 0) || !isfinite(c->sample_interval))
         return GY_FAIL(GY_ERR_INVALID, "sample_interval must be > 0, got %g", c->sample_interval);
+    if (c->replicated && (!(c->switch_time >= 0) || !isfinite(c->switch_time)))
+        return GY_FAIL(GY_ERR_INVALID, "switch_time must be >= 0, got %g", c->switch_time);
     if (t == NULL || t->n < 0 || (t->n > 0 && (t->arrival == NULL || t->input_tokens == NULL ||
                                                t->output_tokens == NULL)))
         return GY_FAIL(GY_ERR_INVALID, "the trace is missing columns");
@@ -844,6 +1099,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->config.max_input = s->max_input;
     s->n_levels = n_levels;
     s->n_gpus = c->hosts * c->gpus_per_host;
+    s->base_tp = 1;
+    while (s->capacity[gy_sim_level_of(s->base_tp)] < 1) s->base_tp *= 2;
     s->n = t->n;
     gy_status st = GY_OK;
     s->gpu_slot = gy_calloc((size_t)s->n_gpus, sizeof *s->gpu_slot);
@@ -857,7 +1114,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
                                   .max_tp = c->max_tp, .capacity = s->capacity,
                                   .block_size = c->sched.block_size,
                                   .watermark = c->sched.watermark, .policy = c->policy,
-                                  .policy_config = c->policy_config};
+                                  .policy_config = c->policy_config,
+                                  .replicated = c->replicated, .base_tp = s->base_tp};
     st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
     if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;
@@ -873,6 +1131,7 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
         q->prev = q->next = -1;
         q->slot = -1;
         q->half = -1;
+        q->home = -1;
         q->priority = t->priority ? t->priority[r] : 0;
         for (int32_t l = 0; l < n_levels; l++)
             if (s->capacity[l] >= q->footprint && s->max_input[l] >= o->input_tokens) {
@@ -888,6 +1147,10 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
         for (int32_t k = 0; k < c->n_layout && st == GY_OK; k++) {
             int32_t slot;
             st = gy_sim_inst_create(s, g, c->layout[k], &slot);
+            if (st == GY_OK && c->replicated && c->layout[k] > s->base_tp) {
+                s->inst[slot].bound = 1; /* a layout's TP group: bound from the start */
+                s->inst[slot].member_tp = s->base_tp;
+            }
             g += c->layout[k];
         }
     }

@@ -27,6 +27,20 @@
  *          phase 0, KV scatter: at its end, after its step in flight, the halves replace it and
  *          take their requests with their progress;
  *          phase 1, weights gather: the halves serve (and take requests) but cannot transform.
+ * On a replicated cluster (Flying Serving, `replicated`) the reconfigurations are instead
+ *   bind     the unbound instances of an aligned group -> one bound instance over their GPUs.
+ *            After switch_time (the members serve meanwhile) and their steps in flight, the
+ *            requests placed there as TP work move to it, recomputed (their KV had the DP
+ *            geometry); the others pause with their KV: they leave the schedulers, their blocks
+ *            stay taken, and the bound instance gets the pooled blocks left (members / its TP
+ *            times the least any member has free).
+ *   release  a bound instance -> its members, after switch_time; the paused requests go back
+ *            to their member with their progress and KV (nothing recomputed); the bound
+ *            instance's own requests, if any (a release under load), are recomputed on the
+ *            members (packed largest first; refused when one fits no member). It takes no new
+ *            requests meanwhile.
+ *   Nothing moves: the transform records carry no bytes. MERGE and SPLIT are refused there, and
+ *   BIND and RELEASE elsewhere.
  * After every transformation, every step that finished a request and every sample, the deferred
  * requests are reconsidered in the order they were deferred; after transformations and after
  * steps of TP > 1 or held instances that finished something, the policy may rebalance. */
@@ -62,6 +76,9 @@ typedef struct gy_sim_config {
     gy_sim_policy_config policy_config;
     double sample_interval;       /* seconds, > 0: time-series samples and throughput bins */
     int32_t record_tokens;        /* 1: keep the time of every output token */
+    int32_t replicated;           /* 1: every GPU keeps its replica; BIND / RELEASE (above), and
+                                     capacity[l] is the pooled blocks of a bound TP-2^l group */
+    double switch_time;           /* replicated: seconds of a bind or a release (>= 0) */
 } gy_sim_config;
 
 /* The requests (copied). Arrivals sorted; lengths >= 1. */
@@ -106,7 +123,7 @@ typedef struct gy_sim_layout_event {
 } gy_sim_layout_event;
 
 typedef struct gy_sim_transform_out {
-    int32_t kind;          /* GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT */
+    int32_t kind;          /* GY_SIM_OP_MERGE, SPLIT, BIND or RELEASE */
     int32_t gpu_first, tp_from, tp_to;
     double start, phase_end, end; /* end NaN while under way */
     double kv_bytes, weight_bytes; /* moved per GPU */
@@ -123,6 +140,8 @@ typedef struct gy_sim_stats {
     int64_t n_requests, n_arrived, n_finished, n_rejected, n_deferred;
     int64_t n_steps, n_events, n_preemptions, n_migrations;
     int64_t n_merges, n_splits, n_transforming, n_ops_refused;
+    int64_t n_binds, n_releases, n_paused, n_recomputed; /* replicated: requests paused by binds,
+                                                            TP work recomputed at a bind */
     int64_t n_decisions, n_rebalances; /* the controller's: policy calls */
     int32_t done;          /* nothing left to happen */
 } gy_sim_stats;

@@ -549,7 +549,7 @@ static uint64_t lcg(uint64_t *s) {
 }
 
 static void run_random(const char *policy, const int32_t *layout, int n_layout, uint64_t seed,
-                       int hosts) {
+                       int hosts, int replicated) {
     const int64_t n = 400;
     double *arr = malloc(n * sizeof *arr);
     int64_t *in = malloc(n * sizeof *in), *out = malloc(n * sizeof *out);
@@ -566,10 +566,14 @@ static void run_random(const char *policy, const int32_t *layout, int n_layout, 
               : kind < 99 ? 2500 + (int64_t)(lcg(&seed) % 2000)
                           : 50000;
         out[k] = 1 + (int64_t)(lcg(&seed) % 60);
-        prio[k] = 0;
+        prio[k] = replicated && lcg(&seed) % 10 == 0;
     }
-    /* blocks of 4 tokens: TP1 holds 640 tokens, TP2 1600, TP4 4000, TP8 8800 */
-    const int64_t cap[] = {160, 400, 1000, 2200}, mid[] = {200, 480, 1150, 2200};
+    /* blocks of 4 tokens: TP1 holds 640 tokens, TP2 1600, TP4 4000, TP8 8800; replicated: a
+     * bound group pools its members' 160 */
+    const int64_t cap_sharded[] = {160, 400, 1000, 2200}, mid_sharded[] = {200, 480, 1150, 2200};
+    const int64_t cap_replicated[] = {160, 320, 640, 1280};
+    const int64_t *cap = replicated ? cap_replicated : cap_sharded;
+    const int64_t *mid = replicated ? cap_replicated : mid_sharded;
     gy_sim_cost_constant cc = {.step_time = 0.05, .phase_time = 0.3, .transform_slowdown = 0.1};
     gy_sim_config c = {
         .hosts = hosts, .gpus_per_host = 8, .max_tp = 8, .n_layout = n_layout, .layout = layout,
@@ -581,6 +585,8 @@ static void run_random(const char *policy, const int32_t *layout, int n_layout, 
         .policy_config = gy_sim_policy_config_default(),
         .sample_interval = 1.0,
         .record_tokens = 1,
+        .replicated = replicated,
+        .switch_time = 0.015,
     };
     gy_sim_trace tr = {.n = n, .arrival = arr, .input_tokens = in, .output_tokens = out,
                        .priority = prio};
@@ -618,7 +624,8 @@ static void run_random(const char *policy, const int32_t *layout, int n_layout, 
     const double *bins = gy_sim_bins(s, &n_bins, NULL);
     for (int64_t k = 0; k < n_bins; k++) binned += bins[k];
     CHECK(binned == (double)tokens);
-    if (strcmp(policy, "static") != 0) CHECK(st.n_merges > 0);
+    if (replicated) CHECK(st.n_binds > 0 && st.n_merges == 0 && st.n_splits == 0);
+    else if (strcmp(policy, "static") != 0) CHECK(st.n_merges > 0);
     gy_sim_free(s);
     free(arr);
     free(in);
@@ -632,9 +639,11 @@ GYTEST(sim_random_runs_keep_invariants) {
     const char *policies[] = {"gyges", "round_robin", "least_load"};
     for (int p = 0; p < 3; p++)
         for (uint64_t seed = 1; seed <= 3; seed++)
-            run_random(policies[p], all_tp1, 8, seed, 1 + (int)(seed % 2));
-    run_random("gyges", mixed, 5, 7, 1);
-    run_random("static", mixed, 5, 8, 2);
+            run_random(policies[p], all_tp1, 8, seed, 1 + (int)(seed % 2), 0);
+    run_random("gyges", mixed, 5, 7, 1, 0);
+    run_random("static", mixed, 5, 8, 2, 0);
+    for (uint64_t seed = 1; seed <= 3; seed++)
+        run_random("flying", all_tp1, 8, seed, 1 + (int)(seed % 2), 1);
 }
 
 GYTEST(sim_bad_configs) {
@@ -730,4 +739,137 @@ GYTEST(sim_policy_gyges_says_when_a_request_is_blocked) {
     gy_sim_req_view big = req(200, 2);
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &big);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 && !d.blocked);
+}
+
+
+/* ---- Flying Serving: bind and release on a replicated cluster ---- */
+
+/* A priority request binds the pair at once (hard): the DP request there pauses with its KV,
+ * gains no token while the pair serves the priority one, and resumes without recompute after
+ * the release. */
+GYTEST(sim_flying_hard_bind_pauses_and_release_resumes) {
+    const double arr[] = {0.0, 1.0};
+    const int64_t in[] = {10, 10}, out[] = {200, 20};
+    const int32_t prio[] = {0, 1}, layout[] = {1, 1};
+    const int64_t cap[] = {100, 200};
+    gy_sim_cost_constant cc = {.step_time = 0.05, .phase_time = 0.3, .transform_slowdown = 0};
+    gy_sim_policy_config pc = gy_sim_policy_config_default();
+    pc.light_load = 0; /* never light: only the priority request binds */
+    gy_sim_config c = {
+        .hosts = 1, .gpus_per_host = 2, .max_tp = 2, .n_layout = 2, .layout = layout,
+        .capacity = cap, .capacity_mid = cap,
+        .sched = {.block_size = 4, .max_batch_tokens = 64, .max_running = 8, .watermark = 0},
+        .cost = gy_sim_cost_constant_ops(&cc), .policy = gy_sim_policy_find("flying"),
+        .policy_config = pc, .sample_interval = 0.5, .record_tokens = 1, .replicated = 1,
+        .switch_time = 0.015};
+    gy_sim_trace tr = {.n = 2, .arrival = arr, .input_tokens = in, .output_tokens = out,
+                       .priority = prio};
+    gy_sim *s = NULL;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    for (double until = 0.5; until < 100; until += 0.5) {
+        CHECK_OK(gy_sim_run(s, until));
+        CHECK_OK(gy_sim_check(s));
+    }
+    gy_sim_stats st;
+    gy_sim_stats_get(s, &st);
+    CHECK(st.done && st.n_finished == 2 && st.n_binds == 1 && st.n_releases == 1 &&
+          st.n_paused == 1 && st.n_recomputed == 0 && st.n_preemptions == 0);
+    int64_t n = 0, n_tok = 0;
+    const gy_sim_request_out *o = gy_sim_requests(s, &n);
+    CHECK(o[1].tp == 2 && o[0].tp == 1 && o[0].preemptions == 0);
+    int64_t n_xf = 0;
+    const gy_sim_transform_out *x = gy_sim_transforms(s, &n_xf);
+    CHECK(n_xf == 2 && x[0].kind == GY_SIM_OP_BIND && x[1].kind == GY_SIM_OP_RELEASE &&
+          x[0].kv_bytes == 0 && x[0].weight_bytes == 0 && x[0].end - x[0].start >= 0.015);
+    /* bound from the bind's end to the release's: the pair serves the priority request alone */
+    CHECK(x[0].end <= o[1].first_token && o[1].finish <= x[1].start);
+    const gy_sim_token *tok = gy_sim_tokens(s, &n_tok);
+    int64_t during = 0, total0 = 0;
+    for (int64_t k = 0; k < n_tok; k++) {
+        if (tok[k].request != 0) continue;
+        total0++;
+        during += tok[k].time > x[0].end && tok[k].time <= x[1].end;
+    }
+    CHECK(total0 == 200 && during == 0);
+    CHECK(o[0].finish > o[1].finish && o[1].first_token >= 1.0 + 0.015);
+    gy_sim_free(s);
+}
+
+/* The flying policy on hand-built replicated views (8 GPUs, DP units of TP1). */
+GYTEST(sim_policy_flying_decisions) {
+    const gy_sim_policy_ops *p = gy_sim_policy_find("flying");
+    CHECK(p != NULL);
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    const int32_t dp[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world w;
+    world_init(&w, 8, 8, dp, 8);
+    w.v.replicated = 1;
+    w.v.base_tp = 1;
+    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
+    const int64_t pooled[] = {100, 200, 400, 800};
+    memcpy(w.capacity, pooled, sizeof pooled);
+    /* a request no DP unit holds, all idle: waits on a pair that binds at once */
+    gy_sim_req_view r = req(150, 2);
+    gy_sim_decision d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 &&
+          has_op(&d, GY_SIM_OP_BIND, d.group.gpu_first, 2));
+    /* the same with busy members: they are held to drain, no bind yet */
+    for (int k = 0; k < 8; k++) {
+        w.inst[k].n_requests = 3;
+        set_load(&w, k, 0, 5000);
+    }
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 &&
+          !has_op(&d, GY_SIM_OP_BIND, d.group.gpu_first, 2) &&
+          has_op(&d, GY_SIM_OP_HOLD, d.group.gpu_first, 1) &&
+          has_op(&d, GY_SIM_OP_HOLD, d.group.gpu_first + 1, 1));
+    /* a heavy load: a short request goes to the least-loaded DP unit, not as TP work */
+    set_load(&w, 5, 0, 10);
+    gy_sim_req_view small = req(10, 1);
+    d = place(p, NULL, &cfg, &w, &small);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 5 && !d.tp_work && d.n_ops == 0);
+    /* a priority request binds half a host now (hard), pausing the members' work */
+    small.priority = 1;
+    d = place(p, NULL, &cfg, &w, &small);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 4 &&
+          has_op(&d, GY_SIM_OP_BIND, d.group.gpu_first, 4));
+    small.priority = 0;
+    /* light load with a bound quartet that has room: TP work there */
+    const int32_t mixed[] = {4, 1, 1, 1, 1};
+    world_init(&w, 8, 8, mixed, 5);
+    w.v.replicated = 1;
+    w.v.base_tp = 1;
+    memcpy(w.capacity, pooled, sizeof pooled);
+    w.inst[0].bound = 1;
+    w.inst[0].kv_total = 400;
+    for (int k = 1; k < 5; k++) w.inst[k].kv_total = 100;
+    d = place(p, NULL, &cfg, &w, &small);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0 && d.tp_work);
+    /* a burst: the quartet goes back to DP at once (its requests fit DP units), the request DP */
+    for (int k = 0; k < 5; k++) set_load(&w, k, 0, 100000);
+    w.inst[0].n_requests = 4;
+    w.inst[0].max_min_tp = 1;
+    w.inst[1].n_waiting = 2; /* a queue on a DP unit */
+    d = place(p, NULL, &cfg, &w, &small);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target >= 1 && !d.tp_work &&
+          has_op(&d, GY_SIM_OP_RELEASE, 0, 4));
+    /* ... unless it serves a long request: then it drains (held) */
+    w.inst[0].max_min_tp = 2;
+    d = place(p, NULL, &cfg, &w, &small);
+    CHECK(!has_op(&d, GY_SIM_OP_RELEASE, 0, 4) && has_op(&d, GY_SIM_OP_HOLD, 0, 4));
+    /* rebalance: a held, drained pair a request waits for binds */
+    world_init(&w, 8, 8, dp, 8);
+    w.v.replicated = 1;
+    w.v.base_tp = 1;
+    memcpy(w.capacity, pooled, sizeof pooled);
+    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
+    w.inst[2].held = w.inst[3].held = 1;
+    w.pending[0] = (gy_sim_group){.gpu_first = 2, .size = 2, .footprint = 150};
+    w.v.n_pending = 1;
+    w.v.n_deferred = 1;
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(has_op(&d, GY_SIM_OP_BIND, 2, 2));
+    w.inst[3].n_requests = 1; /* not drained yet: no bind */
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(!has_op(&d, GY_SIM_OP_BIND, 2, 2));
 }
