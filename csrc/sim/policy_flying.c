@@ -42,15 +42,18 @@ static int fl_light(const gy_sim_policy_config *cfg, const gy_sim_view *v, int c
     return work <= cfg->light_load * (double)v->n_gpus;
 }
 
-/* The bound instance of TP >= min_tp with room for r and the least load (-1: none); with
- * `no_queue`, only one that has nothing queued (TP work that would wait is better off in DP). */
+/* The bound instance of TP >= min_tp with room for r and the least load (-1: none). A normal
+ * request takes only one with nothing queued (TP work that would wait is better off in DP) and
+ * nothing paused under it (each request there keeps the paused ones waiting). */
 static int32_t fl_bound_with_room(const gy_sim_policy_config *cfg, const gy_sim_view *v,
-                                  const gy_sim_req_view *r, int no_queue) {
+                                  const gy_sim_req_view *r) {
+    const int normal = r->min_tp <= v->base_tp && r->priority <= 0;
     int32_t best = -1;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         if (!i->bound || i->held || i->tp < r->min_tp || !gy_sim_policy_fits(i, r) ||
-            i->kv_total - i->kv_used < r->footprint || (no_queue && i->n_waiting > 0))
+            i->kv_total - i->kv_used < r->footprint ||
+            (normal && (i->n_waiting > 0 || i->n_paused > 0)))
             continue;
         if (best < 0 || gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))
             best = k;
@@ -170,7 +173,7 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
     }
-    const int32_t bound = fl_bound_with_room(cfg, v, r, r->min_tp <= v->base_tp);
+    const int32_t bound = fl_bound_with_room(cfg, v, r);
     const int32_t group_tp = fl_group_tp(cfg, v);
     int64_t busy = 0;
     int32_t idle = -1;
