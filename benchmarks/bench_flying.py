@@ -29,6 +29,10 @@
    tokens/s), and with equal phases no light phase ever drains a burst's backlog.
 6. Table 1's priority workload in the simulator: arrivals modulated between 1.5 and 2.5 req/s
    (the paper's 3-5, halved as above), every fourth request a priority one.
+7. The bursty workload at small scale on the CPU host through the same controller
+   (gyges.experiment: the tiny model, 4 workers): light phases of 2 req/s for 8 s, bursts of
+   12 req/s for 2 s, inputs 16-200, outputs 8-48; static 4xTP1 and TP4 hosts beside the flying
+   policy on a replicated host.
 
 Run: .venv/bin/python benchmarks/bench_flying.py [--quick]
 """
@@ -42,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges import sim, traces  # noqa: E402
+from gyges import experiment, sim, traces  # noqa: E402
 from gyges.costmodel import CostModel  # noqa: E402
 
 MEM = "32MiB"
@@ -259,6 +263,27 @@ def priority_sim_rows():
     return rows
 
 
+def host_bursty_rows():
+    tr = traces.time_varying([2.0] * 4 + [12.0], period=2, duration=20 if QUICK else 40,
+                             input_tokens=(16, 200), output_tokens=(8, 48), seed=1)
+    rows = []
+    for name, kw in (("static 4xTP1", dict(policy="static", layout="4xTP1")),
+                     ("static TP4", dict(policy="static", layout="TP4")),
+                     ("flying (replicated)", dict(policy="flying"))):
+        res = experiment.run(tr, **kw)
+        q = res.requests
+        ttft = q["first_token"] - q["arrival"]
+        phase = q["arrival"] % 10
+        s = res.summary()
+        rows.append({"system": name, "ttft_light_ms": 1e3 * float(np.nanmean(ttft[phase < 8])),
+                     "ttft_burst_ms": 1e3 * float(np.nanmean(ttft[phase >= 8])),
+                     "ttft_p90_ms": 1e3 * float(np.nanpercentile(ttft, 90)),
+                     "tpot_ms": 1e3 * s["tpot_mean"], "tok_s": s["output_throughput"],
+                     "binds": res.stats.get("n_binds", 0),
+                     "releases": res.stats.get("n_releases", 0)})
+    return rows
+
+
 def main():
     model = gyges.Model.tiny()
     switches, cold_ms = switch_rows(model)
@@ -298,7 +323,15 @@ def main():
                  ("tpot_prio_ms", "TPOT prio ms", "{:.1f}"), ("ttft_all_ms", "TTFT all ms", "{:.0f}"),
                  ("tpot_all_ms", "TPOT all ms", "{:.1f}"), ("peak_tps", "peak tok/s", "{:.0f}"),
                  ("paper", "paper (Table 1)", "{}")])
+    host_bursty = host_bursty_rows()
+    print_table("7. Bursty workload on the CPU host (tiny model, 4 workers, gyges.experiment)",
+                host_bursty,
+                [("system", "system", "{}"), ("ttft_light_ms", "TTFT light ms", "{:.1f}"),
+                 ("ttft_burst_ms", "TTFT burst ms", "{:.1f}"), ("ttft_p90_ms", "P90 TTFT ms", "{:.1f}"),
+                 ("tpot_ms", "TPOT ms", "{:.2f}"), ("tok_s", "tok/s", "{:.0f}"),
+                 ("binds", "binds", "{}"), ("releases", "releases", "{}")])
     write_json("bench_flying", {"switch": switches, "cold_start_ms": cold_ms,
+                                "host_bursty": host_bursty,
                                 "context": contexts, "priority": priorities,
                                 "sim_context": sim_contexts, "sim_bursty": bursty,
                                 "sim_priority": prio_sim})

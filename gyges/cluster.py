@@ -57,6 +57,7 @@ XFORM_NONE, XFORM_MERGING = 0, 1
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
 OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release"}
 PLACE, DEFER = 1, 2  # gy_sim_action
+BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 
 
 @dataclass

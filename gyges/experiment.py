@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _C, traces
-from .cluster import (DEFER, INST_VIEW_DTYPE, PLACE, XFORM_MERGING, XFORM_NONE, Policy,
-                      check_number, check_policy, smallest_tp)
+from .cluster import (BIND, DEFER, INST_VIEW_DTYPE, PLACE, RELEASE, XFORM_MERGING, XFORM_NONE,
+                      Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
 from .errors import Error as GygesError
@@ -88,6 +88,9 @@ def capacities(host, max_tp=None) -> list[int]:
     of a worker less the weights a rank of that TP keeps, in whole pages per layer, as blocks of
     that TP's geometry. Checked against the instances the host has."""
     max_tp = max_tp or min(host.max_tp, len(host._workers))
+    if host.replicas is not None:  # a bound TP-k group pools k workers' blocks (in DP blocks)
+        dp = host.replicas.dp[0].capacity_blocks()
+        return [dp << level for level in range(max_tp.bit_length())]
     w = host.worker(0)
     c = host.model.config
     ws = w.weights
@@ -133,6 +136,8 @@ class _Req:
     tp: int = 0
     preemptions: int = 0
     migrations: int = 0
+    priority: int = 0
+    tp_work: int = 0               # placed as TP work (flying): recomputed at its group's bind
 
 
 class _Replay:
@@ -168,18 +173,26 @@ class _Replay:
         self.events = queue.Queue()  # (what, Instance) from the runners
         self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
                                        thread_name_prefix="gyges-experiment")
-        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_migrations": 0,
+        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0,
+                      "n_releases": 0, "n_migrations": 0,
                       "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
                       "controller_seconds": 0.0, "transform_seconds": 0.0}
         self.last_refusal = None
+        # a replicated host (weights="replicated") binds and releases groups (gyges.flying)
+        self.replicated = host.replicas is not None
         self.ctl = _C.Controller(self, policy._c, self.n_gpus, self.n_gpus, max_tp,
-                                 self.capacity.tolist(), self.block_size, 0.0)
+                                 self.capacity.tolist(), self.block_size, 0.0,
+                                 replicated=self.replicated, base_tp=1)
         self.ended = 0               # transformations ended, not yet told to the controller
         self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
         self.steps = []              # STEP_DTYPE rows
         for inst in host.instances:
             self.refresh(inst)
+
+    def serving(self):
+        """The instances that step now (a replicated host's bound groups and free workers)."""
+        return sorted(self.host.serving_instances(), key=lambda inst: min(inst.workers))
 
     # ---- clock ----
     def now(self):
@@ -203,14 +216,24 @@ class _Replay:
         after each step, or from the main thread while it is stopped)."""
         st = inst._c.stats()
         kv = self.host.worker(inst.workers[0]).kv.stats()
+        scale = inst.block_tokens // self.block_size  # a TP view's block: tp DP blocks' tokens
+        if self.replicated:  # the pool is shared: count this instance's own blocks
+            cache = self.host.worker(inst.workers[0]).kv
+            used = sum(len(cache.block_table(seq)) for seq in
+                       (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
+            if inst.tp > 1:
+                group = self.host.replicas.groups[(min(inst.workers), inst.tp)]
+                used = sum(len(group.views[0].block_table(seq)) for seq in
+                           (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
+            kv = {"n_blocks": used, "free_blocks": 0}
         computed = {}
         for rid, handle in list(inst.requests.items()):
             if not handle.output_tokens:
                 computed[rid] = inst._c.info(rid)["n_computed"]
-        self.cache[inst] = {"capacity": st["capacity_blocks"], "running": st["running"],
+        self.cache[inst] = {"capacity": st["capacity_blocks"] * scale, "running": st["running"],
                             "waiting": st["waiting"] + st["preempted_queued"],
-                            "kv_used": kv["n_blocks"] - kv["free_blocks"], "computed": computed,
-                            "preemptions": st["preemptions"]}
+                            "kv_used": (kv["n_blocks"] - kv["free_blocks"]) * scale,
+                            "computed": computed, "preemptions": st["preemptions"]}
 
     def busy(self):
         return bool(self.active) or any(not t.done for t in self.host.transformations)
@@ -227,7 +250,7 @@ class _Replay:
         """Starts a runner on every stopped instance that has work."""
         has_work = {r.inst for r in self.active}
         staggered = [t for t in self.host.transformations if not t.done]
-        for inst in list(self.host.instances):
+        for inst in self.serving():
             if inst in self.running:
                 continue
             moving = [t for t in staggered if set(t.workers) & set(inst.workers)]
@@ -341,7 +364,7 @@ class _Replay:
     def collect(self):
         """Takes in the requests that finished and the transformations that ended."""
         for row, t in self.xforms:
-            if math.isnan(row["end"]) and t.done:
+            if t is not None and math.isnan(row["end"]) and t.done:
                 self.finish_transform(row, t)
         still = []
         for r in self.active:
@@ -373,8 +396,9 @@ class _Replay:
         for g, tp in ended_steps:
             self.control("step_ended", g, tp, True, self.now())
         if not ended_steps:
-            held = [inst for inst in self.host.instances
-                    if self.ctl.held(min(inst.workers), inst.tp)]
+            held = [inst for inst in self.serving() if self.ctl.held(min(inst.workers), inst.tp)]
+            if self.replicated and not self.running:  # a bound group idle over paused work
+                held += [inst for inst in self.serving() if inst.tp > 1 and not inst.requests]
             if held:
                 self.control("step_ended", min(held[0].workers), held[0].tp, False, self.now())
         for _ in range(16):
@@ -388,7 +412,7 @@ class _Replay:
         """gy_sim_inst_view rows of every instance in worker order (the controller adds held
         and reserved): what each reported at the end of its last step plus the requests placed
         on it since."""
-        insts = sorted(self.host.instances, key=lambda inst: min(inst.workers))
+        insts = self.serving()
         mine = {inst: [] for inst in insts}
         for r in self.active:
             mine.setdefault(r.inst, []).append(r)
@@ -411,10 +435,17 @@ class _Replay:
             row["pending_prefill"] = sum(r.prompt - c["computed"].get(r.handle.id, 0)
                                          for r in rs if not r.handle.output_tokens)
             row["pending_output"] = sum(r.output - len(r.handle.output_tokens) for r in rs)
+            row["n_tp_work"] = sum(r.tp_work for r in rs)
+            row["n_priority"] = sum(r.priority > 0 for r in rs)
+            if self.replicated and i.tp > 1:
+                row["bound"] = 1
+                row["n_paused"] = sum(1 for r in self.active if r.inst is not None and
+                                      r.inst.tp == 1 and r.inst.workers[0] in i.workers)
         return rows.tobytes()
 
-    def assign(self, index, action, gpu_first, tp):
+    def assign(self, index, action, gpu_first, tp, tp_work=0):
         r = self.reqs[index]
+        r.tp_work = tp_work
         if action == PLACE:
             inst = self._inst_at(gpu_first, tp)
             if inst is None:  # pragma: no cover - the controller names a listed instance
@@ -427,7 +458,15 @@ class _Replay:
 
     def reconfigure(self, kind, g, size):
         """A merge (kind 0) of the two TP size/2 halves of workers g..g+size-1, or a split
-        (kind 1) of the TP-size instance at g: whether it started."""
+        (kind 1) of the TP-size instance at g; on a replicated host a bind (kind 4) of workers
+        g..g+size-1 or a release (kind 5) of the group bound there: whether it started."""
+        if (kind in (BIND, RELEASE)) != self.replicated:
+            return self.refuse(f"op kind {kind}: the host's weights are "
+                               f"{'replicated' if self.replicated else 'sharded'}")
+        if kind == BIND:
+            return self.bind(g, size)
+        if kind == RELEASE:
+            return self.release(g, size)
         if kind == 0:
             sources = [self._inst_at(g, size // 2), self._inst_at(g + size // 2, size // 2)]
             if size < 2 or None in sources:
@@ -439,9 +478,75 @@ class _Replay:
             return self.refuse(f"split: no TP{size} instance at worker {g}")
         return self.transform(1, g, size, size // 2, [src])
 
+    def bind(self, g, size):
+        """Binds workers g..g+size-1 now: their DP requests pause, those placed there as TP work
+        move to the group's TP engine (recomputed)."""
+        workers = tuple(range(g, g + size))
+        members = [inst for inst in self.serving() if set(inst.workers) <= set(workers)]
+        if len(members) != size or any(inst.tp != 1 for inst in members):
+            return self.refuse(f"bind: workers {g}..{g + size - 1} are not {size} DP workers")
+        for inst in members:
+            self.quiesce(inst)
+        tp_work = [r.handle for r in self.active if r.inst in members and r.tp_work]
+        start = self.now()
+        try:
+            self.host.switch(workers, size, preempt="hard", tp_work=tp_work)
+        except GygesError as e:
+            self.last_refusal = str(e)
+            return self.refuse(f"bind: {type(e).__name__}")
+        group = self.host.replicas.groups[(g, size)].instance
+        self._moved(members + [group], start, [(inst, -1) for inst in members] + [(group, +1)])
+        self.stats["n_binds"] += 1
+        self.ended += 1
+        self.xforms.append(({"kind": BIND, "gpu": g, "tp_from": 1, "tp_to": size,
+                             "start": start, "phase_end": start, "end": self.now(),
+                             "migrated": len(tp_work), "kv_bytes": 0.0, "weight_bytes": 0.0},
+                            None))
+        return True
+
+    def release(self, g, size):
+        """Releases the group bound at g: its members serve DP again, their paused requests
+        resume, and its own TP requests are recomputed on them."""
+        group = self.host.replicas.groups.get((g, size))
+        if group is None or group.state != "bound":
+            return self.refuse(f"release: no group bound at workers {g}..{g + size - 1}")
+        self.quiesce(group.instance)
+        moving = [r for r in self.active if r.inst is group.instance]
+        start = self.now()
+        try:
+            self.host.switch(group.workers, 1, preempt="soft")
+        except GygesError as e:
+            self.last_refusal = str(e)
+            return self.refuse(f"release: {type(e).__name__}")
+        members = [self.host.replicas.dp[w] for w in group.workers]
+        self._moved([group.instance] + members, start,
+                    [(group.instance, -1)] + [(inst, +1) for inst in members])
+        self.stats["n_releases"] += 1
+        self.ended += 1
+        self.xforms.append(({"kind": RELEASE, "gpu": g, "tp_from": size, "tp_to": 1,
+                             "start": start, "phase_end": start, "end": self.now(),
+                             "migrated": len(moving), "kv_bytes": 0.0, "weight_bytes": 0.0},
+                            None))
+        return True
+
+    def _moved(self, instances, start, changes):
+        """After a bind or a release: where each request of `instances` is now, fresh cache
+        rows, and the layout events."""
+        for inst, change in changes:
+            self.layout_events.append((start, min(inst.workers), inst.tp, change))
+        for inst in instances:
+            self.refresh(inst)
+            for rid in list(inst.requests):
+                r = self.by_id.get(rid)
+                if r is not None and r.inst is not inst:
+                    r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
+                    r.migrations += 1
+                    r.tp_work = 0
+                    self.stats["n_migrations"] += 1
+
     def arrive(self, r):
-        self.control("arrive", r.index, r.prompt, r.output, r.footprint, r.min_tp, 0, r.arrival,
-                     self.now())
+        self.control("arrive", r.index, r.prompt, r.output, r.footprint, r.min_tp, r.priority,
+                     r.arrival, self.now())
 
     def submit(self, r, inst):
         rng = np.random.default_rng([self.seed, r.index])
@@ -518,7 +623,7 @@ class _Replay:
     def sample(self):
         t = self.now()
         staggered = self._staggered()
-        for inst in sorted(self.host.instances, key=lambda i: min(i.workers)):
+        for inst in self.serving():
             c = self.cache[inst]
             g = min(inst.workers)
             self.samples.append((t, g, inst.tp, int(bool(staggered & set(inst.workers))),
@@ -534,6 +639,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         decode_weight: float | None = None, scale_down_free: float | None = None,
         scale_up_load: float | None = None, scale_up_cap: float | None = None,
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
+        flying_tp: int | None = None, light_load: float | None = None,
         record_steps: bool = False) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
@@ -559,11 +665,6 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     if trace.shape[0] == 0:
         raise ExperimentError("the trace has no requests")
     check_policy(policy, ExperimentError)
-    if policy == "flying":
-        raise ExperimentError("policy 'flying' binds the replicas of a host built with "
-                              "weights='replicated'; the experiment executor drives sharded "
-                              "hosts (merge/split) only so far: run it in gyges.sim.run, or "
-                              "switch a replicated host by hand (Host.switch)")
     time_scale = _check_number("time_scale", time_scale, 0.0, low_open=True)
     if idle not in ("skip", "sleep"):
         raise ExperimentError(f"idle must be 'skip' or 'sleep', got {idle!r}")
@@ -579,12 +680,13 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                               f"{layers_per_step!r}")
     pol = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                  scale_up_cap=scale_up_cap, merge_wait=merge_wait, scale_up_load=scale_up_load,
-                 eager_scale_up=eager_scale_up)
+                 eager_scale_up=eager_scale_up, flying_tp=flying_tp, light_load=light_load)
 
     from .host import Host
     if host is None:
         from .model import Model
-        host = Host(Model.tiny(), workers=4, memory_per_worker="24MiB", layout=layout or "4xTP1")
+        host = Host(Model.tiny(), workers=4, memory_per_worker="24MiB", layout=layout or "4xTP1",
+                    weights="replicated" if policy == "flying" else "sharded")
     elif not isinstance(host, Host):
         raise ExperimentError(f"host must be a gyges.Host, got {type(host).__name__}")
     elif layout is not None and layout.replace(" ", "") != host.layout():
@@ -593,6 +695,12 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     if host.has_unfinished():
         raise ExperimentError("the host still serves requests or transforms; give run() an "
                               "idle host")
+    if policy == "flying" and host.replicas is None:
+        raise ExperimentError("policy 'flying' binds the replicas of a host built with "
+                              "weights='replicated'")
+    if policy not in ("flying", "static") and host.replicas is not None:
+        raise ExperimentError(f"policy {policy!r} merges and splits by moving shards; a "
+                              f"replicated host switches with policy 'flying'")
     n_gpus = len(host._workers)
     if n_gpus & (n_gpus - 1):
         raise ExperimentError(f"the policies need a power-of-two number of workers (aligned "
@@ -624,7 +732,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         prompt, output = int(trace["input_tokens"][i]), int(trace["output_tokens"][i])
         fp = -(-(prompt + output) // rp.block_size)
         min_tp = 0 if prompt + output > rp.max_pos else smallest_tp(fp, rp.capacity)
-        rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i])))
+        rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i]),
+                            priority=int(trace["priority"][i])))
     try:
         stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
         rp.sample()

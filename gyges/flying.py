@@ -179,7 +179,7 @@ class Replicas:
                 return g
         return None
 
-    def switch(self, workers, tp, preempt, auto_release=False):
+    def switch(self, workers, tp, preempt, auto_release=False, tp_work=()):
         workers = checks.int_sequence("workers", workers, 0, len(self.dp) - 1)
         if not workers or len(set(workers)) != len(workers):
             raise InvalidArgumentError(f"workers must name distinct workers, got {workers}")
@@ -199,8 +199,16 @@ class Replicas:
                             f"workers {list(other.workers)} ({other.state}); release it first")
         if g.state != "free":
             return g.switch  # already binding or bound: the same switch
+        homes = {}
+        for handle in tp_work:  # TP work a controller started in DP mode on a member
+            home = [w for w in g.workers if self.dp[w].loop.requests.get(handle.id) is handle]
+            if not home:
+                raise InvalidArgumentError(f"tp_work: request {handle.id} is not served by a DP "
+                                           f"worker of {list(g.workers)}")
+            homes[handle.id] = home[0]
         s = Switch(g.workers, tp, preempt, auto_release)
         g.state, g.switch = "binding", s
+        g.soft.update(homes)
         for w in g.workers:
             self.bound_to[w] = g
             self.dp[w]._c.hold(True)

@@ -392,21 +392,24 @@ class Host(Serving):
         return self.replicas.serving() if self.replicas is not None else list(self.instances)
 
     # ---- Flying Serving (weights="replicated") ----
-    def switch(self, workers, tp, preempt="wait"):
+    def switch(self, workers, tp, preempt="wait", tp_work=()):
         """Binds an aligned group of workers of a replicated host for TP work (tp = their
         number), or releases it to DP (tp=1); nothing is copied, mapped or made (gyges.flying).
         preempt: "wait" (bind once the members' running DP requests are done), "soft" (and
         meanwhile start pending TP requests in DP mode on idle members, recomputed at the bind)
         or "hard" (bind now, pausing the members' DP requests with their KV). A release waits
         for the group's TP requests to finish ("wait"), or recomputes them on the members in DP
-        mode now ("soft", "hard"). Returns a flying.Switch: s.done, s.stats."""
+        mode now ("soft", "hard"). tp_work: handles of requests on the members that are TP
+        work started in DP mode (a controller's soft start): at the bind they move to the TP
+        engine and are recomputed, like soft preemption's. Returns a flying.Switch: s.done,
+        s.stats."""
         with self._lock:
             self._check_open()
             if self.replicas is None:
                 raise InvalidArgumentError("switch() is for hosts built with "
                                            "weights='replicated'; this host's workers keep their "
                                            "shards only: use transform()")
-            s = self.replicas.switch(workers, tp, preempt)
+            s = self.replicas.switch(workers, tp, preempt, tp_work=tp_work)
             log.info("switch of workers %s to TP%s (%s)%s", sorted(workers), tp, preempt,
                      "" if s.done else ": waiting")
             return s

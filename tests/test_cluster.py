@@ -79,3 +79,27 @@ def test_static_rejects_the_same_on_both_executors(host_caps):
     s, h = both(trace, "static", host_caps, layout="4xTP1")
     assert decisions(s) == decisions(h)
     assert decisions(s)[0][1][0] == 4  # rejected (status 4): no TP1 instance holds it
+
+
+def test_flying_binds_and_releases_the_same_on_both_executors():
+    host = gyges.Host(gyges.Model.tiny(), workers=4, memory_per_worker="24MiB",
+                      weights="replicated")
+    caps = experiment.capacities(host)
+    dp_tokens = caps[0] * host.block_size
+    host.close()
+    assert caps == [caps[0], 2 * caps[0], 4 * caps[0]]  # a bound group pools its members' KV
+    # light load: short requests bind a pair and stay on it; a request no pair holds releases
+    # the pair and binds all four; a priority one binds at once
+    inputs = [40, 60, 2 * dp_tokens + 50, 30, 50]
+    tr = spaced(inputs, [6, 5, 4, 6, 5])
+    tr["priority"][3] = 1
+    cost = ConstantCost(step=0.001, phase=0.0, capacity=tuple(caps))
+    s = sim.run(tr, policy="flying", weights="replicated", gpus_per_host=4, cost=cost,
+                watermark=0.0, check=True)
+    h = experiment.run(tr, policy="flying", time_scale=1.0)
+    assert decisions(s) == decisions(h)
+    placed, xforms = decisions(s)
+    assert [st for st, _, _ in placed] == [3] * 5
+    assert placed[2][2] == 4  # the long one on all four
+    assert {k for k, *_ in xforms} == {4, 5}  # binds and releases only
+    assert s.stats["binds"] == h.stats["n_binds"] > 0

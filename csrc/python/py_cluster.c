@@ -3,8 +3,10 @@
  *
  *   instances()                           -> bytes of gy_sim_inst_view rows (INST_VIEW_DTYPE),
  *                                            the instances in GPU order
- *   assign(id, action, gpu_first, tp)        a request's decision (1 place, 2 defer, 3 reject)
- *   reconfigure(kind, gpu_first, size)    -> whether it started (0 merge, 1 split)
+ *   assign(id, action, gpu_first, tp, tp_work)  a request's decision (1 place, 2 defer,
+ *                                            3 reject; tp_work: a placement as TP work)
+ *   reconfigure(kind, gpu_first, size)    -> whether it started (0 merge, 1 split, 4 bind,
+ *                                            5 release)
  *
  * which the controller calls while it decides; the simulator's executor is C (sim/sim.c). An
  * exception raised by an op ends the call with that same exception. The GIL is kept: the
@@ -53,8 +55,9 @@ static gy_status gy_py_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t c
 static gy_status gy_py_op_assign(void *ctx, const gy_cluster_request *r, int32_t action,
                                  int32_t gpu_first, int32_t tp) {
     GyControllerObject *self = ctx;
-    PyObject *result = PyObject_CallMethod(self->executor, "assign", "Liii", (long long)r->id,
-                                           (int)action, (int)gpu_first, (int)tp);
+    PyObject *result = PyObject_CallMethod(self->executor, "assign", "Liiii", (long long)r->id,
+                                           (int)action, (int)gpu_first, (int)tp,
+                                           (int)r->tp_work);
     if (result == NULL) return GY_PY_OP_FAILED;
     Py_DECREF(result);
     return GY_OK;
@@ -88,18 +91,20 @@ static PyObject *gy_py_controller_result(gy_status s) {
 
 static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"executor",   "policy",     "n_gpus",    "gpus_per_host",
-                            "max_tp",     "capacity",   "block_size", "watermark", NULL};
+                            "max_tp",     "capacity",   "block_size", "watermark",
+                            "replicated", "base_tp",    NULL};
     PyObject *executor, *policy, *capacity_object;
-    int n_gpus, gpus_per_host, max_tp;
+    int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1;
     long long block_size;
     double watermark;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd", names, &executor, &policy,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|pi", names, &executor, &policy,
                                      &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
-                                     &block_size, &watermark))
+                                     &block_size, &watermark, &replicated, &base_tp))
         return NULL;
     gy_cluster_config config = {.n_gpus = n_gpus, .gpus_per_host = gpus_per_host,
                                 .max_tp = max_tp, .block_size = block_size,
-                                .watermark = watermark};
+                                .watermark = watermark, .replicated = replicated,
+                                .base_tp = base_tp};
     config.policy = gy_py_policy_unwrap(policy, &config.policy_config);
     if (config.policy == NULL) return NULL;
     int64_t capacity[GY_SIM_MAX_LEVELS];
@@ -137,6 +142,7 @@ static void gy_py_controller_dealloc(GyControllerObject *self) {
 /* arrive(id, prompt, output, footprint, min_tp, priority, arrival, now) */
 static PyObject *gy_py_controller_arrive(GyControllerObject *self, PyObject *args) {
     gy_cluster_request r;
+    memset(&r, 0, sizeof r);
     int min_tp, priority;
     long long id, prompt, output, footprint;
     double now;

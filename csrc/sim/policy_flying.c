@@ -80,6 +80,16 @@ static int fl_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *b
     return 1;
 }
 
+/* 1 when a bind of the group [g, g + size) is under way. */
+static int fl_binding(const gy_sim_view *v, int32_t g, int32_t size) {
+    for (int32_t x = g; x < g + size && x < v->n_gpus;) {
+        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
+        if (i->xform == GY_SIM_XFORM_BINDING) return 1;
+        x += i->tp;
+    }
+    return 0;
+}
+
 /* The bindable group of `size` GPUs with the fewest busy requests (-1: none). */
 static int32_t fl_pick_group(const gy_sim_view *v, int32_t size, int64_t *busy_out,
                              int32_t *idle_out) {
@@ -105,6 +115,16 @@ static void fl_hold_members(const gy_sim_view *v, int32_t g, int32_t size, int32
         if (v->gpu_inst[x] != except && !i->held)
             gy_sim_decision_add_op(d, GY_SIM_OP_HOLD, i->gpu_first, i->tp);
         x += i->tp;
+    }
+}
+
+/* No group of `size` can bind: idle bound groups smaller than it go back to DP (it waits at
+ * the cluster until the topology changes, then decides again). */
+static void fl_clear_way(const gy_sim_view *v, int32_t size, gy_sim_decision *d) {
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (i->bound && i->tp < size && i->n_requests == 0 && i->xform == GY_SIM_XFORM_NONE)
+            gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
     }
 }
 
@@ -192,6 +212,10 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             fl_bind_when_drained(v, r->group.gpu_first, r->group.size, busy, d);
             return GY_OK;
         }
+        if (fl_binding(v, r->group.gpu_first, r->group.size)) { /* its bind is under way */
+            fl_defer_on(d, r->group.gpu_first, r->group.size);
+            return GY_OK;
+        }
         /* its group is taken (being bound for it, or by another): decide afresh */
     }
     if (r->min_tp > v->base_tp) { /* long: only a bound group holds it */
@@ -202,6 +226,7 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
         const int32_t g = fl_pick_group(v, r->min_tp, &busy, &idle);
         if (g < 0) {
             d->action = GY_SIM_ACTION_DEFER; /* every group of its size is engaged */
+            fl_clear_way(v, r->min_tp, d);
             return GY_OK;
         }
         fl_defer_on(d, g, r->min_tp);
@@ -227,6 +252,13 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             fl_defer_on(d, g, size);
             gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
             return GY_OK;
+        }
+        if (g < 0 && priority && !capped) { /* smaller idle groups in the way go back first */
+            fl_clear_way(v, size, d);
+            if (d->n_ops > 0) {
+                d->action = GY_SIM_ACTION_DEFER;
+                return GY_OK;
+            }
         }
         if (g >= 0) { /* the group drains (no new DP work) and binds once it has (rebalance) */
             if (idle >= 0 && gy_sim_policy_fits(&v->inst[idle], r)) { /* soft: start here */
