@@ -61,11 +61,21 @@ static int32_t fl_bound_with_room(const gy_sim_policy_config *cfg, const gy_sim_
     return best;
 }
 
+/* 1 when a request waits for a larger group around [g, g + size): that one goes first. */
+static int fl_claimed(const gy_sim_view *v, int32_t g, int32_t size) {
+    for (int32_t p = 0; p < v->n_pending; p++)
+        if (v->pending[p].size > size &&
+            gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, g, size))
+            return 1;
+    return 0;
+}
+
 /* The group [g, g + size) can bind: every instance in it unbound, of TP below size, nothing
- * under way. *busy receives its requests that are not TP work, *idle an idle member (-1). */
+ * under way, no larger group waited for around it. *busy receives its requests that are not
+ * TP work, *idle an idle member (-1). */
 static int fl_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *busy,
                        int32_t *idle) {
-    if (!gy_sim_group_valid(v, g, size)) return 0;
+    if (!gy_sim_group_valid(v, g, size) || fl_claimed(v, g, size)) return 0;
     *busy = 0;
     *idle = -1;
     for (int32_t x = g; x < g + size;) {
@@ -118,19 +128,67 @@ static void fl_hold_members(const gy_sim_view *v, int32_t g, int32_t size, int32
     }
 }
 
-/* No group of `size` can bind: idle bound groups smaller than it go back to DP (it waits at
- * the cluster until the topology changes, then decides again). */
-static void fl_clear_way(const gy_sim_view *v, int32_t size, gy_sim_decision *d) {
-    for (int32_t k = 0; k < v->n_inst; k++) {
-        const gy_sim_inst_view *i = &v->inst[k];
-        if (i->bound && i->tp < size && i->n_requests == 0 && i->xform == GY_SIM_XFORM_NONE)
-            gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
+static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size);
+
+/* A group of `size` that smaller bound groups keep from binding, to wait for (they are
+ * released by the rebalance once idle: fl_in_the_way): the one with the fewest requests and no
+ * instance of TP >= size in it (-1: none). */
+static int32_t fl_claim(const gy_sim_view *v, int32_t size) {
+    int32_t best = -1;
+    int64_t best_n = 0;
+    for (int32_t g = 0; g + size <= v->n_gpus; g += size) {
+        if (!gy_sim_group_valid(v, g, size)) continue;
+        int64_t n = 0;
+        int ok = 1;
+        for (int32_t x = g; x < g + size && ok;) {
+            const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
+            ok = i->tp < size && i->gpu_first == x;
+            n += i->n_requests;
+            x += i->tp;
+        }
+        if (ok && (best < 0 || n < best_n)) {
+            best = g;
+            best_n = n;
+        }
     }
+    return best;
+}
+
+/* 1 when group [g, g + size) is still one to wait for (fl_claim's condition). */
+static int fl_claim_holds(const gy_sim_view *v, int32_t g, int32_t size) {
+    if (!gy_sim_group_valid(v, g, size)) return 0;
+    for (int32_t x = g; x < g + size;) {
+        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
+        if (i->tp >= size || i->gpu_first != x) return 0;
+        x += i->tp;
+    }
+    return 1;
+}
+
+/* 1 when a deferred request waits for a larger group around bound instance i. */
+static int fl_in_the_way(const gy_sim_view *v, const gy_sim_inst_view *i) {
+    for (int32_t p = 0; p < v->n_pending; p++)
+        if (v->pending[p].size > i->tp &&
+            gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, i->gpu_first, i->tp))
+            return 1;
+    return 0;
 }
 
 static void fl_defer_on(gy_sim_decision *d, int32_t g, int32_t size) {
     d->action = GY_SIM_ACTION_DEFER;
     d->group = (gy_sim_group){.gpu_first = g, .size = size};
+}
+
+/* Waits for group [g, g + size), releasing the idle bound groups inside it now (busy ones are
+ * released by the rebalance once idle: fl_in_the_way). */
+static void fl_defer_on_claim(const gy_sim_view *v, gy_sim_decision *d, int32_t g, int32_t size) {
+    fl_defer_on(d, g, size);
+    for (int32_t x = g; x < g + size;) {
+        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
+        if (i->bound && i->n_requests == 0 && i->xform == GY_SIM_XFORM_NONE)
+            gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
+        x += i->tp;
+    }
 }
 
 /* The least-loaded unbound, unheld instance that holds r (-1: none). */
@@ -158,8 +216,6 @@ static void fl_bind_when_drained(const gy_sim_view *v, int32_t g, int32_t size, 
     if (busy == 0) gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
     else fl_hold_members(v, g, size, -1, d);
 }
-
-static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size);
 
 /* A burst: requests wait at the cluster or in a DP unit's queue. */
 static int fl_heavy(const gy_sim_view *v) {
@@ -212,8 +268,9 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             fl_bind_when_drained(v, r->group.gpu_first, r->group.size, busy, d);
             return GY_OK;
         }
-        if (fl_binding(v, r->group.gpu_first, r->group.size)) { /* its bind is under way */
-            fl_defer_on(d, r->group.gpu_first, r->group.size);
+        if (fl_binding(v, r->group.gpu_first, r->group.size) || /* its bind is under way, */
+            fl_claim_holds(v, r->group.gpu_first, r->group.size)) { /* or smaller ones clear */
+            fl_defer_on_claim(v, d, r->group.gpu_first, r->group.size);
             return GY_OK;
         }
         /* its group is taken (being bound for it, or by another): decide afresh */
@@ -224,9 +281,10 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             return GY_OK;
         }
         const int32_t g = fl_pick_group(v, r->min_tp, &busy, &idle);
-        if (g < 0) {
-            d->action = GY_SIM_ACTION_DEFER; /* every group of its size is engaged */
-            fl_clear_way(v, r->min_tp, d);
+        if (g < 0) { /* smaller bound groups are in the way: wait for one of them to clear */
+            const int32_t c = fl_claim(v, r->min_tp);
+            if (c >= 0) fl_defer_on_claim(v, d, c, r->min_tp);
+            else d->action = GY_SIM_ACTION_DEFER;
             return GY_OK;
         }
         fl_defer_on(d, g, r->min_tp);
@@ -253,10 +311,10 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
             return GY_OK;
         }
-        if (g < 0 && priority && !capped) { /* smaller idle groups in the way go back first */
-            fl_clear_way(v, size, d);
-            if (d->n_ops > 0) {
-                d->action = GY_SIM_ACTION_DEFER;
+        if (g < 0 && priority && !capped) { /* smaller bound groups in the way clear first */
+            const int32_t c = fl_claim(v, size);
+            if (c >= 0) {
+                fl_defer_on_claim(v, d, c, size);
                 return GY_OK;
             }
         }
@@ -311,7 +369,7 @@ static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, cons
         const gy_sim_inst_view *i = &v->inst[k];
         if (!i->bound || i->xform != GY_SIM_XFORM_NONE || fl_pending(v, i->gpu_first, i->tp))
             continue;
-        if (i->n_requests == 0 && (i->n_paused > 0 || i->held || !light))
+        if (i->n_requests == 0 && (i->n_paused > 0 || i->held || !light || fl_in_the_way(v, i)))
             gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
         else if (!light && fl_heavy(v))
             fl_release_or_drain(v, i, d);
