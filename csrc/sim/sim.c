@@ -499,6 +499,20 @@ static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
     return GY_OK;
 }
 
+/* A transformation is over with `c` (a slot, or -1) as its one new instance: it steps, and the
+ * controller hears of the new topology. */
+static gy_status gy_sim_xf_finish(gy_sim *s, int64_t x, int32_t c, int64_t *counter) {
+    gy_sim_xf *f = &s->xf[x];
+    f->dst[0] = c;
+    f->n_dst = c >= 0;
+    f->phase = 2;
+    s->xf_out[x].end = s->now;
+    s->n_active_xf--;
+    (*counter)++;
+    if (c >= 0) GY_TRY(gy_sim_start_step(s, c));
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+}
+
 /* ---- binds and releases (replicated) ---- */
 
 /* Starts a bind of the members [first, first + n) (slots) into one TP-size instance: they serve
@@ -589,15 +603,7 @@ static gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
         s->out[r].migrations++;
         o->n_migrated++;
     }
-    f = &s->xf[x];
-    f->dst[0] = c;
-    f->n_dst = 1;
-    f->phase = 2;
-    o->end = s->now;
-    s->n_active_xf--;
-    s->stats.n_binds++;
-    GY_TRY(gy_sim_start_step(s, c));
-    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+    return gy_sim_xf_finish(s, x, c, &s->stats.n_binds);
 }
 
 /* The bound instance's requests, if any, go to the members to be recomputed there (their KV
@@ -684,14 +690,8 @@ static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
         gy_sim_link(s, slot, r);
         o->n_migrated++;
     }
-    f = &s->xf[x];
-    f->n_dst = 0;
-    f->phase = 2;
-    o->end = s->now;
-    s->n_active_xf--;
-    s->stats.n_releases++;
     for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_start_step(s, members[k]));
-    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+    return gy_sim_xf_finish(s, x, -1, &s->stats.n_releases);
 }
 
 /* The topology change of a transformation, once its sources are idle. */
@@ -713,14 +713,7 @@ static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
             }
         }
         for (int k = 0; k < 2; k++) GY_TRY(gy_sim_inst_destroy(s, f->src[k]));
-        f->dst[0] = c;
-        f->n_dst = 1;
-        f->phase = 2;
-        o->end = s->now;
-        s->n_active_xf--;
-        s->stats.n_merges++;
-        GY_TRY(gy_sim_start_step(s, c));
-        return gy_cluster_reconfigured(s->cluster, 1, s->now);
+        return gy_sim_xf_finish(s, x, c, &s->stats.n_merges);
     }
     /* split: the halves replace the instance and take their requests */
     const int32_t src = f->src[0];
