@@ -452,25 +452,37 @@ static gy_status gy_sim_start_merge(gy_sim *s, int32_t a, int32_t b, int32_t g, 
     return gy_sim_phase(s, x, GY_SIM_PHASE_WEIGHTS_DROP, 0.0);
 }
 
-/* Packs the requests of `slot` into its two halves; 0 when they do not fit. */
-static int gy_sim_pack_halves(gy_sim *s, int32_t slot) {
-    gy_sim_inst *i = &s->inst[slot];
-    const int64_t cap = s->capacity[gy_sim_level_of(i->tp) - 1];
-    const int64_t usable = cap - (int64_t)(s->config.sched.watermark * (double)cap);
-    int64_t room[2] = {usable, usable};
+/* Packs the requests of instance i into n parts with room[] blocks each: largest first, each
+ * into the part with the most room left (the first of equals), req.half saying which; 0 when
+ * one does not fit. An instance's queue is short: a pass per request is cheap. */
+static int gy_sim_pack(gy_sim *s, const gy_sim_inst *i, int64_t *room, int32_t n) {
     for (int64_t r = i->head; r >= 0; r = s->req[r].next) s->req[r].half = -1;
-    /* largest first: repeatedly take the largest unassigned (n is small: an instance's queue) */
     for (;;) {
         int64_t best = -1;
         for (int64_t r = i->head; r >= 0; r = s->req[r].next)
             if (s->req[r].half < 0 && (best < 0 || s->req[r].footprint > s->req[best].footprint))
                 best = r;
         if (best < 0) return 1;
-        const int h = room[1] > room[0];
-        if (s->req[best].footprint > room[h]) return 0;
-        room[h] -= s->req[best].footprint;
-        s->req[best].half = h;
+        int32_t m = 0;
+        for (int32_t k = 1; k < n; k++)
+            if (room[k] > room[m]) m = k;
+        if (s->req[best].footprint > room[m]) return 0;
+        room[m] -= s->req[best].footprint;
+        s->req[best].half = m;
     }
+}
+
+/* The blocks a fresh TP-tp instance lets requests take (its watermark kept free). */
+static int64_t gy_sim_usable(const gy_sim *s, int32_t tp) {
+    const int64_t cap = s->capacity[gy_sim_level_of(tp)];
+    return cap - (int64_t)(s->config.sched.watermark * (double)cap);
+}
+
+/* Packs the requests of `slot` into its two halves; 0 when they do not fit. */
+static int gy_sim_pack_halves(gy_sim *s, int32_t slot) {
+    const gy_sim_inst *i = &s->inst[slot];
+    int64_t room[2] = {gy_sim_usable(s, i->tp / 2), gy_sim_usable(s, i->tp / 2)};
+    return gy_sim_pack(s, i, room, 2);
 }
 
 static gy_status gy_sim_start_split(gy_sim *s, int32_t c) {
@@ -607,31 +619,16 @@ static gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
 }
 
 /* The bound instance's requests, if any, go to the members to be recomputed there (their KV
- * has the TP geometry): largest first, each to the member with the most room left; 0 when one
- * does not fit (a long request: the release must wait for it). Sets req.half to the member. */
+ * has the TP geometry), packed beside the paused requests coming back; 0 when one does not fit
+ * (a long request: the release must wait for it). Sets req.half to the member. */
 static int gy_sim_pack_members(gy_sim *s, int32_t c) {
     const gy_sim_inst *i = &s->inst[c];
     const int32_t n = i->tp / i->member_tp;
-    const int64_t cap = s->capacity[gy_sim_level_of(i->member_tp)];
-    const int64_t usable = cap - (int64_t)(s->config.sched.watermark * (double)cap);
     int64_t room[GY_SIM_XF_MAX_SRC];
-    for (int32_t k = 0; k < n; k++) room[k] = usable;
-    for (int64_t r = i->paused_head; r >= 0; r = s->req[r].next) /* they come back too */
+    for (int32_t k = 0; k < n; k++) room[k] = gy_sim_usable(s, i->member_tp);
+    for (int64_t r = i->paused_head; r >= 0; r = s->req[r].next)
         room[(s->req[r].home - i->gpu_first) / i->member_tp] -= s->req[r].footprint;
-    for (int64_t r = i->head; r >= 0; r = s->req[r].next) s->req[r].half = -1;
-    for (;;) {
-        int64_t best = -1;
-        for (int64_t r = i->head; r >= 0; r = s->req[r].next)
-            if (s->req[r].half < 0 && (best < 0 || s->req[r].footprint > s->req[best].footprint))
-                best = r;
-        if (best < 0) return 1;
-        int32_t m = 0;
-        for (int32_t k = 1; k < n; k++)
-            if (room[k] > room[m]) m = k;
-        if (s->req[best].footprint > room[m]) return 0;
-        room[m] -= s->req[best].footprint;
-        s->req[best].half = m;
-    }
+    return gy_sim_pack(s, i, room, n);
 }
 
 /* The members come back: their paused requests resume, KV and progress kept; the bound
