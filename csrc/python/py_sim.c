@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "sim/buddy.h"
 #include "sim/cost.h"
 #include "sim/policy.h"
 #include "sim/sim.h"
@@ -358,6 +359,31 @@ static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
     return Py_BuildValue("(dd)", t, bytes);
 }
 
+/* buddy_plan(n, required, param_bytes, strategy, kv_bytes) -> ([group of each], met, freed) */
+static PyObject *gy_py_buddy_plan(PyObject *module, PyObject *args) {
+    int n, strategy;
+    double required, param_bytes, kv_bytes;
+    if (!PyArg_ParseTuple(args, "iddid", &n, &required, &param_bytes, &strategy, &kv_bytes))
+        return NULL;
+    if (n < 1 || n > (1 << 20)) return PyErr_Format(GY_PY_VALUE_ERROR, "n must be in [1, 2^20]");
+    int32_t *group_of = PyMem_Malloc((size_t)n * sizeof *group_of);
+    if (group_of == NULL) return PyErr_NoMemory();
+    int32_t met = 0;
+    double freed = 0;
+    const gy_status s = gy_buddy_plan(n, required, param_bytes, strategy, kv_bytes, group_of, &met,
+                                      &freed);
+    PyObject *list = s == GY_OK ? PyList_New(n) : NULL;
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromLong(group_of[i]);
+        if (v == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, v);
+    }
+    PyMem_Free(group_of);
+    if (s != GY_OK) return gy_py_raise(s);
+    if (list == NULL) return NULL;
+    return Py_BuildValue("(NOd)", list, met ? Py_True : Py_False, freed);
+}
+
 static PyObject *gy_py_sim_policy_names(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(gy_sim_policy_names());
 }
@@ -368,6 +394,8 @@ static PyMethodDef gy_py_sim_functions[] = {
     {"sim_phase_time", gy_py_sim_phase_time, METH_VARARGS,
      "sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU)"},
     {"sim_policy_names", gy_py_sim_policy_names, METH_NOARGS, "the policies, comma-separated"},
+    {"buddy_plan", gy_py_buddy_plan, METH_VARARGS,
+     "buddy_plan(n, required, param_bytes, strategy, kv_bytes) -> (groups, met, freed)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "gytest.h"
+#include "sim/buddy.h"
 #include "sim/cost.h"
 #include "sim/event_queue.h"
 #include "sim/instance.h"
@@ -873,4 +874,25 @@ GYTEST(sim_policy_flying_decisions) {
     w.inst[3].n_requests = 1; /* not drained yet: no bind */
     CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
     CHECK(!has_op(&d, GY_SIM_OP_BIND, 2, 2));
+}
+
+/* KunServe's Algorithm 1: 8 instances, R = P gives one pair, R = 5P gives {4, 2, 2}; 8P is
+ * unmet even with one group (it frees 7P). */
+GYTEST(sim_buddy_plans) {
+    int32_t g[8], met = 0;
+    double freed = 0;
+    CHECK_OK(gy_buddy_plan(8, 1.0, 1.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed));
+    CHECK(met && freed == 1.0 && g[0] == 0 && g[1] == 0 && g[2] == 1 && g[7] == 6);
+    CHECK_OK(gy_buddy_plan(8, 5.0, 1.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed));
+    const int32_t want[] = {0, 0, 0, 0, 1, 1, 2, 2};
+    CHECK(met && freed == 5.0 && memcmp(g, want, sizeof want) == 0);
+    CHECK_OK(gy_buddy_plan(8, 8.0, 1.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed));
+    CHECK(!met && freed == 7.0 && g[7] == 0);
+    CHECK_OK(gy_buddy_plan(8, 6.0, 1.0, GY_BUDDY_MEMORY, 4.5, g, &met, &freed));
+    CHECK(!met && freed == 4.0 && g[4] == 0 && g[5] == 1);
+    CHECK_STATUS(gy_buddy_plan(0, 1.0, 1.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed),
+                 GY_ERR_INVALID);
+    CHECK_STATUS(gy_buddy_plan(8, 1.0, 0.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed),
+                 GY_ERR_INVALID);
+    CHECK_STATUS(gy_buddy_plan(8, 1.0, 1.0, 7, 0, g, &met, &freed), GY_ERR_INVALID);
 }

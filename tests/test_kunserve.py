@@ -1,0 +1,69 @@
+"""KunServe's buddy-group plans (gyges.kunserve, csrc/sim/buddy.c): Algorithm 1's cases from the
+issue, the memory-greedy variant, an independent reference on random inputs, and refusals."""
+import random
+
+import pytest
+
+import gyges
+from gyges import kunserve
+
+P = 10.0
+
+
+def test_algorithm_1_cases():
+    p = kunserve.plan(8, P, P)
+    assert p.groups == ((0, 1), (2,), (3,), (4,), (5,), (6,), (7,)) and p.met and p.freed == P
+    p = kunserve.plan(8, 5 * P, P)
+    assert sorted(len(g) for g in p.groups) == [2, 2, 4] and p.met and p.freed == 5 * P
+    assert p.groups == ((0, 1, 2, 3), (4, 5), (6, 7))
+    p = kunserve.plan(8, 0, P)
+    assert p.groups == tuple((j,) for j in range(8)) and p.met and p.freed == 0
+    p = kunserve.plan(8, 8 * P, P)  # one group of all 8 frees 7 P: unmet, flagged
+    assert p.groups == (tuple(range(8)),) and not p.met and p.freed == 7 * P
+    assert kunserve.plan(1, P, P).met is False
+
+
+def test_memory_greedy_grows_one_group_within_the_kv_region():
+    p = kunserve.plan(8, 3 * P, P, strategy="memory")
+    assert p.groups == ((0, 1, 2, 3), (4,), (5,), (6,), (7,)) and p.met
+    p = kunserve.plan(8, 6 * P, P, strategy="memory", kv_bytes=4.5 * P)  # stops at 4 P freed
+    assert p.groups[0] == (0, 1, 2, 3, 4) and not p.met and p.freed == 4 * P
+
+
+def reference_throughput(n, required, param):
+    """Algorithm 1 with groups kept as neighbouring ranges: merge the adjacent pair with the
+    smallest larger member, then the smallest sum, leftmost first."""
+    sizes = [1] * n
+    freed = 0.0
+    while len(sizes) > 1 and freed < required:
+        k = min(range(len(sizes) - 1),
+                key=lambda i: (max(sizes[i], sizes[i + 1]), sizes[i] + sizes[i + 1], i))
+        sizes[k:k + 2] = [sizes[k] + sizes[k + 1]]
+        freed += param
+    return sizes, freed
+
+
+def test_throughput_greedy_matches_a_reference_on_random_inputs():
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        required = rng.uniform(0, 45) * P
+        p = kunserve.plan(n, required, P)
+        sizes, freed = reference_throughput(n, required, P)
+        assert [len(g) for g in p.groups] == sizes and p.freed == freed
+        assert p.met == (freed >= required)
+        assert [j for g in p.groups for j in g] == list(range(n))  # every instance once
+        # the largest group is at most twice the smallest or the pairs it came from
+        assert p.freed == sum(len(g) - 1 for g in p.groups) * P
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_instances=0, required_bytes=1, param_bytes=1), "n_instances"),
+    (dict(n_instances=4, required_bytes=-1, param_bytes=1), "required_bytes"),
+    (dict(n_instances=4, required_bytes=1, param_bytes=0), "param_bytes"),
+    (dict(n_instances=4, required_bytes=1, param_bytes=1, strategy="fast"), "strategy"),
+    (dict(n_instances=4, required_bytes=1, param_bytes=1, kv_bytes=0), "kv_bytes"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(gyges.InvalidArgumentError, match=match):
+        kunserve.plan(**kwargs)
