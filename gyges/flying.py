@@ -25,7 +25,9 @@ switching); "soft" meanwhile starts the pending TP requests in DP mode on a memb
 to do, and at the bind frees their DP KV and recomputes them under TP; "hard" binds before the
 next step, pausing the members' DP requests (their blocks stay in the pool, and they resume after
 the release without recomputation). A group binds for TP work and is released by
-switch(tp=1), or by itself once no TP request is left when the bind came from submit(tp=k).
+switch(tp=1), once its TP requests are done ("wait") or at once with them recomputed on the
+members in DP mode ("soft", "hard"), or by itself once no TP request is left when the bind came
+from submit(tp=k).
 """
 import time
 import weakref
@@ -128,10 +130,6 @@ class Replicas:
             elif w == g.first:
                 out.append(g.instance)
         return out
-
-    def paused_requests(self):
-        return sum(self.dp[w].loop.unfinished() for w, g in enumerate(self.bound_to)
-                   if g is not None and g.state != "binding")
 
     # ---- placement ----
     def group(self, workers=None, tp=None):
