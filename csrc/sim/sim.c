@@ -26,7 +26,8 @@ typedef struct gy_sim_req {
     int32_t priority;
     int32_t tp_work;      /* placed as TP work (replicated): recomputed by a bind, not paused */
     int32_t home;         /* paused: the GPU of the member it resumes on; else -1 */
-    gy_sim_carry paused;  /* paused: what it takes back (instance.h) */
+    gy_sim_carry carry;   /* lifted out of its instance (gy_sim_lift): what it takes to the next
+                             one (instance.h), while paused or across a bind or a release */
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -495,17 +496,33 @@ static gy_status gy_sim_start_split(gy_sim *s, int32_t c) {
     return gy_sim_phase(s, x, GY_SIM_PHASE_KV_SCATTER, gy_sim_kv_tokens(s, c));
 }
 
-/* Moves request r from its instance to `dst`, keeping its progress. */
-static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
+/* Takes request r out of its instance with what it carries (q->carry), its generated count
+ * remapped; with `recompute` it keeps no KV (the next instance computes it all again). */
+static gy_status gy_sim_lift(gy_sim *s, int64_t r, int recompute) {
     gy_sim_req *q = &s->req[r];
     gy_sim_carry c;
     GY_TRY(gy_sim_instance_take(&s->inst[q->slot].core, r, &c));
     if (q->kept > c.kept) c.kept = q->kept; /* still catching up after an earlier move */
+    if (recompute) c.kept = 0;
     gy_sim_unlink(s, r);
     q->gen_offset += c.gen_shift;
     q->kept = c.kept;
-    GY_TRY(gy_sim_instance_put(&s->inst[dst].core, r, &c, s->out[r].arrival, q->priority));
-    gy_sim_link(s, dst, r);
+    q->carry = c;
+    return GY_OK;
+}
+
+/* Puts a lifted request on the instance at `slot`. */
+static gy_status gy_sim_land(gy_sim *s, int64_t r, int32_t slot) {
+    gy_sim_req *q = &s->req[r];
+    GY_TRY(gy_sim_instance_put(&s->inst[slot].core, r, &q->carry, s->out[r].arrival, q->priority));
+    gy_sim_link(s, slot, r);
+    return GY_OK;
+}
+
+/* Moves request r from its instance to `dst`, keeping its progress. */
+static gy_status gy_sim_carry_over(gy_sim *s, int64_t r, int32_t dst) {
+    GY_TRY(gy_sim_lift(s, r, 0));
+    GY_TRY(gy_sim_land(s, r, dst));
     s->out[r].migrations++;
     s->stats.n_migrations++;
     return GY_OK;
@@ -566,26 +583,17 @@ static gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
         while (m->head >= 0) {
             const int64_t r = m->head;
             gy_sim_req *q = &s->req[r];
-            gy_sim_carry c;
-            GY_TRY(gy_sim_instance_take(&m->core, r, &c));
-            if (q->kept > c.kept) c.kept = q->kept;
-            gy_sim_unlink(s, r);
-            q->gen_offset += c.gen_shift;
+            GY_TRY(gy_sim_lift(s, r, q->tp_work)); /* TP work is recomputed under TP */
             if (q->tp_work) {
-                q->kept = 0; /* recomputed under TP */
-                q->paused = c;
-                q->paused.kept = 0;
                 q->next = moving;
                 moving = r;
                 s->stats.n_recomputed++;
             } else {
-                q->kept = c.kept;
-                q->paused = c;
                 q->home = home;
                 q->next = paused;
                 paused = r;
                 n_paused++;
-                kept_blocks += gy_sim_cdiv(c.kept, s->config.sched.block_size);
+                kept_blocks += gy_sim_cdiv(q->carry.kept, s->config.sched.block_size);
             }
             m = &s->inst[f->src[k]];
         }
@@ -609,9 +617,7 @@ static gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
     while (moving >= 0) {
         const int64_t r = moving;
         moving = s->req[r].next;
-        GY_TRY(gy_sim_instance_put(&b->core, r, &s->req[r].paused, s->out[r].arrival,
-                                   s->req[r].priority));
-        gy_sim_link(s, c, r);
+        GY_TRY(gy_sim_land(s, r, c));
         s->out[r].migrations++;
         o->n_migrated++;
     }
@@ -639,21 +645,14 @@ static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
     const int32_t c = f->src[0];
     int64_t paused = s->inst[c].paused_head;
     const int32_t first = s->inst[c].gpu_first, size = s->inst[c].tp, member_tp = o->tp_to;
-    if (!gy_sim_pack_members(s, c)) /* arrivals since the release began: cannot happen, as it */
+    /* checked when it started; it takes no requests meanwhile, so this holds, but stay safe */
+    if (!gy_sim_pack_members(s, c))
         return GY_FAIL(GY_ERR_STATE, "a release's requests no longer fit its members");
-    int64_t moving = -1;          /* takes none; stay safe */
-    while (s->inst[c].head >= 0) {
+    int64_t moving = -1;
+    while (s->inst[c].head >= 0) { /* recomputed on the member gy_sim_pack chose (req.half) */
         const int64_t r = s->inst[c].head;
         gy_sim_req *q = &s->req[r];
-        gy_sim_carry carry;
-        GY_TRY(gy_sim_instance_take(&s->inst[c].core, r, &carry));
-        const int32_t half = q->half;
-        gy_sim_unlink(s, r);
-        q->half = half;
-        q->gen_offset += carry.gen_shift;
-        q->kept = 0;
-        q->paused = carry;
-        q->paused.kept = 0;
+        GY_TRY(gy_sim_lift(s, r, 1));
         q->tp_work = 0;
         q->next = moving;
         moving = r;
@@ -670,9 +669,7 @@ static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
         moving = q->next;
         const int32_t slot = members[q->half];
         q->half = -1;
-        GY_TRY(gy_sim_instance_put(&s->inst[slot].core, r, &q->paused, s->out[r].arrival,
-                                   q->priority));
-        gy_sim_link(s, slot, r);
+        GY_TRY(gy_sim_land(s, r, slot));
         s->out[r].migrations++;
         o->n_migrated++;
     }
@@ -681,10 +678,8 @@ static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
         gy_sim_req *q = &s->req[r];
         paused = q->next;
         const int32_t slot = s->gpu_slot[q->home];
-        GY_TRY(gy_sim_instance_put(&s->inst[slot].core, r, &q->paused, s->out[r].arrival,
-                                   q->priority));
         q->home = -1;
-        gy_sim_link(s, slot, r);
+        GY_TRY(gy_sim_land(s, r, slot));
         o->n_migrated++;
     }
     for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_start_step(s, members[k]));
@@ -798,12 +793,17 @@ static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) 
     return slot;
 }
 
+/* 1 when [g, g + size) is an aligned group of TP 2 to max_tp inside one host. */
+static int gy_sim_group_ok(const gy_sim *s, int32_t g, int32_t size) {
+    return gy_sim_level_of(size) >= 1 && size <= s->config.max_tp && g >= 0 && g % size == 0 &&
+           g + size <= s->n_gpus &&
+           g / s->config.gpus_per_host == (g + size - 1) / s->config.gpus_per_host;
+}
+
 /* A bind of the aligned group [g, g + size): its instances, all unbound, of one TP below size,
  * nothing under way. */
 static gy_status gy_sim_try_bind(gy_sim *s, int32_t g, int32_t size, int32_t *started) {
-    if (gy_sim_level_of(size) < 1 || size > s->config.max_tp || g < 0 || g % size != 0 ||
-        g + size > s->n_gpus || g / s->config.gpus_per_host != (g + size - 1) / s->config.gpus_per_host)
-        return GY_OK;
+    if (!gy_sim_group_ok(s, g, size)) return GY_OK;
     int32_t members[GY_SIM_XF_MAX_SRC], n = 0;
     for (int32_t x = g; x < g + size;) {
         const int32_t slot = s->gpu_slot[x];
@@ -838,9 +838,7 @@ static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *
     if (op->kind == GY_SIM_OP_MERGE) {
         const int32_t size = op->size, half = size / 2;
         const int32_t g = op->gpu_first;
-        const int ok_group = gy_sim_level_of(size) >= 1 && size <= s->config.max_tp && g >= 0 &&
-                             g % size == 0 && g + size <= s->n_gpus &&
-                             g / s->config.gpus_per_host == (g + size - 1) / s->config.gpus_per_host;
+        const int ok_group = gy_sim_group_ok(s, g, size);
         const int32_t a = ok_group ? gy_sim_slot_at(s, g, half) : -1;
         const int32_t b = ok_group ? gy_sim_slot_at(s, g + half, half) : -1;
         if (a < 0 || b < 0 || s->inst[a].xform != GY_SIM_XFORM_NONE ||
