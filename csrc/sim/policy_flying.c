@@ -6,18 +6,23 @@
  *   long      no unbound instance holds it (min_tp > base_tp): a bound instance of TP >= min_tp
  *             with room, else it waits (DEFER) on the aligned group of min_tp GPUs with the
  *             fewest requests, whose members are held (no new DP work) and bind once their own
- *             requests are done: wait, as it cannot pre-run in DP mode (soft has no DP start);
+ *             requests are done: wait, as it cannot pre-run in DP mode (soft has no DP start).
+ *             When smaller bound groups leave no such group, it claims one: those groups are
+ *             released once idle and no smaller group binds inside it meanwhile;
  *   priority  (priority > 0) a bound instance with room, else a group of flying_tp GPUs binds
  *             at once and it waits for that (hard: the members' requests pause with their KV);
- *   normal    under light load (at most light_load unfinished requests per GPU, nothing
- *             queued on an instance) TP lowers its latency: a bound instance with room; else a
- *             group of flying_tp idle GPUs binds for it; else, when a group has an idle member,
- *             it starts there in DP mode as TP work, the other members are held, and the group
- *             binds once they are done, recomputing it under TP (soft). Otherwise (a burst) the
- *             least-loaded unbound, unheld instance that holds it (DP), or a bound one.
- * Rebalance: a bound instance with no requests is released unless the load is light and nothing
- * is paused under it; a group whose members are held binds once the members run TP work only
- * (or nothing); a held member nothing waits for is unheld.
+ *   normal    under light load (outstanding work per GPU at most light_load tokens) TP lowers
+ *             its latency: a bound instance with room and no queue; else a group of flying_tp
+ *             idle GPUs binds for it (at most scale_up_cap of the GPUs bound); else, when a group
+ *             has an idle member, it starts there in DP mode as TP work, the members are held,
+ *             and the group binds once they are done, recomputing it under TP (soft). Otherwise
+ *             the least-loaded unbound, unheld DP unit.
+ * In a burst (requests queued on DP units or at the cluster), bound groups go back to DP at once,
+ * their requests recomputed there, unless one needs TP (it drains first) or is a priority one.
+ * Rebalance: besides the burst rule, a bound instance with no requests is released when requests
+ * are paused under it, it is held, the load is not light, or a larger group waits around it; a
+ * held group binds once its members run TP work only (or nothing) and is unheld in a burst when
+ * nothing needs it.
  * The thresholds (flying_tp, light_load) are ours: the paper gives none. */
 #include "policy.h"
 
@@ -61,10 +66,12 @@ static int32_t fl_bound_with_room(const gy_sim_policy_config *cfg, const gy_sim_
     return best;
 }
 
-/* 1 when a request waits for a larger group around [g, g + size): that one goes first. */
-static int fl_claimed(const gy_sim_view *v, int32_t g, int32_t size) {
+/* 1 when a deferred request waits for a group of at least min_size GPUs overlapping
+ * [g, g + size). With min_size = size + 1, a larger group is claimed around it: that one goes
+ * first. */
+static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size) {
     for (int32_t p = 0; p < v->n_pending; p++)
-        if (v->pending[p].size > size &&
+        if (v->pending[p].size >= min_size &&
             gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, g, size))
             return 1;
     return 0;
@@ -75,7 +82,7 @@ static int fl_claimed(const gy_sim_view *v, int32_t g, int32_t size) {
  * TP work, *idle an idle member (-1). */
 static int fl_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *busy,
                        int32_t *idle) {
-    if (!gy_sim_group_valid(v, g, size) || fl_claimed(v, g, size)) return 0;
+    if (!gy_sim_group_valid(v, g, size) || fl_pending(v, g, size, size + 1)) return 0;
     *busy = 0;
     *idle = -1;
     for (int32_t x = g; x < g + size;) {
@@ -117,61 +124,45 @@ static int32_t fl_pick_group(const gy_sim_view *v, int32_t size, int64_t *busy_o
     return best;
 }
 
-/* Holds every member of [g, g + size) but `except`. */
-static void fl_hold_members(const gy_sim_view *v, int32_t g, int32_t size, int32_t except,
+/* Holds (or unholds: `hold` 0) every member of [g, g + size) not so already. */
+static void fl_hold_members(const gy_sim_view *v, int32_t g, int32_t size, int hold,
                             gy_sim_decision *d) {
     for (int32_t x = g; x < g + size;) {
         const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
-        if (v->gpu_inst[x] != except && !i->held)
-            gy_sim_decision_add_op(d, GY_SIM_OP_HOLD, i->gpu_first, i->tp);
+        if (!i->held == !!hold)
+            gy_sim_decision_add_op(d, hold ? GY_SIM_OP_HOLD : GY_SIM_OP_UNHOLD, i->gpu_first,
+                                   i->tp);
         x += i->tp;
     }
 }
 
-static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size);
-
-/* A group of `size` that smaller bound groups keep from binding, to wait for (they are
- * released by the rebalance once idle: fl_in_the_way): the one with the fewest requests and no
- * instance of TP >= size in it (-1: none). */
-static int32_t fl_claim(const gy_sim_view *v, int32_t size) {
-    int32_t best = -1;
-    int64_t best_n = 0;
-    for (int32_t g = 0; g + size <= v->n_gpus; g += size) {
-        if (!gy_sim_group_valid(v, g, size)) continue;
-        int64_t n = 0;
-        int ok = 1;
-        for (int32_t x = g; x < g + size && ok;) {
-            const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
-            ok = i->tp < size && i->gpu_first == x;
-            n += i->n_requests;
-            x += i->tp;
-        }
-        if (ok && (best < 0 || n < best_n)) {
-            best = g;
-            best_n = n;
-        }
-    }
-    return best;
-}
-
-/* 1 when group [g, g + size) is still one to wait for (fl_claim's condition). */
-static int fl_claim_holds(const gy_sim_view *v, int32_t g, int32_t size) {
+/* 1 when group [g, g + size) can be waited for: every instance in it smaller than size.
+ * *n (may be NULL) receives its requests. */
+static int fl_claim_holds(const gy_sim_view *v, int32_t g, int32_t size, int64_t *n) {
     if (!gy_sim_group_valid(v, g, size)) return 0;
+    int64_t count = 0;
     for (int32_t x = g; x < g + size;) {
         const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
         if (i->tp >= size || i->gpu_first != x) return 0;
+        count += i->n_requests;
         x += i->tp;
     }
+    if (n != NULL) *n = count;
     return 1;
 }
 
-/* 1 when a deferred request waits for a larger group around bound instance i. */
-static int fl_in_the_way(const gy_sim_view *v, const gy_sim_inst_view *i) {
-    for (int32_t p = 0; p < v->n_pending; p++)
-        if (v->pending[p].size > i->tp &&
-            gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, i->gpu_first, i->tp))
-            return 1;
-    return 0;
+/* A group of `size` that smaller bound groups keep from binding, to wait for (they are
+ * released by the rebalance once idle): the one with the fewest requests and no
+ * instance of TP >= size in it (-1: none). */
+static int32_t fl_claim(const gy_sim_view *v, int32_t size) {
+    int32_t best = -1;
+    int64_t best_n = 0, n;
+    for (int32_t g = 0; g + size <= v->n_gpus; g += size)
+        if (fl_claim_holds(v, g, size, &n) && (best < 0 || n < best_n)) {
+            best = g;
+            best_n = n;
+        }
+    return best;
 }
 
 static void fl_defer_on(gy_sim_decision *d, int32_t g, int32_t size) {
@@ -180,7 +171,7 @@ static void fl_defer_on(gy_sim_decision *d, int32_t g, int32_t size) {
 }
 
 /* Waits for group [g, g + size), releasing the idle bound groups inside it now (busy ones are
- * released by the rebalance once idle: fl_in_the_way). */
+ * released by the rebalance once idle). */
 static void fl_defer_on_claim(const gy_sim_view *v, gy_sim_decision *d, int32_t g, int32_t size) {
     fl_defer_on(d, g, size);
     for (int32_t x = g; x < g + size;) {
@@ -191,13 +182,13 @@ static void fl_defer_on_claim(const gy_sim_view *v, gy_sim_decision *d, int32_t 
     }
 }
 
-/* The least-loaded unbound, unheld instance that holds r (-1: none). */
+/* The least-loaded unbound instance that holds r, unheld unless `held_too` (-1: none). */
 static int32_t fl_dp(const gy_sim_policy_config *cfg, const gy_sim_view *v,
-                     const gy_sim_req_view *r) {
+                     const gy_sim_req_view *r, int held_too) {
     int32_t best = -1;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (i->bound || i->held || !gy_sim_policy_fits(i, r)) continue;
+        if (i->bound || (i->held && !held_too) || !gy_sim_policy_fits(i, r)) continue;
         if (best < 0 || gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))
             best = k;
     }
@@ -214,7 +205,7 @@ static void fl_place(gy_sim_decision *d, int32_t k, int tp_work) {
 static void fl_bind_when_drained(const gy_sim_view *v, int32_t g, int32_t size, int64_t busy,
                                  gy_sim_decision *d) {
     if (busy == 0) gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
-    else fl_hold_members(v, g, size, -1, d);
+    else fl_hold_members(v, g, size, 1, d);
 }
 
 /* A burst: requests wait at the cluster or in a DP unit's queue. */
@@ -232,7 +223,7 @@ static int fl_heavy(const gy_sim_view *v) {
 static void fl_release_or_drain(const gy_sim_view *v, const gy_sim_inst_view *i,
                                 gy_sim_decision *d) {
     if (!i->bound || i->xform != GY_SIM_XFORM_NONE || i->n_priority > 0 ||
-        fl_pending(v, i->gpu_first, i->tp))
+        fl_pending(v, i->gpu_first, i->tp, 0))
         return;
     if (i->max_min_tp <= v->base_tp)
         gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
@@ -269,7 +260,7 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             return GY_OK;
         }
         if (fl_binding(v, r->group.gpu_first, r->group.size) || /* its bind is under way, */
-            fl_claim_holds(v, r->group.gpu_first, r->group.size)) { /* or smaller ones clear */
+            fl_claim_holds(v, r->group.gpu_first, r->group.size, NULL)) { /* or smaller clear */
             fl_defer_on_claim(v, d, r->group.gpu_first, r->group.size);
             return GY_OK;
         }
@@ -321,42 +312,30 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
         if (g >= 0) { /* the group drains (no new DP work) and binds once it has (rebalance) */
             if (idle >= 0 && gy_sim_policy_fits(&v->inst[idle], r)) { /* soft: start here */
                 fl_place(d, idle, 1);
-                fl_hold_members(v, g, size, -1, d);
+                fl_hold_members(v, g, size, 1, d);
                 return GY_OK;
             }
-            fl_hold_members(v, g, size, -1, d);
+            fl_hold_members(v, g, size, 1, d);
         }
     }
     /* DP (a burst, or no TP group to be had yet). In a burst, bound groups take no more and go
      * back to DP once drained (the release is the rebalance's, or here when one is empty). */
     for (int32_t j = 0; !light && fl_heavy(v) && j < v->n_inst; j++)
         fl_release_or_drain(v, &v->inst[j], d);
-    int32_t k = fl_dp(cfg, v, r);
+    int32_t k = fl_dp(cfg, v, r, 0);
     for (int32_t j = 0; k >= 0 && j < d->n_ops; j++) /* not on a member just held */
         if (d->ops[j].kind == GY_SIM_OP_HOLD &&
             gy_sim_ranges_overlap(d->ops[j].gpu_first, d->ops[j].size, v->inst[k].gpu_first,
                                   v->inst[k].tp))
             k = -1;
-    if (k < 0 && d->n_ops > 0) { /* every other DP unit is held: the least loaded, held or not */
-        for (int32_t j = 0; j < v->n_inst; j++)
-            if (!v->inst[j].bound && gy_sim_policy_fits(&v->inst[j], r) &&
-                (k < 0 || gy_sim_policy_load(cfg, &v->inst[j]) < gy_sim_policy_load(cfg, &v->inst[k])))
-                k = j;
-    }
+    if (k < 0 && d->n_ops > 0) /* every other DP unit is held: the least loaded, held or not */
+        k = fl_dp(cfg, v, r, 1);
     if (k >= 0) {
         fl_place(d, k, 0);
         return GY_OK;
     }
     d->action = GY_SIM_ACTION_DEFER; /* every DP unit is bound or held: until one is back */
     return GY_OK;
-}
-
-/* 1 when a deferred request waits for group [g, g + size). */
-static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size) {
-    for (int32_t p = 0; p < v->n_pending; p++)
-        if (gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, g, size))
-            return 1;
-    return 0;
 }
 
 static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
@@ -367,9 +346,9 @@ static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, cons
     const int light = fl_light(cfg, v, 1);
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (!i->bound || i->xform != GY_SIM_XFORM_NONE || fl_pending(v, i->gpu_first, i->tp))
+        if (!i->bound || i->xform != GY_SIM_XFORM_NONE || fl_pending(v, i->gpu_first, i->tp, 0))
             continue;
-        if (i->n_requests == 0 && (i->n_paused > 0 || i->held || !light || fl_in_the_way(v, i)))
+        if (i->n_requests == 0 && (i->n_paused > 0 || i->held || !light || fl_pending(v, i->gpu_first, i->tp, i->tp + 1)))
             gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
         else if (!light && fl_heavy(v))
             fl_release_or_drain(v, i, d);
@@ -392,15 +371,11 @@ static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, cons
                 x += i->tp;
             }
             if (!held) continue;
-            const int wanted = work || fl_pending(v, g, size);
+            const int wanted = work || fl_pending(v, g, size, 0);
             if (busy == 0 && (wanted || light))
                 gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
             else if (!wanted && !light)
-                for (int32_t x = g; x < g + size;) {
-                    const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
-                    gy_sim_decision_add_op(d, GY_SIM_OP_UNHOLD, i->gpu_first, i->tp);
-                    x += i->tp;
-                }
+                fl_hold_members(v, g, size, 0, d);
         }
     return GY_OK;
 }
