@@ -249,16 +249,21 @@ class Replicas:
                                 f"{g.size} group alone: release it with preempt='wait'")
             plan.append((rid, fits))
         for rid, fits in plan:
-            seqs = g.instance.request_seqs(rid)
-            h = g.instance.loop.requests[rid]
-            done = len(h.prompt) + len(h.output_tokens)
-            target = min(fits, key=lambda m: m.load())
-            target.take(g.instance, rid, [-1])
-            for view, seq in zip(g.views, seqs):
-                if seq >= 0:
-                    view.free(seq)
+            self._recompute(min(fits, key=lambda m: m.load()), g.instance, rid, g.views, s)
+
+    def _recompute(self, dst, src, rid, caches, s=None):
+        """Moves request rid from instance src to dst without its KV, which had src's geometry:
+        its sequences in `caches` (src's, one per rank) are freed, and dst computes its prompt
+        and generated tokens again (counted in s.stats)."""
+        seqs = src.request_seqs(rid)
+        handle = src.loop.requests[rid]
+        dst.take(src, rid, [-1] * dst.tp)
+        for cache, seq in zip(caches, seqs):
+            if seq >= 0:
+                cache.free(seq)
+        if s is not None:
             s.stats["requests_recomputed"] += 1
-            s.stats["tokens_recomputed"] += done
+            s.stats["tokens_recomputed"] += len(handle.prompt) + len(handle.output_tokens)
 
     def ask(self, g, preempt):
         """A TP request was queued on group g: bind it (auto-released once no TP work is left)
@@ -314,29 +319,19 @@ class Replicas:
             g.soft[rid] = w
             g.switch.stats["requests_soft_started"] += 1
 
-    def _move_back(self, g, rid, w):
-        """A soft-started request goes to the TP engine: its DP KV is freed and it is
-        recomputed there (prompt and generated tokens)."""
-        inst = self.dp[w]
+    def _move_back(self, g, rid, w, s=None):
+        """A soft-started request goes to the TP engine to be recomputed there (unless it
+        finished in DP mode meanwhile)."""
         del g.soft[rid]
-        if rid not in inst.loop.requests:  # it finished in DP mode
-            return 0
-        seq = inst.request_seqs(rid)[0]
-        handle = inst.loop.requests[rid]
-        g.instance.take(inst, rid, [-1] * g.size)
-        if seq >= 0:
-            self.host.worker(w).kv.free(seq)
-        return len(handle.prompt) + len(handle.output_tokens)
+        if rid in self.dp[w].loop.requests:
+            self._recompute(g.instance, self.dp[w], rid, [self.host.worker(w).kv], s)
 
     def _bind(self, g):
         s = g.switch
         before = self._counters()
         start = time.perf_counter()
         for rid, w in list(g.soft.items()):
-            tokens = self._move_back(g, rid, w)
-            if tokens:
-                s.stats["requests_recomputed"] += 1
-                s.stats["tokens_recomputed"] += tokens
+            self._move_back(g, rid, w, s)
         for w in g.workers:
             self.dp[w]._c.hold(True)
             s.stats["requests_paused"] += self.dp[w]._c.stats()["running"]
