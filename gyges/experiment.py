@@ -217,14 +217,11 @@ class _Replay:
         st = inst._c.stats()
         kv = self.host.worker(inst.workers[0]).kv.stats()
         scale = inst.block_tokens // self.block_size  # a TP view's block: tp DP blocks' tokens
-        if self.replicated:  # the pool is shared: count this instance's own blocks
-            cache = self.host.worker(inst.workers[0]).kv
+        if self.replicated:  # the pool is shared: count this instance's own blocks, on rank 0
+            cache = (self.host.replicas.groups[(min(inst.workers), inst.tp)].views[0]
+                     if inst.tp > 1 else self.host.worker(inst.workers[0]).kv)
             used = sum(len(cache.block_table(seq)) for seq in
                        (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
-            if inst.tp > 1:
-                group = self.host.replicas.groups[(min(inst.workers), inst.tp)]
-                used = sum(len(group.views[0].block_table(seq)) for seq in
-                           (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
             kv = {"n_blocks": used, "free_blocks": 0}
         computed = {}
         for rid, handle in list(inst.requests.items()):

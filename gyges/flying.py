@@ -229,15 +229,24 @@ class Replicas:
                 self._move_back(g, rid, w)
             self._free(g)
         elif g.state != "free" and preempt != "wait":
-            self._recompute_in_dp(g, s)
-            self._free(g)
+            plan = self._plan_dp(g)  # refused here, nothing changed, when one fits no member
+            try:
+                for rid, fits in plan:
+                    self._recompute(min(fits, key=lambda m: m.load()), g.instance, rid, g.views,
+                                    s)
+            finally:
+                # Past its first move a release is not undone (the moved requests' TP KV is
+                # freed): a request whose move failed stays with the TP engine, whose group,
+                # free now, binds again for it at the next step (advance); none is lost.
+                self._free(g)
         elif g.state != "free":
             g.state, g.release = "releasing", s
             self.advance()
         s.done = g.state == "free"
         return s
 
-    def _recompute_in_dp(self, g, s):
+    def _plan_dp(self, g):
+        """For each TP request of group g, the members that can hold it in DP mode."""
         members = [self.dp[w] for w in g.workers]
         plan = []
         for rid in g.instance.request_ids():
@@ -248,8 +257,7 @@ class Replicas:
                 raise BusyError(f"request {rid} ({tokens} tokens) fits no worker of the TP"
                                 f"{g.size} group alone: release it with preempt='wait'")
             plan.append((rid, fits))
-        for rid, fits in plan:
-            self._recompute(min(fits, key=lambda m: m.load()), g.instance, rid, g.views, s)
+        return plan
 
     def _recompute(self, dst, src, rid, caches, s=None):
         """Moves request rid from instance src to dst without its KV, which had src's geometry:
@@ -322,9 +330,9 @@ class Replicas:
     def _move_back(self, g, rid, w, s=None):
         """A soft-started request goes to the TP engine to be recomputed there (unless it
         finished in DP mode meanwhile)."""
-        del g.soft[rid]
         if rid in self.dp[w].loop.requests:
             self._recompute(g.instance, self.dp[w], rid, [self.host.worker(w).kv], s)
+        del g.soft[rid]  # after the move: a failed one is moved at the next try
 
     def _bind(self, g):
         s = g.switch

@@ -240,7 +240,6 @@ class Host(Serving):
         if weights == "replicated" and any(stages for _, _, stages in groups):
             raise InvalidArgumentError(f"layout {layout!r}: a replicated host switches between DP "
                                        f"and TP groups; pipelines need sharded weights")
-        self.weights = weights
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -385,6 +384,11 @@ class Host(Serving):
         if self.replicas is not None:
             return layout_string(self.replicas.layout_parts())
         return layout_string([inst.layout for inst in self.instances])
+
+    @property
+    def weights(self):
+        """'replicated' (every worker keeps the whole model: switch()) or 'sharded'."""
+        return "replicated" if self.replicas is not None else "sharded"
 
     def serving_instances(self):
         """The instances that step now: all of them, except on a replicated host, where each

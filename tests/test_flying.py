@@ -321,3 +321,39 @@ def test_a_release_under_load_recomputes_tp_requests_in_dp(tiny):
     assert host.modes() == ["TP4"] * 4
     host.run()
     assert long.finished and len(long.output_tokens) == 24
+
+
+@pytest.mark.parametrize("operation", ["release", "bind"])
+def test_an_allocation_failing_in_a_switch_loses_no_request(tiny, operation):
+    """Every host allocation a release under load makes, and every 25th of a soft bind's steps,
+    fails in turn: the call raises, and serving goes on to the same tokens. (Past its first
+    move a release is not undone: the rest of its TP requests rebind; see flying._release.)"""
+    params = gyges.SamplingParams(max_tokens=12, ignore_eos=True)
+    ps = [[1 + i, 2, 3, 4 + i] * 5 for i in range(6)]
+    want = static_tokens(tiny, "4xTP1", ps, params)
+
+    def setup():
+        if operation == "release":
+            host = replicated(tiny, layout="TP4")
+            reqs = [host.submit(p, params) for p in ps]
+            host.step()
+            host.step()
+            return host, reqs, lambda: host.switch((0, 1, 2, 3), 1, preempt="soft")
+        host = replicated(tiny)
+        reqs = [host.submit(p, params, instance=0) for p in ps[:2]]
+        host.step()
+        reqs += [host.submit(p, params, tp=4) for p in ps[2:]]  # soft: start on idle members
+        return host, reqs, lambda: [host.step() for _ in range(30)]
+
+    host, reqs, op = setup()
+    n, _ = gyges.testing.count("alloc", op)
+    assert n > 0
+    stride = 1 if operation == "release" else 25
+    for k in range(1, n + 1, stride):
+        host, reqs, op = setup()
+        with pytest.raises(gyges.Error):
+            with gyges.testing.inject("alloc", k):
+                op()
+        host.run()
+        assert [r.output_tokens for r in reqs] == want, k
+        host.close()
