@@ -28,7 +28,7 @@ import operator
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from . import _C, checks, flying, recovery
+from . import _C, checks, flying, pipelive, recovery
 from .comm import CommPool, aligned_groups
 from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
@@ -108,6 +108,10 @@ class Instance:
     def request_seqs(self, rid):
         """The request's KV sequence in each rank's cache (-1: none)."""
         return self._c.export(rid)["seqs"]
+
+    def stage_seq(self, stage, rid):
+        """A pipeline's request `rid`: its KV sequence in stage `stage`'s cache (-1: none)."""
+        return self._c.stage_seq(stage, 0, rid)
 
     def take(self, src, rid, seqs):
         """Moves request `rid` here from instance `src` with its progress and sampling state
@@ -249,7 +253,17 @@ class Host(Serving):
         self.max_tp = max_tp or default_max_tp(model.config, limit=8)
         self.tp_degrees = tp_degrees(model.config, self.max_tp)
         memory_per_worker = memory_per_worker or DEFAULT_MEMORY[backend]
-        self.memory_per_worker = parse_size(memory_per_worker, "memory_per_worker")
+        if isinstance(memory_per_worker, (list, tuple)):
+            # heterogeneous workers (PipeLive pairs an 80 GB and a 48 GB GPU in one pipeline)
+            if len(memory_per_worker) != workers:
+                raise InvalidArgumentError(f"memory_per_worker lists {len(memory_per_worker)} sizes "
+                                           f"for {workers} workers")
+            self.worker_memory = [parse_size(m, f"memory_per_worker[{i}]")
+                                  for i, m in enumerate(memory_per_worker)]
+            self.memory_per_worker = list(self.worker_memory)
+        else:
+            self.memory_per_worker = parse_size(memory_per_worker, "memory_per_worker")
+            self.worker_memory = [self.memory_per_worker] * workers
         self.comm_note = None
         if backend == "cuda":
             # Checked, and the communicators made, before any worker memory is allocated.
@@ -267,7 +281,7 @@ class Host(Serving):
         # How transformations move KV bytes: host memory, or device copies (gyges.transform.kv_move)
         self.kv_move = kv_move.for_backend(backend)
         # What a worker is made of: how the host makes one again when its group is rebuilt.
-        self._worker_args = dict(memory=memory_per_worker, page_size=page_size,
+        self._worker_args = dict(page_size=page_size,
                                  block_size=block_size, kv_layout=kv_layout,
                                  weight_dtype=weight_dtype, max_tp=self.max_tp,
                                  threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend)
@@ -352,7 +366,8 @@ class Host(Serving):
 
     def new_worker(self, index):
         """A fresh worker for position `index` (TP1, the whole model), as the host made it."""
-        return Worker(self.model, device=self.devices[index] or 0, **self._worker_args)
+        return Worker(self.model, memory=self.worker_memory[index], device=self.devices[index] or 0,
+                      **self._worker_args)
 
     def worker(self, index):
         self._check_open()
@@ -568,8 +583,36 @@ class Host(Serving):
         self.transformations.append(t)
         return t
 
+    def reconfigure(self, instance, layers, mode="live", tau=50, layers_per_step=1,
+                    max_rounds=64):
+        """Re-splits a pipeline instance live, in place (PipeLive, gyges.pipelive): `layers`
+        gives each of its workers' new layer count (PP[3,1] -> layers=[1, 3]). mode "live"
+        (weights and KV copied step by step, dirty-bitmap patching, a commit once fewer than
+        `tau` tokens lag), "no_patch" (the KV copied in the pause at commit) or "stop_copy"
+        (everything in that pause). host.step() advances it; returns the Reconfiguration
+        (`done`, `stats`). Refused, changing nothing, when the blocks in use exceed what the
+        intermediate layout leaves (B_shrink) or another change is under way."""
+        with self._lock:
+            self._check_open()
+            if not isinstance(instance, Instance) or instance not in self.instances:
+                raise InvalidArgumentError(f"instance must be one of this host's instances, got "
+                                           f"{instance!r}")
+            if any(not t.done for t in self.transformations):
+                raise TransformError("a transformation is already under way; wait until it is done")
+            viewed = views_in(self, instance.workers)
+            if viewed:
+                raise BusyError(f"{viewed}: a re-split changes the workers' pages; delete the "
+                                f"views first")
+            r = pipelive.Reconfiguration(self, instance, layers, mode, tau, layers_per_step,
+                                         max_rounds)
+            self.transformations.append(r)
+            return r
+
     def _advance(self, t):
-        """Moves a layer-staggered transformation on; a failure rebuilds its group."""
+        """Moves a layer-staggered transformation on; a failure rebuilds its group (one that
+        can take its changes back, a pipeline re-split, does so itself and raises)."""
+        if t.rolls_back:
+            return t.advance()
         try:
             t.advance()
         except Exception as e:

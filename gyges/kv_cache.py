@@ -140,6 +140,32 @@ class KVCache:
             self._c.shrink(pages)
         return pages
 
+    # ---- a pipeline re-split (gyges.pipelive) ----
+    def set_layers(self, first_layer, end_layer):
+        """Holds the model's layers [first_layer, end_layer) from now on: layers that join get
+        as many pages as the others (all or none), layers that leave are unmapped; every
+        sequence and block table stays. Model layer l keeps its slots whatever the range."""
+        first_layer, end_layer = _index(first_layer, "first_layer"), _index(end_layer, "end_layer")
+        if end_layer <= first_layer:
+            raise InvalidArgumentError(f"layers [{first_layer}, {end_layer}) are empty")
+        self._c.set_layers(first_layer, end_layer - first_layer)
+        self.first_slot += (first_layer - self.first_layer) * self.slots_per_layer
+        self.first_layer, self.n_layers = first_layer, end_layer - first_layer
+
+    def set_page_cap(self, pages=None):
+        """Growth stops at `pages` per layer (None: the slots reserved); not below what is
+        mapped."""
+        self._c.set_page_cap(-1 if pages is None else _index(pages, "pages"))
+
+    @property
+    def page_cap(self):
+        return self._c.page_cap()
+
+    def compact(self, keep):
+        """Moves every block in use at or past `keep` below it (bytes copied in every layer,
+        block tables rewritten); returns the blocks moved."""
+        return self._c.compact(_index(keep, "keep"))
+
     def stats(self):
         return self._c.stats()
 

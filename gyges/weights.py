@@ -447,11 +447,12 @@ class ModelWeights:
         self.has_embed, self.has_head = bool(embed), bool(head)
         return copied
 
-    def c_offsets(self, shards=None, pending=False):
+    def c_offsets(self, shards=None, pending=False, layers=None):
         """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
         the FFN shards given to a subset of those held (default: all held). pending=True gives
         the offsets of shards not held yet too (a staggered scale-down maps them layer by layer,
-        before the model uses them)."""
+        before the model uses them). `layers` (a set) limits the layers given to those of the ones
+        held (a model of part of what a worker holds)."""
         shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
         cfg = self.config
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -460,7 +461,7 @@ class ModelWeights:
                self._offset(head) if self.has_head else -1]
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            if i not in self.held_layers:
+            if i not in self.held_layers or (layers is not None and i not in layers):
                 out += [-1] * (9 + 3 * self.max_tp)
                 continue
             out += [self._offset(p + n) for n in (

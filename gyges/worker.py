@@ -121,16 +121,19 @@ class Worker:
         old one still holds its data."""
         config = self.config
         first = self.weights.end_slot
-        n_layers = self.layers[1] - self.layers[0]
-        per_layer = (self.arena.n_slots - first) // (2 * n_layers)
+        n_model = config.num_hidden_layers
+        # Slots for every model layer, whichever the worker holds: model layer l always lives at
+        # the same slots, so a pipeline re-split can add layers next to the ones held
+        # (KVCache.set_layers).
+        per_layer = (self.arena.n_slots - first) // (2 * n_model)
         self.kv_region = region
-        return KVCache(self.arena, n_layers=n_layers,
+        return KVCache(self.arena, n_layers=self.layers[1] - self.layers[0],
                        n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
                        block_size=self.block_size, layout=self.kv_layout,
-                       first_slot=first + region * per_layer * n_layers,
+                       first_slot=first + (region * n_model + self.layers[0]) * per_layer,
                        slots_per_layer=per_layer, dtype=self.kv_dtype, first_layer=self.layers[0])
 
-    def _new_c_model(self, shards=None, pending=False):
+    def _new_c_model(self, shards=None, pending=False, layers=None):
         config = self.config
         spec = (config.vocab_size, config.hidden_size, config.intermediate_size,
                 config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
@@ -142,13 +145,18 @@ class Worker:
             shards = set(shards) & self.weights.held
         mask = sum(1 << s for s in shards)
         w = self.weights
-        held = sorted(w.held_layers)
+        held = sorted(w.held_layers if layers is None else set(range(*layers)) & w.held_layers)
         layers = (held[0], held[-1] + 1) if held else (0, 0)
         if len(held) != layers[1] - layers[0]:
             raise InvalidArgumentError(f"the worker holds layers {held}, not a range")
-        return _C.Model(self.arena._c, spec, w.c_offsets(shards, pending), mask, self.threads,
-                        getattr(self, "c_model", None),  # its rotary tables
+        return _C.Model(self.arena._c, spec, w.c_offsets(shards, pending, set(held)), mask,
+                        self.threads, getattr(self, "c_model", None),  # its rotary tables
                         layers=layers, embed=w.has_embed, head=w.has_head)
+
+    def model_for_layers(self, first, end):
+        """A C model over layers [first, end) of those held (a pipeline re-split's target stage,
+        made while the worker still holds the layers it is about to give up)."""
+        return self._new_c_model(layers=(first, end))
 
     def model_for_shards(self, shards, pending=False):
         """A C model over the given FFN shards (the model of a future TP rank); pending=True

@@ -116,15 +116,13 @@ void gy_stage_unhome(gy_stage *st, int64_t req) {
 /* ---- KV on demand ---- */
 
 /* Pages each layer of the cache could still map: the arena's free budget split over the layers,
- * capped by the slots the cache reserved. */
+ * capped by the cache's page cap (its reserved slots, or a pipeline re-split's block budget). */
 static int64_t gy_stage_growable_pages(const gy_kv_cache *kv) {
     gy_arena_stats st;
     gy_arena_stats_get(gy_kv_arena(kv), &st);
     const int64_t n_layers = gy_kv_config_of(kv)->n_layers;
     const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) / n_layers;
-    gy_kv_stats ks;
-    gy_kv_stats_get(kv, &ks);
-    const int64_t room = gy_kv_config_of(kv)->slots_per_layer - ks.pages_per_layer;
+    const int64_t room = gy_kv_page_room(kv);
     return free_pages < room ? free_pages : room;
 }
 

@@ -48,6 +48,8 @@ typedef struct gy_stage_rank {
     int64_t cap_entries, cap_blocks;
     gy_forward_batch batch;         /* the step's batch as this rank sees it */
     int stream_borrowed;            /* cuda: the communicator runs on this rank's model stream */
+    struct gy_kv_dirty *dirty;      /* borrowed, or NULL: the KV slots each step writes are
+                                     * marked here (a pipeline re-split's patching, kv_patch.h) */
 } gy_stage_rank;
 
 typedef struct gy_stage_group {

@@ -1,5 +1,6 @@
 /* kv_cache.c: blocks, block tables and growth of the paged KV cache. */
 #include "kv_cache.h"
+#include "kv_copy.h"
 #include "../core/alloc.h"
 #include "../core/grow.h"
 
@@ -35,6 +36,7 @@ typedef struct gy_kv_seq {
 typedef struct gy_kv_pool {
     int64_t max_blocks;      /* blocks that fit in slots_per_layer */
     int64_t pages_per_layer;
+    int64_t page_cap;        /* pages per layer growth may reach (gy_kv_set_page_cap) */
     uint8_t *block_used;     /* (max_blocks) */
     int32_t *free_blocks;    /* (max_blocks) stack of free block ids */
     int64_t n_free;
@@ -135,6 +137,7 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
     }
     kv->p->stats.block_bytes = block_bytes;
+    kv->p->page_cap = c->slots_per_layer;
     gy_status s = gy_kv_set_blocks(kv, 0);
     if (s != GY_OK) {
         gy_kv_free(kv);
@@ -319,11 +322,11 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
     if (kv->owner != NULL) return gy_kv_grow(kv->owner, pages);
     if (kv->base != NULL) return gy_kv_grow(kv->base, pages);
     if (pages <= 0) return GY_FAIL(GY_ERR_INVALID, "grow needs a positive page count, got %lld", (long long)pages);
-    if (pages > kv->config.slots_per_layer - kv->p->pages_per_layer)
+    if (pages > gy_kv_page_room(kv))
         return GY_FAIL(GY_ERR_LIMIT,
-                       "growing by %lld pages passes the %lld slots reserved per layer (%lld used)",
-                       (long long)pages, (long long)kv->config.slots_per_layer,
-                       (long long)kv->p->pages_per_layer);
+                       "growing by %lld pages passes the %lld pages per layer the cache may reach "
+                       "(%lld used)",
+                       (long long)pages, (long long)kv->p->page_cap, (long long)kv->p->pages_per_layer);
     gy_arena_stats as;
     gy_arena_stats_get(kv->arena, &as);
     const uint64_t needed = (uint64_t)pages * (uint64_t)kv->config.n_layers;
@@ -400,8 +403,10 @@ int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv) {
     return kv->p->pages_per_layer - (int64_t)needed;
 }
 
+int64_t gy_kv_page_room(const gy_kv_cache *kv) { return kv->p->page_cap - kv->p->pages_per_layer; }
+
 int64_t gy_kv_blocks_if_grown(const gy_kv_cache *kv, int64_t pages) {
-    if (pages <= 0 || pages > kv->config.slots_per_layer - kv->p->pages_per_layer) return 0;
+    if (pages <= 0 || pages > gy_kv_page_room(kv)) return 0;
     return gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer + pages) - kv->p->stats.n_blocks;
 }
 
@@ -741,6 +746,140 @@ gy_status gy_kv_gather(const gy_kv_cache *kv, int64_t seq, int64_t layer, int64_
         }
     }
     return GY_OK;
+}
+
+/* ---- resizing for a pipeline re-split (PipeLive, kv_cache.h) ---- */
+
+static gy_status gy_kv_refuse_if_shared(const gy_kv_cache *kv, const char *what) {
+    GY_TRY(gy_kv_refuse_if_marked(kv, what));
+    GY_TRY(gy_kv_refuse_if_viewed(kv, what));
+    if (kv->owner != NULL || kv->shadow != NULL)
+        return GY_FAIL(GY_ERR_BUSY, "cannot %s: a transformation reads these pages in two "
+                                    "geometries", what);
+    return GY_OK;
+}
+
+gy_status gy_kv_set_page_cap(gy_kv_cache *kv, int64_t pages) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    if (kv->base != NULL) return gy_kv_set_page_cap(kv->base, pages);
+    if (pages < 0) pages = kv->config.slots_per_layer;
+    if (pages < kv->p->pages_per_layer || pages > kv->config.slots_per_layer)
+        return GY_FAIL(GY_ERR_INVALID, "a page cap of %lld per layer must lie between the %lld "
+                       "pages mapped and the %lld slots reserved (shrink first)", (long long)pages,
+                       (long long)kv->p->pages_per_layer, (long long)kv->config.slots_per_layer);
+    kv->p->page_cap = pages;
+    return GY_OK;
+}
+
+int64_t gy_kv_page_cap(const gy_kv_cache *kv) { return kv->p->page_cap; }
+
+gy_status gy_kv_set_layers(gy_kv_cache *kv, int64_t first_layer, int64_t n_layers) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    GY_TRY(gy_kv_refuse_if_shared(kv, "change its layers"));
+    const gy_kv_config *c = &kv->config;
+    const int64_t spl = c->slots_per_layer;
+    const int64_t first_slot = c->first_slot + (first_layer - c->first_layer) * spl;
+    if (first_layer < 0 || n_layers <= 0 || first_slot < 0 ||
+        (uint64_t)(first_slot + n_layers * spl) > gy_arena_n_slots(kv->arena))
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) do not fit the slots this cache's "
+                       "layers are placed on (layer l at slot %lld + l * %lld)",
+                       (long long)first_layer, (long long)(first_layer + n_layers),
+                       (long long)(c->first_slot - c->first_layer * spl), (long long)spl);
+    const int64_t old_end = c->first_layer + c->n_layers, end = first_layer + n_layers;
+    const int64_t pages = kv->p->pages_per_layer;
+    /* model layer l lives at slot0 + l * spl whatever the range */
+    const int64_t slot0 = c->first_slot - c->first_layer * spl;
+    gy_arena_stats as;
+    gy_arena_stats_get(kv->arena, &as);
+    int64_t added = 0;
+    for (int64_t l = first_layer; l < end; l++) added += l < c->first_layer || l >= old_end;
+    if (pages > 0 && as.bytes_in_use / as.page_size + (uint64_t)(added * pages) > as.max_pages)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "adding %lld layers of %lld KV pages needs %lld pages "
+                       "but only %llu are free", (long long)added, (long long)pages,
+                       (long long)(added * pages),
+                       (unsigned long long)(as.max_pages - as.bytes_in_use / as.page_size));
+    for (int64_t l = c->first_layer; l < old_end; l++)
+        if ((l < first_layer || l >= end) && pages > 0 &&
+            gy_arena_any_pinned(kv->arena, slot0 + l * spl, pages))
+            return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)l);
+    /* Map the new layers first (all or none), then let the dropped ones go. */
+    if (pages > 0)
+        for (int64_t l = first_layer; l < end; l++) {
+            if (l >= c->first_layer && l < old_end) continue;
+            gy_status s = gy_arena_grow(kv->arena, slot0 + l * spl, pages, GY_PAGE_TAG_KV);
+            if (s != GY_OK) {
+                for (int64_t j = first_layer; j < l; j++)
+                    if (j < c->first_layer || j >= old_end) gy_arena_shrink(kv->arena, slot0 + j * spl, pages);
+                return s;
+            }
+        }
+    if (pages > 0)
+        for (int64_t l = c->first_layer; l < old_end; l++)
+            if (l < first_layer || l >= end) gy_arena_shrink(kv->arena, slot0 + l * spl, pages);
+    kv->config.first_layer = first_layer;
+    kv->config.n_layers = n_layers;
+    kv->config.first_slot = first_slot;
+    return GY_OK;
+}
+
+gy_status gy_kv_compact(gy_kv_cache *kv, int64_t keep, int64_t *moved) {
+    if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
+    GY_TRY(gy_kv_refuse_if_shared(kv, "compact"));
+    gy_kv_pool *p = kv->p;
+    if (keep < 0 || keep > p->stats.n_blocks) keep = p->stats.n_blocks;
+    int64_t above = 0, free_below = 0;
+    for (int64_t b = 0; b < p->stats.n_blocks; b++) {
+        if (b >= keep) above += p->block_used[b];
+        else free_below += !p->block_used[b];
+    }
+    if (moved) *moved = 0;
+    if (above > free_below)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "%lld blocks in use lie at or past block %lld but only "
+                       "%lld below it are free", (long long)above, (long long)keep,
+                       (long long)free_below);
+    if (above == 0) return GY_OK;
+    int32_t *from = gy_malloc((size_t)above * sizeof *from), *to = gy_malloc((size_t)above * sizeof *to);
+    if (from == NULL || to == NULL) {
+        free(from);
+        free(to);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a compaction of %lld blocks", (long long)above);
+    }
+    /* Pair each block past `keep` with the lowest free block below it. */
+    int64_t n = 0, next = 0;
+    for (int64_t b = keep; b < p->stats.n_blocks; b++) {
+        if (!p->block_used[b]) continue;
+        while (p->block_used[next]) next++;
+        from[n] = (int32_t)b;
+        to[n++] = (int32_t)next++;
+    }
+    /* Copy every layer's bytes first: a failure leaves the tables as they were. */
+    gy_status s = gy_kv_copy_heads(kv, to, 0, kv, from, 0, kv->config.n_heads, n, 0, kv->config.n_layers);
+    if (s == GY_OK) {
+        for (int64_t i = 0; i < p->seq_capacity; i++) {
+            gy_kv_seq *q = &p->seqs[i];
+            if (!q->live) continue;
+            for (int64_t j = 0; j < q->n_blocks; j++)
+                if (q->blocks[j] >= keep)
+                    for (int64_t k = 0; k < n; k++)
+                        if (from[k] == q->blocks[j]) {
+                            q->blocks[j] = to[k];
+                            break;
+                        }
+        }
+        for (int64_t k = 0; k < n; k++) p->block_used[from[k]] = 0, p->block_used[to[k]] = 1;
+        /* The free stack loses the taken blocks and gets the vacated ones at its bottom, the
+         * highest lowest, so that they are handed out last (a shrink usually follows). */
+        int64_t kept = 0;
+        for (int64_t i = 0; i < p->n_free; i++)
+            if (!p->block_used[p->free_blocks[i]]) p->free_blocks[kept++] = p->free_blocks[i];
+        memmove(p->free_blocks + n, p->free_blocks, (size_t)kept * sizeof *p->free_blocks);
+        for (int64_t k = 0; k < n; k++) p->free_blocks[k] = from[n - 1 - k];
+        p->n_free = kept + n;
+        if (moved) *moved = n;
+    }
+    free(from);
+    free(to);
+    return s;
 }
 
 /* ---- queries ---- */

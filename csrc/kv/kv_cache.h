@@ -94,6 +94,26 @@ void gy_kv_take_pages(gy_kv_cache *shadow);
 #define GY_KV_MAX_VIEWS 4
 gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor);
 
+/* Pipeline re-split (PipeLive, Algorithm 1). Refused, changing nothing, while the cache is
+ * marked, viewed or shadowed.
+ * gy_kv_set_page_cap caps the pages per layer growth may reach (ResizeKV's global block count;
+ * < 0 lifts the cap to the reserved slots); it must not be below what is mapped.
+ * gy_kv_set_layers makes the cache hold model layers [first_layer, first_layer + n_layers):
+ * model layer l always lives at the same slots (first_slot - first_layer * slots_per_layer
+ * + l * slots_per_layer, as placed at init), layers that join get as many pages as the others
+ * (all or none), layers that leave are unmapped; sequences and block tables stay, and a block id
+ * names the same block in every layer held.
+ * gy_kv_compact moves every block in use at or past `keep` to a free block below it, copying
+ * its bytes in every layer and rewriting the block tables, so that a shrink to `keep` blocks can
+ * follow; refused (GY_ERR_OUT_OF_MEMORY) when too few blocks below `keep` are free. *moved gets
+ * the blocks moved. */
+gy_status gy_kv_set_page_cap(gy_kv_cache *kv, int64_t pages);
+int64_t gy_kv_page_cap(const gy_kv_cache *kv);
+/* Pages per layer the cache could still grow by (the cap, or the reserved slots). */
+int64_t gy_kv_page_room(const gy_kv_cache *kv);
+gy_status gy_kv_set_layers(gy_kv_cache *kv, int64_t first_layer, int64_t n_layers);
+gy_status gy_kv_compact(gy_kv_cache *kv, int64_t keep, int64_t *moved);
+
 /* Undo, for a step that fails half-way (engine.c): from gy_kv_mark on, every sequence call
  * (new, reserve, free) first writes down what it changes, and gy_kv_undo takes all of it back,
  * in reverse order, leaving every sequence, block table and the free block stack exactly as at

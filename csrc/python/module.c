@@ -137,6 +137,7 @@ static int gy_py_exec(PyObject *module) {
     if (gy_py_add_errors(module) < 0) return -1;
     if (gy_py_arena_add(module) < 0) return -1;
     if (gy_py_kv_add(module) < 0) return -1;
+    if (gy_py_kv_patch_add(module) < 0) return -1;
     if (gy_py_kv_mover_add(module) < 0) return -1;
     if (gy_py_kernels_add(module) < 0) return -1;
     if (gy_py_cuda_add(module) < 0) return -1;

@@ -27,6 +27,7 @@ Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, cons
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
+int gy_py_kv_patch_add(PyObject *module);
 int gy_py_kv_mover_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);
@@ -65,6 +66,10 @@ int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
 /* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
 struct gy_kv_cache;
 struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);
+
+/* From py_kv_patch.c: the gy_kv_dirty inside a gyges._C.KVDirty, or NULL with TypeError set. */
+struct gy_kv_dirty;
+struct gy_kv_dirty *gy_py_dirty_unwrap(PyObject *object);
 
 /* From py_model.c: the gy_model inside a gyges._C.Model and its thread pool (may be NULL). */
 struct gy_model;

@@ -8,6 +8,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *keep;    /* strong: a tuple of the models, KV caches and communicator used */
     PyObject *transition_keep; /* strong, while a transformation runs: its old models and caches */
+    PyObject *dirty_keep;      /* strong: {(stage, rank): KVDirty} the steps mark */
     gy_engine *engine;
 } GyEngineObject;
 
@@ -110,6 +111,7 @@ static void gy_py_engine_dealloc(GyEngineObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_engine_free(self->engine);
     Py_XDECREF(self->transition_keep);
+    Py_XDECREF(self->dirty_keep);
     Py_XDECREF(self->keep);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -506,6 +508,97 @@ static PyObject *gy_py_engine_detach_kv(GyEngineObject *self, PyObject *unused) 
     Py_RETURN_NONE;
 }
 
+/* set_dirty(stage, rank, dirty): steps mark the KV slots they write there (None stops). */
+static PyObject *gy_py_engine_set_dirty(GyEngineObject *self, PyObject *args) {
+    int stage, rank;
+    PyObject *dirty_object;
+    if (!PyArg_ParseTuple(args, "iiO", &stage, &rank, &dirty_object)) return NULL;
+    struct gy_kv_dirty *d = NULL;
+    if (dirty_object != Py_None && (d = gy_py_dirty_unwrap(dirty_object)) == NULL) return NULL;
+    if (self->dirty_keep == NULL && (self->dirty_keep = PyDict_New()) == NULL) return NULL;
+    PyObject *key = Py_BuildValue("(ii)", stage, rank);
+    if (key == NULL) return NULL;
+    gy_status s = gy_engine_set_dirty(self->engine, stage, rank, d);
+    int failed = s != GY_OK;
+    if (!failed)
+        failed = d ? PyDict_SetItem(self->dirty_keep, key, dirty_object) < 0
+                   : (PyDict_Contains(self->dirty_keep, key) == 1 && PyDict_DelItem(self->dirty_keep, key) < 0);
+    Py_DECREF(key);
+    if (s != GY_OK) return gy_py_raise(s);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* copy_layers(src_stage, dst_stage, rank, first_layer, end_layer, words, dirty_slots) -> slots
+ * copied; words None copies whole blocks, else a uint64 bitmap a KVDirty take filled. */
+static PyObject *gy_py_engine_copy_layers(GyEngineObject *self, PyObject *args) {
+    int src, dst, rank;
+    long long first, end, dirty_slots;
+    PyObject *words_object;
+    if (!PyArg_ParseTuple(args, "iiiLLOL", &src, &dst, &rank, &first, &end, &words_object, &dirty_slots))
+        return NULL;
+    Py_buffer words = {0};
+    if (words_object != Py_None &&
+        gy_py_get_buffer(words_object, &words, (Py_ssize_t)((dirty_slots + 63) / 64) * 8, 0, "words") < 0)
+        return NULL;
+    int64_t copied = 0;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_copy_layers(self->engine, src, dst, rank, first, end,
+                              words_object != Py_None ? words.buf : NULL, dirty_slots, &copied);
+    Py_END_ALLOW_THREADS
+    if (words_object != Py_None) PyBuffer_Release(&words);
+    if (s != GY_OK) return gy_py_raise(s);
+    return PyLong_FromLongLong(copied);
+}
+
+static PyObject *gy_py_engine_stage_seq(GyEngineObject *self, PyObject *args) {
+    int stage, rank;
+    long long id;
+    if (!PyArg_ParseTuple(args, "iiL", &stage, &rank, &id)) return NULL;
+    return PyLong_FromLongLong(gy_engine_stage_seq(self->engine, stage, rank, id));
+}
+
+/* replan(layers, models): the same stages and KV caches, new (first, end) ranges and models (a
+ * list per stage, one model per rank). */
+static PyObject *gy_py_engine_replan(GyEngineObject *self, PyObject *args) {
+    PyObject *layers, *models;
+    if (!PyArg_ParseTuple(args, "OO", &layers, &models)) return NULL;
+    PyObject *kvs = PyTuple_GET_ITEM(self->keep, 1), *comms = PyTuple_GET_ITEM(self->keep, 2);
+    const Py_ssize_t n = PySequence_Size(layers);
+    if (n < 1 || n > GY_ENGINE_MAX_STAGES || PySequence_Size(models) != n || PySequence_Size(kvs) != n) {
+        PyErr_Clear();
+        PyErr_SetString(GY_PY_VALUE_ERROR, "replan: one layer range and model list per stage of "
+                                           "the plan, which was built with layers=");
+        return NULL;
+    }
+    gy_engine_rank ranks[GY_ENGINE_MAX_STAGES][GY_MODEL_MAX_TP];
+    gy_engine_stage stages[GY_ENGINE_MAX_STAGES];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *range = PySequence_GetItem(layers, i), *m = PySequence_GetItem(models, i),
+                 *k = PySequence_GetItem(kvs, i), *c = PySequence_GetItem(comms, i);
+        long long first = 0, end = 0;
+        int ok = range && m && k && c && PyArg_ParseTuple(range, "LL", &first, &end);
+        stages[i] = (gy_engine_stage){.first_layer = first, .end_layer = end, .ranks = ranks[i]};
+        ok = ok && gy_py_engine_ranks(m, k, ranks[i], &stages[i].size) == 0;
+        ok = ok && (c == Py_None || (stages[i].comm = gy_py_comm_unwrap(c)) != NULL);
+        Py_XDECREF(range);
+        Py_XDECREF(m);
+        Py_XDECREF(k);
+        Py_XDECREF(c);
+        if (!ok) return NULL;
+    }
+    PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comms);
+    if (keep == NULL) return NULL;
+    gy_status s = gy_engine_replan(self->engine, stages, (int32_t)n);
+    if (s != GY_OK) {
+        Py_DECREF(keep);
+        return gy_py_raise(s);
+    }
+    Py_SETREF(self->keep, keep);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gy_py_engine_methods[] = {
     {"detach_kv", (PyCFunction)gy_py_engine_detach_kv, METH_NOARGS,
      "detach_kv(): forget the requests' KV sequences without freeing them"},
@@ -525,6 +618,14 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"transition_boundary", (PyCFunction)gy_py_engine_transition_boundary, METH_NOARGS,
      "transition_boundary() -> layer, or -1"},
     {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},
+    {"set_dirty", (PyCFunction)gy_py_engine_set_dirty, METH_VARARGS,
+     "set_dirty(stage, rank, dirty): steps mark the KV slots they write (None stops)"},
+    {"copy_layers", (PyCFunction)gy_py_engine_copy_layers, METH_VARARGS,
+     "copy_layers(src_stage, dst_stage, rank, first, end, words, dirty_slots) -> slots copied"},
+    {"stage_seq", (PyCFunction)gy_py_engine_stage_seq, METH_VARARGS,
+     "stage_seq(stage, rank, id) -> the request's KV sequence there, or -1"},
+    {"replan", (PyCFunction)gy_py_engine_replan, METH_VARARGS,
+     "replan(layers, models): new layer ranges and models over the same stages and caches"},
     {"export", (PyCFunction)gy_py_engine_export, METH_VARARGS, "export(id) -> dict"},
     {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS, "adopt(id, tokens, ...)"},
     {"take", (PyCFunction)gy_py_engine_take, METH_VARARGS,

@@ -307,6 +307,32 @@ static PyObject *gy_py_kv_copy_heads(GyKVObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *gy_py_kv_set_page_cap(GyKVObject *self, PyObject *args) {
+    long long pages;
+    if (!PyArg_ParseTuple(args, "L", &pages)) return NULL;
+    GY_PY_KV_CALL(gy_kv_set_page_cap(self->kv, pages));
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_kv_page_cap(GyKVObject *self, PyObject *unused) {
+    return PyLong_FromLongLong(gy_kv_page_cap(self->kv));
+}
+
+static PyObject *gy_py_kv_set_layers(GyKVObject *self, PyObject *args) {
+    long long first, n;
+    if (!PyArg_ParseTuple(args, "LL", &first, &n)) return NULL;
+    GY_PY_KV_CALL(gy_kv_set_layers(self->kv, first, n));
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_kv_compact(GyKVObject *self, PyObject *args) {
+    long long keep;
+    int64_t moved = 0;
+    if (!PyArg_ParseTuple(args, "L", &keep)) return NULL;
+    GY_PY_KV_CALL(gy_kv_compact(self->kv, keep, &moved));
+    return PyLong_FromLongLong(moved);
+}
+
 static PyMethodDef gy_py_kv_methods[] = {
     {"copy_heads", (PyCFunction)gy_py_kv_copy_heads, METH_VARARGS,
      "copy_heads(src, dst_blocks, src_blocks, dst_head0, src_head0, n_heads, first_layer, n_layers)"},
@@ -316,6 +342,13 @@ static PyMethodDef gy_py_kv_methods[] = {
     {"reshape", (PyCFunction)gy_py_kv_reshape, METH_VARARGS, "reshape(n_heads): header-centric blocks of n_heads heads"},
     {"seq_adopt", (PyCFunction)gy_py_kv_seq_adopt, METH_VARARGS, "seq_adopt(blocks, n_tokens) -> seq"},
     {"grow", (PyCFunction)gy_py_kv_grow, METH_VARARGS, "grow(pages)"},
+    {"set_page_cap", (PyCFunction)gy_py_kv_set_page_cap, METH_VARARGS,
+     "set_page_cap(pages): growth stops at `pages` per layer (< 0: the reserved slots)"},
+    {"page_cap", (PyCFunction)gy_py_kv_page_cap, METH_NOARGS, "page_cap() -> pages per layer"},
+    {"set_layers", (PyCFunction)gy_py_kv_set_layers, METH_VARARGS,
+     "set_layers(first_layer, n_layers): hold these model layers (a pipeline re-split)"},
+    {"compact", (PyCFunction)gy_py_kv_compact, METH_VARARGS,
+     "compact(keep) -> blocks moved below `keep`"},
     {"shrink", (PyCFunction)gy_py_kv_shrink, METH_VARARGS, "shrink(pages)"},
     {"shrinkable", (PyCFunction)gy_py_kv_shrinkable, METH_NOARGS,
      "shrinkable() -> pages per layer past the last block in use"},

@@ -13,6 +13,8 @@ class Transformation:
     """The handle Host.transform returns: done, and stats (bytes per worker, pages, peak extra
     memory, time per phase)."""
 
+    rolls_back = False  # a failure half-way is rebuilt (gyges.recovery), not taken back
+
     def __init__(self, kind, workers, from_tp, to_tp, method):
         self.kind, self.workers, self.from_tp, self.to_tp = kind, tuple(workers), from_tp, to_tp
         self.method = method
