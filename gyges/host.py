@@ -218,7 +218,7 @@ class Host(Serving):
                  layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
-                 comm=None, weights="sharded"):
+                 comm=None, weights="sharded", kv_stack=1):
         checks.integer("workers", workers, lo=1)
         for name, value in (("block_size", block_size), ("threads_per_worker", threads_per_worker),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
@@ -241,6 +241,11 @@ class Host(Serving):
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers, model.config.num_hidden_layers)
+        if not isinstance(kv_stack, int) or kv_stack < 1:
+            raise InvalidArgumentError(f"kv_stack must be a positive int, got {kv_stack!r}")
+        if any(n % kv_stack for _, _, stages in groups for n in stages or ()):
+            raise InvalidArgumentError(f"layout {layout!r}: with kv_stack={kv_stack} every "
+                                       f"pipeline stage holds whole runs of {kv_stack} layers")
         if weights == "replicated" and any(stages for _, _, stages in groups):
             raise InvalidArgumentError(f"layout {layout!r}: a replicated host switches between DP "
                                        f"and TP groups; pipelines need sharded weights")
@@ -284,7 +289,8 @@ class Host(Serving):
         self._worker_args = dict(page_size=page_size,
                                  block_size=block_size, kv_layout=kv_layout,
                                  weight_dtype=weight_dtype, max_tp=self.max_tp,
-                                 threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend)
+                                 threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend,
+                                 kv_stack=kv_stack)
         self._workers = [self.new_worker(i) for i in range(workers)]
         self.instances = []
         self.replicas = None

@@ -67,7 +67,7 @@ class KVCache:
     """
 
     def __init__(self, arena, n_layers, n_kv_heads, head_dim, block_size=16, layout="header",
-                 first_slot=0, slots_per_layer=None, dtype="f32", first_layer=0):
+                 first_slot=0, slots_per_layer=None, dtype="f32", first_layer=0, stack=1):
         if not isinstance(arena, Arena):
             raise ArgumentTypeError(f"arena must be a gyges.Arena, got {type(arena).__name__}")
         if dtype not in KV_DTYPES:
@@ -89,10 +89,13 @@ class KVCache:
         # The model's layers [first_layer, first_layer + n_layers): a pipeline stage's cache
         # holds its own layers only; its layer 0 is the model's first_layer.
         self.first_layer = _index(first_layer, "first_layer")
+        # Layer stacking (PipeLive): pages mapped per run of `stack` layers, block b of each
+        # side by side (kv_cache.h); 1 = none.
+        self.stack = _index(stack, "stack")
         self._c = _C.KVCache(arena._c, LAYOUTS[self.layout_name], n_layers, self.n_kv_heads,
                              self.head_dim, self.block_size, self.storage_dtype.itemsize,
                              first_slot, _index(slots_per_layer, "slots_per_layer"),
-                             self.first_layer)
+                             self.first_layer, self.stack)
         self.first_slot = first_slot
         self.slots_per_layer = slots_per_layer
 
@@ -149,7 +152,7 @@ class KVCache:
         if end_layer <= first_layer:
             raise InvalidArgumentError(f"layers [{first_layer}, {end_layer}) are empty")
         self._c.set_layers(first_layer, end_layer - first_layer)
-        self.first_slot += (first_layer - self.first_layer) * self.slots_per_layer
+        self.first_slot += (first_layer - self.first_layer) // self.stack * self.slots_per_layer
         self.first_layer, self.n_layers = first_layer, end_layer - first_layer
 
     def set_page_cap(self, pages=None):
@@ -186,7 +189,13 @@ class KVCache:
         return self._c.stats()["block_bytes"]
 
     def blocks_per_page(self):
-        return self.arena.page_size / self.block_bytes
+        """Blocks of each layer a page of a run holds (a stacked page holds k layers')."""
+        return self.arena.page_size / (self.block_bytes * self.stack)
+
+    @property
+    def n_runs(self):
+        """Runs of pages: one per layer, one per `stack` layers when stacked."""
+        return self.n_layers // self.stack
 
     def reshape(self, n_kv_heads):
         """Header-centric layout only: re-reads the same pages as blocks of n_kv_heads heads

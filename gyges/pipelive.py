@@ -56,17 +56,17 @@ def weight_bytes(worker, layers):
     added and removed (each layer's attention run and FFN shards; the embedding and head stay)."""
     w = worker.weights
     kv = worker.kv.stats()
-    now = worker.arena.stats()["bytes_in_use"] - kv["pages_per_layer"] * worker.kv.n_layers * worker.page_size
+    now = worker.arena.stats()["bytes_in_use"] - kv["pages_per_layer"] * worker.kv.n_runs * worker.page_size
     layers = set(layers)
     return (now + sum(w.layer_bytes(l) for l in layers - w.held_layers)
             - sum(w.layer_bytes(l) for l in w.held_layers - layers))
 
 
 def max_pages(worker, layers):
-    """MaxBlocks(i, L) of Algorithm 1 in whole KV pages per layer: the budget left after the
-    weights of `layers`, shared by their caches."""
+    """MaxBlocks(i, L) of Algorithm 1 in whole KV pages per run of layers (per layer without
+    stacking): the budget left after the weights of `layers`, shared by their caches."""
     free = worker.arena.stats()["budget_bytes"] - weight_bytes(worker, layers)
-    return max(free // worker.page_size // max(len(set(layers)), 1), 0)
+    return max(free // worker.page_size // max(len(set(layers)) // worker.kv_stack, 1), 0)
 
 
 class Stats(dict):
@@ -92,6 +92,10 @@ class Reconfiguration:
                 or not all(isinstance(x, int) and x >= 1 for x in layers) or sum(layers) != L):
             raise InvalidArgumentError(f"layers must list {n} positive layer counts summing to "
                                        f"{L}, got {layers!r}")
+        k = host.worker(instance.workers[0]).kv_stack
+        if any(x % k for x in layers):
+            raise InvalidArgumentError(f"layers {list(layers)}: with kv_stack={k} every stage "
+                                       f"holds whole runs of {k} layers")
         self.host, self.instance, self.mode, self.tau = host, instance, mode, tau
         self.layers_per_step, self.max_rounds = layers_per_step, max_rounds
         self.workers = tuple(instance.workers)

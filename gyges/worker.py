@@ -67,7 +67,8 @@ def tp_degrees(config, max_tp):
 class Worker:
     def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
                  kv_layout="header", weight_dtype=None, max_tp=None, threads=2, max_pos=None,
-                 backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None):
+                 backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None,
+                 kv_stack=1):
         config = model.config
         if weight_dtype is None:  # the dtype the model was loaded in
             weight_dtype = getattr(model, "weight_dtype", "f32")
@@ -108,6 +109,10 @@ class Worker:
         # A CUDA worker has no use for CPU threads: its work is on its stream.
         self.threads, self.weight_dtype = (threads if backend == "cpu" else 1), weight_dtype
         self.block_size, self.kv_layout = block_size, layout_name(kv_layout)
+        if not isinstance(kv_stack, int) or kv_stack < 1 or config.num_hidden_layers % kv_stack:
+            raise InvalidArgumentError(f"kv_stack must be a positive divisor of the model's "
+                                       f"{config.num_hidden_layers} layers, got {kv_stack!r}")
+        self.kv_stack = kv_stack
         self.tp_size, self.tp_rank = 1, 0
         self.layers = (0, config.num_hidden_layers)  # the layers its KV cache holds
         self.kv = self._new_kv(1)
@@ -121,17 +126,19 @@ class Worker:
         old one still holds its data."""
         config = self.config
         first = self.weights.end_slot
-        n_model = config.num_hidden_layers
-        # Slots for every model layer, whichever the worker holds: model layer l always lives at
-        # the same slots, so a pipeline re-split can add layers next to the ones held
-        # (KVCache.set_layers).
-        per_layer = (self.arena.n_slots - first) // (2 * n_model)
+        k = self.kv_stack
+        runs = config.num_hidden_layers // k
+        # Slots for every run of k model layers (k = 1: every layer), whichever the worker holds:
+        # model layer l always lives at the same slots, so a pipeline re-split can add layers
+        # next to the ones held (KVCache.set_layers).
+        per_run = (self.arena.n_slots - first) // (2 * runs)
         self.kv_region = region
         return KVCache(self.arena, n_layers=self.layers[1] - self.layers[0],
                        n_kv_heads=config.num_key_value_heads // tp_size, head_dim=config.head_dim,
                        block_size=self.block_size, layout=self.kv_layout,
-                       first_slot=first + (region * n_model + self.layers[0]) * per_layer,
-                       slots_per_layer=per_layer, dtype=self.kv_dtype, first_layer=self.layers[0])
+                       first_slot=first + (region * runs + self.layers[0] // k) * per_run,
+                       slots_per_layer=per_run, dtype=self.kv_dtype, first_layer=self.layers[0],
+                       stack=k)
 
     def _new_c_model(self, shards=None, pending=False, layers=None):
         config = self.config
@@ -213,7 +220,7 @@ class Worker:
     def kv_pages_free(self):
         """Pages of the budget not in use, as whole KV pages across the cache's layers."""
         s = self.arena.stats()
-        return (s["budget_bytes"] - s["bytes_in_use"]) // self.page_size // self.kv.n_layers
+        return (s["budget_bytes"] - s["bytes_in_use"]) // self.page_size // self.kv.n_runs
 
     def forward(self, tokens, token_seq, token_pos, block_tables, logit_rows):
         """One forward pass (TP1) over tokens of several sequences; returns the logits of

@@ -269,3 +269,31 @@ def test_a_failed_resplit_takes_itself_back(tiny, site):
     outcomes = [attempt(n) for n in range(1, min(events, 12) + 1)]
     if site != "alloc":  # (the first allocations are the steps')
         assert any(outcomes)
+
+
+@pytest.mark.parametrize("stack", [1, 2, 4])
+def test_layer_stacking_is_bit_identical_and_resplits_in_whole_runs(deep, stack):
+    """kv_stack = k: a page holds block b of k layers; tokens equal one worker's, pages per KV
+    growth step cover k layers, and re-splits move whole runs (others refused)."""
+    ps = prompts(4, seed=6)
+    p = params(0.9, tokens=16)
+    want = reference(deep, ps, p)
+    host = gyges.Host(deep, workers=2, memory_per_worker="48MiB", layout="PP[4,4]",
+                      kv_stack=stack, max_batch_tokens=64)
+    kv = host.worker(0).kv
+    assert kv.stack == stack and kv.n_runs == 4 // stack
+    reqs = [host.submit(q, p) for q in ps]
+    for _ in range(3):
+        host.step()
+    assert kv.layout()["stride_block"] == stack * kv.layout()["block_elems"]
+    if stack == 2:
+        with pytest.raises(gyges.InvalidArgumentError, match="whole runs"):
+            host.reconfigure(host.instances[0], [3, 5])
+    if stack < 4:  # PP[4,4] -> PP[2,6] -> PP[6,2]; with k = 4 no other split exists
+        run_resplit(host, [2, 6], "live", steps_before=1, tau=8)
+        run_resplit(host, [6, 2], "no_patch", steps_before=1)
+        assert host.layout() == "PP[6,2]"
+        assert held(host, 1) == ([6, 7], (6, 8))
+    assert finish(host, reqs) == want
+    with pytest.raises(gyges.InvalidArgumentError, match="whole runs"):
+        gyges.Host(deep, workers=2, memory_per_worker="48MiB", layout="PP[3,5]", kv_stack=2)

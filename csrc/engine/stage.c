@@ -120,8 +120,8 @@ void gy_stage_unhome(gy_stage *st, int64_t req) {
 static int64_t gy_stage_growable_pages(const gy_kv_cache *kv) {
     gy_arena_stats st;
     gy_arena_stats_get(gy_kv_arena(kv), &st);
-    const int64_t n_layers = gy_kv_config_of(kv)->n_layers;
-    const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) / n_layers;
+    const int64_t free_pages = (int64_t)((st.max_pages - st.bytes_in_use / st.page_size)) /
+                               gy_kv_n_runs(kv); /* pages are mapped per run of layers */
     const int64_t room = gy_kv_page_room(kv);
     return free_pages < room ? free_pages : room;
 }

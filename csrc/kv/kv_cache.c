@@ -58,7 +58,9 @@ struct gy_kv_cache {
     gy_kv_config config;     /* a view's n_heads and block_size are its own */
     gy_arena *arena;
     uint64_t page_size;
-    uint64_t block_bytes;
+    uint64_t block_bytes;    /* one block of one layer */
+    uint64_t row_bytes;      /* one block of every layer of a run: stack * block_bytes */
+    int64_t stack;           /* layers per run of pages (layer stacking; 1: none) */
     gy_kv_layout layout;     /* for layout.n_blocks == the current block count */
     gy_kv_pool *p;           /* &own, or the base's for a view */
     gy_kv_pool own;
@@ -74,9 +76,12 @@ struct gy_kv_cache {
 };
 
 static gy_status gy_kv_set_layout(gy_kv_cache *kv, int64_t n_blocks) {
-    return gy_kv_layout_init(&kv->layout, kv->config.layout, kv->config.block_size,
+    GY_TRY(gy_kv_layout_init(&kv->layout, kv->config.layout, kv->config.block_size,
                              kv->config.n_heads, kv->config.head_dim, kv->config.elem_size,
-                             n_blocks);
+                             n_blocks));
+    /* stacked: block b of the run's layer j sits at row b, column j (kv_cache.h) */
+    kv->layout.stride_block *= kv->stack;
+    return GY_OK;
 }
 
 /* The block count changed: the cache's layout, and its views' (same blocks, other geometry). */
@@ -100,19 +105,26 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
                        "(got %lld, %lld, %lld)",
                        (long long)c->n_layers, (long long)c->slots_per_layer,
                        (long long)c->first_slot);
+    const int64_t stack = c->stack > 1 ? c->stack : 1;
+    if (stack > 1 && (c->layout == GY_KV_LAYOUT_RAW || c->n_layers % stack || c->first_layer % stack))
+        return GY_FAIL(GY_ERR_INVALID, "stacking %lld layers needs the page or header layout and "
+                       "a layer range [%lld, %lld) in whole runs of %lld", (long long)stack,
+                       (long long)c->first_layer, (long long)(c->first_layer + c->n_layers),
+                       (long long)stack);
     gy_kv_layout probe;
     GY_TRY(gy_kv_layout_init(&probe, c->layout, c->block_size, c->n_heads, c->head_dim,
                              c->elem_size, 0));
     const uint64_t n_slots = gy_arena_n_slots(arena);
     if ((uint64_t)c->first_slot > n_slots ||
-        (uint64_t)c->n_layers > (n_slots - (uint64_t)c->first_slot) / (uint64_t)c->slots_per_layer)
+        (uint64_t)(c->n_layers / stack) > (n_slots - (uint64_t)c->first_slot) / (uint64_t)c->slots_per_layer)
         return GY_FAIL(GY_ERR_INVALID,
-                       "%lld layers of %lld slots from slot %lld do not fit the arena's %llu slots",
-                       (long long)c->n_layers, (long long)c->slots_per_layer,
+                       "%lld runs of layers of %lld slots from slot %lld do not fit the arena's %llu "
+                       "slots", (long long)(c->n_layers / stack), (long long)c->slots_per_layer,
                        (long long)c->first_slot, (unsigned long long)n_slots);
     const uint64_t page_size = gy_arena_page_size(arena);
     const uint64_t block_bytes = (uint64_t)probe.block_elems * (uint64_t)c->elem_size;
-    const int64_t max_blocks = (int64_t)((uint64_t)c->slots_per_layer * page_size / block_bytes);
+    const int64_t max_blocks = (int64_t)((uint64_t)c->slots_per_layer * page_size /
+                                         (block_bytes * (uint64_t)stack));
     if (max_blocks == 0)
         return GY_FAIL(GY_ERR_INVALID,
                        "a block of %llu bytes does not fit in %lld slots of %llu bytes per layer",
@@ -129,6 +141,8 @@ gy_status gy_kv_init(gy_kv_cache **out, gy_arena *arena, const gy_kv_config *c) 
     kv->arena = arena;
     kv->page_size = page_size;
     kv->block_bytes = block_bytes;
+    kv->stack = stack;
+    kv->row_bytes = block_bytes * (uint64_t)stack;
     kv->p->max_blocks = max_blocks;
     kv->p->block_used = gy_calloc((size_t)max_blocks, 1);
     kv->p->free_blocks = gy_malloc((size_t)max_blocks * sizeof *kv->p->free_blocks);
@@ -166,8 +180,8 @@ void gy_kv_free(gy_kv_cache *kv) {
         gy_kv_take_pages(kv->shadow); /* the shadow keeps the pages it reads */
     }
     if (kv->p->pages_per_layer > 0)
-        for (int64_t l = 0; l < kv->config.n_layers; l++)
-            gy_arena_shrink(kv->arena, kv->config.first_slot + l * kv->config.slots_per_layer,
+        for (int64_t r = 0; r < gy_kv_n_runs(kv); r++)
+            gy_arena_shrink(kv->arena, kv->config.first_slot + r * kv->config.slots_per_layer,
                             kv->p->pages_per_layer);
     for (int64_t i = 0; i < kv->p->seq_capacity; i++) free(kv->p->seqs[i].blocks);
     free(kv->p->seqs);
@@ -271,16 +285,23 @@ void gy_kv_undo_to(gy_kv_cache *kv, int64_t point) {
     if (point < kv->p->n_undo) kv->p->n_undo = point;
 }
 
-static int64_t gy_kv_layer_slot(const gy_kv_cache *kv, int64_t layer) {
-    return kv->config.first_slot + layer * kv->config.slots_per_layer;
+/* Pages are mapped per run of `stack` layers (one layer without stacking): run r starts at
+ * slot first_slot + r * slots_per_layer, and cache layer l is column l % stack of run
+ * l / stack (the first layer of a cache starts a run). */
+int64_t gy_kv_n_runs(const gy_kv_cache *kv) { return kv->config.n_layers / kv->stack; }
+int64_t gy_kv_stack(const gy_kv_cache *kv) { return kv->stack; }
+
+static int64_t gy_kv_run_slot(const gy_kv_cache *kv, int64_t run) {
+    return kv->config.first_slot + run * kv->config.slots_per_layer;
 }
 
 uint64_t gy_kv_layer_offset(const gy_kv_cache *kv, int64_t layer) {
-    return (uint64_t)gy_kv_layer_slot(kv, layer) * kv->page_size;
+    return (uint64_t)gy_kv_run_slot(kv, layer / kv->stack) * kv->page_size +
+           (uint64_t)(layer % kv->stack) * kv->block_bytes;
 }
 
 static int64_t gy_kv_blocks_for_pages(const gy_kv_cache *kv, int64_t pages) {
-    return (int64_t)((uint64_t)pages * kv->page_size / kv->block_bytes);
+    return (int64_t)((uint64_t)pages * kv->page_size / kv->row_bytes);
 }
 
 /* Moves the V half of every layer from capacity old_n to new_n (raw layout only). */
@@ -298,8 +319,8 @@ static gy_status gy_kv_move_values(gy_kv_cache *kv, int64_t old_n, int64_t new_n
 }
 
 static gy_status gy_kv_check_not_viewed(const gy_kv_cache *kv) {
-    for (int64_t l = 0; l < kv->config.n_layers; l++)
-        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->p->pages_per_layer))
+    for (int64_t l = 0; l < gy_kv_n_runs(kv); l++)
+        if (gy_arena_any_pinned(kv->arena, gy_kv_run_slot(kv, l), kv->p->pages_per_layer))
             return GY_FAIL(GY_ERR_BUSY,
                            "layer %lld is under a live NumPy view and the raw layout must move its "
                            "V blocks; delete the view first",
@@ -329,7 +350,7 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
                        (long long)pages, (long long)kv->p->page_cap, (long long)kv->p->pages_per_layer);
     gy_arena_stats as;
     gy_arena_stats_get(kv->arena, &as);
-    const uint64_t needed = (uint64_t)pages * (uint64_t)kv->config.n_layers;
+    const uint64_t needed = (uint64_t)pages * (uint64_t)gy_kv_n_runs(kv);
     if (as.bytes_in_use / as.page_size + needed > as.max_pages)
         return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
                        "growing the KV cache by %lld pages per layer needs %llu pages (%llu bytes) "
@@ -339,12 +360,12 @@ gy_status gy_kv_grow(gy_kv_cache *kv, int64_t pages) {
                        (unsigned long long)(as.max_pages - as.bytes_in_use / as.page_size));
     if (kv->config.layout == GY_KV_LAYOUT_RAW) GY_TRY(gy_kv_check_not_viewed(kv));
 
-    for (int64_t l = 0; l < kv->config.n_layers; l++) {
-        gy_status s = gy_arena_grow(kv->arena, gy_kv_layer_slot(kv, l) + kv->p->pages_per_layer,
+    for (int64_t l = 0; l < gy_kv_n_runs(kv); l++) {
+        gy_status s = gy_arena_grow(kv->arena, gy_kv_run_slot(kv, l) + kv->p->pages_per_layer,
                                     pages, GY_PAGE_TAG_KV);
         if (s != GY_OK) {
             for (int64_t j = 0; j < l; j++)
-                gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, j) + kv->p->pages_per_layer, pages);
+                gy_arena_shrink(kv->arena, gy_kv_run_slot(kv, j) + kv->p->pages_per_layer, pages);
             return s;
         }
     }
@@ -377,12 +398,12 @@ gy_status gy_kv_shrink(gy_kv_cache *kv, int64_t pages) {
                            "cannot shrink: block %lld (beyond the %lld blocks that would remain) is "
                            "in use",
                            (long long)b, (long long)new_n);
-    for (int64_t l = 0; l < kv->config.n_layers; l++)
-        if (gy_arena_any_pinned(kv->arena, gy_kv_layer_slot(kv, l), kv->p->pages_per_layer))
+    for (int64_t l = 0; l < gy_kv_n_runs(kv); l++)
+        if (gy_arena_any_pinned(kv->arena, gy_kv_run_slot(kv, l), kv->p->pages_per_layer))
             return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)l);
     GY_TRY(gy_kv_move_values(kv, old_n, new_n));
-    for (int64_t l = 0; l < kv->config.n_layers; l++)
-        GY_TRY(gy_arena_shrink(kv->arena, gy_kv_layer_slot(kv, l) + kv->p->pages_per_layer - pages,
+    for (int64_t l = 0; l < gy_kv_n_runs(kv); l++)
+        GY_TRY(gy_arena_shrink(kv->arena, gy_kv_run_slot(kv, l) + kv->p->pages_per_layer - pages,
                                pages));
     kv->p->pages_per_layer -= pages;
     /* Drop the vanished blocks from the free stack, keeping the order of the rest. */
@@ -399,7 +420,7 @@ int64_t gy_kv_shrinkable_pages(const gy_kv_cache *kv) {
     if (kv->owner != NULL || kv->shadow != NULL) return 0;
     int64_t used_end = kv->p->stats.n_blocks; /* one past the highest block in use */
     while (used_end > 0 && !kv->p->block_used[used_end - 1]) used_end--;
-    const uint64_t needed = ((uint64_t)used_end * kv->block_bytes + kv->page_size - 1) / kv->page_size;
+    const uint64_t needed = ((uint64_t)used_end * kv->row_bytes + kv->page_size - 1) / kv->page_size;
     return kv->p->pages_per_layer - (int64_t)needed;
 }
 
@@ -414,6 +435,9 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_refuse_if_marked(kv, "reshape"));
     GY_TRY(gy_kv_refuse_if_viewed(kv, "reshape"));
+    if (kv->stack > 1)
+        return GY_FAIL(GY_ERR_INVALID, "a cache stacking %lld layers a run cannot be reshaped",
+                       (long long)kv->stack);
     if (kv->config.layout != GY_KV_LAYOUT_HEAD)
         return GY_FAIL(GY_ERR_INVALID,
                        "only the header-centric layout can be reshaped in place (this cache is %s)",
@@ -441,7 +465,7 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
     kv->p->block_used = used;
     kv->p->free_blocks = free_blocks;
     kv->config.n_heads = n_heads;
-    kv->block_bytes = block_bytes;
+    kv->block_bytes = kv->row_bytes = block_bytes; /* (never stacked) */
     kv->p->stats.block_bytes = block_bytes;
     kv->p->max_blocks = max_blocks;
     const int64_t n = gy_kv_blocks_for_pages(kv, kv->p->pages_per_layer);
@@ -457,6 +481,8 @@ gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_hea
     if (owner->shadow != NULL || owner->owner != NULL)
         return GY_FAIL(GY_ERR_BUSY, "this KV cache already takes part in a transformation");
     GY_TRY(gy_kv_refuse_if_viewed(owner, "share its pages with a shadow"));
+    if (owner->stack > 1)
+        return GY_FAIL(GY_ERR_INVALID, "a cache stacking layers cannot be shadowed");
     if (owner->config.layout == GY_KV_LAYOUT_RAW)
         return GY_FAIL(GY_ERR_INVALID, "the raw layout moves its V blocks when it grows, so two "
                                        "geometries cannot share its pages; use page or header");
@@ -481,6 +507,9 @@ gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor) 
     if (base->base != NULL || base->owner != NULL || base->shadow != NULL)
         return GY_FAIL(GY_ERR_BUSY, "a view needs a plain cache as its base (this one is a view "
                                     "or takes part in a transformation)");
+    if (base->stack > 1)
+        return GY_FAIL(GY_ERR_INVALID, "a cache stacking layers cannot be viewed in another "
+                                       "geometry");
     if (factor < 1 || base->config.n_heads % factor != 0)
         return GY_FAIL(GY_ERR_INVALID, "a view of factor %lld must divide the cache's %lld KV "
                        "heads", (long long)factor, (long long)base->config.n_heads);
@@ -494,6 +523,8 @@ gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor) 
     kv->arena = base->arena;
     kv->page_size = base->page_size;
     kv->block_bytes = base->block_bytes;
+    kv->stack = base->stack;
+    kv->row_bytes = base->row_bytes;
     kv->base = base;
     kv->p = base->p;
     gy_status s = gy_kv_set_layout(kv, base->p->stats.n_blocks);
@@ -777,48 +808,48 @@ gy_status gy_kv_set_layers(gy_kv_cache *kv, int64_t first_layer, int64_t n_layer
     if (kv == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL KV cache");
     GY_TRY(gy_kv_refuse_if_shared(kv, "change its layers"));
     const gy_kv_config *c = &kv->config;
-    const int64_t spl = c->slots_per_layer;
-    const int64_t first_slot = c->first_slot + (first_layer - c->first_layer) * spl;
-    if (first_layer < 0 || n_layers <= 0 || first_slot < 0 ||
-        (uint64_t)(first_slot + n_layers * spl) > gy_arena_n_slots(kv->arena))
-        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) do not fit the slots this cache's "
-                       "layers are placed on (layer l at slot %lld + l * %lld)",
-                       (long long)first_layer, (long long)(first_layer + n_layers),
-                       (long long)(c->first_slot - c->first_layer * spl), (long long)spl);
-    const int64_t old_end = c->first_layer + c->n_layers, end = first_layer + n_layers;
+    const int64_t spl = c->slots_per_layer, k = kv->stack;
+    /* run R of the model (its layers [R k, R k + k)) lives at slot0 + R * spl whatever the range */
+    const int64_t slot0 = c->first_slot - c->first_layer / k * spl;
+    if (first_layer < 0 || n_layers <= 0 || first_layer % k || n_layers % k ||
+        slot0 + first_layer / k * spl < 0 ||
+        (uint64_t)(slot0 + (first_layer + n_layers) / k * spl) > gy_arena_n_slots(kv->arena))
+        return GY_FAIL(GY_ERR_INVALID, "layers [%lld, %lld) are not whole runs of %lld layers on "
+                       "the slots this cache's layers are placed on (run R at slot %lld + R * %lld)",
+                       (long long)first_layer, (long long)(first_layer + n_layers), (long long)k,
+                       (long long)slot0, (long long)spl);
+    const int64_t old_lo = c->first_layer / k, old_hi = (c->first_layer + c->n_layers) / k;
+    const int64_t lo = first_layer / k, hi = (first_layer + n_layers) / k;
     const int64_t pages = kv->p->pages_per_layer;
-    /* model layer l lives at slot0 + l * spl whatever the range */
-    const int64_t slot0 = c->first_slot - c->first_layer * spl;
     gy_arena_stats as;
     gy_arena_stats_get(kv->arena, &as);
     int64_t added = 0;
-    for (int64_t l = first_layer; l < end; l++) added += l < c->first_layer || l >= old_end;
+    for (int64_t r = lo; r < hi; r++) added += r < old_lo || r >= old_hi;
     if (pages > 0 && as.bytes_in_use / as.page_size + (uint64_t)(added * pages) > as.max_pages)
-        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "adding %lld layers of %lld KV pages needs %lld pages "
-                       "but only %llu are free", (long long)added, (long long)pages,
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY, "adding %lld runs of layers of %lld KV pages needs "
+                       "%lld pages but only %llu are free", (long long)added, (long long)pages,
                        (long long)(added * pages),
                        (unsigned long long)(as.max_pages - as.bytes_in_use / as.page_size));
-    for (int64_t l = c->first_layer; l < old_end; l++)
-        if ((l < first_layer || l >= end) && pages > 0 &&
-            gy_arena_any_pinned(kv->arena, slot0 + l * spl, pages))
-            return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)l);
-    /* Map the new layers first (all or none), then let the dropped ones go. */
+    for (int64_t r = old_lo; r < old_hi; r++)
+        if ((r < lo || r >= hi) && pages > 0 && gy_arena_any_pinned(kv->arena, slot0 + r * spl, pages))
+            return GY_FAIL(GY_ERR_BUSY, "layer %lld is under a live NumPy view", (long long)(r * k));
+    /* Map the new runs first (all or none), then let the dropped ones go. */
     if (pages > 0)
-        for (int64_t l = first_layer; l < end; l++) {
-            if (l >= c->first_layer && l < old_end) continue;
-            gy_status s = gy_arena_grow(kv->arena, slot0 + l * spl, pages, GY_PAGE_TAG_KV);
+        for (int64_t r = lo; r < hi; r++) {
+            if (r >= old_lo && r < old_hi) continue;
+            gy_status s = gy_arena_grow(kv->arena, slot0 + r * spl, pages, GY_PAGE_TAG_KV);
             if (s != GY_OK) {
-                for (int64_t j = first_layer; j < l; j++)
-                    if (j < c->first_layer || j >= old_end) gy_arena_shrink(kv->arena, slot0 + j * spl, pages);
+                for (int64_t j = lo; j < r; j++)
+                    if (j < old_lo || j >= old_hi) gy_arena_shrink(kv->arena, slot0 + j * spl, pages);
                 return s;
             }
         }
     if (pages > 0)
-        for (int64_t l = c->first_layer; l < old_end; l++)
-            if (l < first_layer || l >= end) gy_arena_shrink(kv->arena, slot0 + l * spl, pages);
+        for (int64_t r = old_lo; r < old_hi; r++)
+            if (r < lo || r >= hi) gy_arena_shrink(kv->arena, slot0 + r * spl, pages);
     kv->config.first_layer = first_layer;
     kv->config.n_layers = n_layers;
-    kv->config.first_slot = first_slot;
+    kv->config.first_slot = slot0 + lo * spl;
     return GY_OK;
 }
 

@@ -11,6 +11,15 @@
  * layouts that is all; with the raw layout the V half of the layer starts at n_blocks * half, so
  * it has to move right, and the bytes moved are counted (Gyges Figure 4).
  *
+ * Layer stacking (PipeLive section 5.2, config.stack = k > 1, page or header layout): pages are
+ * mapped per run of k consecutive layers (runs start at layers that are multiples of k), and in
+ * a run block b of the run's layer j is k * block_bytes * b + j * block_bytes bytes in: a page
+ * holds page_size / (k * block_bytes) blocks of each of the k layers, so a small block still
+ * fills pages and the cache grows and shrinks by finer steps of blocks. The layout's block
+ * stride says so (stride_block is k blocks), so every reader and writer is unchanged. Layer
+ * ranges (gy_kv_set_layers) are then whole runs; reshape, shadows and views are refused.
+ * `pages_per_layer` counts pages per run.
+ *
  * Sequences own lists of blocks (their block tables). Block and sequence ids are small integers;
  * freed ones are reused, last freed first. */
 #ifndef GY_KV_CACHE_H
@@ -34,7 +43,10 @@ typedef struct gy_kv_config {
     int64_t block_size;      /* tokens per block */
     int64_t elem_size;       /* bytes per value; 4 (fp32) for the CPU engine */
     int64_t first_slot;      /* arena slot where layer 0 starts */
-    int64_t slots_per_layer; /* virtual slots reserved per layer: the growth limit */
+    int64_t slots_per_layer; /* virtual slots reserved per layer (per run when stacked): the
+                              * growth limit */
+    int64_t stack;           /* layer stacking (PipeLive 5.2): 0 or 1 none; k > 1 puts block b
+                              * of k consecutive layers side by side in one run of pages */
 } gy_kv_config;
 
 typedef struct gy_kv_stats {
@@ -109,6 +121,9 @@ gy_status gy_kv_init_view(gy_kv_cache **out, gy_kv_cache *base, int64_t factor);
  * the blocks moved. */
 gy_status gy_kv_set_page_cap(gy_kv_cache *kv, int64_t pages);
 int64_t gy_kv_page_cap(const gy_kv_cache *kv);
+/* Runs of pages (layers / stack) and layers per run. */
+int64_t gy_kv_n_runs(const gy_kv_cache *kv);
+int64_t gy_kv_stack(const gy_kv_cache *kv);
 /* Pages per layer the cache could still grow by (the cap, or the reserved slots). */
 int64_t gy_kv_page_room(const gy_kv_cache *kv);
 gy_status gy_kv_set_layers(gy_kv_cache *kv, int64_t first_layer, int64_t n_layers);

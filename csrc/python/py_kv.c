@@ -16,14 +16,15 @@ static PyObject *gy_py_kv_type;
 
 static PyObject *gy_py_kv_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"arena", "layout", "n_layers", "n_heads", "head_dim", "block_size",
-                            "elem_size", "first_slot", "slots_per_layer", "first_layer", NULL};
+                            "elem_size", "first_slot", "slots_per_layer", "first_layer", "stack",
+                            NULL};
     PyObject *arena_object;
     int layout;
     long long n_layers, n_heads, head_dim, block_size, elem_size, first_slot, slots_per_layer;
-    long long first_layer = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiLLLLLLL|L", names, &arena_object, &layout,
+    long long first_layer = 0, stack = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiLLLLLLL|LL", names, &arena_object, &layout,
                                      &n_layers, &n_heads, &head_dim, &block_size, &elem_size,
-                                     &first_slot, &slots_per_layer, &first_layer))
+                                     &first_slot, &slots_per_layer, &first_layer, &stack))
         return NULL;
     gy_arena *arena = gy_py_arena_unwrap(arena_object);
     if (arena == NULL) return NULL;
@@ -37,6 +38,7 @@ static PyObject *gy_py_kv_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         .elem_size = elem_size,
         .first_slot = first_slot,
         .slots_per_layer = slots_per_layer,
+        .stack = stack,
     };
     gy_kv_cache *kv = NULL;
     gy_status s = gy_kv_init(&kv, arena, &config);
@@ -206,9 +208,11 @@ static PyObject *gy_py_kv_layer_view(GyKVObject *self, PyObject *args) {
     gy_kv_stats_get(self->kv, &st);
     if (st.n_blocks == 0)
         return PyErr_Format(gy_py_error_class(GY_ERR_STATE), "the KV cache has no blocks yet; grow it first");
+    /* a stacked layer's blocks are k blocks apart: the view ends at its last block's end */
+    const uint64_t row = st.block_bytes * (uint64_t)gy_kv_stack(self->kv);
     return gy_py_arena_view_new(self->arena_object, (PyObject *)self,
                                 gy_kv_layer_offset(self->kv, layer),
-                                (uint64_t)st.n_blocks * st.block_bytes, 0);
+                                (uint64_t)(st.n_blocks - 1) * row + st.block_bytes, 0);
 }
 
 static PyObject *gy_py_kv_reshape(GyKVObject *self, PyObject *args) {

@@ -315,3 +315,63 @@ GYTEST(kv_views_share_one_block_pool) {
         gy_arena_free(arena);
     }
 }
+
+/* Layer stacking (PipeLive 5.2): k layers' blocks side by side in one run of pages. */
+GYTEST(kv_stacked_runs_hold_k_layers_side_by_side) {
+    gy_arena_config ac = {.backend = GY_ARENA_BACKEND_CPU, .page_size = 4096, .n_slots = 64,
+                          .budget_bytes = 16 * 4096};
+    gy_arena *arena;
+    CHECK_OK(gy_arena_init(&arena, &ac));
+    /* block = 512 bytes; with k = 2 a page holds 4 blocks of each of the 2 layers of a run */
+    gy_kv_config k = {.layout = GY_KV_LAYOUT_HEAD, .n_layers = 4, .n_heads = 2, .head_dim = 8,
+                      .block_size = 4, .elem_size = 4, .first_slot = 1, .slots_per_layer = 10,
+                      .stack = 2};
+    gy_kv_cache *kv = NULL;
+    gy_kv_config bad = k;
+    bad.layout = GY_KV_LAYOUT_RAW;
+    CHECK_STATUS(gy_kv_init(&kv, arena, &bad), GY_ERR_INVALID);
+    bad = k;
+    bad.n_layers = 3;
+    CHECK_STATUS(gy_kv_init(&kv, arena, &bad), GY_ERR_INVALID);
+    CHECK_OK(gy_kv_init(&kv, arena, &k));
+    CHECK(gy_kv_n_runs(kv) == 2);
+    CHECK_OK(gy_kv_grow(kv, 1)); /* 2 pages in all: 4 blocks */
+    gy_arena_stats st;
+    gy_arena_stats_get(arena, &st);
+    CHECK(st.bytes_in_use == 2 * 4096 && gy_kv_layout_of(kv)->n_blocks == 4);
+    CHECK(gy_kv_layer_offset(kv, 1) == gy_kv_layer_offset(kv, 0) + 512);
+    CHECK(gy_kv_layer_offset(kv, 2) == (1 + 10) * 4096ull);
+    CHECK(gy_kv_layout_of(kv)->stride_block == 2 * gy_kv_layout_of(kv)->block_elems);
+    int64_t s;
+    CHECK_OK(gy_kv_seq_new(kv, &s));
+    CHECK_OK(gy_kv_seq_reserve(kv, s, 13));
+    float x[13 * 16], y[13 * 16], x2[13 * 16], y2[13 * 16];
+    for (int64_t l = 0; l < 4; l++) {
+        fill(x, 13 * 16, 10.0f * (float)l);
+        fill(y, 13 * 16, -10.0f * (float)l - 3.0f);
+        CHECK_OK(gy_kv_write(kv, s, l, 0, 13, x, y));
+    }
+    CHECK_OK(gy_kv_grow(kv, 1)); /* growth keeps every layer's values */
+    for (int64_t l = 0; l < 4; l++) {
+        fill(x, 13 * 16, 10.0f * (float)l);
+        fill(y, 13 * 16, -10.0f * (float)l - 3.0f);
+        CHECK_OK(gy_kv_gather(kv, s, l, 0, 13, x2, y2));
+        CHECK(memcmp(x, x2, sizeof x) == 0 && memcmp(y, y2, sizeof y) == 0);
+    }
+    /* ranges are whole runs; the stacked cache is never reshaped, shadowed or viewed */
+    CHECK_STATUS(gy_kv_set_layers(kv, 1, 2), GY_ERR_INVALID);
+    gy_kv_cache *other = NULL;
+    CHECK_STATUS(gy_kv_reshape(kv, 1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_kv_init_shadow(&other, kv, 1), GY_ERR_INVALID);
+    CHECK_STATUS(gy_kv_init_view(&other, kv, 2), GY_ERR_INVALID);
+    CHECK_OK(gy_kv_set_layers(kv, 2, 2)); /* the second run stays, values and all */
+    fill(x, 13 * 16, 30.0f);
+    CHECK_OK(gy_kv_gather(kv, s, 1, 0, 13, x2, y2));
+    CHECK(memcmp(x, x2, sizeof x) == 0);
+    gy_arena_stats_get(arena, &st);
+    CHECK(st.bytes_in_use == 2 * 4096);
+    gy_kv_free(kv);
+    gy_arena_stats_get(arena, &st);
+    CHECK(st.bytes_in_use == 0);
+    gy_arena_free(arena);
+}
