@@ -26,9 +26,11 @@ Between two steps:
    fewer than tau for every source, the re-split commits; if that has not happened within
    `max_rounds` patch rounds it commits anyway (the residual is copied in the pause: a
    stop-and-copy fallback, reported in stats).
-5. SyncAndCommit: the last patch, the switch to tgt (gy_engine_replan: same caches, so every
-   request keeps its blocks), then the layers no longer owned are dropped (weights and KV pages)
-   and the budget becomes B_new = min_i MaxBlocks(i, |tgt[i]|).
+5. SyncAndCommit: the last patch and the switch to tgt (gy_engine_replan: same caches, so every
+   request keeps its blocks): that pause is the stop time. At the next advance (between the next
+   two steps: the paper deletes them asynchronously) the layers no longer owned are dropped
+   (weights and KV pages) and the budget becomes B_new = min_i MaxBlocks(i, |tgt[i]|); then
+   `done`.
 
 mode="no_patch" loads the weights step by step but copies all KV in the pause at commit;
 mode="stop_copy" does everything in that pause. A failure before the switch takes back every
@@ -131,6 +133,7 @@ class Reconfiguration:
         self.copied = set()               # (dst, layer) whose KV was copied in bulk
         self.dirty = {}                   # src stage -> KVDirty
         self.done = False
+        self.switched = False   # committed to tgt; the old layers go at the next advance
         self.error = None
         self.blocked_by = None
         self.source_instances = ()
@@ -140,7 +143,7 @@ class Reconfiguration:
                            blocks_in_use=used, layers_moved=len(self.moves), compact_s=0.0,
                            blocks_compacted=0, weight_bytes=0, kv_bulk_bytes=0,
                            kv_patch_bytes=0, patch_rounds=0, lags=[], t_sched=0, t_applied=0,
-                           stop_s=None, total_s=None, fallback=False)
+                           stop_s=None, release_s=None, total_s=None, fallback=False)
         self._t0 = time.perf_counter()
         try:
             self._resize()
@@ -181,6 +184,8 @@ class Reconfiguration:
         the commit. A failure before the switch takes everything back and is raised."""
         if self.done:
             return
+        if self.switched:
+            return self._release()
         try:
             if self.mode == "stop_copy":
                 return self._commit()
@@ -235,21 +240,29 @@ class Reconfiguration:
         models = [w.model_for_layers(*r) for w, r in zip(self._w, self.tgt)]
         self.instance._c.replan(self.tgt, [[m] for m in models])
         # The switch is made: from here on nothing is taken back.
-        for i, (w, (lo, hi), m) in enumerate(zip(self._w, self.tgt, models)):
+        for i, (w, r, m) in enumerate(zip(self._w, self.tgt, models)):
             if i in self.dirty:
                 self.instance._c.set_dirty(i, 0, None)
+            w.layers, w.c_model = r, m
+        self.instance.stages = tuple(self.tgt)
+        end = time.perf_counter()
+        self.stats.update(stop_s=end - t, t_sched=sum(d.marked() for d in self.dirty.values()))
+        self.dirty = {}
+        self.switched = True
+
+    def _release(self):
+        """After the switch, between the next two steps (the paper deletes them asynchronously):
+        the layers no longer owned go, weights and KV pages, and the budget becomes B_new."""
+        t = time.perf_counter()
+        for w, (lo, hi) in zip(self._w, self.tgt):
             w.weights.drop_layers(w.weights.held_layers - set(range(lo, hi)))
             w.kv.set_layers(lo, hi)
-            w.layers, w.c_model = (lo, hi), m
-        self.instance.stages = tuple(self.tgt)
         cap = min(max_pages(w, range(*r)) for w, r in zip(self._w, self.tgt))
         for w in self._w:
             w.kv.set_page_cap(max(cap, w.kv.stats()["pages_per_layer"]))
         end = time.perf_counter()
-        self.stats.update(B_new=int(cap * self._w[0].kv.blocks_per_page()), stop_s=end - t,
-                          total_s=end - self._t0,
-                          t_sched=sum(d.marked() for d in self.dirty.values()))
-        self.dirty = {}
+        self.stats.update(B_new=int(cap * self._w[0].kv.blocks_per_page()), release_s=end - t,
+                          total_s=end - self._t0)
         self.done = True
 
     def _undo(self):
