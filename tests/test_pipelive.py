@@ -297,3 +297,23 @@ def test_layer_stacking_is_bit_identical_and_resplits_in_whole_runs(deep, stack)
     assert finish(host, reqs) == want
     with pytest.raises(gyges.InvalidArgumentError, match="whole runs"):
         gyges.Host(deep, workers=2, memory_per_worker="48MiB", layout="PP[3,5]", kv_stack=2)
+
+
+def test_preemptions_during_the_migration_keep_tokens(tiny):
+    """Requests that outgrow the intermediate budget (B_shrink caps the caches) are preempted
+    while the layers move (a live re-split whose lag stays above tau for 60 rounds) and
+    recomputed later; every request still gets one worker's tokens."""
+    ps = prompts(8, seed=12, lo=330, hi=350)
+    p = params(0.0, tokens=120)
+    want = reference(tiny, ps, p)
+    host = gyges.Host(tiny, workers=2, memory_per_worker=["28MiB", "22MiB"], layout="PP[3,1]",
+                      max_batch_tokens=2048)
+    reqs = [host.submit(q, p) for q in ps]
+    host.step()
+    r = host.reconfigure(host.instances[0], [1, 3], mode="live", tau=4, max_rounds=60)
+    assert r.stats.B_shrink < r.stats.B_cur
+    before = host.instances[0]._c.stats()["preemptions"]
+    while not r.done:
+        host.step()
+    assert host.instances[0]._c.stats()["preemptions"] > before
+    assert finish(host, reqs) == want
