@@ -57,6 +57,16 @@ def finish(host, reqs):
     return [q.output_tokens for q in reqs]
 
 
+def tight_host(model, ps, p):
+    """PP[3,1] on two workers with little KV room (28 and 22 MiB: B_shrink for PP[1,3] is 188
+    blocks, B_cur 316), the requests submitted and one step run."""
+    host = gyges.Host(model, workers=2, memory_per_worker=["28MiB", "22MiB"], layout="PP[3,1]",
+                      max_batch_tokens=4096)
+    reqs = [host.submit(q, p) for q in ps]
+    host.step()
+    return host, reqs
+
+
 def held(host, i):
     w = host.worker(i)
     return sorted(w.weights.held_layers), (w.kv.first_layer, w.kv.first_layer + w.kv.n_layers)
@@ -183,10 +193,7 @@ def test_tight_memory_compacts_resizes_and_keeps_tokens(tiny):
     ps = prompts(12, seed=11, lo=250, hi=270)
     p = params(0.0, tokens=30)
     want = reference(tiny, ps, p)
-    host = gyges.Host(tiny, workers=2, memory_per_worker=["28MiB", "22MiB"], layout="PP[3,1]",
-                      max_batch_tokens=4096)
-    reqs = [host.submit(q, p) for q in ps]
-    host.step()
+    host, reqs = tight_host(tiny, ps, p)
     for q in reqs[:10]:
         host.abort(q)
     r = host.reconfigure(host.instances[0], [1, 3], mode="live")
@@ -199,10 +206,7 @@ def test_tight_memory_compacts_resizes_and_keeps_tokens(tiny):
 
 
 def test_refusals_change_nothing(tiny):
-    host = gyges.Host(tiny, workers=2, memory_per_worker=["28MiB", "22MiB"], layout="PP[3,1]",
-                      max_batch_tokens=4096)
-    reqs = [host.submit(q, params(0.0, tokens=8)) for q in prompts(14, 3, lo=250, hi=270)]
-    host.step()
+    host, reqs = tight_host(tiny, prompts(14, 3, lo=250, hi=270), params(0.0, tokens=8))
     before = pages(host), host.layout(), [held(host, i) for i in range(2)]
     for target, error in (([1, 3], gyges.BusyError), ([4], gyges.InvalidArgumentError),
                           ([2, 1], gyges.InvalidArgumentError), ([3, 1], gyges.InvalidArgumentError)):
@@ -306,10 +310,7 @@ def test_preemptions_during_the_migration_keep_tokens(tiny):
     ps = prompts(8, seed=12, lo=330, hi=350)
     p = params(0.0, tokens=120)
     want = reference(tiny, ps, p)
-    host = gyges.Host(tiny, workers=2, memory_per_worker=["28MiB", "22MiB"], layout="PP[3,1]",
-                      max_batch_tokens=2048)
-    reqs = [host.submit(q, p) for q in ps]
-    host.step()
+    host, reqs = tight_host(tiny, ps, p)
     r = host.reconfigure(host.instances[0], [1, 3], mode="live", tau=4, max_rounds=60)
     assert r.stats.B_shrink < r.stats.B_cur
     before = host.instances[0]._c.stats()["preemptions"]

@@ -34,6 +34,37 @@ static int gy_py_engine_ranks(PyObject *models, PyObject *kvs, gy_engine_rank *r
     return 0;
 }
 
+/* A plan of several stages: layers a list of (first, end), models, kvs and comms lists of one
+ * entry per stage (each as gy_py_engine_ranks takes, and a Comm or None). The number of stages,
+ * or -1 with an exception. */
+static Py_ssize_t gy_py_engine_plan(PyObject *layers, PyObject *models, PyObject *kvs,
+                                    PyObject *comms, gy_engine_rank ranks[][GY_MODEL_MAX_TP],
+                                    gy_engine_stage *stages) {
+    const Py_ssize_t n = PySequence_Size(layers);
+    if (n < 1 || n > GY_ENGINE_MAX_STAGES || PySequence_Size(models) != n || PySequence_Size(kvs) != n ||
+        PySequence_Size(comms) != n) {
+        PyErr_Clear();
+        PyErr_Format(GY_PY_VALUE_ERROR, "a plan has 1 to %d stages, each with its layers, "
+                     "models, KV caches and communicator", GY_ENGINE_MAX_STAGES);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *range = PySequence_GetItem(layers, i), *m = PySequence_GetItem(models, i),
+                 *k = PySequence_GetItem(kvs, i), *c = PySequence_GetItem(comms, i);
+        long long first = 0, end = 0;
+        int ok = range && m && k && c && PyArg_ParseTuple(range, "LL", &first, &end);
+        stages[i] = (gy_engine_stage){.first_layer = first, .end_layer = end, .ranks = ranks[i]};
+        ok = ok && gy_py_engine_ranks(m, k, ranks[i], &stages[i].size) == 0;
+        ok = ok && (c == Py_None || (stages[i].comm = gy_py_comm_unwrap(c)) != NULL);
+        Py_XDECREF(range);
+        Py_XDECREF(m);
+        Py_XDECREF(k);
+        Py_XDECREF(c);
+        if (!ok) return -1;
+    }
+    return n;
+}
+
 /* Engine(models, kvs, comm, max_batch_tokens, max_running, max_prefill_chunk=0,
  *        watermark_blocks=0, layers=None): one stage over every layer, models and kvs one entry
  * per TP rank and comm a gyges._C.Comm of that size (None for one rank). With layers, a list
@@ -60,29 +91,9 @@ static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *
         if (comm_object != Py_None && (stages[0].comm = gy_py_comm_unwrap(comm_object)) == NULL)
             goto fail;
     } else {
-        const Py_ssize_t n = PySequence_Size(layers);
-        if (n < 1 || n > GY_ENGINE_MAX_STAGES || PySequence_Size(models) != n || PySequence_Size(kvs) != n ||
-            PySequence_Size(comm_object) != n) {
-            PyErr_Clear();
-            PyErr_Format(GY_PY_VALUE_ERROR, "a plan has 1 to %d stages, each with its layers, "
-                         "models, KV caches and communicator", GY_ENGINE_MAX_STAGES);
-            goto fail;
-        }
+        const Py_ssize_t n = gy_py_engine_plan(layers, models, kvs, comm_object, ranks, stages);
+        if (n < 0) goto fail;
         n_stages = (int32_t)n;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *range = PySequence_GetItem(layers, i), *m = PySequence_GetItem(models, i),
-                     *k = PySequence_GetItem(kvs, i), *c = PySequence_GetItem(comm_object, i);
-            long long first = 0, end = 0;
-            int ok = range && m && k && c && PyArg_ParseTuple(range, "LL", &first, &end);
-            stages[i] = (gy_engine_stage){.first_layer = first, .end_layer = end, .ranks = ranks[i]};
-            ok = ok && gy_py_engine_ranks(m, k, ranks[i], &stages[i].size) == 0;
-            ok = ok && (c == Py_None || (stages[i].comm = gy_py_comm_unwrap(c)) != NULL);
-            Py_XDECREF(range);
-            Py_XDECREF(m);
-            Py_XDECREF(k);
-            Py_XDECREF(c);
-            if (!ok) goto fail;
-        }
     }
     const gy_engine_config config = {.max_batch_tokens = max_batch_tokens, .max_running = max_running,
                                      .max_prefill_chunk = max_prefill_chunk,
@@ -565,29 +576,10 @@ static PyObject *gy_py_engine_replan(GyEngineObject *self, PyObject *args) {
     PyObject *layers, *models;
     if (!PyArg_ParseTuple(args, "OO", &layers, &models)) return NULL;
     PyObject *kvs = PyTuple_GET_ITEM(self->keep, 1), *comms = PyTuple_GET_ITEM(self->keep, 2);
-    const Py_ssize_t n = PySequence_Size(layers);
-    if (n < 1 || n > GY_ENGINE_MAX_STAGES || PySequence_Size(models) != n || PySequence_Size(kvs) != n) {
-        PyErr_Clear();
-        PyErr_SetString(GY_PY_VALUE_ERROR, "replan: one layer range and model list per stage of "
-                                           "the plan, which was built with layers=");
-        return NULL;
-    }
     gy_engine_rank ranks[GY_ENGINE_MAX_STAGES][GY_MODEL_MAX_TP];
     gy_engine_stage stages[GY_ENGINE_MAX_STAGES];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *range = PySequence_GetItem(layers, i), *m = PySequence_GetItem(models, i),
-                 *k = PySequence_GetItem(kvs, i), *c = PySequence_GetItem(comms, i);
-        long long first = 0, end = 0;
-        int ok = range && m && k && c && PyArg_ParseTuple(range, "LL", &first, &end);
-        stages[i] = (gy_engine_stage){.first_layer = first, .end_layer = end, .ranks = ranks[i]};
-        ok = ok && gy_py_engine_ranks(m, k, ranks[i], &stages[i].size) == 0;
-        ok = ok && (c == Py_None || (stages[i].comm = gy_py_comm_unwrap(c)) != NULL);
-        Py_XDECREF(range);
-        Py_XDECREF(m);
-        Py_XDECREF(k);
-        Py_XDECREF(c);
-        if (!ok) return NULL;
-    }
+    const Py_ssize_t n = gy_py_engine_plan(layers, models, kvs, comms, ranks, stages);
+    if (n < 0) return NULL;
     PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comms);
     if (keep == NULL) return NULL;
     gy_status s = gy_engine_replan(self->engine, stages, (int32_t)n);
