@@ -45,7 +45,8 @@ INST_VIEW_DTYPE = np.dtype([
     ("kv_total", "i8"), ("kv_used", "i8"), ("footprint", "i8"), ("max_footprint", "i8"),
     ("n_requests", "i8"), ("n_running", "i8"), ("n_waiting", "i8"),
     ("pending_prefill", "i8"), ("pending_output", "i8"), ("bound", "i4"), ("pad_", "i4"),
-    ("n_paused", "i8"), ("n_tp_work", "i8"), ("n_priority", "i8")])
+    ("n_paused", "i8"), ("n_tp_work", "i8"), ("n_priority", "i8"),
+    ("n_stages", "i4"), ("layers", "i4", (8,)), ("pad2_", "i4")])  # 8: GY_SIM_MAX_STAGES
 GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
 if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
         GROUP_DTYPE.itemsize != _C.POLICY_GROUP_SIZE:  # pragma: no cover - a build mismatch
@@ -55,7 +56,7 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
 # gy_sim_xform, gy_sim_action, gy_sim_op_kind
 XFORM_NONE, XFORM_MERGING = 0, 1
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
-OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release"}
+OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 

@@ -26,6 +26,13 @@ Presets: GPU specs (A100-40GB, A100-80GB, H20, H100, H200, L40S) and the paper-s
 ModelConfig presets. The efficiency factors default to CALIBRATION: fitted so that Qwen2.5-32B
 on H20 reproduces Gyges Table 1 (benchmarks/bench_sim.py --calibrate redoes the fit).
 
+`PipelineCost` is the pipeline model of csrc/sim/pipeline.h (PipeLive): one GPU per stage, each
+of its own kind, the layers split over them; it prices a step (the per-layer pieces of the
+roofline above, summed over the stages, plus the hand-offs over the link), sizes the KV cache
+(PipeLive's MaxBlocks, the least over the stages) and costs a re-split (the moved layers'
+weights and KV over the link), and finds the static splits the PipeLive paper compares with
+(`prefill_optimal`, `decode_optimal`, `balanced`).
+
 `CostModel.profiled(samples, ...)` fits the efficiency factors and the step overhead to measured
 (batch shape -> step time) samples by least squares on the same functional form, so that the
 simulator can be compared with a real engine. `ConstantCost` is for hand-checked tests.
@@ -42,7 +49,8 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidArgumentError
 
-__all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "CostModelError",
+__all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "PipelineCost",
+           "CostModelError",
            "gpu_spec", "model_config", "MODEL_NAMES", "PHASES"]
 
 GiB = 1024 ** 3
@@ -450,6 +458,285 @@ class ConstantCost:
     def describe(self) -> dict:
         return {"kind": self.kind, "step": self.step, "phase": self.phase,
                 "capacity": list(self.capacity), "transform_slowdown": self.transform_slowdown}
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """A pipeline of one GPU per stage (`gpus`, in stage order, kinds may differ) serving `model`
+    (csrc/sim/pipeline.h has the formulas; the methods below are their float64 reference).
+
+    Per stage i with L_i layers: budget_i = memory_i * mem_util - activation_i - the stage's
+    fixed weights (embedding on the first, final norm and LM head on the last); the KV blocks are
+    MaxBlocks(i, L_i) = floor((budget_i - L_i W) / (L_i P)), W a layer's weight bytes, P a
+    block's KV bytes in one layer; the pipeline's capacity is the least over its stages. A step
+    is step_overhead + the sum over the stages of the roofline over their layers + (n - 1)
+    hand-offs of n_tokens * hidden * dtype bytes over link_bw (default: the slowest stage GPU's
+    link) plus link_latency. A re-split moves the layers each stage gains (weights and KV of the
+    live tokens) at link_bw * eff_xfer, stages receiving in parallel, then stops stop_time.
+    """
+    model: ModelConfig
+    gpus: tuple
+    dtype_bytes: int = 2
+    eff_bw: float = DEFAULTS["eff_bw"]
+    eff_flops: float = CALIBRATION["eff_flops"]
+    eff_xfer: float = DEFAULTS["eff_xfer"]
+    step_overhead: float = CALIBRATION["step_overhead"]
+    transform_slowdown: float = DEFAULTS["transform_slowdown"]
+    mem_util: float = CALIBRATION["mem_util"]
+    activation_fraction: float = DEFAULTS["activation_fraction"]  # of each stage GPU's memory
+    link_bw: float | None = None      # bytes/s between stages; None: the least of the GPUs'
+    link_latency: float = 20e-6       # seconds per hand-off (our choice: an RDMA send)
+    stop_time: float = 0.010          # PipeLive's stop at a commit (its Fig. 13: ~10 ms)
+    note: str = field(default="", compare=False)
+
+    kind = "pipeline"
+
+    def __post_init__(self):
+        if not isinstance(self.gpus, tuple) or not 2 <= len(self.gpus) <= 8:
+            raise CostModelError(f"a pipeline has 2 to 8 stage GPUs, got {self.gpus!r}")
+        for name in ("eff_bw", "eff_flops", "eff_xfer", "mem_util"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise CostModelError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("step_overhead", "transform_slowdown", "activation_fraction",
+                     "link_latency", "stop_time"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise CostModelError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.link_bw is not None and not (isinstance(self.link_bw, (int, float))
+                                             and math.isfinite(self.link_bw) and self.link_bw > 0):
+            raise CostModelError(f"link_bw must be a number > 0, got {self.link_bw!r}")
+
+    @classmethod
+    def create(cls, model, gpus, **overrides) -> "PipelineCost":
+        """The pipeline of `model` over the stage GPUs `gpus` (preset names or GPUSpecs)."""
+        if isinstance(gpus, (str, GPUSpec)) or not hasattr(gpus, "__len__"):
+            raise CostModelError(f"gpus must be a list of stage GPUs, got {gpus!r}")
+        try:
+            return cls(model=model_config(model), gpus=tuple(gpu_spec(g) for g in gpus),
+                       **overrides)
+        except TypeError as e:
+            raise CostModelError(f"bad pipeline cost option: {e}") from None
+
+    def replace(self, **changes) -> "PipelineCost":
+        return dataclasses.replace(self, **changes)
+
+    # ---- the model's per-layer pieces ----
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.num_hidden_layers
+
+    @property
+    def _vocab_bytes(self) -> float:
+        return float(self.model.vocab_size * self.model.hidden_size * self.dtype_bytes)
+
+    @property
+    def head_bytes(self) -> float:
+        """The last stage's weights beyond its layers: final norm and (untied) LM head."""
+        m = self.model
+        head = 0.0 if m.tie_word_embeddings else self._vocab_bytes
+        return head + m.hidden_size * self.dtype_bytes
+
+    @property
+    def layer_bytes(self) -> float:
+        """W: one decoder layer's weight bytes."""
+        m = self.model
+        rest = m.param_count() * self.dtype_bytes - self._vocab_bytes - self.head_bytes
+        return float(rest / m.num_hidden_layers)
+
+    @property
+    def kv_layer(self) -> float:
+        """One token's K and V in one layer (all KV heads)."""
+        return float(self.model.kv_bytes_per_token(self.dtype_bytes, 1) / self.n_layers)
+
+    def stage_budget(self, i: int) -> float:
+        gpu = self.gpus[i]
+        fixed = (self._vocab_bytes if i == 0 else 0.0) + \
+            (self.head_bytes if i == self.n_stages - 1 else 0.0)
+        return gpu.memory * self.mem_util - self.activation_fraction * gpu.memory - fixed
+
+    @property
+    def link(self) -> float:
+        return float(self.link_bw if self.link_bw is not None
+                     else min(g.link_bw for g in self.gpus))
+
+    def params(self, block_size: int = 16, fixed_blocks: int = 0) -> dict:
+        """What C's gy_sim_pipeline takes (fixed_blocks > 0: no KV resizing, see pipeline.h)."""
+        m = self.model
+        return {
+            "n_layers": int(self.n_layers),
+            "stages": [{"budget_bytes": float(self.stage_budget(i)), "hbm_bw": float(g.hbm_bw),
+                        "peak_flops": float(g.peak_flops), "eff_bw": float(self.eff_bw),
+                        "eff_flops": float(self.eff_flops)} for i, g in enumerate(self.gpus)],
+            "layer_bytes": self.layer_bytes,
+            "layer_params": float(_matmul_params(m) / m.num_hidden_layers),
+            "attn_flops_per_pair": float(4 * m.num_attention_heads * m.head_dim),
+            "kv_layer": self.kv_layer,
+            "lm_head_params": float(m.vocab_size * m.hidden_size),
+            "head_bytes": self.head_bytes,
+            "act_bytes": float(m.hidden_size * self.dtype_bytes),
+            "link_bw": self.link,
+            "link_latency": float(self.link_latency),
+            "eff_xfer": float(self.eff_xfer),
+            "step_overhead": float(self.step_overhead),
+            "transform_slowdown": float(self.transform_slowdown),
+            "stop_time": float(self.stop_time),
+            "block_size": int(block_size),
+            "fixed_blocks": int(fixed_blocks),
+        }
+
+    # ---- the float64 reference of csrc/sim/pipeline.c ----
+
+    def check_split(self, layers) -> tuple:
+        layers = tuple(int(x) for x in layers)
+        if len(layers) != self.n_stages or min(layers) < 1 or sum(layers) != self.n_layers:
+            raise CostModelError(f"split {list(layers)} is not {self.n_stages} stages of at least "
+                                 f"one layer adding up to {self.n_layers}")
+        return layers
+
+    def max_blocks(self, stage: int, n_layers: int, block_size: int = 16) -> int:
+        """PipeLive's MaxBlocks(i, L) (0 when the layers' weights leave no room)."""
+        room = self.stage_budget(stage) - n_layers * self.layer_bytes
+        if n_layers < 1 or room <= 0:
+            return 0
+        return int(math.floor(room / (n_layers * self.kv_layer * block_size)))
+
+    def capacity(self, layers, block_size: int = 16) -> int:
+        layers = self.check_split(layers)
+        return min(self.max_blocks(i, n, block_size) for i, n in enumerate(layers))
+
+    @staticmethod
+    def _firsts(layers):
+        return [sum(layers[:i]) for i in range(len(layers))]
+
+    @staticmethod
+    def _overlap(a, na, b, nb):
+        return max(0, min(a + na, b + nb) - max(a, b))
+
+    def shrink_capacity(self, cur, tgt, block_size: int = 16) -> int:
+        """B_shrink: the blocks while a re-split holds both layer sets."""
+        cur, tgt = self.check_split(cur), self.check_split(tgt)
+        fc, ft = self._firsts(cur), self._firsts(tgt)
+        return min(self.max_blocks(i, cur[i] + tgt[i] - self._overlap(fc[i], cur[i], ft[i],
+                                                                     tgt[i]), block_size)
+                   for i in range(self.n_stages))
+
+    def migration_time(self, cur, tgt, kv_tokens: float = 0.0):
+        """(seconds, weight bytes, KV bytes) of a re-split's migration."""
+        cur, tgt = self.check_split(cur), self.check_split(tgt)
+        fc, ft = self._firsts(cur), self._firsts(tgt)
+        most = w = kv = 0.0
+        for i in range(self.n_stages):
+            gained = tgt[i] - self._overlap(fc[i], cur[i], ft[i], tgt[i])
+            wi, ki = gained * self.layer_bytes, gained * self.kv_layer * kv_tokens
+            w, kv, most = w + wi, kv + ki, max(most, wi + ki)
+        return most / (self.link * self.eff_xfer), w, kv
+
+    def stage_times(self, layers, n_tokens, n_seqs=1, n_samples=1, kv_read_tokens=0.0,
+                    attn_pairs=0.0):
+        """Seconds of each stage's part of a step (the roofline over its layers)."""
+        layers = self.check_split(layers)
+        p = self.params()
+        out = []
+        for i, (L, g) in enumerate(zip(layers, self.gpus)):
+            last = i == self.n_stages - 1
+            nbytes = L * (p["layer_bytes"] + p["kv_layer"] * (kv_read_tokens + n_tokens)) + \
+                (p["head_bytes"] if last else 0.0)
+            flops = L * (2 * p["layer_params"] * n_tokens + p["attn_flops_per_pair"] * attn_pairs) \
+                + (2 * p["lm_head_params"] * n_samples if last else 0.0)
+            out.append(max(nbytes / (g.hbm_bw * self.eff_bw),
+                           flops / (g.peak_flops * self.eff_flops)))
+        return out
+
+    def step_time(self, layers, n_tokens, n_seqs=1, n_samples=1, kv_read_tokens=0.0,
+                  attn_pairs=0.0, transforming=False) -> float:
+        if n_tokens <= 0:
+            return 0.0
+        t = self.step_overhead + sum(self.stage_times(layers, n_tokens, n_seqs, n_samples,
+                                                      kv_read_tokens, attn_pairs)) \
+            + (self.n_stages - 1) * (n_tokens * self.model.hidden_size * self.dtype_bytes
+                                     / self.link + self.link_latency)
+        return t * (1 + self.transform_slowdown) if transforming else t
+
+    # ---- profiles and the paper's static splits ----
+
+    def splits(self, granularity: int = 2):
+        """Every split whose stages (but the last, which takes the rest) are multiples of
+        `granularity` layers, in the order C's gy_sim_pipeline_next_split gives them."""
+        n, L, g = self.n_stages, self.n_layers, granularity
+
+        def rec(prefix, left):
+            if len(prefix) == n - 1:
+                if left >= 1:
+                    yield tuple(prefix) + (left,)
+                return
+            x = g
+            while left - x >= 1:
+                yield from rec(prefix + [x], left - x)
+                x += g
+        yield from rec([], L)
+
+    def profile(self, layers, prompt: float, output: float, batch: int = 1):
+        """(TTFT, TPOT) the cost model predicts for a split: one step prefilling `prompt` tokens,
+        and one decode step of `batch` requests at context prompt + output / 2."""
+        ttft = self.step_time(layers, **CostModel.batch_shape([(0, int(round(prompt)), True)]))
+        ctx = int(round(prompt + output / 2))
+        tpot = self.step_time(layers, **CostModel.batch_shape([(ctx, 1, True)] * batch))
+        return ttft, tpot
+
+    def _feasible(self, granularity, block_size, min_kv_tokens):
+        out = [s for s in self.splits(granularity)
+               if self.capacity(s, block_size) * block_size >= min_kv_tokens]
+        if not out:
+            raise CostModelError(f"no split of {self.n_layers} layers over {self.n_stages} "
+                                 f"stages holds {min_kv_tokens} tokens of KV")
+        return out
+
+    def prefill_optimal(self, prompt=512, output=16, granularity=2, block_size=16,
+                        min_kv_tokens=8192) -> tuple:
+        """The split with the least predicted TTFT for prompts of `prompt` tokens (among those
+        whose KV holds min_kv_tokens): the paper's Prefill-Optimal."""
+        return min(self._feasible(granularity, block_size, min_kv_tokens),
+                   key=lambda s: self.profile(s, prompt, output)[0])
+
+    def decode_optimal(self, prompt=128, output=512, batch=32, granularity=2, block_size=16,
+                       min_kv_tokens=8192) -> tuple:
+        """The split with the least predicted TPOT for `batch` decodes (among those whose KV
+        holds the batch and min_kv_tokens): the paper's Decode-Optimal."""
+        need = max(min_kv_tokens, batch * (prompt + output))
+        return min(self._feasible(granularity, block_size, need),
+                   key=lambda s: self.profile(s, prompt, output, batch)[1])
+
+    def balanced(self, prefill=(512, 16), decode=(128, 512), batch=32, granularity=2,
+                 block_size=16, min_kv_tokens=8192) -> tuple:
+        """The split whose stages are the most even: the least largest stage time over a prefill
+        of prefill[0] tokens plus a decode step of `batch` requests of the decode shape (among
+        those whose KV holds the batch): the paper's Balanced."""
+        need = max(min_kv_tokens, batch * sum(decode))
+        pf = CostModel.batch_shape([(0, prefill[0], True)])
+        ctx = int(round(decode[0] + decode[1] / 2))
+        dec = CostModel.batch_shape([(ctx, 1, True)] * batch)
+
+        def worst(s):
+            return max(a + b for a, b in zip(self.stage_times(s, **pf),
+                                             self.stage_times(s, **dec)))
+        return min(self._feasible(granularity, block_size, need), key=worst)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "model": _model_name(self.model),
+                "gpus": [g.name for g in self.gpus], "dtype_bytes": self.dtype_bytes,
+                **{k: getattr(self, k) for k in ("eff_bw", "eff_flops", "eff_xfer",
+                                                 "step_overhead", "transform_slowdown",
+                                                 "mem_util", "activation_fraction",
+                                                 "link_latency", "stop_time")},
+                "link_bw": self.link, "note": self.note}
 
 
 def _get(sample, key):

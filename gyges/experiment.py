@@ -457,6 +457,8 @@ class _Replay:
         """A merge (kind 0) of the two TP size/2 halves of workers g..g+size-1, or a split
         (kind 1) of the TP-size instance at g; on a replicated host a bind (kind 4) of workers
         g..g+size-1 or a release (kind 5) of the group bound there: whether it started."""
+        if kind not in (0, 1, BIND, RELEASE):  # a pipeline re-split: the simulator's only
+            return self.refuse(f"op kind {kind}: this host changes TP groups only")
         if (kind in (BIND, RELEASE)) != self.replicated:
             return self.refuse(f"op kind {kind}: the host's weights are "
                                f"{'replicated' if self.replicated else 'sharded'}")

@@ -285,3 +285,36 @@ def _check_token_times(r: dict, token_times) -> list:
                                f"{k - 1} ({t[k - 1]})")
         out.append(t)
     return out
+
+
+def score(systems: dict, keys=("ttft", "tpot", "throughput")) -> dict:
+    """PipeLive's composite score (its section 7.2) of systems compared with one another:
+    `systems` maps a name to {"ttft": s, "tpot": s, "throughput": tokens/s} (e.g. the means of
+    summarize: ttft_mean, tpot_mean, total_token_throughput). Each metric is min-max normalised
+    over the systems, latencies inverted so that higher is better (s = (max - x) / (max - min)
+    for TTFT and TPOT, (x - min) / (max - min) for throughput), and the score is their mean, in
+    [0, 1]. A metric on which every system is equal gives each 1 (none is worse). Returns
+    {name: score}."""
+    if not isinstance(systems, dict) or len(systems) < 1:
+        raise InvalidArgumentError("score needs a dict of at least one system")
+    names = list(systems)
+    out = {n: 0.0 for n in names}
+    for key in keys:
+        try:
+            x = np.array([float(systems[n][key]) for n in names])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"score: every system needs a number {key!r} ({e})") \
+                from None
+        if not np.all(np.isfinite(x)):
+            raise InvalidArgumentError(f"score: {key} must be finite for every system, got "
+                                       f"{dict(zip(names, x.tolist()))}")
+        lo, hi = float(x.min()), float(x.max())
+        if hi == lo:
+            s = np.ones_like(x)
+        elif key == "throughput":
+            s = (x - lo) / (hi - lo)
+        else:
+            s = (hi - x) / (hi - lo)
+        for n, v in zip(names, s):
+            out[n] += float(v) / len(keys)
+    return out

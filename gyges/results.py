@@ -48,13 +48,15 @@ LAYOUT_DTYPE = np.dtype([("time", "f8"), ("gpu", "i4"), ("tp", "i4"), ("change",
 TRANSFORM_DTYPE = np.dtype([
     ("kind", "i4"), ("gpu", "i4"), ("tp_from", "i4"), ("tp_to", "i4"),
     ("start", "f8"), ("phase_end", "f8"), ("end", "f8"),
-    ("kv_bytes", "f8"), ("weight_bytes", "f8"), ("migrated", "i8")])
+    ("kv_bytes", "f8"), ("weight_bytes", "f8"), ("migrated", "i8"),
+    ("layers_from", "i4", (8,)), ("layers_to", "i4", (8,))])  # resplit (kind 6); 8 stages max
 TOKEN_DTYPE = np.dtype([("request", "i8"), ("time", "f8")])
 
 STATUS = {0: "pending", 1: "deferred", 2: "queued", 3: "finished", 4: "rejected"}
 # codes of the other tables, as names in Results.table / to_pandas / to_csv
-KIND = {0: "merge", 1: "split"}                                   # transformations
-XFORM = {0: "none", 1: "merging", 2: "splitting", 3: "split_tail"}  # timeline (gy_sim_xform)
+KIND = {0: "merge", 1: "split", 4: "bind", 5: "release", 6: "resplit"}  # transformations
+XFORM = {0: "none", 1: "merging", 2: "splitting", 3: "split_tail", 4: "binding",
+         5: "releasing", 6: "resplitting"}                          # timeline (gy_sim_xform)
 CHANGE = {1: "created", -1: "gone"}                                # layout
 TABLES = ("requests", "timeline", "layout", "transformations", "tokens")
 
@@ -122,6 +124,7 @@ class Results:
             transformations=int(done.sum()),
             scale_ups=int((done & (self.transformations["kind"] == 0)).sum()),
             scale_downs=int((done & (self.transformations["kind"] == 1)).sum()),
+            resplits=int((done & (self.transformations["kind"] == 6)).sum()),
             preemptions=int(self.requests["preemptions"].sum()),
             migrations=int(self.requests["migrations"].sum()),
             wall_seconds=self.wall_seconds,
@@ -180,6 +183,9 @@ class Results:
             if field == "pad":
                 continue
             col = array[field]
+            if col.ndim > 1:  # a re-split's layers per stage: "60,20" (unused stages are 0)
+                col = np.array([",".join(str(int(x)) for x in row if x) for row in col],
+                               dtype=object)
             if field in names:
                 col = np.array([names[field].get(int(v), str(int(v))) for v in col], dtype=object)
             out[field] = col

@@ -15,8 +15,21 @@ loop in chunks (a progress line for long runs) and wraps the results (gyges.resu
 Policies: "gyges" (Gyges Algorithms 1-2 with AMOEBAs 3.3), "round_robin" and "least_load" (the
 baselines of Gyges 6.2.4; eager_scale_up=False makes them scale up only when no instance can
 hold a request), "static" (a fixed `layout`, never transforms; requests that fit no instance
-are rejected). Layouts: "8xTP1", "2xTP4", "4xTP1+1xTP4", ... for ONE host, in GPU order; every
-host starts with it (the dynamic policies default to all TP1).
+are rejected), "flying" (Flying Serving, weights="replicated"), "pipelive" (pipelines re-split
+as the prefill/decode mix shifts, csrc/sim/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
+"4xTP1+1xTP4", ... for ONE host, in GPU order; every host starts with it (the dynamic policies
+default to all TP1).
+
+Pipelines (PipeLive): a layout that is one pipeline, "PP2" or "PP[60,20]" (layers per stage),
+with `gpus` naming each stage's GPU, makes every host that pipeline, one GPU a stage:
+
+    res = gyges.sim.run(trace, policy="pipelive", layout="PP[60,20]",
+                        gpus=["a100-80gb", "l40s"], model="llama3-70b")
+    res = gyges.sim.run(trace, policy="static", layout="PP[44,36]", cost=PipelineCost(...))
+
+Its cost model is gyges.costmodel.PipelineCost (cost=, or built from model and gpus); "static"
+keeps the split, "pipelive" re-splits it; kv_resize=False keeps kv_blocks blocks at every split
+(PipeLive without KV resizing). Mixing pipelines and TP groups in one layout is not simulated.
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ import numpy as np
 from . import _C, traces
 from . import layout as layout_mod
 from .cluster import POLICIES, Policy, check_number, check_policy  # one set for both executors
-from .costmodel import ConstantCost, CostModel, CostModelError
+from .costmodel import ConstantCost, CostModel, CostModelError, PipelineCost
+from .costmodel import gpu_spec as costmodel_gpu
 from .errors import InvalidArgumentError
 from .results import Results
 
@@ -62,7 +76,7 @@ def _check_float(name, v, low, high=None, low_open=False):
     return check_number(name, v, low, high, low_open, SimError)
 
 
-def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
+def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None = None,
         model="qwen2.5-32b", gpu="h20", layout: str | None = None, slo: dict | None = None,
         progress: bool = False, *, cost=None, max_tp: int | None = None, block_size: int = 16,
         max_batch_tokens: int = 2048, max_running: int = 256, max_prefill_chunk: int = 0,
@@ -73,7 +87,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         switch_time: float = 0.015, flying_tp: int | None = None,
         light_load: float | None = None,
         sample_interval: float | None = None,
-        record_tokens: bool = False, check: bool = False) -> Results:
+        record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
+        kv_blocks: int | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost; default CostModel.create(model, gpu) (the
@@ -97,12 +112,24 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
     (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
     throughput series; memory grows with the output). check: verify the simulator's invariants
     after every chunk (tests). slo: kept for Results.summary (goodput).
+
+    Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
+    gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
+    PipelineCost), cost a PipelineCost (default PipelineCost.create(model, gpus)); kv_resize
+    False keeps kv_blocks KV blocks (default: the first split's) at every split, and a re-split
+    whose intermediate budget falls below them is refused.
     """
     t_wall = time.perf_counter()
     traces.validate(trace)
     check_policy(policy, SimError)
     hosts = _check_int("hosts", hosts, 1, 4096)
-    gpus_per_host = _check_int("gpus_per_host", gpus_per_host, 1, 128)
+    if isinstance(layout, str) and "pp" in layout.lower():
+        return _run_pipeline(**{k: v for k, v in locals().items() if k != "t_wall"},
+                             t_wall=t_wall)
+    if gpus is not None or isinstance(cost, PipelineCost):
+        raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
+    gpus_per_host = _check_int("gpus_per_host", 8 if gpus_per_host is None else gpus_per_host,
+                               1, 128)
     if gpus_per_host & (gpus_per_host - 1):
         raise SimError(f"gpus_per_host must be a power of two (aligned TP groups), got "
                        f"{gpus_per_host}")
@@ -188,6 +215,20 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
         replicated=replicated, switch_time=switch_time)
 
     start = float(arrival[0]) if n else 0.0
+    return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
+              "policy": policy, "hosts": hosts, "gpus_per_host": gpus_per_host,
+              "max_tp": max_tp, "layout": layout, "cost": cost.describe(),
+              "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
+              "max_input_tokens": max_input,
+              "block_size": block_size, "max_batch_tokens": max_batch_tokens,
+              "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
+              "watermark": watermark, **knobs, "weights": weights,
+              "switch_time": switch_time,
+              "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})
+
+
+def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) -> Results:
+    """Runs the simulator in chunks (a progress line for long runs) and wraps the results."""
     chunk = max(span / 100, 1.0)
     until = start
     shown = False
@@ -207,14 +248,89 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int = 8,
             break
     if shown:
         sys.stderr.write("\n")
-    config = {"policy": policy, "hosts": hosts, "gpus_per_host": gpus_per_host,
-              "max_tp": max_tp, "layout": layout, "cost": cost.describe(),
-              "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
-              "max_input_tokens": max_input,
-              "block_size": block_size, "max_batch_tokens": max_batch_tokens,
-              "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
-              "watermark": watermark, **knobs, "weights": weights,
-              "switch_time": switch_time,
-              "sample_interval": sample_interval, "record_tokens": bool(record_tokens)}
     return Results.from_simulator(sim, config, slo=slo,
                                   wall_seconds=time.perf_counter() - t_wall)
+
+
+def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, progress, cost,
+                  max_tp, block_size, max_batch_tokens, max_running, max_prefill_chunk,
+                  watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap,
+                  merge_wait, eager_scale_up, weights, switch_time, flying_tp, light_load,
+                  sample_interval, record_tokens, check, gpus, kv_resize, kv_blocks,
+                  t_wall) -> Results:
+    """run() for a pipeline layout (the module docstring): one pipeline per host."""
+    if policy not in ("static", "pipelive"):
+        raise SimError(f"a pipeline layout runs with policy 'static' or 'pipelive', not "
+                       f"{policy!r}")
+    if weights != "sharded" or (max_tp not in (None, 1)):
+        raise SimError("pipelines keep their layers' weights (weights='sharded') and no TP "
+                       "(max_tp 1)")
+    if cost is None:
+        if gpus is None:
+            raise SimError(f"layout {layout!r} is a pipeline: name each stage's GPU, e.g. "
+                           f"gpus=['a100-80gb', 'l40s']")
+        try:
+            cost = PipelineCost.create(model, gpus)
+        except CostModelError as e:
+            raise SimError(str(e)) from None
+    elif not isinstance(cost, PipelineCost):
+        raise SimError(f"a pipeline layout needs a PipelineCost, got {type(cost).__name__}")
+    elif gpus is not None:
+        try:
+            named = tuple(costmodel_gpu(g) for g in gpus)
+        except CostModelError as e:
+            raise SimError(str(e)) from None
+        if named != cost.gpus:
+            raise SimError(f"gpus {list(gpus)} are not the PipelineCost's "
+                           f"{[g.name for g in cost.gpus]}")
+    groups = layout_mod.parse(layout, cost.n_stages, cost.n_layers, error=SimError, unit="GPUs")
+    if len(groups) != 1 or groups[0].stages is None:
+        raise SimError(f"layout {layout!r}: a pipeline cluster has one pipeline per host over "
+                       f"its {cost.n_stages} stage GPUs, nothing else")
+    split = tuple(groups[0].stages)
+    if gpus_per_host not in (None, cost.n_stages):
+        raise SimError(f"gpus_per_host {gpus_per_host}: a pipeline host has its "
+                       f"{cost.n_stages} stages")
+    block_size = _check_int("block_size", block_size, 1, 1 << 20)
+    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
+    max_running = _check_int("max_running", max_running, 1, 1 << 20)
+    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
+    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    knobs = Policy(policy, decode_weight=decode_weight).config
+    first = cost.capacity(split, block_size)
+    if first < 1:
+        raise SimError(f"layout {layout!r} leaves no KV room on some stage of "
+                       f"{[g.name for g in cost.gpus]}")
+    fixed = 0
+    if not kv_resize:
+        fixed = first if kv_blocks is None else _check_int("kv_blocks", kv_blocks, 1, first)
+    elif kv_blocks is not None:
+        raise SimError("kv_blocks is for kv_resize=False")
+    n = trace.shape[0]
+    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    if sample_interval is None:
+        sample_interval = max(1.0, span / 10_000)
+    sample_interval = _check_float("sample_interval", sample_interval, 0.0, low_open=True)
+    capacity = [fixed or first]
+    unused = ConstantCost()  # the TP cost model: no TP instance here
+    sim = _C.Simulator(
+        hosts=hosts, gpus_per_host=cost.n_stages, max_tp=1, layout=[1], capacity=capacity,
+        capacity_mid=capacity, block_size=block_size, max_batch_tokens=max_batch_tokens,
+        max_running=max_running, max_prefill_chunk=max_prefill_chunk, watermark=watermark,
+        cost_kind=unused.kind, cost_params=unused.params(), policy=policy, **knobs,
+        sample_interval=sample_interval, record_tokens=bool(record_tokens), arrival=arrival,
+        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
+        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
+        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32),
+        pipeline=cost.params(block_size, fixed), pipe_layers=list(split))
+    start = float(arrival[0]) if n else 0.0
+    return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
+        "policy": policy, "hosts": hosts, "gpus_per_host": cost.n_stages, "max_tp": 1,
+        "layout": layout, "gpus": [g.name for g in cost.gpus], "split": list(split),
+        "cost": cost.describe(), "capacity_blocks": capacity, "kv_resize": bool(kv_resize),
+        "kv_blocks": fixed or None, "block_size": block_size,
+        "max_batch_tokens": max_batch_tokens, "max_running": max_running,
+        "max_prefill_chunk": max_prefill_chunk, "watermark": watermark, **knobs,
+        "weights": weights, "sample_interval": sample_interval,
+        "record_tokens": bool(record_tokens)})

@@ -639,6 +639,41 @@ def flying_alternating(duration: float, seed=0, low=(2.0, 5.0), high=(10.0, 30.0
                         output_tokens=output_tokens, seed=ss_trace, start=start)
 
 
+PREFILL_HEAVY = (512, 16)   # PipeLive 7.2: mean input / output tokens of a prefill-heavy phase
+DECODE_HEAVY = (128, 512)   # and of a decode-heavy phase
+
+
+def pattern_shifting(rate: float, phase: float, duration: float | None = None,
+                     n: int | None = None, patterns=(PREFILL_HEAVY, DECODE_HEAVY),
+                     seed=0, start: float = 0.0, first: int = 0) -> np.ndarray:
+    """PipeLive's pattern-shifting workload (its section 7.2): Poisson arrivals at `rate`
+    requests/s whose lengths alternate every `phase` seconds between the patterns, by default
+    prefill-heavy (512 in / 16 out) and decode-heavy (128 in / 512 out), starting with
+    patterns[first]. Phase k covers [k*phase, (k+1)*phase) from `start` and uses
+    patterns[(first + k) % len(patterns)]. The paper gives mean lengths; we use them exactly
+    (every request of a phase has its pattern's lengths). Stops after n requests or at
+    start + duration (the paper: 200 requests)."""
+    _check_positive("phase", phase)
+    pats = [tuple(int(x) for x in p) for p in patterns]
+    if not pats or any(len(p) != 2 or min(p) < 1 for p in pats):
+        raise InvalidArgumentError(f"patterns must be (input, output) pairs of tokens >= 1, got "
+                                   f"{patterns!r}")
+    if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or first < 0:
+        raise InvalidArgumentError(f"first must be an int >= 0, got {first!r}")
+    trace = poisson(rate, duration=duration, n=n, seed=seed, start=start)
+    k = np.floor((trace["arrival"] - start) / phase).astype(np.int64)
+    which = (int(first) + k) % len(pats)
+    trace["input_tokens"] = np.array([p[0] for p in pats], np.int64)[which]
+    trace["output_tokens"] = np.array([p[1] for p in pats], np.int64)[which]
+    return trace
+
+
+def phase_of(trace: np.ndarray, phase: float, start: float = 0.0) -> np.ndarray:
+    """The phase index of each request of a pattern_shifting trace."""
+    _check_positive("phase", phase)
+    return np.floor((trace["arrival"] - start) / phase).astype(np.int64)
+
+
 def _seedseq(seed) -> np.random.SeedSequence:
     if isinstance(seed, np.random.SeedSequence):
         return seed

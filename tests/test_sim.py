@@ -551,3 +551,127 @@ def test_replicated_and_policy_mismatches_are_refused():
         sim.run(tr, policy="flying")
     with pytest.raises(sim.SimError, match="weights must be"):
         sim.run(tr, policy="static", layout="8xTP1", weights="copied")
+
+
+# ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------
+
+from gyges.costmodel import PipelineCost  # noqa: E402
+
+# Llama-3-70B in one-byte weights and KV (bf16 does not fit 80 + 48 GB) on A100-80GB + L40S.
+PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6)
+
+
+def test_pipeline_cost_reference_matches_c():
+    for cur, tgt in [((60, 20), (44, 36)), ((44, 36), (66, 14)), ((50, 30), (50, 30))]:
+        shape = CostModel.batch_shape([(100, 20, True), (300, 1, True)])
+        c = _C.sim_pipeline(PIPE.params(16), list(cur), list(tgt), shape["n_tokens"],
+                            shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                            shape["attn_pairs"], 5000.0)
+        assert c["step"] == pytest.approx(PIPE.step_time(cur, **shape), rel=1e-12)
+        assert c["capacity"] == PIPE.capacity(cur) and c["shrink"] == PIPE.shrink_capacity(cur, tgt)
+        t, w, kv = PIPE.migration_time(cur, tgt, 5000.0)
+        assert c["migration"] == pytest.approx(t, rel=1e-12)
+        assert (c["weight_bytes"], c["kv_bytes"]) == pytest.approx((w, kv), rel=1e-12)
+    # B_shrink holds both layer sets: never above either split's capacity
+    assert PIPE.shrink_capacity((60, 20), (44, 36)) <= min(PIPE.capacity((60, 20)),
+                                                          PIPE.capacity((44, 36)))
+    # the L40S holds 38 layers' weights at most: 42/38 has almost no KV, 41/39 none
+    assert PIPE.max_blocks(1, 39) == 0 and PIPE.capacity((42, 38)) > 0
+
+
+def test_pipeline_static_splits():
+    pf, dec, bal = PIPE.prefill_optimal(), PIPE.decode_optimal(), PIPE.balanced()
+    assert sum(pf) == sum(dec) == sum(bal) == 80
+    # prefill is compute-bound: layers go to the L40S (more FLOP/s); decode memory-bound: to the
+    # A100 (2.4x the bandwidth)
+    assert pf[1] > dec[1]
+    ttft = lambda s: PIPE.profile(s, 512, 16)[0]
+    tpot = lambda s: PIPE.profile(s, 128, 512, 32)[1]
+    assert ttft(pf) <= min(ttft(s) for s in PIPE.splits() if PIPE.capacity(s) * 16 >= 8192)
+    assert tpot(dec) < tpot(pf)
+
+
+def test_pipeline_layout_api_and_errors():
+    tr = traces.pattern_shifting(1.0, phase=10.0, n=20, seed=3)
+    res = sim.run(tr, policy="static", layout="PP[24,8]", gpus=["a100-80gb", "l40s"],
+                  model="llama3-8b", check=True)   # bf16 by default
+    assert res.config["split"] == [24, 8] and res.config["gpus"] == ["A100-80GB", "L40S"]
+    assert res.summary()["completed"] == 20
+    # PP2 is the even split; a PipelineCost gives the GPUs
+    p8 = PipelineCost.create("llama3-8b", ["a100-80gb", "l40s"])
+    res = sim.run(tr, policy="static", layout="PP2", cost=p8, check=True)
+    assert res.config["split"] == [16, 16] and res.config["kv_blocks"] is None
+    assert res.timeline["kv_total"][0] == p8.capacity((16, 16))
+    fixed = sim.run(tr, policy="static", layout="PP2", cost=p8, kv_resize=False,
+                    kv_blocks=1000, check=True)
+    assert fixed.timeline["kv_total"].max() == 1000
+    for kw, msg in [(dict(layout="PP[60,20]"), "gpus"),
+                    (dict(layout="PP[60,20]", cost=PIPE, policy="gyges"), "static' or 'pipelive"),
+                    (dict(layout="PP[60,10]", cost=PIPE), "adding up"),
+                    (dict(layout="PP2", cost=PIPE), "no KV room"),  # 40 layers on the L40S
+                    (dict(layout="PP[60,20]+TP1", cost=PIPE), "covers"),
+                    (dict(layout="PP[60,20]", cost=PIPE, gpus=["h100", "l40s"]), "not the"),
+                    (dict(layout="4xTP1", cost=PIPE), "pipeline layouts")]:
+        kw.setdefault("policy", "static")
+        with pytest.raises(sim.SimError, match=msg):
+            sim.run(tr, **kw)
+
+
+def test_pattern_shifting_phases():
+    tr = traces.pattern_shifting(4.0, phase=15.0, duration=60.0, seed=2)
+    k = traces.phase_of(tr, 15.0)
+    assert set(k.tolist()) == {0, 1, 2, 3}
+    even = k % 2 == 0
+    assert np.all(tr["input_tokens"][even] == 512) and np.all(tr["output_tokens"][even] == 16)
+    assert np.all(tr["input_tokens"][~even] == 128) and np.all(tr["output_tokens"][~even] == 512)
+    assert abs(tr.size / 60.0 - 4.0) < 1.0                 # Poisson at the rate
+    assert np.array_equal(traces.poisson(4.0, duration=60.0, seed=2)["arrival"], tr["arrival"])
+    other = traces.pattern_shifting(4.0, phase=15.0, duration=60.0, seed=2, first=1)
+    assert np.all(other["input_tokens"][even] == 128)
+    assert traces.pattern_shifting(4.0, phase=15.0, n=200).size == 200
+    with pytest.raises(gyges.InvalidArgumentError):
+        traces.pattern_shifting(4.0, phase=0.0, n=10)
+    with pytest.raises(gyges.InvalidArgumentError):
+        traces.pattern_shifting(4.0, phase=5.0, n=10, patterns=[(0, 5)])
+
+
+def test_score_min_max_normalised():
+    s = metrics.score({"a": {"ttft": 1.0, "tpot": 0.1, "throughput": 100.0},
+                       "b": {"ttft": 3.0, "tpot": 0.05, "throughput": 300.0},
+                       "c": {"ttft": 2.0, "tpot": 0.2, "throughput": 200.0}})
+    # a: ttft 1, tpot (0.2-0.1)/0.15 = 2/3, tput 0; b: 0, 1, 1; c: 0.5, 0, 0.5
+    assert s["a"] == pytest.approx((1 + 2 / 3 + 0) / 3)
+    assert s["b"] == pytest.approx(2 / 3) and s["c"] == pytest.approx(1 / 3)
+    same = metrics.score({"x": {"ttft": 1, "tpot": 1, "throughput": 1},
+                          "y": {"ttft": 1, "tpot": 1, "throughput": 1}})
+    assert same == {"x": 1.0, "y": 1.0}
+    with pytest.raises(gyges.InvalidArgumentError, match="tpot"):
+        metrics.score({"x": {"ttft": 1, "throughput": 1}})
+
+
+def _fig9(rate=2.0, n=200, phase=20.0, seed=1):
+    tr = traces.pattern_shifting(rate, phase=phase, n=n, seed=seed)
+    splits = {"prefill_optimal": PIPE.prefill_optimal(), "decode_optimal": PIPE.decode_optimal(),
+              "balanced": PIPE.balanced()}
+    runs = {name: sim.run(tr, policy="static", layout=f"PP[{s[0]},{s[1]}]", cost=PIPE)
+            for name, s in splits.items()}
+    runs["pipelive"] = sim.run(tr, policy="pipelive", layout="PP[{},{}]".format(
+        *splits["balanced"]), cost=PIPE, check=True)
+    metrics_of = {}
+    for name, r in runs.items():
+        sm = r.summary()
+        metrics_of[name] = {"ttft": sm["ttft_mean"], "tpot": sm["tpot_mean"],
+                            "throughput": sm["total_token_throughput"]}
+    return runs, metrics_of, metrics.score(metrics_of)
+
+
+def test_pipelive_resplits_on_pattern_shifting_and_scores():
+    runs, m, score = _fig9()
+    live = runs["pipelive"]
+    assert live.summary()["completed"] == 200
+    assert live.stats["resplits"] >= 2 and live.stats["ops_refused"] == 0
+    assert live.stats["resplit_stop_s"] == pytest.approx(0.010 * live.stats["resplits"])
+    t = live.transformations
+    assert np.all(t["kind"] == 6) and np.all(t["end"] - t["phase_end"] == pytest.approx(0.01))
+    # measured (seed 1, rate 2/s, 20 s phases): see benchmarks/bench_pipeline_sim.py
+    assert score["pipelive"] > min(score[k] for k in score if k != "pipelive")

@@ -49,7 +49,9 @@ static int gy_cluster_tp_ok(int32_t tp, int32_t max_tp) {
 
 gy_status gy_cluster_view_check(const gy_sim_view *v) {
     if (v == NULL) return GY_FAIL(GY_ERR_INVALID, "view: NULL");
-    if (v->n_gpus < 1 || v->gpus_per_host < 1 || gy_sim_level(v->gpus_per_host) < 0 ||
+    /* a host's GPUs: a power of two for TP groups; a pipeline's stages any count (max_tp 1) */
+    if (v->n_gpus < 1 || v->gpus_per_host < 1 ||
+        (v->max_tp > 1 && gy_sim_level(v->gpus_per_host) < 0) ||
         v->n_gpus % v->gpus_per_host != 0 || !gy_cluster_tp_ok(v->max_tp, v->gpus_per_host) ||
         v->block_size < 1 || !(v->watermark >= 0.0 && v->watermark < 1.0))
         return GY_FAIL(GY_ERR_INVALID,
@@ -74,10 +76,30 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
                        (int)v->max_tp);
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
+        if (i->n_stages != 0) { /* a pipeline: one GPU a stage, any first GPU */
+            const int32_t prev_end = k > 0 ? v->inst[k - 1].gpu_first +
+                                                 gy_sim_inst_gpus(&v->inst[k - 1]) : 0;
+            int ok = i->n_stages >= 2 && i->n_stages <= GY_SIM_MAX_STAGES && i->tp == 1 &&
+                     i->gpu_first >= prev_end && i->gpu_first + i->n_stages <= v->n_gpus &&
+                     i->kv_total >= 1;
+            for (int32_t s = 0; ok && s < i->n_stages; s++) ok = i->layers[s] >= 1;
+            if (ok && v->pipeline != NULL)
+                ok = i->n_stages == v->pipeline->n_stages &&
+                     gy_sim_pipeline_split_ok(v->pipeline, i->layers);
+            if (!ok)
+                return GY_FAIL(GY_ERR_INVALID,
+                               "bad view: instance %d (GPU %d, %d stages, %lld blocks) is not a "
+                               "pipeline of 2 to %d one-GPU stages of at least a layer each "
+                               "(a split of the model's), in GPU order without overlap",
+                               (int)k, (int)i->gpu_first, (int)i->n_stages,
+                               (long long)i->kv_total, GY_SIM_MAX_STAGES);
+            continue;
+        }
         if (!gy_cluster_tp_ok(i->tp, v->max_tp) || gy_sim_level(i->tp) < min_level ||
             i->gpu_first < 0 || i->gpu_first % i->tp ||
             i->gpu_first + i->tp > v->n_gpus ||
-            (k > 0 && i->gpu_first < v->inst[k - 1].gpu_first + v->inst[k - 1].tp) ||
+            (k > 0 && i->gpu_first < v->inst[k - 1].gpu_first +
+                                         gy_sim_inst_gpus(&v->inst[k - 1])) ||
             i->kv_total < 1)
             return GY_FAIL(GY_ERR_INVALID,
                            "bad view: instance %d (GPU %d, TP%d, %lld blocks) is not an aligned "
@@ -89,7 +111,7 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
     for (int32_t g = 0; g < v->n_gpus; g++) {
         const int32_t k = v->gpu_inst[g];
         if (k < 0 || k >= v->n_inst || g < v->inst[k].gpu_first ||
-            g >= v->inst[k].gpu_first + v->inst[k].tp)
+            g >= v->inst[k].gpu_first + gy_sim_inst_gpus(&v->inst[k]))
             return GY_FAIL(GY_ERR_INVALID,
                            "bad view: GPU %d maps to instance %d, which does not own it", (int)g,
                            (int)k);
@@ -120,7 +142,8 @@ gy_status gy_cluster_init(gy_cluster **out, const gy_cluster_config *config,
         return GY_FAIL(GY_ERR_INVALID, "gy_cluster_init: no policy");
     const int32_t levels = gy_sim_level(config->max_tp) + 1;
     if (config->n_gpus < 1 || config->gpus_per_host < 1 ||
-        gy_sim_level(config->gpus_per_host) < 0 || config->n_gpus % config->gpus_per_host != 0 ||
+        (config->max_tp > 1 && gy_sim_level(config->gpus_per_host) < 0) ||
+        config->n_gpus % config->gpus_per_host != 0 ||
         levels < 1 || levels > GY_SIM_MAX_LEVELS || config->max_tp > config->gpus_per_host ||
         config->capacity == NULL || config->block_size < 1 ||
         !(config->watermark >= 0.0 && config->watermark < 1.0))
@@ -204,10 +227,11 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         gy_sim_inst_view *i = &c->rows[k];
         i->held = gy_cluster_held(c, i->gpu_first, i->tp);
         i->reserved = 0;
+        const int32_t width = gy_sim_inst_gpus(i);
         for (int32_t p = 0; p < n_pending && !i->reserved; p++)
-            i->reserved = gy_sim_ranges_overlap(i->gpu_first, i->tp, c->pending[p].gpu_first,
+            i->reserved = gy_sim_ranges_overlap(i->gpu_first, width, c->pending[p].gpu_first,
                                                 c->pending[p].size);
-        for (int32_t x = i->gpu_first; x < i->gpu_first + i->tp; x++)
+        for (int32_t x = i->gpu_first; x < i->gpu_first + width; x++)
             if (x >= 0 && x < c->config.n_gpus) c->gpu_inst[x] = k;
     }
     *v = (gy_sim_view){
@@ -226,6 +250,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .replicated = c->config.replicated,
         .base_tp = c->config.base_tp,
         .n_deferred = c->n_deferred,
+        .pipeline = c->config.pipeline,
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */
@@ -262,9 +287,15 @@ static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const 
         else c->stats.n_releases_started++;
         /* the members (or the bound instance) are gone once it ends: nothing stays held */
         for (int32_t k = 0; k < v->n_inst; k++)
-            if (gy_sim_ranges_overlap(v->inst[k].gpu_first, v->inst[k].tp, op->gpu_first,
+            if (gy_sim_ranges_overlap(v->inst[k].gpu_first, gy_sim_inst_gpus(&v->inst[k]),
+                                      op->gpu_first,
                                       op->size))
                 gy_cluster_set_held(c, v->inst[k].gpu_first, v->inst[k].tp, 0);
+        return GY_OK;
+    case GY_SIM_OP_RESPLIT:
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        c->stats.n_resplits_started++; /* the pipeline stays itself: held or not as before */
         return GY_OK;
     case GY_SIM_OP_HOLD:
     case GY_SIM_OP_UNHOLD: {

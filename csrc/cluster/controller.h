@@ -16,8 +16,9 @@
  *   assign       a request's decision: PLACE on the instance at (gpu_first, tp), DEFER (it waits
  *                here, reconsidered later) or REJECT (never served); before the decision's ops;
  *   reconfigure  start one reconfiguration op (MERGE of a group's two halves, SPLIT of an
- *                instance into its halves); *started = 0 when the executor's state refuses it
- *                (nothing changed; the controller counts it);
+ *                instance into its halves; BIND / RELEASE on a replicated cluster; RESPLIT of
+ *                a pipeline to a new split of its layers); *started = 0 when the executor's
+ *                state refuses it (nothing changed; the controller counts it);
  *   decided      optional: a decision and all its ops are carried out (the simulator starts the
  *                placed request's instance stepping here).
  * The topology does not change inside a decision (a reconfiguration switches instances later,
@@ -68,8 +69,8 @@ typedef struct gy_cluster_ops {
     /* action: GY_SIM_ACTION_PLACE (gpu_first, tp name the instance), DEFER or REJECT (-1, 0). */
     gy_status (*assign)(void *ctx, const gy_cluster_request *r, int32_t action,
                         int32_t gpu_first, int32_t tp);
-    /* op->kind: GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT, or on a replicated cluster BIND or
-     * RELEASE. */
+    /* op->kind: GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT, on a replicated cluster BIND or RELEASE,
+     * on a pipeline cluster RESPLIT (op->layers). */
     gy_status (*reconfigure)(void *ctx, const gy_sim_op *op, int32_t *started);
     /* May be NULL. */
     gy_status (*decided)(void *ctx, const gy_cluster_request *r, int32_t action);
@@ -85,6 +86,8 @@ typedef struct gy_cluster_config {
     gy_sim_policy_config policy_config;
     int32_t replicated;            /* Flying Serving's cluster: BIND / RELEASE (policy.h) */
     int32_t base_tp;               /* replicated: the TP of an unbound instance */
+    const gy_sim_pipeline *pipeline; /* pipelines' cost model for the view (must outlive the
+                                        controller); NULL: none */
 } gy_cluster_config;
 
 typedef struct gy_cluster_stats {
@@ -94,6 +97,7 @@ typedef struct gy_cluster_stats {
     int64_t n_ops_refused; /* of those, refused by the state (the executor's or no instance) */
     int64_t n_merges_started, n_splits_started;
     int64_t n_binds_started, n_releases_started;
+    int64_t n_resplits_started;
     int64_t n_rejected;
     int64_t n_deferred;    /* waiting now */
 } gy_cluster_stats;
@@ -119,9 +123,10 @@ void gy_cluster_stats_get(const gy_cluster *c, gy_cluster_stats *out);
 const gy_cluster_request *gy_cluster_deferred(const gy_cluster *c, int64_t *n,
                                               const gy_sim_group **groups);
 
-/* Checks a view as the policies will follow it: aligned power-of-two groups up to max_tp in GPU
- * order without overlap covering every GPU, each with blocks, the GPU map, the capacity levels
- * and the pending groups. GY_ERR_INVALID names the first fault. */
+/* Checks a view as the policies will follow it: aligned power-of-two groups up to max_tp (or
+ * pipelines of 2 to GY_SIM_MAX_STAGES one-GPU stages, each with a layer) in GPU order without
+ * overlap covering every GPU, each with blocks, the GPU map, the capacity levels and the pending
+ * groups. GY_ERR_INVALID names the first fault. */
 gy_status gy_cluster_view_check(const gy_sim_view *v);
 
 #ifdef __cplusplus

@@ -10,6 +10,7 @@
 
 #include "sim/buddy.h"
 #include "sim/cost.h"
+#include "sim/pipeline.h"
 #include "sim/policy.h"
 #include "sim/sim.h"
 
@@ -94,6 +95,100 @@ static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roof
     return -1;
 }
 
+/* Reads a pipeline's parameters (gyges.costmodel.PipelineCost.params()) and checks them; -1 with
+ * an exception. */
+static int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
+    if (!PyDict_Check(params)) {
+        PyErr_SetString(GY_PY_TYPE_ERROR, "pipeline parameters must be a dict");
+        return -1;
+    }
+    memset(p, 0, sizeof *p);
+    struct { const char *name; double *dst; } f[] = {
+        {"layer_bytes", &p->layer_bytes}, {"layer_params", &p->layer_params},
+        {"attn_flops_per_pair", &p->attn_flops_per_pair}, {"kv_layer", &p->kv_layer},
+        {"lm_head_params", &p->lm_head_params}, {"head_bytes", &p->head_bytes},
+        {"act_bytes", &p->act_bytes}, {"link_bw", &p->link_bw},
+        {"link_latency", &p->link_latency}, {"eff_xfer", &p->eff_xfer},
+        {"step_overhead", &p->step_overhead}, {"transform_slowdown", &p->transform_slowdown},
+        {"stop_time", &p->stop_time},
+    };
+    for (size_t k = 0; k < sizeof f / sizeof f[0]; k++) {
+        PyObject *v = PyDict_GetItemString(params, f[k].name);
+        if (v == NULL) {
+            PyErr_Format(GY_PY_VALUE_ERROR, "pipeline parameters lack %s", f[k].name);
+            return -1;
+        }
+        *f[k].dst = PyFloat_AsDouble(v);
+        if (*f[k].dst == -1.0 && PyErr_Occurred()) return -1;
+    }
+    struct { const char *name; int64_t *dst; } n[] = {
+        {"block_size", &p->block_size}, {"fixed_blocks", &p->fixed_blocks}};
+    for (size_t k = 0; k < sizeof n / sizeof n[0]; k++) {
+        PyObject *v = PyDict_GetItemString(params, n[k].name);
+        if (v == NULL) {
+            PyErr_Format(GY_PY_VALUE_ERROR, "pipeline parameters lack %s", n[k].name);
+            return -1;
+        }
+        *n[k].dst = PyLong_AsLongLong(v);
+        if (*n[k].dst == -1 && PyErr_Occurred()) return -1;
+    }
+    PyObject *layers = PyDict_GetItemString(params, "n_layers");
+    PyObject *stages = PyDict_GetItemString(params, "stages");
+    if (layers == NULL || stages == NULL || !PyList_Check(stages)) {
+        PyErr_SetString(GY_PY_VALUE_ERROR, "pipeline parameters lack n_layers or a list stages");
+        return -1;
+    }
+    p->n_layers = (int32_t)PyLong_AsLong(layers);
+    if (p->n_layers == -1 && PyErr_Occurred()) return -1;
+    const Py_ssize_t ns = PyList_GET_SIZE(stages);
+    if (ns < 2 || ns > GY_SIM_MAX_STAGES) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "a pipeline has 2 to %d stages, got %zd",
+                     GY_SIM_MAX_STAGES, ns);
+        return -1;
+    }
+    p->n_stages = (int32_t)ns;
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *d = PyList_GET_ITEM(stages, i);
+        if (!PyDict_Check(d)) {
+            PyErr_SetString(GY_PY_TYPE_ERROR, "pipeline stages must be dicts");
+            return -1;
+        }
+        gy_sim_pipe_stage *g = &p->stage[i];
+        struct { const char *name; double *dst; } sf[] = {
+            {"budget_bytes", &g->budget_bytes}, {"hbm_bw", &g->hbm_bw},
+            {"peak_flops", &g->peak_flops}, {"eff_bw", &g->eff_bw},
+            {"eff_flops", &g->eff_flops}};
+        for (size_t k = 0; k < sizeof sf / sizeof sf[0]; k++) {
+            PyObject *v = PyDict_GetItemString(d, sf[k].name);
+            if (v == NULL) {
+                PyErr_Format(GY_PY_VALUE_ERROR, "pipeline stage %zd lacks %s", i, sf[k].name);
+                return -1;
+            }
+            *sf[k].dst = PyFloat_AsDouble(v);
+            if (*sf[k].dst == -1.0 && PyErr_Occurred()) return -1;
+        }
+    }
+    const gy_status st = gy_sim_pipeline_check(p);
+    if (st != GY_OK) {
+        gy_py_raise(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* A split from a sequence of n ints; -1 with an exception. */
+static int gy_py_sim_split(PyObject *o, int32_t n, int32_t *layers, const char *what) {
+    int64_t v[GY_SIM_MAX_STAGES];
+    const Py_ssize_t got = gy_py_int64s(o, v, GY_SIM_MAX_STAGES, what);
+    if (got < 0) return -1;
+    if (got != n) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s needs %d stages, got %zd", what, (int)n, got);
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) layers[i] = (int32_t)v[i];
+    return 0;
+}
+
 static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"hosts", "gpus_per_host", "max_tp", "layout", "capacity",
                             "capacity_mid", "block_size", "max_batch_tokens", "max_running",
@@ -102,24 +197,31 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "scale_up_cap", "merge_wait", "eager_scale_up",
                             "sample_interval", "record_tokens", "arrival", "input_tokens",
                             "output_tokens", "priority", "max_input", "replicated",
-                            "switch_time", "flying_tp", "light_load", NULL};
+                            "switch_time", "flying_tp", "light_load", "pipeline",
+                            "pipe_layers", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
         sample_interval;
     const char *cost_kind, *policy_name;
     PyObject *layout_o, *cap_o, *mid_o, *cost_params, *arr_o, *in_o, *out_o, *prio_o,
-        *max_in_o = Py_None;
+        *max_in_o = Py_None, *pipe_o = Py_None, *pipe_layers_o = Py_None;
     const gy_sim_policy_config defaults = gy_sim_policy_config_default();
     int replicated = 0, flying_tp = defaults.flying_tp;
     double switch_time = 0.0, light_load = defaults.light_load;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|Opdid", names, &hosts, &gpus_per_host,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOO", names, &hosts, &gpus_per_host,
             &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
-            &replicated, &switch_time, &flying_tp, &light_load))
+            &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o))
+        return NULL;
+    gy_sim_pipeline pipeline;
+    int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
+    if (pipe_o != Py_None &&
+        (gy_py_sim_pipeline_params(pipe_o, &pipeline) < 0 ||
+         gy_py_sim_split(pipe_layers_o, pipeline.n_stages, pipe_layers, "pipe_layers") < 0))
         return NULL;
     const gy_sim_policy_ops *policy = gy_sim_policy_find(policy_name);
     if (policy == NULL)
@@ -166,6 +268,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         .record_tokens = record_tokens,
         .replicated = replicated,
         .switch_time = switch_time,
+        .pipeline = pipe_o == Py_None ? NULL : &pipeline,
+        .pipe_layers = pipe_layers,
     };
     if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
                               &c.cost) < 0) {
@@ -251,7 +355,7 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
     gy_sim_stats s;
     gy_sim_stats_get(self->sim, &s);
     return Py_BuildValue(
-        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsN}", "now", s.now, "requests",
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsNsLsdsd}", "now", s.now, "requests",
         (long long)s.n_requests,
         "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
         (long long)s.n_rejected, "deferred", (long long)s.n_deferred, "steps",
@@ -262,7 +366,8 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
         (long long)s.n_decisions, "rebalances", (long long)s.n_rebalances, "binds",
         (long long)s.n_binds, "releases", (long long)s.n_releases, "paused",
         (long long)s.n_paused, "recomputed", (long long)s.n_recomputed, "done",
-        PyBool_FromLong(s.done));
+        PyBool_FromLong(s.done), "resplits", (long long)s.n_resplits, "resplit_migration_s",
+        s.resplit_migration_s, "resplit_stop_s", s.resplit_stop_s);
 }
 
 #define GY_PY_SIM_BYTES(fn, getter, type)                                                          \
@@ -384,6 +489,36 @@ static PyObject *gy_py_buddy_plan(PyObject *module, PyObject *args) {
     return Py_BuildValue("(NOd)", list, met ? Py_True : Py_False, freed);
 }
 
+/* sim_pipeline(params, cur, tgt, n_tokens, n_seqs, n_samples, kv_read, pairs, kv_tokens) ->
+ * {step, capacity, shrink, migration, weight_bytes, kv_bytes}: pipeline.h's C evaluation, for
+ * gyges.costmodel.PipelineCost's reference check (step at cur, capacity of cur, a re-split
+ * cur -> tgt). */
+static PyObject *gy_py_sim_pipeline(PyObject *module, PyObject *args) {
+    PyObject *params, *cur_o, *tgt_o;
+    long long n_tokens, n_seqs, n_samples;
+    double kv_read, pairs, kv_tokens;
+    if (!PyArg_ParseTuple(args, "OOOLLLddd", &params, &cur_o, &tgt_o, &n_tokens, &n_seqs,
+                          &n_samples, &kv_read, &pairs, &kv_tokens))
+        return NULL;
+    gy_sim_pipeline p;
+    int32_t cur[GY_SIM_MAX_STAGES], tgt[GY_SIM_MAX_STAGES];
+    if (gy_py_sim_pipeline_params(params, &p) < 0 ||
+        gy_py_sim_split(cur_o, p.n_stages, cur, "cur") < 0 ||
+        gy_py_sim_split(tgt_o, p.n_stages, tgt, "tgt") < 0)
+        return NULL;
+    if (!gy_sim_pipeline_split_ok(&p, cur) || !gy_sim_pipeline_split_ok(&p, tgt))
+        return PyErr_Format(GY_PY_VALUE_ERROR, "cur and tgt must split the model's %d layers",
+                            (int)p.n_layers);
+    const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
+                                 .kv_read_tokens = kv_read, .attn_pairs = pairs};
+    double wb = 0, kb = 0;
+    const double mig = gy_sim_pipeline_migration_time(&p, cur, tgt, kv_tokens, &wb, &kb);
+    return Py_BuildValue("{sdsLsLsdsdsd}", "step", gy_sim_pipeline_step_time(&p, cur, 0, &s),
+                         "capacity", (long long)gy_sim_pipeline_capacity(&p, cur), "shrink",
+                         (long long)gy_sim_pipeline_shrink_capacity(&p, cur, tgt), "migration",
+                         mig, "weight_bytes", wb, "kv_bytes", kb);
+}
+
 static PyObject *gy_py_sim_policy_names(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(gy_sim_policy_names());
 }
@@ -394,6 +529,9 @@ static PyMethodDef gy_py_sim_functions[] = {
     {"sim_phase_time", gy_py_sim_phase_time, METH_VARARGS,
      "sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU)"},
     {"sim_policy_names", gy_py_sim_policy_names, METH_NOARGS, "the policies, comma-separated"},
+    {"sim_pipeline", gy_py_sim_pipeline, METH_VARARGS,
+     "sim_pipeline(params, cur, tgt, n_tokens, n_seqs, n_samples, kv_read, pairs, kv_tokens) -> "
+     "dict"},
     {"buddy_plan", gy_py_buddy_plan, METH_VARARGS,
      "buddy_plan(n, required, param_bytes, strategy, kv_bytes) -> (groups, met, freed)"},
     {NULL, NULL, 0, NULL},

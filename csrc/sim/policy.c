@@ -10,6 +10,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_least_load,
     &gy_sim_policy_static,
     &gy_sim_policy_flying,
+    &gy_sim_policy_pipelive,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -20,7 +21,7 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
 }
 
 const char *gy_sim_policy_names(void) {
-    return "gyges, round_robin, least_load, static, flying";
+    return "gyges, round_robin, least_load, static, flying, pipelive";
 }
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {
@@ -43,6 +44,10 @@ int gy_sim_level(int32_t tp) {
     for (int l = 0; l < GY_SIM_MAX_LEVELS; l++)
         if (tp == (INT32_C(1) << l)) return l;
     return -1;
+}
+
+int32_t gy_sim_inst_gpus(const gy_sim_inst_view *i) {
+    return i->n_stages > 0 ? i->n_stages : i->tp;
 }
 
 double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_view *i) {

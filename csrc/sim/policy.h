@@ -16,10 +16,16 @@
  * their KV (those the policy placed there as TP work are recomputed in the bound instance); a
  * release gives the members back, their paused requests resuming where they were.
  *
+ * A pipeline cluster (PipeLive, pipeline.h) has one pipeline instance per host: n_stages
+ * one-GPU stages over the host's GPUs (tp 1, n_stages > 0 in its view row, layers[] its split).
+ * It changes its split with RESPLIT: the layers that move migrate while it serves at the old
+ * split with the intermediate KV budget, then a short stop commits the new split.
+ *
  * Policies (one file each): gyges (policy_gyges.c: Gyges Algorithms 1 and 2 with AMOEBAs 3.3),
  * round_robin and least_load (policy_round_robin.c, policy_least_load.c: Gyges 6.2.4's
  * baselines), static (policy_static.c: a fixed layout; requests no instance can hold are
- * rejected), flying (policy_flying.c: Flying Serving's DP <-> TP switching). */
+ * rejected), flying (policy_flying.c: Flying Serving's DP <-> TP switching), pipelive
+ * (policy_pipelive.c: re-splits pipelines as the prefill/decode mix shifts). */
 #ifndef GY_SIM_POLICY_H
 #define GY_SIM_POLICY_H
 
@@ -27,6 +33,7 @@
 #include <stdint.h>
 
 #include "../core/status.h"
+#include "pipeline.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +51,8 @@ typedef enum gy_sim_xform {
                                    serves and takes requests, but cannot transform yet */
     GY_SIM_XFORM_BINDING = 4,   /* a member of a bind under way; takes no new requests */
     GY_SIM_XFORM_RELEASING = 5, /* a bound instance being released; takes no new requests */
+    GY_SIM_XFORM_RESPLITTING = 6,/* a pipeline migrating layers to a new split; serves at the
+                                   old split (and takes requests), cannot transform */
 } gy_sim_xform;
 
 typedef struct gy_sim_inst_view {
@@ -68,6 +77,10 @@ typedef struct gy_sim_inst_view {
     int64_t n_paused;       /* replicated: requests paused under it until its release */
     int64_t n_tp_work;      /* replicated: its requests placed as TP work (decision.tp_work) */
     int64_t n_priority;     /* its requests with priority > 0 */
+    int32_t n_stages;       /* a pipeline of n_stages one-GPU stages over GPUs [gpu_first,
+                               gpu_first + n_stages), tp 1; 0: a TP group of tp GPUs */
+    int32_t layers[GY_SIM_MAX_STAGES]; /* (n_stages) layers of each stage now */
+    int32_t pad2_;
 } gy_sim_inst_view;
 
 typedef struct gy_sim_group {
@@ -89,6 +102,8 @@ typedef struct gy_sim_view {
     int32_t replicated;            /* 1: BIND / RELEASE (Flying Serving); 0: MERGE / SPLIT */
     int32_t base_tp;               /* replicated: the TP of the unbound instances (the DP unit) */
     int64_t n_deferred;            /* requests waiting at the cluster (on a group or none) */
+    const gy_sim_pipeline *pipeline; /* the pipelines' cost model (pipeline.h), every host's the
+                                      same; NULL: no pipelines (TP groups) */
 } gy_sim_view;
 
 typedef struct gy_sim_req_view {
@@ -121,10 +136,15 @@ typedef enum gy_sim_op_kind {
     GY_SIM_OP_RELEASE = 5,/* replicated: the bound instance at gpu_first becomes its members
                              again (their paused requests resume; its own requests, which must
                              fit the members, are recomputed there) */
+    GY_SIM_OP_RESPLIT = 6,/* pipelines: the pipeline at gpu_first (size: its stages) moves to the
+                             split `layers` over the same GPUs: live migration at the old split
+                             with B_shrink blocks, then a stop at the commit (pipeline.h);
+                             refused when its KV in use exceeds B_shrink */
 } gy_sim_op_kind;
 
 typedef struct gy_sim_op {
     int32_t kind, gpu_first, size;
+    int32_t layers[GY_SIM_MAX_STAGES]; /* RESPLIT: (size) layers of each stage in the target */
 } gy_sim_op;
 
 typedef struct gy_sim_decision {
@@ -186,7 +206,7 @@ typedef struct gy_sim_policy_ops {
 
 /* The policy called `name`, or NULL. */
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name);
-/* "gyges, round_robin, least_load, static" (for error messages). */
+/* "gyges, round_robin, least_load, static, flying, pipelive" (for error messages). */
 const char *gy_sim_policy_names(void);
 gy_sim_policy_config gy_sim_policy_config_default(void);
 
@@ -195,11 +215,14 @@ extern const gy_sim_policy_ops gy_sim_policy_round_robin;
 extern const gy_sim_policy_ops gy_sim_policy_least_load;
 extern const gy_sim_policy_ops gy_sim_policy_static;
 extern const gy_sim_policy_ops gy_sim_policy_flying;
+extern const gy_sim_policy_ops gy_sim_policy_pipelive;
 
 /* ---- helpers the policies share ---- */
 
 /* log2(tp) for a power of two, else -1. */
 int gy_sim_level(int32_t tp);
+/* GPUs an instance owns: its stages (a pipeline) or its TP degree. */
+int32_t gy_sim_inst_gpus(const gy_sim_inst_view *i);
 /* Outstanding work per GPU (see decode_weight). */
 double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_view *i);
 /* 1 when the simulator would accept the request on i: placeable and footprint <= kv_total. */

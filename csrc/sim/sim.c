@@ -34,6 +34,10 @@ typedef struct gy_sim_inst {
     gy_sim_instance core;
     int32_t alive;
     int32_t gpu_first, tp, host;
+    int32_t width;         /* GPUs it owns: tp, or its stages (a pipeline) */
+    int32_t n_stages;      /* a pipeline: its stages, one GPU each; 0: a TP group */
+    int32_t layers[GY_SIM_MAX_STAGES]; /* a pipeline: the split it serves at */
+    int32_t target[GY_SIM_MAX_STAGES]; /* a re-split under way: the split it moves to */
     int64_t gen;
     int32_t xform, xform_id;
     int32_t stepping;      /* a step-end event is pending */
@@ -75,6 +79,8 @@ typedef struct gy_sim_xf {
 
 struct gy_sim {
     gy_sim_config config;
+    gy_sim_pipeline pipeline;  /* config.pipeline points here when set */
+    int32_t pipe_layers[GY_SIM_MAX_STAGES];
     int32_t layout[64];
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
     int64_t max_input[GY_SIM_MAX_LEVELS]; /* INT64_MAX when the config gives none */
@@ -153,8 +159,9 @@ static gy_status gy_sim_bin_at(gy_sim *s, double t, int64_t *bin) {
 
 /* ---- instances ---- */
 
-static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, int32_t *slot_out) {
-    const int32_t l = gy_sim_level_of(tp);
+/* A new instance over GPUs [gpu_first, gpu_first + width) with `cap` blocks now, up to max_cap. */
+static gy_status gy_sim_inst_open(gy_sim *s, int32_t gpu_first, int32_t tp, int32_t width,
+                                  int64_t cap, int64_t max_cap, int32_t *slot_out) {
     int64_t slot = -1;
     for (int64_t k = 0; k < s->n_slots; k++)
         if (!s->inst[k].alive) {
@@ -169,21 +176,39 @@ static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, in
     gy_sim_inst *i = &s->inst[slot];
     const int64_t gen = i->gen + 1;
     memset(i, 0, sizeof *i);
-    const int64_t cap = s->capacity[l];
-    const int64_t max_cap = l + 1 < s->n_levels && s->capacity_mid[l] > cap ? s->capacity_mid[l]
-                                                                            : cap;
     GY_TRY(gy_sim_instance_init(&i->core, &s->config.sched, cap, max_cap));
     i->alive = 1;
     i->gen = gen;
     i->gpu_first = gpu_first;
     i->tp = tp;
+    i->width = width;
     i->host = gpu_first / s->config.gpus_per_host;
     i->xform_id = -1;
     i->head = i->tail = -1;
     i->paused_head = -1;
-    for (int32_t g = gpu_first; g < gpu_first + tp; g++) s->gpu_slot[g] = (int32_t)slot;
+    for (int32_t g = gpu_first; g < gpu_first + width; g++) s->gpu_slot[g] = (int32_t)slot;
     *slot_out = (int32_t)slot;
     return gy_sim_layout_record(s, i, +1);
+}
+
+static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, int32_t *slot_out) {
+    const int32_t l = gy_sim_level_of(tp);
+    const int64_t cap = s->capacity[l];
+    const int64_t max_cap = l + 1 < s->n_levels && s->capacity_mid[l] > cap ? s->capacity_mid[l]
+                                                                            : cap;
+    return gy_sim_inst_open(s, gpu_first, tp, tp, cap, max_cap, slot_out);
+}
+
+/* A pipeline over GPUs [gpu_first, + n_stages) at the split `layers`. */
+static gy_status gy_sim_pipe_create(gy_sim *s, int32_t gpu_first, const int32_t *layers) {
+    const gy_sim_pipeline *p = &s->pipeline;
+    int32_t slot;
+    GY_TRY(gy_sim_inst_open(s, gpu_first, 1, p->n_stages, gy_sim_pipeline_capacity(p, layers),
+                            gy_sim_pipeline_max_capacity(p), &slot));
+    gy_sim_inst *i = &s->inst[slot];
+    i->n_stages = p->n_stages;
+    memcpy(i->layers, layers, (size_t)p->n_stages * sizeof *layers);
+    return GY_OK;
 }
 
 static gy_status gy_sim_inst_destroy(gy_sim *s, int32_t slot) {
@@ -297,8 +322,10 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             shape.attn_pairs += ((double)end * (double)(end + 1) -
                                  (double)start * (double)(start + 1)) / 2.0;
         }
-        const double dt = s->config.cost.step_time(s->config.cost.ctx, i->tp,
-                                                   i->xform != GY_SIM_XFORM_NONE, &shape);
+        const int busy = i->xform != GY_SIM_XFORM_NONE;
+        const double dt = i->n_stages > 0
+                              ? gy_sim_pipeline_step_time(&s->pipeline, i->layers, busy, &shape)
+                              : s->config.cost.step_time(s->config.cost.ctx, i->tp, busy, &shape);
         if (!(dt >= 0) || !isfinite(dt))
             return GY_FAIL(GY_ERR_STATE, "the cost model gave a step time of %g s", dt);
         if (dt > 0) {
@@ -404,8 +431,10 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .n_paused = i->n_paused,
             .n_tp_work = i->n_tp_work,
             .n_priority = i->n_priority,
+            .n_stages = i->n_stages,
         };
-        g += i->tp;
+        memcpy(rows[n - 1].layers, i->layers, sizeof i->layers);
+        g += i->width;
     }
     *n_out = n;
     return GY_OK;
@@ -686,11 +715,82 @@ static gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
     return gy_sim_xf_finish(s, x, -1, &s->stats.n_releases);
 }
 
+/* ---- pipeline re-splits ---- */
+
+static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size);
+
+/* Starts the re-split of the pipeline at `c` to `tgt` (checked: B_shrink holds its KV). */
+static gy_status gy_sim_start_resplit(gy_sim *s, int32_t c, const int32_t *tgt, int64_t shrink) {
+    gy_sim_inst *i = &s->inst[c];
+    const gy_sim_pipeline *p = &s->pipeline;
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_RESPLIT, i->gpu_first, 1, 1, &x));
+    s->xf[x] = (gy_sim_xf){.src = {c}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
+    gy_sim_transform_out *o = &s->xf_out[x];
+    memcpy(o->layers_from, i->layers, (size_t)p->n_stages * sizeof *tgt);
+    memcpy(o->layers_to, tgt, (size_t)p->n_stages * sizeof *tgt);
+    memcpy(i->target, tgt, (size_t)p->n_stages * sizeof *tgt);
+    i->xform = GY_SIM_XFORM_RESPLITTING;
+    i->xform_id = (int32_t)x;
+    GY_TRY(gy_sim_instance_set_capacity(&i->core, shrink)); /* both layer sets held */
+    const double dt = gy_sim_pipeline_migration_time(p, i->layers, tgt, gy_sim_kv_tokens(s, c),
+                                                     &o->weight_bytes, &o->kv_bytes);
+    if (!(dt >= 0) || !isfinite(dt))
+        return GY_FAIL(GY_ERR_STATE, "the pipeline model gave a migration time of %g s", dt);
+    return gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, 0);
+}
+
+/* A re-split of the pipeline at op->gpu_first to op->layers, unless the state refuses it:
+ * not a pipeline cluster or not a pipeline there, something under way, not a new split of the
+ * model, or KV in use above B_shrink (nothing changes then). */
+static gy_status gy_sim_try_resplit(gy_sim *s, const gy_sim_op *op, int32_t *started) {
+    if (s->config.pipeline == NULL) return GY_OK;
+    const gy_sim_pipeline *p = &s->pipeline;
+    const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
+    if (c < 0 || s->inst[c].n_stages != p->n_stages || s->inst[c].xform != GY_SIM_XFORM_NONE ||
+        !gy_sim_pipeline_split_ok(p, op->layers) ||
+        memcmp(op->layers, s->inst[c].layers, (size_t)p->n_stages * sizeof *op->layers) == 0)
+        return GY_OK;
+    const int64_t shrink = gy_sim_pipeline_shrink_capacity(p, s->inst[c].layers, op->layers);
+    if (shrink < 1 || gy_sim_instance_used(&s->inst[c].core) > shrink) return GY_OK;
+    *started = 1;
+    return gy_sim_start_resplit(s, c, op->layers, shrink);
+}
+
+/* The stop is over: the pipeline serves at its new split with that split's blocks. */
+static gy_status gy_sim_resplit_commit(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t c = f->src[0];
+    gy_sim_inst *i = &s->inst[c];
+    memcpy(i->layers, i->target, sizeof i->layers);
+    GY_TRY(gy_sim_instance_set_capacity(&i->core, gy_sim_pipeline_capacity(&s->pipeline,
+                                                                           i->layers)));
+    i->xform = GY_SIM_XFORM_NONE;
+    i->xform_id = -1;
+    i->barrier = 0;
+    f->phase = 2;
+    f->dst[0] = c;
+    f->n_dst = 1;
+    o->end = s->now;
+    s->n_active_xf--;
+    s->stats.n_resplits++;
+    s->stats.resplit_migration_s += o->phase_end - o->start;
+    s->stats.resplit_stop_s += o->end - o->phase_end;
+    GY_TRY(gy_sim_start_step(s, c));
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+}
+
 /* The topology change of a transformation, once its sources are idle. */
 static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
     f->at_barrier = 0;
+    if (o->kind == GY_SIM_OP_RESPLIT) { /* migrated, its last step done: the stop */
+        f->phase = 1;
+        o->phase_end = s->now;
+        return gy_sim_push(s, s->now + s->pipeline.stop_time, GY_SIM_EV_PHASE, x, 1);
+    }
     if (o->kind == GY_SIM_OP_BIND) return gy_sim_bind_switch(s, x);
     if (o->kind == GY_SIM_OP_RELEASE) return gy_sim_release_switch(s, x);
     if (o->kind == GY_SIM_OP_MERGE) {
@@ -749,6 +849,7 @@ static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
     gy_sim_transform_out *o = &s->xf_out[x];
     if (phase != f->phase) return GY_FAIL(GY_ERR_STATE, "transformation %lld: stale phase",
                                           (long long)x);
+    if (o->kind == GY_SIM_OP_RESPLIT && phase == 1) return gy_sim_resplit_commit(s, x);
     if (o->kind == GY_SIM_OP_MERGE && phase == 0) {
         /* the dropped FFN shards become KV room */
         const int64_t cap = s->capacity_mid[gy_sim_level_of(o->tp_from)];
@@ -789,7 +890,8 @@ static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) 
     if (gpu_first < 0 || gpu_first >= s->n_gpus) return -1;
     const int32_t slot = s->gpu_slot[gpu_first];
     const gy_sim_inst *i = &s->inst[slot];
-    if (i->gpu_first != gpu_first || (size > 0 && i->tp != size)) return -1;
+    /* size: its TP (a placement) or its GPUs (an op); a pipeline has TP 1 over its stages */
+    if (i->gpu_first != gpu_first || (size > 0 && i->tp != size && i->width != size)) return -1;
     return slot;
 }
 
@@ -821,6 +923,8 @@ static gy_status gy_sim_try_bind(gy_sim *s, int32_t g, int32_t size, int32_t *st
 static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
     gy_sim *s = ctx;
     *started = 0;
+    if (op->kind == GY_SIM_OP_RESPLIT) return gy_sim_try_resplit(s, op, started);
+    if (s->config.pipeline != NULL) return GY_OK; /* a pipeline only re-splits */
     const int flying = op->kind == GY_SIM_OP_BIND || op->kind == GY_SIM_OP_RELEASE;
     if ((flying && !s->config.replicated) ||
         (!flying && s->config.replicated && (op->kind == GY_SIM_OP_MERGE ||
@@ -951,7 +1055,7 @@ static gy_status gy_sim_on_sample(gy_sim *s) {
             .held = gy_cluster_held(s->cluster, i->gpu_first, i->tp), .kv_used = gy_sim_instance_used(&i->core),
             .kv_total = i->core.capacity, .n_running = st.n_running,
             .n_waiting = st.n_waiting + st.n_preempted};
-        g += i->tp;
+        g += i->width;
     }
     if (gy_sim_quiet(s)) return GY_OK;
     return gy_sim_push(s, s->now + s->config.sample_interval, GY_SIM_EV_SAMPLE, 0, 0);
@@ -980,16 +1084,40 @@ gy_status gy_sim_run(gy_sim *s, double until) {
 
 /* ---- set-up ---- */
 
+/* A pipeline cluster's own settings (sim.h: `pipeline`). */
+static gy_status gy_sim_check_pipeline(const gy_sim_config *c) {
+    const gy_sim_pipeline *p = c->pipeline;
+    GY_TRY(gy_sim_pipeline_check(p));
+    if (c->gpus_per_host != p->n_stages || c->max_tp != 1 || c->replicated)
+        return GY_FAIL(GY_ERR_INVALID, "a pipeline cluster has one pipeline per host: "
+                       "gpus_per_host %d must be its %d stages, max_tp 1 (got %d), not replicated",
+                       (int)c->gpus_per_host, (int)p->n_stages, (int)c->max_tp);
+    if (p->block_size != c->sched.block_size)
+        return GY_FAIL(GY_ERR_INVALID, "the pipeline's block_size %lld is not the scheduler's "
+                       "%lld", (long long)p->block_size, (long long)c->sched.block_size);
+    if (c->pipe_layers == NULL || !gy_sim_pipeline_split_ok(p, c->pipe_layers))
+        return GY_FAIL(GY_ERR_INVALID, "pipe_layers must split the model's %d layers over its %d "
+                       "stages, at least one each", (int)p->n_layers, (int)p->n_stages);
+    if (gy_sim_pipeline_capacity(p, c->pipe_layers) < 1)
+        return GY_FAIL(GY_ERR_INVALID, "the pipeline's initial split leaves no KV block on some "
+                       "stage (its layers' weights fill it)");
+    return GY_OK;
+}
+
 static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace *t,
                                      int32_t *n_levels) {
+    if (c->pipeline != NULL) {
+        if (c->hosts < 1)
+            return GY_FAIL(GY_ERR_INVALID, "need hosts >= 1, got %d", (int)c->hosts);
+        GY_TRY(gy_sim_check_pipeline(c));
+        *n_levels = 1;
+        goto common; /* no layout, capacities or TP cost model */
+    }
     if (c->hosts < 1 || c->gpus_per_host < 1 || gy_sim_level(c->gpus_per_host) < 0 ||
         c->gpus_per_host > 128)
         return GY_FAIL(GY_ERR_INVALID,
                        "need hosts >= 1 and gpus_per_host a power of two <= 128 (got %d, %d)",
                        (int)c->hosts, (int)c->gpus_per_host);
-    if ((int64_t)c->hosts * c->gpus_per_host > (INT64_C(1) << 20))
-        return GY_FAIL(GY_ERR_INVALID, "%d hosts of %d GPUs is too many", (int)c->hosts,
-                       (int)c->gpus_per_host);
     if (gy_sim_level(c->max_tp) < 0 || c->max_tp > c->gpus_per_host)
         return GY_FAIL(GY_ERR_INVALID, "max_tp must be a power of two <= gpus_per_host %d, got %d",
                        (int)c->gpus_per_host, (int)c->max_tp);
@@ -1038,6 +1166,12 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
     if (g != c->gpus_per_host)
         return GY_FAIL(GY_ERR_INVALID, "the layout covers %d GPUs but a host has %d", (int)g,
                        (int)c->gpus_per_host);
+    if (c->cost.step_time == NULL || c->cost.phase_time == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "the cost model has a NULL entry");
+common:
+    if ((int64_t)c->hosts * c->gpus_per_host > (INT64_C(1) << 20))
+        return GY_FAIL(GY_ERR_INVALID, "%d hosts of %d GPUs is too many", (int)c->hosts,
+                       (int)c->gpus_per_host);
     if (c->sched.block_size < 1 || c->sched.max_batch_tokens < 1 || c->sched.max_running < 1 ||
         c->sched.max_prefill_chunk < 0 || !(c->sched.watermark >= 0 && c->sched.watermark < 1))
         return GY_FAIL(GY_ERR_INVALID, "bad scheduler settings (block_size %lld, max_batch_tokens "
@@ -1045,8 +1179,6 @@ static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace 
                        (long long)c->sched.block_size, (long long)c->sched.max_batch_tokens,
                        (long long)c->sched.max_running, (long long)c->sched.max_prefill_chunk,
                        c->sched.watermark);
-    if (c->cost.step_time == NULL || c->cost.phase_time == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "the cost model has a NULL entry");
     if (c->policy == NULL || c->policy->place == NULL)
         return GY_FAIL(GY_ERR_INVALID, "no policy");
     if (!(c->sample_interval > 0) || !isfinite(c->sample_interval))
@@ -1077,11 +1209,22 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     gy_sim *s = gy_calloc(1, sizeof *s);
     if (s == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     s->config = *c;
-    memcpy(s->layout, c->layout, (size_t)c->n_layout * sizeof *s->layout);
+    if (c->pipeline != NULL) {
+        s->pipeline = *c->pipeline;
+        s->config.pipeline = &s->pipeline;
+        memcpy(s->pipe_layers, c->pipe_layers, (size_t)s->pipeline.n_stages * sizeof *s->pipe_layers);
+        s->config.pipe_layers = s->pipe_layers;
+        s->capacity[0] = s->capacity_mid[0] = gy_sim_pipeline_capacity(&s->pipeline,
+                                                                       s->pipe_layers);
+        s->config.n_layout = 0;
+    } else {
+        memcpy(s->layout, c->layout, (size_t)c->n_layout * sizeof *s->layout);
+        memcpy(s->capacity, c->capacity, (size_t)n_levels * sizeof *s->capacity);
+        memcpy(s->capacity_mid, c->capacity_mid, (size_t)n_levels * sizeof *s->capacity_mid);
+    }
     s->config.layout = s->layout;
-    memcpy(s->capacity, c->capacity, (size_t)n_levels * sizeof *s->capacity);
-    memcpy(s->capacity_mid, c->capacity_mid, (size_t)n_levels * sizeof *s->capacity_mid);
-    for (int32_t l = 0; l < n_levels; l++) s->max_input[l] = c->max_input ? c->max_input[l] : INT64_MAX;
+    for (int32_t l = 0; l < n_levels; l++)
+        s->max_input[l] = c->max_input && c->pipeline == NULL ? c->max_input[l] : INT64_MAX;
     s->config.capacity = s->capacity;
     s->config.capacity_mid = s->capacity_mid;
     s->config.max_input = s->max_input;
@@ -1103,7 +1246,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
                                   .block_size = c->sched.block_size,
                                   .watermark = c->sched.watermark, .policy = c->policy,
                                   .policy_config = c->policy_config,
-                                  .replicated = c->replicated, .base_tp = s->base_tp};
+                                  .replicated = c->replicated, .base_tp = s->base_tp,
+                                  .pipeline = c->pipeline ? &s->pipeline : NULL};
     st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
     if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;
@@ -1130,7 +1274,9 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->t0 = s->n > 0 ? t->arrival[0] : 0.0;
     s->now = s->t0;
     s->stats.n_requests = s->n;
-    for (int32_t h = 0; h < c->hosts && st == GY_OK; h++) {
+    for (int32_t h = 0; h < c->hosts && st == GY_OK && c->pipeline != NULL; h++)
+        st = gy_sim_pipe_create(s, h * c->gpus_per_host, s->pipe_layers);
+    for (int32_t h = 0; h < c->hosts && st == GY_OK && c->pipeline == NULL; h++) {
         int32_t g = h * c->gpus_per_host;
         for (int32_t k = 0; k < c->n_layout && st == GY_OK; k++) {
             int32_t slot;
@@ -1218,14 +1364,21 @@ gy_status gy_sim_check(const gy_sim *s) {
     for (int64_t k = 0; k < s->n_slots; k++) {
         const gy_sim_inst *i = &s->inst[k];
         if (!i->alive) continue;
-        for (int32_t g = i->gpu_first; g < i->gpu_first + i->tp; g++)
+        for (int32_t g = i->gpu_first; g < i->gpu_first + i->width; g++)
             if (g >= s->n_gpus || s->gpu_slot[g] != k)
                 return GY_FAIL(GY_ERR_STATE, "GPU %d of the TP%d instance at GPU %d belongs to "
                                "another instance", (int)g, (int)i->tp, (int)i->gpu_first);
         if (i->gpu_first % i->tp != 0)
             return GY_FAIL(GY_ERR_STATE, "the TP%d instance at GPU %d is not aligned", (int)i->tp,
                            (int)i->gpu_first);
-        covered += i->tp;
+        covered += i->width;
+        if (i->n_stages > 0 && (!gy_sim_pipeline_split_ok(&s->pipeline, i->layers) ||
+                                (i->xform == GY_SIM_XFORM_NONE &&
+                                 i->core.capacity != gy_sim_pipeline_capacity(&s->pipeline,
+                                                                              i->layers))))
+            return GY_FAIL(GY_ERR_STATE, "the pipeline at GPU %d serves at a bad split or with "
+                           "%lld blocks, not its split's", (int)i->gpu_first,
+                           (long long)i->core.capacity);
         const int64_t used = gy_sim_instance_used(&i->core);
         if (used < 0 || used > i->core.capacity)
             return GY_FAIL(GY_ERR_STATE, "the instance at GPU %d holds %lld of %lld blocks",

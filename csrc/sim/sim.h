@@ -41,6 +41,18 @@
  *            requests meanwhile.
  *   Nothing moves: the transform records carry no bytes. MERGE and SPLIT are refused there, and
  *   BIND and RELEASE elsewhere.
+ * On a pipeline cluster (`pipeline`: PipeLive) every host is one pipeline instance, stage i on
+ * the host's GPU i (its kind in the pipeline's stage i), priced and sized by pipeline.h; its one
+ * reconfiguration is
+ *   resplit  the pipeline moves to a new split of the layers over the same GPUs (PipeLive's live
+ *            in-place reconfiguration). Refused when its KV in use exceeds B_shrink.
+ *            phase 0, migration (pipeline.h's bytes over the link): it serves at the old split,
+ *            its capacity B_shrink (both layer sets held), steps slowed by transform_slowdown;
+ *            at its end, once its step in flight finished, it stops;
+ *            phase 1, stop (stop_time): then it serves at the new split with its capacity.
+ *            The record's phase_end is when the stop began: migration seconds = phase_end -
+ *            start, stop seconds = end - phase_end (also summed in the stats).
+ *   Every other op is refused there, and RESPLIT elsewhere.
  * After every transformation, every step that finished a request and every sample, the deferred
  * requests are reconsidered in the order they were deferred; after transformations and after
  * steps of TP > 1 or held instances that finished something, the policy may rebalance. */
@@ -79,6 +91,13 @@ typedef struct gy_sim_config {
     int32_t replicated;           /* 1: every GPU keeps its replica; BIND / RELEASE (above), and
                                      capacity[l] is the pooled blocks of a bound TP-2^l group */
     double switch_time;           /* replicated: seconds of a bind or a release (>= 0) */
+    const gy_sim_pipeline *pipeline; /* NULL: TP groups. Else a pipeline cluster (above): every
+                                     host is one pipeline of pipeline->n_stages GPUs
+                                     (gpus_per_host), max_tp 1, not replicated; layout and
+                                     capacity are ignored (capacity[0] is the initial split's,
+                                     which decides a request's min_tp) and cost may be NULL.
+                                     Copied. */
+    const int32_t *pipe_layers;   /* (pipeline->n_stages) the split every pipeline starts at */
 } gy_sim_config;
 
 /* The requests (copied). Arrivals sorted; lengths >= 1. */
@@ -123,11 +142,13 @@ typedef struct gy_sim_layout_event {
 } gy_sim_layout_event;
 
 typedef struct gy_sim_transform_out {
-    int32_t kind;          /* GY_SIM_OP_MERGE, SPLIT, BIND or RELEASE */
+    int32_t kind;          /* GY_SIM_OP_MERGE, SPLIT, BIND, RELEASE or RESPLIT */
     int32_t gpu_first, tp_from, tp_to;
     double start, phase_end, end; /* end NaN while under way */
     double kv_bytes, weight_bytes; /* moved per GPU */
     int64_t n_migrated;    /* requests carried over */
+    int32_t layers_from[GY_SIM_MAX_STAGES], layers_to[GY_SIM_MAX_STAGES]; /* RESPLIT: the
+                                                                             splits; else 0 */
 } gy_sim_transform_out;
 
 typedef struct gy_sim_token {
@@ -144,6 +165,9 @@ typedef struct gy_sim_stats {
                                                             TP work recomputed at a bind */
     int64_t n_decisions, n_rebalances; /* the controller's: policy calls */
     int32_t done;          /* nothing left to happen */
+    int32_t pad_;
+    int64_t n_resplits;    /* pipelines: re-splits committed */
+    double resplit_migration_s, resplit_stop_s; /* their seconds of migration and of stop */
 } gy_sim_stats;
 
 typedef struct gy_sim gy_sim;

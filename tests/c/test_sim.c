@@ -4,6 +4,7 @@
  * capacity and carry-over of progress; and whole simulations on random traces under every
  * policy, checked against the simulator's invariants after every slice of time. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -895,4 +896,212 @@ GYTEST(sim_buddy_plans) {
     CHECK_STATUS(gy_buddy_plan(8, 1.0, 0.0, GY_BUDDY_THROUGHPUT, 0, g, &met, &freed),
                  GY_ERR_INVALID);
     CHECK_STATUS(gy_buddy_plan(8, 1.0, 1.0, 7, 0, g, &met, &freed), GY_ERR_INVALID);
+}
+
+/* ---- pipelines (PipeLive) ---- */
+
+/* Two heterogeneous stages over 10 layers: stage 0 has the bandwidth and the memory, stage 1
+ * the FLOPs. W = 1 GB a layer, 1000 bytes of KV a token a layer, blocks of 16 tokens:
+ * P = 16000 bytes a block a layer. */
+static gy_sim_pipeline test_pipeline(void) {
+    gy_sim_pipeline p = {
+        .n_stages = 2, .n_layers = 10,
+        .stage = {{.budget_bytes = 10e9, .hbm_bw = 2e12, .peak_flops = 300e12, .eff_bw = 0.5,
+                   .eff_flops = 0.5},
+                  {.budget_bytes = 6e9, .hbm_bw = 1e12, .peak_flops = 400e12, .eff_bw = 0.5,
+                   .eff_flops = 0.5}},
+        .layer_bytes = 1e9, .layer_params = 0.5e9, .attn_flops_per_pair = 1000, .kv_layer = 1000,
+        .lm_head_params = 1e8, .head_bytes = 2e8, .act_bytes = 1000, .link_bw = 10e9,
+        .link_latency = 1e-5, .eff_xfer = 0.5, .step_overhead = 1e-3, .transform_slowdown = 0.1,
+        .stop_time = 0.01, .block_size = 16, .fixed_blocks = 0};
+    return p;
+}
+
+static int near(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(b) + 1e-15; }
+
+GYTEST(sim_pipeline_step_time_and_capacity_by_hand) {
+    gy_sim_pipeline p = test_pipeline();
+    CHECK_OK(gy_sim_pipeline_check(&p));
+    const int32_t a[2] = {6, 4}, b[2] = {7, 3}, c[2] = {4, 6}, bad[2] = {6, 5};
+    CHECK(gy_sim_pipeline_split_ok(&p, a) && !gy_sim_pipeline_split_ok(&p, bad));
+    /* MaxBlocks(0, 6) = floor((10e9 - 6e9) / (6 * 16000)) = 41666; (1, 4): 2e9 / 64000 = 31250 */
+    CHECK(gy_sim_pipeline_max_blocks(&p, 0, 6) == 41666);
+    CHECK(gy_sim_pipeline_max_blocks(&p, 1, 4) == 31250);
+    CHECK(gy_sim_pipeline_capacity(&p, a) == 31250);
+    CHECK(gy_sim_pipeline_capacity(&p, b) == 26785); /* 3e9 / 112000 on stage 0 */
+    CHECK(gy_sim_pipeline_capacity(&p, c) == 0);     /* 6 layers fill stage 1's 6 GB */
+    /* a re-split 6/4 -> 7/3 holds layers 0..6 on stage 0 meanwhile: MaxBlocks(0, 7) */
+    CHECK(gy_sim_pipeline_shrink_capacity(&p, a, b) == 26785);
+    CHECK(gy_sim_pipeline_shrink_capacity(&p, a, c) == 0); /* stage 1 would hold 6 */
+    /* decode of 4 requests (1000 keys read): stage 0 memory-bound 6 (1e9 + 1000 * 1004) /
+     * 1e12 = 6.006024 ms, stage 1 (4 (1e9 + 1004000) + 2e8) / 5e11 = 8.408032 ms, one hand-off
+     * 4 * 1000 / 1e10 + 1e-5 s, overhead 1 ms */
+    const gy_sim_step_shape dec = {.n_tokens = 4, .n_seqs = 4, .n_samples = 4,
+                                   .kv_read_tokens = 1000, .attn_pairs = 1000};
+    CHECK(near(gy_sim_pipeline_step_time(&p, a, 0, &dec),
+               1e-3 + 6.006024e-3 + 8.408032e-3 + 1.04e-5));
+    CHECK(near(gy_sim_pipeline_step_time(&p, a, 1, &dec),
+               1.1 * (1e-3 + 6.006024e-3 + 8.408032e-3 + 1.04e-5)));
+    /* prefill of 1000 tokens: compute-bound, stage 0 6 (1e12 + 1000 * 500500) / 1.5e14,
+     * stage 1 (4 (1e12 + 5.005e8) + 2e8) / 2e14 */
+    const gy_sim_step_shape pf = {.n_tokens = 1000, .n_seqs = 1, .n_samples = 1,
+                                  .kv_read_tokens = 1000, .attn_pairs = 500500};
+    CHECK(near(gy_sim_pipeline_step_time(&p, a, 0, &pf),
+               1e-3 + 0.04002002 + 0.02001101 + 1.1e-4));
+    const gy_sim_step_shape none = {0};
+    CHECK(gy_sim_pipeline_step_time(&p, a, 0, &none) == 0.0);
+    /* 6/4 -> 7/3: stage 0 receives layer 6 (1 GB) and its KV of 1e5 tokens (1e8 B) at 5 GB/s */
+    double wb = 0, kb = 0;
+    CHECK(near(gy_sim_pipeline_migration_time(&p, a, b, 1e5, &wb, &kb), 0.22));
+    CHECK(wb == 1e9 && kb == 1e8);
+    /* without KV resizing every split keeps fixed_blocks, or none when they do not fit */
+    p.fixed_blocks = 30000;
+    CHECK(gy_sim_pipeline_capacity(&p, a) == 30000 && gy_sim_pipeline_capacity(&p, b) == 0);
+    CHECK(gy_sim_pipeline_max_capacity(&p) == 30000);
+    /* the splits at granularity 2: 2/8, 4/6, 6/4, 8/2 */
+    int32_t s[2] = {0}, n = 0, firsts[4];
+    while (gy_sim_pipeline_next_split(&p, 2, s)) {
+        CHECK(s[0] + s[1] == 10 && n < 4);
+        if (n < 4) firsts[n] = s[0];
+        n++;
+    }
+    CHECK(n == 4 && firsts[0] == 2 && firsts[3] == 8);
+    p.stage[1].eff_bw = 0;
+    CHECK_STATUS(gy_sim_pipeline_check(&p), GY_ERR_INVALID);
+}
+
+/* A scripted policy: every request to instance 0 (or it waits), and on the arrival of request
+ * id k a RESPLIT to script_layers[k] when script_layers[k][0] > 0. */
+static int32_t script_layers[8][2];
+
+static gy_status script_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                              const gy_sim_req_view *r, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    d->action = gy_sim_policy_fits(&v->inst[0], r) ? GY_SIM_ACTION_PLACE : GY_SIM_ACTION_DEFER;
+    d->target = 0;
+    if (!r->deferred && r->id < 8 && script_layers[r->id][0] > 0) {
+        d->ops[0] = (gy_sim_op){.kind = GY_SIM_OP_RESPLIT, .gpu_first = 0, .size = 2,
+                                .layers = {script_layers[r->id][0], script_layers[r->id][1]}};
+        d->n_ops = 1;
+    }
+    return GY_OK;
+}
+
+static const gy_sim_policy_ops script_policy = {.name = "script", .place = script_place};
+
+static gy_sim_config pipeline_config(const gy_sim_pipeline *p, const int32_t *split,
+                                     const gy_sim_policy_ops *policy) {
+    return (gy_sim_config){
+        .hosts = 1, .gpus_per_host = 2, .max_tp = 1,
+        .sched = {.block_size = p->block_size, .max_batch_tokens = 2048, .max_running = 64,
+                  .watermark = 0.0},
+        .policy = policy, .policy_config = gy_sim_policy_config_default(),
+        .sample_interval = 1.0, .pipeline = p, .pipe_layers = split};
+}
+
+GYTEST(sim_pipeline_resplit_cost_and_refusal) {
+    /* 1 MB of KV a token a layer, blocks of 4: 6/4 holds min(4e9 / 24e6, 2e9 / 16e6) = 125
+     * blocks, 7/3 holds 107; 7/3 -> 8/2 has B_shrink MaxBlocks(0, 8) = 62 */
+    gy_sim_pipeline p = test_pipeline();
+    p.kv_layer = 1e6;
+    p.block_size = 4;
+    const int32_t first[2] = {6, 4}, b[2] = {7, 3}, e[2] = {8, 2};
+    CHECK(gy_sim_pipeline_capacity(&p, first) == 125 && gy_sim_pipeline_capacity(&p, b) == 107);
+    CHECK(gy_sim_pipeline_shrink_capacity(&p, b, e) == 62);
+    memset(script_layers, 0, sizeof script_layers);
+    script_layers[1][0] = 7, script_layers[1][1] = 3; /* idle: starts */
+    script_layers[3][0] = 8, script_layers[3][1] = 2; /* 75+ blocks in use: refused */
+    script_layers[4][0] = 8, script_layers[4][1] = 2; /* idle again: starts */
+    double arr[5] = {0, 100, 200, 200.05, 300};
+    int64_t in[5] = {8, 8, 300, 8, 8}, out[5] = {2, 2, 20, 2, 2};
+    gy_sim_trace tr = {.n = 5, .arrival = arr, .input_tokens = in, .output_tokens = out};
+    gy_sim_config c = pipeline_config(&p, first, &script_policy);
+    gy_sim *s = NULL;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    CHECK_OK(gy_sim_run(s, 150.0));
+    CHECK_OK(gy_sim_check(s));
+    int64_t nx = 0;
+    const gy_sim_transform_out *x = gy_sim_transforms(s, &nx);
+    CHECK(nx == 1 && x[0].kind == GY_SIM_OP_RESPLIT);
+    CHECK(x[0].layers_from[0] == 6 && x[0].layers_to[0] == 7 && x[0].layers_to[1] == 3);
+    /* nothing live: one layer's weights, 1 GB at 10 GB/s * 0.5 = 0.2 s, then the 10 ms stop */
+    CHECK(x[0].weight_bytes == 1e9 && x[0].kv_bytes == 0);
+    CHECK(near(x[0].phase_end - x[0].start, 0.2) && near(x[0].end - x[0].phase_end, 0.01));
+    gy_sim_stats st;
+    gy_sim_stats_get(s, &st);
+    CHECK(st.n_resplits == 1 && near(st.resplit_migration_s, 0.2) &&
+          near(st.resplit_stop_s, 0.01));
+    CHECK_OK(gy_sim_run(s, 250.0));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats_get(s, &st);
+    x = gy_sim_transforms(s, &nx);
+    CHECK(nx == 1 && st.n_resplits == 1 && st.n_ops_refused == 1); /* refused, nothing moved */
+    int64_t ns = 0;
+    const gy_sim_sample *sm = gy_sim_samples(s, &ns);
+    CHECK(ns > 0 && sm[ns - 1].kv_total == 107 && sm[ns - 1].xform == GY_SIM_XFORM_NONE);
+    CHECK_OK(gy_sim_run(s, INFINITY));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats_get(s, &st);
+    CHECK(st.done && st.n_finished == 5 && st.n_resplits == 2 && st.n_ops_refused == 1);
+    gy_sim_free(s);
+    /* a split that does not fit, and a TP op on a pipeline cluster, are refused too */
+    const int32_t bad[2] = {4, 6};
+    c.pipe_layers = bad;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    c.pipe_layers = first;
+    c.gpus_per_host = 4;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    CHECK(s == NULL);
+}
+
+GYTEST(sim_pipelive_random_run_loses_no_request) {
+    /* stage 0 decodes faster, stage 1 (twice the FLOPs here) prefills faster: the mix decides
+     * the split (6/4 or 8/2 at two-layer granularity; 2/8 and 4/6 do not fit stage 1) */
+    gy_sim_pipeline p = test_pipeline();
+    p.stage[1].peak_flops = 800e12;
+    const int32_t first[2] = {6, 4};
+    for (uint64_t seed = 1; seed <= 3; seed++) {
+        const int64_t n = 300;
+        double *arr = malloc((size_t)n * sizeof *arr);
+        int64_t *in = malloc((size_t)n * sizeof *in), *out = malloc((size_t)n * sizeof *out);
+        uint64_t state = seed;
+        double t = 0;
+        for (int64_t k = 0; k < n; k++) {
+            t += (double)(lcg(&state) % 1000) / 1000.0; /* ~2 requests/s */
+            arr[k] = t;
+            const int prefill_phase = ((int64_t)(t / 30.0)) % 2 == 0; /* 30 s phases */
+            in[k] = prefill_phase ? 400 + (int64_t)(lcg(&state) % 200)
+                                  : 64 + (int64_t)(lcg(&state) % 128);
+            out[k] = prefill_phase ? 1 + (int64_t)(lcg(&state) % 32)
+                                   : 256 + (int64_t)(lcg(&state) % 512);
+        }
+        gy_sim_trace tr = {.n = n, .arrival = arr, .input_tokens = in, .output_tokens = out};
+        gy_sim_config c = pipeline_config(&p, first, gy_sim_policy_find("pipelive"));
+        gy_sim *s = NULL;
+        CHECK_OK(gy_sim_init(&s, &c, &tr));
+        gy_sim_stats st;
+        for (double until = 0; until < 1e5; until += 3.7) {
+            CHECK_OK(gy_sim_run(s, until));
+            CHECK_OK(gy_sim_check(s));
+            gy_sim_stats_get(s, &st);
+            if (st.done) break;
+        }
+        CHECK(st.done && st.n_finished == n && st.n_rejected == 0 && st.n_deferred == 0);
+        CHECK(st.n_resplits >= 2); /* at least there and back */
+        int64_t m = 0, tokens = 0;
+        const gy_sim_request_out *o = gy_sim_requests(s, &m);
+        for (int64_t k = 0; k < m; k++) {
+            CHECK(o[k].status == GY_SIM_REQ_FINISHED && o[k].first_token <= o[k].finish);
+            tokens += o[k].output_tokens;
+        }
+        double binned = 0;
+        int64_t n_bins = 0;
+        const double *bins = gy_sim_bins(s, &n_bins, NULL);
+        for (int64_t k = 0; k < n_bins; k++) binned += bins[k];
+        CHECK(binned == (double)tokens); /* every output token exactly once */
+        gy_sim_free(s);
+        free(arr);
+        free(in);
+        free(out);
+    }
 }
