@@ -47,7 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _C, traces
-from .cluster import (BIND, DEFER, INST_VIEW_DTYPE, PLACE, RELEASE, XFORM_MERGING, XFORM_NONE,
+from .cluster import (BIND, DEFER, INST_VIEW_DTYPE, PLACE, RELEASE, RESPLIT, XFORM_MERGING,
+                      XFORM_NONE, XFORM_RESPLITTING,
                       Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
@@ -82,6 +83,20 @@ def _check_number(name, v, low, high=None, low_open=False):
 
 
 # ---- the real host -------------------------------------------------------------------------
+
+def pipeline_params(host):
+    """What the pipelive policy prices splits with on a CPU pipeline host
+    (gyges.costmodel.PipelineCost over the workers): each worker's budget as its stage's memory,
+    f32 weights and KV, and a nominal CPU roofline (10 GB/s, 50 GFLOP/s, ours) that only ranks
+    splits against each other."""
+    from .costmodel import GPUSpec, PipelineCost
+    inst = host.instances[0]
+    gpus = tuple(GPUSpec(f"cpu worker {w}", host.worker(w).arena.stats()["budget_bytes"], 10e9,
+                         50e9, 10e9) for w in inst.workers)
+    cost = PipelineCost(model=host.model.config, gpus=gpus, dtype_bytes=4, mem_util=1.0,
+                        activation_fraction=0.0, step_overhead=0.0)
+    return cost.params(block_size=host.block_size)
+
 
 def capacities(host, max_tp=None) -> list[int]:
     """KV blocks of a fresh TP-1, 2, 4, ... instance of `host` (up to max_tp): the memory budget
@@ -150,13 +165,16 @@ class _Replay:
     what each instance reported at the end of its last step plus its own request records."""
 
     def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
-                 layers_per_step, idle, sample_interval, max_tp, record_steps=False):
+                 layers_per_step, idle, sample_interval, max_tp, record_steps=False,
+                 pipeline_cost=None):
         self.trace, self.policy, self.host = trace, policy, host
         self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
         self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
         self.n_gpus = len(host._workers)
         self.max_tp = max_tp
-        self.capacity = np.asarray(capacities(host, max_tp), np.int64)
+        self.capacity = np.asarray([host.instances[0].capacity_blocks()]
+                                   if host.instances[0].stages else capacities(host, max_tp),
+                                   np.int64)
         self.block_size = host.block_size
         self.max_pos = host.worker(0).max_pos
         self.vocab = host.model.config.vocab_size
@@ -173,16 +191,22 @@ class _Replay:
         self.events = queue.Queue()  # (what, Instance) from the runners
         self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
                                        thread_name_prefix="gyges-experiment")
-        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0,
+        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0, "n_resplits": 0,
                       "n_releases": 0, "n_migrations": 0,
                       "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
                       "controller_seconds": 0.0, "transform_seconds": 0.0}
         self.last_refusal = None
         # a replicated host (weights="replicated") binds and releases groups (gyges.flying)
         self.replicated = host.replicas is not None
+        # a pipeline host (one pipeline over every worker) re-splits it (gyges.pipelive)
+        self.pipeline = host.instances[0] if host.instances[0].stages else None
+        pipeline = None
+        if self.pipeline is not None:
+            pipeline = (pipeline_cost.params(block_size=self.block_size) if pipeline_cost
+                        else pipeline_params(host))
         self.ctl = _C.Controller(self, policy._c, self.n_gpus, self.n_gpus, max_tp,
                                  self.capacity.tolist(), self.block_size, 0.0,
-                                 replicated=self.replicated, base_tp=1)
+                                 replicated=self.replicated, base_tp=1, pipeline=pipeline)
         self.ended = 0               # transformations ended, not yet told to the controller
         self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
@@ -434,6 +458,11 @@ class _Replay:
             row["pending_output"] = sum(r.output - len(r.handle.output_tokens) for r in rs)
             row["n_tp_work"] = sum(r.tp_work for r in rs)
             row["n_priority"] = sum(r.priority > 0 for r in rs)
+            if i.stages:  # a pipeline: a row of tp 1 over its stages' workers
+                row["n_stages"] = len(i.stages)
+                row["layers"][:len(i.stages)] = [end - first for first, end in i.stages]
+                row["placeable"] = 1  # it serves on while it re-splits
+                row["xform"] = XFORM_RESPLITTING if transforming else XFORM_NONE
             if self.replicated and i.tp > 1:
                 row["bound"] = 1
                 row["n_paused"] = sum(1 for r in self.active if r.inst is not None and
@@ -453,12 +482,16 @@ class _Replay:
         else:
             r.status = REJECTED
 
-    def reconfigure(self, kind, g, size):
+    def reconfigure(self, kind, g, size, layers=()):
         """A merge (kind 0) of the two TP size/2 halves of workers g..g+size-1, or a split
         (kind 1) of the TP-size instance at g; on a replicated host a bind (kind 4) of workers
-        g..g+size-1 or a release (kind 5) of the group bound there: whether it started."""
-        if kind not in (0, 1, BIND, RELEASE):  # a pipeline re-split: the simulator's only
-            return self.refuse(f"op kind {kind}: this host changes TP groups only")
+        g..g+size-1 or a release (kind 5) of the group bound there; on a pipeline host a live
+        re-split (kind 6) of the pipeline at g to `layers`: whether it started."""
+        if kind == RESPLIT:
+            return self.resplit(g, list(layers))
+        if kind not in (0, 1, BIND, RELEASE) or self.pipeline is not None:
+            return self.refuse(f"op kind {kind}: this host changes "
+                               f"{'a pipeline' if self.pipeline else 'TP groups'} only")
         if (kind in (BIND, RELEASE)) != self.replicated:
             return self.refuse(f"op kind {kind}: the host's weights are "
                                f"{'replicated' if self.replicated else 'sharded'}")
@@ -476,6 +509,27 @@ class _Replay:
         if size < 2 or src is None:
             return self.refuse(f"split: no TP{size} instance at worker {g}")
         return self.transform(1, g, size, size // 2, [src])
+
+    def resplit(self, g, layers):
+        """Starts a live re-split of the pipeline at worker g (host.reconfigure); its runner
+        advances it step by step."""
+        inst = self.pipeline
+        if inst is None or min(inst.workers) != g:
+            return self.refuse(f"resplit: no pipeline at worker {g}")
+        if any(not t.done for t in self.host.transformations):
+            return self.refuse("a transformation is under way")
+        self.quiesce(inst)
+        start = self.now()
+        try:
+            r = self.host.reconfigure(inst, layers, mode="live")
+        except GygesError as e:
+            self.last_refusal = str(e)
+            return self.refuse(f"resplit: {type(e).__name__}")
+        row = {"kind": RESPLIT, "gpu": g, "tp_from": 1, "tp_to": 1, "start": start,
+               "phase_end": math.nan, "end": math.nan, "migrated": len(inst.requests),
+               "layers_from": [b - a for a, b in r.cur], "layers_to": list(layers)}
+        self.xforms.append((row, r))
+        return True
 
     def bind(self, g, size):
         """Binds workers g..g+size-1 now: their DP requests pause, those placed there as TP work
@@ -612,6 +666,12 @@ class _Replay:
     def finish_transform(self, row, t):
         row["end"] = row["phase_end"] = self.now()
         s = t.stats
+        if row["kind"] == RESPLIT:
+            row["kv_bytes"] = s.kv_bulk_bytes + s.kv_patch_bytes
+            row["weight_bytes"] = s.weight_bytes
+            self.stats["n_resplits"] += 1
+            self.ended += 1
+            return
         n = max(len(t.workers), 1)
         row["kv_bytes"] = sum(s["bytes_received"].values()) / n
         row["weight_bytes"] = (sum(s["weight_bytes_released"].values()) +
@@ -639,7 +699,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         scale_up_load: float | None = None, scale_up_cap: float | None = None,
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
         flying_tp: int | None = None, light_load: float | None = None,
-        record_steps: bool = False) -> Results:
+        record_steps: bool = False, pipeline_cost=None) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -658,6 +718,11 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     (2 s in the simulator), since a real run lasts seconds. slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
+    A pipeline host (one pipeline over every worker, e.g. layout="PP2"; the default host for
+    policy "pipelive" is an 8-layer tiny model on workers of 112 and 80 MiB) re-splits live
+    (host.reconfigure) when the policy says; pipeline_cost: the gyges.costmodel.PipelineCost it
+    prices splits with (default: the workers' budgets and a nominal CPU roofline, under which
+    equal CPU workers differ only in memory).
     """
     t_wall = time.perf_counter()
     traces.validate(trace)
@@ -684,8 +749,15 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     from .host import Host
     if host is None:
         from .model import Model
-        host = Host(Model.tiny(), workers=4, memory_per_worker="24MiB", layout=layout or "4xTP1",
-                    weights="replicated" if policy == "flying" else "sharded")
+        if policy == "pipelive":  # an 8-layer tiny model on two workers of unequal memory
+            import dataclasses
+            deep = dataclasses.replace(Model.tiny().config, num_hidden_layers=8)
+            host = Host(Model.random(deep, seed=1), workers=2,
+                        memory_per_worker=["112MiB", "80MiB"], layout=layout or "PP2")
+        else:
+            host = Host(Model.tiny(), workers=4, memory_per_worker="24MiB",
+                        layout=layout or "4xTP1",
+                        weights="replicated" if policy == "flying" else "sharded")
     elif not isinstance(host, Host):
         raise ExperimentError(f"host must be a gyges.Host, got {type(host).__name__}")
     elif layout is not None and layout.replace(" ", "") != host.layout():
@@ -701,7 +773,17 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         raise ExperimentError(f"policy {policy!r} merges and splits by moving shards; a "
                               f"replicated host switches with policy 'flying'")
     n_gpus = len(host._workers)
-    if n_gpus & (n_gpus - 1):
+    piped = any(inst.stages for inst in host.instances)
+    if piped and (len(host.instances) != 1 or len(host.instances[0].workers) != n_gpus):
+        raise ExperimentError(f"a pipeline host runs one pipeline over every worker (PP2, "
+                              f"PP[3,1]), not {host.layout()!r}")
+    if policy == "pipelive" and not piped:
+        raise ExperimentError("policy 'pipelive' re-splits a pipeline host (layout='PP2', ...)")
+    if piped:
+        if max_tp not in (None, 1):
+            raise ExperimentError(f"a pipeline host has max_tp 1, got {max_tp!r}")
+        max_tp = 1
+    elif n_gpus & (n_gpus - 1):
         raise ExperimentError(f"the policies need a power-of-two number of workers (aligned "
                               f"groups), the host has {n_gpus}")
     largest = min(host.max_tp, n_gpus)
@@ -722,8 +804,16 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         sample_interval = max(0.1, span / 100)
     sample_interval = _check_number("sample_interval", sample_interval, 0.0, low_open=True)
 
+    if pipeline_cost is not None:
+        from .costmodel import PipelineCost
+        if not isinstance(pipeline_cost, PipelineCost) or not piped or \
+                pipeline_cost.n_stages != len(host.instances[0].stages) or \
+                pipeline_cost.model.num_hidden_layers != host.model.config.num_hidden_layers:
+            raise ExperimentError("pipeline_cost must be a gyges.costmodel.PipelineCost of the "
+                                  "host's pipeline (as many stages, the model's layers)")
     rp = _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
-                 layers_per_step, idle, sample_interval, max_tp, bool(record_steps))
+                 layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
+                 pipeline_cost)
     t0 = host.now()
     for inst in sorted(host.instances, key=lambda i: min(i.workers)):
         rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
@@ -854,6 +944,8 @@ def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
         out["kv_bytes"] = row.get("kv_bytes", math.nan)
         out["weight_bytes"] = row.get("weight_bytes", math.nan)
         out["migrated"] = row["migrated"]
+        for key in ("layers_from", "layers_to"):  # a re-split's splits
+            out[key][:len(row.get(key, ()))] = row.get(key, ())
     lay = np.zeros(len(rp.layout_events), LAYOUT_DTYPE)
     for out, (t, g, tp, change) in zip(lay, rp.layout_events):
         out["time"], out["gpu"], out["tp"], out["change"] = t - t0, g, tp, change

@@ -103,3 +103,26 @@ def test_flying_binds_and_releases_the_same_on_both_executors():
     assert placed[2][2] == 4  # the long one on all four
     assert {k for k, *_ in xforms} == {4, 5}  # binds and releases only
     assert s.stats["binds"] == h.stats["n_binds"] > 0
+
+
+def test_pipelive_resplits_the_same_on_both_executors():
+    """The pipelive policy on a pattern-shifting trace: the real pipeline host (live re-splits
+    through host.reconfigure) and the simulator re-split to the same splits in the same order at
+    about the same times, both priced by one PipelineCost that says worker 0 has the bandwidth
+    and worker 1 the FLOPs (the paper's A100 + L40S, scaled); every request finishes."""
+    import dataclasses
+    from gyges.costmodel import GPUSpec, PipelineCost
+    deep = dataclasses.replace(gyges.Model.tiny().config, num_hidden_layers=8)
+    mib = 2 ** 20
+    cost = PipelineCost(model=deep, gpus=(GPUSpec("bandwidth", 112 * mib, 20e9, 50e9, 10e9),
+                                          GPUSpec("flops", 80 * mib, 8e9, 150e9, 10e9)),
+                        dtype_bytes=4, mem_util=1.0, activation_fraction=0.0, step_overhead=0.0)
+    trace = traces.pattern_shifting(2.0, phase=6.0, duration=18.0, seed=1)
+    real = experiment.run(trace, policy="pipelive", pipeline_cost=cost)
+    simulated = sim.run(trace, policy="pipelive", layout="PP[4,4]", cost=cost)
+    assert real.summary()["completed"] == len(trace)
+    ours, theirs = real.transformations, simulated.transformations
+    assert len(ours) >= 2 and (ours["kind"] == 6).all()
+    assert [list(x) for x in ours["layers_to"]] == [list(x) for x in theirs["layers_to"]]
+    np.testing.assert_allclose(ours["start"], theirs["start"], atol=0.5)
+    assert real.stats["final_layout"] == "PP[" + ",".join(str(x) for x in ours["layers_to"][-1][:2]) + "]"

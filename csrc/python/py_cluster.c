@@ -5,8 +5,9 @@
  *                                            the instances in GPU order
  *   assign(id, action, gpu_first, tp, tp_work)  a request's decision (1 place, 2 defer,
  *                                            3 reject; tp_work: a placement as TP work)
- *   reconfigure(kind, gpu_first, size)    -> whether it started (0 merge, 1 split, 4 bind,
- *                                            5 release)
+ *   reconfigure(kind, gpu_first, size, layers) -> whether it started (0 merge, 1 split,
+ *                                            4 bind, 5 release, 6 re-split of a pipeline to
+ *                                            the split `layers`, a tuple; () otherwise)
  *
  * which the controller calls while it decides; the simulator's executor is C (sim/sim.c). An
  * exception raised by an op ends the call with that same exception. The GIL is kept: the
@@ -23,6 +24,7 @@ typedef struct {
     PyObject_HEAD
     gy_cluster *cluster;
     PyObject *executor;
+    gy_sim_pipeline pipeline; /* a pipeline cluster's cost model (config.pipeline points here) */
 } GyControllerObject;
 
 /* An op's Python exception stays set; the controller's error only unwinds it. */
@@ -65,8 +67,12 @@ static gy_status gy_py_op_assign(void *ctx, const gy_cluster_request *r, int32_t
 
 static gy_status gy_py_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
     GyControllerObject *self = ctx;
-    PyObject *result = PyObject_CallMethod(self->executor, "reconfigure", "iii", (int)op->kind,
-                                           (int)op->gpu_first, (int)op->size);
+    const int32_t n = op->kind == GY_SIM_OP_RESPLIT ? op->size : 0; /* size: its stages */
+    PyObject *layers = PyTuple_New(n);
+    if (layers == NULL) return GY_PY_OP_FAILED;
+    for (int32_t i = 0; i < n; i++) PyTuple_SET_ITEM(layers, i, PyLong_FromLong(op->layers[i]));
+    PyObject *result = PyObject_CallMethod(self->executor, "reconfigure", "iiiN", (int)op->kind,
+                                           (int)op->gpu_first, (int)op->size, layers);
     if (result == NULL) return GY_PY_OP_FAILED;
     const int truth = PyObject_IsTrue(result);
     Py_DECREF(result);
@@ -92,14 +98,18 @@ static PyObject *gy_py_controller_result(gy_status s) {
 static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"executor",   "policy",     "n_gpus",    "gpus_per_host",
                             "max_tp",     "capacity",   "block_size", "watermark",
-                            "replicated", "base_tp",    NULL};
-    PyObject *executor, *policy, *capacity_object;
+                            "replicated", "base_tp",    "pipeline",  NULL};
+    PyObject *executor, *policy, *capacity_object, *pipeline_object = Py_None;
     int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1;
     long long block_size;
     double watermark;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|pi", names, &executor, &policy,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piO", names, &executor, &policy,
                                      &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
-                                     &block_size, &watermark, &replicated, &base_tp))
+                                     &block_size, &watermark, &replicated, &base_tp,
+                                     &pipeline_object))
+        return NULL;
+    gy_sim_pipeline pipeline;
+    if (pipeline_object != Py_None && gy_py_sim_pipeline_params(pipeline_object, &pipeline) < 0)
         return NULL;
     gy_cluster_config config = {.n_gpus = n_gpus, .gpus_per_host = gpus_per_host,
                                 .max_tp = max_tp, .block_size = block_size,
@@ -123,6 +133,10 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
     GyControllerObject *self = (GyControllerObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->executor = Py_NewRef(executor);
+    if (pipeline_object != Py_None) {
+        self->pipeline = pipeline;
+        config.pipeline = &self->pipeline;
+    }
     const gy_status s = gy_cluster_init(&self->cluster, &config, &gy_py_cluster_ops, self);
     if (s != GY_OK) {
         Py_DECREF(self);

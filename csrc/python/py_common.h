@@ -63,6 +63,11 @@ struct gy_sampler_params;
 int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
                        struct gy_sampler_params **params, int64_t **index);
 
+/* From py_sim.c: a pipeline's parameters (gyges.costmodel.PipelineCost.params()) into *p,
+ * checked; 0, or -1 with an exception. */
+struct gy_sim_pipeline;
+int gy_py_sim_pipeline_params(PyObject *params, struct gy_sim_pipeline *p);
+
 /* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
 struct gy_kv_cache;
 struct gy_kv_cache *gy_py_kv_unwrap(PyObject *object);

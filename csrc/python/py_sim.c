@@ -97,7 +97,7 @@ static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roof
 
 /* Reads a pipeline's parameters (gyges.costmodel.PipelineCost.params()) and checks them; -1 with
  * an exception. */
-static int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
+int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
     if (!PyDict_Check(params)) {
         PyErr_SetString(GY_PY_TYPE_ERROR, "pipeline parameters must be a dict");
         return -1;
