@@ -76,6 +76,13 @@ def _check_float(name, v, low, high=None, low_open=False):
     return check_number(name, v, low, high, low_open, SimError)
 
 
+def _sample_interval(span, sample_interval):
+    """Seconds between samples: as given, or about 1/10,000 of the trace's span (at least 1 s)."""
+    if sample_interval is None:
+        sample_interval = max(1.0, span / 10_000)
+    return _check_float("sample_interval", sample_interval, 0.0, low_open=True)
+
+
 def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None = None,
         model="qwen2.5-32b", gpu="h20", layout: str | None = None, slo: dict | None = None,
         progress: bool = False, *, cost=None, max_tp: int | None = None, block_size: int = 16,
@@ -197,9 +204,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     n = trace.shape[0]
     arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
     span = float(arrival[-1] - arrival[0]) if n else 0.0
-    if sample_interval is None:
-        sample_interval = max(1.0, span / 10_000)
-    sample_interval = _check_float("sample_interval", sample_interval, 0.0, low_open=True)
+    sample_interval = _sample_interval(span, sample_interval)
 
     sim = _C.Simulator(
         hosts=hosts, gpus_per_host=gpus_per_host, max_tp=max_tp, layout=tps,
@@ -309,9 +314,7 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
     n = trace.shape[0]
     arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
     span = float(arrival[-1] - arrival[0]) if n else 0.0
-    if sample_interval is None:
-        sample_interval = max(1.0, span / 10_000)
-    sample_interval = _check_float("sample_interval", sample_interval, 0.0, low_open=True)
+    sample_interval = _sample_interval(span, sample_interval)
     capacity = [fixed or first]
     unused = ConstantCost()  # the TP cost model: no TP instance here
     sim = _C.Simulator(

@@ -174,7 +174,7 @@ def test_twenty_round_trips_return_every_page(tiny):
 
 def test_weight_pages_are_exactly_the_owned_layers(tiny):
     host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="PP[3,1]")
-    w0, w1 = host.worker(0), host.worker(1)
+    w0 = host.worker(0)
     before = pages(host)
     r = host.reconfigure(host.instances[0], [1, 3], mode="live")
     while not r.done:
