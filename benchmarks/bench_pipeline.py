@@ -18,6 +18,10 @@
    and -29.5% TPOT against no_patch; with asynchronous loading -72.4% / -26.7% against
    stop_copy): Poisson arrivals on the PP[17,17] host, the re-split moving 8 layers at the
    middle; the window is the requests arriving within 1 s of its start.
+6. The simulator at paper scale (benchmarks/bench_pipeline_sim.py, run at the end): Fig. 9 (the
+   pipelive policy against the prefill-optimal, decode-optimal and balanced static splits on an
+   A100-80GB + L40S pipeline; paper: +36% score) and Fig. 10 (TTFT against rate with and without
+   KV resizing).
 
 Run: .venv/bin/python benchmarks/bench_pipeline.py [--quick]
 """
@@ -251,6 +255,9 @@ def main():
                  ("vs_stop_copy_ttft", "TTFT vs stop_copy", "{:+.1%}"),
                  ("vs_stop_copy_tpot", "TPOT vs stop_copy", "{:+.1%}")])
     write_json("bench_pipeline", out)
+    # 6. the simulator at paper scale: Fig. 9 and Fig. 10 (benchmarks/bench_pipeline_sim.py)
+    from benchmarks import bench_pipeline_sim
+    bench_pipeline_sim.main()
 
 
 if __name__ == "__main__":
