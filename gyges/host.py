@@ -28,7 +28,7 @@ import operator
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from . import _C, checks, flying, pipelive, recovery
+from . import _C, checks, flying, kunserve, pipelive, recovery
 from .comm import CommPool, aligned_groups
 from .engine import Clock, InstanceLoop, Request, Serving, check_params
 from .errors import ArgumentTypeError, BusyError, InvalidArgumentError, StateError, UnavailableError
@@ -613,6 +613,27 @@ class Host(Serving):
                                          max_rounds)
             self.transformations.append(r)
             return r
+
+    def buddy(self, instances, live=False):
+        """KunServe: the TP1 instances `instances` (neighbouring workers) become one buddy group:
+        worker k of g keeps layers [k L/g, (k+1) L/g) of one shared copy of the parameters and
+        drops the rest (that memory is KV room at once), each request's KV of the layers now
+        held by a buddy is copied there, and the group serves as a pipeline (new requests enter
+        at its first stage). Requests keep their tokens bit for bit. live=False exchanges the KV
+        between two steps (a live exchange with remote attention is not implemented: refused).
+        Refused, changing nothing, when g does not divide the layers or the KV does not fit.
+        Returns a gyges.kunserve.Buddy (stats)."""
+        with self._lock:
+            self._check_open()
+            return kunserve.form(self, list(instances), live)
+
+    def restore(self, buddy, weights_from="peers"):
+        """KunServe: a buddy group gets its parameters back (from the peers that hold each part,
+        or the host copy), its requests go to the least loaded member with their KV of every
+        layer, and the members serve as TP1 instances again."""
+        with self._lock:
+            self._check_open()
+            return kunserve.restore(self, buddy, weights_from)
 
     def _advance(self, t):
         """Moves a layer-staggered transformation on; a failure rebuilds its group (one that

@@ -51,3 +51,181 @@ def plan(n_instances, required_bytes, param_bytes, strategy="throughput", kv_byt
         groups.setdefault(g, []).append(instance)
     return BuddyPlan(tuple(tuple(groups[g]) for g in sorted(groups)), bool(met), float(freed),
                      float(required), strategy)
+
+
+# ---- buddy groups on a real host (KunServe 4.1-4.3) ----
+
+class Buddy:
+    """A buddy group formed by host.buddy: the pipeline `instance` over `workers`, worker k
+    keeping layers `ranges[k]` of the one copy of the parameters. stats: weight_bytes_released,
+    kv_bytes_exchanged, exchange_seconds (and, after host.restore, weight_bytes_restored,
+    kv_bytes_returned, restore_seconds)."""
+
+    def __init__(self, instance, ranges, stats):
+        self.instance, self.ranges, self.stats = instance, tuple(ranges), stats
+        self.workers = tuple(instance.workers)
+        self.restored = False
+
+    def __repr__(self):
+        return f"Buddy(workers={list(self.workers)}, {self.instance.layout}" + \
+               (", restored)" if self.restored else ")")
+
+
+def _new_seq(kv, n_tokens):
+    """A sequence of kv with room for n_tokens, the cache grown as needed (OutOfMemoryError
+    when the budget cannot)."""
+    need = -(-n_tokens // kv.block_size)
+    while kv.free_blocks < need:
+        kv.grow(1)
+    seq = kv.new_sequence()
+    kv.reserve(seq, n_tokens)
+    return seq
+
+
+def _set_worker_layers(host, w, first, end):
+    """Worker bookkeeping after its weights and KV changed layers: its range and C model."""
+    w.layers = (first, end)
+    w.c_model = w._new_c_model()
+
+
+def form(host, instances, live=False):
+    """host.buddy's work (the host's lock held): see Host.buddy."""
+    import time
+
+    from .errors import InvalidArgumentError, UnavailableError
+    if live:
+        raise UnavailableError("a live exchange (victims' KV moved in chunks, attention run "
+                               "remotely meanwhile) is not implemented yet; live=False exchanges "
+                               "the KV between two steps")
+    insts = sorted(instances, key=lambda i: min(i.workers))
+    g = len(insts)
+    L = host.model.config.num_hidden_layers
+    workers = [i.workers[0] for i in insts]
+    if g < 2 or any(i.tp != 1 or i.stages or i not in host.instances for i in insts) or \
+            workers != list(range(workers[0], workers[0] + g)):
+        raise InvalidArgumentError(f"a buddy group is 2 or more TP1 instances of this host on "
+                                   f"neighbouring workers, got {[i.layout for i in insts]} on "
+                                   f"workers {workers}")
+    if L % g:
+        raise InvalidArgumentError(f"a group of {g} does not divide the model's {L} layers")
+    if host.replicas is not None or any(not t.done for t in host.transformations):
+        raise InvalidArgumentError("a buddy group needs a sharded host with no transformation "
+                                   "under way")
+    running = sum(inst._c.stats()["running"] for inst in insts)
+    if running > host.max_running:
+        from .errors import BusyError
+        raise BusyError(f"the members run {running} requests together, more than one instance "
+                        f"runs (max_running={host.max_running})")
+    ranges = [(k * L // g, (k + 1) * L // g) for k in range(g)]
+    ws = [host.worker(w) for w in workers]
+    start = time.perf_counter()
+    # every request's sequence on its own worker, and its tokens
+    own = {k: {rid: inst.request_seqs(rid)[0] for rid in inst.request_ids()}
+           for k, inst in enumerate(insts)}
+    from .pipelive import weight_bytes
+    held_before = sum(weight_bytes(w, w.weights.held_layers) for w in ws)
+    dropped, made = [], []
+    try:
+        # 1. the parameters each worker no longer keeps go: their memory is KV room at once
+        for k, (w, (lo, hi)) in enumerate(zip(ws, ranges)):
+            gone = w.weights.held_layers - set(range(lo, hi))
+            w.weights.drop_layers(gone)
+            dropped.append((k, gone, w.weights.has_embed, w.weights.has_head))
+            tied = host.model.config.tie_word_embeddings
+            w.weights.set_ends(embed=k == 0 or (k == g - 1 and tied), head=k == g - 1)
+        # 2. each worker receives, for every other member's request with KV, its layers' KV
+        exchanged = 0
+        for k, (w, (lo, hi)) in enumerate(zip(ws, ranges)):
+            for j, seqs in own.items():
+                for rid, seq in seqs.items():
+                    if j == k or seq < 0:
+                        continue
+                    new = _new_seq(w.kv, ws[j].kv.n_tokens(seq))
+                    made.append((k, rid, new))
+                    exchanged += w.kv.copy_tokens_from(ws[j].kv, new, seq, lo, hi)
+    except BaseException:
+        # refused past the first change: everything goes back (the weights from the host copy)
+        for k, rid, new in made:
+            ws[k].kv.free(new)
+        for w in ws:  # the pages grown for the copies first: the weights need them back
+            w.kv.trim()
+        for k, gone, embed, head in dropped:
+            ws[k].weights.restore_layers(gone)
+            ws[k].weights.set_ends(embed, head)
+        raise
+    # 3. the caches keep their layers only; the pipeline takes every request with its KV
+    for w, (lo, hi) in zip(ws, ranges):
+        w.kv.set_layers(lo, hi)
+        _set_worker_layers(host, w, lo, hi)
+    from .host import Instance
+    pipe = Instance(host, workers, 1, ranges)
+    news = {(k, rid): new for k, rid, new in made}
+    for j, inst in enumerate(insts):
+        for rid, seq in own[j].items():
+            pipe.take(inst, rid, [seq if k == j else news.get((k, rid), -1) for k in range(g)]
+                      if seq >= 0 else [-1] * g)
+    for inst in insts:
+        host.retire(inst)
+    host.install(pipe)
+    stats = {"weight_bytes_released":
+             held_before - sum(weight_bytes(w, w.weights.held_layers) for w in ws),
+             "kv_bytes_exchanged": exchanged, "exchange_seconds": time.perf_counter() - start}
+    return Buddy(pipe, ranges, stats)
+
+
+def restore(host, buddy, weights_from="peers"):
+    """host.restore's work (the host's lock held): see Host.restore."""
+    import time
+
+    from .errors import InvalidArgumentError, StateError
+    if not isinstance(buddy, Buddy):
+        raise InvalidArgumentError(f"buddy must be what host.buddy returned, got {buddy!r}")
+    if buddy.restored or buddy.instance not in host.instances:
+        raise StateError(f"{buddy!r} is no longer serving")
+    if weights_from not in ("peers", "host"):
+        raise InvalidArgumentError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
+    start = time.perf_counter()
+    pipe, ranges = buddy.instance, buddy.ranges
+    g, L = len(ranges), host.model.config.num_hidden_layers
+    ws = [host.worker(w) for w in buddy.workers]
+    peers = weights_from == "peers"
+    # 1. every worker gets the whole model back, from the peer that holds each part, or the host
+    restored = 0
+    for k, w in enumerate(ws):
+        for j, (lo, hi) in enumerate(ranges):
+            if j != k:
+                restored += w.weights.restore_layers(set(range(lo, hi)),
+                                                     ws[j].weights if peers else None)
+        restored += w.weights.set_ends(True, w.weights.has_head, ws[0].weights if peers else None)
+        restored += w.weights.set_ends(True, True, ws[-1].weights if peers else None)
+        w.kv.set_layers(0, L)
+    # 2. each request goes home to the least loaded worker, its KV of the other layers copied in
+    load = [0] * g
+    homes, returned = {}, 0
+    for rid in pipe.request_ids():
+        seqs = [pipe.stage_seq(k, rid) for k in range(g)]
+        n = ws[0].kv.n_tokens(seqs[0]) if seqs[0] >= 0 else 0
+        h = min(range(g), key=lambda k: load[k])
+        load[h] += n
+        homes[rid] = (h, seqs)
+        if seqs[h] >= 0:
+            for j, (lo, hi) in enumerate(ranges):
+                if j != h:
+                    returned += ws[h].kv.copy_tokens_from(ws[j].kv, seqs[h], seqs[j], lo, hi)
+    # 3. g TP1 instances take them; the other stages' copies are freed
+    from .host import Instance
+    for w in ws:
+        _set_worker_layers(host, w, 0, L)
+    singles = [Instance(host, [w], 1) for w in buddy.workers]
+    for rid, (h, seqs) in homes.items():
+        singles[h].take(pipe, rid, [seqs[h]])
+        for j, seq in enumerate(seqs):
+            if j != h and seq >= 0:
+                ws[j].kv.free(seq)
+    host.retire(pipe)
+    for inst in singles:
+        host.install(inst)
+    buddy.restored = True
+    buddy.stats.update(weight_bytes_restored=restored, kv_bytes_returned=returned,
+                       restore_seconds=time.perf_counter() - start)
+    return buddy

@@ -226,6 +226,17 @@ class KVCache:
                            _index(src_head0, "src_head0"), _index(n_heads, "n_heads"),
                            layers.start, len(layers))
 
+    def copy_tokens_from(self, src, dst_seq, src_seq, first_layer, end_layer):
+        """Copies sequence src_seq of cache `src` into this cache's dst_seq (block for block,
+        every token slot) in model layers [first_layer, end_layer), which both hold (KunServe's
+        exchange between buddies); returns the bytes copied."""
+        dst_blocks, src_blocks = self.block_table(dst_seq), src.block_table(src_seq)
+        n = min(len(dst_blocks), len(src_blocks))
+        slots = self._c.copy_tokens(src._c, np.ascontiguousarray(dst_blocks[:n], np.int32),
+                                    np.ascontiguousarray(src_blocks[:n], np.int32),
+                                    _index(first_layer, "first_layer"), _index(end_layer, "end_layer"))
+        return slots * (end_layer - first_layer) * self.block_bytes // self.block_size
+
     def layer_offset(self, layer):
         """Arena byte offset of the layer's storage."""
         return self._c.layer_offset(_index(layer, "layer"))

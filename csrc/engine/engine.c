@@ -723,6 +723,15 @@ static gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy
     return GY_OK;
 }
 
+/* The ranks a request moving in brings sequences for: the main stage's (a one-stage plan, or a
+ * layer-staggered transformation's main stage), or every stage's in order (a pipeline). */
+static int32_t gy_engine_adoption_ranks(gy_engine *e, gy_sched_kv_adapter **out) {
+    if (e->n_stages > 1 && e->transition < 0) return gy_engine_adapters(e, out);
+    gy_stage_group *grp = &e->stages[e->main].groups[0];
+    for (int32_t k = 0; k < grp->size; k++) out[k] = grp->ranks[k].adapter;
+    return grp->size;
+}
+
 static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs) {
@@ -736,18 +745,20 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
     gy_engine_request *r = gy_engine_find(e, id);
     memcpy(r->tokens + prompt_len, tokens + prompt_len, (size_t)(n_tokens - prompt_len) * sizeof(int32_t));
     r->n_tokens = n_tokens;
-    gy_stage_group *grp = &e->stages[e->main].groups[0];
+    /* seqs: one per rank of the main stage, or of every stage of a pipeline (stage after stage) */
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
+    const int32_t n_ranks = gy_engine_adoption_ranks(e, adapters);
     gy_status s = GY_OK;
     int32_t adopted = 0;
-    for (; adopted < grp->size && s == GY_OK; adopted++)
-        if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(grp->ranks[adopted].adapter, id, seqs[adopted]);
+    for (; adopted < n_ranks && s == GY_OK; adopted++)
+        if (seqs[adopted] >= 0) s = gy_sched_kv_adapter_adopt(adapters[adopted], id, seqs[adopted]);
     const gy_sched_request sr = {.id = id, .prompt_len = prompt_len,
                                  .max_new_tokens = params->max_new_tokens, .arrival = info->arrival};
     /* A running request that arrives with no KV at all goes on by recomputing its prompt and
      * generated tokens, as after a preemption (Flying Serving's soft preemption). */
     gy_sched_info in = *info;
     int with_kv = 0;
-    for (int32_t k = 0; k < grp->size; k++) with_kv |= seqs[k] >= 0;
+    for (int32_t k = 0; k < n_ranks; k++) with_kv |= seqs[k] >= 0;
     if (in.state == GY_SCHED_STATE_RUNNING && !with_kv) {
         in.state = GY_SCHED_STATE_PREEMPTED;
         in.n_computed = in.prefill_end = 0;
@@ -757,7 +768,7 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
     if (s != GY_OK) {
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());
-        for (int32_t i = 0; i < adopted; i++) gy_sched_kv_adapter_forget(grp->ranks[i].adapter, id);
+        for (int32_t i = 0; i < adopted; i++) gy_sched_kv_adapter_forget(adapters[i], id);
         gy_idmap_remove(&e->requests, id);
         gy_engine_request_free(r);
         return GY_FAIL(s, "%s", message);
@@ -1274,8 +1285,9 @@ gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64
     pthread_mutex_lock(second);
     gy_status s = GY_OK;
     gy_engine_request_view v;
-    if (src->n_stages != 1 || dst->n_stages != 1)
-        s = GY_FAIL(GY_ERR_UNAVAILABLE, "requests move between engines of one stage for now");
+    if (src->transition >= 0 || dst->transition >= 0)
+        s = GY_FAIL(GY_ERR_BUSY, "requests do not move in or out during a layer-staggered "
+                                 "transformation");
     if (s == GY_OK) s = gy_engine_request_get_locked(src, id, &v);
     if (s == GY_OK && v.info.state == GY_SCHED_STATE_FINISHED)
         s = GY_FAIL(GY_ERR_STATE, "request %lld has finished; there is nothing to move", (long long)id);

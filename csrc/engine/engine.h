@@ -91,9 +91,9 @@ typedef struct gy_engine_stage {
  * and every cache the same block size; a request holds KV blocks on every rank of every stage,
  * and the scheduler sees the least any rank could hold. Tokens are bit-identical to a plan of
  * one stage: each stage runs its layers exactly as the one-stage pass does. Several stages run
- * on the CPU backend only (GY_ERR_UNAVAILABLE otherwise, naming what is missing). Moving
- * requests in and out (gy_engine_request_get, gy_engine_adopt) and layer-staggered
- * transformations are for one-stage plans. */
+ * on the CPU backend only (GY_ERR_UNAVAILABLE otherwise, naming what is missing). Requests move
+ * in and out of a pipeline with a sequence per stage (gy_engine_take); gy_engine_request_get
+ * reports the main stage's, and layer-staggered transformations are for one-stage plans. */
 gy_status gy_engine_init_plan(gy_engine **out, const gy_engine_stage *stages, int32_t n_stages,
                               const gy_engine_config *config);
 
@@ -144,8 +144,9 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
 
 /* Moves request `id` from `src` to `dst` with everything it has, in C: its tokens, parameters,
  * progress and timings (sampling is keyed by (seed, token index), so it goes on where it was),
- * and its KV: seqs[r] is the sequence already holding it in rank r of dst's one-stage plan (-1
- * for none: a queued request, or one to recompute). src lets go of the request and of its KV
+ * and its KV: seqs[r] is the sequence already holding it in rank r of dst's one-stage plan, or
+ * of a pipeline's ranks counted stage after stage (-1 for none: a queued request, or one to
+ * recompute). src lets go of the request and of its KV
  * sequences without freeing them (they are dst's now, or their caches' owner's); its stats
  * count it as aborted. Refused with both engines unchanged when src has no such unfinished
  * request or dst cannot take it (an id in use, a full running set, a sequence that does not

@@ -302,17 +302,17 @@ static PyObject *gy_py_engine_take(GyEngineObject *self, PyObject *args) {
     if (!PyObject_TypeCheck(src_object, (PyTypeObject *)gy_py_engine_type))
         return PyErr_Format(GY_PY_TYPE_ERROR, "src must be a gyges._C.Engine, not %s",
                             Py_TYPE(src_object)->tp_name);
-    int64_t seqs[GY_MODEL_MAX_TP];
-    for (int i = 0; i < GY_MODEL_MAX_TP; i++) seqs[i] = -1;
+    enum { MAX_SEQS = GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP }; /* every rank of a plan */
+    int64_t seqs[MAX_SEQS];
+    for (int i = 0; i < MAX_SEQS; i++) seqs[i] = -1;
     PyObject *seq = gy_py_sequence(seqs_object, "seqs must be a sequence of ints");
     if (seq == NULL) return NULL;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < n && i < GY_MODEL_MAX_TP; i++)
+    for (Py_ssize_t i = 0; i < n && i < MAX_SEQS; i++)
         seqs[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
     Py_DECREF(seq);
     if (PyErr_Occurred()) return NULL;
-    if (n > GY_MODEL_MAX_TP)
-        return PyErr_Format(GY_PY_VALUE_ERROR, "seqs has %zd entries, at most %d", n, GY_MODEL_MAX_TP);
+    if (n > MAX_SEQS) return PyErr_Format(GY_PY_VALUE_ERROR, "seqs has %zd entries, at most %d", n, MAX_SEQS);
     gy_status s;
     gy_engine *src = ((GyEngineObject *)src_object)->engine;
     Py_BEGIN_ALLOW_THREADS

@@ -2,6 +2,8 @@
  * and builds the NumPy arrays; this file only moves bytes and translates statuses. */
 #include "py_common.h"
 
+#include "kv/kv_patch.h"
+
 #include "kv/kv_cache.h"
 #include "kv/kv_copy.h"
 
@@ -337,7 +339,40 @@ static PyObject *gy_py_kv_compact(GyKVObject *self, PyObject *args) {
     return PyLong_FromLongLong(moved);
 }
 
+/* copy_tokens(src, dst_blocks, src_blocks, first_layer, end_layer) -> token slots copied:
+ * every token slot of the blocks, model layers [first_layer, end_layer) (kv_patch.h). */
+static PyObject *gy_py_kv_copy_tokens(GyKVObject *self, PyObject *args) {
+    PyObject *src_object, *lists[2];
+    long long first, end;
+    if (!PyArg_ParseTuple(args, "OOOLL", &src_object, &lists[0], &lists[1], &first, &end)) return NULL;
+    gy_kv_cache *src = gy_py_kv_unwrap(src_object);
+    if (src == NULL) return NULL;
+    Py_buffer views[2];
+    if (PyObject_GetBuffer(lists[0], &views[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(lists[1], &views[1], PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&views[0]);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (views[0].len != views[1].len || views[0].len % 4 != 0) {
+        PyErr_SetString(GY_PY_VALUE_ERROR, "copy_tokens: block lists must be int32 of one length");
+    } else {
+        int64_t copied = 0;
+        gy_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = gy_kv_copy_tokens(self->kv, views[0].buf, src, views[1].buf, views[0].len / 4, first,
+                              end, NULL, 0, &copied);
+        Py_END_ALLOW_THREADS
+        result = s == GY_OK ? PyLong_FromLongLong(copied) : gy_py_raise(s);
+    }
+    PyBuffer_Release(&views[0]);
+    PyBuffer_Release(&views[1]);
+    return result;
+}
+
 static PyMethodDef gy_py_kv_methods[] = {
+    {"copy_tokens", (PyCFunction)gy_py_kv_copy_tokens, METH_VARARGS,
+     "copy_tokens(src, dst_blocks, src_blocks, first_layer, end_layer) -> token slots copied"},
     {"copy_heads", (PyCFunction)gy_py_kv_copy_heads, METH_VARARGS,
      "copy_heads(src, dst_blocks, src_blocks, dst_head0, src_head0, n_heads, first_layer, n_layers)"},
     {"shadow", (PyCFunction)gy_py_kv_shadow, METH_VARARGS, "shadow(n_heads) -> KVCache over the same pages"},

@@ -1,0 +1,175 @@
+"""KunServe's buddy groups on a real host (gyges.kunserve.form / restore through host.buddy and
+host.restore): tokens bit-identical to one worker, memory to the page, restores byte-identical,
+refusals that change nothing, and random sequences that lose nothing."""
+import numpy as np
+import pytest
+
+import gyges
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gyges.Model.tiny()
+
+
+def prompts(n, seed, lo=20, hi=90):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 4000, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def params(temperature, tokens=24):
+    return gyges.SamplingParams(max_tokens=tokens, temperature=temperature, top_k=50, seed=5,
+                                ignore_eos=True)
+
+
+def reference(model, ps, p):
+    return [r.output_tokens for r in gyges.Engine(model, memory="64MiB").generate(ps, p)]
+
+
+def finish(host, reqs):
+    while not all(q.finished for q in reqs):
+        host.step()
+    return [q.output_tokens for q in reqs]
+
+
+def in_use(host):
+    return [host.worker(i).arena.stats()["bytes_in_use"] for i in range(host.n_workers)]
+
+
+@pytest.mark.parametrize("g", [2, 4])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_victims_in_every_state_keep_their_tokens(tiny, g, temperature):
+    """Requests in prefill (chunked), in decode and queued (more than max_running) when the
+    group forms, through a restore: the tokens of one worker."""
+    ps = prompts(16, seed=g, lo=30, hi=120)
+    p = params(temperature)
+    want = reference(tiny, ps, p)
+    host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1",
+                      max_batch_tokens=48, max_prefill_chunk=16, max_running=16)
+    reqs = [host.submit(q, p, instance=i % 4) for i, q in enumerate(ps)]
+    for _ in range(4):
+        host.step()
+    assert any(not q.output_tokens and q.metrics.scheduled != q.metrics.scheduled for q in reqs)
+    b = host.buddy(host.instances[:g])
+    assert host.layout() == ("PP2+2xTP1" if g == 2 else "PP4")
+    assert b.stats["kv_bytes_exchanged"] > 0
+    for _ in range(6):
+        host.step()
+    late = [host.submit(q, p) for q in prompts(2, 9)]  # new requests enter the pipeline too
+    host.restore(b)
+    assert host.layout() == "4xTP1"
+    assert finish(host, reqs) == want
+    assert finish(host, late) == reference(tiny, prompts(2, 9), p)
+
+
+def test_dropping_frees_exactly_the_layers_and_kv_grows_by_it(tiny):
+    host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+    ws = [host.worker(i) for i in range(2)]
+    page = ws[0].page_size
+    before = in_use(host)
+    runs = ws[0].weights.runs
+    b = host.buddy(host.instances)
+    # worker 0 gave away layers 2, 3 and the head; worker 1 layers 0, 1 and the embedding
+    layer = ws[0].weights.layer_bytes(0)
+    head, embed = runs["head"][1] * page, runs["embed"][1] * page
+    assert in_use(host) == [before[0] - 2 * layer - head, before[1] - 2 * layer - embed]
+    assert b.stats["weight_bytes_released"] == 4 * layer + head + embed
+    # KV: each stage's budget left after its weights, over its 2 layers, the least of the two
+    bpp = ws[0].kv.blocks_per_page()
+    want = min(int((w.arena.stats()["budget_bytes"] - w.arena.stats()["bytes_in_use"])
+                   // page // 2 * bpp) for w in ws)
+    assert b.instance.capacity_blocks() == want
+    full = int((ws[0].arena.stats()["budget_bytes"] - before[0]) // page // 4 * bpp)
+    assert want > 2 * full  # half the layers per worker, and their weights gone too
+
+
+def weights_of(worker):
+    w = worker.weights
+    return {name: w.read(name) for name in w.offsets} | \
+           {(l, k): w.read_ffn(l, k) for l in w.held_layers for k in ("gate", "up", "down")}
+
+
+@pytest.mark.parametrize("source", ["peers", "host"])
+def test_restore_is_byte_identical(tiny, source):
+    host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+    want = [weights_of(host.worker(i)) for i in range(2)]
+    before = in_use(host)
+    b = host.buddy(host.instances)
+    host.restore(b, weights_from=source)
+    for i in range(2):
+        got = weights_of(host.worker(i))
+        assert got.keys() == want[i].keys()
+        for key in got:
+            np.testing.assert_array_equal(got[key], want[i][key])
+    for i in range(2):
+        host.worker(i).kv.trim()
+    assert in_use(host) == before
+
+
+def test_refusals_change_nothing(tiny):
+    host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1")
+    reqs = [host.submit(q, params(0.0), instance=i % 4) for i, q in enumerate(prompts(4, 1))]
+    host.step()
+    state = in_use(host), host.layout()
+    a, b, c, _ = host.instances
+    for instances in ([a, b, c],   # 3 does not divide 4 layers
+                      [a, c],      # not neighbours
+                      [a]):        # not a group
+        with pytest.raises(gyges.InvalidArgumentError):
+            host.buddy(instances)
+        assert (in_use(host), host.layout()) == state
+    with pytest.raises(gyges.UnavailableError, match="live"):
+        host.buddy(host.instances[:2], live=True)
+    assert (in_use(host), host.layout()) == state
+    finish(host, reqs)
+
+
+def test_an_exchange_that_does_not_fit_is_taken_back(tiny):
+    """Long requests on both members fill their caches: the copies of each other's half do not
+    fit even with the weights dropped; the buddy is refused and every page and layer is back."""
+    host = gyges.Host(tiny, workers=2, memory_per_worker="64MiB", layout="2xTP1",
+                      max_batch_tokens=16384)
+    p = params(0.0, tokens=4)
+    reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(prompts(8, 2, 2400, 2600))]
+    host.step()
+    state = in_use(host), host.layout(), [sorted(host.worker(i).weights.held_layers) for i in range(2)]
+    with pytest.raises(gyges.OutOfMemoryError):
+        host.buddy(host.instances)
+    for i in range(2):
+        host.worker(i).kv.trim()
+    assert (in_use(host), host.layout(),
+            [sorted(host.worker(i).weights.held_layers) for i in range(2)]) == state
+    assert finish(host, reqs) == reference(tiny, prompts(8, 2, 2400, 2600), p)
+
+
+def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
+    """Random interleavings of submits, steps, buddies of random sizes and restores from random
+    sources: every request finishes with one worker's tokens and, idle again, every worker holds
+    exactly the pages it started with."""
+    rng = np.random.default_rng(0)
+    host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1",
+                      max_batch_tokens=96)
+    start = in_use(host)
+    p = params(0.0, tokens=12)
+    reqs, asked, buddies = [], [], []
+    for _ in range(60):
+        x = rng.random()
+        if x < 0.35:
+            q = prompts(1, int(rng.integers(1 << 30)))[0]
+            asked.append(q)
+            reqs.append(host.submit(q, p))
+        elif x < 0.5 and not buddies:
+            g = int(rng.choice([2, 4]))
+            first = int(rng.choice([0, 2])) if g == 2 else 0
+            insts = [i for i in host.instances if min(i.workers) in range(first, first + g)]
+            buddies.append(host.buddy(insts))
+        elif x < 0.6 and buddies:
+            host.restore(buddies.pop(), weights_from=str(rng.choice(["peers", "host"])))
+        else:
+            host.step()
+    for b in buddies:
+        host.restore(b)
+    assert finish(host, reqs) == reference(tiny, asked, p)
+    for i in range(4):
+        host.worker(i).kv.trim()
+    assert in_use(host) == start and host.layout() == "4xTP1"
