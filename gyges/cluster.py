@@ -56,10 +56,12 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
 # gy_sim_xform, gy_sim_action, gy_sim_op_kind
 XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING = 0, 1, 6
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
-OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit"}
+OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit",
+       7: "drop", 8: "restore"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 RESPLIT = 6  # gy_sim_op_kind of a pipeline cluster
+DROP, RESTORE = 7, 8  # buddy clusters (KunServe, simulated only)
 
 
 @dataclass
@@ -144,7 +146,7 @@ class Policy:
 
     def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
                  merge_wait=None, scale_up_load=None, eager_scale_up=None, flying_tp=None,
-                 light_load=None):
+                 light_load=None, buddy_strategy=None, restore_wait=None):
         check_policy(name)
         knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
@@ -152,11 +154,18 @@ class Policy:
                              ("scale_up_cap", scale_up_cap, None),
                              ("merge_wait", merge_wait, None),
                              ("scale_up_load", scale_up_load, None),
-                             ("light_load", light_load, None)):
+                             ("light_load", light_load, None),
+                             ("restore_wait", restore_wait, None)):
             if v is not None:
                 knobs[key] = check_number(key, v, 0.0, high)
         if eager_scale_up is not None:
             knobs["eager_scale_up"] = bool(eager_scale_up)
+        if buddy_strategy is not None:
+            from .kunserve import STRATEGIES
+            if buddy_strategy not in STRATEGIES:
+                raise InvalidArgumentError(f"buddy_strategy must be one of "
+                                           f"{', '.join(STRATEGIES)}, got {buddy_strategy!r}")
+            knobs["buddy_strategy"] = STRATEGIES[buddy_strategy]
         if flying_tp is not None:
             knobs["flying_tp"] = int(check_number("flying_tp", flying_tp, 0.0, 1 << 20))
         self.name = name

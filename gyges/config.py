@@ -363,6 +363,15 @@ class ModelConfig:
                    bos_token_id=128000, eos_token_id=128001)
 
     @classmethod
+    def qwen2_5_14b(cls) -> "ModelConfig":
+        # Qwen/Qwen2.5-14B (KunServe's model): 48 layers, 8 KV heads of 128: 192 KB of KV a token
+        return cls(vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                   num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+                   attention_bias=True, model_type="qwen2",
+                   bos_token_id=151643, eos_token_id=151643)
+
+    @classmethod
     def qwen2_5_32b(cls) -> "ModelConfig":
         # Qwen/Qwen2.5-32B (base; the Instruct config differs only in eps 1e-6, eos, context)
         return cls(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
@@ -385,7 +394,7 @@ class ModelConfig:
     def presets(cls) -> dict[str, "ModelConfig"]:
         """Every named preset, by name."""
         names = ("tiny", "qwen2_tiny", "stories15m", "stories110m", "llama2_7b", "llama3_8b",
-                 "qwen2_5_32b", "qwen3_32b", "llama3_70b")
+                 "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b")
         return {name: getattr(cls, name)() for name in names}
 
 

@@ -51,7 +51,8 @@ from .errors import InvalidArgumentError
 
 __all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "PipelineCost",
            "CostModelError",
-           "gpu_spec", "model_config", "MODEL_NAMES", "PHASES"]
+           "gpu_spec", "model_config", "MODEL_NAMES", "PHASES", "RDMA_100G", "RDMA_200G",
+           "PCIE4_X16"]
 
 GiB = 1024 ** 3
 
@@ -79,21 +80,32 @@ class GPUSpec:
 GPUS = {
     "a100-40gb": GPUSpec("A100-40GB", 40 * GiB, 1.555e12, 312e12, 300e9),
     "a100-80gb": GPUSpec("A100-80GB", 80 * GiB, 2.039e12, 312e12, 300e9),
+    # the A100's China variant (KunServe's testbed): same memory, HBM and FLOPs, NVLink 400 GB/s
+    # bidirectional; across servers its link is the NIC (RDMA_100G, RDMA_200G below)
+    "a800-80gb": GPUSpec("A800-80GB", 80 * GiB, 2.039e12, 312e12, 200e9),
     "h20": GPUSpec("H20", 96 * GiB, 4.0e12, 148e12, 450e9),
     "h100": GPUSpec("H100-SXM", 80 * GiB, 3.35e12, 989e12, 450e9),
     "h200": GPUSpec("H200", 140 * GiB, 4.8e12, 989e12, 450e9),
     "l40s": GPUSpec("L40S", 45 * GiB, 0.864e12, 362e12, 32e9),
 }
-_GPU_ALIASES = {"a100": "a100-80gb", "a10040": "a100-40gb", "a10080": "a100-80gb",
+_GPU_ALIASES = {"a800": "a800-80gb", "a100": "a100-80gb", "a10040": "a100-40gb", "a10080": "a100-80gb",
                 "h100sxm": "h100", "h100-sxm": "h100"}
 
 MODEL_NAMES = {
     "llama2-7b": "llama2_7b",
     "llama3-8b": "llama3_8b",
+    "qwen2.5-14b": "qwen2_5_14b",
     "qwen2.5-32b": "qwen2_5_32b",
     "qwen3-32b": "qwen3_32b",
     "llama3-70b": "llama3_70b",
 }
+
+# Links between servers, bytes/s one direction (a pipeline's link_bw across servers: KunServe's
+# 200 Gbps GPU-direct RDMA for Qwen-2.5-14B, 100 Gbps for its multi-GPU runs), and a GPU's
+# PCIe 4.0 x16 read of host memory (a restore from the host copy of the weights).
+RDMA_100G = 100e9 / 8
+RDMA_200G = 200e9 / 8
+PCIE4_X16 = 25e9
 
 # The efficiency factors and latencies the defaults use: fitted on Qwen2.5-32B / H20 to Gyges
 # Table 1 (see benchmarks/bench_sim.py, which prints the fit and its error).
@@ -487,6 +499,8 @@ class PipelineCost:
     link_bw: float | None = None      # bytes/s between stages; None: the least of the GPUs'
     link_latency: float = 20e-6       # seconds per hand-off (our choice: an RDMA send)
     stop_time: float = 0.010          # PipeLive's stop at a commit (its Fig. 13: ~10 ms)
+    host_bw: float = 0.0              # bytes/s of a host copy of the weights (KunServe's
+                                      # restore reads it beside its peers); 0: none
     note: str = field(default="", compare=False)
 
     kind = "pipeline"
@@ -500,7 +514,7 @@ class PipelineCost:
                     or v <= 0:
                 raise CostModelError(f"{name} must be a finite number > 0, got {v!r}")
         for name in ("step_overhead", "transform_slowdown", "activation_fraction",
-                     "link_latency", "stop_time"):
+                     "link_latency", "stop_time", "host_bw"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
@@ -588,6 +602,7 @@ class PipelineCost:
             "step_overhead": float(self.step_overhead),
             "transform_slowdown": float(self.transform_slowdown),
             "stop_time": float(self.stop_time),
+            "host_bw": float(self.host_bw),
             "block_size": int(block_size),
             "fixed_blocks": int(fixed_blocks),
         }
@@ -735,7 +750,7 @@ class PipelineCost:
                 **{k: getattr(self, k) for k in ("eff_bw", "eff_flops", "eff_xfer",
                                                  "step_overhead", "transform_slowdown",
                                                  "mem_util", "activation_fraction",
-                                                 "link_latency", "stop_time")},
+                                                 "link_latency", "stop_time", "host_bw")},
                 "link_bw": self.link, "note": self.note}
 
 

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _C, traces
-from .cluster import (BIND, DEFER, INST_VIEW_DTYPE, PLACE, RELEASE, RESPLIT, XFORM_MERGING,
-                      XFORM_NONE, XFORM_RESPLITTING,
+from .cluster import (BIND, DEFER, DROP, INST_VIEW_DTYPE, PLACE, RELEASE, RESPLIT, RESTORE,
+                      XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
                       Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
@@ -487,6 +487,10 @@ class _Replay:
         (kind 1) of the TP-size instance at g; on a replicated host a bind (kind 4) of workers
         g..g+size-1 or a release (kind 5) of the group bound there; on a pipeline host a live
         re-split (kind 6) of the pipeline at g to `layers`: whether it started."""
+        if kind in (DROP, RESTORE):
+            return self.refuse(f"{'drop' if kind == DROP else 'restore'}: KunServe's buddy "
+                               f"groups are simulated only (gyges.sim.run(weights='buddy')); "
+                               f"a real host does not drop or restore parameters")
         if kind == RESPLIT:
             return self.resplit(g, list(layers))
         if kind not in (0, 1, BIND, RELEASE) or self.pipeline is not None:

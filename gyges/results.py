@@ -54,9 +54,11 @@ TOKEN_DTYPE = np.dtype([("request", "i8"), ("time", "f8")])
 
 STATUS = {0: "pending", 1: "deferred", 2: "queued", 3: "finished", 4: "rejected"}
 # codes of the other tables, as names in Results.table / to_pandas / to_csv
-KIND = {0: "merge", 1: "split", 4: "bind", 5: "release", 6: "resplit"}  # transformations
+KIND = {0: "merge", 1: "split", 4: "bind", 5: "release", 6: "resplit", 7: "drop",
+        8: "restore"}                                                    # transformations
 XFORM = {0: "none", 1: "merging", 2: "splitting", 3: "split_tail", 4: "binding",
-         5: "releasing", 6: "resplitting"}                          # timeline (gy_sim_xform)
+         5: "releasing", 6: "resplitting", 7: "dropping", 8: "exchanging",
+         9: "restoring"}                                            # timeline (gy_sim_xform)
 CHANGE = {1: "created", -1: "gone"}                                # layout
 TABLES = ("requests", "timeline", "layout", "transformations", "tokens")
 

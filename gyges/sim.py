@@ -30,6 +30,20 @@ with `gpus` naming each stage's GPU, makes every host that pipeline, one GPU a s
 Its cost model is gyges.costmodel.PipelineCost (cost=, or built from model and gpus); "static"
 keeps the split, "pipelive" re-splits it; kv_resize=False keeps kv_blocks blocks at every split
 (PipeLive without KV resizing). Mixing pipelines and TP groups in one layout is not simulated.
+
+Buddy clusters (KunServe): weights="buddy" makes every GPU a whole replica of the model that
+can drop parameters into a buddy group (a pipeline of g of its host's GPUs over one copy of the
+layers) and restore them, priced by a PipelineCost of gpus_per_host identical stages (its link
+is the link between the instances: RDMA_200G for KunServe's testbed):
+
+    cost = PipelineCost.create("qwen2.5-14b", ["a800-80gb"] * 8, link_bw=RDMA_200G)
+    res = gyges.sim.run(trace, policy="kunserve", weights="buddy", cost=cost)
+    res = gyges.sim.run(trace, policy="least_load", weights="buddy", cost=cost)  # replication
+    res = gyges.sim.run(trace, policy="least_load", weights="buddy", cost=cost,
+                        buddy_group=2)                          # static pipelines of 2 GPUs
+
+live_restore=False stops a restoring group instead of serving on; buddy_strategy "throughput"
+(Algorithm 1) or "memory"; restore_wait: seconds of fitting demand before a restore.
 """
 
 from __future__ import annotations
@@ -95,7 +109,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         light_load: float | None = None,
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
-        kv_blocks: int | None = None) -> Results:
+        kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
+        buddy_strategy: str | None = None, restore_wait: float | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost; default CostModel.create(model, gpu) (the
@@ -130,8 +145,18 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     traces.validate(trace)
     check_policy(policy, SimError)
     hosts = _check_int("hosts", hosts, 1, 4096)
+    if weights == "buddy":
+        return _run_buddy(**{k: v for k, v in locals().items() if k != "t_wall"},
+                          t_wall=t_wall)
+    if policy == "kunserve":
+        raise SimError("policy 'kunserve' drops replicated parameters: use weights='buddy'")
     if isinstance(layout, str) and "pp" in layout.lower():
-        return _run_pipeline(**{k: v for k, v in locals().items() if k != "t_wall"},
+        if (buddy_group, live_restore, buddy_strategy, restore_wait) != (1, True, None, None):
+            raise SimError("buddy_group, live_restore, buddy_strategy and restore_wait are for "
+                           "weights='buddy'")
+        return _run_pipeline(**{k: v for k, v in locals().items()
+                                if k not in ("t_wall", "buddy_group", "live_restore",
+                                             "buddy_strategy", "restore_wait")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -337,3 +362,64 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
         "max_prefill_chunk": max_prefill_chunk, "watermark": watermark, **knobs,
         "weights": weights, "sample_interval": sample_interval,
         "record_tokens": bool(record_tokens)})
+
+
+def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, progress, cost,
+               max_tp, block_size, max_batch_tokens, max_running, max_prefill_chunk, watermark,
+               decode_weight, sample_interval, record_tokens, check, buddy_group, live_restore,
+               buddy_strategy, restore_wait, t_wall, **unused) -> Results:
+    """run() for weights="buddy" (the module docstring): every GPU a replica that can drop."""
+    if policy not in ("kunserve", "least_load", "round_robin", "static"):
+        raise SimError(f"a buddy cluster runs with policy 'kunserve' (or 'least_load', "
+                       f"'round_robin', 'static' for the baselines), not {policy!r}")
+    if layout is not None or max_tp not in (None, 1):
+        raise SimError("a buddy cluster has no layout or TP: buddy_group sets its start")
+    if cost is None:
+        n = 8 if gpus_per_host is None else _check_int("gpus_per_host", gpus_per_host, 2, 8)
+        try:
+            cost = PipelineCost.create(model, [gpu] * n)
+        except CostModelError as e:
+            raise SimError(str(e)) from None
+    elif not isinstance(cost, PipelineCost):
+        raise SimError(f"a buddy cluster needs a PipelineCost, got {type(cost).__name__}")
+    if len(set(cost.gpus)) != 1:
+        raise SimError("a buddy cluster's GPUs are all of one kind")
+    if gpus_per_host not in (None, cost.n_stages):
+        raise SimError(f"gpus_per_host {gpus_per_host}: the PipelineCost has {cost.n_stages} "
+                       f"stages (the largest group)")
+    group = _check_int("buddy_group", buddy_group, 1, cost.n_stages)
+    if cost.n_stages % group:
+        raise SimError(f"buddy_group {group} must divide gpus_per_host {cost.n_stages}")
+    block_size = _check_int("block_size", block_size, 1, 1 << 20)
+    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
+    max_running = _check_int("max_running", max_running, 1, 1 << 20)
+    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
+    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    knobs = Policy(policy, decode_weight=decode_weight, buddy_strategy=buddy_strategy,
+                   restore_wait=restore_wait).config
+    n_st, n_layers = cost.n_stages, cost.n_layers
+    even = [n_layers // n_st + (i < n_layers % n_st) for i in range(n_st)]
+    n = trace.shape[0]
+    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    sample_interval = _sample_interval(span, sample_interval)
+    unused_cost = ConstantCost()  # the TP cost model: no TP instance here
+    sim = _C.Simulator(
+        hosts=hosts, gpus_per_host=n_st, max_tp=1, layout=[1], capacity=[1], capacity_mid=[1],
+        block_size=block_size, max_batch_tokens=max_batch_tokens, max_running=max_running,
+        max_prefill_chunk=max_prefill_chunk, watermark=watermark, cost_kind=unused_cost.kind,
+        cost_params=unused_cost.params(), policy=policy, **knobs,
+        sample_interval=sample_interval, record_tokens=bool(record_tokens), arrival=arrival,
+        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
+        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
+        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32),
+        pipeline=cost.params(block_size, 0), pipe_layers=even, buddy=True, buddy_group=group,
+        live_restore=bool(live_restore))
+    start = float(arrival[0]) if n else 0.0
+    return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
+        "policy": policy, "hosts": hosts, "gpus_per_host": n_st, "max_tp": 1,
+        "weights": "buddy", "buddy_group": group, "live_restore": bool(live_restore),
+        "gpus": [g.name for g in cost.gpus], "cost": cost.describe(), "block_size": block_size,
+        "max_batch_tokens": max_batch_tokens, "max_running": max_running,
+        "max_prefill_chunk": max_prefill_chunk, "watermark": watermark, **knobs,
+        "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})

@@ -565,6 +565,64 @@ def time_varying(rates: Sequence[float], period: float, duration: float | None =
     return _with_lengths(start + arrival, input_tokens, output_tokens, priority, ss_in, ss_out)
 
 
+def lognormal_lengths(mean: float, sigma: float = 1.0, cap: int = 8192):
+    """A length spec (callable) drawing lognormal lengths of the given mean, rounded, in
+    [1, cap]: BurstGPT's chat lengths are heavy-tailed like this (KunServe Table 3: mean input
+    603, mean output 289)."""
+    _check_positive("mean", mean)
+    _check_positive("sigma", sigma)
+    mu = math.log(mean) - sigma * sigma / 2
+
+    def draw(rng, n):
+        return np.clip(np.round(rng.lognormal(mu, sigma, size=n)), 1, cap).astype(np.int64)
+    return draw
+
+
+def burst(rate: float, duration: float, at: float = 150.0, factor: float = 14.0,
+          length: float = 20.0, every: float | None = None, input_tokens=None,
+          output_tokens=None, priority: int = 0, seed=0, start: float = 0.0) -> np.ndarray:
+    """A BurstGPT-like load spike (KunServe Fig. 1: the rate rises 14x at 150 s): Poisson
+    arrivals at `rate` requests/s, at rate * factor during [at, at + length) and, with `every`,
+    again every `every` seconds after (a second spike: KunServe Fig. 15). Lengths default to
+    lognormal_lengths(603) and lognormal_lengths(289, cap=4096). Exact: a unit-rate Poisson
+    process mapped through the integrated rate."""
+    _check_positive("rate", rate)
+    _check_positive("duration", duration)
+    _check_positive("factor", factor)
+    _check_positive("length", length)
+    if not (isinstance(at, (int, float)) and math.isfinite(at) and at >= 0):
+        raise InvalidArgumentError(f"at must be a number >= 0, got {at!r}")
+    if every is not None:
+        _check_positive("every", every)
+        if every < length:
+            raise InvalidArgumentError(f"every {every} must be at least length {length}")
+    input_tokens = lognormal_lengths(603) if input_tokens is None else input_tokens
+    output_tokens = lognormal_lengths(289, cap=4096) if output_tokens is None else output_tokens
+    edges, rates, t = [0.0], [], 0.0
+    spike = at
+    while t < duration:
+        if spike is not None and spike < duration:
+            if spike > t:
+                edges.append(spike)
+                rates.append(rate)
+            edges.append(min(spike + length, duration))
+            rates.append(rate * factor)
+            t = edges[-1]
+            spike = spike + every if every is not None else None
+        else:
+            edges.append(duration)
+            rates.append(rate)
+            t = duration
+    edges, rates = np.asarray(edges), np.asarray(rates)
+    cum = np.concatenate([[0.0], np.cumsum(rates * np.diff(edges))])  # integrated rate
+    ss_arr, ss_in, ss_out = _seedseq(seed).spawn(3)
+    lam = _renewal(np.random.default_rng(ss_arr), 1.0, 1.0, float(cum[-1]), None,
+                   first_at_zero=True)
+    arrival = np.interp(lam, cum, edges)
+    arrival = arrival[arrival < duration]
+    return _with_lengths(start + arrival, input_tokens, output_tokens, priority, ss_in, ss_out)
+
+
 def mixture(classes: Sequence[dict], duration: float, seed=0, start: float = 0.0) -> np.ndarray:
     """Independent request classes merged by arrival. Each class is a dict with
     `rate_per_min` or `rate` (per s), optional `burstiness` (default 1: Poisson),

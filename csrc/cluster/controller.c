@@ -83,9 +83,12 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
                      i->gpu_first >= prev_end && i->gpu_first + i->n_stages <= v->n_gpus &&
                      i->kv_total >= 1;
             for (int32_t s = 0; ok && s < i->n_stages; s++) ok = i->layers[s] >= 1;
-            if (ok && v->pipeline != NULL)
-                ok = i->n_stages == v->pipeline->n_stages &&
-                     gy_sim_pipeline_split_ok(v->pipeline, i->layers);
+            if (ok && v->pipeline != NULL) { /* a buddy group may have fewer stages */
+                const gy_sim_pipeline sub = gy_sim_pipeline_sub(v->pipeline, i->n_stages);
+                ok = (i->n_stages == v->pipeline->n_stages || v->buddy) &&
+                     i->n_stages <= v->pipeline->n_stages && gy_sim_pipeline_split_ok(&sub,
+                                                                                      i->layers);
+            }
             if (!ok)
                 return GY_FAIL(GY_ERR_INVALID,
                                "bad view: instance %d (GPU %d, %d stages, %lld blocks) is not a "
@@ -251,6 +254,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .base_tp = c->config.base_tp,
         .n_deferred = c->n_deferred,
         .pipeline = c->config.pipeline,
+        .buddy = c->config.buddy,
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */
@@ -296,6 +300,18 @@ static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const 
         GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
         if (!started) break;
         c->stats.n_resplits_started++; /* the pipeline stays itself: held or not as before */
+        return GY_OK;
+    case GY_SIM_OP_DROP:
+    case GY_SIM_OP_RESTORE:
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        if (op->kind == GY_SIM_OP_DROP) c->stats.n_drops_started++;
+        else c->stats.n_restores_started++;
+        /* the members (or the group) are gone once it switches: nothing stays held */
+        for (int32_t k = 0; k < v->n_inst; k++)
+            if (gy_sim_ranges_overlap(v->inst[k].gpu_first, gy_sim_inst_gpus(&v->inst[k]),
+                                      op->gpu_first, op->size))
+                gy_cluster_set_held(c, v->inst[k].gpu_first, v->inst[k].tp, 0);
         return GY_OK;
     case GY_SIM_OP_HOLD:
     case GY_SIM_OP_UNHOLD: {
@@ -528,7 +544,9 @@ gy_status gy_cluster_reconfigured(gy_cluster *c, int rebalance, double now) {
 
 gy_status gy_cluster_tick(gy_cluster *c, double now) {
     GY_CLUSTER_ENTER(c);
-    return gy_cluster_leave(c, gy_cluster_reconsider_after(c, now, GY_CLUSTER_TIME, 0, 0));
+    gy_status s = gy_cluster_reconsider_after(c, now, GY_CLUSTER_TIME, 0, 0);
+    if (s == GY_OK && c->config.policy->monitor) s = gy_cluster_rebalance(c, now);
+    return gy_cluster_leave(c, s);
 }
 
 /* ---- results ---- */

@@ -17,7 +17,8 @@
  *                here, reconsidered later) or REJECT (never served); before the decision's ops;
  *   reconfigure  start one reconfiguration op (MERGE of a group's two halves, SPLIT of an
  *                instance into its halves; BIND / RELEASE on a replicated cluster; RESPLIT of
- *                a pipeline to a new split of its layers); *started = 0 when the executor's
+ *                a pipeline to a new split of its layers; DROP / RESTORE of KunServe's buddy
+ *                groups on a buddy cluster); *started = 0 when the executor's
  *                state refuses it (nothing changed; the controller counts it);
  *   decided      optional: a decision and all its ops are carried out (the simulator starts the
  *                placed request's instance stepping here).
@@ -33,7 +34,8 @@
  *   reconfigured    the deferred requests again, then the rebalance when `rebalance` (the end of
  *                   a scale-up, or of a scale-down's last phase);
  *   tick            the deferred requests waiting for a group again (a merge may wait for
- *                   time alone: merge_wait).
+ *                   time alone: merge_wait), then the rebalance of a policy that monitors
+ *                   (gy_sim_policy_ops.monitor: kunserve).
  * A step or a tick decides again only the waiting requests it can concern (policy.h's contract);
  * the others keep their place in the order. With a stateless policy, a pass also skips the
  * requests a blocked one shows cannot be placed either (gy_sim_decision.blocked: same min_tp, at
@@ -88,6 +90,8 @@ typedef struct gy_cluster_config {
     int32_t base_tp;               /* replicated: the TP of an unbound instance */
     const gy_sim_pipeline *pipeline; /* pipelines' cost model for the view (must outlive the
                                         controller); NULL: none */
+    int32_t buddy;                 /* KunServe's cluster: DROP / RESTORE (policy.h) */
+    int32_t pad_;
 } gy_cluster_config;
 
 typedef struct gy_cluster_stats {
@@ -98,6 +102,7 @@ typedef struct gy_cluster_stats {
     int64_t n_merges_started, n_splits_started;
     int64_t n_binds_started, n_releases_started;
     int64_t n_resplits_started;
+    int64_t n_drops_started, n_restores_started;
     int64_t n_rejected;
     int64_t n_deferred;    /* waiting now */
 } gy_cluster_stats;

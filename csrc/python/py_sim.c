@@ -132,6 +132,11 @@ int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
         *n[k].dst = PyLong_AsLongLong(v);
         if (*n[k].dst == -1 && PyErr_Occurred()) return -1;
     }
+    PyObject *host = PyDict_GetItemString(params, "host_bw"); /* optional: 0 */
+    if (host != NULL) {
+        p->host_bw = PyFloat_AsDouble(host);
+        if (p->host_bw == -1.0 && PyErr_Occurred()) return -1;
+    }
     PyObject *layers = PyDict_GetItemString(params, "n_layers");
     PyObject *stages = PyDict_GetItemString(params, "stages");
     if (layers == NULL || stages == NULL || !PyList_Check(stages)) {
@@ -198,7 +203,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "sample_interval", "record_tokens", "arrival", "input_tokens",
                             "output_tokens", "priority", "max_input", "replicated",
                             "switch_time", "flying_tp", "light_load", "pipeline",
-                            "pipe_layers", NULL};
+                            "pipe_layers", "buddy", "buddy_group", "live_restore",
+                            "buddy_strategy", "restore_wait", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -209,13 +215,16 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     const gy_sim_policy_config defaults = gy_sim_policy_config_default();
     int replicated = 0, flying_tp = defaults.flying_tp;
     double switch_time = 0.0, light_load = defaults.light_load;
+    int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
+    double restore_wait = defaults.restore_wait;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOO", names, &hosts, &gpus_per_host,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipid", names, &hosts, &gpus_per_host,
             &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
-            &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o))
+            &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
+            &buddy_group, &live_restore, &buddy_strategy, &restore_wait))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -263,13 +272,17 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                           .scale_up_load = scale_up_load, .scale_up_cap = scale_up_cap,
                           .merge_wait = merge_wait,
                           .eager_scale_up = eager,
-                          .flying_tp = flying_tp, .light_load = light_load},
+                          .flying_tp = flying_tp, .light_load = light_load,
+                          .buddy_strategy = buddy_strategy, .restore_wait = restore_wait},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
         .replicated = replicated,
         .switch_time = switch_time,
         .pipeline = pipe_o == Py_None ? NULL : &pipeline,
         .pipe_layers = pipe_layers,
+        .buddy = buddy,
+        .buddy_group = buddy_group,
+        .live_restore = live_restore,
     };
     if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
                               &c.cost) < 0) {
@@ -355,7 +368,8 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
     gy_sim_stats s;
     gy_sim_stats_get(self->sim, &s);
     return Py_BuildValue(
-        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsNsLsdsd}", "now", s.now, "requests",
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsNsLsdsdsLsLsLsdsdsdsd}", "now", s.now,
+        "requests",
         (long long)s.n_requests,
         "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
         (long long)s.n_rejected, "deferred", (long long)s.n_deferred, "steps",
@@ -367,7 +381,10 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
         (long long)s.n_binds, "releases", (long long)s.n_releases, "paused",
         (long long)s.n_paused, "recomputed", (long long)s.n_recomputed, "done",
         PyBool_FromLong(s.done), "resplits", (long long)s.n_resplits, "resplit_migration_s",
-        s.resplit_migration_s, "resplit_stop_s", s.resplit_stop_s);
+        s.resplit_migration_s, "resplit_stop_s", s.resplit_stop_s, "drops", (long long)s.n_drops,
+        "restores", (long long)s.n_restores, "victims", (long long)s.n_victims, "exchange_s",
+        s.exchange_s, "restore_s", s.restore_s, "exchange_bytes", s.exchange_bytes,
+        "restore_bytes", s.restore_bytes);
 }
 
 #define GY_PY_SIM_BYTES(fn, getter, type)                                                          \

@@ -35,6 +35,7 @@ gy_status gy_sim_pipeline_check(const gy_sim_pipeline *p) {
         {"step_overhead", p->step_overhead, 0},
         {"transform_slowdown", p->transform_slowdown, 0},
         {"stop_time", p->stop_time, 0},
+        {"host_bw", p->host_bw, 0},
     };
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].strict ? !gy_sim_pos(f[i].v) : !gy_sim_nonneg(f[i].v))
@@ -179,4 +180,67 @@ int gy_sim_pipeline_next_split(const gy_sim_pipeline *p, int32_t granularity, in
     if (p->n_layers - sum < 1) return 0;
     layers[n - 1] = (int32_t)(p->n_layers - sum);
     return 1;
+}
+
+/* ---- KunServe's buddy groups ---- */
+
+gy_sim_pipeline gy_sim_pipeline_sub(const gy_sim_pipeline *p, int32_t g) {
+    gy_sim_pipeline q = *p;
+    const int32_t n = p->n_stages;
+    q.n_stages = g;
+    q.stage[g - 1] = p->stage[n - 1];
+    if (g == 1 && n >= 3) /* the last stage's budget less the embedding stage 0 keeps */
+        q.stage[0].budget_bytes -= p->stage[1].budget_bytes - p->stage[0].budget_bytes;
+    return q;
+}
+
+void gy_sim_pipeline_even(const gy_sim_pipeline *p, int32_t *layers) {
+    for (int32_t i = 0; i < p->n_stages; i++)
+        layers[i] = p->n_layers / p->n_stages + (i < p->n_layers % p->n_stages);
+}
+
+double gy_sim_pipeline_exchange_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                     const double *tokens, double *kv_bytes) {
+    double all = 0.0, most = 0.0, total = 0.0;
+    for (int32_t k = 0; k < p->n_stages; k++) all += tokens[k];
+    for (int32_t j = 0; j < p->n_stages; j++) {
+        const double sent = tokens[j] * p->kv_layer * (double)(p->n_layers - layers[j]);
+        const double recv = (all - tokens[j]) * p->kv_layer * (double)layers[j];
+        total += sent;
+        if (sent > most) most = sent;
+        if (recv > most) most = recv;
+    }
+    *kv_bytes = total;
+    return most / (p->link_bw * p->eff_xfer);
+}
+
+double gy_sim_pipeline_remote_time(const gy_sim_pipeline *p, double remote_layers,
+                                   double victim_tokens) {
+    if (!(remote_layers > 0) || !(victim_tokens > 0)) return 0.0;
+    return remote_layers * (2.0 * victim_tokens * p->act_bytes / p->link_bw +
+                            2.0 * p->link_latency);
+}
+
+double gy_sim_pipeline_restore_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                    double *weight_bytes) {
+    double most = 0.0, total = 0.0;
+    for (int32_t k = 0; k < p->n_stages; k++) {
+        const double w = (double)(p->n_layers - layers[k]) * p->layer_bytes;
+        total += w;
+        if (w > most) most = w;
+    }
+    *weight_bytes = total;
+    return most / (p->link_bw * p->eff_xfer + p->host_bw);
+}
+
+double gy_sim_pipeline_gather_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                   const double *tokens, double *kv_bytes) {
+    double most = 0.0, total = 0.0;
+    for (int32_t k = 0; k < p->n_stages; k++) {
+        const double b = tokens[k] * p->kv_layer * (double)(p->n_layers - layers[k]);
+        total += b;
+        if (b > most) most = b;
+    }
+    *kv_bytes = total;
+    return most / (p->link_bw * p->eff_xfer);
 }

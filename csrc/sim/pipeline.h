@@ -21,7 +21,22 @@
  *   migration = max_i received_i / (link_bw eff_xfer),
  * during which it serves at cur with capacity B_shrink = min_i MaxBlocks(i, |cur_i u tgt_i|)
  * (both layer sets held); then a stop of stop_time at the commit, after which it serves at tgt
- * with capacity(tgt). */
+ * with capacity(tgt).
+ *
+ * KunServe's buddy groups (sim.h: a buddy cluster) reuse the description: the first g stages
+ * (gy_sim_pipeline_sub) price a group of g instances that keep one copy of the layers, split
+ * evenly (gy_sim_pipeline_even), and g = 1 prices one instance with every layer. Their costs:
+ *   exchange  (a drop) member k held T_k live tokens of every layer; stage j keeps layers L_j:
+ *             k sends T_k kv_layer (n_layers - L_k), j receives sum_{k != j} T_k kv_layer L_j;
+ *             seconds = max_j max(sent_j, received_j) / (link_bw eff_xfer);
+ *   remote attention  a step whose victim tokens (queries of requests whose KV is still partly
+ *             on their old GPU) meet R such layers: R (2 victim_tokens act_bytes / link_bw +
+ *             2 link_latency) seconds more (the activation goes to the KV's holder and back);
+ *   restore   member k gets back the n_layers - L_k layers it dropped, from its peers over the
+ *             link and from the host copy over host_bw at once:
+ *             seconds = max_k (n_layers - L_k) W / (link_bw eff_xfer + host_bw);
+ *   gather    then member k receives its requests' KV (T_k tokens) of the layers it did not hold:
+ *             max_k T_k kv_layer (n_layers - L_k) / (link_bw eff_xfer). */
 #ifndef GY_SIM_PIPELINE_H
 #define GY_SIM_PIPELINE_H
 
@@ -66,6 +81,8 @@ typedef struct gy_sim_pipeline {
     int64_t fixed_blocks;/* >= 0. 0: the KV cache is resized with each split (PipeLive's
                             ResizeKV); > 0: every split keeps this many blocks (no resizing),
                             and a split or intermediate whose MaxBlocks fall below it has none */
+    double host_bw;      /* >= 0: bytes/s a GPU reads the host's copy of the weights at (PCIe;
+                            a buddy restore's second source); 0: no host copy */
 } gy_sim_pipeline;
 
 /* Checks the fields (GY_ERR_INVALID naming the first bad one). */
@@ -90,6 +107,22 @@ double gy_sim_pipeline_step_time(const gy_sim_pipeline *p, const int32_t *layers
 double gy_sim_pipeline_migration_time(const gy_sim_pipeline *p, const int32_t *cur,
                                       const int32_t *tgt, double kv_tokens,
                                       double *weight_bytes, double *kv_bytes);
+/* The first g stages as a pipeline of their own (1 <= g <= n_stages; g = 1 allowed here
+ * though gy_sim_pipeline_check wants 2): stage g - 1 takes the last stage's budget (the LM
+ * head), and with g = 1 the one stage also pays the embedding (stage 0's) when n_stages >= 3
+ * shows what a middle stage keeps. */
+gy_sim_pipeline gy_sim_pipeline_sub(const gy_sim_pipeline *p, int32_t g);
+/* The even split of p's n_layers over its n_stages: the first n_layers % n_stages get one more. */
+void gy_sim_pipeline_even(const gy_sim_pipeline *p, int32_t *layers);
+/* Buddy costs (the header comment); tokens (n_stages) per member; *bytes never NULL. */
+double gy_sim_pipeline_exchange_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                     const double *tokens, double *kv_bytes);
+double gy_sim_pipeline_remote_time(const gy_sim_pipeline *p, double remote_layers,
+                                   double victim_tokens);
+double gy_sim_pipeline_restore_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                    double *weight_bytes);
+double gy_sim_pipeline_gather_time(const gy_sim_pipeline *p, const int32_t *layers,
+                                   const double *tokens, double *kv_bytes);
 /* Enumerates splits whose stages are multiples of `granularity` layers (the last stage takes the
  * remainder, >= 1): start with layers[0] = 0 (it writes the first); returns 0 after the last. */
 int gy_sim_pipeline_next_split(const gy_sim_pipeline *p, int32_t granularity, int32_t *layers);

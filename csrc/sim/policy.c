@@ -11,6 +11,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_static,
     &gy_sim_policy_flying,
     &gy_sim_policy_pipelive,
+    &gy_sim_policy_kunserve,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -21,7 +22,7 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
 }
 
 const char *gy_sim_policy_names(void) {
-    return "gyges, round_robin, least_load, static, flying, pipelive";
+    return "gyges, round_robin, least_load, static, flying, pipelive, kunserve";
 }
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {
@@ -37,7 +38,10 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * bench_flying's bursty Llama-3-70B trace, 1000 keeps DP's
                                    * burst TTFT but TP's light-load gain is small, 16000 the
                                    * reverse) */
-                                  .flying_tp = 0, .light_load = 4000.0};
+                                  .flying_tp = 0, .light_load = 4000.0,
+                                  /* kunserve: Algorithm 1; 5 s of fitting demand before a
+                                   * restore (policy_kunserve.c) */
+                                  .buddy_strategy = 0, .restore_wait = 5.0};
 }
 
 int gy_sim_level(int32_t tp) {

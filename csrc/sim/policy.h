@@ -21,11 +21,18 @@
  * It changes its split with RESPLIT: the layers that move migrate while it serves at the old
  * split with the intermediate KV budget, then a short stop commits the new split.
  *
+ * A buddy cluster (KunServe, sim.h) starts with one full replica per GPU (tp 1 rows, or
+ * pipelines when it starts grouped). DROP makes a run of g of them on one host a buddy group:
+ * one pipeline of g one-GPU stages over one shared copy of the layers (the rest of each
+ * member's weights become KV room at once); its requests keep running while their KV moves
+ * (the exchange). RESTORE gives the members their weights back and dissolves the group.
+ *
  * Policies (one file each): gyges (policy_gyges.c: Gyges Algorithms 1 and 2 with AMOEBAs 3.3),
  * round_robin and least_load (policy_round_robin.c, policy_least_load.c: Gyges 6.2.4's
  * baselines), static (policy_static.c: a fixed layout; requests no instance can hold are
  * rejected), flying (policy_flying.c: Flying Serving's DP <-> TP switching), pipelive
- * (policy_pipelive.c: re-splits pipelines as the prefill/decode mix shifts). */
+ * (policy_pipelive.c: re-splits pipelines as the prefill/decode mix shifts), kunserve
+ * (policy_kunserve.c: drops parameters into buddy groups under KV pressure, restores after). */
 #ifndef GY_SIM_POLICY_H
 #define GY_SIM_POLICY_H
 
@@ -53,6 +60,13 @@ typedef enum gy_sim_xform {
     GY_SIM_XFORM_RELEASING = 5, /* a bound instance being released; takes no new requests */
     GY_SIM_XFORM_RESPLITTING = 6,/* a pipeline migrating layers to a new split; serves at the
                                    old split (and takes requests), cannot transform */
+    GY_SIM_XFORM_DROPPING = 7,  /* a member of a buddy drop until its step in flight ends;
+                                   takes no new requests */
+    GY_SIM_XFORM_EXCHANGING = 8,/* a buddy group whose victims' KV is still moving; serves and
+                                   takes requests (victims pay remote attention), cannot
+                                   transform */
+    GY_SIM_XFORM_RESTORING = 9, /* a buddy group getting its weights back; serves (live
+                                   restore) or stops, takes no new requests */
 } gy_sim_xform;
 
 typedef struct gy_sim_inst_view {
@@ -104,6 +118,9 @@ typedef struct gy_sim_view {
     int64_t n_deferred;            /* requests waiting at the cluster (on a group or none) */
     const gy_sim_pipeline *pipeline; /* the pipelines' cost model (pipeline.h), every host's the
                                       same; NULL: no pipelines (TP groups) */
+    int32_t buddy;                 /* 1: a buddy cluster (DROP / RESTORE): tp 1 rows are whole
+                                      replicas, pipelines buddy groups of 2 to n_stages stages */
+    int32_t pad3_;
 } gy_sim_view;
 
 typedef struct gy_sim_req_view {
@@ -140,6 +157,12 @@ typedef enum gy_sim_op_kind {
                              split `layers` over the same GPUs: live migration at the old split
                              with B_shrink blocks, then a stop at the commit (pipeline.h);
                              refused when its KV in use exceeds B_shrink */
+    GY_SIM_OP_DROP = 7,   /* buddy: the replicas [gpu_first, +size) (2 <= size <= gpus_per_host,
+                             one host, each a whole replica, nothing under way) drop into one
+                             buddy group (a pipeline of size stages, layers split evenly) */
+    GY_SIM_OP_RESTORE = 8,/* buddy: the group at gpu_first (size: its stages) gets its weights
+                             back and dissolves; refused while its exchange runs or when its
+                             requests do not fit the members' own KV (packed, largest first) */
 } gy_sim_op_kind;
 
 typedef struct gy_sim_op {
@@ -184,6 +207,10 @@ typedef struct gy_sim_policy_config {
     double light_load;       /* flying: the load is light while the cluster's outstanding work
                                 per GPU (as gy_sim_policy_load counts it, in tokens) is at most
                                 this; new arrivals then go to TP groups (0: never) */
+    int32_t buddy_strategy;  /* kunserve: gy_buddy_strategy (0 throughput-greedy, 1 memory-greedy) */
+    int32_t pad_;
+    double restore_wait;     /* kunserve: seconds a group's demand must fit its members' own KV
+                                before it restores */
 } gy_sim_policy_config;
 
 /* The contract the controller relies on to decide waiting requests again only when it can
@@ -202,11 +229,12 @@ typedef struct gy_sim_policy_ops {
      * instances and after transformations; only ops, action NONE. */
     gy_status (*rebalance)(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                            gy_sim_decision *out);
+    int32_t monitor; /* 1: rebalance also at every tick (a policy that watches time: kunserve) */
 } gy_sim_policy_ops;
 
 /* The policy called `name`, or NULL. */
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name);
-/* "gyges, round_robin, least_load, static, flying, pipelive" (for error messages). */
+/* "gyges, round_robin, least_load, static, flying, pipelive, kunserve" (for error messages). */
 const char *gy_sim_policy_names(void);
 gy_sim_policy_config gy_sim_policy_config_default(void);
 
@@ -216,6 +244,7 @@ extern const gy_sim_policy_ops gy_sim_policy_least_load;
 extern const gy_sim_policy_ops gy_sim_policy_static;
 extern const gy_sim_policy_ops gy_sim_policy_flying;
 extern const gy_sim_policy_ops gy_sim_policy_pipelive;
+extern const gy_sim_policy_ops gy_sim_policy_kunserve;
 
 /* ---- helpers the policies share ---- */
 

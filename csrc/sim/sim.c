@@ -28,6 +28,8 @@ typedef struct gy_sim_req {
     int32_t home;         /* paused: the GPU of the member it resumes on; else -1 */
     gy_sim_carry carry;   /* lifted out of its instance (gy_sim_lift): what it takes to the next
                              one (instance.h), while paused or across a bind or a release */
+    int32_t victim;       /* buddy: its KV is still partly on its old GPU (an exchange runs) */
+    int32_t pad_;
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -55,6 +57,10 @@ typedef struct gy_sim_inst {
     int32_t bound;         /* replicated: a bound group of members of TP member_tp */
     int32_t member_tp;
     int64_t n_paused, paused_head; /* the requests paused under it (a list through req.next) */
+    int32_t stopped;       /* buddy: a blocking restore: it steps no more */
+    int32_t pad_;
+    double exch_start, exch_len; /* buddy: its exchange's switch and planned seconds */
+    double exch_debt;      /* buddy: link seconds its remote attention took since the last check */
 } gy_sim_inst;
 
 #define GY_SIM_XF_MAX_SRC 16 /* members of one bind */
@@ -80,6 +86,8 @@ typedef struct gy_sim_xf {
 struct gy_sim {
     gy_sim_config config;
     gy_sim_pipeline pipeline;  /* config.pipeline points here when set */
+    gy_sim_pipeline sub[GY_SIM_MAX_STAGES + 1]; /* buddy: sub[g], the first g stages */
+    int64_t single_cap;        /* buddy: blocks of a whole replica */
     int32_t pipe_layers[GY_SIM_MAX_STAGES];
     int32_t layout[64];
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
@@ -199,15 +207,27 @@ static gy_status gy_sim_inst_create(gy_sim *s, int32_t gpu_first, int32_t tp, in
     return gy_sim_inst_open(s, gpu_first, tp, tp, cap, max_cap, slot_out);
 }
 
-/* A pipeline over GPUs [gpu_first, + n_stages) at the split `layers`. */
-static gy_status gy_sim_pipe_create(gy_sim *s, int32_t gpu_first, const int32_t *layers) {
-    const gy_sim_pipeline *p = &s->pipeline;
-    int32_t slot;
-    GY_TRY(gy_sim_inst_open(s, gpu_first, 1, p->n_stages, gy_sim_pipeline_capacity(p, layers),
-                            gy_sim_pipeline_max_capacity(p), &slot));
+/* The description pricing the pipeline i: the cluster's, or a buddy group's first stages. */
+static const gy_sim_pipeline *gy_sim_inst_pipe(const gy_sim *s, const gy_sim_inst *i) {
+    return s->config.buddy ? &s->sub[i->n_stages] : &s->pipeline;
+}
+
+/* A pipeline over GPUs [gpu_first, + n) at the split `layers` (n = 1: a buddy cluster's whole
+ * replica; layers NULL: the even split). */
+static gy_status gy_sim_pipe_create(gy_sim *s, int32_t gpu_first, int32_t n,
+                                    const int32_t *layers, int32_t *slot_out) {
+    const gy_sim_pipeline *p = s->config.buddy ? &s->sub[n] : &s->pipeline;
+    int32_t even[GY_SIM_MAX_STAGES], slot = -1;
+    if (layers == NULL) {
+        gy_sim_pipeline_even(p, even);
+        layers = even;
+    }
+    GY_TRY(gy_sim_inst_open(s, gpu_first, 1, n, gy_sim_pipeline_capacity(p, layers),
+                            gy_sim_pipeline_max_capacity(&s->pipeline), &slot));
     gy_sim_inst *i = &s->inst[slot];
-    i->n_stages = p->n_stages;
-    memcpy(i->layers, layers, (size_t)p->n_stages * sizeof *layers);
+    i->n_stages = n;
+    memcpy(i->layers, layers, (size_t)n * sizeof *layers);
+    if (slot_out) *slot_out = slot;
     return GY_OK;
 }
 
@@ -292,7 +312,7 @@ static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any);
 static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
     for (int64_t guard = 0;; guard++) {
         gy_sim_inst *i = &s->inst[slot];
-        if (i->stepping || i->barrier) return GY_OK;
+        if (i->stepping || i->barrier || i->stopped) return GY_OK;
         if (guard > (INT64_C(1) << 24))
             return GY_FAIL(GY_ERR_STATE, "instance at GPU %d made no progress in %lld steps",
                            (int)i->gpu_first, (long long)guard);
@@ -308,6 +328,7 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             return GY_OK;
         }
         gy_sim_step_shape shape = {0};
+        double victim_tokens = 0; /* buddy: query tokens of requests whose KV is partly remote */
         for (int64_t k = 0; k < i->batch.n_entries; k++) {
             const gy_sched_entry *e = &i->batch.entries[k];
             if (isnan(s->out[e->id].scheduled)) s->out[e->id].scheduled = s->now;
@@ -315,6 +336,7 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             const int64_t kept = s->req[e->id].kept;
             const int64_t start = e->pos > kept ? e->pos : kept;
             if (end <= start) continue; /* all of it kept */
+            if (s->req[e->id].victim) victim_tokens += (double)(end - start);
             shape.n_tokens += end - start;
             shape.n_seqs++;
             shape.n_samples += e->samples;
@@ -322,10 +344,22 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             shape.attn_pairs += ((double)end * (double)(end + 1) -
                                  (double)start * (double)(start + 1)) / 2.0;
         }
-        const int busy = i->xform != GY_SIM_XFORM_NONE;
-        const double dt = i->n_stages > 0
-                              ? gy_sim_pipeline_step_time(&s->pipeline, i->layers, busy, &shape)
-                              : s->config.cost.step_time(s->config.cost.ctx, i->tp, busy, &shape);
+        const int busy = i->xform != GY_SIM_XFORM_NONE && i->xform != GY_SIM_XFORM_EXCHANGING;
+        double dt = i->n_stages > 0
+                        ? gy_sim_pipeline_step_time(gy_sim_inst_pipe(s, i), i->layers, busy,
+                                                    &shape)
+                        : s->config.cost.step_time(s->config.cost.ctx, i->tp, busy, &shape);
+        if (i->xform == GY_SIM_XFORM_EXCHANGING && victim_tokens > 0) {
+            const gy_sim_pipeline *p = gy_sim_inst_pipe(s, i);
+            double left = i->exch_len > 0 ? 1.0 - (s->now - i->exch_start) / i->exch_len : 0.0;
+            if (left < 0) left = 0;
+            if (left > 1) left = 1;
+            const double remote = gy_sim_pipeline_remote_time(
+                p, left * (double)p->n_layers * (double)(i->n_stages - 1) / i->n_stages,
+                victim_tokens);
+            dt += remote;
+            i->exch_debt += remote; /* the link carried it before the exchange's bytes */
+        }
         if (!(dt >= 0) || !isfinite(dt))
             return GY_FAIL(GY_ERR_STATE, "the cost model gave a step time of %g s", dt);
         if (dt > 0) {
@@ -416,7 +450,8 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .host = i->host,
             .xform = i->xform,
             .placeable = i->xform != GY_SIM_XFORM_SPLITTING &&
-                         i->xform != GY_SIM_XFORM_BINDING && i->xform != GY_SIM_XFORM_RELEASING,
+                         i->xform != GY_SIM_XFORM_BINDING && i->xform != GY_SIM_XFORM_RELEASING &&
+                         i->xform != GY_SIM_XFORM_DROPPING && i->xform != GY_SIM_XFORM_RESTORING,
             .max_min_tp = max_min_tp,
             .kv_total = i->core.capacity,
             .kv_used = gy_sim_instance_used(&i->core),
@@ -431,7 +466,7 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .n_paused = i->n_paused,
             .n_tp_work = i->n_tp_work,
             .n_priority = i->n_priority,
-            .n_stages = i->n_stages,
+            .n_stages = i->n_stages >= 2 ? i->n_stages : 0, /* a replica is a TP1 row */
         };
         memcpy(rows[n - 1].layers, i->layers, sizeof i->layers);
         g += i->width;
@@ -781,11 +816,203 @@ static gy_status gy_sim_resplit_commit(gy_sim *s, int64_t x) {
     return gy_cluster_reconfigured(s->cluster, 1, s->now);
 }
 
+/* ---- buddy groups (KunServe) ---- */
+
+/* The blocks a whole replica lets requests take (its watermark kept free). */
+static int64_t gy_sim_single_usable(const gy_sim *s) {
+    return s->single_cap - (int64_t)(s->config.sched.watermark * (double)s->single_cap);
+}
+
+/* A drop of the replicas [g, g + size), unless the state refuses it: not one host, a GPU not a
+ * whole replica of its own, or something under way. The switch waits for the members' steps
+ * in flight (an event now, outside the controller's call). */
+static gy_status gy_sim_try_drop(gy_sim *s, const gy_sim_op *op, int32_t *started) {
+    const int32_t g = op->gpu_first, size = op->size;
+    if (size < 2 || size > s->pipeline.n_stages || g < 0 || g + size > s->n_gpus ||
+        g / s->config.gpus_per_host != (g + size - 1) / s->config.gpus_per_host)
+        return GY_OK;
+    int32_t members[GY_SIM_MAX_STAGES];
+    for (int32_t k = 0; k < size; k++) {
+        const int32_t slot = s->gpu_slot[g + k];
+        const gy_sim_inst *i = &s->inst[slot];
+        if (i->gpu_first != g + k || i->n_stages != 1 || i->xform != GY_SIM_XFORM_NONE)
+            return GY_OK;
+        members[k] = slot;
+    }
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_DROP, g, 1, size, &x));
+    s->xf[x] = (gy_sim_xf){.n_src = size, .dst = {-1, -1}, .phase = 0};
+    for (int32_t k = 0; k < size; k++) {
+        s->xf[x].src[k] = members[k];
+        s->inst[members[k]].xform = GY_SIM_XFORM_DROPPING;
+        s->inst[members[k]].xform_id = (int32_t)x;
+    }
+    *started = 1;
+    return gy_sim_push(s, s->now, GY_SIM_EV_PHASE, x, 0);
+}
+
+/* The members are idle: one group replaces them and takes their requests with their KV (the
+ * victims); the exchange starts. */
+static gy_status gy_sim_drop_switch(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t n = f->n_src;
+    double tokens[GY_SIM_MAX_STAGES];
+    int64_t head = -1, tail = -1; /* the members' requests in order, through req.next */
+    for (int32_t k = 0; k < n; k++) {
+        tokens[k] = gy_sim_kv_tokens(s, f->src[k]);
+        while (s->inst[f->src[k]].head >= 0) {
+            const int64_t r = s->inst[f->src[k]].head;
+            GY_TRY(gy_sim_lift(s, r, 0));
+            s->req[r].victim = s->req[r].kept > 0;
+            if (tail >= 0) s->req[tail].next = r; else head = r;
+            tail = r;
+        }
+    }
+    for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_inst_destroy(s, f->src[k]));
+    int32_t c;
+    GY_TRY(gy_sim_pipe_create(s, o->gpu_first, n, NULL, &c));
+    while (head >= 0) {
+        const int64_t r = head;
+        head = r == tail ? -1 : s->req[r].next;
+        GY_TRY(gy_sim_land(s, r, c));
+        s->out[r].migrations++;
+        o->n_migrated++;
+        s->stats.n_victims += s->req[r].victim;
+    }
+    gy_sim_inst *i = &s->inst[c];
+    const double dt = gy_sim_pipeline_exchange_time(&s->sub[n], i->layers, tokens, &o->kv_bytes);
+    if (!(dt >= 0) || !isfinite(dt))
+        return GY_FAIL(GY_ERR_STATE, "the pipeline model gave an exchange time of %g s", dt);
+    f->phase = 1;
+    f->dst[0] = c;
+    f->n_dst = 1;
+    o->phase_end = s->now;
+    i->xform = GY_SIM_XFORM_EXCHANGING;
+    i->xform_id = (int32_t)x;
+    i->exch_start = s->now;
+    i->exch_len = dt;
+    i->exch_debt = 0;
+    s->stats.n_drops++;
+    GY_TRY(gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, 1));
+    GY_TRY(gy_sim_start_step(s, c));
+    return gy_cluster_reconfigured(s->cluster, 0, s->now);
+}
+
+/* The exchange's bytes are through, unless remote attention held the link meanwhile (then it
+ * ends that much later). */
+static gy_status gy_sim_exchange_end(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t c = f->dst[0];
+    gy_sim_inst *i = &s->inst[c];
+    if (i->exch_debt > 0) {
+        const double debt = i->exch_debt;
+        i->exch_debt = 0;
+        return gy_sim_push(s, s->now + debt, GY_SIM_EV_PHASE, x, 1);
+    }
+    for (int64_t r = i->head; r >= 0; r = s->req[r].next) s->req[r].victim = 0;
+    i->xform = GY_SIM_XFORM_NONE;
+    i->xform_id = -1;
+    f->phase = 2;
+    o->end = s->now;
+    s->n_active_xf--;
+    s->stats.exchange_s += o->end - o->phase_end;
+    s->stats.exchange_bytes += o->kv_bytes;
+    GY_TRY(gy_sim_start_step(s, c));
+    return gy_cluster_reconfigured(s->cluster, 1, s->now);
+}
+
+/* Packs the group's requests into its members' own blocks (req.half: the member); 0 when they
+ * do not fit. */
+static int gy_sim_pack_replicas(gy_sim *s, int32_t c) {
+    int64_t room[GY_SIM_MAX_STAGES];
+    for (int32_t k = 0; k < s->inst[c].n_stages; k++) room[k] = gy_sim_single_usable(s);
+    return gy_sim_pack(s, &s->inst[c], room, s->inst[c].n_stages);
+}
+
+/* A restore of the group at op->gpu_first, unless the state refuses it (sim.h). */
+static gy_status gy_sim_try_restore(gy_sim *s, const gy_sim_op *op, int32_t *started) {
+    const int32_t c = gy_sim_slot_at(s, op->gpu_first, op->size);
+    if (c < 0 || s->inst[c].n_stages < 2 || s->inst[c].xform != GY_SIM_XFORM_NONE) return GY_OK;
+    gy_sim_inst *i = &s->inst[c];
+    const int32_t n = i->n_stages;
+    const int64_t cap = (int64_t)n * s->single_cap;
+    if (gy_sim_instance_used(&i->core) > cap || !gy_sim_pack_replicas(s, c)) return GY_OK;
+    int64_t x;
+    GY_TRY(gy_sim_xf_new(s, GY_SIM_OP_RESTORE, i->gpu_first, n, 1, &x));
+    s->xf[x] = (gy_sim_xf){.src = {c}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
+    gy_sim_transform_out *o = &s->xf_out[x];
+    i = &s->inst[c];
+    i->xform = GY_SIM_XFORM_RESTORING;
+    i->xform_id = (int32_t)x;
+    if (cap < i->core.capacity) GY_TRY(gy_sim_instance_set_capacity(&i->core, cap));
+    if (!s->config.live_restore) i->stopped = 1; /* after its step in flight */
+    const double dt = gy_sim_pipeline_restore_time(&s->sub[n], i->layers, &o->weight_bytes);
+    if (!(dt >= 0) || !isfinite(dt))
+        return GY_FAIL(GY_ERR_STATE, "the pipeline model gave a restore time of %g s", dt);
+    *started = 1;
+    return gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, 0);
+}
+
+/* The weights are back: the requests' KV gathers on the members they are packed to. */
+static gy_status gy_sim_restore_gather(gy_sim *s, int64_t x) {
+    gy_sim_xf *f = &s->xf[x];
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t c = f->src[0];
+    const gy_sim_inst *i = &s->inst[c];
+    if (!gy_sim_pack_replicas(s, c)) /* it took no requests since the check */
+        return GY_FAIL(GY_ERR_STATE, "a restore's requests no longer fit its members");
+    double tokens[GY_SIM_MAX_STAGES] = {0};
+    for (int64_t r = i->head; r >= 0; r = s->req[r].next)
+        tokens[s->req[r].half] += (double)gy_sched_block_counter_held(i->core.bc, r) *
+                                  (double)s->config.sched.block_size;
+    const double dt = gy_sim_pipeline_gather_time(&s->sub[i->n_stages], i->layers, tokens,
+                                                  &o->kv_bytes);
+    f->phase = 1;
+    o->phase_end = s->now;
+    return gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, 1);
+}
+
+/* The group is idle: its members come back as replicas and take their requests with KV. */
+static gy_status gy_sim_restore_switch(gy_sim *s, int64_t x) {
+    gy_sim_transform_out *o = &s->xf_out[x];
+    const int32_t c = s->xf[x].src[0];
+    const int32_t first = s->inst[c].gpu_first, n = s->inst[c].n_stages;
+    if (!gy_sim_pack_replicas(s, c))
+        return GY_FAIL(GY_ERR_STATE, "a restore's requests no longer fit its members");
+    int64_t head = -1, tail = -1;
+    while (s->inst[c].head >= 0) {
+        const int64_t r = s->inst[c].head;
+        GY_TRY(gy_sim_lift(s, r, 0));
+        if (tail >= 0) s->req[tail].next = r; else head = r;
+        tail = r;
+    }
+    GY_TRY(gy_sim_inst_destroy(s, c));
+    int32_t members[GY_SIM_MAX_STAGES];
+    for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_pipe_create(s, first + k, 1, NULL, &members[k]));
+    while (head >= 0) {
+        const int64_t r = head;
+        head = r == tail ? -1 : s->req[r].next;
+        const int32_t slot = members[s->req[r].half];
+        s->req[r].half = -1;
+        GY_TRY(gy_sim_land(s, r, slot));
+        s->out[r].migrations++;
+        o->n_migrated++;
+    }
+    for (int32_t k = 0; k < n; k++) GY_TRY(gy_sim_start_step(s, members[k]));
+    s->stats.restore_s += s->now - o->start;
+    s->stats.restore_bytes += o->weight_bytes + o->kv_bytes;
+    return gy_sim_xf_finish(s, x, -1, &s->stats.n_restores);
+}
+
 /* The topology change of a transformation, once its sources are idle. */
 static gy_status gy_sim_xf_switch(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
     f->at_barrier = 0;
+    if (o->kind == GY_SIM_OP_DROP) return gy_sim_drop_switch(s, x);
+    if (o->kind == GY_SIM_OP_RESTORE) return gy_sim_restore_switch(s, x);
     if (o->kind == GY_SIM_OP_RESPLIT) { /* migrated, its last step done: the stop */
         f->phase = 1;
         o->phase_end = s->now;
@@ -850,6 +1077,13 @@ static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
     if (phase != f->phase) return GY_FAIL(GY_ERR_STATE, "transformation %lld: stale phase",
                                           (long long)x);
     if (o->kind == GY_SIM_OP_RESPLIT && phase == 1) return gy_sim_resplit_commit(s, x);
+    if (o->kind == GY_SIM_OP_DROP && phase == 1) return gy_sim_exchange_end(s, x);
+    if (o->kind == GY_SIM_OP_RESTORE && phase == 0) return gy_sim_restore_gather(s, x);
+    if (o->kind == GY_SIM_OP_RESTORE) { /* gathered: switch once its step in flight ended */
+        f->at_barrier = 1;
+        s->inst[f->src[0]].barrier = 1;
+        return gy_sim_xf_try_switch(s, x);
+    }
     if (o->kind == GY_SIM_OP_MERGE && phase == 0) {
         /* the dropped FFN shards become KV room */
         const int64_t cap = s->capacity_mid[gy_sim_level_of(o->tp_from)];
@@ -923,6 +1157,12 @@ static gy_status gy_sim_try_bind(gy_sim *s, int32_t g, int32_t size, int32_t *st
 static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
     gy_sim *s = ctx;
     *started = 0;
+    if (op->kind == GY_SIM_OP_DROP || op->kind == GY_SIM_OP_RESTORE) {
+        if (!s->config.buddy) return GY_OK;
+        return op->kind == GY_SIM_OP_DROP ? gy_sim_try_drop(s, op, started)
+                                          : gy_sim_try_restore(s, op, started);
+    }
+    if (s->config.buddy) return GY_OK; /* a buddy cluster only drops and restores */
     if (op->kind == GY_SIM_OP_RESPLIT) return gy_sim_try_resplit(s, op, started);
     if (s->config.pipeline != NULL) return GY_OK; /* a pipeline only re-splits */
     const int flying = op->kind == GY_SIM_OP_BIND || op->kind == GY_SIM_OP_RELEASE;
@@ -1101,11 +1341,25 @@ static gy_status gy_sim_check_pipeline(const gy_sim_config *c) {
     if (gy_sim_pipeline_capacity(p, c->pipe_layers) < 1)
         return GY_FAIL(GY_ERR_INVALID, "the pipeline's initial split leaves no KV block on some "
                        "stage (its layers' weights fill it)");
+    if (c->buddy) {
+        const int32_t g = c->buddy_group;
+        if (g < 1 || g > c->gpus_per_host || c->gpus_per_host % g != 0)
+            return GY_FAIL(GY_ERR_INVALID, "buddy_group %d must divide gpus_per_host %d",
+                           (int)g, (int)c->gpus_per_host);
+        const gy_sim_pipeline sub = gy_sim_pipeline_sub(p, g);
+        int32_t even[GY_SIM_MAX_STAGES];
+        gy_sim_pipeline_even(&sub, even);
+        if (gy_sim_pipeline_capacity(&sub, even) < 1)
+            return GY_FAIL(GY_ERR_INVALID, "an instance of %d GPU(s) keeps no KV block after the "
+                           "model's weights", (int)g);
+    }
     return GY_OK;
 }
 
 static gy_status gy_sim_check_config(const gy_sim_config *c, const gy_sim_trace *t,
                                      int32_t *n_levels) {
+    if (c->buddy && c->pipeline == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "a buddy cluster needs a pipeline description");
     if (c->pipeline != NULL) {
         if (c->hosts < 1)
             return GY_FAIL(GY_ERR_INVALID, "need hosts >= 1, got %d", (int)c->hosts);
@@ -1216,6 +1470,16 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
         s->config.pipe_layers = s->pipe_layers;
         s->capacity[0] = s->capacity_mid[0] = gy_sim_pipeline_capacity(&s->pipeline,
                                                                        s->pipe_layers);
+        if (c->buddy) { /* a request's min_tp: the instances it starts with */
+            for (int32_t g = 1; g <= s->pipeline.n_stages; g++)
+                s->sub[g] = gy_sim_pipeline_sub(&s->pipeline, g);
+            int32_t even[GY_SIM_MAX_STAGES];
+            gy_sim_pipeline_even(&s->sub[1], even);
+            s->single_cap = gy_sim_pipeline_capacity(&s->sub[1], even);
+            gy_sim_pipeline_even(&s->sub[c->buddy_group], even);
+            s->capacity[0] = s->capacity_mid[0] =
+                gy_sim_pipeline_capacity(&s->sub[c->buddy_group], even);
+        }
         s->config.n_layout = 0;
     } else {
         memcpy(s->layout, c->layout, (size_t)c->n_layout * sizeof *s->layout);
@@ -1247,7 +1511,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
                                   .watermark = c->sched.watermark, .policy = c->policy,
                                   .policy_config = c->policy_config,
                                   .replicated = c->replicated, .base_tp = s->base_tp,
-                                  .pipeline = c->pipeline ? &s->pipeline : NULL};
+                                  .pipeline = c->pipeline ? &s->pipeline : NULL,
+                                  .buddy = c->buddy};
     st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
     if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;
@@ -1275,7 +1540,12 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
     s->now = s->t0;
     s->stats.n_requests = s->n;
     for (int32_t h = 0; h < c->hosts && st == GY_OK && c->pipeline != NULL; h++)
-        st = gy_sim_pipe_create(s, h * c->gpus_per_host, s->pipe_layers);
+        for (int32_t g = 0; g < c->gpus_per_host && st == GY_OK; g += c->buddy ? c->buddy_group
+                                                                             : c->gpus_per_host)
+            st = c->buddy ? gy_sim_pipe_create(s, h * c->gpus_per_host + g, c->buddy_group, NULL,
+                                               NULL)
+                          : gy_sim_pipe_create(s, h * c->gpus_per_host, s->pipeline.n_stages,
+                                               s->pipe_layers, NULL);
     for (int32_t h = 0; h < c->hosts && st == GY_OK && c->pipeline == NULL; h++) {
         int32_t g = h * c->gpus_per_host;
         for (int32_t k = 0; k < c->n_layout && st == GY_OK; k++) {
@@ -1372,10 +1642,11 @@ gy_status gy_sim_check(const gy_sim *s) {
             return GY_FAIL(GY_ERR_STATE, "the TP%d instance at GPU %d is not aligned", (int)i->tp,
                            (int)i->gpu_first);
         covered += i->width;
-        if (i->n_stages > 0 && (!gy_sim_pipeline_split_ok(&s->pipeline, i->layers) ||
-                                (i->xform == GY_SIM_XFORM_NONE &&
-                                 i->core.capacity != gy_sim_pipeline_capacity(&s->pipeline,
-                                                                              i->layers))))
+        if (i->n_stages > 0 && (!gy_sim_pipeline_split_ok(gy_sim_inst_pipe(s, i), i->layers) ||
+                                ((i->xform == GY_SIM_XFORM_NONE ||
+                                  i->xform == GY_SIM_XFORM_EXCHANGING) &&
+                                 i->core.capacity != gy_sim_pipeline_capacity(
+                                                         gy_sim_inst_pipe(s, i), i->layers))))
             return GY_FAIL(GY_ERR_STATE, "the pipeline at GPU %d serves at a bad split or with "
                            "%lld blocks, not its split's", (int)i->gpu_first,
                            (long long)i->core.capacity);

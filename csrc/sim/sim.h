@@ -53,6 +53,27 @@
  *            The record's phase_end is when the stop began: migration seconds = phase_end -
  *            start, stop seconds = end - phase_end (also summed in the stats).
  *   Every other op is refused there, and RESPLIT elsewhere.
+ * On a buddy cluster (`buddy`: KunServe) every GPU starts as a whole replica (a one-stage
+ * pipeline priced by pipeline.h's first stage with every layer), or grouped from the start
+ * (`buddy_group` > 1: the static pipeline baseline); pipeline->n_stages is gpus_per_host, the
+ * largest group. Its reconfigurations, priced by pipeline.h's buddy costs:
+ *   drop     g replicas of one host -> one buddy group (a g-stage pipeline, layers split
+ *            evenly), once their steps in flight ended (they take no requests meanwhile). The
+ *            freed weights are KV room at once: the group's capacity is pipeline.h's for its
+ *            split. Their requests move in with their KV (victims); phase 1, the exchange,
+ *            moves the victims' KV of the layers each member gave up while the group serves:
+ *            until it ends a step pays remote attention for its victims' tokens over the
+ *            layers still remote (n_layers (g-1)/g times the share of the exchange left), and
+ *            those activation seconds on the link delay the exchange's end (activations have
+ *            priority). It then takes requests and may restore.
+ *   restore  a group -> its g replicas. Refused during its exchange, when its requests do not
+ *            pack into the members' own blocks, or hold more than g of them. Its capacity
+ *            falls to g replicas' blocks (the weights come back into it); phase 0, weights
+ *            (from peers and the host copy), phase 1, its requests' KV gathered on the member
+ *            each is packed to; with live_restore it serves throughout (no new requests), else
+ *            it stops at once. Then the members take their requests with their KV.
+ *   Every other op is refused there, and DROP / RESTORE elsewhere. The record's phase_end is
+ *   the switch (drop) or the end of the weights (restore).
  * After every transformation, every step that finished a request and every sample, the deferred
  * requests are reconsidered in the order they were deferred; after transformations and after
  * steps of TP > 1 or held instances that finished something, the policy may rebalance. */
@@ -97,7 +118,13 @@ typedef struct gy_sim_config {
                                      capacity are ignored (capacity[0] is the initial split's,
                                      which decides a request's min_tp) and cost may be NULL.
                                      Copied. */
-    const int32_t *pipe_layers;   /* (pipeline->n_stages) the split every pipeline starts at */
+    const int32_t *pipe_layers;   /* (pipeline->n_stages) the split every pipeline starts at
+                                     (a buddy cluster splits its groups evenly instead) */
+    int32_t buddy;                /* 1: a buddy cluster (above); needs a pipeline */
+    int32_t buddy_group;          /* buddy: GPUs per instance at the start, dividing gpus_per_host
+                                     (1: replicas; g: every host starts as buddy groups of g) */
+    int32_t live_restore;         /* buddy: 1 a restoring group keeps serving; 0 it stops */
+    int32_t pad_;
 } gy_sim_config;
 
 /* The requests (copied). Arrivals sorted; lengths >= 1. */
@@ -142,7 +169,7 @@ typedef struct gy_sim_layout_event {
 } gy_sim_layout_event;
 
 typedef struct gy_sim_transform_out {
-    int32_t kind;          /* GY_SIM_OP_MERGE, SPLIT, BIND, RELEASE or RESPLIT */
+    int32_t kind;          /* GY_SIM_OP_MERGE, SPLIT, BIND, RELEASE, RESPLIT, DROP, RESTORE */
     int32_t gpu_first, tp_from, tp_to;
     double start, phase_end, end; /* end NaN while under way */
     double kv_bytes, weight_bytes; /* moved per GPU */
@@ -168,6 +195,10 @@ typedef struct gy_sim_stats {
     int32_t pad_;
     int64_t n_resplits;    /* pipelines: re-splits committed */
     double resplit_migration_s, resplit_stop_s; /* their seconds of migration and of stop */
+    int64_t n_drops, n_restores; /* buddy: groups formed (switched) and dissolved */
+    int64_t n_victims;     /* buddy: requests whose KV an exchange moved */
+    double exchange_s, restore_s; /* buddy: seconds of exchanges (switch to end) and restores */
+    double exchange_bytes, restore_bytes; /* KV of exchanges; weights and KV of restores */
 } gy_sim_stats;
 
 typedef struct gy_sim gy_sim;

@@ -1105,3 +1105,181 @@ GYTEST(sim_pipelive_random_run_loses_no_request) {
         free(out);
     }
 }
+
+/* ---- buddy clusters (KunServe) ---- */
+
+/* Two equal stages of 16 GB over 10 layers of 1 GB (1000 bytes of KV a token a layer, blocks
+ * of 16): a replica keeps (16e9 - 10e9) / (10 * 16000) = 37500 blocks, a group of two at 5/5
+ * (16e9 - 5e9) / (5 * 16000) = 137500. */
+static gy_sim_pipeline buddy_pipeline(void) {
+    gy_sim_pipeline p = test_pipeline();
+    p.stage[0].budget_bytes = p.stage[1].budget_bytes = 16e9;
+    p.stage[1] = (gy_sim_pipe_stage){.budget_bytes = 16e9, .hbm_bw = 2e12, .peak_flops = 300e12,
+                                     .eff_bw = 0.5, .eff_flops = 0.5};
+    p.host_bw = 5e9;
+    return p;
+}
+
+GYTEST(sim_buddy_costs_by_hand) {
+    const gy_sim_pipeline p = buddy_pipeline();
+    CHECK_OK(gy_sim_pipeline_check(&p));
+    const gy_sim_pipeline one = gy_sim_pipeline_sub(&p, 1);
+    int32_t all[1], half[2];
+    gy_sim_pipeline_even(&one, all);
+    gy_sim_pipeline_even(&p, half);
+    CHECK(all[0] == 10 && half[0] == 5 && half[1] == 5);
+    CHECK(gy_sim_pipeline_capacity(&one, all) == 37500);
+    CHECK(gy_sim_pipeline_capacity(&p, half) == 137500);
+    /* exchange: member 0 held 1e5 tokens, member 1 2e5; each sends half its layers' KV and
+     * receives the other's: max(5e8, 1e9) B at 10e9 * 0.5 B/s = 0.2 s, 1.5e9 B sent in all */
+    const double tokens[2] = {1e5, 2e5};
+    double kv = 0, w = 0;
+    CHECK(near(gy_sim_pipeline_exchange_time(&p, half, tokens, &kv), 0.2) && kv == 1.5e9);
+    /* remote attention: 5 layers, 4 victim tokens: 5 (2 * 4 * 1000 / 1e10 + 2e-5) s */
+    CHECK(near(gy_sim_pipeline_remote_time(&p, 5, 4), 5 * (8e-7 + 2e-5)));
+    CHECK(gy_sim_pipeline_remote_time(&p, 0, 4) == 0 && gy_sim_pipeline_remote_time(&p, 5, 0) == 0);
+    /* restore: 5 GB each, from the peer (5 GB/s) and the host (5 GB/s) at once: 0.5 s */
+    CHECK(near(gy_sim_pipeline_restore_time(&p, half, &w), 0.5) && w == 1e10);
+    /* gather: member 0's requests (1e5 tokens) lack 5 layers' KV: 5e8 B at 5 GB/s */
+    const double packed[2] = {1e5, 0};
+    CHECK(near(gy_sim_pipeline_gather_time(&p, half, packed, &kv), 0.1) && kv == 5e8);
+}
+
+/* A scripted buddy policy: every request to the least-used placeable instance, and on the
+ * arrival of request k the op buddy_ops[k] (kind -1: none). */
+static gy_sim_op buddy_ops[8];
+
+static gy_status buddy_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                             const gy_sim_req_view *r, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    d->action = GY_SIM_ACTION_DEFER;
+    for (int32_t k = 0; k < v->n_inst; k++)
+        if (gy_sim_policy_fits(&v->inst[k], r)) {
+            d->action = GY_SIM_ACTION_PLACE;
+            d->target = k;
+            break;
+        }
+    if (!r->deferred && r->id < 8 && buddy_ops[r->id].kind >= 0) {
+        d->ops[0] = buddy_ops[r->id];
+        d->n_ops = 1;
+    }
+    return GY_OK;
+}
+
+static const gy_sim_policy_ops buddy_script = {.name = "buddy_script", .place = buddy_place};
+
+GYTEST(sim_buddy_drop_restore_and_refusals) {
+    const gy_sim_pipeline p = buddy_pipeline();
+    const int32_t even[2] = {5, 5};
+    for (int k = 0; k < 8; k++) buddy_ops[k] = (gy_sim_op){.kind = -1};
+    buddy_ops[0] = (gy_sim_op){.kind = GY_SIM_OP_DROP, .gpu_first = 0, .size = 2};
+    buddy_ops[1] = (gy_sim_op){.kind = GY_SIM_OP_DROP, .gpu_first = 0, .size = 2}; /* a group */
+    buddy_ops[2] = (gy_sim_op){.kind = GY_SIM_OP_RESPLIT, .gpu_first = 0, .size = 2,
+                               .layers = {6, 4}};                               /* not here */
+    buddy_ops[3] = (gy_sim_op){.kind = GY_SIM_OP_RESTORE, .gpu_first = 0, .size = 2};
+    buddy_ops[4] = (gy_sim_op){.kind = GY_SIM_OP_RESTORE, .gpu_first = 0, .size = 2}; /* none */
+    double arr[5] = {0, 10, 20, 30, 40};
+    int64_t in[5] = {8, 8, 8, 8, 8}, out[5] = {2, 2, 2, 2, 2};
+    gy_sim_trace tr = {.n = 5, .arrival = arr, .input_tokens = in, .output_tokens = out};
+    gy_sim_config c = pipeline_config(&p, even, &buddy_script);
+    c.buddy = 1;
+    c.buddy_group = 1;
+    c.live_restore = 1;
+    gy_sim *s = NULL;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    CHECK_OK(gy_sim_run(s, 5.0));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats st;
+    gy_sim_stats_get(s, &st);
+    int64_t nx = 0, ns = 0;
+    const gy_sim_transform_out *x = gy_sim_transforms(s, &nx);
+    CHECK(nx == 1 && x[0].kind == GY_SIM_OP_DROP && st.n_drops == 1);
+    /* request 0 was placed before the drop and started stepping: the switch waits for that
+     * step, then it moves in as a victim */
+    CHECK(x[0].n_migrated == 1 && x[0].start == 0 && x[0].phase_end > 0 && st.n_victims <= 1);
+    const gy_sim_sample *sm = gy_sim_samples(s, &ns);
+    CHECK(ns > 0 && sm[ns - 1].kv_total == 137500 && sm[ns - 1].xform == GY_SIM_XFORM_NONE);
+    CHECK_OK(gy_sim_run(s, 25.0));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats_get(s, &st);
+    x = gy_sim_transforms(s, &nx);
+    CHECK(nx == 1 && st.n_ops_refused == 2); /* the second drop and the re-split: nothing */
+    CHECK_OK(gy_sim_run(s, 35.0));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats_get(s, &st);
+    x = gy_sim_transforms(s, &nx);
+    /* the restore: 5 GB of weights each over peer + host (0.5 s), then no KV left to gather */
+    CHECK(nx == 2 && x[1].kind == GY_SIM_OP_RESTORE && st.n_restores == 1);
+    CHECK(x[1].weight_bytes == 1e10 && near(x[1].phase_end - x[1].start, 0.5));
+    CHECK(near(st.restore_s, x[1].end - x[1].start) && x[1].end - x[1].start >= 0.5);
+    sm = gy_sim_samples(s, &ns);
+    CHECK(ns >= 2 && sm[ns - 1].kv_total == 37500 && sm[ns - 2].kv_total == 37500);
+    CHECK_OK(gy_sim_run(s, INFINITY));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_stats_get(s, &st);
+    CHECK(st.done && st.n_finished == 5 && st.n_ops_refused == 3 && st.n_drops == 1);
+    gy_sim_free(s);
+    /* a buddy cluster starting grouped, and one whose group does not divide the host */
+    c.buddy_group = 2;
+    CHECK_OK(gy_sim_init(&s, &c, &tr));
+    CHECK_OK(gy_sim_run(s, INFINITY));
+    CHECK_OK(gy_sim_check(s));
+    gy_sim_free(s);
+    c.buddy_group = 3;
+    s = NULL;
+    CHECK_STATUS(gy_sim_init(&s, &c, &tr), GY_ERR_INVALID);
+    CHECK(s == NULL);
+}
+
+GYTEST(sim_kunserve_random_run_loses_no_request) {
+    /* 100 KB of KV a token a layer: a replica keeps 375 blocks, a group of two 1375: a burst of
+     * 200-800-token requests overflows the replicas and fits the groups */
+    gy_sim_pipeline p = buddy_pipeline();
+    p.kv_layer = 1e5;
+    const int32_t even[2] = {5, 5};
+    for (uint64_t seed = 1; seed <= 3; seed++) {
+        const int64_t n = 400;
+        double *arr = malloc((size_t)n * sizeof *arr);
+        int64_t *in = malloc((size_t)n * sizeof *in), *out = malloc((size_t)n * sizeof *out);
+        uint64_t state = seed;
+        double t = 0;
+        for (int64_t k = 0; k < n; k++) {
+            const int burst = t > 20 && t < 25;
+            t += (double)(lcg(&state) % 1000) / (burst ? 20000.0 : 1000.0);
+            arr[k] = t;
+            in[k] = 100 + (int64_t)(lcg(&state) % 400);
+            out[k] = 100 + (int64_t)(lcg(&state) % 400);
+        }
+        gy_sim_trace tr = {.n = n, .arrival = arr, .input_tokens = in, .output_tokens = out};
+        gy_sim_config c = pipeline_config(&p, even, gy_sim_policy_find("kunserve"));
+        c.hosts = 2;
+        c.buddy = 1;
+        c.buddy_group = 1;
+        c.live_restore = (int32_t)(seed % 2);
+        c.sample_interval = 0.5;
+        gy_sim *s = NULL;
+        CHECK_OK(gy_sim_init(&s, &c, &tr));
+        gy_sim_stats st;
+        for (double until = 0; until < 1e5; until += 1.3) {
+            CHECK_OK(gy_sim_run(s, until));
+            CHECK_OK(gy_sim_check(s));
+            gy_sim_stats_get(s, &st);
+            if (st.done) break;
+        }
+        CHECK(st.done && st.n_finished == n && st.n_rejected == 0 && st.n_deferred == 0);
+        CHECK(st.n_drops >= 1 && st.n_restores == st.n_drops); /* freed, then all given back */
+        int64_t ns = 0;
+        const gy_sim_sample *sm = gy_sim_samples(s, &ns);
+        int64_t most = 0;
+        for (int64_t k = 0; k < ns; k++) {
+            CHECK(sm[k].kv_total == 375 || sm[k].kv_total == 1375 ||
+                  sm[k].xform == GY_SIM_XFORM_RESTORING);
+            if (sm[k].kv_total > most) most = sm[k].kv_total;
+        }
+        CHECK(most == 1375 && sm[ns - 1].kv_total == 375);
+        gy_sim_free(s);
+        free(arr);
+        free(in);
+        free(out);
+    }
+}

@@ -1,0 +1,185 @@
+/* policy_kunserve.c: KunServe's parameter-centric memory management on a buddy cluster (sim.h):
+ * when the KV memory the requests will need runs past what the instances have free, replicas
+ * drop parameters into buddy groups (DROP, planned by buddy.h's gy_buddy_plan); when the
+ * demand fits the members' own memory again for a while, the groups restore (RESTORE).
+ *
+ * Placement: least outstanding work per instance (gy_sim_policy_load) among the instances that
+ * can hold the request; a group counts as one instance (one batch in flight over its stages: it
+ * is as fast as one replica, with more memory). A request no instance can hold waits at the
+ * cluster (DEFER on no group) until a drop or a finish makes room.
+ *
+ * The monitor (on every placement and every tick, the paper's "in-processing and head-of-line
+ * queued requests"), per host, in blocks:
+ *   demand   = sum over its instances of kv_used + pending_prefill / block_size (the prompts
+ *              not computed yet, queued ones included) + n_running * KUN_DECODE_RATE *
+ *              KUN_HORIZON / block_size (what the running requests add in the next second),
+ *              plus, on the first host, the blocks of the requests waiting at the cluster;
+ *   free     = sum of kv_total * (1 - watermark).
+ *   Drop: when demand > free, the host's runs of whole replicas (nothing under way) are planned
+ *   with gy_buddy_plan(required = demand - free, param = one replica's weights in blocks,
+ *   buddy_strategy, kv cap = one replica's blocks), and every group of >= 2 drops.
+ *   Restore: a group (nothing under way) whose own demand (as above) stays at most
+ *   KUN_RESTORE_FRACTION of its members' usable blocks for restore_wait seconds (measured at
+ *   ticks and placements) restores. The fraction leaves room so that a restore does not drop
+ *   again at once (hysteresis: 0.7 of the members' memory, our choice).
+ * KUN_DECODE_RATE = 25 tokens/s per running request (a 40 ms TBT, about what the roofline gives
+ * a 14B model's decode batch on an A800) and KUN_HORIZON = 1 s (the paper's look-ahead). */
+#include "policy.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "buddy.h"
+
+#define KUN_DECODE_RATE 25.0
+#define KUN_HORIZON 1.0
+#define KUN_RESTORE_FRACTION 0.7
+#define KUN_MAX_GPUS 4096 /* the restore clocks kept; groups past it restore at once */
+
+typedef struct kun_state {
+    uint8_t fitting[KUN_MAX_GPUS]; /* by a group's first GPU: its demand fits since `since` */
+    double since[KUN_MAX_GPUS];
+} kun_state;
+
+static double kun_demand(const gy_sim_view *v, const gy_sim_inst_view *i) {
+    const double bs = (double)v->block_size;
+    return (double)i->kv_used + ceil((double)i->pending_prefill / bs) +
+           (double)i->n_running * KUN_DECODE_RATE * KUN_HORIZON / bs;
+}
+
+static double kun_free(const gy_sim_view *v, const gy_sim_inst_view *i) {
+    return (double)i->kv_total * (1.0 - v->watermark);
+}
+
+/* Blocks of one replica's weights, and of one replica's KV (the view's capacity[0] is the
+ * instances' at the start: a replica's unless the cluster started grouped). */
+static double kun_param_blocks(const gy_sim_view *v) {
+    const gy_sim_pipeline *p = v->pipeline;
+    return p->layer_bytes / (p->kv_layer * (double)v->block_size);
+}
+
+/* Appends the drops of host h's runs of whole replicas for `required` blocks. */
+static void kun_plan_host(const gy_sim_policy_config *cfg, const gy_sim_view *v, int32_t h,
+                          double required, gy_sim_decision *d) {
+    const int32_t first = h * v->gpus_per_host, end = first + v->gpus_per_host;
+    double single_kv = 0;
+    for (int32_t g = first; g < end;) {
+        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[g]];
+        if (i->n_stages == 0 && (double)i->kv_total > single_kv) single_kv = (double)i->kv_total;
+        g += gy_sim_inst_gpus(i);
+    }
+    for (int32_t g = first; g < end && required > 0;) {
+        /* a run of whole replicas with nothing under way */
+        int32_t run = 0;
+        while (g + run < end) {
+            const gy_sim_inst_view *i = &v->inst[v->gpu_inst[g + run]];
+            if (i->n_stages != 0 || i->xform != GY_SIM_XFORM_NONE) break;
+            run++;
+        }
+        if (run < 2) {
+            g += run > 0 ? run : gy_sim_inst_gpus(&v->inst[v->gpu_inst[g]]);
+            continue;
+        }
+        int32_t group_of[GY_SIM_MAX_STAGES * 16];
+        int32_t met = 0;
+        double freed = 0;
+        if (run > (int32_t)(sizeof group_of / sizeof group_of[0]) ||
+            gy_buddy_plan(run, required, kun_param_blocks(v), cfg->buddy_strategy, single_kv,
+                          group_of, &met, &freed) != GY_OK) {
+            g += run;
+            continue;
+        }
+        for (int32_t a = 0; a < run;) {
+            int32_t b = a;
+            while (b < run && group_of[b] == group_of[a]) b++;
+            if (b - a >= 2) gy_sim_decision_add_op(d, GY_SIM_OP_DROP, g + a, b - a);
+            a = b;
+        }
+        required -= freed;
+        g += run;
+    }
+}
+
+/* The monitor: drops for hosts short of memory, restores for groups whose demand fits. */
+static void kun_monitor(kun_state *st, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                        gy_sim_decision *d) {
+    if (v->pipeline == NULL || !v->buddy) return;
+    const int32_t hosts = v->n_gpus / v->gpus_per_host;
+    double single_usable = 0; /* a replica's usable blocks, from a replica in the view or the
+                                 group's per-member share */
+    for (int32_t h = 0; h < hosts; h++) {
+        double demand = h == 0 ? (double)v->n_deferred : 0.0, room = 0;
+        const int32_t first = h * v->gpus_per_host, end = first + v->gpus_per_host;
+        for (int32_t g = first; g < end;) {
+            const gy_sim_inst_view *i = &v->inst[v->gpu_inst[g]];
+            demand += kun_demand(v, i);
+            room += kun_free(v, i);
+            if (i->n_stages == 0 && kun_free(v, i) > single_usable) single_usable = kun_free(v, i);
+            g += gy_sim_inst_gpus(i);
+        }
+        if (demand > room) kun_plan_host(cfg, v, h, demand - room, d);
+    }
+    if (single_usable <= 0) single_usable = (double)v->capacity[0] * (1.0 - v->watermark);
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (i->n_stages < 2) continue;
+        const int32_t g = i->gpu_first;
+        const int fits = i->xform == GY_SIM_XFORM_NONE &&
+                         kun_demand(v, i) <= KUN_RESTORE_FRACTION * single_usable * i->n_stages;
+        if (g >= KUN_MAX_GPUS) {
+            if (fits) gy_sim_decision_add_op(d, GY_SIM_OP_RESTORE, g, i->n_stages);
+            continue;
+        }
+        if (!fits) {
+            st->fitting[g] = 0;
+            continue;
+        }
+        if (!st->fitting[g]) {
+            st->fitting[g] = 1;
+            st->since[g] = v->now;
+        }
+        if (v->now - st->since[g] >= cfg->restore_wait) {
+            gy_sim_decision_add_op(d, GY_SIM_OP_RESTORE, g, i->n_stages);
+            st->fitting[g] = 0;
+        }
+    }
+}
+
+static gy_status kun_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                           const gy_sim_req_view *r, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    if (r->min_tp == 0 || r->min_tp > v->max_tp) {
+        d->action = GY_SIM_ACTION_REJECT;
+        return GY_OK;
+    }
+    int32_t best = -1;
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (!gy_sim_policy_fits(i, r)) continue;
+        if (best < 0 || gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))
+            best = k;
+    }
+    if (best >= 0) {
+        d->action = GY_SIM_ACTION_PLACE;
+        d->target = best;
+    } else {
+        d->action = GY_SIM_ACTION_DEFER; /* on no group: a drop or a finish frees room */
+    }
+    kun_monitor(state, cfg, v, d);
+    return GY_OK;
+}
+
+static gy_status kun_rebalance(void *state, const gy_sim_policy_config *cfg,
+                               const gy_sim_view *v, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    kun_monitor(state, cfg, v, d);
+    return GY_OK;
+}
+
+const gy_sim_policy_ops gy_sim_policy_kunserve = {
+    .name = "kunserve",
+    .state_size = sizeof(kun_state),
+    .place = kun_place,
+    .rebalance = kun_rebalance,
+    .monitor = 1,
+};
