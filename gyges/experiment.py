@@ -84,15 +84,15 @@ def _check_number(name, v, low, high=None, low_open=False):
 
 # ---- the real host -------------------------------------------------------------------------
 
-def pipeline_params(host):
-    """What the pipelive policy prices splits with on a CPU pipeline host
-    (gyges.costmodel.PipelineCost over the workers): each worker's budget as its stage's memory,
-    f32 weights and KV, and a nominal CPU roofline (10 GB/s, 50 GFLOP/s, ours) that only ranks
-    splits against each other."""
+def pipeline_params(host, instances=None):
+    """What the pipelive and kunserve policies price pipelines with on a CPU host
+    (gyges.costmodel.PipelineCost over the workers of `instances`, default the first one's):
+    each worker's budget as its stage's memory, f32 weights and KV, and a nominal CPU roofline
+    (10 GB/s, 50 GFLOP/s, ours) that only ranks choices against each other."""
     from .costmodel import GPUSpec, PipelineCost
-    inst = host.instances[0]
-    gpus = tuple(GPUSpec(f"cpu worker {w}", host.worker(w).arena.stats()["budget_bytes"], 10e9,
-                         50e9, 10e9) for w in inst.workers)
+    workers = [w for inst in (instances or host.instances[:1]) for w in inst.workers]
+    gpus = tuple(GPUSpec("cpu worker", host.worker(w).arena.stats()["budget_bytes"], 10e9,
+                         50e9, 10e9) for w in workers)
     cost = PipelineCost(model=host.model.config, gpus=gpus, dtype_bytes=4, mem_util=1.0,
                         activation_fraction=0.0, step_overhead=0.0)
     return cost.params(block_size=host.block_size)
@@ -166,7 +166,7 @@ class _Replay:
 
     def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
                  layers_per_step, idle, sample_interval, max_tp, record_steps=False,
-                 pipeline_cost=None):
+                 pipeline_cost=None, buddy=False):
         self.trace, self.policy, self.host = trace, policy, host
         self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
         self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
@@ -192,6 +192,7 @@ class _Replay:
         self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
                                        thread_name_prefix="gyges-experiment")
         self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0, "n_resplits": 0,
+                      "n_drops": 0, "n_restores": 0,
                       "n_releases": 0, "n_migrations": 0,
                       "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
                       "controller_seconds": 0.0, "transform_seconds": 0.0}
@@ -201,12 +202,16 @@ class _Replay:
         # a pipeline host (one pipeline over every worker) re-splits it (gyges.pipelive)
         self.pipeline = host.instances[0] if host.instances[0].stages else None
         pipeline = None
-        if self.pipeline is not None:
+        # a buddy host (KunServe: whole replicas that drop into buddy groups, gyges.kunserve)
+        self.buddy = buddy
+        self.buddies = {}            # (gpu_first, size) -> the Buddy serving there
+        if self.pipeline is not None or buddy:
             pipeline = (pipeline_cost.params(block_size=self.block_size) if pipeline_cost
-                        else pipeline_params(host))
+                        else pipeline_params(host, host.instances if buddy else None))
         self.ctl = _C.Controller(self, policy._c, self.n_gpus, self.n_gpus, max_tp,
                                  self.capacity.tolist(), self.block_size, 0.0,
-                                 replicated=self.replicated, base_tp=1, pipeline=pipeline)
+                                 replicated=self.replicated, base_tp=1, pipeline=pipeline,
+                                 buddy=buddy)
         self.ended = 0               # transformations ended, not yet told to the controller
         self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
@@ -488,9 +493,9 @@ class _Replay:
         g..g+size-1 or a release (kind 5) of the group bound there; on a pipeline host a live
         re-split (kind 6) of the pipeline at g to `layers`: whether it started."""
         if kind in (DROP, RESTORE):
-            return self.refuse(f"{'drop' if kind == DROP else 'restore'}: KunServe's buddy "
-                               f"groups are simulated only (gyges.sim.run(weights='buddy')); "
-                               f"a real host does not drop or restore parameters")
+            if not self.buddy:
+                return self.refuse(f"op kind {kind}: not a buddy run (policy 'kunserve')")
+            return self.drop(g, size) if kind == DROP else self.restore(g, size)
         if kind == RESPLIT:
             return self.resplit(g, list(layers))
         if kind not in (0, 1, BIND, RELEASE) or self.pipeline is not None:
@@ -534,6 +539,56 @@ class _Replay:
                "layers_from": [b - a for a, b in r.cur], "layers_to": list(layers)}
         self.xforms.append((row, r))
         return True
+
+    def drop(self, g, size):
+        """KunServe: the replicas on workers g..g+size-1 become one buddy group now
+        (host.buddy: parameters dropped, KV exchanged between two steps)."""
+        members = [inst for inst in self.serving()
+                   if not inst.stages and g <= min(inst.workers) < g + size]
+        if len(members) != size:
+            return self.refuse(f"drop: workers {g}..{g + size - 1} are not {size} replicas")
+        for inst in members:
+            self.quiesce(inst)
+        start = self.now()
+        try:
+            b = self.host.buddy(members)
+        except GygesError as e:
+            self.last_refusal = str(e)
+            return self.refuse(f"drop: {type(e).__name__}")
+        self.buddies[(g, size)] = b
+        self._moved([b.instance], start, [(inst, -1) for inst in members] + [(b.instance, +1)])
+        self._recorded(DROP, g, size, start, b.stats["kv_bytes_exchanged"],
+                       b.stats["weight_bytes_released"])
+        return True
+
+    def restore(self, g, size):
+        """KunServe: the buddy group at g gets its parameters back from its peers and its
+        members serve as replicas again (host.restore)."""
+        b = self.buddies.get((g, size))
+        if b is None:
+            return self.refuse(f"restore: no buddy group at workers {g}..{g + size - 1}")
+        self.quiesce(b.instance)
+        start = self.now()
+        try:
+            self.host.restore(b)
+        except GygesError as e:
+            self.last_refusal = str(e)
+            return self.refuse(f"restore: {type(e).__name__}")
+        del self.buddies[(g, size)]
+        singles = [inst for inst in self.serving() if g <= min(inst.workers) < g + size]
+        self._moved(singles, start, [(b.instance, -1)] + [(inst, +1) for inst in singles])
+        self._recorded(RESTORE, g, size, start, b.stats["kv_bytes_returned"],
+                       b.stats["weight_bytes_restored"])
+        return True
+
+    def _recorded(self, kind, g, size, start, kv_bytes, weight_bytes):
+        """A reconfiguration that ended as it began (between two steps): its row and stats."""
+        self.stats["n_drops" if kind == DROP else "n_restores"] += 1
+        self.ended += 1
+        self.xforms.append(({"kind": kind, "gpu": g, "tp_from": 1, "tp_to": 1, "start": start,
+                             "phase_end": start, "end": self.now(), "migrated": 0,
+                             "kv_bytes": float(kv_bytes), "weight_bytes": float(weight_bytes)},
+                            None))
 
     def bind(self, g, size):
         """Binds workers g..g+size-1 now: their DP requests pause, those placed there as TP work
@@ -781,6 +836,13 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     if piped and (len(host.instances) != 1 or len(host.instances[0].workers) != n_gpus):
         raise ExperimentError(f"a pipeline host runs one pipeline over every worker (PP2, "
                               f"PP[3,1]), not {host.layout()!r}")
+    if policy == "kunserve":
+        if piped or any(inst.tp != 1 for inst in host.instances):
+            raise ExperimentError(f"policy 'kunserve' drops the parameters of whole replicas: "
+                                  f"a host of TP1 instances, not {host.layout()!r}")
+        if max_tp not in (None, 1):
+            raise ExperimentError(f"a buddy host has max_tp 1, got {max_tp!r}")
+        max_tp = 1
     if policy == "pipelive" and not piped:
         raise ExperimentError("policy 'pipelive' re-splits a pipeline host (layout='PP2', ...)")
     if piped:
@@ -817,7 +879,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                                   "host's pipeline (as many stages, the model's layers)")
     rp = _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
                  layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
-                 pipeline_cost)
+                 pipeline_cost, buddy=policy == "kunserve")
     t0 = host.now()
     for inst in sorted(host.instances, key=lambda i: min(i.workers)):
         rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
@@ -861,7 +923,8 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
         if now >= next_sample:
             rp.sample()
             next_sample = now + rp.sample_interval
-            if rp.n_deferred:  # a policy may wait for time alone (gyges' merge_wait)
+            # a policy may wait for time alone (gyges' merge_wait) or watch the load (kunserve)
+            if rp.n_deferred or rp.buddy:
                 rp.control("tick", host.now())
                 rp.react()
         if progress and time.perf_counter() - shown > 1.0:

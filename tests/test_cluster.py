@@ -126,3 +126,31 @@ def test_pipelive_resplits_the_same_on_both_executors():
     assert [list(x) for x in ours["layers_to"]] == [list(x) for x in theirs["layers_to"]]
     np.testing.assert_allclose(ours["start"], theirs["start"], atol=0.5)
     assert real.stats["final_layout"] == "PP[" + ",".join(str(x) for x in ours["layers_to"][-1][:2]) + "]"
+
+
+def test_kunserve_drops_and_restores_a_real_host_as_the_simulator_does():
+    """The kunserve policy on a burst (12x for 3 s) over four TP1 replicas: on the real host the
+    controller's DROP runs host.buddy and RESTORE host.restore; the simulator, priced by the same
+    PipelineCost of the workers, drops at the burst too. The first drop starts within 0.5 s in
+    both, at worker 0, and every drop is restored by the end. (The executors differ after that:
+    the simulator's nominal CPU roofline and page-free KV model drop a second pair the real host
+    does not need.)"""
+    from gyges.costmodel import GPUSpec, PipelineCost
+    trace = traces.burst(2.0, 24.0, at=4.0, factor=12, length=3.0, seed=1,
+                         input_tokens=traces.lognormal_lengths(300, cap=900),
+                         output_tokens=traces.lognormal_lengths(400, cap=1500))
+    real = experiment.run(trace, policy="kunserve", sample_interval=0.25)
+    host = gyges.Host(gyges.Model.tiny(), workers=4, memory_per_worker="24MiB", layout="4xTP1")
+    cost = PipelineCost(model=host.model.config, dtype_bytes=4, mem_util=1.0,
+                        activation_fraction=0.0, step_overhead=0.0,
+                        gpus=tuple(GPUSpec("cpu worker", host.worker(w).arena.stats()[
+                            "budget_bytes"], 10e9, 50e9, 10e9) for w in range(4)))
+    simulated = sim.run(trace, policy="kunserve", weights="buddy", cost=cost, sample_interval=0.25)
+    s = real.summary()
+    assert s["completed"] + s["rejected"] == len(trace)
+    assert real.stats["n_drops"] >= 1 and real.stats["n_restores"] == real.stats["n_drops"]
+    assert real.stats["final_layout"] == "4xTP1"
+    ours, theirs = real.transformations, simulated.transformations
+    assert ours["kind"][0] == theirs["kind"][0] == 7 and ours["gpu"][0] == theirs["gpu"][0] == 0
+    assert abs(ours["start"][0] - theirs["start"][0]) < 0.5
+    assert simulated.stats["drops"] == simulated.stats["restores"] >= 1

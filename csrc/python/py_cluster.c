@@ -7,7 +7,8 @@
  *                                            3 reject; tp_work: a placement as TP work)
  *   reconfigure(kind, gpu_first, size, layers) -> whether it started (0 merge, 1 split,
  *                                            4 bind, 5 release, 6 re-split of a pipeline to
- *                                            the split `layers`, a tuple; () otherwise)
+ *                                            the split `layers`, a tuple; () otherwise; 7
+ *                                            drop replicas into a buddy group, 8 restore it)
  *
  * which the controller calls while it decides; the simulator's executor is C (sim/sim.c). An
  * exception raised by an op ends the call with that same exception. The GIL is kept: the
@@ -98,15 +99,15 @@ static PyObject *gy_py_controller_result(gy_status s) {
 static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"executor",   "policy",     "n_gpus",    "gpus_per_host",
                             "max_tp",     "capacity",   "block_size", "watermark",
-                            "replicated", "base_tp",    "pipeline",  NULL};
+                            "replicated", "base_tp",    "pipeline",  "buddy", NULL};
     PyObject *executor, *policy, *capacity_object, *pipeline_object = Py_None;
-    int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1;
+    int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1, buddy = 0;
     long long block_size;
     double watermark;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piO", names, &executor, &policy,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piOp", names, &executor, &policy,
                                      &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
                                      &block_size, &watermark, &replicated, &base_tp,
-                                     &pipeline_object))
+                                     &pipeline_object, &buddy))
         return NULL;
     gy_sim_pipeline pipeline;
     if (pipeline_object != Py_None && gy_py_sim_pipeline_params(pipeline_object, &pipeline) < 0)
@@ -114,7 +115,7 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
     gy_cluster_config config = {.n_gpus = n_gpus, .gpus_per_host = gpus_per_host,
                                 .max_tp = max_tp, .block_size = block_size,
                                 .watermark = watermark, .replicated = replicated,
-                                .base_tp = base_tp};
+                                .base_tp = base_tp, .buddy = buddy};
     config.policy = gy_py_policy_unwrap(policy, &config.policy_config);
     if (config.policy == NULL) return NULL;
     int64_t capacity[GY_SIM_MAX_LEVELS];
