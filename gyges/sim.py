@@ -90,6 +90,26 @@ def _check_float(name, v, low, high=None, low_open=False):
     return check_number(name, v, low, high, low_open, SimError)
 
 
+def _scheduler_args(block_size, max_batch_tokens, max_running, max_prefill_chunk, watermark):
+    """The scheduler's settings, checked: keyword arguments of _C.Simulator and of the config."""
+    return {"block_size": _check_int("block_size", block_size, 1, 1 << 20),
+            "max_batch_tokens": _check_int("max_batch_tokens", max_batch_tokens, 1),
+            "max_running": _check_int("max_running", max_running, 1, 1 << 20),
+            "max_prefill_chunk": _check_int("max_prefill_chunk", max_prefill_chunk, 0),
+            "watermark": _check_float("watermark", watermark, 0.0, 1.0)}
+
+
+def _trace_args(trace):
+    """(requests, span in seconds, the trace's arrays as _C.Simulator takes them)."""
+    n = trace.shape[0]
+    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
+    return n, float(arrival[-1] - arrival[0]) if n else 0.0, {
+        "arrival": arrival,
+        "input_tokens": np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
+        "output_tokens": np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
+        "priority": np.ascontiguousarray(trace["priority"], dtype=np.int32)}
+
+
 def _sample_interval(span, sample_interval):
     """Seconds between samples: as given, or about 1/10,000 of the trace's span (at least 1 s)."""
     if sample_interval is None:
@@ -168,11 +188,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     max_tp = gpus_per_host if max_tp is None else _check_int("max_tp", max_tp, 1, gpus_per_host)
     if max_tp & (max_tp - 1):
         raise SimError(f"max_tp must be a power of two, got {max_tp}")
-    block_size = _check_int("block_size", block_size, 1, 1 << 20)
-    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
-    max_running = _check_int("max_running", max_running, 1, 1 << 20)
-    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
-    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    sched = _scheduler_args(block_size, max_batch_tokens, max_running, max_prefill_chunk,
+                            watermark)
+    block_size = sched["block_size"]
     knobs = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
                    eager_scale_up=eager_scale_up, flying_tp=flying_tp,
@@ -226,33 +244,23 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         raise SimError(f"layout {layout!r} has a TP{min(tps)} instance, but the model fits no "
                        f"instance below TP{min_tp} on {name}")
 
-    n = trace.shape[0]
-    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
-    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    n, span, arrays = _trace_args(trace)
     sample_interval = _sample_interval(span, sample_interval)
 
     sim = _C.Simulator(
         hosts=hosts, gpus_per_host=gpus_per_host, max_tp=max_tp, layout=tps,
-        capacity=capacity, capacity_mid=capacity_mid, block_size=block_size,
-        max_batch_tokens=max_batch_tokens, max_running=max_running,
-        max_prefill_chunk=max_prefill_chunk, watermark=watermark, cost_kind=cost.kind,
+        capacity=capacity, capacity_mid=capacity_mid, **sched, cost_kind=cost.kind,
         cost_params=cost.params(), policy=policy, **knobs,
-        sample_interval=sample_interval, record_tokens=bool(record_tokens),
-        arrival=arrival,
-        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
-        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
-        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32), max_input=max_input,
-        replicated=replicated, switch_time=switch_time)
+        sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
+        max_input=max_input, replicated=replicated, switch_time=switch_time)
 
-    start = float(arrival[0]) if n else 0.0
+    start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
               "policy": policy, "hosts": hosts, "gpus_per_host": gpus_per_host,
               "max_tp": max_tp, "layout": layout, "cost": cost.describe(),
               "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
               "max_input_tokens": max_input,
-              "block_size": block_size, "max_batch_tokens": max_batch_tokens,
-              "max_running": max_running, "max_prefill_chunk": max_prefill_chunk,
-              "watermark": watermark, **knobs, "weights": weights,
+              **sched, **knobs, "weights": weights,
               "switch_time": switch_time,
               "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})
 
@@ -321,11 +329,9 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
     if gpus_per_host not in (None, cost.n_stages):
         raise SimError(f"gpus_per_host {gpus_per_host}: a pipeline host has its "
                        f"{cost.n_stages} stages")
-    block_size = _check_int("block_size", block_size, 1, 1 << 20)
-    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
-    max_running = _check_int("max_running", max_running, 1, 1 << 20)
-    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
-    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    sched = _scheduler_args(block_size, max_batch_tokens, max_running, max_prefill_chunk,
+                            watermark)
+    block_size = sched["block_size"]
     knobs = Policy(policy, decode_weight=decode_weight).config
     first = cost.capacity(split, block_size)
     if first < 1:
@@ -336,30 +342,22 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
         fixed = first if kv_blocks is None else _check_int("kv_blocks", kv_blocks, 1, first)
     elif kv_blocks is not None:
         raise SimError("kv_blocks is for kv_resize=False")
-    n = trace.shape[0]
-    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
-    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    n, span, arrays = _trace_args(trace)
     sample_interval = _sample_interval(span, sample_interval)
     capacity = [fixed or first]
     unused = ConstantCost()  # the TP cost model: no TP instance here
     sim = _C.Simulator(
         hosts=hosts, gpus_per_host=cost.n_stages, max_tp=1, layout=[1], capacity=capacity,
-        capacity_mid=capacity, block_size=block_size, max_batch_tokens=max_batch_tokens,
-        max_running=max_running, max_prefill_chunk=max_prefill_chunk, watermark=watermark,
-        cost_kind=unused.kind, cost_params=unused.params(), policy=policy, **knobs,
-        sample_interval=sample_interval, record_tokens=bool(record_tokens), arrival=arrival,
-        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
-        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
-        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32),
+        capacity_mid=capacity, **sched, cost_kind=unused.kind, cost_params=unused.params(),
+        policy=policy, **knobs, sample_interval=sample_interval,
+        record_tokens=bool(record_tokens), **arrays,
         pipeline=cost.params(block_size, fixed), pipe_layers=list(split))
-    start = float(arrival[0]) if n else 0.0
+    start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": cost.n_stages, "max_tp": 1,
         "layout": layout, "gpus": [g.name for g in cost.gpus], "split": list(split),
         "cost": cost.describe(), "capacity_blocks": capacity, "kv_resize": bool(kv_resize),
-        "kv_blocks": fixed or None, "block_size": block_size,
-        "max_batch_tokens": max_batch_tokens, "max_running": max_running,
-        "max_prefill_chunk": max_prefill_chunk, "watermark": watermark, **knobs,
+        "kv_blocks": fixed or None, **sched, **knobs,
         "weights": weights, "sample_interval": sample_interval,
         "record_tokens": bool(record_tokens)})
 
@@ -390,36 +388,25 @@ def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, pro
     group = _check_int("buddy_group", buddy_group, 1, cost.n_stages)
     if cost.n_stages % group:
         raise SimError(f"buddy_group {group} must divide gpus_per_host {cost.n_stages}")
-    block_size = _check_int("block_size", block_size, 1, 1 << 20)
-    max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
-    max_running = _check_int("max_running", max_running, 1, 1 << 20)
-    max_prefill_chunk = _check_int("max_prefill_chunk", max_prefill_chunk, 0)
-    watermark = _check_float("watermark", watermark, 0.0, 1.0)
+    sched = _scheduler_args(block_size, max_batch_tokens, max_running, max_prefill_chunk,
+                            watermark)
+    block_size = sched["block_size"]
     knobs = Policy(policy, decode_weight=decode_weight, buddy_strategy=buddy_strategy,
                    restore_wait=restore_wait).config
     n_st, n_layers = cost.n_stages, cost.n_layers
     even = [n_layers // n_st + (i < n_layers % n_st) for i in range(n_st)]
-    n = trace.shape[0]
-    arrival = np.ascontiguousarray(trace["arrival"], dtype=np.float64)
-    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    n, span, arrays = _trace_args(trace)
     sample_interval = _sample_interval(span, sample_interval)
     unused_cost = ConstantCost()  # the TP cost model: no TP instance here
     sim = _C.Simulator(
         hosts=hosts, gpus_per_host=n_st, max_tp=1, layout=[1], capacity=[1], capacity_mid=[1],
-        block_size=block_size, max_batch_tokens=max_batch_tokens, max_running=max_running,
-        max_prefill_chunk=max_prefill_chunk, watermark=watermark, cost_kind=unused_cost.kind,
-        cost_params=unused_cost.params(), policy=policy, **knobs,
-        sample_interval=sample_interval, record_tokens=bool(record_tokens), arrival=arrival,
-        input_tokens=np.ascontiguousarray(trace["input_tokens"], dtype=np.int64),
-        output_tokens=np.ascontiguousarray(trace["output_tokens"], dtype=np.int64),
-        priority=np.ascontiguousarray(trace["priority"], dtype=np.int32),
+        **sched, cost_kind=unused_cost.kind, cost_params=unused_cost.params(), policy=policy,
+        **knobs, sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         pipeline=cost.params(block_size, 0), pipe_layers=even, buddy=True, buddy_group=group,
         live_restore=bool(live_restore))
-    start = float(arrival[0]) if n else 0.0
+    start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": n_st, "max_tp": 1,
         "weights": "buddy", "buddy_group": group, "live_restore": bool(live_restore),
-        "gpus": [g.name for g in cost.gpus], "cost": cost.describe(), "block_size": block_size,
-        "max_batch_tokens": max_batch_tokens, "max_running": max_running,
-        "max_prefill_chunk": max_prefill_chunk, "watermark": watermark, **knobs,
+        "gpus": [g.name for g in cost.gpus], "cost": cost.describe(), **sched, **knobs,
         "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})
