@@ -12,11 +12,13 @@ until the requirement is met (small groups keep pipelines short); "memory" grows
 while what it frees stays within the original KV region (kv_bytes). Groups are ranges of
 neighbouring instances here: each is a pipeline of workers next to each other.
 """
+import time
 from dataclasses import dataclass
 
 from . import _C
 from .checks import integer, number
-from .errors import InvalidArgumentError
+from .errors import BusyError, InvalidArgumentError, StateError, UnavailableError
+from .pipelive import weight_bytes
 
 __all__ = ["BuddyPlan", "plan", "STRATEGIES"]
 
@@ -82,17 +84,8 @@ def _new_seq(kv, n_tokens):
     return seq
 
 
-def _set_worker_layers(host, w, first, end):
-    """Worker bookkeeping after its weights and KV changed layers: its range and C model."""
-    w.layers = (first, end)
-    w.c_model = w._new_c_model()
-
-
 def form(host, instances, live=False):
     """host.buddy's work (the host's lock held): see Host.buddy."""
-    import time
-
-    from .errors import InvalidArgumentError, UnavailableError
     if live:
         raise UnavailableError("a live exchange (victims' KV moved in chunks, attention run "
                                "remotely meanwhile) is not implemented yet; live=False exchanges "
@@ -113,7 +106,6 @@ def form(host, instances, live=False):
                                    "under way")
     running = sum(inst._c.stats()["running"] for inst in insts)
     if running > host.max_running:
-        from .errors import BusyError
         raise BusyError(f"the members run {running} requests together, more than one instance "
                         f"runs (max_running={host.max_running})")
     ranges = [(k * L // g, (k + 1) * L // g) for k in range(g)]
@@ -122,7 +114,6 @@ def form(host, instances, live=False):
     # every request's sequence on its own worker, and its tokens
     own = {k: {rid: inst.request_seqs(rid)[0] for rid in inst.request_ids()}
            for k, inst in enumerate(insts)}
-    from .pipelive import weight_bytes
     held_before = sum(weight_bytes(w, w.weights.held_layers) for w in ws)
     dropped, made = [], []
     try:
@@ -156,7 +147,7 @@ def form(host, instances, live=False):
     # 3. the caches keep their layers only; the pipeline takes every request with its KV
     for w, (lo, hi) in zip(ws, ranges):
         w.kv.set_layers(lo, hi)
-        _set_worker_layers(host, w, lo, hi)
+        w.set_layers(lo, hi)
     from .host import Instance
     pipe = Instance(host, workers, 1, ranges)
     news = {(k, rid): new for k, rid, new in made}
@@ -175,9 +166,6 @@ def form(host, instances, live=False):
 
 def restore(host, buddy, weights_from="peers"):
     """host.restore's work (the host's lock held): see Host.restore."""
-    import time
-
-    from .errors import InvalidArgumentError, StateError
     if not isinstance(buddy, Buddy):
         raise InvalidArgumentError(f"buddy must be what host.buddy returned, got {buddy!r}")
     if buddy.restored or buddy.instance not in host.instances:
@@ -215,7 +203,7 @@ def restore(host, buddy, weights_from="peers"):
     # 3. g TP1 instances take them; the other stages' copies are freed
     from .host import Instance
     for w in ws:
-        _set_worker_layers(host, w, 0, L)
+        w.set_layers(0, L)
     singles = [Instance(host, [w], 1) for w in buddy.workers]
     for rid, (h, seqs) in homes.items():
         singles[h].take(pipe, rid, [seqs[h]])

@@ -135,10 +135,8 @@ class Reconfiguration:
         self.done = False
         self.switched = False   # committed to tgt; the old layers go at the next advance
         self.error = None
-        self.blocked_by = None
-        self.source_instances = ()
-        kv_bytes = self._w[0].kv.block_bytes // self._w[0].kv.block_size  # one token, one layer
-        self._slot_bytes = kv_bytes
+        self.blocked_by = None  # (Host.step asks every transformation; a re-split never waits)
+        self._slot_bytes = self._w[0].kv.block_bytes // self._w[0].kv.block_size  # a token, a layer
         self.stats = Stats(mode=mode, tau=tau, B_cur=b_cur, B_shrink=self.b_shrink, B_new=None,
                            blocks_in_use=used, layers_moved=len(self.moves), compact_s=0.0,
                            blocks_compacted=0, weight_bytes=0, kv_bulk_bytes=0,
@@ -243,7 +241,7 @@ class Reconfiguration:
         for i, (w, r, m) in enumerate(zip(self._w, self.tgt, models)):
             if i in self.dirty:
                 self.instance._c.set_dirty(i, 0, None)
-            w.layers, w.c_model = r, m
+            w.set_layers(*r, m)
         self.instance.stages = tuple(self.tgt)
         end = time.perf_counter()
         self.stats.update(stop_s=end - t, t_sched=sum(d.marked() for d in self.dirty.values()))

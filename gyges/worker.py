@@ -244,6 +244,13 @@ class Worker:
         if tp is not None:
             self.tp_size, self.tp_rank = tp
 
+    def set_layers(self, first, end, c_model=None):
+        """Records the layers [first, end) the worker serves after a pipeline re-split or a buddy
+        group changed the weights and KV it holds; the C model is rebuilt over them unless one
+        made for them is given."""
+        self.layers = (first, end)
+        self.c_model = c_model if c_model is not None else self.model_for_layers(first, end)
+
     def set_tp(self, tp_size, tp_rank):
         """Records a new TP position after a transformation changed the weights and KV it holds;
         the C model is rebuilt over the shards now held."""
