@@ -557,8 +557,8 @@ class _Replay:
             return self.refuse(f"drop: {type(e).__name__}")
         self.buddies[(g, size)] = b
         self._moved([b.instance], start, [(inst, -1) for inst in members] + [(b.instance, +1)])
-        self._recorded(DROP, g, size, start, b.stats["kv_bytes_exchanged"],
-                       b.stats["weight_bytes_released"])
+        self._recorded(DROP, g, start, kv_bytes=b.stats["kv_bytes_exchanged"],
+                       weight_bytes=b.stats["weight_bytes_released"])
         return True
 
     def restore(self, g, size):
@@ -577,18 +577,21 @@ class _Replay:
         del self.buddies[(g, size)]
         singles = [inst for inst in self.serving() if g <= min(inst.workers) < g + size]
         self._moved(singles, start, [(b.instance, -1)] + [(inst, +1) for inst in singles])
-        self._recorded(RESTORE, g, size, start, b.stats["kv_bytes_returned"],
-                       b.stats["weight_bytes_restored"])
+        self._recorded(RESTORE, g, start, kv_bytes=b.stats["kv_bytes_returned"],
+                       weight_bytes=b.stats["weight_bytes_restored"])
         return True
 
-    def _recorded(self, kind, g, size, start, kv_bytes, weight_bytes):
-        """A reconfiguration that ended as it began (between two steps): its row and stats."""
-        self.stats["n_drops" if kind == DROP else "n_restores"] += 1
+    def _recorded(self, kind, g, start, tp_from=1, tp_to=1, migrated=0, kv_bytes=0.0,
+                  weight_bytes=0.0):
+        """A reconfiguration that ended as it began (between two steps: a bind, a release, a
+        drop, a restore): its row, its count, and word to the controller."""
+        self.stats[{BIND: "n_binds", RELEASE: "n_releases", DROP: "n_drops",
+                    RESTORE: "n_restores"}[kind]] += 1
         self.ended += 1
-        self.xforms.append(({"kind": kind, "gpu": g, "tp_from": 1, "tp_to": 1, "start": start,
-                             "phase_end": start, "end": self.now(), "migrated": 0,
-                             "kv_bytes": float(kv_bytes), "weight_bytes": float(weight_bytes)},
-                            None))
+        self.xforms.append(({"kind": kind, "gpu": g, "tp_from": tp_from, "tp_to": tp_to,
+                             "start": start, "phase_end": start, "end": self.now(),
+                             "migrated": migrated, "kv_bytes": float(kv_bytes),
+                             "weight_bytes": float(weight_bytes)}, None))
 
     def bind(self, g, size):
         """Binds workers g..g+size-1 now: their DP requests pause, those placed there as TP work
@@ -608,12 +611,7 @@ class _Replay:
             return self.refuse(f"bind: {type(e).__name__}")
         group = self.host.replicas.groups[(g, size)].instance
         self._moved(members + [group], start, [(inst, -1) for inst in members] + [(group, +1)])
-        self.stats["n_binds"] += 1
-        self.ended += 1
-        self.xforms.append(({"kind": BIND, "gpu": g, "tp_from": 1, "tp_to": size,
-                             "start": start, "phase_end": start, "end": self.now(),
-                             "migrated": len(tp_work), "kv_bytes": 0.0, "weight_bytes": 0.0},
-                            None))
+        self._recorded(BIND, g, start, tp_to=size, migrated=len(tp_work))
         return True
 
     def release(self, g, size):
@@ -633,12 +631,7 @@ class _Replay:
         members = [self.host.replicas.dp[w] for w in group.workers]
         self._moved([group.instance] + members, start,
                     [(group.instance, -1)] + [(inst, +1) for inst in members])
-        self.stats["n_releases"] += 1
-        self.ended += 1
-        self.xforms.append(({"kind": RELEASE, "gpu": g, "tp_from": size, "tp_to": 1,
-                             "start": start, "phase_end": start, "end": self.now(),
-                             "migrated": len(moving), "kv_bytes": 0.0, "weight_bytes": 0.0},
-                            None))
+        self._recorded(RELEASE, g, start, tp_from=size, migrated=len(moving))
         return True
 
     def _moved(self, instances, start, changes):
