@@ -115,7 +115,9 @@ def form(host, instances, live=False):
     own = {k: {rid: inst.request_seqs(rid)[0] for rid in inst.request_ids()}
            for k, inst in enumerate(insts)}
     held_before = sum(weight_bytes(w, w.weights.held_layers) for w in ws)
-    dropped, made = [], []
+    dropped, made, moved = [], [], []
+    old_models = [w.c_model for w in ws]
+    pipe = None
     try:
         # 1. the parameters each worker no longer keeps go: their memory is KV room at once
         for k, (w, (lo, hi)) in enumerate(zip(ws, ranges)):
@@ -134,8 +136,26 @@ def form(host, instances, live=False):
                     new = _new_seq(w.kv, ws[j].kv.n_tokens(seq))
                     made.append((k, rid, new))
                     exchanged += w.kv.copy_tokens_from(ws[j].kv, new, seq, lo, hi)
+        # 3. the pipeline over the members' stage models takes every request with its KV (the
+        #    caches still hold every layer, so nothing is lost until all of it has worked)
+        for w, (lo, hi) in zip(ws, ranges):
+            w.c_model = w.model_for_layers(lo, hi)
+        from .host import Instance
+        pipe = Instance(host, workers, 1, ranges)
+        news = {(k, rid): new for k, rid, new in made}
+        for j, inst in enumerate(insts):
+            for rid, seq in own[j].items():
+                pipe.take(inst, rid, [seq if k == j else news.get((k, rid), -1)
+                                      for k in range(g)] if seq >= 0 else [-1] * g)
+                moved.append((j, rid))
     except BaseException:
         # refused past the first change: everything goes back (the weights from the host copy)
+        for j, rid in reversed(moved):
+            insts[j].take(pipe, rid, [own[j][rid]])
+        if pipe is not None:
+            pipe.close()
+        for w, m in zip(ws, old_models):
+            w.c_model = m
         for k, rid, new in made:
             ws[k].kv.free(new)
         for w in ws:  # the pages grown for the copies first: the weights need them back
@@ -144,17 +164,10 @@ def form(host, instances, live=False):
             ws[k].weights.restore_layers(gone)
             ws[k].weights.set_ends(embed, head)
         raise
-    # 3. the caches keep their layers only; the pipeline takes every request with its KV
+    # 4. the caches keep their layers only (unmapping cannot fail), and the group serves
     for w, (lo, hi) in zip(ws, ranges):
         w.kv.set_layers(lo, hi)
-        w.set_layers(lo, hi)
-    from .host import Instance
-    pipe = Instance(host, workers, 1, ranges)
-    news = {(k, rid): new for k, rid, new in made}
-    for j, inst in enumerate(insts):
-        for rid, seq in own[j].items():
-            pipe.take(inst, rid, [seq if k == j else news.get((k, rid), -1) for k in range(g)]
-                      if seq >= 0 else [-1] * g)
+        w.set_layers(lo, hi, w.c_model)
     for inst in insts:
         host.retire(inst)
     host.install(pipe)
@@ -177,39 +190,67 @@ def restore(host, buddy, weights_from="peers"):
     g, L = len(ranges), host.model.config.num_hidden_layers
     ws = [host.worker(w) for w in buddy.workers]
     peers = weights_from == "peers"
-    # 1. every worker gets the whole model back, from the peer that holds each part, or the host
-    restored = 0
-    for k, w in enumerate(ws):
-        for j, (lo, hi) in enumerate(ranges):
-            if j != k:
-                restored += w.weights.restore_layers(set(range(lo, hi)),
-                                                     ws[j].weights if peers else None)
-        restored += w.weights.set_ends(True, w.weights.has_head, ws[0].weights if peers else None)
-        restored += w.weights.set_ends(True, True, ws[-1].weights if peers else None)
-        w.kv.set_layers(0, L)
-    # 2. each request goes home to the least loaded worker, its KV of the other layers copied in
-    load = [0] * g
-    homes, returned = {}, 0
-    for rid in pipe.request_ids():
-        seqs = [pipe.stage_seq(k, rid) for k in range(g)]
-        n = ws[0].kv.n_tokens(seqs[0]) if seqs[0] >= 0 else 0
-        h = min(range(g), key=lambda k: load[k])
-        load[h] += n
-        homes[rid] = (h, seqs)
-        if seqs[h] >= 0:
+    back = []                          # (worker, layers restored, ends before, layers before)
+    old_models = [w.c_model for w in ws]
+    singles, moved, restored, returned = [], [], 0, 0
+    try:
+        # 1. every worker gets the whole model back, from the peer holding each part, or the host
+        for k, (w, mine) in enumerate(zip(ws, ranges)):
+            back.append((w, set(), (w.weights.has_embed, w.weights.has_head), mine))
             for j, (lo, hi) in enumerate(ranges):
-                if j != h:
-                    returned += ws[h].kv.copy_tokens_from(ws[j].kv, seqs[h], seqs[j], lo, hi)
-    # 3. g TP1 instances take them; the other stages' copies are freed
-    from .host import Instance
-    for w in ws:
-        w.set_layers(0, L)
-    singles = [Instance(host, [w], 1) for w in buddy.workers]
-    for rid, (h, seqs) in homes.items():
-        singles[h].take(pipe, rid, [seqs[h]])
+                if j != k:
+                    restored += w.weights.restore_layers(set(range(lo, hi)),
+                                                         ws[j].weights if peers else None)
+                    back[-1][1].update(range(lo, hi))
+            restored += w.weights.set_ends(True, w.weights.has_head,
+                                           ws[0].weights if peers else None)
+            restored += w.weights.set_ends(True, True, ws[-1].weights if peers else None)
+            w.kv.set_layers(0, L)
+        # 2. each request goes home to the least loaded worker, its KV of the other layers
+        #    copied in (into layers only its home cache held anew: nothing is overwritten)
+        load = [0] * g
+        homes = {}
+        for rid in pipe.request_ids():
+            seqs = [pipe.stage_seq(k, rid) for k in range(g)]
+            n = ws[0].kv.n_tokens(seqs[0]) if seqs[0] >= 0 else 0
+            h = min(range(g), key=lambda k: load[k])
+            load[h] += n
+            homes[rid] = (h, seqs)
+            if seqs[h] >= 0:
+                for j, (lo, hi) in enumerate(ranges):
+                    if j != h:
+                        returned += ws[h].kv.copy_tokens_from(ws[j].kv, seqs[h], seqs[j], lo, hi)
+        # 3. g TP1 instances over whole models take them
+        from .host import Instance
+        for w in ws:
+            w.c_model = w.model_for_layers(0, L)
+        singles = [Instance(host, [w], 1) for w in buddy.workers]
+        for rid, (h, seqs) in homes.items():
+            singles[h].take(pipe, rid, [seqs[h]])
+            moved.append(rid)
+    except BaseException:
+        # everything goes back: the requests to the pipeline, the models, the KV layers and
+        # the weights the members held
+        for rid in reversed(moved):
+            h, seqs = homes[rid]
+            pipe.take(singles[h], rid, seqs)
+        for inst in singles:
+            inst.close()
+        for w, m in zip(ws, old_models):
+            w.c_model = m
+        for w, layers, (embed, head), (lo, hi) in back:
+            if (w.kv.first_layer, w.kv.first_layer + w.kv.n_layers) != (lo, hi):
+                w.kv.set_layers(lo, hi)
+            w.weights.drop_layers(layers)
+            w.weights.set_ends(embed, head)
+        raise
+    # 4. the other stages' copies are freed (cannot fail) and the members serve alone
+    for h, seqs in homes.values():
         for j, seq in enumerate(seqs):
             if j != h and seq >= 0:
                 ws[j].kv.free(seq)
+    for w in ws:
+        w.set_layers(0, L, w.c_model)
     host.retire(pipe)
     for inst in singles:
         host.install(inst)

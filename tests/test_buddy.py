@@ -173,3 +173,46 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
     for i in range(4):
         host.worker(i).kv.trim()
     assert in_use(host) == start and host.layout() == "4xTP1"
+
+
+@pytest.mark.parametrize("site", ["alloc", "page_map", "page_create", "copy"])
+@pytest.mark.parametrize("op", ["buddy", "restore"])
+def test_a_failed_buddy_or_restore_changes_nothing(tiny, site, op):
+    """Every event of `site` in forming a group (or restoring one), up to 10 spread over them,
+    fails in turn: the call either works or raises with the layout, every worker's pages (idle
+    pages trimmed) and layers as before, and the requests finish with one worker's tokens."""
+    from gyges.testing import count, inject, spread
+    ps = prompts(4, seed=3, lo=30, hi=50)
+    p = params(0.0, tokens=12)
+    want = reference(tiny, ps, p)
+
+    def setup():
+        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+        reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
+        host.step()
+        b = host.buddy(host.instances) if op == "restore" else None
+        host.step()
+        call = (lambda: host.restore(b)) if op == "restore" else (lambda: host.buddy(host.instances))
+        return host, reqs, call
+
+    def state(host):
+        for i in range(2):
+            host.worker(i).kv.trim()
+        return in_use(host), host.layout(), [sorted(host.worker(i).weights.held_layers)
+                                             for i in range(2)]
+    host, _, call = setup()
+    events, _ = count(site, call)
+    assert events > 0
+    refused = 0
+    for n in spread(events, 10):
+        host, reqs, call = setup()
+        before = state(host)
+        try:
+            with inject(site, n) as fired:
+                call()
+        except gyges.Error:
+            assert fired() == 1
+            assert state(host) == before
+            refused += 1
+        assert finish(host, reqs) == want
+    assert refused > 0
