@@ -15,7 +15,11 @@
    pipeline), TBT P50 +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
    (throughput-greedy 1.2x better TTFT than memory-greedy).
 
-Run: .venv/bin/python benchmarks/bench_kunserve.py
+With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): sections 1 and 2 on virtual CUDA
+workers sharing one GPU (256 MiB each: a CUDA worker loads the whole model before it drops
+layers), the KV exchanged by device copies, written to bench_kunserve_cuda.json.
+
+Run: .venv/bin/python benchmarks/bench_kunserve.py [--cuda]
 """
 import statistics
 import sys
@@ -29,6 +33,10 @@ import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import costmodel, sim, traces  # noqa: E402
 
+CUDA = "--cuda" in sys.argv
+HOST_KW = dict(backend="cuda", page_size="2MiB") if CUDA else {}
+DROP_MEMORY = "256MiB" if CUDA else "32MiB"
+
 
 def drop_rows():
     rows = []
@@ -37,7 +45,8 @@ def drop_rows():
     for g in (2, 4):
         times = []
         for _ in range(5):
-            host = gyges.Host(model, workers=4, memory_per_worker="32MiB", layout="4xTP1")
+            host = gyges.Host(model, workers=4, memory_per_worker=DROP_MEMORY, layout="4xTP1",
+                              **HOST_KW)
             replica = host.worker(0).arena.stats()["bytes_in_use"]  # one replica, as held
             tokens_before = sum(i.capacity_blocks() for i in host.instances[:g]) * host.block_size
             t = time.perf_counter()
@@ -62,7 +71,7 @@ def exchange_rows():
     rng = np.random.default_rng(1)
     for per_member in (2, 4, 8):
         host = gyges.Host(model, workers=2, memory_per_worker="256MiB", layout="2xTP1",
-                          max_batch_tokens=16384)
+                          max_batch_tokens=16384, **HOST_KW)
         p = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
         for i in range(2 * per_member):
             host.submit(rng.integers(3, 4000, size=int(rng.integers(1000, 2000))).tolist(), p,
@@ -112,18 +121,21 @@ def sim_rows():
 
 def main():
     out = {"drop": drop_rows()}
-    print_table("1. Drop to KV usable (tiny model, 32 MiB workers, idle; paper: microseconds "
-                "per map)", out["drop"],
+    print_table(f"1. Drop to KV usable (tiny model, {DROP_MEMORY} {'CUDA' if CUDA else 'CPU'} "
+                f"workers, idle; paper: microseconds per map)", out["drop"],
                 [("g", "g", "{}"), ("ms", "buddy ms", "{:.2f}"), ("us_per_layer", "us/layer", "{:.0f}"),
                  ("released_mb", "released MiB", "{:.2f}"), ("expected_mb", "(g-1) P MiB", "{:.2f}"),
                  ("exact", "page-exact", "{}"), ("kv_tokens_before", "KV tokens before", "{}"),
                  ("kv_tokens_after", "KV tokens after", "{}"), ("paper", "paper", "{}")])
     out["exchange"] = exchange_rows()
-    print_table("2. The exchange on the CPU host (2 members, long requests; blocking, between "
+    print_table(f"2. The exchange on the {'CUDA' if CUDA else 'CPU'} host (2 members, long requests; blocking, between "
                 "two steps)", out["exchange"],
                 [("requests", "requests", "{}"), ("kv_mb", "KV MiB copied", "{:.1f}"),
                  ("stall_ms", "stall ms", "{:.1f}"), ("step_ms", "decode step ms", "{:.1f}"),
                  ("paper", "paper", "{}")])
+    if CUDA:  # the simulator's section is the same on any machine
+        write_json("bench_kunserve_cuda", out)
+        return
     out["sim"] = sim_rows()
     print_table("3. Simulator: 8x A800, qwen2.5-14b, 200 Gbps, burst x14 at 100 s (paper Fig. 10: "
                 "P99 TTFT 8.4-27.3x below replication, 2.9-52.2x below a static pipeline; "

@@ -24,10 +24,13 @@
    A100-80GB + L40S pipeline; paper: +36% score) and Fig. 10 (TTFT against rate with and without
    KV resizing).
 
-Run: .venv/bin/python benchmarks/bench_pipeline.py [--quick]
+With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): sections 1 and 2 only, on
+virtual CUDA workers sharing one GPU (weights and KV move by device copies), written to
+bench_pipeline_cuda.json.
+
+Run: .venv/bin/python benchmarks/bench_pipeline.py [--quick] [--cuda]
 """
 import dataclasses
-import math
 import statistics
 import sys
 import time
@@ -41,6 +44,10 @@ from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import traces  # noqa: E402
 
 QUICK = "--quick" in sys.argv
+CUDA = "--cuda" in sys.argv
+HOST_KW = dict(backend="cuda", page_size="2MiB") if CUDA else {}
+# a CUDA worker places the whole model (34 layers: 447 pages of 2 MiB) before it drops layers
+MEMORY = "1536MiB" if CUDA else "512MiB"
 LAYERS = 34
 MODES = ("live", "no_patch", "stop_copy")
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
@@ -57,8 +64,8 @@ def prompts(n, seed, lo, hi):
 
 
 def loaded_host(model, n=8):
-    host = gyges.Host(model, workers=2, memory_per_worker="512MiB", layout="PP[17,17]",
-                      max_batch_tokens=256, max_prefill_chunk=128)
+    host = gyges.Host(model, workers=2, memory_per_worker=MEMORY, layout="PP[17,17]",
+                      max_batch_tokens=256, max_prefill_chunk=128, **HOST_KW)
     p = gyges.SamplingParams(max_tokens=3000, ignore_eos=True)
     reqs = [host.submit(q, p) for q in prompts(n, 1, 200, 400)]
     while any(not q.output_tokens for q in reqs):  # every prompt in: decoding now
@@ -229,6 +236,9 @@ def main():
                 [("tau", "tau", "{}"), ("stop_ms", "stop ms", "{:.2f}"), ("total_ms", "total ms", "{:.1f}"),
                  ("rounds", "patch rounds", "{}"), ("last_lag", "lag at commit", "{}"),
                  ("fallback", "fallback", "{}"), ("step_ms", "decode step ms", "{:.2f}")])
+    if CUDA:  # sections 1 and 2 on the GPU; the rest is host work or the simulator
+        write_json("bench_pipeline_cuda", out)
+        return
     out["compaction"] = compaction_rows()
     print_table("3. CompactKV + ResizeKV vs live blocks moved (8 layers; paper: < 1 ms)",
                 out["compaction"],

@@ -38,7 +38,10 @@ if has bench; then
     step bench_kernels 60 $PY benchmarks/bench_cuda_kernels.py --quick
     step bench_engine 100 $PY benchmarks/bench_cuda_engine.py
     step bench_comm 60 $PY benchmarks/bench_cuda_comm.py --quick
-    cat benchmarks/results/bench_cuda_*.json >"$OUT/bench_cuda.json" 2>/dev/null  # one file back
+    # PipeLive's re-splits and KunServe's drop and exchange on virtual CUDA workers
+    step bench_pipeline 120 $PY benchmarks/bench_pipeline.py --quick --cuda
+    step bench_kunserve 60 $PY benchmarks/bench_kunserve.py --cuda
+    cat benchmarks/results/bench_cuda_*.json benchmarks/results/bench_*_cuda.json >"$OUT/bench_cuda.json" 2>/dev/null  # one file back
 fi
 if has memcheck; then
     # the kernels against their references under memcheck (out-of-bounds and misaligned device

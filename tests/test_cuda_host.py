@@ -400,3 +400,84 @@ def test_automatic_communicator_choice(tiny, monkeypatch):
         if count >= 4:
             assert "nccl communicator is not available" in host.comm_note
     assert "comm=" in repr(host)
+
+
+# ---- PipeLive and KunServe on virtual workers (their KV copies: gy_kv_copy_tokens on the device) ----
+
+def one_cuda_worker(tiny, ps, params):
+    one = gyges.Host(tiny, workers=1, memory_per_worker=MEMORY, page_size=PAGE,
+                     max_prefill_chunk=16, max_batch_tokens=64, backend="cuda")
+    want = [r.output_tokens for r in one.generate(ps, params)]
+    one.close()
+    return want
+
+
+def step_until_done(host, r):
+    for _ in range(500):
+        if r.done:
+            return r
+        host.step()
+    raise AssertionError("the re-split never committed")
+
+
+SEEDED = gyges.SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=3, ignore_eos=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["live", "no_patch", "stop_copy"])
+def test_pipelive_resplits_on_cuda_keep_every_token(tiny, mode):
+    """PP[3,1] -> PP[1,3] -> PP[2,2] of two virtual workers while requests prefill and decode:
+    the weights and the KV of the moved layers go by device copies (the live mode's patches
+    too), and the tokens are one CUDA worker's, to the bit (greedy and seeded)."""
+    ps = prompts(6, seed=11, lo=20, hi=70)
+    for params in (GREEDY, SEEDED):
+        want = one_cuda_worker(tiny, ps, params)
+        host = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
+                          layout="PP[3,1]", max_prefill_chunk=16, max_batch_tokens=64,
+                          backend="cuda")
+        requests = [host.submit(p, params) for p in ps]
+        host.step()
+        host.step()
+        r = step_until_done(host, host.reconfigure(host.instances[0], [1, 3], mode=mode))
+        assert host.layout() == "PP[1,3]" and r.stats["kv_bulk_bytes"] > 0
+        assert (r.stats["patch_rounds"] > 0) == (mode == "live")
+        step_until_done(host, host.reconfigure(host.instances[0], [2, 2], mode=mode))
+        host.run()
+        assert [q.output_tokens for q in requests] == want
+        assert all(m["kv"] == 0 for m in host.memory())
+        host.close()
+
+
+@needs_gpu
+def test_buddy_groups_on_cuda_drop_exchange_and_restore(tiny):
+    """KunServe on two virtual workers: a buddy group releases (g-1) P of parameters, the KV
+    exchange and the restore's return go by device copies, the restored weights are byte
+    identical, and the requests keep one CUDA worker's tokens."""
+    ps = prompts(6, seed=13, lo=20, hi=70)
+    want = one_cuda_worker(tiny, ps, GREEDY)
+    host = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
+                      layout="2xTP1", max_prefill_chunk=16, max_batch_tokens=64, backend="cuda")
+    weights = [[host.worker(i).weights.read(n) for n in sorted(host.worker(i).weights.offsets)]
+               for i in range(2)]
+    requests = [host.submit(p, GREEDY, instance=i % 2) for i, p in enumerate(ps)]
+    host.step()
+    host.step()
+    before = [host.worker(i).arena.stats()["bytes_in_use"] for i in range(2)]
+    b = host.buddy(host.instances)
+    assert host.layout() == "PP2" and b.stats["kv_bytes_exchanged"] > 0
+    released = sum(before) - sum(host.worker(i).arena.stats()["bytes_in_use"] for i in range(2))
+    assert released >= b.stats["weight_bytes_released"] > 0
+    host.step()
+    host.step()
+    host.restore(b)
+    assert host.layout() == "2xTP1"
+    for i in range(2):
+        got = [host.worker(i).weights.read(n) for n in sorted(host.worker(i).weights.offsets)]
+        assert all(np.array_equal(g, w) for g, w in zip(got, weights[i]))
+    host.run()
+    assert [q.output_tokens for q in requests] == want
+
+
+def test_replicated_weights_are_refused_on_cuda_with_the_reason(tiny):
+    with pytest.raises(gyges.UnavailableError, match="weights='replicated' runs on the CPU"):
+        gyges.Host(tiny, workers=2, backend="cuda", weights="replicated")

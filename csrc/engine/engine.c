@@ -1108,7 +1108,13 @@ static gy_status gy_engine_replan_locked(gy_engine *e, const gy_engine_stage *st
         gy_stage *st = &e->stages[s];
         st->first = stages[s].first_layer;
         st->end = stages[s].end_layer;
-        for (int32_t k = 0; k < stages[s].size; k++) st->groups[0].ranks[k].r.model = stages[s].ranks[k].model;
+        for (int32_t k = 0; k < stages[s].size; k++) {
+            gy_stage_rank *rk = &st->groups[0].ranks[k];
+            /* A CUDA workspace runs on its model's stream, which goes when the old model does:
+             * free it now, while that stream exists; the next step makes one for the new model. */
+            if (rk->r.model != stages[s].ranks[k].model) gy_forward_ws_free(&rk->ws);
+            rk->r.model = stages[s].ranks[k].model;
+        }
     }
     e->model = stages[0].ranks[0].model;
     return GY_OK;

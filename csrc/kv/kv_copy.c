@@ -18,6 +18,22 @@ static gy_status gy_kv_copy_check_blocks(const gy_kv_cache *kv, const int32_t *b
     return GY_OK;
 }
 
+gy_status gy_kv_copy_check_arenas(const gy_kv_cache *dst, const gy_kv_cache *src, const char *what) {
+    const gy_arena *da = gy_kv_arena(dst), *sa = gy_kv_arena(src);
+    const int d_cuda = gy_arena_backend(da) == GY_ARENA_BACKEND_CUDA;
+    const int s_cuda = gy_arena_backend(sa) == GY_ARENA_BACKEND_CUDA;
+    if (d_cuda != s_cuda)
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "%s: KV copies between a host arena and a device arena are not "
+                       "implemented", what);
+    if (d_cuda && gy_arena_device(da) != gy_arena_device(sa))
+        return GY_FAIL(GY_ERR_UNAVAILABLE,
+                       "%s: KV copies between CUDA devices %d and %d are not implemented "
+                       "(only between virtual workers sharing one GPU)",
+                       what, (int)gy_arena_device(sa), (int)gy_arena_device(da));
+    return GY_OK;
+}
+
 static gy_status gy_kv_copy_check(const gy_kv_cache *dst, const int32_t *dst_blocks,
                                   int64_t dst_head0, const gy_kv_cache *src,
                                   const int32_t *src_blocks, int64_t src_head0, int64_t n_heads,
@@ -48,18 +64,7 @@ static gy_status gy_kv_copy_check(const gy_kv_cache *dst, const int32_t *dst_blo
                        (long long)src_head0, (long long)(src_head0 + n_heads),
                        (long long)sc->n_heads, (long long)dst_head0,
                        (long long)(dst_head0 + n_heads), (long long)dc->n_heads);
-    const gy_arena *da = gy_kv_arena(dst), *sa = gy_kv_arena(src);
-    const int d_cuda = gy_arena_backend(da) == GY_ARENA_BACKEND_CUDA;
-    const int s_cuda = gy_arena_backend(sa) == GY_ARENA_BACKEND_CUDA;
-    if (d_cuda != s_cuda)
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "copy_heads: KV copies between a host arena and a device arena are not "
-                       "implemented");
-    if (d_cuda && gy_arena_device(da) != gy_arena_device(sa))
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "copy_heads: KV copies between CUDA devices %d and %d are not implemented "
-                       "(only between virtual workers sharing one GPU)",
-                       (int)gy_arena_device(sa), (int)gy_arena_device(da));
+    GY_TRY(gy_kv_copy_check_arenas(dst, src, "copy_heads"));
     GY_TRY(gy_kv_copy_check_blocks(dst, dst_blocks, n_blocks, "destination"));
     return gy_kv_copy_check_blocks(src, src_blocks, n_blocks, "source");
 }
@@ -93,8 +98,8 @@ gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t 
         return GY_FAIL(GY_ERR_SYSTEM, "injected fault: copying %lld blocks' heads failed",
                        (long long)n_blocks);
     if (gy_arena_backend(gy_kv_arena(dst)) == GY_ARENA_BACKEND_CUDA)
-        return gy_kv_copy_heads_device(dst, dst_blocks, dst_head0, src, src_blocks, src_head0,
-                                       n_heads, n_blocks, first_layer, n_layers);
+        return gy_kv_copy_heads_device(dst, dst_blocks, dst_head0, first_layer, src, src_blocks,
+                                       src_head0, first_layer, n_heads, n_blocks, n_layers);
     for (int64_t l = first_layer; l < first_layer + n_layers; l++)
         gy_kv_copy_host(dst, dst_blocks, dst_head0, src, src_blocks, src_head0, n_heads, n_blocks, l);
     return GY_OK;

@@ -30,13 +30,19 @@ gy_status gy_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t 
                            int64_t n_heads, int64_t n_blocks, int64_t first_layer,
                            int64_t n_layers);
 
-/* The device half, after gy_kv_copy_heads' checks: implemented by the CUDA kernels
- * (csrc/kernels/kv_copy_device.c), so that kv/ does not depend on them; GY_ERR_UNAVAILABLE in a
- * build without CUDA. */
+/* Whether two caches can be copied between: both on the host, or both on one CUDA device
+ * (virtual workers sharing a GPU). `what` names the caller in the message. */
+gy_status gy_kv_copy_check_arenas(const gy_kv_cache *dst, const gy_kv_cache *src, const char *what);
+
+/* The device half, after the callers' checks: heads of block lists in layers [dst_layer0,
+ * dst_layer0 + n_layers) of dst from [src_layer0, ...) of src (cache-local layer indices, which
+ * differ where the caches hold different layer ranges: a pipeline re-split's copies).
+ * Implemented by the CUDA kernels (csrc/kernels/kv_copy_device.c), so that kv/ does not depend
+ * on them; GY_ERR_UNAVAILABLE in a build without CUDA. */
 gy_status gy_kv_copy_heads_device(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
-                                  const gy_kv_cache *src, const int32_t *src_blocks,
-                                  int64_t src_head0, int64_t n_heads, int64_t n_blocks,
-                                  int64_t first_layer, int64_t n_layers);
+                                  int64_t dst_layer0, const gy_kv_cache *src,
+                                  const int32_t *src_blocks, int64_t src_head0, int64_t src_layer0,
+                                  int64_t n_heads, int64_t n_blocks, int64_t n_layers);
 
 #ifdef __cplusplus
 }

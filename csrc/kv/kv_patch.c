@@ -1,5 +1,6 @@
 /* kv_patch.c: the dirty bitmap of KV patching and the token copy (kv_patch.h). */
 #include "kv_patch.h"
+#include "kv_copy.h"
 #include "../core/alloc.h"
 #include "../core/fault.h"
 
@@ -115,9 +116,7 @@ static gy_status gy_kv_copy_tokens_check(const gy_kv_cache *dst, const int32_t *
                        (long long)end_layer, (long long)sc->first_layer,
                        (long long)(sc->first_layer + sc->n_layers), (long long)dc->first_layer,
                        (long long)(dc->first_layer + dc->n_layers));
-    if (gy_kv_layer_ptr(dst, 0) == NULL || gy_kv_layer_ptr(src, 0) == NULL)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "copy_tokens: KV in device memory is not patched yet "
-                       "(the host twin only)");
+    GY_TRY(gy_kv_copy_check_arenas(dst, src, "copy_tokens"));
     gy_kv_stats ds, ss;
     gy_kv_stats_get(dst, &ds);
     gy_kv_stats_get(src, &ss);
@@ -128,6 +127,44 @@ static gy_status gy_kv_copy_tokens_check(const gy_kv_cache *dst, const int32_t *
                            "mapped blocks of both caches", (long long)i, (int)src_blocks[i],
                            (int)dst_blocks[i]);
     return GY_OK;
+}
+
+/* The device twin: the blocks that hold a slot to copy (all listed ones without a bitmap) are
+ * copied whole, every head, with one kernel per layer (gy_kv_copy_heads_device). Copying a
+ * block's clean slots too is harmless: they hold what the destination has already or what no
+ * one reads yet. *copied counts the slots asked for, as on the host. */
+static gy_status gy_kv_copy_tokens_device(gy_kv_cache *dst, const int32_t *dst_blocks,
+                                          const gy_kv_cache *src, const int32_t *src_blocks,
+                                          int64_t n_blocks, int64_t dst_layer0,
+                                          int64_t src_layer0, int64_t n_layers,
+                                          const uint64_t *dirty, int64_t *copied) {
+    const int64_t B = gy_kv_config_of(src)->block_size;
+    int32_t *lists = gy_malloc((size_t)(2 * n_blocks) * sizeof *lists); /* (2, n_blocks) dst, src */
+    if (lists == NULL)
+        return GY_FAIL(GY_ERR_SYSTEM, "copy_tokens: out of host memory for %lld blocks",
+                       (long long)n_blocks);
+    int64_t m = 0, slots = 0;
+    for (int64_t i = 0; i < n_blocks; i++) {
+        int64_t in_block = B;
+        if (dirty != NULL) {
+            in_block = 0;
+            for (int64_t t = 0; t < B; t++) {
+                const int64_t slot = (int64_t)src_blocks[i] * B + t;
+                in_block += dirty[slot / 64] >> (slot % 64) & 1;
+            }
+        }
+        if (in_block == 0) continue;
+        slots += in_block;
+        lists[m] = dst_blocks[i];
+        lists[n_blocks + m++] = src_blocks[i];
+    }
+    gy_status s = m == 0 ? GY_OK
+                         : gy_kv_copy_heads_device(dst, lists, 0, dst_layer0, src,
+                                                   lists + n_blocks, 0, src_layer0,
+                                                   gy_kv_config_of(dst)->n_heads, m, n_layers);
+    free(lists);
+    if (s == GY_OK && copied) *copied = slots;
+    return s;
 }
 
 gy_status gy_kv_copy_tokens(gy_kv_cache *dst, const int32_t *dst_blocks, const gy_kv_cache *src,
@@ -145,8 +182,13 @@ gy_status gy_kv_copy_tokens(gy_kv_cache *dst, const int32_t *dst_blocks, const g
     if (gy_fault_hit(GY_FAULT_COPY))
         return GY_FAIL(GY_ERR_SYSTEM, "injected fault: copying KV tokens of %lld blocks failed",
                        (long long)n_blocks);
-    const gy_kv_layout *dl = gy_kv_layout_of(dst), *sl = gy_kv_layout_of(src);
     const gy_kv_config *dc = gy_kv_config_of(dst), *sc = gy_kv_config_of(src);
+    if (gy_arena_backend(gy_kv_arena(dst)) == GY_ARENA_BACKEND_CUDA)
+        return gy_kv_copy_tokens_device(dst, dst_blocks, src, src_blocks, n_blocks,
+                                        first_layer - dc->first_layer,
+                                        first_layer - sc->first_layer, end_layer - first_layer,
+                                        dirty, copied);
+    const gy_kv_layout *dl = gy_kv_layout_of(dst), *sl = gy_kv_layout_of(src);
     const int64_t H = dl->n_heads, es = dl->elem_size, row = dl->head_dim * es;
     int64_t n = 0;
     for (int64_t l = first_layer; l < end_layer; l++) {

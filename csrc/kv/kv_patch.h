@@ -50,8 +50,9 @@ int64_t gy_kv_dirty_marked(const gy_kv_dirty *d);
  * end_layer), which both caches must hold (their own first_layer says where each keeps them).
  * With `dirty` (a bitmap of dirty_slots slots over src's, as gy_kv_dirty_take fills it, covering
  * every source block listed) only the slots set there; with NULL, every slot of the blocks. The caches must have the same block size, heads,
- * head size and value size, and live in host memory (the device twin is not written yet:
- * GY_ERR_UNAVAILABLE). *copied (may be NULL) gets the token slots copied (per layer once). */
+ * head size and value size, and both live on the host or both on one CUDA device. On a device,
+ * each block holding a slot to copy goes whole (one kernel per layer: kv_copy.h). *copied (may
+ * be NULL) gets the token slots asked for (per layer once). */
 gy_status gy_kv_copy_tokens(gy_kv_cache *dst, const int32_t *dst_blocks, const gy_kv_cache *src,
                             const int32_t *src_blocks, int64_t n_blocks, int64_t first_layer,
                             int64_t end_layer, const uint64_t *dirty, int64_t dirty_slots,

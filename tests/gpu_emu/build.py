@@ -239,7 +239,8 @@ def build_harness(out):
     b.c(CSRC / "engine/forward_cuda.c", "harness_forward_cuda", AS_CUDA)
     b.c(CSRC / "kernels/kv_copy_device.c", "harness_kv_copy_device", AS_CUDA)
     b.c(CSRC / "kv/kv_copy.c", "harness_kv_copy_on_device",
-        [*AS_CUDA, "-Dgy_kv_copy_heads=emu_device_kv_copy_heads"])
+        [*AS_CUDA, "-Dgy_kv_copy_heads=emu_device_kv_copy_heads",
+         "-Dgy_kv_copy_check_arenas=emu_device_kv_copy_check_arenas"])
     for stem in ("device", "comm_d2d"):
         b.cu(stem)
     b.cxx(HERE / "kernel_emu.cpp", "kernel_emu_serial", ["-DGY_EMU_SERIAL"])

@@ -194,7 +194,20 @@ static void emu_stream_free(struct CUstream_st *s) {
 
 /* The stream a call means: NULL is the current device's legacy default stream. */
 static struct CUstream_st *emu_stream(cudaStream_t stream) {
-    if (stream != NULL) return stream;
+    if (stream != NULL) {
+        /* A destroyed stream is freed memory to a real runtime, which may crash on it: here the
+         * use stops the program with its name, so the emulated tests see it. */
+        pthread_mutex_lock(&emu_lock);
+        struct CUstream_st *live = emu_live;
+        while (live != NULL && live != stream) live = live->next_live;
+        pthread_mutex_unlock(&emu_lock);
+        if (live == NULL) {
+            fprintf(stderr, "gpu_emu: stream %p was used after cudaStreamDestroy (or was never "
+                    "created)\n", (void *)stream);
+            abort();
+        }
+        return stream;
+    }
     const int d = emu_current;
     pthread_mutex_lock(&emu_lock);
     struct CUstream_st *s = emu_default[d];
