@@ -481,9 +481,11 @@ class PipelineCost:
     fixed weights (embedding on the first, final norm and LM head on the last); the KV blocks are
     MaxBlocks(i, L_i) = floor((budget_i - L_i W) / (L_i P)), W a layer's weight bytes, P a
     block's KV bytes in one layer; the pipeline's capacity is the least over its stages. A step
-    is step_overhead + the sum over the stages of the roofline over their layers + (n - 1)
-    hand-offs of n_tokens * hidden * dtype bytes over link_bw (default: the slowest stage GPU's
-    link) plus link_latency. A re-split moves the layers each stage gains (weights and KV of the
+    splits into m micro-batches (micro_batches, at most one per stage and one per sequence) that
+    circulate through the stages: step_overhead + the larger of m times the busiest stage's
+    roofline over its layers for 1/m of the step and one micro-batch's round trip (the sum over
+    the stages + (n - 1) hand-offs of its tokens * hidden * dtype bytes over link_bw, default the
+    slowest stage GPU's link, plus link_latency). A re-split moves the layers each stage gains (weights and KV of the
     live tokens) at link_bw * eff_xfer, stages receiving in parallel, then stops stop_time.
     """
     model: ModelConfig
@@ -501,6 +503,9 @@ class PipelineCost:
     stop_time: float = 0.010          # PipeLive's stop at a commit (its Fig. 13: ~10 ms)
     host_bw: float = 0.0              # bytes/s of a host copy of the weights (KunServe's
                                       # restore reads it beside its peers); 0: none
+    micro_batches: int | None = 1     # batches in flight (at most one per stage counts);
+                                      # None: one per stage (vLLM's virtual engines). PipeLive's
+                                      # figures here are measured with 1, KunServe's with None
     note: str = field(default="", compare=False)
 
     kind = "pipeline"
@@ -522,6 +527,11 @@ class PipelineCost:
         if self.link_bw is not None and not (isinstance(self.link_bw, (int, float))
                                              and math.isfinite(self.link_bw) and self.link_bw > 0):
             raise CostModelError(f"link_bw must be a number > 0, got {self.link_bw!r}")
+        if self.micro_batches is not None and (isinstance(self.micro_batches, bool) or not
+                                               isinstance(self.micro_batches, int) or
+                                               not 1 <= self.micro_batches <= 2**31 - 1):
+            raise CostModelError(f"micro_batches must be None or an int >= 1, got "
+                                 f"{self.micro_batches!r}")
 
     @classmethod
     def create(cls, model, gpus, **overrides) -> "PipelineCost":
@@ -603,6 +613,7 @@ class PipelineCost:
             "transform_slowdown": float(self.transform_slowdown),
             "stop_time": float(self.stop_time),
             "host_bw": float(self.host_bw),
+            "micro_batches": int(self.n_stages if self.micro_batches is None else self.micro_batches),
             "block_size": int(block_size),
             "fixed_blocks": int(fixed_blocks),
         }
@@ -672,12 +683,17 @@ class PipelineCost:
 
     def step_time(self, layers, n_tokens, n_seqs=1, n_samples=1, kv_read_tokens=0.0,
                   attn_pairs=0.0, transforming=False) -> float:
+        """pipeline.h's step: m micro-batches of 1/m of the step each circulate through the
+        stages; the busiest stage (m times) or one micro-batch's round trip bounds it."""
         if n_tokens <= 0:
             return 0.0
-        t = self.step_overhead + sum(self.stage_times(layers, n_tokens, n_seqs, n_samples,
-                                                      kv_read_tokens, attn_pairs)) \
-            + (self.n_stages - 1) * (n_tokens * self.model.hidden_size * self.dtype_bytes
-                                     / self.link + self.link_latency)
+        m = self.n_stages if self.micro_batches is None else self.micro_batches
+        m = max(1, min(m, self.n_stages, n_seqs))
+        times = self.stage_times(layers, n_tokens / m, n_seqs, n_samples / m,
+                                 kv_read_tokens / m, attn_pairs / m)
+        round_trip = sum(times) + (self.n_stages - 1) * (
+            n_tokens / m * self.model.hidden_size * self.dtype_bytes / self.link + self.link_latency)
+        t = self.step_overhead + max(m * max(times), round_trip)
         return t * (1 + self.transform_slowdown) if transforming else t
 
     # ---- profiles and the paper's static splits ----

@@ -579,6 +579,41 @@ def test_pipeline_cost_reference_matches_c():
     assert PIPE.max_blocks(1, 39) == 0 and PIPE.capacity((42, 38)) > 0
 
 
+def test_micro_batches_overlap_the_stages():
+    """m micro-batches circulate: the C step equals the float64 reference for m = 1, 2 and one
+    per stage; a compute-bound prefill on two equal stages runs about twice as fast, a
+    memory-bound decode about as fast (each micro-batch reads the weights again); m is capped
+    by the stages and the sequences."""
+    even = PipelineCost.create("llama3-8b", ["h100", "h100"])
+    prefill = CostModel.batch_shape([(0, 2048, True)] * 4)
+    decode = CostModel.batch_shape([(1000, 1, True)] * 16)
+    times = {}
+    for m in (1, 2, None):
+        cost = even.replace(micro_batches=m)
+        for name, shape in (("prefill", prefill), ("decode", decode)):
+            c = _C.sim_pipeline(cost.params(16), [16, 16], [16, 16], shape["n_tokens"],
+                                shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                                shape["attn_pairs"], 0.0)
+            times[m, name] = c["step"]
+            assert c["step"] == pytest.approx(cost.step_time([16, 16], **shape), rel=1e-12)
+    assert times[2, "prefill"] == times[None, "prefill"] and times[2, "decode"] == times[None, "decode"]
+    over = times[1, "prefill"] - even.step_overhead, times[2, "prefill"] - even.step_overhead
+    assert over[0] / over[1] == pytest.approx(2.0, rel=0.02)
+    assert times[2, "decode"] == pytest.approx(times[1, "decode"], rel=0.1)
+    # by hand, m = 2 on the prefill: both stages compute-bound on half the tokens
+    st = even.stage_times([16, 16], prefill["n_tokens"] / 2, 4, 2, prefill["kv_read_tokens"] / 2,
+                          prefill["attn_pairs"] / 2)
+    handoff = (prefill["n_tokens"] / 2 * even.model.hidden_size * even.dtype_bytes / even.link
+               + even.link_latency)
+    assert times[2, "prefill"] == pytest.approx(
+        even.step_overhead + max(2 * max(st), sum(st) + handoff), rel=1e-12)
+    one = CostModel.batch_shape([(0, 2048, True)])  # one sequence: one batch in flight
+    assert even.replace(micro_batches=None).step_time([16, 16], **one) == \
+        pytest.approx(even.step_time([16, 16], **one), rel=1e-12)
+    with pytest.raises(CostModelError, match="micro_batches"):
+        even.replace(micro_batches=0)
+
+
 def test_pipeline_static_splits():
     pf, dec, bal = PIPE.prefill_optimal(), PIPE.decode_optimal(), PIPE.balanced()
     assert sum(pf) == sum(dec) == sum(bal) == 80

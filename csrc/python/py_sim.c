@@ -137,6 +137,16 @@ int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
         p->host_bw = PyFloat_AsDouble(host);
         if (p->host_bw == -1.0 && PyErr_Occurred()) return -1;
     }
+    PyObject *micro = PyDict_GetItemString(params, "micro_batches"); /* optional: 0 (one batch) */
+    if (micro != NULL) {
+        const long v = PyLong_AsLong(micro);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v < 0 || v > INT32_MAX) {
+            PyErr_Format(GY_PY_VALUE_ERROR, "micro_batches must be in [0, 2^31), got %ld", v);
+            return -1;
+        }
+        p->micro_batches = (int32_t)v;
+    }
     PyObject *layers = PyDict_GetItemString(params, "n_layers");
     PyObject *stages = PyDict_GetItemString(params, "stages");
     if (layers == NULL || stages == NULL || !PyList_Check(stages)) {

@@ -41,9 +41,10 @@ gy_status gy_sim_pipeline_check(const gy_sim_pipeline *p) {
         if (f[i].strict ? !gy_sim_pos(f[i].v) : !gy_sim_nonneg(f[i].v))
             return GY_FAIL(GY_ERR_INVALID, "pipeline: %s must be %s, got %g", f[i].name,
                            f[i].strict ? "> 0" : ">= 0", f[i].v);
-    if (p->block_size < 1 || p->fixed_blocks < 0)
-        return GY_FAIL(GY_ERR_INVALID, "pipeline: block_size must be >= 1 and fixed_blocks >= 0, "
-                       "got %lld, %lld", (long long)p->block_size, (long long)p->fixed_blocks);
+    if (p->block_size < 1 || p->fixed_blocks < 0 || p->micro_batches < 0)
+        return GY_FAIL(GY_ERR_INVALID, "pipeline: block_size must be >= 1, fixed_blocks and "
+                       "micro_batches >= 0, got %lld, %lld, %d", (long long)p->block_size,
+                       (long long)p->fixed_blocks, (int)p->micro_batches);
     return GY_OK;
 }
 
@@ -121,22 +122,31 @@ int64_t gy_sim_pipeline_shrink_capacity(const gy_sim_pipeline *p, const int32_t 
 double gy_sim_pipeline_step_time(const gy_sim_pipeline *p, const int32_t *layers,
                                  int transforming, const gy_sim_step_shape *s) {
     if (s->n_tokens <= 0) return 0.0;
-    const double tokens = (double)s->n_tokens;
-    double time = p->step_overhead;
+    int64_t m = p->micro_batches > 1 ? p->micro_batches : 1;
+    if (m > p->n_stages) m = p->n_stages;
+    if (m > s->n_seqs) m = s->n_seqs > 1 ? s->n_seqs : 1;
+    /* one micro-batch's share of the step */
+    const double tokens = (double)s->n_tokens / (double)m, samples = (double)s->n_samples / (double)m;
+    const double kv_read = s->kv_read_tokens / (double)m, pairs = s->attn_pairs / (double)m;
+    double sum = 0.0, busiest = 0.0;
     for (int32_t i = 0; i < p->n_stages; i++) {
         const gy_sim_pipe_stage *g = &p->stage[i];
         const double L = layers[i];
         const int last = i == p->n_stages - 1;
-        const double bytes = L * (p->layer_bytes + p->kv_layer * (s->kv_read_tokens + tokens)) +
+        const double bytes = L * (p->layer_bytes + p->kv_layer * (kv_read + tokens)) +
                              (last ? p->head_bytes : 0.0);
-        const double flops = L * (2.0 * p->layer_params * tokens +
-                                  p->attn_flops_per_pair * s->attn_pairs) +
-                             (last ? 2.0 * p->lm_head_params * (double)s->n_samples : 0.0);
+        const double flops = L * (2.0 * p->layer_params * tokens + p->attn_flops_per_pair * pairs) +
+                             (last ? 2.0 * p->lm_head_params * samples : 0.0);
         const double t_mem = bytes / (g->hbm_bw * g->eff_bw);
         const double t_flop = flops / (g->peak_flops * g->eff_flops);
-        time += t_mem > t_flop ? t_mem : t_flop;
+        const double t = t_mem > t_flop ? t_mem : t_flop;
+        sum += t;
+        if (t > busiest) busiest = t;
     }
-    time += (double)(p->n_stages - 1) * (tokens * p->act_bytes / p->link_bw + p->link_latency);
+    const double round_trip =
+        sum + (double)(p->n_stages - 1) * (tokens * p->act_bytes / p->link_bw + p->link_latency);
+    const double bound = (double)m * busiest;
+    const double time = p->step_overhead + (bound > round_trip ? bound : round_trip);
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 

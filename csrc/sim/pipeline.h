@@ -9,8 +9,15 @@
  *             flops_i = L_i (2 layer_params n_tokens + attn_layer attn_pairs)
  *                       [+ 2 lm_head_params n_samples, last]
  *             t_i     = max(bytes_i / (hbm_bw_i eff_bw_i), flops_i / (peak_i eff_flops_i))
- *   step = step_overhead + sum_i t_i + (n - 1) (n_tokens act_bytes / link_bw + link_latency)
- *   (one batch in flight per instance, as the simulator steps: no micro-batch overlap),
+ *   With m = min(micro_batches, n, n_seqs) micro-batches (at least 1), each carrying 1/m of
+ *   the step's tokens, samples, KV reads and pairs (t_i(s/m)), circulating through the stages
+ *   (vLLM's virtual engines): a step, every micro-batch moved on by one iteration, takes
+ *     step = step_overhead + max(m max_i t_i(s/m), sum_i t_i(s/m) + (n - 1) h(s/m)),
+ *     h(s) = n_tokens act_bytes / link_bw + link_latency (one hand-off),
+ *   the first when the busiest stage is the bottleneck, the second when one micro-batch's
+ *   round trip is (m = 1: one batch in flight, sum_i t_i + (n - 1) h). So a prefill (compute
+ *   bound) runs about m times faster than with one batch in flight, and a decode (reading the
+ *   weights once per micro-batch) about as fast;
  *   times (1 + transform_slowdown) while a re-split migrates.
  * KV capacity (every stage holds the same blocks, each for its own layers; PipeLive's MaxBlocks):
  *   MaxBlocks(i, L) = floor((budget_i - L W) / (L P)), P = kv_layer * block_size,
@@ -83,6 +90,8 @@ typedef struct gy_sim_pipeline {
                             and a split or intermediate whose MaxBlocks fall below it has none */
     double host_bw;      /* >= 0: bytes/s a GPU reads the host's copy of the weights at (PCIe;
                             a buddy restore's second source); 0: no host copy */
+    int32_t micro_batches; /* >= 0: batches in flight at once, at most one per stage counts
+                              (0 and 1: one batch; the step formula above) */
 } gy_sim_pipeline;
 
 /* Checks the fields (GY_ERR_INVALID naming the first bad one). */
