@@ -297,10 +297,7 @@ def test_pipelines_on_cuda_give_the_tokens_of_one_cuda_worker(tiny, layout):
     ps = prompts(6, seed=8)
     for params in (GREEDY, gyges.SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=3,
                                                 ignore_eos=True)):
-        one = gyges.Host(tiny, workers=1, memory_per_worker=MEMORY, page_size=PAGE,
-                         max_prefill_chunk=16, max_batch_tokens=64, backend="cuda")
-        want = [r.output_tokens for r in one.generate(ps, params)]
-        one.close()
+        want = one_cuda_worker(tiny, ps, params)
         host = new_host(tiny, "cuda", layout=layout)
         assert host.layout() == layout
         pipe = [inst for inst in host.instances if inst.stages][0]
