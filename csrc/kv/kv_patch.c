@@ -129,6 +129,11 @@ static gy_status gy_kv_copy_tokens_check(const gy_kv_cache *dst, const int32_t *
     return GY_OK;
 }
 
+/* Whether slot is set in words taken from a bitmap (gy_kv_dirty_take's layout). */
+static int gy_kv_taken(const uint64_t *words, int64_t slot) {
+    return (int)(words[slot / 64] >> (slot % 64) & 1);
+}
+
 /* The device twin: the blocks that hold a slot to copy (all listed ones without a bitmap) are
  * copied whole, every head, with one kernel per layer (gy_kv_copy_heads_device). Copying a
  * block's clean slots too is harmless: they hold what the destination has already or what no
@@ -150,7 +155,7 @@ static gy_status gy_kv_copy_tokens_device(gy_kv_cache *dst, const int32_t *dst_b
             in_block = 0;
             for (int64_t t = 0; t < B; t++) {
                 const int64_t slot = (int64_t)src_blocks[i] * B + t;
-                in_block += dirty[slot / 64] >> (slot % 64) & 1;
+                in_block += gy_kv_taken(dirty, slot);
             }
         }
         if (in_block == 0) continue;
@@ -198,7 +203,7 @@ gy_status gy_kv_copy_tokens(gy_kv_cache *dst, const int32_t *dst_blocks, const g
         for (int64_t i = 0; i < n_blocks; i++)
             for (int64_t t = 0; t < B; t++) {
                 const int64_t slot = (int64_t)src_blocks[i] * B + t;
-                if (dirty && !(dirty[slot / 64] >> (slot % 64) & 1)) continue;
+                if (dirty && !gy_kv_taken(dirty, slot)) continue;
                 n++;
                 for (int64_t kv = 0; kv < 2; kv++)
                     for (int64_t h = 0; h < H; h++)
