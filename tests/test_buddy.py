@@ -3,6 +3,7 @@ host.restore): tokens bit-identical to one worker, memory to the page, restores 
 refusals that change nothing, and random sequences that lose nothing."""
 import numpy as np
 import pytest
+from test_pipelive import finish, prompts, reference
 
 import gyges
 
@@ -12,24 +13,9 @@ def tiny():
     return gyges.Model.tiny()
 
 
-def prompts(n, seed, lo=20, hi=90):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 4000, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
 def params(temperature, tokens=24):
     return gyges.SamplingParams(max_tokens=tokens, temperature=temperature, top_k=50, seed=5,
                                 ignore_eos=True)
-
-
-def reference(model, ps, p):
-    return [r.output_tokens for r in gyges.Engine(model, memory="64MiB").generate(ps, p)]
-
-
-def finish(host, reqs):
-    while not all(q.finished for q in reqs):
-        host.step()
-    return [q.output_tokens for q in reqs]
 
 
 def in_use(host):
