@@ -32,11 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
 from gyges import costmodel, sim, traces  # noqa: E402
 
-CUDA = "--cuda" in sys.argv
-HOST_KW = dict(backend="cuda", page_size="2MiB") if CUDA else {}
+CUDA, HOST_KW = host_backend(sys.argv)
 DROP_MEMORY = "256MiB" if CUDA else "32MiB"
 
 

@@ -40,12 +40,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
 from gyges import traces  # noqa: E402
 
 QUICK = "--quick" in sys.argv
-CUDA = "--cuda" in sys.argv
-HOST_KW = dict(backend="cuda", page_size="2MiB") if CUDA else {}
+CUDA, HOST_KW = host_backend(sys.argv)
 # a CUDA worker places the whole model (34 layers: 447 pages of 2 MiB) before it drops layers
 MEMORY = "1536MiB" if CUDA else "512MiB"
 LAYERS = 34

@@ -37,3 +37,10 @@ def write_json(name, payload):
     path.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {path}")
     return path
+
+
+def host_backend(argv):
+    """--cuda in argv: (True, the Host arguments of virtual CUDA workers on one GPU, 2 MiB pages);
+    else (False, {}) for CPU workers."""
+    cuda = "--cuda" in argv
+    return cuda, (dict(backend="cuda", page_size="2MiB") if cuda else {})
