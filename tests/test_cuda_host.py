@@ -26,6 +26,7 @@ import os
 
 import numpy as np
 import pytest
+from test_pipelive import failed_resplit
 from test_transform import assert_kv_unchanged, check_placement, kv_by_request
 
 import gyges
@@ -33,6 +34,7 @@ import gyges.host as host_module
 from gyges.transform import kv_move
 from gyges import _C
 from gyges.host import cuda_placement
+from gyges.testing import spread
 from gyges.worker import Worker, cuda_unavailable
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
@@ -443,6 +445,26 @@ def test_pipelive_resplits_on_cuda_keep_every_token(tiny, mode):
         assert [q.output_tokens for q in requests] == want
         assert all(m["kv"] == 0 for m in host.memory())
         host.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("site", ["copy", "alloc"])
+def test_a_failed_resplit_on_cuda_takes_itself_back(tiny, site):
+    """Device copies (the patch's twin included) and allocations of a live re-split on virtual
+    workers fail in turn, as on the CPU (test_pipelive.failed_resplit): the re-split is taken
+    back or goes on, and the tokens are one CUDA worker's."""
+    ps = prompts(3, seed=4, lo=20, hi=40)
+    want = one_cuda_worker(tiny, ps, GREEDY)
+
+    def make_host():
+        return gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
+                          layout="PP[3,1]", max_batch_tokens=64, backend="cuda")
+    events = failed_resplit(make_host, ps, GREEDY, want, site)
+    assert events > 0
+    outcomes = [failed_resplit(make_host, ps, GREEDY, want, site, n)
+                for n in spread(events, 6)]
+    if site == "copy":
+        assert any(outcomes)
 
 
 @needs_gpu

@@ -225,52 +225,61 @@ def test_disjoint_ranges_are_refused(deep):
     assert host.layout() == "PP[1,1,6]"
 
 
+def failed_resplit(make_host, ps, p, want, site, n=None):
+    """A live PP[3,1] -> PP[1,3] re-split of make_host()'s only instance, three steps into
+    serving `ps`, with event n of `site` failing (n=None: counts the events instead and returns
+    their number). A failure of the re-split takes it back (layout, weights and KV layers as
+    before, r.error set); a failed step leaves it going. Either way the requests finish with
+    `want`. Returns whether the re-split was undone."""
+    host = make_host()
+    reqs = [host.submit(q, p) for q in ps]
+    for _ in range(3):
+        host.step()
+    before = [held(host, i) for i in range(2)]
+    r = None
+
+    def go():
+        nonlocal r
+        try:
+            r = host.reconfigure(host.instances[0], [1, 3], mode="live", tau=2)
+        except gyges.Error:
+            return
+        while not r.done:
+            try:
+                host.step()
+            except gyges.Error:
+                pass
+    if n is None:
+        events = count(site, go)[0]
+    else:
+        with inject(site, n) as fired:
+            go()
+        assert fired() == 1
+    undone = r is None or r.error is not None
+    if undone:
+        assert host.layout() == "PP[3,1]"
+        assert [held(host, i) for i in range(2)] == before
+    else:
+        assert host.layout() == "PP[1,3]"
+    assert finish(host, reqs) == want
+    host.close()
+    return events if n is None else undone
+
+
 @pytest.mark.parametrize("site", ["copy", "page_map", "alloc"])
 def test_a_failed_resplit_takes_itself_back(tiny, site):
-    """Every copy / page map / allocation during a live re-split fails in turn: a failure of the
-    re-split takes it back (layout, weights and KV layers as before, r.error set); a failed step
-    leaves it going. Either way the requests finish with the tokens of one worker."""
+    """Every copy / page map / allocation during a live re-split fails in turn (failed_resplit)."""
     ps = prompts(3, seed=4, lo=20, hi=40)
     p = params(0.0, tokens=24)
     want = reference(tiny, ps, p)
 
-    def attempt(n=None):
-        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="PP[3,1]",
+    def make_host():
+        return gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="PP[3,1]",
                           max_batch_tokens=64)
-        reqs = [host.submit(q, p) for q in ps]
-        for _ in range(3):
-            host.step()
-        before = [held(host, i) for i in range(2)]
-        r = None
-
-        def go():
-            nonlocal r
-            try:
-                r = host.reconfigure(host.instances[0], [1, 3], mode="live", tau=2)
-            except gyges.Error:
-                return
-            while not r.done:
-                try:
-                    host.step()
-                except gyges.Error:
-                    pass
-        if n is None:
-            events = count(site, go)[0]
-        else:
-            with inject(site, n) as fired:
-                go()
-            assert fired() == 1
-        undone = r is None or r.error is not None
-        if undone:
-            assert host.layout() == "PP[3,1]"
-            assert [held(host, i) for i in range(2)] == before
-        else:
-            assert host.layout() == "PP[1,3]"
-        assert finish(host, reqs) == want
-        return events if n is None else undone
-    events = attempt()
+    events = failed_resplit(make_host, ps, p, want, site)
     assert events > 0
-    outcomes = [attempt(n) for n in range(1, min(events, 12) + 1)]
+    outcomes = [failed_resplit(make_host, ps, p, want, site, n)
+                for n in range(1, min(events, 12) + 1)]
     if site != "alloc":  # (the first allocations are the steps')
         assert any(outcomes)
 
