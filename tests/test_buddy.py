@@ -161,19 +161,15 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
     assert in_use(host) == start and host.layout() == "4xTP1"
 
 
-@pytest.mark.parametrize("site", ["alloc", "page_map", "page_create", "copy"])
-@pytest.mark.parametrize("op", ["buddy", "restore"])
-def test_a_failed_buddy_or_restore_changes_nothing(tiny, site, op):
-    """Every event of `site` in forming a group (or restoring one), up to 10 spread over them,
-    fails in turn: the call either works or raises with the layout, every worker's pages (idle
-    pages trimmed) and layers as before, and the requests finish with one worker's tokens."""
+def sweep_buddy(make_host, ps, p, want, site, op, most=10):
+    """Every event of `site` in forming a group of make_host()'s two TP1 instances (or in
+    restoring one), up to `most` spread over them, fails in turn: the call either works or raises
+    with the layout, every worker's pages (idle pages trimmed) and layers as before, and the
+    requests finish with `want`. Returns the calls refused."""
     from gyges.testing import count, inject, spread
-    ps = prompts(4, seed=3, lo=30, hi=50)
-    p = params(0.0, tokens=12)
-    want = reference(tiny, ps, p)
 
     def setup():
-        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+        host = make_host()
         reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
         host.step()
         b = host.buddy(host.instances) if op == "restore" else None
@@ -190,7 +186,7 @@ def test_a_failed_buddy_or_restore_changes_nothing(tiny, site, op):
     events, _ = count(site, call)
     assert events > 0
     refused = 0
-    for n in spread(events, 10):
+    for n in spread(events, most):
         host, reqs, call = setup()
         before = state(host)
         try:
@@ -201,4 +197,16 @@ def test_a_failed_buddy_or_restore_changes_nothing(tiny, site, op):
             assert state(host) == before
             refused += 1
         assert finish(host, reqs) == want
-    assert refused > 0
+        host.close()
+    return refused
+
+
+@pytest.mark.parametrize("site", ["alloc", "page_map", "page_create", "copy"])
+@pytest.mark.parametrize("op", ["buddy", "restore"])
+def test_a_failed_buddy_or_restore_changes_nothing(tiny, site, op):
+    """sweep_buddy on CPU workers: some of the failures refuse the call."""
+    ps = prompts(4, seed=3, lo=30, hi=50)
+    p = params(0.0, tokens=12)
+    assert sweep_buddy(lambda: gyges.Host(tiny, workers=2, memory_per_worker="32MiB",
+                                          layout="2xTP1"),
+                       ps, p, reference(tiny, ps, p), site, op) > 0

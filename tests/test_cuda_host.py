@@ -26,6 +26,7 @@ import os
 
 import numpy as np
 import pytest
+from test_buddy import sweep_buddy
 from test_pipelive import failed_resplit
 from test_transform import assert_kv_unchanged, check_placement, kv_by_request
 
@@ -495,6 +496,19 @@ def test_buddy_groups_on_cuda_drop_exchange_and_restore(tiny):
         assert all(np.array_equal(g, w) for g, w in zip(got, weights[i]))
     host.run()
     assert [q.output_tokens for q in requests] == want
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["buddy", "restore"])
+def test_a_failed_buddy_or_restore_on_cuda_changes_nothing(tiny, op):
+    """Device copies of the exchange and of the restore's return fail in turn, as on the CPU
+    (test_buddy.sweep_buddy): refused with pages, layout and layers as before, or done; the
+    tokens are one CUDA worker's."""
+    ps = prompts(4, seed=3, lo=30, hi=50)
+    want = one_cuda_worker(tiny, ps, GREEDY)
+    assert sweep_buddy(lambda: gyges.Host(tiny, workers=2, memory_per_worker=MEMORY,
+                                          page_size=PAGE, layout="2xTP1", backend="cuda"),
+                       ps, GREEDY, want, "copy", op, most=6) > 0
 
 
 def test_replicated_weights_are_refused_on_cuda_with_the_reason(tiny):
