@@ -614,18 +614,21 @@ class Host(Serving):
             self.transformations.append(r)
             return r
 
-    def buddy(self, instances, live=False):
+    def buddy(self, instances, live=False, link=None, layers_per_step=1):
         """KunServe: the TP1 instances `instances` (neighbouring workers) become one buddy group:
         worker k of g keeps layers [k L/g, (k+1) L/g) of one shared copy of the parameters and
         drops the rest (that memory is KV room at once), each request's KV of the layers now
         held by a buddy is copied there, and the group serves as a pipeline (new requests enter
         at its first stage). Requests keep their tokens bit for bit. live=False exchanges the KV
-        between two steps (a live exchange with remote attention is not implemented: refused).
-        Refused, changing nothing, when g does not divide the layers or the KV does not fit.
-        Returns a gyges.kunserve.Buddy (stats)."""
+        before the next step; live=True (CPU backend) serves on at once, moving the KV a layer
+        at a time as host.step goes (`layers_per_step`, or what `link` leaves over), each layer
+        not yet moved attending remotely on the worker that holds its KV
+        (gyges.kunserve.Exchange). link, a gyges.kunserve.Link, paces the transfers. Refused,
+        changing nothing, when g does not divide the layers or the KV does not fit. Returns a
+        gyges.kunserve.Buddy (stats, exchange)."""
         with self._lock:
             self._check_open()
-            return kunserve.form(self, list(instances), live)
+            return kunserve.form(self, list(instances), live, link, layers_per_step)
 
     def restore(self, buddy, weights_from="peers"):
         """KunServe: a buddy group gets its parameters back (from the peers that hold each part,

@@ -20,7 +20,7 @@ from .checks import integer, number
 from .errors import BusyError, InvalidArgumentError, StateError, UnavailableError
 from .pipelive import weight_bytes
 
-__all__ = ["BuddyPlan", "plan", "STRATEGIES"]
+__all__ = ["Buddy", "BuddyPlan", "Exchange", "Link", "plan", "STRATEGIES"]
 
 STRATEGIES = {"throughput": 0, "memory": 1}
 
@@ -57,15 +57,45 @@ def plan(n_instances, required_bytes, param_bytes, strategy="throughput", kv_byt
 
 # ---- buddy groups on a real host (KunServe 4.1-4.3) ----
 
+class Link:
+    """A worker-to-worker link for the CPU host (KunServe's RDMA between buddies): a transfer of
+    n bytes in m messages takes m * latency + n / bandwidth seconds of wall time, spent asleep.
+    Workers of one process copy in microseconds; a link makes a blocking exchange stall as long
+    as it would on the network, and charges remote attention its round trips, so that live and
+    blocking can be told apart. Off (None) unless given to host.buddy. Scale it to the model:
+    a tiny model's KV is a few MiB, so 200 Gbps would hide everything."""
+
+    def __init__(self, bandwidth, latency=0.0):
+        self.bandwidth = number("bandwidth", bandwidth, lo=0, lo_open=True)   # bytes / s
+        self.latency = number("latency", latency, lo=0)                       # s per message
+
+    def seconds(self, nbytes, messages=1):
+        return messages * self.latency + nbytes / self.bandwidth
+
+    def send(self, nbytes, messages=1):
+        """Sleeps as long as the transfer takes; returns the seconds."""
+        t = self.seconds(nbytes, messages)
+        if t > 0:
+            time.sleep(t)
+        return t
+
+    def __repr__(self):
+        return f"Link({self.bandwidth * 8 / 1e9:g} Gbps, {self.latency * 1e6:g} us)"
+
+
 class Buddy:
     """A buddy group formed by host.buddy: the pipeline `instance` over `workers`, worker k
-    keeping layers `ranges[k]` of the one copy of the parameters. stats: weight_bytes_released,
-    kv_bytes_exchanged, exchange_seconds (and, after host.restore, weight_bytes_restored,
-    kv_bytes_returned, restore_seconds)."""
+    keeping layers `ranges[k]` of the one copy of the parameters. `exchange` is the live
+    exchange still moving the victims' KV (None when blocking; `done` once it has all moved).
+    stats: weight_bytes_released, kv_bytes_exchanged, exchange_seconds, stall_seconds (serving
+    stopped for the exchange), remote_attention_calls, remote_attention_bytes, activation_seconds
+    (the link's time for them) and, after host.restore, weight_bytes_restored,
+    kv_bytes_returned, restore_seconds."""
 
-    def __init__(self, instance, ranges, stats):
+    def __init__(self, instance, ranges, stats, exchange=None):
         self.instance, self.ranges, self.stats = instance, tuple(ranges), stats
         self.workers = tuple(instance.workers)
+        self.exchange = exchange
         self.restored = False
 
     def __repr__(self):
@@ -84,12 +114,111 @@ def _new_seq(kv, n_tokens):
     return seq
 
 
-def form(host, instances, live=False):
+class Exchange:
+    """A live KV exchange (KunServe 4.2): the victims, requests that ran on a member when the
+    group formed, keep running in the pipeline while their KV of the layers a buddy now holds
+    moves there one layer at a time. Until a layer has arrived, that layer's attention runs on
+    the worker holding its KV (remote attention, gy_engine_set_remote: q, k, v go there, the
+    output comes back; the parameters stay). A layer's KV moves whole between two steps, so
+    nothing written meanwhile is lost or left stale. host.step advances it first; with a link,
+    the activations of the step before go first and the KV takes what the link had left over
+    since the last advance, else `layers_per_step` layers of every victim and buddy move per
+    step. When all has moved, the caches keep their own layers (their other pages go)."""
+
+    rolls_back = True   # a failed advance changes nothing; the next one tries again
+
+    def __init__(self, host, buddy, chunks, link, layers_per_step, start):
+        self.host, self.buddy, self.link = host, buddy, link
+        self.layers_per_step = layers_per_step
+        self.workers = buddy.workers
+        self._w = [host.worker(w) for w in self.workers]
+        self.pending = chunks           # [rid, src stage, dst stage, next layer], in order
+        self.done, self.blocked_by, self.error = False, None, None
+        self._calls = self._token_layers = 0
+        self._credit, self._last, self._start = 0.0, time.perf_counter(), start
+        self._advances = 0
+        cfg = host.model.config
+        hd = cfg.hidden_size // cfg.num_attention_heads
+        # one token-layer of remote attention: q, k and v there, the attention output back
+        self.row_bytes = 4 * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+        if not chunks:
+            self._finish()
+
+    def __repr__(self):
+        return f"Exchange(workers={list(self.workers)}, {len(self.pending)} layers to move)"
+
+    def _activations(self):
+        """Remote attention since the last look, in the stats and (with a link) on the link."""
+        pipe, st = self.buddy.instance, self.buddy.stats
+        now = pipe._c.remote_stats()
+        calls, rows = now["calls"] - self._calls, now["token_layers"] - self._token_layers
+        self._calls, self._token_layers = now["calls"], now["token_layers"]
+        st["remote_attention_calls"] += calls
+        st["remote_attention_bytes"] += rows * self.row_bytes
+        if self.link is not None and calls:
+            st["activation_seconds"] += self.link.send(rows * self.row_bytes, 2 * calls)
+
+    def advance(self):
+        self._activations()
+        self._advances += 1
+        if self._advances == 1:
+            return True   # right after forming: the first layers are on their way this step
+        now = time.perf_counter()
+        if self.link is not None:   # the KV's share of the link: what activations left over
+            self._credit += (now - self._last) * self.link.bandwidth
+        self._last = now
+        pipe, live = self.buddy.instance, set(self.buddy.instance.request_ids())
+        moved, keep, i = {}, [], 0
+        try:
+            for i, chunk in enumerate(self.pending):
+                rid, j, k, layer = chunk
+                hi = self.buddy.ranges[k][1]
+                src, dst = pipe.stage_seq(j, rid), pipe.stage_seq(k, rid)
+                if rid not in live or src < 0 or dst < 0:
+                    # finished, or preempted (it recomputes where its record says): nothing to move
+                    if rid in live:
+                        pipe._c.set_remote(rid, k, j, 0, 0)
+                    continue
+                budget = moved.get((rid, k), 0) < self.layers_per_step if self.link is None else \
+                    self._credit >= len(self._w[j].kv.block_table(src)) * self._w[j].kv.block_bytes
+                if not budget:
+                    keep.append(chunk)
+                    if self.link is not None:
+                        keep.extend(self.pending[i + 1:])   # in order: the next waits for this one
+                        break
+                    continue
+                nbytes = self._w[k].kv.copy_tokens_from(self._w[j].kv, dst, src, layer, layer + 1)
+                pipe._c.set_remote(rid, k, j, layer + 1, hi)
+                self._credit -= nbytes
+                self.buddy.stats["kv_bytes_exchanged"] += nbytes
+                moved[(rid, k)] = moved.get((rid, k), 0) + 1
+                if layer + 1 < hi:
+                    keep.append([rid, j, k, layer + 1])
+        except BaseException:
+            self.pending = keep + self.pending[i:]   # what moved stays moved; the rest waits
+            raise
+        self.pending = keep
+        if not keep:
+            self._finish()
+        return True
+
+    def _finish(self):
+        """Every victim's KV is where its layers are: the caches keep their own layers."""
+        for w, (lo, hi) in zip(self._w, self.buddy.ranges):
+            w.kv.set_layers(lo, hi)
+        self._activations()
+        self.buddy.stats["exchange_seconds"] = time.perf_counter() - self._start
+        self.done = True
+
+
+def form(host, instances, live=False, link=None, layers_per_step=1):
     """host.buddy's work (the host's lock held): see Host.buddy."""
-    if live:
-        raise UnavailableError("a live exchange (victims' KV moved in chunks, attention run "
-                               "remotely meanwhile) is not implemented yet; live=False exchanges "
-                               "the KV between two steps")
+    if link is not None and not isinstance(link, Link):
+        raise InvalidArgumentError(f"link must be a gyges.kunserve.Link or None, got {link!r}")
+    layers_per_step = integer("layers_per_step", layers_per_step, lo=1)
+    if live and host.backend != "cpu":
+        raise UnavailableError("a live exchange runs attention remotely, which the CPU backend "
+                               "does only; live=False exchanges the KV between two steps")
     insts = sorted(instances, key=lambda i: min(i.workers))
     g = len(insts)
     L = host.model.config.num_hidden_layers
@@ -126,8 +255,9 @@ def form(host, instances, live=False):
             dropped.append((k, gone, w.weights.has_embed, w.weights.has_head))
             tied = host.model.config.tie_word_embeddings
             w.weights.set_ends(embed=k == 0 or (k == g - 1 and tied), head=k == g - 1)
-        # 2. each worker receives, for every other member's request with KV, its layers' KV
-        exchanged = 0
+        # 2. each worker gets a sequence, for every other member's request with KV, and (unless
+        #    live: the exchange moves it later) its layers' KV
+        exchanged, chunks = 0, []
         for k, (w, (lo, hi)) in enumerate(zip(ws, ranges)):
             for j, seqs in own.items():
                 for rid, seq in seqs.items():
@@ -135,7 +265,10 @@ def form(host, instances, live=False):
                         continue
                     new = _new_seq(w.kv, ws[j].kv.n_tokens(seq))
                     made.append((k, rid, new))
-                    exchanged += w.kv.copy_tokens_from(ws[j].kv, new, seq, lo, hi)
+                    if live:
+                        chunks.append([rid, j, k, lo])
+                    else:
+                        exchanged += w.kv.copy_tokens_from(ws[j].kv, new, seq, lo, hi)
         # 3. the pipeline over the members' stage models takes every request with its KV (the
         #    caches still hold every layer, so nothing is lost until all of it has worked)
         for w, (lo, hi) in zip(ws, ranges):
@@ -148,6 +281,9 @@ def form(host, instances, live=False):
                 pipe.take(inst, rid, [seq if k == j else news.get((k, rid), -1)
                                       for k in range(g)] if seq >= 0 else [-1] * g)
                 moved.append((j, rid))
+        # 4. live: until a layer's KV has arrived, its attention runs where the KV is
+        for rid, j, k, lo in chunks:
+            pipe._c.set_remote(rid, k, j, lo, ranges[k][1])
     except BaseException:
         # refused past the first change: everything goes back (the weights from the host copy)
         for j, rid in reversed(moved):
@@ -164,17 +300,27 @@ def form(host, instances, live=False):
             ws[k].weights.restore_layers(gone)
             ws[k].weights.set_ends(embed, head)
         raise
-    # 4. the caches keep their layers only (unmapping cannot fail), and the group serves
+    # 5. the group serves; blocking, the caches keep their layers only (unmapping cannot fail)
+    #    and the link, if any, holds serving up for as long as the KV would take to cross it
+    if link is not None and not live:
+        link.send(exchanged, len(made))
     for w, (lo, hi) in zip(ws, ranges):
-        w.kv.set_layers(lo, hi)
+        if not live:
+            w.kv.set_layers(lo, hi)
         w.set_layers(lo, hi, w.c_model)
     for inst in insts:
         host.retire(inst)
     host.install(pipe)
     stats = {"weight_bytes_released":
              held_before - sum(weight_bytes(w, w.weights.held_layers) for w in ws),
-             "kv_bytes_exchanged": exchanged, "exchange_seconds": time.perf_counter() - start}
-    return Buddy(pipe, ranges, stats)
+             "kv_bytes_exchanged": exchanged, "exchange_seconds": time.perf_counter() - start,
+             "stall_seconds": time.perf_counter() - start, "remote_attention_calls": 0,
+             "remote_attention_bytes": 0, "activation_seconds": 0.0}
+    buddy = Buddy(pipe, ranges, stats)
+    if live:
+        buddy.exchange = Exchange(host, buddy, chunks, link, layers_per_step, start)
+        host.transformations.append(buddy.exchange)
+    return buddy
 
 
 def restore(host, buddy, weights_from="peers"):
@@ -183,6 +329,8 @@ def restore(host, buddy, weights_from="peers"):
         raise InvalidArgumentError(f"buddy must be what host.buddy returned, got {buddy!r}")
     if buddy.restored or buddy.instance not in host.instances:
         raise StateError(f"{buddy!r} is no longer serving")
+    if buddy.exchange is not None and not buddy.exchange.done:
+        raise BusyError(f"{buddy.exchange!r}: its KV is still moving; restore once it is done")
     if weights_from not in ("peers", "host"):
         raise InvalidArgumentError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
     start = time.perf_counter()

@@ -104,10 +104,106 @@ def test_refusals_change_nothing(tiny):
         with pytest.raises(gyges.InvalidArgumentError):
             host.buddy(instances)
         assert (in_use(host), host.layout()) == state
-    with pytest.raises(gyges.UnavailableError, match="live"):
-        host.buddy(host.instances[:2], live=True)
+    for bad in ({"link": 25e9}, {"layers_per_step": 0}):
+        with pytest.raises(gyges.InvalidArgumentError, match=next(iter(bad))):
+            host.buddy(host.instances[:2], live=True, **bad)
+        assert (in_use(host), host.layout()) == state
+    b = host.buddy(host.instances[:2], live=True)
+    state = in_use(host), host.layout()
+    with pytest.raises(gyges.BusyError, match="still moving"):
+        host.restore(b)   # the victims' KV has not moved yet
     assert (in_use(host), host.layout()) == state
     finish(host, reqs)
+    assert b.exchange.done
+    host.restore(b)
+
+
+def victims_in_every_state(host, p):
+    """Requests on every instance, two of them long (a chunked prefill of some 19 steps), until
+    the small caches preempted some on the first two instances; then two more, queued. Returns
+    them in VICTIM_PROMPTS' order."""
+    reqs = [host.submit(q, p, instance=i % 4) for i, q in enumerate(VICTIM_PROMPTS[:18])]
+    for _ in range(30):
+        host.step()
+        if any(i._c.stats()["preempted_queued"] for i in host.instances[:2]):
+            break
+    reqs += [host.submit(q, p, instance=i) for i, q in enumerate(VICTIM_PROMPTS[18:])]
+    st = [i._c.stats() for i in host.instances[:2]]
+    assert sum(x["preempted_queued"] for x in st) and sum(x["waiting"] for x in st)
+    assert any(r.output_tokens for r in reqs[:16])
+    assert not reqs[16].output_tokens and not reqs[17].output_tokens   # mid-prefill
+    return reqs
+
+
+VICTIM_PROMPTS = prompts(16, seed=2, lo=30, hi=120) + prompts(2, 7, 300, 310) + \
+    prompts(2, 8, 30, 40)
+
+
+@pytest.mark.parametrize("g", [2, 4])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_live_exchange_attends_remotely_and_keeps_every_token(tiny, g, temperature):
+    """KunServe 4.2: the group serves at once; the victims (decoding, preempted, in prefill,
+    queued) attend remotely on the worker holding each layer's KV until it has moved, a layer
+    per step. Their tokens, and those of requests that came during it, are one worker's, and
+    through a restore."""
+    p = params(temperature, tokens=48)
+    host = gyges.Host(tiny, workers=4, memory_per_worker="22MiB", layout="4xTP1",
+                      max_batch_tokens=48, max_prefill_chunk=16, max_running=24)
+    reqs = victims_in_every_state(host, p)
+    b = host.buddy(host.instances[:g], live=True)
+    assert not b.exchange.done and b.stats["kv_bytes_exchanged"] == 0
+    late = [host.submit(q, p) for q in prompts(2, 9)]
+    steps = 0
+    while not b.exchange.done:
+        host.step()
+        steps += 1
+    assert steps >= 2
+    assert b.stats["remote_attention_calls"] > 0 and b.stats["kv_bytes_exchanged"] > 0
+    assert b.stats["remote_attention_bytes"] == \
+        b.instance._c.remote_stats()["token_layers"] * b.exchange.row_bytes
+    # the caches keep their own layers once all has moved
+    assert [(host.worker(w).kv.first_layer, host.worker(w).kv.first_layer +
+             host.worker(w).kv.n_layers) for w in b.workers] == list(b.ranges)
+    while True:   # the weights come back once the requests leave room for them (in caches
+        try:      # this small, when they are gone: free blocks between used ones stay mapped)
+            host.restore(b)
+            break
+        except gyges.OutOfMemoryError:
+            host.step()
+    assert finish(host, reqs) == reference(tiny, VICTIM_PROMPTS, p)
+    assert finish(host, late) == reference(tiny, prompts(2, 9), p)
+
+
+def test_a_link_stalls_a_blocking_exchange_but_not_a_live_one(tiny):
+    """With a paced link, a blocking exchange stops serving for at least the KV's time on the
+    link; a live one stops for none of it, moves the KV with what the link leaves over across
+    several steps, and pays the link for its remote attention's round trips."""
+    link = gyges.kunserve.Link(bandwidth=16e6, latency=20e-6)   # scaled: 128 Mbps
+    out = {}
+    for live in (False, True):
+        p = params(0.0, tokens=96)
+        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1",
+                          max_batch_tokens=64)
+        ps = prompts(6, seed=4, lo=60, hi=120)
+        reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
+        for _ in range(8):
+            host.step()
+        b = host.buddy(host.instances, live=live, link=link)
+        steps = 0
+        while b.exchange is not None and not b.exchange.done:
+            host.step()
+            steps += 1
+        host.restore(b)   # in flight
+        assert host.has_unfinished()
+        assert finish(host, reqs) == reference(tiny, ps, p)
+        out[live] = b.stats, steps
+    (blocking, _), (live, steps) = out[False], out[True]
+    assert blocking["stall_seconds"] >= link.seconds(blocking["kv_bytes_exchanged"])
+    assert live["stall_seconds"] < link.seconds(blocking["kv_bytes_exchanged"]) / 4
+    assert steps >= 3 and live["remote_attention_calls"] > 0
+    assert live["activation_seconds"] == pytest.approx(
+        2 * live["remote_attention_calls"] * link.latency +
+        live["remote_attention_bytes"] / link.bandwidth)
 
 
 def test_an_exchange_that_does_not_fit_is_taken_back(tiny):
@@ -148,17 +244,59 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
             g = int(rng.choice([2, 4]))
             first = int(rng.choice([0, 2])) if g == 2 else 0
             insts = [i for i in host.instances if min(i.workers) in range(first, first + g)]
-            buddies.append(host.buddy(insts))
+            buddies.append(host.buddy(insts, live=bool(rng.random() < 0.5),
+                                      layers_per_step=int(rng.integers(1, 3))))
         elif x < 0.6 and buddies:
+            b = buddies[-1]
+            if b.exchange is not None and not b.exchange.done:
+                with pytest.raises(gyges.BusyError):
+                    host.restore(b)
+                continue
             host.restore(buddies.pop(), weights_from=str(rng.choice(["peers", "host"])))
         else:
             host.step()
     for b in buddies:
+        while b.exchange is not None and not b.exchange.done:
+            host.step()
         host.restore(b)
     assert finish(host, reqs) == reference(tiny, asked, p)
     for i in range(4):
         host.worker(i).kv.trim()
     assert in_use(host) == start and host.layout() == "4xTP1"
+
+
+def test_a_failed_exchange_step_is_tried_again(tiny):
+    """A layer's copy failing in a live exchange's advance (each in turn, spread): host.step
+    raises, the layer still attends remotely, and the next steps move it; tokens as one
+    worker's."""
+    from gyges.testing import count, inject, spread
+    ps = prompts(4, seed=3, lo=30, hi=50)
+    p = params(0.0, tokens=16)
+    want = reference(tiny, ps, p)
+
+    def setup():
+        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+        reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
+        host.step()
+        b = host.buddy(host.instances, live=True)
+        return host, reqs, b
+
+    def drive(host, b):
+        while not b.exchange.done:
+            host.step()
+    host, _, b = setup()
+    events, _ = count("copy", lambda: drive(host, b))
+    assert events > 0
+    for n in spread(events, 6):
+        host, reqs, b = setup()
+        with inject("copy", n) as fired:
+            with pytest.raises(gyges.Error):
+                drive(host, b)
+            assert fired() == 1
+        drive(host, b)
+        assert b.stats["remote_attention_calls"] > 0
+        assert finish(host, reqs) == want
+        host.close()
 
 
 def sweep_buddy(make_host, ps, p, want, site, op, most=10):

@@ -65,6 +65,8 @@ struct gy_engine {
     uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
     float *logits;               /* (entries, vocab) */
     float *x;                    /* (tokens, hidden) the hidden states between stages */
+    /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
+    int64_t remote_calls, remote_token_layers;
 };
 
 static gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
@@ -514,10 +516,17 @@ static gy_status gy_engine_abort_locked(gy_engine *e, int64_t id) {
     return gy_sched_abort(e->sched, id);
 }
 
+/* A request leaving the engine attends nowhere else any more. */
+static void gy_engine_forget_remote(gy_engine *e, int64_t id) {
+    for (int32_t s = 0; s < e->n_stages; s++)
+        (void)gy_stage_set_remote(&e->stages[s], id, NULL, 0, 0); /* a removal cannot fail */
+}
+
 static gy_status gy_engine_release_locked(gy_engine *e, int64_t id) {
     gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     GY_TRY(gy_sched_forget(e->sched, id));
+    gy_engine_forget_remote(e, id);
     gy_idmap_remove(&e->requests, id);
     gy_engine_request_free(r);
     return GY_OK;
@@ -969,11 +978,27 @@ static gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b) {
 }
 
 /* Everything but the commit; any failure leaves the step for the caller to cancel. */
+/* Counts the step's remote attention: a call per part and layer (its rows go there and back). */
+static void gy_engine_count_remote(gy_engine *e) {
+    for (int32_t s = 0; s < e->n_stages; s++) {
+        if (e->stages[s].n_remote == 0 || e->stages[s].first == e->stages[s].end) continue;
+        for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {
+            const gy_forward_batch *fb = &gy_stage_rank_at(&e->stages[s], k, NULL)->batch;
+            for (int64_t i = 0; i < fb->n_remote; i++) {
+                const int64_t layers = fb->remote[i].end_layer - fb->remote[i].first_layer;
+                e->remote_calls += layers;
+                e->remote_token_layers += layers * fb->remote[i].n_rows;
+            }
+        }
+    }
+}
+
 static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
     if (b->n_entries == 0) return GY_OK;
     GY_TRY(gy_engine_build(e, b, n_logits));
     GY_TRY(gy_engine_forward_all(e));
     GY_TRY(gy_engine_mark_dirty(e, b));
+    gy_engine_count_remote(e); /* (a later failure of the sampler still ran the attention) */
     return *n_logits > 0 ? gy_engine_sample(e, *n_logits, e->failed) : GY_OK;
 }
 
@@ -1087,9 +1112,38 @@ static gy_status gy_engine_copy_layers_locked(gy_engine *e, int32_t src_stage, i
     return GY_OK;
 }
 
+static gy_status gy_engine_set_remote_locked(gy_engine *e, int64_t id, int32_t stage,
+                                             int32_t src_stage, int64_t first_layer,
+                                             int64_t end_layer) {
+    if (stage < 0 || stage >= e->n_stages || src_stage < 0 || src_stage >= e->n_stages ||
+        e->transition >= 0)
+        return GY_FAIL(GY_ERR_INVALID, "stages %d and %d are not stages of this plan (%d stages%s)",
+                       (int)stage, (int)src_stage, (int)e->n_stages,
+                       e->transition >= 0 ? ", a layer-staggered transformation running" : "");
+    if (first_layer < end_layer && gy_engine_find(e, id) == NULL)
+        return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    if (first_layer < end_layer) {
+        /* the source must hold those layers' KV: its caches are checked at every step too */
+        const gy_stage *src = &e->stages[src_stage];
+        for (int32_t k = 0; k < src->n_ranks; k++) {
+            const gy_kv_config *c = gy_kv_config_of(gy_stage_rank_at((gy_stage *)src, k, NULL)->r.kv);
+            if (first_layer < c->first_layer || end_layer > c->first_layer + c->n_layers)
+                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's cache holds layers [%lld, %lld), "
+                               "not [%lld, %lld)", (int)src_stage, (int)k, (long long)c->first_layer,
+                               (long long)(c->first_layer + c->n_layers), (long long)first_layer,
+                               (long long)end_layer);
+        }
+    }
+    return gy_stage_set_remote(&e->stages[stage], id, &e->stages[src_stage], first_layer, end_layer);
+}
+
 static gy_status gy_engine_replan_locked(gy_engine *e, const gy_engine_stage *stages, int32_t n_stages) {
     if (e->transition >= 0)
         return GY_FAIL(GY_ERR_BUSY, "a layer-staggered transformation is running; re-plan after it");
+    for (int32_t s = 0; s < e->n_stages; s++)
+        if (e->stages[s].n_remote > 0)
+            return GY_FAIL(GY_ERR_BUSY, "stage %d has requests attending remotely; re-plan after "
+                           "their KV has moved", (int)s);
     if (n_stages != e->n_stages)
         return GY_FAIL(GY_ERR_INVALID, "a re-plan keeps the %d stages, got %d", (int)e->n_stages,
                        (int)n_stages);
@@ -1137,6 +1191,24 @@ gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_sta
                                                      end_layer, dirty, dirty_slots, copied);
     pthread_mutex_unlock(&e->api);
     return s;
+}
+
+gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,
+                               int64_t first_layer, int64_t end_layer) {
+    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_set_remote_locked(e, id, stage, src_stage, first_layer, end_layer);
+    pthread_mutex_unlock(&e->api);
+    return s;
+}
+
+void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers) {
+    *calls = *token_layers = 0;
+    if (e == NULL) return;
+    pthread_mutex_lock(&e->api);
+    *calls = e->remote_calls;
+    *token_layers = e->remote_token_layers;
+    pthread_mutex_unlock(&e->api);
 }
 
 int64_t gy_engine_stage_seq(gy_engine *e, int32_t stage, int32_t rank, int64_t id) {
@@ -1274,6 +1346,7 @@ static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
     const int32_t n = gy_engine_adapters(src, adapters);
     for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_forget(adapters[i], id);
     for (int32_t s = 0; s < src->n_stages; s++) gy_stage_unhome(&src->stages[s], id);
+    gy_engine_forget_remote(src, id);
     if (gy_sched_release(src->sched, id) != GY_OK) gy_error_clear(); /* checked by the caller */
     gy_engine_request *r = gy_engine_find(src, id);
     gy_idmap_remove(&src->requests, id);

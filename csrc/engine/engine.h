@@ -199,6 +199,18 @@ gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_sta
                                 int64_t dirty_slots, int64_t *copied);
 /* The KV sequence of request `id` on rank `rank` of stage `stage` (-1 when it holds none). */
 int64_t gy_engine_stage_seq(gy_engine *e, int32_t stage, int32_t rank, int64_t id);
+/* KunServe's remote attention (forward.h): from the next step on, request `id`'s attention in
+ * model layers [first_layer, end_layer) of stage `stage` runs on the ranks of stage `src_stage`
+ * (rank k on rank k), over its sequence there, whose cache must hold those layers; an empty range
+ * ends it. Both stages have one group, of the same size; the CPU backend only (a step fails
+ * otherwise). A buddy group's exchange sets it for the requests whose KV has not moved yet and
+ * narrows it as layers arrive. Forgotten when the request leaves the engine; re-plans are
+ * refused while any is set. */
+gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,
+                               int64_t first_layer, int64_t end_layer);
+/* Remote attention so far: calls (one per request, stage rank and layer in a step) and
+ * token-layers (the rows those calls carried). */
+void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers);
 /* Switches the plan between two steps: the same stages, ranks and KV caches (every request keeps
  * its sequences), new layer ranges and models, checked as gy_engine_init_plan checks a plan.
  * Refused, changing nothing, during a layer-staggered transformation or when a rank's cache is

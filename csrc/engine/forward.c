@@ -20,6 +20,54 @@ void gy_forward_ws_free(gy_forward_ws *ws) {
     if (gy_forward_cuda_backend.ws_free) gy_forward_cuda_backend.ws_free(ws);
 }
 
+/* The paged batch of remote part p's rows in its own cache (sequence 0 of one). */
+gy_cpu_paged_batch gy_forward_remote_paged(const gy_forward_batch *b, const gy_forward_remote *p) {
+    return (gy_cpu_paged_batch){.n_tokens = p->n_rows, .token_seq = b->zeros,
+                                .token_pos = b->paged.token_pos + p->row0, .n_seqs = 1,
+                                .bt_indptr = p->indptr, .bt_indices = p->blocks};
+}
+
+/* Remote parts: on the CPU backend, in row order, each one sequence of the batch whose blocks in
+ * a cache of the same KV heads cover its positions. */
+static gy_status gy_forward_check_remote(const gy_model *m, const gy_kv_layout *L,
+                                         const gy_forward_batch *b) {
+    if (b->n_remote == 0) return GY_OK;
+    if (m->backend != GY_MODEL_BACKEND_CPU)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "remote attention runs on the CPU backend only");
+    if (b->n_remote < 0 || b->remote == NULL || b->zeros == NULL)
+        return GY_FAIL(GY_ERR_INVALID, "%lld remote attention parts without their lists",
+                       (long long)b->n_remote);
+    int64_t end = 0;
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const gy_forward_remote *p = &b->remote[i];
+        if (p->kv == NULL || p->row0 < end || p->n_rows < 1 || p->row0 + p->n_rows > b->paged.n_tokens ||
+            p->indptr[0] != 0 || p->indptr[1] < 0 || (p->indptr[1] > 0 && p->blocks == NULL))
+            return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld (rows [%lld, %lld)) is not "
+                           "a run of the batch's rows after the part before, with a cache and blocks",
+                           (long long)i, (long long)p->row0, (long long)(p->row0 + p->n_rows));
+        const gy_kv_layout *R = gy_kv_layout_of(p->kv);
+        if (R->n_heads != L->n_heads || R->head_dim != L->head_dim || R->elem_size != L->elem_size ||
+            R->block_size != L->block_size)
+            return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld: its cache's layout (%lld "
+                           "heads of %lld, blocks of %lld) is not this rank's", (long long)i,
+                           (long long)R->n_heads, (long long)R->head_dim, (long long)R->block_size);
+        const gy_kv_config *c = gy_kv_config_of(p->kv);
+        if (p->first_layer < p->end_layer &&
+            (p->first_layer < c->first_layer || p->end_layer > c->first_layer + c->n_layers))
+            return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld: layers [%lld, %lld) are "
+                           "not all in its cache", (long long)i, (long long)p->first_layer,
+                           (long long)p->end_layer);
+        const gy_cpu_paged_batch pb = gy_forward_remote_paged(b, p);
+        GY_TRY(gy_cpu_paged_batch_check(&pb, R, "remote attention part", NULL));
+        for (int64_t t = p->row0; t < p->row0 + p->n_rows; t++)
+            if (b->paged.token_seq[t] != b->paged.token_seq[p->row0] || b->zeros[t - p->row0] != 0)
+                return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld: its rows are not one "
+                               "sequence's", (long long)i);
+        end = p->row0 + p->n_rows;
+    }
+    return GY_OK;
+}
+
 gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv_cache *kv,
                            const gy_forward_batch *b, int64_t *max_len_out) {
     if (tp->size <= 0 || tp->rank < 0 || tp->rank >= tp->size || m->n_kv_heads % tp->size != 0 ||
@@ -52,6 +100,7 @@ gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv
     for (int64_t i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->paged.n_tokens)
             return GY_FAIL(GY_ERR_INVALID, "logit row %d is not a token of the batch", (int)b->logit_rows[i]);
+    GY_TRY(gy_forward_check_remote(m, L, b));
     if (max_len_out != NULL) *max_len_out = max_len;
     return GY_OK;
 }

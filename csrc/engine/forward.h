@@ -42,11 +42,29 @@ typedef struct gy_tp_group {
     int32_t device_buffers;
 } gy_tp_group;
 
+/* KunServe's remote attention: one sequence of the batch whose KV for some layers is still in
+ * another worker's cache (a buddy group's exchange has not moved it yet). For those layers its
+ * rows' new K/V are written there and attention runs there, with that worker's threads; the
+ * projections and the FFN stay here (attention needs no parameters). The rows are the sequence's
+ * tokens [row0, row0 + n_rows) of the batch, positions batch.paged.token_pos[row0 ...]; a real
+ * link carries their q, k, v there and the attention output back. */
+typedef struct gy_forward_remote {
+    gy_kv_cache *kv;           /* the other worker's cache, holding layers [first_layer, end_layer) */
+    gy_threadpool *pool;       /* the other worker's threads (may be NULL) */
+    int64_t first_layer, end_layer; /* model layers whose attention runs there */
+    int64_t row0, n_rows;
+    int32_t indptr[2];         /* {0, n_blocks} */
+    const int32_t *blocks;     /* [n_blocks] the sequence's blocks in kv */
+} gy_forward_remote;
+
 typedef struct gy_forward_batch {
     const int32_t *tokens;     /* [paged.n_tokens] token ids */
     gy_cpu_paged_batch paged;  /* sequences, positions and block tables of the tokens */
     int64_t n_logits;
     const int32_t *logit_rows; /* [n_logits] indices of the tokens whose logits are wanted */
+    int64_t n_remote;          /* CPU backend only; parts in increasing, disjoint row order */
+    const gy_forward_remote *remote; /* [n_remote] */
+    const int32_t *zeros;      /* [paged.n_tokens] zeros when n_remote > 0 (the parts' token_seq) */
 } gy_forward_batch;
 
 struct gy_forward_cuda_ws;

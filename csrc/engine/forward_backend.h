@@ -39,6 +39,9 @@ typedef struct gy_forward_backend {
     const char *(*unavailable)(void);
 } gy_forward_backend;
 
+/* The paged batch of remote part p's rows in p's cache (forward.h: gy_forward_remote). */
+gy_cpu_paged_batch gy_forward_remote_paged(const gy_forward_batch *b, const gy_forward_remote *p);
+
 extern const gy_forward_backend gy_forward_cpu_backend;
 extern const gy_forward_backend gy_forward_cuda_backend;
 

@@ -60,6 +60,47 @@ static gy_status gy_forward_cpu_begin(const gy_model *m, const gy_tp_group *tp, 
                             m->vocab, m->hidden);
 }
 
+/* Rows [row0, row0 + paged->n_tokens) of the workspace: their K/V into the layer at
+ * layer_base, then their attention over it. */
+static gy_status gy_forward_cpu_attend(gy_forward_ws *ws, int64_t row0, const gy_cpu_paged_batch *paged,
+                                       float *layer_base, const gy_kv_layout *layout,
+                                       int64_t heads, gy_threadpool *pool) {
+    const int64_t qd = heads * layout->head_dim, kvd = layout->n_heads * layout->head_dim;
+    GY_TRY(gy_cpu_kv_write(layer_base, layout, ws->k + row0 * kvd, ws->v + row0 * kvd, paged));
+    return gy_cpu_attention(ws->attn + row0 * qd, ws->q + row0 * qd, layer_base, layout, paged,
+                            heads, pool);
+}
+
+/* Layer l's attention for the whole batch: here, except the remote parts whose KV for l is still
+ * in another worker's cache (forward.h), which attend there on that worker's threads. A token's
+ * attention depends on nothing but its own sequence (attention.h), so cutting the batch into
+ * runs changes no bit. */
+static gy_status gy_forward_cpu_attention(const gy_forward_batch *b, gy_forward_ws *ws,
+                                          float *layer_base, const gy_kv_layout *layout, int64_t l,
+                                          int64_t heads, gy_threadpool *pool) {
+    int64_t row = 0; /* rows before it are done */
+    for (int64_t i = 0; i <= b->n_remote; i++) {
+        const gy_forward_remote *p = i < b->n_remote ? &b->remote[i] : NULL;
+        if (p != NULL && (l < p->first_layer || l >= p->end_layer)) continue; /* attends here */
+        const int64_t stop = p != NULL ? p->row0 : b->paged.n_tokens;
+        if (stop > row) {
+            gy_cpu_paged_batch here = b->paged;
+            here.n_tokens = stop - row;
+            here.token_seq += row;
+            here.token_pos += row;
+            GY_TRY(gy_forward_cpu_attend(ws, row, &here, layer_base, layout, heads, pool));
+        }
+        if (p == NULL) break;
+        const gy_cpu_paged_batch there = gy_forward_remote_paged(b, p);
+        float *remote_base = gy_kv_layer_ptr(p->kv, l - gy_kv_config_of(p->kv)->first_layer);
+        if (remote_base == NULL) return GY_FAIL(GY_ERR_UNAVAILABLE, "the remote KV cache is not in host memory");
+        GY_TRY(gy_forward_cpu_attend(ws, p->row0, &there, remote_base, gy_kv_layout_of(p->kv),
+                                     heads, p->pool));
+        row = p->row0 + p->n_rows;
+    }
+    return GY_OK;
+}
+
 static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                        const gy_forward_batch *b, gy_forward_ws *ws,
                                        gy_threadpool *pool, int64_t first_layer, int64_t end_layer) {
@@ -87,8 +128,7 @@ static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp,
                              w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 1, pool));
         GY_TRY(gy_cpu_rope(ws->q, b->paged.token_pos, m->rope_cos, m->rope_sin, n, heads, D, m->max_pos));
         GY_TRY(gy_cpu_rope(ws->k, b->paged.token_pos, m->rope_cos, m->rope_sin, n, kv_heads, D, m->max_pos));
-        GY_TRY(gy_cpu_kv_write(layer_base, layout, ws->k, ws->v, &b->paged));
-        GY_TRY(gy_cpu_attention(ws->attn, ws->q, layer_base, layout, &b->paged, heads, pool));
+        GY_TRY(gy_forward_cpu_attention(b, ws, layer_base, layout, l, heads, pool));
         /* o_proj is row-parallel: a partial sum over this rank's heads, in max_tp chunks. */
         GY_TRY(gy_cpu_linear_t(ws->o, ws->attn, GY_ROWS(w->wo_t, tp->rank * q_rows), wt, NULL, n,
                                q_rows, hid, (int32_t)shards_here, pool));

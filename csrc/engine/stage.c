@@ -69,12 +69,16 @@ void gy_stage_free(gy_stage *st) {
             gy_forward_ws_free(&rk->ws);
             free(rk->bt_indptr);
             free(rk->bt_indices);
+            free(rk->parts);
+            free(rk->zeros);
         }
         void *rows[] = {grp->entry_index, grp->rows, grp->tokens, grp->token_seq, grp->token_pos,
                         grp->logit_rows, grp->logit_index, grp->logits};
         for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) free(rows[i]);
     }
     gy_idmap_free(&st->home);
+    gy_idmap_free(&st->remote_of);
+    free(st->remote);
     memset(st, 0, sizeof *st);
 }
 
@@ -111,6 +115,76 @@ void gy_stage_unhome(gy_stage *st, int64_t req) {
     if (st->n_groups == 1 || !gy_idmap_get(&st->home, req, &g)) return;
     gy_idmap_remove(&st->home, req);
     st->groups[g].n_requests--;
+}
+
+/* ---- remote attention ---- */
+
+const gy_stage_remote *gy_stage_remote_of(const gy_stage *st, int64_t req) {
+    int64_t i;
+    return gy_idmap_get(&st->remote_of, req, &i) ? &st->remote[i] : NULL;
+}
+
+gy_status gy_stage_set_remote(gy_stage *st, int64_t req, const gy_stage *src, int64_t first_layer,
+                              int64_t end_layer) {
+    int64_t i;
+    const int known = gy_idmap_get(&st->remote_of, req, &i);
+    if (first_layer >= end_layer) { /* forget: the last record takes its place */
+        if (!known) return GY_OK;
+        gy_idmap_remove(&st->remote_of, req);
+        if (i != --st->n_remote) {
+            st->remote[i] = st->remote[st->n_remote];
+            GY_TRY(gy_idmap_put(&st->remote_of, st->remote[i].req, i)); /* overwrites: no alloc */
+        }
+        return GY_OK;
+    }
+    if (src == NULL || src == st || st->n_groups != 1 || src->n_groups != 1 ||
+        src->groups[0].size != st->groups[0].size)
+        return GY_FAIL(GY_ERR_INVALID, "remote attention is between two other stages of one group "
+                       "of the same size");
+    if (!known) {
+        GY_TRY(gy_grow((void **)&st->remote, &st->cap_remote, st->n_remote + 1,
+                       sizeof *st->remote, "remote attention records"));
+        GY_TRY(gy_idmap_put(&st->remote_of, req, st->n_remote));
+        i = st->n_remote++;
+    }
+    st->remote[i] = (gy_stage_remote){.req = req, .src = src, .first_layer = first_layer,
+                                      .end_layer = end_layer};
+    return GY_OK;
+}
+
+/* Rank rk's remote parts for the entries of a one-group stage: the requests with a record whose
+ * layers meet the stage's. */
+static gy_status gy_stage_rank_parts(gy_stage *st, int32_t k, gy_stage_rank *rk,
+                                     const gy_sched_batch *b) {
+    rk->batch.n_remote = 0;
+    if (st->n_remote == 0) return GY_OK;
+    GY_TRY(gy_grow((void **)&rk->parts, &rk->cap_parts, b->n_entries, sizeof *rk->parts,
+                   "remote attention parts"));
+    const int64_t old_cap = rk->cap_zeros;
+    GY_TRY(gy_grow((void **)&rk->zeros, &rk->cap_zeros, b->n_tokens, sizeof(int32_t), "zeros"));
+    if (rk->cap_zeros > old_cap) memset(rk->zeros, 0, (size_t)rk->cap_zeros * sizeof(int32_t));
+    int64_t row = 0, n = 0;
+    for (int64_t i = 0; i < b->n_entries; row += b->entries[i++].n_tokens) {
+        const gy_stage_remote *r = gy_stage_remote_of(st, b->entries[i].id);
+        if (r == NULL) continue;
+        const int64_t first = r->first_layer > st->first ? r->first_layer : st->first;
+        const int64_t end = r->end_layer < st->end ? r->end_layer : st->end;
+        if (first >= end) continue;
+        const gy_stage_rank *at = &r->src->groups[0].ranks[k];
+        const int64_t seq = gy_sched_kv_adapter_seq(at->adapter, r->req);
+        if (seq < 0)
+            return GY_FAIL(GY_ERR_STATE, "request %lld attends remotely but holds no KV there",
+                           (long long)r->req);
+        rk->parts[n++] = (gy_forward_remote){
+            .kv = at->r.kv, .pool = at->r.pool, .first_layer = first, .end_layer = end,
+            .row0 = row, .n_rows = b->entries[i].n_tokens,
+            .indptr = {0, (int32_t)gy_kv_seq_n_blocks(at->r.kv, seq)},
+            .blocks = gy_kv_seq_blocks(at->r.kv, seq)};
+    }
+    rk->batch.n_remote = n;
+    rk->batch.remote = rk->parts;
+    rk->batch.zeros = rk->zeros;
+    return GY_OK;
 }
 
 /* ---- KV on demand ---- */
@@ -254,6 +328,7 @@ gy_status gy_stage_build(gy_stage *st, const gy_step_rows *rows, int last, int64
                 .n_logits = last && k == 0 ? n_logits : 0,
                 .logit_rows = whole ? rows->logit_rows : grp->logit_rows,
             };
+            if (whole) GY_TRY(gy_stage_rank_parts(st, k, rk, b));
         }
     }
     return GY_OK;

@@ -50,6 +50,9 @@ typedef struct gy_stage_rank {
     int stream_borrowed;            /* cuda: the communicator runs on this rank's model stream */
     struct gy_kv_dirty *dirty;      /* borrowed, or NULL: the KV slots each step writes are
                                      * marked here (a pipeline re-split's patching, kv_patch.h) */
+    gy_forward_remote *parts;       /* [batch.n_remote] this step's remote attention */
+    int32_t *zeros;                 /* [cap_zeros] zeros: the parts' token_seq */
+    int64_t cap_parts, cap_zeros;
 } gy_stage_rank;
 
 typedef struct gy_stage_group {
@@ -69,6 +72,15 @@ typedef struct gy_stage_group {
     float *logits;                  /* [n_entries, vocab] */
 } gy_stage_group;
 
+/* A request whose attention in some layers of this stage runs where its KV still is: on the
+ * ranks of stage `src` (KunServe's remote attention during a buddy group's exchange; forward.h).
+ * Rank k of this stage reads the request's sequence on rank k of src. */
+typedef struct gy_stage_remote {
+    int64_t req;
+    const struct gy_stage *src;
+    int64_t first_layer, end_layer; /* model layers */
+} gy_stage_remote;
+
 typedef struct gy_stage {
     int64_t first, end;             /* layers [first, end) */
     int owned;
@@ -76,6 +88,9 @@ typedef struct gy_stage {
     int32_t n_ranks;                /* over all groups */
     gy_stage_group groups[GY_STAGE_MAX_RANKS];
     gy_idmap home;                  /* request id -> group (several groups only) */
+    gy_idmap remote_of;             /* request id -> index in remote (one-group stages only) */
+    gy_stage_remote *remote;        /* [n_remote], in no particular order */
+    int64_t n_remote, cap_remote;
 } gy_stage;
 
 /* A group as the caller describes it: `size` ranks (borrowed) and their communicator. */
@@ -111,6 +126,13 @@ int32_t gy_stage_home(gy_stage *st, int64_t req);
 gy_status gy_stage_set_home(gy_stage *st, int64_t req, int32_t group);
 /* Forgets where `req` lived. */
 void gy_stage_unhome(gy_stage *st, int64_t req);
+
+/* Request `req`'s attention in model layers [first_layer, end_layer) runs on stage src's ranks
+ * (an empty range forgets it). The stage and src have one group each, of the same size. */
+gy_status gy_stage_set_remote(gy_stage *st, int64_t req, const gy_stage *src, int64_t first_layer,
+                              int64_t end_layer);
+/* Its record, or NULL. */
+const gy_stage_remote *gy_stage_remote_of(const gy_stage *st, int64_t req);
 
 /* ---- KV on demand ---- */
 

@@ -570,6 +570,25 @@ static PyObject *gy_py_engine_stage_seq(GyEngineObject *self, PyObject *args) {
     return PyLong_FromLongLong(gy_engine_stage_seq(self->engine, stage, rank, id));
 }
 
+/* set_remote(id, stage, src_stage, first_layer, end_layer): the request's attention in those
+ * layers of `stage` runs on src_stage's ranks (an empty range ends it). */
+static PyObject *gy_py_engine_set_remote(GyEngineObject *self, PyObject *args) {
+    int stage, src;
+    long long id, first, end;
+    if (!PyArg_ParseTuple(args, "LiiLL", &id, &stage, &src, &first, &end)) return NULL;
+    const gy_status s = gy_engine_set_remote(self->engine, id, stage, src, first, end);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_remote_stats(GyEngineObject *self, PyObject *unused) {
+    (void)unused;
+    int64_t calls = 0, token_layers = 0;
+    gy_engine_remote_stats(self->engine, &calls, &token_layers);
+    return Py_BuildValue("{s:L,s:L}", "calls", (long long)calls, "token_layers",
+                         (long long)token_layers);
+}
+
 /* replan(layers, models): the same stages and KV caches, new (first, end) ranges and models (a
  * list per stage, one model per rank). */
 static PyObject *gy_py_engine_replan(GyEngineObject *self, PyObject *args) {
@@ -614,6 +633,10 @@ static PyMethodDef gy_py_engine_methods[] = {
      "set_dirty(stage, rank, dirty): steps mark the KV slots they write (None stops)"},
     {"copy_layers", (PyCFunction)gy_py_engine_copy_layers, METH_VARARGS,
      "copy_layers(src_stage, dst_stage, rank, first, end, words, dirty_slots) -> slots copied"},
+    {"set_remote", (PyCFunction)gy_py_engine_set_remote, METH_VARARGS,
+     "set_remote(id, stage, src_stage, first_layer, end_layer): remote attention (empty: ends)"},
+    {"remote_stats", (PyCFunction)gy_py_engine_remote_stats, METH_NOARGS,
+     "remote_stats() -> {'calls', 'token_layers'} of remote attention so far"},
     {"stage_seq", (PyCFunction)gy_py_engine_stage_seq, METH_VARARGS,
      "stage_seq(stage, rank, id) -> the request's KV sequence there, or -1"},
     {"replan", (PyCFunction)gy_py_engine_replan, METH_VARARGS,

@@ -645,3 +645,62 @@ GYTEST(engine_take_moves_requests_that_continue_bit_identically) {
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
 }
+
+/* KunServe's remote attention: a pipeline PP[2,2] whose two caches hold every layer. All three
+ * requests attend in stage 1's layers on stage 0's cache from the start (their KV is "still
+ * there"); after 4 steps layer 2's KV moves to stage 1's cache and they attend there for it,
+ * after 6 layer 3's: the tokens of one stage, and the remote calls counted. */
+GYTEST(engine_remote_attention_gives_the_tokens_of_one_stage) {
+    owned o = {0};
+    gy_model model;
+    build_model_layers(&model, &o, PLAN_L);
+    int32_t want[3][12], got[3][12];
+    int64_t produced[3] = {0, 0, 0};
+    serve_tp1(&model, want);
+    gy_arena *arenas[2];
+    gy_kv_cache *kvs[2];
+    for (int s = 0; s < 2; s++) make_kv_range(&arenas[s], &kvs[s], NKV, 0, PLAN_L);
+    const gy_engine_rank ranks[2] = {{.model = &model, .kv = kvs[0]}, {.model = &model, .kv = kvs[1]}};
+    const gy_engine_stage plan[2] = {{.first_layer = 0, .end_layer = 2, .size = 1, .ranks = &ranks[0]},
+                                     {.first_layer = 2, .end_layer = PLAN_L, .size = 1, .ranks = &ranks[1]}};
+    const gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+    gy_engine *e;
+    CHECK_OK(gy_engine_init_plan(&e, plan, 2, &cfg));
+    CHECK_STATUS(gy_engine_set_remote(e, 0, 1, 0, 2, PLAN_L), GY_ERR_STATE); /* no request yet */
+    add_requests(e);
+    CHECK_STATUS(gy_engine_set_remote(e, 0, 1, 1, 2, PLAN_L), GY_ERR_INVALID); /* itself */
+    CHECK_STATUS(gy_engine_set_remote(e, 0, 1, 2, 2, PLAN_L), GY_ERR_INVALID); /* no stage 2 */
+    gy_error_clear();
+    for (int r = 0; r < 3; r++) CHECK_OK(gy_engine_set_remote(e, r, 1, 0, 2, PLAN_L));
+    CHECK_STATUS(gy_engine_replan(e, plan, 2), GY_ERR_BUSY);
+    gy_error_clear();
+    int64_t calls = 0, rows = 0;
+    for (int step = 0; step < 100; step++) {
+        if (step == 4 || step == 6) { /* one more layer has arrived */
+            const int64_t l = step == 4 ? 2 : 3;
+            int64_t copied = 0;
+            CHECK_OK(gy_engine_copy_layers(e, 0, 1, 0, l, l + 1, NULL, 0, &copied));
+            CHECK(copied > 0);
+            for (int r = 0; r < 3; r++) CHECK_OK(gy_engine_set_remote(e, r, 1, 0, l + 1, PLAN_L));
+            if (step == 4) gy_engine_remote_stats(e, &calls, &rows);
+        }
+        gy_engine_step_out out;
+        CHECK_OK(gy_engine_step(e, (double)step, &out));
+        collect(&out, got, produced);
+        for (int64_t i = 0; i < out.n_finished; i++) CHECK_OK(gy_engine_release(e, out.finished[i]));
+    }
+    CHECK(memcmp(got, want, sizeof got) == 0);
+    /* 4 steps of 3 requests (prefill rows of up to 5 tokens) over 2 layers, then 2 over 1 */
+    CHECK(calls == 4 * 3 * 2 && rows >= calls);
+    int64_t calls_after = 0;
+    gy_engine_remote_stats(e, &calls_after, &rows);
+    CHECK(calls_after == calls + 2 * 3);
+    CHECK_OK(gy_engine_replan(e, plan, 2)); /* the records left with the requests */
+    gy_engine_free(e);
+    for (int s = 0; s < 2; s++) {
+        gy_kv_free(kvs[s]);
+        gy_arena_free(arenas[s]);
+    }
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
