@@ -107,8 +107,8 @@ def _new_seq(kv, n_tokens):
     """A sequence of kv with room for n_tokens, the cache grown as needed (OutOfMemoryError
     when the budget cannot)."""
     need = -(-n_tokens // kv.block_size)
-    while kv.free_blocks < need:
-        kv.grow(1)
+    while kv.free_blocks < need:   # (a page holds whole blocks, or a block spans pages)
+        kv.grow(max(1, int((need - kv.free_blocks) // kv.blocks_per_page())))
     seq = kv.new_sequence()
     kv.reserve(seq, n_tokens)
     return seq
