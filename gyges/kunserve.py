@@ -120,10 +120,10 @@ class Exchange:
     moves there one layer at a time. Until a layer has arrived, that layer's attention runs on
     the worker holding its KV (remote attention, gy_engine_set_remote: q, k, v go there, the
     output comes back; the parameters stay). A layer's KV moves whole between two steps, so
-    nothing written meanwhile is lost or left stale. host.step advances it first; with a link,
-    the activations of the step before go first and the KV takes what the link had left over
-    since the last advance, else `layers_per_step` layers of every victim and buddy move per
-    step. When all has moved, the caches keep their own layers (their other pages go)."""
+    nothing written meanwhile is lost or left stale. host.step advances it first; with a link
+    (one, shared by the group's transfers), the activations of the step before go first and the
+    KV takes what the link had left over since the last advance, else `layers_per_step` layers
+    of every victim and buddy move per step. When all has moved, the caches keep their own layers (their other pages go)."""
 
     rolls_back = True   # a failed advance changes nothing; the next one tries again
 
@@ -148,24 +148,28 @@ class Exchange:
         return f"Exchange(workers={list(self.workers)}, {len(self.pending)} layers to move)"
 
     def _activations(self):
-        """Remote attention since the last look, in the stats and (with a link) on the link."""
+        """Remote attention since the last look, in the stats and (with a link) on the link;
+        returns the link's seconds for it."""
         pipe, st = self.buddy.instance, self.buddy.stats
         now = pipe._c.remote_stats()
         calls, rows = now["calls"] - self._calls, now["token_layers"] - self._token_layers
         self._calls, self._token_layers = now["calls"], now["token_layers"]
         st["remote_attention_calls"] += calls
         st["remote_attention_bytes"] += rows * self.row_bytes
-        if self.link is not None and calls:
-            st["activation_seconds"] += self.link.send(rows * self.row_bytes, 2 * calls)
+        if self.link is None or not calls:
+            return 0.0
+        t = self.link.send(rows * self.row_bytes, 2 * calls)
+        st["activation_seconds"] += t
+        return t
 
     def advance(self):
-        self._activations()
+        busy = self._activations()   # activations first: they have priority on the link
         self._advances += 1
         if self._advances == 1:
             return True   # right after forming: the first layers are on their way this step
         now = time.perf_counter()
-        if self.link is not None:   # the KV's share of the link: what activations left over
-            self._credit += (now - self._last) * self.link.bandwidth
+        if self.link is not None:   # the KV's share: the link's time the activations left over
+            self._credit += max(now - self._last - busy, 0.0) * self.link.bandwidth
         self._last = now
         pipe, live = self.buddy.instance, set(self.buddy.instance.request_ids())
         moved, keep, i = {}, [], 0

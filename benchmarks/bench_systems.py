@@ -1,0 +1,205 @@
+"""All four systems side by side, through the one cluster controller: gyges (TP merges and
+splits of sharded instances), PipeLive (live pipeline re-splits), Flying Serving (DP<->TP binds of
+replicas) and KunServe (buddy groups that drop replicated parameters), with least-load
+replication and the best static layout beside them.
+
+1. The simulator at paper scale: 8 H20 running Qwen2.5-32B, every system on the same GPUs
+   (KunServe's groups and PipeLive's pipelines priced by a PipelineCost of H20 stages, 200 Gbps
+   between GPUs; PipeLive runs four 2-stage pipelines, since it re-splits one pipeline per host).
+   Four traces: Gyges 6.2.4 (short 1K prompts at 60/min and 50K prompts at 1/min, at 1.5x the
+   paper's rate, where the baselines fall behind), the Azure LLM 2023 conversation trace scaled
+   as bench_sim.py scales it (3% of requests exceed a TP1 instance), a KunServe-style memory
+   burst (x3 for 60 s of 3,000-token outputs, bench_kunserve.BURSTS at half its rate) and Flying
+   Serving's alternating load (30 s phases of low and high rate, at a quarter of its rates).
+   Pipelines (PipeLive's, KunServe's groups) keep one micro-batch per stage in flight. The best static
+   layout is, of the TP layouts of 8 GPUs, the one that rejects fewest requests, then has the
+   highest goodput. Goodput: requests/s meeting TTFT <= 10 s (stretched to prompt / 500 tok/s
+   for long prompts, bench_sim.goodputs) and TPOT <= 100 ms; a rejected request never meets it.
+2. The CPU host at small scale (gyges.experiment: the tiny model on 4 workers of 24 MiB, the same
+   C controller and policies): a burst of 24 s (x12 for 3 s at 4 s) of requests that each fit
+   one worker. PipeLive runs on its own pipeline host (an
+   8-layer tiny model on 2 workers of unequal memory; experiment.run's default for it), so its
+   row is not comparable with the others'.
+
+Papers: Gyges reports 1.75-6.57x the throughput of KunServe and others on its trace (Fig. 14);
+KunServe 8.4-27.3x lower P99 TTFT than replication under bursts (Fig. 10); Flying Serving up to
+4.79x (high load) and 3.47x (low load) over static DP/TP; PipeLive 33-36% end-to-end on
+heterogeneous GPUs (its gains need unequal GPUs, which this cluster does not have).
+
+Writes results/bench_systems.json and results/bench_systems.png.
+Run: .venv/bin/python benchmarks/bench_systems.py [--quick] [--no-host]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_kunserve import BURSTS  # noqa: E402
+from benchmarks.bench_sim import AZURE, LAYOUTS, SLO, azure_trace, goodputs  # noqa: E402
+from benchmarks.common import RESULTS, print_table, write_json  # noqa: E402
+from gyges import experiment, metrics, sim, traces  # noqa: E402
+from gyges.costmodel import RDMA_200G, CostModel, PipelineCost  # noqa: E402
+
+MODEL, GPU, N_GPUS = "qwen2.5-32b", "h20", 8
+
+
+def paper_scale_systems():
+    """name -> sim.run keyword arguments, every system on the same 8 GPUs."""
+    # pipelines keep one micro-batch per stage in flight (vLLM's virtual engines)
+    buddy = PipelineCost.create(MODEL, [GPU] * N_GPUS, link_bw=RDMA_200G, micro_batches=None)
+    pair = PipelineCost.create(MODEL, [GPU] * 2, link_bw=RDMA_200G, micro_batches=None)
+    return {
+        "gyges": dict(policy="gyges"),
+        "pipelive": dict(policy="pipelive", hosts=N_GPUS // 2, layout="PP2", cost=pair),
+        "flying": dict(policy="flying", weights="replicated"),
+        "kunserve": dict(policy="kunserve", weights="buddy", cost=buddy),
+        "replication (least_load)": dict(policy="least_load", layout=f"{N_GPUS}xTP1",
+                                         eager_scale_up=False, scale_up_cap=0.0),
+    }
+
+
+def paper_scale_traces(quick):
+    span = 300 if quick else 600
+    out = {"gyges 6.2.4 x1.5": traces.scale_rate(traces.gyges_mixed(span, seed=0), 1.5)}
+    if AZURE.exists():
+        tr, _, _ = azure_trace(CostModel.create(MODEL, GPU), rate_factor=0.07)
+        out["azure conv"] = traces.clip(tr, n=2000) if quick else tr
+    else:
+        print(f"(the Azure trace is skipped: {AZURE} is absent)")
+    # KunServe's memory burst (4 req/s on 8 A800 serving Qwen2.5-14B), at half the rate: these
+    # GPUs serve a model twice as large
+    b = BURSTS["x3 60 s, out 3000"]
+    out["burst x3 (KunServe)"] = traces.burst(
+        b["rate"] / 2, 300, at=100, factor=b["factor"], length=b["length"], seed=1,
+        input_tokens=traces.lognormal_lengths(b["input_mean"]),
+        output_tokens=traces.lognormal_lengths(b["output_mean"], cap=8192))
+    # Flying's phases are 2-5 and 10-30 req/s on 8 H200 serving Llama-70B; a quarter of that
+    # loads these 8 H20 in the high phases and leaves them light in the low ones
+    out["alternating (Flying)"] = traces.scale_rate(
+        traces.flying_alternating(240 if quick else 480, seed=0), 1 / 4)
+    return out
+
+
+def row_of(res, trace_name, system):
+    s = res.summary(slo=SLO, percentiles=(99,))
+    r = res.requests
+    pr = metrics.per_request(r)
+    done = np.isfinite(r["finish"])
+    good_rps, _, attained = goodputs(res)
+    reconf = s["transformations"]   # completed, of every kind (merges, binds, drops, ...)
+    tpot = pr["tpot"][done & (r["output_tokens"] > 1)]
+    return {"trace": trace_name, "system": system, "requests": int(r.size),
+            "throughput": s["total_token_throughput"], "output_tps": s["output_throughput"],
+            "goodput": good_rps, "attained": attained, "ttft_mean": s["ttft_mean"],
+            "ttft_p99": s["ttft_p99"], "tpot_mean_ms": 1e3 * s["tpot_mean"],
+            "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)) if tpot.size else None,
+            "rejected": int(s["rejected"]), "reconfigurations": int(reconf),
+            **{k: int(res.stats[k]) for k in ("binds", "drops", "resplits") if k in res.stats}}
+
+
+def best_static(tr, name):
+    """The static TP layout of the 8 GPUs with the fewest rejections, then the most goodput."""
+    rows = [row_of(sim.run(tr, policy="static", layout=layout, slo=SLO), name,
+                   f"static {layout}") for layout in LAYOUTS]
+    return min(rows, key=lambda r: (r["rejected"], -r["goodput"]))
+
+
+def simulator_rows(quick):
+    rows = []
+    for name, tr in paper_scale_traces(quick).items():
+        t = time.perf_counter()
+        group = [row_of(sim.run(tr, slo=SLO, **kw), name, system)
+                 for system, kw in paper_scale_systems().items()]
+        static = best_static(tr, name)
+        static["system"] = f"best static ({static['system'][7:]})"
+        group.append(static)
+        for r in group:  # each system against the best static layout
+            r["goodput_vs_static"] = r["goodput"] / static["goodput"] if static["goodput"] else None
+            r["p99_vs_static"] = r["ttft_p99"] / static["ttft_p99"]
+        rows += group
+        print(f"  {name}: {tr.size} requests, {time.perf_counter() - t:.1f} s")
+    return rows
+
+
+def host_rows(quick):
+    """The CPU host, the same C controller: a burst on the tiny model's 4 workers."""
+    # every request fits one worker's KV (896 tokens of 24 MiB), as KunServe assumes: the
+    # pressure comes from how many run at once
+    tr = traces.burst(2.0, 12.0 if quick else 24.0, at=4.0, factor=12, length=3.0, seed=1,
+                      input_tokens=traces.lognormal_lengths(200, cap=350),
+                      output_tokens=traces.lognormal_lengths(300, cap=500))
+    runs = {"gyges": dict(policy="gyges"), "flying": dict(policy="flying"),
+            "kunserve": dict(policy="kunserve"),
+            "replication (least_load)": dict(policy="least_load", eager_scale_up=False,
+                                             scale_up_cap=0.0)}
+    runs.update({f"static {layout}": dict(policy="static", layout=layout)
+                 for layout in ("4xTP1", "2xTP2", "1xTP4")})
+    runs["pipelive (own host)"] = dict(policy="pipelive")
+    rows = []
+    for system, kw in runs.items():
+        t = time.perf_counter()
+        res = experiment.run(tr, sample_interval=0.5, slo=SLO, **kw)
+        rows.append({**row_of(res, "CPU burst", system), "wall_s": time.perf_counter() - t})
+    statics = [r for r in rows if r["system"].startswith("static")]
+    best = dict(min(statics, key=lambda r: (r["rejected"], -r["goodput"])))
+    best["system"] = f"best static ({best['system'][7:]})"
+    return [r for r in rows if r not in statics] + [best]
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["trace"] for r in rows))
+    systems = list(dict.fromkeys(r["system"].split(" (")[0] for r in rows))
+    fig, axes = plt.subplots(2, len(names), figsize=(4.2 * len(names), 6.5), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, name in enumerate(names):
+        group = {r["system"].split(" (")[0]: r for r in rows if r["trace"] == name}
+        for i, (key, label) in enumerate((("goodput", "goodput (req/s)"),
+                                          ("ttft_p99", "P99 TTFT (s)"))):
+            ax = axes[i][j]
+            vals = [group[s][key] if s in group and group[s][key] is not None else 0
+                    for s in systems]
+            ax.bar(range(len(systems)), vals, color=colours[:len(systems)])
+            ax.set_xticks(range(len(systems)), systems, rotation=40, ha="right", fontsize=8)
+            ax.set_title(f"{name}: {label}", fontsize=9)
+            if key == "ttft_p99":
+                ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+COLUMNS = [("trace", "trace", "{}"), ("system", "system", "{}"), ("throughput", "tok/s", "{:.0f}"),
+           ("output_tps", "out tok/s", "{:.0f}"), ("goodput", "goodput r/s", "{:.3f}"),
+           ("attained", "SLO met", "{:.1%}"), ("ttft_mean", "TTFT mean s", "{:.2f}"),
+           ("ttft_p99", "TTFT p99 s", "{:.2f}"), ("tpot_mean_ms", "TPOT mean ms", "{:.1f}"),
+           ("tpot_p99_ms", "TPOT p99 ms", "{:.1f}"), ("rejected", "rejected", "{}"),
+           ("reconfigurations", "reconfig.", "{}")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="shorter traces")
+    ap.add_argument("--no-host", action="store_true", help="the simulator section only")
+    args = ap.parse_args()
+    out = {"sim": simulator_rows(args.quick)}
+    print_table(f"1. Simulator: {N_GPUS}x {GPU}, {MODEL}; goodput and P99 TTFT also against the "
+                f"best static layout", out["sim"],
+                COLUMNS + [("goodput_vs_static", "goodput / static", "{:.2f}"),
+                           ("p99_vs_static", "p99 / static", "{:.2f}")])
+    if not args.no_host:
+        out["host"] = host_rows(args.quick)
+        print_table("2. CPU host (tiny model, 4 workers of 24 MiB, one burst; the same controller)",
+                    out["host"], COLUMNS + [("wall_s", "wall s", "{:.1f}")])
+    write_json("bench_systems", out)
+    RESULTS.mkdir(exist_ok=True)
+    plot(out["sim"] + out.get("host", []), RESULTS / "bench_systems.png")
+
+
+if __name__ == "__main__":
+    main()
