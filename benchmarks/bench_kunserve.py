@@ -15,7 +15,8 @@
    1,000-token outputs, compute-bound; a x3 spike for 60 s of 3,000-token outputs, where the
    replicas' KV fills first): P50 / P99 TTFT, the
    share of requests over a 5 s TTFT SLO and P50 TPOT for kunserve, replication (least_load),
-   a static pipeline of groups of 2, kunserve without live restore and with memory-greedy
+   replication that swaps preempted requests' KV to host memory over PCIe (25 GB/s per GPU)
+   instead of recomputing it, a static pipeline of groups of 2, kunserve without live restore and with memory-greedy
    groups. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
    pipeline), TBT P50 +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
    (throughput-greedy 1.2x better TTFT than memory-greedy).
@@ -140,6 +141,7 @@ def sim_rows():
                                          link_bw=costmodel.RDMA_200G, micro_batches=None)
     runs = [("kunserve", dict(policy="kunserve")),
             ("replication", dict(policy="least_load")),
+            ("replication + KV swap (PCIe 25 GB/s)", dict(policy="least_load", swap_bw=25e9)),
             ("static pipeline (g=2)", dict(policy="least_load", buddy_group=2)),
             ("kunserve, blocking restore", dict(policy="kunserve", live_restore=False)),
             ("kunserve, memory-greedy", dict(policy="kunserve", buddy_strategy="memory"))]

@@ -130,7 +130,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
-        buddy_strategy: str | None = None, restore_wait: float | None = None) -> Results:
+        buddy_strategy: str | None = None, restore_wait: float | None = None,
+        swap_bw: float | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost; default CostModel.create(model, gpu) (the
@@ -153,7 +154,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     gyges.cluster.DEFAULTS. sample_interval: seconds between time-series samples
     (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
     throughput series; memory grows with the output). check: verify the simulator's invariants
-    after every chunk (tests). slo: kept for Results.summary (goodput).
+    after every chunk (tests). slo: kept for Results.summary (goodput). swap_bw: bytes/s per
+    GPU (PCIe) at which a preempted request's KV goes to host memory and comes back instead of
+    being computed again (vLLM's swap preemption, KunServe's KV-swap baseline); None recomputes.
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
@@ -252,7 +255,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         capacity=capacity, capacity_mid=capacity_mid, **sched, cost_kind=cost.kind,
         cost_params=cost.params(), policy=policy, **knobs,
         sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
-        max_input=max_input, replicated=replicated, switch_time=switch_time)
+        max_input=max_input, replicated=replicated, switch_time=switch_time,
+        **_swap_args(swap_bw, cost))
 
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
@@ -262,7 +266,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
               "max_input_tokens": max_input,
               **sched, **knobs, "weights": weights,
               "switch_time": switch_time,
-              "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})
+              "sample_interval": sample_interval, "record_tokens": bool(record_tokens), "swap_bw": swap_bw})
 
 
 def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) -> Results:
@@ -290,12 +294,28 @@ def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) ->
                                   wall_seconds=time.perf_counter() - t_wall)
 
 
+def _swap_args(swap_bw, cost) -> dict:
+    """_C.Simulator's swap_bw and kv_token_bytes: a token's KV over every layer, from the cost
+    model (a ConstantCost has no KV size, so it cannot price a swap)."""
+    if swap_bw is None:
+        return {}
+    swap_bw = check_number("swap_bw", swap_bw, 0.0, low_open=True, error=SimError)
+    if isinstance(cost, PipelineCost):
+        token = cost.kv_layer * cost.n_layers
+    elif isinstance(cost, CostModel):
+        token = float(cost.model.kv_bytes_per_token(cost.dtype_bytes, 1))
+    else:
+        raise SimError("swap_bw prices KV bytes: give a CostModel or PipelineCost, not "
+                       f"{type(cost).__name__}")
+    return {"swap_bw": float(swap_bw), "kv_token_bytes": float(token)}
+
+
 def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, progress, cost,
                   max_tp, block_size, max_batch_tokens, max_running, max_prefill_chunk,
                   watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap,
                   merge_wait, eager_scale_up, weights, switch_time, flying_tp, light_load,
                   sample_interval, record_tokens, check, gpus, kv_resize, kv_blocks,
-                  t_wall) -> Results:
+                  swap_bw, t_wall) -> Results:
     """run() for a pipeline layout (the module docstring): one pipeline per host."""
     if policy not in ("static", "pipelive"):
         raise SimError(f"a pipeline layout runs with policy 'static' or 'pipelive', not "
@@ -351,7 +371,8 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
         capacity_mid=capacity, **sched, cost_kind=unused.kind, cost_params=unused.params(),
         policy=policy, **knobs, sample_interval=sample_interval,
         record_tokens=bool(record_tokens), **arrays,
-        pipeline=cost.params(block_size, fixed), pipe_layers=list(split))
+        pipeline=cost.params(block_size, fixed), pipe_layers=list(split),
+        **_swap_args(swap_bw, cost))
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": cost.n_stages, "max_tp": 1,
@@ -359,13 +380,13 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
         "cost": cost.describe(), "capacity_blocks": capacity, "kv_resize": bool(kv_resize),
         "kv_blocks": fixed or None, **sched, **knobs,
         "weights": weights, "sample_interval": sample_interval,
-        "record_tokens": bool(record_tokens)})
+        "record_tokens": bool(record_tokens), "swap_bw": swap_bw})
 
 
 def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, progress, cost,
                max_tp, block_size, max_batch_tokens, max_running, max_prefill_chunk, watermark,
                decode_weight, sample_interval, record_tokens, check, buddy_group, live_restore,
-               buddy_strategy, restore_wait, t_wall, **unused) -> Results:
+               buddy_strategy, restore_wait, swap_bw, t_wall, **unused) -> Results:
     """run() for weights="buddy" (the module docstring): every GPU a replica that can drop."""
     if policy not in ("kunserve", "least_load", "round_robin", "static"):
         raise SimError(f"a buddy cluster runs with policy 'kunserve' (or 'least_load', "
@@ -403,10 +424,10 @@ def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, pro
         **sched, cost_kind=unused_cost.kind, cost_params=unused_cost.params(), policy=policy,
         **knobs, sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         pipeline=cost.params(block_size, 0), pipe_layers=even, buddy=True, buddy_group=group,
-        live_restore=bool(live_restore))
+        live_restore=bool(live_restore), **_swap_args(swap_bw, cost))
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": n_st, "max_tp": 1,
         "weights": "buddy", "buddy_group": group, "live_restore": bool(live_restore),
         "gpus": [g.name for g in cost.gpus], "cost": cost.describe(), **sched, **knobs,
-        "sample_interval": sample_interval, "record_tokens": bool(record_tokens)})
+        "sample_interval": sample_interval, "record_tokens": bool(record_tokens), "swap_bw": swap_bw})

@@ -2,6 +2,8 @@
 issue, the memory-greedy variant, an independent reference on random inputs, and refusals."""
 import random
 
+import numpy as np
+
 import pytest
 
 import gyges
@@ -87,3 +89,48 @@ def test_the_kunserve_policy_drops_under_a_burst_and_restores_after():
     calm = sim.run(trace[trace["arrival"] < 90], policy="kunserve", weights="buddy", cost=cost,
                    sample_interval=0.5)
     assert calm.stats["drops"] == 0  # before the burst the replicas hold the demand
+
+
+def burst_of_long_outputs(seconds=200):
+    from gyges import traces
+    return traces.burst(4, seconds, at=60, factor=3, length=40, seed=1,
+                        input_tokens=traces.lognormal_lengths(1000),
+                        output_tokens=traces.lognormal_lengths(3000, cap=8192))
+
+
+def test_swapping_preempted_kv_prices_both_ways_and_beats_recomputing():
+    """KunServe's KV-swap baseline (sim.run swap_bw): replicas that preempt under a burst move
+    the victims' KV to host memory and back. Every byte that goes out comes back, the steps pay
+    exactly those bytes over the GPUs' PCIe, the scheduler's preemptions are the same kind of
+    event, and tail latency beats recomputing (the KV of long outputs is cheaper to move than
+    to compute again); without preemptions it changes nothing."""
+    from gyges import costmodel, sim
+    cost = costmodel.PipelineCost.create("qwen2.5-14b", ["a800-80gb"] * 8,
+                                         link_bw=costmodel.RDMA_200G)
+    tr = burst_of_long_outputs()
+    recompute = sim.run(tr, policy="least_load", weights="buddy", cost=cost, check=True)
+    swap = sim.run(tr, policy="least_load", weights="buddy", cost=cost, swap_bw=25e9, check=True)
+    assert recompute.stats["preemptions"] > 0 and swap.stats["preemptions"] > 0
+    assert recompute.stats["swap_out_bytes"] == recompute.stats["swap_s"] == 0
+    out, back = swap.stats["swap_out_bytes"], swap.stats["swap_in_bytes"]
+    token = cost.kv_layer * cost.n_layers
+    assert out > 0 and back == out and (out / token) == round(out / token)
+    assert swap.stats["swap_s"] == pytest.approx((out + back) / 25e9)  # replicas: one GPU each
+    assert swap.summary()["completed"] == recompute.summary()["completed"] == len(tr)
+    assert swap.summary()["ttft_p99"] < recompute.summary()["ttft_p99"]
+    calm = tr[tr["arrival"] < 50]
+    a = sim.run(calm, policy="least_load", weights="buddy", cost=cost)
+    b = sim.run(calm, policy="least_load", weights="buddy", cost=cost, swap_bw=25e9)
+    assert a.stats["preemptions"] == 0 and b.stats["swap_s"] == 0
+    np.testing.assert_array_equal(a.requests, b.requests)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(swap_bw=0), "swap_bw"), (dict(swap_bw=float("nan")), "swap_bw"),
+    (dict(swap_bw=1e9, cost="constant"), "CostModel or PipelineCost")])
+def test_swap_arguments_are_named(kwargs, match):
+    from gyges import costmodel, sim
+    if kwargs.get("cost") == "constant":
+        kwargs["cost"] = costmodel.ConstantCost()
+    with pytest.raises(sim.SimError, match=match):
+        sim.run(burst_of_long_outputs(20), policy="least_load", **kwargs)

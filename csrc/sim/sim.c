@@ -29,7 +29,9 @@ typedef struct gy_sim_req {
     gy_sim_carry carry;   /* lifted out of its instance (gy_sim_lift): what it takes to the next
                              one (instance.h), while paused or across a bind or a release */
     int32_t victim;       /* buddy: its KV is still partly on its old GPU (an exchange runs) */
-    int32_t pad_;
+    int32_t swapped;      /* swap_bw > 0: preempted with its KV in host memory (`kept` tokens) */
+    int64_t computed;     /* tokens whose KV it holds: the furthest entry end since it last lost
+                             its KV */
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -317,10 +319,17 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             return GY_FAIL(GY_ERR_STATE, "instance at GPU %d made no progress in %lld steps",
                            (int)i->gpu_first, (long long)guard);
         GY_TRY(gy_sched_schedule(i->core.sched, s->now, &i->batch));
+        double swap_out = 0, swap_in = 0; /* tokens of KV this step moves to host memory, back */
         for (int64_t k = 0; k < i->batch.n_preempted; k++) {
-            const int64_t r = i->batch.preempted[k];
-            s->req[r].kept = 0; /* its KV is released: recompute for real */
-            s->out[r].preemptions++;
+            gy_sim_req *q = &s->req[i->batch.preempted[k]];
+            if (s->config.swap_bw > 0) { /* its KV goes to host memory and comes back */
+                q->kept = q->computed;
+                q->swapped = q->computed > 0;
+                swap_out += (double)q->computed;
+            } else { /* its KV is released: recompute for real */
+                q->kept = q->computed = 0;
+            }
+            s->out[i->batch.preempted[k]].preemptions++;
             s->stats.n_preemptions++;
         }
         if (i->batch.n_entries == 0) {
@@ -332,6 +341,10 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
         for (int64_t k = 0; k < i->batch.n_entries; k++) {
             const gy_sched_entry *e = &i->batch.entries[k];
             if (isnan(s->out[e->id].scheduled)) s->out[e->id].scheduled = s->now;
+            if (s->req[e->id].swapped) { /* re-admitted: its KV comes back from host memory */
+                swap_in += (double)s->req[e->id].kept;
+                s->req[e->id].swapped = 0;
+            }
             const int64_t end = e->pos + e->n_tokens;
             const int64_t kept = s->req[e->id].kept;
             const int64_t start = e->pos > kept ? e->pos : kept;
@@ -359,6 +372,14 @@ static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
                 victim_tokens);
             dt += remote;
             i->exch_debt += remote; /* the link carried it before the exchange's bytes */
+        }
+        if (swap_out + swap_in > 0) { /* over every GPU's PCIe link at once */
+            const double swap = (swap_out + swap_in) * s->config.kv_token_bytes /
+                                (s->config.swap_bw * (double)i->width);
+            dt += swap;
+            s->stats.swap_s += swap;
+            s->stats.swap_out_bytes += swap_out * s->config.kv_token_bytes;
+            s->stats.swap_in_bytes += swap_in * s->config.kv_token_bytes;
         }
         if (!(dt >= 0) || !isfinite(dt))
             return GY_FAIL(GY_ERR_STATE, "the cost model gave a step time of %g s", dt);
@@ -405,6 +426,7 @@ static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any) 
             }
         }
         if (q->kept > 0 && end >= q->kept) q->kept = 0;
+        if (end > q->computed) q->computed = end;
         if (!e->samples) continue;
         const int64_t index = q->gen_offset + e->sample_index;
         if (index > q->generated)
@@ -570,7 +592,8 @@ static gy_status gy_sim_lift(gy_sim *s, int64_t r, int recompute) {
     if (recompute) c.kept = 0;
     gy_sim_unlink(s, r);
     q->gen_offset += c.gen_shift;
-    q->kept = c.kept;
+    q->kept = q->computed = c.kept;
+    if (recompute) q->swapped = 0; /* else its KV still comes back from host memory */
     q->carry = c;
     return GY_OK;
 }
@@ -1435,6 +1458,10 @@ common:
                        c->sched.watermark);
     if (c->policy == NULL || c->policy->place == NULL)
         return GY_FAIL(GY_ERR_INVALID, "no policy");
+    if (!(c->swap_bw >= 0) || !isfinite(c->swap_bw) ||
+        (c->swap_bw > 0 && (!(c->kv_token_bytes > 0) || !isfinite(c->kv_token_bytes))))
+        return GY_FAIL(GY_ERR_INVALID, "swap_bw must be >= 0 and, when > 0, kv_token_bytes > 0 "
+                       "(got %g, %g)", c->swap_bw, c->kv_token_bytes);
     if (!(c->sample_interval > 0) || !isfinite(c->sample_interval))
         return GY_FAIL(GY_ERR_INVALID, "sample_interval must be > 0, got %g", c->sample_interval);
     if (c->replicated && (!(c->switch_time >= 0) || !isfinite(c->switch_time)))

@@ -125,6 +125,14 @@ typedef struct gy_sim_config {
                                      (1: replicas; g: every host starts as buddy groups of g) */
     int32_t live_restore;         /* buddy: 1 a restoring group keeps serving; 0 it stops */
     int32_t pad_;
+    /* Preemption by swapping (vLLM's preemption_mode="swap", KunServe's KV-swap baseline):
+     * swap_bw > 0 moves a preempted request's KV to host memory and back instead of computing
+     * it again, at swap_bw bytes/s per GPU of the instance (PCIe; the KV is spread over its
+     * GPUs), kv_token_bytes a token's KV over every layer. The scheduler still re-admits it as
+     * a prefill; its swapped tokens are free (as KV carried by a transformation is), and the
+     * step that preempts pays the swap-out, the one that re-admits it the swap-in. 0: recompute. */
+    double swap_bw;
+    double kv_token_bytes;
 } gy_sim_config;
 
 /* The requests (copied). Arrivals sorted; lengths >= 1. */
@@ -199,6 +207,8 @@ typedef struct gy_sim_stats {
     int64_t n_victims;     /* buddy: requests whose KV an exchange moved */
     double exchange_s, restore_s; /* buddy: seconds of exchanges (switch to end) and restores */
     double exchange_bytes, restore_bytes; /* KV of exchanges; weights and KV of restores */
+    double swap_s;               /* swap_bw > 0: seconds steps spent swapping KV */
+    double swap_out_bytes, swap_in_bytes; /* KV moved to host memory by preemptions, and back */
 } gy_sim_stats;
 
 typedef struct gy_sim gy_sim;
