@@ -57,7 +57,7 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
 XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING = 0, 1, 6
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
 OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit",
-       7: "drop", 8: "restore"}
+       7: "drop", 8: "restore", 9: "migrate"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 RESPLIT = 6  # gy_sim_op_kind of a pipeline cluster
@@ -207,7 +207,7 @@ class Policy:
 def _decision(raw) -> Decision:
     action, target, group, ops, tp_work = raw
     return Decision(ACTIONS[action], target, (group[0], group[1]),
-                    tuple((OPS[k], g, s) for k, g, s in ops), bool(tp_work))
+                    tuple((OPS[op[0]], *op[1:]) for op in ops), bool(tp_work))
 
 
 def smallest_tp(footprint, capacity, tokens=None, max_pos=None):

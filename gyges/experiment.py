@@ -818,6 +818,10 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     if host.has_unfinished():
         raise ExperimentError("the host still serves requests or transforms; give run() an "
                               "idle host")
+    if policy == "llumnix":
+        raise ExperimentError("policy 'llumnix' migrates running requests live between replicas, "
+                              "which the real host does not do yet; simulate it "
+                              "(gyges.sim.run(..., weights='buddy', policy='llumnix'))")
     if policy == "flying" and host.replicas is None:
         raise ExperimentError("policy 'flying' binds the replicas of a host built with "
                               "weights='replicated'")

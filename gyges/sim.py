@@ -42,6 +42,8 @@ is the link between the instances: RDMA_200G for KunServe's testbed):
     res = gyges.sim.run(trace, policy="least_load", weights="buddy", cost=cost,
                         buddy_group=2)                          # static pipelines of 2 GPUs
 
+policy="llumnix" on a buddy cluster is KunServe's migration baseline: least-load placement and
+live migrations (over the link) from the replica whose KV demand is highest to the lowest.
 live_restore=False stops a restoring group instead of serving on; buddy_strategy "throughput"
 (Algorithm 1) or "memory"; restore_wait: seconds of fitting demand before a restore.
 """
@@ -171,8 +173,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if weights == "buddy":
         return _run_buddy(**{k: v for k, v in locals().items() if k != "t_wall"},
                           t_wall=t_wall)
-    if policy == "kunserve":
-        raise SimError("policy 'kunserve' drops replicated parameters: use weights='buddy'")
+    if policy in ("kunserve", "llumnix"):
+        what = "drops replicated parameters" if policy == "kunserve" else \
+            "migrates requests between replicas"
+        raise SimError(f"policy {policy!r} {what}: use weights='buddy'")
     if isinstance(layout, str) and "pp" in layout.lower():
         if (buddy_group, live_restore, buddy_strategy, restore_wait) != (1, True, None, None):
             raise SimError("buddy_group, live_restore, buddy_strategy and restore_wait are for "
@@ -256,7 +260,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         cost_params=cost.params(), policy=policy, **knobs,
         sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         max_input=max_input, replicated=replicated, switch_time=switch_time,
-        **_swap_args(swap_bw, cost))
+        **_kv_args(cost, swap_bw))
 
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
@@ -294,12 +298,13 @@ def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) ->
                                   wall_seconds=time.perf_counter() - t_wall)
 
 
-def _swap_args(swap_bw, cost) -> dict:
-    """_C.Simulator's swap_bw and kv_token_bytes: a token's KV over every layer, from the cost
-    model (a ConstantCost has no KV size, so it cannot price a swap)."""
-    if swap_bw is None:
+def _kv_args(cost, swap_bw=None, migrate_bw=0.0) -> dict:
+    """_C.Simulator's swap_bw, migrate_bw and kv_token_bytes (a token's KV over every layer, from
+    the cost model; a ConstantCost has no KV size, so it cannot price a swap)."""
+    if swap_bw is None and not migrate_bw:
         return {}
-    swap_bw = check_number("swap_bw", swap_bw, 0.0, low_open=True, error=SimError)
+    if swap_bw is not None:
+        swap_bw = check_number("swap_bw", swap_bw, 0.0, low_open=True, error=SimError)
     if isinstance(cost, PipelineCost):
         token = cost.kv_layer * cost.n_layers
     elif isinstance(cost, CostModel):
@@ -307,7 +312,8 @@ def _swap_args(swap_bw, cost) -> dict:
     else:
         raise SimError("swap_bw prices KV bytes: give a CostModel or PipelineCost, not "
                        f"{type(cost).__name__}")
-    return {"swap_bw": float(swap_bw), "kv_token_bytes": float(token)}
+    return {"swap_bw": float(swap_bw or 0.0), "kv_token_bytes": float(token),
+            "migrate_bw": float(migrate_bw)}
 
 
 def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, progress, cost,
@@ -372,7 +378,7 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
         policy=policy, **knobs, sample_interval=sample_interval,
         record_tokens=bool(record_tokens), **arrays,
         pipeline=cost.params(block_size, fixed), pipe_layers=list(split),
-        **_swap_args(swap_bw, cost))
+        **_kv_args(cost, swap_bw))
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": cost.n_stages, "max_tp": 1,
@@ -388,9 +394,9 @@ def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, pro
                decode_weight, sample_interval, record_tokens, check, buddy_group, live_restore,
                buddy_strategy, restore_wait, swap_bw, t_wall, **unused) -> Results:
     """run() for weights="buddy" (the module docstring): every GPU a replica that can drop."""
-    if policy not in ("kunserve", "least_load", "round_robin", "static"):
+    if policy not in ("kunserve", "least_load", "round_robin", "static", "llumnix"):
         raise SimError(f"a buddy cluster runs with policy 'kunserve' (or 'least_load', "
-                       f"'round_robin', 'static' for the baselines), not {policy!r}")
+                       f"'round_robin', 'static', 'llumnix' for the baselines), not {policy!r}")
     if layout is not None or max_tp not in (None, 1):
         raise SimError("a buddy cluster has no layout or TP: buddy_group sets its start")
     if cost is None:
@@ -424,7 +430,9 @@ def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, pro
         **sched, cost_kind=unused_cost.kind, cost_params=unused_cost.params(), policy=policy,
         **knobs, sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         pipeline=cost.params(block_size, 0), pipe_layers=even, buddy=True, buddy_group=group,
-        live_restore=bool(live_restore), **_swap_args(swap_bw, cost))
+        live_restore=bool(live_restore),
+        # a request migrates live (llumnix) over the link between replicas
+        **_kv_args(cost, swap_bw, (cost.link_bw or 0.0) * cost.eff_xfer))
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
         "policy": policy, "hosts": hosts, "gpus_per_host": n_st, "max_tp": 1,

@@ -134,3 +134,45 @@ def test_swap_arguments_are_named(kwargs, match):
         kwargs["cost"] = costmodel.ConstantCost()
     with pytest.raises(sim.SimError, match=match):
         sim.run(burst_of_long_outputs(20), policy="least_load", **kwargs)
+
+
+def test_llumnix_migrates_from_the_replica_whose_demand_is_highest():
+    """The migration baseline's rule on hand-built views: the running replica whose requests'
+    KV demand (footprint / kv_total) is furthest beyond its memory sends one request to the
+    replica with the lowest demand; nothing moves while no replica is over-committed or the
+    gap is small."""
+    from gyges.cluster import Policy, View
+    p = Policy("llumnix")
+
+    def view(*footprints):
+        return View.of([dict(gpu_first=g, tp=1, kv_total=100, footprint=f, n_running=3)
+                        for g, f in enumerate(footprints)], [100], max_tp=1)
+    assert p.rebalance(view(150, 30, 60, 90)).ops == (("migrate", 0, 1, 1),)
+    assert p.rebalance(view(60, 90, 130, 20)).ops == (("migrate", 2, 1, 3),)
+    assert p.rebalance(view(95, 30, 60, 90)).ops == ()     # nobody over-committed
+    assert p.rebalance(view(120, 110, 105, 101)).ops == ()  # nowhere with room
+
+
+def test_llumnix_migrates_live_and_loses_nothing_but_kunserve_beats_it_on_a_memory_burst():
+    """KunServe's migration baseline in the simulator: under a burst of long outputs requests
+    move live between replicas with their KV (priced over the link), every request completes,
+    the invariants hold, and buddy groups still give the lower tail TTFT (KunServe Fig. 10:
+    migration cannot create memory when every replica is full)."""
+    from gyges import costmodel, sim
+    cost = costmodel.PipelineCost.create("qwen2.5-14b", ["a800-80gb"] * 8,
+                                         link_bw=costmodel.RDMA_200G, micro_batches=None)
+    tr = burst_of_long_outputs(300)
+    res = sim.run(tr, policy="llumnix", weights="buddy", cost=cost, check=True)
+    moved = res.stats["live_migrations"]
+    assert moved > 0 and res.summary()["completed"] == len(tr)
+    assert res.requests["migrations"].sum() >= moved
+    token = cost.kv_layer * cost.n_layers
+    assert res.stats["migrate_bytes"] > 0 and \
+        res.stats["migrate_bytes"] / token == round(res.stats["migrate_bytes"] / token)
+    kun = sim.run(tr, policy="kunserve", weights="buddy", cost=cost)
+    assert kun.summary()["ttft_p99"] < res.summary()["ttft_p99"]
+    with pytest.raises(sim.SimError, match="weights='buddy'"):
+        sim.run(tr, policy="llumnix")
+    from gyges import experiment
+    with pytest.raises(experiment.ExperimentError, match="simulate it"):
+        experiment.run(tr[:4], policy="llumnix")

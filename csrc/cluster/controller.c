@@ -313,6 +313,11 @@ static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const 
                                       op->gpu_first, op->size))
                 gy_cluster_set_held(c, v->inst[k].gpu_first, v->inst[k].tp, 0);
         return GY_OK;
+    case GY_SIM_OP_MIGRATE: /* a request moves; the instances stay as they are */
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        c->stats.n_migrations_started++;
+        return GY_OK;
     case GY_SIM_OP_HOLD:
     case GY_SIM_OP_UNHOLD: {
         const int32_t k = op->gpu_first >= 0 && op->gpu_first < v->n_gpus

@@ -103,6 +103,7 @@ typedef struct gy_cluster_stats {
     int64_t n_binds_started, n_releases_started;
     int64_t n_resplits_started;
     int64_t n_drops_started, n_restores_started;
+    int64_t n_migrations_started; /* MIGRATE ops the executor started */
     int64_t n_rejected;
     int64_t n_deferred;    /* waiting now */
 } gy_cluster_stats;

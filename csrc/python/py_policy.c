@@ -156,7 +156,8 @@ fail:
     return -1;
 }
 
-/* (action, target, (group first, size, footprint), ((kind, gpu_first, size), ...)) */
+/* (action, target, (group first, size, footprint), ((kind, gpu_first, size), ...)); a MIGRATE
+ * op is (kind, gpu_first, size, target) */
 static PyObject *gy_py_policy_decision(const GyPolicyObject *self, const gy_sim_decision *d,
                                        int32_t n_inst) {
     if (d->n_ops < 0 || d->n_ops > GY_SIM_MAX_OPS ||
@@ -168,8 +169,11 @@ static PyObject *gy_py_policy_decision(const GyPolicyObject *self, const gy_sim_
     PyObject *ops = PyTuple_New(d->n_ops);
     if (ops == NULL) return NULL;
     for (int32_t k = 0; k < d->n_ops; k++) {
-        PyObject *op = Py_BuildValue("(iii)", (int)d->ops[k].kind, (int)d->ops[k].gpu_first,
-                                     (int)d->ops[k].size);
+        PyObject *op = d->ops[k].kind == GY_SIM_OP_MIGRATE /* (..., target) */
+                           ? Py_BuildValue("(iiii)", (int)d->ops[k].kind, (int)d->ops[k].gpu_first,
+                                           (int)d->ops[k].size, (int)d->ops[k].target)
+                           : Py_BuildValue("(iii)", (int)d->ops[k].kind, (int)d->ops[k].gpu_first,
+                                           (int)d->ops[k].size);
         if (op == NULL) {
             Py_DECREF(ops);
             return NULL;

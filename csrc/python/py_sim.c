@@ -215,7 +215,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "switch_time", "flying_tp", "light_load", "pipeline",
                             "pipe_layers", "buddy", "buddy_group", "live_restore",
                             "buddy_strategy", "restore_wait", "swap_bw", "kv_token_bytes",
-                            NULL};
+                            "migrate_bw", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -227,15 +227,17 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     int replicated = 0, flying_tp = defaults.flying_tp;
     double switch_time = 0.0, light_load = defaults.light_load;
     int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
-    double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0;
+    double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0,
+           migrate_bw = 0.0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipiddd", names, &hosts, &gpus_per_host,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddd", names, &hosts, &gpus_per_host,
             &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
             &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
-            &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes))
+            &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes,
+            &migrate_bw))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -284,7 +286,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                           .merge_wait = merge_wait,
                           .eager_scale_up = eager,
                           .flying_tp = flying_tp, .light_load = light_load,
-                          .buddy_strategy = buddy_strategy, .restore_wait = restore_wait},
+                          .buddy_strategy = buddy_strategy, .restore_wait = restore_wait,
+                          .max_migrations = defaults.max_migrations},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
         .replicated = replicated,
@@ -296,6 +299,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         .live_restore = live_restore,
         .swap_bw = swap_bw,
         .kv_token_bytes = kv_token_bytes,
+        .migrate_bw = migrate_bw,
     };
     if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
                               &c.cost) < 0) {
@@ -381,7 +385,7 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
     gy_sim_stats s;
     gy_sim_stats_get(self->sim, &s);
     return Py_BuildValue(
-        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsNsLsdsdsLsLsLsdsdsdsdsdsdsd}", "now", s.now,
+        "{sdsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsNsLsdsdsLsLsLsdsdsdsdsdsdsdsLsd}", "now", s.now,
         "requests",
         (long long)s.n_requests,
         "arrived", (long long)s.n_arrived, "finished", (long long)s.n_finished, "rejected",
@@ -398,7 +402,8 @@ static PyObject *gy_py_simulator_stats(GySimulatorObject *self, PyObject *unused
         "restores", (long long)s.n_restores, "victims", (long long)s.n_victims, "exchange_s",
         s.exchange_s, "restore_s", s.restore_s, "exchange_bytes", s.exchange_bytes,
         "restore_bytes", s.restore_bytes, "swap_s", s.swap_s, "swap_out_bytes", s.swap_out_bytes,
-        "swap_in_bytes", s.swap_in_bytes);
+        "swap_in_bytes", s.swap_in_bytes, "live_migrations", (long long)s.n_live_migrations,
+        "migrate_bytes", s.migrate_bytes);
 }
 
 #define GY_PY_SIM_BYTES(fn, getter, type)                                                          \

@@ -12,6 +12,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_flying,
     &gy_sim_policy_pipelive,
     &gy_sim_policy_kunserve,
+    &gy_sim_policy_llumnix,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -22,7 +23,7 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
 }
 
 const char *gy_sim_policy_names(void) {
-    return "gyges, round_robin, least_load, static, flying, pipelive, kunserve";
+    return "gyges, round_robin, least_load, static, flying, pipelive, kunserve, llumnix";
 }
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {
@@ -41,7 +42,9 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                   .flying_tp = 0, .light_load = 4000.0,
                                   /* kunserve: Algorithm 1; 5 s of fitting demand before a
                                    * restore (policy_kunserve.c) */
-                                  .buddy_strategy = 0, .restore_wait = 5.0};
+                                  .buddy_strategy = 0, .restore_wait = 5.0,
+                                  /* llumnix: one migration per instance pair and look */
+                                  .max_migrations = 1};
 }
 
 int gy_sim_level(int32_t tp) {

@@ -32,7 +32,9 @@
  * baselines), static (policy_static.c: a fixed layout; requests no instance can hold are
  * rejected), flying (policy_flying.c: Flying Serving's DP <-> TP switching), pipelive
  * (policy_pipelive.c: re-splits pipelines as the prefill/decode mix shifts), kunserve
- * (policy_kunserve.c: drops parameters into buddy groups under KV pressure, restores after). */
+ * (policy_kunserve.c: drops parameters into buddy groups under KV pressure, restores after),
+ * llumnix (policy_llumnix.c: least-load placement, then live migrations from the instance
+ * whose KV demand is highest to the one where it is lowest: KunServe's migration baseline). */
 #ifndef GY_SIM_POLICY_H
 #define GY_SIM_POLICY_H
 
@@ -163,11 +165,17 @@ typedef enum gy_sim_op_kind {
     GY_SIM_OP_RESTORE = 8,/* buddy: the group at gpu_first (size: its stages) gets its weights
                              back and dissolves; refused while its exchange runs or when its
                              requests do not fit the members' own KV (packed, largest first) */
+    GY_SIM_OP_MIGRATE = 9,/* Llumnix: one running request of the instance at gpu_first moves
+                             live, with its KV, to the instance at `target` (the executor picks
+                             the one cheapest to move that fits there; it keeps running while
+                             its KV crosses the link and switches between two steps); refused
+                             when none fits or the executor cannot move requests */
 } gy_sim_op_kind;
 
 typedef struct gy_sim_op {
     int32_t kind, gpu_first, size;
     int32_t layers[GY_SIM_MAX_STAGES]; /* RESPLIT: (size) layers of each stage in the target */
+    int32_t target;                    /* MIGRATE: the destination instance's gpu_first */
 } gy_sim_op;
 
 typedef struct gy_sim_decision {
@@ -208,7 +216,7 @@ typedef struct gy_sim_policy_config {
                                 per GPU (as gy_sim_policy_load counts it, in tokens) is at most
                                 this; new arrivals then go to TP groups (0: never) */
     int32_t buddy_strategy;  /* kunserve: gy_buddy_strategy (0 throughput-greedy, 1 memory-greedy) */
-    int32_t pad_;
+    int32_t max_migrations;  /* llumnix: live migrations one rebalance may start */
     double restore_wait;     /* kunserve: seconds a group's demand must fit its members' own KV
                                 before it restores */
 } gy_sim_policy_config;
@@ -234,7 +242,7 @@ typedef struct gy_sim_policy_ops {
 
 /* The policy called `name`, or NULL. */
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name);
-/* "gyges, round_robin, least_load, static, flying, pipelive, kunserve" (for error messages). */
+/* "gyges, round_robin, ..., kunserve, llumnix" (for error messages). */
 const char *gy_sim_policy_names(void);
 gy_sim_policy_config gy_sim_policy_config_default(void);
 
@@ -245,6 +253,7 @@ extern const gy_sim_policy_ops gy_sim_policy_static;
 extern const gy_sim_policy_ops gy_sim_policy_flying;
 extern const gy_sim_policy_ops gy_sim_policy_pipelive;
 extern const gy_sim_policy_ops gy_sim_policy_kunserve;
+extern const gy_sim_policy_ops gy_sim_policy_llumnix;
 
 /* ---- helpers the policies share ---- */
 

@@ -11,7 +11,8 @@
 #include "../cluster/controller.h"
 #include "event_queue.h"
 
-enum { GY_SIM_EV_ARRIVAL = 0, GY_SIM_EV_PHASE = 1, GY_SIM_EV_STEP = 2, GY_SIM_EV_SAMPLE = 3 };
+enum { GY_SIM_EV_ARRIVAL = 0, GY_SIM_EV_PHASE = 1, GY_SIM_EV_STEP = 2, GY_SIM_EV_SAMPLE = 3,
+       GY_SIM_EV_MIGRATED = 4 /* a live migration's KV has crossed: switch */ };
 
 /* What the simulator tracks per request beside its public record. */
 typedef struct gy_sim_req {
@@ -32,6 +33,9 @@ typedef struct gy_sim_req {
     int32_t swapped;      /* swap_bw > 0: preempted with its KV in host memory (`kept` tokens) */
     int64_t computed;     /* tokens whose KV it holds: the furthest entry end since it last lost
                              its KV */
+    int32_t migrating;    /* MIGRATE: 1 its KV is crossing, 2 crossed (switch after the step) */
+    int32_t migrate_from, migrate_to; /* the slot it leaves, the gpu_first it goes to */
+    int32_t pad2_;
 } gy_sim_req;
 
 typedef struct gy_sim_inst {
@@ -60,7 +64,8 @@ typedef struct gy_sim_inst {
     int32_t member_tp;
     int64_t n_paused, paused_head; /* the requests paused under it (a list through req.next) */
     int32_t stopped;       /* buddy: a blocking restore: it steps no more */
-    int32_t pad_;
+    int32_t n_migrated;    /* its requests whose live migration's KV has crossed (switch them
+                              when its step in flight ends) */
     double exch_start, exch_len; /* buddy: its exchange's switch and planned seconds */
     double exch_debt;      /* buddy: link seconds its remote attention took since the last check */
 } gy_sim_inst;
@@ -1141,6 +1146,90 @@ static gy_status gy_sim_on_phase(gy_sim *s, int64_t x, int64_t phase) {
     return gy_cluster_reconfigured(s->cluster, 1, s->now);
 }
 
+/* ---- live migration (Llumnix) ---- */
+
+static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size);
+
+/* Request r's KV has crossed: it moves to its destination between two of its source's steps,
+ * keeping its progress (the destination re-admits it over kept KV). Dropped when it finished,
+ * moved with a transformation meanwhile, or the destination is gone or busy. */
+static gy_status gy_sim_migrate_switch(gy_sim *s, int64_t r) {
+    gy_sim_req *q = &s->req[r];
+    const int32_t from = q->migrate_from;
+    q->migrating = 0;
+    if (q->slot != from) return GY_OK;
+    const int32_t to = q->migrate_to >= 0 && q->migrate_to < s->n_gpus ? s->gpu_slot[q->migrate_to] : -1;
+    if (to < 0 || to == from || s->inst[to].gpu_first != q->migrate_to ||
+        s->inst[to].xform != GY_SIM_XFORM_NONE || s->inst[to].stopped || s->inst[to].bound)
+        return GY_OK;
+    s->stats.migrate_bytes += (double)q->computed * s->config.kv_token_bytes;
+    s->stats.n_live_migrations++;
+    GY_TRY(gy_sim_carry_over(s, r, to));
+    return gy_sim_start_step(s, to);
+}
+
+static gy_status gy_sim_on_migrated(gy_sim *s, int64_t r) {
+    gy_sim_req *q = &s->req[r];
+    if (q->migrating != 1) return GY_FAIL(GY_ERR_STATE, "request %lld: a stale migration", (long long)r);
+    if (q->slot != q->migrate_from) { /* finished or moved meanwhile */
+        q->migrating = 0;
+        return GY_OK;
+    }
+    if (!s->inst[q->slot].stepping) {
+        GY_TRY(gy_sim_migrate_switch(s, r));
+        return gy_sim_start_step(s, q->migrate_from);
+    }
+    q->migrating = 2; /* after the step in flight (its batch may hold r) */
+    s->inst[q->slot].n_migrated++;
+    return GY_OK;
+}
+
+/* The migrations that crossed while slot stepped. */
+static gy_status gy_sim_migrate_crossed(gy_sim *s, int32_t slot) {
+    if (s->inst[slot].n_migrated == 0) return GY_OK;
+    s->inst[slot].n_migrated = 0;
+    for (int64_t r = s->inst[slot].head; r >= 0;) {
+        const int64_t next = s->req[r].next;
+        if (s->req[r].migrating == 2) GY_TRY(gy_sim_migrate_switch(s, r));
+        r = next;
+    }
+    return GY_OK;
+}
+
+/* A live migration out of the instance at op->gpu_first to the one at op->target: of its
+ * running requests not moving yet whose footprint fits the destination's free blocks, the one
+ * with the least KV (cheapest to move) starts; its KV takes computed tokens x kv_token_bytes /
+ * migrate_bw while it keeps running. */
+static gy_status gy_sim_try_migrate(gy_sim *s, const gy_sim_op *op, int32_t *started) {
+    const int32_t from = gy_sim_slot_at(s, op->gpu_first, 0), to = gy_sim_slot_at(s, op->target, 0);
+    if (!(s->config.migrate_bw > 0) || from < 0 || to < 0 || from == to) return GY_OK;
+    const gy_sim_inst *a = &s->inst[from], *b = &s->inst[to];
+    if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->bound || b->bound ||
+        b->stopped)
+        return GY_OK;
+    const int64_t room = b->core.capacity - gy_sim_instance_used(&b->core);
+    int64_t best = -1;
+    for (int64_t r = a->head; r >= 0; r = s->req[r].next) {
+        const gy_sim_req *q = &s->req[r];
+        gy_sched_info info;
+        if (q->migrating || q->footprint > room || q->computed <= 0 ||
+            gy_sched_info_get(a->core.sched, r, &info) != GY_OK ||
+            info.state != GY_SCHED_STATE_RUNNING)
+            continue;
+        if (best < 0 || q->computed < s->req[best].computed) best = r;
+    }
+    gy_error_clear(); /* (a request the scheduler no longer knows is simply not a candidate) */
+    if (best < 0) return GY_OK;
+    gy_sim_req *q = &s->req[best];
+    q->migrating = 1;
+    q->migrate_from = from;
+    q->migrate_to = op->target;
+    *started = 1;
+    return gy_sim_push(s, s->now + (double)q->computed * s->config.kv_token_bytes /
+                                       s->config.migrate_bw,
+                       GY_SIM_EV_MIGRATED, best, 0);
+}
+
 /* ---- decisions (the controller's ops) ---- */
 
 static int32_t gy_sim_slot_at(const gy_sim *s, int32_t gpu_first, int32_t size) {
@@ -1180,6 +1269,7 @@ static gy_status gy_sim_try_bind(gy_sim *s, int32_t g, int32_t size, int32_t *st
 static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *started) {
     gy_sim *s = ctx;
     *started = 0;
+    if (op->kind == GY_SIM_OP_MIGRATE) return gy_sim_try_migrate(s, op, started);
     if (op->kind == GY_SIM_OP_DROP || op->kind == GY_SIM_OP_RESTORE) {
         if (!s->config.buddy) return GY_OK;
         return op->kind == GY_SIM_OP_DROP ? gy_sim_try_drop(s, op, started)
@@ -1290,6 +1380,7 @@ static gy_status gy_sim_on_step(gy_sim *s, int32_t slot, int64_t gen) {
     i->stepping = 0;
     int finished = 0;
     GY_TRY(gy_sim_finish_step(s, slot, &finished));
+    GY_TRY(gy_sim_migrate_crossed(s, slot));
     i = &s->inst[slot];
     if (i->barrier) return gy_sim_xf_try_switch(s, i->xform_id);
     GY_TRY(gy_sim_start_step(s, slot));
@@ -1339,6 +1430,7 @@ gy_status gy_sim_run(gy_sim *s, double until) {
         case GY_SIM_EV_ARRIVAL: GY_TRY(gy_sim_on_arrival(s, e.a)); break;
         case GY_SIM_EV_PHASE: GY_TRY(gy_sim_on_phase(s, e.a, e.b)); break;
         case GY_SIM_EV_STEP: GY_TRY(gy_sim_on_step(s, (int32_t)e.a, e.b)); break;
+        case GY_SIM_EV_MIGRATED: GY_TRY(gy_sim_on_migrated(s, e.a)); break;
         default: GY_TRY(gy_sim_on_sample(s)); break;
         }
     }
@@ -1458,6 +1550,10 @@ common:
                        c->sched.watermark);
     if (c->policy == NULL || c->policy->place == NULL)
         return GY_FAIL(GY_ERR_INVALID, "no policy");
+    if (!(c->migrate_bw >= 0) || !isfinite(c->migrate_bw) ||
+        (c->migrate_bw > 0 && (!(c->kv_token_bytes > 0) || !isfinite(c->kv_token_bytes))))
+        return GY_FAIL(GY_ERR_INVALID, "migrate_bw must be >= 0 and, when > 0, kv_token_bytes > 0 "
+                       "(got %g, %g)", c->migrate_bw, c->kv_token_bytes);
     if (!(c->swap_bw >= 0) || !isfinite(c->swap_bw) ||
         (c->swap_bw > 0 && (!(c->kv_token_bytes > 0) || !isfinite(c->kv_token_bytes))))
         return GY_FAIL(GY_ERR_INVALID, "swap_bw must be >= 0 and, when > 0, kv_token_bytes > 0 "

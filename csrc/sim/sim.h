@@ -133,6 +133,10 @@ typedef struct gy_sim_config {
      * step that preempts pays the swap-out, the one that re-admits it the swap-in. 0: recompute. */
     double swap_bw;
     double kv_token_bytes;
+    /* Live migration (GY_SIM_OP_MIGRATE, the llumnix policy): a request's KV crosses to another
+     * instance at migrate_bw bytes/s (kv_token_bytes a token) while it keeps running; 0: the
+     * simulator refuses migrations. */
+    double migrate_bw;
 } gy_sim_config;
 
 /* The requests (copied). Arrivals sorted; lengths >= 1. */
@@ -208,6 +212,8 @@ typedef struct gy_sim_stats {
     double exchange_s, restore_s; /* buddy: seconds of exchanges (switch to end) and restores */
     double exchange_bytes, restore_bytes; /* KV of exchanges; weights and KV of restores */
     double swap_s;               /* swap_bw > 0: seconds steps spent swapping KV */
+    int64_t n_live_migrations;   /* MIGRATE: requests moved live (also in n_migrations) */
+    double migrate_bytes;        /* their KV */
     double swap_out_bytes, swap_in_bytes; /* KV moved to host memory by preemptions, and back */
 } gy_sim_stats;
 
