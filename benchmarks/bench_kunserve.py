@@ -17,8 +17,8 @@
    share of requests over a 5 s TTFT SLO and P50 TPOT for kunserve, replication (least_load),
    replication that swaps preempted requests' KV to host memory over PCIe (25 GB/s per GPU)
    instead of recomputing it, Llumnix-style live migration between replicas (policy llumnix),
-   a static pipeline of groups of 2, kunserve without live restore and with memory-greedy
-   groups. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
+   a static pipeline of groups of 2, kunserve without live restore (its groups, weights back,
+   finish their requests as pipelines before they dissolve) and with memory-greedy groups. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
    pipeline), TBT P50 +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
    (throughput-greedy 1.2x better TTFT than memory-greedy).
 
@@ -145,7 +145,7 @@ def sim_rows():
             ("replication + KV swap (PCIe 25 GB/s)", dict(policy="least_load", swap_bw=25e9)),
             ("migration (Llumnix)", dict(policy="llumnix")),
             ("static pipeline (g=2)", dict(policy="least_load", buddy_group=2)),
-            ("kunserve, blocking restore", dict(policy="kunserve", live_restore=False)),
+            ("kunserve, no live restore", dict(policy="kunserve", live_restore=False)),
             ("kunserve, memory-greedy", dict(policy="kunserve", buddy_strategy="memory"))]
     rows = []
     for burst, b in BURSTS.items():

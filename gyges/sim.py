@@ -44,7 +44,8 @@ is the link between the instances: RDMA_200G for KunServe's testbed):
 
 policy="llumnix" on a buddy cluster is KunServe's migration baseline: least-load placement and
 live migrations (over the link) from the replica whose KV demand is highest to the lowest.
-live_restore=False stops a restoring group instead of serving on; buddy_strategy "throughput"
+live_restore=False: a restoring group, its weights back, finishes its requests as a pipeline
+(taking no new ones) before it dissolves (KunServe Fig. 15's baseline); buddy_strategy "throughput"
 (Algorithm 1) or "memory"; restore_wait: seconds of fitting demand before a restore.
 """
 

@@ -176,3 +176,23 @@ def test_llumnix_migrates_live_and_loses_nothing_but_kunserve_beats_it_on_a_memo
     from gyges import experiment
     with pytest.raises(experiment.ExperimentError, match="simulate it"):
         experiment.run(tr[:4], policy="llumnix")
+
+
+def test_without_live_restore_a_group_finishes_its_requests_before_it_dissolves():
+    """KunServe Fig. 15's baseline (live_restore=False): a restore brings the weights back but
+    gathers no KV; the group serves its requests as a pipeline until the last has finished, so
+    its restores last longer and move only weights."""
+    from gyges import costmodel, sim
+    cost = costmodel.PipelineCost.create("qwen2.5-14b", ["a800-80gb"] * 8,
+                                         link_bw=costmodel.RDMA_200G)
+    tr = burst_of_long_outputs(300)
+    live = sim.run(tr, policy="kunserve", weights="buddy", cost=cost, check=True)
+    drain = sim.run(tr, policy="kunserve", weights="buddy", cost=cost, live_restore=False,
+                    check=True)
+    for res in (live, drain):
+        assert res.summary()["completed"] == len(tr)
+        assert res.stats["restores"] == res.stats["drops"] >= 1
+    restores = [r.transformations[r.transformations["kind"] == 8] for r in (live, drain)]
+    took = [float(np.mean(x["end"] - x["start"])) for x in restores]
+    assert took[1] > took[0]
+    assert drain.stats["restore_bytes"] < live.stats["restore_bytes"]  # no KV gathered

@@ -18,10 +18,11 @@
  *   Drop: when demand > free, the host's runs of whole replicas (nothing under way) are planned
  *   with gy_buddy_plan(required = demand - free, param = one replica's weights in blocks,
  *   buddy_strategy, kv cap = one replica's blocks), and every group of >= 2 drops.
- *   Restore: a group (nothing under way) whose own demand (as above) stays at most
- *   KUN_RESTORE_FRACTION of its members' usable blocks for restore_wait seconds (measured at
- *   ticks and placements) restores. The fraction leaves room so that a restore does not drop
- *   again at once (hysteresis: 0.7 of the members' memory, our choice).
+ *   Restore: a group (nothing under way) restores once, for restore_wait seconds (measured at
+ *   ticks and placements), its own demand (as above) fits its members' usable blocks and its
+ *   host's demand stays at most KUN_RESTORE_FRACTION of what the host's GPUs hold as replicas
+ *   (the paper restores "when the memory demand decreases"). The fraction leaves room so that
+ *   a restore does not drop again at once (hysteresis: 0.7, our choice).
  * KUN_DECODE_RATE = 25 tokens/s per running request (a 40 ms TBT, about what the roofline gives
  * a 14B model's decode batch on an A800) and KUN_HORIZON = 1 s (the paper's look-ahead). */
 #include "policy.h"
@@ -35,6 +36,7 @@
 #define KUN_HORIZON 1.0
 #define KUN_RESTORE_FRACTION 0.7
 #define KUN_MAX_GPUS 4096 /* the restore clocks kept; groups past it restore at once */
+#define KUN_MAX_HOSTS 512 /* hosts whose demand a restore checks; past it, the group's alone */
 
 typedef struct kun_state {
     uint8_t fitting[KUN_MAX_GPUS]; /* by a group's first GPU: its demand fits since `since` */
@@ -107,6 +109,7 @@ static void kun_monitor(kun_state *st, const gy_sim_policy_config *cfg, const gy
     const int32_t hosts = v->n_gpus / v->gpus_per_host;
     double single_usable = 0; /* a replica's usable blocks, from a replica in the view or the
                                  group's per-member share */
+    double host_demand[KUN_MAX_HOSTS] = {0};
     for (int32_t h = 0; h < hosts; h++) {
         double demand = h == 0 ? (double)v->n_deferred : 0.0, room = 0;
         const int32_t first = h * v->gpus_per_host, end = first + v->gpus_per_host;
@@ -118,14 +121,19 @@ static void kun_monitor(kun_state *st, const gy_sim_policy_config *cfg, const gy
             g += gy_sim_inst_gpus(i);
         }
         if (demand > room) kun_plan_host(cfg, v, h, demand - room, d);
+        if (h < KUN_MAX_HOSTS) host_demand[h] = demand;
     }
     if (single_usable <= 0) single_usable = (double)v->capacity[0] * (1.0 - v->watermark);
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         if (i->n_stages < 2) continue;
         const int32_t g = i->gpu_first;
+        /* the host's demand would fit its GPUs as replicas, and the group's its members */
+        const int32_t h = g / v->gpus_per_host;
         const int fits = i->xform == GY_SIM_XFORM_NONE &&
-                         kun_demand(v, i) <= KUN_RESTORE_FRACTION * single_usable * i->n_stages;
+                         kun_demand(v, i) <= single_usable * i->n_stages &&
+                         (h >= KUN_MAX_HOSTS ||
+                          host_demand[h] <= KUN_RESTORE_FRACTION * single_usable * v->gpus_per_host);
         if (g >= KUN_MAX_GPUS) {
             if (fits) gy_sim_decision_add_op(d, GY_SIM_OP_RESTORE, g, i->n_stages);
             continue;

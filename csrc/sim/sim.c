@@ -63,7 +63,9 @@ typedef struct gy_sim_inst {
     int32_t bound;         /* replicated: a bound group of members of TP member_tp */
     int32_t member_tp;
     int64_t n_paused, paused_head; /* the requests paused under it (a list through req.next) */
-    int32_t stopped;       /* buddy: a blocking restore: it steps no more */
+    int32_t stopped;       /* it steps no more (nothing sets it now; kept for the checks) */
+    int32_t draining;      /* buddy, no live restore: its weights are back; it dissolves once
+                              its last request has finished */
     int32_t n_migrated;    /* its requests whose live migration's KV has crossed (switch them
                               when its step in flight ends) */
     double exch_start, exch_len; /* buddy: its exchange's switch and planned seconds */
@@ -975,7 +977,6 @@ static gy_status gy_sim_try_restore(gy_sim *s, const gy_sim_op *op, int32_t *sta
     i->xform = GY_SIM_XFORM_RESTORING;
     i->xform_id = (int32_t)x;
     if (cap < i->core.capacity) GY_TRY(gy_sim_instance_set_capacity(&i->core, cap));
-    if (!s->config.live_restore) i->stopped = 1; /* after its step in flight */
     const double dt = gy_sim_pipeline_restore_time(&s->sub[n], i->layers, &o->weight_bytes);
     if (!(dt >= 0) || !isfinite(dt))
         return GY_FAIL(GY_ERR_STATE, "the pipeline model gave a restore time of %g s", dt);
@@ -983,12 +984,33 @@ static gy_status gy_sim_try_restore(gy_sim *s, const gy_sim_op *op, int32_t *sta
     return gy_sim_push(s, s->now + dt, GY_SIM_EV_PHASE, x, 0);
 }
 
-/* The weights are back: the requests' KV gathers on the members they are packed to. */
+static gy_status gy_sim_xf_try_switch(gy_sim *s, int64_t x);
+
+/* Without live restore, a group whose weights are back and whose last request finished: it
+ * dissolves once its step in flight (if any) ends. */
+static gy_status gy_sim_restore_drained(gy_sim *s, int32_t slot) {
+    gy_sim_inst *i = &s->inst[slot];
+    if (!i->draining || i->head >= 0) return GY_OK;
+    i->draining = 0;
+    s->xf[i->xform_id].at_barrier = 1;
+    i->barrier = 1;
+    return gy_sim_xf_try_switch(s, i->xform_id);
+}
+
+/* The weights are back: the requests' KV gathers on the members they are packed to; without
+ * live restore (KunServe Fig. 15's baseline) nothing is gathered: the group serves its requests
+ * as a pipeline, taking no new ones, until the last has finished. */
 static gy_status gy_sim_restore_gather(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
     const int32_t c = f->src[0];
-    const gy_sim_inst *i = &s->inst[c];
+    gy_sim_inst *i = &s->inst[c];
+    if (!s->config.live_restore) {
+        f->phase = 1;
+        o->phase_end = s->now;
+        i->draining = 1;
+        return gy_sim_restore_drained(s, c);
+    }
     if (!gy_sim_pack_replicas(s, c)) /* it took no requests since the check */
         return GY_FAIL(GY_ERR_STATE, "a restore's requests no longer fit its members");
     double tokens[GY_SIM_MAX_STAGES] = {0};
@@ -1382,6 +1404,7 @@ static gy_status gy_sim_on_step(gy_sim *s, int32_t slot, int64_t gen) {
     GY_TRY(gy_sim_finish_step(s, slot, &finished));
     GY_TRY(gy_sim_migrate_crossed(s, slot));
     i = &s->inst[slot];
+    if (i->draining && i->head < 0) return gy_sim_restore_drained(s, slot);
     if (i->barrier) return gy_sim_xf_try_switch(s, i->xform_id);
     GY_TRY(gy_sim_start_step(s, slot));
     i = &s->inst[slot];

@@ -70,8 +70,10 @@
  *            pack into the members' own blocks, or hold more than g of them. Its capacity
  *            falls to g replicas' blocks (the weights come back into it); phase 0, weights
  *            (from peers and the host copy), phase 1, its requests' KV gathered on the member
- *            each is packed to; with live_restore it serves throughout (no new requests), else
- *            it stops at once. Then the members take their requests with their KV.
+ *            each is packed to, serving throughout (no new requests); then the members take
+ *            their requests with their KV. Without live_restore (KunServe Fig. 15's baseline)
+ *            nothing is gathered: its weights back, it serves its requests as a pipeline (no
+ *            new ones) and dissolves when the last has finished.
  *   Every other op is refused there, and DROP / RESTORE elsewhere. The record's phase_end is
  *   the switch (drop) or the end of the weights (restore).
  * After every transformation, every step that finished a request and every sample, the deferred
@@ -123,7 +125,8 @@ typedef struct gy_sim_config {
     int32_t buddy;                /* 1: a buddy cluster (above); needs a pipeline */
     int32_t buddy_group;          /* buddy: GPUs per instance at the start, dividing gpus_per_host
                                      (1: replicas; g: every host starts as buddy groups of g) */
-    int32_t live_restore;         /* buddy: 1 a restoring group keeps serving; 0 it stops */
+    int32_t live_restore;         /* buddy: 1 a restoring group's requests go home with their
+                                     KV (live restore); 0 they finish in the pipeline first */
     int32_t pad_;
     /* Preemption by swapping (vLLM's preemption_mode="swap", KunServe's KV-swap baseline):
      * swap_bw > 0 moves a preempted request's KV to host memory and back instead of computing
