@@ -9,7 +9,9 @@
    the paper's RDMA): blocking (serving stops for the KV's time on the link) against live (the
    KV takes what the link leaves over, victims attend remotely meanwhile): the stall, the
    steps the live exchange takes, and the mean decode step over that window (paper Fig. 14:
-   51.7-79.8% lower during the exchange; blocking stalls up to 8.8 s).
+   51.7-79.8% lower during the exchange; blocking stalls up to 8.8 s); then the restore the same
+   way (live: the weights stream back over the link while the group serves, and only the KV
+   going home stops it).
 3. The simulator at paper scale (8 A800-80GB, qwen2.5-14b, 200 Gbps RDMA, pipelines with one
    micro-batch per stage) on two bursts at 100 s (BURSTS: a BurstGPT-like x14 spike of
    1,000-token outputs, compute-bound; a x3 spike for 60 s of 3,000-token outputs, where the
@@ -111,12 +113,20 @@ def exchange_rows():
                 n += 1
             window = window or n
             during = (time.perf_counter() - t) / max(n, 1)
+            # the restore, the same way: live streams the weights while serving
+            host.restore(b, live=live, link=None if CUDA else link)
+            restore_steps = 0
+            while b.restoring is not None and not b.restoring.done:
+                host.step()
+                restore_steps += 1
+            restore_stall = b.stats.get("restore_stall_seconds", b.stats["restore_seconds"])
             rows.append({"requests": 2 * per_member, "mode": "live" if live else "blocking",
                          "kv_mb": b.stats["kv_bytes_exchanged"] / 2**20,
                          "stall_ms": 1e3 * b.stats["stall_seconds"], "steps": n,
                          "remote_calls": b.stats["remote_attention_calls"],
                          "activation_ms": 1e3 * b.stats["activation_seconds"],
                          "step_ms": 1e3 * statistics.median(steps), "during_ms": 1e3 * during,
+                         "restore_stall_ms": 1e3 * restore_stall, "restore_steps": restore_steps,
                          "paper": "blocking stalls up to 8.8 s" if not live else
                                   "decode 51.7-79.8% lower than blocking"})
             host.run()
@@ -189,7 +199,9 @@ def main():
                  ("steps", "steps", "{}"), ("remote_calls", "remote attn", "{}"),
                  ("activation_ms", "act. link ms", "{:.1f}"),
                  ("step_ms", "step before ms", "{:.1f}"), ("during_ms", "step during ms", "{:.1f}"),
-                 ("lower_than_blocking", "lower", "{:.1%}"), ("paper", "paper", "{}")])
+                 ("lower_than_blocking", "lower", "{:.1%}"),
+                 ("restore_stall_ms", "restore stall ms", "{:.1f}"),
+                 ("restore_steps", "restore steps", "{}"), ("paper", "paper", "{}")])
     if CUDA:  # the simulator's section is the same on any machine
         write_json("bench_kunserve_cuda", out)
         return

@@ -630,13 +630,15 @@ class Host(Serving):
             self._check_open()
             return kunserve.form(self, list(instances), live, link, layers_per_step)
 
-    def restore(self, buddy, weights_from="peers"):
+    def restore(self, buddy, weights_from="peers", live=False, link=None, layers_per_step=1):
         """KunServe: a buddy group gets its parameters back (from the peers that hold each part,
         or the host copy), its requests go to the least loaded member with their KV of every
-        layer, and the members serve as TP1 instances again."""
+        layer, and the members serve as TP1 instances again. live=True streams the parameters
+        back while the group serves (`layers_per_step` a step, or what `link` carries), then
+        switches between two steps (gyges.kunserve.Restoring, host.step advances it)."""
         with self._lock:
             self._check_open()
-            return kunserve.restore(self, buddy, weights_from)
+            return kunserve.restore(self, buddy, weights_from, live, link, layers_per_step)
 
     def _advance(self, t):
         """Moves a layer-staggered transformation on; a failure rebuilds its group (one that

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from . import _C
 from .checks import integer, number
-from .errors import BusyError, InvalidArgumentError, StateError, UnavailableError
+from .errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
+                     UnavailableError)
 from .pipelive import weight_bytes
 
-__all__ = ["Buddy", "BuddyPlan", "Exchange", "Link", "plan", "STRATEGIES"]
+__all__ = ["Buddy", "BuddyPlan", "Exchange", "Link", "Restoring", "plan", "STRATEGIES"]
 
 STRATEGIES = {"throughput": 0, "memory": 1}
 
@@ -90,12 +91,13 @@ class Buddy:
     stats: weight_bytes_released, kv_bytes_exchanged, exchange_seconds, stall_seconds (serving
     stopped for the exchange), remote_attention_calls, remote_attention_bytes, activation_seconds
     (the link's time for them) and, after host.restore, weight_bytes_restored,
-    kv_bytes_returned, restore_seconds."""
+    kv_bytes_returned, restore_seconds (and, live, restore_stall_seconds: the final switch)."""
 
     def __init__(self, instance, ranges, stats, exchange=None):
         self.instance, self.ranges, self.stats = instance, tuple(ranges), stats
         self.workers = tuple(instance.workers)
         self.exchange = exchange
+        self.restoring = None   # a live restore under way (Restoring), or done
         self.restored = False
 
     def __repr__(self):
@@ -327,16 +329,100 @@ def form(host, instances, live=False, link=None, layers_per_step=1):
     return buddy
 
 
-def restore(host, buddy, weights_from="peers"):
-    """host.restore's work (the host's lock held): see Host.restore."""
+def _check_restore(host, buddy, weights_from):
     if not isinstance(buddy, Buddy):
         raise InvalidArgumentError(f"buddy must be what host.buddy returned, got {buddy!r}")
     if buddy.restored or buddy.instance not in host.instances:
         raise StateError(f"{buddy!r} is no longer serving")
-    if buddy.exchange is not None and not buddy.exchange.done:
-        raise BusyError(f"{buddy.exchange!r}: its KV is still moving; restore once it is done")
+    for t in (buddy.exchange, buddy.restoring):
+        if t is not None and not t.done:
+            raise BusyError(f"{t!r} is under way; restore once it is done")
     if weights_from not in ("peers", "host"):
         raise InvalidArgumentError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
+
+
+class Restoring:
+    """A live restore (KunServe 4.3, host.restore(live=True)): while the group keeps serving as
+    a pipeline, each member gets the layers it gave up back, `layers_per_step` a step (or as
+    many as `link` carries in the time since the last advance), from the peer holding them or
+    the host copy; the stages' models do not use them yet, so serving is unchanged. Once every
+    layer is back, one restore between two steps (restore(): the ends, the KV of each request
+    copied home, the members as TP1 instances) finishes it. A layer that finds no room waits
+    (blocked_by) and is tried again at the next step."""
+
+    rolls_back = True
+
+    def __init__(self, host, buddy, weights_from, link, layers_per_step):
+        self.host, self.buddy, self.weights_from, self.link = host, buddy, weights_from, link
+        self.layers_per_step = integer("layers_per_step", layers_per_step, lo=1)
+        self.workers = buddy.workers
+        self._w = [host.worker(w) for w in self.workers]
+        # (member, layer, the member holding it): every layer a member gave up
+        self.pending = [(k, layer, j) for k in range(len(self._w))
+                        for j, (lo, hi) in enumerate(buddy.ranges) if j != k
+                        for layer in range(lo, hi)]
+        self.done, self.blocked_by, self.error = False, None, None
+        self._credit, self._last, self._start = 0.0, time.perf_counter(), time.perf_counter()
+        buddy.stats.update(weight_bytes_restored=0, kv_bytes_returned=0)
+
+    def __repr__(self):
+        return f"Restoring(workers={list(self.workers)}, {len(self.pending)} layers to go)"
+
+    def advance(self):
+        now = time.perf_counter()
+        if self.link is not None:
+            self._credit += (now - self._last) * self.link.bandwidth
+        self._last = now
+        moved, keep, self.blocked_by = {}, [], None
+        for i, (k, layer, j) in enumerate(self.pending):
+            w = self._w[k]
+            if self.link is None:
+                go = moved.get(k, 0) < self.layers_per_step
+            else:
+                go = self._credit >= w.weights.layer_bytes(layer)
+            if not go or self.blocked_by is not None:
+                keep.append((k, layer, j))
+                continue
+            source = self._w[j].weights if self.weights_from == "peers" else None
+            try:
+                nbytes = w.weights.restore_layers({layer}, source)
+            except OutOfMemoryError as e:   # the KV holds the room: wait for it
+                self.blocked_by = str(e)
+                keep.append((k, layer, j))
+                continue
+            except BaseException:
+                self.pending = keep + self.pending[i:]
+                raise
+            self._credit -= nbytes
+            self.buddy.stats["weight_bytes_restored"] += nbytes
+            moved[k] = moved.get(k, 0) + 1
+        self.pending = keep
+        if not keep:
+            streamed = self.buddy.stats["weight_bytes_restored"]
+            t = time.perf_counter()
+            try:
+                restore(self.host, self.buddy, self.weights_from, link=self.link, _live=self)
+            except OutOfMemoryError as e:   # taken back; the KV needs room first: wait
+                self.blocked_by = str(e)
+                return True
+            self.buddy.stats["weight_bytes_restored"] += streamed
+            self.buddy.stats["restore_stall_seconds"] = time.perf_counter() - t
+            self.buddy.stats["restore_seconds"] = time.perf_counter() - self._start
+            self.done = True
+        return True
+
+
+def restore(host, buddy, weights_from="peers", live=False, link=None, layers_per_step=1,
+            _live=None):
+    """host.restore's work (the host's lock held): see Host.restore."""
+    if _live is None:
+        _check_restore(host, buddy, weights_from)
+        if link is not None and not isinstance(link, Link):
+            raise InvalidArgumentError(f"link must be a gyges.kunserve.Link or None, got {link!r}")
+        if live:
+            buddy.restoring = Restoring(host, buddy, weights_from, link, layers_per_step)
+            host.transformations.append(buddy.restoring)
+            return buddy
     start = time.perf_counter()
     pipe, ranges = buddy.instance, buddy.ranges
     g, L = len(ranges), host.model.config.num_hidden_layers
@@ -351,9 +437,9 @@ def restore(host, buddy, weights_from="peers"):
             back.append((w, set(), (w.weights.has_embed, w.weights.has_head), mine))
             for j, (lo, hi) in enumerate(ranges):
                 if j != k:
-                    restored += w.weights.restore_layers(set(range(lo, hi)),
-                                                         ws[j].weights if peers else None)
-                    back[-1][1].update(range(lo, hi))
+                    new = set(range(lo, hi)) - w.weights.held_layers   # (a live restore's are in)
+                    restored += w.weights.restore_layers(new, ws[j].weights if peers else None)
+                    back[-1][1].update(new)
             restored += w.weights.set_ends(True, w.weights.has_head,
                                            ws[0].weights if peers else None)
             restored += w.weights.set_ends(True, True, ws[-1].weights if peers else None)
@@ -406,6 +492,8 @@ def restore(host, buddy, weights_from="peers"):
     host.retire(pipe)
     for inst in singles:
         host.install(inst)
+    if link is not None:   # serving stopped for what crossed: everything, or live the KV
+        link.send(restored + returned, len(moved) + len(ws))
     buddy.restored = True
     buddy.stats.update(weight_bytes_restored=restored, kv_bytes_returned=returned,
                        restore_seconds=time.perf_counter() - start)

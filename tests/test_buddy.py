@@ -92,6 +92,85 @@ def test_restore_is_byte_identical(tiny, source):
     assert in_use(host) == before
 
 
+@pytest.mark.parametrize("source", ["peers", "host"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_live_restore_streams_the_weights_back_while_serving(tiny, source, temperature):
+    """KunServe 4.3: after a live exchange, host.restore(live=True) brings each member's layers
+    back one a step while the group serves as a pipeline, then sends the requests home: tokens
+    of one worker, weights byte-identical, every page back once idle; nothing else may change
+    the group meanwhile."""
+    ps = prompts(8, seed=3, lo=30, hi=80)
+    p = params(temperature, tokens=40)
+    host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+    want_weights = [weights_of(host.worker(i)) for i in range(2)]
+    start = in_use(host)
+    reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
+    host.step()
+    b = host.buddy(host.instances, live=True)
+    while not b.exchange.done:
+        host.step()
+    host.restore(b, weights_from=source, live=True)
+    assert host.layout() == "PP2" and not b.restoring.done
+    with pytest.raises(gyges.BusyError, match="under way"):
+        host.restore(b)
+    with pytest.raises(gyges.Error, match="under way"):
+        host.reconfigure(host.instances[0], [1, 3])   # a re-split of the group meanwhile
+    served, steps = sum(len(r.output_tokens) for r in reqs), 0
+    while not b.restoring.done:
+        host.step()
+        steps += 1
+    assert steps >= 2 and sum(len(r.output_tokens) for r in reqs) > served  # it served meanwhile
+    assert host.layout() == "2xTP1" and b.restored and host.has_unfinished()
+    assert b.stats["weight_bytes_restored"] > 0 and b.stats["kv_bytes_returned"] > 0
+    assert b.stats["restore_stall_seconds"] < b.stats["restore_seconds"]
+    assert finish(host, reqs) == reference(tiny, ps, p)
+    for i in range(2):
+        got = weights_of(host.worker(i))
+        assert got.keys() == want_weights[i].keys()
+        assert all(np.array_equal(got[k], want_weights[i][k]) for k in got)
+        host.worker(i).kv.trim()
+    assert in_use(host) == start
+
+
+def test_a_failed_layer_of_a_live_restore_is_tried_again(tiny):
+    """A layer's restore failing in a live restore's advance (allocations, page maps and copies
+    in turn, spread): host.step raises or the layer waits, and the next steps bring it back;
+    tokens as one worker's."""
+    from gyges.testing import count, inject, spread
+    ps = prompts(4, seed=3, lo=30, hi=50)
+    p = params(0.0, tokens=16)
+    want = reference(tiny, ps, p)
+
+    def setup():
+        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+        reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
+        host.step()
+        b = host.buddy(host.instances)
+        host.step()
+        host.restore(b, live=True)
+        return host, reqs, b
+
+    def drive(host, b):
+        while not b.restoring.done:
+            host.step()
+    for site in ("alloc", "page_map", "copy"):
+        host, _, b = setup()
+        events, _ = count(site, lambda: drive(host, b))
+        assert events > 0
+        for n in spread(events, 4):
+            host, reqs, b = setup()
+            with inject(site, n) as fired:
+                try:
+                    drive(host, b)
+                except gyges.Error:
+                    pass
+                assert fired() == 1
+            drive(host, b)
+            assert host.layout() == "2xTP1"
+            assert finish(host, reqs) == want
+            host.close()
+
+
 def test_refusals_change_nothing(tiny):
     host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1")
     reqs = [host.submit(q, params(0.0), instance=i % 4) for i, q in enumerate(prompts(4, 1))]
@@ -110,11 +189,17 @@ def test_refusals_change_nothing(tiny):
         assert (in_use(host), host.layout()) == state
     b = host.buddy(host.instances[:2], live=True)
     state = in_use(host), host.layout()
-    with pytest.raises(gyges.BusyError, match="still moving"):
+    with pytest.raises(gyges.BusyError, match="Exchange.*under way"):
         host.restore(b)   # the victims' KV has not moved yet
     assert (in_use(host), host.layout()) == state
     finish(host, reqs)
     assert b.exchange.done
+    for bad, cls in (({"weights_from": "disk"}, gyges.InvalidArgumentError),
+                     ({"live": True, "layers_per_step": 0}, gyges.InvalidArgumentError),
+                     ({"live": True, "link": 1e9}, gyges.InvalidArgumentError)):
+        with pytest.raises(cls):
+            host.restore(b, **bad)
+        assert b.restoring is None and host.layout() == "PP2+2xTP1"
     host.restore(b)
 
 
@@ -248,17 +333,24 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
                                       layers_per_step=int(rng.integers(1, 3))))
         elif x < 0.6 and buddies:
             b = buddies[-1]
-            if b.exchange is not None and not b.exchange.done:
+            if any(t is not None and not t.done for t in (b.exchange, b.restoring)):
                 with pytest.raises(gyges.BusyError):
                     host.restore(b)
                 continue
-            host.restore(buddies.pop(), weights_from=str(rng.choice(["peers", "host"])))
+            if b.restoring is not None:   # restored live: done
+                buddies.pop()
+                continue
+            host.restore(b, weights_from=str(rng.choice(["peers", "host"])),
+                         live=bool(rng.random() < 0.5))
+            if b.restoring is None:
+                buddies.pop()
         else:
             host.step()
     for b in buddies:
-        while b.exchange is not None and not b.exchange.done:
+        while any(t is not None and not t.done for t in (b.exchange, b.restoring)):
             host.step()
-        host.restore(b)
+        if not b.restored:
+            host.restore(b)
     assert finish(host, reqs) == reference(tiny, asked, p)
     for i in range(4):
         host.worker(i).kv.trim()
