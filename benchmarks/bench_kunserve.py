@@ -10,8 +10,8 @@
    KV takes what the link leaves over, victims attend remotely meanwhile): the stall, the
    steps the live exchange takes, and the mean decode step over that window (paper Fig. 14:
    51.7-79.8% lower during the exchange; blocking stalls up to 8.8 s); then the restore the same
-   way (live: the weights stream back over the link while the group serves, and only the KV
-   going home stops it).
+   way (live: the weights and then the KV, patched, stream back over the link while the group
+   serves; only the switch stops it).
 3. The simulator at paper scale (8 A800-80GB, qwen2.5-14b, 200 Gbps RDMA, pipelines with one
    micro-batch per stage) on two bursts at 100 s (BURSTS: a BurstGPT-like x14 spike of
    1,000-token outputs, compute-bound; a x3 spike for 60 s of 3,000-token outputs, where the

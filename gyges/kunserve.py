@@ -15,6 +15,8 @@ neighbouring instances here: each is a pipeline of workers next to each other.
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import _C
 from .checks import integer, number
 from .errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
@@ -342,13 +344,19 @@ def _check_restore(host, buddy, weights_from):
 
 
 class Restoring:
-    """A live restore (KunServe 4.3, host.restore(live=True)): while the group keeps serving as
-    a pipeline, each member gets the layers it gave up back, `layers_per_step` a step (or as
-    many as `link` carries in the time since the last advance), from the peer holding them or
-    the host copy; the stages' models do not use them yet, so serving is unchanged. Once every
-    layer is back, one restore between two steps (restore(): the ends, the KV of each request
-    copied home, the members as TP1 instances) finishes it. A layer that finds no room waits
-    (blocked_by) and is tried again at the next step."""
+    """A live restore (KunServe 4.3, host.restore(live=True)), while the group keeps serving as
+    a pipeline (its stages' models do not use what comes back, so serving is unchanged):
+      1. weights: each member gets the layers it gave up back, from the peer holding them or
+         the host copy;
+      2. KV: every member's cache holds every layer again, and each stage's layers of every
+         request are copied to every other stage's cache (copy_layers), while each step marks
+         the slots it writes (a dirty bitmap per stage, kv_patch.h) and every advance patches
+         them into the layers already copied (PipeLive's patching);
+      3. between two steps: a last patch, and the restore's switch (restore(): the ends, the
+         members as TP1 instances, each request home with its KV, which is there already).
+    Each advance moves `layers_per_step` layers per member (weights) or per pair of stages (KV),
+    or as many bytes as `link` carried since the last advance. What finds no room waits
+    (blocked_by) and is tried again at the next step; a failed switch starts the KV over."""
 
     rolls_back = True
 
@@ -357,30 +365,51 @@ class Restoring:
         self.layers_per_step = integer("layers_per_step", layers_per_step, lo=1)
         self.workers = buddy.workers
         self._w = [host.worker(w) for w in self.workers]
+        self.pipe = buddy.instance
         # (member, layer, the member holding it): every layer a member gave up
         self.pending = [(k, layer, j) for k in range(len(self._w))
                         for j, (lo, hi) in enumerate(buddy.ranges) if j != k
                         for layer in range(lo, hi)]
+        self.kv_pending = None     # (src stage, dst stage, layer) once the weights are back
+        self.copied, self.dirty, self._words = set(), {}, None
+        self.kv_home = False       # every request's KV is on every member (the switch's case)
         self.done, self.blocked_by, self.error = False, None, None
         self._credit, self._last, self._start = 0.0, time.perf_counter(), time.perf_counter()
-        buddy.stats.update(weight_bytes_restored=0, kv_bytes_returned=0)
+        self._weights = self._kv = 0
+        w = self._w[0]
+        self._slot_bytes = w.kv.block_bytes // w.kv.block_size   # a token of one layer
 
     def __repr__(self):
-        return f"Restoring(workers={list(self.workers)}, {len(self.pending)} layers to go)"
+        left = len(self.pending) + len(self.kv_pending or ())
+        return f"Restoring(workers={list(self.workers)}, {left} layers to go)"
+
+    def _go(self, moved, key, nbytes):
+        if self.link is None:
+            return moved.get(key, 0) < self.layers_per_step
+        return self._credit >= nbytes
 
     def advance(self):
         now = time.perf_counter()
         if self.link is not None:
             self._credit += (now - self._last) * self.link.bandwidth
         self._last = now
-        moved, keep, self.blocked_by = {}, [], None
+        self.blocked_by = None
+        if self.pending:
+            self._weights_step()
+        if not self.pending and self.kv_pending is None and self.blocked_by is None:
+            self._start_kv()
+        if self.kv_pending:
+            self._patch()
+            self._kv_step()
+        if self.kv_pending == [] and self.blocked_by is None:
+            self._switch()
+        return True
+
+    def _weights_step(self):
+        moved, keep = {}, []
         for i, (k, layer, j) in enumerate(self.pending):
             w = self._w[k]
-            if self.link is None:
-                go = moved.get(k, 0) < self.layers_per_step
-            else:
-                go = self._credit >= w.weights.layer_bytes(layer)
-            if not go or self.blocked_by is not None:
+            if self.blocked_by is not None or not self._go(moved, k, w.weights.layer_bytes(layer)):
                 keep.append((k, layer, j))
                 continue
             source = self._w[j].weights if self.weights_from == "peers" else None
@@ -394,22 +423,95 @@ class Restoring:
                 self.pending = keep + self.pending[i:]
                 raise
             self._credit -= nbytes
-            self.buddy.stats["weight_bytes_restored"] += nbytes
+            self._weights += nbytes
             moved[k] = moved.get(k, 0) + 1
         self.pending = keep
-        if not keep:
-            streamed = self.buddy.stats["weight_bytes_restored"]
-            t = time.perf_counter()
+
+    def _start_kv(self):
+        """Every cache holds every layer again, and every stage marks the slots it writes."""
+        L = self.host.model.config.num_hidden_layers
+        try:
+            for w in self._w:
+                w.kv.set_layers(0, L)
+        except OutOfMemoryError as e:
+            self.blocked_by = str(e)
+            return
+        w = self._w[0]
+        # every block id a cache could give out: its whole budget in one run of layers
+        slots = int(w.arena.stats()["max_pages"] * w.kv.blocks_per_page() + 1) * w.kv.block_size
+        for j in range(len(self._w)):
+            self.dirty[j] = _C.KVDirty(slots)
+            self.pipe._c.set_dirty(j, 0, self.dirty[j])
+        self._words = np.zeros(self.dirty[0].words(), np.uint64)
+        self.kv_pending = [(j, k, layer) for j, (lo, hi) in enumerate(self.buddy.ranges)
+                           for k in range(len(self._w)) if k != j for layer in range(lo, hi)]
+        self.copied = set()
+
+    def _copy(self, j, k, layer, words=None, slots=0):
+        n = self.pipe._c.copy_layers(j, k, 0, layer, layer + 1, words, slots)
+        self._kv += n * self._slot_bytes
+        return n * self._slot_bytes
+
+    def _patch(self):
+        """The slots written since the last look, into the layers already copied."""
+        for j, d in self.dirty.items():
+            if not d.take(self._words):
+                continue
+            done = [c for c in self.copied if c[0] == j]
             try:
-                restore(self.host, self.buddy, self.weights_from, link=self.link, _live=self)
-            except OutOfMemoryError as e:   # taken back; the KV needs room first: wait
+                for _, k, layer in done:
+                    self._copy(j, k, layer, self._words, d.slots())
+            except BaseException:   # the taken marks are gone: those layers copy again whole
+                self.copied -= set(done)
+                self.kv_pending = done + self.kv_pending
+                raise
+
+    def _kv_step(self):
+        moved, keep = {}, []
+        for i, (j, k, layer) in enumerate(self.kv_pending):
+            if not self._go(moved, (j, k), 0 if self.link is None else
+                            self._credit_needed(j, layer)):
+                keep.append((j, k, layer))
+                continue
+            try:
+                self._credit -= self._copy(j, k, layer)
+            except BaseException:
+                self.kv_pending = keep + self.kv_pending[i:]
+                raise
+            self.copied.add((j, k, layer))
+            moved[(j, k)] = moved.get((j, k), 0) + 1
+        self.kv_pending = keep
+
+    def _credit_needed(self, j, layer):
+        """Bytes of one layer of stage j's requests (every block of its cache in use)."""
+        kv = self._w[j].kv
+        return (kv.n_blocks - kv.free_blocks) * kv.block_bytes
+
+    def _stop_marking(self):
+        for j in self.dirty:
+            self.pipe._c.set_dirty(j, 0, None)
+        self.dirty = {}
+
+    def _switch(self):
+        self._patch()          # nothing runs between this and the switch
+        self._stop_marking()
+        self.kv_home = True
+        t = time.perf_counter()
+        try:
+            restore(self.host, self.buddy, self.weights_from, link=self.link, _live=self)
+        except BaseException as e:
+            # taken back (the caches keep their stages' layers again): the KV starts over
+            self.kv_home, self.kv_pending, self.copied = False, None, set()
+            if isinstance(e, OutOfMemoryError):
                 self.blocked_by = str(e)
-                return True
-            self.buddy.stats["weight_bytes_restored"] += streamed
-            self.buddy.stats["restore_stall_seconds"] = time.perf_counter() - t
-            self.buddy.stats["restore_seconds"] = time.perf_counter() - self._start
-            self.done = True
-        return True
+                return
+            raise
+        st = self.buddy.stats
+        st["weight_bytes_restored"] += self._weights
+        st["kv_bytes_returned"] += self._kv
+        st["restore_stall_seconds"] = time.perf_counter() - t
+        st["restore_seconds"] = time.perf_counter() - self._start
+        self.done = True
 
 
 def restore(host, buddy, weights_from="peers", live=False, link=None, layers_per_step=1,
@@ -454,7 +556,7 @@ def restore(host, buddy, weights_from="peers", live=False, link=None, layers_per
             h = min(range(g), key=lambda k: load[k])
             load[h] += n
             homes[rid] = (h, seqs)
-            if seqs[h] >= 0:
+            if seqs[h] >= 0 and not (_live is not None and _live.kv_home):
                 for j, (lo, hi) in enumerate(ranges):
                     if j != h:
                         returned += ws[h].kv.copy_tokens_from(ws[j].kv, seqs[h], seqs[j], lo, hi)
