@@ -150,6 +150,102 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
     return result
 
 
+def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=False,
+               max_steps=100000):
+    """KunServe's operations at random: while random requests arrive at every step, `operations`
+    random buddy formations (g = 2 or 4 neighbouring TP1 instances, blocking or live, a random
+    number of layers a step) and restores (blocking or live, from the peers or the host copy),
+    then every request is checked against a plain Engine. faults=True also fails a random fault
+    site and event inside about half of them (a refused call, or a failed step, must change
+    nothing). Returns the counts: formed, restored, refused (what the state or a fault refused,
+    nothing changed), busy (a restore while its exchange or restore ran), requests, lost,
+    mismatches, and per worker the bytes held beyond a fresh host (page_delta; caches
+    trimmed)."""
+    import numpy as np
+
+    from .engine import Engine, SamplingParams
+    from .errors import BusyError, Error
+    from .host import Host
+
+    rng = np.random.default_rng(seed)
+    host = Host(model, workers=workers, memory_per_worker=memory, layout=f"{workers}xTP1",
+                max_batch_tokens=96)
+    vocab = model.config.vocab_size
+    handles, params_of, groups, formed = [], [], [], []
+    counts = dict(refused=0, busy=0, failed_steps=0)
+    ops = steps = 0
+    site_names = list(SITES)
+
+    def step():
+        nonlocal steps
+        try:
+            host.step()
+        except Error:
+            counts["failed_steps"] += 1   # a failed step changes nothing: the next one retries
+        steps += 1
+
+    while ops < operations and steps < max_steps:
+        for _ in range(int(rng.integers(0, 3))):
+            p = SamplingParams(max_tokens=int(rng.integers(2, 12)),
+                               temperature=float(rng.choice([0.0, 0.8])),
+                               seed=int(rng.integers(1 << 30)), ignore_eos=True)
+            handles.append(host.submit(rng.integers(3, vocab, size=int(rng.integers(2, 60)))
+                                       .tolist(), p))
+            params_of.append(p)
+        if rng.random() < 0.3:
+            ops += 1
+            armed = faults and rng.random() < 0.5
+            site, nth = site_names[int(rng.integers(len(site_names)))], int(rng.integers(1, 40))
+            with inject(site, nth if armed else 1 << 60):
+                try:
+                    if groups and rng.random() < 0.5:
+                        b = groups[-1]
+                        host.restore(b, weights_from=str(rng.choice(["peers", "host"])),
+                                     live=bool(rng.random() < 0.5))
+                        if b.restoring is None:
+                            groups.pop()
+                    elif not groups:
+                        g = int(rng.choice([2, 4])) if workers >= 4 else 2
+                        first = int(rng.integers(workers // g)) * g
+                        insts = [i for i in host.instances
+                                 if min(i.workers) in range(first, first + g)]
+                        groups.append(host.buddy(insts, live=bool(rng.random() < 0.5),
+                                                 layers_per_step=int(rng.integers(1, 3))))
+                        formed.append(groups[-1])
+                except BusyError:
+                    counts["busy"] += 1
+                except Error:
+                    counts["refused"] += 1
+                for _ in range(int(rng.integers(0, 3)) if armed else 0):
+                    step()   # a live exchange's or restore's layers may meet the fault
+        if groups and groups[-1].restored:   # a live restore finished
+            groups.pop()
+        step()
+    for b in groups:   # what is under way ends, and every group restores
+        while any(t is not None and not t.done for t in (b.exchange, b.restoring)):
+            step()
+        if not b.restored:
+            host.restore(b)
+    host.run()
+    with Engine(model, memory="256MiB") as ref:
+        want = [ref.submit(h.prompt, p) for h, p in zip(handles, params_of)]
+        ref.run()
+        mismatches = sum(h.output_tokens != w.output_tokens for h, w in zip(handles, want))
+    lost = sum(1 for h in handles if not h.finished or h.finish_reason not in ("length", "stop"))
+    for w in range(workers):
+        host.worker(w).kv.trim()
+    with Host(model, workers=workers, memory_per_worker=memory, layout=host.layout()) as fresh:
+        page_delta = [host.worker(w).arena.stats()["bytes_in_use"] -
+                      fresh.worker(w).arena.stats()["bytes_in_use"] for w in range(workers)]
+    result = {"seed": seed, "operations": ops, "formed": len(formed),
+              "restored": sum(b.restored for b in formed), **counts,
+              "requests": len(handles), "lost": lost,
+              "mismatches": mismatches, "page_delta": page_delta, "steps": steps,
+              "layout": host.layout()}
+    host.close()
+    return result
+
+
 # ---- what a caller can see, to compare before and after a refused call ----
 
 def snapshot(target):

@@ -309,52 +309,18 @@ def test_an_exchange_that_does_not_fit_is_taken_back(tiny):
     assert finish(host, reqs) == reference(tiny, prompts(8, 2, 2400, 2600), p)
 
 
-def test_random_drop_exchange_restore_sequences_lose_nothing(tiny):
-    """Random interleavings of submits, steps, buddies of random sizes and restores from random
-    sources: every request finishes with one worker's tokens and, idle again, every worker holds
-    exactly the pages it started with."""
-    rng = np.random.default_rng(0)
-    host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1",
-                      max_batch_tokens=96)
-    start = in_use(host)
-    p = params(0.0, tokens=12)
-    reqs, asked, buddies = [], [], []
-    for _ in range(60):
-        x = rng.random()
-        if x < 0.35:
-            q = prompts(1, int(rng.integers(1 << 30)))[0]
-            asked.append(q)
-            reqs.append(host.submit(q, p))
-        elif x < 0.5 and not buddies:
-            g = int(rng.choice([2, 4]))
-            first = int(rng.choice([0, 2])) if g == 2 else 0
-            insts = [i for i in host.instances if min(i.workers) in range(first, first + g)]
-            buddies.append(host.buddy(insts, live=bool(rng.random() < 0.5),
-                                      layers_per_step=int(rng.integers(1, 3))))
-        elif x < 0.6 and buddies:
-            b = buddies[-1]
-            if any(t is not None and not t.done for t in (b.exchange, b.restoring)):
-                with pytest.raises(gyges.BusyError):
-                    host.restore(b)
-                continue
-            if b.restoring is not None:   # restored live: done
-                buddies.pop()
-                continue
-            host.restore(b, weights_from=str(rng.choice(["peers", "host"])),
-                         live=bool(rng.random() < 0.5))
-            if b.restoring is None:
-                buddies.pop()
-        else:
-            host.step()
-    for b in buddies:
-        while any(t is not None and not t.done for t in (b.exchange, b.restoring)):
-            host.step()
-        if not b.restored:
-            host.restore(b)
-    assert finish(host, reqs) == reference(tiny, asked, p)
-    for i in range(4):
-        host.worker(i).kv.trim()
-    assert in_use(host) == start and host.layout() == "4xTP1"
+@pytest.mark.parametrize("seed, faults", [(0, False), (1, True)])
+def test_random_drop_exchange_restore_sequences_lose_nothing(tiny, seed, faults):
+    """gyges.testing.soak_buddy: random formations and restores (blocking and live, g = 2 and 4,
+    from peers and host) while requests arrive at every step, with and without faults inside
+    them: every request finishes with a plain engine's tokens, every group formed is restored,
+    and every worker holds exactly a fresh host's pages. (benchmarks/soak_kunserve.py runs a
+    thousand of them.)"""
+    from gyges.testing import soak_buddy
+    r = soak_buddy(tiny, seed=seed, operations=40, faults=faults)
+    assert r["formed"] >= 5 and r["restored"] == r["formed"]
+    assert r["lost"] == r["mismatches"] == 0 and r["requests"] > 50
+    assert r["page_delta"] == [0, 0, 0, 0] and r["layout"] == "4xTP1"
 
 
 def test_a_failed_exchange_step_is_tried_again(tiny):
