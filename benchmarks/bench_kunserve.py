@@ -20,7 +20,9 @@
    replication that swaps preempted requests' KV to host memory over PCIe (25 GB/s per GPU)
    instead of recomputing it, Llumnix-style live migration between replicas (policy llumnix),
    a static pipeline of groups of 2, kunserve without live restore (its groups, weights back,
-   finish their requests as pipelines before they dissolve) and with memory-greedy groups. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
+   finish their requests as pipelines before they dissolve) and with memory-greedy groups, and
+   kunserve and the static pipeline when every step fills and drains the pipeline (flush: the
+   GPipe bubble) instead of circulating micro-batches. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
    pipeline), TBT P50 +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
    (throughput-greedy 1.2x better TTFT than memory-greedy).
 
@@ -156,7 +158,12 @@ def sim_rows():
             ("migration (Llumnix)", dict(policy="llumnix")),
             ("static pipeline (g=2)", dict(policy="least_load", buddy_group=2)),
             ("kunserve, no live restore", dict(policy="kunserve", live_restore=False)),
-            ("kunserve, memory-greedy", dict(policy="kunserve", buddy_strategy="memory"))]
+            ("kunserve, memory-greedy", dict(policy="kunserve", buddy_strategy="memory")),
+            # every step fills and drains the pipelines (GPipe's bubble) instead
+            ("kunserve, flushed pipelines", dict(policy="kunserve",
+                                                 cost=cost.replace(flush=True))),
+            ("static pipeline (g=2), flushed", dict(policy="least_load", buddy_group=2,
+                                                    cost=cost.replace(flush=True)))]
     rows = []
     for burst, b in BURSTS.items():
         trace = traces.burst(b["rate"], 300, at=100, factor=b["factor"], length=b["length"],
@@ -164,7 +171,7 @@ def sim_rows():
                              output_tokens=traces.lognormal_lengths(b["output_mean"], cap=8192))
         group = []
         for name, kw in runs:
-            res = sim.run(trace, weights="buddy", cost=cost, sample_interval=0.5, **kw)
+            res = sim.run(trace, weights="buddy", sample_interval=0.5, **{"cost": cost, **kw})
             s = res.summary()
             req = res.requests
             ttft = (req["first_token"] - req["arrival"])[req["status"] == 3]  # finished

@@ -485,7 +485,8 @@ class PipelineCost:
     circulate through the stages: step_overhead + the larger of m times the busiest stage's
     roofline over its layers for 1/m of the step and one micro-batch's round trip (the sum over
     the stages + (n - 1) hand-offs of its tokens * hidden * dtype bytes over link_bw, default the
-    slowest stage GPU's link, plus link_latency). A re-split moves the layers each stage gains (weights and KV of the
+    slowest stage GPU's link, plus link_latency); with flush=True every step fills and drains the
+    pipeline instead: m + n - 1 slots of the busiest stage plus the hand-offs (GPipe's bubble). A re-split moves the layers each stage gains (weights and KV of the
     live tokens) at link_bw * eff_xfer, stages receiving in parallel, then stops stop_time.
     """
     model: ModelConfig
@@ -506,6 +507,8 @@ class PipelineCost:
     micro_batches: int | None = 1     # batches in flight (at most one per stage counts);
                                       # None: one per stage (vLLM's virtual engines). PipeLive's
                                       # figures here are measured with 1, KunServe's with None
+    flush: bool = False               # every step fills and drains the pipeline (synchronous
+                                      # steps: (m + n - 1) busiest stages, GPipe's bubble)
     note: str = field(default="", compare=False)
 
     kind = "pipeline"
@@ -527,6 +530,8 @@ class PipelineCost:
         if self.link_bw is not None and not (isinstance(self.link_bw, (int, float))
                                              and math.isfinite(self.link_bw) and self.link_bw > 0):
             raise CostModelError(f"link_bw must be a number > 0, got {self.link_bw!r}")
+        if not isinstance(self.flush, bool):
+            raise CostModelError(f"flush must be True or False, got {self.flush!r}")
         if self.micro_batches is not None and (isinstance(self.micro_batches, bool) or not
                                                isinstance(self.micro_batches, int) or
                                                not 1 <= self.micro_batches <= 2**31 - 1):
@@ -614,6 +619,7 @@ class PipelineCost:
             "stop_time": float(self.stop_time),
             "host_bw": float(self.host_bw),
             "micro_batches": int(self.n_stages if self.micro_batches is None else self.micro_batches),
+            "flush": bool(self.flush),
             "block_size": int(block_size),
             "fixed_blocks": int(fixed_blocks),
         }
@@ -691,9 +697,12 @@ class PipelineCost:
         m = max(1, min(m, self.n_stages, n_seqs))
         times = self.stage_times(layers, n_tokens / m, n_seqs, n_samples / m,
                                  kv_read_tokens / m, attn_pairs / m)
-        round_trip = sum(times) + (self.n_stages - 1) * (
+        hops = (self.n_stages - 1) * (
             n_tokens / m * self.model.hidden_size * self.dtype_bytes / self.link + self.link_latency)
-        t = self.step_overhead + max(m * max(times), round_trip)
+        if self.flush:   # fill and drain: m + n - 1 slots of the busiest stage
+            t = self.step_overhead + (m + self.n_stages - 1) * max(times) + hops
+        else:
+            t = self.step_overhead + max(m * max(times), sum(times) + hops)
         return t * (1 + self.transform_slowdown) if transforming else t
 
     # ---- profiles and the paper's static splits ----

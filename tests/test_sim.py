@@ -614,6 +614,34 @@ def test_micro_batches_overlap_the_stages():
         even.replace(micro_batches=0)
 
 
+def test_flushed_pipeline_steps_pay_the_fill_and_drain_bubble():
+    """flush=True: every step fills and drains the pipeline, (m + n - 1) slots of the busiest
+    stage plus the hand-offs; C equals the float64 reference, by hand too, and it is never
+    cheaper than micro-batches that circulate (the GPipe bubble: 3/2 of it for m = n = 2 on a
+    compute-bound prefill)."""
+    even = PipelineCost.create("llama3-8b", ["h100", "h100"], micro_batches=None)
+    flushed = even.replace(flush=True)
+    for shape in (CostModel.batch_shape([(0, 2048, True)] * 4),
+                  CostModel.batch_shape([(1000, 1, True)] * 16)):
+        c = _C.sim_pipeline(flushed.params(16), [16, 16], [16, 16], shape["n_tokens"],
+                            shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                            shape["attn_pairs"], 0.0)
+        assert c["step"] == pytest.approx(flushed.step_time([16, 16], **shape), rel=1e-12)
+        st = even.stage_times([16, 16], shape["n_tokens"] / 2, shape["n_seqs"],
+                              shape["n_samples"] / 2, shape["kv_read_tokens"] / 2,
+                              shape["attn_pairs"] / 2)
+        hop = shape["n_tokens"] / 2 * even.model.hidden_size * even.dtype_bytes / even.link + \
+            even.link_latency
+        assert c["step"] == pytest.approx(even.step_overhead + 3 * max(st) + hop, rel=1e-12)
+        assert c["step"] >= even.step_time([16, 16], **shape)
+    prefill = CostModel.batch_shape([(0, 2048, True)] * 4)
+    busy = [t - even.step_overhead for t in (flushed.step_time([16, 16], **prefill),
+                                             even.step_time([16, 16], **prefill))]
+    assert busy[0] / busy[1] == pytest.approx(1.5, rel=0.05)
+    with pytest.raises(CostModelError, match="flush"):
+        even.replace(flush=1)
+
+
 def test_pipeline_static_splits():
     pf, dec, bal = PIPE.prefill_optimal(), PIPE.decode_optimal(), PIPE.balanced()
     assert sum(pf) == sum(dec) == sum(bal) == 80

@@ -147,6 +147,12 @@ int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
         }
         p->micro_batches = (int32_t)v;
     }
+    PyObject *flush = PyDict_GetItemString(params, "flush"); /* optional: 0 */
+    if (flush != NULL) {
+        const int v = PyObject_IsTrue(flush);
+        if (v < 0) return -1;
+        p->flush = v;
+    }
     PyObject *layers = PyDict_GetItemString(params, "n_layers");
     PyObject *stages = PyDict_GetItemString(params, "stages");
     if (layers == NULL || stages == NULL || !PyList_Check(stages)) {

@@ -41,6 +41,8 @@ gy_status gy_sim_pipeline_check(const gy_sim_pipeline *p) {
         if (f[i].strict ? !gy_sim_pos(f[i].v) : !gy_sim_nonneg(f[i].v))
             return GY_FAIL(GY_ERR_INVALID, "pipeline: %s must be %s, got %g", f[i].name,
                            f[i].strict ? "> 0" : ">= 0", f[i].v);
+    if (p->flush != 0 && p->flush != 1)
+        return GY_FAIL(GY_ERR_INVALID, "flush must be 0 or 1, got %d", (int)p->flush);
     if (p->block_size < 1 || p->fixed_blocks < 0 || p->micro_batches < 0)
         return GY_FAIL(GY_ERR_INVALID, "pipeline: block_size must be >= 1, fixed_blocks and "
                        "micro_batches >= 0, got %lld, %lld, %d", (long long)p->block_size,
@@ -143,10 +145,13 @@ double gy_sim_pipeline_step_time(const gy_sim_pipeline *p, const int32_t *layers
         sum += t;
         if (t > busiest) busiest = t;
     }
-    const double round_trip =
-        sum + (double)(p->n_stages - 1) * (tokens * p->act_bytes / p->link_bw + p->link_latency);
+    const double hops = (double)(p->n_stages - 1) * (tokens * p->act_bytes / p->link_bw +
+                                                      p->link_latency);
+    const double round_trip = sum + hops;
     const double bound = (double)m * busiest;
-    const double time = p->step_overhead + (bound > round_trip ? bound : round_trip);
+    const double time =
+        p->step_overhead + (p->flush ? (double)(m + p->n_stages - 1) * busiest + hops
+                                     : (bound > round_trip ? bound : round_trip));
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 

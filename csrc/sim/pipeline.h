@@ -92,6 +92,9 @@ typedef struct gy_sim_pipeline {
                             a buddy restore's second source); 0: no host copy */
     int32_t micro_batches; /* >= 0: batches in flight at once, at most one per stage counts
                               (0 and 1: one batch; the step formula above) */
+    int32_t flush;       /* 1: every step fills and drains the pipeline (synchronous steps, the
+                            GPipe bubble): step = step_overhead + (m + n - 1) max_i t_i(s/m)
+                            + (n - 1) h(s/m); 0: micro-batches circulate without a drain */
 } gy_sim_pipeline;
 
 /* Checks the fields (GY_ERR_INVALID naming the first bad one). */
