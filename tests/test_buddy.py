@@ -132,45 +132,6 @@ def test_a_live_restore_streams_the_weights_back_while_serving(tiny, source, tem
     assert in_use(host) == start
 
 
-def test_a_failed_layer_of_a_live_restore_is_tried_again(tiny):
-    """A layer's restore failing in a live restore's advance (allocations, page maps and copies
-    in turn, spread): host.step raises or the layer waits, and the next steps bring it back;
-    tokens as one worker's."""
-    from gyges.testing import count, inject, spread
-    ps = prompts(4, seed=3, lo=30, hi=50)
-    p = params(0.0, tokens=16)
-    want = reference(tiny, ps, p)
-
-    def setup():
-        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
-        reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
-        host.step()
-        b = host.buddy(host.instances)
-        host.step()
-        host.restore(b, live=True)
-        return host, reqs, b
-
-    def drive(host, b):
-        while not b.restoring.done:
-            host.step()
-    for site in ("alloc", "page_map", "copy"):
-        host, _, b = setup()
-        events, _ = count(site, lambda: drive(host, b))
-        assert events > 0
-        for n in spread(events, 4):
-            host, reqs, b = setup()
-            with inject(site, n) as fired:
-                try:
-                    drive(host, b)
-                except gyges.Error:
-                    pass
-                assert fired() == 1
-            drive(host, b)
-            assert host.layout() == "2xTP1"
-            assert finish(host, reqs) == want
-            host.close()
-
-
 def test_refusals_change_nothing(tiny):
     host = gyges.Host(tiny, workers=4, memory_per_worker="32MiB", layout="4xTP1")
     reqs = [host.submit(q, params(0.0), instance=i % 4) for i, q in enumerate(prompts(4, 1))]
@@ -323,10 +284,11 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny, seed, faults)
     assert r["page_delta"] == [0, 0, 0, 0] and r["layout"] == "4xTP1"
 
 
-def test_a_failed_exchange_step_is_tried_again(tiny):
-    """A layer's copy failing in a live exchange's advance (each in turn, spread): host.step
-    raises, the layer still attends remotely, and the next steps move it; tokens as one
-    worker's."""
+def sweep_live(tiny, begin, sites, most):
+    """Every event of each fault site (spread, at most `most` a site) in driving a live
+    operation to its end fails in turn: host.step raises, or the layer waits, and later steps
+    finish it; the tokens are one worker's. begin(host) starts the operation on two TP1
+    instances that have run a step, and returns what its `done` ends; returns the last one."""
     from gyges.testing import count, inject, spread
     ps = prompts(4, seed=3, lo=30, hi=50)
     p = params(0.0, tokens=16)
@@ -336,25 +298,45 @@ def test_a_failed_exchange_step_is_tried_again(tiny):
         host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
         reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
         host.step()
-        b = host.buddy(host.instances, live=True)
-        return host, reqs, b
+        return host, reqs, begin(host)
 
-    def drive(host, b):
-        while not b.exchange.done:
+    def drive(host, t):
+        while not t.done:
             host.step()
-    host, _, b = setup()
-    events, _ = count("copy", lambda: drive(host, b))
-    assert events > 0
-    for n in spread(events, 6):
-        host, reqs, b = setup()
-        with inject("copy", n) as fired:
-            with pytest.raises(gyges.Error):
-                drive(host, b)
-            assert fired() == 1
-        drive(host, b)
-        assert b.stats["remote_attention_calls"] > 0
-        assert finish(host, reqs) == want
-        host.close()
+    for site in sites:
+        host, _, t = setup()
+        events, _ = count(site, lambda: drive(host, t))
+        assert events > 0
+        for n in spread(events, most):
+            host, reqs, t = setup()
+            with inject(site, n) as fired:
+                try:
+                    drive(host, t)
+                except gyges.Error:
+                    pass
+                assert fired() == 1
+            drive(host, t)
+            assert finish(host, reqs) == want
+            host.close()
+    return t
+
+
+def test_a_failed_exchange_step_is_tried_again(tiny):
+    """A layer's copy failing in a live exchange's advance: the layer still attends remotely
+    and a later step moves it (sweep_live)."""
+    t = sweep_live(tiny, lambda host: host.buddy(host.instances, live=True).exchange, ["copy"], 6)
+    assert t.buddy.stats["remote_attention_calls"] > 0
+
+
+def test_a_failed_layer_of_a_live_restore_is_tried_again(tiny):
+    """A live restore's weights or KV failing (allocations, page maps, copies) in an advance:
+    the layer waits or is copied again, and a later step brings it (sweep_live)."""
+    def begin(host):
+        b = host.buddy(host.instances)
+        host.step()
+        return host.restore(b, live=True).restoring
+    t = sweep_live(tiny, begin, ["alloc", "page_map", "copy"], 4)
+    assert t.buddy.restored
 
 
 def sweep_buddy(make_host, ps, p, want, site, op, most=10):
