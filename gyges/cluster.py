@@ -54,7 +54,7 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
                       "rebuild the extension (make build)")
 
 # gy_sim_xform, gy_sim_action, gy_sim_op_kind
-XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING = 0, 1, 6
+XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING, XFORM_EXCHANGING = 0, 1, 6, 8
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
 OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit",
        7: "drop", 8: "restore", 9: "migrate"}

@@ -48,7 +48,7 @@ import numpy as np
 
 from . import _C, traces
 from .cluster import (BIND, DEFER, DROP, INST_VIEW_DTYPE, PLACE, RELEASE, RESPLIT, RESTORE,
-                      XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
+                      XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
                       Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from .engine import SamplingParams
@@ -466,8 +466,9 @@ class _Replay:
             if i.stages:  # a pipeline: a row of tp 1 over its stages' workers
                 row["n_stages"] = len(i.stages)
                 row["layers"][:len(i.stages)] = [end - first for first, end in i.stages]
-                row["placeable"] = 1  # it serves on while it re-splits
-                row["xform"] = XFORM_RESPLITTING if transforming else XFORM_NONE
+                row["placeable"] = 1  # it serves on while it re-splits or exchanges KV
+                row["xform"] = XFORM_NONE if not transforming else \
+                    XFORM_EXCHANGING if self.buddy else XFORM_RESPLITTING
             if self.replicated and i.tp > 1:
                 row["bound"] = 1
                 row["n_paused"] = sum(1 for r in self.active if r.inst is not None and
@@ -542,23 +543,33 @@ class _Replay:
 
     def drop(self, g, size):
         """KunServe: the replicas on workers g..g+size-1 become one buddy group now
-        (host.buddy: parameters dropped, KV exchanged between two steps)."""
+        (host.buddy: parameters dropped; on CPU workers the victims' KV then moves live while
+        the group serves, their attention remote meanwhile, and the drop ends with that
+        exchange; on CUDA workers it is exchanged between two steps)."""
         members = [inst for inst in self.serving()
                    if not inst.stages and g <= min(inst.workers) < g + size]
         if len(members) != size:
             return self.refuse(f"drop: workers {g}..{g + size - 1} are not {size} replicas")
+        if any(not t.done for t in self.host.transformations):
+            return self.refuse("a transformation is under way")
         for inst in members:
             self.quiesce(inst)
         start = self.now()
         try:
-            b = self.host.buddy(members)
+            b = self.host.buddy(members, live=self.host.backend == "cpu")
         except GygesError as e:
             self.last_refusal = str(e)
             return self.refuse(f"drop: {type(e).__name__}")
         self.buddies[(g, size)] = b
         self._moved([b.instance], start, [(inst, -1) for inst in members] + [(b.instance, +1)])
-        self._recorded(DROP, g, start, kv_bytes=b.stats["kv_bytes_exchanged"],
-                       weight_bytes=b.stats["weight_bytes_released"])
+        if b.exchange is None or b.exchange.done:
+            self._recorded(DROP, g, start, kv_bytes=b.stats["kv_bytes_exchanged"],
+                           weight_bytes=b.stats["weight_bytes_released"])
+        else:   # it ends with its exchange (finish_transform)
+            self.xforms.append(({"kind": DROP, "gpu": g, "tp_from": 1, "tp_to": 1,
+                                 "start": start, "phase_end": start, "end": math.nan,
+                                 "migrated": 0, "kv_bytes": 0.0, "weight_bytes": 0.0},
+                                b.exchange))
         return True
 
     def restore(self, g, size):
@@ -716,6 +727,13 @@ class _Replay:
         return True
 
     def finish_transform(self, row, t):
+        if row["kind"] == DROP:   # a live exchange ended
+            row["end"] = self.now()
+            row["kv_bytes"] = float(t.buddy.stats["kv_bytes_exchanged"])
+            row["weight_bytes"] = float(t.buddy.stats["weight_bytes_released"])
+            self.stats["n_drops"] += 1
+            self.ended += 1
+            return
         row["end"] = row["phase_end"] = self.now()
         s = t.stats
         if row["kind"] == RESPLIT:
