@@ -615,7 +615,8 @@ class Host(Serving):
             return r
 
     def buddy(self, instances, live=False, link=None, layers_per_step=1):
-        """KunServe: the TP1 instances `instances` (neighbouring workers) become one buddy group:
+        """KunServe: the TP1 instances `instances` (Instance objects or indices into
+        host.instances; neighbouring workers) become one buddy group:
         worker k of g keeps layers [k L/g, (k+1) L/g) of one shared copy of the parameters and
         drops the rest (that memory is KV room at once), each request's KV of the layers now
         held by a buddy is copied there, and the group serves as a pipeline (new requests enter
@@ -628,7 +629,13 @@ class Host(Serving):
         gyges.kunserve.Buddy (stats, exchange)."""
         with self._lock:
             self._check_open()
-            return kunserve.form(self, list(instances), live, link, layers_per_step)
+            if not isinstance(instances, (list, tuple)):
+                raise InvalidArgumentError(f"instances must be a list of instances or indices "
+                                           f"into host.instances, got {instances!r}")
+            insts = [i if isinstance(i, Instance) else
+                     self.instances[checks.integer("instances", i, 0, len(self.instances) - 1)]
+                     for i in instances]
+            return kunserve.form(self, insts, live, link, layers_per_step)
 
     def restore(self, buddy, weights_from="peers", live=False, link=None, layers_per_step=1):
         """KunServe: a buddy group gets its parameters back (from the peers that hold each part,

@@ -140,7 +140,9 @@ def test_refusals_change_nothing(tiny):
     a, b, c, _ = host.instances
     for instances in ([a, b, c],   # 3 does not divide 4 layers
                       [a, c],      # not neighbours
-                      [a]):        # not a group
+                      [a],         # not a group
+                      (0, 7),      # no instance 7
+                      a):          # not a list
         with pytest.raises(gyges.InvalidArgumentError):
             host.buddy(instances)
         assert (in_use(host), host.layout()) == state
@@ -148,7 +150,8 @@ def test_refusals_change_nothing(tiny):
         with pytest.raises(gyges.InvalidArgumentError, match=next(iter(bad))):
             host.buddy(host.instances[:2], live=True, **bad)
         assert (in_use(host), host.layout()) == state
-    b = host.buddy(host.instances[:2], live=True)
+    b = host.buddy((0, 1), live=True)   # indices into host.instances, as the issue writes it
+    assert host.layout() == "PP2+2xTP1"
     state = in_use(host), host.layout()
     with pytest.raises(gyges.BusyError, match="Exchange.*under way"):
         host.restore(b)   # the victims' KV has not moved yet
