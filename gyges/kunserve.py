@@ -11,6 +11,19 @@ copies for KV. strategy="throughput" is the paper's Algorithm 1: merge the two s
 until the requirement is met (small groups keep pipelines short); "memory" grows a single group
 while what it frees stays within the original KV region (kv_bytes). Groups are ranges of
 neighbouring instances here: each is a pipeline of workers next to each other.
+
+On a real host (Host.buddy and Host.restore call form and restore below):
+
+    b = host.buddy((0, 1), live=True, link=Link(bandwidth=50e6, latency=20e-6))
+    # Exchange: the victims' KV moves a layer at a time while the group serves; a layer not
+    # moved yet attends on the worker holding it (remote attention, gy_engine_set_remote)
+    host.restore(b, live=True)
+    # Restoring: weights, then KV (patched through dirty bitmaps) stream back while it serves;
+    # the switch sends every request home
+    b.stats     # weight and KV bytes, remote attention calls and bytes, stall and link seconds
+
+Both are transformations host.step advances (host.transformations); blocking forms do all of it
+between two steps.
 """
 import time
 from dataclasses import dataclass
