@@ -131,7 +131,33 @@ def _new_seq(kv, n_tokens):
     return seq
 
 
-class Exchange:
+class _Paced:
+    """What a live exchange and a live restore share: what one advance may move. Without a link,
+    `layers_per_step` layers per key (a victim and buddy, a member, a pair of stages); with one,
+    as many bytes as the link carried since the last advance, less what it spent on other
+    traffic (`busy` seconds: remote attention's activations, which go first)."""
+
+    def __init__(self, link, layers_per_step):
+        self.link, self.layers_per_step = link, layers_per_step
+        self._credit, self._last = 0.0, time.perf_counter()
+
+    def _refill(self, busy=0.0):
+        now = time.perf_counter()
+        if self.link is not None:
+            self._credit += max(now - self._last - busy, 0.0) * self.link.bandwidth
+        self._last = now
+
+    def _may(self, moved, key, nbytes):
+        if self.link is None:
+            return moved.get(key, 0) < self.layers_per_step
+        return self._credit >= nbytes
+
+    def _moved(self, moved, key, nbytes):
+        self._credit -= nbytes
+        moved[key] = moved.get(key, 0) + 1
+
+
+class Exchange(_Paced):
     """A live KV exchange (KunServe 4.2): the victims, requests that ran on a member when the
     group formed, keep running in the pipeline while their KV of the layers a buddy now holds
     moves there one layer at a time. Until a layer has arrived, that layer's attention runs on
@@ -140,20 +166,20 @@ class Exchange:
     nothing written meanwhile is lost or left stale. host.step advances it first; with a link
     (one, shared by the group's transfers), the activations of the step before go first and the
     KV takes what the link had left over since the last advance, else `layers_per_step` layers
-    of every victim and buddy move per step. When all has moved, the caches keep their own layers (their other pages go)."""
+    of every victim and buddy move per step. When all has moved, the caches keep their own
+    layers (their other pages go)."""
 
     rolls_back = True   # a failed advance changes nothing; the next one tries again
 
     def __init__(self, host, buddy, chunks, link, layers_per_step, start):
-        self.host, self.buddy, self.link = host, buddy, link
-        self.layers_per_step = layers_per_step
+        super().__init__(link, layers_per_step)
+        self.host, self.buddy = host, buddy
         self.workers = buddy.workers
         self._w = [host.worker(w) for w in self.workers]
         self.pending = chunks           # [rid, src stage, dst stage, next layer], in order
         self.done, self.blocked_by, self.error = False, None, None
         self._calls = self._token_layers = 0
-        self._credit, self._last, self._start = 0.0, time.perf_counter(), start
-        self._advances = 0
+        self._start, self._advances = start, 0
         cfg = host.model.config
         hd = cfg.hidden_size // cfg.num_attention_heads
         # one token-layer of remote attention: q, k and v there, the attention output back
@@ -184,10 +210,7 @@ class Exchange:
         self._advances += 1
         if self._advances == 1:
             return True   # right after forming: the first layers are on their way this step
-        now = time.perf_counter()
-        if self.link is not None:   # the KV's share: the link's time the activations left over
-            self._credit += max(now - self._last - busy, 0.0) * self.link.bandwidth
-        self._last = now
+        self._refill(busy)   # the KV's share: the link's time the activations left over
         pipe, live = self.buddy.instance, set(self.buddy.instance.request_ids())
         moved, keep, i = {}, [], 0
         try:
@@ -200,9 +223,8 @@ class Exchange:
                     if rid in live:
                         pipe._c.set_remote(rid, k, j, 0, 0)
                     continue
-                budget = moved.get((rid, k), 0) < self.layers_per_step if self.link is None else \
-                    self._credit >= len(self._w[j].kv.block_table(src)) * self._w[j].kv.block_bytes
-                if not budget:
+                if not self._may(moved, (rid, k), len(self._w[j].kv.block_table(src)) *
+                                 self._w[j].kv.block_bytes):
                     keep.append(chunk)
                     if self.link is not None:
                         keep.extend(self.pending[i + 1:])   # in order: the next waits for this one
@@ -210,9 +232,8 @@ class Exchange:
                     continue
                 nbytes = self._w[k].kv.copy_tokens_from(self._w[j].kv, dst, src, layer, layer + 1)
                 pipe._c.set_remote(rid, k, j, layer + 1, hi)
-                self._credit -= nbytes
+                self._moved(moved, (rid, k), nbytes)
                 self.buddy.stats["kv_bytes_exchanged"] += nbytes
-                moved[(rid, k)] = moved.get((rid, k), 0) + 1
                 if layer + 1 < hi:
                     keep.append([rid, j, k, layer + 1])
         except BaseException:
@@ -356,7 +377,7 @@ def _check_restore(host, buddy, weights_from):
         raise InvalidArgumentError(f"weights_from must be 'peers' or 'host', got {weights_from!r}")
 
 
-class Restoring:
+class Restoring(_Paced):
     """A live restore (KunServe 4.3, host.restore(live=True)), while the group keeps serving as
     a pipeline (its stages' models do not use what comes back, so serving is unchanged):
       1. weights: each member gets the layers it gave up back, from the peer holding them or
@@ -374,8 +395,8 @@ class Restoring:
     rolls_back = True
 
     def __init__(self, host, buddy, weights_from, link, layers_per_step):
-        self.host, self.buddy, self.weights_from, self.link = host, buddy, weights_from, link
-        self.layers_per_step = integer("layers_per_step", layers_per_step, lo=1)
+        super().__init__(link, integer("layers_per_step", layers_per_step, lo=1))
+        self.host, self.buddy, self.weights_from = host, buddy, weights_from
         self.workers = buddy.workers
         self._w = [host.worker(w) for w in self.workers]
         self.pipe = buddy.instance
@@ -387,7 +408,7 @@ class Restoring:
         self.copied, self.dirty, self._words = set(), {}, None
         self.kv_home = False       # every request's KV is on every member (the switch's case)
         self.done, self.blocked_by, self.error = False, None, None
-        self._credit, self._last, self._start = 0.0, time.perf_counter(), time.perf_counter()
+        self._start = time.perf_counter()
         self._weights = self._kv = 0
         w = self._w[0]
         self._slot_bytes = w.kv.block_bytes // w.kv.block_size   # a token of one layer
@@ -396,16 +417,8 @@ class Restoring:
         left = len(self.pending) + len(self.kv_pending or ())
         return f"Restoring(workers={list(self.workers)}, {left} layers to go)"
 
-    def _go(self, moved, key, nbytes):
-        if self.link is None:
-            return moved.get(key, 0) < self.layers_per_step
-        return self._credit >= nbytes
-
     def advance(self):
-        now = time.perf_counter()
-        if self.link is not None:
-            self._credit += (now - self._last) * self.link.bandwidth
-        self._last = now
+        self._refill()
         self.blocked_by = None
         if self.pending:
             self._weights_step()
@@ -422,7 +435,7 @@ class Restoring:
         moved, keep = {}, []
         for i, (k, layer, j) in enumerate(self.pending):
             w = self._w[k]
-            if self.blocked_by is not None or not self._go(moved, k, w.weights.layer_bytes(layer)):
+            if self.blocked_by is not None or not self._may(moved, k, w.weights.layer_bytes(layer)):
                 keep.append((k, layer, j))
                 continue
             source = self._w[j].weights if self.weights_from == "peers" else None
@@ -435,9 +448,8 @@ class Restoring:
             except BaseException:
                 self.pending = keep + self.pending[i:]
                 raise
-            self._credit -= nbytes
+            self._moved(moved, k, nbytes)
             self._weights += nbytes
-            moved[k] = moved.get(k, 0) + 1
         self.pending = keep
 
     def _start_kv(self):
@@ -482,17 +494,17 @@ class Restoring:
     def _kv_step(self):
         moved, keep = {}, []
         for i, (j, k, layer) in enumerate(self.kv_pending):
-            if not self._go(moved, (j, k), 0 if self.link is None else
-                            self._credit_needed(j, layer)):
+            if not self._may(moved, (j, k), 0 if self.link is None else
+                             self._credit_needed(j, layer)):
                 keep.append((j, k, layer))
                 continue
             try:
-                self._credit -= self._copy(j, k, layer)
+                nbytes = self._copy(j, k, layer)
             except BaseException:
                 self.kv_pending = keep + self.kv_pending[i:]
                 raise
             self.copied.add((j, k, layer))
-            moved[(j, k)] = moved.get((j, k), 0) + 1
+            self._moved(moved, (j, k), nbytes)
         self.kv_pending = keep
 
     def _credit_needed(self, j, layer):
