@@ -977,7 +977,6 @@ static gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b) {
     return GY_OK;
 }
 
-/* Everything but the commit; any failure leaves the step for the caller to cancel. */
 /* Counts the step's remote attention: a call per part and layer (its rows go there and back). */
 static void gy_engine_count_remote(gy_engine *e) {
     for (int32_t s = 0; s < e->n_stages; s++) {
@@ -993,6 +992,7 @@ static void gy_engine_count_remote(gy_engine *e) {
     }
 }
 
+/* Everything but the commit; any failure leaves the step for the caller to cancel. */
 static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
     if (b->n_entries == 0) return GY_OK;
     GY_TRY(gy_engine_build(e, b, n_logits));

@@ -63,7 +63,6 @@ typedef struct gy_sim_inst {
     int32_t bound;         /* replicated: a bound group of members of TP member_tp */
     int32_t member_tp;
     int64_t n_paused, paused_head; /* the requests paused under it (a list through req.next) */
-    int32_t stopped;       /* it steps no more (nothing sets it now; kept for the checks) */
     int32_t draining;      /* buddy, no live restore: its weights are back; it dissolves once
                               its last request has finished */
     int32_t n_migrated;    /* its requests whose live migration's KV has crossed (switch them
@@ -321,7 +320,7 @@ static gy_status gy_sim_finish_step(gy_sim *s, int32_t slot, int *finished_any);
 static gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
     for (int64_t guard = 0;; guard++) {
         gy_sim_inst *i = &s->inst[slot];
-        if (i->stepping || i->barrier || i->stopped) return GY_OK;
+        if (i->stepping || i->barrier) return GY_OK;
         if (guard > (INT64_C(1) << 24))
             return GY_FAIL(GY_ERR_STATE, "instance at GPU %d made no progress in %lld steps",
                            (int)i->gpu_first, (long long)guard);
@@ -1182,7 +1181,7 @@ static gy_status gy_sim_migrate_switch(gy_sim *s, int64_t r) {
     if (q->slot != from) return GY_OK;
     const int32_t to = q->migrate_to >= 0 && q->migrate_to < s->n_gpus ? s->gpu_slot[q->migrate_to] : -1;
     if (to < 0 || to == from || s->inst[to].gpu_first != q->migrate_to ||
-        s->inst[to].xform != GY_SIM_XFORM_NONE || s->inst[to].stopped || s->inst[to].bound)
+        s->inst[to].xform != GY_SIM_XFORM_NONE || s->inst[to].bound)
         return GY_OK;
     s->stats.migrate_bytes += (double)q->computed * s->config.kv_token_bytes;
     s->stats.n_live_migrations++;
@@ -1226,8 +1225,7 @@ static gy_status gy_sim_try_migrate(gy_sim *s, const gy_sim_op *op, int32_t *sta
     const int32_t from = gy_sim_slot_at(s, op->gpu_first, 0), to = gy_sim_slot_at(s, op->target, 0);
     if (!(s->config.migrate_bw > 0) || from < 0 || to < 0 || from == to) return GY_OK;
     const gy_sim_inst *a = &s->inst[from], *b = &s->inst[to];
-    if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->bound || b->bound ||
-        b->stopped)
+    if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->bound || b->bound)
         return GY_OK;
     const int64_t room = b->core.capacity - gy_sim_instance_used(&b->core);
     int64_t best = -1;
