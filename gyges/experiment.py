@@ -562,15 +562,20 @@ class _Replay:
             return self.refuse(f"drop: {type(e).__name__}")
         self.buddies[(g, size)] = b
         self._moved([b.instance], start, [(inst, -1) for inst in members] + [(b.instance, +1)])
+        row = {"kind": DROP, "gpu": g, "tp_from": 1, "tp_to": 1, "start": start,
+               "phase_end": start, "end": math.nan, "migrated": 0}
+        self.xforms.append((row, b.exchange))   # a live one ends with its exchange (collect)
         if b.exchange is None or b.exchange.done:
-            self._recorded(DROP, g, start, kv_bytes=b.stats["kv_bytes_exchanged"],
-                           weight_bytes=b.stats["weight_bytes_released"])
-        else:   # it ends with its exchange (finish_transform)
-            self.xforms.append(({"kind": DROP, "gpu": g, "tp_from": 1, "tp_to": 1,
-                                 "start": start, "phase_end": start, "end": math.nan,
-                                 "migrated": 0, "kv_bytes": 0.0, "weight_bytes": 0.0},
-                                b.exchange))
+            self._drop_ended(row, b)
         return True
+
+    def _drop_ended(self, row, b):
+        """A drop's exchange is over: its row, its count, and word to the controller."""
+        row["end"] = self.now()
+        row["kv_bytes"] = float(b.stats["kv_bytes_exchanged"])
+        row["weight_bytes"] = float(b.stats["weight_bytes_released"])
+        self.stats["n_drops"] += 1
+        self.ended += 1
 
     def restore(self, g, size):
         """KunServe: the buddy group at g gets its parameters back from its peers and its
@@ -595,9 +600,8 @@ class _Replay:
     def _recorded(self, kind, g, start, tp_from=1, tp_to=1, migrated=0, kv_bytes=0.0,
                   weight_bytes=0.0):
         """A reconfiguration that ended as it began (between two steps: a bind, a release, a
-        drop, a restore): its row, its count, and word to the controller."""
-        self.stats[{BIND: "n_binds", RELEASE: "n_releases", DROP: "n_drops",
-                    RESTORE: "n_restores"}[kind]] += 1
+        restore): its row, its count, and word to the controller."""
+        self.stats[{BIND: "n_binds", RELEASE: "n_releases", RESTORE: "n_restores"}[kind]] += 1
         self.ended += 1
         self.xforms.append(({"kind": kind, "gpu": g, "tp_from": tp_from, "tp_to": tp_to,
                              "start": start, "phase_end": start, "end": self.now(),
@@ -728,12 +732,7 @@ class _Replay:
 
     def finish_transform(self, row, t):
         if row["kind"] == DROP:   # a live exchange ended
-            row["end"] = self.now()
-            row["kv_bytes"] = float(t.buddy.stats["kv_bytes_exchanged"])
-            row["weight_bytes"] = float(t.buddy.stats["weight_bytes_released"])
-            self.stats["n_drops"] += 1
-            self.ended += 1
-            return
+            return self._drop_ended(row, t.buddy)
         row["end"] = row["phase_end"] = self.now()
         s = t.stats
         if row["kind"] == RESPLIT:
