@@ -15,15 +15,16 @@
 3. The simulator at paper scale (8 A800-80GB, qwen2.5-14b, 200 Gbps RDMA, pipelines with one
    micro-batch per stage) on two bursts at 100 s (BURSTS: a BurstGPT-like x14 spike of
    1,000-token outputs, compute-bound; a x3 spike for 60 s of 3,000-token outputs, where the
-   replicas' KV fills first): P50 / P99 TTFT, the
-   share of requests over a 5 s TTFT SLO and P50 TPOT for kunserve, replication (least_load),
+   replicas' KV fills first): P50 / P99 TTFT, the share of requests over a 5 s TTFT SLO and
+   P50 TPOT for kunserve, replication (least_load),
    replication that swaps preempted requests' KV to host memory over PCIe (25 GB/s per GPU)
    instead of recomputing it, Llumnix-style live migration between replicas (policy llumnix),
    a static pipeline of groups of 2, kunserve without live restore (its groups, weights back,
    finish their requests as pipelines before they dissolve) and with memory-greedy groups, and
    kunserve and the static pipeline when every step fills and drains the pipeline (flush: the
-   GPipe bubble) instead of circulating micro-batches. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower than replication, 2.9-52.2x than a static
-   pipeline), TBT P50 +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
+   GPipe bubble) instead of circulating micro-batches. Paper: Fig. 10 (P99 TTFT 8.4-27.3x lower
+   than replication, 2.9-52.2x than a static pipeline, 23.1-47.6x than migration), TBT P50
+   +7.9-37.5%, Fig. 15 (37.6x P99 TTFT without live restore), Fig. 16
    (throughput-greedy 1.2x better TTFT than memory-greedy).
 
 With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): sections 1 and 2 on virtual CUDA

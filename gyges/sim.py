@@ -271,7 +271,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
               "max_input_tokens": max_input,
               **sched, **knobs, "weights": weights,
               "switch_time": switch_time,
-              "sample_interval": sample_interval, "record_tokens": bool(record_tokens), "swap_bw": swap_bw})
+              "sample_interval": sample_interval, "record_tokens": bool(record_tokens),
+              "swap_bw": swap_bw})
 
 
 def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) -> Results:
@@ -439,4 +440,5 @@ def _run_buddy(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, pro
         "policy": policy, "hosts": hosts, "gpus_per_host": n_st, "max_tp": 1,
         "weights": "buddy", "buddy_group": group, "live_restore": bool(live_restore),
         "gpus": [g.name for g in cost.gpus], "cost": cost.describe(), **sched, **knobs,
-        "sample_interval": sample_interval, "record_tokens": bool(record_tokens), "swap_bw": swap_bw})
+        "sample_interval": sample_interval, "record_tokens": bool(record_tokens),
+        "swap_bw": swap_bw})
