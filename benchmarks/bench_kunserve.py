@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, step_times, write_json  # noqa: E402
 from gyges import costmodel, sim, traces  # noqa: E402
 
 CUDA, HOST_KW = host_backend(sys.argv)
@@ -103,11 +103,7 @@ def exchange_rows():
                 host.submit(rng.integers(3, 4000, size=int(rng.integers(1000, 2000))).tolist(), p,
                             instance=i % 2)
             host.step()
-            steps = []
-            for _ in range(3):
-                t = time.perf_counter()
-                host.step()
-                steps.append(time.perf_counter() - t)
+            steps = step_times(host, 3)
             t = time.perf_counter()
             b = host.buddy(host.instances, live=live, link=None if CUDA else link)
             n = 0

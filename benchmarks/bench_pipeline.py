@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, step_times, write_json  # noqa: E402
 from gyges import traces  # noqa: E402
 
 QUICK = "--quick" in sys.argv
@@ -69,12 +69,7 @@ def loaded_host(model, n=8):
     reqs = [host.submit(q, p) for q in prompts(n, 1, 200, 400)]
     while any(not q.output_tokens for q in reqs):  # every prompt in: decoding now
         host.step()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        host.step()
-        times.append(time.perf_counter() - t)
-    return host, reqs, statistics.median(times)
+    return host, reqs, statistics.median(step_times(host, 10))
 
 
 def resplit(host, target, mode, tau=50, arrivals=True):

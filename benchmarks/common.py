@@ -17,6 +17,16 @@ def best_of(fn, repeat=5):
     return best
 
 
+def step_times(host, n):
+    """Wall seconds of each of n host.step() calls."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        host.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def print_table(title, rows, columns):
     """rows: list of dicts; columns: list of (key, header, format)."""
     print(f"\n{title}")
