@@ -146,7 +146,7 @@ class Policy:
 
     def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
                  merge_wait=None, scale_up_load=None, eager_scale_up=None, flying_tp=None,
-                 light_load=None, buddy_strategy=None, restore_wait=None):
+                 light_load=None, buddy_strategy=None, restore_wait=None, idle_load=None):
         check_policy(name)
         knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
@@ -155,6 +155,7 @@ class Policy:
                              ("merge_wait", merge_wait, None),
                              ("scale_up_load", scale_up_load, None),
                              ("light_load", light_load, None),
+                             ("idle_load", idle_load, None),
                              ("restore_wait", restore_wait, None)):
             if v is not None:
                 knobs[key] = check_number(key, v, 0.0, high)
@@ -179,6 +180,12 @@ class Policy:
     def rebalances(self) -> bool:
         """Whether the policy transforms on its own (static: no)."""
         return self._c.rebalances
+
+    @property
+    def monitors(self) -> bool:
+        """Whether it also rebalances at every tick, watching the load (gyges' latency mode,
+        kunserve): an executor ticks it even when no request waits."""
+        return self._c.monitors
 
     def place(self, view: View, prompt: int, output: int, footprint: int | None = None,
               min_tp: int | None = None, deferred: bool = False, group=(0, 0),

@@ -166,7 +166,7 @@ class _Replay:
 
     def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
                  layers_per_step, idle, sample_interval, max_tp, record_steps=False,
-                 pipeline_cost=None, buddy=False):
+                 pipeline_cost=None, buddy=False, prefill_rate=None):
         self.trace, self.policy, self.host = trace, policy, host
         self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
         self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
@@ -211,7 +211,7 @@ class _Replay:
         self.ctl = _C.Controller(self, policy._c, self.n_gpus, self.n_gpus, max_tp,
                                  self.capacity.tolist(), self.block_size, 0.0,
                                  replicated=self.replicated, base_tp=1, pipeline=pipeline,
-                                 buddy=buddy)
+                                 buddy=buddy, prefill_rate=prefill_rate)
         self.ended = 0               # transformations ended, not yet told to the controller
         self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
@@ -768,7 +768,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         scale_up_load: float | None = None, scale_up_cap: float | None = None,
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
         flying_tp: int | None = None, light_load: float | None = None,
-        record_steps: bool = False, pipeline_cost=None) -> Results:
+        idle_load: float | None = None, record_steps: bool = False, pipeline_cost=None,
+        cost=None) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -784,7 +785,11 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     sample_interval: seconds between per-instance samples and throughput bins (default about
     1/100 of the scaled trace, at least 0.1 s). The policy knobs are gyges.sim.run's, in the
     host's seconds and tokens, defaults gyges.cluster.DEFAULTS; merge_wait defaults to 1 s here
-    (2 s in the simulator), since a real run lasts seconds. slo: kept for Results.summary (goodput). record_steps: also keep
+    (2 s in the simulator), since a real run lasts seconds; gyges' latency mode (light_load,
+    idle_load) is off here unless given, since its defaults are GPU tokens. cost: the
+    gyges.costmodel CostModel (or ConstantCost) of this host, whose prefill rates per TP the
+    policies compare placements by, as gyges.sim.run does with its cost (default: rates
+    proportional to TP). slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
     A pipeline host (one pipeline over every worker, e.g. layout="PP2"; the default host for
@@ -811,9 +816,13 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                                         layers_per_step < 1):
         raise ExperimentError(f"layers_per_step must be a positive int or None, got "
                               f"{layers_per_step!r}")
+    if policy == "gyges":
+        light_load = 0.0 if light_load is None else light_load
+        idle_load = 0.0 if idle_load is None else idle_load
     pol = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                  scale_up_cap=scale_up_cap, merge_wait=merge_wait, scale_up_load=scale_up_load,
-                 eager_scale_up=eager_scale_up, flying_tp=flying_tp, light_load=light_load)
+                 eager_scale_up=eager_scale_up, flying_tp=flying_tp, light_load=light_load,
+                 idle_load=idle_load)
 
     from .host import Host
     if host is None:
@@ -891,9 +900,17 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                 pipeline_cost.model.num_hidden_layers != host.model.config.num_hidden_layers:
             raise ExperimentError("pipeline_cost must be a gyges.costmodel.PipelineCost of the "
                                   "host's pipeline (as many stages, the model's layers)")
+    prefill_rate = None
+    if cost is not None:
+        from .costmodel import ConstantCost, CostModel
+        if not isinstance(cost, (CostModel, ConstantCost)):
+            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel or ConstantCost, "
+                                  f"got {type(cost).__name__}")
+        chunk = host.max_prefill_chunk or host.max_batch_tokens
+        prefill_rate = _C.sim_prefill_rates(cost.kind, cost.params(), max_tp, chunk)
     rp = _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
                  layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
-                 pipeline_cost, buddy=policy == "kunserve")
+                 pipeline_cost, buddy=policy == "kunserve", prefill_rate=prefill_rate)
     t0 = host.now()
     for inst in sorted(host.instances, key=lambda i: min(i.workers)):
         rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
@@ -937,8 +954,8 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
         if now >= next_sample:
             rp.sample()
             next_sample = now + rp.sample_interval
-            # a policy may wait for time alone (gyges' merge_wait) or watch the load (kunserve)
-            if rp.n_deferred or rp.buddy:
+            # a policy may wait for time alone (merge_wait) or watch the load (gyges, kunserve)
+            if rp.n_deferred or rp.policy.monitors:
                 rp.control("tick", host.now())
                 rp.react()
         if progress and time.perf_counter() - shown > 1.0:

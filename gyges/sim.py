@@ -129,7 +129,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         scale_up_cap: float | None = None, merge_wait: float | None = None,
         eager_scale_up: bool | None = None, weights: str = "sharded",
         switch_time: float = 0.015, flying_tp: int | None = None,
-        light_load: float | None = None,
+        light_load: float | None = None, idle_load: float | None = None,
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
@@ -153,7 +153,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     layout) in switch_time seconds (the paper's 15 ms) moving nothing, and its KV is the
     members' pooled KV; flying_tp: the group size priority and light-load requests bind (0:
     gpus_per_host / 2); light_load: outstanding work per GPU (tokens, as the policies count
-    load) under which arrivals go to TP groups. The policy knobs left None take
+    load) under which arrivals go to TP groups (flying), or under which gyges keeps a base TP
+    of 2, and idle_load the same for a base TP of 4 (gyges' latency mode, policy_gyges.c; 0
+    turns either off). The policy knobs left None take
     gyges.cluster.DEFAULTS. sample_interval: seconds between time-series samples
     (default: about 10,000 over the trace). record_tokens: keep every token's time (ITL, exact
     throughput series; memory grows with the output). check: verify the simulator's invariants
@@ -202,7 +204,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     knobs = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
                    eager_scale_up=eager_scale_up, flying_tp=flying_tp,
-                   light_load=light_load).config  # checked, defaults filled in
+                   light_load=light_load, idle_load=idle_load).config  # checked, defaults
     if weights not in ("sharded", "replicated"):
         raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
     replicated = weights == "replicated"
@@ -322,7 +324,7 @@ def _run_pipeline(trace, policy, hosts, gpus_per_host, model, gpu, layout, slo, 
                   max_tp, block_size, max_batch_tokens, max_running, max_prefill_chunk,
                   watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap,
                   merge_wait, eager_scale_up, weights, switch_time, flying_tp, light_load,
-                  sample_interval, record_tokens, check, gpus, kv_resize, kv_blocks,
+                  idle_load, sample_interval, record_tokens, check, gpus, kv_resize, kv_blocks,
                   swap_bw, t_wall) -> Results:
     """run() for a pipeline layout (the module docstring): one pipeline per host."""
     if policy not in ("static", "pipelive"):

@@ -24,11 +24,14 @@ def host_caps():
 
 
 def both(trace, policy, caps, **kw):
-    """(simulator results, host results) of one trace under one policy."""
+    """(simulator results, host results) of one trace under one policy, with the same knobs
+    and cost model (gyges' latency mode off unless kw sets it: the experiment's default)."""
     cost = ConstantCost(step=0.001, phase=0.0, capacity=tuple(caps))
+    if policy == "gyges":
+        kw = {"light_load": 0.0, "idle_load": 0.0, **kw}
     s = sim.run(trace, policy=policy, gpus_per_host=4, cost=cost, watermark=0.0, merge_wait=1.0,
                 check=True, **kw)
-    h = experiment.run(trace, policy=policy, time_scale=1.0, **kw)
+    h = experiment.run(trace, policy=policy, time_scale=1.0, cost=cost, **kw)
     return s, h
 
 
@@ -71,6 +74,18 @@ def test_scale_ups_and_downs_happen_in_the_same_order_on_both_executors(host_cap
     assert sum(k == 0 for k, _, _, _ in xf_s) >= 1 and sum(k == 1 for k, _, _, _ in xf_s) >= 1
     assert placed_s[2][2] == 2 and placed_s[5][2] == 2
     assert all(st == 3 for st, _, _ in placed_s)
+
+
+def test_latency_mode_merges_the_same_on_both_executors(host_caps):
+    """gyges' latency mode on both (the experiment ticks a policy that monitors even when no
+    request waits): under idle_load, the four TP1 instances become one TP4 (pairs, then the
+    two pairs) in the first request's life, which moves along, and it serves them all."""
+    trace = spaced([40, 60, 30, 50], [5, 6, 7, 5], gap=3.0)
+    s, h = both(trace, "gyges", host_caps, idle_load=1e4, light_load=1e6)
+    assert decisions(s) == decisions(h)
+    placed, xforms = decisions(s)
+    assert xforms == [(0, 0, 1, 2), (0, 2, 1, 2), (0, 0, 2, 4)]
+    assert [tp for _, _, tp in placed] == [4, 4, 4, 4]
 
 
 def test_static_rejects_the_same_on_both_executors(host_caps):

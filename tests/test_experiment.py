@@ -79,7 +79,7 @@ def test_static_places_on_least_loaded_and_rejects_what_fits_nowhere():
 
 
 def test_gyges_defers_a_long_request_on_a_pair_and_merges_it():
-    p = Policy("gyges", merge_wait=0.0)
+    p = Policy("gyges", merge_wait=0.0, light_load=0, idle_load=0)  # the paper's rules
     d = p.place(four_tp1(), prompt=1200, output=10)
     assert d.action == "defer" and d.group[1] == 2 and d.group[0] % 2 == 0
     assert d.ops == (("merge", d.group[0], 2),)
@@ -104,6 +104,26 @@ def test_gyges_waits_for_the_group_to_drain_before_merging():
     v.now = 6.0
     d = p.place(v, prompt=1200, output=10, arrival=0.5, deferred=True, group=d.group)
     assert d.ops == (("merge", d.group[0], 2),)  # merge_wait passed: merge anyway
+
+
+def test_gyges_latency_mode_merges_idle_pairs_and_keeps_them_under_load():
+    p = Policy("gyges", idle_load=100, light_load=1000)
+    assert p.config["idle_load"] == 100 and p.config["light_load"] == 1000 and p.monitors
+    assert not Policy("static").monitors and not Policy("least_load").monitors
+    # idle: the pairs merge; 2 x 200 prompt tokens per GPU: base TP2, pairs still merge
+    assert p.rebalance(four_tp1()).ops == (("merge", 0, 2), ("merge", 2, 2))
+    busy = four_tp1(g0=dict(pending_prefill=800))
+    assert p.rebalance(busy).ops == (("merge", 0, 2), ("merge", 2, 2))
+    # past light_load (4 GPUs x 1000 tokens) TP1 stays
+    assert p.rebalance(four_tp1(g0=dict(pending_prefill=4001))).ops == ()
+    # a TP2 at 300 tokens per GPU stays a TP2 (< 4 x idle_load keeps even a TP4)...
+    rows = [dict(gpu_first=0, tp=2, kv_total=CAP[1], pending_prefill=1200),
+            dict(gpu_first=2, tp=2, kv_total=CAP[1])]
+    assert p.rebalance(View.of(rows, CAP)).ops == ()
+    # ... and is held and split past 4 x light_load
+    rows[0]["pending_prefill"] = 16004
+    assert p.rebalance(View.of(rows, CAP)).ops == (("hold", 0, 2), ("split", 0, 2),
+                                                   ("hold", 2, 2), ("split", 2, 2))
 
 
 def test_round_robin_keeps_its_cursor():
@@ -259,6 +279,10 @@ def test_bad_input_is_refused(model):
         experiment.run(trace, "gyges", host=host, idle="spin")
     with pytest.raises(ExperimentError, match="max_tp"):
         experiment.run(trace, "gyges", host=host, max_tp=3)
+    with pytest.raises(ExperimentError, match="cost must be a gyges.costmodel.CostModel"):
+        experiment.run(trace, "gyges", host=host, cost="h20")
+    with pytest.raises(PolicyError, match="idle_load"):
+        experiment.run(trace, "gyges", host=host, idle_load=-1)
     host.submit([1, 2, 3], gyges.SamplingParams(max_tokens=2))
     with pytest.raises(ExperimentError, match="idle host"):
         experiment.run(trace, "gyges", host=host)

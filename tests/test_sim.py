@@ -51,7 +51,9 @@ def test_two_requests_on_one_instance_by_hand():
 
 def gyges_two_gpus(rows, **kw):
     # TP1 holds 4 blocks of 4 tokens, TP2 12; a TP1 half of a scale-up holds 6 after phase 0.
+    # The paper's rules alone unless kw turns the latency mode on (light_load, idle_load).
     cost = ConstantCost(step=1.0, phase=0.5, capacity=(4, 12), capacity_mid=(6, 12))
+    kw = {"light_load": 0.0, "idle_load": 0.0, **kw}
     return sim.run(trace_of(rows), policy="gyges", gpus_per_host=2, cost=cost, block_size=4,
                    max_batch_tokens=64, watermark=0.0, record_tokens=True, check=True, **kw)
 
@@ -115,6 +117,37 @@ def test_reserved_group_drains_before_merging_by_hand():
     assert (t["start"], t["phase_end"], t["end"], t["migrated"]) == (3.0, 3.5, 4.0, 1)
     assert (s_["finish"], s_["migrations"], s_["tp"]) == (5.0, 1, 2)
     assert (l_["scheduled"], l_["first_token"], l_["finish"]) == (5.0, 6.0, 7.0)
+
+
+def test_latency_mode_by_hand():
+    # light_load=10 tokens per GPU: the base TP is 2 while the cluster's outstanding work (prompt
+    # + 8 x output tokens per GPU) is at most 10, and a TP2 splits only past 4 x 10.
+    # A, B (4 + 3) at 0.5, 0.6: 28 tokens each on its own TP1 (> 10): no merge. A ends at 3.5,
+    # leaving B's last token (8 / 2 GPUs = 4): the pair merges from 3.5 (B is done before the
+    # switch: nothing moves), a TP2 from 4.5. C (40 + 3, 11
+    # blocks: a TP2's) at 5.0 and D at 5.1 run there; (40 + 24 + 4 + 24) / 2 = 46 > 40, but C
+    # needs the TP2: no split.
+    res = gyges_two_gpus([(0.5, 4, 3), (0.6, 4, 3), (5.0, 40, 3), (5.1, 4, 3)], light_load=10.0,
+                         sample_interval=1.0)
+    r = res.requests
+    assert list(r["tp"]) == [1, 1, 2, 2] and list(r["finish"]) == [3.5, 3.6, 8.0, 10.0]
+    t = res.transformations
+    assert list(t["kind"]) == [0] and (t["start"][0], t["end"][0], t["migrated"][0]) == \
+        (3.5, 4.5, 0)
+    assert res.layout_at(4.4) == [(0, 1), (1, 1)] and res.layout_at(4.5) == [(0, 2)]
+    # Three (4 + 3) at 0 on a TP2: 3 x 28 / 2 = 42 > 4 x 10: held and split at once (its KV is
+    # free), and merged again once they are done (4.0); 42 <= 4 x 11 keeps the TP2.
+    rows = [(0.0, 4, 3)] * 3
+    res = gyges_two_gpus(rows, light_load=10.0, sample_interval=1.0, layout="1xTP2")
+    assert list(res.transformations["kind"]) == [1, 0]
+    assert list(res.transformations["start"]) == [0.0, 4.0]
+    assert res.layout_at(1.0) == [(0, 1), (1, 1)] and res.layout_at(5.0) == [(0, 2)]
+    assert list(res.requests["tp"]) == [1, 1, 1]
+    res = gyges_two_gpus(rows, light_load=11.0, sample_interval=1.0, layout="1xTP2")
+    assert res.transformations.size == 0 and list(res.requests["tp"]) == [2, 2, 2]
+    # without the latency mode the TP2, which no request needs, splits at once and stays split
+    res = gyges_two_gpus(rows, sample_interval=1.0, layout="1xTP2")
+    assert list(res.transformations["kind"]) == [1] and res.transformations["start"][0] == 0.0
 
 
 # ---- one instance against the Python model of the batch scheduler ------------------------------
@@ -282,6 +315,23 @@ def test_c_cost_model_matches_python_reference():
                 ref = cm.phase_time(phase, a, b, 123456.0)
                 got = _C.sim_phase_time("roofline", p, kind, a, b, 123456.0)
                 assert got == pytest.approx(ref, rel=1e-12)
+
+
+def test_prefill_rates_are_the_cost_models_prefill_steps():
+    """The rates the policies compare placements by (gy_sim_prefill_rates): one chunk of a
+    prompt per step, every token computed, causal attention over the chunk."""
+    cm = CostModel.create("qwen2.5-32b", "h20", **CALIBRATION)
+    rates = _C.sim_prefill_rates("roofline", cm.params(), 8, 2048)
+    ref = [2048 / cm.step_time(tp, 2048, 1, 1, 2048.0, 2048 * 2049 / 2) for tp in (1, 2, 4, 8)]
+    assert rates == pytest.approx(ref, rel=1e-12)
+    # on H20, TP2 and TP4 prefill 1.3-1.4x and 1.6-1.7x as fast as TP1 (the latency mode's case)
+    assert 1.3 < rates[1] / rates[0] < 1.4 and 1.6 < rates[2] / rates[0] < 1.7
+    flat = _C.sim_prefill_rates("constant", ConstantCost(step=0.5).params(), 4, 100)
+    assert flat == [200.0] * 3
+    with pytest.raises(ValueError, match="chunk 0"):
+        _C.sim_prefill_rates("roofline", cm.params(), 8, 0)
+    with pytest.raises(ValueError, match="power of two"):
+        _C.sim_prefill_rates("roofline", cm.params(), 3, 2048)
 
 
 def test_capacities_and_table1_memory():

@@ -2,6 +2,7 @@
 #include "controller.h"
 #include "../core/alloc.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@ typedef struct gy_cluster_waiting {
 struct gy_cluster {
     gy_cluster_config config;
     int64_t capacity[GY_SIM_MAX_LEVELS];
+    double prefill_rate[GY_SIM_MAX_LEVELS];
     gy_cluster_ops ops;
     void *ctx;
     void *policy_state;
@@ -155,11 +157,18 @@ gy_status gy_cluster_init(gy_cluster **out, const gy_cluster_config *config,
                        "%lld, watermark %g",
                        (int)config->n_gpus, (int)config->gpus_per_host, (int)config->max_tp,
                        (long long)config->block_size, config->watermark);
+    for (int32_t l = 0; config->prefill_rate != NULL && l < levels; l++)
+        if (!(config->prefill_rate[l] > 0.0 && config->prefill_rate[l] < INFINITY))
+            return GY_FAIL(GY_ERR_INVALID, "gy_cluster_init: prefill_rate of TP%d is %g", 1 << l,
+                           config->prefill_rate[l]);
     gy_cluster *c = gy_calloc(1, sizeof *c);
     if (c == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the controller");
     c->config = *config;
     memcpy(c->capacity, config->capacity, (size_t)levels * sizeof *c->capacity);
     c->config.capacity = c->capacity;
+    for (int32_t l = 0; l < levels; l++)
+        c->prefill_rate[l] = config->prefill_rate ? config->prefill_rate[l] : (double)(1 << l);
+    c->config.prefill_rate = c->prefill_rate;
     c->ops = *ops;
     c->ctx = ctx;
     const size_t n = (size_t)config->n_gpus;
@@ -255,6 +264,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .n_deferred = c->n_deferred,
         .pipeline = c->config.pipeline,
         .buddy = c->config.buddy,
+        .prefill_rate = c->prefill_rate,
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */

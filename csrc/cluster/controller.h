@@ -92,6 +92,8 @@ typedef struct gy_cluster_config {
                                         controller); NULL: none */
     int32_t buddy;                 /* KunServe's cluster: DROP / RESTORE (policy.h) */
     int32_t pad_;
+    const double *prefill_rate;    /* (log2(max_tp) + 1) prompt tokens/s of a TP-2^l instance,
+                                      each > 0 (the view's, policy.h); NULL: proportional to TP */
 } gy_cluster_config;
 
 typedef struct gy_cluster_stats {
@@ -110,7 +112,8 @@ typedef struct gy_cluster_stats {
 
 typedef struct gy_cluster gy_cluster;
 
-/* The config is copied (capacity too); ops and ctx must outlive the controller. */
+/* The config is copied (capacity and prefill_rate too); ops and ctx must outlive the
+ * controller. */
 gy_status gy_cluster_init(gy_cluster **out, const gy_cluster_config *config,
                           const gy_cluster_ops *ops, void *ctx);
 void gy_cluster_free(gy_cluster *c);

@@ -41,6 +41,27 @@ Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, cons
     return n;
 }
 
+Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, const char *what) {
+    PyObject *seq = gy_py_sequence(seq_object, "expected a sequence of numbers");
+    if (seq == NULL) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > cap) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd entries, at most %zd", what, n, cap);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(seq);
+    return n;
+}
+
 PyObject *gy_py_error_class(gy_status status) {
     if (status <= GY_OK || status >= GY_STATUS_COUNT) status = GY_ERR_STATE;
     return gy_py_errors[status];

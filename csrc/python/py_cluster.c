@@ -99,15 +99,17 @@ static PyObject *gy_py_controller_result(gy_status s) {
 static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"executor",   "policy",     "n_gpus",    "gpus_per_host",
                             "max_tp",     "capacity",   "block_size", "watermark",
-                            "replicated", "base_tp",    "pipeline",  "buddy", NULL};
-    PyObject *executor, *policy, *capacity_object, *pipeline_object = Py_None;
+                            "replicated", "base_tp",    "pipeline",  "buddy",
+                            "prefill_rate", NULL};
+    PyObject *executor, *policy, *capacity_object, *pipeline_object = Py_None,
+             *rate_object = Py_None;
     int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1, buddy = 0;
     long long block_size;
     double watermark;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piOp", names, &executor, &policy,
-                                     &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piOpO", names, &executor,
+                                     &policy, &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
                                      &block_size, &watermark, &replicated, &base_tp,
-                                     &pipeline_object, &buddy))
+                                     &pipeline_object, &buddy, &rate_object))
         return NULL;
     gy_sim_pipeline pipeline;
     if (pipeline_object != Py_None && gy_py_sim_pipeline_params(pipeline_object, &pipeline) < 0)
@@ -131,6 +133,15 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
             return PyErr_Format(GY_PY_VALUE_ERROR, "capacity of TP%d is %lld blocks", 1 << l,
                                 (long long)capacity[l]);
     config.capacity = capacity;
+    double rates[GY_SIM_MAX_LEVELS];
+    if (rate_object != Py_None) { /* gy_cluster_init checks each */
+        const Py_ssize_t n = gy_py_doubles(rate_object, rates, GY_SIM_MAX_LEVELS, "prefill_rate");
+        if (n < 0) return NULL;
+        if (n != levels)
+            return PyErr_Format(GY_PY_VALUE_ERROR, "prefill_rate lists %zd TP levels; max_tp=%d "
+                                                   "needs %zd", n, max_tp, levels);
+        config.prefill_rate = rates;
+    }
     GyControllerObject *self = (GyControllerObject *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->executor = Py_NewRef(executor);

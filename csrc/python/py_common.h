@@ -23,6 +23,8 @@ PyObject *gy_py_sequence(PyObject *object, const char *message);
 /* A sequence of at most `cap` ints into `out` (`what` names it in errors): their count, or -1
  * with an exception. */
 Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what);
+/* The same for floats. */
+Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, const char *what);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);

@@ -221,7 +221,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "switch_time", "flying_tp", "light_load", "pipeline",
                             "pipe_layers", "buddy", "buddy_group", "live_restore",
                             "buddy_strategy", "restore_wait", "swap_bw", "kv_token_bytes",
-                            "migrate_bw", NULL};
+                            "migrate_bw", "idle_load", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -231,19 +231,19 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         *max_in_o = Py_None, *pipe_o = Py_None, *pipe_layers_o = Py_None;
     const gy_sim_policy_config defaults = gy_sim_policy_config_default();
     int replicated = 0, flying_tp = defaults.flying_tp;
-    double switch_time = 0.0, light_load = defaults.light_load;
+    double switch_time = 0.0, light_load = defaults.light_load, idle_load = defaults.idle_load;
     int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
     double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0,
            migrate_bw = 0.0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddd", names, &hosts, &gpus_per_host,
-            &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipiddddd", names, &hosts,
+            &gpus_per_host, &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
             &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
             &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes,
-            &migrate_bw))
+            &migrate_bw, &idle_load))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -292,7 +292,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                           .merge_wait = merge_wait,
                           .eager_scale_up = eager,
                           .flying_tp = flying_tp, .light_load = light_load,
-                          .buddy_strategy = buddy_strategy, .restore_wait = restore_wait,
+                          .idle_load = idle_load, .buddy_strategy = buddy_strategy,
+                          .restore_wait = restore_wait,
                           .max_migrations = defaults.max_migrations},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
@@ -485,6 +486,32 @@ static PyObject *gy_py_sim_step_time(PyObject *module, PyObject *args) {
     return PyFloat_FromDouble(ops.step_time(ops.ctx, tp, transforming, &s));
 }
 
+/* sim_prefill_rates(kind, params, max_tp, chunk) -> [tokens/s of TP1, TP2, ..., max_tp] */
+static PyObject *gy_py_sim_prefill_rates(PyObject *module, PyObject *args) {
+    const char *kind;
+    PyObject *params;
+    int max_tp;
+    long long chunk;
+    if (!PyArg_ParseTuple(args, "sOiL", &kind, &params, &max_tp, &chunk)) return NULL;
+    if (gy_sim_level(max_tp) < 0)
+        return PyErr_Format(GY_PY_VALUE_ERROR, "max_tp must be a power of two, got %d", max_tp);
+    gy_sim_roofline roof;
+    gy_sim_cost_constant cst;
+    gy_sim_cost_ops ops;
+    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    double rates[GY_SIM_MAX_LEVELS];
+    const int levels = gy_sim_level(max_tp) + 1;
+    const gy_status s = gy_sim_prefill_rates(&ops, levels, chunk, rates);
+    if (s != GY_OK) return gy_py_raise(s);
+    PyObject *list = PyList_New(levels);
+    for (int l = 0; list != NULL && l < levels; l++) {
+        PyObject *v = PyFloat_FromDouble(rates[l]);
+        if (v == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, l, v);
+    }
+    return list;
+}
+
 /* sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU) */
 static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
     const char *kind;
@@ -570,6 +597,8 @@ static PyMethodDef gy_py_sim_functions[] = {
      "sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs)"},
     {"sim_phase_time", gy_py_sim_phase_time, METH_VARARGS,
      "sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU)"},
+    {"sim_prefill_rates", gy_py_sim_prefill_rates, METH_VARARGS,
+     "sim_prefill_rates(kind, params, max_tp, chunk) -> prompt tokens/s of each TP level"},
     {"sim_policy_names", gy_py_sim_policy_names, METH_NOARGS, "the policies, comma-separated"},
     {"sim_pipeline", gy_py_sim_pipeline, METH_VARARGS,
      "sim_pipeline(params, cur, tgt, n_tokens, n_seqs, n_samples, kv_read, pairs, kv_tokens) -> "

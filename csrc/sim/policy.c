@@ -40,6 +40,10 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * burst TTFT but TP's light-load gain is small, 16000 the
                                    * reverse) */
                                   .flying_tp = 0, .light_load = 4000.0,
+                                  /* gyges' latency mode: base TP 2 up to light_load, 4 up to
+                                   * 250 tokens per GPU (bench_sim's Azure runs: 3000 to 6000
+                                   * give the same TTFT; 500 for TP4 churns twice as much) */
+                                  .idle_load = 250.0,
                                   /* kunserve: Algorithm 1; 5 s of fitting demand before a
                                    * restore (policy_kunserve.c) */
                                   .buddy_strategy = 0, .restore_wait = 5.0,
@@ -60,6 +64,12 @@ int32_t gy_sim_inst_gpus(const gy_sim_inst_view *i) {
 double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_view *i) {
     return ((double)i->pending_prefill + cfg->decode_weight * (double)i->pending_output) /
            (double)i->tp;
+}
+
+double gy_sim_policy_prefill_wait(const gy_sim_view *v, const gy_sim_inst_view *i, int64_t prompt) {
+    const int l = gy_sim_level(i->tp);
+    const double rate = v->prefill_rate != NULL && l >= 0 ? v->prefill_rate[l] : (double)i->tp;
+    return ((double)i->pending_prefill + (double)prompt) / rate;
 }
 
 int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r) {

@@ -123,6 +123,9 @@ typedef struct gy_sim_view {
     int32_t buddy;                 /* 1: a buddy cluster (DROP / RESTORE): tp 1 rows are whole
                                       replicas, pipelines buddy groups of 2 to n_stages stages */
     int32_t pad3_;
+    const double *prefill_rate;    /* (levels of TP up to max_tp) prompt tokens per second a
+                                      TP-2^l instance prefills (the executor's cost model; only
+                                      ratios matter); NULL: proportional to TP */
 } gy_sim_view;
 
 typedef struct gy_sim_req_view {
@@ -214,7 +217,9 @@ typedef struct gy_sim_policy_config {
                                 bind (0: the largest group of a host) */
     double light_load;       /* flying: the load is light while the cluster's outstanding work
                                 per GPU (as gy_sim_policy_load counts it, in tokens) is at most
-                                this; new arrivals then go to TP groups (0: never) */
+                                this; new arrivals then go to TP groups (0: never). gyges: the
+                                base TP is 2 while the load is at most this (latency mode) */
+    double idle_load;        /* gyges: the base TP is 4 while the load is at most this (0: never) */
     int32_t buddy_strategy;  /* kunserve: gy_buddy_strategy (0 throughput-greedy, 1 memory-greedy) */
     int32_t max_migrations;  /* llumnix: live migrations one rebalance may start */
     double restore_wait;     /* kunserve: seconds a group's demand must fit its members' own KV
@@ -263,6 +268,10 @@ int gy_sim_level(int32_t tp);
 int32_t gy_sim_inst_gpus(const gy_sim_inst_view *i);
 /* Outstanding work per GPU (see decode_weight). */
 double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_view *i);
+/* Seconds until a prompt of `prompt` tokens placed on i now is prefilled, were i to prefill its
+ * waiting prompt tokens first at view.prefill_rate (its decodes ignored: a step's prefill chunk
+ * is priced mostly by its own tokens). Compares where a request gets its first token soonest. */
+double gy_sim_policy_prefill_wait(const gy_sim_view *v, const gy_sim_inst_view *i, int64_t prompt);
 /* 1 when the simulator would accept the request on i: placeable and footprint <= kv_total. */
 int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r);
 /* 1 when GPU range [g, g + size) is one aligned group inside a host. */

@@ -100,6 +100,7 @@ struct gy_sim {
     int32_t layout[64];
     int64_t capacity[GY_SIM_MAX_LEVELS], capacity_mid[GY_SIM_MAX_LEVELS];
     int64_t max_input[GY_SIM_MAX_LEVELS]; /* INT64_MAX when the config gives none */
+    double prefill_rate[GY_SIM_MAX_LEVELS]; /* the cost model's, for the policies */
     int32_t n_levels, n_gpus;
     int32_t base_tp;           /* replicated: the smallest TP with capacity (the DP unit) */
     gy_cluster *cluster;       /* the controller: the policy, deferred and held requests */
@@ -1599,6 +1600,26 @@ common:
     return GY_OK;
 }
 
+gy_status gy_sim_prefill_rates(const gy_sim_cost_ops *cost, int32_t n_levels, int64_t chunk,
+                               double *out) {
+    if (cost == NULL || cost->step_time == NULL || n_levels < 1 ||
+        n_levels > GY_SIM_MAX_LEVELS || chunk < 1)
+        return GY_FAIL(GY_ERR_INVALID, "gy_sim_prefill_rates: %d levels, chunk %lld",
+                       (int)n_levels, (long long)chunk);
+    /* one prompt's chunk: every token computed, the last sampled, causal attention over it */
+    const double n = (double)chunk;
+    const gy_sim_step_shape shape = {.n_tokens = chunk, .n_seqs = 1, .n_samples = 1,
+                                     .kv_read_tokens = n, .attn_pairs = n * (n + 1) / 2};
+    for (int32_t l = 0; l < n_levels; l++) {
+        const double t = cost->step_time(cost->ctx, INT32_C(1) << l, 0, &shape);
+        if (!(t > 0.0 && t < INFINITY))
+            return GY_FAIL(GY_ERR_STATE, "the cost model gave a TP%d prefill step of %g s",
+                           1 << l, t);
+        out[l] = n / t;
+    }
+    return GY_OK;
+}
+
 gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *t) {
     if (out == NULL || c == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_sim_init: NULL argument");
     *out = NULL;
@@ -1649,6 +1670,12 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
         st = GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld requests", (long long)s->n);
         goto fail;
     }
+    if (c->pipeline == NULL) {
+        const int64_t chunk = c->sched.max_prefill_chunk > 0 ? c->sched.max_prefill_chunk
+                                                             : c->sched.max_batch_tokens;
+        st = gy_sim_prefill_rates(&c->cost, n_levels, chunk, s->prefill_rate);
+        if (st != GY_OK) goto fail;
+    }
     const gy_cluster_config cc = {.n_gpus = s->n_gpus, .gpus_per_host = c->gpus_per_host,
                                   .max_tp = c->max_tp, .capacity = s->capacity,
                                   .block_size = c->sched.block_size,
@@ -1656,7 +1683,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
                                   .policy_config = c->policy_config,
                                   .replicated = c->replicated, .base_tp = s->base_tp,
                                   .pipeline = c->pipeline ? &s->pipeline : NULL,
-                                  .buddy = c->buddy};
+                                  .buddy = c->buddy,
+                                  .prefill_rate = c->pipeline ? NULL : s->prefill_rate};
     st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
     if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;

@@ -222,6 +222,11 @@ typedef struct gy_sim_stats {
 
 typedef struct gy_sim gy_sim;
 
+/* out[l] (l < n_levels): prompt tokens per second a TP-2^l instance prefills in steps of `chunk`
+ * tokens under the cost model: what the policies compare placements by (the view's
+ * prefill_rate). Also gyges.experiment's, for a host whose cost model it is given. */
+gy_status gy_sim_prefill_rates(const gy_sim_cost_ops *cost, int32_t n_levels, int64_t chunk,
+                               double *out);
 gy_status gy_sim_init(gy_sim **out, const gy_sim_config *config, const gy_sim_trace *trace);
 void gy_sim_free(gy_sim *s);
 /* Processes every event at or before `until` (INFINITY: to the end). */

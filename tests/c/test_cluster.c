@@ -5,6 +5,7 @@
  * are the controller's and a reconfiguration that starts on them releases them; refused ops are
  * counted and change nothing; a bad view from the executor and a call from inside an op are
  * refused with GY_ERR_STATE. */
+#include <math.h>
 #include <string.h>
 
 #include "cluster/controller.h"
@@ -71,15 +72,24 @@ static const gy_cluster_ops script_ops = {op_instances, op_assign, op_reconfigur
 
 static const int64_t CAPS[3] = {10, 25, 60};
 
-static gy_cluster *controller(script *s, const char *policy) {
+/* A controller over the script under `policy` with `config` (NULL: the defaults) and prefill
+ * rates `rates` (NULL: proportional to TP). */
+static gy_cluster *controller_with(script *s, const char *policy,
+                                   const gy_sim_policy_config *config, const double *rates) {
     const gy_cluster_config c = {.n_gpus = 4, .gpus_per_host = 4, .max_tp = 4,
                                  .capacity = CAPS, .block_size = 16, .watermark = 0.0,
                                  .policy = gy_sim_policy_find(policy),
-                                 .policy_config = gy_sim_policy_config_default()};
+                                 .policy_config = config ? *config
+                                                         : gy_sim_policy_config_default(),
+                                 .prefill_rate = rates};
     gy_cluster *out = NULL;
     if (gy_cluster_init(&out, &c, &script_ops, s) != GY_OK) return NULL;
     s->self = out;
     return out;
+}
+
+static gy_cluster *controller(script *s, const char *policy) {
+    return controller_with(s, policy, NULL, NULL);
 }
 
 /* Four TP1 instances under `policy`; reconfigurations start when `accept`. */
@@ -158,7 +168,9 @@ GYTEST(cluster_held_instances_are_released_by_their_reconfiguration) {
     const int32_t tps[2] = {2, 2};
     script_layout(&s, tps, 2);
     s.accept = 1;
-    gy_cluster *c = controller(&s, "gyges");
+    gy_sim_policy_config paper = gy_sim_policy_config_default();
+    paper.light_load = paper.idle_load = 0; /* no latency mode: an idle cluster would merge */
+    gy_cluster *c = controller_with(&s, "gyges", &paper, NULL);
     CHECK(c != NULL);
     /* a TP2 instance whose requests all left: gyges holds it, then splits it (releasing it) */
     CHECK(!gy_cluster_held(c, 0, 2));
@@ -168,6 +180,45 @@ GYTEST(cluster_held_instances_are_released_by_their_reconfiguration) {
     CHECK(split);
     CHECK(!gy_cluster_held(c, 0, 2) && !gy_cluster_held(c, 2, 2));
     gy_cluster_free(c);
+}
+
+GYTEST(cluster_gives_the_policies_its_prefill_rates) {
+    /* TP1, TP1, TP2 with 300, 500 and 650 prompt tokens waiting: a short request (76 tokens)
+     * is prefilled soonest where (waiting + prompt) / rate is least */
+    script s = {0};
+    const int32_t tps[3] = {1, 1, 2};
+    script_layout(&s, tps, 3);
+    s.inst[0].pending_prefill = 300;
+    s.inst[1].pending_prefill = 500;
+    s.inst[2].pending_prefill = 650;
+    gy_sim_policy_config paper = gy_sim_policy_config_default();
+    paper.light_load = paper.idle_load = 0;
+    /* NULL: TP2 twice as fast, 726 / 2 < 376; TP2 1.5x: 726 / 1500 > 376 / 1000; 3x: < */
+    const double slow[3] = {1000.0, 1500.0, 2000.0}, fast[3] = {500.0, 1500.0, 2000.0};
+    const double *cases[3] = {NULL, slow, fast};
+    const int32_t expect[3] = {2, 0, 2};
+    for (int k = 0; k < 3; k++) {
+        s.n_assigned = 0;
+        gy_cluster *c = controller_with(&s, "gyges", &paper, cases[k]);
+        CHECK(c != NULL);
+        gy_cluster_request r = req(k, 5, 1);
+        CHECK_OK(gy_cluster_arrive(c, &r, 0.0));
+        CHECK(s.n_assigned == 1 && s.actions[0] == GY_SIM_ACTION_PLACE && s.gpus[0] == expect[k]);
+        gy_cluster_free(c);
+    }
+    /* rates are checked, each level */
+    const double zero[3] = {1000.0, 0.0, 1.0}, nan[3] = {NAN, 1.0, 1.0};
+    const double inf[3] = {1.0, 1.0, INFINITY};
+    const double *bad[3] = {zero, nan, inf};
+    for (int k = 0; k < 3; k++) {
+        const gy_cluster_config cc = {.n_gpus = 4, .gpus_per_host = 4, .max_tp = 4,
+                                      .capacity = CAPS, .block_size = 16,
+                                      .policy = gy_sim_policy_find("gyges"),
+                                      .policy_config = paper, .prefill_rate = bad[k]};
+        gy_cluster *c = NULL;
+        CHECK_STATUS(gy_cluster_init(&c, &cc, &script_ops, &s), GY_ERR_INVALID);
+        CHECK(c == NULL);
+    }
 }
 
 GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {

@@ -251,19 +251,29 @@ GYTEST(sim_policy_gyges_short_requests) {
     w.inst[1].held = 1;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
-    /* an idle higher-TP instance takes short requests too, unless it serves a long one */
-    set_load(&w, 4, 0, 0);
+    /* the prompt goes where it is prefilled soonest: (waiting + 150 tokens) / the TP's rate */
     set_load(&w, 2, 3000, 0);
     set_load(&w, 3, 3000, 0);
+    set_load(&w, 4, 5800, 0); /* (5800 + 150) / 2 < 3150 (NULL rates: proportional to TP) */
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 4);
+    const double rates[4] = {1000, 1400, 1700, 1900}; /* TP2 prefills 1.4x as fast as TP1 */
+    w.v.prefill_rate = rates;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2); /* equal wait: the lower GPU */
+    set_load(&w, 4, 4200, 0); /* 4350 / 1400 < 3150 / 1000, though a long prompt is there */
     w.inst[4].max_min_tp = 2;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
-    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2); /* equal load: the lower GPU */
-    /* decode tokens weigh decode_weight each */
-    set_load(&w, 2, 0, 1000); /* 8000 */
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 4);
+    w.v.prefill_rate = NULL;
+    set_load(&w, 4, 10000, 0);
+    /* decode tokens only break ties (load per GPU, decode_weight each) */
+    set_load(&w, 2, 3000, 1000);
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 3);
+    set_load(&w, 2, 2999, 1000);
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 2);
     /* every TP1 reserved or held: the least loaded TP1 all the same */
     for (int k = 0; k < 6; k++) w.inst[k].reserved = 1;
     set_load(&w, 0, 3000, 0);
@@ -382,6 +392,7 @@ GYTEST(sim_policy_gyges_long_requests) {
 
 GYTEST(sim_policy_gyges_rebalance) {
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    cfg.light_load = cfg.idle_load = 0; /* the paper's rules alone (no latency mode) */
     world w;
     const int32_t tps[] = {2, 1, 1, 4};
     world_init(&w, 8, 8, tps, 4);
@@ -425,6 +436,72 @@ GYTEST(sim_policy_gyges_rebalance) {
     CHECK_OK(gy_sim_policy_round_robin.rebalance(NULL, &cfg, &w.v, &d));
     CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_SPLIT, 4, 4));
     CHECK(gy_sim_policy_static.rebalance == NULL);
+}
+
+/* The latency mode: the base TP follows the cluster's outstanding work per GPU (4 up to
+ * idle_load, 2 up to light_load); pairs below it merge, instances above it split only past 4x
+ * the threshold that merged them. */
+GYTEST(sim_policy_gyges_latency_mode) {
+    const gy_sim_policy_config cfg = gy_sim_policy_config_default(); /* 250, 4000 tokens */
+    CHECK(cfg.idle_load == 250 && cfg.light_load == 4000);
+    world w;
+    gy_sim_decision d;
+    /* idle: every pair merges, TP1 -> TP2 (the next rebalance goes on to TP4) */
+    const int32_t tp1[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tp1, 8);
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4);
+    for (int g = 0; g < 8; g += 2) CHECK(has_op(&d, GY_SIM_OP_MERGE, g, 2));
+    /* nothing merges a held, reserved, transforming or unplaceable half, or a pending group */
+    w.inst[0].held = 1;
+    w.inst[3].reserved = 1;
+    w.inst[4].xform = GY_SIM_XFORM_SPLIT_TAIL;
+    w.inst[7].placeable = 0;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    world_init(&w, 8, 8, tp1, 8);
+    const gy_sim_group pending[1] = {{4, 4, 10}};
+    w.v.pending = pending;
+    w.v.n_pending = 1;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_MERGE, 2, 2));
+    w.v.n_pending = 0;
+    /* at most max_tp, and not on replicated clusters (they bind instead) */
+    const int32_t tp2[4] = {2, 2, 2, 2};
+    world_init(&w, 8, 8, tp2, 4);
+    w.v.max_tp = 2;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.v.max_tp = 8;
+    w.v.replicated = 1;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(!has_op(&d, GY_SIM_OP_MERGE, 0, 4) && !has_op(&d, GY_SIM_OP_MERGE, 4, 4));
+    w.v.replicated = 0;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_MERGE, 0, 4) && has_op(&d, GY_SIM_OP_MERGE, 4, 4));
+    /* 1000 tokens per GPU (2000 prompt tokens on each TP2): base 2, and no split of a TP2 */
+    for (int k = 0; k < 4; k++) set_load(&w, k, 2000, 0);
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    /* TP4s stay up to 4 x 250 tokens per GPU, and split past it */
+    const int32_t tp4[2] = {4, 4};
+    world_init(&w, 8, 8, tp4, 2);
+    set_load(&w, 0, 4000, 0);
+    set_load(&w, 1, 4000, 0); /* 1000 per GPU */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    set_load(&w, 1, 4000, 1); /* 8 more tokens: 1001 per GPU */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_HOLD, 0, 4) && has_op(&d, GY_SIM_OP_SPLIT, 0, 4) &&
+          has_op(&d, GY_SIM_OP_SPLIT, 4, 4));
+    /* TP2s split only past 4 x 4000 tokens per GPU */
+    world_init(&w, 8, 8, tp2, 4);
+    for (int k = 0; k < 4; k++) set_load(&w, k, 32000, 0); /* 16000 per GPU */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    set_load(&w, 3, 32008, 0);
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 8 && has_op(&d, GY_SIM_OP_SPLIT, 6, 2));
 }
 
 GYTEST(sim_policy_baselines) {
