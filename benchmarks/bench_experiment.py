@@ -13,7 +13,11 @@ from that engine. The goal (issue 5, section 6) is output-token throughput and m
    capacities are the host's (experiment.capacities), not derived from the spec.
 2. Validate: a second trace (another seed) on the real host and in the simulator, for every
    policy (gyges, round_robin, least_load, static 4xTP1) at the trace's rate and compressed 4x;
-   the table shows both executors side by side and the relative error.
+   the table shows both executors side by side and the relative error. The real engine is a
+   random variable (on this 2-core machine one run's mean TTFT moves by up to 15% from the
+   next, with the CPU the worker threads leave the main thread), so each real run is repeated
+   (--repeats) and the simulator is compared with their mean; the spread column is half the
+   range of the repeats, relative to their mean.
 
 The steps are measured under the run's own CPU contention (4 worker threads; on a 2-core machine
 two of them share a core when all instances are busy), so the fit is an average over the load of
@@ -205,36 +209,49 @@ METRICS = (("output tokens/s", "output_throughput", 1), ("mean TTFT ms", "ttft_m
 
 
 def simulate(trace, policy, layout, cost, bin_seconds):
+    # the experiment's knobs: merge_wait 1 s, and gyges' latency mode off (its thresholds are
+    # GPU tokens; on this host it is off unless given)
+    latency = {"light_load": 0.0, "idle_load": 0.0} if policy == "gyges" else {}
     return sim.run(trace, policy=policy, gpus_per_host=WORKERS,
                    layout=layout if policy == "static" else None, cost=cost, block_size=16,
                    max_batch_tokens=512, max_running=64, max_prefill_chunk=0, watermark=0.0,
-                   merge_wait=1.0, sample_interval=bin_seconds)
+                   merge_wait=1.0, sample_interval=bin_seconds, **latency)
 
 
-def compare(held_out, duration, rate, seed=1):
-    """The validation trace on the real host and in the simulator, with the held-out cost model
-    and with one fitted to the validation runs' own steps (in-sample: what is left is the
-    simulator's, not the fit's)."""
+def compare(held_out, duration, rate, repeats, seed=1):
+    """The validation trace on the real host (`repeats` times) and in the simulator, with the
+    held-out cost model and with one fitted to the validation runs' own steps (in-sample: what
+    is left is the simulator's, not the fit's)."""
     trace = mixed_trace(duration, rate, seed)
     caps = experiment.capacities(new_host())
-    real = {label: experiment.run(trace, policy, host=new_host(layout), time_scale=scale,
-                                  record_steps=True)
-            for label, policy, layout, scale in runs()}
-    in_sample, fit_row = fit(np.concatenate([r.steps for r in real.values()]),
-                             np.concatenate([r.transformations for r in real.values()]), caps)
+    # the real runs place by the held-out model's prefill rates, as its simulations do;
+    # repeats interleave the configurations so that a slow spell of the machine spreads
+    real = {label: [] for label, _, _, _ in runs()}
+    for _ in range(repeats):
+        for label, policy, layout, scale in runs():
+            real[label].append(experiment.run(trace, policy, host=new_host(layout),
+                                              time_scale=scale, record_steps=True,
+                                              cost=held_out))
+    done = [r for rs in real.values() for r in rs]
+    in_sample, fit_row = fit(np.concatenate([r.steps for r in done]),
+                             np.concatenate([r.transformations for r in done]), caps)
     rows = []
     for label, policy, layout, scale in runs():
-        r = real[label].summary()
+        runs_real = [r.summary() for r in real[label]]
         scaled = trace.copy()
         scaled["arrival"] = (trace["arrival"] - trace["arrival"][0]) * scale
-        a = simulate(scaled, policy, layout, held_out, real[label].bin_seconds).summary()
-        b = simulate(scaled, policy, layout, in_sample, real[label].bin_seconds).summary()
+        bins = real[label][0].bin_seconds
+        a = simulate(scaled, policy, layout, held_out, bins).summary()
+        b = simulate(scaled, policy, layout, in_sample, bins).summary()
         for metric, key, scale in METRICS:
-            row = {"run": label, "metric": metric, "real": r[key] * (scale or 1),
+            values = np.array([s[key] for s in runs_real], float)
+            mean = float(values.mean())
+            row = {"run": label, "metric": metric, "real": mean * (scale or 1),
                    "sim": a[key] * (scale or 1), "sim_in": b[key] * (scale or 1)}
             if scale:
-                row["err"] = 100 * (a[key] / r[key] - 1)
-                row["err_in"] = 100 * (b[key] / r[key] - 1)
+                row["spread"] = 100 * (values.max() - values.min()) / 2 / mean
+                row["err"] = 100 * (a[key] / mean - 1)
+                row["err_in"] = 100 * (b[key] / mean - 1)
             rows.append(row)
     return rows, int(trace.size), {"fit": "in-sample (validation runs)", **fit_row}
 
@@ -243,6 +260,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter traces (noisier)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of each trace")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="real runs of each validation configuration (default 3, --quick 1)")
     ap.add_argument("--rate", type=float, default=None,
                     help="short requests per second (default 1.5 per worker)")
     ap.add_argument("--workers", type=int, default=None, choices=(2, 4),
@@ -253,12 +272,13 @@ def main():
     global WORKERS
     WORKERS = args.workers or (4 if (os.cpu_count() or 1) >= 4 else 2)
     args.rate = args.rate or 1.5 * WORKERS
-    duration = args.duration or (8.0 if args.quick else 20.0)
+    duration = args.duration or (8.0 if args.quick else 60.0)
+    repeats = args.repeats or (1 if args.quick else 3)
     print(f"gyges {gyges.__version__}: {WORKERS} CPU workers of {MEMORY}, {os.cpu_count()} cores, "
           f"traces of {duration:.0f} s at {args.rate:g} short requests/s")
     t = time.perf_counter()
     cost, fit_out = profile(duration, args.rate)
-    rows, n, fit_in = compare(cost, duration, args.rate)
+    rows, n, fit_in = compare(cost, duration, args.rate, repeats)
     print_table("cost models profiled from the real engine's steps", [fit_out, fit_in], [
         ("fit", "fit", "{}"), ("steps", "steps", "{}"),
         ("step_overhead", "overhead s", "{:.2e}"), ("eff_bw", "eff_bw", "{:.3f}"),
@@ -268,13 +288,17 @@ def main():
         ("busy_time_error_pct", "total err %", "{:+.1f}"),
         ("period_over_busy", "period/busy", "{:.2f}"),
         ("concurrency_mean", "instances busy", "{:.2f}")])
-    print_table(f"simulator vs real engine (validation trace, seed 1, {n} requests)", rows, [
+    print_table(f"simulator vs real engine (validation trace, seed 1, {n} requests; real: the "
+                f"mean of {repeats} runs, spread: half their range; goal: output tokens/s and "
+                f"mean TTFT within 10%)", rows, [
         ("run", "run", "{}"), ("metric", "metric", "{}"), ("real", "real", "{:.1f}"),
+        ("spread", "spread %", "{:.1f}"),
         ("sim", "sim (held-out fit)", "{:.1f}"), ("err", "err %", "{:+.1f}"),
         ("sim_in", "sim (in-sample fit)", "{:.1f}"), ("err_in", "err %", "{:+.1f}")])
     print(f"\n{time.perf_counter() - t:.0f} s")
     write_json("bench_experiment", {"workers": WORKERS, "memory_per_worker": MEMORY,
                                     "cores": os.cpu_count(), "duration": duration,
+                                    "repeats": repeats,
                                     "rate": args.rate, "fits": [fit_out, fit_in],
                                     "rows": rows, "cost": cost.describe()})
 
