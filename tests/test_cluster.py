@@ -88,6 +88,19 @@ def test_latency_mode_merges_the_same_on_both_executors(host_caps):
     assert [tp for _, _, tp in placed] == [4, 4, 4, 4]
 
 
+def test_the_controller_checks_its_prefill_rates():
+    from gyges import _C
+    from gyges.cluster import Policy
+    p = Policy("gyges")._c
+    for rates, match in (([1.0, 2.0], "prefill_rate lists 2 TP levels; max_tp=4 needs 3"),
+                         ([1.0, 0.0, 3.0], "prefill_rate of TP2 is 0"),
+                         ([1.0, float("nan"), 3.0], "prefill_rate of TP2 is nan")):
+        with pytest.raises(ValueError, match=match):
+            _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, prefill_rate=rates)
+    with pytest.raises(TypeError):
+        _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, prefill_rate=[1.0, "a", 2.0])
+
+
 def test_static_rejects_the_same_on_both_executors(host_caps):
     long2 = (host_caps[0] + 20) * 16 - 8
     trace = spaced([40, long2, 30], [5, 4, 6])

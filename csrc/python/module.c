@@ -19,9 +19,12 @@ PyObject *gy_py_sequence(PyObject *object, const char *message) {
     return seq;
 }
 
-/* A tuple/list of ints into `out` (at most `cap`); returns the count or -1. */
-Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what) {
-    PyObject *seq = gy_py_sequence(seq_object, "expected a sequence of ints");
+/* A tuple/list of at most `cap` numbers into `out`, as int64 (`floats` 0) or double (1);
+ * returns the count or -1. One reader for both, so their checks and messages agree. */
+static Py_ssize_t gy_py_numbers(PyObject *seq_object, void *out, Py_ssize_t cap,
+                                const char *what, int floats) {
+    PyObject *seq = gy_py_sequence(seq_object, floats ? "expected a sequence of numbers"
+                                                      : "expected a sequence of ints");
     if (seq == NULL) return -1;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > cap) {
@@ -30,36 +33,24 @@ Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, cons
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (floats) ((double *)out)[i] = PyFloat_AsDouble(item);
+        else ((int64_t *)out)[i] = PyLong_AsLongLong(item);
+        if (PyErr_Occurred()) {
             Py_DECREF(seq);
             return -1;
         }
-        out[i] = v;
     }
     Py_DECREF(seq);
     return n;
 }
 
+Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what) {
+    return gy_py_numbers(seq_object, out, cap, what, 0);
+}
+
 Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, const char *what) {
-    PyObject *seq = gy_py_sequence(seq_object, "expected a sequence of numbers");
-    if (seq == NULL) return -1;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > cap) {
-        PyErr_Format(GY_PY_VALUE_ERROR, "%s has %zd entries, at most %zd", what, n, cap);
-        Py_DECREF(seq);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1.0 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        out[i] = v;
-    }
-    Py_DECREF(seq);
-    return n;
+    return gy_py_numbers(seq_object, out, cap, what, 1);
 }
 
 PyObject *gy_py_error_class(gy_status status) {
