@@ -38,8 +38,9 @@
  * the base TP follows the cluster's outstanding work per GPU: 4 while it is at most idle_load,
  * 2 while at most light_load, else 1. Below the base, aligned pairs of equal instances merge
  * (their requests move along); above it, instances split as above once the load passes 4x the
- * threshold that merged them (the margin keeps a passing burst from churning). Rebalance then
- * also runs at every tick (monitor), since a TP1 step never calls it. */
+ * threshold that merged them (the margin keeps a passing burst from churning). While a request
+ * needs more than that base, the base is 1 (the paper's regime). Rebalance then also runs at
+ * every tick (monitor), since a TP1 step never calls it. */
 #include "policy.h"
 
 #include <string.h>
@@ -301,8 +302,19 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
     for (int32_t k = 0; k < v->n_inst; k++)
         load += gy_sim_policy_load(cfg, &v->inst[k]) * (double)v->inst[k].tp;
     load /= (double)v->n_gpus;
-    const int32_t base = gyges_base_tp(cfg, v, load / 4); /* what a split must be above */
-    if (!gyges_merge_to_base(v, gyges_base_tp(cfg, v, load), d)) return GY_OK;
+    /* A request that needs more than the base (served, or waiting for its group) puts the
+     * cluster in the paper's regime: short requests on TP1, away from the groups that merge
+     * for long ones (a base-TP2 pair merged into its TP4 would carry its short requests into
+     * the long prompt's prefill chunks: 6.2.4's TPOT +5%, goodput -0.5%). */
+    int32_t need = 0;
+    for (int32_t k = 0; k < v->n_inst; k++)
+        if (v->inst[k].max_min_tp > need) need = v->inst[k].max_min_tp;
+    for (int32_t p = 0; p < v->n_pending; p++)
+        if (v->pending[p].size > need) need = v->pending[p].size;
+    int32_t up = gyges_base_tp(cfg, v, load), base = gyges_base_tp(cfg, v, load / 4);
+    if (need > up) up = 1;
+    if (need > base) base = 1; /* what a split must be above */
+    if (!gyges_merge_to_base(v, up, d)) return GY_OK;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         if (i->tp <= base || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;

@@ -502,6 +502,42 @@ GYTEST(sim_policy_gyges_latency_mode) {
     set_load(&w, 3, 32008, 0);
     CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
     CHECK(d.n_ops == 8 && has_op(&d, GY_SIM_OP_SPLIT, 6, 2));
+    /* a request that needs more than the base (served, or waiting for its group): base 1, so
+     * pairs do not merge and unneeded TP2s split (the paper's regime). 1000 tokens per GPU:
+     * base 2 (splits above 4) */
+    const int32_t mixed[5] = {4, 1, 1, 1, 1};
+    world_init(&w, 8, 8, mixed, 5);
+    set_load(&w, 0, 8000, 0);
+    w.inst[0].max_min_tp = 4; /* a long request on the TP4 */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.inst[0].max_min_tp = 2; /* it needs only TP2: the pairs merge (and the TP4 stays) */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_MERGE, 4, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
+    world_init(&w, 8, 8, tp1, 8);
+    for (int k = 0; k < 8; k++) set_load(&w, k, 1000, 0);
+    const gy_sim_group waiting[1] = {{0, 4, 10}}; /* a long request waits for GPUs 0-3 */
+    w.v.pending = waiting;
+    w.v.n_pending = 1;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.v.n_pending = 0;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4); /* without it, every pair merges */
+    /* 2000 tokens per GPU on TP2s (base 2 even for splits) and a long request waiting for the
+     * reserved GPUs 4-7: the other TP2s, which nothing needs, split */
+    world_init(&w, 8, 8, tp2, 4);
+    for (int k = 0; k < 4; k++) set_load(&w, k, 4000, 0);
+    const gy_sim_group quartet[1] = {{4, 4, 10}};
+    w.v.pending = quartet;
+    w.v.n_pending = 1;
+    w.inst[2].reserved = w.inst[3].reserved = 1;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_SPLIT, 0, 2) && has_op(&d, GY_SIM_OP_SPLIT, 2, 2));
+    w.v.n_pending = 0;
+    w.inst[2].reserved = w.inst[3].reserved = 0;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
 }
 
 GYTEST(sim_policy_baselines) {
