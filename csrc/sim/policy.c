@@ -92,6 +92,14 @@ int gy_sim_ranges_overlap(int32_t a, int32_t na, int32_t b, int32_t nb) {
     return a < b + nb && b < a + na;
 }
 
+int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size) {
+    for (int32_t p = 0; p < v->n_pending; p++)
+        if (v->pending[p].size >= min_size &&
+            gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, g, size))
+            return 1;
+    return 0;
+}
+
 int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, int32_t size) {
     for (int32_t i = 0; i < d->n_ops; i++) /* the same op twice would only be refused */
         if (d->ops[i].kind == kind && d->ops[i].gpu_first == gpu_first && d->ops[i].size == size)

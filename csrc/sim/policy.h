@@ -288,6 +288,9 @@ int gy_sim_policy_build_group(const gy_sim_view *v, int32_t g, int32_t size, gy_
 int gy_sim_policy_split_plausible(const gy_sim_view *v, const gy_sim_inst_view *i);
 /* 1 when GPU ranges [a, a + na) and [b, b + nb) overlap. */
 int gy_sim_ranges_overlap(int32_t a, int32_t na, int32_t b, int32_t nb);
+/* 1 when a deferred request waits for a group (view.pending) of at least min_size GPUs that
+ * overlaps [g, g + size) (min_size 0: any group). */
+int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size);
 /* Appends an op; 0 when the decision is full. */
 int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, int32_t size);
 /* For a deferred request whose group is now one instance that holds it: PLACE there and 1;

@@ -66,23 +66,12 @@ static int32_t fl_bound_with_room(const gy_sim_policy_config *cfg, const gy_sim_
     return best;
 }
 
-/* 1 when a deferred request waits for a group of at least min_size GPUs overlapping
- * [g, g + size). With min_size = size + 1, a larger group is claimed around it: that one goes
- * first. */
-static int fl_pending(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size) {
-    for (int32_t p = 0; p < v->n_pending; p++)
-        if (v->pending[p].size >= min_size &&
-            gy_sim_ranges_overlap(v->pending[p].gpu_first, v->pending[p].size, g, size))
-            return 1;
-    return 0;
-}
-
 /* The group [g, g + size) can bind: every instance in it unbound, of TP below size, nothing
  * under way, no larger group waited for around it. *busy receives its requests that are not
  * TP work, *idle an idle member (-1). */
 static int fl_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *busy,
                        int32_t *idle) {
-    if (!gy_sim_group_valid(v, g, size) || fl_pending(v, g, size, size + 1)) return 0;
+    if (!gy_sim_group_valid(v, g, size) || gy_sim_pending_overlaps(v, g, size, size + 1)) return 0;
     *busy = 0;
     *idle = -1;
     for (int32_t x = g; x < g + size;) {
@@ -223,7 +212,7 @@ static int fl_heavy(const gy_sim_view *v) {
 static void fl_release_or_drain(const gy_sim_view *v, const gy_sim_inst_view *i,
                                 gy_sim_decision *d) {
     if (!i->bound || i->xform != GY_SIM_XFORM_NONE || i->n_priority > 0 ||
-        fl_pending(v, i->gpu_first, i->tp, 0))
+        gy_sim_pending_overlaps(v, i->gpu_first, i->tp, 0))
         return;
     if (i->max_min_tp <= v->base_tp)
         gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
@@ -346,9 +335,13 @@ static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, cons
     const int light = fl_light(cfg, v, 1);
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (!i->bound || i->xform != GY_SIM_XFORM_NONE || fl_pending(v, i->gpu_first, i->tp, 0))
+        if (!i->bound || i->xform != GY_SIM_XFORM_NONE ||
+            gy_sim_pending_overlaps(v, i->gpu_first, i->tp, 0))
             continue;
-        if (i->n_requests == 0 && (i->n_paused > 0 || i->held || !light || fl_pending(v, i->gpu_first, i->tp, i->tp + 1)))
+        /* a larger group waited for around it goes first */
+        if (i->n_requests == 0 &&
+            (i->n_paused > 0 || i->held || !light ||
+             gy_sim_pending_overlaps(v, i->gpu_first, i->tp, i->tp + 1)))
             gy_sim_decision_add_op(d, GY_SIM_OP_RELEASE, i->gpu_first, i->tp);
         else if (!light && fl_heavy(v))
             fl_release_or_drain(v, i, d);
@@ -371,7 +364,7 @@ static gy_status fl_rebalance(void *state, const gy_sim_policy_config *cfg, cons
                 x += i->tp;
             }
             if (!held) continue;
-            const int wanted = work || fl_pending(v, g, size, 0);
+            const int wanted = work || gy_sim_pending_overlaps(v, g, size, 0);
             if (busy == 0 && (wanted || light))
                 gy_sim_decision_add_op(d, GY_SIM_OP_BIND, g, size);
             else if (!wanted && !light)

@@ -127,11 +127,7 @@ static int gyges_scale_up(const gy_sim_policy_config *cfg, const gy_sim_view *v,
     double best_load = 0;
     gy_sim_decision best = *d;
     for (int32_t g = 0; g + s <= v->n_gpus; g += s) {
-        if (!gy_sim_group_valid(v, g, s)) continue;
-        int overlaps = 0;
-        for (int32_t p = 0; p < v->n_pending && !overlaps; p++)
-            overlaps = gy_sim_ranges_overlap(g, s, v->pending[p].gpu_first, v->pending[p].size);
-        if (overlaps) continue;
+        if (!gy_sim_group_valid(v, g, s) || gy_sim_pending_overlaps(v, g, s, 0)) continue;
         gy_sim_decision tmp = *d;
         /* 1: already one instance, judged as such by the caller */
         if (gy_sim_policy_build_group(v, g, s, &tmp) != 0) continue;
@@ -190,10 +186,9 @@ static int gyges_within_cap(const gy_sim_policy_config *cfg, const gy_sim_view *
                             gy_sim_group g) {
     int32_t scaled = 0;
     for (int32_t x = 0; x < v->n_gpus; x++) {
-        int in = v->inst[v->gpu_inst[x]].tp > 1 || gy_sim_ranges_overlap(x, 1, g.gpu_first, g.size);
-        for (int32_t p = 0; p < v->n_pending && !in; p++)
-            in = gy_sim_ranges_overlap(x, 1, v->pending[p].gpu_first, v->pending[p].size);
-        scaled += in;
+        scaled += v->inst[v->gpu_inst[x]].tp > 1 ||
+                  gy_sim_ranges_overlap(x, 1, g.gpu_first, g.size) ||
+                  gy_sim_pending_overlaps(v, x, 1, 0);
     }
     return scaled <= cfg->scale_up_cap * v->n_gpus;
 }
@@ -287,10 +282,9 @@ static int gyges_merge_to_base(const gy_sim_view *v, int32_t base, gy_sim_decisi
         if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->reserved ||
             b->reserved || a->held || b->held || !a->placeable || !b->placeable)
             continue;
-        int overlaps = 0;
-        for (int32_t p = 0; p < v->n_pending && !overlaps; p++)
-            overlaps = gy_sim_ranges_overlap(g, size, v->pending[p].gpu_first, v->pending[p].size);
-        if (!overlaps && !gy_sim_decision_add_op(d, GY_SIM_OP_MERGE, g, size)) return 0;
+        if (!gy_sim_pending_overlaps(v, g, size, 0) &&
+            !gy_sim_decision_add_op(d, GY_SIM_OP_MERGE, g, size))
+            return 0;
     }
     return 1;
 }
