@@ -255,6 +255,44 @@ def test_time_limit_stops_and_leaves_the_rest_unserved(model):
     assert res.summary()["completed"] == 0 and res.summary()["unfinished"] == 2
 
 
+@pytest.mark.filterwarnings("ignore::gyges.recovery.RecoveryWarning")  # a recovered half-way
+def test_an_allocation_failing_in_latency_merges_leaves_the_host_serving(model):
+    """The latency mode on a real host (idle: 4xTP1 -> 2xTP2 -> TP4 while requests run): every
+    failing allocation spread over the replay either raises a gyges.Error or the replay still
+    completes every request (a transformation that failed half-way is recovered); either way
+    the host then serves a request with the tokens of a fresh one."""
+    trace = traces.from_arrays(np.arange(4) * 0.3, np.array([40, 60, 30, 50]),
+                               np.array([5, 6, 7, 5]))
+    probe, params = [7, 8, 9, 10], gyges.SamplingParams(max_tokens=6)
+
+    def replay(host):
+        return experiment.run(trace, "gyges", host=host, idle_load=1e4, light_load=1e6)
+
+    def serve(host):
+        r = host.submit(probe, params)
+        while host.has_unfinished():
+            host.step()
+        return list(r.output_tokens)
+
+    host = host_of(model)
+    n, res = gyges.testing.count("alloc", lambda: replay(host))
+    assert res.summary()["transformations"] == 3
+    expected = serve(host)
+    host.close()
+    outcomes = set()
+    for k in gyges.testing.spread(n, 25):
+        host = host_of(model)
+        with gyges.testing.inject("alloc", k):
+            try:
+                assert replay(host).summary()["completed"] == len(trace)
+                outcomes.add("done")
+            except gyges.Error:
+                outcomes.add("raised")
+        assert serve(host) == expected, k
+        host.close()
+    assert outcomes == {"done", "raised"}
+
+
 def test_bad_input_is_refused(model):
     trace = mixed(n_short=3, longs=())
     host = host_of(model)

@@ -150,6 +150,26 @@ def test_latency_mode_by_hand():
     assert list(res.transformations["kind"]) == [1] and res.transformations["start"][0] == 0.0
 
 
+def test_an_allocation_failing_in_a_latency_mode_run_raises_and_leaves_no_trace():
+    """gyges with its latency mode (merges and splits as the load moves): failing allocations
+    spread over the whole run each raise a gyges.Error, and a run afterwards gives the bytes of
+    the run before (nothing of a failed run stays behind)."""
+    tr = traces.poisson(0.5, n=300, input_tokens=(200, 6000), output_tokens=(16, 256), seed=4)
+
+    def run():
+        return sim.run(tr, policy="gyges", max_batch_tokens=2048)
+
+    ref = run()
+    assert ref.summary()["transformations"] > 50
+    n, _ = gyges.testing.count("alloc", run)
+    for k in gyges.testing.spread(n, 60):
+        with gyges.testing.inject("alloc", k) as fired:
+            with pytest.raises(gyges.Error):
+                run()
+            assert fired() == 1
+    assert run().requests.tobytes() == ref.requests.tobytes()
+
+
 # ---- one instance against the Python model of the batch scheduler ------------------------------
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
