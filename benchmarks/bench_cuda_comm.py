@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from gyges import _C  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges.worker import cuda_device_unavailable  # noqa: E402
+from gyges.runtime.worker import cuda_device_unavailable  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 2 * MiB

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import _C  # noqa: E402
-from gyges.config import ModelConfig  # noqa: E402
-from gyges.worker import Worker, cuda_unavailable  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
+from gyges.runtime.worker import Worker, cuda_unavailable  # noqa: E402
 
 # Llama-3.2-1B's shapes (its llama3 rope scaling is left out: it changes no timing).
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from gyges import _C  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges.worker import cuda_device_unavailable  # noqa: E402
+from gyges.runtime.worker import cuda_device_unavailable  # noqa: E402
 
 MiB = 1 << 20
 KVCACHED_A100_US = {"create": 193.0, "map": 1.45 + 36.0, "unmap": 25.6}  # map = map + set-access

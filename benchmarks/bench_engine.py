@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import _C  # noqa: E402
-from gyges.config import ModelConfig  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
 
 THREADS = 2
 DECODE_TOKENS = 128

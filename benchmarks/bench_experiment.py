@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 import gyges  # noqa: E402
 from gyges import experiment, sim, traces  # noqa: E402
-from gyges.config import ModelConfig  # noqa: E402
-from gyges.costmodel import CostModel, GPUSpec  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
+from gyges.cluster.costmodel import CostModel, GPUSpec  # noqa: E402
 
 MEMORY = "32MiB"
 WORKERS = 4

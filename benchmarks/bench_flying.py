@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import experiment, sim, traces  # noqa: E402
-from gyges.costmodel import CostModel  # noqa: E402
+from gyges.cluster.costmodel import CostModel  # noqa: E402
 
 MEM = "32MiB"
 QUICK = "--quick" in sys.argv

@@ -82,7 +82,7 @@ def scaled_link(model):
     c = model.config
     kv_token = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * \
         c.num_hidden_layers
-    return gyges.kunserve.Link(bandwidth=25e9 * kv_token / (192 * 1024), latency=5e-6)
+    return gyges.reconfig.Link(bandwidth=25e9 * kv_token / (192 * 1024), latency=5e-6)
 
 
 def exchange_rows():

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import metrics, sim, traces  # noqa: E402
-from gyges.costmodel import PipelineCost  # noqa: E402
+from gyges.cluster.costmodel import PipelineCost  # noqa: E402
 
 GPUS = ["a100-80gb", "l40s"]
 PHASE = 20.0      # seconds per pattern (the paper does not give it)

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import metrics, sim, traces  # noqa: E402
-from gyges.costmodel import CALIBRATION, DEFAULTS, CostModel  # noqa: E402
+from gyges.cluster.costmodel import CALIBRATION, DEFAULTS, CostModel  # noqa: E402
 
 AZURE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
     "azure_llm_2023_conv.csv"

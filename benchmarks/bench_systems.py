@@ -41,7 +41,7 @@ from benchmarks.bench_kunserve import BURSTS  # noqa: E402
 from benchmarks.bench_sim import AZURE, LAYOUTS, SLO, azure_trace, goodputs  # noqa: E402
 from benchmarks.common import RESULTS, print_table, write_json  # noqa: E402
 from gyges import experiment, metrics, sim, traces  # noqa: E402
-from gyges.costmodel import RDMA_200G, CostModel, PipelineCost  # noqa: E402
+from gyges.cluster.costmodel import RDMA_200G, CostModel, PipelineCost  # noqa: E402
 
 MODEL, GPU, N_GPUS = "qwen2.5-32b", "h20", 8
 

@@ -32,8 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges.config import ModelConfig  # noqa: E402
-from gyges.worker import Worker  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
+from gyges.runtime.worker import Worker  # noqa: E402
 
 MIB = 1 << 20
 NOMINAL = 32 * MIB  # per-worker budget the utilisation refers to

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gyges  # noqa: E402
 from gyges import testing  # noqa: E402
-from gyges.config import ModelConfig  # noqa: E402
-from gyges.recovery import RecoveryWarning  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
+from gyges.reconfig.recovery import RecoveryWarning  # noqa: E402
 
 from benchmarks.common import print_table, write_json  # noqa: E402
 

@@ -10,16 +10,17 @@ import logging
 import os
 
 from . import _C
-from .arena import Arena
-from .errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, Error, FormatError,
+from .runtime.arena import Arena
+from .core.errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, Error, FormatError,
                      InvalidArgumentError, LimitError, OutOfMemoryError, StateError,
                      SystemCallError, UnavailableError)
-from .engine import Engine, Request, SamplingParams
-from .host import Host
-from .kv_cache import KVCache
-from .llm import LLM
-from .model import Model
-from .units import format_size, parse_size
+from .runtime.engine import Engine, Request, SamplingParams
+from .runtime.host import Host
+from . import reconfig  # noqa: F401  (registers the host's reconfigurations: transform, switch, ...)
+from .runtime.kv_cache import KVCache
+from .serve.llm import LLM
+from .models.model import Model
+from .core.units import format_size, parse_size
 
 __version__ = "0.1.0"
 WITH_CUDA = bool(_C.WITH_CUDA)
@@ -31,15 +32,20 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if os.environ.get("GYGES_CPU_ISA"):
     _C.kernel_set_isa(os.environ["GYGES_CPU_ISA"])
 
-SUBMODULES = ("arena", "checkpoint", "cluster", "comm", "config", "costmodel", "demo",
-              "experiment", "gguf_file", "layout", "metrics", "recovery", "results", "safetensors",
-              "serve", "sim", "testing", "tokenizer", "traces", "transform", "units", "weights",
-              "worker")
+# The package's layers (each imports only those below it; tests/test_layers.py checks):
+#   core < models < runtime < reconfig < cluster < serve < (demo, testing, this file)
+# The subsystems a notebook reaches for are also here by their short names, imported when first
+# used: gyges.sim, gyges.traces, gyges.experiment, ...
+SUBMODULES = {"core": "core", "models": "models", "runtime": "runtime", "reconfig": "reconfig",
+              "cluster": "cluster", "serve": "serve", "demo": "demo", "testing": "testing",
+              "sim": "cluster.sim", "traces": "cluster.traces", "experiment": "cluster.experiment",
+              "metrics": "cluster.metrics", "results": "cluster.results",
+              "costmodel": "cluster.costmodel"}
 
 
 def __getattr__(name):
     if name in SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{SUBMODULES[name]}", __name__)
     raise AttributeError(f"module 'gyges' has no attribute {name!r}")
 
 

@@ -1,7 +1,7 @@
 """python -m gyges serve ... | bench serve ... (gyges/cli.py)."""
 import sys
 
-from .cli import main
+from .serve.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

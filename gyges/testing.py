@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import _C
-from .errors import InvalidArgumentError
+from .core.errors import InvalidArgumentError
 
 SITES = {"alloc": _C.FAULT_ALLOC, "page_create": _C.FAULT_PAGE_CREATE,
          "page_map": _C.FAULT_PAGE_MAP, "copy": _C.FAULT_COPY, "comm": _C.FAULT_COMM}
@@ -80,19 +80,20 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
     makes `transformations` random live transformations (merges and splits of random aligned
     groups outside pipelines, at once or layer-staggered, with and without overlap), then checks
     every request against the same request served by a plain Engine. faults=True also fails a random resource (fault site and event) inside about half of
-    the transformations. Returns the counts: done, refused, recovered, requests, lost, mismatches
-    and, per worker, the bytes it holds beyond a fresh host of the same layout (page_delta)."""
+    the transformations. Returns the counts: done, refused, rolled_back, recovered (a rollback
+    that failed too), requests, lost, mismatches and, per worker, the bytes it holds beyond a
+    fresh host of the same layout (page_delta)."""
     import numpy as np
 
-    from .engine import Engine, SamplingParams
-    from .errors import Error
-    from .host import Host
+    from .runtime.engine import Engine, SamplingParams
+    from .core.errors import Error
+    from .runtime.host import Host
 
     rng = np.random.default_rng(seed)
     host = Host(model, workers=workers, memory_per_worker=memory, layout=layout)
     vocab = model.config.vocab_size
     handles, params_of = [], []
-    done = refused = recovered = failed_steps = steps = 0
+    done = refused = rolled_back = recovered = failed_steps = steps = 0
     t = None
     site_names = list(SITES)
     while (done < transformations or (t is not None and not t.done)) and steps < max_steps:
@@ -113,8 +114,10 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
             with inject(site, nth if armed else 1 << 60):
                 try:
                     t = host.transform(workers=group, tp=tp, layers_per_step=lps, overlap=overlap)
-                except Error:
-                    refused += 1  # refused (nothing changed): memory, or a fault before a change
+                except Error as e:
+                    # refused (nothing changed: memory, a fault before a change) or rolled back
+                    rolled_back += hasattr(e, "reconfiguration")
+                    refused += not hasattr(e, "reconfiguration")
                     t = None
                 while armed and t is not None and not t.done:  # it may fire as layers move
                     try:
@@ -124,7 +127,8 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
                     steps += 1
             if t is not None:
                 done += 1
-                recovered += bool(t.recovered)
+                recovered += t.recovered
+                rolled_back += t.rolled_back
         try:
             host.step()
         except Error:
@@ -140,7 +144,8 @@ def soak(model, seed=0, transformations=100, workers=4, memory="48MiB", faults=F
     fresh = Host(model, workers=workers, memory_per_worker=memory, layout=host.layout())
     page_delta = [host.worker(w).arena.stats()["bytes_in_use"] -
                   fresh.worker(w).arena.stats()["bytes_in_use"] for w in range(workers)]
-    result = {"seed": seed, "transformations": done, "refused": refused, "recovered": recovered,
+    result = {"seed": seed, "transformations": done, "refused": refused,
+              "rolled_back": rolled_back, "recovered": recovered,
               "requests": len(handles), "lost": lost, "mismatches": mismatches,
               "page_delta": page_delta, "steps": steps, "failed_steps": failed_steps,
               "layout": host.layout()}
@@ -163,9 +168,9 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
     trimmed)."""
     import numpy as np
 
-    from .engine import Engine, SamplingParams
-    from .errors import BusyError, Error
-    from .host import Host
+    from .runtime.engine import Engine, SamplingParams
+    from .core.errors import BusyError, Error
+    from .runtime.host import Host
 
     rng = np.random.default_rng(seed)
     host = Host(model, workers=workers, memory_per_worker=memory, layout=f"{workers}xTP1",
@@ -202,8 +207,6 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
                         b = groups[-1]
                         host.restore(b, weights_from=str(rng.choice(["peers", "host"])),
                                      live=bool(rng.random() < 0.5))
-                        if b.restoring is None:
-                            groups.pop()
                     elif not groups:
                         g = int(rng.choice([2, 4])) if workers >= 4 else 2
                         first = int(rng.integers(workers // g)) * g
@@ -211,20 +214,24 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
                                  if min(i.workers) in range(first, first + g)]
                         groups.append(host.buddy(insts, live=bool(rng.random() < 0.5),
                                                  layers_per_step=int(rng.integers(1, 3))))
-                        formed.append(groups[-1])
                 except BusyError:
                     counts["busy"] += 1
                 except Error:
                     counts["refused"] += 1
                 for _ in range(int(rng.integers(0, 3)) if armed else 0):
                     step()   # a live exchange's or restore's layers may meet the fault
-        if groups and groups[-1].restored:   # a live restore finished
-            groups.pop()
         step()
+        for b in list(groups):
+            if b.committed and b not in formed:
+                formed.append(b)
+            if b.restored or b.rolled_back or b.recovered:  # restored, or never formed
+                groups.remove(b)
     for b in groups:   # what is under way ends, and every group restores
         while any(t is not None and not t.done for t in (b.exchange, b.restoring)):
             step()
-        if not b.restored:
+        if b.committed and b not in formed:
+            formed.append(b)
+        if b.committed and not b.restored:
             host.restore(b)
     host.run()
     with Engine(model, memory="256MiB") as ref:
@@ -246,25 +253,243 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
     return result
 
 
+# ---- the mixed soak: every kind of reconfiguration on hosts that serve all the while ----
+
+MIXED_LAYOUT = "PP[3,1]+TP2+4xTP1"   # a pipeline, a TP group and four replicas (for buddy groups)
+
+
+def _mixed_request(rng, vocab, tp=False):
+    from .runtime.engine import SamplingParams
+    params = SamplingParams(max_tokens=int(rng.integers(2, 12)),
+                            temperature=float(rng.choice([0.0, 0.8])),
+                            top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(1 << 30)),
+                            ignore_eos=True)
+    prompt = rng.integers(3, vocab, size=int(rng.integers(2, 48))).tolist()
+    return prompt, params
+
+
+def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_steps=50000):
+    """Every kind of reconfiguration at random, with arrivals and aborts at every step, on two
+    hosts served in turn: a sharded one (MIXED_LAYOUT: a PP[3,1] pipeline, a TP2 group and four
+    TP1 replicas) takes merges and splits (at once and layer-staggered, with and without
+    overlap), re-splits of its pipelines (buddy groups' too), buddy groups (blocking and live)
+    and their restores (blocking and live); a replicated one (4xTP1, weights="replicated")
+    takes binds and releases of every aligned group ("wait", "soft", "hard") and TP work by
+    degree; and any live one may be cancelled. faults=True also fails a random fault site and
+    event inside about half of the operations. Then every live change is driven to its end,
+    every buddy group restored, and every request checked against the same request served by
+    a plain Engine (greedy and seeded sampling alike).
+
+    Returns the counts: operations and per kind (transform, reconfigure, buddy, restore, switch,
+    cancel) how many were started, refused, committed, rolled_back, recovered; requests,
+    aborted, steps, failed_steps; and what must be 0: lost (unfinished, or ended by anything
+    but its length, a stop or our abort), mismatches, and per host the bytes each worker holds
+    beyond a fresh host of its final layout (page_delta)."""
+    from .core.errors import Error
+    from .reconfig import ReconfigurationWarning, RecoveryWarning
+    from .runtime.engine import Engine
+    from .runtime.host import Host
+
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    L = model.config.num_hidden_layers
+    sharded = Host(model, workers=8, memory_per_worker=memory, layout=MIXED_LAYOUT,
+                   max_batch_tokens=96)
+    replicated = Host(model, workers=4, memory_per_worker=memory, layout="4xTP1",
+                      weights="replicated", max_batch_tokens=96)
+    hosts = (sharded, replicated)
+    kinds = ("transform", "reconfigure", "buddy", "restore", "switch", "cancel")
+    counts = {k: dict(started=0, refused=0, committed=0, rolled_back=0, recovered=0)
+              for k in kinds}
+    handles, aborted, buddies, tracked = [], set(), [], []
+    steps = failed_steps = ops = 0
+    site_names = list(SITES)
+
+    def step_all():
+        nonlocal steps, failed_steps
+        for h in hosts:
+            try:
+                h.step()
+            except Error:
+                failed_steps += 1  # a failed step changes nothing: the next one retries
+        steps += 1
+
+    def pick(seq):
+        return seq[int(rng.integers(len(seq)))] if seq else None
+
+    def operation(kind):
+        """Starts one operation of `kind`; returns the handle, or None when nothing fits."""
+        if kind == "transform":
+            target = pick(_legal_targets(sharded))
+            if target is None:
+                return None
+            lps = [None, None, 1, 2, L][int(rng.integers(5))]
+            return "transform", sharded.transform(
+                workers=target[0], tp=target[1], layers_per_step=lps,
+                overlap=bool(rng.integers(2)) if lps is not None else False)
+        if kind == "reconfigure":
+            inst = pick([i for i in sharded.instances if i.stages])
+            if inst is None:
+                return None
+            n = len(inst.stages)
+            layers = pick([c for c in ([1, 3], [2, 2], [3, 1], [1, 1, 2], [2, 1, 1], [1, 2, 1],
+                                       [1, 1, 1, 1]) if len(c) == n and
+                           list(c) != [b - a for a, b in inst.stages]])
+            if layers is None:
+                return None
+            return "reconfigure", sharded.reconfigure(
+                inst, list(layers), mode=pick(["live", "no_patch", "stop_copy"]),
+                tau=int(rng.integers(0, 40)), layers_per_step=int(rng.integers(1, 3)))
+        if kind == "buddy":
+            singles = {min(i.workers): i for i in sharded.instances if i.tp == 1 and not i.stages}
+            groups = [[singles[w] for w in range(first, first + g)]
+                      for g in (2, 4) for first in range(0, 8, g)
+                      if all(w in singles for w in range(first, first + g))]
+            group = pick(groups)
+            if group is None:
+                return None
+            b = sharded.buddy(group, live=bool(rng.integers(2)),
+                              layers_per_step=int(rng.integers(1, 3)))
+            buddies.append(b)
+            return "buddy", b
+        if kind == "restore":
+            b = pick([b for b in buddies if b.committed and not b.restored])
+            if b is None:
+                return None
+            return "restore", sharded.restore(b, weights_from=pick(["peers", "host"]),
+                                              live=bool(rng.integers(2)))
+        if kind == "switch":
+            first, size = pick(list(replicated.replicas.groups))
+            tp = size if rng.random() < 0.6 else 1
+            return "switch", replicated.switch(range(first, first + size), tp,
+                                               preempt=pick(["wait", "soft", "hard"]))
+        live = [r for h in hosts for r in h.reconfigurations]
+        r = pick(live)
+        if r is None:
+            return None
+        host = sharded if r in sharded.reconfigurations else replicated
+        host.cancel(r)
+        return "cancel", r
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReconfigurationWarning)
+        warnings.simplefilter("ignore", RecoveryWarning)
+        while ops < operations and steps < max_steps:
+            for _ in range(int(rng.integers(0, 3))):
+                host = pick(hosts)
+                prompt, params = _mixed_request(rng, vocab)
+                tp = pick([None, None, None, 2, 4]) if host is replicated else None
+                handles.append((host.submit(prompt, params, tp=tp), prompt, params))
+            if handles and rng.random() < 0.05:
+                h, _, _ = pick(handles)
+                host = None if h.finished else next((x for x in hosts if h in _served(x)), None)
+                if host is not None and host.abort(h):
+                    aborted.add(h.id)
+            if rng.random() < 0.3:
+                kind = pick(kinds)
+                # (a cancel's rollback meeting a fault would be the double failure recovery is
+                # for: faults go to the changes themselves)
+                armed = faults and kind != "cancel" and rng.random() < 0.5
+                site, nth = pick(site_names), int(rng.integers(1, 60))
+                with inject(site, nth if armed else 1 << 60):
+                    try:
+                        got = operation(kind)
+                        if got is not None:
+                            ops += 1
+                            counts[kind]["started"] += 1
+                            if kind != "cancel":
+                                tracked.append(got)
+                    except Error as e:
+                        ops += 1
+                        counts[kind]["started"] += 1
+                        r = getattr(e, "reconfiguration", None)
+                        counts[kind]["refused" if r is None else r.state] += 1
+                    for _ in range(int(rng.integers(0, 3)) if armed else 0):
+                        step_all()   # a live change's advances may meet the fault
+            step_all()
+            for kind, r in list(tracked):
+                if r.done:
+                    counts[kind][r.state] += 1
+                    tracked.remove((kind, r))
+        # the end: what is under way ends, every buddy group is restored, everything served
+        while any(h.reconfigurations for h in hosts) and steps < max_steps + 10000:
+            step_all()
+        for b in buddies:
+            if b.committed and not b.restored:
+                try:
+                    sharded.restore(b)
+                except Error:
+                    sharded.restore(b)   # (a fault cannot fire here: none is armed)
+        for kind, r in tracked:
+            if r.done:
+                counts[kind][r.state] += 1
+        for h in hosts:
+            h.run()
+    with Engine(model, memory="256MiB") as ref:
+        want = [ref.submit(prompt, params) for _, prompt, params in handles]
+        ref.run()
+    lost = sum(1 for h, _, _ in handles if not h.finished or
+               (h.finish_reason not in ("length", "stop") and h.id not in aborted))
+    wrong = [(hosts.index(next(x for x in hosts if any(h is y for y, _, _ in handles))), h.id,
+              len(prompt), params, len(h.output_tokens))
+             for (h, prompt, params), w in zip(handles, want)
+             if h.id not in aborted and h.output_tokens != w.output_tokens]
+    mismatches = len(wrong)
+    page_delta, where = [], []
+    for h in hosts:
+        for w in range(h.n_workers):
+            h.worker(w).kv.trim()
+        with Host(model, workers=h.n_workers, memory_per_worker=memory, layout=h.layout(),
+                  weights=h.weights) as fresh:
+            page_delta.append([h.worker(w).arena.stats()["bytes_in_use"] -
+                               fresh.worker(w).arena.stats()["bytes_in_use"]
+                               for w in range(h.n_workers)])
+            for w in range(h.n_workers):   # by what the bytes hold, where they differ
+                mine = h.worker(w).arena.stats()["bytes_by_tag"]
+                theirs = fresh.worker(w).arena.stats()["bytes_by_tag"]
+                where += [(h.weights, w, tag, mine[tag] - theirs[tag]) for tag in mine
+                          if mine[tag] != theirs[tag]]
+    result = {"seed": seed, "operations": ops, **{k: v for k, v in counts.items()},
+              "requests": len(handles), "aborted": len(aborted), "steps": steps,
+              "failed_steps": failed_steps, "lost": lost, "mismatches": mismatches,
+              "page_delta": page_delta, "page_delta_by_tag": where, "wrong": wrong,
+              "layouts": [h.layout() for h in hosts]}
+    for h in hosts:
+        h.close()
+    return result
+
+
+def _served(host):
+    """The requests a host serves now (for picking one to abort)."""
+    return [r for inst in host.instances for r in inst.requests.values()]
+
+
 # ---- what a caller can see, to compare before and after a refused call ----
 
-def snapshot(target):
+def snapshot(target, physical=True):
     """An Engine's or a Host's visible state: the layout, every worker's page table, and every
     request's state and progress (in C and in its handle) with its KV block tables. Equal
-    snapshots mean a call changed nothing a caller could see."""
-    from .engine import Engine
+    snapshots mean a call changed nothing a caller could see. physical=False compares which
+    slots are mapped (and their tags) instead of which physical pages: a rollback maps again
+    what it unmapped, from the pool, so the bytes and the slots are the same, not the pages."""
+    from .runtime.engine import Engine
 
     if isinstance(target, Engine):
-        parts = [(target._loop, [target.worker])]
+        parts = [(target, [target.worker])]
         workers, layout = [target.worker], None
     else:
-        parts = [(inst.loop, [target.worker(w) for w in inst.workers]) for inst in target.instances]
+        parts = [(inst, [target.worker(w) for w in inst.workers]) for inst in target.instances]
         workers, layout = [target.worker(w) for w in range(target.n_workers)], target.layout()
-    state = {"layout": layout, "pages": [w.arena.page_table().tobytes() for w in workers],
-             "requests": {}}
-    for loop, ranks in parts:
-        for rid, r in loop.requests.items():
-            ex = loop._c.export(rid)
+
+    def pages(w):
+        table = w.arena.page_table()
+        if physical:
+            return table.tobytes()
+        return (table["page"] >= 0).tobytes() + table["tag"].tobytes()
+    state = {"layout": layout, "pages": [pages(w) for w in workers], "requests": {}}
+    for owner, ranks in parts:
+        for rid, r in owner.requests.items():
+            ex = owner.export(rid)
             info = {k: ex["info"][k] for k in ("state", "n_generated", "n_computed", "prefill_end",
                                                "n_preemptions")}
             tables = [ranks[k].kv.block_table(seq).tolist() if seq >= 0 else None
@@ -298,7 +523,7 @@ class _Workload:
     plain engine, and what each worker of an idle host of a layout holds."""
 
     def __init__(self, model, memory):
-        from .engine import Engine, SamplingParams
+        from .runtime.engine import Engine, SamplingParams
 
         self.model, self.memory = model, memory
         rng = np.random.default_rng(0)
@@ -315,7 +540,7 @@ class _Workload:
         self._fresh = {}
 
     def host(self, layout, steps=2):
-        from .host import Host
+        from .runtime.host import Host
 
         host = Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout)
         reqs = [host.submit(p, q) for p, q in zip(self.prompts, self.params)]
@@ -325,7 +550,7 @@ class _Workload:
 
     def fresh_bytes(self, layout):
         if layout not in self._fresh:
-            from .host import Host
+            from .runtime.host import Host
 
             with Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout) as h:
                 self._fresh[layout] = [h.worker(w).arena.stats()["bytes_in_use"] for w in range(4)]
@@ -341,7 +566,7 @@ class _Workload:
 
 
 def _transform_to_the_end(host, kwargs):
-    from .errors import Error
+    from .core.errors import Error
 
     t = host.transform(**kwargs)  # raises when refused
     while not t.done:
@@ -355,36 +580,42 @@ def _transform_to_the_end(host, kwargs):
 def sweep_transformation(model, kind, site, most=None, memory="48MiB"):
     """Fails the n-th `site` event of a transformation of `kind` (TRANSFORMS), for every n it
     has (or `most` of them), each on a fresh host serving eight requests. Returns the counts:
-    events, runs, refused, done, recovered; and what must stay 0: refusals that changed
-    something (changed), runs ending in another layout (wrong_layout), lost requests, token
-    mismatches against a plain engine, runs leaving pages behind (leaked_pages)."""
-    from .errors import Error
-    from .recovery import RecoveryWarning
+    events, runs; how each ended: refused (before its first change), rolled_back (after it:
+    taken back), done (committed, a failed advance tried again), recovered (its rollback
+    failed too: rebuilt and recomputed); and what must stay 0: refusals and rollbacks between
+    two steps that left the host other than before (changed: its layout, pages by slot,
+    requests' records, block tables, tokens), runs ending in a layout neither the start nor the
+    target (wrong_layout), lost requests, token mismatches against a plain engine, and runs
+    leaving pages behind (leaked_pages)."""
+    from .core.errors import Error
+    from .reconfig import RecoveryWarning, ReconfigurationWarning
 
     start, kwargs, target = TRANSFORMS[kind]
     load = _Workload(model, memory)
     host, _ = load.host(start)
     events, _ = count(site, lambda: _transform_to_the_end(host, kwargs))
     host.close()
-    out = dict(kind=kind, site=site, events=events, runs=0, refused=0, done=0, recovered=0,
-               changed=0, wrong_layout=0, lost=0, mismatches=0, leaked_pages=0)
+    out = dict(kind=kind, site=site, events=events, runs=0, refused=0, rolled_back=0, done=0,
+               recovered=0, changed=0, wrong_layout=0, lost=0, mismatches=0, leaked_pages=0)
     for n in spread(events, most):
         host, reqs = load.host(start)
-        before = snapshot(host)
+        start_layout = host.layout()
+        before = snapshot(host, physical=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RecoveryWarning)  # counted here instead
+            warnings.simplefilter("ignore", ReconfigurationWarning)
             with inject(site, n):
                 try:
                     t = _transform_to_the_end(host, kwargs)
-                except Error:
-                    t = None
+                except Error as e:
+                    t = getattr(e, "reconfiguration", None)
+                    if t is None:
+                        out["refused"] += 1
+                    out["changed"] += snapshot(host, physical=False) != before
         out["runs"] += 1
-        if t is None:
-            out["refused"] += 1
-            out["changed"] += snapshot(host) != before
-        else:
-            out["recovered" if t.recovered else "done"] += 1
-            out["wrong_layout"] += host.layout() != target
+        if t is not None:
+            out[{"committed": "done"}.get(t.state, t.state)] += 1
+            out["wrong_layout"] += host.layout() != (target if t.committed else start_layout)
         load.finish(host, reqs, out)
         host.close()
     return out
@@ -396,7 +627,7 @@ def sweep_step(model, site, most=None, memory="48MiB", layout="TP2+2xTP1"):
     every n (or `most`). A failed step raises, and the instance it failed in
     is as before (the others' steps stand). Returns events, runs, failed, and what must stay 0:
     changed (a failed instance that changed), lost, mismatches, leaked_pages."""
-    from .errors import Error
+    from .core.errors import Error
 
     load = _Workload(model, memory)
     rng = np.random.default_rng(9)
@@ -404,7 +635,7 @@ def sweep_step(model, site, most=None, memory="48MiB", layout="TP2+2xTP1"):
             for _ in range(6)]
 
     def setup():
-        from .engine import SamplingParams
+        from .runtime.engine import SamplingParams
 
         host, reqs = load.host(layout, steps=1)
         for i, p in enumerate(long):
@@ -430,11 +661,11 @@ def sweep_step(model, site, most=None, memory="48MiB", layout="TP2+2xTP1"):
             out["failed"] += 1
             after = snapshot(host)
             untouched = any(all(before["requests"][rid] == after["requests"][rid]
-                                for rid in inst.loop.requests) for inst in host.instances)
+                                for rid in inst.requests) for inst in host.instances)
             out["changed"] += not untouched or before["layout"] != after["layout"]
         load.finish(host, reqs, out)
         out["lost"] += sum(not r.finished for inst in host.instances
-                           for r in inst.loop.requests.values())
+                           for r in inst.requests.values())
         host.close()
     return out
 
@@ -451,9 +682,9 @@ def stress_threads(model, seed=1, requests=60, memory="48MiB"):
     import threading
     import time
 
-    from .engine import SamplingParams
-    from .errors import Error
-    from .host import Host
+    from .runtime.engine import SamplingParams
+    from .core.errors import Error
+    from .runtime.host import Host
 
     load = _Workload(model, memory)
     host = Host(model, workers=4, memory_per_worker=memory)

@@ -2,7 +2,7 @@
 files."""
 import pytest
 
-from gyges.worker import cuda_device_unavailable
+from gyges.runtime.worker import cuda_device_unavailable
 
 GPU_SKIP_REASON = cuda_device_unavailable()
 needs_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")

@@ -3,7 +3,7 @@ and why they skip when it is not installed."""
 import pytest
 
 import gyges
-from gyges.model import packaged_path
+from gyges.models.model import packaged_path
 
 NAME = "smollm2-135m-instruct"
 

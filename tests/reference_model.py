@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from gyges.checkpoint import check_tensors
-from gyges.config import ModelConfig
+from gyges.models.checkpoint import check_tensors
+from gyges.models.config import ModelConfig
 
 
 # ---------------------------------------------------------------- building blocks

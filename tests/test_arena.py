@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges.arena import TAGS
+from gyges.runtime.arena import TAGS
 
 KIB = 1024
 

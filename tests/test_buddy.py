@@ -1,4 +1,4 @@
-"""KunServe's buddy groups on a real host (gyges.kunserve.form / restore through host.buddy and
+"""KunServe's buddy groups on a real host (gyges.reconfig.kunserve.form / restore through host.buddy and
 host.restore): tokens bit-identical to one worker, memory to the page, restores byte-identical,
 refusals that change nothing, and random sequences that lose nothing."""
 import numpy as np
@@ -153,7 +153,7 @@ def test_refusals_change_nothing(tiny):
     b = host.buddy((0, 1), live=True)   # indices into host.instances, as the issue writes it
     assert host.layout() == "PP2+2xTP1"
     state = in_use(host), host.layout()
-    with pytest.raises(gyges.BusyError, match="Exchange.*under way"):
+    with pytest.raises(gyges.BusyError, match="Buddy.*under way"):
         host.restore(b)   # the victims' KV has not moved yet
     assert (in_use(host), host.layout()) == state
     finish(host, reqs)
@@ -174,10 +174,10 @@ def victims_in_every_state(host, p):
     reqs = [host.submit(q, p, instance=i % 4) for i, q in enumerate(VICTIM_PROMPTS[:18])]
     for _ in range(30):
         host.step()
-        if any(i._c.stats()["preempted_queued"] for i in host.instances[:2]):
+        if any(i.stats()["preempted_queued"] for i in host.instances[:2]):
             break
     reqs += [host.submit(q, p, instance=i) for i, q in enumerate(VICTIM_PROMPTS[18:])]
-    st = [i._c.stats() for i in host.instances[:2]]
+    st = [i.stats() for i in host.instances[:2]]
     assert sum(x["preempted_queued"] for x in st) and sum(x["waiting"] for x in st)
     assert any(r.output_tokens for r in reqs[:16])
     assert not reqs[16].output_tokens and not reqs[17].output_tokens   # mid-prefill
@@ -209,7 +209,7 @@ def test_a_live_exchange_attends_remotely_and_keeps_every_token(tiny, g, tempera
     assert steps >= 2
     assert b.stats["remote_attention_calls"] > 0 and b.stats["kv_bytes_exchanged"] > 0
     assert b.stats["remote_attention_bytes"] == \
-        b.instance._c.remote_stats()["token_layers"] * b.exchange.row_bytes
+        b.instance.remote_stats()["token_layers"] * b.exchange.row_bytes
     # the caches keep their own layers once all has moved
     assert [(host.worker(w).kv.first_layer, host.worker(w).kv.first_layer +
              host.worker(w).kv.n_layers) for w in b.workers] == list(b.ranges)
@@ -227,7 +227,7 @@ def test_a_link_stalls_a_blocking_exchange_but_not_a_live_one(tiny):
     """With a paced link, a blocking exchange stops serving for at least the KV's time on the
     link; a live one stops for none of it, moves the KV with what the link leaves over across
     several steps, and pays the link for its remote attention's round trips."""
-    link = gyges.kunserve.Link(bandwidth=16e6, latency=20e-6)   # scaled: 128 Mbps
+    link = gyges.reconfig.Link(bandwidth=16e6, latency=20e-6)   # scaled: 128 Mbps
     out = {}
     for live in (False, True):
         p = params(0.0, tokens=96)
@@ -287,11 +287,12 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny, seed, faults)
     assert r["page_delta"] == [0, 0, 0, 0] and r["layout"] == "4xTP1"
 
 
-def sweep_live(tiny, begin, sites, most):
+def sweep_live(tiny, begin, sites, most, again=None):
     """Every event of each fault site (spread, at most `most` a site) in driving a live
-    operation to its end fails in turn: host.step raises, or the layer waits, and later steps
-    finish it; the tokens are one worker's. begin(host) starts the operation on two TP1
-    instances that have run a step, and returns what its `done` ends; returns the last one."""
+    operation to its end fails in turn: host.step raises, or the layer waits and later steps
+    finish it, or (a failure of its switch) it is rolled back and again(host, t) starts it anew;
+    the tokens are one worker's. begin(host) starts the operation on two TP1 instances that
+    have run a step, and returns what its `done` ends; returns the last one."""
     from gyges.testing import count, inject, spread
     ps = prompts(4, seed=3, lo=30, hi=50)
     p = params(0.0, tokens=16)
@@ -319,6 +320,11 @@ def sweep_live(tiny, begin, sites, most):
                     pass
                 assert fired() == 1
             drive(host, t)
+            if t.rolled_back:
+                assert again is not None, t.error
+                t = again(host, t)
+                drive(host, t)
+            assert t.committed
             assert finish(host, reqs) == want
             host.close()
     return t
@@ -328,17 +334,19 @@ def test_a_failed_exchange_step_is_tried_again(tiny):
     """A layer's copy failing in a live exchange's advance: the layer still attends remotely
     and a later step moves it (sweep_live)."""
     t = sweep_live(tiny, lambda host: host.buddy(host.instances, live=True).exchange, ["copy"], 6)
-    assert t.buddy.stats["remote_attention_calls"] > 0
+    assert t.stats["remote_attention_calls"] > 0
 
 
 def test_a_failed_layer_of_a_live_restore_is_tried_again(tiny):
     """A live restore's weights or KV failing (allocations, page maps, copies) in an advance:
-    the layer waits or is copied again, and a later step brings it (sweep_live)."""
+    the layer waits or is copied again, and a later step brings it; a failure in its switch
+    rolls it back, the group serving on, and a new restore completes (sweep_live)."""
     def begin(host):
         b = host.buddy(host.instances)
         host.step()
-        return host.restore(b, live=True).restoring
-    t = sweep_live(tiny, begin, ["alloc", "page_map", "copy"], 4)
+        return host.restore(b, live=True)
+    t = sweep_live(tiny, begin, ["alloc", "page_map", "copy"], 4,
+                   again=lambda host, t: host.restore(t.buddy, live=True))
     assert t.buddy.restored
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import gyges
 from gyges import experiment, sim, traces
-from gyges.costmodel import ConstantCost
+from gyges.cluster.costmodel import ConstantCost
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_pipelive_resplits_the_same_on_both_executors():
     about the same times, both priced by one PipelineCost that says worker 0 has the bandwidth
     and worker 1 the FLOPs (the paper's A100 + L40S, scaled); every request finishes."""
     import dataclasses
-    from gyges.costmodel import GPUSpec, PipelineCost
+    from gyges.cluster.costmodel import GPUSpec, PipelineCost
     deep = dataclasses.replace(gyges.Model.tiny().config, num_hidden_layers=8)
     mib = 2 ** 20
     cost = PipelineCost(model=deep, gpus=(GPUSpec("bandwidth", 112 * mib, 20e9, 50e9, 10e9),
@@ -163,7 +163,7 @@ def test_kunserve_drops_and_restores_a_real_host_as_the_simulator_does():
     both, at worker 0, and every drop is restored by the end. (The executors differ after that:
     the simulator's nominal CPU roofline and page-free KV model drop a second pair the real host
     does not need.)"""
-    from gyges.costmodel import GPUSpec, PipelineCost
+    from gyges.cluster.costmodel import GPUSpec, PipelineCost
     trace = traces.burst(2.0, 24.0, at=4.0, factor=12, length=3.0, seed=1,
                          input_tokens=traces.lognormal_lengths(300, cap=900),
                          output_tokens=traces.lognormal_lengths(400, cap=1500))

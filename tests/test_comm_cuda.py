@@ -29,8 +29,8 @@ import pytest
 
 import gyges
 from gyges import _C
-from gyges.comm import CommPool, aligned_groups, make_comm
-from gyges.errors import InvalidArgumentError, UnavailableError
+from gyges.runtime.comm import CommPool, aligned_groups, make_comm
+from gyges.core.errors import InvalidArgumentError, UnavailableError
 
 MiB = 1 << 20
 PAGE = 2 * MiB

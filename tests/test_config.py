@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gyges.config import ConfigError, ModelConfig
+from gyges.models.config import ConfigError, ModelConfig
 
 # Published parameter counts (model cards / safetensors index totals), checked against
 # param_count(), which counts from the shape fields alone.

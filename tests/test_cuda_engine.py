@@ -28,9 +28,9 @@ from reference_model import ReferenceModel
 
 import gyges
 from gyges import _C
-from gyges.kv_cache import KVCache, decode_values
-from gyges.safetensors import bf16_to_f32, f32_to_bf16
-from gyges.worker import Worker
+from gyges.runtime.kv_cache import KVCache, decode_values
+from gyges.models.safetensors import bf16_to_f32, f32_to_bf16
+from gyges.runtime.worker import Worker
 
 F32, F16, BF16 = 0, 1, 2  # gy_dtype
 OUT_IN, IN_OUT = 0, 1     # gy_gemm_weight
@@ -323,7 +323,7 @@ def test_prefill_and_decode_agree(tiny):
 
 @needs_forward
 def test_qwen2_biases_match_the_cpu_backend():
-    from gyges.config import ModelConfig
+    from gyges.models.config import ModelConfig
     qwen = gyges.Model.random(ModelConfig.qwen2_tiny(), seed=5)
     tokens = prompts(1, seed=6, lo=20, hi=21)[0]
     cpu = paged_logits(Worker(qwen, memory="64MiB"), tokens, [12] + [1] * 8)

@@ -7,8 +7,8 @@ import pytest
 from reference_model import ReferenceModel
 
 import gyges
-from gyges.config import ModelConfig
-from gyges.worker import Worker
+from gyges.models.config import ModelConfig
+from gyges.runtime.worker import Worker
 
 RTOL = 1e-4
 
@@ -198,7 +198,7 @@ def test_checkpoint_round_trip_serves_the_same_tokens(tiny, tmp_path):
 
 
 def test_bf16_weights_track_the_reference_on_rounded_weights(tiny):
-    from gyges.safetensors import bf16_to_f32, f32_to_bf16
+    from gyges.models.safetensors import bf16_to_f32, f32_to_bf16
     rounded = {k: (bf16_to_f32(f32_to_bf16(v)) if v.ndim == 2 else v) for k, v in tiny.tensors.items()}
     ref = ReferenceModel(tiny.config, rounded)
     tokens = prompts(1, seed=13, lo=25, hi=26)[0]

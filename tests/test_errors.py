@@ -20,8 +20,8 @@ BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
 
 
 def test_exported_classes_derive_from_error_and_shadow_no_builtin():
-    for name in gyges.errors.__all__:
-        cls = getattr(gyges.errors, name)
+    for name in gyges.core.errors.__all__:
+        cls = getattr(gyges.core.errors, name)
         assert issubclass(cls, gyges.Error), name
         assert name not in BUILTIN_EXCEPTIONS or name == "Error", name
         assert getattr(gyges, name) is cls, f"gyges.{name} is not exported"
@@ -32,7 +32,7 @@ def test_exported_classes_derive_from_error_and_shadow_no_builtin():
              (gyges.DependencyError, gyges.UnavailableError)]
     for cls, base in pairs:
         assert issubclass(cls, base), (cls, base)
-    assert not hasattr(gyges.errors, "SystemError")
+    assert not hasattr(gyges.core.errors, "SystemError")
 
 
 def test_every_module_error_class_is_a_gyges_error():
@@ -80,7 +80,7 @@ def test_the_extension_raises_gyges_errors_for_bad_arguments():
 
 
 def test_a_missing_package_is_a_dependency_error_saying_how_to_get_it():
-    from gyges.errors import require
+    from gyges.core.errors import require
     with pytest.raises(gyges.DependencyError, match="plotting needs the `no-such-pkg` package.*"
                                                     "pip install no-such-pkg"):
         require("no_such_pkg", "plotting", package="no-such-pkg")

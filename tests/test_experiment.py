@@ -10,10 +10,10 @@ import pytest
 
 import gyges
 from gyges import experiment, sim, traces
-from gyges.costmodel import ConstantCost
+from gyges.cluster.costmodel import ConstantCost
 from gyges.cluster import POLICIES, Policy, PolicyError, View
-from gyges.experiment import ExperimentError
-from gyges.results import Results
+from gyges.cluster.experiment import ExperimentError
+from gyges.cluster.results import Results
 
 CAP = [56, 256, 656]  # KV blocks of a fresh TP1, TP2, TP4 instance at 24 MiB per worker
 # (weights in runs of their own per layer, embedding and head: 3 pages more than one packed run)
@@ -190,7 +190,7 @@ def test_gyges_serves_everything_with_transformations(model):
     # the layout events replay to the final layout
     alive = res.layout_at(math.inf)
     assert sum(tp for _, tp in alive) == 4
-    assert res.stats["final_layout"] == gyges.host.layout_string([f"TP{tp}" for _, tp in alive])
+    assert res.stats["final_layout"] == gyges.runtime.host.layout_string([f"TP{tp}" for _, tp in alive])
     # every step was measured with a batch shape
     st = res.steps
     assert st.size > 0 and np.all(st["seconds"] > 0) and np.all(st["n_tokens"] >= st["n_seqs"])
@@ -255,7 +255,7 @@ def test_time_limit_stops_and_leaves_the_rest_unserved(model):
     assert res.summary()["completed"] == 0 and res.summary()["unfinished"] == 2
 
 
-@pytest.mark.filterwarnings("ignore::gyges.recovery.RecoveryWarning")  # a recovered half-way
+@pytest.mark.filterwarnings("ignore::gyges.reconfig.recovery.RecoveryWarning")  # a recovered half-way
 def test_an_allocation_failing_in_latency_merges_leaves_the_host_serving(model):
     """The latency mode on a real host (idle: 4xTP1 -> 2xTP2 -> TP4 while requests run): every
     failing allocation spread over the replay either raises a gyges.Error or the replay still

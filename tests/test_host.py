@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges.config import ModelConfig
-from gyges.host import layout_string, parse_layout
+from gyges.models.config import ModelConfig
+from gyges.runtime.host import layout_string, parse_layout
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
 # which keeps token streams right and would hide the failure: here none may happen.
-pytestmark = pytest.mark.filterwarnings("error::gyges.recovery.RecoveryWarning")
+pytestmark = pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning")
 
 
 @pytest.fixture(scope="module")

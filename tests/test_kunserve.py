@@ -7,28 +7,28 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges import kunserve
+from gyges.cluster import buddy_plan
 
 P = 10.0
 
 
 def test_algorithm_1_cases():
-    p = kunserve.plan(8, P, P)
+    p = buddy_plan.plan(8, P, P)
     assert p.groups == ((0, 1), (2,), (3,), (4,), (5,), (6,), (7,)) and p.met and p.freed == P
-    p = kunserve.plan(8, 5 * P, P)
+    p = buddy_plan.plan(8, 5 * P, P)
     assert sorted(len(g) for g in p.groups) == [2, 2, 4] and p.met and p.freed == 5 * P
     assert p.groups == ((0, 1, 2, 3), (4, 5), (6, 7))
-    p = kunserve.plan(8, 0, P)
+    p = buddy_plan.plan(8, 0, P)
     assert p.groups == tuple((j,) for j in range(8)) and p.met and p.freed == 0
-    p = kunserve.plan(8, 8 * P, P)  # one group of all 8 frees 7 P: unmet, flagged
+    p = buddy_plan.plan(8, 8 * P, P)  # one group of all 8 frees 7 P: unmet, flagged
     assert p.groups == (tuple(range(8)),) and not p.met and p.freed == 7 * P
-    assert kunserve.plan(1, P, P).met is False
+    assert buddy_plan.plan(1, P, P).met is False
 
 
 def test_memory_greedy_grows_one_group_within_the_kv_region():
-    p = kunserve.plan(8, 3 * P, P, strategy="memory")
+    p = buddy_plan.plan(8, 3 * P, P, strategy="memory")
     assert p.groups == ((0, 1, 2, 3), (4,), (5,), (6,), (7,)) and p.met
-    p = kunserve.plan(8, 6 * P, P, strategy="memory", kv_bytes=4.5 * P)  # stops at 4 P freed
+    p = buddy_plan.plan(8, 6 * P, P, strategy="memory", kv_bytes=4.5 * P)  # stops at 4 P freed
     assert p.groups[0] == (0, 1, 2, 3, 4) and not p.met and p.freed == 4 * P
 
 
@@ -50,7 +50,7 @@ def test_throughput_greedy_matches_a_reference_on_random_inputs():
     for _ in range(300):
         n = rng.randint(1, 40)
         required = rng.uniform(0, 45) * P
-        p = kunserve.plan(n, required, P)
+        p = buddy_plan.plan(n, required, P)
         sizes, freed = reference_throughput(n, required, P)
         assert [len(g) for g in p.groups] == sizes and p.freed == freed
         assert p.met == (freed >= required)
@@ -68,7 +68,7 @@ def test_throughput_greedy_matches_a_reference_on_random_inputs():
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(gyges.InvalidArgumentError, match=match):
-        kunserve.plan(**kwargs)
+        buddy_plan.plan(**kwargs)
 
 
 def test_the_kunserve_policy_drops_under_a_burst_and_restores_after():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges.kv_cache import LAYOUTS
+from gyges.runtime.kv_cache import LAYOUTS
 
 LAYOUT_NAMES = list(LAYOUTS)
 

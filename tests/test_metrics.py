@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyges import metrics
-from gyges.metrics import REQUEST_DTYPE, MetricsError
+from gyges.cluster.metrics import REQUEST_DTYPE, MetricsError
 
 NAN = float("nan")
 

@@ -322,8 +322,8 @@ def test_preemptions_during_the_migration_keep_tokens(tiny):
     host, reqs = tight_host(tiny, ps, p)
     r = host.reconfigure(host.instances[0], [1, 3], mode="live", tau=4, max_rounds=60)
     assert r.stats.B_shrink < r.stats.B_cur
-    before = host.instances[0]._c.stats()["preemptions"]
+    before = host.instances[0].stats()["preemptions"]
     while not r.done:
         host.step()
-    assert host.instances[0]._c.stats()["preemptions"] > before
+    assert host.instances[0].stats()["preemptions"] > before
     assert finish(host, reqs) == want

@@ -9,7 +9,7 @@ import gyges
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
 # which keeps token streams right and would hide the failure: here none may happen.
-pytestmark = pytest.mark.filterwarnings("error::gyges.recovery.RecoveryWarning")
+pytestmark = pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_transformations_of_a_pipeline_are_refused_and_change_nothing(tiny):
 
 
 def test_the_engine_checks_a_plan_and_its_caches(tiny):
-    w = [gyges.worker.Worker(tiny, memory="32MiB") for _ in range(2)]
+    w = [gyges.runtime.worker.Worker(tiny, memory="32MiB") for _ in range(2)]
     models, kvs = [[x.c_model] for x in w], [[x.kv._c] for x in w]
     with pytest.raises(gyges.InvalidArgumentError, match=r"must cover the model's 4 layers"):
         gyges._C.Engine(models, kvs, [None, None], 64, 8, layers=[(0, 2), (3, 4)])
@@ -168,7 +168,7 @@ def _serve_raw(engines, prompts, steps_before=3):
 
 
 def test_requests_moved_in_c_continue_bit_identically(tiny):
-    from gyges.worker import Worker
+    from gyges.runtime.worker import Worker
     ps = prompts(5, seed=8)
     ref = Worker(tiny, memory="32MiB")
     want = _serve_raw([gyges._C.Engine([ref.c_model], [ref.kv._c], None, 64, 3)], ps)

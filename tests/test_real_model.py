@@ -21,9 +21,9 @@ from packaged import NAME, needs_packaged_model
 from reference_model import ReferenceModel
 
 import gyges
-from gyges import gguf_file
-from gyges.checkpoint import CheckpointError
-from gyges.model import PACKAGED, packaged_path
+from gyges.models import gguf_file
+from gyges.models.checkpoint import CheckpointError
+from gyges.models.model import PACKAGED, packaged_path
 
 NEAR_TIE = 2e-3  # of the largest logit's magnitude
 GREEDY = gyges.SamplingParams(max_tokens=32, ignore_eos=True)
@@ -278,4 +278,4 @@ def test_an_hf_directory_brings_its_tokenizer_json_and_template(smol, tmp_path):
         assert tok.encode(text) == smol.tokenizer.encode(text)
     messages = [{"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(messages) == smol.tokenizer.apply_chat_template(messages)
-    assert gyges.model.load_tokenizer(str(tmp_path)).encode("abc") == tok.encode("abc")
+    assert gyges.models.model.load_tokenizer(str(tmp_path)).encode("abc") == tok.encode("abc")

@@ -13,9 +13,9 @@ import re
 import numpy as np
 import pytest
 
-from gyges import checkpoint, safetensors
-from gyges.checkpoint import CheckpointError
-from gyges.config import ModelConfig
+from gyges.models import checkpoint, safetensors
+from gyges.models.checkpoint import CheckpointError
+from gyges.models.config import ModelConfig
 from reference_model import ReferenceModel, apply_rope, attention, rope_inv_freq
 
 

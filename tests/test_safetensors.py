@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyges import safetensors
-from gyges.safetensors import SafetensorsError
+from gyges.models import safetensors
+from gyges.models.safetensors import SafetensorsError
 
 
 # ---------------------------------------------------------------- independent helpers
@@ -365,7 +365,7 @@ def test_safetensors_error_is_a_gyges_format_error():
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_model_load_refuses_integer_weights(tmp_path, dtype, label, sharded):
     import gyges
-    model = gyges.Model.random(gyges.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
+    model = gyges.Model.random(gyges.models.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
     files = model.save(tmp_path, dtype=dtype, shard_bytes=4096 if sharded else None)
     fname = next(f for f in files if RELABELLED in
                  safetensors.read_header(tmp_path / f).tensors)
@@ -383,7 +383,7 @@ def test_model_load_refuses_integer_weights(tmp_path, dtype, label, sharded):
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "f64"])
 def test_model_load_accepts_every_float_dtype(tmp_path, dtype):
     import gyges
-    model = gyges.Model.random(gyges.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
+    model = gyges.Model.random(gyges.models.config.ModelConfig.tiny().replace(**SMALL_MODEL), seed=3)
     model.save(tmp_path, dtype=dtype)
     back = gyges.Model.load(tmp_path)
     tol = {"f32": 0, "f64": 0, "f16": 2.0**-11, "bf16": 2.0**-8}[dtype]  # half an ulp

@@ -13,9 +13,9 @@ import pytest
 
 import gyges
 from gyges import _C, metrics, sim, traces
-from gyges.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
+from gyges.cluster.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
                              gpu_spec, model_config)
-from gyges.results import Results
+from gyges.cluster.results import Results
 
 from test_sched import Model as SchedModel
 
@@ -469,8 +469,8 @@ def test_bad_traces_and_cost_values():
     with pytest.raises(CostModelError, match="bad cost model option"):
         CostModel.create(efficiency=0.5)
     assert gpu_spec("H100") is GPUS["h100"] and gpu_spec("A100-40GB") is GPUS["a100-40gb"]
-    assert model_config("Qwen2.5-32B") == gyges.config.ModelConfig.qwen2_5_32b()
-    assert model_config("llama3_8b") == gyges.config.ModelConfig.llama3_8b()
+    assert model_config("Qwen2.5-32B") == gyges.models.config.ModelConfig.qwen2_5_32b()
+    assert model_config("llama3_8b") == gyges.models.config.ModelConfig.llama3_8b()
     assert set(CALIBRATION) == {"eff_flops", "eff_link", "allreduce_latency", "step_overhead",
                                 "mem_util", "prefill_act_bytes"}
 
@@ -625,7 +625,7 @@ def test_replicated_and_policy_mismatches_are_refused():
 
 # ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------
 
-from gyges.costmodel import PipelineCost  # noqa: E402
+from gyges.cluster.costmodel import PipelineCost  # noqa: E402
 
 # Llama-3-70B in one-byte weights and KV (bf16 does not fit 80 + 48 GB) on A100-80GB + L40S.
 PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gyges import traces
-from gyges.traces import TRACE_DTYPE, TraceError
+from gyges.cluster.traces import TRACE_DTYPE, TraceError
 
 TRACES_DIR = Path(os.environ.get("GYGES_TRACES",
                                  Path(__file__).resolve().parents[2] / "shared" / "traces"))

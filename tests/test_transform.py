@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges.transform import TransformError
+from gyges.reconfig import TransformError
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
 # which keeps token streams right and would hide the failure: here none may happen.
-pytestmark = pytest.mark.filterwarnings("error::gyges.recovery.RecoveryWarning")
+pytestmark = pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning")
 
 MEMORY = "48MiB"
 
@@ -51,8 +51,8 @@ def kv_by_request(host):
     out = {}
     L = host.model.config.num_hidden_layers
     for inst in host.instances:
-        for rid in inst._c.request_ids():
-            seqs = inst._c.export(rid)["seqs"]
+        for rid in inst.request_ids():
+            seqs = inst.export(rid)["seqs"]
             if min(seqs) < 0:
                 continue
             layers = []
@@ -163,8 +163,8 @@ def test_a_request_too_long_for_tp1_is_served_after_the_merge(tiny):
 def state_of(host):
     tables = {}
     for inst in host.instances:
-        for rid in inst._c.request_ids():
-            ex = inst._c.export(rid)
+        for rid in inst.request_ids():
+            ex = inst.export(rid)
             tables[rid] = [host.worker(w).kv.block_table(seq).tolist() if seq >= 0 else None
                            for w, seq in zip(inst.workers, ex["seqs"])]
     return (host.layout(), [host.worker(w).arena.page_table().tolist() for w in range(4)], tables)
@@ -291,8 +291,8 @@ def test_staggered_scale_up_leaves_each_ranks_own_heads_in_place(tiny, reference
     per_head_token = 2 * config.head_dim * 4  # K and V, fp32
     group = range(target)
     tokens = sum(host.worker(w).kv.n_tokens(seq) for inst in host.instances
-                 if inst.workers[0] in group for rid in inst._c.request_ids()
-                 for w, seq in zip(inst.workers, inst._c.export(rid)["seqs"]) if seq >= 0)
+                 if inst.workers[0] in group for rid in inst.request_ids()
+                 for w, seq in zip(inst.workers, inst.export(rid)["seqs"]) if seq >= 0)
     h_new = config.num_key_value_heads // target
     t = host.transform(workers=tuple(group), tp=target, layers_per_step=1)
     host.step()  # moves the last layer before the step adds tokens
@@ -319,7 +319,7 @@ def test_staggered_refusals_and_round_trip(tiny, reference):
         with pytest.raises(gyges.InvalidArgumentError, match=match):
             host.transform(workers=(0, 1, 2, 3), tp=4, **bad)
     t = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
-    with pytest.raises(TransformError, match="under way"):
+    with pytest.raises(gyges.BusyError, match="under way"):
         host.transform(workers=(0, 1, 2, 3), tp=1)
     while not t.done:
         host.step()
@@ -369,7 +369,7 @@ def test_layer_staggered_scale_down_serves_while_it_moves(tiny, reference, start
 
 # ---- groups of three: a model with 3 KV heads (SmolLM2's shape, small) ----
 
-THREE_HEADS = gyges.config.ModelConfig(vocab_size=1024, hidden_size=192, intermediate_size=384,
+THREE_HEADS = gyges.models.config.ModelConfig(vocab_size=1024, hidden_size=192, intermediate_size=384,
                                       num_hidden_layers=3, num_attention_heads=6,
                                       num_key_value_heads=3, max_position_embeddings=512)
 

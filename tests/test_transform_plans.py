@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gyges.transform import TransformError
-from gyges.transform.plans import MergePlan, SplitPlan, balance, chunk, plan_all_to_all
+from gyges.reconfig import TransformError
+from gyges.reconfig.plans import MergePlan, SplitPlan, balance, chunk, plan_all_to_all
 
 
 def test_merge_ranks_keep_a_subset_of_each_workers_heads():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges.checkpoint import random_weights
-from gyges.config import ModelConfig
-from gyges.weights import ModelWeights, replicated_names
+from gyges.models.checkpoint import random_weights
+from gyges.models.config import ModelConfig
+from gyges.runtime.weights import ModelWeights, replicated_names
 
 
 @pytest.fixture(scope="module")

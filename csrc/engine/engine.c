@@ -688,6 +688,21 @@ static gy_status gy_engine_transition_end_locked(gy_engine *e) {
     return GY_OK;
 }
 
+/* Drops the transition's stage wherever the boundary is, keeping its sequences (a rollback moved
+ * the layers back and frees them itself); the main stage runs every layer again. */
+static void gy_engine_transition_abort_locked(gy_engine *e) {
+    if (e->transition < 0) return;
+    gy_engine_detach_stage(&e->stages[e->transition]);
+    gy_stage_free(&e->stages[e->transition]);
+    if (e->transition == 0) e->stages[0] = e->stages[1];
+    memset(&e->stages[1], 0, sizeof e->stages[1]);
+    e->stages[0].first = 0;
+    e->stages[0].end = e->model->n_layers;
+    e->n_stages = 1;
+    e->main = 0;
+    e->transition = -1;
+}
+
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
 
 static void gy_engine_detach_kv_locked(gy_engine *e) {
@@ -781,6 +796,24 @@ static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t 
         gy_idmap_remove(&e->requests, id);
         gy_engine_request_free(r);
         return GY_FAIL(s, "%s", message);
+    }
+    return GY_OK;
+}
+
+/* Points request `id` at KV sequences again (seqs: one per rank it adopts on, -1 for none): what
+ * a rollback gives back after detach_kv or a take let them go. On failure it holds none. */
+static gy_status gy_engine_attach_kv_locked(gy_engine *e, int64_t id, const int64_t *seqs) {
+    if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
+    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
+    const int32_t n = gy_engine_adoption_ranks(e, adapters);
+    for (int32_t k = 0; k < n; k++) gy_sched_kv_adapter_forget(adapters[k], id);
+    for (int32_t k = 0; k < n; k++) {
+        if (seqs[k] < 0) continue;
+        const gy_status s = gy_sched_kv_adapter_adopt(adapters[k], id, seqs[k]);
+        if (s != GY_OK) {
+            for (int32_t i = 0; i < k; i++) gy_sched_kv_adapter_forget(adapters[i], id);
+            return s;
+        }
     }
     return GY_OK;
 }
@@ -1354,6 +1387,11 @@ static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
 }
 
 gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs) {
+    return gy_engine_take_as(dst, src, id, seqs, NULL);
+}
+
+gy_status gy_engine_take_as(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs,
+                            const gy_sched_info *as) {
     if (dst == NULL || src == NULL || seqs == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: NULL argument");
     if (dst == src) return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: an engine cannot take from itself");
@@ -1370,6 +1408,14 @@ gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64
     if (s == GY_OK) s = gy_engine_request_get_locked(src, id, &v);
     if (s == GY_OK && v.info.state == GY_SCHED_STATE_FINISHED)
         s = GY_FAIL(GY_ERR_STATE, "request %lld has finished; there is nothing to move", (long long)id);
+    if (s == GY_OK && as != NULL) { /* the record it had before an earlier move (a rollback) */
+        v.info.state = as->state;
+        v.info.n_computed = as->n_computed;
+        v.info.prefill_end = as->prefill_end;
+        v.info.n_preemptions = as->n_preemptions;
+        v.info.first_scheduled = as->first_scheduled;
+        v.info.first_token = as->first_token;
+    }
     if (s == GY_OK)
         s = gy_engine_adopt_locked(dst, id, v.tokens, v.n_tokens, v.prompt_len, &v.params, &v.info,
                                    seqs);
@@ -1394,4 +1440,19 @@ int64_t gy_engine_capacity_blocks(const gy_engine *e) {
     const int64_t n = gy_engine_capacity_blocks_locked(e);
     pthread_mutex_unlock(&((gy_engine *)e)->api);
     return n;
+}
+
+void gy_engine_transition_abort(gy_engine *e) {
+    if (e == NULL) return;
+    pthread_mutex_lock(&e->api);
+    gy_engine_transition_abort_locked(e);
+    pthread_mutex_unlock(&e->api);
+}
+
+gy_status gy_engine_attach_kv(gy_engine *e, int64_t id, const int64_t *seqs) {
+    if (e == NULL || seqs == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_engine_attach_kv: NULL argument");
+    pthread_mutex_lock(&e->api);
+    const gy_status s = gy_engine_attach_kv_locked(e, id, seqs);
+    pthread_mutex_unlock(&e->api);
+    return s;
 }

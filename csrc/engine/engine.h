@@ -152,6 +152,11 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
  * request or dst cannot take it (an id in use, a full running set, a sequence that does not
  * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
 gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
+/* gy_engine_take with the scheduler record `as` gives instead of the source's progress (its
+ * state, tokens computed, prefill end, preemptions and first timings; NULL: the source's): a
+ * rollback moves a request back as it was before a move that made it recompute. */
+gy_status gy_engine_take_as(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs,
+                            const gy_sched_info *as);
 
 /* ---- layer-staggered transformation (Gyges 4.3) ----
  * While one runs, layers [0, boundary) still run in the old groups (each on the rows of the
@@ -180,6 +185,9 @@ gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary);
 /* The request's group and its old KV sequence on engine rank `rank` (-1 when none). */
 gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
                                    int64_t *seq);
+/* Drops the transition's stage wherever the boundary is, freeing none of its sequences (a
+ * rollback moves the layers back and frees them itself); nothing when none runs. */
+void gy_engine_transition_abort(gy_engine *e);
 /* Ends it (the boundary must be 0): the old sequences are freed. */
 gy_status gy_engine_transition_end(gy_engine *e);
 int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs */
@@ -227,6 +235,10 @@ int32_t gy_engine_n_ranks(const gy_engine *e);
 /* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
  * leaves them in the caches (a layer-staggered transformation keeps reading them). */
 void gy_engine_detach_kv(gy_engine *e);
+/* Points request `id` at KV sequences again, seqs[r] on rank r of the ranks gy_engine_take
+ * adopts on (-1: none): a rollback gives back what detach_kv or a take let go of. On failure
+ * the request holds no KV sequence. */
+gy_status gy_engine_attach_kv(gy_engine *e, int64_t id, const int64_t *seqs);
 /* Blocks the whole budget could hold (what the submit-time check uses). */
 int64_t gy_engine_capacity_blocks(const gy_engine *e);
 

@@ -459,8 +459,7 @@ gy_status gy_kv_reshape(gy_kv_cache *kv, int64_t n_heads) {
         free(free_blocks);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld blocks", (long long)max_blocks);
     }
-    for (int64_t i = 0; i < kv->p->seq_capacity; i++)
-        if (kv->p->seqs[i].live) gy_kv_seq_free(kv, i);
+    gy_kv_seq_free_all(kv);
     free(kv->p->block_used);
     free(kv->p->free_blocks);
     kv->p->block_used = used;
@@ -551,6 +550,17 @@ void gy_kv_take_pages(gy_kv_cache *shadow) {
     shadow->owner = NULL;
 }
 
+void gy_kv_unshare(gy_kv_cache *shadow) {
+    if (shadow == NULL || shadow->owner == NULL) return;
+    gy_kv_unmark(shadow);
+    gy_kv_seq_free_all(shadow);
+    shadow->owner->shadow = NULL;
+    shadow->owner = NULL;
+    shadow->p->pages_per_layer = 0;
+    shadow->p->n_free = 0;
+    gy_kv_set_blocks(shadow, 0);
+}
+
 /* ---- sequences ---- */
 
 static gy_kv_seq *gy_kv_live_seq(const gy_kv_cache *kv, int64_t seq) {
@@ -631,6 +641,12 @@ gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens) {
     }
     if (n_tokens > s->n_tokens) s->n_tokens = n_tokens;
     return GY_OK;
+}
+
+void gy_kv_seq_free_all(gy_kv_cache *kv) {
+    if (kv == NULL) return;
+    for (int64_t i = 0; i < kv->p->seq_capacity; i++)
+        if (kv->p->seqs[i].live) gy_kv_seq_free(kv, i);
 }
 
 gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq) {

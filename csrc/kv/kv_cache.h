@@ -93,6 +93,9 @@ gy_status gy_kv_seq_adopt(gy_kv_cache *kv, const int32_t *blocks, int64_t n_bloc
  * sequences freed). Freeing the owner first does the same. */
 gy_status gy_kv_init_shadow(gy_kv_cache **out, gy_kv_cache *owner, int64_t n_heads);
 void gy_kv_take_pages(gy_kv_cache *shadow);
+/* The other way to end it (a transformation rolled back): the owner keeps the pages, grown ones
+ * included; the shadow's sequences are freed and it is left empty. */
+void gy_kv_unshare(gy_kv_cache *shadow);
 
 /* Flying Serving's KV cache adaptor (section 4.2): a view reads the base's blocks as blocks of
  * block_size * factor tokens of n_heads / factor heads, which are the same bytes, and shares the
@@ -153,6 +156,8 @@ void gy_kv_undo_to(gy_kv_cache *kv, int64_t point);
 gy_status gy_kv_seq_new(gy_kv_cache *kv, int64_t *seq_out);
 gy_status gy_kv_seq_reserve(gy_kv_cache *kv, int64_t seq, int64_t n_tokens);
 gy_status gy_kv_seq_free(gy_kv_cache *kv, int64_t seq);
+/* Frees every live sequence (a reconfiguration that is rolled back drops a shadow's). */
+void gy_kv_seq_free_all(gy_kv_cache *kv);
 /* Number of blocks of `seq` (or -1 when it is not live) and a pointer to its block ids, valid
  * until the next call that changes the sequence. */
 int64_t gy_kv_seq_n_blocks(const gy_kv_cache *kv, int64_t seq);

@@ -295,28 +295,62 @@ static PyObject *gy_py_engine_type;
 
 /* take(src, id, seqs): moves request `id` from Engine `src` here with its progress and KV
  * (gy_engine_take); seqs: its sequence in each rank's cache here, -1 for none. */
-static PyObject *gy_py_engine_take(GyEngineObject *self, PyObject *args) {
-    PyObject *src_object, *seqs_object;
+enum { GY_PY_MAX_SEQS = GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP }; /* every rank of a plan */
+
+/* A request's KV sequence per rank, from a Python sequence of ints (the rest -1); -1 with an
+ * exception set when it is not one. */
+static int gy_py_engine_seqs(PyObject *seqs_object, int64_t seqs[GY_PY_MAX_SEQS]) {
+    for (int i = 0; i < GY_PY_MAX_SEQS; i++) seqs[i] = -1;
+    PyObject *seq = gy_py_sequence(seqs_object, "seqs must be a sequence of ints");
+    if (seq == NULL) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n && i < GY_PY_MAX_SEQS; i++)
+        seqs[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return -1;
+    if (n > GY_PY_MAX_SEQS) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "seqs has %zd entries, at most %d", n, GY_PY_MAX_SEQS);
+        return -1;
+    }
+    return 0;
+}
+
+/* attach_kv(id, seqs): the request's KV sequence on every rank again (a rollback). */
+static PyObject *gy_py_engine_attach_kv(GyEngineObject *self, PyObject *args) {
+    PyObject *seqs_object;
     long long id;
-    if (!PyArg_ParseTuple(args, "OLO", &src_object, &id, &seqs_object)) return NULL;
+    if (!PyArg_ParseTuple(args, "LO", &id, &seqs_object)) return NULL;
+    int64_t seqs[GY_PY_MAX_SEQS];
+    if (gy_py_engine_seqs(seqs_object, seqs) != 0) return NULL;
+    const gy_status s = gy_engine_attach_kv(self->engine, id, seqs);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_take(GyEngineObject *self, PyObject *args) {
+    PyObject *src_object, *seqs_object, *as_object = Py_None;
+    long long id;
+    if (!PyArg_ParseTuple(args, "OLO|O", &src_object, &id, &seqs_object, &as_object)) return NULL;
+    /* as: (state, G, C, E, preemptions, arrival, first_scheduled, first_token), or None */
+    gy_sched_info as = {0};
+    if (as_object != Py_None) {
+        int state;
+        long long G, C, E, preemptions;
+        if (!PyArg_ParseTuple(as_object, "iLLLLddd", &state, &G, &C, &E, &preemptions,
+                              &as.arrival, &as.first_scheduled, &as.first_token))
+            return NULL;
+        as.state = (gy_sched_state)state;
+        as.n_generated = G, as.n_computed = C, as.prefill_end = E, as.n_preemptions = preemptions;
+    }
     if (!PyObject_TypeCheck(src_object, (PyTypeObject *)gy_py_engine_type))
         return PyErr_Format(GY_PY_TYPE_ERROR, "src must be a gyges._C.Engine, not %s",
                             Py_TYPE(src_object)->tp_name);
-    enum { MAX_SEQS = GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP }; /* every rank of a plan */
-    int64_t seqs[MAX_SEQS];
-    for (int i = 0; i < MAX_SEQS; i++) seqs[i] = -1;
-    PyObject *seq = gy_py_sequence(seqs_object, "seqs must be a sequence of ints");
-    if (seq == NULL) return NULL;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < n && i < MAX_SEQS; i++)
-        seqs[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-    Py_DECREF(seq);
-    if (PyErr_Occurred()) return NULL;
-    if (n > MAX_SEQS) return PyErr_Format(GY_PY_VALUE_ERROR, "seqs has %zd entries, at most %d", n, MAX_SEQS);
+    int64_t seqs[GY_PY_MAX_SEQS];
+    if (gy_py_engine_seqs(seqs_object, seqs) != 0) return NULL;
     gy_status s;
     gy_engine *src = ((GyEngineObject *)src_object)->engine;
     Py_BEGIN_ALLOW_THREADS
-    s = gy_engine_take(self->engine, src, id, seqs);
+    s = gy_engine_take_as(self->engine, src, id, seqs, as_object != Py_None ? &as : NULL);
     Py_END_ALLOW_THREADS
     if (s != GY_OK) return gy_py_raise(s);
     Py_RETURN_NONE;
@@ -510,6 +544,12 @@ static PyObject *gy_py_engine_transition_detach(GyEngineObject *self, PyObject *
     Py_RETURN_NONE;
 }
 
+static PyObject *gy_py_engine_transition_abort(GyEngineObject *self, PyObject *unused) {
+    gy_engine_transition_abort(self->engine);
+    Py_CLEAR(self->transition_keep);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gy_py_engine_transition_boundary(GyEngineObject *self, PyObject *unused) {
     return PyLong_FromLongLong(gy_engine_transition_boundary(self->engine));
 }
@@ -624,6 +664,10 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"transition_table", (PyCFunction)gy_py_engine_transition_table, METH_NOARGS,
      "transition_table() -> [(id, new seqs per rank, (group, old seq) per rank)]"},
     {"transition_end", (PyCFunction)gy_py_engine_transition_end, METH_NOARGS, "transition_end()"},
+    {"transition_abort", (PyCFunction)gy_py_engine_transition_abort, METH_NOARGS,
+     "transition_abort(): drop the transition's stage, keeping its sequences"},
+    {"attach_kv", (PyCFunction)gy_py_engine_attach_kv, METH_VARARGS,
+     "attach_kv(id, seqs): the request's KV sequence per rank again (a rollback)"},
     {"transition_detach", (PyCFunction)gy_py_engine_transition_detach, METH_NOARGS,
      "transition_detach(): forget the groups' KV sequences without freeing them"},
     {"transition_boundary", (PyCFunction)gy_py_engine_transition_boundary, METH_NOARGS,

@@ -114,6 +114,16 @@ static PyObject *gy_py_kv_seq_free(GyKVObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *gy_py_kv_unshare(GyKVObject *self, PyObject *unused) {
+    gy_kv_unshare(self->kv);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_kv_seq_free_all(GyKVObject *self, PyObject *unused) {
+    gy_kv_seq_free_all(self->kv);
+    Py_RETURN_NONE;
+}
+
 /* seq_blocks(seq) -> bytes holding the block ids as int32. */
 static PyObject *gy_py_kv_seq_blocks(GyKVObject *self, PyObject *args) {
     long long seq;
@@ -394,6 +404,9 @@ static PyMethodDef gy_py_kv_methods[] = {
     {"seq_new", (PyCFunction)gy_py_kv_seq_new, METH_NOARGS, "seq_new() -> seq id"},
     {"seq_reserve", (PyCFunction)gy_py_kv_seq_reserve, METH_VARARGS, "seq_reserve(seq, n_tokens)"},
     {"seq_free", (PyCFunction)gy_py_kv_seq_free, METH_VARARGS, "seq_free(seq)"},
+    {"seq_free_all", (PyCFunction)gy_py_kv_seq_free_all, METH_NOARGS, "seq_free_all(): every live one"},
+    {"unshare", (PyCFunction)gy_py_kv_unshare, METH_NOARGS,
+     "unshare(): a shadow lets its owner keep the pages and is left empty"},
     {"seq_blocks", (PyCFunction)gy_py_kv_seq_blocks, METH_VARARGS, "seq_blocks(seq) -> int32 bytes"},
     {"seq_n_tokens", (PyCFunction)gy_py_kv_seq_n_tokens, METH_VARARGS, "seq_n_tokens(seq) -> int"},
     {"write", (PyCFunction)gy_py_kv_write, METH_VARARGS, "write(seq, layer, pos, k, v)"},

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 
-from ..errors import StateError, require
+from ..core.errors import StateError, require
 from .app import build_app
 from .runner import HostRunner
 

@@ -20,10 +20,10 @@ import json
 import logging
 import time
 
-from ..errors import Error, InvalidArgumentError, require
-from ..transform import TransformError
+from ..core.errors import Error, InvalidArgumentError, require
+from ..reconfig import TransformError
 from . import protocol
-from .metrics import ServerMetrics
+from .prometheus import ServerMetrics
 from .protocol import APIError
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ def add_arguments(p):
 
 
 def load_trace(args):
-    from .. import traces
+    from ..cluster import traces
     if args.trace == "synthetic":
         t = traces.poisson(args.rate, n=args.requests, input_tokens=(16, args.max_input),
                            output_tokens=(8, args.max_output), seed=args.seed)
@@ -134,7 +134,7 @@ def print_summary(model, s):
 
 
 def main(args):
-    from ..model import load_tokenizer
+    from ..models.model import load_tokenizer
     trace = load_trace(args)
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = random_prompts(tokenizer, trace["input_tokens"], args.seed)

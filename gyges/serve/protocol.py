@@ -10,8 +10,8 @@ refused by name: gyges does not implement them.
 import secrets
 import time
 
-from ..engine import SamplingParams
-from ..errors import Error
+from ..runtime.engine import SamplingParams
+from ..core.errors import Error
 
 REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_logprobs": "logprobs",
            "logit_bias": "logit_bias", "suffix": "suffix", "tools": "tools",

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from ..errors import Error
+from ..core.errors import Error
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,402 @@
+"""Shape and hyper-parameters of a Llama-family decoder, read from / written to HF config.json.
+
+One frozen dataclass, `ModelConfig`, is the single description of a model that the engine, the
+simulator, the checkpoint loader and the float64 reference all share. Everything it cannot
+represent faithfully (an unknown RoPE scaling, sliding-window attention, another activation) is
+rejected with a `ConfigError` rather than silently ignored, because ignoring it would produce a
+model that runs but computes something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.errors import InvalidArgumentError
+
+__all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES"]
+
+
+class ConfigError(InvalidArgumentError):
+    """A config is malformed, inconsistent, or asks for a feature gyges does not implement."""
+
+
+# qwen3 is accepted for shape-only use (the simulator's cost model): it adds per-head RMSNorm on q
+# and k (q_norm/k_norm), which neither the engine nor the reference implements yet.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+EXECUTABLE_MODEL_TYPES = ("llama", "qwen2")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# RoPE scalings the reference implements; anything else (dynamic NTK, yarn, longrope...) changes the
+# rotation angles in ways we do not reproduce, so it is refused.
+_ROPE_SCALING_KEYS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+
+
+def _normalise_rope_scaling(raw: Any) -> dict | None:
+    """Returns None for no scaling, else {"rope_type": ..., numeric params}; raises on the rest."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"rope_scaling must be an object or null, got {raw!r}")
+    # HF used "type" before renaming it to "rope_type"; both appear in published configs.
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in _ROPE_SCALING_KEYS:
+        raise ConfigError(
+            f"rope_scaling type {kind!r} is not supported (supported: default, "
+            f"{', '.join(sorted(_ROPE_SCALING_KEYS))}); refusing to ignore it")
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in sorted(_ROPE_SCALING_KEYS[kind]):
+        if key not in raw:
+            raise ConfigError(f"rope_scaling of type {kind!r} is missing {key!r}")
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"rope_scaling.{key} must be a positive number, got {value!r}")
+        out[key] = float(value) if key != "original_max_position_embeddings" else int(value)
+    if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise ConfigError("rope_scaling: llama3 needs high_freq_factor > low_freq_factor")
+    return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama/Qwen2 decoder. Field names follow HF config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v projections (always on for qwen2)
+    model_type: str = "llama"
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    # Normalised (see _normalise_rope_scaling); a dict, so left out of the hash.
+    rope_scaling: dict | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise through object.__setattr__ so presets and from_dict agree.
+        if self.head_dim is None:
+            if not _is_pos_int(self.hidden_size) or not _is_pos_int(self.num_attention_heads):
+                self._check_positive()
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ConfigError(
+                    f"num_attention_heads ({self.num_attention_heads}) does not divide "
+                    f"hidden_size ({self.hidden_size}) and no head_dim is given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "rope_scaling", _normalise_rope_scaling(self.rope_scaling))
+        self._validate()
+
+    def _check_positive(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not _is_pos_int(value):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    def _validate(self) -> None:
+        self._check_positive()
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                f"num_key_value_heads ({self.num_key_value_heads}) does not divide "
+                f"num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or not value > 0:
+                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {self.model_type!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ConfigError("qwen2 always has q/k/v biases; attention_bias must be True")
+        if self.model_type == "llama" and self.attention_bias:
+            # HF Llama's attention_bias also biases o_proj, unlike Qwen2; we do not implement that.
+            raise ConfigError("llama with attention_bias=True (biased o_proj too) is not supported")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(
+                f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        ids = self.eos_tokens() + (() if self.bos_token_id is None else (self.bos_token_id,))
+        for tok in ids:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
+                raise ConfigError(f"token id {tok!r} is not in [0, vocab_size={self.vocab_size})")
+
+    # ---- derived quantities ----
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads sharing one KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def eos_tokens(self) -> tuple[int, ...]:
+        """eos_token_id as a tuple (HF allows an int, a list, or null)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, tuple):
+            return self.eos_token_id
+        return (self.eos_token_id,)
+
+    def param_count(self) -> int:
+        """Parameters as stored in an HF checkpoint (lm_head counted only when untied)."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        per_layer = (
+            2 * h                                   # input + post-attention RMSNorm
+            + h * q + 2 * h * kv + q * h            # q, k, v, o projections
+            + 3 * h * self.intermediate_size        # gate, up, down
+        )
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.model_type == "qwen3":
+            per_layer += 2 * self.head_dim          # q_norm, k_norm
+        total = self.vocab_size * h + self.num_hidden_layers * per_layer + h
+        if not self.tie_word_embeddings:
+            total += self.vocab_size * h
+        return total
+
+    def weight_bytes(self, dtype_bytes: int | float) -> int:
+        """Bytes of all weights stored at dtype_bytes per element."""
+        return int(self.param_count() * dtype_bytes)
+
+    def kv_bytes_per_token(self, dtype_bytes: int | float, tp: int = 1) -> int:
+        """K and V bytes for one token, all layers, on ONE tensor-parallel rank.
+
+        KV heads are split across tp ranks; when tp exceeds the KV head count, each rank holds
+        one replicated head (as vLLM does), so tp must divide or be a multiple of the KV heads.
+        """
+        if not _is_pos_int(tp):
+            raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+        kv = self.num_key_value_heads
+        if kv % tp != 0 and tp % kv != 0:
+            raise ConfigError(f"tp={tp} neither divides nor is a multiple of "
+                              f"num_key_value_heads={kv}")
+        heads_per_rank = max(1, kv // tp)
+        return int(2 * self.num_hidden_layers * heads_per_rank * self.head_dim * dtype_bytes)
+
+    # ---- HF config.json ----
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Builds a config from a parsed HF config.json, refusing features we do not implement."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
+        model_type = d.get("model_type", "llama")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"config is missing required keys: {', '.join(missing)}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+        if d.get("mlp_bias", False):
+            raise ConfigError("mlp_bias=True is not supported")
+        if d.get("use_sliding_window", False):
+            raise ConfigError("use_sliding_window=True is not supported (full attention only)")
+        if d.get("pretraining_tp", 1) not in (1, None):
+            raise ConfigError("pretraining_tp != 1 changes the MLP computation; not supported")
+        # Qwen2's q/k/v biases are implicit in the architecture, not in config.json.
+        attention_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
+        # HF's default for num_key_value_heads is num_attention_heads (plain MHA).
+        kv_heads = d.get("num_key_value_heads")
+        if kv_heads is None:
+            kv_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=kv_heads,
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", 10000.0),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            model_type=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            rope_scaling=d.get("rope_scaling"),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads config.json (or a directory holding one)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config: {e}") from e
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict:
+        """HF-compatible config.json contents (loadable by transformers and by from_dict)."""
+        d: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+        }
+        return d
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes config.json to path (a file name, or a directory to put config.json in)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (re-validated)."""
+        if "hidden_size" in changes or "num_attention_heads" in changes:
+            changes.setdefault("head_dim", None)
+        return dataclasses.replace(self, **changes)
+
+    # ---- presets ----
+    # Small ones are for tests and demos; the paper-scale ones carry the public config.json
+    # shapes of the released models and are used by the simulator (no weights needed).
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        return cls(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+                   tie_word_embeddings=False)
+
+    @classmethod
+    def qwen2_tiny(cls) -> "ModelConfig":
+        return dataclasses.replace(cls.tiny(), attention_bias=True, model_type="qwen2",
+                                   rms_norm_eps=1e-6)
+
+    @classmethod
+    def stories15m(cls) -> "ModelConfig":
+        # karpathy/tinyllamas stories15M (llama2.c): the classifier shares the embedding, which
+        # is what makes it 15M parameters.
+        return cls(vocab_size=32000, hidden_size=288, intermediate_size=768, num_hidden_layers=6,
+                   num_attention_heads=6, num_key_value_heads=6, rms_norm_eps=1e-5,
+                   max_position_embeddings=256, tie_word_embeddings=True)
+
+    @classmethod
+    def stories110m(cls) -> "ModelConfig":
+        return cls(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                   num_attention_heads=12, num_key_value_heads=12, rms_norm_eps=1e-5,
+                   max_position_embeddings=1024, tie_word_embeddings=True)
+
+    @classmethod
+    def llama2_7b(cls) -> "ModelConfig":
+        # meta-llama/Llama-2-7b-hf
+        return cls(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+                   bos_token_id=1, eos_token_id=2)
+
+    @classmethod
+    def llama3_8b(cls) -> "ModelConfig":
+        # meta-llama/Meta-Llama-3-8B (no rope_scaling; 3.1 adds llama3 scaling and 128K context)
+        return cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                   bos_token_id=128000, eos_token_id=128001)
+
+    @classmethod
+    def llama3_70b(cls) -> "ModelConfig":
+        # meta-llama/Meta-Llama-3-70B
+        return cls(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                   bos_token_id=128000, eos_token_id=128001)
+
+    @classmethod
+    def qwen2_5_14b(cls) -> "ModelConfig":
+        # Qwen/Qwen2.5-14B (KunServe's model): 48 layers, 8 KV heads of 128: 192 KB of KV a token
+        return cls(vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                   num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+                   attention_bias=True, model_type="qwen2",
+                   bos_token_id=151643, eos_token_id=151643)
+
+    @classmethod
+    def qwen2_5_32b(cls) -> "ModelConfig":
+        # Qwen/Qwen2.5-32B (base; the Instruct config differs only in eps 1e-6, eos, context)
+        return cls(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                   num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072,
+                   attention_bias=True, model_type="qwen2",
+                   bos_token_id=151643, eos_token_id=151643)
+
+    @classmethod
+    def qwen3_32b(cls) -> "ModelConfig":
+        # Qwen/Qwen3-32B: head_dim 128 is given explicitly (64 * 128 != 5120). Shape-only: see
+        # EXECUTABLE_MODEL_TYPES.
+        return cls(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                   num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                   head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   max_position_embeddings=40960, model_type="qwen3",
+                   bos_token_id=151643, eos_token_id=151645)
+
+    @classmethod
+    def presets(cls) -> dict[str, "ModelConfig"]:
+        """Every named preset, by name."""
+        names = ("tiny", "qwen2_tiny", "stories15m", "stories110m", "llama2_7b", "llama3_8b",
+                 "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b")
+        return {name: getattr(cls, name)() for name in names}
+
+
+def _is_pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

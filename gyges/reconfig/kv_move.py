@@ -1,0 +1,127 @@
+"""The KV bytes of an at-once transformation, all through one call: KVCache.copy_heads_from
+(csrc/kv/kv_move.h), which copies heads of block lists between two caches wherever they live
+(memmove on the host, one kernel per layer on a GPU both arenas share). The plans (plans.py)
+say which blocks go where; these functions carry them out and count the bytes on the handle.
+
+    all_to_all   scale-up's phased all-to-all, round by round; reverse=True takes it back
+                 (rounds newest first, every run copied back where it came from: nothing it
+                 overwrote is lost, since a round only receives into blocks an earlier round sent)
+    stage        scale-down: every moved request's blocks copied aside, into a staging cache
+                 per old rank (outside the workers' budgets; stats["stage_bytes"])
+    unstage      the staged blocks written into the new caches' wider blocks
+    restage      the staged blocks written back where they came from (a rollback)
+"""
+import numpy as np
+
+from ..runtime.arena import Arena
+from ..runtime.kv_cache import KVCache
+
+
+def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
+    """Scale-up's phased all-to-all (plans.AllToAllPlan.rounds), in round order: destination dst
+    receives sub-group sub_of[dst] of the source's old blocks (new block m*b + sub of old block
+    b). Every layer of a round at once, the rounds in order. Returns the rounds done (a failure
+    raises with `done` attached to the error, for the rollback)."""
+    L = host.model.config.num_hidden_layers
+    done = []
+    order = sorted(rounds, reverse=reverse)
+    try:
+        for rnd in order:
+            for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
+                src_kv, dst_kv = host.worker(src).kv, host.worker(dst).kv
+                old = m * np.asarray(src_blocks, np.int64) + sub_of[dst]
+                if reverse:
+                    src_kv.copy_heads_from(dst_kv, old, dst_blocks)
+                else:
+                    dst_kv.copy_heads_from(src_kv, dst_blocks, old)
+                    tr._count(src, dst, len(dst_blocks) * run_bytes * L)
+                done.append((rnd, (src, dst)))
+    except BaseException as e:
+        e.done = done
+        raise
+    return done
+
+
+def undo_all_to_all(host, rounds, m, sub_of, done):
+    """Takes back the copies `done` lists (newest first): each run goes back to the old block
+    it came from, which no later copy overwrote."""
+    for rnd, pair in reversed(done):
+        src, dst = pair
+        src_blocks, dst_blocks = rounds[rnd][pair]
+        host.worker(src).kv.copy_heads_from(host.worker(dst).kv,
+                                            m * np.asarray(src_blocks, np.int64) + sub_of[dst],
+                                            dst_blocks)
+
+
+def stage(host, tr, moved, rank_worker):
+    """Scale-down, before the caches change: every moved request's KV blocks of each old rank,
+    every layer, copied into a staging cache of its worker's backend. Returns {old rank:
+    (staging cache, {request id: its first staging block})}."""
+    L = host.model.config.num_hidden_layers
+    stages = {}
+    for rank, w in enumerate(rank_worker):
+        worker = host.worker(w)
+        kv = worker.kv
+        items = [(req.id, req.tables[rank]) for req in moved
+                 if req.tables[rank] is not None and len(req.tables[rank])]
+        n = sum(len(tab) for _, tab in items)
+        if not n:
+            continue
+        pages = -(-n * kv.block_bytes // worker.page_size)
+        arena = Arena(budget=pages * L * worker.page_size, page_size=worker.page_size,
+                      n_slots=pages * L, backend=worker.backend, device=worker.device)
+        staging = KVCache(arena, n_layers=L, n_kv_heads=kv.n_kv_heads, head_dim=kv.head_dim,
+                          block_size=kv.block_size, layout=kv.layout_name, first_slot=0,
+                          slots_per_layer=pages, dtype=worker.kv_dtype)
+        staging.grow(pages)
+        first, at = {}, 0
+        for rid, tab in items:
+            first[rid] = at
+            at += len(tab)
+        staging.copy_heads_from(kv, np.arange(n), np.concatenate([tab for _, tab in items]))
+        stages[rank] = (staging, first)
+        tr.stats["peak_extra_bytes"][w] += n * kv.block_bytes * L
+        tr.stats["stage_bytes"] += pages * L * worker.page_size
+    return stages
+
+
+def unstage(host, tr, moved, staged, plan, seq_of):
+    """Writes the staged blocks into the new caches' wider blocks: new rank r of instance j
+    takes sub-group g of its heads from old rank r*m + g (plans.SplitPlan)."""
+    L = host.model.config.num_hidden_layers
+    m = plan.m
+    for (j, r), w in plan.new_ranks:
+        kv = host.worker(w).kv
+        for g in range(m):
+            rank = r * m + g
+            if rank not in staged:
+                continue
+            staging, first = staged[rank]
+            dst, src = [], []
+            for req in moved:
+                if req.id not in seq_of[w] or req.id not in first:
+                    continue
+                table = kv.block_table(seq_of[w][req.id])
+                dst.append(table)
+                src.append(np.arange(first[req.id], first[req.id] + len(table)))
+            if not dst:
+                continue
+            dst, src = np.concatenate(dst), np.concatenate(src)
+            kv.copy_heads_from(staging, dst, src, dst_head0=g * staging.n_kv_heads,
+                               n_heads=staging.n_kv_heads)
+            tr._count(plan.rank_worker[rank], w, len(dst) * staging.block_bytes * L)
+
+
+def restage(host, moved, staged, rank_worker, seq_of_old):
+    """A rollback's write back: every staged block to its old block (the caches in their old
+    geometry again, each request's old table in seq_of_old[rank][id])."""
+    for rank, (staging, first) in staged.items():
+        kv = host.worker(rank_worker[rank]).kv
+        dst, src = [], []
+        for req in moved:
+            if req.id in first:
+                table = kv.block_table(seq_of_old[rank][req.id])
+                dst.append(table)
+                src.append(np.arange(first[req.id], first[req.id] + len(table)))
+        if dst:
+            kv.copy_heads_from(staging, np.concatenate(dst), np.concatenate(src))

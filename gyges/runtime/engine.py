@@ -1,0 +1,475 @@
+"""gyges.Engine: a continuous-batching LLM engine on one worker.
+
+    m = gyges.Model.tiny()
+    eng = gyges.Engine(m, memory="256MiB", page_size="64KiB", block_size=16, kv_layout="header")
+    outs = eng.generate([[1, 2, 3], [4, 5]], gyges.SamplingParams(max_tokens=32, temperature=0.0))
+    r = eng.submit([1, 2, 3], gyges.SamplingParams(max_tokens=8)); eng.step()
+    r.output_tokens, r.finished, r.metrics
+
+The loop (scheduler, forward pass, sampler) is C; this file owns the request handles, the
+timestamps and the argument checks.
+
+Guarantees (README "Guarantees"): a bad argument raises a gyges.Error naming it and changes
+nothing; a failed step changes nothing (the same step is tried again), except that a request whose
+logits are not numbers finishes alone with finish_reason "error" and the reason in
+request.error; abort() finishes the handle; an Engine is safe to call from several threads (one
+lock, granted in turn: a step runs whole while a submit or an abort from another thread waits); close() (or a
+with block) gives the worker's memory back, and so does dropping the last reference.
+"""
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core import checks
+from .. import _C
+from ..core.errors import ArgumentTypeError, InvalidArgumentError, StateError
+from ..core.fairlock import FairLock
+from ..models.tokenizer import chat_prompts, tokenize_prompt
+from ..core.units import parse_size
+from .worker import Worker
+
+# An arrival further ahead of the engine's clock than this is almost surely an absolute time
+# (time.time()) where seconds since the engine started were meant; it would never be served.
+MAX_ARRIVAL_AHEAD = 3600.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 and top_p 1 are
+    off; the seed makes sampling reproducible per request (independent of the batch).
+
+    Beside vLLM's SamplingParams: the same names; defaults differ where gyges is a research
+    engine that must be reproducible: temperature 0.0 (vLLM 1.0) and seed 0 (vLLM None, a random
+    one); max_tokens 16, top_p 1.0 and top_k off as in vLLM. n > 1, min_tokens, the three
+    penalties and logprobs are refused by name; stop strings and stop_token_ids work."""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    stop: tuple = ()  # strings: the text ends before the first of them (needs a tokenizer)
+    # vLLM's fields that gyges does not implement: accepted at their defaults, refused otherwise
+    n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        checks.integer("max_tokens", self.max_tokens, lo=1)
+        checks.number("temperature", self.temperature, lo=0)
+        checks.integer("top_k", self.top_k, lo=0)
+        checks.number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
+        checks.integer("seed", self.seed, lo=0, hi=2**64 - 1)
+        stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0)
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        checks.boolean("ignore_eos", self.ignore_eos)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise InvalidArgumentError(f"stop={self.stop!r}: expected a non-empty string or a "
+                                       f"list of them")
+        object.__setattr__(self, "stop", tuple(stop))
+        for name, default in (("n", 1), ("min_tokens", 0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("logprobs", None)):
+            if getattr(self, name) != default:
+                raise InvalidArgumentError(f"{name}={getattr(self, name)!r}: gyges does not "
+                                           f"implement {name} (only {default!r})")
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timestamps (seconds since the engine started) and vLLM's latencies."""
+    arrival: float
+    scheduled: float = math.nan
+    first_token: float = math.nan
+    finish: float = math.nan
+    token_times: list = field(default_factory=list)
+
+    @property
+    def ttft(self):
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self):
+        return self.finish - self.arrival
+
+    @property
+    def tpot(self):
+        n = len(self.token_times)
+        return (self.finish - self.first_token) / (n - 1) if n > 1 else math.nan
+
+    @property
+    def itl(self):
+        return np.diff(np.asarray(self.token_times))
+
+
+class Request:
+    """A submitted request: its tokens so far, whether it finished (finish_reason "stop",
+    "length", "abort" or "error"; error says why for the last), and its metrics. With a
+    tokenizer, `text` is the output so far, decoded piece by piece (never half a character),
+    and `stop_reason` the stop string or token that ended it."""
+
+    def __init__(self, request_id, prompt, params, arrival, detokenizer=None, prompt_text=None):
+        self.id = request_id
+        self.prompt = list(prompt)
+        self.prompt_text = prompt_text
+        self.params = params
+        self.output_tokens = []
+        self.text = "" if detokenizer is not None else None
+        self.finished = False
+        self.finish_reason = None
+        self.stop_reason = None
+        self.error = None
+        self.metrics = RequestMetrics(arrival=arrival)
+        self._detokenizer = detokenizer
+
+    def _append(self, token, now):
+        """A new token; True when a stop string now ends the text (the text is cut before it)."""
+        self.output_tokens.append(token)
+        self.metrics.token_times.append(now)
+        if self._detokenizer is None:
+            return False
+        piece = self._detokenizer.add(token)
+        if not piece:
+            return False
+        self.text += piece
+        if not self.params.stop:
+            return False
+        # only where the new piece can complete a stop string
+        start = max(0, len(self.text) - len(piece) - max(map(len, self.params.stop)) + 1)
+        hits = [(self.text.find(x, start), x) for x in self.params.stop]
+        hits = [(at, x) for at, x in hits if at >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        self.text, self.stop_reason = self.text[:at], stop
+        return True
+
+    def __repr__(self):
+        state = f"finished ({self.finish_reason})" if self.finished else "running"
+        return (f"Request(id={self.id}, prompt={len(self.prompt)} tokens, "
+                f"output={len(self.output_tokens)} tokens, {state})")
+
+
+def check_prompt(tokens, vocab):
+    """A list, tuple, range or 1-D integer array of token ids in [0, vocab); returns int32.
+    Raises ArgumentTypeError (a str, dict, set or bool, float tokens) or InvalidArgumentError
+    (empty, out of the vocabulary) naming the problem."""
+    if isinstance(tokens, (str, bytes)):
+        raise ArgumentTypeError(f"a prompt must be a sequence of token ids, not a "
+                                f"{type(tokens).__name__} (this model has no tokenizer: load a "
+                                f"real one, e.g. gyges.Model.load('smollm2-135m-instruct'))")
+    ids = checks.int_sequence("prompt", tokens)
+    if not ids:
+        raise InvalidArgumentError("a prompt must have at least one token")
+    array = np.array(ids, dtype=np.int64)
+    bad = np.flatnonzero((array < 0) | (array >= vocab))
+    if bad.size:
+        raise InvalidArgumentError(f"prompt token {array[bad[0]]} at index {bad[0]} is outside "
+                                   f"the vocabulary [0, {vocab})")
+    return array.astype(np.int32)
+
+
+class Clock:
+    """Seconds since a start. An engine or a host and its serving loops share one; it refers to
+    none of them, so no reference cycle keeps them alive."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self):
+        return time.perf_counter() - self.start
+
+    def advance(self, seconds):
+        self.start -= seconds
+
+
+def check_arrival(arrival, now):
+    """arrival: None (now) or seconds since the engine started, not hours ahead of its clock."""
+    if arrival is None:
+        return now
+    arrival = checks.number("arrival", arrival)
+    if arrival > now + MAX_ARRIVAL_AHEAD:
+        raise InvalidArgumentError(
+            f"arrival={arrival:.6g} is {arrival - now:.3g} s ahead of the engine's clock "
+            f"({now:.3f} s): arrival is seconds since the engine started (engine.now()), not an "
+            f"absolute time such as time.time(); pass None for now")
+    return arrival
+
+
+class InstanceLoop:
+    """The Python side of one C serving loop (gyges._C.Engine over one or several TP ranks): the
+    request handles it serves and their timestamps. Engine has one; a Host has one per instance.
+    Its owner serializes the calls (a lock)."""
+
+    def __init__(self, c_engine, config, clock, tokenizer=None):
+        self._c = c_engine
+        self.config = config
+        self.clock = clock
+        self.tokenizer = tokenizer
+        self.requests = {}
+
+    def add(self, request_id, tokens, params, arrival=None, prompt_text=None):
+        """Queues a request of token ids (prompt_text: the text they were encoded from)."""
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(f"stop={list(params.stop)!r}: stop strings need a model "
+                                       f"with a tokenizer (use stop_token_ids)")
+        prompt = check_prompt(tokens, self.config.vocab_size)
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"stop_token_ids {bad} are outside the vocabulary "
+                                       f"[0, {self.config.vocab_size})")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.config.eos_tokens())
+        arrival = check_arrival(arrival, self.clock())
+        detokenizer = self.tokenizer.detokenizer(prompt.tolist()) if self.tokenizer else None
+        request = Request(request_id, prompt.tolist(), params, arrival, detokenizer, prompt_text)
+        self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
+                    params.top_k, float(params.top_p), params.seed,
+                    np.array(sorted(stops), dtype=np.int32), arrival)
+        self.requests[request.id] = request
+        return request
+
+    def unfinished(self):
+        return sum(1 for r in self.requests.values() if not r.finished)
+
+    def step(self):
+        """One C step; returns the tokens it ran through the model. A failed step raises and
+        changes nothing."""
+        tokens, finished, batch_tokens, _ = self._c.step(self.clock())
+        done = self.clock()
+        stopped = [rid for rid, token in tokens if self.requests[rid]._append(token, done)]
+        for request_id in finished:
+            self._finish(request_id, done)
+        for request_id in stopped:  # a stop string: the request ends here, as at a stop token
+            if request_id in self.requests:
+                self._c.abort(request_id)
+                self._finish(request_id, done, reason="stop")
+        return batch_tokens
+
+    def abort(self, request):
+        """Finishes a request this loop serves (reason "abort"); False when it had finished."""
+        if request.finished:
+            return False
+        self._c.abort(request.id)
+        self._finish(request.id, self.clock())
+        return True
+
+    def _finish(self, request_id, now, reason=None):
+        r = self.requests.pop(request_id)
+        info = self._c.info(request_id)
+        r.finished = True
+        r.finish_reason = reason or info["finish"]
+        if r.finish_reason == "stop" and r.stop_reason is None and r.output_tokens:
+            r.stop_reason = r.output_tokens[-1]  # the stop token, as vLLM reports it
+        r.error = info["error"] or None
+        r.metrics.scheduled = info["first_scheduled"]
+        r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
+        r.metrics.finish = now
+        self._c.release(request_id)
+
+    def drop_engine(self):
+        """Forgets the C engine (its owner let it go); the handles stay as they are."""
+        self._c = None
+
+    def close(self, why):
+        """Stops the loop; requests still in it finish with reason "abort" and `why`."""
+        now = self.clock()
+        for r in list(self.requests.values()):
+            r.finished, r.finish_reason, r.error = True, "abort", why
+            r.metrics.finish = now
+        self.requests.clear()
+        self._c = None
+
+
+class Serving:
+    """run() and generate() for anything with submit(), step(), has_unfinished() and a lock."""
+
+    def run(self):
+        """Steps until every submitted request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts, params=None):
+        """Submits every prompt (token ids, or text when the model has a tokenizer), runs to
+        completion, returns the request handles in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        with self._lock:
+            requests = [self.submit(p, params) for p in prompts]
+            self.run()
+        return requests
+
+    def generate_chat(self, messages, params=None):
+        """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the
+        model's chat template (the assistant's turn opened) and generated; returns the handles."""
+        return self.generate(chat_prompts(getattr(self.model, "tokenizer", None), messages), params)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def check_params(params):
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ArgumentTypeError(f"params must be a gyges.SamplingParams, got "
+                                f"{type(params).__name__}")
+    return params
+
+
+class Engine(Serving):
+    """Engine(model, memory="256MiB", page_size=None, block_size=16, kv_layout="header",
+    weight_dtype=None, threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
+    max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0)
+
+    backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler: only the
+    forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
+    Use it in a with block, or call close(), to give its memory back at a known point.
+    """
+
+    def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
+                 kv_layout="header", weight_dtype=None, threads=2, max_batch_tokens=512,
+                 max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True,
+                 backend="cpu", device=0):
+        for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
+                            ("max_running", max_running), ("threads", threads)):
+            checks.integer(name, value, lo=1)
+        checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
+        self._lock = FairLock()
+        self.model = model
+        self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
+                             kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,
+                             threads=threads, max_pos=max_pos, pad_ffn=pad_ffn,
+                             backend=backend, device=device)
+        self.clock = Clock()
+        self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
+                            max_running, max_prefill_chunk)
+        self._loop = InstanceLoop(self._c, model.config, self.clock,
+                                  getattr(model, "tokenizer", None))
+        self._next_id = 0
+        self.steps = 0
+        self.memory_budget = parse_size(memory, "memory")
+
+    # ---- state ----
+    @property
+    def closed(self):
+        return self._c is None
+
+    def _check_open(self):
+        if self._c is None:
+            raise StateError("the engine is closed")
+
+    @property
+    def arena(self):
+        self._check_open()
+        return self.worker.arena
+
+    @property
+    def kv(self):
+        self._check_open()
+        return self.worker.kv
+
+    @property
+    def weights(self):
+        self._check_open()
+        return self.worker.weights
+
+    def now(self):
+        return self.clock()
+
+    def memory(self):
+        """Bytes of the worker's budget: in use, by owner, and the KV cache's blocks."""
+        with self._lock:
+            s = self.arena.stats()
+            kv = self.kv.stats()
+            return {"budget": s["budget_bytes"], "in_use": s["bytes_in_use"],
+                    "peak": s["peak_bytes"], "weights": s["bytes_by_tag"]["weights"],
+                    "kv": s["bytes_by_tag"]["kv"], "weight_padding": self.weights.padding_bytes,
+                    "kv_blocks": kv["n_blocks"], "kv_free_blocks": kv["free_blocks"],
+                    "kv_block_bytes": kv["block_bytes"]}
+
+    def has_unfinished(self):
+        with self._lock:
+            return self._c is not None and self._loop.unfinished() > 0
+
+    # ---- requests ----
+    def submit(self, tokens, params=None, arrival=None):
+        """Queues a request and returns its handle. arrival: seconds since the engine started
+        (now by default). A bad prompt or parameter raises a gyges.Error naming it, and so does a
+        request that could never fit in this worker's memory; nothing is queued then."""
+        params = check_params(params)
+        tokens, text = tokenize_prompt(tokens, self._loop.tokenizer)
+        with self._lock:
+            self._check_open()
+            request = self._loop.add(self._next_id, tokens, params, arrival, text)
+            self._next_id += 1
+            return request
+
+    def abort(self, request):
+        """Finishes a request of this engine (finish_reason "abort"; its KV is freed). Returns
+        False when it had already finished."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request must be a gyges.Request, got "
+                                    f"{type(request).__name__}")
+        with self._lock:
+            self._check_open()
+            if not request.finished and self._loop.requests.get(request.id) is not request:
+                raise InvalidArgumentError(f"request {request.id} was not submitted to this engine")
+            return self._loop.abort(request)
+
+    @property
+    def requests(self):
+        """{id: Request} of the requests it serves (unfinished)."""
+        return self._loop.requests
+
+    def export(self, rid):
+        """A request's scheduler record and its KV sequence ({"info", "seqs", ...})."""
+        with self._lock:
+            self._check_open()
+            return self._c.export(rid)
+
+    def kv_sequence(self, request):
+        """The KV sequence (of eng.kv) holding the request's tokens, -1 while it has none
+        (queued, preempted or finished: a finished request's blocks are free again)."""
+        with self._lock:
+            self._check_open()
+            if request.finished or self._loop.requests.get(request.id) is not request:
+                return -1
+            return self._c.export(request.id)["seqs"][0]
+
+    def step(self):
+        """Runs one engine step; returns the number of tokens it ran through the model."""
+        with self._lock:
+            self._check_open()
+            batch_tokens = self._loop.step()
+            if batch_tokens:
+                self.steps += 1
+            return batch_tokens
+
+    def stats(self):
+        with self._lock:
+            self._check_open()
+            return self._c.stats()
+
+    def close(self):
+        """Stops the engine and gives its memory back (once no NumPy view of it is alive).
+        Unfinished requests finish with reason "abort". Later calls raise StateError; closing
+        twice is harmless."""
+        with self._lock:
+            if self._c is None:
+                return
+            self._loop.close("the engine was closed")
+            self._c = None
+            self.worker = None

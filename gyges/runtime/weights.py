@@ -1,0 +1,574 @@
+"""A worker's model weights placed in its arena, with the FFN padded as in Gyges section 4.2.
+
+Replicated tensors (embedding, norms, attention projections, LM head) are packed into runs of
+pages, one run each for the embedding, every layer's attention (its norms, q/k/v/o and biases)
+and the head (final norm, LM head), so that a worker can drop and restore whole layers (a
+pipeline stage keeps its own; KunServe drops replicated ones under memory pressure) and the
+embedding or head; o_proj is stored transposed, (heads * head_dim, hidden), so that the heads of a TP rank
+are a run of rows. The FFN of every layer is cut along the intermediate dimension into `max_tp` shards, and
+each shard of gate, up and down starts on a page boundary with zero padding after it (Gyges
+eq. 2: U' = [U1, 0, U2, 0, ...], D' = [D1; 0; D2; 0; ...]). A worker that joins a TPk group keeps
+the shards it owns and unmaps the others: no byte is copied and the pages go back to the budget
+at once. Down is stored transposed, (intermediate, hidden), so that a shard is a run of rows.
+
+    gate, up: shard s = rows [s*I/max_tp, (s+1)*I/max_tp) of the HF (I, hidden) matrix
+    down:     shard s = the same rows of down.T, i.e. (I/max_tp, hidden)
+
+The padding is never computed on: kernels take each shard's pointer and its true row count, so
+the padded FFN gives exactly the unpadded result. `padding_bytes` reports what it costs.
+"""
+import numpy as np
+
+from .arena import Arena
+from ..models.config import ModelConfig
+from ..core.errors import ArgumentTypeError, InvalidArgumentError, OutOfMemoryError
+from ..models.safetensors import f32_to_bf16
+
+MAX_TP = 8  # GY_MODEL_MAX_TP (csrc/engine/model.h)
+DTYPES = {"f32": (np.float32, 4, 0), "bf16": (np.uint16, 2, 2), "f16": (np.float16, 2, 1)}
+ALIGN = 64  # bytes: one cache line, and the widest vector load
+FFN_KINDS = ("gate", "up", "down")
+
+
+def _round_up(x, to):
+    return -(-x // to) * to
+
+
+def _runs(slots):
+    """(start, length) of each run of consecutive numbers in sorted `slots`."""
+    runs = []
+    for s in slots:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return [tuple(r) for r in runs]
+
+
+def _encode(array, dtype):
+    array = np.asarray(array, dtype=np.float32)
+    if dtype == "bf16":
+        return f32_to_bf16(array)
+    return array.astype(DTYPES[dtype][0])
+
+
+def layer_names(config, i):
+    """HF names of layer i's attention tensors (its run), in storage order."""
+    p = f"model.layers.{i}."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    if config.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
+def replicated_runs(config):
+    """The runs of replicated tensors, in storage order: ("embed", names), (layer, names) for
+    each layer, ("head", names). A tied LM head is the embedding: the head run has the final
+    norm only."""
+    runs = [("embed", ["model.embed_tokens.weight"])]
+    runs += [(i, layer_names(config, i)) for i in range(config.num_hidden_layers)]
+    runs.append(("head", ["model.norm.weight"] +
+                 ([] if config.tie_word_embeddings else ["lm_head.weight"])))
+    return runs
+
+
+def replicated_names(config):
+    """HF names of the tensors every worker holds whole, in storage order."""
+    return [name for _, names in replicated_runs(config) for name in names]
+
+
+def _oriented(name, array):
+    """Tensors as stored: o_proj transposed, the rest as given."""
+    array = np.asarray(array)
+    return array.T if name.endswith("o_proj.weight") else array
+
+
+def _is_matrix(name):
+    # Norms and biases stay fp32 whatever the storage dtype: they are tiny and precision-critical.
+    return name.endswith("proj.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
+
+
+class ModelWeights:
+    """ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True)
+
+    Places the tensors (HF names, float arrays) in `arena` from `first_slot` on. Attributes:
+    offsets[name] = (byte offset in the arena, shape, dtype name); ffn[layer][kind][shard] =
+    (byte offset, rows); runs[key] = (first slot, slots) of each replicated run ("embed", a layer
+    index, "head"); padding_bytes; bytes_total. What the worker holds: `held` (FFN shards),
+    `held_layers`, `has_embed`, `has_head`. pad=False packs each tensor's shards
+    back to back instead (the unpadded reference layout; shards then share pages and cannot be
+    released one by one).
+    """
+
+    def __init__(self, arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True):
+        if not isinstance(arena, Arena):
+            raise ArgumentTypeError("arena must be a gyges.Arena")
+        if not isinstance(config, ModelConfig):
+            raise ArgumentTypeError("config must be a gyges.config.ModelConfig")
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        if not 1 <= max_tp <= MAX_TP:
+            raise InvalidArgumentError(f"max_tp must be in [1, {MAX_TP}], got {max_tp}")
+        if config.intermediate_size % max_tp:
+            raise InvalidArgumentError(f"intermediate_size {config.intermediate_size} is not divisible by "
+                             f"max_tp={max_tp}")
+        self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
+        self._host = tensors  # the host copy, for restoring dropped shards
+        self.page_size = arena.page_size
+        elem = DTYPES[dtype][1]
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.shard_rows = inter // max_tp
+
+        # Replicated tensors: one packed run of pages per run key, each on its own pages.
+        self.offsets = {}
+        self.runs = {}
+        plan = []
+        run_slot = packed = 0
+        for key, names in replicated_runs(config):
+            cursor = 0  # bytes into the run
+            for name in names:
+                if name not in tensors:
+                    raise InvalidArgumentError(f"tensor {name!r} is missing")
+                array = tensors[name]
+                stored = dtype if _is_matrix(name) else "f32"
+                nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
+                plan.append((name, run_slot * self.page_size + cursor, stored))
+                cursor = _round_up(cursor + nbytes, ALIGN)
+            slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
+            self.runs[key] = (first_slot + run_slot, slots)
+            run_slot += slots
+            packed += cursor
+        self.replicated_slots = run_slot
+        self.run_names = dict(replicated_runs(config))
+        shard_bytes = self.shard_rows * hidden * elem
+        self.pad = pad
+        # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
+        tensor_bytes = _round_up(shard_bytes, self.page_size) * max_tp if pad else shard_bytes * max_tp
+        self.tensor_slots = _round_up(tensor_bytes, self.page_size) // self.page_size
+        self.shard_slots = self.tensor_slots // max_tp if pad else None
+        self._check_room(first_slot, self.replicated_slots + self.tensor_slots * 3 *
+                         config.num_hidden_layers)
+        self.first_slot = first_slot
+        base = first_slot * self.page_size
+        arena.grow(first_slot, self.replicated_slots, "weights")
+        for name, offset, stored in plan:
+            array = _oriented(name, tensors[name])
+            self._store(base + offset, array, stored)
+            self.offsets[name] = (base + offset, array.shape, stored)
+        self.replicated_bytes = packed
+
+        # FFN shards: each on its own page-aligned run of slots.
+        self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers
+        self.ffn = []
+        self.ffn_pages = {}  # (layer, kind) -> (first slot, mapped slots) of the tensor
+        slot = first_slot + self.replicated_slots
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}.mlp."
+            mats = {"gate": tensors[p + "gate_proj.weight"], "up": tensors[p + "up_proj.weight"],
+                    "down": np.asarray(tensors[p + "down_proj.weight"]).T}
+            layer = {}
+            for kind in FFN_KINDS:
+                if mats[kind].shape != (inter, hidden):
+                    raise InvalidArgumentError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
+                                     f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
+                shards = []
+                arena.grow(slot, self.tensor_slots, "weights")
+                self.ffn_pages[(i, kind)] = (slot, self.tensor_slots)
+                for s in range(max_tp):
+                    rows = mats[kind][s * self.shard_rows:(s + 1) * self.shard_rows]
+                    offset = (slot * self.page_size + (s * self.shard_slots * self.page_size
+                                                        if pad else s * shard_bytes))
+                    self._store(offset, rows, dtype)
+                    shards.append((offset, self.shard_rows))
+                slot += self.tensor_slots
+                layer[kind] = shards
+            self.ffn.append(layer)
+        self.end_slot = slot
+        self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
+        self.held_layers = set(range(config.num_hidden_layers))
+        self.has_embed = self.has_head = True
+        self._dropped = set()           # (layer, shard) released by a staggered transformation
+        self._restored = set()          # (layer, shard) mapped again by a staggered scale-down
+        self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
+        self.bytes_total = (self.end_slot - first_slot) * self.page_size
+
+    def _check_room(self, first_slot, n_slots, in_place=False):
+        # Checked before anything is placed, so a model that does not fit leaves no pages behind.
+        stats = self.arena.stats()
+        free = stats["budget_bytes"] - stats["bytes_in_use"]
+        if n_slots * self.page_size > free:
+            raise OutOfMemoryError(
+                f"the weights need {n_slots * self.page_size:,} bytes ({n_slots} pages of "
+                f"{self.page_size:,}) but only {free:,} of the arena's {stats['budget_bytes']:,} "
+                f"are free")
+        if not in_place and (first_slot < 0 or first_slot + n_slots > self.arena.n_slots):
+            raise InvalidArgumentError(f"the weights need slots [{first_slot}, {first_slot + n_slots}) but "
+                             f"the arena has {self.arena.n_slots}")
+
+    def _store(self, offset, array, stored):
+        # Through the arena's copy-in path: host memory or device memory alike.
+        self.arena.write(offset, _encode(array, stored))
+
+    def shard_offset(self, layer, kind, shard):
+        """Byte offset of one FFN shard in the arena."""
+        return self.ffn[layer][kind][shard][0]
+
+    def shard_slots_of(self, layer, kind, shard):
+        """The slots a padded shard owns alone (what a TP worker unmaps when it drops it)."""
+        if not self.pad:
+            raise InvalidArgumentError("unpadded shards share pages; they cannot be released one by one")
+        first = self.ffn[layer][kind][shard][0] // self.page_size
+        return range(first, first + self.shard_slots)
+
+    def padding_overhead(self):
+        """Padding bytes as a fraction of the unpadded weights (Gyges Figure 10b: 0 to 14%)."""
+        return self.padding_bytes / self.unpadded_bytes
+
+    def drop_shards(self, keep):
+        """Unmaps and releases the pages of every FFN shard not in `keep` (Gyges scale-up: each
+        worker keeps its own shards; no byte is copied). Returns the bytes given back."""
+        keep = set(keep)
+        if not keep <= self.held:
+            raise InvalidArgumentError(f"cannot keep FFN shards {sorted(keep - self.held)}: not held")
+        before = self.arena.stats()["bytes_in_use"]
+        for layer in sorted(self.held_layers):
+            self.drop_layer_shards(layer, keep)
+        self.finish_layer_drops(keep)
+        return before - self.arena.stats()["bytes_in_use"]
+
+    def bytes_freed_keeping(self, keep):
+        """The bytes drop_shards (padded) or partial_swap (unpadded) would give back."""
+        keep = set(keep) & self.held
+        if self.pad:
+            return len(self.held - keep) * self.shard_slots * self.page_size * 3 * len(self.held_layers)
+        shard_bytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+        used = -(-(len(keep) * shard_bytes) // self.page_size)
+        return sum(max(mapped - used, 0) for _, mapped in self.ffn_pages.values()) * self.page_size
+
+    def partial_swap(self, keep):
+        """The baseline of Gyges section 4.2 for unpadded weights: the shards a worker keeps share
+        pages with the others, so each tensor's kept shards are copied to the front of its pages
+        and the pages past them are released. Returns (bytes copied, bytes released)."""
+        if self.pad:
+            raise InvalidArgumentError("partial_swap is for unpadded weights; padded shards are released "
+                             "page by page (drop_shards)")
+        keep = sorted(set(keep))
+        if not set(keep) <= self.held:
+            raise InvalidArgumentError(f"cannot keep FFN shards {sorted(set(keep) - self.held)}: not held")
+        elem = DTYPES[self.dtype][1]
+        shard_bytes = self.shard_rows * self.config.hidden_size * elem
+        copied = released = 0
+        for layer in sorted(self.held_layers):
+            for kind in FFN_KINDS:
+                shards = self.ffn[layer][kind]
+                base, mapped = self.ffn_pages[(layer, kind)]
+                start = base * self.page_size
+                for i, s in enumerate(keep):  # kept shards to the front, in order
+                    src, rows = shards[s]
+                    dst = start + i * shard_bytes
+                    if src != dst:
+                        self.arena.copy(dst, src, shard_bytes)
+                        copied += shard_bytes
+                    shards[s] = (dst, rows)
+                used = -(-(len(keep) * shard_bytes) // self.page_size)
+                if mapped > used:
+                    self.arena.shrink(base + used, mapped - used)
+                    released += (mapped - used) * self.page_size
+                    self.ffn_pages[(layer, kind)] = (base, used)
+        self.held = set(keep)
+        return copied, released
+
+    def drop_layer_shards(self, layer, keep):
+        """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
+        `held` changes once every layer has been done (finish_layer_drops)."""
+        drop = [shard for shard in sorted(self.held - set(keep)) if (layer, shard) not in self._dropped]
+        slots = sorted(s for shard in drop for kind in FFN_KINDS
+                       for s in self.shard_slots_of(layer, kind, shard))
+        # One call per run of neighbouring slots: each call is one TLB flush of every core
+        # running the serving threads (a layer's gate, up and down shards are neighbours).
+        for start, n in _runs(slots):
+            self.arena.shrink(start, n)
+        self._dropped.update((layer, shard) for shard in drop)
+
+    def finish_layer_drops(self, keep):
+        self.held = set(keep)
+        self._dropped.clear()
+
+    def restore_layer_shards(self, layer, shards, source=None):
+        """restore_shards for one layer (a layer-staggered scale-down); `held` changes once
+        every layer is done (finish_layer_restores). Returns the bytes copied."""
+        copied = 0
+        for shard in sorted(set(shards) - self.held):
+            if (layer, shard) in self._restored:
+                continue
+            peer = source(shard) if source is not None else None
+            runs = [(slots.start, len(slots)) for slots in
+                    (self.shard_slots_of(layer, kind, shard) for kind in FFN_KINDS)]
+            # a shard comes back whole or not at all, so a failed step can be retried
+            copied += self._map_and_fill(runs, lambda: sum(
+                self._fill_shard(layer, kind, shard, peer) for kind in FFN_KINDS))
+            self._restored.add((layer, shard))
+        return copied
+
+    def _fill_shard(self, layer, kind, shard, peer):
+        """Writes one FFN shard (its pages mapped) from the peer ModelWeights or the host copy;
+        returns the bytes written."""
+        offset = self.shard_offset(layer, kind, shard)
+        nbytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+        if peer is not None:
+            one = np.array([offset], dtype=np.uint64)
+            self.arena.copy_runs(peer.arena, one, one, np.array([nbytes], np.uint64))
+        else:
+            mat = self._host[f"model.layers.{layer}.mlp.{kind}_proj.weight"]
+            mat = np.asarray(mat).T if kind == "down" else mat
+            self._store(offset, mat[shard * self.shard_rows:(shard + 1) * self.shard_rows], self.dtype)
+        return nbytes
+
+    def finish_layer_restores(self, shards):
+        self.held |= set(shards)
+        self._restored.clear()
+
+    def restore_shards(self, shards, source=None):
+        """Maps and fills FFN shards again (Gyges scale-down): copied from `source(shard)`, the
+        ModelWeights of a peer worker that holds it (same placement, so same offsets), or from the
+        host copy of the weights when source is None. Returns the bytes copied."""
+        for shard in sorted(set(shards) - self.held):
+            peer = source(shard) if source is not None else None
+            if peer is not None and shard not in peer.held:
+                raise InvalidArgumentError(f"the peer does not hold FFN shard {shard}")
+        copied = sum(self.restore_layer_shards(layer, shards, source)
+                     for layer in sorted(self.held_layers))
+        self.finish_layer_restores(shards)
+        return copied
+
+    # ---- whole layers, the embedding and the head ----
+
+    def _layer_slots(self, layer):
+        """The slots of a layer's attention run and of its held FFN shards (whole tensors when
+        unpadded), as runs of neighbouring slots."""
+        first, n = self.runs[layer]
+        slots = list(range(first, first + n))
+        for kind in FFN_KINDS:
+            if self.pad:
+                slots += [x for shard in sorted(self.held) for x in self.shard_slots_of(layer, kind, shard)]
+            else:
+                base, mapped = self.ffn_pages[(layer, kind)]
+                slots += list(range(base, base + mapped))
+        return _runs(sorted(slots))
+
+    def layer_bytes(self, layer):
+        """What holding one layer costs: its attention run and its held FFN shards."""
+        return sum(n for _, n in self._layer_slots(layer)) * self.page_size
+
+    def drop_layers(self, layers):
+        """Unmaps whole layers (attention run and held FFN shards); returns the bytes freed."""
+        layers = set(layers)
+        if not layers <= self.held_layers:
+            raise InvalidArgumentError(f"cannot drop layers {sorted(layers - self.held_layers)}: "
+                                       f"not held")
+        before = self.arena.stats()["bytes_in_use"]
+        for layer in sorted(layers):
+            for start, n in self._layer_slots(layer):
+                self.arena.shrink(start, n)
+            self.held_layers.discard(layer)
+        return before - self.arena.stats()["bytes_in_use"]
+
+    def _fill(self, names, source):
+        """Writes tensors again: copied from the peer ModelWeights `source` (same placement, same
+        offsets) or from the host copy. Returns the bytes written."""
+        written = 0
+        for name in names:
+            offset, shape, stored = self.offsets[name]
+            nbytes = int(np.prod(shape)) * DTYPES[stored][1]
+            if source is not None:
+                one = np.array([offset], dtype=np.uint64)
+                self.arena.copy_runs(source.arena, one, one, np.array([nbytes], np.uint64))
+            else:
+                self._store(offset, _oriented(name, self._host[name]), stored)
+            written += nbytes
+        return written
+
+    def restore_layers(self, layers, source=None):
+        """Maps and fills whole layers again, from a peer holding them (`source`, its
+        ModelWeights) or from the host copy; the FFN shards restored are the ones held.
+        Returns the bytes copied."""
+        if not self.pad:
+            raise InvalidArgumentError("unpadded weights cannot restore layers (their shards "
+                                       "share pages); place them with pad=True")
+        layers = set(layers) - self.held_layers
+        if source is not None and (not layers <= source.held_layers or not self.held <= source.held):
+            raise InvalidArgumentError(f"the peer does not hold layers {sorted(layers)} with FFN "
+                                       f"shards {sorted(self.held)}")
+        runs = [run for layer in sorted(layers) for run in self._layer_slots(layer)]
+        if runs:
+            self._check_room(self.first_slot, sum(n for _, n in runs), in_place=True)
+
+        def fill():
+            return sum(self._fill(self.run_names[layer], source)
+                       + sum(self._fill_shard(layer, kind, shard, source)
+                             for shard in sorted(self.held) for kind in FFN_KINDS)
+                       for layer in sorted(layers))
+        copied = self._map_and_fill(runs, fill)
+        self.held_layers |= layers
+        return copied
+
+    def _map_and_fill(self, runs, fill):
+        """Maps the slot runs [(start, n), ...], then fill() writes them; all or nothing: when a
+        page or a copy fails, the runs mapped here are released again and the error raised, so a
+        restore that fails leaves the weights as they were. Returns fill()'s result."""
+        mapped = []
+        try:
+            for start, n in runs:
+                self.arena.grow(start, n, "weights")
+                mapped.append((start, n))
+            return fill()
+        except BaseException:
+            for start, n in reversed(mapped):
+                self.arena.shrink(start, n)
+            raise
+
+    def set_ends(self, embed, head, source=None):
+        """Holds the embedding and the head (final norm, LM head) or not: a pipeline's first
+        stage needs the embedding, its last the head (and the embedding, when the LM head is
+        tied to it). Returns the bytes copied to restore what comes back."""
+        changes = [key for key, want, have in (("embed", embed, self.has_embed),
+                                               ("head", head, self.has_head)) if want != have]
+        back = [key for key in changes if (embed if key == "embed" else head)]
+        runs = [self.runs[key] for key in back]
+        if runs:
+            self._check_room(self.first_slot, sum(n for _, n in runs), in_place=True)
+        # What comes back first (all or nothing), then what goes, which cannot fail.
+        copied = self._map_and_fill(runs, lambda: sum(self._fill(self.run_names[key], source)
+                                                      for key in back))
+        for key in changes:
+            if key not in back:
+                self.arena.shrink(*self.runs[key])
+        self.has_embed, self.has_head = bool(embed), bool(head)
+        return copied
+
+    # ---- coming back to an earlier state (a reconfiguration's rollback) ----
+    def _present(self, layer):
+        """The FFN shards layer `layer` has mapped now (a staggered change drops and restores
+        them a layer at a time before `held` says so)."""
+        if layer not in self.held_layers:
+            return set()
+        return ({s for s in self.held if (layer, s) not in self._dropped}
+                | {s for s in range(self.max_tp) if (layer, s) in self._restored})
+
+    def checkpoint(self):
+        """What the weights hold now, for rollback(): the layers, shards and ends (and, unpadded,
+        where each shard sits)."""
+        return {"layers": {layer: self._present(layer) for layer in self.held_layers},
+                "held": set(self.held), "embed": self.has_embed, "head": self.has_head,
+                "packed": None if self.pad else ([{k: list(v) for k, v in layer.items()}
+                                                  for layer in self.ffn], dict(self.ffn_pages))}
+
+    def rollback(self, cp):
+        """Holds exactly what checkpoint() saw again: what was dropped since is mapped and filled
+        from the host copy (the same bytes it had), what was added is unmapped, and unpadded
+        tensors a partial swap packed go back to their places. Raises when a page cannot be
+        had (the caller's rollback then failed)."""
+        if cp["packed"] is not None:
+            return self._unpack(cp)
+        want = cp["layers"]
+        for layer in sorted(set(self.held_layers) - set(want)):  # layers added since
+            self._drop_present(layer)
+        for layer in sorted(want):
+            have = self._present(layer)
+            if layer not in self.held_layers:  # the attention run comes back first
+                first, n = self.runs[layer]
+                self._map_and_fill([(first, n)], lambda: self._fill(self.run_names[layer], None))
+                self.held_layers.add(layer)
+                self._dropped.update((layer, s) for s in self.held)  # none of its shards yet
+                self._restored.difference_update((layer, s) for s in range(self.max_tp))
+                have = set()
+            for shard in sorted(have - want[layer]):
+                for kind in FFN_KINDS:
+                    self.arena.shrink(self.shard_slots_of(layer, kind, shard).start, self.shard_slots)
+            for shard in sorted(want[layer] - have):
+                runs = [(r.start, len(r)) for r in
+                        (self.shard_slots_of(layer, kind, shard) for kind in FFN_KINDS)]
+                self._map_and_fill(runs, lambda: sum(self._fill_shard(layer, kind, shard, None)
+                                                     for kind in FFN_KINDS))
+            # the layer holds want[layer] now; record it against `held` once every layer is done
+            for shard in range(self.max_tp):
+                self._dropped.discard((layer, shard))
+                self._restored.discard((layer, shard))
+        self.held = set(cp["held"])
+        self._dropped = {(layer, s) for layer, shards in want.items()
+                         for s in self.held - shards}
+        self._restored = {(layer, s) for layer, shards in want.items()
+                          for s in shards - self.held}
+        self.set_ends(cp["embed"], cp["head"])
+
+    def _drop_present(self, layer):
+        first, n = self.runs[layer]
+        self.arena.shrink(first, n)
+        for shard in sorted(self._present(layer)):
+            for kind in FFN_KINDS:
+                self.arena.shrink(self.shard_slots_of(layer, kind, shard).start, self.shard_slots)
+        self.held_layers.discard(layer)
+
+    def _unpack(self, cp):
+        """Undoes partial_swap: each tensor's pages mapped again and every shard written back
+        at its place from the host copy."""
+        shards_at, pages = cp["packed"]
+        for (layer, kind), (base, mapped) in sorted(pages.items()):
+            _, now = self.ffn_pages[(layer, kind)]
+            if now < mapped:
+                self._map_and_fill([(base + now, mapped - now)], lambda: 0)
+            self.ffn_pages[(layer, kind)] = (base, mapped)
+            self.ffn[layer][kind] = list(shards_at[layer][kind])
+            for shard in range(self.max_tp):
+                self._fill_shard(layer, kind, shard, None)
+        self.held = set(cp["held"])
+
+    def c_offsets(self, shards=None, pending=False, layers=None):
+        """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
+        the FFN shards given to a subset of those held (default: all held). pending=True gives
+        the offsets of shards not held yet too (a staggered scale-down maps them layer by layer,
+        before the model uses them). `layers` (a set) limits the layers given to those of the ones
+        held (a model of part of what a worker holds)."""
+        shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
+        cfg = self.config
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        out = [self._offset("model.embed_tokens.weight") if self.has_embed else -1,
+               self._offset("model.norm.weight") if self.has_head else -1,
+               self._offset(head) if self.has_head else -1]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            if i not in self.held_layers or (layers is not None and i not in layers):
+                out += [-1] * (9 + 3 * self.max_tp)
+                continue
+            out += [self._offset(p + n) for n in (
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias")]
+            for kind in FFN_KINDS:
+                out += [self.shard_offset(i, kind, s) if s in shards else -1 for s in range(self.max_tp)]
+        return np.array(out, dtype=np.int64)
+
+    def _offset(self, name):
+        return self.offsets[name][0] if name in self.offsets else -1
+
+    def read(self, name):
+        """A tensor read back from the arena as float32 (a copy), as stored (o_proj transposed)."""
+        offset, shape, stored = self.offsets[name]
+        n = int(np.prod(shape))
+        raw = self.arena.read(offset, n * DTYPES[stored][1], dtype=DTYPES[stored][0])
+        if stored == "bf16":
+            return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
+        return raw.astype(np.float32).reshape(shape)
+
+    def read_ffn(self, layer, kind):
+        """The whole (I, hidden) gate/up or down.T matrix, gathered from its shards."""
+        parts = []
+        storage, elem = DTYPES[self.dtype][0], DTYPES[self.dtype][1]
+        for offset, rows in self.ffn[layer][kind]:
+            raw = self.arena.read(offset, rows * self.config.hidden_size * elem, dtype=storage)
+            if self.dtype == "bf16":
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            parts.append(raw.astype(np.float32).reshape(rows, self.config.hidden_size))
+        return np.concatenate(parts)

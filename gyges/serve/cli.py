@@ -1,0 +1,76 @@
+"""The `gyges` command (also `python -m gyges`):
+
+    gyges serve --model smollm2-135m-instruct --workers 3 --layout 3xTP1 --port 8000
+    gyges bench serve --base-url http://127.0.0.1:8000/v1 --trace azure --requests 100
+"""
+import argparse
+import logging
+import sys
+
+
+def _serve(args):
+    from .. import Host, Model
+    from . import Server
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model = Model.load(args.model, dtype=args.dtype)
+    host = Host(model, workers=args.workers, layout=args.layout or f"{args.workers}xTP1",
+                memory_per_worker=args.memory_per_worker, page_size=args.page_size,
+                max_batch_tokens=args.max_batch_tokens,
+                threads_per_worker=args.threads_per_worker)
+    server = Server(host, model_name=args.served_model_name or args.model, port=args.port,
+                    bind=args.host, api_key=args.api_key, enable_admin=args.enable_admin,
+                    max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
+                    log_level="info")
+    logging.getLogger("gyges").info("serving %s on http://%s:%d/v1 (layout %s)", args.model,
+                                    args.host, server.port, host.layout())
+    try:
+        server.run()
+    finally:
+        host.close()
+    return 0
+
+
+def _bench_serve(args):
+    from .bench import main as bench_main
+    return bench_main(args)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="gyges", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="an OpenAI-compatible server over a host of workers")
+    s.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a packaged model name, a .gguf file or an HF checkpoint directory")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--layout", default=None, help="e.g. 3xTP1, TP3 (default: every worker TP1)")
+    s.add_argument("--memory-per-worker", default="1GiB")
+    s.add_argument("--page-size", default="256KiB",
+                   help="arena pages; large ones keep a real model's mappings few")
+    s.add_argument("--threads-per-worker", type=int, default=1)
+    s.add_argument("--max-batch-tokens", type=int, default=512)
+    s.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="every /v1 request must send it as a Bearer token")
+    s.add_argument("--enable-admin", action="store_true",
+                   help="POST /admin/transform (needs --api-key)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-tokens-limit", type=int, default=4096)
+    s.set_defaults(run=_serve)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from .bench import add_arguments
+    bs = bsub.add_parser("serve", help="replay a trace against an OpenAI-compatible endpoint")
+    add_arguments(bs)
+    bs.set_defaults(run=_bench_serve)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
