@@ -1,4 +1,4 @@
-"""KunServe's buddy groups (csrc/sim/buddy.h): which instances drop their replicated parameters
+"""KunServe's buddy groups (csrc/policy/buddy.h): which instances drop their replicated parameters
 together when the cluster runs short of KV memory.
 
     plan = gyges.kunserve.plan(8, required_bytes=5 * P, param_bytes=P)
