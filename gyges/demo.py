@@ -225,7 +225,7 @@ def main():
     host = gyges.Host(model, workers=4, memory_per_worker=MEMORY, layout="4xTP1")
     caps = experiment.capacities(host)
     print(f"   a fresh instance holds {', '.join(f'TP{1 << i} {c * host.block_size:,}' for i, c in enumerate(caps))} "
-          f"tokens of KV; the policies are the simulator's C code (csrc/sim/policy_*.c)")
+          f"tokens of KV; the policies are the simulator's C code (csrc/policy/policy_*.c)")
     del host
     results = compare(trace, model)
     path = Path(os.environ.get("GYGES_DEMO_PNG", OUT))

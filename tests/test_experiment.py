@@ -1,6 +1,6 @@
 """gyges.experiment: the simulator's C policies driving a real gyges.Host (issue 5, sections 3-6).
 
-The policy wrapper is checked on hand-built views against the rules of csrc/sim/policy_*.c; the
+The policy wrapper is checked on hand-built views against the rules of csrc/policy/policy_*.c; the
 replay on small traces (tiny model, 4 CPU workers of 24 MiB: a TP1 instance holds 60 blocks of
 16 tokens, TP2 264, TP4 672) for request accounting, transformations and refusals."""
 import math

@@ -1,4 +1,4 @@
-"""KunServe's buddy-group plans (gyges.kunserve, csrc/sim/buddy.c): Algorithm 1's cases from the
+"""KunServe's buddy-group plans (gyges.kunserve, csrc/policy/buddy.c): Algorithm 1's cases from the
 issue, the memory-greedy variant, an independent reference on random inputs, and refusals."""
 import random
 

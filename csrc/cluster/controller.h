@@ -1,8 +1,9 @@
-/* controller.h: the cluster controller: one policy (sim/policy.h) driving one executor through an
- * ops table, the way sched/batch.h drives its KV backend. The simulator (sim/sim.c: cost models,
- * discrete events) and gyges.experiment (a real gyges.Host, through the Python binding) are the
- * two executors; the controller is the same code for both, so a policy measured at paper scale
- * is the very code that places requests on workers.
+/* controller.h: the cluster controller: one policy (policy/policy.h) driving one executor through
+ * an ops table, the way sched/batch.h drives its KV backend. The simulator (sim/sim.c: cost
+ * models, discrete events) and gyges.experiment (a real gyges.Host, through the Python binding)
+ * are the two executors; the controller is the same code for both, so a policy measured at paper
+ * scale is the very code that places requests on workers. So cluster/ sits between them: it
+ * includes policy/ (below) and nothing of its executors (sim/ and the extension, above).
  *
  * What the controller owns: the policy and its per-run state, the requests waiting at the cluster
  * (deferred, in the order they were deferred, with the group each waits for), the instances the
@@ -48,7 +49,7 @@
 #include <stdint.h>
 
 #include "../core/status.h"
-#include "../sim/policy.h"
+#include "../policy/policy.h"
 
 #ifdef __cplusplus
 extern "C" {

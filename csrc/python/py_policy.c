@@ -1,4 +1,4 @@
-/* py_policy.c: gyges._C.Policy, one of the simulator's cluster policies (sim/policy.h) with its
+/* py_policy.c: gyges._C.Policy, one of the cluster policies (policy/policy.h) with its
  * configuration and per-run state, callable on a view built by hand (gyges.cluster.Policy): how
  * a policy's decisions are tried and tested outside any executor. Both executors run policies
  * through the cluster controller instead (py_cluster.c, cluster/controller.h), which takes its
@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "cluster/controller.h"
-#include "sim/policy.h"
+#include "policy/policy.h"
 
 typedef struct {
     PyObject_HEAD
@@ -307,7 +307,7 @@ static PyType_Slot gy_py_policy_slots[] = {
     {Py_tp_methods, gy_py_policy_methods},
     {Py_tp_getset, gy_py_policy_getset},
     {Py_tp_doc, "Policy(name, decode_weight, scale_down_free, scale_up_cap, merge_wait, "
-                "scale_up_load, eager_scale_up): a cluster policy of csrc/sim/policy.h with its "
+                "scale_up_load, eager_scale_up): a cluster policy of csrc/policy/policy.h with its "
                 "state; use gyges.cluster.Policy, which builds the views."},
     {0, NULL},
 };

@@ -8,10 +8,10 @@
 #include <math.h>
 #include <string.h>
 
-#include "sim/buddy.h"
-#include "sim/cost.h"
-#include "sim/pipeline.h"
-#include "sim/policy.h"
+#include "policy/buddy.h"
+#include "policy/cost.h"
+#include "policy/pipeline.h"
+#include "policy/policy.h"
 #include "sim/sim.h"
 
 typedef struct {

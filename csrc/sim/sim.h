@@ -1,9 +1,11 @@
 /* sim.h: the discrete-event simulator of a cluster whose tensor parallelism changes while it
- * serves. Hosts of GPUs carry instances (aligned groups of GPUs, see policy.h); every instance
- * runs the real batch scheduler (sched/batch.h) over a block counter (instance.h), and a cost
- * model (cost.h) says how long each of its steps takes. The simulator is one executor of the
- * cluster controller (cluster/controller.h): the controller asks the policy (policy.h) where
- * arriving requests go and which transformations start, and the simulator carries them out.
+ * serves. Hosts of GPUs carry instances (aligned groups of GPUs, see policy/policy.h); every
+ * instance runs the real batch scheduler (sched/batch.h) over a block counter (instance.h), and
+ * a cost model (policy/cost.h) says how long each of its steps takes. The simulator is one
+ * executor of the cluster controller (cluster/controller.h): the controller asks the policy
+ * (policy/policy.h) where arriving requests go and which transformations start, and the
+ * simulator carries them out. sim/ is the layer above both: it includes cluster/ and policy/,
+ * and neither of them includes anything from here.
  *
  * Events, in (time, rank, push) order (event_queue.h):
  *   arrival     the next trace request: the policy places, defers or rejects it;
@@ -42,8 +44,8 @@
  *   Nothing moves: the transform records carry no bytes. MERGE and SPLIT are refused there, and
  *   BIND and RELEASE elsewhere.
  * On a pipeline cluster (`pipeline`: PipeLive) every host is one pipeline instance, stage i on
- * the host's GPU i (its kind in the pipeline's stage i), priced and sized by pipeline.h; its one
- * reconfiguration is
+ * the host's GPU i (its kind in the pipeline's stage i), priced and sized by policy/pipeline.h;
+ * its one reconfiguration is
  *   resplit  the pipeline moves to a new split of the layers over the same GPUs (PipeLive's live
  *            in-place reconfiguration). Refused when its KV in use exceeds B_shrink.
  *            phase 0, migration (pipeline.h's bytes over the link): it serves at the old split,
@@ -85,9 +87,9 @@
 #include <stdint.h>
 
 #include "../core/status.h"
-#include "cost.h"
+#include "../policy/cost.h"
 #include "instance.h"
-#include "policy.h"
+#include "../policy/policy.h"
 
 #ifdef __cplusplus
 extern "C" {

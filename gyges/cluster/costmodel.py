@@ -1,7 +1,7 @@
 """Cost models of the simulator: Python computes the parameters, C evaluates them.
 
 A `CostModel` prices one step of one instance and one phase of a parallelism transformation
-(csrc/sim/cost.h states the formulas; `step_time` and `phase_time` below are their float64
+(csrc/policy/cost.h states the formulas; `step_time` and `phase_time` below are their float64
 reference, which the tests compare with the C evaluation). Per TP rank of a TP-`tp` instance:
 
     bytes  = weight_bytes / tp + kv_rank * (kv_read_tokens + n_tokens)
@@ -26,7 +26,7 @@ Presets: GPU specs (A100-40GB, A100-80GB, H20, H100, H200, L40S) and the paper-s
 ModelConfig presets. The efficiency factors default to CALIBRATION: fitted so that Qwen2.5-32B
 on H20 reproduces Gyges Table 1 (benchmarks/bench_sim.py --calibrate redoes the fit).
 
-`PipelineCost` is the pipeline model of csrc/sim/pipeline.h (PipeLive): one GPU per stage, each
+`PipelineCost` is the pipeline model of csrc/policy/pipeline.h (PipeLive): one GPU per stage, each
 of its own kind, the layers split over them; it prices a step (the per-layer pieces of the
 roofline above, summed over the stages, plus the hand-offs over the link), sizes the KV cache
 (PipeLive's MaxBlocks, the least over the stages) and costs a re-split (the moved layers'
@@ -56,7 +56,7 @@ __all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "Pipel
 
 GiB = 1024 ** 3
 
-# Phase kinds, as in csrc/sim/cost.h.
+# Phase kinds, as in csrc/policy/cost.h.
 PHASES = {"weights_drop": 0, "kv_scatter": 1, "weights_gather": 2}
 
 
@@ -311,7 +311,7 @@ class CostModel:
             "transform_slowdown": float(self.transform_slowdown),
         }
 
-    # ---- the float64 reference of csrc/sim/cost.c ----
+    # ---- the float64 reference of csrc/policy/cost.c ----
 
     def step_terms(self, tp, n_tokens, n_samples, kv_read_tokens, attn_pairs):
         """(bytes per rank, FLOPs per rank, communication seconds) of one step."""
@@ -475,7 +475,7 @@ class ConstantCost:
 @dataclass(frozen=True)
 class PipelineCost:
     """A pipeline of one GPU per stage (`gpus`, in stage order, kinds may differ) serving `model`
-    (csrc/sim/pipeline.h has the formulas; the methods below are their float64 reference).
+    (csrc/policy/pipeline.h has the formulas; the methods below are their float64 reference).
 
     Per stage i with L_i layers: budget_i = memory_i * mem_util - activation_i - the stage's
     fixed weights (embedding on the first, final norm and LM head on the last); the KV blocks are
@@ -624,7 +624,7 @@ class PipelineCost:
             "fixed_blocks": int(fixed_blocks),
         }
 
-    # ---- the float64 reference of csrc/sim/pipeline.c ----
+    # ---- the float64 reference of csrc/policy/pipeline.c ----
 
     def check_split(self, layers) -> tuple:
         layers = tuple(int(x) for x in layers)

@@ -1,5 +1,5 @@
 """Replay a request trace against a real gyges.Host under the simulator's cluster policies: one
-controller (csrc/cluster/controller.h, with the policies of csrc/sim/policy_*.c), two executors
+controller (csrc/cluster/controller.h, with the policies of csrc/policy/policy_*.c), two executors
 (gyges.sim's discrete events, and this module's real host).
 
     res = gyges.experiment.run(trace, policy="gyges", host=host, time_scale=0.05)

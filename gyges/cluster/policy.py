@@ -1,4 +1,4 @@
-"""The cluster policies (csrc/sim/policy_*.c) and their controller (csrc/cluster/controller.h),
+"""The cluster policies (csrc/policy/policy_*.c) and their controller (csrc/cluster/controller.h),
 seen from Python: one set of policy names for the simulator and the real host, and the policies
 callable on a hand-built view.
 
@@ -39,7 +39,7 @@ def check_policy(name, error=PolicyError) -> str:
     return name
 
 
-# gy_sim_inst_view and gy_sim_group (csrc/sim/policy.h), field for field.
+# gy_sim_inst_view and gy_sim_group (csrc/policy/policy.h), field for field.
 INST_VIEW_DTYPE = np.dtype([
     ("gpu_first", "i4"), ("tp", "i4"), ("host", "i4"), ("xform", "i4"), ("placeable", "i4"),
     ("held", "i4"), ("reserved", "i4"), ("max_min_tp", "i4"),
@@ -79,7 +79,7 @@ class View:
     watermark: float = 0.0
     now: float = 0.0
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, GROUP_DTYPE))
-    replicated: bool = False  # Flying Serving's cluster: bind / release (csrc/sim/policy.h)
+    replicated: bool = False  # Flying Serving's cluster: bind / release (csrc/policy/policy.h)
     base_tp: int = 1          # replicated: the TP of an unbound instance
 
     @classmethod

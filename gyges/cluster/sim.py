@@ -8,7 +8,7 @@ while they serve (Gyges), driven by a request trace.
 
 Every instance runs the real C batch scheduler (csrc/sched/batch.h) with a block counter as its
 KV cache; a cost model (gyges.costmodel) prices each step and each transformation phase; a
-cluster policy (csrc/sim/policy_*.c) places requests and starts scale-ups and scale-downs. The
+cluster policy (csrc/policy/policy_*.c) places requests and starts scale-ups and scale-downs. The
 event loop is C (csrc/sim/sim.c); this module checks arguments, builds the parameters, runs the
 loop in chunks (a progress line for long runs) and wraps the results (gyges.results).
 
@@ -16,7 +16,7 @@ Policies: "gyges" (Gyges Algorithms 1-2 with AMOEBAs 3.3), "round_robin" and "le
 baselines of Gyges 6.2.4; eager_scale_up=False makes them scale up only when no instance can
 hold a request), "static" (a fixed `layout`, never transforms; requests that fit no instance
 are rejected), "flying" (Flying Serving, weights="replicated"), "pipelive" (pipelines re-split
-as the prefill/decode mix shifts, csrc/sim/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
+as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
 "4xTP1+1xTP4", ... for ONE host, in GPU order; every host starts with it (the dynamic policies
 default to all TP1).
 

@@ -9,11 +9,11 @@
 #include <string.h>
 
 #include "gytest.h"
-#include "sim/buddy.h"
-#include "sim/cost.h"
+#include "policy/buddy.h"
+#include "policy/cost.h"
+#include "policy/policy.h"
 #include "sim/event_queue.h"
 #include "sim/instance.h"
-#include "sim/policy.h"
 #include "sim/sim.h"
 
 /* ---- event queue ---- */

@@ -1,4 +1,4 @@
-/* policy_kunserve.c: KunServe's parameter-centric memory management on a buddy cluster (sim.h):
+/* policy_kunserve.c: KunServe's parameter-centric memory management on a buddy cluster (sim/sim.h):
  * when the KV memory the requests will need runs past what the instances have free, replicas
  * drop parameters into buddy groups (DROP, planned by buddy.h's gy_buddy_plan); when the
  * demand fits the members' own memory again for a while, the groups restore (RESTORE).

@@ -1,7 +1,7 @@
 /* pipeline.h: pipeline instances of the simulator (PipeLive): an ordered tuple of stages, stage i
  * running the next layers[i] layers on one GPU of its own kind (heterogeneous: an A100-80GB then
  * an L40S). One description (gy_sim_pipeline) prices a step, sizes the KV cache and costs a
- * re-split; the simulator (sim.c) and the pipelive policy (policy_pipelive.c) both read it, and
+ * re-split; the simulator (sim/) and the pipelive policy (policy_pipelive.c) both read it, and
  * gyges/costmodel.py's PipelineCost computes its fields and holds the float64 reference.
  *
  * Step of a split (layers[0..n)), for the batch shape of cost.h:
@@ -30,7 +30,7 @@
  * (both layer sets held); then a stop of stop_time at the commit, after which it serves at tgt
  * with capacity(tgt).
  *
- * KunServe's buddy groups (sim.h: a buddy cluster) reuse the description: the first g stages
+ * KunServe's buddy groups (sim/sim.h: a buddy cluster) reuse the description: the first g stages
  * (gy_sim_pipeline_sub) price a group of g instances that keep one copy of the layers, split
  * evenly (gy_sim_pipeline_even), and g = 1 prices one instance with every layer. Their costs:
  *   exchange  (a drop) member k held T_k live tokens of every layer; stage j keeps layers L_j:
@@ -44,8 +44,8 @@
  *             seconds = max_k (n_layers - L_k) W / (link_bw eff_xfer + host_bw);
  *   gather    then member k receives its requests' KV (T_k tokens) of the layers it did not hold:
  *             max_k T_k kv_layer (n_layers - L_k) / (link_bw eff_xfer). */
-#ifndef GY_SIM_PIPELINE_H
-#define GY_SIM_PIPELINE_H
+#ifndef GY_POLICY_PIPELINE_H
+#define GY_POLICY_PIPELINE_H
 
 #include <stdint.h>
 

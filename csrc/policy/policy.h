@@ -3,7 +3,10 @@
  * reserved) and one request, and decides where the request goes and which transformations start.
  * It never touches an executor: it returns a decision that the cluster controller
  * (cluster/controller.h) checks and has its executor (the simulator, or a real host) carry out,
- * so each policy can be tested on hand-built views (tests/c/test_sim.c).
+ * so each policy can be tested on hand-built views (tests/c/test_sim.c). policy/ is the layer
+ * below the controller because both executors run these policies: it includes nothing from
+ * cluster/ or sim/ (the cost models it prices placements by, cost.h and pipeline.h, live here
+ * too).
  *
  * Groups of GPUs are aligned as in Flying Serving's communicator pool: a TP-k instance owns GPUs
  * [g, g + k) with g a multiple of k, inside one host; pairs {0,1},{2,3},..., quartets {0..3},
@@ -21,7 +24,7 @@
  * It changes its split with RESPLIT: the layers that move migrate while it serves at the old
  * split with the intermediate KV budget, then a short stop commits the new split.
  *
- * A buddy cluster (KunServe, sim.h) starts with one full replica per GPU (tp 1 rows, or
+ * A buddy cluster (KunServe, sim/sim.h) starts with one full replica per GPU (tp 1 rows, or
  * pipelines when it starts grouped). DROP makes a run of g of them on one host a buddy group:
  * one pipeline of g one-GPU stages over one shared copy of the layers (the rest of each
  * member's weights become KV room at once); its requests keep running while their KV moves
@@ -35,8 +38,8 @@
  * (policy_kunserve.c: drops parameters into buddy groups under KV pressure, restores after),
  * llumnix (policy_llumnix.c: least-load placement, then live migrations from the instance
  * whose KV demand is highest to the one where it is lowest: KunServe's migration baseline). */
-#ifndef GY_SIM_POLICY_H
-#define GY_SIM_POLICY_H
+#ifndef GY_POLICY_POLICY_H
+#define GY_POLICY_POLICY_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -12,8 +12,8 @@
  *                                    until it reaches R.
  * Groups are contiguous ranges of instances in this implementation: merging the two smallest
  * groups picks adjacent ones among the smallest (so a group is a pipeline of neighbours). */
-#ifndef GY_SIM_BUDDY_H
-#define GY_SIM_BUDDY_H
+#ifndef GY_POLICY_BUDDY_H
+#define GY_POLICY_BUDDY_H
 
 #include <stdint.h>
 

@@ -10,9 +10,13 @@
  * - constant: every non-empty step and every phase takes a fixed time (hand-checked tests).
  *
  * Token counts exclude tokens whose KV a request kept through a transformation: the scheduler
- * recomputes them as a prefill, but the KV is already there, so no work is charged for them. */
-#ifndef GY_SIM_COST_H
-#define GY_SIM_COST_H
+ * recomputes them as a prefill, but the KV is already there, so no work is charged for them.
+ *
+ * It lives in policy/, below cluster/ and sim/, because more than the simulator reads it: the
+ * policies' pipeline model (pipeline.h) prices this batch shape, and gyges.experiment gives a
+ * real host's controller the prefill rates of its cost model. */
+#ifndef GY_POLICY_COST_H
+#define GY_POLICY_COST_H
 
 #include <stdint.h>
 
