@@ -1,75 +1,17 @@
 /* engine.c: the serving loop of one instance: its requests and its step. What the instance runs
  * is its plan, a list of stages (stage.h); the ranks of each stage run on a crew of threads
  * (rank_threads.h). */
-#include "engine.h"
-#include "../kv/kv_patch.h"
-#include "../core/alloc.h"
+#include "engine_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../comm/comm.h"
-#include "../sched/idmap.h"
-#include "../sched/kv_adapter.h"
-#include "rank_threads.h"
-#include "stage.h"
+#include "../core/alloc.h"
+#include "../kv/kv_patch.h"
 
-typedef struct gy_engine_request {
-    int64_t id;
-    int32_t *tokens;      /* (n_tokens) prompt then generated tokens: what a recompute reads */
-    int64_t n_tokens;
-    int64_t capacity;
-    int64_t prompt_len;
-    gy_engine_params params;
-    int32_t *stop_tokens; /* owned copy of params.stop_tokens */
-    char *error;          /* why the engine failed it (finish reason "error"), or NULL */
-} gy_engine_request;
-
-/* Where engine rank i sits in the transformation's stage: group and rank in the group. */
-typedef struct gy_engine_slot {
-    int32_t group, rank;
-} gy_engine_slot;
-
-struct gy_engine {
-    /* Every public call holds it, so callers on several threads take turns (engine.h). */
-    pthread_mutex_t api;
-    const gy_model *model;       /* the first rank's: the shapes every rank shares */
-    int64_t max_running;         /* bounds what one step can change (its undo record) */
-    /* The plan, in the order a step runs it. `main` is the stage of the engine's own group (what
-     * requests move in and out of); `transition` the stage a layer-staggered transformation
-     * added (-1 when none runs), whose ranks are indexed by engine rank through `slots`. */
-    gy_stage stages[GY_ENGINE_MAX_STAGES];
-    int32_t n_stages;
-    int32_t main;
-    int32_t transition;
-    int groups_last;             /* the transformation's groups run the upper layers */
-    gy_engine_slot slots[GY_MODEL_MAX_TP];
-    gy_rank_threads crew;
-    gy_sched *sched;
-    gy_idmap requests;           /* id -> gy_engine_request * */
-    /* This step: the rows every stage reads, which stage computes the logits, and how each
-     * thread's ranks fared (the first failure wins). */
-    gy_step_rows rows;
-    int32_t last_stage;
-    int32_t n_live_stages;       /* non-empty stages: more than one hands over between them */
-    int step_failed;             /* set atomically by a failing thread */
-    gy_status status[GY_RANK_THREADS_MAX];
-    char error[GY_RANK_THREADS_MAX][512];
-    /* Per-step scratch, grown on demand. */
-    int64_t cap_tokens, cap_entries;
-    int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
-    int64_t *sample_index, *sampled_ids, *finished;
-    gy_sampler_params *sample_params;
-    uint8_t *stop;               /* (entries) gy_sched_end of each entry */
-    uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
-    float *logits;               /* (entries, vocab) */
-    float *x;                    /* (tokens, hidden) the hidden states between stages */
-    /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
-    int64_t remote_calls, remote_token_layers;
-};
-
-static gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
+gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
 
 /* ---- KV on demand, on every rank of the plan ---- */
 
@@ -99,15 +41,13 @@ static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens)
 }
 
 /* Every adapter of the plan, stage after stage. */
-static int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
+int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
     int32_t n = 0;
     for (int32_t s = 0; s < e->n_stages; s++)
         for (int32_t k = 0; k < e->stages[s].n_ranks; k++)
             out[n++] = gy_stage_rank_at(&e->stages[s], k, NULL)->adapter;
     return n;
 }
-
-#define GY_ENGINE_MAX_ADAPTERS (GY_ENGINE_MAX_STAGES * GY_STAGE_MAX_RANKS)
 
 static gy_status gy_engine_reserve_all(gy_engine *e, int64_t req, int64_t n_tokens, int64_t need) {
     for (int32_t s = 0; s < e->n_stages; s++) {
@@ -296,7 +236,7 @@ static void gy_engine_return_streams(gy_engine *e) {
 /* What a plan must be before any of it is built: stages covering [0, L) in order, each a TP
  * group of ranks with models of one shape and caches of one block size, each group's
  * communicator fitting its ranks. */
-static gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
+gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
     if (n_stages < 1 || n_stages > GY_ENGINE_MAX_STAGES)
         return GY_FAIL(GY_ERR_INVALID, "a plan has 1 to %d stages, got %d", GY_ENGINE_MAX_STAGES,
                        (int)n_stages);
@@ -428,7 +368,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     return gy_engine_init_plan(out, &stage, 1, config);
 }
 
-static void gy_engine_request_free(gy_engine_request *r) {
+void gy_engine_request_free(gy_engine_request *r) {
     if (r == NULL) return;
     free(r->tokens);
     free(r->stop_tokens);
@@ -436,7 +376,7 @@ static void gy_engine_request_free(gy_engine_request *r) {
     free(r);
 }
 
-static gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
+gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
     int64_t value;
     return gy_idmap_get(&e->requests, id, &value) ? (gy_engine_request *)(intptr_t)value : NULL;
 }
@@ -664,7 +604,7 @@ static gy_status gy_engine_transition_seq_locked(const gy_engine *e, int64_t id,
     return GY_OK;
 }
 
-static void gy_engine_detach_stage(gy_stage *st) {
+void gy_engine_detach_stage(gy_stage *st) {
     for (int32_t k = 0; k < st->n_ranks; k++)
         gy_sched_kv_adapter_detach_all(gy_stage_rank_at(st, k, NULL)->adapter);
 }
@@ -718,7 +658,7 @@ static int64_t gy_engine_request_ids_locked(const gy_engine *e, int64_t *ids, in
     return n;
 }
 
-static gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
+gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
     const gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     GY_TRY(gy_sched_info_get(e->sched, id, &out->info));
@@ -741,9 +681,9 @@ static int32_t gy_engine_adoption_ranks(gy_engine *e, gy_sched_kv_adapter **out)
     return grp->size;
 }
 
-static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
-                          int64_t prompt_len, const gy_engine_params *params,
-                          const gy_sched_info *info, const int64_t *seqs) {
+gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                                 int64_t prompt_len, const gy_engine_params *params,
+                                 const gy_sched_info *info, const int64_t *seqs) {
     if (e == NULL || tokens == NULL || params == NULL || info == NULL || seqs == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_adopt: NULL argument");
     if (n_tokens < prompt_len || n_tokens - prompt_len != info->n_generated)
