@@ -153,37 +153,6 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
  * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
 gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
 
-/* ---- layer-staggered transformation (Gyges 4.3) ----
- * While one runs, layers [0, boundary) still run in the old groups (each on the rows of the
- * requests it holds), with the workers' old models and KV caches; layers [boundary, L) run in
- * this engine's group. The caller moves the boundary down a few layers at a time (reversed: the
- * last layer first), moving each layer's KV from the old caches to the new ones in between. */
-typedef struct gy_engine_old_group {
-    int32_t size;
-    int32_t ranks[GY_MODEL_MAX_TP]; /* engine ranks, in the order of their rank in the old group */
-    struct gy_comm *comm;           /* of that size; NULL for one rank */
-} gy_engine_old_group;
-
-/* old_ranks[i]: engine rank i's model and KV cache in its group (borrowed). Starts with
- * boundary L. groups_last = 0 (scale-up): the groups are the old configuration and run layers
- * [0, boundary). groups_last = 1 (scale-down): the groups are the new configuration and run
- * [boundary, L) on their own rows, their rank 0 computing those rows' logits. */
-gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups,
-                                     int groups_last);
-/* Forgets the groups' KV sequences without freeing them (a scale-down keeps them). */
-void gy_engine_transition_detach(gy_engine *e);
-/* Records where an adopted request's KV lives in its old group: old_seqs[k] on the group's
- * rank k. */
-gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs);
-gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary);
-/* The request's group and its old KV sequence on engine rank `rank` (-1 when none). */
-gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
-                                   int64_t *seq);
-/* Ends it (the boundary must be 0): the old sequences are freed. */
-gy_status gy_engine_transition_end(gy_engine *e);
-int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs */
-
 /* ---- live pipeline re-split (PipeLive; gyges/pipelive.py drives it) ---- */
 
 struct gy_kv_dirty;
