@@ -153,21 +153,6 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
  * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
 gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
 
-/* ---- live pipeline re-split (PipeLive; gyges/pipelive.py drives it) ---- */
-
-struct gy_kv_dirty;
-/* From the next step on, every step marks the KV slots it wrote on rank `rank` of stage `stage`
- * in `d` (borrowed; NULL stops). Only for stages of one group. */
-gy_status gy_engine_set_dirty(gy_engine *e, int32_t stage, int32_t rank, struct gy_kv_dirty *d);
-/* For every request holding KV on rank `rank` of both stages, copies its tokens in model layers
- * [first_layer, end_layer) from src_stage's cache to dst_stage's (gy_kv_copy_tokens): all its
- * blocks, or with `dirty` (a taken bitmap of dirty_slots over the source's slots) only those
- * slots. *copied gets the token slots copied. Both caches must hold the layers. */
-gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_stage, int32_t rank,
-                                int64_t first_layer, int64_t end_layer, const uint64_t *dirty,
-                                int64_t dirty_slots, int64_t *copied);
-/* The KV sequence of request `id` on rank `rank` of stage `stage` (-1 when it holds none). */
-int64_t gy_engine_stage_seq(gy_engine *e, int32_t stage, int32_t rank, int64_t id);
 /* KunServe's remote attention (forward.h): from the next step on, request `id`'s attention in
  * model layers [first_layer, end_layer) of stage `stage` runs on the ranks of stage `src_stage`
  * (rank k on rank k), over its sequence there, whose cache must hold those layers; an empty range
@@ -180,11 +165,6 @@ gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t 
 /* Remote attention so far: calls (one per request, stage rank and layer in a step) and
  * token-layers (the rows those calls carried). */
 void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers);
-/* Switches the plan between two steps: the same stages, ranks and KV caches (every request keeps
- * its sequences), new layer ranges and models, checked as gy_engine_init_plan checks a plan.
- * Refused, changing nothing, during a layer-staggered transformation or when a rank's cache is
- * not the one it has. */
-gy_status gy_engine_replan(gy_engine *e, const gy_engine_stage *stages, int32_t n_stages);
 
 /* A request's scheduler record and, when it finished with reason "error", why (copied into
  * `error`, "" otherwise; may be NULL). */

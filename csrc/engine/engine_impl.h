@@ -96,4 +96,10 @@ gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens
                                  int64_t prompt_len, const gy_engine_params *params,
                                  const gy_sched_info *info, const int64_t *seqs);
 
+/* ---- resplit.c ---- */
+
+/* Marks the slots the step wrote on every rank whose KV is being patched elsewhere
+ * (gy_engine_set_dirty); called after the forward pass. */
+gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b);
+
 #endif
