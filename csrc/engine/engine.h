@@ -153,19 +153,6 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
  * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
 gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
 
-/* KunServe's remote attention (forward.h): from the next step on, request `id`'s attention in
- * model layers [first_layer, end_layer) of stage `stage` runs on the ranks of stage `src_stage`
- * (rank k on rank k), over its sequence there, whose cache must hold those layers; an empty range
- * ends it. Both stages have one group, of the same size; the CPU backend only (a step fails
- * otherwise). A buddy group's exchange sets it for the requests whose KV has not moved yet and
- * narrows it as layers arrive. Forgotten when the request leaves the engine; re-plans are
- * refused while any is set. */
-gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,
-                               int64_t first_layer, int64_t end_layer);
-/* Remote attention so far: calls (one per request, stage rank and layer in a step) and
- * token-layers (the rows those calls carried). */
-void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers);
-
 /* A request's scheduler record and, when it finished with reason "error", why (copied into
  * `error`, "" otherwise; may be NULL). */
 gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);

@@ -102,4 +102,11 @@ gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens
  * (gy_engine_set_dirty); called after the forward pass. */
 gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b);
 
+/* ---- remote.c ---- */
+
+/* A request leaving the engine attends nowhere else any more: its remote ranges go. */
+void gy_engine_forget_remote(gy_engine *e, int64_t id);
+/* Adds the step's remote attention to the engine's counts (gy_engine_remote_stats). */
+void gy_engine_count_remote(gy_engine *e);
+
 #endif
