@@ -489,18 +489,7 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
     pthread_mutex_unlock(&e->api);
 }
 
-void gy_engine_hold(gy_engine *e, int held) {
-    pthread_mutex_lock(&e->api);
-    gy_sched_hold(e->sched, held);
-    pthread_mutex_unlock(&e->api);
-}
-
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
-
-static void gy_engine_detach_kv_locked(gy_engine *e) {
-    for (int32_t s = 0; s < e->n_stages; s++)
-        if (e->stages[s].owned) gy_engine_detach_stage(&e->stages[s]);
-}
 
 /* ---- moving requests between instances ---- */
 
@@ -879,13 +868,6 @@ gy_status gy_engine_release(gy_engine *e, int64_t id) {
     return s;
 }
 
-void gy_engine_detach_kv(gy_engine *e) {
-    if (e == NULL) return;
-    pthread_mutex_lock(&e->api);
-    gy_engine_detach_kv_locked(e);
-    pthread_mutex_unlock(&e->api);
-}
-
 int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity) {
     pthread_mutex_lock(&((gy_engine *)e)->api);
     const int64_t n = gy_engine_request_ids_locked(e, ids, capacity);
@@ -898,46 +880,6 @@ gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_reques
     pthread_mutex_lock(&((gy_engine *)e)->api);
     const gy_status s = gy_engine_request_get_locked(e, id, out);
     pthread_mutex_unlock(&((gy_engine *)e)->api);
-    return s;
-}
-
-/* src lets go of a request dst has adopted: its KV sequences are forgotten on every rank (so the
- * abort releases nothing), then its record goes. */
-static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
-    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
-    const int32_t n = gy_engine_adapters(src, adapters);
-    for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_forget(adapters[i], id);
-    for (int32_t s = 0; s < src->n_stages; s++) gy_stage_unhome(&src->stages[s], id);
-    gy_engine_forget_remote(src, id);
-    if (gy_sched_release(src->sched, id) != GY_OK) gy_error_clear(); /* checked by the caller */
-    gy_engine_request *r = gy_engine_find(src, id);
-    gy_idmap_remove(&src->requests, id);
-    gy_engine_request_free(r);
-}
-
-gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs) {
-    if (dst == NULL || src == NULL || seqs == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: NULL argument");
-    if (dst == src) return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: an engine cannot take from itself");
-    /* Two locks, always in the same order, so two takes in opposite directions cannot deadlock. */
-    pthread_mutex_t *first = (uintptr_t)dst < (uintptr_t)src ? &dst->api : &src->api;
-    pthread_mutex_t *second = first == &dst->api ? &src->api : &dst->api;
-    pthread_mutex_lock(first);
-    pthread_mutex_lock(second);
-    gy_status s = GY_OK;
-    gy_engine_request_view v;
-    if (src->transition >= 0 || dst->transition >= 0)
-        s = GY_FAIL(GY_ERR_BUSY, "requests do not move in or out during a layer-staggered "
-                                 "transformation");
-    if (s == GY_OK) s = gy_engine_request_get_locked(src, id, &v);
-    if (s == GY_OK && v.info.state == GY_SCHED_STATE_FINISHED)
-        s = GY_FAIL(GY_ERR_STATE, "request %lld has finished; there is nothing to move", (long long)id);
-    if (s == GY_OK)
-        s = gy_engine_adopt_locked(dst, id, v.tokens, v.n_tokens, v.prompt_len, &v.params, &v.info,
-                                   seqs);
-    if (s == GY_OK) gy_engine_let_go_locked(src, id);
-    pthread_mutex_unlock(second);
-    pthread_mutex_unlock(first);
     return s;
 }
 

@@ -119,7 +119,8 @@ gy_status gy_engine_release(gy_engine *e, int64_t id);
  * run returns n_batch_tokens == 0. */
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out);
 
-/* ---- moving requests between instances (live transformation) ---- */
+/* ---- moving requests between instances (live transformation; gy_engine_take, handover.h,
+ * moves one whole) ---- */
 
 /* What a transformation needs to know of a request. */
 typedef struct gy_engine_request_view {
@@ -142,27 +143,11 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs);
 
-/* Moves request `id` from `src` to `dst` with everything it has, in C: its tokens, parameters,
- * progress and timings (sampling is keyed by (seed, token index), so it goes on where it was),
- * and its KV: seqs[r] is the sequence already holding it in rank r of dst's one-stage plan, or
- * of a pipeline's ranks counted stage after stage (-1 for none: a queued request, or one to
- * recompute). src lets go of the request and of its KV
- * sequences without freeing them (they are dst's now, or their caches' owner's); its stats
- * count it as aborted. Refused with both engines unchanged when src has no such unfinished
- * request or dst cannot take it (an id in use, a full running set, a sequence that does not
- * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
-gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
-
 /* A request's scheduler record and, when it finished with reason "error", why (copied into
  * `error`, "" otherwise; may be NULL). */
 gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);
 void gy_engine_stats(gy_engine *e, gy_sched_stats *out);
-/* held != 0: the engine admits nothing new (queued requests wait) until released (batch.h). */
-void gy_engine_hold(gy_engine *e, int held);
 int32_t gy_engine_n_ranks(const gy_engine *e);
-/* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
- * leaves them in the caches (a layer-staggered transformation keeps reading them). */
-void gy_engine_detach_kv(gy_engine *e);
 /* Blocks the whole budget could hold (what the submit-time check uses). */
 int64_t gy_engine_capacity_blocks(const gy_engine *e);
 

@@ -7,6 +7,7 @@
 #include "comm/comm.h"
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
+#include "engine/handover.h"
 #include "engine/remote.h"
 #include "engine/resplit.h"
 #include "gytest.h"
