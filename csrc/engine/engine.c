@@ -1,6 +1,9 @@
 /* engine.c: the serving loop of one instance: its requests and its step. What the instance runs
  * is its plan, a list of stages (stage.h); the ranks of each stage run on a crew of threads
- * (rank_threads.h). */
+ * (rank_threads.h). The engine's other jobs work on the same struct (engine_impl.h), each in its
+ * own file: the layer-staggered transformation (transition.c), PipeLive's re-split
+ * (resplit.c), KunServe's remote attention (remote.c) and handing requests over to other
+ * engines (handover.c). */
 #include "engine_impl.h"
 
 #include <stdio.h>
@@ -491,7 +494,7 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
 
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
 
-/* ---- moving requests between instances ---- */
+/* ---- a request's whole state, out and in (gy_engine_take moves one: handover.c) ---- */
 
 static int64_t gy_engine_request_ids_locked(const gy_engine *e, int64_t *ids, int64_t capacity) {
     int64_t n = 0;
@@ -668,10 +671,6 @@ static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
 
 /* ---- the step's undo (a step that fails takes everything back) ---- */
 
-/* Marks every KV adapter and remembers each cache's pages, so that a failed step can take back
- * what its scheduler reserved and released, and unmap what it grew. */
-/* ---- the step's undo (a step that fails takes everything back) ---- */
-
 /* Marks every KV adapter and remembers the pages of each owned cache, so that a failed step can
  * take back what its scheduler reserved and released, and unmap what it grew. */
 static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
@@ -833,6 +832,8 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
     return GY_OK;
 }
 
+/* ---- the public calls: each holds the engine's lock (engine.h) ---- */
+
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
     pthread_mutex_lock(&e->api);
@@ -840,8 +841,6 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     pthread_mutex_unlock(&e->api);
     return s;
 }
-
-/* ---- the public calls: each holds the engine's lock (engine.h) ---- */
 
 gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
                         const gy_engine_params *p, double arrival) {

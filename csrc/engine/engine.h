@@ -22,7 +22,13 @@
  * rank's block tables are as before it (gy_sched_cancel, gy_kv_mark), the KV pages it mapped are
  * unmapped again, and the same step can be tried again. A request whose logits are not numbers
  * (NaN or +inf: an overflow in the weights or activations) fails alone: it finishes with reason
- * "error" and the sampler's message (gy_engine_info), and the step goes on for the others. */
+ * "error" and the sampler's message (gy_engine_info), and the step goes on for the others.
+ *
+ * This header is the core: life cycle, requests, the step, and a request's state for whoever
+ * moves it. The engine's other jobs have headers of their own: transition.h (the layer-staggered
+ * transformation), resplit.h (PipeLive's live re-split of a pipeline), remote.h (KunServe's
+ * remote attention) and handover.h (holding admission, taking a request from another engine,
+ * detaching KV). */
 #ifndef GY_ENGINE_ENGINE_H
 #define GY_ENGINE_ENGINE_H
 
@@ -119,8 +125,8 @@ gy_status gy_engine_release(gy_engine *e, int64_t id);
  * run returns n_batch_tokens == 0. */
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out);
 
-/* ---- moving requests between instances (live transformation; gy_engine_take, handover.h,
- * moves one whole) ---- */
+/* ---- a request's whole state, out and in (moving requests between instances; gy_engine_take,
+ * handover.h, moves one in a single call) ---- */
 
 /* What a transformation needs to know of a request. */
 typedef struct gy_engine_request_view {
