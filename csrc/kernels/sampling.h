@@ -4,7 +4,7 @@
 #ifndef GY_KERNELS_SAMPLING_H
 #define GY_KERNELS_SAMPLING_H
 
-#include "../cpu/dtype.h"
+#include "../core/dtype.h"
 #include "../sched/sampler.h"
 #include "device.h"
 
