@@ -5,7 +5,7 @@
 #define GY_KERNELS_SAMPLING_H
 
 #include "../core/dtype.h"
-#include "../sched/sampler.h"
+#include "../core/sampler_params.h"
 #include "device.h"
 
 #ifdef __cplusplus
