@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-#include "dtype.h"
+#include "../core/dtype.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -43,7 +43,7 @@
 
 #include <stdint.h>
 
-#include "dtype.h"
+#include "../core/dtype.h"
 #include "threadpool.h"
 
 #ifdef __cplusplus

@@ -5,7 +5,7 @@
 #ifndef GY_CPU_SIMD_H
 #define GY_CPU_SIMD_H
 
-#include "dtype.h"
+#include "../core/dtype.h"
 #include "isa.h"
 #include "vexp.h"
 

@@ -1,75 +1,19 @@
 /* engine.c: the serving loop of one instance: its requests and its step. What the instance runs
  * is its plan, a list of stages (stage.h); the ranks of each stage run on a crew of threads
- * (rank_threads.h). */
-#include "engine.h"
-#include "../kv/kv_patch.h"
-#include "../core/alloc.h"
+ * (rank_threads.h). The engine's other jobs work on the same struct (engine_impl.h), each in its
+ * own file: the layer-staggered transformation (transition.c), PipeLive's re-split
+ * (resplit.c), KunServe's remote attention (remote.c) and handing requests over to other
+ * engines (handover.c). */
+#include "engine_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../comm/comm.h"
-#include "../sched/idmap.h"
-#include "../sched/kv_adapter.h"
-#include "rank_threads.h"
-#include "stage.h"
+#include "../core/alloc.h"
 
-typedef struct gy_engine_request {
-    int64_t id;
-    int32_t *tokens;      /* (n_tokens) prompt then generated tokens: what a recompute reads */
-    int64_t n_tokens;
-    int64_t capacity;
-    int64_t prompt_len;
-    gy_engine_params params;
-    int32_t *stop_tokens; /* owned copy of params.stop_tokens */
-    char *error;          /* why the engine failed it (finish reason "error"), or NULL */
-} gy_engine_request;
-
-/* Where engine rank i sits in the transformation's stage: group and rank in the group. */
-typedef struct gy_engine_slot {
-    int32_t group, rank;
-} gy_engine_slot;
-
-struct gy_engine {
-    /* Every public call holds it, so callers on several threads take turns (engine.h). */
-    pthread_mutex_t api;
-    const gy_model *model;       /* the first rank's: the shapes every rank shares */
-    int64_t max_running;         /* bounds what one step can change (its undo record) */
-    /* The plan, in the order a step runs it. `main` is the stage of the engine's own group (what
-     * requests move in and out of); `transition` the stage a layer-staggered transformation
-     * added (-1 when none runs), whose ranks are indexed by engine rank through `slots`. */
-    gy_stage stages[GY_ENGINE_MAX_STAGES];
-    int32_t n_stages;
-    int32_t main;
-    int32_t transition;
-    int groups_last;             /* the transformation's groups run the upper layers */
-    gy_engine_slot slots[GY_MODEL_MAX_TP];
-    gy_rank_threads crew;
-    gy_sched *sched;
-    gy_idmap requests;           /* id -> gy_engine_request * */
-    /* This step: the rows every stage reads, which stage computes the logits, and how each
-     * thread's ranks fared (the first failure wins). */
-    gy_step_rows rows;
-    int32_t last_stage;
-    int32_t n_live_stages;       /* non-empty stages: more than one hands over between them */
-    int step_failed;             /* set atomically by a failing thread */
-    gy_status status[GY_RANK_THREADS_MAX];
-    char error[GY_RANK_THREADS_MAX][512];
-    /* Per-step scratch, grown on demand. */
-    int64_t cap_tokens, cap_entries;
-    int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
-    int64_t *sample_index, *sampled_ids, *finished;
-    gy_sampler_params *sample_params;
-    uint8_t *stop;               /* (entries) gy_sched_end of each entry */
-    uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
-    float *logits;               /* (entries, vocab) */
-    float *x;                    /* (tokens, hidden) the hidden states between stages */
-    /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
-    int64_t remote_calls, remote_token_layers;
-};
-
-static gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
+gy_stage *gy_engine_main(gy_engine *e) { return &e->stages[e->main]; }
 
 /* ---- KV on demand, on every rank of the plan ---- */
 
@@ -99,15 +43,13 @@ static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens)
 }
 
 /* Every adapter of the plan, stage after stage. */
-static int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
+int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out) {
     int32_t n = 0;
     for (int32_t s = 0; s < e->n_stages; s++)
         for (int32_t k = 0; k < e->stages[s].n_ranks; k++)
             out[n++] = gy_stage_rank_at(&e->stages[s], k, NULL)->adapter;
     return n;
 }
-
-#define GY_ENGINE_MAX_ADAPTERS (GY_ENGINE_MAX_STAGES * GY_STAGE_MAX_RANKS)
 
 static gy_status gy_engine_reserve_all(gy_engine *e, int64_t req, int64_t n_tokens, int64_t need) {
     for (int32_t s = 0; s < e->n_stages; s++) {
@@ -151,6 +93,13 @@ static void gy_engine_release_kv(void *ctx, int64_t req) {
             st->groups[g].ranks[k].inner.release(st->groups[g].ranks[k].inner.ctx, req);
         gy_stage_unhome(st, req);
     }
+}
+
+/* The stage's requests keep their KV where it is, with its new owner (a transformation's old
+ * groups, another engine): the adapters forget their sequences without freeing them. */
+void gy_engine_detach_stage(gy_stage *st) {
+    for (int32_t k = 0; k < st->n_ranks; k++)
+        gy_sched_kv_adapter_detach_all(gy_stage_rank_at(st, k, NULL)->adapter);
 }
 
 /* Blocks every request could get: the least any owned one-group stage could hold. */
@@ -296,7 +245,7 @@ static void gy_engine_return_streams(gy_engine *e) {
 /* What a plan must be before any of it is built: stages covering [0, L) in order, each a TP
  * group of ranks with models of one shape and caches of one block size, each group's
  * communicator fitting its ranks. */
-static gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
+gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
     if (n_stages < 1 || n_stages > GY_ENGINE_MAX_STAGES)
         return GY_FAIL(GY_ERR_INVALID, "a plan has 1 to %d stages, got %d", GY_ENGINE_MAX_STAGES,
                        (int)n_stages);
@@ -428,7 +377,7 @@ gy_status gy_engine_init(gy_engine **out, const gy_engine_rank *ranks, int32_t n
     return gy_engine_init_plan(out, &stage, 1, config);
 }
 
-static void gy_engine_request_free(gy_engine_request *r) {
+void gy_engine_request_free(gy_engine_request *r) {
     if (r == NULL) return;
     free(r->tokens);
     free(r->stop_tokens);
@@ -436,7 +385,7 @@ static void gy_engine_request_free(gy_engine_request *r) {
     free(r);
 }
 
-static gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
+gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id) {
     int64_t value;
     return gy_idmap_get(&e->requests, id, &value) ? (gy_engine_request *)(intptr_t)value : NULL;
 }
@@ -516,12 +465,6 @@ static gy_status gy_engine_abort_locked(gy_engine *e, int64_t id) {
     return gy_sched_abort(e->sched, id);
 }
 
-/* A request leaving the engine attends nowhere else any more. */
-static void gy_engine_forget_remote(gy_engine *e, int64_t id) {
-    for (int32_t s = 0; s < e->n_stages; s++)
-        (void)gy_stage_set_remote(&e->stages[s], id, NULL, 0, 0); /* a removal cannot fail */
-}
-
 static gy_status gy_engine_release_locked(gy_engine *e, int64_t id) {
     gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
@@ -549,168 +492,9 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
     pthread_mutex_unlock(&e->api);
 }
 
-void gy_engine_hold(gy_engine *e, int held) {
-    pthread_mutex_lock(&e->api);
-    gy_sched_hold(e->sched, held);
-    pthread_mutex_unlock(&e->api);
-}
-
-/* ---- layer-staggered transformation: a second stage over the same workers ---- */
-
-/* The boundary is where the lower of the two stages ends. */
-int64_t gy_engine_transition_boundary(const gy_engine *e) {
-    pthread_mutex_lock((pthread_mutex_t *)&e->api);
-    const int64_t b = e->transition >= 0 ? e->stages[0].end : -1;
-    pthread_mutex_unlock((pthread_mutex_t *)&e->api);
-    return b;
-}
-
-static gy_status gy_engine_transition_begin_locked(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups,
-                                     int groups_last) {
-    if (e == NULL || old_ranks == NULL || groups == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "gy_engine_transition_begin: NULL argument");
-    if (e->transition >= 0) return GY_FAIL(GY_ERR_BUSY, "a transformation is already under way");
-    if (e->n_stages != 1)
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "layer-staggered transformations start from a plan of one stage, this "
-                       "engine has %d", (int)e->n_stages);
-    gy_stage *main = gy_engine_main(e);
-    const int32_t n_ranks = main->n_ranks;
-    if (n_groups < 1 || n_groups > n_ranks)
-        return GY_FAIL(GY_ERR_INVALID, "%d old groups for %d ranks", (int)n_groups, (int)n_ranks);
-    int seen[GY_MODEL_MAX_TP] = {0};
-    for (int32_t g = 0; g < n_groups; g++) {
-        if (groups[g].size < 1 || (groups[g].size > 1 && groups[g].comm == NULL))
-            return GY_FAIL(GY_ERR_INVALID, "old group %d needs a size and a communicator", (int)g);
-        for (int32_t k = 0; k < groups[g].size; k++) {
-            const int32_t r = groups[g].ranks[k];
-            if (r < 0 || r >= n_ranks || seen[r]++)
-                return GY_FAIL(GY_ERR_INVALID, "old groups must cover every rank once (rank %d)", (int)r);
-        }
-    }
-    for (int32_t i = 0; i < n_ranks; i++)
-        if (!seen[i] || old_ranks[i].model == NULL || old_ranks[i].kv == NULL)
-            return GY_FAIL(GY_ERR_INVALID, "rank %d has no old group, model or KV cache", (int)i);
-    /* The boundary's hidden states are handed over in host memory between the two stages. */
-    for (int32_t i = 0; i < n_ranks; i++)
-        if (main->groups[0].ranks[i].r.model->backend != GY_MODEL_BACKEND_CPU ||
-            old_ranks[i].model->backend != GY_MODEL_BACKEND_CPU)
-            return GY_FAIL(GY_ERR_UNAVAILABLE,
-                           "layer-staggered transformations run on the CPU backend only");
-    gy_engine_rank members[GY_MODEL_MAX_TP][GY_MODEL_MAX_TP];
-    gy_stage_group_spec specs[GY_MODEL_MAX_TP];
-    for (int32_t g = 0; g < n_groups; g++) {
-        for (int32_t k = 0; k < groups[g].size; k++) {
-            members[g][k] = old_ranks[groups[g].ranks[k]];
-            e->slots[groups[g].ranks[k]] = (gy_engine_slot){.group = g, .rank = k};
-        }
-        specs[g] = (gy_stage_group_spec){.size = groups[g].size, .ranks = members[g],
-                                         .comm = groups[g].comm};
-    }
-    /* Starts with the boundary at L: the transformation's groups run every layer (scale-up:
-     * below the boundary) or none yet (scale-down: above it). */
-    const int64_t L = e->model->n_layers;
-    gy_stage added;
-    GY_TRY(gy_stage_init(&added, groups_last ? L : 0, L, specs, n_groups, 0));
-    if (groups_last) {
-        e->stages[1] = added;
-        e->transition = 1;
-    } else {
-        e->stages[1] = e->stages[0];
-        e->stages[1].first = L;
-        e->stages[0] = added;
-        e->main = 1;
-        e->transition = 0;
-    }
-    e->n_stages = 2;
-    e->groups_last = groups_last != 0;
-    return GY_OK;
-}
-
-static gy_status gy_engine_transition_adopt_locked(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
-    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    gy_stage *tr = &e->stages[e->transition];
-    if (group < 0 || group >= tr->n_groups)
-        return GY_FAIL(GY_ERR_INVALID, "old group %d does not exist", (int)group);
-    if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
-    const gy_stage_group *grp = &tr->groups[group];
-    for (int32_t k = 0; k < grp->size; k++)
-        if (old_seqs[k] >= 0) GY_TRY(gy_sched_kv_adapter_adopt(grp->ranks[k].adapter, id, old_seqs[k]));
-    return gy_stage_set_home(tr, id, group);
-}
-
-static gy_status gy_engine_transition_set_boundary_locked(gy_engine *e, int64_t boundary) {
-    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    const int64_t now = e->stages[0].end;
-    if (boundary < 0 || boundary > now)
-        return GY_FAIL(GY_ERR_INVALID, "the boundary only moves down, from %lld (got %lld)",
-                       (long long)now, (long long)boundary);
-    e->stages[0].end = boundary;
-    e->stages[1].first = boundary;
-    return GY_OK;
-}
-
-static gy_status gy_engine_transition_seq_locked(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
-                                   int64_t *seq) {
-    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    const gy_stage *tr = &e->stages[e->transition];
-    if (rank < 0 || rank >= tr->n_ranks) return GY_FAIL(GY_ERR_INVALID, "rank %d out of range", (int)rank);
-    const gy_engine_slot slot = e->slots[rank];
-    *seq = gy_sched_kv_adapter_seq(tr->groups[slot.group].ranks[slot.rank].adapter, id);
-    int64_t g;
-    if (tr->n_groups == 1) *group = *seq >= 0 ? 0 : -1;
-    else *group = gy_idmap_get(&tr->home, id, &g) ? (int32_t)g : -1;
-    return GY_OK;
-}
-
-static void gy_engine_detach_stage(gy_stage *st) {
-    for (int32_t k = 0; k < st->n_ranks; k++)
-        gy_sched_kv_adapter_detach_all(gy_stage_rank_at(st, k, NULL)->adapter);
-}
-
-static void gy_engine_transition_detach_locked(gy_engine *e) {
-    if (e->transition >= 0) gy_engine_detach_stage(&e->stages[e->transition]);
-}
-
-static gy_status gy_engine_transition_end_locked(gy_engine *e) {
-    if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
-    if (e->stages[0].end != 0)
-        return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->stages[0].end);
-    gy_stage_free(&e->stages[e->transition]); /* the adapters free the old sequences */
-    if (e->transition == 0) e->stages[0] = e->stages[1];
-    memset(&e->stages[1], 0, sizeof e->stages[1]);
-    e->stages[0].first = 0;
-    e->stages[0].end = e->model->n_layers;
-    e->n_stages = 1;
-    e->main = 0;
-    e->transition = -1;
-    return GY_OK;
-}
-
-/* Drops the transition's stage wherever the boundary is, keeping its sequences (a rollback moved
- * the layers back and frees them itself); the main stage runs every layer again. */
-static void gy_engine_transition_abort_locked(gy_engine *e) {
-    if (e->transition < 0) return;
-    gy_engine_detach_stage(&e->stages[e->transition]);
-    gy_stage_free(&e->stages[e->transition]);
-    if (e->transition == 0) e->stages[0] = e->stages[1];
-    memset(&e->stages[1], 0, sizeof e->stages[1]);
-    e->stages[0].first = 0;
-    e->stages[0].end = e->model->n_layers;
-    e->n_stages = 1;
-    e->main = 0;
-    e->transition = -1;
-}
-
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
 
-static void gy_engine_detach_kv_locked(gy_engine *e) {
-    for (int32_t s = 0; s < e->n_stages; s++)
-        if (e->stages[s].owned) gy_engine_detach_stage(&e->stages[s]);
-}
-
-/* ---- moving requests between instances ---- */
+/* ---- a request's whole state, out and in (gy_engine_take moves one: handover.c) ---- */
 
 static int64_t gy_engine_request_ids_locked(const gy_engine *e, int64_t *ids, int64_t capacity) {
     int64_t n = 0;
@@ -733,7 +517,7 @@ static int64_t gy_engine_request_ids_locked(const gy_engine *e, int64_t *ids, in
     return n;
 }
 
-static gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
+gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out) {
     const gy_engine_request *r = gy_engine_find(e, id);
     if (r == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     GY_TRY(gy_sched_info_get(e->sched, id, &out->info));
@@ -756,9 +540,9 @@ static int32_t gy_engine_adoption_ranks(gy_engine *e, gy_sched_kv_adapter **out)
     return grp->size;
 }
 
-static gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
-                          int64_t prompt_len, const gy_engine_params *params,
-                          const gy_sched_info *info, const int64_t *seqs) {
+gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                                 int64_t prompt_len, const gy_engine_params *params,
+                                 const gy_sched_info *info, const int64_t *seqs) {
     if (e == NULL || tokens == NULL || params == NULL || info == NULL || seqs == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_adopt: NULL argument");
     if (n_tokens < prompt_len || n_tokens - prompt_len != info->n_generated)
@@ -905,10 +689,6 @@ static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
 
 /* ---- the step's undo (a step that fails takes everything back) ---- */
 
-/* Marks every KV adapter and remembers each cache's pages, so that a failed step can take back
- * what its scheduler reserved and released, and unmap what it grew. */
-/* ---- the step's undo (a step that fails takes everything back) ---- */
-
 /* Marks every KV adapter and remembers the pages of each owned cache, so that a failed step can
  * take back what its scheduler reserved and released, and unmap what it grew. */
 static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
@@ -994,37 +774,6 @@ static gy_status gy_engine_sample(gy_engine *e, int64_t n_logits, uint8_t *faile
 
 /* ---- one step ---- */
 
-/* The slots the step wrote, on every rank whose KV is being patched elsewhere (after the
- * forward pass wrote them, so a sender that takes a mark reads the new bytes). */
-static gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b) {
-    for (int32_t s = 0; s < e->n_stages; s++)
-        for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {
-            gy_stage_rank *rk = gy_stage_rank_at(&e->stages[s], k, NULL);
-            if (rk->dirty == NULL) continue;
-            for (int64_t i = 0; i < b->n_entries; i++) {
-                const gy_sched_entry *en = &b->entries[i];
-                const int64_t seq = gy_sched_kv_adapter_seq(rk->adapter, en->id);
-                if (seq >= 0) GY_TRY(gy_kv_dirty_mark(rk->dirty, rk->r.kv, seq, en->pos, en->n_tokens));
-            }
-        }
-    return GY_OK;
-}
-
-/* Counts the step's remote attention: a call per part and layer (its rows go there and back). */
-static void gy_engine_count_remote(gy_engine *e) {
-    for (int32_t s = 0; s < e->n_stages; s++) {
-        if (e->stages[s].n_remote == 0 || e->stages[s].first == e->stages[s].end) continue;
-        for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {
-            const gy_forward_batch *fb = &gy_stage_rank_at(&e->stages[s], k, NULL)->batch;
-            for (int64_t i = 0; i < fb->n_remote; i++) {
-                const int64_t layers = fb->remote[i].end_layer - fb->remote[i].first_layer;
-                e->remote_calls += layers;
-                e->remote_token_layers += layers * fb->remote[i].n_rows;
-            }
-        }
-    }
-}
-
 /* Everything but the commit; any failure leaves the step for the caller to cancel. */
 static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
     if (b->n_entries == 0) return GY_OK;
@@ -1101,169 +850,7 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
     return GY_OK;
 }
 
-/* ---- live pipeline re-split ---- */
-
-static gy_status gy_engine_stage_rank(gy_engine *e, int32_t stage, int32_t rank, gy_stage_rank **out) {
-    if (stage < 0 || stage >= e->n_stages || e->stages[stage].n_groups != 1 || rank < 0 ||
-        rank >= e->stages[stage].groups[0].size)
-        return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d is not a rank of a one-group stage of this "
-                       "plan (%d stages)", (int)stage, (int)rank, (int)e->n_stages);
-    *out = &e->stages[stage].groups[0].ranks[rank];
-    return GY_OK;
-}
-
-static gy_status gy_engine_set_dirty_locked(gy_engine *e, int32_t stage, int32_t rank, gy_kv_dirty *d) {
-    gy_stage_rank *rk = NULL;
-    GY_TRY(gy_engine_stage_rank(e, stage, rank, &rk));
-    rk->dirty = d;
-    return GY_OK;
-}
-
-static gy_status gy_engine_copy_layers_locked(gy_engine *e, int32_t src_stage, int32_t dst_stage,
-                                              int32_t rank, int64_t first_layer, int64_t end_layer,
-                                              const uint64_t *dirty, int64_t dirty_slots,
-                                              int64_t *copied) {
-    gy_stage_rank *src = NULL, *dst = NULL;
-    GY_TRY(gy_engine_stage_rank(e, src_stage, rank, &src));
-    GY_TRY(gy_engine_stage_rank(e, dst_stage, rank, &dst));
-    int64_t total = 0;
-    for (int64_t i = 0; i < e->requests.capacity; i++) {
-        if (!e->requests.used[i]) continue;
-        const gy_engine_request *r = (const gy_engine_request *)(intptr_t)e->requests.values[i];
-        const int64_t ss = gy_sched_kv_adapter_seq(src->adapter, r->id);
-        const int64_t ds = gy_sched_kv_adapter_seq(dst->adapter, r->id);
-        if (ss < 0 || ds < 0) continue;
-        int64_t n = gy_kv_seq_n_blocks(src->r.kv, ss), m = gy_kv_seq_n_blocks(dst->r.kv, ds);
-        if (m < n) n = m; /* every stage reserves the same tokens: equal unless a step failed */
-        int64_t c = 0;
-        GY_TRY(gy_kv_copy_tokens(dst->r.kv, gy_kv_seq_blocks(dst->r.kv, ds), src->r.kv,
-                                 gy_kv_seq_blocks(src->r.kv, ss), n, first_layer, end_layer, dirty,
-                                 dirty_slots, &c));
-        total += c;
-    }
-    if (copied) *copied = total;
-    return GY_OK;
-}
-
-static gy_status gy_engine_set_remote_locked(gy_engine *e, int64_t id, int32_t stage,
-                                             int32_t src_stage, int64_t first_layer,
-                                             int64_t end_layer) {
-    if (stage < 0 || stage >= e->n_stages || src_stage < 0 || src_stage >= e->n_stages ||
-        e->transition >= 0)
-        return GY_FAIL(GY_ERR_INVALID, "stages %d and %d are not stages of this plan (%d stages%s)",
-                       (int)stage, (int)src_stage, (int)e->n_stages,
-                       e->transition >= 0 ? ", a layer-staggered transformation running" : "");
-    if (first_layer < end_layer && gy_engine_find(e, id) == NULL)
-        return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
-    if (first_layer < end_layer) {
-        /* the source must hold those layers' KV: its caches are checked at every step too */
-        const gy_stage *src = &e->stages[src_stage];
-        for (int32_t k = 0; k < src->n_ranks; k++) {
-            const gy_kv_config *c = gy_kv_config_of(gy_stage_rank_at((gy_stage *)src, k, NULL)->r.kv);
-            if (first_layer < c->first_layer || end_layer > c->first_layer + c->n_layers)
-                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's cache holds layers [%lld, %lld), "
-                               "not [%lld, %lld)", (int)src_stage, (int)k, (long long)c->first_layer,
-                               (long long)(c->first_layer + c->n_layers), (long long)first_layer,
-                               (long long)end_layer);
-        }
-    }
-    return gy_stage_set_remote(&e->stages[stage], id, &e->stages[src_stage], first_layer, end_layer);
-}
-
-static gy_status gy_engine_replan_locked(gy_engine *e, const gy_engine_stage *stages, int32_t n_stages) {
-    if (e->transition >= 0)
-        return GY_FAIL(GY_ERR_BUSY, "a layer-staggered transformation is running; re-plan after it");
-    for (int32_t s = 0; s < e->n_stages; s++)
-        if (e->stages[s].n_remote > 0)
-            return GY_FAIL(GY_ERR_BUSY, "stage %d has requests attending remotely; re-plan after "
-                           "their KV has moved", (int)s);
-    if (n_stages != e->n_stages)
-        return GY_FAIL(GY_ERR_INVALID, "a re-plan keeps the %d stages, got %d", (int)e->n_stages,
-                       (int)n_stages);
-    GY_TRY(gy_engine_check_plan(stages, n_stages));
-    for (int32_t s = 0; s < n_stages; s++) {
-        const gy_stage *st = &e->stages[s];
-        if (st->n_groups != 1 || stages[s].size != st->groups[0].size)
-            return GY_FAIL(GY_ERR_INVALID, "stage %d has %d ranks in one group, the re-plan %d",
-                           (int)s, (int)st->groups[0].size, (int)stages[s].size);
-        for (int32_t k = 0; k < stages[s].size; k++)
-            if (stages[s].ranks[k].kv != st->groups[0].ranks[k].r.kv)
-                return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d: a re-plan keeps the rank's KV "
-                               "cache (its requests' sequences live there)", (int)s, (int)k);
-    }
-    for (int32_t s = 0; s < n_stages; s++) {
-        gy_stage *st = &e->stages[s];
-        st->first = stages[s].first_layer;
-        st->end = stages[s].end_layer;
-        for (int32_t k = 0; k < stages[s].size; k++) {
-            gy_stage_rank *rk = &st->groups[0].ranks[k];
-            /* A CUDA workspace runs on its model's stream, which goes when the old model does:
-             * free it now, while that stream exists; the next step makes one for the new model. */
-            if (rk->r.model != stages[s].ranks[k].model) gy_forward_ws_free(&rk->ws);
-            rk->r.model = stages[s].ranks[k].model;
-        }
-    }
-    e->model = stages[0].ranks[0].model;
-    return GY_OK;
-}
-
-gy_status gy_engine_set_dirty(gy_engine *e, int32_t stage, int32_t rank, gy_kv_dirty *d) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_set_dirty_locked(e, stage, rank, d);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_stage, int32_t rank,
-                                int64_t first_layer, int64_t end_layer, const uint64_t *dirty,
-                                int64_t dirty_slots, int64_t *copied) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_copy_layers_locked(e, src_stage, dst_stage, rank, first_layer,
-                                                     end_layer, dirty, dirty_slots, copied);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,
-                               int64_t first_layer, int64_t end_layer) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_set_remote_locked(e, id, stage, src_stage, first_layer, end_layer);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers) {
-    *calls = *token_layers = 0;
-    if (e == NULL) return;
-    pthread_mutex_lock(&e->api);
-    *calls = e->remote_calls;
-    *token_layers = e->remote_token_layers;
-    pthread_mutex_unlock(&e->api);
-}
-
-int64_t gy_engine_stage_seq(gy_engine *e, int32_t stage, int32_t rank, int64_t id) {
-    if (e == NULL) return -1;
-    pthread_mutex_lock(&e->api);
-    gy_stage_rank *rk = NULL;
-    int64_t seq = -1;
-    if (stage >= 0 && stage < e->n_stages && rank >= 0 && rank < e->stages[stage].n_ranks) {
-        rk = gy_stage_rank_at(&e->stages[stage], rank, NULL);
-        seq = gy_sched_kv_adapter_seq(rk->adapter, id);
-    }
-    pthread_mutex_unlock(&e->api);
-    return seq;
-}
-
-gy_status gy_engine_replan(gy_engine *e, const gy_engine_stage *stages, int32_t n_stages) {
-    if (e == NULL || stages == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_engine_replan: NULL argument");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_replan_locked(e, stages, n_stages);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
+/* ---- the public calls: each holds the engine's lock (engine.h) ---- */
 
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     if (e == NULL || out == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL argument");
@@ -1272,8 +859,6 @@ gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out) {
     pthread_mutex_unlock(&e->api);
     return s;
 }
-
-/* ---- the public calls: each holds the engine's lock (engine.h) ---- */
 
 gy_status gy_engine_add(gy_engine *e, int64_t id, const int32_t *prompt, int64_t prompt_len,
                         const gy_engine_params *p, double arrival) {
@@ -1300,63 +885,6 @@ gy_status gy_engine_release(gy_engine *e, int64_t id) {
     return s;
 }
 
-gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups,
-                                     int groups_last) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_transition_begin_locked(e, old_ranks, groups, n_groups, groups_last);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_transition_adopt_locked(e, id, group, old_seqs);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_transition_set_boundary_locked(e, boundary);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
-                                   int64_t *seq) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&((gy_engine *)e)->api);
-    const gy_status s = gy_engine_transition_seq_locked(e, id, rank, group, seq);
-    pthread_mutex_unlock(&((gy_engine *)e)->api);
-    return s;
-}
-
-void gy_engine_transition_detach(gy_engine *e) {
-    if (e == NULL) return;
-    pthread_mutex_lock(&e->api);
-    gy_engine_transition_detach_locked(e);
-    pthread_mutex_unlock(&e->api);
-}
-
-gy_status gy_engine_transition_end(gy_engine *e) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
-    pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_transition_end_locked(e);
-    pthread_mutex_unlock(&e->api);
-    return s;
-}
-
-void gy_engine_detach_kv(gy_engine *e) {
-    if (e == NULL) return;
-    pthread_mutex_lock(&e->api);
-    gy_engine_detach_kv_locked(e);
-    pthread_mutex_unlock(&e->api);
-}
-
 int64_t gy_engine_request_ids(const gy_engine *e, int64_t *ids, int64_t capacity) {
     pthread_mutex_lock(&((gy_engine *)e)->api);
     const int64_t n = gy_engine_request_ids_locked(e, ids, capacity);
@@ -1369,59 +897,6 @@ gy_status gy_engine_request_get(const gy_engine *e, int64_t id, gy_engine_reques
     pthread_mutex_lock(&((gy_engine *)e)->api);
     const gy_status s = gy_engine_request_get_locked(e, id, out);
     pthread_mutex_unlock(&((gy_engine *)e)->api);
-    return s;
-}
-
-/* src lets go of a request dst has adopted: its KV sequences are forgotten on every rank (so the
- * abort releases nothing), then its record goes. */
-static void gy_engine_let_go_locked(gy_engine *src, int64_t id) {
-    gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
-    const int32_t n = gy_engine_adapters(src, adapters);
-    for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_forget(adapters[i], id);
-    for (int32_t s = 0; s < src->n_stages; s++) gy_stage_unhome(&src->stages[s], id);
-    gy_engine_forget_remote(src, id);
-    if (gy_sched_release(src->sched, id) != GY_OK) gy_error_clear(); /* checked by the caller */
-    gy_engine_request *r = gy_engine_find(src, id);
-    gy_idmap_remove(&src->requests, id);
-    gy_engine_request_free(r);
-}
-
-gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs) {
-    return gy_engine_take_as(dst, src, id, seqs, NULL);
-}
-
-gy_status gy_engine_take_as(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs,
-                            const gy_sched_info *as) {
-    if (dst == NULL || src == NULL || seqs == NULL)
-        return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: NULL argument");
-    if (dst == src) return GY_FAIL(GY_ERR_INVALID, "gy_engine_take: an engine cannot take from itself");
-    /* Two locks, always in the same order, so two takes in opposite directions cannot deadlock. */
-    pthread_mutex_t *first = (uintptr_t)dst < (uintptr_t)src ? &dst->api : &src->api;
-    pthread_mutex_t *second = first == &dst->api ? &src->api : &dst->api;
-    pthread_mutex_lock(first);
-    pthread_mutex_lock(second);
-    gy_status s = GY_OK;
-    gy_engine_request_view v;
-    if (src->transition >= 0 || dst->transition >= 0)
-        s = GY_FAIL(GY_ERR_BUSY, "requests do not move in or out during a layer-staggered "
-                                 "transformation");
-    if (s == GY_OK) s = gy_engine_request_get_locked(src, id, &v);
-    if (s == GY_OK && v.info.state == GY_SCHED_STATE_FINISHED)
-        s = GY_FAIL(GY_ERR_STATE, "request %lld has finished; there is nothing to move", (long long)id);
-    if (s == GY_OK && as != NULL) { /* the record it had before an earlier move (a rollback) */
-        v.info.state = as->state;
-        v.info.n_computed = as->n_computed;
-        v.info.prefill_end = as->prefill_end;
-        v.info.n_preemptions = as->n_preemptions;
-        v.info.first_scheduled = as->first_scheduled;
-        v.info.first_token = as->first_token;
-    }
-    if (s == GY_OK)
-        s = gy_engine_adopt_locked(dst, id, v.tokens, v.n_tokens, v.prompt_len, &v.params, &v.info,
-                                   seqs);
-    if (s == GY_OK) gy_engine_let_go_locked(src, id);
-    pthread_mutex_unlock(second);
-    pthread_mutex_unlock(first);
     return s;
 }
 
@@ -1440,13 +915,6 @@ int64_t gy_engine_capacity_blocks(const gy_engine *e) {
     const int64_t n = gy_engine_capacity_blocks_locked(e);
     pthread_mutex_unlock(&((gy_engine *)e)->api);
     return n;
-}
-
-void gy_engine_transition_abort(gy_engine *e) {
-    if (e == NULL) return;
-    pthread_mutex_lock(&e->api);
-    gy_engine_transition_abort_locked(e);
-    pthread_mutex_unlock(&e->api);
 }
 
 gy_status gy_engine_attach_kv(gy_engine *e, int64_t id, const int64_t *seqs) {

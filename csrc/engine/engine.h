@@ -22,7 +22,13 @@
  * rank's block tables are as before it (gy_sched_cancel, gy_kv_mark), the KV pages it mapped are
  * unmapped again, and the same step can be tried again. A request whose logits are not numbers
  * (NaN or +inf: an overflow in the weights or activations) fails alone: it finishes with reason
- * "error" and the sampler's message (gy_engine_info), and the step goes on for the others. */
+ * "error" and the sampler's message (gy_engine_info), and the step goes on for the others.
+ *
+ * This header is the core: life cycle, requests, the step, and a request's state for whoever
+ * moves it. The engine's other jobs have headers of their own: transition.h (the layer-staggered
+ * transformation), resplit.h (PipeLive's live re-split of a pipeline), remote.h (KunServe's
+ * remote attention) and handover.h (holding admission, taking a request from another engine,
+ * detaching KV). */
 #ifndef GY_ENGINE_ENGINE_H
 #define GY_ENGINE_ENGINE_H
 
@@ -119,7 +125,8 @@ gy_status gy_engine_release(gy_engine *e, int64_t id);
  * run returns n_batch_tokens == 0. */
 gy_status gy_engine_step(gy_engine *e, double now, gy_engine_step_out *out);
 
-/* ---- moving requests between instances (live transformation) ---- */
+/* ---- a request's whole state, out and in (moving requests between instances; gy_engine_take,
+ * handover.h, moves one in a single call) ---- */
 
 /* What a transformation needs to know of a request. */
 typedef struct gy_engine_request_view {
@@ -142,102 +149,14 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
                           int64_t prompt_len, const gy_engine_params *params,
                           const gy_sched_info *info, const int64_t *seqs);
 
-/* Moves request `id` from `src` to `dst` with everything it has, in C: its tokens, parameters,
- * progress and timings (sampling is keyed by (seed, token index), so it goes on where it was),
- * and its KV: seqs[r] is the sequence already holding it in rank r of dst's one-stage plan, or
- * of a pipeline's ranks counted stage after stage (-1 for none: a queued request, or one to
- * recompute). src lets go of the request and of its KV
- * sequences without freeing them (they are dst's now, or their caches' owner's); its stats
- * count it as aborted. Refused with both engines unchanged when src has no such unfinished
- * request or dst cannot take it (an id in use, a full running set, a sequence that does not
- * exist). Either engine may be in use on other threads: both locks are taken, in a fixed order. */
-gy_status gy_engine_take(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs);
-/* gy_engine_take with the scheduler record `as` gives instead of the source's progress (its
- * state, tokens computed, prefill end, preemptions and first timings; NULL: the source's): a
- * rollback moves a request back as it was before a move that made it recompute. */
-gy_status gy_engine_take_as(gy_engine *dst, gy_engine *src, int64_t id, const int64_t *seqs,
-                            const gy_sched_info *as);
-
-/* ---- layer-staggered transformation (Gyges 4.3) ----
- * While one runs, layers [0, boundary) still run in the old groups (each on the rows of the
- * requests it holds), with the workers' old models and KV caches; layers [boundary, L) run in
- * this engine's group. The caller moves the boundary down a few layers at a time (reversed: the
- * last layer first), moving each layer's KV from the old caches to the new ones in between. */
-typedef struct gy_engine_old_group {
-    int32_t size;
-    int32_t ranks[GY_MODEL_MAX_TP]; /* engine ranks, in the order of their rank in the old group */
-    struct gy_comm *comm;           /* of that size; NULL for one rank */
-} gy_engine_old_group;
-
-/* old_ranks[i]: engine rank i's model and KV cache in its group (borrowed). Starts with
- * boundary L. groups_last = 0 (scale-up): the groups are the old configuration and run layers
- * [0, boundary). groups_last = 1 (scale-down): the groups are the new configuration and run
- * [boundary, L) on their own rows, their rank 0 computing those rows' logits. */
-gy_status gy_engine_transition_begin(gy_engine *e, const gy_engine_rank *old_ranks,
-                                     const gy_engine_old_group *groups, int32_t n_groups,
-                                     int groups_last);
-/* Forgets the groups' KV sequences without freeing them (a scale-down keeps them). */
-void gy_engine_transition_detach(gy_engine *e);
-/* Records where an adopted request's KV lives in its old group: old_seqs[k] on the group's
- * rank k. */
-gy_status gy_engine_transition_adopt(gy_engine *e, int64_t id, int32_t group, const int64_t *old_seqs);
-gy_status gy_engine_transition_set_boundary(gy_engine *e, int64_t boundary);
-/* The request's group and its old KV sequence on engine rank `rank` (-1 when none). */
-gy_status gy_engine_transition_seq(const gy_engine *e, int64_t id, int32_t rank, int32_t *group,
-                                   int64_t *seq);
-/* Drops the transition's stage wherever the boundary is, freeing none of its sequences (a
- * rollback moves the layers back and frees them itself); nothing when none runs. */
-void gy_engine_transition_abort(gy_engine *e);
-/* Ends it (the boundary must be 0): the old sequences are freed. */
-gy_status gy_engine_transition_end(gy_engine *e);
-int64_t gy_engine_transition_boundary(const gy_engine *e); /* -1 when none runs */
-
-/* ---- live pipeline re-split (PipeLive; gyges/pipelive.py drives it) ---- */
-
-struct gy_kv_dirty;
-/* From the next step on, every step marks the KV slots it wrote on rank `rank` of stage `stage`
- * in `d` (borrowed; NULL stops). Only for stages of one group. */
-gy_status gy_engine_set_dirty(gy_engine *e, int32_t stage, int32_t rank, struct gy_kv_dirty *d);
-/* For every request holding KV on rank `rank` of both stages, copies its tokens in model layers
- * [first_layer, end_layer) from src_stage's cache to dst_stage's (gy_kv_copy_tokens): all its
- * blocks, or with `dirty` (a taken bitmap of dirty_slots over the source's slots) only those
- * slots. *copied gets the token slots copied. Both caches must hold the layers. */
-gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_stage, int32_t rank,
-                                int64_t first_layer, int64_t end_layer, const uint64_t *dirty,
-                                int64_t dirty_slots, int64_t *copied);
-/* The KV sequence of request `id` on rank `rank` of stage `stage` (-1 when it holds none). */
-int64_t gy_engine_stage_seq(gy_engine *e, int32_t stage, int32_t rank, int64_t id);
-/* KunServe's remote attention (forward.h): from the next step on, request `id`'s attention in
- * model layers [first_layer, end_layer) of stage `stage` runs on the ranks of stage `src_stage`
- * (rank k on rank k), over its sequence there, whose cache must hold those layers; an empty range
- * ends it. Both stages have one group, of the same size; the CPU backend only (a step fails
- * otherwise). A buddy group's exchange sets it for the requests whose KV has not moved yet and
- * narrows it as layers arrive. Forgotten when the request leaves the engine; re-plans are
- * refused while any is set. */
-gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,
-                               int64_t first_layer, int64_t end_layer);
-/* Remote attention so far: calls (one per request, stage rank and layer in a step) and
- * token-layers (the rows those calls carried). */
-void gy_engine_remote_stats(gy_engine *e, int64_t *calls, int64_t *token_layers);
-/* Switches the plan between two steps: the same stages, ranks and KV caches (every request keeps
- * its sequences), new layer ranges and models, checked as gy_engine_init_plan checks a plan.
- * Refused, changing nothing, during a layer-staggered transformation or when a rank's cache is
- * not the one it has. */
-gy_status gy_engine_replan(gy_engine *e, const gy_engine_stage *stages, int32_t n_stages);
-
 /* A request's scheduler record and, when it finished with reason "error", why (copied into
  * `error`, "" otherwise; may be NULL). */
 gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);
 void gy_engine_stats(gy_engine *e, gy_sched_stats *out);
-/* held != 0: the engine admits nothing new (queued requests wait) until released (batch.h). */
-void gy_engine_hold(gy_engine *e, int held);
 int32_t gy_engine_n_ranks(const gy_engine *e);
-/* Forgets which KV sequences the requests hold without freeing them, so that freeing the engine
- * leaves them in the caches (a layer-staggered transformation keeps reading them). */
-void gy_engine_detach_kv(gy_engine *e);
-/* Points request `id` at KV sequences again, seqs[r] on rank r of the ranks gy_engine_take
- * adopts on (-1: none): a rollback gives back what detach_kv or a take let go of. On failure
- * the request holds no KV sequence. */
+/* Points request `id` at KV sequences again, seqs[r] on rank r of the ranks an adopt gives
+ * sequences to (-1: none): a rollback gives back what detach_kv or a take let go of. On
+ * failure the request holds no KV sequence. */
 gy_status gy_engine_attach_kv(gy_engine *e, int64_t id, const int64_t *seqs);
 /* Blocks the whole budget could hold (what the submit-time check uses). */
 int64_t gy_engine_capacity_blocks(const gy_engine *e);

@@ -13,8 +13,8 @@
 
 #include <stdint.h>
 
+#include "../core/dtype.h"
 #include "../core/status.h"
-#include "../cpu/dtype.h"
 
 #ifdef __cplusplus
 extern "C" {

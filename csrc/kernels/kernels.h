@@ -6,7 +6,7 @@
  * Pointers named in shape comments are device pointers unless said otherwise; launches are
  * asynchronous on `stream` (NULL = the default stream). Outputs come first.
  *
- * dtypes are gy_dtype values (csrc/cpu/dtype.h): GY_DTYPE_F32, GY_DTYPE_F16, GY_DTYPE_BF16.
+ * dtypes are gy_dtype values (csrc/core/dtype.h): GY_DTYPE_F32, GY_DTYPE_F16, GY_DTYPE_BF16.
  * Compute kernels widen to fp32, compute in fp32, and round once to the output dtype.
  *
  * Only declared when gyges is built with CUDA (GY_WITH_CUDA); nothing else may call them.

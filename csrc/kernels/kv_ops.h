@@ -5,7 +5,7 @@
 #ifndef GY_KERNELS_KV_OPS_H
 #define GY_KERNELS_KV_OPS_H
 
-#include "../cpu/dtype.h"
+#include "../core/dtype.h"
 #include "../kv/kv_layout.h"
 #include "device.h"
 

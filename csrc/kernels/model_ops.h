@@ -5,7 +5,7 @@
 #ifndef GY_KERNELS_MODEL_OPS_H
 #define GY_KERNELS_MODEL_OPS_H
 
-#include "../cpu/dtype.h"
+#include "../core/dtype.h"
 #include "device.h"
 
 #ifdef __cplusplus

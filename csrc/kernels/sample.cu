@@ -33,7 +33,7 @@
  * does). So does a sampled row when no workspace was given. */
 #include <math.h>
 
-#include "../sched/rng.h"
+#include "../core/rng.h"
 #include "common.cuh"
 
 #define GY_SAMPLE_THREADS 512

@@ -4,8 +4,8 @@
 #ifndef GY_KERNELS_SAMPLING_H
 #define GY_KERNELS_SAMPLING_H
 
-#include "../cpu/dtype.h"
-#include "../sched/sampler.h"
+#include "../core/dtype.h"
+#include "../core/sampler_params.h"
 #include "device.h"
 
 #ifdef __cplusplus

@@ -20,7 +20,7 @@
 #ifdef GY_WITH_CUDA
 #include <math.h>
 
-#include "cpu/dtype.h"
+#include "core/dtype.h"
 #include "cpu/paged.h"
 #include "kernels/kernels.h"
 #include "kv/kv_layout.h"

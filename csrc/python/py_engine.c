@@ -3,6 +3,10 @@
 #include "py_common.h"
 
 #include "engine/engine.h"
+#include "engine/handover.h"
+#include "engine/remote.h"
+#include "engine/resplit.h"
+#include "engine/transition.h"
 
 typedef struct {
     PyObject_HEAD

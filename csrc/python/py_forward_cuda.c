@@ -8,7 +8,7 @@
 #include "engine/forward_cuda.h"
 
 #ifdef GY_WITH_CUDA
-#include "cpu/dtype.h"
+#include "core/dtype.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 #endif

@@ -4,9 +4,9 @@
  * second thread meanwhile raises BusyError instead of racing. */
 #include "py_common.h"
 
+#include "core/rng.h"
 #include "sched/batch.h"
 #include "sched/block_counter.h"
-#include "sched/rng.h"
 #include "sched/sampler.h"
 
 typedef struct {

@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/rng.h"
 #include "../cpu/argmax.h"
-#include "rng.h"
 
 /* Writes why the params are bad into `why` and returns 1, or returns 0. */
 static int gy_sampler_bad_params(const gy_sampler_params *p, int64_t vocab, char *why, size_t n) {

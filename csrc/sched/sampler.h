@@ -21,19 +21,12 @@
 
 #include <stdint.h>
 
+#include "../core/sampler_params.h" /* gy_sampler_params, shared with the CUDA sampler */
 #include "../core/status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-typedef struct gy_sampler_params {
-    double temperature; /* finite, >= 0; 0 = greedy */
-    double top_p;       /* (0, 1]; 1 = off */
-    int64_t top_k;      /* [0, vocab]; 0 = off */
-    uint64_t seed;      /* per request */
-    double min_p;       /* [0, 1]; 0 = off */
-} gy_sampler_params;
 
 /* GY_ERR_INVALID naming the bad field when the params are out of range for `vocab`. */
 gy_status gy_sampler_check(const gy_sampler_params *params, int64_t vocab);

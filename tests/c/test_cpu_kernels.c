@@ -14,7 +14,7 @@
 #include "cpu/argmax.h"
 #include "cpu/attention.h"
 #include "cpu/dot.h"
-#include "cpu/dtype.h"
+#include "core/dtype.h"
 #include "cpu/embedding.h"
 #include "cpu/isa.h"
 #include "cpu/kv_write.h"

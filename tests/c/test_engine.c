@@ -7,6 +7,9 @@
 #include "comm/comm.h"
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
+#include "engine/handover.h"
+#include "engine/remote.h"
+#include "engine/resplit.h"
 #include "gytest.h"
 
 enum { V = 97, H = 32, I = 48, L = 2, NH = 4, NKV = 2, D = 8, MAX_TP = 2 };

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "gytest.h"
-#include "sched/rng.h"
+#include "core/rng.h"
 #include "sched/sampler.h"
 
 GYTEST(rng_philox_known_answers) {

@@ -30,7 +30,7 @@
 #include "comm/comm.h"
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
-#include "cpu/dtype.h"
+#include "core/dtype.h"
 #include "kv/kv_copy.h"
 #include "mem/arena.h"
 #include "gpu_emu.h"

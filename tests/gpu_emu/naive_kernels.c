@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "gpu_emu.h"
-#include "cpu/dtype.h"
+#include "core/dtype.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 

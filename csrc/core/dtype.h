@@ -2,14 +2,17 @@
  *
  * Widening (bf16/f16 -> f32) is exact, so a kernel that widens weights on the fly computes the
  * same bits as one given the widened fp32 weights. Narrowing rounds to nearest, ties to even, and
- * keeps NaNs quiet NaNs. */
-#ifndef GY_CPU_DTYPE_H
-#define GY_CPU_DTYPE_H
+ * keeps NaNs quiet NaNs.
+ *
+ * In core/ because both twins describe their data with it: the CPU kernels (cpu/) and their CUDA
+ * versions (kernels/), neither of which includes the other. */
+#ifndef GY_CORE_DTYPE_H
+#define GY_CORE_DTYPE_H
 
 #include <stdint.h>
 #include <string.h>
 
-#include "../core/status.h"
+#include "status.h"
 
 #ifdef __cplusplus
 extern "C" {

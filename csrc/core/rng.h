@@ -1,8 +1,11 @@
 /* rng.h: counter-based random numbers (Philox4x32-10, Salmon et al., SC'11). A draw is a pure
  * function of (key, counter), so a request's samples depend only on its seed and the index of the
- * token being sampled: not on batch composition, batch position, threads or preemption. */
-#ifndef GY_SCHED_RNG_H
-#define GY_SCHED_RNG_H
+ * token being sampled: not on batch composition, batch position, threads or preemption.
+ *
+ * In core/ because the CPU sampler (sched/sampler.c) and its CUDA twin (kernels/sample.cu) must
+ * draw the same numbers from it, and kernels/ sits below sched/. */
+#ifndef GY_CORE_RNG_H
+#define GY_CORE_RNG_H
 
 #include <stdint.h>
 

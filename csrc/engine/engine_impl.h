@@ -1,0 +1,112 @@
+/* engine_impl.h (private to csrc/engine/): the engine's own struct and the helpers the files of
+ * its jobs share. engine.c keeps the requests and the step; transition.c, resplit.c, remote.c and
+ * handover.c each do one of the other jobs on the same struct. Callers outside the engine see
+ * gy_engine as an opaque handle through engine.h and those files' headers (ggml's *-impl.h habit),
+ * so the struct can change without touching them.
+ *
+ * Every function declared here expects its caller to hold e->api (each public call takes it
+ * once, engine.h), so they call one another freely without locking twice. */
+#ifndef GY_ENGINE_ENGINE_IMPL_H
+#define GY_ENGINE_ENGINE_IMPL_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "../sched/batch.h"
+#include "../sched/idmap.h"
+#include "../sched/kv_adapter.h"
+#include "engine.h"
+#include "rank_threads.h"
+#include "stage.h"
+
+typedef struct gy_engine_request {
+    int64_t id;
+    int32_t *tokens;      /* (n_tokens) prompt then generated tokens: what a recompute reads */
+    int64_t n_tokens;
+    int64_t capacity;
+    int64_t prompt_len;
+    gy_engine_params params;
+    int32_t *stop_tokens; /* owned copy of params.stop_tokens */
+    char *error;          /* why the engine failed it (finish reason "error"), or NULL */
+} gy_engine_request;
+
+/* Where engine rank i sits in the transformation's stage: group and rank in the group. */
+typedef struct gy_engine_slot {
+    int32_t group, rank;
+} gy_engine_slot;
+
+struct gy_engine {
+    /* Every public call holds it, so callers on several threads take turns (engine.h). */
+    pthread_mutex_t api;
+    const gy_model *model;       /* the first rank's: the shapes every rank shares */
+    int64_t max_running;         /* bounds what one step can change (its undo record) */
+    /* The plan, in the order a step runs it. `main` is the stage of the engine's own group (what
+     * requests move in and out of); `transition` the stage a layer-staggered transformation
+     * added (-1 when none runs), whose ranks are indexed by engine rank through `slots`. */
+    gy_stage stages[GY_ENGINE_MAX_STAGES];
+    int32_t n_stages;
+    int32_t main;
+    int32_t transition;
+    int groups_last;             /* the transformation's groups run the upper layers */
+    gy_engine_slot slots[GY_MODEL_MAX_TP];
+    gy_rank_threads crew;
+    gy_sched *sched;
+    gy_idmap requests;           /* id -> gy_engine_request * */
+    /* This step: the rows every stage reads, which stage computes the logits, and how each
+     * thread's ranks fared (the first failure wins). */
+    gy_step_rows rows;
+    int32_t last_stage;
+    int32_t n_live_stages;       /* non-empty stages: more than one hands over between them */
+    int step_failed;             /* set atomically by a failing thread */
+    gy_status status[GY_RANK_THREADS_MAX];
+    char error[GY_RANK_THREADS_MAX][512];
+    /* Per-step scratch, grown on demand. */
+    int64_t cap_tokens, cap_entries;
+    int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
+    int64_t *sample_index, *sampled_ids, *finished;
+    gy_sampler_params *sample_params;
+    uint8_t *stop;               /* (entries) gy_sched_end of each entry */
+    uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
+    float *logits;               /* (entries, vocab) */
+    float *x;                    /* (tokens, hidden) the hidden states between stages */
+    /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
+    int64_t remote_calls, remote_token_layers;
+};
+
+/* Room for every rank of every stage of a plan, stage after stage. */
+#define GY_ENGINE_MAX_ADAPTERS (GY_ENGINE_MAX_STAGES * GY_STAGE_MAX_RANKS)
+
+/* ---- engine.c ---- */
+
+/* The stage of the engine's own group (what requests move in and out of). */
+gy_stage *gy_engine_main(gy_engine *e);
+/* The request's record, or NULL when the engine has none. */
+gy_engine_request *gy_engine_find(const gy_engine *e, int64_t id);
+void gy_engine_request_free(gy_engine_request *r);
+/* Every adapter of the plan, stage after stage, into out[GY_ENGINE_MAX_ADAPTERS]; returns how
+ * many. */
+int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out);
+/* What a plan must be before any of it is built (gy_engine_init_plan; a re-plan checks the same). */
+gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages);
+/* Forgets the KV sequences of every rank of the stage without freeing them. */
+void gy_engine_detach_stage(gy_stage *st);
+/* gy_engine_request_get and gy_engine_adopt with the lock held (gy_engine_take holds two). */
+gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine_request_view *out);
+gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
+                                 int64_t prompt_len, const gy_engine_params *params,
+                                 const gy_sched_info *info, const int64_t *seqs);
+
+/* ---- resplit.c ---- */
+
+/* Marks the slots the step wrote on every rank whose KV is being patched elsewhere
+ * (gy_engine_set_dirty); called after the forward pass. */
+gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b);
+
+/* ---- remote.c ---- */
+
+/* A request leaving the engine attends nowhere else any more: its remote ranges go. */
+void gy_engine_forget_remote(gy_engine *e, int64_t id);
+/* Adds the step's remote attention to the engine's counts (gy_engine_remote_stats). */
+void gy_engine_count_remote(gy_engine *e);
+
+#endif
