@@ -253,6 +253,113 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
     return result
 
 
+# ---- fault sweeps over every kind of reconfiguration ----
+
+def _reconfiguration_cases():
+    """kind -> (host kwargs, steps to serve first, prepare(host) or None, start(host) ->
+    handle). Every kind of the protocol, blocking and live, on hosts serving eight requests;
+    what `prepare` does (a buddy group for a restore) is not swept."""
+    def buddy(live):
+        return lambda h: h.buddy([i for i in h.instances][:2], live=live)
+
+    groups = {}   # host -> the buddy group `formed` made on it
+
+    def formed(h):
+        groups[id(h)] = h.buddy([i for i in h.instances][:2])
+        for _ in range(2):
+            h.step()
+
+    sharded2 = dict(workers=2, layout="2xTP1")
+    replicated = dict(workers=4, layout="4xTP1", weights="replicated")
+    return {
+        "resplit, live": (dict(workers=2, layout="PP[3,1]"), 2, None,
+                          lambda h: h.reconfigure(h.instances[0], [1, 3], mode="live", tau=4)),
+        "resplit, stop_copy": (dict(workers=2, layout="PP[3,1]"), 2, None,
+                               lambda h: h.reconfigure(h.instances[0], [2, 2], mode="stop_copy")),
+        "bind, soft": (replicated, 2, None, lambda h: h.switch((0, 1, 2, 3), 4, preempt="soft")),
+        "release, soft": (dict(workers=4, layout="TP4", weights="replicated"), 2, None,
+                          lambda h: h.switch((0, 1, 2, 3), 1, preempt="soft")),
+        "buddy": (sharded2, 2, None, buddy(False)),
+        "buddy, live": (sharded2, 2, None, buddy(True)),
+        "restore": (sharded2, 1, formed, lambda h: h.restore(groups[id(h)])),
+        "restore, live": (sharded2, 1, formed, lambda h: h.restore(groups[id(h)], live=True)),
+    }
+
+
+RECONFIGURATIONS = tuple(_reconfiguration_cases())
+
+
+def sweep_reconfiguration(model, kind, site, most=None, memory="32MiB"):
+    """sweep_transformation for every other kind (RECONFIGURATIONS): the n-th `site` event of
+    starting `kind` and driving it to its end fails, for every n (or `most` of them), each on a
+    fresh host serving eight requests. Returns events, runs, refused, rolled_back, done,
+    recovered, and what must stay 0: changed (a refusal, or a rollback between two steps, that
+    left the host other than before), wrong_layout (a rollback not back in the layout it
+    began in), lost, mismatches and leaked_pages."""
+    from .core.errors import Error
+    from .reconfig import RecoveryWarning, ReconfigurationWarning
+    from .runtime.host import Host
+
+    host_kwargs, warm, prepare, start = _reconfiguration_cases()[kind]
+    load = _Workload(model, memory)
+
+    def setup():
+        host = Host(model, memory_per_worker=memory, **host_kwargs)
+        reqs = [host.submit(p, q) for p, q in zip(load.prompts, load.params)]
+        for _ in range(warm):
+            host.step()
+        if prepare is not None:
+            prepare(host)
+        return host, reqs
+
+    def drive(host):
+        r = start(host)
+        while not r.done:
+            try:
+                host.step()
+            except Error:
+                pass   # a failed step changes nothing: the next one tries again
+        return r
+
+    host, _ = setup()
+    events, _ = count(site, lambda: drive(host))
+    host.close()
+    out = dict(kind=kind, site=site, events=events, runs=0, refused=0, rolled_back=0, done=0,
+               recovered=0, changed=0, wrong_layout=0, lost=0, mismatches=0, leaked_pages=0)
+    for n in spread(events, most):
+        host, reqs = setup()
+        layout, before = host.layout(), snapshot(host, physical=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecoveryWarning)
+            warnings.simplefilter("ignore", ReconfigurationWarning)
+            with inject(site, n):
+                try:
+                    r = drive(host)
+                except Error as e:
+                    r = getattr(e, "reconfiguration", None)
+                    out["refused"] += r is None
+                    # (a kind that starts with a blocking buddy may be refused at that buddy)
+                    out["changed"] += r is None and snapshot(host, physical=False) != before
+        out["runs"] += 1
+        if r is not None:
+            out[{"committed": "done"}.get(r.state, r.state)] += 1
+            if r.rolled_back and r.stats["steps"] == 0:   # (nothing served since it began)
+                out["changed"] += snapshot(host, physical=False) != before
+            out["wrong_layout"] += r.rolled_back and host.layout() != layout
+        host.run()
+        out["lost"] += sum(q.finish_reason not in ("length", "stop") for q in reqs)
+        out["mismatches"] += sum(q.output_tokens != w for q, w in zip(reqs, load.reference))
+        for w in range(host.n_workers):
+            host.worker(w).kv.trim()
+        with Host(model, memory_per_worker=memory, **{**host_kwargs, "layout": host.layout()}) \
+                as fresh:
+            out["leaked_pages"] += sum(host.worker(w).arena.stats()["bytes_in_use"]
+                                       for w in range(host.n_workers)) != sum(
+                fresh.worker(w).arena.stats()["bytes_in_use"] for w in range(host.n_workers))
+        host.close()
+    return out
+
+
 # ---- the mixed soak: every kind of reconfiguration on hosts that serve all the while ----
 
 MIXED_LAYOUT = "PP[3,1]+TP2+4xTP1"   # a pipeline, a TP group and four replicas (for buddy groups)
@@ -467,8 +574,9 @@ def _served(host):
 # ---- what a caller can see, to compare before and after a refused call ----
 
 def snapshot(target, physical=True):
-    """An Engine's or a Host's visible state: the layout, every worker's page table, and every
-    request's state and progress (in C and in its handle) with its KV block tables. Equal
+    """An Engine's or a Host's visible state: the layout, every worker's page table, KV cache
+    shape and weights held, and every request's state and progress (in C and in its handle)
+    with its KV block tables. Equal
     snapshots mean a call changed nothing a caller could see. physical=False compares which
     slots are mapped (and their tags) instead of which physical pages: a rollback maps again
     what it unmapped, from the pool, so the bytes and the slots are the same, not the pages."""
@@ -486,7 +594,14 @@ def snapshot(target, physical=True):
         if physical:
             return table.tobytes()
         return (table["page"] >= 0).tobytes() + table["tag"].tobytes()
-    state = {"layout": layout, "pages": [pages(w) for w in workers], "requests": {}}
+    state = {"layout": layout, "pages": [pages(w) for w in workers], "requests": {},
+             # each cache's shape: the layers it holds, its heads, pages a layer and page cap
+             "kv": [(w.kv.first_layer, w.kv.n_layers, w.kv.n_kv_heads, w.kv.page_cap,
+                     w.kv.stats()["pages_per_layer"]) for w in workers],
+             # what each worker holds of the model and which TP rank it is
+             "weights": [(sorted(w.weights.held), sorted(w.weights.held_layers),
+                          w.weights.has_embed, w.weights.has_head, w.tp_size, w.tp_rank,
+                          w.layers) for w in workers]}
     for owner, ranks in parts:
         for rid, r in owner.requests.items():
             ex = owner.export(rid)

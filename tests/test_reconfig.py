@@ -287,3 +287,21 @@ def test_mixed_soak_loses_nothing(small, seed, faults):
         assert r["failed_steps"] == 0, r
     else:
         assert sum(r[k]["rolled_back"] for k in kinds) > 0, r
+
+
+# ---- every kind under faults ----
+
+@pytest.mark.parametrize("site", ["alloc", "page_create", "page_map", "copy"])
+@pytest.mark.parametrize("kind", testing.RECONFIGURATIONS)
+def test_a_fault_anywhere_in_any_kind_is_refused_rolled_back_or_done(small, kind, site):
+    """The n-th event of a site fails while a kind starts and runs to its end (spread over
+    every event it has; benchmarks/soak_mixed.py sweeps them all): refused, or rolled back (past
+    its first change: the host as before it, by slot, record, block table and token, in its
+    layout), or done; never rebuilt; nothing lost, mismatched or leaked."""
+    r = testing.sweep_reconfiguration(small, kind, site, most=6, memory=MEMORY)
+    if r["events"] == 0:
+        pytest.skip(f"{kind} has no {site} event")
+    assert r["runs"] == r["refused"] + r["rolled_back"] + r["done"] + r["recovered"] > 0
+    assert r["recovered"] == 0, r
+    assert (r["changed"], r["wrong_layout"], r["lost"], r["mismatches"], r["leaked_pages"]) == \
+           (0, 0, 0, 0, 0), r
