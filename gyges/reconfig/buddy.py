@@ -166,9 +166,9 @@ class Buddy(Reconfiguration, Paced):
         pages = [w.kv.stats()["pages_per_layer"] for w in ws]
 
         def back():   # the pages grown for the copies first: the weights need them back
-            for w, p in zip(ws, pages):
-                over = w.kv.stats()["pages_per_layer"] - p
-                if over > 0:
+            for w, p in zip(ws, pages):   # (down to what it had, as far as nothing is in use
+                over = min(w.kv.stats()["pages_per_layer"] - p, w.kv.shrinkable())
+                if over > 0:               # there: a live group served meanwhile)
                     w.kv.shrink(over)
             for w, cp in zip(ws, cps):
                 w.restore(cp)
