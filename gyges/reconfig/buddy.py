@@ -141,8 +141,9 @@ class Buddy(Reconfiguration, Paced):
                                        f"workers {workers}")
         if L % g:
             raise InvalidArgumentError(f"a group of {g} does not divide the model's {L} layers")
-        if host.weights != "sharded":
-            raise InvalidArgumentError("a buddy group needs a sharded host (weights='sharded')")
+        if "replicated" in host.weights_of(workers):
+            raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
+                                       f"keep replicas that switch() binds (weights='replicated')")
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
