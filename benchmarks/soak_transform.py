@@ -3,7 +3,8 @@ fault of whole operations, and two threads on one host.
 
 1. Soak: per seed, `--transformations` random merges and splits (at once and layer-staggered,
    with and without overlap) while requests arrive at every step, without faults and with a
-   random fault inside about half of them. Counts transformations done, refused and recovered,
+   random fault inside about half of them. Counts transformations done, refused, rolled back
+   and recovered (a rollback that failed too),
    requests, lost ones, token mismatches against the same requests served by a plain engine,
    and the bytes each worker holds beyond a host that never transformed (page delta).
 2. Fault sweeps: every event of every fault site (allocation, page creation and mapping, KV and
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from gyges import testing  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
-from gyges.reconfig.recovery import RecoveryWarning  # noqa: E402
+from gyges.reconfig import ReconfigurationWarning, RecoveryWarning  # noqa: E402
 
 from benchmarks.common import print_table, write_json  # noqa: E402
 
@@ -56,6 +57,7 @@ def main():
     most = 24 if args.quick else None
     model = model_of(args.model)
     warnings.simplefilter("ignore", RecoveryWarning)
+    warnings.simplefilter("ignore", ReconfigurationWarning)
     started = time.time()
 
     soak = []
@@ -72,7 +74,8 @@ def main():
                 f"({args.model} model)", soak,
                 [("seed", "seed", "{}"), ("faults", "faults", "{}"),
                  ("transformations", "done", "{:,}"), ("refused", "refused", "{}"),
-                 ("recovered", "recovered", "{}"), ("requests", "requests", "{:,}"),
+                 ("rolled_back", "rolled back", "{}"), ("recovered", "recovered", "{}"),
+                 ("requests", "requests", "{:,}"),
                  ("failed_steps", "failed steps", "{}"), ("lost", "lost", "{}"),
                  ("mismatches", "mismatches", "{}"), ("page_delta", "page delta B", "{}"),
                  ("seconds", "s", "{}")])
@@ -86,14 +89,15 @@ def main():
     for site in ("alloc", "page_create", "page_map", "comm"):
         r = testing.sweep_step(model, site, most=most)
         r.update(kind="host step", done=r["runs"] - r["failed"], refused=r["failed"],
-                 recovered=0, wrong_layout=0)
+                 rolled_back=0, recovered=0, wrong_layout=0)
         sweeps.append(r)
         print(f"  sweep host step / {site}: {r}", flush=True)
     print_table("Fault sweeps: the n-th event of a site fails, for every n "
                 "(refused = raised with nothing changed; a failed step counts as refused)",
                 sweeps,
                 [("kind", "operation", "{}"), ("site", "site", "{}"), ("events", "events", "{:,}"),
-                 ("runs", "runs", "{:,}"), ("refused", "refused", "{}"), ("done", "done", "{}"),
+                 ("runs", "runs", "{:,}"), ("refused", "refused", "{}"),
+                 ("rolled_back", "rolled back", "{}"), ("done", "done", "{}"),
                  ("recovered", "recovered", "{}"), ("changed", "changed", "{}"),
                  ("wrong_layout", "wrong layout", "{}"), ("lost", "lost", "{}"),
                  ("mismatches", "mismatches", "{}"), ("leaked_pages", "leaks", "{}")])
@@ -105,9 +109,9 @@ def main():
                  ("refused", "refused", "{}"), ("errors", "errors", "{}"), ("lost", "lost", "{}"),
                  ("mismatches", "mismatches", "{}"), ("bad_aborts", "bad aborts", "{}")])
 
-    bad = (sum(r["lost"] + r["mismatches"] + r["page_delta"] for r in soak) +
+    bad = (sum(r["lost"] + r["mismatches"] + r["page_delta"] + r["recovered"] for r in soak) +
            sum(r["changed"] + r["wrong_layout"] + r["lost"] + r["mismatches"] + r["leaked_pages"]
-               for r in sweeps) +
+               + r["recovered"] for r in sweeps) +
            sum(r["errors"] + r["lost"] + r["mismatches"] + r["bad_aborts"] for r in threads))
     print(f"\nfailures counted: {bad} (must be 0); {time.time() - started:.0f} s")
     write_json("soak_transform", {"model": args.model, "transformations_per_run": n,

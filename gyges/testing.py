@@ -60,8 +60,9 @@ def _legal_targets(host):
         for first in range(0, n, size):
             group = tuple(range(first, first + size))
             inside = [i for i in host.instances if set(i.workers) & set(group)]
-            if any(not set(i.workers) <= set(group) or i.stages for i in inside):
-                continue  # reaches outside, or holds a pipeline (Gyges transforms TP groups)
+            if any(not set(i.workers) <= set(group) or i.stages for i in inside) or \
+                    host.weights_of(group) != {"sharded"}:
+                continue  # reaches outside, holds a pipeline or replicas (Gyges moves shards)
             tps = {i.tp for i in inside}
             if len(tps) == 1 and tps.pop() < size:
                 out.append((group, size))
@@ -253,12 +254,122 @@ def soak_buddy(model, seed=0, operations=100, workers=4, memory="32MiB", faults=
     return result
 
 
-# ---- the mixed soak: every kind of reconfiguration on hosts that serve all the while ----
+# ---- fault sweeps over every kind of reconfiguration ----
 
-MIXED_LAYOUT = "PP[3,1]+TP2+4xTP1"   # a pipeline, a TP group and four replicas (for buddy groups)
+def _reconfiguration_cases():
+    """kind -> (host kwargs, steps to serve first, prepare(host) or None, start(host) ->
+    handle). Every kind of the protocol, blocking and live, on hosts serving eight requests;
+    what `prepare` does (a buddy group for a restore) is not swept."""
+    def buddy(live):
+        return lambda h: h.buddy([i for i in h.instances][:2], live=live)
+
+    groups = {}   # host -> the buddy group `formed` made on it
+
+    def formed(h):
+        groups[id(h)] = h.buddy([i for i in h.instances][:2])
+        for _ in range(2):
+            h.step()
+
+    sharded2 = dict(workers=2, layout="2xTP1")
+    replicated = dict(workers=4, layout="4xTP1", weights="replicated")
+    return {
+        "resplit, live": (dict(workers=2, layout="PP[3,1]"), 2, None,
+                          lambda h: h.reconfigure(h.instances[0], [1, 3], mode="live", tau=4)),
+        "resplit, stop_copy": (dict(workers=2, layout="PP[3,1]"), 2, None,
+                               lambda h: h.reconfigure(h.instances[0], [2, 2], mode="stop_copy")),
+        "bind, soft": (replicated, 2, None, lambda h: h.switch((0, 1, 2, 3), 4, preempt="soft")),
+        "release, soft": (dict(workers=4, layout="TP4", weights="replicated"), 2, None,
+                          lambda h: h.switch((0, 1, 2, 3), 1, preempt="soft")),
+        "buddy": (sharded2, 2, None, buddy(False)),
+        "buddy, live": (sharded2, 2, None, buddy(True)),
+        "restore": (sharded2, 1, formed, lambda h: h.restore(groups[id(h)])),
+        "restore, live": (sharded2, 1, formed, lambda h: h.restore(groups[id(h)], live=True)),
+    }
 
 
-def _mixed_request(rng, vocab, tp=False):
+RECONFIGURATIONS = tuple(_reconfiguration_cases())
+
+
+def sweep_reconfiguration(model, kind, site, most=None, memory="32MiB"):
+    """sweep_transformation for every other kind (RECONFIGURATIONS): the n-th `site` event of
+    starting `kind` and driving it to its end fails, for every n (or `most` of them), each on a
+    fresh host serving eight requests. Returns events, runs, refused, rolled_back, done,
+    recovered, and what must stay 0: changed (a refusal, or a rollback between two steps, that
+    left the host other than before), wrong_layout (a rollback not back in the layout it
+    began in), lost, mismatches and leaked_pages."""
+    from .core.errors import Error
+    from .reconfig import RecoveryWarning, ReconfigurationWarning
+    from .runtime.host import Host
+
+    host_kwargs, warm, prepare, start = _reconfiguration_cases()[kind]
+    load = _Workload(model, memory)
+
+    def setup():
+        host = Host(model, memory_per_worker=memory, **host_kwargs)
+        reqs = [host.submit(p, q) for p, q in zip(load.prompts, load.params)]
+        for _ in range(warm):
+            host.step()
+        if prepare is not None:
+            prepare(host)
+        return host, reqs
+
+    def drive(host):
+        r = start(host)
+        while not r.done:
+            try:
+                host.step()
+            except Error:
+                pass   # a failed step changes nothing: the next one tries again
+        return r
+
+    host, _ = setup()
+    events, _ = count(site, lambda: drive(host))
+    host.close()
+    out = dict(kind=kind, site=site, events=events, runs=0, refused=0, rolled_back=0, done=0,
+               recovered=0, changed=0, wrong_layout=0, lost=0, mismatches=0, leaked_pages=0)
+    for n in spread(events, most):
+        host, reqs = setup()
+        layout, before = host.layout(), snapshot(host, physical=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecoveryWarning)
+            warnings.simplefilter("ignore", ReconfigurationWarning)
+            with inject(site, n):
+                try:
+                    r = drive(host)
+                except Error as e:
+                    r = getattr(e, "reconfiguration", None)
+                    out["refused"] += r is None
+                    # (a kind that starts with a blocking buddy may be refused at that buddy)
+                    out["changed"] += r is None and snapshot(host, physical=False) != before
+        out["runs"] += 1
+        if r is not None:
+            out[{"committed": "done"}.get(r.state, r.state)] += 1
+            if r.rolled_back and r.stats["steps"] == 0:   # (nothing served since it began)
+                out["changed"] += snapshot(host, physical=False) != before
+            out["wrong_layout"] += r.rolled_back and host.layout() != layout
+        host.run()
+        out["lost"] += sum(q.finish_reason not in ("length", "stop") for q in reqs)
+        out["mismatches"] += sum(q.output_tokens != w for q, w in zip(reqs, load.reference))
+        for w in range(host.n_workers):
+            host.worker(w).kv.trim()
+        with Host(model, memory_per_worker=memory, **{**host_kwargs, "layout": host.layout()}) \
+                as fresh:
+            out["leaked_pages"] += sum(host.worker(w).arena.stats()["bytes_in_use"]
+                                       for w in range(host.n_workers)) != sum(
+                fresh.worker(w).arena.stats()["bytes_in_use"] for w in range(host.n_workers))
+        host.close()
+    return out
+
+
+# ---- the mixed soak: every kind of reconfiguration on one host that serves all the while ----
+
+# twelve workers: eight sharded (a pipeline, a TP group and four replicas for buddy groups) and
+# four that keep the whole model (DP engines that switch() binds into TP groups)
+MIXED_LAYOUT = "PP[3,1]+TP2+4xTP1+4xTP1"
+MIXED_WEIGHTS = ["sharded"] * 8 + ["replicated"] * 4
+
+
+def _mixed_request(rng, vocab):
     from .runtime.engine import SamplingParams
     params = SamplingParams(max_tokens=int(rng.integers(2, 12)),
                             temperature=float(rng.choice([0.0, 0.8])),
@@ -269,22 +380,23 @@ def _mixed_request(rng, vocab, tp=False):
 
 
 def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_steps=50000):
-    """Every kind of reconfiguration at random, with arrivals and aborts at every step, on two
-    hosts served in turn: a sharded one (MIXED_LAYOUT: a PP[3,1] pipeline, a TP2 group and four
-    TP1 replicas) takes merges and splits (at once and layer-staggered, with and without
-    overlap), re-splits of its pipelines (buddy groups' too), buddy groups (blocking and live)
-    and their restores (blocking and live); a replicated one (4xTP1, weights="replicated")
-    takes binds and releases of every aligned group ("wait", "soft", "hard") and TP work by
-    degree; and any live one may be cancelled. faults=True also fails a random fault site and
-    event inside about half of the operations. Then every live change is driven to its end,
-    every buddy group restored, and every request checked against the same request served by
-    a plain Engine (greedy and seeded sampling alike).
+    """Every kind of reconfiguration at random, with arrivals and aborts at every step, on one
+    host of twelve workers (MIXED_LAYOUT, MIXED_WEIGHTS): its eight sharded workers (a PP[3,1]
+    pipeline, a TP2 group and four TP1 instances) take merges and splits (at once and
+    layer-staggered, with and without overlap), re-splits of its pipelines (buddy groups' too),
+    buddy groups (blocking and live) and their restores (blocking and live); its four replicated
+    workers take binds and releases of every aligned group ("wait", "soft", "hard") and TP work
+    by degree; any live change may be cancelled. All of them run side by side on the one host,
+    in one step loop. faults=True also fails a random fault site and event inside about half of
+    the operations. Then every live change is driven to its end, every buddy group restored,
+    and every request checked against the same request served by a plain Engine (greedy and
+    seeded sampling alike).
 
     Returns the counts: operations and per kind (transform, reconfigure, buddy, restore, switch,
     cancel) how many were started, refused, committed, rolled_back, recovered; requests,
     aborted, steps, failed_steps; and what must be 0: lost (unfinished, or ended by anything
-    but its length, a stop or our abort), mismatches, and per host the bytes each worker holds
-    beyond a fresh host of its final layout (page_delta)."""
+    but its length, a stop or our abort), mismatches, and the bytes each worker holds beyond a
+    fresh host of the final layout (page_delta, one per worker)."""
     from .core.errors import Error
     from .reconfig import ReconfigurationWarning, RecoveryWarning
     from .runtime.engine import Engine
@@ -293,11 +405,9 @@ def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     L = model.config.num_hidden_layers
-    sharded = Host(model, workers=8, memory_per_worker=memory, layout=MIXED_LAYOUT,
-                   max_batch_tokens=96)
-    replicated = Host(model, workers=4, memory_per_worker=memory, layout="4xTP1",
-                      weights="replicated", max_batch_tokens=96)
-    hosts = (sharded, replicated)
+    n_sharded = MIXED_WEIGHTS.count("sharded")
+    host = Host(model, workers=len(MIXED_WEIGHTS), memory_per_worker=memory,
+                layout=MIXED_LAYOUT, weights=MIXED_WEIGHTS, max_batch_tokens=96)
     kinds = ("transform", "reconfigure", "buddy", "restore", "switch", "cancel")
     counts = {k: dict(started=0, refused=0, committed=0, rolled_back=0, recovered=0)
               for k in kinds}
@@ -305,13 +415,12 @@ def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_
     steps = failed_steps = ops = 0
     site_names = list(SITES)
 
-    def step_all():
+    def step():
         nonlocal steps, failed_steps
-        for h in hosts:
-            try:
-                h.step()
-            except Error:
-                failed_steps += 1  # a failed step changes nothing: the next one retries
+        try:
+            host.step()
+        except Error:
+            failed_steps += 1  # a failed step changes nothing: the next one retries
         steps += 1
 
     def pick(seq):
@@ -320,15 +429,14 @@ def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_
     def operation(kind):
         """Starts one operation of `kind`; returns the handle, or None when nothing fits."""
         if kind == "transform":
-            target = pick(_legal_targets(sharded))
+            target = pick(_legal_targets(host))
             if target is None:
                 return None
             lps = [None, None, 1, 2, L][int(rng.integers(5))]
-            return "transform", sharded.transform(
-                workers=target[0], tp=target[1], layers_per_step=lps,
-                overlap=bool(rng.integers(2)) if lps is not None else False)
+            return host.transform(workers=target[0], tp=target[1], layers_per_step=lps,
+                                  overlap=bool(rng.integers(2)) if lps is not None else False)
         if kind == "reconfigure":
-            inst = pick([i for i in sharded.instances if i.stages])
+            inst = pick([i for i in host.instances if i.stages])
             if inst is None:
                 return None
             n = len(inst.stages)
@@ -337,53 +445,48 @@ def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_
                            list(c) != [b - a for a, b in inst.stages]])
             if layers is None:
                 return None
-            return "reconfigure", sharded.reconfigure(
-                inst, list(layers), mode=pick(["live", "no_patch", "stop_copy"]),
-                tau=int(rng.integers(0, 40)), layers_per_step=int(rng.integers(1, 3)))
+            return host.reconfigure(inst, list(layers), mode=pick(["live", "no_patch", "stop_copy"]),
+                                    tau=int(rng.integers(0, 40)),
+                                    layers_per_step=int(rng.integers(1, 3)))
         if kind == "buddy":
-            singles = {min(i.workers): i for i in sharded.instances if i.tp == 1 and not i.stages}
+            singles = {min(i.workers): i for i in host.instances
+                       if i.tp == 1 and not i.stages and min(i.workers) < n_sharded}
             groups = [[singles[w] for w in range(first, first + g)]
-                      for g in (2, 4) for first in range(0, 8, g)
+                      for g in (2, 4) for first in range(0, n_sharded, g)
                       if all(w in singles for w in range(first, first + g))]
             group = pick(groups)
             if group is None:
                 return None
-            b = sharded.buddy(group, live=bool(rng.integers(2)),
-                              layers_per_step=int(rng.integers(1, 3)))
+            b = host.buddy(group, live=bool(rng.integers(2)), layers_per_step=int(rng.integers(1, 3)))
             buddies.append(b)
-            return "buddy", b
+            return b
         if kind == "restore":
             b = pick([b for b in buddies if b.committed and not b.restored])
             if b is None:
                 return None
-            return "restore", sharded.restore(b, weights_from=pick(["peers", "host"]),
-                                              live=bool(rng.integers(2)))
+            return host.restore(b, weights_from=pick(["peers", "host"]), live=bool(rng.integers(2)))
         if kind == "switch":
-            first, size = pick(list(replicated.replicas.groups))
+            first, size = pick(list(host.replicas.groups))
             tp = size if rng.random() < 0.6 else 1
-            return "switch", replicated.switch(range(first, first + size), tp,
-                                               preempt=pick(["wait", "soft", "hard"]))
-        live = [r for h in hosts for r in h.reconfigurations]
-        r = pick(live)
+            return host.switch(range(first, first + size), tp,
+                               preempt=pick(["wait", "soft", "hard"]))
+        r = pick(list(host.reconfigurations))
         if r is None:
             return None
-        host = sharded if r in sharded.reconfigurations else replicated
         host.cancel(r)
-        return "cancel", r
+        return r
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReconfigurationWarning)
         warnings.simplefilter("ignore", RecoveryWarning)
         while ops < operations and steps < max_steps:
             for _ in range(int(rng.integers(0, 3))):
-                host = pick(hosts)
                 prompt, params = _mixed_request(rng, vocab)
-                tp = pick([None, None, None, 2, 4]) if host is replicated else None
+                tp = pick([None, None, None, None, 1, 2, 4])
                 handles.append((host.submit(prompt, params, tp=tp), prompt, params))
             if handles and rng.random() < 0.05:
                 h, _, _ = pick(handles)
-                host = None if h.finished else next((x for x in hosts if h in _served(x)), None)
-                if host is not None and host.abort(h):
+                if not h.finished and host.abort(h):
                     aborted.add(h.id)
             if rng.random() < 0.3:
                 kind = pick(kinds)
@@ -398,77 +501,67 @@ def soak_mixed(model, seed=0, operations=100, faults=False, memory="32MiB", max_
                             ops += 1
                             counts[kind]["started"] += 1
                             if kind != "cancel":
-                                tracked.append(got)
+                                tracked.append((kind, got))
                     except Error as e:
                         ops += 1
                         counts[kind]["started"] += 1
                         r = getattr(e, "reconfiguration", None)
                         counts[kind]["refused" if r is None else r.state] += 1
                     for _ in range(int(rng.integers(0, 3)) if armed else 0):
-                        step_all()   # a live change's advances may meet the fault
-            step_all()
+                        step()   # a live change's advances may meet the fault
+            step()
             for kind, r in list(tracked):
                 if r.done:
                     counts[kind][r.state] += 1
                     tracked.remove((kind, r))
         # the end: what is under way ends, every buddy group is restored, everything served
-        while any(h.reconfigurations for h in hosts) and steps < max_steps + 10000:
-            step_all()
+        while host.reconfigurations and steps < max_steps + 10000:
+            step()
         for b in buddies:
             if b.committed and not b.restored:
                 try:
-                    sharded.restore(b)
+                    host.restore(b)
                 except Error:
-                    sharded.restore(b)   # (a fault cannot fire here: none is armed)
+                    host.restore(b)   # (a fault cannot fire here: none is armed)
         for kind, r in tracked:
             if r.done:
                 counts[kind][r.state] += 1
-        for h in hosts:
-            h.run()
+        host.run()
     with Engine(model, memory="256MiB") as ref:
         want = [ref.submit(prompt, params) for _, prompt, params in handles]
         ref.run()
     lost = sum(1 for h, _, _ in handles if not h.finished or
                (h.finish_reason not in ("length", "stop") and h.id not in aborted))
-    wrong = [(hosts.index(next(x for x in hosts if any(h is y for y, _, _ in handles))), h.id,
-              len(prompt), params, len(h.output_tokens))
+    wrong = [(h.id, len(prompt), params, len(h.output_tokens))
              for (h, prompt, params), w in zip(handles, want)
              if h.id not in aborted and h.output_tokens != w.output_tokens]
-    mismatches = len(wrong)
-    page_delta, where = [], []
-    for h in hosts:
-        for w in range(h.n_workers):
-            h.worker(w).kv.trim()
-        with Host(model, workers=h.n_workers, memory_per_worker=memory, layout=h.layout(),
-                  weights=h.weights) as fresh:
-            page_delta.append([h.worker(w).arena.stats()["bytes_in_use"] -
-                               fresh.worker(w).arena.stats()["bytes_in_use"]
-                               for w in range(h.n_workers)])
-            for w in range(h.n_workers):   # by what the bytes hold, where they differ
-                mine = h.worker(w).arena.stats()["bytes_by_tag"]
-                theirs = fresh.worker(w).arena.stats()["bytes_by_tag"]
-                where += [(h.weights, w, tag, mine[tag] - theirs[tag]) for tag in mine
-                          if mine[tag] != theirs[tag]]
-    result = {"seed": seed, "operations": ops, **{k: v for k, v in counts.items()},
+    for w in range(host.n_workers):
+        host.worker(w).kv.trim()
+    with Host(model, workers=host.n_workers, memory_per_worker=memory, layout=host.layout(),
+              weights=MIXED_WEIGHTS) as fresh:
+        page_delta = [host.worker(w).arena.stats()["bytes_in_use"] -
+                      fresh.worker(w).arena.stats()["bytes_in_use"] for w in range(host.n_workers)]
+        where = []
+        for w in range(host.n_workers):   # by what the bytes hold, where they differ
+            mine = host.worker(w).arena.stats()["bytes_by_tag"]
+            theirs = fresh.worker(w).arena.stats()["bytes_by_tag"]
+            where += [(w, tag, mine[tag] - theirs[tag]) for tag in mine
+                      if mine[tag] != theirs[tag]]
+    result = {"seed": seed, "operations": ops, **counts,
               "requests": len(handles), "aborted": len(aborted), "steps": steps,
-              "failed_steps": failed_steps, "lost": lost, "mismatches": mismatches,
+              "failed_steps": failed_steps, "lost": lost, "mismatches": len(wrong),
               "page_delta": page_delta, "page_delta_by_tag": where, "wrong": wrong,
-              "layouts": [h.layout() for h in hosts]}
-    for h in hosts:
-        h.close()
+              "layout": host.layout()}
+    host.close()
     return result
-
-
-def _served(host):
-    """The requests a host serves now (for picking one to abort)."""
-    return [r for inst in host.instances for r in inst.requests.values()]
 
 
 # ---- what a caller can see, to compare before and after a refused call ----
 
 def snapshot(target, physical=True):
-    """An Engine's or a Host's visible state: the layout, every worker's page table, and every
-    request's state and progress (in C and in its handle) with its KV block tables. Equal
+    """An Engine's or a Host's visible state: the layout, every worker's page table, KV cache
+    shape and weights held, and every request's state and progress (in C and in its handle)
+    with its KV block tables. Equal
     snapshots mean a call changed nothing a caller could see. physical=False compares which
     slots are mapped (and their tags) instead of which physical pages: a rollback maps again
     what it unmapped, from the pool, so the bytes and the slots are the same, not the pages."""
@@ -486,7 +579,14 @@ def snapshot(target, physical=True):
         if physical:
             return table.tobytes()
         return (table["page"] >= 0).tobytes() + table["tag"].tobytes()
-    state = {"layout": layout, "pages": [pages(w) for w in workers], "requests": {}}
+    state = {"layout": layout, "pages": [pages(w) for w in workers], "requests": {},
+             # each cache's shape: the layers it holds, its heads, pages a layer and page cap
+             "kv": [(w.kv.first_layer, w.kv.n_layers, w.kv.n_kv_heads, w.kv.page_cap,
+                     w.kv.stats()["pages_per_layer"]) for w in workers],
+             # what each worker holds of the model and which TP rank it is
+             "weights": [(sorted(w.weights.held), sorted(w.weights.held_layers),
+                          w.weights.has_embed, w.weights.has_head, w.tp_size, w.tp_rank,
+                          w.layers) for w in workers]}
     for owner, ranks in parts:
         for rid, r in owner.requests.items():
             ex = owner.export(rid)

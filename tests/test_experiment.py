@@ -321,6 +321,10 @@ def test_bad_input_is_refused(model):
         experiment.run(trace, "gyges", host=host, cost="h20")
     with pytest.raises(PolicyError, match="idle_load"):
         experiment.run(trace, "gyges", host=host, idle_load=-1)
+    with gyges.Host(model, workers=4, memory_per_worker="24MiB", layout="2xTP1+2xTP1",
+                    weights=["sharded"] * 2 + ["replicated"] * 2) as both:
+        with pytest.raises(ExperimentError, match="mixes them"):
+            experiment.run(trace, "gyges", host=both)
     host.submit([1, 2, 3], gyges.SamplingParams(max_tokens=2))
     with pytest.raises(ExperimentError, match="idle host"):
         experiment.run(trace, "gyges", host=host)

@@ -369,3 +369,48 @@ def test_an_allocation_failing_in_a_switch_loses_no_request(tiny, operation):
         assert [r.output_tokens for r in reqs] == want, k
         host.close()
     assert operation == "bind" or rolled_back > 0
+
+
+def test_a_mixed_host_switches_its_replicas_and_transforms_its_shards_side_by_side(tiny):
+    """weights=[...] per worker: the sharded part merges (Gyges) while the replicated part binds
+    (Flying Serving), in one step loop; each refuses the other's call by the workers named;
+    every token is a static host's; and bad weights lists are refused."""
+    weights = ["sharded"] * 4 + ["replicated"] * 4
+    host = gyges.Host(tiny, workers=8, memory_per_worker=MEM, layout="PP[3,1]+2xTP1+4xTP1",
+                      weights=weights)
+    assert host.weights == "mixed" and host.weights_of(range(4)) == {"sharded"}
+    assert host.layout() == "PP[3,1]+6xTP1"   # (a layout names instances, not weights)
+    assert host.modes() == ["TP1"] * 4 + ["DP"] * 4
+    ps = prompts(12, seed=3)
+    params = gyges.SamplingParams(max_tokens=10, ignore_eos=True)
+    rs = [host.submit(p, params) for p in ps[:8]]
+    host.step()
+    dp = [i for i in host.instances if list(i.workers) in ([4], [5])]
+    for call, match in ((lambda: host.switch((2, 3), 2), "keep their shards"),
+                        (lambda: host.transform((4, 5), 2), "weights='replicated'"),
+                        (lambda: host.buddy(dp), "sharded workers")):
+        with pytest.raises(gyges.Error, match=match):
+            call()
+        assert host.layout() == "PP[3,1]+6xTP1" and not host.reconfigurations
+    merge = host.transform((2, 3), 2, layers_per_step=1)
+    bind = host.switch(range(4, 8), 4, preempt="soft")
+    rs += [host.submit(p, params, tp=4) for p in ps[8:]]
+    host.run()
+    assert merge.committed and bind.committed
+    assert host.layout() == "PP[3,1]+TP2+TP4"
+    assert host.modes() == ["TP1", "TP1", "TP2", "TP2"] + ["TP4"] * 4
+    want = static_tokens(tiny, "4xTP1", ps, params)
+    assert [r.output_tokens for r in rs] == want
+    host.close()
+    for bad, match in ((["replicated"] * 2 + ["sharded"] * 2, None),  # (aligned: allowed)
+                       (["sharded", "replicated", "replicated", "sharded"], "aligned group"),
+                       (["sharded"] * 3, "for each of the 4 workers"),
+                       (["sharded"] * 3 + ["mirrored"], "for each of the 4 workers")):
+        if match is None:
+            gyges.Host(tiny, workers=4, memory_per_worker=MEM, weights=bad).close()
+            continue
+        with pytest.raises(gyges.InvalidArgumentError, match=match):
+            gyges.Host(tiny, workers=4, memory_per_worker=MEM, weights=bad)
+    with pytest.raises(gyges.InvalidArgumentError, match="sharded and replicated workers"):
+        gyges.Host(tiny, workers=4, memory_per_worker=MEM, layout="TP4",
+                   weights=["sharded"] * 2 + ["replicated"] * 2)

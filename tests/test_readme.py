@@ -1,8 +1,11 @@
 """Every Python block of README.md runs, in order, in one namespace, as a reader would paste
-them into a notebook. The GPU blocks (backend="cuda", d2d or nccl pools) are skipped with the
-reason where no GPU is usable."""
-import os
+them into a notebook, and every value its comments show is compared: a line `expr  # <a Python
+literal>[: prose]` must give that literal (`...` in a list: a prefix). The GPU blocks
+(backend="cuda", d2d or nccl pools) are skipped with the reason where no GPU is usable."""
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -31,19 +34,82 @@ def test_the_readme_has_blocks():
     assert len(BLOCKS) >= 10
 
 
+def shown(comment):
+    """The value a comment shows (a Python literal, maybe followed by prose), or None."""
+    text = comment.lstrip("#").strip()
+    for candidate in [text] + [text.split(sep)[0] for sep in (": ", " (", "  ", " -", ", ")]:
+        try:
+            return ast.literal_eval(candidate), candidate
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return None
+
+
+def matches(got, want):
+    """want == got, where a list ending in ... matches any list it begins."""
+    if isinstance(want, tuple) and isinstance(got, tuple) and len(want) == len(got):
+        return all(matches(g, w) for g, w in zip(got, want))
+    if isinstance(want, list) and want and want[-1] is Ellipsis:
+        return list(got[:len(want) - 1]) == want[:-1]
+    return got == want
+
+
+def with_checks(code):
+    """The block with every `expr  # literal` statement wrapped in a check (__shown)."""
+    comments = {}
+    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+        if tok.type == tokenize.COMMENT:
+            value = shown(tok.string)
+            if value is not None:
+                comments[tok.start[0]] = value[1]
+    lines = code.splitlines()
+    last = {}
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Expr) and node.end_lineno in comments:
+            if node.lineno == node.end_lineno:
+                last[node.end_lineno] = max(last.get(node.end_lineno, node), node,
+                                            key=lambda n: n.col_offset)
+    for n, node in last.items():
+        line = lines[n - 1]
+        expr = line[node.col_offset:node.end_col_offset]
+        lines[n - 1] = (line[:node.col_offset] + f"__shown(({expr}), ({comments[n]}), {n})"
+                        + line[node.end_col_offset:])
+    return "\n".join(lines) + "\n", len(last)
+
+
+def _shown(got, want, line):
+    assert matches(got, want), f"README block line {line}: the comment shows {want!r}, got {got!r}"
+
+
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(line, code, monkeypatch):
     if any(mark in code for mark in GPU_MARKS) and GPU_SKIP_REASON is not None:
         pytest.skip(f"a GPU block: {GPU_SKIP_REASON}")
     monkeypatch.chdir(ROOT)  # the blocks name ../shared/traces from the repository root
-    exec(compile(code, f"{README}:{line}", "exec"), NAMESPACE)
+    checked, _ = with_checks(code)
+    NAMESPACE["__shown"] = _shown
+    exec(compile(checked, f"{README}:{line}", "exec"), NAMESPACE)
+
+
+def test_the_values_the_readme_shows_are_checked():
+    """The check sees the README's values, and fails on a wrong one."""
+    assert sum(with_checks(code)[1] for _, code in BLOCKS) >= 8
+    checked, n = with_checks("x = [3, 4, 5]\nx  # [3, 4, ...]\nlen(x)  # 3: three\n")
+    namespace = {"__shown": _shown}
+    exec(checked, namespace)
+    assert n == 2
+    with pytest.raises(AssertionError, match="shows 4, got 3"):
+        exec(with_checks("len([1, 2, 3])  # 4\n")[0], namespace)
 
 
 def test_the_namespace_is_released():
     """The blocks' hosts and engines go with their names (no leak between test files)."""
+    closed = 0
     for value in list(NAMESPACE.values()):
         close = getattr(value, "close", None)
         if callable(close) and type(value).__module__.startswith("gyges"):
             close()
+            closed += 1
+            assert getattr(value, "closed", True), value
     NAMESPACE.clear()
-    assert os.getcwd()
+    assert closed > 0

@@ -849,6 +849,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         raise ExperimentError("policy 'llumnix' migrates running requests live between replicas, "
                               "which the real host does not do yet; simulate it "
                               "(gyges.sim.run(..., weights='buddy', policy='llumnix'))")
+    if host.weights == "mixed":
+        raise ExperimentError("the controller drives a host whose workers are all sharded or all "
+                              "replicated; this one mixes them (weights=[...] per worker)")
     if policy == "flying" and host.replicas is None:
         raise ExperimentError("policy 'flying' binds the replicas of a host built with "
                               "weights='replicated'")

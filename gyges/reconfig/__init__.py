@@ -36,7 +36,7 @@ def transformation(host, workers, tp, method="gyges", layers_per_step=None,
     layer-staggered. Only the arguments are checked here; the host's state in plan()."""
     workers, tp, layers_per_step = check_args(host, workers, tp, method, layers_per_step,
                                               weights_from, phase_chunks, overlap)
-    if host.weights == "replicated":
+    if "replicated" in host.weights_of(workers):
         raise TransformError("this host keeps a full replica on every worker "
                              "(weights='replicated'): it changes DP and TP with switch(), "
                              "which moves nothing; Gyges transformations move the shards of "

@@ -148,8 +148,9 @@ class Buddy(Reconfiguration, Paced):
                                        f"workers {workers}")
         if L % g:
             raise InvalidArgumentError(f"a group of {g} does not divide the model's {L} layers")
-        if host.weights != "sharded":
-            raise InvalidArgumentError("a buddy group needs a sharded host (weights='sharded')")
+        if "replicated" in host.weights_of(workers):
+            raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
+                                       f"keep replicas that switch() binds (weights='replicated')")
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
@@ -173,9 +174,9 @@ class Buddy(Reconfiguration, Paced):
         pages = [w.kv.stats()["pages_per_layer"] for w in ws]
 
         def back():   # the pages grown for the copies first: the weights need them back
-            for w, p in zip(ws, pages):
-                over = w.kv.stats()["pages_per_layer"] - p
-                if over > 0:
+            for w, p in zip(ws, pages):   # (down to what it had, as far as nothing is in use
+                over = min(w.kv.stats()["pages_per_layer"] - p, w.kv.shrinkable())
+                if over > 0:               # there: a live group served meanwhile)
                     w.kv.shrink(over)
             for w, cp in zip(ws, cps):
                 w.restore(cp)

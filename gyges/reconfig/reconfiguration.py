@@ -125,6 +125,10 @@ class Reconfiguration:
     def _commit(self):
         """The switch. What it changes before it can fail is journaled too."""
 
+    def _quiesce(self):
+        """Stops work it runs beside the steps (a background read) before a rollback touches
+        what that work reads; must not raise."""
+
     def _finish(self):
         """After the commit: what cannot fail and needs no undo (retiring what the change
         replaced, giving back pages no one uses)."""
@@ -232,6 +236,7 @@ class Reconfiguration:
     def _rollback(self):
         """Runs the journal newest first. Stops at the first entry that fails (raising it): the
         entries before it are kept, so the caller knows the rollback did not finish."""
+        self._quiesce()
         while self._undo:
             what, fn = self._undo[-1]
             fn()

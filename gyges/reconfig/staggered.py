@@ -114,11 +114,14 @@ class _Staggered(Transform):
         super()._checkpoint_workers()
         self._grown = {w: 0 for w in self.workers}
 
-    def _release(self):
+    def _quiesce(self):
         try:
             self.wait_background()
-        except Exception:  # it failed or was rolled back anyway; what it read is dropped
+        except Exception:  # it failed or is rolled back anyway; what it read is dropped
             pass
+
+    def _release(self):
+        self._quiesce()
         self._stages = self._stage_pool = None
 
     def _advance(self):

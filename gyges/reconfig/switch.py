@@ -36,10 +36,11 @@ PREEMPT = ("wait", "soft", "hard")
 
 def switch(host, workers, tp, preempt="wait", tp_work=(), auto=False):
     """host.switch's executor: a Bind (tp > 1) or a Release (tp = 1) of the aligned group."""
-    if host.weights != "replicated":
-        raise InvalidArgumentError("switch() is for hosts built with weights='replicated'; this "
-                                   "host's workers keep their shards only: use transform()")
     workers = checks.int_sequence("workers", workers, 0, host.n_workers - 1)
+    if "sharded" in host.weights_of(workers):
+        raise InvalidArgumentError("switch() is for workers built with weights='replicated'; "
+                                   f"workers {sorted(workers)} keep their shards only: use "
+                                   f"transform()")
     if not workers or len(set(workers)) != len(workers):
         raise InvalidArgumentError(f"workers must name distinct workers, got {workers}")
     tp = checks.integer("tp", tp, lo=1, hi=host.n_workers)

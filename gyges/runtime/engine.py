@@ -354,7 +354,7 @@ class Engine(Serving):
                              threads=threads, max_pos=max_pos, pad_ffn=pad_ffn,
                              backend=backend, device=device)
         self.clock = Clock()
-        self._c = _C.Engine([self.worker.c_model], [self.worker.kv._c], None, max_batch_tokens,
+        self._c = _C.Engine([self.worker.c_model], [self.worker.kv.handle], None, max_batch_tokens,
                             max_running, max_prefill_chunk)
         self._loop = InstanceLoop(self._c, model.config, self.clock,
                                   getattr(model, "tokenizer", None))

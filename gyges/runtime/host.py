@@ -16,8 +16,9 @@ for migration traffic (gyges.runtime.comm.CommPool).
 
 How the workers are shared is the host's pool (runtime/pool.py): weights="sharded" (each keeps
 its part of the model; the layout's instances) or "replicated" (each keeps the whole model: DP
-and TP engines, runtime/replicas.py). The host places requests through it and steps what it
-says is serving; it never looks at how.
+and TP engines, runtime/replicas.py), or one of the two per worker (the replicated ones an
+aligned group: MixedPool asks both parts). The host places requests through it and steps what
+it says is serving; it never looks at how.
 
 Live changes of parallelism are reconfigurations (gyges.reconfig): the verbs below (transform,
 reconfigure, switch, buddy, restore) each make one and start it (Host.start), and host.step
@@ -49,7 +50,7 @@ from .engine import Clock, Request, Serving, check_params
 from .instance import Instance
 from .layout import layout_string
 from .layout import parse as parse_layout
-from .pool import ShardedPool
+from .pool import MixedPool, ShardedPool
 from .replicas import ReplicatedPool
 from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
 
@@ -130,12 +131,8 @@ class Host(Serving):
                                        f"{', '.join(DEFAULT_MEMORY)}")
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
-        if weights not in WEIGHTS:
-            raise InvalidArgumentError(f"weights must be 'sharded' (a TP rank keeps its shards; "
-                                       f"Gyges transformations move them) or 'replicated' (every "
-                                       f"worker keeps the whole model; Flying Serving switches), "
-                                       f"got {weights!r}")
-        if weights == "replicated" and backend != "cpu":
+        replicated = self._replicated_workers(weights, workers)
+        if replicated and backend != "cpu":
             raise UnavailableError("weights='replicated' runs on the CPU backend: the CUDA "
                                    "attention kernels have not been checked with the adaptor's "
                                    "longer TP blocks")
@@ -147,9 +144,15 @@ class Host(Serving):
         if any(n % kv_stack for _, _, stages in groups for n in stages or ()):
             raise InvalidArgumentError(f"layout {layout!r}: with kv_stack={kv_stack} every "
                                        f"pipeline stage holds whole runs of {kv_stack} layers")
-        if weights == "replicated" and any(stages for _, _, stages in groups):
+        if any(stages and set(range(first, first + len(stages))) & set(replicated)
+               for first, _, stages in groups):
             raise InvalidArgumentError(f"layout {layout!r}: a replicated host switches between DP "
                                        f"and TP groups; pipelines need sharded weights")
+        if any(tp > 1 and first in replicated and not set(range(first, first + tp)) <= set(replicated)
+               or (first not in replicated and set(range(first, first + tp)) & set(replicated))
+               for first, tp, stages in groups if not stages):
+            raise InvalidArgumentError(f"layout {layout!r}: a TP group lies on sharded and "
+                                       f"replicated workers at once (weights={weights!r})")
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -195,19 +198,45 @@ class Host(Serving):
         self.reconfigurations_started = 0
         self._next_id = 0
         self.steps = 0
-        if weights == "replicated":
-            for first, tp, _ in groups:
+        sharded = ShardedPool()
+        for first, tp, stages in groups:
+            if first not in replicated:
+                sharded.install(self._initial_instance(first, tp, stages))
+            else:
                 self.check_group(first, tp)
-            self.pool = ReplicatedPool(self, lambda ws, tp, kvs: Instance(self, ws, tp, kvs=kvs))
+        if replicated:
+            rep = ReplicatedPool(self, lambda ws, tp, kvs: Instance(self, ws, tp, kvs=kvs),
+                                 workers=replicated)
+            self.pool = rep if len(replicated) == workers else MixedPool(sharded, rep)
         else:
-            self.pool = ShardedPool()
-            for first, tp, stages in groups:
-                self.pool.install(self._initial_instance(first, tp, stages))
+            self.pool = sharded
         self._executor = ThreadPoolExecutor(max_workers=max(len(self.pool.instances()), 1))
-        if weights == "replicated":  # the layout's TP groups bound from the start
-            for first, tp, _ in groups:
-                if tp > 1:
-                    self.switch(range(first, first + tp), tp, "hard")
+        for first, tp, _ in groups:   # a replicated part's TP groups bound from the start
+            if first in replicated and tp > 1:
+                self.switch(range(first, first + tp), tp, "hard")
+
+    @staticmethod
+    def _replicated_workers(weights, workers):
+        """The workers that keep the whole model: weights "sharded" (none), "replicated" (all),
+        or one of the two per worker (an aligned range replicated, the rest sharded)."""
+        if isinstance(weights, str):
+            if weights not in WEIGHTS:
+                raise InvalidArgumentError(
+                    f"weights must be 'sharded' (a TP rank keeps its shards; Gyges "
+                    f"transformations move them) or 'replicated' (every worker keeps the whole "
+                    f"model; Flying Serving switches), or one of them per worker, got {weights!r}")
+            return list(range(workers)) if weights == "replicated" else []
+        kinds = list(weights) if isinstance(weights, (list, tuple)) else None
+        if kinds is None or len(kinds) != workers or set(kinds) - set(WEIGHTS):
+            raise InvalidArgumentError(f"weights must be 'sharded', 'replicated' or one of them "
+                                       f"for each of the {workers} workers, got {weights!r}")
+        rep = [w for w, k in enumerate(kinds) if k == "replicated"]
+        if rep and (rep != list(range(rep[0], rep[-1] + 1)) or rep[0] % len(rep)
+                    or len(rep) & (len(rep) - 1)):
+            raise InvalidArgumentError(f"weights={weights!r}: the replicated workers must be an "
+                                       f"aligned group (k consecutive workers from a multiple of "
+                                       f"k, k a power of two)")
+        return rep
 
     def _initial_instance(self, first, tp, stages):
         if stages:  # a pipeline: worker first + i holds the layers of stage i
@@ -304,12 +333,19 @@ class Host(Serving):
 
     def layout(self):
         """The current layout, e.g. '2xTP1+TP2' or 'PP[3,1]+2xTP1'."""
-        return layout_string(self.pool.layout_parts())
+        return layout_string([part for _, part in sorted(self.pool.layout_parts())])
 
     @property
     def weights(self):
-        """'replicated' (every worker keeps the whole model: switch()) or 'sharded'."""
+        """'replicated' (every worker keeps the whole model: switch()), 'sharded', or 'mixed'
+        (some of each: weights_of tells which)."""
         return self.pool.kind
+
+    def weights_of(self, workers):
+        """{'sharded', 'replicated'}: what the given workers keep."""
+        rep = self.replicas
+        mine = set(rep.workers) if rep is not None else set()
+        return {"replicated" if w in mine else "sharded" for w in workers}
 
     @property
     def instances(self):
@@ -319,7 +355,9 @@ class Host(Serving):
 
     @property
     def replicas(self):
-        """A replicated host's pool (its DP engines and groups), else None."""
+        """The pool of the replicated workers (their DP engines and groups), else None."""
+        if self.pool.kind == "mixed":
+            return self.pool.replicated
         return self.pool if self.pool.kind == "replicated" else None
 
     def serving_instances(self):
@@ -331,7 +369,8 @@ class Host(Serving):
         admits nothing and finishes its running DP requests). A sharded host: its TP degrees."""
         with self._lock:
             self._check_open()
-            return self.pool.modes()
+            modes = self.pool.modes()
+            return [modes[w] for w in range(self.n_workers)] if isinstance(modes, dict) else modes
 
     # ---- what reconfigurations change: instances come and go through these ----
     def make_instance(self, workers, tp, stages=None, kvs=None):
@@ -493,14 +532,11 @@ class Host(Serving):
                 insts = self.instances
                 instance = insts[checks.integer("instance", instance, 0, len(insts) - 1)]
             target, asked = self.pool.place(self, length + params.max_tokens, tp=tp,
-                                            instance=instance, **self._priority(priority))
+                                            instance=instance, priority=priority)
             request = target.add(self._next_id, tokens, params, prompt_text=text)
             self._next_id += 1
             self._start_asked(asked)
             return request
-
-    def _priority(self, priority):
-        return {"priority": priority} if self.pool.kind == "replicated" else {}
 
     def _instance_of(self, request):
         for inst in self.pool.instances():

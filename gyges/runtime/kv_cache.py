@@ -146,6 +146,10 @@ class KVCache:
         """Gives back `pages` pages from the end of every layer (their blocks must be free)."""
         self._c.shrink(_index(pages, "pages"))
 
+    def shrinkable(self):
+        """Pages per layer past the last block in use (what trim would give back)."""
+        return self._c.shrinkable()
+
     def trim(self):
         """Gives back the pages past the last block in use (an idle cache holds none); returns
         how many per layer."""

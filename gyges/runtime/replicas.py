@@ -44,29 +44,34 @@ class Group:
 
 
 class ReplicatedPool:
+    """workers: the host's workers it holds (all of them, or an aligned range of a host that
+    mixes sharded and replicated workers)."""
     kind = "replicated"
 
-    def __init__(self, host, make_instance):
-        n = host.n_workers
-        self.dp = [make_instance([w], 1, None) for w in range(n)]
+    def __init__(self, host, make_instance, workers=None):
+        self.workers = tuple(range(host.n_workers) if workers is None else workers)
+        first, n = self.workers[0], len(self.workers)
+        # {worker: its DP engine}; {(first, size): Group} of every aligned group inside
+        self.dp = {w: make_instance([w], 1, None) for w in self.workers}
         self.groups = {}
-        for first, size in aligned_groups(n, sizes=host.tp_degrees):
-            views = [host.worker(w).kv.view(size) for w in range(first, first + size)]
-            self.groups[(first, size)] = Group(first, size,
-                                               make_instance(range(first, first + size), size,
-                                                             views), views)
-        self.bound_to = [None] * n  # the group engaged (binding, bound, releasing) per worker
+        for g, size in aligned_groups(host.n_workers, sizes=host.tp_degrees):
+            if first <= g and g + size <= first + n:
+                views = [host.worker(w).kv.view(size) for w in range(g, g + size)]
+                self.groups[(g, size)] = Group(g, size,
+                                               make_instance(range(g, g + size), size, views),
+                                               views)
+        self.bound_to = {w: None for w in self.workers}  # the group engaged over each worker
         self.tp_degrees = host.tp_degrees
 
     # ---- what exists and what steps ----
     def instances(self):
-        return self.dp + [g.instance for g in self.groups.values()]
+        return list(self.dp.values()) + [g.instance for g in self.groups.values()]
 
     def serving(self):
         """The TP instance of each bound (or releasing) group and the DP instance of every
         worker not in one."""
         out = []
-        for w, inst in enumerate(self.dp):
+        for w, inst in self.dp.items():
             g = self.bound_to[w]
             if g is None or g.state == "binding":
                 out.append(inst)
@@ -77,21 +82,23 @@ class ReplicatedPool:
     def modes(self):
         """Per worker: 'DP', 'TPk' (bound into a TPk group) or 'paused' (waiting to bind)."""
         out = []
-        for w in range(len(self.dp)):
+        for w in self.workers:
             g = self.bound_to[w]
             out.append("DP" if g is None else "paused" if g.state == "binding" else f"TP{g.size}")
         return out
 
     def layout_parts(self):
-        parts, w = [], 0
-        while w < len(self.dp):
+        """[(first worker, part)] in worker order."""
+        parts, i = [], 0
+        while i < len(self.workers):
+            w = self.workers[i]
             g = self.bound_to[w]
             if g is not None and g.state in ("bound", "releasing"):
-                parts.append(f"TP{g.size}")
-                w += g.size
+                parts.append((w, f"TP{g.size}"))
+                i += g.size
             else:
-                parts.append("TP1")
-                w += 1
+                parts.append((w, "TP1"))
+                i += 1
         return parts
 
     # ---- groups ----
@@ -199,15 +206,15 @@ class ReplicatedPool:
                 return self._place_tp(tokens, g.size, preempt, smallest=g)
         raise InvalidArgumentError(
             f"the request needs {tokens} tokens of KV but no instance holds that many (layout "
-            f"{'+'.join(self.layout_parts())}); merge instances first")
+            f"{'+'.join(part for _, part in self.layout_parts())}); merge instances first")
 
     def _place_tp(self, tokens, tp, preempt, smallest=None):
         candidates = [smallest] if smallest is not None else \
             [g for g in self.groups.values() if g.size == tp]
         if not candidates:
             raise InvalidArgumentError(f"tp={tp}: the model runs at TP "
-                                       f"{', '.join(map(str, self.tp_degrees))} on "
-                                       f"{len(self.dp)} workers")
+                                       f"{', '.join(map(str, self.tp_degrees))} on the "
+                                       f"{len(self.dp)} replicated workers")
         load = lambda g: sum(self.dp[w].load() for w in g.workers)
         engaged = [g for g in candidates if g.state in ("binding", "bound")]
         if engaged:

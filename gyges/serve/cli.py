@@ -9,7 +9,8 @@ import sys
 
 
 def _serve(args):
-    from .. import Host, Model
+    from ..models.model import Model
+    from ..runtime.host import Host
     from . import Server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = Model.load(args.model, dtype=args.dtype)
