@@ -17,7 +17,7 @@ from .core.errors import (ArgumentTypeError, BusyError, CudaError, DependencyErr
 from .runtime.engine import Engine, Request, SamplingParams
 from .runtime.host import Host
 from . import reconfig  # noqa: F401  (registers the host's reconfigurations: transform, switch, ...)
-from .runtime.kv_cache import KVCache
+from .runtime.kv_cache import KVCache, KVMove, KVMoveStage
 from .serve.llm import LLM
 from .models.model import Model
 from .core.units import format_size, parse_size
@@ -49,7 +49,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'gyges' has no attribute {name!r}")
 
 
-__all__ = ["Arena", "KVCache", "Model", "Engine", "SamplingParams", "Request", "Host", "LLM",
+__all__ = ["Arena", "KVCache", "KVMove", "KVMoveStage", "Model", "Engine", "SamplingParams", "Request", "Host", "LLM",
            "Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError", "StateError",
            "BusyError", "SystemCallError", "CudaError", "UnavailableError", "LimitError",
            "FormatError", "DependencyError", "parse_size", "format_size", "WITH_CUDA"]

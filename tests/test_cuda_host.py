@@ -4,7 +4,7 @@ live transformations of virtual workers sharing one GPU, against the CPU host.
 What runs where:
   - everywhere: the refusals (no GPU: UnavailableError naming the reason before anything is
     allocated; placements and communicator choices that cannot work), and the device path of a
-    transformation's KV movement (KVCache.copy_heads_from and the staging of a scale-down) run on
+    transformation's KV movement (KVMove of block lists and the staging of a scale-down) run on
     CPU hosts, where the same C copies are memmoves, against the host path's token streams;
   - with a GPU (skipped with the reason otherwise), and on the emulated device of `make cudaemu`
     (tests/gpu_emu/, `run.py ext`: everything but the kernels, cuBLAS and the driver is the code
@@ -161,27 +161,28 @@ def test_cpu_hosts_refuse_cuda_arguments(tiny):
     assert gyges.Host(tiny, workers=2, memory_per_worker="48MiB").comm_backend == "shm"
 
 
-def test_copy_heads_from_checks_its_arguments(tiny):
+def test_kv_move_checks_its_arguments(tiny):
     host = gyges.Host(tiny, workers=2, memory_per_worker="48MiB")
     a, b = host.worker(0).kv, host.worker(1).kv
     a.grow(1)
     b.grow(1)
+    layers = range(a.n_layers)
     with pytest.raises(TypeError, match="gyges.KVCache"):
-        a.copy_heads_from(b._c, [0], [0])
+        gyges.KVMove(layers).add(b._c, a, [0], [0])
     with pytest.raises(ValueError, match="2 destination blocks for 1 sources"):
-        a.copy_heads_from(b, [0, 1], [0])
+        gyges.KVMove(layers).add(b, a, [0], [0, 1])
     with pytest.raises(ValueError, match="range with step 1"):
-        a.copy_heads_from(b, [0], [0], layers=[0, 1])
+        gyges.KVMove([0, 1])
     with pytest.raises(gyges.InvalidArgumentError, match="not one of the cache's"):
-        a.copy_heads_from(b, [0], [a.n_blocks])
+        gyges.KVMove(layers).add(b, a, [a.n_blocks], [0]).run()
     with pytest.raises(gyges.InvalidArgumentError, match="out of range"):
-        a.copy_heads_from(b, [0], [0], dst_head0=1)
+        gyges.KVMove(layers).add(b, a, [0], [0], dst_head=1).run()
     k = np.arange(16 * 4 * 32, dtype=np.float32).reshape(16, 4, 32)
     seq = b.new_sequence()
     b.reserve(seq, 16)
     b.write(seq, 2, 0, k, -k)
-    a.copy_heads_from(b, [3], b.block_table(seq), dst_head0=1, src_head0=2, n_heads=2,
-                      layers=range(1, 3))
+    gyges.KVMove(range(1, 3)).add(b, a, b.block_table(seq), [3], dst_head=1, src_head=2,
+                                  n_heads=2).run()
     s2 = a.adopt([3], 16)
     got_k, got_v = a.gather(s2, 2)
     np.testing.assert_array_equal(got_k[:, 1:3], k[:, 2:4])
@@ -194,7 +195,7 @@ def test_copy_heads_from_checks_its_arguments(tiny):
 ])
 def test_the_one_kv_route_of_cuda_transformations_runs_on_cpu_hosts(tiny, start, workers,
                                                                      target, steps):
-    """The KV movement CUDA transformations use (KVCache.copy_heads_from: one kernel per layer
+    """The KV movement CUDA transformations use (KVMove of block lists: one kernel per layer
     on a device, memmove on the host; a staging cache of the worker's own backend for a
     scale-down) is the one every backend runs: on CPU hosts every byte of every request's KV is
     where the new geometry says, the placement and accounting hold, and the tokens are the
@@ -220,6 +221,35 @@ def test_the_one_kv_route_of_cuda_transformations_runs_on_cpu_hosts(tiny, start,
 def test_the_emulated_build_is_the_one_under_test():
     assert GPU_SKIP_REASON is None, GPU_SKIP_REASON
     assert os.path.join("ext", "gyges") in gyges.__file__  # tests/gpu_emu/build.py's OUT/ext
+
+
+@needs_gpu
+def test_kv_moves_run_on_one_device_and_refuse_what_needs_a_communicator():
+    """Caches on the GPU move by the device backend; a move between host and device memory
+    needs the NCCL migration backend (not built yet), and an overlapping move (a shadow's) is the
+    host's only: both refused, naming why, with nothing copied."""
+    def cache(backend):
+        arena = gyges.Arena(budget="8MiB", page_size=PAGE, backend=backend)
+        kv = gyges.KVCache(arena, n_layers=2, n_kv_heads=2, head_dim=32, block_size=16)
+        kv.grow(1)
+        seq = kv.new_sequence()
+        kv.reserve(seq, 20)
+        return kv, seq
+    (a, sa), (b, sb), (h, sh) = cache("cuda"), cache("cuda"), cache("cpu")
+    rng = np.random.default_rng(5)
+    for layer in range(2):
+        a.arena.write(a.layer_offset(layer),
+                      rng.standard_normal(a.n_blocks * a.block_bytes // 4).astype(np.float32))
+    stats = gyges.KVMove(range(2)).add(a, b, src_seq=sa, dst_seq=sb).run()
+    assert stats["backend"] == "cuda" and stats["slots"] == 32
+    for layer in range(2):
+        for got, want in zip(b.gather(sb, layer, 0, 32), a.gather(sa, layer, 0, 32)):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(gyges.UnavailableError, match="NCCL migration backend"):
+        gyges.KVMove(range(2)).add(a, h, src_seq=sa, dst_seq=sh).run()
+    assert not h.gather(sh, 0)[0].any()
+    with pytest.raises(gyges.UnavailableError, match="host caches only"):
+        gyges.KVMove(range(2), overlap=True).add(a, b, src_seq=sa, dst_seq=sb).run()
 
 
 @needs_gpu
@@ -400,7 +430,7 @@ def test_automatic_communicator_choice(tiny, monkeypatch):
     assert "comm=" in repr(host)
 
 
-# ---- PipeLive and KunServe on virtual workers (their KV copies: gy_kv_copy_tokens on the device) ----
+# ---- PipeLive and KunServe on virtual workers (their KV copies: KV moves on the device) ----
 
 def one_cuda_worker(tiny, ps, params):
     one = gyges.Host(tiny, workers=1, memory_per_worker=MEMORY, page_size=PAGE,

@@ -223,7 +223,7 @@ def test_close_works_while_any_kind_is_under_way(small, kind):
 def test_a_finished_reconfiguration_keeps_no_buffers(small):
     """The host keeps only live reconfigurations, and a handle the caller keeps holds no KV
     buffers: 60 staggered round trips with their handles kept do not grow the process
-    (host.transformations used to keep every executor and its KV movers: +457 MiB after 400)."""
+    (host.transformations used to keep every executor and its KV stages: +457 MiB after 400)."""
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -244,7 +244,7 @@ def test_a_finished_reconfiguration_keeps_no_buffers(small):
         grown = rss() - start
         host.run()
         assert all(x.finish_reason == "length" for x in reqs)
-        assert all(t._mover_pool is None and not t._undo for t in kept)
+        assert all(t._stage_pool is None and not t._undo for t in kept)
         assert grown < 16 << 20, grown
 
 

@@ -23,8 +23,8 @@ typedef enum gy_fault_site {
     GY_FAULT_ALLOC = 0,       /* host memory: gy_malloc, gy_calloc, gy_realloc */
     GY_FAULT_PAGE_CREATE = 1, /* gy_arena_create_page (and everything that creates pages) */
     GY_FAULT_PAGE_MAP = 2,    /* gy_arena_map and remap (unmapping never fails) */
-    GY_FAULT_COPY = 3,     /* KV and weights between caches or workers: arena copy_runs,
-                               * the KV mover's finish, gy_kv_copy_heads */
+    GY_FAULT_COPY = 3,        /* KV and weights between caches or workers: arena copy_runs,
+                               * each KV move (gy_kv_move_run) */
     GY_FAULT_COMM = 4,        /* a rank's collective (its peers see the failure too) */
     GY_FAULT_SITE_COUNT
 } gy_fault_site;

@@ -1,14 +1,14 @@
-/* resplit.c: PipeLive's live re-split of a pipeline (gyges/pipelive.py drives it). A re-split
- * moves the boundaries between stages while requests keep running: the KV of the layers that
- * change stage is copied from one stage's caches to the other's while steps go on (the steps
+/* resplit.c: PipeLive's live re-split of a pipeline (gyges/reconfig/resplit.py drives it). A
+ * re-split moves the boundaries between stages while requests keep running: the KV of the layers
+ * that change stage is copied from one stage's caches to the other's while steps go on (the steps
  * mark the slots they write, so later copies carry only those), then the plan switches to the
- * new layer ranges between two steps. The engine's part of that is here: the dirty marks, the
- * copies between stages, a request's sequence on a stage, and the switch itself. KunServe's
- * buddy-group exchange (gyges/kunserve.py) moves KV between stages with the same marks and
- * copies. */
+ * new layer ranges between two steps. The engine's part of that is here: the dirty marks, which
+ * sequence holds a request's KV on a stage (the copies between stages are KV moves of those
+ * pairs, kv/kv_move.h), and the switch itself. KunServe's buddy-group exchange
+ * (gyges/reconfig/buddy.py) moves KV between stages with the same marks and moves. */
 #include "resplit.h"
 
-#include "../kv/kv_patch.h"
+#include "../kv/kv_dirty.h"
 #include "engine_impl.h"
 
 /* Rank `rank` of stage `stage`, which must have one group (a re-split's stages have). */
@@ -44,29 +44,26 @@ gy_status gy_engine_mark_dirty(gy_engine *e, const gy_sched_batch *b) {
     return GY_OK;
 }
 
-static gy_status gy_engine_copy_layers_locked(gy_engine *e, int32_t src_stage, int32_t dst_stage,
-                                              int32_t rank, int64_t first_layer, int64_t end_layer,
-                                              const uint64_t *dirty, int64_t dirty_slots,
-                                              int64_t *copied) {
+static gy_status gy_engine_stage_pairs_locked(gy_engine *e, int32_t src_stage, int32_t dst_stage,
+                                              int32_t rank, int64_t *pairs, int64_t cap,
+                                              int64_t *n_out) {
     gy_stage_rank *src = NULL, *dst = NULL;
     GY_TRY(gy_engine_stage_rank(e, src_stage, rank, &src));
     GY_TRY(gy_engine_stage_rank(e, dst_stage, rank, &dst));
-    int64_t total = 0;
+    int64_t n = 0;
     for (int64_t i = 0; i < e->requests.capacity; i++) {
         if (!e->requests.used[i]) continue;
         const gy_engine_request *r = (const gy_engine_request *)(intptr_t)e->requests.values[i];
         const int64_t ss = gy_sched_kv_adapter_seq(src->adapter, r->id);
         const int64_t ds = gy_sched_kv_adapter_seq(dst->adapter, r->id);
         if (ss < 0 || ds < 0) continue;
-        int64_t n = gy_kv_seq_n_blocks(src->r.kv, ss), m = gy_kv_seq_n_blocks(dst->r.kv, ds);
-        if (m < n) n = m; /* every stage reserves the same tokens: equal unless a step failed */
-        int64_t c = 0;
-        GY_TRY(gy_kv_copy_tokens(dst->r.kv, gy_kv_seq_blocks(dst->r.kv, ds), src->r.kv,
-                                 gy_kv_seq_blocks(src->r.kv, ss), n, first_layer, end_layer, dirty,
-                                 dirty_slots, &c));
-        total += c;
+        if (n < cap) {
+            pairs[2 * n] = ss;
+            pairs[2 * n + 1] = ds;
+        }
+        n++;
     }
-    if (copied) *copied = total;
+    *n_out = n;
     return GY_OK;
 }
 
@@ -117,13 +114,12 @@ gy_status gy_engine_set_dirty(gy_engine *e, int32_t stage, int32_t rank, gy_kv_d
     return s;
 }
 
-gy_status gy_engine_copy_layers(gy_engine *e, int32_t src_stage, int32_t dst_stage, int32_t rank,
-                                int64_t first_layer, int64_t end_layer, const uint64_t *dirty,
-                                int64_t dirty_slots, int64_t *copied) {
-    if (e == NULL) return GY_FAIL(GY_ERR_INVALID, "NULL engine");
+gy_status gy_engine_stage_pairs(gy_engine *e, int32_t src_stage, int32_t dst_stage, int32_t rank,
+                                int64_t *pairs, int64_t cap, int64_t *n) {
+    if (e == NULL || n == NULL || (cap > 0 && pairs == NULL))
+        return GY_FAIL(GY_ERR_INVALID, "gy_engine_stage_pairs: NULL argument");
     pthread_mutex_lock(&e->api);
-    const gy_status s = gy_engine_copy_layers_locked(e, src_stage, dst_stage, rank, first_layer,
-                                                     end_layer, dirty, dirty_slots, copied);
+    const gy_status s = gy_engine_stage_pairs_locked(e, src_stage, dst_stage, rank, pairs, cap, n);
     pthread_mutex_unlock(&e->api);
     return s;
 }

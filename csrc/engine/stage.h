@@ -49,7 +49,7 @@ typedef struct gy_stage_rank {
     gy_forward_batch batch;         /* the step's batch as this rank sees it */
     int stream_borrowed;            /* cuda: the communicator runs on this rank's model stream */
     struct gy_kv_dirty *dirty;      /* borrowed, or NULL: the KV slots each step writes are
-                                     * marked here (a pipeline re-split's patching, kv_patch.h) */
+                                     * marked here (a pipeline re-split's patching, kv_dirty.h) */
     gy_forward_remote *parts;       /* [batch.n_remote] this step's remote attention */
     int32_t *zeros;                 /* [cap_zeros] zeros: the parts' token_seq */
     int64_t cap_parts, cap_zeros;

@@ -1,8 +1,7 @@
 /* kv_cache.c: blocks, block tables and growth of the paged KV cache. */
 #include "kv_cache.h"
-#include "kv_copy.h"
+#include "kv_move.h"
 #include "../core/alloc.h"
-#include "../core/fault.h"
 #include "../core/grow.h"
 
 #include <stdlib.h>
@@ -870,25 +869,15 @@ gy_status gy_kv_set_layers(gy_kv_cache *kv, int64_t first_layer, int64_t n_layer
     return GY_OK;
 }
 
-/* Whole blocks within one cache, every layer: one memcpy per block and layer in host memory
- * (a block of the page and header layouts is one run of bytes; the raw layout's K and V halves
- * are two), the device copy otherwise. */
+/* Whole blocks within one cache, every layer held: one KV move (a block of the page and header
+ * layouts is one run of bytes, the raw layout's K and V halves two). */
 static gy_status gy_kv_copy_blocks(gy_kv_cache *kv, const int32_t *to, const int32_t *from, int64_t n) {
-    if (gy_kv_layer_ptr(kv, 0) == NULL)
-        return gy_kv_copy_heads(kv, to, 0, kv, from, 0, kv->config.n_heads, n, 0, kv->config.n_layers);
-    if (gy_fault_hit(GY_FAULT_COPY))
-        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: copying %lld KV blocks failed", (long long)n);
-    const gy_kv_layout *L = &kv->layout;
-    const int raw = L->kind == GY_KV_LAYOUT_RAW;
-    const size_t bytes = (size_t)(raw ? L->block_elems / 2 : L->block_elems) * (size_t)L->elem_size;
-    for (int64_t l = 0; l < kv->config.n_layers; l++) {
-        char *base = gy_kv_layer_ptr(kv, l);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t half = 0; half <= raw; half++)
-                memcpy(base + gy_kv_layout_offset(L, half, to[i], 0, 0) * L->elem_size,
-                       base + gy_kv_layout_offset(L, half, from[i], 0, 0) * L->elem_size, bytes);
-    }
-    return GY_OK;
+    const gy_kv_move_item item = {.src = kv, .dst = kv, .src_blocks = from, .dst_blocks = to,
+                                  .n_blocks = n, .n_heads = kv->config.n_heads,
+                                  .n_tokens = GY_KV_MOVE_ALL_TOKENS};
+    const gy_kv_move move = {.items = &item, .n_items = 1, .first_layer = kv->config.first_layer,
+                             .end_layer = kv->config.first_layer + kv->config.n_layers};
+    return gy_kv_move_run(&move, NULL, NULL);
 }
 
 gy_status gy_kv_compact(gy_kv_cache *kv, int64_t keep, int64_t *moved) {

@@ -30,6 +30,9 @@ Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, cons
 int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kv_patch_add(PyObject *module);
+int gy_py_kv_move_add(PyObject *module);
+/* py_kv_move.c's add function under the name module.c calls it by (to go when module.c calls
+ * gy_py_kv_move_add). */
 int gy_py_kv_mover_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);

@@ -584,27 +584,30 @@ static PyObject *gy_py_engine_set_dirty(GyEngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* copy_layers(src_stage, dst_stage, rank, first_layer, end_layer, words, dirty_slots) -> slots
- * copied; words None copies whole blocks, else a uint64 bitmap a KVDirty take filled. */
-static PyObject *gy_py_engine_copy_layers(GyEngineObject *self, PyObject *args) {
+/* stage_pairs(src_stage, dst_stage, rank) -> [(src_seq, dst_seq)]: the sequences of every
+ * request holding KV on rank `rank` of both stages (the copies between them are KV moves). */
+static PyObject *gy_py_engine_stage_pairs(GyEngineObject *self, PyObject *args) {
     int src, dst, rank;
-    long long first, end, dirty_slots;
-    PyObject *words_object;
-    if (!PyArg_ParseTuple(args, "iiiLLOL", &src, &dst, &rank, &first, &end, &words_object, &dirty_slots))
-        return NULL;
-    Py_buffer words = {0};
-    if (words_object != Py_None &&
-        gy_py_get_buffer(words_object, &words, (Py_ssize_t)((dirty_slots + 63) / 64) * 8, 0, "words") < 0)
-        return NULL;
-    int64_t copied = 0;
+    if (!PyArg_ParseTuple(args, "iii", &src, &dst, &rank)) return NULL;
+    int64_t *pairs = NULL, cap = 0, n = 0;
     gy_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = gy_engine_copy_layers(self->engine, src, dst, rank, first, end,
-                              words_object != Py_None ? words.buf : NULL, dirty_slots, &copied);
-    Py_END_ALLOW_THREADS
-    if (words_object != Py_None) PyBuffer_Release(&words);
-    if (s != GY_OK) return gy_py_raise(s);
-    return PyLong_FromLongLong(copied);
+    for (;;) { /* again with more room when there were more pairs than it had */
+        Py_BEGIN_ALLOW_THREADS
+        s = gy_engine_stage_pairs(self->engine, src, dst, rank, pairs, cap, &n);
+        Py_END_ALLOW_THREADS
+        if (s != GY_OK || n <= cap) break;
+        PyMem_Free(pairs);
+        cap = n + 8;
+        if ((pairs = PyMem_Malloc((size_t)(2 * cap) * sizeof *pairs)) == NULL) return PyErr_NoMemory();
+    }
+    PyObject *list = s == GY_OK ? PyList_New((Py_ssize_t)n) : gy_py_raise(s);
+    for (int64_t i = 0; list != NULL && i < n; i++) {
+        PyObject *pair = Py_BuildValue("(LL)", (long long)pairs[2 * i], (long long)pairs[2 * i + 1]);
+        if (pair == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, pair);
+    }
+    PyMem_Free(pairs);
+    return list;
 }
 
 static PyObject *gy_py_engine_stage_seq(GyEngineObject *self, PyObject *args) {
@@ -679,8 +682,8 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"request_ids", (PyCFunction)gy_py_engine_request_ids, METH_NOARGS, "request_ids() -> unfinished ids"},
     {"set_dirty", (PyCFunction)gy_py_engine_set_dirty, METH_VARARGS,
      "set_dirty(stage, rank, dirty): steps mark the KV slots they write (None stops)"},
-    {"copy_layers", (PyCFunction)gy_py_engine_copy_layers, METH_VARARGS,
-     "copy_layers(src_stage, dst_stage, rank, first, end, words, dirty_slots) -> slots copied"},
+    {"stage_pairs", (PyCFunction)gy_py_engine_stage_pairs, METH_VARARGS,
+     "stage_pairs(src_stage, dst_stage, rank) -> [(src_seq, dst_seq)] of every request on both"},
     {"set_remote", (PyCFunction)gy_py_engine_set_remote, METH_VARARGS,
      "set_remote(id, stage, src_stage, first_layer, end_layer): remote attention (empty: ends)"},
     {"remote_stats", (PyCFunction)gy_py_engine_remote_stats, METH_NOARGS,

@@ -2,10 +2,7 @@
  * and builds the NumPy arrays; this file only moves bytes and translates statuses. */
 #include "py_common.h"
 
-#include "kv/kv_patch.h"
-
 #include "kv/kv_cache.h"
-#include "kv/kv_copy.h"
 
 typedef struct {
     PyObject_HEAD
@@ -290,39 +287,6 @@ static PyObject *gy_py_kv_take_pages(GyKVObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* copy_heads(src, dst_blocks_int32, src_blocks_int32, dst_head0, src_head0, n_heads,
- *            first_layer, n_layers): gy_kv_copy_heads into this cache (kv_copy.h), GIL released.
- * The block lists are int32 buffers of one length. */
-static PyObject *gy_py_kv_copy_heads(GyKVObject *self, PyObject *args) {
-    PyObject *src_object, *lists[2];
-    long long dst_head0, src_head0, n_heads, first_layer, n_layers;
-    if (!PyArg_ParseTuple(args, "OOOLLLLL", &src_object, &lists[0], &lists[1], &dst_head0,
-                          &src_head0, &n_heads, &first_layer, &n_layers))
-        return NULL;
-    gy_kv_cache *src = gy_py_kv_unwrap(src_object);
-    if (src == NULL) return NULL;
-    Py_buffer views[2];
-    if (PyObject_GetBuffer(lists[0], &views[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(lists[1], &views[1], PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&views[0]);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (views[0].len != views[1].len || views[0].len % 4 != 0) {
-        PyErr_SetString(GY_PY_VALUE_ERROR, "copy_heads: block lists must be int32 of one length");
-    } else {
-        gy_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = gy_kv_copy_heads(self->kv, views[0].buf, dst_head0, src, views[1].buf, src_head0,
-                             n_heads, views[0].len / 4, first_layer, n_layers);
-        Py_END_ALLOW_THREADS
-        result = s == GY_OK ? Py_NewRef(Py_None) : gy_py_raise(s);
-    }
-    PyBuffer_Release(&views[0]);
-    PyBuffer_Release(&views[1]);
-    return result;
-}
-
 static PyObject *gy_py_kv_set_page_cap(GyKVObject *self, PyObject *args) {
     long long pages;
     if (!PyArg_ParseTuple(args, "L", &pages)) return NULL;
@@ -349,42 +313,7 @@ static PyObject *gy_py_kv_compact(GyKVObject *self, PyObject *args) {
     return PyLong_FromLongLong(moved);
 }
 
-/* copy_tokens(src, dst_blocks, src_blocks, first_layer, end_layer) -> token slots copied:
- * every token slot of the blocks, model layers [first_layer, end_layer) (kv_patch.h). */
-static PyObject *gy_py_kv_copy_tokens(GyKVObject *self, PyObject *args) {
-    PyObject *src_object, *lists[2];
-    long long first, end;
-    if (!PyArg_ParseTuple(args, "OOOLL", &src_object, &lists[0], &lists[1], &first, &end)) return NULL;
-    gy_kv_cache *src = gy_py_kv_unwrap(src_object);
-    if (src == NULL) return NULL;
-    Py_buffer views[2];
-    if (PyObject_GetBuffer(lists[0], &views[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(lists[1], &views[1], PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&views[0]);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (views[0].len != views[1].len || views[0].len % 4 != 0) {
-        PyErr_SetString(GY_PY_VALUE_ERROR, "copy_tokens: block lists must be int32 of one length");
-    } else {
-        int64_t copied = 0;
-        gy_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = gy_kv_copy_tokens(self->kv, views[0].buf, src, views[1].buf, views[0].len / 4, first,
-                              end, NULL, 0, &copied);
-        Py_END_ALLOW_THREADS
-        result = s == GY_OK ? PyLong_FromLongLong(copied) : gy_py_raise(s);
-    }
-    PyBuffer_Release(&views[0]);
-    PyBuffer_Release(&views[1]);
-    return result;
-}
-
 static PyMethodDef gy_py_kv_methods[] = {
-    {"copy_tokens", (PyCFunction)gy_py_kv_copy_tokens, METH_VARARGS,
-     "copy_tokens(src, dst_blocks, src_blocks, first_layer, end_layer) -> token slots copied"},
-    {"copy_heads", (PyCFunction)gy_py_kv_copy_heads, METH_VARARGS,
-     "copy_heads(src, dst_blocks, src_blocks, dst_head0, src_head0, n_heads, first_layer, n_layers)"},
     {"shadow", (PyCFunction)gy_py_kv_shadow, METH_VARARGS, "shadow(n_heads) -> KVCache over the same pages"},
     {"take_pages", (PyCFunction)gy_py_kv_take_pages, METH_NOARGS, "take_pages(): a shadow becomes the owner"},
     {"view", (PyCFunction)gy_py_kv_view, METH_VARARGS, "view(factor) -> KVCache sharing this cache's block pool"},

@@ -1,7 +1,7 @@
-/* py_kv_patch.c: gyges._C.KVDirty, the dirty bitmap of KV patching (kv/kv_patch.h). */
+/* py_kv_patch.c: gyges._C.KVDirty, the dirty bitmap of KV patching (kv/kv_dirty.h). */
 #include "py_common.h"
 
-#include "kv/kv_patch.h"
+#include "kv/kv_dirty.h"
 
 typedef struct {
     PyObject_HEAD

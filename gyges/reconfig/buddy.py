@@ -26,6 +26,7 @@ from .. import _C
 from ..core.checks import integer
 from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
                            UnavailableError)
+from ..runtime.kv_cache import KVMove
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
 from .resplit import weight_bytes
@@ -40,6 +41,12 @@ def _new_seq(kv, n_tokens):
     seq = kv.new_sequence()
     kv.reserve(seq, n_tokens)
     return seq
+
+
+def _move_seq(src, seq, dst, dst_seq, first, end):
+    """A request's KV of model layers [first, end), which both caches hold, from its sequence in
+    `src` to dst_seq in `dst` (block for block, every slot); returns the bytes."""
+    return KVMove(range(first, end)).add(src, dst, src_seq=seq, dst_seq=dst_seq).run()["bytes"]
 
 
 def _check_link(link):
@@ -68,7 +75,7 @@ def gather_home(host, pipe, ranges, workers, homes, valid, copy=True):
             for k in range(g):
                 lo, hi = valid(rid, k)
                 if k != h and seqs[k] >= 0 and hi > lo:
-                    copied += ws[h].kv.copy_tokens_from(ws[k].kv, seqs[h], seqs[k], lo, hi)
+                    copied += _move_seq(ws[k].kv, seqs[k], ws[h].kv, seqs[h], lo, hi)
     return out, copied
 
 
@@ -196,7 +203,7 @@ class Buddy(Reconfiguration, Paced):
                     if self.live:
                         chunks.append([rid, j, k, lo])
                     else:
-                        exchanged += w.kv.copy_tokens_from(ws[j].kv, new, seq, lo, hi)
+                        exchanged += _move_seq(ws[j].kv, seq, w.kv, new, lo, hi)
         # 3. the pipeline over the members' stage models takes every request with its KV (the
         #    caches still hold every layer, so nothing is lost until all of it has worked)
         for w, (lo, hi) in zip(ws, ranges):
@@ -301,7 +308,7 @@ class Buddy(Reconfiguration, Paced):
                         keep.extend(self.pending[i + 1:])   # in order: the next waits for this one
                         break
                     continue
-                nbytes = self._w[k].kv.copy_tokens_from(self._w[j].kv, dst, src, layer, layer + 1)
+                nbytes = _move_seq(self._w[j].kv, src, self._w[k].kv, dst, layer, layer + 1)
                 pipe.set_remote(rid, k, j, layer + 1, hi)
                 self._moved(moved, (rid, k), nbytes)
                 self.stats["kv_bytes_exchanged"] += nbytes
@@ -342,7 +349,7 @@ class Restore(Reconfiguration, Paced):
          the host copy;
       2. KV: every member's cache holds every layer again, and each stage's layers of every
          request are copied to every other stage's cache (copy_layers), while each step marks
-         the slots it writes (a dirty bitmap per stage, kv_patch.h) and every advance patches
+         the slots it writes (a dirty bitmap per stage, kv_dirty.h) and every advance patches
          them into the layers already copied (PipeLive's patching);
       3. between two steps (the commit): a last patch, and the switch: the members as TP1
          instances, each request home with its KV, which is there already.

@@ -1,6 +1,6 @@
-"""The KV bytes of an at-once transformation, all through one call: KVCache.copy_heads_from
-(csrc/kv/kv_move.h), which copies heads of block lists between two caches wherever they live
-(memmove on the host, one kernel per layer on a GPU both arenas share). The plans (plans.py)
+"""The KV bytes of an at-once transformation, all through the one KV move (KVMove,
+csrc/kv/kv_move.h): heads of block lists between two caches wherever they live (memmove on the
+host, one kernel per layer on a GPU both arenas share). The plans (plans.py)
 say which blocks go where; these functions carry them out and count the bytes on the handle.
 
     all_to_all   scale-up's phased all-to-all, round by round; reverse=True takes it back
@@ -14,7 +14,7 @@ say which blocks go where; these functions carry them out and count the bytes on
 import numpy as np
 
 from ..runtime.arena import Arena
-from ..runtime.kv_cache import KVCache
+from ..runtime.kv_cache import KVCache, KVMove
 
 
 def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
@@ -31,9 +31,9 @@ def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
                 src_kv, dst_kv = host.worker(src).kv, host.worker(dst).kv
                 old = m * np.asarray(src_blocks, np.int64) + sub_of[dst]
                 if reverse:
-                    src_kv.copy_heads_from(dst_kv, old, dst_blocks)
+                    KVMove(range(L)).add(dst_kv, src_kv, dst_blocks, old).run()
                 else:
-                    dst_kv.copy_heads_from(src_kv, dst_blocks, old)
+                    KVMove(range(L)).add(src_kv, dst_kv, old, dst_blocks).run()
                     tr._count(src, dst, len(dst_blocks) * run_bytes * L)
                 done.append((rnd, (src, dst)))
     except BaseException as e:
@@ -45,12 +45,12 @@ def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
 def undo_all_to_all(host, rounds, m, sub_of, done):
     """Takes back the copies `done` lists (newest first): each run goes back to the old block
     it came from, which no later copy overwrote."""
+    L = host.model.config.num_hidden_layers
     for rnd, pair in reversed(done):
         src, dst = pair
         src_blocks, dst_blocks = rounds[rnd][pair]
-        host.worker(src).kv.copy_heads_from(host.worker(dst).kv,
-                                            m * np.asarray(src_blocks, np.int64) + sub_of[dst],
-                                            dst_blocks)
+        KVMove(range(L)).add(host.worker(dst).kv, host.worker(src).kv, dst_blocks,
+                             m * np.asarray(src_blocks, np.int64) + sub_of[dst]).run()
 
 
 def stage(host, tr, moved, rank_worker):
@@ -78,7 +78,8 @@ def stage(host, tr, moved, rank_worker):
         for rid, tab in items:
             first[rid] = at
             at += len(tab)
-        staging.copy_heads_from(kv, np.arange(n), np.concatenate([tab for _, tab in items]))
+        KVMove(range(L)).add(kv, staging, np.concatenate([tab for _, tab in items]),
+                             np.arange(n)).run()
         stages[rank] = (staging, first)
         tr.stats["peak_extra_bytes"][w] += n * kv.block_bytes * L
         tr.stats["stage_bytes"] += pages * L * worker.page_size
@@ -107,14 +108,14 @@ def unstage(host, tr, moved, staged, plan, seq_of):
             if not dst:
                 continue
             dst, src = np.concatenate(dst), np.concatenate(src)
-            kv.copy_heads_from(staging, dst, src, dst_head0=g * staging.n_kv_heads,
-                               n_heads=staging.n_kv_heads)
+            KVMove(range(L)).add(staging, kv, src, dst, dst_head=g * staging.n_kv_heads).run()
             tr._count(plan.rank_worker[rank], w, len(dst) * staging.block_bytes * L)
 
 
 def restage(host, moved, staged, rank_worker, seq_of_old):
     """A rollback's write back: every staged block to its old block (the caches in their old
     geometry again, each request's old table in seq_of_old[rank][id])."""
+    L = host.model.config.num_hidden_layers
     for rank, (staging, first) in staged.items():
         kv = host.worker(rank_worker[rank]).kv
         dst, src = [], []
@@ -124,4 +125,4 @@ def restage(host, moved, staged, rank_worker, seq_of_old):
                 dst.append(table)
                 src.append(np.arange(first[req.id], first[req.id] + len(table)))
         if dst:
-            kv.copy_heads_from(staging, np.concatenate(dst), np.concatenate(src))
+            KVMove(range(L)).add(staging, kv, np.concatenate(src), np.concatenate(dst)).run()

@@ -21,7 +21,7 @@ Between two steps:
 3. Each step (host.step calls advance) loads `layers_per_step` added layers' weights on their
    new worker, from the worker that has them, and copies those layers' KV of every request from
    their current owner (mode "live"). Meanwhile every step marks the KV slots it writes on the
-   source workers in a dirty bitmap (kv_patch.h), and each advance drains it and patches those
+   source workers in a dirty bitmap (kv_dirty.h), and each advance drains it and patches those
    slots at the destinations (T_sched: tokens marked; T_applied: slots patched).
 4. When the weights and the bulk copy are done and the tokens written since the last drain are
    fewer than tau for every source (or none are), the re-split commits; if that has not happened

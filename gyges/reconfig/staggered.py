@@ -7,10 +7,12 @@ StaggeredScaleUp: the merged instance serves from the start; below the boundary 
 still run (each on its own requests' rows, with the old KV and FFN shards). StaggeredScaleDown:
 the TPk instance serves on; above the boundary each new group runs its own requests' rows with
 the new KV geometry (a shadow over the same pages) and the FFN shards gathered back layer by
-layer. Each layer's KV moves with a C KVMover (csrc/kv/kv_mover.h).
+layer. Each layer's KV is one overlap KVMove (csrc/kv/kv_move.h): the new blocks lie over the
+old ones.
 
-A failure at any advance rolls the transformation back: the layers moved so far move back (the same mover, the other way: every run goes back where it came from, tokens
-written since included), the transition stage goes, the requests go back to the old instances
+A failure at any advance rolls the transformation back: the layers moved so far move back (the
+same move, the other way: every run goes back where it came from, tokens written since
+included), the transition stage goes, the requests go back to the old instances
 and each worker to its checkpoint."""
 import os
 import threading
@@ -19,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .. import _C
 from ..core.errors import OutOfMemoryError
+from ..runtime.kv_cache import KVMove, KVMoveStage
 from .plans import MergePlan, SplitPlan, balance
 from .requests import MovedRequest, collect, hand_back, hand_over
 from .plans import TransformError
@@ -35,6 +37,14 @@ def _lowest_priority():
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
+
+
+def _item(src, seq, head, n_heads, dst, dst_seq, dst_head=0):
+    """The KVMove item of heads [head, head + n_heads) of every token of `seq` in `src`, into
+    heads [dst_head, ...) of dst_seq in `dst`; returns (item, tokens)."""
+    n_tokens = src.n_tokens(seq)
+    return KVMove.item(src, dst, src_seq=seq, dst_seq=dst_seq, src_head=head, dst_head=dst_head,
+                       n_heads=n_heads, n_tokens=n_tokens), n_tokens
 
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyges-transform",
@@ -57,8 +67,8 @@ class _Staggered(Transform):
     _background_weights = False  # can _layer_weights run after the boundary has passed?
     overlap = False
     _background = None
-    _movers = None       # overlap: layer -> KVMover planned for it
-    _mover_pool = None   # one KVMover per layer a step moves, reused: each keeps its stage
+    _stages = None       # overlap: layer -> the KVMoveStage its move was planned in
+    _stage_pool = None   # one KVMoveStage per layer a step moves, reused: each keeps its memory
     # overlap: steps in a row that may go on while the background work is still running before
     # advance() waits for it (the boundary moves only once a layer's early read is complete)
     max_steps_behind = 4
@@ -81,9 +91,9 @@ class _Staggered(Transform):
         return self.engine.boundary
 
     def _pool(self):
-        if self._mover_pool is None:
-            self._mover_pool = [_C.KVMover() for _ in range(self.layers_per_step)]
-        return self._mover_pool
+        if self._stage_pool is None:
+            self._stage_pool = [KVMoveStage() for _ in range(self.layers_per_step)]
+        return self._stage_pool
 
     def wait_background(self):
         """Blocks until the work running beside the steps is done (benchmarks charge it to the
@@ -112,7 +122,7 @@ class _Staggered(Transform):
 
     def _release(self):
         self._quiesce()
-        self._movers = self._mover_pool = None
+        self._stages = self._stage_pool = None
 
     def _advance(self):
         """Moves the next layers (the engine is between steps); True once layer 0 has moved.
@@ -131,17 +141,16 @@ class _Staggered(Transform):
         self.wait_background()
         start = time.perf_counter()
         items, sent = self._move_plan(self._table())
-        planned = self._movers or {}
+        planned = self._stages or {}
         if self.overlap and not planned:
             self._start_background(items, [])  # the first step only starts reading
             self._time("layers", start)
             return False
-        self._movers = None
+        self._stages = None
         released = []
         for layer, spare in zip(self._next_layers(), self._pool()):
             self._weights_in(layer)
-            mover = planned.get(layer, spare)
-            moved = mover.finish(items, layer)
+            moved = self._layer_move(items, layer).run(planned.get(layer, spare))
             self.undo(lambda layer=layer: self._move_back(layer), f"layer {layer}'s KV")
             self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
             self.stats["bytes_in_place"] += moved["bytes_in_place"]
@@ -166,14 +175,14 @@ class _Staggered(Transform):
     def _start_background(self, items, released):
         """Plans the next layers' moves and reads them, and releases the weights of `released`,
         on the transformation thread while the next step runs."""
-        self._movers = {}
-        for layer, mover in zip(self._next_layers(), self._pool()):
-            self._movers[layer] = mover
-            mover.plan(items, layer)
+        self._stages = {}
+        for layer, stage in zip(self._next_layers(), self._pool()):
+            self._stages[layer] = stage
+            self._layer_move(items, layer).plan(stage)
 
-        def work(movers=list(self._movers.values())):
-            for mover in movers:
-                mover.read()
+        def work(stages=list(self._stages.values())):
+            for stage in stages:
+                stage.read()
             for layer in released:
                 self._weights_out(layer)
         self._background = _EXECUTOR.submit(work)
@@ -184,7 +193,13 @@ class _Staggered(Transform):
         next (abort_transition), before anything steps."""
         self.wait_background()
         items, _ = self._move_plan(self._saved_table or self._table(), reverse=True)
-        _C.KVMover().finish(items, layer)
+        self._layer_move(items, layer).run()
+
+    @staticmethod
+    def _layer_move(items, layer):
+        """One layer's KV: the new blocks lie over the old ones, so every source is read first
+        (on two threads)."""
+        return KVMove(range(layer, layer + 1), items, overlap=True, threads=2)
 
     _saved_table = None
 
@@ -337,7 +352,7 @@ class StaggeredScaleUp(_Staggered):
     def _move_plan(self, table, reverse=False):
         """What moving one layer copies, the same for every layer until the next step: for every
         request and new rank, the heads it owns, from the old rank of the request's group that
-        holds them (reverse: the other way). Returns the items for _C.KVMover and the bytes per
+        holds them (reverse: the other way). Returns the KVMove items and the bytes per
         (src, dst) worker."""
         items, sent = [], {}
         D = self.host.model.config.head_dim
@@ -353,11 +368,11 @@ class StaggeredScaleUp(_Staggered):
                 src_w = self.rank_order[src]
                 head = first - src_rank * self.h_old
                 if reverse:
-                    item, n_tokens = self.new_kvs[w].mover_item(
-                        new_seqs[i], 0, self.h_new, self.old_kvs[src_w], olds[src][1], head)
+                    item, n_tokens = _item(self.new_kvs[w], new_seqs[i], 0, self.h_new,
+                                           self.old_kvs[src_w], olds[src][1], head)
                 else:
-                    item, n_tokens = self.old_kvs[src_w].mover_item(
-                        olds[src][1], head, self.h_new, self.new_kvs[w], new_seqs[i])
+                    item, n_tokens = _item(self.old_kvs[src_w], olds[src][1], head, self.h_new,
+                                           self.new_kvs[w], new_seqs[i])
                 items.append(item)
                 if src_w != w:
                     sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_new * D * elem
@@ -516,13 +531,12 @@ class StaggeredScaleDown(_Staggered):
                     src_rank = r * self.m + g
                     src_w = self.rank_worker[src_rank]
                     if reverse:
-                        item, n_tokens = self.new_kvs[w].mover_item(
-                            new_seq, g * self.h_old, self.h_old, src_kvs[src_rank],
-                            old_seqs[src_rank], 0)
+                        item, n_tokens = _item(self.new_kvs[w], new_seq, g * self.h_old,
+                                               self.h_old, src_kvs[src_rank], old_seqs[src_rank])
                     else:
-                        item, n_tokens = src_kvs[src_rank].mover_item(
-                            old_seqs[src_rank], 0, self.h_old, self.new_kvs[w], new_seq,
-                            g * self.h_old)
+                        item, n_tokens = _item(src_kvs[src_rank], old_seqs[src_rank], 0,
+                                               self.h_old, self.new_kvs[w], new_seq,
+                                               g * self.h_old)
                     items.append(item)
                     if src_w != w:
                         sent[(src_w, w)] = sent.get((src_w, w), 0) + 2 * n_tokens * self.h_old * D * elem

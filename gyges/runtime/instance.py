@@ -10,6 +10,7 @@ import weakref
 
 from .. import _C
 from .engine import InstanceLoop
+from .kv_cache import KVMove
 from .layout import part_string
 
 
@@ -26,6 +27,7 @@ class Instance:
         self.stages = tuple(stages) if stages else None
         ranks = [host.worker(w) for w in self.workers]
         kvs = kvs or [w.kv for w in ranks]
+        self.kvs = tuple(kvs)  # the ranks' caches, in rank order
         self.block_tokens = kvs[0].block_size
         if self.stages:
             self._c = _C.Engine([[w.c_model] for w in ranks], [[kv.handle] for kv in kvs],
@@ -205,9 +207,13 @@ class Instance:
 
     def copy_layers(self, src_stage, dst_stage, first, end, words=None, slots=0):
         """Every request's KV of model layers [first, end) from one stage's cache to another's
-        (with `words`, a taken dirty bitmap of `slots` slots: only those slots); returns the
-        token slots copied."""
-        return self._c.copy_layers(src_stage, dst_stage, 0, first, end, words, slots)
+        (with `words`, a taken dirty bitmap of `slots` slots: only those slots), one KVMove of
+        the sequences the engine pairs; returns the token slots copied."""
+        src, dst = self.kvs[src_stage], self.kvs[dst_stage]
+        move = KVMove(range(first, end), dirty=words, dirty_slots=slots if words is not None else None)
+        for src_seq, dst_seq in self._c.stage_pairs(src_stage, dst_stage, 0):
+            move.add(src, dst, src_seq=src_seq, dst_seq=dst_seq)
+        return move.run()["slots"]
 
     def replan(self, stages, models):
         """The same stages, ranks and caches with new layer ranges and models (between two

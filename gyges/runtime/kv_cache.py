@@ -10,6 +10,7 @@ sequences own lists of blocks (their block tables). Everything is readable as Nu
 a layer's storage in its physical order (`layer_raw`) and in logical order (`layer`, a strided
 zero-copy view with axes (kv, block, token, head, dim) whatever the layout: Gyges'
 kv_stride_order()/permute), and the K/V of a sequence gathered into (tokens, heads, head_dim).
+KV bytes move between caches one way, a KVMove (below).
 
 The values are fp32 by default (the CPU engine's); a cache in a cuda arena may hold f16 or bf16
 (the CUDA engine keeps its KV in the activation dtype). Zero-copy views need host memory; gather
@@ -218,51 +219,11 @@ class KVCache:
         self._c.reshape(_index(n_kv_heads, "n_kv_heads"))
         self.n_kv_heads = n_kv_heads
 
-    def copy_heads_from(self, src, dst_blocks, src_blocks, dst_head0=0, src_head0=0,
-                        n_heads=None, layers=None):
-        """Copies heads [src_head0, src_head0 + n_heads) of block src_blocks[i] of `src` (K and
-        V, every token) into heads [dst_head0, ...) of block dst_blocks[i] of this cache, in each
-        layer of `layers` (a range; default all), where the caches live: on the host, or on the
-        GPU both arenas share (one kernel per layer, no byte through the host). n_heads defaults
-        to all of src's heads. The regions must not overlap; refused, copying nothing, for block
-        ids that are not mapped, heads out of range or caches on different devices."""
-        if not isinstance(src, KVCache):
-            raise ArgumentTypeError(f"src must be a gyges.KVCache, got {type(src).__name__}")
-        dst_blocks = np.ascontiguousarray(dst_blocks, dtype=np.int32).ravel()
-        src_blocks = np.ascontiguousarray(src_blocks, dtype=np.int32).ravel()
-        if dst_blocks.size != src_blocks.size:
-            raise InvalidArgumentError(f"{dst_blocks.size} destination blocks for {src_blocks.size} sources")
-        layers = range(self.n_layers) if layers is None else layers
-        if not isinstance(layers, range) or layers.step != 1:
-            raise InvalidArgumentError(f"layers must be a range with step 1, got {layers!r}")
-        n_heads = src.n_kv_heads - src_head0 if n_heads is None else n_heads
-        self._c.copy_heads(src._c, dst_blocks, src_blocks, _index(dst_head0, "dst_head0"),
-                           _index(src_head0, "src_head0"), _index(n_heads, "n_heads"),
-                           layers.start, len(layers))
-
-    def copy_tokens_from(self, src, dst_seq, src_seq, first_layer, end_layer):
-        """Copies sequence src_seq of cache `src` into this cache's dst_seq (block for block,
-        every token slot) in model layers [first_layer, end_layer), which both hold (KunServe's
-        exchange between buddies); returns the bytes copied."""
-        dst_blocks, src_blocks = self.block_table(dst_seq), src.block_table(src_seq)
-        n = min(len(dst_blocks), len(src_blocks))
-        slots = self._c.copy_tokens(src._c, np.ascontiguousarray(dst_blocks[:n], np.int32),
-                                    np.ascontiguousarray(src_blocks[:n], np.int32),
-                                    _index(first_layer, "first_layer"), _index(end_layer, "end_layer"))
-        return slots * (end_layer - first_layer) * self.block_bytes // self.block_size
-
     def layer_offset(self, layer):
         """Arena byte offset of the layer's storage."""
         return self._c.layer_offset(_index(layer, "layer"))
 
     # ---- sequences ----
-    def mover_item(self, seq, head0, n_heads, dst, dst_seq, dst_head0=0):
-        """One item for a C KVMover (csrc/kv/kv_mover.h): heads [head0, head0 + n_heads) of
-        every token of `seq` here, into heads [dst_head0, ...) of dst_seq in cache `dst`.
-        Returns (item, tokens)."""
-        n_tokens = self.n_tokens(seq)
-        return (self._c, seq, head0, n_heads, n_tokens, dst._c, dst_seq, dst_head0), n_tokens
-
     def adopt(self, blocks, n_tokens):
         """A new sequence owning exactly these (free) blocks; returns its id."""
         return self._c.seq_adopt(np.ascontiguousarray(blocks, dtype=np.int32), _index(n_tokens, "n_tokens"))
@@ -382,3 +343,97 @@ class KVCache:
                 f"layers={self.n_layers}, "
                 f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
                 f"block_size={self.block_size}, blocks={s['n_blocks']}, free={s['free_blocks']})")
+
+
+class KVMove:
+    """A move of KV bytes between caches, the only way they move (csrc/kv/kv_move.h): items
+    added with add(), over model layers `layers`, run by run(); wherever the caches live (memmove
+    in host memory, the head-copy kernel on a GPU both share).
+
+        KVMove(range(L)).add(src, dst, src_blocks=old, dst_blocks=new, src_head=2, n_heads=2).run()
+
+    An item pairs blocks of `src` with blocks of `dst`: two lists of block ids, or the block
+    tables of sequences src_seq and dst_seq; and copies heads [src_head, src_head + n_heads) of
+    every paired block (K and V, token slots [0, n_tokens) of the pairs in order, every slot
+    when n_tokens is None) to heads [dst_head, ...) of its partner, in every layer of `layers`.
+    Options of the same call:
+      dirty      uint64 words a KVDirty.take filled (dirty_slots: the bitmap's slots, by default
+                 64 a word): only those slots of the one source cache are copied (a patch);
+      overlap    destinations may lie over sources (a shadow cache over the same pages): every
+                 source is read before anything is written; host caches only. An overlap move
+                 may be read early: plan(stage) between steps, stage.read() beside a step, then
+                 run(stage) with the move as it is by then (KVMoveStage);
+      threads    1 or 2, for overlap moves.
+    run() refuses, copying nothing, what does not fit (blocks not mapped, heads or layers out of
+    range, caches on different devices) and returns its stats: "slots" (asked for per layer),
+    "bytes" (written, every layer), "bytes_in_place", "bytes_early", "bytes_late",
+    "items_reused", "items_stale", "stage_bytes", "runs_direct", "runs_parked", "backend"."""
+
+    def __init__(self, layers, items=(), dirty=None, dirty_slots=None, overlap=False, threads=1):
+        if not isinstance(layers, range) or layers.step != 1:
+            raise InvalidArgumentError(f"layers must be a range with step 1, got {layers!r}")
+        self.layers = layers
+        self.items = list(items)  # KVMove.item tuples
+        self._options = {"overlap": bool(overlap), "threads": _index(threads, "threads")}
+        if dirty is not None:
+            dirty = np.ascontiguousarray(dirty, dtype=np.uint64)
+            slots = 64 * dirty.size if dirty_slots is None else _index(dirty_slots, "dirty_slots")
+            self._options.update(dirty=dirty, dirty_slots=slots)
+
+    @staticmethod
+    def item(src, dst, src_blocks=None, dst_blocks=None, *, src_seq=None, dst_seq=None,
+             src_head=0, dst_head=0, n_heads=None, n_tokens=None):
+        """One item, checked (see the class): add() appends one, the constructor takes a list
+        (the same items move several layers, one move each)."""
+        for name, kv in (("src", src), ("dst", dst)):
+            if not isinstance(kv, KVCache):
+                raise ArgumentTypeError(f"{name} must be a gyges.KVCache, got {type(kv).__name__}")
+        if (src_blocks is None) != (dst_blocks is None) or (src_blocks is None) == (src_seq is None):
+            raise InvalidArgumentError("an item pairs two block lists or two sequences")
+        if src_blocks is not None:
+            src_blocks = np.ascontiguousarray(src_blocks, dtype=np.int32).ravel()
+            dst_blocks = np.ascontiguousarray(dst_blocks, dtype=np.int32).ravel()
+            if dst_blocks.size != src_blocks.size:
+                raise InvalidArgumentError(f"{dst_blocks.size} destination blocks for "
+                                           f"{src_blocks.size} sources")
+            src_seq = dst_seq = -1
+        elif dst_seq is None:
+            raise InvalidArgumentError("an item of sequences names both")
+        src_head = _index(src_head, "src_head")
+        n_heads = src.n_kv_heads - src_head if n_heads is None else _index(n_heads, "n_heads")
+        return (src._c, dst._c, src_blocks, dst_blocks, _index(src_seq, "src_seq"),
+                _index(dst_seq, "dst_seq"), src_head, _index(dst_head, "dst_head"), n_heads,
+                -1 if n_tokens is None else _index(n_tokens, "n_tokens"))
+
+    def add(self, src, dst, src_blocks=None, dst_blocks=None, **kwargs):
+        """Appends an item (KVMove.item's arguments); returns the move."""
+        self.items.append(self.item(src, dst, src_blocks, dst_blocks, **kwargs))
+        return self
+
+    def run(self, stage=None):
+        """Copies everything (GIL released); returns the stats. With `stage` (a KVMoveStage),
+        an overlap move reads through it and uses its early read of these layers, if any."""
+        if stage is not None and not isinstance(stage, KVMoveStage):
+            raise ArgumentTypeError(f"stage must be a gyges.KVMoveStage, got {type(stage).__name__}")
+        return _C.kv_move(self.items, self.layers.start, self.layers.stop,
+                          stage=None if stage is None else stage._c, **self._options)
+
+    def plan(self, stage):
+        """The early read's first half, between steps: `stage` remembers this overlap move's
+        blocks (items of sequences with token counts), and stage.read() copies them."""
+        if not isinstance(stage, KVMoveStage):
+            raise ArgumentTypeError(f"stage must be a gyges.KVMoveStage, got {type(stage).__name__}")
+        stage._c.plan(self.items, self.layers.start, self.layers.stop, **self._options)
+
+
+class KVMoveStage:
+    """The host memory overlap moves read through, kept between them (it grows to the largest),
+    and an early read: KVMove.plan(stage) between steps, read() on any thread while a step runs,
+    then a KVMove.run(stage) of the move as it is by then reuses what was read."""
+
+    def __init__(self):
+        self._c = _C.KVMoveStage()
+
+    def read(self):
+        """Copies the planned tokens into the stage (GIL released); no-op without a plan."""
+        self._c.read()

@@ -11,6 +11,7 @@
 #include "engine/remote.h"
 #include "engine/resplit.h"
 #include "gytest.h"
+#include "kv/kv_move.h"
 
 enum { V = 97, H = 32, I = 48, L = 2, NH = 4, NKV = 2, D = 8, MAX_TP = 2 };
 
@@ -681,9 +682,18 @@ GYTEST(engine_remote_attention_gives_the_tokens_of_one_stage) {
     for (int step = 0; step < 100; step++) {
         if (step == 4 || step == 6) { /* one more layer has arrived */
             const int64_t l = step == 4 ? 2 : 3;
-            int64_t copied = 0;
-            CHECK_OK(gy_engine_copy_layers(e, 0, 1, 0, l, l + 1, NULL, 0, &copied));
-            CHECK(copied > 0);
+            int64_t pairs[2 * 8], n = 0;
+            CHECK_OK(gy_engine_stage_pairs(e, 0, 1, 0, pairs, 8, &n));
+            CHECK(n == 3);
+            gy_kv_move_item items[8];
+            for (int64_t i = 0; i < n; i++)
+                items[i] = (gy_kv_move_item){.src = kvs[0], .dst = kvs[1], .src_seq = pairs[2 * i],
+                                             .dst_seq = pairs[2 * i + 1], .n_heads = NKV,
+                                             .n_tokens = GY_KV_MOVE_ALL_TOKENS};
+            const gy_kv_move move = {.items = items, .n_items = n, .first_layer = l, .end_layer = l + 1};
+            gy_kv_move_stats moved;
+            CHECK_OK(gy_kv_move_run(&move, NULL, &moved));
+            CHECK(moved.slots > 0);
             for (int r = 0; r < 3; r++) CHECK_OK(gy_engine_set_remote(e, r, 1, 0, l + 1, PLAN_L));
             if (step == 4) gy_engine_remote_stats(e, &calls, &rows);
         }

@@ -1,12 +1,13 @@
 /* test_kv_patch.c: PipeLive's KV pieces: the dirty bitmap (no slot lost with a concurrent
- * sender), the token copy between caches of other layer ranges, compaction and the layer range
- * of a cache. */
+ * sender), the KV move between caches of other layer ranges (whole blocks or dirty slots),
+ * compaction and the layer range of a cache. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gytest.h"
-#include "kv/kv_patch.h"
+#include "kv/kv_dirty.h"
+#include "kv/kv_move.h"
 
 /* block = 2 * 4 tokens * 2 heads * 8 dims * 4 bytes = 512 bytes: 8 blocks a page */
 static gy_kv_cache *make_stage(gy_arena **arena, int64_t first_layer, int64_t n_layers) {
@@ -121,7 +122,7 @@ GYTEST(kv_dirty_threads_lose_no_slot_to_a_concurrent_sender) {
     gy_kv_dirty_free(d);
 }
 
-GYTEST(kv_copy_tokens_moves_layers_between_stages_whole_or_dirty) {
+GYTEST(kv_move_between_stages_whole_or_dirty) {
     /* source holds layers [0, 3), destination [2, 4): layer 2 moves */
     gy_arena *sa, *da;
     gy_kv_cache *src = make_stage(&sa, 0, 3), *dst = make_stage(&da, 2, 2);
@@ -135,10 +136,12 @@ GYTEST(kv_copy_tokens_moves_layers_between_stages_whole_or_dirty) {
     CHECK_OK(gy_kv_seq_reserve(src, s, 7));
     CHECK_OK(gy_kv_seq_reserve(dst, q, 7));
     write_tokens(src, s, 2, 0, 7, 0.0f);
-    int64_t copied;
-    CHECK_OK(gy_kv_copy_tokens(dst, gy_kv_seq_blocks(dst, q), src, gy_kv_seq_blocks(src, s), 2, 2, 3,
-                               NULL, 0, &copied));
-    CHECK(copied == 8 && tokens_are(dst, q, 2, 0, 7, 0.0f));
+    const gy_kv_move_item it = {.src = src, .dst = dst, .src_seq = s, .dst_seq = q, .n_heads = 2,
+                                .n_tokens = GY_KV_MOVE_ALL_TOKENS};
+    gy_kv_move move = {.items = &it, .n_items = 1, .first_layer = 2, .end_layer = 3};
+    gy_kv_move_stats st;
+    CHECK_OK(gy_kv_move_run(&move, NULL, &st));
+    CHECK(st.slots == 8 && tokens_are(dst, q, 2, 0, 7, 0.0f));
     /* tokens 5, 6 change on the source and are marked: a patch copies only them */
     gy_kv_dirty *d;
     CHECK_OK(gy_kv_dirty_init(&d, 8 * 4));
@@ -147,14 +150,16 @@ GYTEST(kv_copy_tokens_moves_layers_between_stages_whole_or_dirty) {
     write_tokens(src, s, 2, 0, 1, 9.0f); /* written, not marked: must not be copied */
     uint64_t words[1];
     CHECK(gy_kv_dirty_take(d, words) == 2);
-    CHECK_OK(gy_kv_copy_tokens(dst, gy_kv_seq_blocks(dst, q), src, gy_kv_seq_blocks(src, s), 2, 2, 3,
-                               words, 32, &copied));
-    CHECK(copied == 2 && tokens_are(dst, q, 2, 5, 2, 7.0f) && tokens_are(dst, q, 2, 0, 5, 0.0f));
+    move.dirty = words;
+    move.dirty_slots = 32;
+    CHECK_OK(gy_kv_move_run(&move, NULL, &st));
+    CHECK(st.slots == 2 && tokens_are(dst, q, 2, 5, 2, 7.0f) && tokens_are(dst, q, 2, 0, 5, 0.0f));
     /* refusals: a layer one cache lacks, a bitmap too small */
-    CHECK_STATUS(gy_kv_copy_tokens(dst, gy_kv_seq_blocks(dst, q), src, gy_kv_seq_blocks(src, s), 2, 1, 3,
-                                   NULL, 0, NULL), GY_ERR_INVALID);
-    CHECK_STATUS(gy_kv_copy_tokens(dst, gy_kv_seq_blocks(dst, q), src, gy_kv_seq_blocks(src, s), 2, 2, 3,
-                                   words, 4, NULL), GY_ERR_INVALID);
+    move.first_layer = 1;
+    CHECK_STATUS(gy_kv_move_run(&move, NULL, NULL), GY_ERR_INVALID);
+    move.first_layer = 2;
+    move.dirty_slots = 4;
+    CHECK_STATUS(gy_kv_move_run(&move, NULL, NULL), GY_ERR_INVALID);
     gy_kv_dirty_free(d);
     gy_kv_free(src);
     gy_kv_free(dst);

@@ -51,8 +51,8 @@ FLAVOURS["address"] = FLAVOURS["san"]
 # The kernels unoptimised under the sanitizers: paged_attention_decode.cu's 36 instantiations take
 # g++ 47 s at -O1 and 10 s at -O0, and the kernel tests run about as fast either way.
 CU_OPT = {"san": ["-O0"], "address": ["-O0"]}
-# The arenas of the harness are CPU ones that its forward pass and device KV copy take for
-# CUDA ones (harness.c defines the two replacements).
+# The arenas of the harness are CPU ones that its forward pass and the device backend of KV moves
+# take for CUDA ones (harness.c defines the two replacements).
 AS_CUDA = ["-Dgy_arena_backend=emu_arena_backend", "-Dgy_arena_device=emu_arena_device"]
 COMM_SOURCES = ["comm/comm.c", "comm/comm_shm.c", "comm/comm_d2d.c", "comm/comm_stream.c",
                 "comm/comm_nccl.c", "core/status.c", "core/fault.c"]
@@ -233,14 +233,11 @@ def libcuda(out):
 
 def build_harness(out):
     b = Build(out, "san")
-    for source in csrc("engine/forward_cuda.c", "kernels/kv_copy_device.c"):
+    for source in csrc("engine/forward_cuda.c", "kernels/kv_move_device.c"):
         if not str(source.relative_to(CSRC)).startswith("python/"):
             b.c(source)
     b.c(CSRC / "engine/forward_cuda.c", "harness_forward_cuda", AS_CUDA)
-    b.c(CSRC / "kernels/kv_copy_device.c", "harness_kv_copy_device", AS_CUDA)
-    b.c(CSRC / "kv/kv_copy.c", "harness_kv_copy_on_device",
-        [*AS_CUDA, "-Dgy_kv_copy_heads=emu_device_kv_copy_heads",
-         "-Dgy_kv_copy_check_arenas=emu_device_kv_copy_check_arenas"])
+    b.c(CSRC / "kernels/kv_move_device.c", "harness_kv_move_device", AS_CUDA)
     for stem in ("device", "comm_d2d"):
         b.cu(stem)
     b.cxx(HERE / "kernel_emu.cpp", "kernel_emu_serial", ["-DGY_EMU_SERIAL"])

@@ -13,12 +13,12 @@
  * same greedy tokens as a CPU engine, its ranks' collectives run on their models' streams while
  * it lives and on the communicator's own afterwards, and the pairings that cannot work (shm with
  * CUDA ranks, d2d with CPU ranks, a rank on another device, a model without a stream) are refused
- * with the reason. And gy_kv_copy_heads' device path (kv_copy.c built a second time against the
- * emulated device) copies the same bytes as its host path.
+ * with the reason. And the device backend of KV moves (kernels/kv_move_device.c), registered in
+ * the host backend's place, copies the same bytes as the host backend.
  *
- * The arenas here are CPU ones: build.py compiles forward_cuda.c and the device half of kv_copy
- * with gy_arena_backend and gy_arena_device renamed to emu_arena_backend and emu_arena_device
- * below, which call every arena a CUDA one on device 0.
+ * The arenas here are CPU ones: build.py compiles forward_cuda.c and kv_move_device.c with
+ * gy_arena_backend and gy_arena_device renamed to emu_arena_backend and emu_arena_device below,
+ * which call every arena a CUDA one on device 0.
  *
  * Exits non-zero on any failure; ASan checks that every emulated allocation is freed.
  * `make cudaemu` (tests/gpu_emu/run.py harness). */
@@ -31,17 +31,13 @@
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
 #include "core/dtype.h"
-#include "kv/kv_copy.h"
+#include "kernels/kv_move_device.h"
 #include "mem/arena.h"
 #include "gpu_emu.h"
 
 enum { V = 97, H = 64, I = 96, L = 3, NH = 8, NKV = 4, D = 16, MAX_TP = 4 };
 gy_arena_backend_kind emu_arena_backend(const gy_arena *a) { (void)a; return GY_ARENA_BACKEND_CUDA; }
 int32_t emu_arena_device(const gy_arena *a) { (void)a; return 0; }
-/* kv_copy.c built against the emulated device (its arenas look like CUDA ones) */
-gy_status emu_device_kv_copy_heads(gy_kv_cache *dst, const int32_t *dst_blocks, int64_t dst_head0,
-                                   const gy_kv_cache *src, const int32_t *src_blocks, int64_t src_head0,
-                                   int64_t n_heads, int64_t n_blocks, int64_t first_layer, int64_t n_layers);
 static int failures;
 #define EXPECT(c) do { if (!(c)) { printf("FAIL %s:%d %s (%s)\n", __FILE__, __LINE__, #c, gy_error_message()); failures++; } } while (0)
 
@@ -294,8 +290,26 @@ static void engine_cases(void) {
     free_weights(&cpu);
 }
 
-/* kv_copy.c's device path against its host path: the same bytes, every layout. */
-static void kv_copy_case(gy_kv_layout_kind kind) {
+/* A move on the host backend, or on the device backend registered in its place. */
+static gy_status kv_move_on(int device, const gy_kv_move *move, gy_kv_move_stats *st) {
+    if (device && gy_kv_move_set_backend(GY_KV_MOVE_BACKEND_HOST, &gy_kv_move_device_backend) != GY_OK) abort();
+    const gy_status s = gy_kv_move_run(move, NULL, st);
+    if (gy_kv_move_set_backend(GY_KV_MOVE_BACKEND_HOST, NULL) != GY_OK) abort();
+    return s;
+}
+
+static int kv_layers_equal(gy_kv_cache *a, gy_kv_cache *b) {
+    int same = 1;
+    for (int l = 0; l < L; l++)
+        same &= memcmp(gy_kv_layer_ptr(a, l), gy_kv_layer_ptr(b, l),
+                       (size_t)gy_kv_layout_layer_elems(gy_kv_layout_of(a)) * 4) == 0;
+    return same;
+}
+
+/* The device backend against the host backend: the same bytes, every layout; items between the
+ * same caches and heads go in one launch, others in their own; with a bitmap each block holding a
+ * dirty slot goes whole (the host's move of those blocks). */
+static void kv_move_case(gy_kv_layout_kind kind) {
     gy_arena *a[3]; gy_kv_cache *src, *d1, *d2;
     kv_make(&a[0], &src, 4, 4, kind, 4);
     kv_make(&a[1], &d1, 2, 4, kind, 4);
@@ -308,19 +322,47 @@ static void kv_copy_case(gy_kv_layout_kind kind) {
         memcpy(gy_kv_layer_ptr(d2, l), q, (size_t)nd * 4);
     }
     const int32_t sb[5] = {3, 0, 13, 9, 15}, db[5] = {1, 20, 4, 0, 12}; /* of 16 and 32 blocks */
-    EXPECT(gy_kv_copy_heads(d1, db, 1, src, sb, 2, 1, 5, 1, 2) == GY_OK);
-    EXPECT(emu_device_kv_copy_heads(d2, db, 1, src, sb, 2, 1, 5, 1, 2) == GY_OK);
-    int same = 1, changed = 0;
-    for (int l = 0; l < L; l++) {
-        const int64_t nd = gy_kv_layout_layer_elems(gy_kv_layout_of(d1));
-        same &= memcmp(gy_kv_layer_ptr(d1, l), gy_kv_layer_ptr(d2, l), (size_t)nd * 4) == 0;
-        changed |= l > 0 && ((float *)gy_kv_layer_ptr(d1, l))[gy_kv_layout_offset(gy_kv_layout_of(d1), 1, 12, 3, 1)] ==
-                                ((float *)gy_kv_layer_ptr(src, l))[gy_kv_layout_offset(gy_kv_layout_of(src), 1, 15, 3, 2)];
-    }
+    gy_kv_move_item items[3] = {
+        {.src = src, .dst = d1, .src_blocks = sb, .dst_blocks = db, .n_blocks = 3, .src_head = 2, .dst_head = 1, .n_heads = 1, .n_tokens = -1},
+        {.src = src, .dst = d1, .src_blocks = sb + 3, .dst_blocks = db + 3, .n_blocks = 2, .src_head = 2, .dst_head = 1, .n_heads = 1, .n_tokens = -1},
+        {.src = src, .dst = d1, .src_blocks = sb, .dst_blocks = db + 2, .n_blocks = 1, .src_head = 0, .dst_head = 0, .n_heads = 1, .n_tokens = -1},
+    };
+    gy_kv_move move = {.items = items, .n_items = 3, .first_layer = 1, .end_layer = L};
+    gy_kv_move_stats hs, ds;
+    EXPECT(kv_move_on(0, &move, &hs) == GY_OK);
+    for (int i = 0; i < 3; i++) items[i].dst = d2;
+    items[1].n_tokens = 6; /* the device copies the partly used last block whole anyway */
+    EXPECT(kv_move_on(1, &move, &ds) == GY_OK);
+    const int same = kv_layers_equal(d1, d2);
+    int changed = 0;
+    for (int l = 1; l < L; l++)
+        changed |= ((float *)gy_kv_layer_ptr(d1, l))[gy_kv_layout_offset(gy_kv_layout_of(d1), 1, 12, 3, 1)] ==
+                   ((float *)gy_kv_layer_ptr(src, l))[gy_kv_layout_offset(gy_kv_layout_of(src), 1, 15, 3, 2)];
     EXPECT(same); EXPECT(changed);
+    EXPECT(ds.backend == GY_KV_MOVE_BACKEND_HOST && ds.slots == hs.slots - 2);
+    /* a bitmap: the device copies the blocks that hold a dirty slot, whole */
+    uint64_t dirty[2] = {0, 0};
+    dirty[(9 * 4 + 1) / 64] |= (uint64_t)1 << ((9 * 4 + 1) % 64); /* source block 9, token 1 */
+    dirty[(0 * 4 + 3) / 64] |= (uint64_t)1 << 3;                  /* source block 0, token 3 */
+    const gy_kv_move_item all = {.src = src, .dst = d2, .src_blocks = sb, .dst_blocks = db, .n_blocks = 5,
+                                 .src_head = 0, .dst_head = 0, .n_heads = 2, .n_tokens = -1};
+    const gy_kv_move patch = {.items = &all, .n_items = 1, .first_layer = 0, .end_layer = L, .dirty = dirty, .dirty_slots = 128};
+    EXPECT(kv_move_on(1, &patch, &ds) == GY_OK && ds.slots == 2);
+    const int32_t hb[2] = {0, 9}, hd[2] = {20, 0};
+    const gy_kv_move_item whole = {.src = src, .dst = d1, .src_blocks = hb, .dst_blocks = hd, .n_blocks = 2,
+                                   .src_head = 0, .dst_head = 0, .n_heads = 2, .n_tokens = -1};
+    const gy_kv_move blocks = {.items = &whole, .n_items = 1, .first_layer = 0, .end_layer = L};
+    EXPECT(kv_move_on(0, &blocks, NULL) == GY_OK);
+    const int patched = kv_layers_equal(d1, d2);
+    EXPECT(patched);
     const int32_t bad[5] = {3, 0, 13, 9, 999};
-    EXPECT(emu_device_kv_copy_heads(d2, db, 1, src, bad, 2, 1, 5, 1, 2) == GY_ERR_INVALID);
-    printf("kv_copy_heads layout=%d: device path %s the host path\n", kind, same ? "matches" : "DIFFERS from");
+    items[0].src_blocks = bad;
+    items[0].n_blocks = 5;
+    items[0].dst_blocks = db;
+    EXPECT(kv_move_on(1, &move, NULL) == GY_ERR_INVALID);
+    EXPECT(kv_layers_equal(d1, d2));
+    printf("kv_move layout=%d: the device backend %s the host backend\n", kind,
+           same && patched ? "matches" : "DIFFERS from");
     for (int i = 0; i < 3; i++) gy_kv_free(i == 0 ? src : i == 1 ? d1 : d2), gy_arena_free(a[i]);
 }
 
@@ -336,7 +378,7 @@ int main(void) {
     one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_PAGE, 4, 2, 5e-2, COMM_SHM);
     one_case(GY_DTYPE_BF16, 1, GY_KV_LAYOUT_HEAD, 4, 4, 5e-2, COMM_D2D);
     engine_cases();
-    for (int kind = 0; kind < 3; kind++) kv_copy_case(kind);
+    for (int kind = 0; kind < 3; kind++) kv_move_case(kind);
     printf("live emulated allocations at exit: %ld\n", gy_emu_live_allocations());
     EXPECT(gy_emu_live_allocations() == 0);
     printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);

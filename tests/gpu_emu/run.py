@@ -4,7 +4,7 @@ tests/test_comm_cuda.py.)
 
     python tests/gpu_emu/run.py [PART ...] [--out OUT]     # PART: harness, ext, kernels; all
 
-  harness  forward_cuda.c, the d2d communicator and the device KV copy against the CPU pass
+  harness  forward_cuda.c, the d2d communicator and the device KV moves against the CPU pass
            (harness.c), under ASan+UBSan;
   ext      the extension on the emulated device: tests/test_cuda_host.py and test_cuda_engine.py,
            whose GPU tests then run (GYGES_CUDA_EMULATED=1);
