@@ -8,6 +8,11 @@
 
 #include "core/status.h"
 
+/* ---- py_errors.c: the exception classes ---- */
+
+/* Creates gyges._C.Error and its subclasses, one per gy_status, in `module`; 0, or -1 with an
+ * exception. */
+int gy_py_errors_add(PyObject *module);
 /* Raises the gyges exception for `status` with the core's last message; returns NULL. */
 PyObject *gy_py_raise(gy_status status);
 /* The exception class for `status` (borrowed). */
@@ -18,6 +23,9 @@ PyObject *gy_py_error_class(gy_status status);
 #define GY_PY_VALUE_ERROR gy_py_error_class(GY_ERR_INVALID)
 PyObject *gy_py_type_error(void);
 #define GY_PY_TYPE_ERROR gy_py_type_error()
+
+/* ---- py_common.c: reading arguments ---- */
+
 /* PySequence_Fast whose refusal is an ArgumentTypeError with `message`. */
 PyObject *gy_py_sequence(PyObject *object, const char *message);
 /* A sequence of at most `cap` ints into `out` (`what` names it in errors): their count, or -1
@@ -25,6 +33,10 @@ PyObject *gy_py_sequence(PyObject *object, const char *message);
 Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what);
 /* The same for floats. */
 Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, const char *what);
+/* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
+ * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
+int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int writable,
+                     const char *what);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
 int gy_py_arena_add(PyObject *module);
@@ -42,11 +54,6 @@ int gy_py_policy_add(PyObject *module);
 int gy_py_cluster_add(PyObject *module);
 int gy_py_forward_cuda_add(PyObject *module);
 int gy_py_fault_add(PyObject *module);
-
-/* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
- * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
-int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int writable,
-                     const char *what);
 
 /* From py_arena.c, for the other types that hand out views of arena memory. */
 #include "mem/arena.h"
