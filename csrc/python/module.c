@@ -18,7 +18,6 @@ static int gy_py_exec(PyObject *module) {
     if (gy_py_policy_add(module) < 0) return -1;
     if (gy_py_cluster_add(module) < 0) return -1;
     if (gy_py_forward_cuda_add(module) < 0) return -1;
-    if (gy_py_fault_add(module) < 0) return -1;
 #ifdef GY_WITH_CUDA
     if (PyModule_AddIntConstant(module, "WITH_CUDA", 1) < 0) return -1;
 #else

@@ -53,7 +53,6 @@ int gy_py_comm_add(PyObject *module);
 int gy_py_policy_add(PyObject *module);
 int gy_py_cluster_add(PyObject *module);
 int gy_py_forward_cuda_add(PyObject *module);
-int gy_py_fault_add(PyObject *module);
 
 /* From py_arena.c, for the other types that hand out views of arena memory. */
 #include "mem/arena.h"

@@ -1,6 +1,7 @@
 /* py_errors.c: the exception classes of gyges._C: one per gy_status, all derived from
  * gyges._C.Error, made at import, and the raising of the one that fits a status. Every file of
- * the extension raises through here. */
+ * both extensions raises through here (gyges._C_test links it from gyges._C): one set of classes
+ * in a process. */
 #include "py_common.h"
 
 /* One exception class per gy_status; all derive from gyges._C.Error. The mapping is fixed at
