@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges import _C
+from gyges import _C, _C_test
 from gyges._C import InvalidArgumentError, OutOfMemoryError, UnavailableError
 
 F32, F16, BF16 = 0, 1, 2  # gy_dtype
@@ -521,9 +521,9 @@ def test_kv_scatter_matches_cpu_kv_write(kind):
     cpu = gpu.copy()
     _C.cuda_kv_scatter(gpu, layout.tuple(), k, v, table, start, n_tokens)
     cpu_layout = (kind, layout.block_size, layout.n_heads, layout.head_dim, layout.n_blocks)
-    _C.kernel_kv_write(cpu, cpu_layout, k, v, np.zeros(n_tokens, np.int32),
-                       (start + np.arange(n_tokens)).astype(np.int32),
-                       np.array([0, table.size], np.int32), table, n_tokens, 1)
+    _C_test.kernel_kv_write(cpu, cpu_layout, k, v, np.zeros(n_tokens, np.int32),
+                            (start + np.arange(n_tokens)).astype(np.int32),
+                            np.array([0, table.size], np.int32), table, n_tokens, 1)
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 
@@ -535,7 +535,7 @@ def test_model_kernels_match_the_cpu_backend():
     w = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
     gpu, cpu = np.empty_like(x), np.empty_like(x)
     _C.cuda_rmsnorm(gpu, x, w, rows, dim, 1e-5, F32, F32)
-    _C.kernel_rmsnorm(cpu, x, w, rows, dim, 1e-5)
+    _C_test.kernel_rmsnorm(cpu, x, w, rows, dim, 1e-5)
     # Two fp32 implementations: summation order and rsqrtf against 1/sqrtf, 64 ulps.
     assert_close(gpu, cpu, F32, ulps=64, scale=0.0, what="rmsnorm vs cpu")
 
@@ -543,15 +543,15 @@ def test_model_kernels_match_the_cpu_backend():
     gpu = np.empty((rows, dim), np.float32)
     cpu = np.empty((rows, dim), np.float32)
     _C.cuda_silu_mul(gpu, gate_up, rows, dim, F32)
-    _C.kernel_swiglu(cpu, np.ascontiguousarray(gate_up[:, :dim]),
-                     np.ascontiguousarray(gate_up[:, dim:]), rows * dim)
+    _C_test.kernel_swiglu(cpu, np.ascontiguousarray(gate_up[:, :dim]),
+                          np.ascontiguousarray(gate_up[:, dim:]), rows * dim)
     # expf against the CPU's own exponential: a few ulps each, 16.
     assert_close(gpu, cpu, F32, ulps=16, scale=0.0, what="silu_mul vs cpu swiglu")
 
     a, b = x, rng.standard_normal((rows, dim)).astype(np.float32)
     gpu, cpu = np.empty_like(a), np.empty_like(a)
     _C.cuda_residual_add(gpu, a, b, a.size, F32)
-    _C.kernel_add(cpu, a, b, a.size)
+    _C_test.kernel_add(cpu, a, b, a.size)
     np.testing.assert_array_equal(gpu, cpu)  # one IEEE addition on both sides
 
     for dtype in DTYPES.values():
@@ -560,7 +560,7 @@ def test_model_kernels_match_the_cpu_backend():
         gpu = np.empty((ids.size, dim), np.float32)
         cpu = np.empty((ids.size, dim), np.float32)
         _C.cuda_embedding(gpu, table, ids, ids.size, vocab, dim, F32, dtype)
-        _C.kernel_embedding(cpu, table, dtype, ids, ids.size, vocab, dim)
+        _C_test.kernel_embedding(cpu, table, dtype, ids, ids.size, vocab, dim)
         np.testing.assert_array_equal(gpu, cpu)  # widening is exact
 
     logits = rng.standard_normal((rows, vocab)).astype(np.float32)
@@ -568,7 +568,7 @@ def test_model_kernels_match_the_cpu_backend():
     gpu = np.full(rows, -1, np.int32)
     cpu = np.full(rows, -1, np.int32)
     _C.cuda_argmax(gpu, logits, rows, vocab, F32)
-    _C.kernel_argmax(cpu, logits, rows, vocab)
+    _C_test.kernel_argmax(cpu, logits, rows, vocab)
     np.testing.assert_array_equal(gpu, cpu)
 
 
@@ -781,8 +781,8 @@ def test_paged_attention_matches_the_cpu_backend(kind):
     q = rng.standard_normal((batch.n_tokens, 6, 40)).astype(np.float32)
     scale = float(np.float32(1 / np.sqrt(40)))  # what the CPU kernel uses
     cpu = np.full(q.shape, np.nan, np.float32)
-    _C.kernel_attention(cpu, q, storage, (kind, 5, 2, 40, 60), *batch.args()[:2],
-                        batch.indptr, batch.indices, batch.n_tokens, batch.n_seqs, 6, 1)
+    _C_test.kernel_attention(cpu, q, storage, (kind, 5, 2, 40, 60), *batch.args()[:2],
+                             batch.indptr, batch.indices, batch.n_tokens, batch.n_seqs, 6, 1)
     for kernel in ATTENTION:
         out = run_attention(kernel, q, F32, storage, layout, F32, batch, 6, scale)
         assert_close(out, cpu, F32, ulps=200, scale=max(np.abs(v).max() for v in vs),
@@ -869,8 +869,8 @@ def test_kv_write_matches_cpu_kv_write(kind):
     gpu = poison(layout.n_elems, 4).view(np.float32)
     cpu = gpu.copy()
     _C.cuda_kv_write(gpu, layout.tuple(), F32, k, v, F32, *batch.args())
-    _C.kernel_kv_write(cpu, (kind, 5, 3, 7, 60), k, v, *batch.args()[:2], batch.indptr,
-                       batch.indices, batch.n_tokens, batch.n_seqs)
+    _C_test.kernel_kv_write(cpu, (kind, 5, 3, 7, 60), k, v, *batch.args()[:2], batch.indptr,
+                            batch.indices, batch.n_tokens, batch.n_seqs)
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 

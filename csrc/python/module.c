@@ -4,11 +4,11 @@
 
 static int gy_py_exec(PyObject *module) {
     if (gy_py_errors_add(module) < 0) return -1;
+    if (gy_py_backends_add(module) < 0) return -1;
     if (gy_py_arena_add(module) < 0) return -1;
     if (gy_py_kv_add(module) < 0) return -1;
     if (gy_py_kv_patch_add(module) < 0) return -1;
     if (gy_py_kv_mover_add(module) < 0) return -1;
-    if (gy_py_kernels_add(module) < 0) return -1;
     if (gy_py_cuda_add(module) < 0) return -1;
     if (gy_py_sched_add(module) < 0) return -1;
     if (gy_py_model_add(module) < 0) return -1;

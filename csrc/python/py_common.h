@@ -39,11 +39,11 @@ int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int wr
                      const char *what);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
+int gy_py_backends_add(PyObject *module);
 int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kv_patch_add(PyObject *module);
 int gy_py_kv_mover_add(PyObject *module);
-int gy_py_kernels_add(PyObject *module);
 int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);

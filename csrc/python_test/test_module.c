@@ -10,6 +10,7 @@ static int gy_py_test_exec(PyObject *module) {
     if (core == NULL) return -1;
     Py_DECREF(core);
     if (gy_py_fault_add(module) < 0) return -1;
+    if (gy_py_kernels_add(module) < 0) return -1;
     return 0;
 }
 
