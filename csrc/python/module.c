@@ -9,7 +9,6 @@ static int gy_py_exec(PyObject *module) {
     if (gy_py_kv_add(module) < 0) return -1;
     if (gy_py_kv_patch_add(module) < 0) return -1;
     if (gy_py_kv_mover_add(module) < 0) return -1;
-    if (gy_py_cuda_add(module) < 0) return -1;
     if (gy_py_sched_add(module) < 0) return -1;
     if (gy_py_model_add(module) < 0) return -1;
     if (gy_py_engine_add(module) < 0) return -1;
@@ -17,12 +16,6 @@ static int gy_py_exec(PyObject *module) {
     if (gy_py_comm_add(module) < 0) return -1;
     if (gy_py_policy_add(module) < 0) return -1;
     if (gy_py_cluster_add(module) < 0) return -1;
-    if (gy_py_forward_cuda_add(module) < 0) return -1;
-#ifdef GY_WITH_CUDA
-    if (PyModule_AddIntConstant(module, "WITH_CUDA", 1) < 0) return -1;
-#else
-    if (PyModule_AddIntConstant(module, "WITH_CUDA", 0) < 0) return -1;
-#endif
     return 0;
 }
 

@@ -44,7 +44,6 @@ int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kv_patch_add(PyObject *module);
 int gy_py_kv_mover_add(PyObject *module);
-int gy_py_cuda_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);
 int gy_py_engine_add(PyObject *module);
@@ -52,7 +51,6 @@ int gy_py_sim_add(PyObject *module);
 int gy_py_comm_add(PyObject *module);
 int gy_py_policy_add(PyObject *module);
 int gy_py_cluster_add(PyObject *module);
-int gy_py_forward_cuda_add(PyObject *module);
 
 /* From py_arena.c, for the other types that hand out views of arena memory. */
 #include "mem/arena.h"

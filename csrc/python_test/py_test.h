@@ -10,5 +10,7 @@
 /* Each file adds its functions to the module; 0 on success, -1 with an exception. */
 int gy_py_fault_add(PyObject *module);
 int gy_py_kernels_add(PyObject *module);
+int gy_py_cuda_add(PyObject *module);
+int gy_py_gemm_add(PyObject *module);
 
 #endif

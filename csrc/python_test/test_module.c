@@ -11,6 +11,8 @@ static int gy_py_test_exec(PyObject *module) {
     Py_DECREF(core);
     if (gy_py_fault_add(module) < 0) return -1;
     if (gy_py_kernels_add(module) < 0) return -1;
+    if (gy_py_cuda_add(module) < 0) return -1;
+    if (gy_py_gemm_add(module) < 0) return -1;
     return 0;
 }
 
