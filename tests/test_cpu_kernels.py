@@ -297,20 +297,20 @@ def test_greedy_sampling_on_both_paths_is_numpy_argmax():
     params = [(0.0, 0, 1.0, i, i) for i in range(n)]
     for isa in ISAS:
         _C.set_cpu_isa(isa)
-        assert _C.sample(x, n, V, params) == [int(np.argmax(row)) for row in x]
+        assert _C_test.sample(x, n, V, params) == [int(np.argmax(row)) for row in x]
         for v in (33, 1, 17):
             xs = np.ascontiguousarray(x[:, :v])
             xs[:, -1] = np.where(np.isinf(xs).all(axis=1), 1.0, xs[:, -1])
-            assert _C.sample(xs, n, v, params) == [int(np.argmax(row)) for row in xs]
+            assert _C_test.sample(xs, n, v, params) == [int(np.argmax(row)) for row in xs]
         for bad in (np.nan, np.inf):
             y = x.copy()
             y[3, 5] = bad
             with pytest.raises(gyges.InvalidArgumentError, match="row 3"):
-                _C.sample(y, n, V, params)
+                _C_test.sample(y, n, V, params)
         y = x.copy()
         y[7, :] = -np.inf
         with pytest.raises(gyges.InvalidArgumentError, match="row 7"):
-            _C.sample(y, n, V, params)
+            _C_test.sample(y, n, V, params)
 
 
 # ---- norm, rope, activation, embedding, argmax ------------------------------------------------

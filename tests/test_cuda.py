@@ -954,7 +954,7 @@ def test_cuda_sample_picks_the_cpu_samplers_tokens(dtype, vocab):
     params = sample_params(rng, n, vocab)
     tokens = np.full(n, -7, np.int32)
     _C_test.cuda_sample(tokens, logits, dtype, n, vocab, params)
-    want = _C.sample(widened, n, vocab, params)
+    want = _C_test.sample(widened, n, vocab, params)
     differ = [r for r in range(n) if tokens[r] != want[r]]
     assert not differ, [(r, params[r], int(tokens[r]), want[r]) for r in differ]
 
@@ -970,7 +970,7 @@ def test_cuda_sample_large_vocab_and_top_p_near_one():
               (0.5, 50, 1.0, 4, 4, 0.01), (2.0, 100000, 0.3, 5, 5, 0.0), (0.0, 0, 1.0, 6, 6, 0.0)]
     tokens = np.full(n, -7, np.int32)
     _C_test.cuda_sample(tokens, logits, F32, n, vocab, params)
-    assert tokens.tolist() == _C.sample(logits, n, vocab, params)
+    assert tokens.tolist() == _C_test.sample(logits, n, vocab, params)
 
 
 @needs_gpu
@@ -990,7 +990,7 @@ def test_cuda_sample_refused_rows_get_minus_one():
     sampled = [(1.0, 0, 1.0, 1, 1)] * 5
     _C_test.cuda_sample(tokens, x, F32, 5, 6, sampled)
     assert tokens[:3].tolist() == [-1, -1, -1]
-    assert tokens[3:].tolist() == _C.sample(x[3:], 2, 6, sampled[3:])
+    assert tokens[3:].tolist() == _C_test.sample(x[3:], 2, 6, sampled[3:])
 
 
 def test_cuda_sample_refuses_bad_arguments_before_the_device():

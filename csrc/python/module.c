@@ -9,7 +9,6 @@ static int gy_py_exec(PyObject *module) {
     if (gy_py_kv_add(module) < 0) return -1;
     if (gy_py_kv_patch_add(module) < 0) return -1;
     if (gy_py_kv_mover_add(module) < 0) return -1;
-    if (gy_py_sched_add(module) < 0) return -1;
     if (gy_py_model_add(module) < 0) return -1;
     if (gy_py_engine_add(module) < 0) return -1;
     if (gy_py_sim_add(module) < 0) return -1;

@@ -44,7 +44,6 @@ int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kv_patch_add(PyObject *module);
 int gy_py_kv_mover_add(PyObject *module);
-int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);
 int gy_py_engine_add(PyObject *module);
 int gy_py_sim_add(PyObject *module);
@@ -60,14 +59,6 @@ gy_arena *gy_py_arena_unwrap(PyObject *object);
  * it covers for as long as it lives and keeps `arena_object` and `keep` (may be NULL) alive. */
 PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t offset,
                                uint64_t nbytes, int readonly);
-
-/* From py_sched.c: parses `rows` sampler rows (temperature, top_k, top_p, seed, token_index[,
- * min_p]) from a sequence into two new arrays (free both with PyMem_Free), each row checked
- * against `vocab` when it is > 0 (the error names the row). 0, or -1 with an exception and
- * nothing to free. */
-struct gy_sampler_params;
-int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
-                       struct gy_sampler_params **params, int64_t **index);
 
 /* From py_sim.c: a pipeline's parameters (gyges.costmodel.PipelineCost.params()) into *p,
  * checked; 0, or -1 with an exception. */

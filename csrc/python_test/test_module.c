@@ -13,6 +13,8 @@ static int gy_py_test_exec(PyObject *module) {
     if (gy_py_kernels_add(module) < 0) return -1;
     if (gy_py_cuda_add(module) < 0) return -1;
     if (gy_py_gemm_add(module) < 0) return -1;
+    if (gy_py_sched_add(module) < 0) return -1;
+    if (gy_py_sampler_add(module) < 0) return -1;
     return 0;
 }
 
