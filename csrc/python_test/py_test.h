@@ -14,6 +14,7 @@ int gy_py_cuda_add(PyObject *module);
 int gy_py_gemm_add(PyObject *module);
 int gy_py_sched_add(PyObject *module);
 int gy_py_sampler_add(PyObject *module);
+int gy_py_cost_model_add(PyObject *module);
 
 /* From py_sampler.c, for the CUDA sampler's entry point too: parses `rows` sampler rows
  * (temperature, top_k, top_p, seed, token_index[, min_p]) from a sequence into two new arrays

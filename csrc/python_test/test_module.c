@@ -15,6 +15,7 @@ static int gy_py_test_exec(PyObject *module) {
     if (gy_py_gemm_add(module) < 0) return -1;
     if (gy_py_sched_add(module) < 0) return -1;
     if (gy_py_sampler_add(module) < 0) return -1;
+    if (gy_py_cost_model_add(module) < 0) return -1;
     return 0;
 }
 
