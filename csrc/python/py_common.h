@@ -1,5 +1,6 @@
-/* py_common.h: what every file of the extension shares: turning a gy_status into an exception,
- * and borrowing NumPy buffers (the Python wrappers have already checked dtype and shape). */
+/* py_common.h: what every file of both extensions shares: turning a gy_status into an exception,
+ * and borrowing NumPy buffers (the Python wrappers have already checked dtype and shape). All of
+ * it is defined in gyges._C; gyges._C_test (csrc/python_test/) links it from there. */
 #ifndef GY_PY_COMMON_H
 #define GY_PY_COMMON_H
 
