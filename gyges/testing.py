@@ -1,9 +1,10 @@
 """Test hooks of the C core, for the reliability tests and the soak benchmark.
 
-Fault injection (csrc/core/fault.h): every host allocation of the core, every physical page it
-creates or maps, every KV or weight copy between caches or workers and every collective passes a
-site; `inject(site, n)` makes the n-th event of that site fail, once, as the real resource would.
-Sweeping n from 1 to `count(site, operation)` fails each resource an operation uses in turn.
+Fault injection (csrc/core/fault.h, armed through the test extension gyges._C_test): every host
+allocation of the core, every physical page it creates or maps, every KV or weight copy between
+caches or workers and every collective passes a site; `inject(site, n)` makes the n-th event of
+that site fail, once, as the real resource would. Sweeping n from 1 to `count(site, operation)`
+fails each resource an operation uses in turn.
 
     with gyges.testing.inject("page_create", 3):
         host.step()        # the third page created during the step fails
@@ -13,11 +14,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _C
+from . import _C_test
 from .core.errors import InvalidArgumentError
 
-SITES = {"alloc": _C.FAULT_ALLOC, "page_create": _C.FAULT_PAGE_CREATE,
-         "page_map": _C.FAULT_PAGE_MAP, "copy": _C.FAULT_COPY, "comm": _C.FAULT_COMM}
+SITES = {"alloc": _C_test.FAULT_ALLOC, "page_create": _C_test.FAULT_PAGE_CREATE,
+         "page_map": _C_test.FAULT_PAGE_MAP, "copy": _C_test.FAULT_COPY,
+         "comm": _C_test.FAULT_COMM}
 
 
 def _site(site):
@@ -30,22 +32,22 @@ def _site(site):
 def inject(site, n):
     """Within the block, the n-th event (n >= 1) of `site` fails; yields a function telling how
     many faults fired so far in the block."""
-    fired = _C.fault_fired()
-    _C.fault_arm(_site(site), n)
+    fired = _C_test.fault_fired()
+    _C_test.fault_arm(_site(site), n)
     try:
-        yield lambda: _C.fault_fired() - fired
+        yield lambda: _C_test.fault_fired() - fired
     finally:
-        _C.fault_disarm()
+        _C_test.fault_disarm()
 
 
 def count(site, operation):
     """Runs operation() counting the events of `site` (nothing fails); returns (count, result)."""
-    _C.fault_arm(_site(site), 0)
+    _C_test.fault_arm(_site(site), 0)
     try:
         result = operation()
-        return _C.fault_count(_site(site)), result
+        return _C_test.fault_count(_site(site)), result
     finally:
-        _C.fault_disarm()
+        _C_test.fault_disarm()
 
 
 # ---- the soak: random live transformations with requests arriving all the time ----

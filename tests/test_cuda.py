@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges import _C
+from gyges import _C, _C_test
 from gyges._C import InvalidArgumentError, OutOfMemoryError, UnavailableError
 
 F32, F16, BF16 = 0, 1, 2  # gy_dtype
@@ -219,11 +219,11 @@ def test_kernels_and_queries_refused_without_a_gpu():
     if GPU_SKIP_REASON is None:
         pytest.skip("a CUDA device is present")
     with pytest.raises(UnavailableError):
-        _C.cuda_device_info(0)
+        _C_test.cuda_device_info(0)
     a = np.ones(5, np.float32)
     out = np.full(5, 7.0, np.float32)
     with pytest.raises(UnavailableError) as info:
-        _C.cuda_residual_add(out, a, a, 5, F32)
+        _C_test.cuda_residual_add(out, a, a, 5, F32)
     assert str(info.value)
     assert (out == 7.0).all()  # nothing was written
 
@@ -239,10 +239,10 @@ def test_refused_launches_release_their_buffers():
     before = [sys.getrefcount(x) for x in (storage, k, table)]
     for _ in range(1000):
         with pytest.raises(ValueError):  # storage one element short: refused before the device
-            _C.cuda_kv_scatter(storage[:-1], layout.tuple(), k, k, table, 0, 5)
+            _C_test.cuda_kv_scatter(storage[:-1], layout.tuple(), k, k, table, 0, 5)
         if GPU_SKIP_REASON is not None:
             with pytest.raises(UnavailableError):
-                _C.cuda_kv_scatter(storage, layout.tuple(), k, k, table, 0, 5)
+                _C_test.cuda_kv_scatter(storage, layout.tuple(), k, k, table, 0, 5)
     gc.collect()
     assert [sys.getrefcount(x) for x in (storage, k, table)] == before
     storage.resize(storage.size + 1, refcheck=False)  # raises if a buffer export were still held
@@ -255,11 +255,11 @@ def test_bad_layouts_and_tables_are_refused_before_the_device():
     storage = np.zeros(layout.n_elems, np.uint16)
     k = np.zeros((5, 2, 8), np.uint16)
     with pytest.raises(InvalidArgumentError):
-        _C.cuda_kv_scatter(storage, (7, 4, 2, 8, 2, 3), k, k, np.zeros(2, np.int32), 0, 5)
+        _C_test.cuda_kv_scatter(storage, (7, 4, 2, 8, 2, 3), k, k, np.zeros(2, np.int32), 0, 5)
     with pytest.raises(ValueError, match="block_table"):  # 5 tokens from 2 need 2 blocks of 4
-        _C.cuda_kv_scatter(storage, layout.tuple(), k, k, np.zeros(1, np.int32), 2, 5)
+        _C_test.cuda_kv_scatter(storage, layout.tuple(), k, k, np.zeros(1, np.int32), 2, 5)
     with pytest.raises(ValueError):
-        _C.cuda_kv_gather(k[:-1], k, storage, layout.tuple(), np.zeros(2, np.int32), 0, 5)
+        _C_test.cuda_kv_gather(k[:-1], k, storage, layout.tuple(), np.zeros(2, np.int32), 0, 5)
 
 
 # ---- KV kernels (GPU) ----
@@ -280,7 +280,7 @@ def test_kv_scatter_matches_reference(kind, dtype, shape):
     assert valid.all()
     want[idx[0]] = k
     want[idx[1]] = v
-    _C.cuda_kv_scatter(storage, layout.tuple(), k, v, table, start, n_tokens)
+    _C_test.cuda_kv_scatter(storage, layout.tuple(), k, v, table, start, n_tokens)
     diff = np.flatnonzero(storage != want)
     assert diff.size == 0, f"{diff.size} elements differ, first at {diff[:8]}"
 
@@ -296,13 +296,13 @@ def test_kv_gather_matches_reference_and_inverts_scatter(kind, dtype, shape):
     storage = random_bits(rng, layout.n_elems, es)
     shape3 = (n_tokens, layout.n_heads, layout.head_dim)
     k, v = poison(shape3, es), poison(shape3, es)
-    _C.cuda_kv_gather(k, v, storage, layout.tuple(), table, start, n_tokens)
+    _C_test.cuda_kv_gather(k, v, storage, layout.tuple(), table, start, n_tokens)
     idx, _ = token_indices(layout, table, start, n_tokens)
     np.testing.assert_array_equal(k, storage[idx[0]])
     np.testing.assert_array_equal(v, storage[idx[1]])
     # Round trip: scattering what was gathered into a copy changes nothing.
     again = storage.copy()
-    _C.cuda_kv_scatter(again, layout.tuple(), k, v, table, start, n_tokens)
+    _C_test.cuda_kv_scatter(again, layout.tuple(), k, v, table, start, n_tokens)
     np.testing.assert_array_equal(again, storage)
 
 
@@ -321,10 +321,10 @@ def test_kv_invalid_block_ids_are_skipped(kind):
     idx, valid = token_indices(layout, table, 0, n_tokens)
     want[idx[0][valid]] = k[valid]
     want[idx[1][valid]] = v[valid]
-    _C.cuda_kv_scatter(storage, layout.tuple(), k, v, table, 0, n_tokens)
+    _C_test.cuda_kv_scatter(storage, layout.tuple(), k, v, table, 0, n_tokens)
     np.testing.assert_array_equal(storage, want)
     k_out, v_out = poison(k.shape, 2), poison(v.shape, 2)
-    _C.cuda_kv_gather(k_out, v_out, storage, layout.tuple(), table, 0, n_tokens)
+    _C_test.cuda_kv_gather(k_out, v_out, storage, layout.tuple(), table, 0, n_tokens)
     np.testing.assert_array_equal(k_out[valid], k[valid])
     np.testing.assert_array_equal(v_out[~valid], 0)
     np.testing.assert_array_equal(k_out[~valid], 0)
@@ -361,8 +361,8 @@ def test_kv_copy_heads_matches_reference(case, dtype, geometry):
     s_idx = src_layout.index(kv, src_blocks[:, None, None, None], tok, s0 + heads)
     d_idx = dst_layout.index(kv, dst_blocks[:, None, None, None], tok, d0 + heads)
     want[d_idx] = src[s_idx]
-    _C.cuda_kv_copy_heads(dst, dst_layout.tuple(), dst_blocks, d0, src, src_layout.tuple(),
-                          src_blocks, s0, n)
+    _C_test.cuda_kv_copy_heads(dst, dst_layout.tuple(), dst_blocks, d0, src, src_layout.tuple(),
+                               src_blocks, s0, n)
     diff = np.flatnonzero(dst != want)
     assert diff.size == 0, f"{diff.size} elements differ, first at {diff[:8]}"
 
@@ -374,9 +374,9 @@ def test_kv_copy_heads_refuses_mismatched_layouts():
     blocks = np.arange(2, dtype=np.int32)
     sa, sb = np.zeros(a.n_elems, np.uint16), np.zeros(b.n_elems, np.uint16)
     with pytest.raises(InvalidArgumentError, match="head_dim"):
-        _C.cuda_kv_copy_heads(sb, b.tuple(), blocks, 0, sa, a.tuple(), blocks, 0, 2)
+        _C_test.cuda_kv_copy_heads(sb, b.tuple(), blocks, 0, sa, a.tuple(), blocks, 0, 2)
     with pytest.raises(InvalidArgumentError, match="out of range"):  # heads [3, 5) of 4
-        _C.cuda_kv_copy_heads(sa, a.tuple(), blocks, 0, sa.copy(), a.tuple(), blocks, 3, 2)
+        _C_test.cuda_kv_copy_heads(sa, a.tuple(), blocks, 0, sa.copy(), a.tuple(), blocks, 3, 2)
 
 
 # ---- model kernels (GPU) ----
@@ -394,7 +394,7 @@ def test_rmsnorm_matches_hf_llama(act_dtype, w_dtype, rows, dim):
     r = 1 / np.sqrt(np.mean(xd * xd, axis=1, keepdims=True) + eps)
     want = wd * round_to(xd * r, act_dtype)  # HF: cast the normalised row, then weight
     out = poison(x.shape, ELEM_SIZE[act_dtype]).view(x.dtype)
-    _C.cuda_rmsnorm(out, x, w, rows, dim, eps, act_dtype, w_dtype)
+    _C_test.cuda_rmsnorm(out, x, w, rows, dim, eps, act_dtype, w_dtype)
     # 16-bit: 4 ulps, for the rounding of the normalised row, which may go the other way near a
     # tie (rsqrtf is not exact), and that of the output. fp32: rsqrtf's 2 ulps and the order of
     # an fp32 sum of up to 4096 squares, 64 ulps. scale 1e-4 covers fp16's subnormal outputs.
@@ -427,7 +427,7 @@ def test_rope_matches_hf_rotate_half(dtype, n_tokens, n_q, n_kv, head_dim):
     k = encode(rng.standard_normal((n_tokens, n_kv, head_dim)), dtype)
     want_q = rope_reference(decode(q, dtype), positions, head_dim, theta)
     want_k = rope_reference(decode(k, dtype), positions, head_dim, theta)
-    _C.cuda_rope(q, k, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
+    _C_test.cuda_rope(q, k, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
     # fp32: the device's powf may differ from NumPy's by ~3 ulps of a frequency, which the
     # position (< 200) turns into up to 4e-5 rad, i.e. ~2e-4 on values of magnitude ~5: 4000
     # ulps of scale 1. 16-bit: one rounding of the output of sums that may cancel (scale 1).
@@ -437,7 +437,7 @@ def test_rope_matches_hf_rotate_half(dtype, n_tokens, n_q, n_kv, head_dim):
     # q alone (k = None) gives the same q.
     q2 = encode(rng.standard_normal((n_tokens, n_q, head_dim)), dtype)
     want_q2 = rope_reference(decode(q2, dtype), positions, head_dim, theta)
-    _C.cuda_rope(q2, None, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
+    _C_test.cuda_rope(q2, None, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
     assert_close(decode(q2, dtype), want_q2, dtype, ulps=ulps, scale=1.0, what="rope q only")
 
 
@@ -451,7 +451,7 @@ def test_silu_mul_matches_reference(dtype, rows, dim):
     gate, up = xd[:, :dim], xd[:, dim:]
     want = gate / (1 + np.exp(-gate)) * up
     out = poison((rows, dim), ELEM_SIZE[dtype]).view(x.dtype)
-    _C.cuda_silu_mul(out, x, rows, dim, dtype)
+    _C_test.cuda_silu_mul(out, x, rows, dim, dtype)
     # fp32: expf and the division are within a few ulps; 16-bit: one rounding. scale 1e-4 covers
     # fp16's subnormal outputs, where a rounding is not relative.
     assert_close(decode(out, dtype), want, dtype, ulps=8 if dtype == F32 else 2, scale=1e-4,
@@ -467,7 +467,7 @@ def test_residual_add_matches_reference(dtype, n):
     b = encode(rng.standard_normal(n), dtype)
     want = decode(a, dtype) + decode(b, dtype)
     out = poison(n, ELEM_SIZE[dtype]).view(a.dtype)
-    _C.cuda_residual_add(out, a, b, n, dtype)
+    _C_test.cuda_residual_add(out, a, b, n, dtype)
     # One rounding of a sum that may cancel: an ulp of the inputs' scale.
     assert_close(decode(out, dtype), want, dtype, ulps=1, scale=1.0, what="residual_add")
 
@@ -481,7 +481,7 @@ def test_embedding_is_exact(out_dtype, table_dtype):
     table = encode(rng.standard_normal((vocab, dim)), table_dtype)
     ids = np.array([0, 36, 5, -1, 37, 5, 12], np.int32)  # -1 and 37 are out of range
     out = poison((ids.size, dim), ELEM_SIZE[out_dtype]).view(encode(0.0, out_dtype).dtype)
-    _C.cuda_embedding(out, table, ids, ids.size, vocab, dim, out_dtype, table_dtype)
+    _C_test.cuda_embedding(out, table, ids, ids.size, vocab, dim, out_dtype, table_dtype)
     rows = decode(table, table_dtype)[np.clip(ids, 0, vocab - 1)]
     rows[(ids < 0) | (ids >= vocab)] = 0.0
     # Widening is exact and narrowing rounds to nearest even on both sides: bit-exact. (f16 ->
@@ -503,7 +503,7 @@ def test_argmax_first_of_ties_and_nan(dtype, vocab):
     values[3, :] = -np.inf
     logits = encode(values, dtype)
     out = np.full(rows, -7, np.int32)
-    _C.cuda_argmax(out, logits, rows, vocab, dtype)
+    _C_test.cuda_argmax(out, logits, rows, vocab, dtype)
     # np.argmax: first occurrence of the maximum, and NaN counts as the maximum (like torch).
     np.testing.assert_array_equal(out, np.argmax(decode(logits, dtype), axis=1))
 
@@ -519,11 +519,11 @@ def test_kv_scatter_matches_cpu_kv_write(kind):
     v = rng.standard_normal((n_tokens, 3, 7)).astype(np.float32)
     gpu = poison(layout.n_elems, 4).view(np.float32)
     cpu = gpu.copy()
-    _C.cuda_kv_scatter(gpu, layout.tuple(), k, v, table, start, n_tokens)
+    _C_test.cuda_kv_scatter(gpu, layout.tuple(), k, v, table, start, n_tokens)
     cpu_layout = (kind, layout.block_size, layout.n_heads, layout.head_dim, layout.n_blocks)
-    _C.kernel_kv_write(cpu, cpu_layout, k, v, np.zeros(n_tokens, np.int32),
-                       (start + np.arange(n_tokens)).astype(np.int32),
-                       np.array([0, table.size], np.int32), table, n_tokens, 1)
+    _C_test.kernel_kv_write(cpu, cpu_layout, k, v, np.zeros(n_tokens, np.int32),
+                            (start + np.arange(n_tokens)).astype(np.int32),
+                            np.array([0, table.size], np.int32), table, n_tokens, 1)
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 
@@ -534,24 +534,24 @@ def test_model_kernels_match_the_cpu_backend():
     x = rng.standard_normal((rows, dim)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
     gpu, cpu = np.empty_like(x), np.empty_like(x)
-    _C.cuda_rmsnorm(gpu, x, w, rows, dim, 1e-5, F32, F32)
-    _C.kernel_rmsnorm(cpu, x, w, rows, dim, 1e-5)
+    _C_test.cuda_rmsnorm(gpu, x, w, rows, dim, 1e-5, F32, F32)
+    _C_test.kernel_rmsnorm(cpu, x, w, rows, dim, 1e-5)
     # Two fp32 implementations: summation order and rsqrtf against 1/sqrtf, 64 ulps.
     assert_close(gpu, cpu, F32, ulps=64, scale=0.0, what="rmsnorm vs cpu")
 
     gate_up = rng.standard_normal((rows, 2 * dim)).astype(np.float32)
     gpu = np.empty((rows, dim), np.float32)
     cpu = np.empty((rows, dim), np.float32)
-    _C.cuda_silu_mul(gpu, gate_up, rows, dim, F32)
-    _C.kernel_swiglu(cpu, np.ascontiguousarray(gate_up[:, :dim]),
-                     np.ascontiguousarray(gate_up[:, dim:]), rows * dim)
+    _C_test.cuda_silu_mul(gpu, gate_up, rows, dim, F32)
+    _C_test.kernel_swiglu(cpu, np.ascontiguousarray(gate_up[:, :dim]),
+                          np.ascontiguousarray(gate_up[:, dim:]), rows * dim)
     # expf against the CPU's own exponential: a few ulps each, 16.
     assert_close(gpu, cpu, F32, ulps=16, scale=0.0, what="silu_mul vs cpu swiglu")
 
     a, b = x, rng.standard_normal((rows, dim)).astype(np.float32)
     gpu, cpu = np.empty_like(a), np.empty_like(a)
-    _C.cuda_residual_add(gpu, a, b, a.size, F32)
-    _C.kernel_add(cpu, a, b, a.size)
+    _C_test.cuda_residual_add(gpu, a, b, a.size, F32)
+    _C_test.kernel_add(cpu, a, b, a.size)
     np.testing.assert_array_equal(gpu, cpu)  # one IEEE addition on both sides
 
     for dtype in DTYPES.values():
@@ -559,16 +559,16 @@ def test_model_kernels_match_the_cpu_backend():
         ids = rng.integers(0, vocab, 9).astype(np.int32)
         gpu = np.empty((ids.size, dim), np.float32)
         cpu = np.empty((ids.size, dim), np.float32)
-        _C.cuda_embedding(gpu, table, ids, ids.size, vocab, dim, F32, dtype)
-        _C.kernel_embedding(cpu, table, dtype, ids, ids.size, vocab, dim)
+        _C_test.cuda_embedding(gpu, table, ids, ids.size, vocab, dim, F32, dtype)
+        _C_test.kernel_embedding(cpu, table, dtype, ids, ids.size, vocab, dim)
         np.testing.assert_array_equal(gpu, cpu)  # widening is exact
 
     logits = rng.standard_normal((rows, vocab)).astype(np.float32)
     logits[1, [3, 700]] = 9.0  # a tie
     gpu = np.full(rows, -1, np.int32)
     cpu = np.full(rows, -1, np.int32)
-    _C.cuda_argmax(gpu, logits, rows, vocab, F32)
-    _C.kernel_argmax(cpu, logits, rows, vocab)
+    _C_test.cuda_argmax(gpu, logits, rows, vocab, F32)
+    _C_test.kernel_argmax(cpu, logits, rows, vocab)
     np.testing.assert_array_equal(gpu, cpu)
 
 
@@ -648,8 +648,8 @@ ATTENTION = {"decode": "cuda_paged_attention_decode", "prefill": "cuda_paged_att
 def run_attention(kernel, q, act_dtype, storage, layout, kv_dtype, batch, n_q_heads, scale,
                   max_len=0, check=True):
     out = poison(q.shape, ELEM_SIZE[act_dtype]).view(q.dtype)
-    getattr(_C, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype,
-                                   *batch.args(), n_q_heads, max_len, scale, check)
+    getattr(_C_test, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype,
+                                        *batch.args(), n_q_heads, max_len, scale, check)
     return out
 
 
@@ -781,8 +781,8 @@ def test_paged_attention_matches_the_cpu_backend(kind):
     q = rng.standard_normal((batch.n_tokens, 6, 40)).astype(np.float32)
     scale = float(np.float32(1 / np.sqrt(40)))  # what the CPU kernel uses
     cpu = np.full(q.shape, np.nan, np.float32)
-    _C.kernel_attention(cpu, q, storage, (kind, 5, 2, 40, 60), *batch.args()[:2],
-                        batch.indptr, batch.indices, batch.n_tokens, batch.n_seqs, 6, 1)
+    _C_test.kernel_attention(cpu, q, storage, (kind, 5, 2, 40, 60), *batch.args()[:2],
+                             batch.indptr, batch.indices, batch.n_tokens, batch.n_seqs, 6, 1)
     for kernel in ATTENTION:
         out = run_attention(kernel, q, F32, storage, layout, F32, batch, 6, scale)
         assert_close(out, cpu, F32, ulps=200, scale=max(np.abs(v).max() for v in vs),
@@ -807,9 +807,9 @@ def test_paged_attention_refuses_bad_arguments_before_the_device():
         q = np.zeros(max(n_tokens, 0) * n_q * head_dim * act, np.uint8)
         out = q.copy()
         seq, pos, _, indptr, indices, n_seqs = batch.args()
-        getattr(_C, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype, seq,
-                                       pos, n_tokens, indptr, indices, n_seqs, n_q, max_len, scale,
-                                       check)
+        getattr(_C_test, ATTENTION[kernel])(out, q, act_dtype, storage, layout.tuple(), kv_dtype,
+                                            seq, pos, n_tokens, indptr, indices, n_seqs, n_q,
+                                            max_len, scale, check)
 
     for kernel in ATTENTION:
         for kwargs, words in [
@@ -853,7 +853,7 @@ def test_kv_write_matches_reference(kind, kv_dtype, act_dtype):
         idx = batch.slots(layout, int(batch.token_seq[t]), [int(batch.token_pos[t])])
         want[idx[0, 0]] = encode(decode(k[t], act_dtype), kv_dtype).view(want.dtype)
         want[idx[1, 0]] = encode(decode(v[t], act_dtype), kv_dtype).view(want.dtype)
-    _C.cuda_kv_write(storage, layout.tuple(), kv_dtype, k, v, act_dtype, *batch.args())
+    _C_test.cuda_kv_write(storage, layout.tuple(), kv_dtype, k, v, act_dtype, *batch.args())
     diff = np.flatnonzero(storage != want)
     assert diff.size == 0, f"{diff.size} elements differ, first at {diff[:8]}"
 
@@ -868,9 +868,9 @@ def test_kv_write_matches_cpu_kv_write(kind):
     v = rng.standard_normal((batch.n_tokens, 3, 7)).astype(np.float32)
     gpu = poison(layout.n_elems, 4).view(np.float32)
     cpu = gpu.copy()
-    _C.cuda_kv_write(gpu, layout.tuple(), F32, k, v, F32, *batch.args())
-    _C.kernel_kv_write(cpu, (kind, 5, 3, 7, 60), k, v, *batch.args()[:2], batch.indptr,
-                       batch.indices, batch.n_tokens, batch.n_seqs)
+    _C_test.cuda_kv_write(gpu, layout.tuple(), F32, k, v, F32, *batch.args())
+    _C_test.kernel_kv_write(cpu, (kind, 5, 3, 7, 60), k, v, *batch.args()[:2], batch.indptr,
+                            batch.indices, batch.n_tokens, batch.n_seqs)
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 
@@ -888,7 +888,7 @@ def test_kv_write_skips_stale_entries():
     for t in (0, 5):
         idx = batch.slots(layout, int(batch.token_seq[t]), [int(batch.token_pos[t])])
         want[idx[0, 0]], want[idx[1, 0]] = k[t], k[t]
-    _C.cuda_kv_write(storage, layout.tuple(), BF16, k, k, BF16, *batch.args(), False)
+    _C_test.cuda_kv_write(storage, layout.tuple(), BF16, k, k, BF16, *batch.args(), False)
     np.testing.assert_array_equal(storage, want)
 
 
@@ -901,18 +901,18 @@ def test_kv_write_refuses_bad_arguments_before_the_device():
     storage = np.zeros(layout.n_elems, np.uint16)
     k = np.zeros((2, 2, 8), np.uint16)
     with pytest.raises(InvalidArgumentError, match="elem_size=2 does not match kv_dtype f32"):
-        _C.cuda_kv_write(storage, layout.tuple(), F32, k, k, F16, *batch.args())
+        _C_test.cuda_kv_write(storage, layout.tuple(), F32, k, k, F16, *batch.args())
     with pytest.raises(InvalidArgumentError, match="unknown dtype 9"):
-        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, 9, *batch.args())
+        _C_test.cuda_kv_write(storage, layout.tuple(), F16, k, k, 9, *batch.args())
     args = list(batch.args())
     args[2] = -1
     with pytest.raises(InvalidArgumentError, match="n_tokens=-1"):
-        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *args)
+        _C_test.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *args)
     with pytest.raises(ValueError, match="k has"):
-        _C.cuda_kv_write(storage, layout.tuple(), F16, k[:1], k, F16, *batch.args())
+        _C_test.cuda_kv_write(storage, layout.tuple(), F16, k[:1], k, F16, *batch.args())
     batch.token_pos[1] = 8  # the sequence owns 2 blocks of 4: positions 0..7
     with pytest.raises(InvalidArgumentError, match="token 1 is at position 8"):
-        _C.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *batch.args())
+        _C_test.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *batch.args())
 
 
 # ---- sampling on the device, against the CPU sampler ----
@@ -953,8 +953,8 @@ def test_cuda_sample_picks_the_cpu_samplers_tokens(dtype, vocab):
     widened = decode(logits, dtype).astype(np.float32)
     params = sample_params(rng, n, vocab)
     tokens = np.full(n, -7, np.int32)
-    _C.cuda_sample(tokens, logits, dtype, n, vocab, params)
-    want = _C.sample(widened, n, vocab, params)
+    _C_test.cuda_sample(tokens, logits, dtype, n, vocab, params)
+    want = _C_test.sample(widened, n, vocab, params)
     differ = [r for r in range(n) if tokens[r] != want[r]]
     assert not differ, [(r, params[r], int(tokens[r]), want[r]) for r in differ]
 
@@ -969,8 +969,8 @@ def test_cuda_sample_large_vocab_and_top_p_near_one():
     params = [(1.0, 0, 0.999, 1, 1, 0.0), (0.8, 40000, 0.9, 2, 2, 0.0), (1.2, 0, 1.0, 3, 3, 0.0),
               (0.5, 50, 1.0, 4, 4, 0.01), (2.0, 100000, 0.3, 5, 5, 0.0), (0.0, 0, 1.0, 6, 6, 0.0)]
     tokens = np.full(n, -7, np.int32)
-    _C.cuda_sample(tokens, logits, F32, n, vocab, params)
-    assert tokens.tolist() == _C.sample(logits, n, vocab, params)
+    _C_test.cuda_sample(tokens, logits, F32, n, vocab, params)
+    assert tokens.tolist() == _C_test.sample(logits, n, vocab, params)
 
 
 @needs_gpu
@@ -985,12 +985,12 @@ def test_cuda_sample_refused_rows_get_minus_one():
     x[4] = [-0.0, 0.0, -1, -2, -3, -4]
     tokens = np.full(5, 9, np.int32)
     params = [(0.0, 0, 1.0, 0, 0)] * 4 + [(0.0, 0, 1.0, 0, 0)]
-    _C.cuda_sample(tokens, x, F32, 5, 6, params)
+    _C_test.cuda_sample(tokens, x, F32, 5, 6, params)
     assert tokens.tolist() == [-1, -1, -1, 1, 0]
     sampled = [(1.0, 0, 1.0, 1, 1)] * 5
-    _C.cuda_sample(tokens, x, F32, 5, 6, sampled)
+    _C_test.cuda_sample(tokens, x, F32, 5, 6, sampled)
     assert tokens[:3].tolist() == [-1, -1, -1]
-    assert tokens[3:].tolist() == _C.sample(x[3:], 2, 6, sampled[3:])
+    assert tokens[3:].tolist() == _C_test.sample(x[3:], 2, 6, sampled[3:])
 
 
 def test_cuda_sample_refuses_bad_arguments_before_the_device():
@@ -1002,15 +1002,15 @@ def test_cuda_sample_refuses_bad_arguments_before_the_device():
     for row, word in [((1.0, 5, 1.0, 0, 0), "top_k"), ((1.0, 0, 0.0, 0, 0), "top_p"),
                       ((-1.0, 0, 1.0, 0, 0), "temperature"), ((1.0, 0, 1.0, 0, 0, 2.0), "min_p")]:
         with pytest.raises(InvalidArgumentError, match=f"row 1: {word}"):
-            _C.cuda_sample(tokens, x, F32, 2, 4, [ok, row])
+            _C_test.cuda_sample(tokens, x, F32, 2, 4, [ok, row])
     with pytest.raises(InvalidArgumentError, match="vocab=0"):
-        _C.cuda_sample(tokens, x, F32, 2, 0, [ok, ok])
+        _C_test.cuda_sample(tokens, x, F32, 2, 0, [ok, ok])
     with pytest.raises(InvalidArgumentError, match="unknown dtype"):
-        _C.cuda_sample(tokens, x, 3, 2, 4, [ok, ok])
+        _C_test.cuda_sample(tokens, x, 3, 2, 4, [ok, ok])
     with pytest.raises(ValueError, match="params has 1 rows"):
-        _C.cuda_sample(tokens, x, F32, 2, 4, [ok])
+        _C_test.cuda_sample(tokens, x, F32, 2, 4, [ok])
     with pytest.raises(ValueError, match="logits has"):
-        _C.cuda_sample(tokens, x, F16, 2, 4, [ok, ok])
+        _C_test.cuda_sample(tokens, x, F16, 2, 4, [ok, ok])
 
 
 def test_refused_new_entry_points_release_their_buffers():
@@ -1032,15 +1032,15 @@ def test_refused_new_entry_points_release_their_buffers():
     before = [sys.getrefcount(x) for x in arrays]
     for _ in range(1000):
         with pytest.raises(InvalidArgumentError):
-            _C.cuda_kv_write(storage, layout.tuple(), F32, k, k, F32, *batch.args())
+            _C_test.cuda_kv_write(storage, layout.tuple(), F32, k, k, F32, *batch.args())
         with pytest.raises(InvalidArgumentError):
-            _C.cuda_paged_attention_decode(q.copy(), q, F32, storage, layout.tuple(), F32,
-                                           *batch.args(), 4, 0, 0.5)
+            _C_test.cuda_paged_attention_decode(q.copy(), q, F32, storage, layout.tuple(), F32,
+                                                *batch.args(), 4, 0, 0.5)
         with pytest.raises(ValueError):
-            _C.cuda_paged_attention_prefill(q[:1].copy(), q, F32, storage, layout.tuple(), F32,
-                                            *batch.args(), 4, 0, 0.5)
+            _C_test.cuda_paged_attention_prefill(q[:1].copy(), q, F32, storage, layout.tuple(),
+                                                 F32, *batch.args(), 4, 0, 0.5)
         with pytest.raises(InvalidArgumentError):
-            _C.cuda_sample(tokens, logits, F32, 1, 5, [(1.0, 9, 1.0, 0, 0)])
+            _C_test.cuda_sample(tokens, logits, F32, 1, 5, [(1.0, 9, 1.0, 0, 0)])
     gc.collect()
     assert [sys.getrefcount(x) for x in arrays] == before
 
@@ -1048,7 +1048,7 @@ def test_refused_new_entry_points_release_their_buffers():
 def test_workspace_sizes():
     if not _C.WITH_CUDA:
         pytest.skip("gyges was built without CUDA")
-    ws = _C.cuda_paged_attention_workspace_bytes
+    ws = _C_test.cuda_paged_attention_workspace_bytes
     assert ws(0, 32, 128, 4096) == 0
     assert ws(128, 32, 128, 4096) == 0  # 4096 (token, head) rows fill the GPU: no split
     assert ws(64, 32, 128, 4096) == 64 * 32 * 2 * 130 * 4  # 2048 rows: 2 partitions
@@ -1064,12 +1064,12 @@ def _cuda_arena(pages=8, n_slots=16, pool_pages=4, page_size=2 * MiB):
 
 
 def _write(arena, offset, data):
-    _C.cuda_memcpy_htod(arena.base_address + offset, np.ascontiguousarray(data))
+    _C_test.cuda_memcpy_htod(arena.base_address + offset, np.ascontiguousarray(data))
 
 
 def _read(arena, offset, nbytes):
     out = np.empty(nbytes, np.uint8)
-    _C.cuda_memcpy_dtoh(out, arena.base_address + offset)
+    _C_test.cuda_memcpy_dtoh(out, arena.base_address + offset)
     return out
 
 
@@ -1178,7 +1178,7 @@ def test_cuda_arena_random_operations_match_a_model():
 @needs_gpu
 def test_cuda_arena_gives_memory_back():
     """Pages, the pool and the reservation are returned when the arena goes away."""
-    before = _C.cuda_device_info(0)["free_bytes"]
+    before = _C_test.cuda_device_info(0)["free_bytes"]
     for _ in range(3):
         arena = _cuda_arena(pages=64, n_slots=64, pool_pages=16)
         for _ in range(20):
@@ -1186,7 +1186,7 @@ def test_cuda_arena_gives_memory_back():
             arena.shrink(0, 64)
         del arena
         gc.collect()
-    after = _C.cuda_device_info(0)["free_bytes"]
+    after = _C_test.cuda_device_info(0)["free_bytes"]
     # Other processes may allocate meanwhile; one arena is 128 MiB, so a leak of even one would
     # show well beyond this slack.
     assert after >= before - 64 * MiB, (before, after)

@@ -27,7 +27,7 @@ import pytest
 from reference_model import ReferenceModel
 
 import gyges
-from gyges import _C
+from gyges import _C, _C_test
 from gyges.runtime.kv_cache import KVCache, decode_values
 from gyges.models.safetensors import bf16_to_f32, f32_to_bf16
 from gyges.runtime.worker import Worker
@@ -43,7 +43,7 @@ KIB, MIB = 1 << 10, 1 << 20
 
 from gpu import GPU_SKIP_REASON  # noqa: E402  (tests/gpu.py)
 FORWARD_SKIP_REASON = GPU_SKIP_REASON or _C.cuda_forward_unavailable()
-BLAS_SKIP_REASON = GPU_SKIP_REASON or (_C.cuda_blas_available() if _C.WITH_CUDA else None)
+BLAS_SKIP_REASON = GPU_SKIP_REASON or (_C_test.cuda_blas_available() if _C.WITH_CUDA else None)
 needs_forward = pytest.mark.skipif(FORWARD_SKIP_REASON is not None,
                                    reason=FORWARD_SKIP_REASON or "")
 needs_blas = pytest.mark.skipif(BLAS_SKIP_REASON is not None, reason=BLAS_SKIP_REASON or "")
@@ -130,8 +130,8 @@ def test_gemm_refuses_bad_shapes_before_the_device():
 
     def call(**kw):
         a = {**ok, **kw}
-        _C.cuda_gemm(a["y"], a["x"], a["w"], a["bias"], a["yd"], a["xd"], a["wd"], a["o"],
-                     a["m"], a["n_in"], a["n_out"], a["ldx"], a["ldy"], a["acc"])
+        _C_test.cuda_gemm(a["y"], a["x"], a["w"], a["bias"], a["yd"], a["xd"], a["wd"], a["o"],
+                          a["m"], a["n_in"], a["n_out"], a["ldx"], a["ldy"], a["acc"])
 
     cases = [
         (dict(xd=BF16), "one dtype"),                      # x and w differ
@@ -254,8 +254,8 @@ def test_gemm_matches_numpy(m, n_in, n_out, orientation, dtype, y_dtype, mode):
     bias = rng.standard_normal(n_out).astype(np.float32) if "bias" in mode else None
     accumulate = "accumulate" in mode
     y = y0.copy()
-    _C.cuda_gemm(y, x, w, bias, y_dtype, dtype, dtype, orientation, m, n_in, n_out, ldx, ldy,
-                 accumulate)
+    _C_test.cuda_gemm(y, x, w, bias, y_dtype, dtype, dtype, orientation, m, n_in, n_out, ldx, ldy,
+                      accumulate)
     xv, wv, y0v = _decode(x, dtype)[:, :n_in], _decode(w, dtype), _decode(y0, y_dtype)
     wt = wv.T if orientation == OUT_IN else wv
     ref = xv @ wt
@@ -279,8 +279,9 @@ def test_gemm_matches_numpy(m, n_in, n_out, orientation, dtype, y_dtype, mode):
 @needs_blas
 def test_gemm_with_no_rows_is_a_no_op():
     y = np.full(4, 7.0, np.float32)
-    _C.cuda_gemm(y, np.zeros(0, np.float32), np.ones(12, np.float32), None, F32, F32, F32, OUT_IN,
-                 0, 3, 4, 3, 4, False)
+    _C_test.cuda_gemm(y, np.zeros(0, np.float32), np.ones(12, np.float32), None, F32, F32, F32,
+                      OUT_IN,
+                      0, 3, 4, 3, 4, False)
     np.testing.assert_array_equal(y, 7.0)
 
 

@@ -10,7 +10,7 @@ draws are redrawn (and counted, to show they are rare)."""
 import numpy as np
 import pytest
 
-from gyges import _C
+from gyges import _C, _C_test
 
 
 def ref_probs(x, temperature, top_k, top_p, min_p=0.0):
@@ -40,7 +40,8 @@ def ref_probs(x, temperature, top_k, top_p, min_p=0.0):
 
 def c_probs(x, temperature, top_k, top_p, min_p=0.0):
     out = np.empty(len(x))
-    _C.sampler_probs(np.ascontiguousarray(x, np.float32), temperature, top_k, top_p, out, min_p)
+    _C_test.sampler_probs(np.ascontiguousarray(x, np.float32), temperature, top_k, top_p, out,
+                          min_p)
     return out
 
 
@@ -60,7 +61,7 @@ def test_greedy_is_argmax_with_ties_to_lowest_index():
         x = np.stack([random_row(rng, V, ties=bool(i % 2)) for i in range(n)])
         x[:, 0] = np.where(np.isinf(x).all(axis=1), 0.0, x[:, 0])
         params = [(0.0, int(rng.integers(0, V + 1)), 0.5, i, i) for i in range(n)]
-        tokens = _C.sample(x, n, V, params)
+        tokens = _C_test.sample(x, n, V, params)
         assert tokens == [int(np.argmax(row)) for row in x]
         for row in x[:5]:
             assert np.array_equal(c_probs(row, 0.0, 0, 1.0), ref_probs(row, 0.0, 0, 1.0)[0])
@@ -138,7 +139,8 @@ def test_min_p_by_hand():
     assert np.flatnonzero(c_probs(y, 1.0, 0, 1.0, 0.0)).tolist() == [0, 1, 2, 3]
     # top-p then works on what min-p left: 0.5 / (0.5 + 0.25) = 0.67 >= 0.6
     assert np.flatnonzero(c_probs(y, 1.0, 0, 0.6, 0.4)).tolist() == [1]
-    tokens = _C.sample(np.tile(y, (50, 1)), 50, 4, [(1.0, 0, 1.0, s, 0, 0.4) for s in range(50)])
+    tokens = _C_test.sample(np.tile(y, (50, 1)), 50, 4,
+                            [(1.0, 0, 1.0, s, 0, 0.4) for s in range(50)])
     assert set(tokens) == {1, 3}
 
 
@@ -168,7 +170,7 @@ def test_frequencies_match_the_distribution(T, k, p):
     # over seeds at one token index, and over token indices of one seed
     for params in ([(T, k, p, seed, 3) for seed in range(n)],
                    [(T, k, p, 12345, i) for i in range(n)]):
-        tokens = np.array(_C.sample(logits, n, V, params))
+        tokens = np.array(_C_test.sample(logits, n, V, params))
         stat, df = chi2(np.bincount(tokens, minlength=V), ref)
         assert stat < CHI2_9999[df], (stat, df)
 
@@ -180,10 +182,10 @@ def test_draw_is_the_inverse_cdf_of_the_counter_uniform():
     x[:, 0] = 1.0
     params = [(0.9, 20, 0.95, int(rng.integers(0, 2**63)), int(rng.integers(0, 2**40)))
               for _ in range(n)]
-    tokens = _C.sample(x, n, V, params)
+    tokens = _C_test.sample(x, n, V, params)
     for row, prm, tok in zip(x, params, tokens):
         probs = c_probs(row, prm[0], prm[1], prm[2])
-        u = _C.rng_uniform(prm[3], prm[4])
+        u = _C_test.rng_uniform(prm[3], prm[4])
         assert 0.0 <= u < 1.0
         assert tok == int(np.argmax(np.cumsum(probs) > u * probs.sum()))
 
@@ -196,14 +198,14 @@ def test_same_seed_and_index_same_token_in_any_batch():
     params = [(float(rng.choice([0.5, 1.0, 2.0])), int(rng.choice([0, 5, 50])),
                float(rng.choice([1.0, 0.9, 0.3])), int(rng.integers(0, 2**64, dtype=np.uint64)),
                int(rng.integers(0, 1000))) for _ in range(n)]
-    tokens = _C.sample(x, n, V, params)
+    tokens = _C_test.sample(x, n, V, params)
     perm = rng.permutation(n)
-    shuffled = _C.sample(np.ascontiguousarray(x[perm]), n, V, [params[i] for i in perm])
+    shuffled = _C_test.sample(np.ascontiguousarray(x[perm]), n, V, [params[i] for i in perm])
     assert shuffled == [tokens[i] for i in perm]
     for i in range(0, n, 7):
-        assert _C.sample(x[i], 1, V, [params[i]]) == [tokens[i]]
+        assert _C_test.sample(x[i], 1, V, [params[i]]) == [tokens[i]]
     # a different seed or token index changes some tokens
-    other = _C.sample(x, n, V, [(t, k, p, s + 1, i) for t, k, p, s, i in params])
+    other = _C_test.sample(x, n, V, [(t, k, p, s + 1, i) for t, k, p, s, i in params])
     assert other != tokens
 
 
@@ -225,22 +227,22 @@ def test_bad_parameters_raise_value_errors():
            ((1.0, 0, 1.0, 0, 0, 1.5), "min_p"), ((1.0, 0, 1.0, 0, 0, float("nan")), "min_p")]
     for params, word in bad:
         with pytest.raises(_C.InvalidArgumentError, match=f"row 1: {word}"):
-            _C.sample(x, 2, 4, [ok, params])
+            _C_test.sample(x, 2, 4, [ok, params])
         with pytest.raises(ValueError, match=word):
             c_probs(x[0], params[0], params[1], params[2], *params[5:])
     for value, word in [(np.nan, "NaN"), (np.inf, r"\+inf")]:
         y = x.copy()
         y[1, 2] = value
         with pytest.raises(ValueError, match=f"row 1: logit 2 is {word}"):
-            _C.sample(y, 2, 4, [ok, ok])
+            _C_test.sample(y, 2, 4, [ok, ok])
     with pytest.raises(ValueError, match="-inf"):
-        _C.sample(np.full((1, 4), -np.inf, np.float32), 1, 4, [ok])
+        _C_test.sample(np.full((1, 4), -np.inf, np.float32), 1, 4, [ok])
     with pytest.raises(ValueError, match="float32"):
-        _C.sample(x.astype(np.float64), 2, 4, [ok, ok])
+        _C_test.sample(x.astype(np.float64), 2, 4, [ok, ok])
     with pytest.raises(ValueError, match="values, expected"):
-        _C.sample(x, 2, 5, [ok, ok])
+        _C_test.sample(x, 2, 5, [ok, ok])
     with pytest.raises(ValueError, match="rows"):
-        _C.sample(x, 2, 4, [ok])
+        _C_test.sample(x, 2, 4, [ok])
     with pytest.raises(TypeError):
-        _C.sample(x, 2, 4, [ok, (1.0, 0)])
-    assert _C.sample(np.zeros((0, 4), np.float32), 0, 4, []) == []
+        _C_test.sample(x, 2, 4, [ok, (1.0, 0)])
+    assert _C_test.sample(np.zeros((0, 4), np.float32), 0, 4, []) == []

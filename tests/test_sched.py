@@ -1,14 +1,14 @@
-"""The batch scheduler (csrc/sched/batch.h) through gyges._C.Scheduler: long random runs checked
-step by step against a pure-Python model of the same policy written here (same batches, same
-preemptions, same finishes, same block accounting), plus invariants that do not trust the model,
-submit-time refusals, the call protocol and a leak check."""
+"""The batch scheduler (csrc/sched/batch.h) through gyges._C_test.Scheduler: long random runs
+checked step by step against a pure-Python model of the same policy written here (same batches,
+same preemptions, same finishes, same block accounting), plus invariants that do not trust the
+model, submit-time refusals, the call protocol and a leak check."""
 import bisect
 import gc
 import random
 
 import pytest
 
-from gyges import _C
+from gyges import _C, _C_test
 
 
 def cdiv(a, b):
@@ -180,7 +180,7 @@ CONFIGS = [
 def test_random_run_matches_model_and_invariants(ci):
     cfg = CONFIGS[ci]
     rng = random.Random(1000 + ci)
-    sched = _C.Scheduler(**cfg)
+    sched = _C_test.Scheduler(**cfg)
     model = Model(**cfg)
     cap = cfg["total_blocks"] * cfg["block_size"]
     n_requests = 1000
@@ -269,7 +269,7 @@ def test_random_run_matches_model_and_invariants(ci):
 
 def test_same_inputs_same_batches():
     def run():
-        s = _C.Scheduler(10, 2, 6, 3, 3)
+        s = _C_test.Scheduler(10, 2, 6, 3, 3)
         for i in range(12):
             s.add(i, 1 + (i * 5) % 9, 1 + (i * 3) % 7)
         out = []
@@ -282,7 +282,7 @@ def test_same_inputs_same_batches():
 
 
 def test_submit_time_refusals_are_value_errors_with_reasons():
-    s = _C.Scheduler(10, 4, 8, 4)
+    s = _C_test.Scheduler(10, 4, 8, 4)
     cases = [((1, 0, 5), "prompt length"), ((1, 5, 0), "max_new_tokens"),
              ((1, 30, 11), "can never fit"), ((1, -3, 5), "prompt length")]
     for args, words in cases:
@@ -297,11 +297,11 @@ def test_submit_time_refusals_are_value_errors_with_reasons():
     for bad in [(0, 4, 8, 4), (10, 0, 8, 4), (10, 4, 0, 4), (10, 4, 8, 0), (10, 4, 8, 4, -1),
                 (10, 4, 8, 4, 0, 10)]:
         with pytest.raises(ValueError):
-            _C.Scheduler(*bad)
+            _C_test.Scheduler(*bad)
 
 
 def test_protocol_errors():
-    s = _C.Scheduler(10, 4, 8, 4)
+    s = _C_test.Scheduler(10, 4, 8, 4)
     with pytest.raises(_C.StateError, match="no step"):
         s.commit(0.0)
     s.add(1, 3, 2)
@@ -328,7 +328,7 @@ def test_protocol_errors():
 
 
 def test_abort_in_flight_is_ignored_at_commit():
-    s = _C.Scheduler(20, 2, 8, 4)
+    s = _C_test.Scheduler(20, 2, 8, 4)
     s.add(1, 4, 3)
     s.add(2, 4, 3)
     entries, _ = s.schedule(0.0)
@@ -347,7 +347,7 @@ def test_no_leak_over_many_schedulers_and_steps():
 
     def churn():
         for _ in range(300):
-            s = _C.Scheduler(32, 4, 32, 8, 8)
+            s = _C_test.Scheduler(32, 4, 32, 8, 8)
             for i in range(20):
                 s.add(i, 1 + i % 13, 1 + i % 5)
             for t in range(30):

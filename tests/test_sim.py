@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gyges
-from gyges import _C, metrics, sim, traces
+from gyges import _C, _C_test, metrics, sim, traces
 from gyges.cluster.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
                              gpu_spec, model_config)
 from gyges.cluster.results import Results
@@ -328,12 +328,12 @@ def test_c_cost_model_matches_python_reference():
             pairs = float(rng.integers(0, 10**10))
             trans = bool(rng.integers(0, 2))
             ref = cm.step_time(tp, n_tok, 1, n_samp, kv, pairs, trans)
-            got = _C.sim_step_time("roofline", p, tp, trans, n_tok, 1, n_samp, kv, pairs)
+            got = _C_test.sim_step_time("roofline", p, tp, trans, n_tok, 1, n_samp, kv, pairs)
             assert got == pytest.approx(ref, rel=1e-12, abs=0)  # same float64 formula
         for phase, kind in (("weights_drop", 0), ("kv_scatter", 1), ("weights_gather", 2)):
             for a, b in ((1, 2), (2, 4), (4, 1), (8, 2)):
                 ref = cm.phase_time(phase, a, b, 123456.0)
-                got = _C.sim_phase_time("roofline", p, kind, a, b, 123456.0)
+                got = _C_test.sim_phase_time("roofline", p, kind, a, b, 123456.0)
                 assert got == pytest.approx(ref, rel=1e-12)
 
 
@@ -634,9 +634,9 @@ PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, e
 def test_pipeline_cost_reference_matches_c():
     for cur, tgt in [((60, 20), (44, 36)), ((44, 36), (66, 14)), ((50, 30), (50, 30))]:
         shape = CostModel.batch_shape([(100, 20, True), (300, 1, True)])
-        c = _C.sim_pipeline(PIPE.params(16), list(cur), list(tgt), shape["n_tokens"],
-                            shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
-                            shape["attn_pairs"], 5000.0)
+        c = _C_test.sim_pipeline(PIPE.params(16), list(cur), list(tgt), shape["n_tokens"],
+                                 shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                                 shape["attn_pairs"], 5000.0)
         assert c["step"] == pytest.approx(PIPE.step_time(cur, **shape), rel=1e-12)
         assert c["capacity"] == PIPE.capacity(cur) and c["shrink"] == PIPE.shrink_capacity(cur, tgt)
         t, w, kv = PIPE.migration_time(cur, tgt, 5000.0)
@@ -661,9 +661,9 @@ def test_micro_batches_overlap_the_stages():
     for m in (1, 2, None):
         cost = even.replace(micro_batches=m)
         for name, shape in (("prefill", prefill), ("decode", decode)):
-            c = _C.sim_pipeline(cost.params(16), [16, 16], [16, 16], shape["n_tokens"],
-                                shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
-                                shape["attn_pairs"], 0.0)
+            c = _C_test.sim_pipeline(cost.params(16), [16, 16], [16, 16], shape["n_tokens"],
+                                     shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                                     shape["attn_pairs"], 0.0)
             times[m, name] = c["step"]
             assert c["step"] == pytest.approx(cost.step_time([16, 16], **shape), rel=1e-12)
     assert times[2, "prefill"] == times[None, "prefill"] and times[2, "decode"] == times[None, "decode"]
@@ -693,9 +693,9 @@ def test_flushed_pipeline_steps_pay_the_fill_and_drain_bubble():
     flushed = even.replace(flush=True)
     for shape in (CostModel.batch_shape([(0, 2048, True)] * 4),
                   CostModel.batch_shape([(1000, 1, True)] * 16)):
-        c = _C.sim_pipeline(flushed.params(16), [16, 16], [16, 16], shape["n_tokens"],
-                            shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
-                            shape["attn_pairs"], 0.0)
+        c = _C_test.sim_pipeline(flushed.params(16), [16, 16], [16, 16], shape["n_tokens"],
+                                 shape["n_seqs"], shape["n_samples"], shape["kv_read_tokens"],
+                                 shape["attn_pairs"], 0.0)
         assert c["step"] == pytest.approx(flushed.step_time([16, 16], **shape), rel=1e-12)
         st = even.stage_times([16, 16], shape["n_tokens"] / 2, shape["n_seqs"],
                               shape["n_samples"] / 2, shape["kv_read_tokens"] / 2,

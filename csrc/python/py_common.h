@@ -1,5 +1,6 @@
-/* py_common.h: what every file of the extension shares: turning a gy_status into an exception,
- * and borrowing NumPy buffers (the Python wrappers have already checked dtype and shape). */
+/* py_common.h: what every file of both extensions shares: turning a gy_status into an exception,
+ * and borrowing NumPy buffers (the Python wrappers have already checked dtype and shape). All of
+ * it is defined in gyges._C; gyges._C_test (csrc/python_test/) links it from there. */
 #ifndef GY_PY_COMMON_H
 #define GY_PY_COMMON_H
 
@@ -8,6 +9,11 @@
 
 #include "core/status.h"
 
+/* ---- py_errors.c: the exception classes ---- */
+
+/* Creates gyges._C.Error and its subclasses, one per gy_status, in `module`; 0, or -1 with an
+ * exception. */
+int gy_py_errors_add(PyObject *module);
 /* Raises the gyges exception for `status` with the core's last message; returns NULL. */
 PyObject *gy_py_raise(gy_status status);
 /* The exception class for `status` (borrowed). */
@@ -18,6 +24,9 @@ PyObject *gy_py_error_class(gy_status status);
 #define GY_PY_VALUE_ERROR gy_py_error_class(GY_ERR_INVALID)
 PyObject *gy_py_type_error(void);
 #define GY_PY_TYPE_ERROR gy_py_type_error()
+
+/* ---- py_common.c: reading arguments ---- */
+
 /* PySequence_Fast whose refusal is an ArgumentTypeError with `message`. */
 PyObject *gy_py_sequence(PyObject *object, const char *message);
 /* A sequence of at most `cap` ints into `out` (`what` names it in errors): their count, or -1
@@ -25,31 +34,23 @@ PyObject *gy_py_sequence(PyObject *object, const char *message);
 Py_ssize_t gy_py_int64s(PyObject *seq_object, int64_t *out, Py_ssize_t cap, const char *what);
 /* The same for floats. */
 Py_ssize_t gy_py_doubles(PyObject *seq_object, double *out, Py_ssize_t cap, const char *what);
+/* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
+ * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
+int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int writable,
+                     const char *what);
 
 /* Each file adds its functions and types to the module; 0 on success, -1 with an exception. */
+int gy_py_backends_add(PyObject *module);
 int gy_py_arena_add(PyObject *module);
 int gy_py_kv_add(PyObject *module);
 int gy_py_kv_patch_add(PyObject *module);
 int gy_py_kv_move_add(PyObject *module);
-/* py_kv_move.c's add function under the name module.c calls it by (to go when module.c calls
- * gy_py_kv_move_add). */
-int gy_py_kv_mover_add(PyObject *module);
-int gy_py_kernels_add(PyObject *module);
-int gy_py_cuda_add(PyObject *module);
-int gy_py_sched_add(PyObject *module);
 int gy_py_model_add(PyObject *module);
 int gy_py_engine_add(PyObject *module);
 int gy_py_sim_add(PyObject *module);
 int gy_py_comm_add(PyObject *module);
 int gy_py_policy_add(PyObject *module);
 int gy_py_cluster_add(PyObject *module);
-int gy_py_forward_cuda_add(PyObject *module);
-int gy_py_fault_add(PyObject *module);
-
-/* Borrows a C-contiguous buffer of exactly `bytes` bytes (writable when `writable`); on failure
- * raises ValueError naming `what` and returns -1. Release with PyBuffer_Release. */
-int gy_py_get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t bytes, int writable,
-                     const char *what);
 
 /* From py_arena.c, for the other types that hand out views of arena memory. */
 #include "mem/arena.h"
@@ -60,18 +61,20 @@ gy_arena *gy_py_arena_unwrap(PyObject *object);
 PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t offset,
                                uint64_t nbytes, int readonly);
 
-/* From py_sched.c: parses `rows` sampler rows (temperature, top_k, top_p, seed, token_index[,
- * min_p]) from a sequence into two new arrays (free both with PyMem_Free), each row checked
- * against `vocab` when it is > 0 (the error names the row). 0, or -1 with an exception and
- * nothing to free. */
-struct gy_sampler_params;
-int gy_py_sampler_rows(PyObject *rows_object, long long rows, int64_t vocab,
-                       struct gy_sampler_params **params, int64_t **index);
-
 /* From py_sim.c: a pipeline's parameters (gyges.costmodel.PipelineCost.params()) into *p,
  * checked; 0, or -1 with an exception. */
 struct gy_sim_pipeline;
 int gy_py_sim_pipeline_params(PyObject *params, struct gy_sim_pipeline *p);
+/* The roofline or constant cost model's parameters (`kind` names it) from a dict, checked, and
+ * the cost ops over the one filled in; 0, or -1 with an exception. */
+struct gy_sim_roofline;
+struct gy_sim_cost_constant;
+struct gy_sim_cost_ops;
+int gy_py_sim_cost_params(PyObject *params, const char *kind, struct gy_sim_roofline *roof,
+                          struct gy_sim_cost_constant *cst, struct gy_sim_cost_ops *ops);
+/* A pipeline's split (layers per stage) from a sequence of n ints; 0, or -1 with an exception
+ * naming `what`. */
+int gy_py_sim_split(PyObject *o, int32_t n, int32_t *layers, const char *what);
 
 /* From py_kv.c: the gy_kv_cache inside a gyges._C.KVCache, or NULL with TypeError set. */
 struct gy_kv_cache;

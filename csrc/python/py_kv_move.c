@@ -280,6 +280,3 @@ int gy_py_kv_move_add(PyObject *module) {
         return -1;
     return 0;
 }
-
-/* module.c still calls the KV mover's add function by its old name: the same thing. */
-int gy_py_kv_mover_add(PyObject *module) { return gy_py_kv_move_add(module); }

@@ -342,8 +342,7 @@ int gy_py_policy_add(PyObject *module) {
     gy_py_policy_type = type;
     Py_DECREF(type);
     if (PyModule_AddIntConstant(module, "POLICY_INST_VIEW_SIZE", sizeof(gy_sim_inst_view)) < 0 ||
-        PyModule_AddIntConstant(module, "POLICY_GROUP_SIZE", sizeof(gy_sim_group)) < 0 ||
-        PyModule_AddIntConstant(module, "POLICY_MAX_OPS", GY_SIM_MAX_OPS) < 0)
+        PyModule_AddIntConstant(module, "POLICY_GROUP_SIZE", sizeof(gy_sim_group)) < 0)
         return -1;
     return 0;
 }

@@ -1,6 +1,6 @@
-/* py_sim.c: gyges._C.Simulator (csrc/sim/sim.h) and the cost-model entry points sim_step_time /
- * sim_phase_time (the C evaluation that gyges/costmodel.py checks against its reference).
- * Arguments arrive already checked by gyges/sim.py; results leave as bytes that the wrapper
+/* py_sim.c: gyges._C.Simulator (csrc/sim/sim.h), the cost-model entry points the package uses
+ * (sim_prefill_rates, sim_policy_names, buddy_plan) and the readers of cost-model parameters
+ * (gyges._C_test's cost-model entry points use them too). Arguments arrive already checked by gyges/sim.py; results leave as bytes that the wrapper
  * views with NumPy dtypes mirroring the C structs. The GIL is released around gy_sim_run; a
  * simulator used from a second thread meanwhile raises BusyError. */
 #include "py_common.h"
@@ -22,9 +22,8 @@ typedef struct {
     int busy;
 } GySimulatorObject;
 
-/* Reads the roofline or constant parameters from a dict; -1 with an exception. */
-static int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *roof,
-                                 gy_sim_cost_constant *cst, gy_sim_cost_ops *ops) {
+int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *roof,
+                          gy_sim_cost_constant *cst, gy_sim_cost_ops *ops) {
     if (!PyDict_Check(params)) {
         PyErr_SetString(GY_PY_TYPE_ERROR, "cost parameters must be a dict");
         return -1;
@@ -197,8 +196,7 @@ int gy_py_sim_pipeline_params(PyObject *params, gy_sim_pipeline *p) {
     return 0;
 }
 
-/* A split from a sequence of n ints; -1 with an exception. */
-static int gy_py_sim_split(PyObject *o, int32_t n, int32_t *layers, const char *what) {
+int gy_py_sim_split(PyObject *o, int32_t n, int32_t *layers, const char *what) {
     int64_t v[GY_SIM_MAX_STAGES];
     const Py_ssize_t got = gy_py_int64s(o, v, GY_SIM_MAX_STAGES, what);
     if (got < 0) return -1;
@@ -467,25 +465,6 @@ static PyType_Spec gy_py_simulator_spec = {
     .slots = gy_py_simulator_slots,
 };
 
-/* sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs) */
-static PyObject *gy_py_sim_step_time(PyObject *module, PyObject *args) {
-    const char *kind;
-    PyObject *params;
-    int tp, transforming;
-    long long n_tokens, n_seqs, n_samples;
-    double kv_read, pairs;
-    if (!PyArg_ParseTuple(args, "sOipLLLdd", &kind, &params, &tp, &transforming, &n_tokens,
-                          &n_seqs, &n_samples, &kv_read, &pairs))
-        return NULL;
-    gy_sim_roofline roof;
-    gy_sim_cost_constant cst;
-    gy_sim_cost_ops ops;
-    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
-    const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
-                                 .kv_read_tokens = kv_read, .attn_pairs = pairs};
-    return PyFloat_FromDouble(ops.step_time(ops.ctx, tp, transforming, &s));
-}
-
 /* sim_prefill_rates(kind, params, max_tp, chunk) -> [tokens/s of TP1, TP2, ..., max_tp] */
 static PyObject *gy_py_sim_prefill_rates(PyObject *module, PyObject *args) {
     const char *kind;
@@ -510,27 +489,6 @@ static PyObject *gy_py_sim_prefill_rates(PyObject *module, PyObject *args) {
         else PyList_SET_ITEM(list, l, v);
     }
     return list;
-}
-
-/* sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU) */
-static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
-    const char *kind;
-    PyObject *params;
-    int phase, tp_from, tp_to;
-    double kv_tokens;
-    if (!PyArg_ParseTuple(args, "sOiiid", &kind, &params, &phase, &tp_from, &tp_to, &kv_tokens))
-        return NULL;
-    if (phase < 0 || phase >= GY_SIM_PHASE_KIND_COUNT)
-        return PyErr_Format(GY_PY_VALUE_ERROR, "unknown phase kind %d", phase);
-    gy_sim_roofline roof;
-    gy_sim_cost_constant cst;
-    gy_sim_cost_ops ops;
-    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
-    const gy_sim_phase_shape p = {.kind = phase, .tp_from = tp_from, .tp_to = tp_to,
-                                  .kv_tokens = kv_tokens};
-    double bytes = 0;
-    const double t = ops.phase_time(ops.ctx, &p, &bytes);
-    return Py_BuildValue("(dd)", t, bytes);
 }
 
 /* buddy_plan(n, required, param_bytes, strategy, kv_bytes) -> ([group of each], met, freed) */
@@ -558,51 +516,14 @@ static PyObject *gy_py_buddy_plan(PyObject *module, PyObject *args) {
     return Py_BuildValue("(NOd)", list, met ? Py_True : Py_False, freed);
 }
 
-/* sim_pipeline(params, cur, tgt, n_tokens, n_seqs, n_samples, kv_read, pairs, kv_tokens) ->
- * {step, capacity, shrink, migration, weight_bytes, kv_bytes}: pipeline.h's C evaluation, for
- * gyges.costmodel.PipelineCost's reference check (step at cur, capacity of cur, a re-split
- * cur -> tgt). */
-static PyObject *gy_py_sim_pipeline(PyObject *module, PyObject *args) {
-    PyObject *params, *cur_o, *tgt_o;
-    long long n_tokens, n_seqs, n_samples;
-    double kv_read, pairs, kv_tokens;
-    if (!PyArg_ParseTuple(args, "OOOLLLddd", &params, &cur_o, &tgt_o, &n_tokens, &n_seqs,
-                          &n_samples, &kv_read, &pairs, &kv_tokens))
-        return NULL;
-    gy_sim_pipeline p;
-    int32_t cur[GY_SIM_MAX_STAGES], tgt[GY_SIM_MAX_STAGES];
-    if (gy_py_sim_pipeline_params(params, &p) < 0 ||
-        gy_py_sim_split(cur_o, p.n_stages, cur, "cur") < 0 ||
-        gy_py_sim_split(tgt_o, p.n_stages, tgt, "tgt") < 0)
-        return NULL;
-    if (!gy_sim_pipeline_split_ok(&p, cur) || !gy_sim_pipeline_split_ok(&p, tgt))
-        return PyErr_Format(GY_PY_VALUE_ERROR, "cur and tgt must split the model's %d layers",
-                            (int)p.n_layers);
-    const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
-                                 .kv_read_tokens = kv_read, .attn_pairs = pairs};
-    double wb = 0, kb = 0;
-    const double mig = gy_sim_pipeline_migration_time(&p, cur, tgt, kv_tokens, &wb, &kb);
-    return Py_BuildValue("{sdsLsLsdsdsd}", "step", gy_sim_pipeline_step_time(&p, cur, 0, &s),
-                         "capacity", (long long)gy_sim_pipeline_capacity(&p, cur), "shrink",
-                         (long long)gy_sim_pipeline_shrink_capacity(&p, cur, tgt), "migration",
-                         mig, "weight_bytes", wb, "kv_bytes", kb);
-}
-
 static PyObject *gy_py_sim_policy_names(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(gy_sim_policy_names());
 }
 
 static PyMethodDef gy_py_sim_functions[] = {
-    {"sim_step_time", gy_py_sim_step_time, METH_VARARGS,
-     "sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs)"},
-    {"sim_phase_time", gy_py_sim_phase_time, METH_VARARGS,
-     "sim_phase_time(kind, params, phase, tp_from, tp_to, kv_tokens) -> (seconds, bytes per GPU)"},
     {"sim_prefill_rates", gy_py_sim_prefill_rates, METH_VARARGS,
      "sim_prefill_rates(kind, params, max_tp, chunk) -> prompt tokens/s of each TP level"},
     {"sim_policy_names", gy_py_sim_policy_names, METH_NOARGS, "the policies, comma-separated"},
-    {"sim_pipeline", gy_py_sim_pipeline, METH_VARARGS,
-     "sim_pipeline(params, cur, tgt, n_tokens, n_seqs, n_samples, kv_read, pairs, kv_tokens) -> "
-     "dict"},
     {"buddy_plan", gy_py_buddy_plan, METH_VARARGS,
      "buddy_plan(n, required, param_bytes, strategy, kv_bytes) -> (groups, met, freed)"},
     {NULL, NULL, 0, NULL},

@@ -8,11 +8,12 @@ device of this folder instead of a GPU, nvcc, cuBLAS and the driver.
 
 What each is made of (README.md says why):
   harness  forward_cuda.c and the communicators against the CPU pass (harness.c): every C file of
-           csrc/ but the extension's, the emulated runtime (runtime.c), the naive kernels
+           csrc/ but the extensions', the emulated runtime (runtime.c), the naive kernels
            (naive_kernels.c), and the real device.cu and comm_d2d.cu on kernel_emu.h (serial).
-  ext      the whole extension on that same device, for the Python tests that need a GPU, and
-           the pretend driver (libcuda.c) that csrc/mem/arena_cuda.c opens at run time.
-  kernels  the whole extension with every real kernel (csrc/kernels/*.cu) running on host fibers
+  ext      both extensions (gyges._C and its test hooks, gyges._C_test) on that same device, for
+           the Python tests that need a GPU, and the pretend driver (libcuda.c) that
+           csrc/mem/arena_cuda.c opens at run time.
+  kernels  both extensions with every real kernel (csrc/kernels/*.cu) running on host fibers
            (kernel_emu.cpp), for tests/test_cuda.py; the pretend driver too.
   comm     test_comm.c: the communicators and comm_d2d.cu on streams that are threads, under
            ThreadSanitizer and under ASan+UBSan, and the pretend NCCL (nccl.c).
@@ -204,17 +205,33 @@ def run(command):
     subprocess.run(command, check=True, cwd=ROOT)
 
 
+TEST_EXTENSION = "python_test/"  # gyges._C_test's sources (setup.py)
+
+
 def csrc(*exclude):
-    return [p for p in sorted(CSRC.rglob("*.c")) if str(p.relative_to(CSRC)) not in exclude]
+    """The .c files of csrc/ for gyges._C: all but `exclude` and the test extension's."""
+    return [p for p in sorted(CSRC.rglob("*.c")) if str(p.relative_to(CSRC)) not in exclude
+            and not str(p.relative_to(CSRC)).startswith(TEST_EXTENSION)]
 
 
-def package(objects, b, target):
-    """The Python package beside an extension linked from `objects`."""
+def package(objects, test_objects, b, target):
+    """The Python package beside its two extensions: gyges._C linked from `objects` and
+    gyges._C_test from `test_objects`, against that _C (as setup.py links them)."""
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(ROOT / "gyges", target, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    b.link(objects, target / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")), shared=True)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    b.link(objects, target / ("_C" + suffix), shared=True)
+    b.link(test_objects, target / ("_C_test" + suffix), shared=True,
+           extra=[f"-L{target}", f"-l:_C{suffix}", "-Wl,-rpath,$ORIGIN"])
     return target
+
+
+def test_extension(b):
+    """Compiles gyges._C_test's sources with `b`; returns their objects."""
+    objects = [b.c(source) for source in sorted((CSRC / TEST_EXTENSION).glob("*.c"))]
+    b.compile()
+    return objects
 
 
 def shared_library(source, target, extra=()):
@@ -256,7 +273,8 @@ def build_ext(out):
     for piece in ("runtime.c", "naive_kernels.c"):
         b.c(HERE / piece)
     libcuda(out)
-    return package(b.compile(), b, Path(out).resolve() / "ext" / "gyges")
+    objects = b.compile()
+    return package(objects, test_extension(b), b, Path(out).resolve() / "ext" / "gyges")
 
 
 def build_kernels(out):
@@ -268,7 +286,8 @@ def build_kernels(out):
     b.cxx(HERE / "kernel_emu.cpp")
     b.c(HERE / "runtime.c")
     libcuda(out)
-    return package(b.compile(), b, Path(out).resolve() / "kernels" / "gyges")
+    objects = b.compile()
+    return package(objects, test_extension(b), b, Path(out).resolve() / "kernels" / "gyges")
 
 
 def build_comm(out):

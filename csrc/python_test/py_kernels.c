@@ -1,9 +1,10 @@
-/* py_kernels.c: entry points to the CPU kernels (csrc/cpu), used by the engine and the kernel
- * tests. Each takes C-contiguous buffers plus sizes, checks every buffer's byte count against the
- * sizes (ValueError), lets the C kernel validate the rest (gyges errors), and releases the GIL
- * around the C work. `threads` picks a module-level thread pool of that many threads (1 = the
+/* py_kernels.c: entry points to the CPU kernels (csrc/cpu) on NumPy buffers, for the kernel tests
+ * (against float64 NumPy) and the kernel benchmarks; the engine calls the kernels from C. Each
+ * takes C-contiguous buffers plus sizes, checks every buffer's byte count against the sizes
+ * (ValueError), lets the C kernel validate the rest (gyges errors), and releases the GIL around
+ * the C work. `threads` picks a module-level thread pool of that many threads (1 = the
  * calling thread), created on first use and kept for the life of the process. */
-#include "py_common.h"
+#include "py_test.h"
 
 #include "cpu/activation.h"
 #include "cpu/argmax.h"
@@ -467,7 +468,7 @@ static PyObject *gy_py_kernel_fma_peak(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(flops);
 }
 
-/* ---- kernel path ------------------------------------------------------------------------------ */
+/* ---- kernel path (gyges._C.set_cpu_isa switches it) ----------------------------------------- */
 
 static PyObject *gy_py_kernel_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(gy_cpu_isa_name(gy_cpu_isa_get()));
@@ -475,18 +476,6 @@ static PyObject *gy_py_kernel_isa(PyObject *self, PyObject *noargs) {
 
 static PyObject *gy_py_kernel_isa_best(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(gy_cpu_isa_name(gy_cpu_isa_best()));
-}
-
-static PyObject *gy_py_kernel_set_isa(PyObject *self, PyObject *args) {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    for (int i = 0; i < GY_CPU_ISA_COUNT; i++)
-        if (strcmp(name, gy_cpu_isa_name((gy_cpu_isa)i)) == 0) {
-            gy_status s = gy_cpu_isa_set((gy_cpu_isa)i);
-            if (s != GY_OK) return gy_py_raise(s);
-            Py_RETURN_NONE;
-        }
-    return PyErr_Format(GY_PY_VALUE_ERROR, "unknown kernel path '%s' (portable, avx512)", name);
 }
 
 static PyMethodDef gy_py_kernel_methods[] = {
@@ -523,7 +512,6 @@ static PyMethodDef gy_py_kernel_methods[] = {
      "compute roofline of the benchmarks"},
     {"kernel_isa", gy_py_kernel_isa, METH_NOARGS, "kernel_isa() -> the kernel path in use"},
     {"kernel_isa_best", gy_py_kernel_isa_best, METH_NOARGS, "kernel_isa_best() -> the best path compiled in"},
-    {"kernel_set_isa", gy_py_kernel_set_isa, METH_VARARGS, "kernel_set_isa(name): 'portable' or 'avx512'"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
-/* py_fault.c: the fault-injection hook (core/fault.h) for tests: gyges.testing wraps it. */
-#include "py_common.h"
+/* py_fault.c: the fault-injection hook (core/fault.h) for tests: gyges.testing wraps it. The
+ * sites and their counters are gyges._C's (this extension links them from there). */
+#include "py_test.h"
 
 #include "core/fault.h"
 

@@ -1,24 +1,15 @@
-/* py_forward_cuda.c: entry points around the CUDA forward pass: whether it is in this build, and
- * its cuBLAS GEMM wrapper (csrc/kernels/gemm.h) on host NumPy buffers, for the tests that check
- * it against NumPy. Like py_cuda.c's kernel entry points: every buffer is copied to a fresh device
- * allocation, the GEMM runs on the default stream, y is copied in (accumulate mode reads it) and
- * back. Shapes and dtypes are checked before the device is touched. */
-#include "py_common.h"
-
-#include "engine/forward_cuda.h"
+/* py_gemm.c: the CUDA forward pass's cuBLAS GEMM wrapper (csrc/kernels/gemm.h) on host NumPy
+ * buffers, for the tests that check it against NumPy, and whether cuBLAS loads. Like py_cuda.c's
+ * kernel entry points: every buffer is copied to a fresh device allocation, the GEMM runs on the
+ * default stream, y is copied in (accumulate mode reads it) and back. Shapes and dtypes are
+ * checked before the device is touched. */
+#include "py_test.h"
 
 #ifdef GY_WITH_CUDA
 #include "core/dtype.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 #endif
-
-/* cuda_forward_unavailable() -> None when the CUDA forward pass is built in, else the reason. */
-static PyObject *gy_py_cuda_forward_unavailable(PyObject *module, PyObject *unused) {
-    const char *why = gy_forward_cuda_unavailable();
-    if (why == NULL) Py_RETURN_NONE;
-    return PyUnicode_FromString(why);
-}
 
 #ifdef GY_WITH_CUDA
 
@@ -129,9 +120,7 @@ static PyObject *gy_py_cuda_blas_available(PyObject *module, PyObject *unused) {
 
 #endif
 
-static PyMethodDef gy_py_forward_cuda_functions[] = {
-    {"cuda_forward_unavailable", gy_py_cuda_forward_unavailable, METH_NOARGS,
-     "cuda_forward_unavailable() -> None, or why the CUDA forward pass is not in this build"},
+static PyMethodDef gy_py_gemm_functions[] = {
     {"cuda_blas_available", gy_py_cuda_blas_available, METH_NOARGS,
      "cuda_blas_available() -> None, or why cuBLAS cannot be loaded"},
     {"cuda_gemm", gy_py_cuda_gemm, METH_VARARGS,
@@ -140,6 +129,4 @@ static PyMethodDef gy_py_forward_cuda_functions[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int gy_py_forward_cuda_add(PyObject *module) {
-    return PyModule_AddFunctions(module, gy_py_forward_cuda_functions);
-}
+int gy_py_gemm_add(PyObject *module) { return PyModule_AddFunctions(module, gy_py_gemm_functions); }

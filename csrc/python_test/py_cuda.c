@@ -1,5 +1,5 @@
-/* py_cuda.c: entry points to the CUDA backend: device queries, raw copies to and from device
- * addresses (for the CUDA arena's tests), and launches of the kernels of csrc/kernels/ on host
+/* py_cuda.c: entry points to the CUDA backend for its tests and benchmarks: device info, raw
+ * copies to and from device addresses (for the CUDA arena's tests), and launches of the kernels of csrc/kernels/ on host
  * NumPy buffers, for the tests that check them against NumPy.
  *
  * The kernel entry points are deliberately simple: every buffer argument is copied to a fresh
@@ -13,9 +13,9 @@
  * Two timing entry points (cuda_bench_*) keep their data on the device and time launches with
  * events, for benchmarks/bench_cuda_kernels.py.
  *
- * In a build without CUDA, cuda_device_count() answers 0 and every other entry point raises
- * gyges.UnavailableError. */
-#include "py_common.h"
+ * In a build without CUDA, every entry point raises gyges.UnavailableError. (gyges._C answers
+ * cuda_device_count, which the package asks.) */
+#include "py_test.h"
 
 #ifdef GY_WITH_CUDA
 #include <math.h>
@@ -276,19 +276,6 @@ static int gy_py_devs_add_batch(gy_py_devs *ds, PyObject *seq_o, PyObject *pos_o
 }
 
 /* ---- devices ---- */
-
-static PyObject *gy_py_cuda_device_count(PyObject *self, PyObject *unused) {
-    int32_t count = 0;
-    gy_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = gy_cuda_device_count(&count);
-    Py_END_ALLOW_THREADS
-    if (s != GY_OK) {
-        gy_error_clear(); /* "no device" is an answer here, not an error */
-        count = 0;
-    }
-    return PyLong_FromLong(count);
-}
 
 static PyObject *gy_py_cuda_device_info(PyObject *self, PyObject *args) {
     int device;
@@ -805,10 +792,6 @@ static PyObject *gy_py_cuda_bench_paged_attention(PyObject *self, PyObject *args
 
 #else /* !GY_WITH_CUDA */
 
-static PyObject *gy_py_cuda_device_count(PyObject *self, PyObject *unused) {
-    return PyLong_FromLong(0);
-}
-
 static PyObject *gy_py_cuda_unavailable(PyObject *self, PyObject *args) {
     return gy_py_raise(GY_FAIL(GY_ERR_UNAVAILABLE,
                                "CUDA is not available: gyges was not built with CUDA (nvcc was "
@@ -820,8 +803,6 @@ static PyObject *gy_py_cuda_unavailable(PyObject *self, PyObject *args) {
 #endif /* GY_WITH_CUDA */
 
 static PyMethodDef gy_py_cuda_methods[] = {
-    {"cuda_device_count", (PyCFunction)gy_py_cuda_device_count, METH_NOARGS,
-     "cuda_device_count() -> number of CUDA devices; 0 without a driver, a device or CUDA support"},
     {"cuda_device_info", GY_PY_CUDA_FN(device_info, METH_VARARGS),
      "cuda_device_info(i) -> dict(index, name, compute_capability, multiprocessors, total_bytes, "
      "free_bytes)"},
