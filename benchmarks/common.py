@@ -54,3 +54,13 @@ def host_backend(argv):
     else (False, {}) for CPU workers."""
     cuda = "--cuda" in argv
     return cuda, (dict(backend="cuda", page_size="2MiB") if cuda else {})
+
+
+def soak_runs(seeds, run):
+    """Calls run(seed, faults) for every seed, first without injected faults, then with them;
+    yields (seed, faults, its result, wall seconds)."""
+    for seed in range(seeds):
+        for faults in (False, True):
+            t0 = time.time()
+            r = run(seed, faults)
+            yield seed, faults, r, round(time.time() - t0, 1)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gyges import testing  # noqa: E402
 from gyges.reconfig import ReconfigurationWarning, RecoveryWarning  # noqa: E402
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import print_table, soak_runs, write_json  # noqa: E402
 from benchmarks.soak_transform import model_of  # noqa: E402
 
 KINDS = ("transform", "reconfigure", "buddy", "restore", "switch")
@@ -54,22 +54,19 @@ def main():
     started = time.time()
 
     soak = []
-    for seed in range(args.seeds):
-        for faults in (False, True):
-            t0 = time.time()
-            r = testing.soak_mixed(model, seed=seed, operations=n, faults=faults)
-            row = dict(seed=seed, faults=faults, operations=r["operations"],
-                       requests=r["requests"], aborted=r["aborted"], steps=r["steps"],
-                       failed_steps=r["failed_steps"], lost=r["lost"],
-                       mismatches=r["mismatches"],
-                       page_delta=sum(abs(d) for d in r["page_delta"]),
-                       seconds=round(time.time() - t0, 1))
-            for key in ("started", "committed", "rolled_back", "recovered", "refused"):
-                row[key] = sum(r[k][key] for k in KINDS)
-            row["cancelled"] = r["cancel"]["started"]
-            row["by_kind"] = {k: r[k] for k in KINDS}
-            soak.append(row)
-            print(f"  soak seed {seed} faults={faults}: {row}", flush=True)
+    runs = soak_runs(args.seeds, lambda seed, faults: testing.soak_mixed(
+        model, seed=seed, operations=n, faults=faults))
+    for seed, faults, r, seconds in runs:
+        row = dict(seed=seed, faults=faults, operations=r["operations"],
+                   requests=r["requests"], aborted=r["aborted"], steps=r["steps"],
+                   failed_steps=r["failed_steps"], lost=r["lost"], mismatches=r["mismatches"],
+                   page_delta=sum(abs(d) for d in r["page_delta"]), seconds=seconds)
+        for key in ("started", "committed", "rolled_back", "recovered", "refused"):
+            row[key] = sum(r[k][key] for k in KINDS)
+        row["cancelled"] = r["cancel"]["started"]
+        row["by_kind"] = {k: r[k] for k in KINDS}
+        soak.append(row)
+        print(f"  soak seed {seed} faults={faults}: {row}", flush=True)
     print_table(f"Mixed soak: {n} random operations a run over every kind of reconfiguration, "
                 f"requests arriving and aborted every step ({args.model} model)", soak,
                 [("seed", "seed", "{}"), ("faults", "faults", "{}"),

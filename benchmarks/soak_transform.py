@@ -30,7 +30,7 @@ from gyges import testing  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
 from gyges.reconfig import ReconfigurationWarning, RecoveryWarning  # noqa: E402
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import print_table, soak_runs, write_json  # noqa: E402
 
 
 def model_of(name):
@@ -61,15 +61,12 @@ def main():
     started = time.time()
 
     soak = []
-    for seed in range(args.seeds):
-        for faults in (False, True):
-            t0 = time.time()
-            r = testing.soak(model, seed=seed, transformations=n, faults=faults,
-                             layout=args.layout)
-            r.update(faults=faults, seconds=round(time.time() - t0, 1),
-                     page_delta=sum(abs(d) for d in r["page_delta"]))
-            soak.append(r)
-            print(f"  soak seed {seed} faults={faults}: {r}", flush=True)
+    runs = soak_runs(args.seeds, lambda seed, faults: testing.soak(
+        model, seed=seed, transformations=n, faults=faults, layout=args.layout))
+    for seed, faults, r, seconds in runs:
+        r.update(faults=faults, seconds=seconds, page_delta=sum(abs(d) for d in r["page_delta"]))
+        soak.append(r)
+        print(f"  soak seed {seed} faults={faults}: {r}", flush=True)
     print_table(f"Soak: {n} random live transformations a run, requests arriving every step "
                 f"({args.model} model)", soak,
                 [("seed", "seed", "{}"), ("faults", "faults", "{}"),

@@ -121,11 +121,8 @@ static void gy_engine_transition_detach_locked(gy_engine *e) {
     if (e->transition >= 0) gy_engine_detach_stage(&e->stages[e->transition]);
 }
 
-/* Drops the transition's stage wherever the boundary is, keeping its sequences (a rollback moved
- * the layers back and frees them itself); the main stage runs every layer again. */
-static void gy_engine_transition_abort_locked(gy_engine *e) {
-    if (e->transition < 0) return;
-    gy_engine_detach_stage(&e->stages[e->transition]);
+/* Frees the transition stage; the other one runs every layer again as the only stage. */
+static void gy_engine_drop_transition_stage(gy_engine *e) {
     gy_stage_free(&e->stages[e->transition]);
     if (e->transition == 0) e->stages[0] = e->stages[1];
     memset(&e->stages[1], 0, sizeof e->stages[1]);
@@ -136,18 +133,19 @@ static void gy_engine_transition_abort_locked(gy_engine *e) {
     e->transition = -1;
 }
 
+/* Drops the transition's stage wherever the boundary is, keeping its sequences (a rollback moved
+ * the layers back and frees them itself); the main stage runs every layer again. */
+static void gy_engine_transition_abort_locked(gy_engine *e) {
+    if (e->transition < 0) return;
+    gy_engine_detach_stage(&e->stages[e->transition]);
+    gy_engine_drop_transition_stage(e);
+}
+
 static gy_status gy_engine_transition_end_locked(gy_engine *e) {
     if (e->transition < 0) return GY_FAIL(GY_ERR_STATE, "no transformation is under way");
     if (e->stages[0].end != 0)
         return GY_FAIL(GY_ERR_STATE, "layers [0, %lld) have not moved yet", (long long)e->stages[0].end);
-    gy_stage_free(&e->stages[e->transition]); /* the adapters free the old sequences */
-    if (e->transition == 0) e->stages[0] = e->stages[1];
-    memset(&e->stages[1], 0, sizeof e->stages[1]);
-    e->stages[0].first = 0;
-    e->stages[0].end = e->model->n_layers;
-    e->n_stages = 1;
-    e->main = 0;
-    e->transition = -1;
+    gy_engine_drop_transition_stage(e); /* the adapters free the old sequences */
     return GY_OK;
 }
 

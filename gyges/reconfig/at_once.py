@@ -72,6 +72,10 @@ class _AtOnce(Transform):
         for inst in old:
             self.host.retire(inst)
 
+    def _release(self):
+        super()._release()
+        self._old_seqs = None
+
 
 class ScaleUp(_AtOnce):
     """Merges the instances on workers [first, first+k) into one TPk instance; each all-to-all
@@ -212,6 +216,7 @@ class ScaleUp(_AtOnce):
         self.stats["requests_moved"] = len(self.moved)
 
     def _release(self):
+        super()._release()
         self.a2a = self.basic = None
 
 
@@ -353,4 +358,5 @@ class ScaleDown(_AtOnce):
         self.stats["requests_moved"] = len(self.moved)
 
     def _release(self):
+        super()._release()
         self.staged = None

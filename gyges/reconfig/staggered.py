@@ -67,6 +67,7 @@ class _Staggered(Transform):
     _background_weights = False  # can _layer_weights run after the boundary has passed?
     overlap = False
     _background = None
+    engine = None        # the instance whose C engine runs the transition
     _stages = None       # overlap: layer -> the KVMoveStage its move was planned in
     _stage_pool = None   # one KVMoveStage per layer a step moves, reused: each keeps its memory
     # overlap: steps in a row that may go on while the background work is still running before
@@ -88,7 +89,8 @@ class _Staggered(Transform):
 
     @property
     def boundary(self):
-        return self.engine.boundary
+        """The first layer the new geometry runs (0 once every layer moved); -1 once ended."""
+        return -1 if self.engine is None else self.engine.boundary
 
     def _pool(self):
         if self._stage_pool is None:
@@ -123,6 +125,7 @@ class _Staggered(Transform):
     def _release(self):
         self._quiesce()
         self._stages = self._stage_pool = None
+        super()._release()
 
     def _advance(self):
         """Moves the next layers (the engine is between steps); True once layer 0 has moved.

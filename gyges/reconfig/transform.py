@@ -52,6 +52,12 @@ class Transform(Reconfiguration):
             self.stats["bytes_sent"][src] += nbytes
             self.stats["bytes_received"][dst] += nbytes
 
+    def _release(self):
+        # an ended change keeps its stats only: not the instances it replaced or made (a kept
+        # handle would keep their engines and KV caches alive), nor the requests' tables
+        self.old, self.moved = [], []
+        self.inst = self.engine = self.merged = None
+
     def _recovery_layout(self):
         return self.source_layout
 
