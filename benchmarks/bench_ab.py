@@ -43,7 +43,7 @@ print(16 * 32 / (time.perf_counter() - t))
     # bench_engine.py's first row: the stories15M shape (random weights), 2 threads
     "engine stories15M decode, batch 1 (tok/s)": """
 import time, gyges
-from gyges.models.config import ModelConfig
+ModelConfig = type(gyges.Model.tiny().config)  # gyges.models.config's, or the base's gyges.config's
 m = gyges.Model.random(ModelConfig.stories15m(), seed=0)
 e = gyges.Engine(m, memory="256MiB", threads=2)
 p = gyges.SamplingParams(max_tokens=128, ignore_eos=True)
@@ -89,8 +89,8 @@ print(1000 * (time.perf_counter() - t) / max(steps, 1))
     # bench_transform.py's Figure 11 at the depth of Llama-3-8B: one layer of 32 per step
     "staggered merge 4xTP1 -> TP4, 32 layers, mean step (ms)": """
 import time, gyges
-from gyges.models.config import ModelConfig
 tiny = gyges.Model.tiny()
+ModelConfig = type(tiny.config)  # wherever the build keeps it
 m = gyges.Model.random(ModelConfig.from_dict({**tiny.config.to_dict(), "num_hidden_layers": 32}),
                        seed=1)
 h = gyges.Host(m, workers=4, memory_per_worker="256MiB", layout="4xTP1", page_size="256KiB")
