@@ -430,6 +430,38 @@ def test_a_fault_anywhere_in_a_transformation_loses_nothing(tiny, kind, site):
            (0, 0, 0, 0, 0), r
 
 
+@pytest.mark.parametrize("fail_at", [0, 3, 7])
+def test_a_staggered_merge_that_fails_adopting_a_request_gives_every_request_back(tiny, fail_at,
+                                                                                 monkeypatch):
+    """The merged engine adopts the moved requests' old sequences one by one; when the adoption
+    of one fails (out of memory growing a map, as a sweep of every event found), the requests it
+    had not reached yet were given to the wrong old instance, without their KV: recomputed, and
+    their pages left behind. Now each goes back to where it came from, as it was."""
+    from gyges.core.errors import OutOfMemoryError
+    from gyges.runtime.instance import Instance
+
+    load = testing._Workload(tiny, MEMORY)
+    host, reqs = load.host("4xTP1")
+    before = testing.snapshot(host, physical=False)
+    adopt, calls = Instance.transition_adopt, []
+
+    def failing(self, *args):
+        calls.append(args)
+        if len(calls) == fail_at + 1:
+            raise OutOfMemoryError("injected: adopting a request")
+        return adopt(self, *args)
+    monkeypatch.setattr(Instance, "transition_adopt", failing)
+    with pytest.raises(OutOfMemoryError, match="injected") as e:
+        host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
+    monkeypatch.undo()
+    assert e.value.reconfiguration.rolled_back
+    assert testing.snapshot(host, physical=False) == before
+    out = dict(lost=0, mismatches=0, leaked_pages=0)
+    load.finish(host, reqs, out)
+    assert out == dict(lost=0, mismatches=0, leaked_pages=0)
+    host.close()
+
+
 @pytest.mark.parametrize("layout,site", [("TP2+2xTP1", "alloc"), ("TP2+2xTP1", "page_create"),
                                          ("TP2+2xTP1", "page_map"), ("TP2+2xTP1", "comm"),
                                          ("PP[3,1]+2xTP1", "alloc"), ("PP[3,1]+2xTP1", "page_create"),

@@ -88,9 +88,17 @@ static gy_status gy_engine_transition_adopt_locked(gy_engine *e, int64_t id, int
         return GY_FAIL(GY_ERR_INVALID, "old group %d does not exist", (int)group);
     if (gy_engine_find(e, id) == NULL) return GY_FAIL(GY_ERR_STATE, "no request %lld", (long long)id);
     const gy_stage_group *grp = &tr->groups[group];
-    for (int32_t k = 0; k < grp->size; k++)
-        if (old_seqs[k] >= 0) GY_TRY(gy_sched_kv_adapter_adopt(grp->ranks[k].adapter, id, old_seqs[k]));
-    return gy_stage_set_home(tr, id, group);
+    gy_status s = GY_OK;
+    int32_t adopted = 0; /* ranks [0, adopted) took their sequence */
+    for (; adopted < grp->size && s == GY_OK; adopted++)
+        if (old_seqs[adopted] >= 0)
+            s = gy_sched_kv_adapter_adopt(grp->ranks[adopted].adapter, id, old_seqs[adopted]);
+    if (s != GY_OK) adopted--; /* the rank that failed took nothing */
+    if (s == GY_OK) s = gy_stage_set_home(tr, id, group);
+    if (s != GY_OK) /* all or nothing: a half-adopted request would be found in the wrong group */
+        for (int32_t k = 0; k < adopted; k++)
+            if (old_seqs[k] >= 0) gy_sched_kv_adapter_forget(grp->ranks[k].adapter, id);
+    return s;
 }
 
 static gy_status gy_engine_transition_set_boundary_locked(gy_engine *e, int64_t boundary) {

@@ -327,14 +327,21 @@ class StaggeredScaleUp(_Staggered):
     def _return_all(self, taken):
         """Every request of the merged instance (those it took, and those that arrived since)
         goes back to the old instance of its group, with its sequences there."""
+        # rid -> ((old group, sequence) a rank); group -1: the request was never adopted
         table = {rid: olds for rid, _, olds in (self._saved_table or ())}
         if not table:  # the transition never began: only what was taken goes back
             return hand_back(self.merged, taken, lambda req: req.seqs)
+        moved = {req.id: req for req in self.moved}
         for rid in reversed(self.merged.request_ids()):
             olds = table.get(rid)
-            group = olds[0][0] if olds else -1
-            inst = self.old[group] if group >= 0 else min(self.old, key=lambda i: i.load())
-            self_seqs = [olds[self.rank_of[w]][1] if olds else -1 for w in inst.workers]
+            if olds and olds[0][0] >= 0:  # in the transition: its old group and sequences
+                inst = self.old[olds[0][0]]
+                self_seqs = [olds[self.rank_of[w]][1] for w in inst.workers]
+            elif rid in moved:  # taken, not yet adopted (an adoption failed): as it came
+                inst, self_seqs = moved[rid].source, list(moved[rid].seqs)
+            else:  # arrived since: no KV yet
+                inst = min(self.old, key=lambda i: i.load())
+                self_seqs = [-1] * len(inst.workers)
             inst.take(self.merged, rid, self_seqs)
         taken.clear()
 
