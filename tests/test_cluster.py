@@ -167,8 +167,7 @@ def test_kunserve_drops_and_restores_a_real_host_as_the_simulator_does():
     controller's DROP runs host.buddy and RESTORE host.restore; the simulator, priced by the same
     PipelineCost of the workers, drops at the burst too. The first drop starts during the burst
     in both (when within it depends on how fast this CPU prefills: the KV fills at that pace), at
-    worker 0, and every drop is restored by the end: the drained host gets the policy's last look
-    in both. (The executors differ after that:
+    worker 0, and every drop is restored by the end. (The executors differ after that:
     the simulator's nominal CPU roofline and page-free KV model drop a second pair the real host
     does not need.)"""
     from gyges.cluster.costmodel import GPUSpec, PipelineCost

@@ -946,8 +946,6 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
     host = rp.host
     nxt, next_sample, shown = 0, t0, 0.0
     stuck_since = None
-    looked = None  # how many reconfigurations had started when a monitoring policy last
-                   # looked at the drained host (None: not since something ran)
     merge_wait = rp.policy.config["merge_wait"]
     while True:
         now = host.now()
@@ -972,7 +970,7 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
             sys.stderr.flush()
         rp.launch()
         if rp.running:
-            stuck_since, looked = None, None
+            stuck_since = None
             until = min(rp.reqs[nxt].arrival, next_sample) if nxt < n else next_sample
             rp.wait(min(max(until - host.now(), 0.0), 0.25))
             rp.react()
@@ -989,13 +987,6 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
         if nxt < n:
             rp.skip_to(min(rp.reqs[nxt].arrival, next_sample) if deferred else
                        rp.reqs[nxt].arrival)
-            continue
-        if not deferred and rp.policy.monitors and looked != len(rp.xforms):
-            # as the simulator's samples do: a policy that watches the load looks at the
-            # drained host again until a look changes nothing (KunServe restores, pair by
-            # pair, what the burst dropped)
-            looked = len(rp.xforms)
-            rp.skip_to(next_sample)
             continue
         if not deferred:
             if progress and shown:
