@@ -85,3 +85,51 @@ def test_a_missing_package_is_a_dependency_error_saying_how_to_get_it():
                                                     "pip install no-such-pkg"):
         require("no_such_pkg", "plotting", package="no-such-pkg")
     assert require("json", "reading").dumps(1) == "1"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gyges.Model.tiny()
+
+
+@pytest.mark.parametrize("make, match", [
+    # each raised OverflowError or ZeroDivisionError before (issue 33)
+    (lambda m: gyges.SamplingParams(max_tokens=2**63), "max_tokens must be in"),
+    (lambda m: gyges.SamplingParams(top_k=2**70), "top_k must be in"),
+    (lambda m: gyges.SamplingParams(stop_token_ids=[2**64]), r"stop_token_ids\[0\] must be in"),
+    (lambda m: gyges.Engine(m, page_size="0"), "page_size must be at least 1"),
+    (lambda m: gyges.Engine(m, memory="9" * 400 + "TiB"), "more bytes than a 64-bit size"),
+    (lambda m: gyges.Engine(m, max_pos=2**70), "max_pos must be in"),
+    (lambda m: gyges.Engine(m, max_running=2**63), "max_running must be in"),
+    (lambda m: gyges.Engine(m, block_size=2**70), "block_size must be in"),
+])
+def test_numbers_past_what_the_engine_counts_are_refused_by_name(tiny, make, match):
+    with pytest.raises(gyges.InvalidArgumentError, match=match):
+        make(tiny)
+
+
+@pytest.mark.parametrize("token", [2**63, 2**64, -2**63 - 1])
+def test_a_prompt_token_past_64_bits_is_outside_the_vocabulary(tiny, token):
+    with gyges.Engine(tiny) as e:
+        with pytest.raises(gyges.InvalidArgumentError, match=f"prompt token {token} at index 1"):
+            e.submit([1, token], gyges.SamplingParams(max_tokens=2))
+        assert e.stats()["waiting"] == 0  # refused before anything changed
+
+
+def test_closed_objects_answer_repr_and_their_queries_say_closed(tiny):
+    """Finding (issue 33): a closed Host's layout() returned '' and its n_workers raised
+    TypeError; an Engine had no repr."""
+    h = gyges.Host(tiny, workers=2, layout="2xTP1")
+    assert repr(h) == "Host(workers=2, layout='2xTP1')"
+    h.close()
+    assert repr(h) == "Host(closed)" and h.closed and h.instances == []
+    for query in (h.layout, h.stats, h.memory, lambda: h.n_workers, lambda: h.weights):
+        with pytest.raises(gyges.StateError, match="the host is closed"):
+            query()
+    e = gyges.Engine(tiny)
+    assert repr(e).startswith("Engine(Model(llama, layers=4") and "memory='256MiB'" in repr(e)
+    e.close()
+    assert repr(e) == "Engine(closed)" and e.closed
+    for query in (e.stats, e.memory, e.step):
+        with pytest.raises(gyges.StateError, match="the engine is closed"):
+            query()

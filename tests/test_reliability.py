@@ -258,6 +258,101 @@ def test_the_lock_is_reentrant_and_granted_in_turn():
         lock.release()
 
 
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt_main_while_it_waits(lock, waiting_for, then):
+    """Holds `lock` on a thread, sends SIGINT to the main thread once it waits for the lock
+    (its ticket taken: `waiting_for` tickets handed out), then runs `then()` on that thread and
+    lets go. Returns the thread (started)."""
+    import signal
+    import threading
+
+    main = threading.main_thread().ident
+    held = threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            while lock._next_ticket < waiting_for:
+                time.sleep(0.001)
+            time.sleep(0.05)  # the main thread is inside its wait now
+            signal.pthread_kill(main, signal.SIGINT)
+            then()
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    held.wait()
+    return t
+
+
+def _raising_sigint():
+    import signal
+
+    def handler(signum, frame):
+        raise _Interrupted()
+    return signal.signal(signal.SIGINT, handler)
+
+
+def test_a_waiter_interrupted_by_a_signal_gives_its_turn_back():
+    """Finding (issue 33): Ctrl-C while a thread waits for an Engine's or a Host's lock left its
+    ticket taken and nobody to serve it: every later call hung forever (serving=1,
+    next_ticket=3, no owner). The interrupted waiter's ticket is skipped; the one queued behind
+    it gets the lock, and so does the interrupted thread when it asks again."""
+    import signal
+    import threading
+
+    from gyges.core.fairlock import FairLock
+
+    lock, order = FairLock(), []
+    behind = threading.Thread(target=lambda: (lock.acquire(), order.append("behind"),
+                                              lock.release()), daemon=True)
+    # the holder starts the thread queued behind the main one once main holds ticket 1
+    holder = _interrupt_main_while_it_waits(
+        lock, 2, then=lambda: (behind.start(), [time.sleep(0.001) for _ in range(1000)
+                                                if lock._next_ticket < 3]))
+    previous = _raising_sigint()
+    try:
+        with pytest.raises(_Interrupted):
+            lock.acquire()  # ticket 1: interrupted mid-wait
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    holder.join(5)
+    behind.join(5)
+    assert not holder.is_alive() and not behind.is_alive(), "the lock was never granted again"
+    assert order == ["behind"]
+    assert lock.acquire() and lock._owner == threading.get_ident()  # and main gets it again
+    lock.release()
+    assert lock._abandoned == set() and lock._owner is None
+
+
+def test_an_engine_interrupted_while_waiting_for_its_lock_still_serves(tiny):
+    """Ctrl-C in a notebook cell that waits on an Engine stepped by another thread: the engine
+    goes on serving every later call."""
+    import signal
+
+    e = gyges.Engine(tiny)
+    expected = e.generate([[1, 2, 3]], gyges.SamplingParams(max_tokens=4))[0].output_tokens
+    holder = _interrupt_main_while_it_waits(e._lock, 2, then=lambda: None)
+    previous = _raising_sigint()
+    try:
+        with pytest.raises(_Interrupted):
+            e.submit([4, 5, 6], gyges.SamplingParams(max_tokens=4))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    holder.join(5)
+    assert not holder.is_alive()
+    done = []
+    t = __import__("threading").Thread(target=lambda: done.append(
+        e.generate([[1, 2, 3]], gyges.SamplingParams(max_tokens=4))[0].output_tokens), daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [expected], "the engine hung after an interrupted wait for its lock"
+    e.close()
+
+
 # ---- 8. weight dtypes ----
 
 def test_integer_weights_are_refused_by_name(tiny):

@@ -8,6 +8,8 @@ import numpy as np
 
 from .errors import ArgumentTypeError, InvalidArgumentError
 
+INT32_MAX = 2**31 - 1  # token ids, counts of tokens and positions: the C engine's int32
+
 
 def _show(value):
     text = repr(value)

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core import checks
+from ..core.checks import INT32_MAX
 from .. import _C
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, StateError
 from ..core.fairlock import FairLock
 from ..models.tokenizer import chat_prompts, tokenize_prompt
-from ..core.units import parse_size
+from ..core.units import format_size, parse_size
 from .worker import Worker
 
 # An arrival further ahead of the engine's clock than this is almost surely an absolute time
@@ -61,12 +62,13 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        checks.integer("max_tokens", self.max_tokens, lo=1)
+        # the C engine counts tokens and positions in 32 bits: larger values mean nothing
+        checks.integer("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
         checks.number("temperature", self.temperature, lo=0)
-        checks.integer("top_k", self.top_k, lo=0)
+        checks.integer("top_k", self.top_k, lo=0, hi=INT32_MAX)
         checks.number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
         checks.integer("seed", self.seed, lo=0, hi=2**64 - 1)
-        stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0)
+        stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0, hi=INT32_MAX)
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         checks.boolean("ignore_eos", self.ignore_eos)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -168,12 +170,12 @@ def check_prompt(tokens, vocab):
     ids = checks.int_sequence("prompt", tokens)
     if not ids:
         raise InvalidArgumentError("a prompt must have at least one token")
-    array = np.array(ids, dtype=np.int64)
-    bad = np.flatnonzero((array < 0) | (array >= vocab))
-    if bad.size:
-        raise InvalidArgumentError(f"prompt token {array[bad[0]]} at index {bad[0]} is outside "
+    # in Python ints first: an id of 2**63 or more does not fit the int64 a NumPy check needs
+    bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"prompt token {ids[bad]} at index {bad} is outside "
                                    f"the vocabulary [0, {vocab})")
-    return array.astype(np.int32)
+    return np.array(ids, dtype=np.int32)
 
 
 class Clock:
@@ -345,8 +347,8 @@ class Engine(Serving):
                  backend="cpu", device=0):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_running", max_running), ("threads", threads)):
-            checks.integer(name, value, lo=1)
-        checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
+            checks.integer(name, value, lo=1, hi=INT32_MAX)
+        checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0, hi=INT32_MAX)
         self._lock = FairLock()
         self.model = model
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
@@ -361,6 +363,12 @@ class Engine(Serving):
         self._next_id = 0
         self.steps = 0
         self.memory_budget = parse_size(memory, "memory")
+
+    def __repr__(self):
+        if self._c is None:
+            return "Engine(closed)"
+        where = "" if self.worker.backend == "cpu" else f", backend={self.worker.backend!r}"
+        return f"Engine({self.model!r}, memory={format_size(self.memory_budget)!r}{where})"
 
     # ---- state ----
     @property

@@ -313,6 +313,7 @@ class Host(Serving):
 
     @property
     def n_workers(self):
+        self._check_open()
         return len(self._workers)
 
     @property
@@ -333,12 +334,14 @@ class Host(Serving):
 
     def layout(self):
         """The current layout, e.g. '2xTP1+TP2' or 'PP[3,1]+2xTP1'."""
+        self._check_open()
         return layout_string([part for _, part in sorted(self.pool.layout_parts())])
 
     @property
     def weights(self):
         """'replicated' (every worker keeps the whole model: switch()), 'sharded', or 'mixed'
         (some of each: weights_of tells which)."""
+        self._check_open()
         return self.pool.kind
 
     def weights_of(self, workers):

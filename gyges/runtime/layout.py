@@ -88,6 +88,10 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
                     raise error(f"layout part {part!r}: a pipeline has 2 to {MAX_STAGES} stages "
                                 f"of at least one layer each, adding up to the model's "
                                 f"{n_layers} layers")
+        width = len(stages) if stages else tp
+        if start + count * width > n_workers:  # before the loop: a count may be 10**11
+            raise error(f"layout {layout!r} covers {start + count * width} {unit} or more, not "
+                        f"the {n_workers} there are")
         for _ in range(count):
             if start % tp:
                 raise error(f"layout {layout!r}: a TP{tp} instance would start at {unit[:-1]} "
@@ -96,7 +100,7 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
                             f"{{2,3}}, {{0..3}}: list larger instances first, e.g. "
                             f"'1xTP4+4xTP1')")
             groups.append(Group(start, tp, stages))
-            start += len(stages) if stages else tp
+            start += width
     if start != n_workers:
         raise error(f"layout {layout!r} covers {start} {unit}, not the {n_workers} there are")
     return groups

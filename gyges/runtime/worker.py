@@ -13,6 +13,8 @@ import numpy as np
 
 from .. import _C
 from .arena import BACKENDS, Arena
+from ..core import checks
+from ..core.checks import INT32_MAX
 from ..core.errors import InvalidArgumentError, UnavailableError
 from .kv_cache import KVCache, layout_name
 from ..core.units import parse_size
@@ -87,7 +89,7 @@ class Worker:
         max_tp = default_max_tp(config) if max_tp is None else max_tp
         self.max_tp = max_tp
         self.backend, self.kv_dtype = backend, kv_dtype
-        self.page_size = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size")
+        self.page_size = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size", lo=1)
         budget = parse_size(memory, "memory")
         budget -= budget % self.page_size
         # A worker's memory is its device's: on the cpu backend a released page keeps its memory
@@ -105,7 +107,8 @@ class Worker:
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,
                                     max_tp=max_tp, pad=pad_ffn)
         self.weights_bytes = self.arena.stats()["bytes_in_use"]
-        self.max_pos = max_pos or config.max_position_embeddings
+        self.max_pos = (config.max_position_embeddings if max_pos is None else
+                        checks.integer("max_pos", max_pos, lo=1, hi=INT32_MAX))
         # A CUDA worker has no use for CPU threads: its work is on its stream.
         self.threads, self.weight_dtype = (threads if backend == "cpu" else 1), weight_dtype
         self.block_size, self.kv_layout = block_size, layout_name(kv_layout)
