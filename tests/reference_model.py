@@ -35,17 +35,31 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """[head_dim/2] angular frequencies theta^(-2i/d), adjusted by the config's rope_scaling."""
+    return rope_parameters(config)[0]
+
+
+def rope_parameters(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [head_dim/2], attention scaling of cos and sin), written from transformers'
+    modeling_rope_utils (vectorised NumPy in float64; gyges/models/rope.py is the engine's)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    exponents = np.arange(0, d, 2, dtype=np.float64) / d
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "llama3":
+        return inv_freq, 1.0
+    kind, factor = scaling["rope_type"], scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "dynamic":
+        # transformers' _compute_dynamic_ntk_parameters at seq_len = max_position_embeddings *
+        # factor, the one fixed length a KV cache allows (vLLM's DynamicNTKScalingRotaryEmbedding).
+        seq_len = config.max_position_embeddings * factor
+        base = config.rope_theta * ((factor * seq_len / config.max_position_embeddings)
+                                    - (factor - 1)) ** (d / (d - 2))
+        return 1.0 / (base ** exponents), 1.0
+    if kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
         # between interpolated smoothly (transformers' _compute_llama3_parameters).
-        factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         out = np.empty_like(inv_freq)
@@ -58,19 +72,49 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
             else:
                 smooth = (old_len / wavelen - low) / (high - low)
                 out[i] = (1.0 - smooth) * f / factor + smooth * f
-        return out
+        return out, 1.0
+    if kind == "yarn":
+        # transformers' _compute_yarn_parameters, factor as given.
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        if "attention_factor" in scaling:
+            attention = scaling["attention_factor"]
+        elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention = get_mscale(factor, scaling["mscale"]) / \
+                get_mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention = get_mscale(factor)
+        old_len = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        base = config.rope_theta
+
+        def correction_dim(rotations):
+            return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = correction_dim(scaling.get("beta_fast", 32))
+        high = correction_dim(scaling.get("beta_slow", 1))
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+        extrapolation = 1.0 - ramp
+        pos_freqs = base ** exponents
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv, attention
     raise ValueError(f"rope_scaling {scaling!r} not implemented in the reference")
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+               attention_scaling: float = 1.0) -> np.ndarray:
     """Rotates x [tokens, heads, head_dim] by position, HF convention.
 
     HF pairs element i with element i + head_dim/2 (rotate_half), not adjacent elements:
-    out = x * cos + rotate_half(x) * sin with rotate_half(x) = concat(-x2, x1).
+    out = x * cos + rotate_half(x) * sin with rotate_half(x) = concat(-x2, x1); cos and sin are
+    multiplied by attention_scaling (YaRN's; 1 for the other types).
     """
     angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [tokens, d/2]
-    cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)[:, None, :]
-    sin = np.concatenate([np.sin(angles), np.sin(angles)], axis=-1)[:, None, :]
+    cos = attention_scaling * np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)[:, None, :]
+    sin = attention_scaling * np.concatenate([np.sin(angles), np.sin(angles)], axis=-1)[:, None, :]
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -124,7 +168,7 @@ class ReferenceModel:
         check_tensors(config, tensors)
         self.config = config
         self.w = {name: np.asarray(t, dtype=np.float64) for name, t in tensors.items()}
-        self.inv_freq = rope_inv_freq(config)
+        self.inv_freq, self.attention_scaling = rope_parameters(config)
         self.lm_head = self.w["model.embed_tokens.weight"] if config.tie_word_embeddings \
             else self.w["lm_head.weight"]
 
@@ -157,8 +201,8 @@ class ReferenceModel:
             q = self._linear(h, p + "self_attn.q_proj").reshape(n, heads, d)
             k = self._linear(h, p + "self_attn.k_proj").reshape(n, kv_heads, d)
             v = self._linear(h, p + "self_attn.v_proj").reshape(n, kv_heads, d)
-            q = apply_rope(q, positions, self.inv_freq)
-            k = apply_rope(k, positions, self.inv_freq)
+            q = apply_rope(q, positions, self.inv_freq, self.attention_scaling)
+            k = apply_rope(k, positions, self.inv_freq, self.attention_scaling)
             keys, values = cache.append(i, k, v)
             a = attention(q, keys, values, c.kv_group_size).reshape(n, c.q_size)
             x = x + self._linear(a, p + "self_attn.o_proj")

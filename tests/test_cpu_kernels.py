@@ -331,34 +331,42 @@ def test_rmsnorm_matches_reference():
     assert same_bits(one[0], out[3])
 
 
-def hf_rope(x, positions, theta):
-    """Hugging Face Llama: q * cos + rotate_half(q) * sin, in float64."""
+def hf_rope(x, positions, inv_freq, mscale=1.0):
+    """Hugging Face Llama: q * cos + rotate_half(q) * sin (cos, sin times the attention
+    scaling), in float64."""
     d = x.shape[-1]
-    inv_freq = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     freqs = np.outer(positions.astype(np.float64), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]
     x64 = x.astype(np.float64)
     rot = np.concatenate([-x64[..., d // 2:], x64[..., :d // 2]], axis=-1)
-    return x64 * np.cos(emb) + rot * np.sin(emb)
+    return x64 * mscale * np.cos(emb) + rot * mscale * np.sin(emb)
 
 
-def test_rope_matches_hugging_face_convention():
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_rope_matches_hugging_face_convention(scaled):
     r = rng(9)
     n, heads, d, max_pos, theta = 5, 3, 48, 4096, 10000.0
+    inv_freq = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    # The frequencies are data: any scaling's, with YaRN's magnitude factor on cos and sin.
+    mscale = 1.25 if scaled else 1.0
+    if scaled:
+        inv_freq = inv_freq / np.linspace(1.0, 8.0, d // 2)
     cos = np.empty((max_pos, d // 2), np.float32)
     sin = np.empty_like(cos)
-    _C_test.kernel_rope_table(cos, sin, max_pos, d, theta)
+    _C_test.kernel_rope_table(cos, sin, max_pos, d, inv_freq, mscale)
     x = r.standard_normal((n, heads, d), np.float32)
     pos = np.array([0, 1, 17, 1000, 4095], np.int32)
     y = x.copy()
     _C_test.kernel_rope(y, pos, cos, sin, n, heads, d, max_pos)
-    ref = hf_rope(x, pos, theta)
+    ref = hf_rope(x, pos, inv_freq, mscale)
     # cos/sin are rounded to fp32 once (|angle| up to 4095 rad): error ~ |x| * 2^-24 per term.
     err = np.abs(y - ref).max() / np.abs(ref).max()
     assert err < 1e-6, err
     with pytest.raises(gyges.InvalidArgumentError):
         _C_test.kernel_rope(y, np.array([0, 1, 2, 3, max_pos], np.int32), cos, sin, n, heads, d,
                             max_pos)
+    with pytest.raises(gyges.InvalidArgumentError, match="inv_freq"):
+        _C_test.kernel_rope_table(cos, sin, max_pos, d, -inv_freq, mscale)
 
 
 def test_swiglu_exp_and_add():

@@ -402,42 +402,52 @@ def test_rmsnorm_matches_hf_llama(act_dtype, w_dtype, rows, dim):
                  scale=1e-4, what="rmsnorm")
 
 
-def rope_reference(x, positions, head_dim, theta):
-    """HF LlamaRotaryEmbedding + apply_rotary_pos_emb in float64, with the frequencies and
-    angles computed in float32 as HF does."""
-    half = head_dim // 2
-    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
-                                              / np.float32(head_dim)))).astype(np.float32)
+def rope_reference(x, positions, inv_freq, mscale=1.0):
+    """HF LlamaRotaryEmbedding + apply_rotary_pos_emb in float64, with the angles computed in
+    float32 from the float32 frequencies, as HF does; cos and sin times the attention scaling."""
+    half = x.shape[-1] // 2
     angle = (positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
-    cos = np.concatenate([np.cos(angle)] * 2, axis=-1)[:, None, :]
-    sin = np.concatenate([np.sin(angle)] * 2, axis=-1)[:, None, :]
+    cos = mscale * np.concatenate([np.cos(angle)] * 2, axis=-1)[:, None, :]
+    sin = mscale * np.concatenate([np.sin(angle)] * 2, axis=-1)[:, None, :]
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half
     return x * cos + rotated * sin
+
+
+def hf_inv_freq(head_dim, theta):
+    """HF's float32 frequencies 1 / theta^(2i/d)."""
+    return (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                         / np.float32(head_dim)))).astype(np.float32)
 
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("n_tokens,n_q,n_kv,head_dim",
                          [(1, 1, 1, 2), (7, 5, 3, 6), (33, 8, 2, 128)])
-def test_rope_matches_hf_rotate_half(dtype, n_tokens, n_q, n_kv, head_dim):
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_rope_matches_hf_rotate_half(dtype, n_tokens, n_q, n_kv, head_dim, scaled):
     rng = np.random.default_rng(6000 + n_tokens + head_dim)
-    theta = 10000.0
+    # The kernel rotates by the frequencies it is given (gyges/models/rope.py's, any scaling)
+    # and multiplies cos and sin by mscale (YaRN's attention factor).
+    inv_freq = hf_inv_freq(head_dim, 10000.0)
+    mscale = 1.25 if scaled else 1.0
+    if scaled:
+        inv_freq = (inv_freq / np.linspace(1.0, 8.0, head_dim // 2)).astype(np.float32)
     positions = rng.integers(0, 200, n_tokens).astype(np.int32)
     q = encode(rng.standard_normal((n_tokens, n_q, head_dim)), dtype)
     k = encode(rng.standard_normal((n_tokens, n_kv, head_dim)), dtype)
-    want_q = rope_reference(decode(q, dtype), positions, head_dim, theta)
-    want_k = rope_reference(decode(k, dtype), positions, head_dim, theta)
-    _C_test.cuda_rope(q, k, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
-    # fp32: the device's powf may differ from NumPy's by ~3 ulps of a frequency, which the
-    # position (< 200) turns into up to 4e-5 rad, i.e. ~2e-4 on values of magnitude ~5: 4000
-    # ulps of scale 1. 16-bit: one rounding of the output of sums that may cancel (scale 1).
+    want_q = rope_reference(decode(q, dtype), positions, inv_freq, mscale)
+    want_k = rope_reference(decode(k, dtype), positions, inv_freq, mscale)
+    _C_test.cuda_rope(q, k, positions, n_tokens, n_q, n_kv, head_dim, inv_freq, mscale, dtype)
+    # fp32: the device's fp32 angle and sincosf may differ from NumPy's float64 cos of it by a few
+    # ulps, up to ~2e-4 on values of magnitude ~5: 4000 ulps of scale 1. 16-bit: one rounding of
+    # the output of sums that may cancel (scale 1).
     ulps = 4000 if dtype == F32 else 2
     assert_close(decode(q, dtype), want_q, dtype, ulps=ulps, scale=1.0, what="rope q")
     assert_close(decode(k, dtype), want_k, dtype, ulps=ulps, scale=1.0, what="rope k")
     # q alone (k = None) gives the same q.
     q2 = encode(rng.standard_normal((n_tokens, n_q, head_dim)), dtype)
-    want_q2 = rope_reference(decode(q2, dtype), positions, head_dim, theta)
-    _C_test.cuda_rope(q2, None, positions, n_tokens, n_q, n_kv, head_dim, theta, dtype)
+    want_q2 = rope_reference(decode(q2, dtype), positions, inv_freq, mscale)
+    _C_test.cuda_rope(q2, None, positions, n_tokens, n_q, n_kv, head_dim, inv_freq, mscale, dtype)
     assert_close(decode(q2, dtype), want_q2, dtype, ulps=ulps, scale=1.0, what="rope q only")
 
 

@@ -333,6 +333,26 @@ def test_qwen2_biases_match_the_cpu_backend():
 
 
 @needs_forward
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+], ids=["yarn", "llama3"])
+def test_rope_scaling_reaches_the_cuda_kernel(scaling):
+    # The kernel rotates by the model's frequencies (and YaRN's mscale), not by theta alone:
+    # fp32 logits follow the scaled reference, and are far from the unscaled one.
+    from gyges.models.config import ModelConfig
+    config = ModelConfig.tiny().replace(num_hidden_layers=2, rope_scaling=scaling)
+    model = gyges.Model.random(config, seed=11)
+    tokens = prompts(1, seed=7, lo=90, hi=91)[0]
+    gpu = paged_logits(cuda_worker(model), tokens, [70] + [1] * 20)
+    err = relative_error(gpu, ReferenceModel(config, model.tensors).prefill_logits(tokens))
+    assert err < FP32_RTOL, f"largest relative error {err:.2e}"
+    plain = ReferenceModel(config.replace(rope_scaling=None), model.tensors).prefill_logits(tokens)
+    assert relative_error(gpu, plain) > 100 * FP32_RTOL
+
+
+@needs_forward
 def test_bf16_logits_track_the_reference_on_rounded_weights(tiny):
     rounded = {k: (bf16_to_f32(f32_to_bf16(v)) if v.ndim == 2 else v) for k, v in tiny.tensors.items()}
     ref = ReferenceModel(tiny.config, rounded)

@@ -119,11 +119,33 @@ gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
     if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
     GY_FWD_CUDA_CHECK(cudaSetDevice(device));
     GY_TRY(gy_cuda_blas_available());
+    if (m->rope_inv_freq == NULL)
+        return GY_FAIL(GY_ERR_STATE, "gy_forward_cuda_attach: the model has no rotary frequencies");
+    /* The rope kernel's frequencies, fp32 like the angles it computes (as HF's inv_freq buffer). */
+    const int64_t half = m->head_dim / 2;
+    float *host = gy_malloc((size_t)half * sizeof(float));
+    if (host == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the rotary frequencies");
+    for (int64_t i = 0; i < half; i++) host[i] = (float)m->rope_inv_freq[i];
+    float *dev = NULL;
+    cudaError_t e = cudaMalloc((void **)&dev, (size_t)half * sizeof(float));
+    if (e == cudaSuccess)
+        e = cudaMemcpy(dev, host, (size_t)half * sizeof(float), cudaMemcpyHostToDevice);
+    free(host);
+    if (e != cudaSuccess) {
+        if (dev != NULL) cudaFree(dev);
+        return gy_fwd_cuda_status(e, "cudaMalloc/cudaMemcpy of the rotary frequencies", __FILE__,
+                                  __LINE__);
+    }
     cudaStream_t stream = NULL;
-    GY_FWD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        cudaFree(dev);
+        return gy_fwd_cuda_status(e, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+    }
     m->backend = GY_MODEL_BACKEND_CUDA;
     m->device = device;
     m->stream = stream;
+    m->rope_inv_freq_dev = dev;
     return GY_OK;
 }
 
@@ -132,8 +154,10 @@ void gy_forward_cuda_detach(gy_model *m) {
     cudaSetDevice(m->device);
     cudaStreamSynchronize(m->stream);
     cudaStreamDestroy(m->stream);
+    if (m->rope_inv_freq_dev != NULL) cudaFree(m->rope_inv_freq_dev);
     cudaGetLastError();
     m->stream = NULL;
+    m->rope_inv_freq_dev = NULL;
 }
 
 /* ---- checks ---- */
@@ -356,7 +380,7 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
                             GY_ROWS(w->wv, tp->rank * kv_rows), act, GY_GEMM_W_OUT_IN,
                             w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
         GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
-                            m->rope_theta, act, st));
+                            m->rope_inv_freq_dev, (float)m->rope_mscale, act, st));
         GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, c->k.ptr, c->v.ptr, act,
                                 c->d_token_seq, c->d_token_pos, n, c->d_indptr, c->d_indices,
                                 c->n_seqs, st));

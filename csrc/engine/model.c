@@ -2,12 +2,37 @@
 #include "model.h"
 #include "../core/alloc.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../cpu/rope.h"
 
-gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_from) {
+/* Bytes of the two rotary tables, refused before they are allocated: positions are int32, and a
+ * table larger than the machine's memory would be overcommitted by Linux and then killed (or, for
+ * a product that wraps around, overflow into a small buffer). */
+static gy_status gy_model_rope_bytes(const gy_model *m, size_t *out) {
+    if (m->max_pos > INT32_MAX)
+        return GY_FAIL(GY_ERR_INVALID, "max_pos=%lld is beyond int32 positions (at most %d)",
+                       (long long)m->max_pos, INT32_MAX);
+    uint64_t bytes;
+    const int wraps = __builtin_mul_overflow((uint64_t)m->max_pos, (uint64_t)(m->head_dim / 2),
+                                             &bytes) ||
+                      __builtin_mul_overflow(bytes, (uint64_t)(2 * sizeof(float)), &bytes);
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const uint64_t memory = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : UINT64_MAX;
+    if (wraps || bytes > memory || bytes > SIZE_MAX)
+        return GY_FAIL(GY_ERR_OUT_OF_MEMORY,
+                       "the rotary tables of max_pos=%lld positions x head_dim=%lld need more "
+                       "than the machine's %llu bytes of memory",
+                       (long long)m->max_pos, (long long)m->head_dim, (unsigned long long)memory);
+    *out = (size_t)bytes / 2;
+    return GY_OK;
+}
+
+gy_status gy_model_init(gy_model *m, const double *inv_freq, double mscale,
+                        const gy_model *tables_from) {
     if (m->vocab <= 0 || m->hidden <= 0 || m->intermediate <= 0 || m->n_layers <= 0 ||
         m->n_heads <= 0 || m->n_kv_heads <= 0 || m->head_dim <= 0 || m->max_pos <= 0)
         return GY_FAIL(GY_ERR_INVALID, "model sizes must be positive");
@@ -23,29 +48,44 @@ gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_f
                        "max_tp=%lld must be in [1, %d] and divide intermediate %lld and %lld heads",
                        (long long)m->max_tp, GY_MODEL_MAX_TP, (long long)m->intermediate,
                        (long long)m->n_heads);
-    if (!(rope_theta > 0.0)) return GY_FAIL(GY_ERR_INVALID, "rope_theta must be positive");
+    const int64_t half = m->head_dim / 2;
+    if (inv_freq == NULL) return GY_FAIL(GY_ERR_INVALID, "the model needs its rotary frequencies");
+    for (int64_t i = 0; i < half; i++)
+        if (!(inv_freq[i] > 0.0) || !isfinite(inv_freq[i]))
+            return GY_FAIL(GY_ERR_INVALID, "rotary frequency %lld is %g; each must be finite and "
+                           "positive", (long long)i, inv_freq[i]);
+    if (!(mscale > 0.0) || !isfinite(mscale))
+        return GY_FAIL(GY_ERR_INVALID, "rotary mscale %g must be finite and positive", mscale);
     GY_TRY(gy_dtype_check(m->weight_dtype, "weight dtype"));
+    size_t table = 0;
+    GY_TRY(gy_model_rope_bytes(m, &table));
     m->shard_rows = m->intermediate / m->max_tp;
     m->layer_begin = 0;
     m->layer_end = m->n_layers;
     m->has_embed = m->has_head = 1;
-    m->rope_theta = (float)rope_theta;
+    m->rope_mscale = mscale;
+    m->rope_inv_freq_dev = NULL;
     m->layers = gy_calloc((size_t)m->n_layers, sizeof *m->layers);
-    const size_t table = (size_t)(m->max_pos * (m->head_dim / 2));
-    m->rope_cos = gy_malloc(table * sizeof(float));
-    m->rope_sin = gy_malloc(table * sizeof(float));
-    if (m->layers == NULL || m->rope_cos == NULL || m->rope_sin == NULL) {
+    m->rope_inv_freq = gy_malloc((size_t)half * sizeof(double));
+    m->rope_cos = gy_malloc(table);
+    m->rope_sin = gy_malloc(table);
+    if (m->layers == NULL || m->rope_inv_freq == NULL || m->rope_cos == NULL ||
+        m->rope_sin == NULL) {
         gy_model_free(m);
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables");
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables (max_pos=%lld, "
+                       "head_dim=%lld)", (long long)m->max_pos, (long long)m->head_dim);
     }
+    memcpy(m->rope_inv_freq, inv_freq, (size_t)half * sizeof(double));
     const gy_model *from = tables_from;
     if (from != NULL && from->rope_cos != NULL && from->max_pos == m->max_pos &&
-        from->head_dim == m->head_dim && from->rope_theta == m->rope_theta) {
-        memcpy(m->rope_cos, from->rope_cos, table * sizeof(float));
-        memcpy(m->rope_sin, from->rope_sin, table * sizeof(float));
+        from->head_dim == m->head_dim && from->rope_mscale == m->rope_mscale &&
+        memcmp(from->rope_inv_freq, m->rope_inv_freq, (size_t)half * sizeof(double)) == 0) {
+        memcpy(m->rope_cos, from->rope_cos, table);
+        memcpy(m->rope_sin, from->rope_sin, table);
         return GY_OK;
     }
-    gy_status s = gy_cpu_rope_table(m->rope_cos, m->rope_sin, m->max_pos, m->head_dim, rope_theta);
+    gy_status s = gy_cpu_rope_table(m->rope_cos, m->rope_sin, m->max_pos, m->head_dim,
+                                    m->rope_inv_freq, mscale);
     if (s != GY_OK) gy_model_free(m);
     return s;
 }
@@ -53,9 +93,11 @@ gy_status gy_model_init(gy_model *m, double rope_theta, const gy_model *tables_f
 void gy_model_free(gy_model *m) {
     if (m == NULL) return;
     free(m->layers);
+    free(m->rope_inv_freq);
     free(m->rope_cos);
     free(m->rope_sin);
     m->layers = NULL;
+    m->rope_inv_freq = NULL;
     m->rope_cos = m->rope_sin = NULL;
 }
 

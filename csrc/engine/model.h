@@ -53,9 +53,8 @@ typedef struct gy_model {
     int64_t head_dim;
     int64_t max_tp;      /* FFN shards; o_proj's reduction is cut into as many chunks */
     int64_t shard_rows;  /* intermediate / max_tp */
-    int64_t max_pos;     /* rotary table length */
+    int64_t max_pos;     /* rotary table length: positions [0, max_pos), max_pos <= INT32_MAX */
     float rms_eps;
-    float rope_theta;    /* set by gy_model_init; the CUDA rope kernel computes its angles */
     gy_dtype weight_dtype;
     gy_model_backend backend;
     int32_t device;               /* cuda: the device ordinal */
@@ -69,15 +68,24 @@ typedef struct gy_model {
      * it holds is checked, and the forward pass refuses to run anything else. */
     int64_t layer_begin, layer_end;
     int32_t has_embed, has_head;
+    /* The rotary embedding as data (gyges/models/rope.py: scaled or not, from the config):
+     * angle = position * rope_inv_freq[i], and cos and sin are multiplied by rope_mscale. */
+    double *rope_inv_freq;    /* [head_dim / 2], owned (gy_model_init) */
+    double rope_mscale;       /* YaRN's attention factor; 1 otherwise */
     float *rope_cos;          /* [max_pos, head_dim / 2], owned (host; the cpu backend's) */
     float *rope_sin;
+    float *rope_inv_freq_dev; /* cuda: [head_dim / 2] fp32 on the device, owned (the attach's) */
 } gy_model;
 
-/* Checks the shape fields, allocates `layers` and the rotary tables (theta = rope_theta); the
- * caller fills the weight pointers afterwards. The tables are copied from `tables_from` when it
- * has the same max_pos, head_dim and theta (computing them costs ~1 ms for 4096 positions, which
- * a transformation pays for every new rank's model), else computed; it may be NULL. */
-gy_status gy_model_init(gy_model *model, double rope_theta, const gy_model *tables_from);
+/* Checks the shape fields, copies the rotary frequencies (inv_freq [head_dim / 2], each finite
+ * and > 0; mscale finite and > 0) and allocates `layers` and the rotary tables; the caller fills
+ * the weight pointers afterwards. The tables are refused (GY_ERR_INVALID past int32 positions,
+ * GY_ERR_OUT_OF_MEMORY past the machine's physical memory) before anything is allocated. They
+ * are copied from `tables_from` when it has the same max_pos, head_dim, frequencies and mscale
+ * (computing them costs ~1 ms for 4096 positions, which a transformation pays for every new
+ * rank's model), else computed; it may be NULL. */
+gy_status gy_model_init(gy_model *model, const double *inv_freq, double mscale,
+                        const gy_model *tables_from);
 void gy_model_free(gy_model *model);
 /* GY_ERR_INVALID naming the first missing tensor of what the model holds (shard pointers are
  * checked for `shards`, a bitmask of the FFN shards this worker must hold). */

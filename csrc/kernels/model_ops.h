@@ -21,13 +21,16 @@ gy_status gy_cuda_rmsnorm(void *out, const void *x, const void *w, int64_t rows,
                           float eps, gy_dtype act_dtype, gy_dtype w_dtype, gy_cuda_stream stream);
 
 /* rope.cu: rotary embedding in place, HF rotate_half convention (the two halves of a head are
- * the pairs): for i < half = head_dim/2, angle = position * theta^(-2i/head_dim),
+ * the pairs): for i < half = head_dim/2, angle = position * inv_freq[i] (fp32),
+ * cos = mscale cos(angle), sin = mscale sin(angle),
  *   x[i] <- x[i] cos - x[i + half] sin,   x[i + half] <- x[i + half] cos + x[i] sin
  *   q: (n_tokens, n_q_heads, head_dim)  k: (n_tokens, n_kv_heads, head_dim), dtype; k may be NULL
- *   positions: (n_tokens) int32; head_dim even */
+ *   positions: (n_tokens) int32; head_dim even; inv_freq: (head_dim / 2) fp32, device memory
+ *   (gy_model's rope_inv_freq_dev); mscale finite and > 0 */
 gy_status gy_cuda_rope(void *q, void *k, const int32_t *positions, int64_t n_tokens,
-                       int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, float theta,
-                       gy_dtype dtype, gy_cuda_stream stream);
+                       int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                       const float *inv_freq, float mscale, gy_dtype dtype,
+                       gy_cuda_stream stream);
 
 /* silu_mul.cu: out[r, j] = silu(x[r, j]) * x[r, dim + j], the fused gate_up convention.
  *   out: (rows, dim)  x: (rows, 2 * dim), both dtype */

@@ -28,21 +28,28 @@ static const void *gy_py_at(uintptr_t base, int64_t offset) {
     return offset < 0 ? NULL : (const void *)(base + (uintptr_t)offset);
 }
 
+/* Model(arena, spec, offsets, shards, threads=1, tables_from=None, layers=None, embed=True,
+ *       head=True, *, rope_inv_freq, rope_mscale=1.0): spec = (vocab, hidden, intermediate,
+ * n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos, weight dtype id, rms_eps);
+ * rope_inv_freq: a buffer of head_dim / 2 float64 (gyges/models/rope.py). */
 static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from",
-                            "layers", "embed", "head", NULL};
+                            "layers", "embed", "head", "rope_inv_freq", "rope_mscale", NULL};
     PyObject *arena_object, *offsets_object, *tables_from = Py_None, *layers = Py_None;
+    PyObject *inv_freq_object = NULL;
     int has_embed = 1, has_head = 1;
     long long vocab, hidden, inter, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos;
     int dtype, threads = 1;
     unsigned int shards;
-    double eps, theta;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLidd)OI|iOOpp", names, &arena_object,
-                                     &vocab, &hidden, &inter, &n_layers, &n_heads, &n_kv_heads,
-                                     &head_dim, &max_tp, &max_pos, &dtype, &eps, &theta,
+    double eps, mscale = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLid)OI|iOOpp$Od", names,
+                                     &arena_object, &vocab, &hidden, &inter, &n_layers, &n_heads,
+                                     &n_kv_heads, &head_dim, &max_tp, &max_pos, &dtype, &eps,
                                      &offsets_object, &shards, &threads, &tables_from, &layers,
-                                     &has_embed, &has_head))
+                                     &has_embed, &has_head, &inv_freq_object, &mscale))
         return NULL;
+    if (inv_freq_object == NULL)
+        return PyErr_Format(GY_PY_TYPE_ERROR, "Model needs rope_inv_freq (head_dim / 2 float64)");
     long long layer_begin = 0, layer_end = n_layers;
     if (layers != Py_None && !PyArg_ParseTuple(layers, "LL", &layer_begin, &layer_end)) return NULL;
     if (tables_from != Py_None && !PyObject_TypeCheck(tables_from, (PyTypeObject *)gy_py_model_type))
@@ -56,15 +63,32 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     if (base == 0)
         return PyErr_Format(gy_py_error_class(GY_ERR_UNAVAILABLE),
                             "the arena's memory is neither host memory nor a CUDA device's");
+    /* A bad head_dim is gy_model_init's to refuse, with no frequencies to read; good ones are
+     * copied out of the buffer, which need not be aligned for doubles. */
+    double *inv_freq = NULL;
+    if (head_dim > 0 && head_dim % 2 == 0 && head_dim <= (1LL << 40)) {
+        Py_buffer view;
+        const Py_ssize_t bytes = (Py_ssize_t)(head_dim / 2 * 8);
+        if (gy_py_get_buffer(inv_freq_object, &view, bytes, 0, "rope_inv_freq") < 0) return NULL;
+        inv_freq = PyMem_Malloc((size_t)bytes);
+        if (inv_freq != NULL) memcpy(inv_freq, view.buf, (size_t)bytes);
+        PyBuffer_Release(&view);
+        if (inv_freq == NULL) return PyErr_NoMemory();
+    }
     GyModelObject *self = (GyModelObject *)type->tp_alloc(type, 0);
-    if (self == NULL) return NULL;
+    if (self == NULL) {
+        PyMem_Free(inv_freq);
+        return NULL;
+    }
     gy_model *m = &self->model;
     m->vocab = vocab; m->hidden = hidden; m->intermediate = inter; m->n_layers = n_layers;
     m->n_heads = n_heads; m->n_kv_heads = n_kv_heads; m->head_dim = head_dim; m->max_tp = max_tp;
     m->max_pos = max_pos; m->weight_dtype = (gy_dtype)dtype; m->rms_eps = (float)eps;
     self->shards = shards;
-    gy_status s = gy_model_init(m, theta, tables_from == Py_None ? NULL
-                                          : &((GyModelObject *)tables_from)->model);
+    gy_status s = gy_model_init(m, inv_freq, mscale,
+                                tables_from == Py_None ? NULL
+                                                       : &((GyModelObject *)tables_from)->model);
+    PyMem_Free(inv_freq);
     if (s != GY_OK) {
         Py_DECREF(self);
         return gy_py_raise(s);

@@ -510,15 +510,15 @@ static PyObject *gy_py_cuda_rmsnorm(PyObject *self, PyObject *args) {
                                        dim, eps, (gy_dtype)act_dtype, (gy_dtype)w_dtype, NULL));
 }
 
-/* rope(q, k_or_None, positions, n_tokens, n_q_heads, n_kv_heads, head_dim, theta, dtype), in
- * place on q and k */
+/* rope(q, k_or_None, positions, n_tokens, n_q_heads, n_kv_heads, head_dim, inv_freq, mscale,
+ * dtype), in place on q and k; inv_freq: head_dim / 2 float32 */
 static PyObject *gy_py_cuda_rope(PyObject *self, PyObject *args) {
-    PyObject *q, *k, *positions;
+    PyObject *q, *k, *positions, *inv_freq;
     long long n_tokens, n_q, n_kv, head_dim;
-    float theta;
+    float mscale;
     int dtype;
-    if (!PyArg_ParseTuple(args, "OOOLLLLfi", &q, &k, &positions, &n_tokens, &n_q, &n_kv,
-                          &head_dim, &theta, &dtype))
+    if (!PyArg_ParseTuple(args, "OOOLLLLOfi", &q, &k, &positions, &n_tokens, &n_q, &n_kv,
+                          &head_dim, &inv_freq, &mscale, &dtype))
         return NULL;
     const int64_t es = gy_py_dtype_size(dtype);
     if (es <= 0) return NULL;
@@ -527,12 +527,13 @@ static PyObject *gy_py_cuda_rope(PyObject *self, PyObject *args) {
     int k_slot = -1;
     if (gy_py_devs_add(&ds, q, 1, "q", n_tokens, n_q, head_dim, es) < 0 ||
         gy_py_devs_add(&ds, positions, 0, "positions", n_tokens, 1, 1, 4) < 0 ||
+        gy_py_devs_add(&ds, inv_freq, 0, "inv_freq", head_dim / 2, 1, 1, 4) < 0 ||
         (k != Py_None &&
          (k_slot = gy_py_devs_add(&ds, k, 1, "k", n_tokens, n_kv, head_dim, es)) < 0))
         return gy_py_devs_fail(&ds);
     GY_PY_DEVS_RUN(ds, gy_cuda_rope(GY_PY_DEV(ds, 0), k_slot >= 0 ? GY_PY_DEV(ds, k_slot) : NULL,
                                     GY_PY_DEV(ds, 1), n_tokens, n_q, k_slot >= 0 ? n_kv : 0,
-                                    head_dim, theta, (gy_dtype)dtype, NULL));
+                                    head_dim, GY_PY_DEV(ds, 2), mscale, (gy_dtype)dtype, NULL));
 }
 
 /* silu_mul(out, x, rows, dim, dtype) */
@@ -821,8 +822,8 @@ static PyMethodDef gy_py_cuda_methods[] = {
     {"cuda_rmsnorm", GY_PY_CUDA_FN(rmsnorm, METH_VARARGS),
      "cuda_rmsnorm(out, x, w, rows, dim, eps, act_dtype, w_dtype)"},
     {"cuda_rope", GY_PY_CUDA_FN(rope, METH_VARARGS),
-     "cuda_rope(q, k_or_None, positions, n_tokens, n_q_heads, n_kv_heads, head_dim, theta, "
-     "dtype): in place"},
+     "cuda_rope(q, k_or_None, positions, n_tokens, n_q_heads, n_kv_heads, head_dim, inv_freq, "
+     "mscale, dtype): in place"},
     {"cuda_silu_mul", GY_PY_CUDA_FN(silu_mul, METH_VARARGS),
      "cuda_silu_mul(out, x, rows, dim, dtype): out = silu(x[:, :dim]) * x[:, dim:]"},
     {"cuda_residual_add", GY_PY_CUDA_FN(residual_add, METH_VARARGS),

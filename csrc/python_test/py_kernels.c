@@ -209,17 +209,21 @@ static PyObject *gy_py_kernel_rmsnorm(PyObject *self, PyObject *args) {
 }
 
 static PyObject *gy_py_kernel_rope_table(PyObject *self, PyObject *args) {
-    PyObject *co, *so;
+    PyObject *co, *so, *fo;
     long long max_pos, head_dim;
-    double theta;
-    if (!PyArg_ParseTuple(args, "OOLLd", &co, &so, &max_pos, &head_dim, &theta)) return NULL;
-    Py_ssize_t bytes;
-    if (gy_py_nbytes(&bytes, "kernel_rope_table", max_pos, head_dim / 2, 1, 4) < 0) return NULL;
+    double mscale;
+    if (!PyArg_ParseTuple(args, "OOLLOd", &co, &so, &max_pos, &head_dim, &fo, &mscale))
+        return NULL;
+    Py_ssize_t bytes, fbytes;
+    if (gy_py_nbytes(&bytes, "kernel_rope_table", max_pos, head_dim / 2, 1, 4) < 0 ||
+        gy_py_nbytes(&fbytes, "kernel_rope_table", head_dim / 2, 1, 1, 8) < 0)
+        return NULL;
     gy_py_buffers b = {.count = 0};
     float *c = gy_py_borrow(&b, co, bytes, 1, "cos");
     float *s = c ? gy_py_borrow(&b, so, bytes, 1, "sin") : NULL;
-    if (s == NULL) GY_PY_FAIL(b);
-    GY_PY_RUN(b, gy_cpu_rope_table(c, s, max_pos, head_dim, theta));
+    const double *f = s ? gy_py_borrow(&b, fo, fbytes, 0, "inv_freq") : NULL;
+    if (f == NULL) GY_PY_FAIL(b);
+    GY_PY_RUN(b, gy_cpu_rope_table(c, s, max_pos, head_dim, f, mscale));
 }
 
 static PyObject *gy_py_kernel_rope(PyObject *self, PyObject *args) {
@@ -488,7 +492,7 @@ static PyMethodDef gy_py_kernel_methods[] = {
     {"kernel_add_bias", gy_py_kernel_add_bias, METH_VARARGS, "kernel_add_bias(y, bias, n, out): y += bias per row"},
     {"kernel_rmsnorm", gy_py_kernel_rmsnorm, METH_VARARGS, "kernel_rmsnorm(out, x, weight, n, dim, eps)"},
     {"kernel_rope_table", gy_py_kernel_rope_table, METH_VARARGS,
-     "kernel_rope_table(cos, sin, max_pos, head_dim, theta): tables [max_pos, head_dim / 2]"},
+     "kernel_rope_table(cos, sin, max_pos, head_dim, inv_freq, mscale): tables [max_pos, head_dim / 2]"},
     {"kernel_rope", gy_py_kernel_rope, METH_VARARGS,
      "kernel_rope(x, positions, cos, sin, n, n_heads, head_dim, max_pos): rotates x in place"},
     {"kernel_swiglu", gy_py_kernel_swiglu, METH_VARARGS, "kernel_swiglu(out, gate, up, count)"},

@@ -36,36 +36,68 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# RoPE scalings the reference implements; anything else (dynamic NTK, yarn, longrope...) changes the
-# rotation angles in ways we do not reproduce, so it is refused.
+# RoPE scalings gyges implements (gyges/models/rope.py turns them into frequencies, and the float64
+# reference in tests/ implements each on its own). Anything else (longrope, su, mrope...) changes
+# the rotation angles in ways we do not reproduce, so it is refused rather than ignored.
+# Each type: its required keys, then its optional ones; every value is a positive finite number
+# (an int where the name says so) unless listed in _ROPE_SCALING_BOOLS.
 _ROPE_SCALING_KEYS = {
-    "linear": {"factor"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "linear": ({"factor"}, set()),
+    # Dynamic NTK with a fixed base (vLLM's reading; see rope.py for why not HF's per-length one).
+    "dynamic": ({"factor"}, set()),
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"}, set()),
+    "yarn": ({"factor"}, {"original_max_position_embeddings", "beta_fast", "beta_slow",
+                          "attention_factor", "mscale", "mscale_all_dim", "truncate"}),
 }
+_ROPE_SCALING_INTS = {"original_max_position_embeddings"}
+_ROPE_SCALING_BOOLS = {"truncate"}
 
 
 def _normalise_rope_scaling(raw: Any) -> dict | None:
-    """Returns None for no scaling, else {"rope_type": ..., numeric params}; raises on the rest."""
+    """Returns None for no scaling, else {"rope_type": ..., params}; raises on the rest.
+
+    Optional parameters given as null are left out (the frequencies take their defaults);
+    unknown keys are ignored, as transformers does."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"rope_scaling must be an object or null, got {raw!r}")
     # HF used "type" before renaming it to "rope_type"; both appear in published configs.
+    kinds = {raw[k] for k in ("rope_type", "type") if k in raw and isinstance(raw[k], str)}
+    if len(kinds) > 1:
+        raise ConfigError(f"rope_scaling names two types: rope_type={raw['rope_type']!r}, "
+                          f"type={raw['type']!r}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return None
-    if kind not in _ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in _ROPE_SCALING_KEYS:
         raise ConfigError(
-            f"rope_scaling type {kind!r} is not supported (supported: default, "
+            f"rope_scaling.rope_type {kind!r} is not supported (supported: default, "
             f"{', '.join(sorted(_ROPE_SCALING_KEYS))}); refusing to ignore it")
+    required, optional = _ROPE_SCALING_KEYS[kind]
     out: dict[str, Any] = {"rope_type": kind}
-    for key in sorted(_ROPE_SCALING_KEYS[kind]):
-        if key not in raw:
-            raise ConfigError(f"rope_scaling of type {kind!r} is missing {key!r}")
+    for key in sorted(required | optional):
+        if raw.get(key) is None:
+            if key in required:
+                raise ConfigError(f"rope_scaling of type {kind!r} is missing {key!r}")
+            continue
         value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"rope_scaling.{key} must be a positive number, got {value!r}")
-        out[key] = float(value) if key != "original_max_position_embeddings" else int(value)
+        if key in _ROPE_SCALING_BOOLS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"rope_scaling.{key} must be true or false, got {value!r}")
+            out[key] = value
+        elif key in _ROPE_SCALING_INTS:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31:
+                raise ConfigError(f"rope_scaling.{key} must be a positive integer below 2**31, "
+                                  f"got {value!r}")
+            out[key] = value
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or not value > 0:
+                raise ConfigError(f"rope_scaling.{key} must be a positive finite number, "
+                                  f"got {value!r}")
+            out[key] = float(value)
     if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
         raise ConfigError("rope_scaling: llama3 needs high_freq_factor > low_freq_factor")
     return out
@@ -115,6 +147,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_pos_int(value):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > 2 ** 31 - 1:  # positions are int32 in the engine
+            raise ConfigError(f"max_position_embeddings must be at most 2**31 - 1, "
+                              f"got {self.max_position_embeddings}")
 
     def _validate(self) -> None:
         self._check_positive()

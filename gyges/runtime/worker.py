@@ -18,6 +18,7 @@ from ..core.checks import INT32_MAX
 from ..core.errors import InvalidArgumentError, UnavailableError
 from .kv_cache import KVCache, layout_name
 from ..core.units import parse_size
+from ..models.rope import rope_frequencies
 from .weights import DTYPES, ModelWeights
 
 WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
@@ -104,6 +105,8 @@ class Worker:
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())
         self.device = self.arena.device
+        # The rotary frequencies, scaled as the config says: data for both backends.
+        self.rope_inv_freq, self.rope_mscale = rope_frequencies(config)
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,
                                     max_tp=max_tp, pad=pad_ffn)
         self.weights_bytes = self.arena.stats()["bytes_in_use"]
@@ -148,7 +151,7 @@ class Worker:
         spec = (config.vocab_size, config.hidden_size, config.intermediate_size,
                 config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                 config.head_dim, self.max_tp, self.max_pos, WEIGHT_DTYPE_IDS[self.weight_dtype],
-                float(config.rms_norm_eps), float(config.rope_theta))
+                float(config.rms_norm_eps))
         if shards is None:
             shards = self.weights.held
         elif not pending:
@@ -161,7 +164,8 @@ class Worker:
             raise InvalidArgumentError(f"the worker holds layers {held}, not a range")
         return _C.Model(self.arena.handle, spec, w.c_offsets(shards, pending, set(held)), mask,
                         self.threads, getattr(self, "c_model", None),  # its rotary tables
-                        layers=layers, embed=w.has_embed, head=w.has_head)
+                        layers=layers, embed=w.has_embed, head=w.has_head,
+                        rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale)
 
     def model_for_layers(self, first, end):
         """A C model over layers [first, end) of those held (a pipeline re-split's target stage,

@@ -592,7 +592,9 @@ GYTEST(cpu_rope_matches_reference) {
     rng_seed(8);
     const int64_t n = 3, H = 2, d = 10, max_pos = 50;
     float cosb[50 * 5], sinb[50 * 5], x[3 * 2 * 10], x0[3 * 2 * 10];
-    CHECK_OK(gy_cpu_rope_table(cosb, sinb, max_pos, d, 10000.0));
+    double inv_freq[5];
+    CHECK_OK(gy_cpu_rope_inv_freq(inv_freq, d, 10000.0));
+    CHECK_OK(gy_cpu_rope_table(cosb, sinb, max_pos, d, inv_freq, 1.0));
     fill_uniform(x, n * H * d);
     memcpy(x0, x, sizeof x);
     const int32_t pos[3] = {0, 7, 49};
@@ -607,7 +609,18 @@ GYTEST(cpu_rope_matches_reference) {
             }
     const int32_t bad[1] = {50};
     CHECK_STATUS(gy_cpu_rope(x, bad, cosb, sinb, 1, H, d, max_pos), GY_ERR_INVALID);
-    CHECK_STATUS(gy_cpu_rope_table(cosb, sinb, max_pos, 9, 10000.0), GY_ERR_INVALID);
+    CHECK_STATUS(gy_cpu_rope_table(cosb, sinb, max_pos, 9, inv_freq, 1.0), GY_ERR_INVALID);
+    CHECK_STATUS(gy_cpu_rope_table(cosb, sinb, max_pos, d, inv_freq, 0.0), GY_ERR_INVALID);
+    CHECK_STATUS(gy_cpu_rope_inv_freq(inv_freq, d, 0.0), GY_ERR_INVALID);
+    /* Scaled frequencies and an mscale are data like any others. */
+    for (int i = 0; i < 5; i++) inv_freq[i] /= 4.0;
+    CHECK_OK(gy_cpu_rope_table(cosb, sinb, max_pos, d, inv_freq, 1.25));
+    for (int64_t p = 0; p < max_pos; p++)
+        for (int64_t i = 0; i < d / 2; i++) {
+            const double ang = p * (pow(10000.0, -2.0 * i / d) / 4.0);
+            CHECK(fabs(cosb[p * 5 + i] - 1.25 * cos(ang)) < 1e-6);
+            CHECK(fabs(sinb[p * 5 + i] - 1.25 * sin(ang)) < 1e-6);
+        }
 }
 
 GYTEST(cpu_swiglu_and_add) {

@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include "comm/comm.h"
+#include "cpu/rope.h"
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
 #include "engine/handover.h"
@@ -35,7 +36,9 @@ static void build_model_layers(gy_model *m, owned *o, int n_layers) {
     m->vocab = V; m->hidden = H; m->intermediate = I; m->n_layers = n_layers; m->n_heads = NH;
     m->n_kv_heads = NKV; m->head_dim = D; m->max_tp = MAX_TP; m->max_pos = 64;
     m->rms_eps = 1e-5f; m->weight_dtype = GY_DTYPE_F32;
-    CHECK_OK(gy_model_init(m, 10000.0, NULL));
+    double inv_freq[D / 2];
+    CHECK_OK(gy_cpu_rope_inv_freq(inv_freq, D, 10000.0));
+    CHECK_OK(gy_model_init(m, inv_freq, 1.0, NULL));
     m->embed = keep(o, random_tensor(V * H, &state, 2.0f));
     m->lm_head = keep(o, random_tensor(V * H, &state, 1.0f));
     m->final_norm = keep(o, random_tensor(H, &state, 0.2f));
@@ -159,6 +162,52 @@ static int tp2_free(tp2 *t) {
     }
     gy_comm_free(t->comm);
     return clean;
+}
+
+/* A max_pos whose rotary tables cannot exist is refused before anything is allocated (2^62
+ * positions once wrapped the table's size into a small buffer and crashed); the frequencies are
+ * data, and a table made with the same ones is copied bit for bit. */
+GYTEST(model_init_refuses_tables_that_cannot_fit) {
+    double inv_freq[D / 2];
+    CHECK_OK(gy_cpu_rope_inv_freq(inv_freq, D, 10000.0));
+    const int64_t huge[] = {(int64_t)1 << 62, (int64_t)INT32_MAX + 1, INT64_MAX};
+    for (int i = 0; i < 3; i++) {
+        gy_model m = {.vocab = V, .hidden = H, .intermediate = I, .n_layers = L, .n_heads = NH,
+                      .n_kv_heads = NKV, .head_dim = D, .max_tp = MAX_TP, .max_pos = huge[i]};
+        CHECK_STATUS(gy_model_init(&m, inv_freq, 1.0, NULL), GY_ERR_INVALID);
+        CHECK(m.layers == NULL && m.rope_cos == NULL && m.rope_inv_freq == NULL);
+    }
+    /* Within int32 but past any machine's memory: 2^31 - 1 positions x 2^16 pairs (1 PiB). */
+    gy_model big = {.vocab = V, .hidden = H, .intermediate = I, .n_layers = L, .n_heads = NH,
+                    .n_kv_heads = NKV, .head_dim = (int64_t)1 << 17, .max_tp = MAX_TP,
+                    .max_pos = INT32_MAX};
+    double *many = calloc((size_t)1 << 16, sizeof(double));
+    CHECK(many != NULL);
+    for (int64_t i = 0; many != NULL && i < ((int64_t)1 << 16); i++) many[i] = 1.0;
+    CHECK_STATUS(gy_model_init(&big, many, 1.0, NULL), GY_ERR_OUT_OF_MEMORY);
+    CHECK(strstr(gy_error_message(), "max_pos=2147483647") != NULL);
+    free(many);
+    /* Bad frequencies and mscale are refused. */
+    gy_model m = {.vocab = V, .hidden = H, .intermediate = I, .n_layers = L, .n_heads = NH,
+                  .n_kv_heads = NKV, .head_dim = D, .max_tp = MAX_TP, .max_pos = 16};
+    CHECK_STATUS(gy_model_init(&m, NULL, 1.0, NULL), GY_ERR_INVALID);
+    CHECK_STATUS(gy_model_init(&m, inv_freq, 0.0, NULL), GY_ERR_INVALID);
+    double bad[D / 2];
+    memcpy(bad, inv_freq, sizeof bad);
+    bad[3] = -1.0;
+    CHECK_STATUS(gy_model_init(&m, bad, 1.0, NULL), GY_ERR_INVALID);
+    /* A scaled table: mscale multiplies cos and sin; copied from a model with the same data. */
+    CHECK_OK(gy_model_init(&m, inv_freq, 1.5, NULL));
+    gy_model m2 = m, m3 = m;
+    m2.layers = NULL; m2.rope_cos = m2.rope_sin = NULL; m2.rope_inv_freq = NULL;
+    m3.layers = NULL; m3.rope_cos = m3.rope_sin = NULL; m3.rope_inv_freq = NULL;
+    CHECK_OK(gy_model_init(&m2, inv_freq, 1.5, &m));
+    CHECK(memcmp(m.rope_cos, m2.rope_cos, 16 * (D / 2) * sizeof(float)) == 0);
+    CHECK_OK(gy_model_init(&m3, inv_freq, 1.0, &m)); /* another mscale: computed anew */
+    CHECK(m.rope_cos[0] == 1.5f && m3.rope_cos[0] == 1.0f);
+    gy_model_free(&m);
+    gy_model_free(&m2);
+    gy_model_free(&m3);
 }
 
 GYTEST(engine_tp1_and_tp2_give_the_same_tokens) {

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "comm/comm.h"
+#include "cpu/rope.h"
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
 #include "core/dtype.h"
@@ -54,7 +55,8 @@ static void build(gy_model *m, gy_dtype dt, int bias) {
     memset(m, 0, sizeof *m);
     m->vocab = V; m->hidden = H; m->intermediate = I; m->n_layers = L; m->n_heads = NH; m->n_kv_heads = NKV;
     m->head_dim = D; m->max_tp = MAX_TP; m->max_pos = 128; m->rms_eps = 1e-5f; m->weight_dtype = dt;
-    if (gy_model_init(m, 10000.0, NULL) != GY_OK) abort();
+    double inv_freq[D / 2];
+    if (gy_cpu_rope_inv_freq(inv_freq, D, 10000.0) != GY_OK || gy_model_init(m, inv_freq, 1.0, NULL) != GY_OK) abort();
     m->embed = tensor(V * H, 2.0f, dt, 0); m->lm_head = tensor(V * H, 1.0f, dt, 0);
     m->final_norm = tensor(H, 0.2f, GY_DTYPE_F32, 1.0f);
     for (int l = 0; l < L; l++) {

@@ -46,15 +46,15 @@ gy_status gy_cuda_rmsnorm(void *out, const void *x, const void *w, int64_t rows,
     }
     return GY_OK;
 }
-gy_status gy_cuda_rope(void *q, void *k, const int32_t *pos, int64_t n, int64_t nq, int64_t nk, int64_t D, float theta, gy_dtype t, gy_cuda_stream s) {
+gy_status gy_cuda_rope(void *q, void *k, const int32_t *pos, int64_t n, int64_t nq, int64_t nk, int64_t D, const float *inv_freq, float mscale, gy_dtype t, gy_cuda_stream s) {
     gy_emu_kernel_on(s);
     void *xs[2] = {q, k}; int64_t hs[2] = {nq, nk};
     for (int w = 0; w < 2; w++) { if (!xs[w]) continue;
         for (int64_t tk = 0; tk < n; tk++) for (int64_t h = 0; h < hs[w]; h++) for (int64_t i = 0; i < D / 2; i++) {
-            double ang = pos[tk] * pow(theta, -(double)(2 * i) / D);
+            double ang = pos[tk] * (double)inv_freq[i], c = mscale * cos(ang), sn = mscale * sin(ang);
             int64_t b = (tk * hs[w] + h) * D;
             float a0 = ld(xs[w], t, b + i), b0 = ld(xs[w], t, b + i + D / 2);
-            st(xs[w], t, b + i, a0 * cos(ang) - b0 * sin(ang)); st(xs[w], t, b + i + D / 2, b0 * cos(ang) + a0 * sin(ang)); } }
+            st(xs[w], t, b + i, a0 * c - b0 * sn); st(xs[w], t, b + i + D / 2, b0 * c + a0 * sn); } }
     return GY_OK;
 }
 gy_status gy_cuda_silu_mul(void *out, const void *x, int64_t rows, int64_t dim, gy_dtype t, gy_cuda_stream s) {
