@@ -53,7 +53,9 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                                    "HF directory with tokenizer.json, or a packaged model)")
     config = host.model.config
     metrics = ServerMetrics(model_name)
-    app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None)
+    app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None,
+                          redirect_slashes=False)  # /v1/completions/ is a 404, not a 307
+    app.add_middleware(ReadBodyFirst, max_body_bytes=max_body_bytes)
     app.state.runner, app.state.metrics = runner, metrics
 
     def error(e):  # ASCII JSON: a message may quote anything the client sent
@@ -263,6 +265,39 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
             return await off_loop(lambda: {"layout": host.layout(), **host.stats()})
 
     return app
+
+
+class ReadBodyFirst:
+    """ASGI middleware: what is left of a request's body is read before the answer starts. An
+    early answer (401, 404, 405, 415) would otherwise end the connection while the client still
+    sends, and the client would see a reset instead of the answer. Only a body of a declared
+    length up to DRAIN_FACTOR times max_body_bytes is read (and thrown away), so that a body a
+    little too large gets its 413; past that the connection is closed under the client."""
+
+    DRAIN_FACTOR = 8
+
+    def __init__(self, app, max_body_bytes):
+        self.app, self.limit = app, max_body_bytes * self.DRAIN_FACTOR
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        unread = [declared.isdigit() and 0 < int(declared) <= self.limit]
+
+        async def receive_():
+            message = await receive()
+            unread[0] = unread[0] and message["type"] == "http.request" and \
+                message.get("more_body", False)
+            return message
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                while unread[0]:
+                    await receive_()
+            await send(message)
+
+        await self.app(scope, receive_, send_)
 
 
 def _event(obj):
