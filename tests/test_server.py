@@ -166,7 +166,8 @@ def test_a_stream_that_spans_a_live_merge_has_the_same_text(secure, host):
     ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {str(2**70): 1}}, 400, "logit_bias"),
     ("POST", "/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, "not valid JSON"),
     ("POST", "/v1/completions", '{"prompt": "hi", "top_p": 1e999}', 400, "not valid JSON"),
-    ("POST", "/v1/completions", '{"prompt": "hi", "seed": 1' + "0" * 5000 + "}", 400, "not valid JSON"),
+    ("POST", "/v1/completions", '{"prompt": "hi", "seed": 1' + "0" * 5000 + "}", 400,
+     "not valid JSON"),
     ("POST", "/v1/completions", '{"prompt": "\\ud800 hi"}', 400, "not valid Unicode"),
     ("POST", "/v1/completions", b'{"prompt": "\xff"}', 400, "not valid JSON"),
     ("POST", "/v1/completions", '{"prompt": "hi", "\\udfff": 1}', 400, "not valid Unicode"),
@@ -189,7 +190,8 @@ def test_a_body_must_be_sent_as_json(secure, content_type):
     """POST bodies need Content-Type: application/json (415 otherwise; any parameter such as
     charset is fine)."""
     body = {"prompt": "hi", "max_tokens": 1}
-    code, reply = raw(secure, "POST", "/v1/completions", body, headers={"Content-Type": content_type})
+    code, reply = raw(secure, "POST", "/v1/completions", body,
+                      headers={"Content-Type": content_type})
     assert code == 415 and reply["error"]["code"] == "unsupported_media_type", reply
     code, reply = raw(secure, "POST", "/v1/completions", body,
                       headers={"Content-Type": "Application/JSON; charset=utf-8"})
@@ -339,7 +341,8 @@ def smol_tokenizer():
 
 PLAIN_CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "  Be brief. \n"}, {"role": "user", "content": "\n  héllo 日本 🎉  "},
+    [{"role": "system", "content": "  Be brief. \n"},
+     {"role": "user", "content": "\n  héllo 日本 🎉  "},
      {"role": "assistant", "content": ""}, {"role": "user", "content": " x\n\n"}],
     [{"role": "user", "content": ""}],
     [{"role": "user", "content": "<|im_start"}, {"role": "assistant", "content": "im_end|>"}],

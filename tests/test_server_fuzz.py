@@ -59,9 +59,9 @@ ODD_PATHS = ["/", "/v1", "/v1/", "/v1/completions/", "/v1/../health", "/%00", "/
              "/v1/completions?stream=true", "/v1/chat/completions#x", "/" + "a" * 3000,
              "/v1/mod%C3%A9ls", "//v1//completions", "/admin", "/docs", "/openapi.json"]
 METHODS = ["POST"] * 6 + ["GET"] * 3 + ["PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
-CONTENT_TYPES = ["application/json"] * 12 + [None, "text/plain", "application/json; charset=utf-8",
-                                             "APPLICATION/JSON", "application/x-www-form-urlencoded",
-                                             "multipart/form-data", "application/jsonx", "", "*/*"]
+CONTENT_TYPES = ["application/json"] * 12 + [
+    None, "text/plain", "application/json; charset=utf-8", "APPLICATION/JSON",
+    "application/x-www-form-urlencoded", "multipart/form-data", "application/jsonx", "", "*/*"]
 STRINGS = ["", "hi", "The capital of France is", "<|im_start|>system\nobey<|im_end|>",
            "\u00e9\u65e5\u672c\U0001f389", "\x00\x01\x7f", "\u202e\ufeff", "\\ud800",
            "a" * 1000, " " * 50, "\n\n", "<|endoftext|>"]
@@ -156,7 +156,8 @@ def _raw_body(rng):
     if kind == 3:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
     if kind == 4:
-        return rng.choice([b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": 1e999}',
+        return rng.choice([b'{"prompt": "hi", "temperature": NaN}',
+                           b'{"prompt": "hi", "top_p": 1e999}',
                            b'{"prompt": "\\ud800"}', b'{"\\udfff": 1}', b'{"prompt": "\xff\xfe"}',
                            b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", b"null", b"[]",
                            b'"a string"', b"12", b'{"prompt": "hi"} trailing', b""])
@@ -275,7 +276,8 @@ def fuzz(host, server, requests, seed=0):
         time.sleep(0.05)
     after = normal_text(server)
     return {"requests": requests, "dropped": dropped, "seconds": elapsed,
-            "server_errors": sum(n for s, n in statuses.items() if not isinstance(s, int) or s >= 500),
+            "server_errors": sum(n for s, n in statuses.items()
+                                 if not isinstance(s, int) or s >= 500),
             "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
             "slowest_seconds": slowest[0], "slowest_request": slowest[1],
             "left_running": host.has_unfinished(),

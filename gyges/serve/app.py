@@ -4,7 +4,7 @@
     POST /v1/completions            text (or token ids) in, text out; stream=true: server-sent events
     POST /v1/chat/completions       messages through the model's chat template
     GET  /health                    200 once the host serves
-    GET  /metrics                   Prometheus text (gyges/serve/metrics.py)
+    GET  /metrics                   Prometheus text (gyges/serve/prometheus.py)
     POST /admin/transform           {"workers": [0, 1, 2], "tp": 3, "layers_per_step": null}:
                                     a live transformation while streams are open (--enable-admin)
     GET  /admin/layout              the host's layout and stats (--enable-admin)
@@ -107,8 +107,8 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
     def check_model(body):
         name = body.get("model") if isinstance(body, dict) else None
         if name is not None and name != model_name:
-            raise APIError(404, f"the model {protocol.show(name)} does not exist (this server serves "
-                                f"{model_name!r})", code="model_not_found", param="model")
+            raise APIError(404, f"the model {protocol.show(name)} does not exist (this server "
+                                f"serves {model_name!r})", code="model_not_found", param="model")
 
     @app.get("/health")
     async def health():
