@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 
 from .checkpoint import CheckpointError
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, require
@@ -174,6 +176,73 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
+def _plain_backend(tokenizer):
+    """A copy of the tokenizer's backend that reads special tokens' text as plain text (made once;
+    a copy, so that no other encode ever sees the switch)."""
+    plain = getattr(tokenizer, "_plain_backend", None)
+    if plain is None:
+        plain = _lib().Tokenizer.from_str(tokenizer._tok.to_str())
+        plain.encode_special_tokens = True
+        tokenizer._plain_backend = plain
+    return plain
+
+
+def encode_chat(tokenizer, messages, add_generation_prompt=True):
+    """Token ids of a conversation rendered with the model's chat template, where only the
+    template's own text makes special tokens: every message's content is encoded as plain text,
+    so a user who types "<|im_start|>system" sends those characters, not the control token.
+
+    The template is rendered a second time with a unique placeholder for each content; the text
+    around the placeholders is the template's. Its special tokens are found in that text alone,
+    and each run of text between two of them (template text and contents together) is encoded
+    with special tokens read as text. When no content holds a special token this gives exactly
+    the ids of encoding the whole rendered text, since the tokenizer cuts a text at its special
+    tokens first and encodes the pieces between them independently. A template that changes a
+    content (trims it, ...) leaves no placeholder verbatim: then the whole text is encoded as
+    before when no content holds a special token's text, and the conversation is refused
+    otherwise (InvalidArgumentError)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+    contents = [m["content"] for m in messages]
+    nonce = secrets.token_hex(8)
+    marks = {f"\x00{nonce}:{i}\x00": c for i, c in enumerate(contents)}
+    marked = tokenizer.apply_chat_template(
+        [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+    parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", marked) if marks else [marked]
+    # parts alternate: template text, placeholder, template text, ...
+    if "".join(marks.get(p, p) if i % 2 else p for i, p in enumerate(parts)) != text:
+        specials = [a.content for a in tokenizer._tok.get_added_tokens_decoder().values()
+                    if a.special]
+        held = next((s for c in contents for s in specials if s in c), None)
+        if held is not None:
+            raise InvalidArgumentError(f"a message holds the special token {held!r}, and this "
+                                       f"model's chat template changes message contents, so it "
+                                       f"cannot be kept as plain text")
+        return tokenizer.encode(text, add_special_tokens=False)
+    special_ids = {i for i, a in tokenizer._tok.get_added_tokens_decoder().items() if a.special}
+    runs, pending = [], []  # runs: special token ids and plain strings, in order
+    for i, part in enumerate(parts):
+        if i % 2:
+            pending.append(marks[part])
+            continue
+        encoding = tokenizer._tok.encode(part, add_special_tokens=False)
+        at = 0
+        for token, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token in special_ids:
+                pending.append(part[at:begin])
+                runs += ["".join(pending), token]
+                pending, at = [], end
+        pending.append(part[at:])
+    runs.append("".join(pending))
+    plain = _plain_backend(tokenizer)
+    ids = []
+    for run in runs:
+        if isinstance(run, int):
+            ids.append(run)
+        elif run:
+            ids += plain.encode(run, add_special_tokens=False).ids
+    return ids
+
+
 def tokenize_prompt(prompt, tokenizer):
     """(token ids, text) of a prompt: a string is encoded when there is a tokenizer; anything else
     passes as it is, with no text (the token-id checks then name what is wrong)."""
@@ -184,11 +253,12 @@ def tokenize_prompt(prompt, tokenizer):
 
 def chat_prompts(tokenizer, messages):
     """Token ids of one conversation ([{"role", "content"}, ...]) or of each of a list of them,
-    rendered with the model's chat template, the assistant's turn opened."""
+    rendered with the model's chat template, the assistant's turn opened. The messages' contents
+    never make special tokens (encode_chat)."""
     if tokenizer is None:
         raise InvalidArgumentError("this model has no tokenizer, so no chat template")
     chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-    return [tokenizer.apply_chat_template(m, tokenize=True) for m in chats]
+    return [encode_chat(tokenizer, m) for m in chats]
 
 
 class Detokenizer:

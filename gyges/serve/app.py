@@ -4,15 +4,22 @@
     POST /v1/completions            text (or token ids) in, text out; stream=true: server-sent events
     POST /v1/chat/completions       messages through the model's chat template
     GET  /health                    200 once the host serves
-    GET  /metrics                   Prometheus text (gyges/serve/metrics.py)
+    GET  /metrics                   Prometheus text (gyges/serve/prometheus.py)
     POST /admin/transform           {"workers": [0, 1, 2], "tp": 3, "layers_per_step": null}:
                                     a live transformation while streams are open (--enable-admin)
     GET  /admin/layout              the host's layout and stats (--enable-admin)
 
 Security as vLLM's server does it: an API key makes every /v1 endpoint ask for
-`Authorization: Bearer <key>` (401 otherwise); /admin exists only when enabled, and always asks
-for the key; bodies above max_body_bytes are refused (413). A client that disconnects from a
-stream aborts its request, which frees its KV.
+`Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay open, as vLLM leaves
+them, for load balancers and scrapers (protect_metrics=True makes /metrics ask for the key too);
+/admin exists only when enabled, and always asks for the key.
+
+Every request gets an answer: a POST body must be `Content-Type: application/json` (415
+otherwise) and UTF-8 JSON of at most max_body_bytes (413) that protocol.parse_body and the field
+checks accept (400 naming the field); only a bug of the server's own is a 500. A client that
+disconnects, streaming or not, aborts its request, which frees its KV at the next step. Nothing
+that can wait (the host's lock, tokenizing a megabyte) runs on the event loop: it runs on the
+executor's threads, so /health answers during the longest prefill or transformation.
 """
 import asyncio
 import hmac
@@ -30,13 +37,15 @@ log = logging.getLogger(__name__)
 
 
 def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_bytes=1 << 20,
-              max_tokens_limit=4096):
+              max_tokens_limit=4096, protect_metrics=False):
     fastapi = require("fastapi", "the server")
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     if enable_admin and not api_key:
         raise InvalidArgumentError("enable_admin needs an api_key: /admin endpoints always ask "
                                    "for it")
+    if protect_metrics and not api_key:
+        raise InvalidArgumentError("protect_metrics needs an api_key")
     host = runner.host
     tokenizer = host.model.tokenizer
     if tokenizer is None:
@@ -44,11 +53,17 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                                    "HF directory with tokenizer.json, or a packaged model)")
     config = host.model.config
     metrics = ServerMetrics(model_name)
-    app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None)
+    app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None,
+                          redirect_slashes=False)  # /v1/completions/ is a 404, not a 307
+    app.add_middleware(ReadBodyFirst, max_body_bytes=max_body_bytes)
     app.state.runner, app.state.metrics = runner, metrics
 
-    def error(e):
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e):  # ASCII JSON: a message may quote anything the client sent
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
+
+    async def off_loop(fn, *args):
+        """fn(*args) on an executor thread: whatever may wait or take long stays off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
@@ -75,6 +90,10 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                            type_="authentication_error", code="invalid_api_key")
 
     async def read_json(request):
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise APIError(415, "the request body must be JSON, sent with Content-Type: "
+                                "application/json", code="unsupported_media_type")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise APIError(413, f"the request body is over {max_body_bytes} bytes")
@@ -83,16 +102,13 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
             body += part
             if len(body) > max_body_bytes:
                 raise APIError(413, f"the request body is over {max_body_bytes} bytes")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
+        return await off_loop(protocol.parse_body, body)
 
     def check_model(body):
         name = body.get("model") if isinstance(body, dict) else None
         if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist (this server serves "
-                                f"{model_name!r})", code="model_not_found", param="model")
+            raise APIError(404, f"the model {protocol.show(name)} does not exist (this server "
+                                f"serves {model_name!r})", code="model_not_found", param="model")
 
     @app.get("/health")
     async def health():
@@ -105,9 +121,9 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                                             "created": int(runner.started), "owned_by": "gyges",
                                             "max_model_len": config.max_position_embeddings}]}
 
-    async def generate(request, chat):
-        check_key(request)
-        body = await read_json(request)
+    def prepare(body, chat):
+        """(prompt ids, SamplingParams) of a request body (on an executor thread: a prompt may
+        be a megabyte of text to tokenize)."""
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         check_model(body)
@@ -117,27 +133,43 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         if room < 1:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
                                 f"{config.max_position_embeddings}", param="messages" if chat else "prompt")
-        default = min(room, max_tokens_limit) if chat else 16
+        default = min(room, max_tokens_limit) if chat else min(16, max_tokens_limit)
         params = protocol.parse_sampling(body, default, max_tokens_limit)
         if len(prompt) + params.max_tokens > config.max_position_embeddings:
             raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                 f"is over this model's context of {config.max_position_embeddings}",
                            param="max_tokens")
+        return prompt, params
+
+    async def generate(request, chat):
+        check_key(request)
+        body = await read_json(request)
+        prompt, params = await off_loop(prepare, body, chat)
         stream_it, include_usage = protocol.stream_flags(body)
         loop = asyncio.get_running_loop()
         try:
-            stream = await loop.run_in_executor(None, runner.submit, prompt, params, loop)
+            stream = await off_loop(runner.submit, prompt, params, loop)
         except Error as e:  # too long for any instance, ...
             raise APIError(400, str(e)) from None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        if stream_it:
+        if stream_it:  # starlette cancels the stream when the client goes: sse's finally aborts
             return StreamingResponse(sse(stream, rid, chat, include_usage, len(prompt)),
                                      media_type="text/event-stream")
+        result = asyncio.ensure_future(collect(stream))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            text, tokens, finish = await collect(stream)
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            result.cancel()
             abandon(stream)
             raise
+        finally:
+            gone.cancel()
+        if not result.done():  # the client went away: nobody reads an answer
+            result.cancel()
+            abandon(stream)
+            return Response(status_code=499)
+        text, tokens, finish = result.result()
         metrics.observe(stream.request)
         if protocol.finish_reason(finish) is None:
             raise APIError(500, f"the request ended with {finish}: {stream.request.error}",
@@ -150,6 +182,12 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         of a cancelled task is cancelled too."""
         future = asyncio.get_running_loop().run_in_executor(None, runner.abort, stream)
         future.add_done_callback(lambda _: metrics.observe(stream.request))
+
+    async def disconnected(request):
+        """Returns once the client has closed its connection: after the body, the only message
+        the ASGI receive channel has left to give is http.disconnect."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def collect(stream):
         text, tokens = "", []
@@ -196,8 +234,10 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         return await generate(request, chat=True)
 
     @app.get("/metrics")
-    async def prometheus():
-        stats = await asyncio.get_running_loop().run_in_executor(None, host.stats)
+    async def prometheus(request: fastapi.Request):
+        if protect_metrics:
+            check_key(request)
+        stats = await off_loop(host.stats)
         return PlainTextResponse(metrics.render(stats, runner.steps),
                                  media_type="text/plain; version=0.0.4")
 
@@ -206,28 +246,58 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         async def transform(request: fastapi.Request):
             check_key(request)
             body = await read_json(request)
-            if not isinstance(body, dict) or "workers" not in body or "tp" not in body:
-                raise APIError(400, "the body is {'workers': [...], 'tp': k, 'layers_per_step': "
-                                    "null or n}")
-            args = {k: body[k] for k in ("workers", "tp", "layers_per_step", "method") if k in body}
+            args = protocol.transform_args(body, host.n_workers)
             started = time.perf_counter()
+
+            def run():  # the host's lock: on an executor thread
+                t = host.transform(**args)
+                return t.done, host.layout()
             try:
-                t = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: host.transform(**args))
+                done, layout_now = await off_loop(run)
             except (TransformError, Error) as e:
                 raise APIError(400, str(e)) from None
-            except TypeError as e:
-                raise APIError(400, f"bad transformation arguments: {e}") from None
-            log.info("transformation to TP%s of workers %s started", body["tp"], body["workers"])
-            return {"layout": host.layout(), "done": t.done,
-                    "seconds": time.perf_counter() - started}
+            log.info("transformation to TP%s of workers %s started", args["tp"], args["workers"])
+            return {"layout": layout_now, "done": done, "seconds": time.perf_counter() - started}
 
         @app.get("/admin/layout")
         async def layout(request: fastapi.Request):
             check_key(request)
-            return {"layout": host.layout(), **host.stats()}
+            return await off_loop(lambda: {"layout": host.layout(), **host.stats()})
 
     return app
+
+
+class ReadBodyFirst:
+    """ASGI middleware: what is left of a request's body is read before the answer starts. An
+    early answer (401, 404, 405, 415) would otherwise end the connection while the client still
+    sends, and the client would see a reset instead of the answer. Only a body of a declared
+    length up to DRAIN_FACTOR times max_body_bytes is read (and thrown away), so that a body a
+    little too large gets its 413; past that the connection is closed under the client."""
+
+    DRAIN_FACTOR = 8
+
+    def __init__(self, app, max_body_bytes):
+        self.app, self.limit = app, max_body_bytes * self.DRAIN_FACTOR
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        unread = [declared.isdigit() and 0 < int(declared) <= self.limit]
+
+        async def receive_():
+            message = await receive()
+            unread[0] = unread[0] and message["type"] == "http.request" and \
+                message.get("more_body", False)
+            return message
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                while unread[0]:
+                    await receive_()
+            await send(message)
+
+        await self.app(scope, receive_, send_)
 
 
 def _event(obj):

@@ -21,7 +21,7 @@ def _serve(args):
     server = Server(host, model_name=args.served_model_name or args.model, port=args.port,
                     bind=args.host, api_key=args.api_key, enable_admin=args.enable_admin,
                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                    log_level="info")
+                    protect_metrics=args.protect_metrics, log_level="info")
     logging.getLogger("gyges").info("serving %s on http://%s:%d/v1 (layout %s)", args.model,
                                     args.host, server.port, host.layout())
     try:
@@ -56,6 +56,8 @@ def parser():
     s.add_argument("--api-key", default=None, help="every /v1 request must send it as a Bearer token")
     s.add_argument("--enable-admin", action="store_true",
                    help="POST /admin/transform (needs --api-key)")
+    s.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics asks for --api-key too (by default it is open, as vLLM's)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096)
     s.set_defaults(run=_serve)

@@ -6,18 +6,31 @@ Defaults follow the OpenAI API (and vLLM's server): max_tokens 16 for completion
 left for chat, temperature 1.0, top_p 1.0, top_k off (a vLLM extension, -1 or 0), a random seed
 when none is given. n > 1, best_of, echo, logprobs, logit_bias, tools and the penalties are
 refused by name: gyges does not implement them.
+
+Every body the server reads goes through parse_body: UTF-8 JSON (no NaN or Infinity), at most
+MAX_DEPTH deep, every string valid Unicode; every integer is bounded here (below 2**63, most far
+below) before anything reaches the C layer, so a malformed body or an out-of-range number is a
+400 naming the field, never a 500.
 """
+import json
+import math
+import reprlib
 import secrets
 import time
 
 from ..runtime.engine import SamplingParams
 from ..core.errors import Error
+from ..models.tokenizer import chat_prompts
 
 REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_logprobs": "logprobs",
            "logit_bias": "logit_bias", "suffix": "suffix", "tools": "tools",
            "tool_choice": "tools", "functions": "functions", "response_format": "response_format",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
            "repetition_penalty": "repetition_penalty"}
+MAX_DEPTH = 32              # JSON nesting a body may have (a chat needs 4)
+MAX_TOP_K = 2**31 - 1       # top_k is an int32 in the sampler; any k >= vocab keeps every token
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlevel, _short.maxlist, _short.maxdict = 60, 60, 2, 4, 4
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user",
          "ignore_eos", "min_tokens", *REFUSED}
@@ -35,6 +48,52 @@ class APIError(Error):
                           "code": self.code if self.code is not None else self.status}}
 
 
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a double's range")
+    return value
+
+
+def parse_body(data):
+    """The JSON value of a request body (bytes); APIError(400) if it is not UTF-8 JSON, nests
+    deeper than MAX_DEPTH, holds NaN, Infinity or a float out of range, or a string that is not
+    valid Unicode (a lone surrogate, which no tokenizer or response could encode)."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError):  # ValueError: also an integer of over 4300 digits
+        raise APIError(400, "the request body is not valid JSON") from None
+    todo = [(value, 1)]
+    while todo:  # iterative: the depth check must not recurse itself
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+            items = item.items() if isinstance(item, dict) else ((None, v) for v in item)
+            for key, v in items:
+                if key is not None:
+                    todo.append((key, depth))
+                todo.append((v, depth + 1))
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "the request body has a string that is not valid Unicode "
+                                    "(a lone surrogate)") from None
+    return value
+
+
+def show(value):
+    """A value in an error message: short, whatever was sent."""
+    return _short.repr(value)
+
+
 def _number(body, name, default, lo=None, hi=None, integer=False):
     value = body.get(name, default)
     if value is None:
@@ -42,9 +101,9 @@ def _number(body, name, default, lo=None, hi=None, integer=False):
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise APIError(400, f"{name} must be {'an integer' if integer else 'a number'}, got "
-                            f"{value!r}", param=name)
+                            f"{show(value)}", param=name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise APIError(400, f"{name}={value} is out of range [{lo}, {hi}]", param=name)
+        raise APIError(400, f"{name}={show(value)} is out of range [{lo}, {hi}]", param=name)
     return value
 
 
@@ -59,7 +118,7 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit):
             raise APIError(400, f"{what} is not supported by gyges", param=name)
     unknown = sorted(set(body) - KNOWN)
     if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+        raise APIError(400, f"unknown field {show(unknown[0])}", param=unknown[0][:100])
     _number(body, "n", 1, 1, 1, integer=True)  # gyges returns one choice
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if max_tokens is None else _number(
@@ -68,7 +127,7 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit):
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise APIError(400, "top_p must be > 0", param="top_p")
-    top_k = _number(body, "top_k", 0, -1, None, integer=True)
+    top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -122,11 +181,33 @@ def chat_prompt(body, tokenizer):
                 not isinstance(m.get("content"), str):
             raise APIError(400, "each message is {'role': 'system'|'user'|'assistant', 'content': "
                                 "str}", param="messages")
-    try:
-        return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                              for m in messages], tokenize=True)
+    try:  # the contents are encoded as plain text: they never make special tokens
+        return chat_prompts(tokenizer, [{"role": m["role"], "content": m["content"]}
+                                        for m in messages])[0]
     except Error as e:
         raise APIError(400, str(e), param="messages") from None
+
+
+def transform_args(body, n_workers):
+    """host.transform's keyword arguments of a POST /admin/transform body, every one bounded."""
+    shape = ("the body is {'workers': [...], 'tp': k, 'layers_per_step': null or n, 'method': "
+             "null or a name}")
+    if not isinstance(body, dict) or "workers" not in body or "tp" not in body or \
+            set(body) - {"workers", "tp", "layers_per_step", "method"}:
+        raise APIError(400, shape)
+    workers = body["workers"]
+    if not isinstance(workers, list) or not workers or not all(
+            isinstance(w, int) and not isinstance(w, bool) and 0 <= w < n_workers for w in workers):
+        raise APIError(400, f"workers must be a non-empty list of worker indices in [0, "
+                            f"{n_workers})", param="workers")
+    args = {"workers": workers, "tp": _number(body, "tp", None, 1, n_workers, integer=True)}
+    if body.get("layers_per_step") is not None:
+        args["layers_per_step"] = _number(body, "layers_per_step", None, 1, 1 << 16, integer=True)
+    if body.get("method") is not None:
+        if not isinstance(body["method"], str):
+            raise APIError(400, "method must be a string", param="method")
+        args["method"] = body["method"]
+    return args
 
 
 def new_id(prefix):
