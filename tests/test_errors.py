@@ -133,3 +133,7 @@ def test_closed_objects_answer_repr_and_their_queries_say_closed(tiny):
     for query in (e.stats, e.memory, e.step):
         with pytest.raises(gyges.StateError, match="the engine is closed"):
             query()
+    llm = gyges.LLM(tiny)
+    assert repr(llm).startswith("LLM(Model(llama") and "Host(workers=1, layout='TP1')" in repr(llm)
+    llm.close()
+    assert repr(llm).endswith("Host(closed))")

@@ -104,6 +104,9 @@ class LLM:
     def close(self):
         self.host.close()
 
+    def __repr__(self):
+        return f"LLM({self.model.name or self.model!r}, {self.host!r})"
+
     def __enter__(self):
         return self
 
