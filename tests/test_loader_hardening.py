@@ -171,6 +171,189 @@ def test_more_layers_than_the_tensors_hold_is_refused_before_listing_them(hf_dir
     assert time.monotonic() - t < 5
 
 
+# ---- GGUF files ----
+
+def _permute(w, n_head):
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def _gguf_meta(config):
+    import gguf
+    T = gguf.GGUFValueType
+    tokens, merges = _vocab()
+    return {
+        "llama.block_count": (config.num_hidden_layers, T.UINT32),
+        "llama.context_length": (config.max_position_embeddings, T.UINT32),
+        "llama.embedding_length": (config.hidden_size, T.UINT32),
+        "llama.feed_forward_length": (config.intermediate_size, T.UINT32),
+        "llama.attention.head_count": (config.num_attention_heads, T.UINT32),
+        "llama.attention.head_count_kv": (config.num_key_value_heads, T.UINT32),
+        "llama.attention.layer_norm_rms_epsilon": (config.rms_norm_eps, T.FLOAT32),
+        "llama.rope.freq_base": (config.rope_theta, T.FLOAT32),
+        "llama.rope.dimension_count": (config.head_dim, T.UINT32),
+        "tokenizer.ggml.bos_token_id": (1, T.UINT32),
+        "tokenizer.ggml.eos_token_id": (2, T.UINT32),
+        "tokenizer.ggml.model": ("gpt2", T.STRING),
+        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+        "tokenizer.ggml.token_type": ([3, 3, 3] + [1] * (len(tokens) - 3), T.ARRAY, T.INT32),
+        "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+        "tokenizer.chat_template": (TEMPLATE, T.STRING),
+    }
+
+
+def _gguf_tensors(model):
+    globals_ = {v: k for k, v in gguf_file.GLOBAL_NAMES.items()}
+    layer = {v: k for k, v in gguf_file.LAYER_NAMES.items()}
+    out = {}
+    for name, t in model.tensors.items():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            g = f"blk.{i}.{layer[rest]}"
+        else:
+            g = globals_[name]
+        if name.endswith("q_proj.weight"):
+            t = _permute(t, model.config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            t = _permute(t, model.config.num_key_value_heads)
+        out[g] = np.ascontiguousarray(t, dtype=np.float32)
+    return out
+
+
+def write_gguf(path, model, meta=None, tensors=None, drop=()):
+    """A GGUF of `model` (the `gguf` package's writer), with metadata values replaced or added
+    (meta: key -> (value, type[, sub_type])), tensors replaced or added, and keys or tensors
+    dropped."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, v in {**_gguf_meta(model.config), **(meta or {})}.items():
+        if key not in drop:
+            w.add_key_value(key, v[0], v[1], sub_type=v[2] if len(v) > 2 else None)
+    for name, t in {**_gguf_tensors(model), **(tensors or {})}.items():
+        if name not in drop:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _types():
+    import gguf
+    return gguf.GGUFValueType
+
+
+def test_a_written_gguf_loads_with_its_tokenizer(model, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", model)
+    loaded = gyges.Model.load(path)
+    assert loaded.config == CFG
+    for name, t in model.tensors.items():
+        assert np.array_equal(loaded.tensors[name], t), name
+    assert loaded.tokenizer.apply_chat_template(HI).endswith("<|im_start|>assistant\n")
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("hello")) == "hello"
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("llama.attention.head_count_kv", (1.5, "FLOAT32"), ["1.5"]),        # int() made it 1
+    ("llama.attention.head_count", (1e-40, "FLOAT32"), []),              # ZeroDivisionError
+    ("llama.attention.head_count", (0, "UINT32"), ["0"]),                # ZeroDivisionError
+    ("llama.feed_forward_length", ("yarn", "STRING"), ["'yarn'"]),       # ValueError
+    ("llama.feed_forward_length", (float("inf"), "FLOAT32"), ["inf"]),   # OverflowError
+    ("llama.embedding_length", ([1, 2], "ARRAY", "INT32"), ["[1, 2]"]),  # TypeError
+    ("llama.vocab_size", ([1.5], "ARRAY", "FLOAT32"), ["[1.5]"]),        # TypeError
+    ("llama.attention.layer_norm_rms_epsilon", (float("nan"), "FLOAT32"), ["nan"]),
+    ("llama.rope.freq_base", ("x", "STRING"), ["'x'"]),
+    ("llama.context_length", (True, "BOOL"), ["True"]),
+    ("llama.block_count", (3, "UINT32"), ["block_count is 3", "blk.0 to blk.1"]),
+    ("llama.block_count", (2 ** 32 - 1, "UINT32"), ["block_count is 4294967295"]),  # MemoryError
+    ("llama.rope.dimension_count", (float("nan"), "FLOAT32"), ["nan"]),  # ignored before
+    ("llama.rope.dimension_count", ("x", "STRING"), ["'x'"]),
+    ("llama.rope.dimension_count", (8, "UINT32"), ["partial rotary"]),
+    ("llama.rope.dimension_sections", ([4, 4], "ARRAY", "INT32"), []),
+    ("llama.rope.scaling.yarn_ext_factor", (1.0, "FLOAT32"), []),
+    ("llama.rope.scaling.factor", (4.0, "FLOAT32"), ["a scaling without its type"]),
+    ("llama.rope.scaling.type", (["linear"], "ARRAY", "STRING"), ["['linear']"]),
+    ("llama.rope.scaling.type", ("longrope", "STRING"), ["longrope"]),
+    ("llama.attention.value_length", (8, "UINT32"), ["value_length 8"]),
+    ("tokenizer.ggml.bos_token_id", (float("nan"), "FLOAT32"), ["nan"]),  # ValueError
+    ("tokenizer.ggml.eos_token_id", (1e300, "FLOAT64"), ["1e+300"]),     # OverflowError
+    ("tokenizer.ggml.eos_token_id", (300, "UINT32"), ["300"]),
+])
+def test_gguf_metadata_of_the_wrong_type_or_value_is_refused_by_name(model, tmp_path, key,
+                                                                     value, words):
+    T = _types()
+    v = (value[0], getattr(T, value[1]), *(getattr(T, s) for s in value[2:]))
+    path = write_gguf(tmp_path / "m.gguf", model, meta={key: v})
+    t = time.monotonic()
+    with pytest.raises(gyges.Error) as e:
+        gyges.Model.load(path)
+    assert time.monotonic() - t < 5
+    _refused(e.value, path, key, *words)
+
+
+@pytest.mark.parametrize("drop", ["llama.attention.head_count", "llama.block_count"])
+def test_a_missing_gguf_key_is_named(model, tmp_path, drop):
+    path = write_gguf(tmp_path / "m.gguf", model, drop=(drop,))
+    with pytest.raises(CheckpointError, match=f"no '{drop}'"):
+        gyges.Model.load(path)
+
+
+def test_gguf_rope_scaling_becomes_the_hf_dict(model, tmp_path):
+    T = _types()
+    linear = {"llama.rope.scaling.type": ("linear", T.STRING),
+              "llama.rope.scaling.factor": (2.0, T.FLOAT32)}
+    loaded = gyges.Model.load(write_gguf(tmp_path / "a.gguf", model, meta=linear))
+    assert loaded.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    none = {"llama.rope.scaling.type": ("none", T.STRING)}
+    assert gyges.Model.load(write_gguf(tmp_path / "b.gguf", model, meta=none)) \
+        .config.rope_scaling is None
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 32768,
+            "llama.rope.scaling.yarn_beta_fast": 32.0, "llama.rope.scaling.attn_factor": 1.0}
+    assert gguf_file.rope_scaling_from_metadata(yarn, "llama") == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32.0, "attention_factor": 1.0}
+    with pytest.raises(CheckpointError, match="original_context_length' must be an integer"):
+        gguf_file.rope_scaling_from_metadata(
+            {**yarn, "llama.rope.scaling.original_context_length": 1.5}, "llama")
+
+
+@pytest.mark.parametrize("name, tensor, words", [
+    ("token_embd.weight", np.zeros((), np.float32), ["token_embd.weight"]),    # IndexError
+    ("blk.0.attn_q.weight", np.zeros((65, 64), np.float32),                    # reshape error
+     ["blk.0.attn_q.weight", "(64, 64)", "(65, 64)"]),
+    ("blk.1.attn_k.weight", np.zeros(32 * 64, np.float32), ["blk.1.attn_k.weight"]),
+    ("blk.0.ffn_up.weight", np.zeros((96, 64), np.int32), ["I32"]),            # read by value
+    ("blk.0.attn_q_norm.weight", np.ones(16, np.float32), ["attn_q_norm"]),
+    ("blk.5.attn_norm.weight", np.ones(64, np.float32), ["block_count is 2", "gaps"]),
+    ("rope_freqs.weight", np.full(8, 2.0, np.float32), ["rope_freqs", "llama3"]),
+])
+def test_a_gguf_tensor_of_the_wrong_shape_or_kind_is_refused_before_reading(
+        model, tmp_path, name, tensor, words):
+    path = write_gguf(tmp_path / "m.gguf", model, tensors={name: tensor})
+    with pytest.raises(CheckpointError) as e:
+        gyges.Model.load(path)
+    _refused(e.value, path, *words)
+
+
+def test_unit_rope_freqs_are_ignored(model, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", model,
+                      tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    assert gyges.Model.load(path).config == CFG
+
+
+def test_gguf_integer_values_may_come_as_numpy_integers():
+    meta = {"k": np.uint32(7), "f": np.float32(0.5), "b": np.bool_(True), "n": np.int64(-1)}
+    assert gguf_file.meta_value(meta, "k", "count") == 7
+    assert type(gguf_file.meta_value(meta, "k", "int")) is int
+    assert gguf_file.meta_value(meta, "f", "float") == 0.5
+    assert gguf_file.meta_value(meta, "b", "bool") is True
+    for key, kind in (("b", "int"), ("f", "int"), ("n", "count"), ("k", "bool"), ("k", "str")):
+        with pytest.raises(CheckpointError, match=f"metadata '{key}' must be"):
+            gguf_file.meta_value(meta, key, kind)
+
+
 # ---- safetensors headers ----
 
 def _header_file(path, header, body=b"\0" * 16):
