@@ -8,7 +8,6 @@ A small model of its own shape (2 layers, hidden 64) and a byte-level BPE of 300
 every case fast; no packaged model is needed.
 """
 import json
-import os
 import struct
 import time
 
@@ -126,7 +125,8 @@ def _deep(n):
     return "[" * n + "]" * n
 
 
-@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json",
+                                  "tokenizer_config.json"])
 @pytest.mark.parametrize("content, words", [
     (_deep(100_000), ["nested too deeply"]),                # RecursionError
     (b"{\"a\": \"\xff\xfe\"}", ["not UTF-8"]),             # UnicodeDecodeError
@@ -169,6 +169,42 @@ def test_more_layers_than_the_tensors_hold_is_refused_before_listing_them(hf_dir
     with pytest.raises(CheckpointError, match="1099511627776 layers, more than the 21 tensors"):
         gyges.Model.load(str(hf_dir))
     assert time.monotonic() - t < 5
+
+
+# ---- tokenizer files of an HF directory ----
+
+@pytest.mark.parametrize("settings, words", [
+    ([], ["must be a JSON object"]),
+    ({"chat_template": 5}, ["chat_template", "5"]),
+    ({"chat_template": [{"name": "x"}]}, ["chat_template"]),
+    ({"bos_token": 5}, ["bos_token", "5"]),                # AttributeError / wrong id before
+    ({"eos_token": {"content": 5}}, ["eos_token"]),
+    ({"eos_token": ["<|im_end|>"]}, ["eos_token"]),
+    ({"add_bos_token": "false"}, ["add_bos_token", "'false'"]),
+])
+def test_tokenizer_settings_of_the_wrong_type_are_refused(hf_dir, settings, words):
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    for load in (gyges.Model.load, load_tokenizer):
+        with pytest.raises(CheckpointError) as e:
+            load(str(hf_dir))
+        _refused(e.value, "tokenizer_config.json", *words)
+
+
+def test_named_chat_templates_and_chat_template_jinja_are_read(hf_dir):
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": TEMPLATE}]}))
+    tok = load_tokenizer(str(hf_dir))
+    assert tok.chat_template == TEMPLATE
+    assert tok.apply_chat_template(HI) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    (hf_dir / "tokenizer_config.json").write_text("{}")
+    (hf_dir / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")
+    assert load_tokenizer(str(hf_dir)).apply_chat_template(HI) == "JHi"
+
+
+def test_a_malformed_tokenizer_json_is_refused_naming_it(hf_dir):
+    (hf_dir / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": 5}}))
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        load_tokenizer(str(hf_dir))
 
 
 # ---- GGUF files ----
@@ -341,6 +377,28 @@ def test_unit_rope_freqs_are_ignored(model, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", model,
                       tensors={"rope_freqs.weight": np.ones(8, np.float32)})
     assert gyges.Model.load(path).config == CFG
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokenizer.ggml.token_type", (64, "UINT32"), ["token_type", "64"]),     # TypeError
+    ("tokenizer.ggml.tokens", (70, "UINT16"), ["tokens", "70"]),             # TypeError
+    ("tokenizer.ggml.merges", ([1, 2], "ARRAY", "INT32"), ["merges"]),
+    ("tokenizer.ggml.token_type", ([1, 2], "ARRAY", "INT32"), ["2 types"]),  # zip truncated
+    ("tokenizer.ggml.tokens", (_vocab()[0][:-1] + ["a"], "ARRAY", "STRING"), ["'a' twice"]),
+    ("tokenizer.ggml.merges", (["x y"], "ARRAY", "STRING"), ["make no tokenizer"]),  # Exception
+    ("tokenizer.ggml.add_bos_token", ("yes", "STRING"), ["add_bos_token"]),
+    ("tokenizer.ggml.pre", (5, "UINT32"), ["pre"]),
+    ("tokenizer.chat_template", (5, "UINT32"), ["chat_template"]),
+])
+def test_gguf_tokenizer_metadata_of_the_wrong_type_is_refused(model, tmp_path, key, value,
+                                                              words):
+    T = _types()
+    v = (value[0], getattr(T, value[1]), *(getattr(T, s) for s in value[2:]))
+    path = write_gguf(tmp_path / "m.gguf", model, meta={key: v})
+    for load in (gyges.Model.load, load_tokenizer):
+        with pytest.raises(CheckpointError) as e:
+            load(path)
+        _refused(e.value, path, *words)
 
 
 def test_gguf_integer_values_may_come_as_numpy_integers():

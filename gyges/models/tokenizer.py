@@ -10,10 +10,11 @@ incremental detokenization for streams.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from .checkpoint import CheckpointError
+from .config import read_json
+from .gguf_file import meta_value
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, require
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -25,6 +26,8 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+# tokenizer.json of the largest published vocabularies is ~20 MB
+MAX_TOKENIZER_BYTES = 256 << 20
 def _lib():
     return require("tokenizers", "text")
 
@@ -49,8 +52,9 @@ class Tokenizer:
     """A byte-level BPE tokenizer and, when the model has one, its chat template."""
 
     def __init__(self, backend, bos_token_id=None, eos_token_id=None, chat_template=None,
-                 add_bos=False):
+                 add_bos=False, source=None):
         self._tok = backend
+        self.source = source  # the file the chat template came from, for messages
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -59,69 +63,127 @@ class Tokenizer:
 
     # ---- construction ----
     @classmethod
-    def from_gguf_metadata(cls, meta):
+    def from_gguf_metadata(cls, meta, source="the GGUF metadata"):
+        """The tokenizer of a GGUF's metadata; CheckpointError naming `source` (the file) and
+        the key when a value has the wrong type or the tokens cannot make a tokenizer."""
+        try:
+            return cls._from_gguf(meta, source)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_gguf(cls, meta, source):
         t = _lib()
-        model = meta.get("tokenizer.ggml.model")
+        model = meta_value(meta, "tokenizer.ggml.model", "str", None)
         if model != "gpt2":
             raise CheckpointError(f"tokenizer.ggml.model {model!r} is not supported (byte-level "
                                   f"BPE, 'gpt2', is)")
-        tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
             raise CheckpointError("the metadata has no tokenizer.ggml.tokens or merges")
-        types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        tokens = meta_value(meta, "tokenizer.ggml.tokens", "strs")
+        merges = meta_value(meta, "tokenizer.ggml.merges", "strs")
+        types = meta_value(meta, "tokenizer.ggml.token_type", "ints", [TOKEN_NORMAL] * len(tokens))
+        if not tokens or len(types) != len(tokens):
+            raise CheckpointError(f"tokenizer.ggml.tokens has {len(tokens)} tokens and "
+                                  f"tokenizer.ggml.token_type {len(types)} types")
         vocab = {token: i for i, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):  # a token given twice would shift every id after it
+            seen = set()
+            twice = next(tok for tok in tokens if tok in seen or seen.add(tok))
+            raise CheckpointError(f"tokenizer.ggml.tokens lists {twice!r} twice")
+        ids = {}
+        for key in ("bos", "eos"):
+            ids[key] = meta_value(meta, f"tokenizer.ggml.{key}_token_id", "int", None)
+            if ids[key] is not None and not 0 <= ids[key] < len(tokens):
+                raise CheckpointError(f"tokenizer.ggml.{key}_token_id {ids[key]} is not one of "
+                                      f"the {len(tokens)} tokens")
         pairs = []
         for m in merges:
             left, sep, right = m.partition(" ")
             if not sep:
                 raise CheckpointError(f"merge {m!r} is not two tokens separated by a space")
             pairs.append((left, right))
-        backend = t.Tokenizer(t.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = t.decoders.ByteLevel()
-        specials = [t.AddedToken(tok, special=True, normalized=False)
-                    for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
-        users = [t.AddedToken(tok, special=False, normalized=False)
-                 for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
-        backend.add_special_tokens(specials)
-        backend.add_tokens(users)
-        return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        pre = meta_value(meta, "tokenizer.ggml.pre", "str", None)
+        template = meta_value(meta, "tokenizer.chat_template", "str", None)
+        add_bos = meta_value(meta, "tokenizer.ggml.add_bos_token", "bool", False)
+        try:
+            backend = t.Tokenizer(t.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+            backend.pre_tokenizer = _pre_tokenizer(pre)
+            backend.decoder = t.decoders.ByteLevel()
+            specials = [t.AddedToken(tok, special=True, normalized=False)
+                        for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
+            users = [t.AddedToken(tok, special=False, normalized=False)
+                     for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
+            backend.add_special_tokens(specials)
+            backend.add_tokens(users)
+        except CheckpointError:
+            raise
+        except BaseException as e:  # tokenizers raises a bare Exception, or panics
+            _reraise_interrupts(e)
+            raise CheckpointError(f"the tokens and merges make no tokenizer: {e}") from None
+        return cls(backend, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                   chat_template=template, add_bos=add_bos, source=source)
 
     @classmethod
     def from_directory(cls, path, config=None):
-        """tokenizer.json of an HF directory, with tokenizer_config.json's chat template and
-        BOS/EOS when present; None when the directory has no tokenizer.json."""
+        """tokenizer.json of an HF directory, with tokenizer_config.json's chat template (or
+        chat_template.jinja's) and BOS/EOS when present; None when the directory has no
+        tokenizer.json. CheckpointError naming the file and the field when one is malformed."""
         t = _lib()
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             return None
+        if os.path.getsize(file) > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(f"{file}: larger than the {MAX_TOKENIZER_BYTES}-byte limit")
         try:
             backend = t.Tokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        except BaseException as e:  # tokenizers raises a bare Exception, or panics
+            _reraise_interrupts(e)
             raise CheckpointError(f"{file}: {e}") from None
         settings = {}
         settings_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(settings_file):
-            with open(settings_file, encoding="utf-8") as f:
-                settings = json.load(f)
+            settings = read_json(settings_file, "tokenizer settings", CheckpointError)
+            if not isinstance(settings, dict):
+                raise CheckpointError(f"{settings_file}: must be a JSON object, got "
+                                      f"{type(settings).__name__}")
+
+        def field(key, check, expected, default=None):
+            value = settings.get(key)
+            if value is None:
+                return default
+            if not check(value):
+                raise CheckpointError(f"{settings_file}: {key} must be {expected}, got "
+                                      f"{_short(value)}")
+            return value
 
         def token_id(key, fallback):
-            token = settings.get(key)
+            token = field(key, lambda v: isinstance(v, str) or (
+                isinstance(v, dict) and isinstance(v.get("content"), str)),
+                "a token or {\"content\": token}")
             if isinstance(token, dict):
-                token = token.get("content")
-            found = backend.token_to_id(token) if isinstance(token, str) else None
+                token = token["content"]
+            found = backend.token_to_id(token) if token is not None else None
             return fallback if found is None else found
 
         eos = config.eos_tokens()[0] if config is not None and config.eos_tokens() else None
         bos = config.bos_token_id if config is not None else None
+        template = field("chat_template", lambda v: isinstance(v, str) or (
+            isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                        and isinstance(x.get("template"), str) for x in v)),
+            "a string or a list of {\"name\", \"template\"}")
+        source = settings_file
+        if isinstance(template, list):  # named templates: the default one is the chat's
+            named = {x["name"]: x["template"] for x in template}
+            template = named.get("default")
+        template_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(template_file):  # transformers >= 4.43 saves it so
+            template, source = _read_text(template_file), template_file
         return cls(backend, bos_token_id=token_id("bos_token", bos),
-                   eos_token_id=token_id("eos_token", eos),
-                   chat_template=settings.get("chat_template"),
-                   add_bos=bool(settings.get("add_bos_token", False)))
+                   eos_token_id=token_id("eos_token", eos), chat_template=template,
+                   add_bos=field("add_bos_token", lambda v: isinstance(v, bool), "true or false",
+                                 False),
+                   source=source if template is not None else path)
 
     # ---- text ----
     @property
@@ -172,6 +234,28 @@ class Tokenizer:
                                      bos_token=special(self.bos_token_id) or "",
                                      eos_token=special(self.eos_token_id) or "")
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _reraise_interrupts(e):
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise e
+
+
+def _read_text(file, limit=16 << 20):
+    try:
+        with open(file, "rb") as f:
+            blob = f.read(limit + 1)
+        if len(blob) > limit:
+            raise CheckpointError(f"{file}: larger than the {limit}-byte limit")
+        return blob.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from None
 
 
 def tokenize_prompt(prompt, tokenizer):
