@@ -207,6 +207,82 @@ def test_a_malformed_tokenizer_json_is_refused_naming_it(hf_dir):
         load_tokenizer(str(hf_dir))
 
 
+# ---- chat templates: compiled and rendered in a sandbox with a budget ----
+
+def _with_template(hf_dir, template):
+    _edit_json(hf_dir / "tokenizer_config.json", chat_template=template)
+    return load_tokenizer(str(hf_dir))
+
+
+@pytest.mark.parametrize("template, kind", [
+    ("{% for %}", "TemplateSyntaxError"),
+    ("{{ ''.__class__.__mro__ }}", "SecurityError"),
+    ("{{ messages[0].nothing.more }}", "UndefinedError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "RecursionError"),
+    ("{% include 'other' %}", "no loader"),
+], ids=["syntax", "security", "undefined", "zerodiv", "macro-recursion", "deep-parens",
+        "include"])
+def test_a_broken_chat_template_is_a_gyges_error_naming_it(hf_dir, template, kind):
+    tok = _with_template(hf_dir, template)
+    with pytest.raises(tokenizer_mod.ChatTemplateError) as e:
+        tok.apply_chat_template(HI)
+    _refused(e.value, "chat template", "tokenizer_config.json", kind)
+
+
+def test_the_templates_own_refusal_stays_about_the_messages(hf_dir):
+    tok = _with_template(hf_dir, "{{ raise_exception('no system role') }}")
+    with pytest.raises(gyges.InvalidArgumentError, match="refused the messages: no system role"):
+        tok.apply_chat_template(HI)
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}",
+    "{% set r = range(99999) %}{% for a in r %}{% for b in r %}{% endfor %}{% endfor %}",
+    "{% set s = 'x' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+])
+def test_a_chat_template_stops_at_its_time_limit(hf_dir, monkeypatch, template):
+    monkeypatch.setattr(tokenizer_mod, "TEMPLATE_SECONDS", 0.2)
+    tok = _with_template(hf_dir, template)
+    t = time.monotonic()
+    with pytest.raises(gyges.LimitError, match="tokenizer_config.json ran past its 0.2 s limit"):
+        tok.apply_chat_template(HI)
+    assert time.monotonic() - t < 0.2 + 0.5  # stopped within a bounded step of the deadline
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'x' * 1000000000 }}",
+    "{{ 'x'.ljust(1000000000) }}",
+    "{{ 'x'|center(1000000000) }}",
+    "{{ '%0999999999d' % 1 }}",
+    "{{ '{:>999999999}'.format(1) }}",
+    "{{ 10 ** 100000000 }}",
+    "{% set s = 'x' * 100000 %}{{ s.replace('', s) }}",
+    "{% set s = 'x' * 100000 %}{{ s.join(s) }}",
+    "{{ ('x\n' * 100000)|indent(100000) }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}",
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}",
+    "{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}",
+])
+def test_a_chat_template_stops_at_its_size_limit(hf_dir, template):
+    tok = _with_template(hf_dir, template)
+    t = time.monotonic()
+    with pytest.raises(gyges.LimitError, match="chat template of .*tokenizer_config.json builds"):
+        tok.apply_chat_template(HI)
+    assert time.monotonic() - t < 1.0
+
+
+def test_the_size_limit_grows_with_the_messages(hf_dir):
+    tok = _with_template(hf_dir, "{% for m in messages %}{{ m['content'] * 4 }}{% endfor %}")
+    long = [{"role": "user", "content": "y" * (2 << 20)}]
+    assert len(tok.apply_chat_template(long)) == 8 << 20
+
+
 # ---- GGUF files ----
 
 def _permute(w, n_head):

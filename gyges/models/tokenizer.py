@@ -11,11 +11,15 @@ incremental detokenization for streams.
 from __future__ import annotations
 
 import os
+import re
+import threading
+import time
 
 from .checkpoint import CheckpointError
 from .config import read_json
 from .gguf_file import meta_value
-from ..core.errors import ArgumentTypeError, InvalidArgumentError, require
+from ..core.errors import (ArgumentTypeError, Error, FormatError, InvalidArgumentError,
+                           LimitError, require)
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -28,6 +32,17 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 
 # tokenizer.json of the largest published vocabularies is ~20 MB
 MAX_TOKENIZER_BYTES = 256 << 20
+# What one rendering of a chat template may cost: its time, and the characters of any text or
+# list it builds (the output among them), beyond those of the messages it is given.
+TEMPLATE_SECONDS = 1.0
+TEMPLATE_CHARS = 4 << 20
+
+
+class ChatTemplateError(FormatError):
+    """A model's chat template does not compile, or fails as it renders (not for a refusal the
+    template raises itself, which is an InvalidArgumentError about the messages)."""
+
+
 def _lib():
     return require("tokenizers", "text")
 
@@ -221,20 +236,19 @@ class Tokenizer:
                 and isinstance(m.get("content"), str) for m in messages):
             raise InvalidArgumentError("messages must be a list of {'role': str, 'content': str}")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message):
-                raise InvalidArgumentError(f"the chat template refused the messages: {message}")
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_template(self.chat_template, self._template_name())
         special = lambda i: None if i is None else self.token_text(i)
-        text = self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=special(self.bos_token_id) or "",
-                                     eos_token=special(self.eos_token_id) or "")
+        text = _render_template(self._template, self._template_name(),
+                                sum(len(m["content"]) for m in messages),
+                                messages=list(messages),
+                                add_generation_prompt=add_generation_prompt,
+                                bos_token=special(self.bos_token_id) or "",
+                                eos_token=special(self.eos_token_id) or "")
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+
+    def _template_name(self):
+        return f"the chat template of {self.source or 'the model'}"
 
 
 def _short(value):
@@ -247,7 +261,7 @@ def _reraise_interrupts(e):
         raise e
 
 
-def _read_text(file, limit=16 << 20):
+def _read_text(file, limit=TEMPLATE_CHARS):
     try:
         with open(file, "rb") as f:
             blob = f.read(limit + 1)
@@ -256,6 +270,200 @@ def _read_text(file, limit=16 << 20):
         return blob.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from None
+
+
+# ---- chat templates: jinja2's sandbox, with a budget of time and size ----
+
+class _Budget:
+    """One rendering's limits: checked by the sandbox's hooks (every call, attribute, item,
+    operator, filter, loop iteration and piece of output), so a template stops within one
+    bounded step of its deadline. A thread-local: renderings on several threads are apart."""
+    current = threading.local()
+
+    def __init__(self, name, input_chars):
+        self.name = name
+        self.deadline = time.monotonic() + TEMPLATE_SECONDS
+        self.chars = TEMPLATE_CHARS + 8 * input_chars
+        self.ticks = 0
+
+    @classmethod
+    def tick(cls):
+        budget = getattr(cls.current, "budget", None)
+        if budget is None:
+            return
+        budget.ticks += 1
+        if budget.ticks % 64 == 0 and time.monotonic() > budget.deadline:
+            raise LimitError(f"{budget.name} ran past its {TEMPLATE_SECONDS} s limit")
+
+    @classmethod
+    def size(cls, n, what):
+        budget = getattr(cls.current, "budget", None)
+        if budget is not None and n > budget.chars:
+            raise LimitError(f"{budget.name} builds {what} of {n} characters or items, more "
+                             f"than its limit of {budget.chars}")
+
+    @classmethod
+    def check(cls, value, what="a value"):
+        if isinstance(value, (str, list, tuple, dict, bytes)):
+            cls.size(len(value), what)
+        return value
+
+    @classmethod
+    def check_call(cls, name, args):
+        """Before a call: no count past the limit (ljust(10**9)), no field width past it in a
+        format string, and for the calls whose result grows with the product of their
+        arguments (s.replace("", s), s.join(s), s|indent(10**5)) no product past it: so no one
+        call builds more than the limit."""
+        cls.tick()
+        sized, counts = [], [1]
+        for a in args:
+            if isinstance(a, (str, list, tuple, dict, bytes)):
+                sized.append(len(a))
+            if isinstance(a, int) and not isinstance(a, bool):
+                cls.size(abs(a), "a count")
+                counts.append(abs(a))
+            if isinstance(a, str) and ("%" in a or "{" in a):  # widths in a format string
+                for digits in re.findall(r"\d{7,}", a[:4096]):
+                    cls.size(int(digits), "a field width")
+        if name in _WIDENING and sized:
+            sized.sort()
+            cls.size(sized[-1] * max(sized[-2] if len(sized) > 1 else 1, max(counts)),
+                     f"a result of {name}()")
+
+    @classmethod
+    def running(cls, name, input_chars):
+        """A context in which the current thread works within a new budget."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            outer = getattr(cls.current, "budget", None)
+            cls.current.budget = cls(name, input_chars)
+            try:
+                yield
+            finally:
+                cls.current.budget = outer
+        return scope()
+
+
+# Calls whose result can be as large as the product of their arguments' sizes.
+_WIDENING = frozenset(["replace", "join", "indent", "center", "ljust", "rjust", "zfill",
+                       "expandtabs", "format", "format_map", "wordwrap", "map", "sum"])
+
+
+def _bounded_iter(value):
+    for item in value:
+        _Budget.tick()
+        yield item
+
+
+def _bounded_filter(f):
+    import functools
+
+    @functools.wraps(f)  # keeps jinja's pass_context and the like
+    def wrapper(*args, **kwargs):
+        _Budget.check_call(f.__name__.removeprefix("do_"), [*args, *kwargs.values()])
+        return _Budget.check(f(*args, **kwargs), "a filter's result")
+    return wrapper
+
+
+def _template_environment():
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        _Budget.size(len(seq) * max(n, 0), "a repetition")
+            elif operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                _Budget.size(abs(right), "an exponent")
+            elif operator == "%":
+                _Budget.check_call("format", [left, right])
+            _Budget.tick()
+            return _Budget.check(super().call_binop(context, operator, left, right),
+                                 "an operator's result")
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            # a method's object counts as an argument (the sandbox wraps str.format)
+            method = getattr(__obj, "__wrapped__", __obj)
+            _Budget.check_call(getattr(__obj, "__name__", ""),
+                               [getattr(method, "__self__", None), *args, *kwargs.values()])
+            return _Budget.check(super().call(__context, __obj, *args, **kwargs),
+                                 "a call's result")
+
+        def getattr(self, obj, attribute):
+            _Budget.tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _Budget.tick()
+            return super().getitem(obj, argument)
+
+        def _parse(self, source, name, filename):
+            # Every loop iterates through _bounded_iter, every ~ concatenation is measured.
+            template = super()._parse(source, name, filename)
+            for loop in template.find_all(nodes.For):
+                loop.iter = nodes.Filter(loop.iter, "gy_bounded_iter", [], [], None, None,
+                                         lineno=loop.lineno)
+            for concat in template.find_all(nodes.Concat):
+                concat.nodes = [nodes.Filter(n, "gy_sized", [], [], None, None, lineno=n.lineno)
+                                for n in concat.nodes]
+            template.set_environment(self)
+            return template
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters["gy_bounded_iter"] = _bounded_iter
+    env.filters["gy_sized"] = lambda v: _Budget.check(v, "a concatenation")
+
+    def raise_exception(message):
+        raise InvalidArgumentError(f"the chat template refused the messages: {message}")
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def _compile_template(source, name):
+    """A jinja2 Template of a chat template, or ChatTemplateError naming it."""
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"{name} is not a string: {type(source).__name__}")
+    try:
+        with _Budget.running(name, 0):  # jinja folds constants as it compiles: that is work too
+            return _template_environment().from_string(source)
+    except Error:
+        raise
+    except Exception as e:  # TemplateSyntaxError, and what a hostile source makes jinja raise
+        raise ChatTemplateError(f"{name} does not compile: {type(e).__name__}: {e}") from None
+
+
+def _render_template(template, name, input_chars, **variables):
+    """The text of a template rendered within its budget: LimitError past it, ChatTemplateError
+    when it fails (jinja2's errors and Python's), the template's own refusals as they are."""
+    with _Budget.running(name, input_chars):
+        return _render(template, name, **variables)
+
+
+def _render(template, name, **variables):
+    try:
+        pieces, n = [], 0
+        for piece in template.generate(**variables):
+            n += len(piece)
+            _Budget.size(n, "an output")
+            _Budget.tick()
+            pieces.append(piece)
+        return "".join(pieces)
+    except Exception as e:
+        if isinstance(e, Error):
+            raise
+        raise ChatTemplateError(f"{name} failed: {type(e).__name__}: {_short_text(e)}") from None
+
+
+def _short_text(e):
+    text = str(e)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def tokenize_prompt(prompt, tokenizer):
