@@ -161,6 +161,26 @@ def test_an_index_without_a_weight_map_object_is_refused(model, tmp_path):
             gyges.Model.load(str(tmp_path))
 
 
+def test_a_shard_tensor_the_index_leaves_out_is_refused(model, tmp_path):
+    from gyges.models import safetensors
+    model.save(str(tmp_path), shard_bytes=100_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = tmp_path / index["weight_map"]["model.norm.weight"]
+    tensors = safetensors.read(shard)
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
+    shard.unlink()
+    safetensors.write(shard, tensors)
+    with pytest.raises(CheckpointError, match="holds tensor 'model.layers.0.self_attn.q_norm"
+                                              ".weight', which model.safetensors.index.json"):
+        gyges.Model.load(str(tmp_path))
+
+
+def test_a_value_no_check_foresaw_is_still_a_config_error(hf_dir):
+    _edit_json(hf_dir / "config.json", rope_scaling={"rope_type": ["linear"], "factor": 2.0})
+    with pytest.raises(gyges.Error, match="config.json"):
+        gyges.Model.load(str(hf_dir))
+
+
 def test_more_layers_than_the_tensors_hold_is_refused_before_listing_them(hf_dir):
     """expected_shapes(config) lists every layer's names: a config of 2**40 layers would list
     them until memory ran out; the count of tensors present bounds it first."""

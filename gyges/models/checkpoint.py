@@ -201,6 +201,13 @@ def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             if absent:
                 raise CheckpointError(f"{fpath}: {INDEX_FILE} places tensor {absent[0]!r} "
                                       f"here, but the file does not hold it")
+            # a tensor the index leaves out would be left out of the model unseen (Qwen3's
+            # q_norm in a shard, a copy of a tensor another shard holds)
+            mapped = set(names)
+            unmapped = [n for n in present if n not in mapped and not _drop(config, n)]
+            if unmapped:
+                raise CheckpointError(f"{fpath}: holds tensor {unmapped[0]!r}, which "
+                                      f"{INDEX_FILE} does not place there")
         _check_float(config, fpath, present, names)
         for name, array in safetensors.read(fpath, names=names).items():
             if name in tensors:

@@ -303,7 +303,7 @@ class ModelConfig:
             kv_heads = ints["num_attention_heads"]
         eos = _typed(d, "eos_token_id", "token")
         bos = _typed(d, "bos_token_id", "int")
-        return cls(
+        fields = dict(
             **ints,
             num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim"),
@@ -317,6 +317,14 @@ class ModelConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             rope_scaling=d.get("rope_scaling"),
         )
+        try:
+            return cls(**fields)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+            # the loader's boundary: a value of a type no check above foresaw (a list where the
+            # rope scaling's type goes) is still a malformed config, never a crash
+            raise ConfigError(f"malformed config: {type(e).__name__}: {e}") from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
