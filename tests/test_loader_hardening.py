@@ -503,7 +503,9 @@ def test_gguf_integer_values_may_come_as_numpy_integers():
     assert type(gguf_file.meta_value(meta, "k", "int")) is int
     assert gguf_file.meta_value(meta, "f", "float") == 0.5
     assert gguf_file.meta_value(meta, "b", "bool") is True
-    for key, kind in (("b", "int"), ("f", "int"), ("n", "count"), ("k", "bool"), ("k", "str")):
+    meta["big"] = 10 ** 400  # float() of it raised OverflowError
+    for key, kind in (("b", "int"), ("f", "int"), ("n", "count"), ("k", "bool"), ("k", "str"),
+                      ("big", "float")):
         with pytest.raises(CheckpointError, match=f"metadata '{key}' must be"):
             gguf_file.meta_value(meta, key, kind)
 

@@ -91,7 +91,7 @@ def meta_value(meta, key, kind, default=_REQUIRED):
     if kind in ("int", "count") and is_int(value) and (kind == "int" or value > 0):
         return int(value)
     if kind == "float" and (is_int(value) or isinstance(value, (float, np.floating))) \
-            and np.isfinite(float(value)):
+            and _finite(value):
         return float(value)
     if kind == "str" and isinstance(value, str):
         return value
@@ -105,6 +105,13 @@ def meta_value(meta, key, kind, default=_REQUIRED):
                 "str": "a string", "bool": "a bool", "ints": "a list of integers",
                 "strs": "a list of strings"}[kind]
     raise CheckpointError(f"metadata {key!r} must be {expected}, got {_short(value)}")
+
+
+def _finite(x):
+    try:
+        return bool(np.isfinite(float(x)))
+    except OverflowError:  # an int past a double
+        return False
 
 
 def _short(value):
