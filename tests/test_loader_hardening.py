@@ -112,6 +112,21 @@ def test_an_hf_field_of_the_wrong_type_is_refused_by_name(hf_dir, field, value):
     _refused(e.value, "config.json", field)
 
 
+def test_rope_parameters_of_transformers_5_are_read(hf_dir):
+    d = json.loads((hf_dir / "config.json").read_text())
+    del d["rope_theta"], d["rope_scaling"]
+    d["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
+    (hf_dir / "config.json").write_text(json.dumps(d))
+    c = gyges.Model.load(str(hf_dir)).config  # rope_theta was the default 10000 silently
+    assert c.rope_theta == 500000.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    _edit_json(hf_dir / "config.json", rope_parameters=[1])
+    with pytest.raises(gyges.Error, match="rope_parameters must be an object"):
+        gyges.Model.load(str(hf_dir))
+    _edit_json(hf_dir / "config.json", rope_parameters=None, partial_rotary_factor=0.5)
+    with pytest.raises(gyges.Error, match="partial_rotary_factor=0.5"):
+        gyges.Model.load(str(hf_dir))
+
+
 def test_a_tied_string_flag_no_longer_drops_the_lm_head(hf_dir):
     _edit_json(hf_dir / "config.json", tie_word_embeddings=False)
     assert "lm_head.weight" in gyges.Model.load(str(hf_dir)).tensors
@@ -405,6 +420,9 @@ def test_a_written_gguf_loads_with_its_tokenizer(model, tmp_path):
     ("llama.rope.dimension_sections", ([4, 4], "ARRAY", "INT32"), []),
     ("llama.rope.scaling.yarn_ext_factor", (1.0, "FLOAT32"), []),
     ("llama.rope.scaling.factor", (4.0, "FLOAT32"), ["a scaling without its type"]),
+    ("llama.attention.sliding_window", (64, "UINT32"), ["not supported"]),
+    ("llama.logit_scale", (0.5, "FLOAT32"), ["not supported"]),
+    ("llama.expert_count", (8, "UINT32"), ["not supported"]),
     ("llama.rope.scaling.type", (["linear"], "ARRAY", "STRING"), ["['linear']"]),
     ("llama.rope.scaling.type", ("longrope", "STRING"), ["longrope"]),
     ("llama.attention.value_length", (8, "UINT32"), ["value_length 8"]),

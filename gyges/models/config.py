@@ -291,6 +291,14 @@ class ModelConfig:
             raise ConfigError("use_sliding_window=True is not supported (full attention only)")
         if _typed(d, "pretraining_tp", "int", 1) != 1:
             raise ConfigError("pretraining_tp != 1 changes the MLP computation; not supported")
+        if _typed(d, "partial_rotary_factor", "number", 1.0) != 1.0:
+            raise ConfigError(f"partial_rotary_factor={d['partial_rotary_factor']!r} is not "
+                              f"supported (gyges rotates the whole head)")
+        # transformers 5 writes rope_theta and the scaling as one rope_parameters object
+        rope = d.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+        rope = rope or {}
         # Qwen2's q/k/v biases are implicit in the architecture, not in config.json.
         attention_bias = _typed(d, "attention_bias", "bool", False)
         if model_type == "qwen2":
@@ -308,14 +316,16 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim"),
             rms_norm_eps=_typed(d, "rms_norm_eps", "number", 1e-6),
-            rope_theta=_typed(d, "rope_theta", "number", 10000.0),
+            rope_theta=_typed(d, "rope_theta", "number",
+                              _typed(rope, "rope_theta", "number", 10000.0)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=_typed(d, "tie_word_embeddings", "bool", False),
             attention_bias=attention_bias,
             model_type=model_type,
             bos_token_id=bos,
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=d.get("rope_scaling",
+                               {k: v for k, v in rope.items() if k != "rope_theta"} or None),
         )
         try:
             return cls(**fields)

@@ -132,6 +132,14 @@ _ROPE_SCALING_PARAMS = {"scaling.factor": "factor",
                         "scaling.yarn_beta_slow": "beta_slow"}
 
 
+# {arch}.* keys of features a llama or qwen2 model could be given that gyges does not compute;
+# ignoring one would run another model than the file's
+_UNSUPPORTED_KEYS = ("attention.sliding_window", "logit_scale", "attention.clamp_kqv",
+                     "embedding_scale", "residual_scale", "attention.scale",
+                     "attn_logit_softcapping", "final_logit_softcapping",
+                     "attention.layer_norm_epsilon")
+
+
 def rope_scaling_from_metadata(meta, arch):
     """The HF-style rope_scaling dict of "{arch}.rope.scaling.*" ({"rope_type": ..., "factor":
     ..., "original_max_position_embeddings": ...}), None for none; ModelConfig refuses the
@@ -165,6 +173,13 @@ def config_from_metadata(meta, tensor_shapes):
         raise CheckpointError(f"metadata {unknown[0]!r} is not supported: gyges rotates every "
                               f"head whole, with one frequency base and the scalings of "
                               f"{arch}.rope.scaling.type")
+
+    changes = [k for k in _UNSUPPORTED_KEYS if f"{arch}.{k}" in meta]
+    if meta.get(f"{arch}.expert_count", 0) not in (0, None):
+        changes.append("expert_count")
+    if changes:
+        raise CheckpointError(f"metadata {arch}.{changes[0]} is not supported: it changes the "
+                              f"model in a way gyges does not compute")
 
     def need(key, kind="count"):
         return meta_value(meta, f"{arch}.{key}", kind)
