@@ -64,8 +64,9 @@ def load_tokenizer(path):
     file = packaged_path(path) if isinstance(path, str) and path in PACKAGED else os.fspath(path)
     if os.path.isdir(file):
         return Tokenizer.from_directory(file, ModelConfig.from_json(os.path.join(file, checkpoint.CONFIG_FILE)))
+    reader = gguf_file.open_reader(file)  # (its errors name the file)
     try:
-        meta = gguf_file.metadata(gguf_file.open_reader(file))
+        meta = gguf_file.metadata(reader)
     except checkpoint.CheckpointError as e:
         raise checkpoint.CheckpointError(f"{file}: {e}") from None
     return Tokenizer.from_gguf_metadata(meta, source=file)
