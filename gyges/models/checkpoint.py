@@ -24,7 +24,7 @@ from typing import Mapping
 import numpy as np
 
 from . import safetensors
-from .config import EXECUTABLE_MODEL_TYPES, ConfigError, ModelConfig
+from .config import EXECUTABLE_MODEL_TYPES, ConfigError, ModelConfig, read_json
 from ..core.errors import FormatError
 
 __all__ = ["CheckpointError", "expected_shapes", "check_tensors", "random_weights", "load",
@@ -102,8 +102,14 @@ def check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
 
     `where` optionally maps names to the file they came from, for the message.
     """
-    shapes = expected_shapes(config)
     where = where or {}
+    # Every layer has at least 9 tensors: a config asking for more layers than that allows is
+    # refused before its names are listed (a config.json or GGUF of 2**32 layers would list them
+    # until memory ran out).
+    if config.num_hidden_layers > len(tensors) // 9:
+        raise CheckpointError(f"the config has {config.num_hidden_layers} layers, more than "
+                              f"the {len(tensors)} tensors of the checkpoint can hold")
+    shapes = expected_shapes(config)
     missing = [n for n in shapes if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -139,11 +145,8 @@ def _shard_plan(path: str) -> dict[str, list[str] | None]:
     """file -> tensor names to read from it (None: all), from the index if there is one."""
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.exists(index_path):
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: cannot read weight_map: {e!r}") from e
+        index = read_json(index_path, "the weight_map", CheckpointError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path}: weight_map must be an object")
         plan: dict[str, list[str] | None] = {}
@@ -198,6 +201,13 @@ def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             if absent:
                 raise CheckpointError(f"{fpath}: {INDEX_FILE} places tensor {absent[0]!r} "
                                       f"here, but the file does not hold it")
+            # a tensor the index leaves out would be left out of the model unseen (Qwen3's
+            # q_norm in a shard, a copy of a tensor another shard holds)
+            mapped = set(names)
+            unmapped = [n for n in present if n not in mapped and not _drop(config, n)]
+            if unmapped:
+                raise CheckpointError(f"{fpath}: holds tensor {unmapped[0]!r}, which "
+                                      f"{INDEX_FILE} does not place there")
         _check_float(config, fpath, present, names)
         for name, array in safetensors.read(fpath, names=names).items():
             if name in tensors:

@@ -18,7 +18,12 @@ from typing import Any
 
 from ..core.errors import InvalidArgumentError
 
-__all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES"]
+__all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES",
+           "read_json", "MAX_JSON_BYTES"]
+
+# The most a model's JSON file (config.json, the safetensors index, tokenizer_config.json) may
+# hold: the largest published ones are a few MB; the bound keeps a hostile file from costing more.
+MAX_JSON_BYTES = 64 << 20
 
 
 class ConfigError(InvalidArgumentError):
@@ -103,6 +108,63 @@ def _normalise_rope_scaling(raw: Any) -> dict | None:
     return out
 
 
+def read_json(path: str, what: str = "config", error: type | None = None,
+              max_bytes: int | None = None) -> Any:
+    """The parsed JSON of a model's file, or `error` (ConfigError by default) naming the file and
+    what is wrong: unreadable, larger than max_bytes, not UTF-8, not JSON, a key given twice
+    (json would keep the last one silently), or nested too deeply for the parser."""
+    error = error or ConfigError
+    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
+    try:
+        with open(path, "rb") as f:
+            blob = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e}") from None
+    if len(blob) > max_bytes:
+        raise error(f"{path}: cannot read {what}: larger than the {max_bytes}-byte limit of a "
+                    f"model's JSON file")
+
+    def no_duplicates(pairs):
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"key {key!r} appears twice")
+            out[key] = value
+        return out
+    try:
+        return json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: cannot read {what}: not UTF-8 ({e.reason} at byte {e.start})") \
+            from None
+    except RecursionError:
+        raise error(f"{path}: cannot read {what}: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError is one
+        raise error(f"{path}: cannot read {what}: not valid JSON: {e}") from None
+
+
+def _typed(d: dict, key: str, kind: str, default: Any = None) -> Any:
+    """d[key] (default when absent or null) if it has the JSON type `kind` (int, number, bool,
+    str, or token: an int or a list of ints), else ConfigError naming the key and the value: an
+    HF config is JSON, so a field of another type ("false", 1.5 for an int) is a broken file,
+    never a value to convert (bool("false") is True)."""
+    value = d.get(key)
+    if value is None:
+        return default
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "token": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)),
+    }[kind](value)
+    if not ok:
+        expected = {"int": "an integer", "number": "a number", "bool": "true or false",
+                    "str": "a string", "token": "a token id or a list of them"}[kind]
+        raise ConfigError(f"{key} must be {expected}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama/Qwen2 decoder. Field names follow HF config.json."""
@@ -162,9 +224,9 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or not value > 0:
+                    or not _is_finite(value) or not value > 0:
                 raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(self.model_type, str) or self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {self.model_type!r} is not supported "
                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         if self.model_type == "qwen2" and not self.attention_bias:
@@ -172,13 +234,16 @@ class ModelConfig:
         if self.model_type == "llama" and self.attention_bias:
             # HF Llama's attention_bias also biases o_proj, unlike Qwen2; we do not implement that.
             raise ConfigError("llama with attention_bias=True (biased o_proj too) is not supported")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ConfigError(
-                f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        ids = self.eos_tokens() + (() if self.bos_token_id is None else (self.bos_token_id,))
-        for tok in ids:
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        ids = [("eos_token_id", tok) for tok in self.eos_tokens()]
+        if self.bos_token_id is not None:
+            ids.append(("bos_token_id", self.bos_token_id))
+        for name, tok in ids:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
-                raise ConfigError(f"token id {tok!r} is not in [0, vocab_size={self.vocab_size})")
+                raise ConfigError(f"{name}: token id {tok!r} is not in "
+                                  f"[0, vocab_size={self.vocab_size})")
 
     # ---- derived quantities ----
 
@@ -246,46 +311,65 @@ class ModelConfig:
         """Builds a config from a parsed HF config.json, refusing features we do not implement."""
         if not isinstance(d, dict):
             raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type", "llama")
+        model_type = _typed(d, "model_type", "str", "llama")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"config is missing required keys: {', '.join(missing)}")
-        act = d.get("hidden_act", "silu")
+        act = _typed(d, "hidden_act", "str", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
-        if d.get("mlp_bias", False):
+        if _typed(d, "mlp_bias", "bool", False):
             raise ConfigError("mlp_bias=True is not supported")
-        if d.get("use_sliding_window", False):
+        if _typed(d, "use_sliding_window", "bool", False):
             raise ConfigError("use_sliding_window=True is not supported (full attention only)")
-        if d.get("pretraining_tp", 1) not in (1, None):
+        if _typed(d, "pretraining_tp", "int", 1) != 1:
             raise ConfigError("pretraining_tp != 1 changes the MLP computation; not supported")
+        if _typed(d, "partial_rotary_factor", "number", 1.0) != 1.0:
+            raise ConfigError(f"partial_rotary_factor={d['partial_rotary_factor']!r} is not "
+                              f"supported (gyges rotates the whole head)")
+        # transformers 5 writes rope_theta and the scaling as one rope_parameters object
+        rope = d.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+        rope = rope or {}
         # Qwen2's q/k/v biases are implicit in the architecture, not in config.json.
-        attention_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
+        attention_bias = _typed(d, "attention_bias", "bool", False)
+        if model_type == "qwen2":
+            attention_bias = True
+        # The shape fields are checked as the dataclass checks them (positive integers).
+        ints = {k: d[k] for k in required}
         # HF's default for num_key_value_heads is num_attention_heads (plain MHA).
         kv_heads = d.get("num_key_value_heads")
         if kv_heads is None:
-            kv_heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
+            kv_heads = ints["num_attention_heads"]
+        eos = _typed(d, "eos_token_id", "token")
+        bos = _typed(d, "bos_token_id", "int")
+        fields = dict(
+            **ints,
             num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 10000.0),
+            rms_norm_eps=_typed(d, "rms_norm_eps", "number", 1e-6),
+            rope_theta=_typed(d, "rope_theta", "number",
+                              _typed(rope, "rope_theta", "number", 10000.0)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_typed(d, "tie_word_embeddings", "bool", False),
             attention_bias=attention_bias,
             model_type=model_type,
-            bos_token_id=d.get("bos_token_id"),
+            bos_token_id=bos,
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=d.get("rope_scaling",
+                               {k: v for k, v in rope.items() if k != "rope_theta"} or None),
         )
+        try:
+            return cls(**fields)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+            # the loader's boundary: a value of a type no check above foresaw (a list where the
+            # rope scaling's type goes) is still a malformed config, never a crash
+            raise ConfigError(f"malformed config: {type(e).__name__}: {e}") from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -293,11 +377,7 @@ class ModelConfig:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read config: {e}") from e
+        d = read_json(path)
         try:
             return cls.from_dict(d)
         except ConfigError as e:
@@ -431,6 +511,14 @@ class ModelConfig:
         names = ("tiny", "qwen2_tiny", "stories15m", "stories110m", "llama2_7b", "llama3_8b",
                  "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b")
         return {name: getattr(cls, name)() for name in names}
+
+
+def _is_finite(value: int | float) -> bool:
+    """math.isfinite, False for an int too large for a float (which makes isfinite raise)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _is_pos_int(value: Any) -> bool:

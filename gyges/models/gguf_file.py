@@ -68,58 +68,196 @@ def metadata(reader):
             continue
         try:
             out[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
+        except (ValueError, IndexError, TypeError, OverflowError) as e:
             raise CheckpointError(f"metadata {key!r} cannot be read: {e}") from None
     return out
 
 
-def config_from_metadata(meta, tensor_rows):
-    """ModelConfig from a GGUF's metadata ("<arch>.block_count", ...); tensor_rows: {GGUF tensor
-    name: its number of rows}, for what the metadata may leave out (the vocabulary size)."""
-    arch = meta.get("general.architecture")
+_REQUIRED = object()
+
+
+def meta_value(meta, key, kind, default=_REQUIRED):
+    """meta[key] as a Python value of `kind`, the one conversion of GGUF metadata: "int" (an
+    integer type, Python's or NumPy's; never a float, a bool or a string), "count" (an int > 0),
+    "float" (a finite number), "str", "bool", or "ints"/"strs" (a list of them). Anything else is
+    a CheckpointError naming the key and the value, as is a missing key without a default: int()
+    would turn a head count of 1.5 into 1, and bool() a string into True."""
+    if key not in meta:
+        if default is _REQUIRED:
+            raise CheckpointError(f"the metadata has no {key!r}")
+        return default
+    value = meta[key]
+    is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+    if kind in ("int", "count") and is_int(value) and (kind == "int" or value > 0):
+        return int(value)
+    if kind == "float" and (is_int(value) or isinstance(value, (float, np.floating))) \
+            and _finite(value):
+        return float(value)
+    if kind == "str" and isinstance(value, str):
+        return value
+    if kind == "bool" and isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if kind == "ints" and isinstance(value, list) and all(map(is_int, value)):
+        return [int(v) for v in value]
+    if kind == "strs" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    expected = {"int": "an integer", "count": "a positive integer", "float": "a finite number",
+                "str": "a string", "bool": "a bool", "ints": "a list of integers",
+                "strs": "a list of strings"}[kind]
+    raise CheckpointError(f"metadata {key!r} must be {expected}, got {_short(value)}")
+
+
+def _finite(x):
+    try:
+        return bool(np.isfinite(float(x)))
+    except OverflowError:  # an int past a double
+        return False
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# {arch}.rope.* keys gyges reads; any other one (partial rotary per section, a sliding-window
+# base, NTK alpha, llama.cpp's own yarn knobs) changes the rotation in a way gyges does not.
+_ROPE_KEYS = ("dimension_count", "freq_base", "scaling.type", "scaling.factor",
+              "scaling.original_context_length", "scaling.finetuned", "scaling.attn_factor",
+              "scaling.yarn_beta_fast", "scaling.yarn_beta_slow")
+# GGUF name of a scaling parameter -> its name in an HF rope_scaling dict
+_ROPE_SCALING_PARAMS = {"scaling.factor": "factor",
+                        "scaling.original_context_length": "original_max_position_embeddings",
+                        "scaling.attn_factor": "attention_factor",
+                        "scaling.yarn_beta_fast": "beta_fast",
+                        "scaling.yarn_beta_slow": "beta_slow"}
+
+
+# {arch}.* keys of features a llama or qwen2 model could be given that gyges does not compute;
+# ignoring one would run another model than the file's
+_UNSUPPORTED_KEYS = ("attention.sliding_window", "logit_scale", "attention.clamp_kqv",
+                     "embedding_scale", "residual_scale", "attention.scale",
+                     "attn_logit_softcapping", "final_logit_softcapping",
+                     "attention.layer_norm_epsilon")
+
+
+def rope_scaling_from_metadata(meta, arch):
+    """The HF-style rope_scaling dict of "{arch}.rope.scaling.*" ({"rope_type": ..., "factor":
+    ..., "original_max_position_embeddings": ...}), None for none; ModelConfig refuses the
+    types it does not apply, by name."""
+    kind = meta_value(meta, f"{arch}.rope.scaling.type", "str", None)
+    present = {hf: meta_value(meta, f"{arch}.rope.{key}",
+                              "int" if key.endswith("context_length") else "float")
+               for key, hf in _ROPE_SCALING_PARAMS.items() if f"{arch}.rope.{key}" in meta}
+    meta_value(meta, f"{arch}.rope.scaling.finetuned", "bool", False)
+    if kind is None or kind == "none":
+        if present.get("factor", 1.0) != 1.0 or len(present) > ("factor" in present):
+            given = [f"{arch}.rope.{k}" for k, hf in _ROPE_SCALING_PARAMS.items() if hf in present]
+            raise CheckpointError(f"metadata {', '.join(given)} given with "
+                                  f"{arch}.rope.scaling.type {kind!r}: a scaling without its type")
+        return None
+    return {"rope_type": kind, **present}
+
+
+def config_from_metadata(meta, tensor_shapes):
+    """ModelConfig from a GGUF's metadata ("<arch>.block_count", ...). tensor_shapes: {GGUF tensor
+    name: its shape, rows first}: the counts the metadata gives are checked against the tensors
+    the file holds before anything is built of them (a block count of 2**32 - 1 would otherwise
+    list layers until memory ran out), and the vocabulary size may come from the embedding."""
+    arch = meta_value(meta, "general.architecture", "str", None)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"general.architecture {arch!r} is not supported "
                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    unknown = sorted(k for k in meta if k.startswith(f"{arch}.rope.")
+                     and k[len(arch) + 6:] not in _ROPE_KEYS)
+    if unknown:
+        raise CheckpointError(f"metadata {unknown[0]!r} is not supported: gyges rotates every "
+                              f"head whole, with one frequency base and the scalings of "
+                              f"{arch}.rope.scaling.type")
 
-    def need(key):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise CheckpointError(f"the metadata has no {full!r}")
-        return meta[full]
+    changes = [k for k in _UNSUPPORTED_KEYS if f"{arch}.{k}" in meta]
+    if meta.get(f"{arch}.expert_count", 0) not in (0, None):
+        changes.append("expert_count")
+    if changes:
+        raise CheckpointError(f"metadata {arch}.{changes[0]} is not supported: it changes the "
+                              f"model in a way gyges does not compute")
 
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    vocab = int(meta.get(f"{arch}.vocab_size", tensor_rows.get("token_embd.weight", 0)))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    def need(key, kind="count"):
+        return meta_value(meta, f"{arch}.{key}", kind)
+
+    layers = need("block_count")
+    blocks = {int(name.split(".")[1]) for name in tensor_shapes
+              if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    dense = not blocks or max(blocks) == len(blocks) - 1  # blk.0 to blk.(n-1), no gaps
+    if not dense or len(blocks) != layers:
+        have = f"blk.0 to blk.{max(blocks)}" if blocks else "no blk.N tensors"
+        raise CheckpointError(f"metadata {arch}.block_count is {layers}, but the file holds "
+                              f"{have}" + ("" if dense else f" with gaps ({len(blocks)} blocks)"))
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    embd = tensor_shapes.get("token_embd.weight")
+    if f"{arch}.vocab_size" not in meta and (embd is None or len(embd) != 2):
+        raise CheckpointError(f"the metadata has no {arch}.vocab_size and tensor "
+                              f"'token_embd.weight' of shape {embd} gives none")
+    vocab = meta_value(meta, f"{arch}.vocab_size", "count", embd[0] if embd else 0)
+    head_dim = meta_value(meta, f"{arch}.attention.key_length", "count", hidden // heads)
+    value_dim = meta_value(meta, f"{arch}.attention.value_length", "count", head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(f"metadata {arch}.attention.value_length {value_dim} differs from "
+                              f"the key length {head_dim}: not supported")
+    rotated = meta_value(meta, f"{arch}.rope.dimension_count", "count", head_dim)
+    if rotated != head_dim:
+        raise CheckpointError(f"metadata {arch}.rope.dimension_count is {rotated}, not the head "
+                              f"dimension {head_dim}: partial rotary embedding is not supported")
+    eos = meta_value(meta, "tokenizer.ggml.eos_token_id", "int", None)
     try:
         return ModelConfig(
             vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")),
+            intermediate_size=need("feed_forward_length"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=_f32_value(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=_f32_value(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(need("context_length")),
-            tie_word_embeddings="output.weight" not in tensor_rows,
+            num_key_value_heads=meta_value(meta, f"{arch}.attention.head_count_kv", "count",
+                                           heads),
+            head_dim=head_dim,
+            rms_norm_eps=_f32_value(need("attention.layer_norm_rms_epsilon", "float")),
+            rope_theta=_f32_value(meta_value(meta, f"{arch}.rope.freq_base", "float", 10000.0)),
+            max_position_embeddings=need("context_length"),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias=arch == "qwen2", model_type=arch,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=None if eos is None else int(eos))
+            bos_token_id=meta_value(meta, "tokenizer.ggml.bos_token_id", "int", None),
+            eos_token_id=eos,
+            rope_scaling=rope_scaling_from_metadata(meta, arch))
     except ConfigError as e:
-        raise CheckpointError(f"the metadata describes no model gyges can run: {e}") from None
+        # the metadata keys of the config fields the message names
+        keys = {"vocab_size": f"{arch}.vocab_size", "hidden_size": f"{arch}.embedding_length",
+                "intermediate_size": f"{arch}.feed_forward_length",
+                "num_attention_heads": f"{arch}.attention.head_count",
+                "num_key_value_heads": f"{arch}.attention.head_count_kv",
+                "head_dim": f"{arch}.attention.key_length",
+                "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+                "rope_theta": f"{arch}.rope.freq_base",
+                "max_position_embeddings": f"{arch}.context_length",
+                "bos_token_id": "tokenizer.ggml.bos_token_id",
+                "eos_token_id": "tokenizer.ggml.eos_token_id",
+                "rope_scaling": f"{arch}.rope.scaling.type"}
+        named = [key for field, key in keys.items() if field in str(e) and key in meta]
+        raise CheckpointError(f"the metadata ({', '.join(named) or 'its shape'}) describes no "
+                              f"model gyges can run: {e}") from None
 
 
 def _f32_value(x):
     """A float32 of the metadata as the decimal it was written from (1e-5, not 9.99999975e-06):
     the shortest one that rounds to the same float32, as HF's config.json would say it."""
-    return float(np.format_float_positional(np.float32(x), unique=True))
+    with np.errstate(over="ignore"):
+        f = np.float32(x)
+    if not np.isfinite(f):
+        return float(x)  # past float32: ModelConfig names it as given
+    return float(np.format_float_positional(f, unique=True))
 
 
 def unpermute_rows(w, n_heads):
     """Undoes llama.cpp's reordering of q/k rows: within each head, row 2i + j of the file (pair
     i, element j) goes back to row j * d/2 + i (half j, index i), HF's rotate-half order.
-      w: (n_heads * d, ...) -> same shape."""
+      w: (n_heads * d, ...) -> same shape; the caller has checked the shape."""
     d = w.shape[0] // n_heads
     return (w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
@@ -137,37 +275,83 @@ def hf_name(name):
     raise CheckpointError(f"tensor {name!r} is not part of a model gyges can run")
 
 
+# ggml types that hold integers: read as weights they would be converted by value
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def _shape(t):
+    """A reader tensor's shape rows first (GGUF lists dimensions fastest first)."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
 def load(path):
     """(config, tensors, metadata) of a GGUF file: float32 tensors under HF names, in model
-    order. Q4_0/Q4_1/Q8_0/F16/BF16/F32 (and every other type the gguf package dequantizes)."""
+    order. Q4_0/Q4_1/Q8_0/F16/BF16/F32 (and every other type the gguf package dequantizes).
+    Every name and shape is checked against the config before any tensor is dequantized."""
     path = os.fspath(path)
     reader = open_reader(path)
     gguf = require("gguf", "reading GGUF files")
-    meta = metadata(reader)
     try:
-        config = config_from_metadata(meta, {t.name: int(t.shape[-1]) for t in reader.tensors})
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    tensors = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name} "
-                                  f"cannot be dequantized: {e}") from None
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if config.model_type == "llama" and name.endswith("q_proj.weight"):
-            array = unpermute_rows(array, config.num_attention_heads)
-        elif config.model_type == "llama" and name.endswith("k_proj.weight"):
-            array = unpermute_rows(array, config.num_key_value_heads)
-        if name in tensors:
-            raise CheckpointError(f"{path}: tensor {t.name!r} appears twice")
-        tensors[name] = array
-    try:
+        meta = metadata(reader)
+        shapes = {t.name: _shape(t) for t in reader.tensors}
+        config = config_from_metadata(meta, shapes)
+        expected = expected_shapes(config)
+        names = {}
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                _check_rope_freqs(t, shapes[t.name])
+                continue
+            if name not in expected:
+                raise CheckpointError(f"tensor {t.name!r} is not part of a {config.model_type} "
+                                      f"model as configured")
+            if shapes[t.name] != expected[name]:
+                raise CheckpointError(f"tensor {t.name!r}: expected shape {expected[name]}, got "
+                                      f"{shapes[t.name]}")
+            if t.tensor_type.name in _INTEGER_TYPES:
+                raise CheckpointError(f"tensor {t.name!r} has type {t.tensor_type.name}; model "
+                                      f"weights must be floating point or quantized")
+            names[name] = t
+        missing = [n for n in expected if n not in names]
+        if missing:
+            raise CheckpointError(f"missing tensor {missing[0]!r} of shape "
+                                  f"{expected[missing[0]]}")
+        tensors = {}
+        for name in expected:
+            t = names[name]
+            array = _dequantize(gguf, t)
+            if config.model_type == "llama" and name.endswith("q_proj.weight"):
+                array = unpermute_rows(array, config.num_attention_heads)
+            elif config.model_type == "llama" and name.endswith("k_proj.weight"):
+                array = unpermute_rows(array, config.num_key_value_heads)
+            tensors[name] = array
         check_tensors(config, tensors)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return config, {name: tensors[name] for name in expected_shapes(config)}, meta
+    return config, tensors, meta
+
+
+def _dequantize(gguf, t):
+    try:
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"tensor {t.name!r} of type {t.tensor_type.name} cannot be "
+                              f"dequantized: {e}") from None
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if array.shape != _shape(t):
+        raise CheckpointError(f"tensor {t.name!r} of type {t.tensor_type.name} dequantized to "
+                              f"shape {array.shape}, not {_shape(t)}")
+    return array
+
+
+def _check_rope_freqs(t, shape):
+    """A rotary buffer is ignored only when it changes nothing: Llama 3.1's converter stores its
+    llama3 frequency scaling as rope_freqs.weight (factors other than 1), which gyges does not
+    read, and ignoring it would rotate by other angles than the model was trained with."""
+    if len(shape) != 1 or shape[0] > 1 << 20:
+        raise CheckpointError(f"tensor {t.name!r} of shape {shape} is not a rotary buffer")
+    gguf = require("gguf", "reading GGUF files")
+    factors = _dequantize(gguf, t)
+    if not np.all(factors == 1.0):
+        raise CheckpointError(f"tensor {t.name!r} scales the rotary frequencies (llama3-style "
+                              f"rope_freqs), which gyges does not apply")

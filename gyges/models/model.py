@@ -64,7 +64,12 @@ def load_tokenizer(path):
     file = packaged_path(path) if isinstance(path, str) and path in PACKAGED else os.fspath(path)
     if os.path.isdir(file):
         return Tokenizer.from_directory(file, ModelConfig.from_json(os.path.join(file, checkpoint.CONFIG_FILE)))
-    return Tokenizer.from_gguf_metadata(gguf_file.metadata(gguf_file.open_reader(file)))
+    reader = gguf_file.open_reader(file)  # (its errors name the file)
+    try:
+        meta = gguf_file.metadata(reader)
+    except checkpoint.CheckpointError as e:
+        raise checkpoint.CheckpointError(f"{file}: {e}") from None
+    return Tokenizer.from_gguf_metadata(meta, source=file)
 
 
 class Model:
@@ -111,8 +116,8 @@ class Model:
             tokenizer = Tokenizer.from_directory(file, config)
         elif file.endswith(".gguf") or name:
             config, tensors, meta = gguf_file.load(file)
-            tokenizer = (Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.model" in meta
-                         else None)
+            tokenizer = (Tokenizer.from_gguf_metadata(meta, source=file)
+                         if "tokenizer.ggml.model" in meta else None)
         else:
             raise InvalidArgumentError(f"path={os.fspath(path)!r} is neither a packaged model "
                                        f"({', '.join(PACKAGED)}), a .gguf file nor a checkpoint "

@@ -10,13 +10,17 @@ incremental detokenization for streams.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
+import threading
+import time
 
 from .checkpoint import CheckpointError
-from ..core.errors import ArgumentTypeError, InvalidArgumentError, require
+from .config import read_json
+from .gguf_file import meta_value
+from ..core.errors import (ArgumentTypeError, Error, FormatError, InvalidArgumentError,
+                           LimitError, require)
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -25,6 +29,19 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
                 r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+# tokenizer.json of the largest published vocabularies is ~20 MB
+MAX_TOKENIZER_BYTES = 256 << 20
+# What one rendering of a chat template may cost: its time, and the characters of any text or
+# list it builds (the output among them), beyond those of the messages it is given.
+TEMPLATE_SECONDS = 1.0
+TEMPLATE_CHARS = 4 << 20
+
+
+class ChatTemplateError(FormatError):
+    """A model's chat template does not compile, or fails as it renders (not for a refusal the
+    template raises itself, which is an InvalidArgumentError about the messages)."""
 
 
 def _lib():
@@ -51,8 +68,9 @@ class Tokenizer:
     """A byte-level BPE tokenizer and, when the model has one, its chat template."""
 
     def __init__(self, backend, bos_token_id=None, eos_token_id=None, chat_template=None,
-                 add_bos=False):
+                 add_bos=False, source=None):
         self._tok = backend
+        self.source = source  # the file the chat template came from, for messages
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -61,69 +79,127 @@ class Tokenizer:
 
     # ---- construction ----
     @classmethod
-    def from_gguf_metadata(cls, meta):
+    def from_gguf_metadata(cls, meta, source="the GGUF metadata"):
+        """The tokenizer of a GGUF's metadata; CheckpointError naming `source` (the file) and
+        the key when a value has the wrong type or the tokens cannot make a tokenizer."""
+        try:
+            return cls._from_gguf(meta, source)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_gguf(cls, meta, source):
         t = _lib()
-        model = meta.get("tokenizer.ggml.model")
+        model = meta_value(meta, "tokenizer.ggml.model", "str", None)
         if model != "gpt2":
             raise CheckpointError(f"tokenizer.ggml.model {model!r} is not supported (byte-level "
                                   f"BPE, 'gpt2', is)")
-        tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
             raise CheckpointError("the metadata has no tokenizer.ggml.tokens or merges")
-        types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        tokens = meta_value(meta, "tokenizer.ggml.tokens", "strs")
+        merges = meta_value(meta, "tokenizer.ggml.merges", "strs")
+        types = meta_value(meta, "tokenizer.ggml.token_type", "ints", [TOKEN_NORMAL] * len(tokens))
+        if not tokens or len(types) != len(tokens):
+            raise CheckpointError(f"tokenizer.ggml.tokens has {len(tokens)} tokens and "
+                                  f"tokenizer.ggml.token_type {len(types)} types")
         vocab = {token: i for i, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):  # a token given twice would shift every id after it
+            seen = set()
+            twice = next(tok for tok in tokens if tok in seen or seen.add(tok))
+            raise CheckpointError(f"tokenizer.ggml.tokens lists {twice!r} twice")
+        ids = {}
+        for key in ("bos", "eos"):
+            ids[key] = meta_value(meta, f"tokenizer.ggml.{key}_token_id", "int", None)
+            if ids[key] is not None and not 0 <= ids[key] < len(tokens):
+                raise CheckpointError(f"tokenizer.ggml.{key}_token_id {ids[key]} is not one of "
+                                      f"the {len(tokens)} tokens")
         pairs = []
         for m in merges:
             left, sep, right = m.partition(" ")
             if not sep:
                 raise CheckpointError(f"merge {m!r} is not two tokens separated by a space")
             pairs.append((left, right))
-        backend = t.Tokenizer(t.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = t.decoders.ByteLevel()
-        specials = [t.AddedToken(tok, special=True, normalized=False)
-                    for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
-        users = [t.AddedToken(tok, special=False, normalized=False)
-                 for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
-        backend.add_special_tokens(specials)
-        backend.add_tokens(users)
-        return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        pre = meta_value(meta, "tokenizer.ggml.pre", "str", None)
+        template = meta_value(meta, "tokenizer.chat_template", "str", None)
+        add_bos = meta_value(meta, "tokenizer.ggml.add_bos_token", "bool", False)
+        try:
+            backend = t.Tokenizer(t.models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+            backend.pre_tokenizer = _pre_tokenizer(pre)
+            backend.decoder = t.decoders.ByteLevel()
+            specials = [t.AddedToken(tok, special=True, normalized=False)
+                        for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
+            users = [t.AddedToken(tok, special=False, normalized=False)
+                     for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
+            backend.add_special_tokens(specials)
+            backend.add_tokens(users)
+        except CheckpointError:
+            raise
+        except BaseException as e:  # tokenizers raises a bare Exception, or panics
+            _reraise_interrupts(e)
+            raise CheckpointError(f"the tokens and merges make no tokenizer: {e}") from None
+        return cls(backend, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                   chat_template=template, add_bos=add_bos, source=source)
 
     @classmethod
     def from_directory(cls, path, config=None):
-        """tokenizer.json of an HF directory, with tokenizer_config.json's chat template and
-        BOS/EOS when present; None when the directory has no tokenizer.json."""
+        """tokenizer.json of an HF directory, with tokenizer_config.json's chat template (or
+        chat_template.jinja's) and BOS/EOS when present; None when the directory has no
+        tokenizer.json. CheckpointError naming the file and the field when one is malformed."""
         t = _lib()
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             return None
+        if os.path.getsize(file) > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(f"{file}: larger than the {MAX_TOKENIZER_BYTES}-byte limit")
         try:
             backend = t.Tokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        except BaseException as e:  # tokenizers raises a bare Exception, or panics
+            _reraise_interrupts(e)
             raise CheckpointError(f"{file}: {e}") from None
         settings = {}
         settings_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(settings_file):
-            with open(settings_file, encoding="utf-8") as f:
-                settings = json.load(f)
+            settings = read_json(settings_file, "tokenizer settings", CheckpointError)
+            if not isinstance(settings, dict):
+                raise CheckpointError(f"{settings_file}: must be a JSON object, got "
+                                      f"{type(settings).__name__}")
+
+        def field(key, check, expected, default=None):
+            value = settings.get(key)
+            if value is None:
+                return default
+            if not check(value):
+                raise CheckpointError(f"{settings_file}: {key} must be {expected}, got "
+                                      f"{_short(value)}")
+            return value
 
         def token_id(key, fallback):
-            token = settings.get(key)
+            token = field(key, lambda v: isinstance(v, str) or (
+                isinstance(v, dict) and isinstance(v.get("content"), str)),
+                "a token or {\"content\": token}")
             if isinstance(token, dict):
-                token = token.get("content")
-            found = backend.token_to_id(token) if isinstance(token, str) else None
+                token = token["content"]
+            found = backend.token_to_id(token) if token is not None else None
             return fallback if found is None else found
 
         eos = config.eos_tokens()[0] if config is not None and config.eos_tokens() else None
         bos = config.bos_token_id if config is not None else None
+        template = field("chat_template", lambda v: isinstance(v, str) or (
+            isinstance(v, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                        and isinstance(x.get("template"), str) for x in v)),
+            "a string or a list of {\"name\", \"template\"}")
+        source = settings_file
+        if isinstance(template, list):  # named templates: the default one is the chat's
+            named = {x["name"]: x["template"] for x in template}
+            template = named.get("default")
+        template_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(template_file):  # transformers >= 4.43 saves it so
+            template, source = _read_text(template_file), template_file
         return cls(backend, bos_token_id=token_id("bos_token", bos),
-                   eos_token_id=token_id("eos_token", eos),
-                   chat_template=settings.get("chat_template"),
-                   add_bos=bool(settings.get("add_bos_token", False)))
+                   eos_token_id=token_id("eos_token", eos), chat_template=template,
+                   add_bos=field("add_bos_token", lambda v: isinstance(v, bool), "true or false",
+                                 False),
+                   source=source if template is not None else path)
 
     # ---- text ----
     @property
@@ -161,19 +237,234 @@ class Tokenizer:
                 and isinstance(m.get("content"), str) for m in messages):
             raise InvalidArgumentError("messages must be a list of {'role': str, 'content': str}")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message):
-                raise InvalidArgumentError(f"the chat template refused the messages: {message}")
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_template(self.chat_template, self._template_name())
         special = lambda i: None if i is None else self.token_text(i)
-        text = self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=special(self.bos_token_id) or "",
-                                     eos_token=special(self.eos_token_id) or "")
+        text = _render_template(self._template, self._template_name(),
+                                sum(len(m["content"]) for m in messages),
+                                messages=list(messages),
+                                add_generation_prompt=add_generation_prompt,
+                                bos_token=special(self.bos_token_id) or "",
+                                eos_token=special(self.eos_token_id) or "")
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+    def _template_name(self):
+        return f"the chat template of {self.source or 'the model'}"
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _reraise_interrupts(e):
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise e
+
+
+def _read_text(file, limit=TEMPLATE_CHARS):
+    try:
+        with open(file, "rb") as f:
+            blob = f.read(limit + 1)
+        if len(blob) > limit:
+            raise CheckpointError(f"{file}: larger than the {limit}-byte limit")
+        return blob.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from None
+
+
+# ---- chat templates: jinja2's sandbox, with a budget of time and size ----
+
+class _Budget:
+    """One rendering's limits: checked by the sandbox's hooks (every call, attribute, item,
+    operator, filter, loop iteration and piece of output), so a template stops within one
+    bounded step of its deadline. A thread-local: renderings on several threads are apart."""
+    current = threading.local()
+
+    def __init__(self, name, input_chars):
+        self.name = name
+        self.deadline = time.monotonic() + TEMPLATE_SECONDS
+        self.chars = TEMPLATE_CHARS + 8 * input_chars
+        self.ticks = 0
+
+    @classmethod
+    def tick(cls):
+        budget = getattr(cls.current, "budget", None)
+        if budget is None:
+            return
+        budget.ticks += 1
+        if budget.ticks % 64 == 0 and time.monotonic() > budget.deadline:
+            raise LimitError(f"{budget.name} ran past its {TEMPLATE_SECONDS} s limit")
+
+    @classmethod
+    def size(cls, n, what):
+        budget = getattr(cls.current, "budget", None)
+        if budget is not None and n > budget.chars:
+            raise LimitError(f"{budget.name} builds {what} of {n} characters or items, more "
+                             f"than its limit of {budget.chars}")
+
+    @classmethod
+    def check(cls, value, what="a value"):
+        if isinstance(value, (str, list, tuple, dict, bytes)):
+            cls.size(len(value), what)
+        return value
+
+    @classmethod
+    def check_call(cls, name, args):
+        """Before a call: no count past the limit (ljust(10**9)), no field width past it in a
+        format string, and for the calls whose result grows with the product of their
+        arguments (s.replace("", s), s.join(s), s|indent(10**5)) no product past it: so no one
+        call builds more than the limit."""
+        cls.tick()
+        sized, counts = [], [1]
+        for a in args:
+            if isinstance(a, (str, list, tuple, dict, bytes)):
+                sized.append(len(a))
+            if isinstance(a, int) and not isinstance(a, bool):
+                cls.size(abs(a), "a count")
+                counts.append(abs(a))
+            if isinstance(a, str) and ("%" in a or "{" in a):  # widths in a format string
+                for digits in re.findall(r"\d{7,}", a[:4096]):
+                    cls.size(int(digits), "a field width")
+        if name in _WIDENING and sized:
+            sized.sort()
+            cls.size(sized[-1] * max(sized[-2] if len(sized) > 1 else 1, max(counts)),
+                     f"a result of {name}()")
+
+    @classmethod
+    def running(cls, name, input_chars):
+        """A context in which the current thread works within a new budget."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            outer = getattr(cls.current, "budget", None)
+            cls.current.budget = cls(name, input_chars)
+            try:
+                yield
+            finally:
+                cls.current.budget = outer
+        return scope()
+
+
+# Calls whose result can be as large as the product of their arguments' sizes.
+_WIDENING = frozenset(["replace", "join", "indent", "center", "ljust", "rjust", "zfill",
+                       "expandtabs", "format", "format_map", "wordwrap", "map", "sum"])
+
+
+def _bounded_iter(value):
+    for item in value:
+        _Budget.tick()
+        yield item
+
+
+def _bounded_filter(f):
+    import functools
+
+    @functools.wraps(f)  # keeps jinja's pass_context and the like
+    def wrapper(*args, **kwargs):
+        _Budget.check_call(f.__name__.removeprefix("do_"), [*args, *kwargs.values()])
+        return _Budget.check(f(*args, **kwargs), "a filter's result")
+    return wrapper
+
+
+def _template_environment():
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        _Budget.size(len(seq) * max(n, 0), "a repetition")
+            elif operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                _Budget.size(abs(right), "an exponent")
+            elif operator == "%":
+                _Budget.check_call("format", [left, right])
+            _Budget.tick()
+            return _Budget.check(super().call_binop(context, operator, left, right),
+                                 "an operator's result")
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            # a method's object counts as an argument (the sandbox wraps str.format)
+            method = getattr(__obj, "__wrapped__", __obj)
+            _Budget.check_call(getattr(__obj, "__name__", ""),
+                               [getattr(method, "__self__", None), *args, *kwargs.values()])
+            return _Budget.check(super().call(__context, __obj, *args, **kwargs),
+                                 "a call's result")
+
+        def getattr(self, obj, attribute):
+            _Budget.tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _Budget.tick()
+            return super().getitem(obj, argument)
+
+        def _parse(self, source, name, filename):
+            # Every loop iterates through _bounded_iter, every ~ concatenation is measured.
+            template = super()._parse(source, name, filename)
+            for loop in template.find_all(nodes.For):
+                loop.iter = nodes.Filter(loop.iter, "gy_bounded_iter", [], [], None, None,
+                                         lineno=loop.lineno)
+            for concat in template.find_all(nodes.Concat):
+                concat.nodes = [nodes.Filter(n, "gy_sized", [], [], None, None, lineno=n.lineno)
+                                for n in concat.nodes]
+            template.set_environment(self)
+            return template
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters["gy_bounded_iter"] = _bounded_iter
+    env.filters["gy_sized"] = lambda v: _Budget.check(v, "a concatenation")
+
+    def raise_exception(message):
+        raise InvalidArgumentError(f"the chat template refused the messages: {message}")
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def _compile_template(source, name):
+    """A jinja2 Template of a chat template, or ChatTemplateError naming it."""
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"{name} is not a string: {type(source).__name__}")
+    try:
+        with _Budget.running(name, 0):  # jinja folds constants as it compiles: that is work too
+            return _template_environment().from_string(source)
+    except Error:
+        raise
+    except Exception as e:  # TemplateSyntaxError, and what a hostile source makes jinja raise
+        raise ChatTemplateError(f"{name} does not compile: {type(e).__name__}: {e}") from None
+
+
+def _render_template(template, name, input_chars, **variables):
+    """The text of a template rendered within its budget: LimitError past it, ChatTemplateError
+    when it fails (jinja2's errors and Python's), the template's own refusals as they are."""
+    with _Budget.running(name, input_chars):
+        return _render(template, name, **variables)
+
+
+def _render(template, name, **variables):
+    try:
+        pieces, n = [], 0
+        for piece in template.generate(**variables):
+            n += len(piece)
+            _Budget.size(n, "an output")
+            _Budget.tick()
+            pieces.append(piece)
+        return "".join(pieces)
+    except Exception as e:
+        if isinstance(e, Error):
+            raise
+        raise ChatTemplateError(f"{name} failed: {type(e).__name__}: {_short_text(e)}") from None
+
+
+def _short_text(e):
+    text = str(e)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _plain_backend(tokenizer):
