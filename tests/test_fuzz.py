@@ -24,6 +24,8 @@ def test_the_harness_classifies_each_failure_it_claims_to_catch():
     got = {r["probe"]: r["record"]["class"] for r in results}
     assert got == {r["probe"]: r["expected"] for r in results}, done.stderr[-2000:]
     assert {"crash", "hang", "non-gyges", "silent", "oom", "ok", "refused"} <= set(got.values())
+    crash = next(r["record"] for r in results if r["probe"] == "crash")
+    assert "probes.py" in crash["where"][0]  # the Python frame the signal hit, for the report
 
 
 def test_a_short_campaign_finds_no_crash_hang_non_gyges_or_silent_misread(tmp_path):
@@ -51,3 +53,15 @@ def _bytes(path):
     if os.path.isfile(path):
         return open(path, "rb").read()
     return {n: _bytes(os.path.join(path, n)) for n in sorted(os.listdir(path))}
+
+
+def test_the_fork_server_refuses_to_fork_a_process_that_has_threads(tmp_path):
+    """A child forked beside a running thread may inherit a lock that thread held: the parent
+    must start no engine (children do), and the runner checks rather than trusts it."""
+    code = ("import sys, threading, time; sys.path.insert(0, '.');"
+            "from tests.fuzz.runner import ForkServer;"
+            "threading.Thread(target=time.sleep, args=(5,), daemon=True).start();"
+            f"ForkServer(lambda *a: {{}}, {str(tmp_path)!r}).run([(0, 0)])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "the fork-server has 2 threads" in done.stderr

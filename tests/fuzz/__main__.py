@@ -26,6 +26,9 @@ def main(argv=None):
     rp.add_argument("--seed", type=int, required=True)
     rp.add_argument("--index", type=int, required=True)
     rp.add_argument("--keep", help="build it in this directory (kept) for a closer look")
+    rp.add_argument("--timeout", type=float, default=60.0, help="SIGALRM after this (0: none)")
+    rp.add_argument("--memory-gib", type=float, default=2.0, help="RLIMIT_AS over the start "
+                    "(0: none)")
     pr = sub.add_parser("probe", help="the harness's self-checks: one child of each class")
     pr.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -44,9 +47,14 @@ def main(argv=None):
                     f.write(json.dumps(rec, default=str) + "\n")
         return 1 if summary["failing"] else 0
     if args.cmd == "replay":
-        record, root = campaign.replay(args.seed, args.index, args.keep)
+        record, root = campaign.replay(args.seed, args.index, args.keep, args.timeout,
+                                       int(args.memory_gib * 2**30) or None)
         print(json.dumps(record, indent=1, default=str))
-        print(f"(built under {root})")
+        if args.keep:
+            print(f"(built under {root})")
+        else:
+            import shutil
+            shutil.rmtree(root, ignore_errors=True)
         return 0
     results = campaign.probe()
     if args.json:

@@ -53,10 +53,20 @@ def probe(timeout_s=3.0, jobs=2):
     return [(name, probes.EXPECTED[name], by_index[i]) for i, name in enumerate(probes.PROBES)]
 
 
-def replay(seed, index, keep=None):
-    """Rebuilds mutant (seed, index) and runs it here, in the foreground (no fork, no limits):
-    a crash crashes this process, where a debugger can see it."""
+def replay(seed, index, keep=None, timeout_s=None, memory_bytes=2 << 30):
+    """Rebuilds mutant (seed, index) and runs it here, in the foreground (no fork): a crash
+    crashes this process, where a debugger can see it. The campaign's address-space limit
+    holds here too (memory_bytes None: none), and timeout_s (SIGALRM) ends a hang."""
+    import resource
+    import signal
     from . import child
+    from .runner import vm_bytes
     root = keep or tempfile.mkdtemp(prefix="gyges-fuzz-replay-")
     corpus = _corpus(os.path.join(root, "corpus"))
+    if memory_bytes is not None:
+        limit = vm_bytes() + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    if timeout_s:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(timeout_s))
     return child.run(corpus, seed, index, os.path.join(root, f"{seed}_{index}")), root

@@ -347,7 +347,8 @@ TEMPLATES = (
     "{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}",
     "{{ 'x' * 3000000000 }}",                                            # huge output
     "{{ 'x' * 100000000 }}",
-    "{% set x = [1] %}{% for i in range(40) %}{% set x = x + x %}{% endfor %}{{ x|length }}",
+    "{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}"
+    "{% endfor %}{{ ns.x|length }}",
     "{{ messages[99] }}", "{{ messages[0]['nope'] }}", "{{ undefined_name.attr }}",
     "{{ 1 / 0 }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
     "{{ bos_token }}{{ messages|tojson }}", "",

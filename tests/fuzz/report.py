@@ -33,7 +33,7 @@ def summarize(records, seconds, settings):
         if r["class"] in FAILING or r["class"] == "oom":
             groups[cause(r)].append(r)
     findings = [{"cause": c, "count": len(rs), "example": {k: rs[0].get(k) for k in (
-        "seed", "index", "detail", "error", "error_type", "stage")},
+        "seed", "index", "detail", "error", "error_type", "stage", "where")},
         "replay": rs[0].get("replay") or f"python -m tests.fuzz replay --seed {rs[0]['seed']} "
                                           f"--index {rs[0]['index']}",
         "others": [(r["seed"], r["index"]) for r in rs[1:6]]}
@@ -60,6 +60,8 @@ def table(summary):
             lines.append(f"  {f['count']:4}  {f['cause']}")
             lines.append(f"        e.g. {ex['detail']}")
             lines.append(f"        -> {str(ex.get('error'))[:160]!s}")
+            if ex.get("where"):
+                lines.append(f"        at {ex['where'][0]}")
             lines.append(f"        {f['replay']}")
     return "\n".join(lines)
 

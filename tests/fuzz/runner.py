@@ -5,6 +5,7 @@ limit (hang) and classifies one that dies (crash by signal, oom by SIGKILL it di
 
 Forking a process that has threads copies only the forking one, with every lock another held;
 so the parent starts no engine (children do) and refuses to fork once it has a second thread."""
+import faulthandler
 import json
 import os
 import resource
@@ -73,6 +74,7 @@ class ForkServer:
                                f"OPENBLAS_NUM_THREADS=1 before numpy, start no engine here)")
         workdir = os.path.join(self.workroot, f"{seed}_{index}")
         shutil.rmtree(workdir, ignore_errors=True)
+        os.makedirs(self.workroot, exist_ok=True)
         limit = vm_bytes() + self.memory_bytes
         r, w = os.pipe()
         pid = os.fork()
@@ -84,6 +86,8 @@ class ForkServer:
                 for fd in (0, 1, 2):
                     os.dup2(null, fd)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
+                # where a crash happened: Python's stack at the signal, for the report
+                faulthandler.enable(open(workdir + ".fault", "w"), all_threads=False)
                 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
                 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
                 def note(part):
@@ -110,6 +114,9 @@ class ForkServer:
         os.close(job["fd"])
         elapsed = time.monotonic() - job["start"]
         shutil.rmtree(job["workdir"], ignore_errors=True)
+        where = _python_frames(job["workdir"] + ".fault")
+        if os.path.exists(job["workdir"] + ".fault"):
+            os.remove(job["workdir"] + ".fault")
         base = {"seed": job["seed"], "index": job["index"], "seconds": round(elapsed, 3)}
         record = {}
         for line in job["out"].split(b"\n"):
@@ -126,11 +133,21 @@ class ForkServer:
                 return {**record, **base, "class": "oom",
                         "error": "killed by SIGKILL (the OOM killer)"}
             return {**record, **base, "class": "crash",
-                    "error": f"killed by {CRASH_SIGNALS.get(sig, sig)}"}
+                    "error": f"killed by {CRASH_SIGNALS.get(sig, sig)}",
+                    "where": where}
         if "class" not in record:
             return {**record, **base, "class": "crash",
                     "error": f"exited {os.WEXITSTATUS(status)} without a report"}
         return {**record, **base}
+
+
+def _python_frames(path, n=4):
+    """The innermost frames faulthandler wrote at a fatal signal, innermost first."""
+    try:
+        lines = [ln.strip() for ln in open(path) if ln.strip().startswith("File ")]
+    except OSError:
+        return None
+    return [ln.replace("File ", "") for ln in lines[:n]] or None
 
 
 def _write_all(fd, data):
