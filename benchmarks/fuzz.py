@@ -6,6 +6,7 @@ non-gyges exception or silent misread was found.
     .venv/bin/python benchmarks/fuzz.py --mutants 2000 --seeds 1,2,3
 """
 import argparse
+import json
 import os
 import sys
 
@@ -23,13 +24,17 @@ def main():
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fuzz.json"))
+    p.add_argument("--records", help="also every mutant's record here (JSON lines)")
     args = p.parse_args()
     from tests.fuzz import campaign, report
     os.chdir(ROOT)
-    summary, _ = campaign.run([int(s) for s in args.seeds.split(",")], args.mutants,
+    summary, records = campaign.run([int(s) for s in args.seeds.split(",")], args.mutants,
                               timeout_s=args.timeout, jobs=args.jobs)
     print(report.table(summary))
     report.write_json(summary, args.out)
+    if args.records:
+        with open(args.records, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in records)
     print(f"\nwrote {args.out}")
     return 1 if summary["failing"] else 0
 
