@@ -15,9 +15,19 @@ One concept a file:
   mutant.py      (seed, index) -> the mutant: which mutator, what it did, what a right load holds
   judge.py       what the file says, read independently of the loaders: the config and tensors a
                  load must produce, to catch a silent misread
-  child.py       what runs in the child: build, limit, load, generate, judge -> a classification
-  runner.py      the fork-server: one parent, a forked child per mutant, results over a pipe
-  report.py      the table and the JSON
+  child.py       what runs in the child: build, load, judge, generate, tokenize -> a class
+  runner.py      the fork-server: one parent, a forked child per mutant (RLIMIT_AS, a wall
+                 limit), results over a pipe; crash, hang and oom seen from outside
+  probes.py      children that fail on purpose, one per class: the harness's own tests
+  campaign.py    a run over seeds, the foreground replay, the probe run
+  report.py      the table and the JSON, findings grouped by cause with a replay command each
+
+Classes: ok; refused (a gyges.Error: class and message); non-gyges (any other exception: type
+and traceback tail); crash (a fatal signal: which, and the Python frame it hit); hang (past the
+wall limit: killed); oom (MemoryError, or SIGKILL the runner did not send); silent (it loaded,
+but the loaded model disagrees with the file, or the engine with the float64 reference on the
+loaded config); harness (the harness itself failed). Must be zero: silent, non-gyges, crash,
+hang, harness.
 
 Nothing here imports numpy or gyges at import time: the fork-server's entry points pin the math
 libraries to one thread first, so the parent has no threads when it forks.

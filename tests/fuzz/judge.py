@@ -283,6 +283,7 @@ def gguf_config(meta, tensor_names, vocab_rows):
     for key in ("rope.dimension_count", "attention.value_length"):
         v = count(key, head_dim)
         if v != head_dim:
+            v = v[1] if isinstance(v, tuple) else v
             return "refuse", f"{key} = {v!r}, not head_dim {head_dim} (partial rotary / other " \
                              f"value heads: not what gyges computes)"
     kind = meta.get(f"{arch}.rope.scaling.type", (8, None))
