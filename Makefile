@@ -3,7 +3,7 @@ PYTHON := .venv/bin/python
 SAN_FLAGS := -std=c11 -g -O1 -D_GNU_SOURCE -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -Icsrc
 CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*' -not -path 'csrc/python_test/*')
 
-.PHONY: demo test build ctest tsan cudaemu pytest bench clean
+.PHONY: demo test build ctest tsan cudaemu pytest bench fuzz clean
 
 demo: build
 	$(PYTHON) -m gyges.demo
@@ -44,6 +44,10 @@ pytest: build
 
 bench: build
 	$(PYTHON) benchmarks/run_all.py
+
+# Model files mutated, each loaded in a forked child under limits (tests/fuzz/): the long run.
+fuzz: build
+	$(PYTHON) benchmarks/fuzz.py --mutants 2000 --seeds 1,2,3
 
 clean:
 	rm -rf build gyges/*.so .pytest_cache
