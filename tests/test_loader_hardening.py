@@ -112,6 +112,15 @@ def test_an_hf_field_of_the_wrong_type_is_refused_by_name(hf_dir, field, value):
     _refused(e.value, "config.json", field)
 
 
+@pytest.mark.parametrize("scaling", [{"factor": 4.0}, {"a": {"a": 1}}, {"value": 1}])
+def test_a_rope_scaling_with_parameters_but_no_type_is_refused(hf_dir, scaling):
+    """It loaded as no scaling (the fuzz harness found it): a scaling was meant, but which?"""
+    _edit_json(hf_dir / "config.json", rope_scaling=scaling)
+    with pytest.raises(gyges.Error) as e:
+        gyges.Model.load(str(hf_dir))
+    _refused(e.value, "config.json", "no rope_type")
+
+
 def test_rope_parameters_of_transformers_5_are_read(hf_dir):
     d = json.loads((hf_dir / "config.json").read_text())
     del d["rope_theta"], d["rope_scaling"]
@@ -429,6 +438,9 @@ def test_a_written_gguf_loads_with_its_tokenizer(model, tmp_path):
     ("tokenizer.ggml.bos_token_id", (float("nan"), "FLOAT32"), ["nan"]),  # ValueError
     ("tokenizer.ggml.eos_token_id", (1e300, "FLOAT64"), ["1e+300"]),     # OverflowError
     ("tokenizer.ggml.eos_token_id", (300, "UINT32"), ["300"]),
+    # float keys of an integer type (llama.cpp refuses them too): read as 9.2e18 before
+    ("llama.attention.layer_norm_rms_epsilon", (2 ** 63, "UINT64"), ["a finite float"]),
+    ("llama.rope.freq_base", (10000, "UINT32"), ["a finite float"]),
 ])
 def test_gguf_metadata_of_the_wrong_type_or_value_is_refused_by_name(model, tmp_path, key,
                                                                      value, words):
@@ -568,3 +580,24 @@ def test_a_safetensors_header_length_past_the_file_is_refused(tmp_path):
         path.write_bytes(struct.pack("<Q", n) + b"{}")
         with pytest.raises(SafetensorsError, match="header length"):
             safetensors.read_header(path)
+
+
+@pytest.mark.parametrize("field", ["tokenizer.ggml.model", "tokenizer.ggml.tokens"])
+def test_a_gguf_count_past_the_file_is_refused_before_the_reader_walks_it(model, tmp_path,
+                                                                           field):
+    """A string or array whose length was edited to 2**61: the gguf package's reader sliced past
+    the end of the file element by element for hours (the fuzz harness found it)."""
+    import struct
+    path = write_gguf(tmp_path / "m.gguf", model)
+    data = bytearray(open(path, "rb").read())
+    name = field.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    kind = struct.unpack_from("<I", data, at)[0]
+    count_at = at + 4 + (4 if kind == 9 else 0)  # an array: item type, then count
+    struct.pack_into("<Q", data, count_at, 2 ** 61)
+    open(path, "wb").write(data)
+    t = time.monotonic()
+    with pytest.raises(gyges.Error) as e:
+        gyges.Model.load(path)
+    assert time.monotonic() - t < 5
+    _refused(e.value, path, "more than the file holds")

@@ -11,7 +11,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 INT32_MAX = 2**31 - 1  # token ids, counts of tokens and positions: the C engine's int32
 
 
-def _show(value):
+def show(value):
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -19,7 +19,7 @@ def _show(value):
 def integer(name, value, lo=None, hi=None):
     """An int (NumPy integers too; not a bool, not 2.0) in [lo, hi]; returns it as int."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an integer, got {_show(value)} "
+        raise ArgumentTypeError(f"{name} must be an integer, got {show(value)} "
                                 f"({type(value).__name__})")
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -34,7 +34,7 @@ def number(name, value, lo=None, hi=None, lo_open=False):
     """A finite real number (not a bool) in [lo, hi] (or (lo, hi] with lo_open); returns float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating,
                                                                      np.integer)):
-        raise ArgumentTypeError(f"{name} must be a number, got {_show(value)} "
+        raise ArgumentTypeError(f"{name} must be a number, got {show(value)} "
                                 f"({type(value).__name__})")
     value = float(value)
     if not math.isfinite(value):
@@ -49,7 +49,7 @@ def number(name, value, lo=None, hi=None, lo_open=False):
 def boolean(name, value):
     """True or False (NumPy bools too), not 'no' or 1."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be True or False, got {_show(value)} "
+        raise ArgumentTypeError(f"{name} must be True or False, got {show(value)} "
                                 f"({type(value).__name__})")
     return bool(value)
 
@@ -66,5 +66,5 @@ def int_sequence(name, value, lo=None, hi=None):
         items = list(value)
     else:
         raise ArgumentTypeError(f"{name} must be a list, tuple or 1-D integer array of ints, "
-                                f"got {_show(value)} ({type(value).__name__})")
+                                f"got {show(value)} ({type(value).__name__})")
     return [integer(f"{name}[{i}]", item, lo, hi) for i, item in enumerate(items)]

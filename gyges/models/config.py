@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.checks import show
 from ..core.errors import InvalidArgumentError
 
 __all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES",
@@ -67,13 +68,17 @@ def _normalise_rope_scaling(raw: Any) -> dict | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise ConfigError(f"rope_scaling must be an object or null, got {raw!r}")
+        raise ConfigError(f"rope_scaling must be an object or null, got {show(raw)}")
     # HF used "type" before renaming it to "rope_type"; both appear in published configs.
     kinds = {raw[k] for k in ("rope_type", "type") if k in raw and isinstance(raw[k], str)}
     if len(kinds) > 1:
         raise ConfigError(f"rope_scaling names two types: rope_type={raw['rope_type']!r}, "
                           f"type={raw['type']!r}")
     kind = raw.get("rope_type", raw.get("type"))
+    if kind is None and any(v is not None for v in raw.values()):
+        # transformers fails on it too (no init function for a None type): parameters without a
+        # type say a scaling was meant, and guessing which would serve another model
+        raise ConfigError(f"rope_scaling {show(raw)} has parameters but no rope_type")
     if kind in (None, "default"):
         return None
     if not isinstance(kind, str) or kind not in _ROPE_SCALING_KEYS:
@@ -161,7 +166,7 @@ def _typed(d: dict, key: str, kind: str, default: Any = None) -> Any:
     if not ok:
         expected = {"int": "an integer", "number": "a number", "bool": "true or false",
                     "str": "a string", "token": "a token id or a list of them"}[kind]
-        raise ConfigError(f"{key} must be {expected}, got {value!r}")
+        raise ConfigError(f"{key} must be {expected}, got {show(value)}")
     return value
 
 
@@ -208,7 +213,7 @@ class ModelConfig:
                      "max_position_embeddings"):
             value = getattr(self, name)
             if not _is_pos_int(value):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {show(value)}")
         if self.max_position_embeddings > 2 ** 31 - 1:  # positions are int32 in the engine
             raise ConfigError(f"max_position_embeddings must be at most 2**31 - 1, "
                               f"got {self.max_position_embeddings}")

@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from . import gguf_header
 from .checkpoint import CheckpointError, check_tensors, expected_shapes
 from .config import ConfigError, ModelConfig
 from ..core.errors import require
@@ -53,6 +54,7 @@ def open_reader(path):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such GGUF file")
     gguf = require("gguf", "reading GGUF files")
+    gguf_header.check(path)  # before the reader, which trusts every count it reads
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, TypeError, OverflowError) as e:
@@ -79,7 +81,7 @@ _REQUIRED = object()
 def meta_value(meta, key, kind, default=_REQUIRED):
     """meta[key] as a Python value of `kind`, the one conversion of GGUF metadata: "int" (an
     integer type, Python's or NumPy's; never a float, a bool or a string), "count" (an int > 0),
-    "float" (a finite number), "str", "bool", or "ints"/"strs" (a list of them). Anything else is
+    "float" (a finite number of a float type), "str", "bool", or "ints"/"strs" (a list of them). Anything else is
     a CheckpointError naming the key and the value, as is a missing key without a default: int()
     would turn a head count of 1.5 into 1, and bool() a string into True."""
     if key not in meta:
@@ -90,8 +92,8 @@ def meta_value(meta, key, kind, default=_REQUIRED):
     is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
     if kind in ("int", "count") and is_int(value) and (kind == "int" or value > 0):
         return int(value)
-    if kind == "float" and (is_int(value) or isinstance(value, (float, np.floating))) \
-            and _finite(value):
+    # a float key of an integer type is an error to llama.cpp too (gguf_get_val_f32 checks it)
+    if kind == "float" and isinstance(value, (float, np.floating)) and _finite(value):
         return float(value)
     if kind == "str" and isinstance(value, str):
         return value
@@ -101,7 +103,7 @@ def meta_value(meta, key, kind, default=_REQUIRED):
         return [int(v) for v in value]
     if kind == "strs" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    expected = {"int": "an integer", "count": "a positive integer", "float": "a finite number",
+    expected = {"int": "an integer", "count": "a positive integer", "float": "a finite float",
                 "str": "a string", "bool": "a bool", "ints": "a list of integers",
                 "strs": "a list of strings"}[kind]
     raise CheckpointError(f"metadata {key!r} must be {expected}, got {_short(value)}")

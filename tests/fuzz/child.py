@@ -120,7 +120,7 @@ def _check_hf_tokenizer(path, model):
     if not isinstance(settings, dict):
         raise Silent("loaded although tokenizer_config.json is not an object")
     tok = model.tokenizer
-    if "add_bos_token" in settings:
+    if settings.get("add_bos_token") is not None:  # null reads as absent
         v = settings["add_bos_token"]
         if not isinstance(v, bool):
             raise Silent(f"loaded although add_bos_token = {v!r} is not a bool")

@@ -17,6 +17,7 @@ import numpy as np
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+UNJUDGED = object()  # a value this module does not predict (the loaded one is not compared)
 
 
 def _is_int(v):
@@ -52,9 +53,18 @@ def rope_scaling(raw):
         return "refuse", f"rope_scaling {raw!r} is not an object"
     kind = raw.get("rope_type", raw.get("type"))
     if kind is None:
-        return ("expect", None) if not raw else ("refuse", f"rope_scaling {raw!r} has no type")
+        return ("expect", None) if all(v is None for v in raw.values()) else \
+            ("refuse", f"rope_scaling {raw!r} has no type")
     if kind == "default":
         return "expect", None
+    if kind in ("dynamic", "yarn"):
+        # their optional knobs are many; the engine's tokens against the float64 reference
+        # with the loaded scaling judge them. Here: the two parameters every reading needs.
+        for key in ("factor",) + (("original_max_position_embeddings",) if kind == "yarn" else ()):
+            v = raw.get(key)
+            if not _is_num(v) or not v > 0:
+                return "refuse", f"rope_scaling.{key} = {v!r} is not a positive finite number"
+        return "expect", UNJUDGED
     if kind not in ("linear", "llama3"):
         return "refuse", f"rope_scaling type {kind!r} is not one gyges computes"
     keys = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
@@ -86,6 +96,7 @@ def hf_config(d):
                 "num_attention_heads"):
         if key not in d:
             return "refuse", f"no {key}"
+    d = {k: v for k, v in d.items() if v is not None}  # a null field reads as an absent one
     if d.get("hidden_act", "silu") != "silu":
         return "refuse", f"hidden_act {d['hidden_act']!r}"
     for flag in ("mlp_bias", "use_sliding_window"):
@@ -138,7 +149,8 @@ def hf_config(d):
     verdict, scaling = rope_scaling(d.get("rope_scaling"))
     if verdict == "refuse":
         return verdict, scaling
-    fields["rope_scaling"] = scaling
+    if scaling is not UNJUDGED:
+        fields["rope_scaling"] = scaling
     return "expect", fields
 
 
@@ -298,6 +310,9 @@ def gguf_config(meta, tensor_names, vocab_rows):
         fields["rope_scaling"] = {"rope_type": "linear", "factor": f}
     elif kind[1] in (None, "none", "linear"):
         fields["rope_scaling"] = None
+    elif kind[1] == "yarn":  # the engine's tokens against the reference judge its reading
+        if f is None or f"{arch}.rope.scaling.original_context_length" not in meta:
+            return "refuse", "yarn without its factor or original context length"
     else:
         return "refuse", f"rope.scaling.type {kind[1]!r} is not one gyges computes"
     if f"{arch}.rope.scale_linear" in meta:
