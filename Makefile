@@ -47,7 +47,7 @@ bench: build
 
 # Model files mutated, each loaded in a forked child under limits (tests/fuzz/): the long run.
 fuzz: build
-	$(PYTHON) benchmarks/fuzz.py --mutants 2000 --seeds 1,2,3
+	$(PYTHON) benchmarks/fuzz.py --mutants 6000 --seeds 1,2,3
 
 clean:
 	rm -rf build gyges/*.so .pytest_cache

@@ -223,15 +223,22 @@ class ReferenceModel:
 
         Ties go to the lowest token id (np.argmax), which fast engines must match.
         """
+        return self.greedy_with_gaps(prompt, n_steps)[0]
+
+    def greedy_with_gaps(self, prompt, n_steps: int) -> tuple[list[int], list[float]]:
+        """(the greedy tokens, per step the gap between the two best logits relative to the
+        best one's magnitude): an fp32 engine may pick either of two logits that close."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if prompt.size == 0:
             raise ValueError("prompt must hold at least one token")
         cache = self.new_cache()
-        logits = self.forward(prompt, np.arange(prompt.size), cache)
-        out: list[int] = []
+        logits = self.forward(prompt, np.arange(prompt.size), cache)[-1]
+        tokens: list[int] = []
+        gaps: list[float] = []
         for step in range(n_steps):
-            token = int(np.argmax(logits[-1]))
-            out.append(token)
+            top2 = np.sort(logits)[-2:]
+            tokens.append(int(np.argmax(logits)))
+            gaps.append(float((top2[1] - top2[0]) / max(abs(top2[1]), 1e-30)))
             if step + 1 < n_steps:
-                logits = self.forward([token], [len(cache)], cache)
-        return out
+                logits = self.forward([tokens[-1]], [len(cache)], cache)[-1]
+        return tokens, gaps

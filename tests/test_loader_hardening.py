@@ -21,6 +21,7 @@ from gyges.models.checkpoint import CheckpointError
 from gyges.models.config import ConfigError, ModelConfig
 from gyges.models.model import load_tokenizer
 from gyges.models.safetensors import SafetensorsError
+from gguf_writer import gguf_tensors
 
 CFG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -329,10 +330,6 @@ def test_the_size_limit_grows_with_the_messages(hf_dir):
 
 # ---- GGUF files ----
 
-def _permute(w, n_head):
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
-
 
 def _gguf_meta(config):
     import gguf
@@ -358,24 +355,6 @@ def _gguf_meta(config):
     }
 
 
-def _gguf_tensors(model):
-    globals_ = {v: k for k, v in gguf_file.GLOBAL_NAMES.items()}
-    layer = {v: k for k, v in gguf_file.LAYER_NAMES.items()}
-    out = {}
-    for name, t in model.tensors.items():
-        if name.startswith("model.layers."):
-            i, rest = name[len("model.layers."):].split(".", 1)
-            g = f"blk.{i}.{layer[rest]}"
-        else:
-            g = globals_[name]
-        if name.endswith("q_proj.weight"):
-            t = _permute(t, model.config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            t = _permute(t, model.config.num_key_value_heads)
-        out[g] = np.ascontiguousarray(t, dtype=np.float32)
-    return out
-
-
 def write_gguf(path, model, meta=None, tensors=None, drop=()):
     """A GGUF of `model` (the `gguf` package's writer), with metadata values replaced or added
     (meta: key -> (value, type[, sub_type])), tensors replaced or added, and keys or tensors
@@ -385,7 +364,7 @@ def write_gguf(path, model, meta=None, tensors=None, drop=()):
     for key, v in {**_gguf_meta(model.config), **(meta or {})}.items():
         if key not in drop:
             w.add_key_value(key, v[0], v[1], sub_type=v[2] if len(v) > 2 else None)
-    for name, t in {**_gguf_tensors(model), **(tensors or {})}.items():
+    for name, t in {**gguf_tensors(model), **(tensors or {})}.items():
         if name not in drop:
             w.add_tensor(name, t)
     w.write_header_to_file()

@@ -19,6 +19,7 @@ import pytest
 from reference_bpe import ReferenceBPE
 from packaged import NAME, needs_packaged_model
 from reference_model import ReferenceModel
+from gguf_writer import gguf_tensors
 
 import gyges
 from gyges.models import gguf_file
@@ -56,21 +57,6 @@ def test_the_packaged_model_is_smollm2_135m(smol):
     assert PACKAGED[NAME][1] in packaged_path(NAME)
 
 
-def _reference_greedy(ref, prompt, n):
-    """Greedy tokens of the float64 model and, per step, the gap between its two best logits
-    relative to the best one's magnitude."""
-    cache = ref.new_cache()
-    logits = ref.forward(prompt, np.arange(len(prompt)), cache)[-1]
-    tokens, gaps = [], []
-    for step in range(n):
-        top2 = np.sort(logits)[-2:]
-        tokens.append(int(np.argmax(logits)))
-        gaps.append((top2[1] - top2[0]) / abs(top2[1]))
-        if step + 1 < n:
-            logits = ref.forward([tokens[-1]], [len(cache)], cache)[-1]
-    return tokens, gaps
-
-
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_greedy_tokens_equal_the_float64_reference(smol, dtype):
     model = smol if dtype == "f32" else gyges.Model.load(NAME, dtype="bf16")
@@ -80,7 +66,7 @@ def test_greedy_tokens_equal_the_float64_reference(smol, dtype):
         outs = e.generate(PROMPTS, GREEDY)
     compared = 0
     for prompt, out in zip(PROMPTS, outs):
-        want, gaps = _reference_greedy(ref, out.prompt, GREEDY.max_tokens)
+        want, gaps = ref.greedy_with_gaps(out.prompt, GREEDY.max_tokens)
         for got_token, want_token, gap in zip(out.output_tokens, want, gaps):
             if got_token != want_token:
                 assert gap < NEAR_TIE, (prompt, out.output_tokens, want)
@@ -163,10 +149,6 @@ def test_a_host_serves_text(smol):
 
 # ---- GGUF files written here ----
 
-def _permute(w, n_head):
-    """llama.cpp's converter: each head's rows from halves to interleaved rotary pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 def write_tiny_gguf(path, model, qtype=None):
     import gguf
@@ -182,18 +164,8 @@ def write_tiny_gguf(path, model, qtype=None):
     w.add_rope_freq_base(c.rope_theta)
     w.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", c.eos_tokens()[0])
-    names = {v: k for k, v in gguf_file.GLOBAL_NAMES.items()}
-    for name, t in model.tensors.items():
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            gname = f"blk.{layer}." + {v: k for k, v in gguf_file.LAYER_NAMES.items()}[rest]
-        else:
-            gname = names[name]
-        if name.endswith("q_proj.weight"):
-            t = _permute(t, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            t = _permute(t, c.num_key_value_heads)
-        w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
+    for gname, t in gguf_tensors(model).items():
+        w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

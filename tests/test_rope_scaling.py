@@ -18,6 +18,7 @@ from gyges.models.config import ConfigError, ModelConfig
 from gyges.models.rope import rope_frequencies
 from gyges.runtime.worker import Worker
 from reference_model import ReferenceModel, rope_parameters
+from test_engine import paged_logits
 
 # Relative error of fp32 logits against float64 (as tests/test_engine.py).
 RTOL = 1e-4
@@ -42,21 +43,6 @@ SCALINGS = {
 def prompts(n, seed, lo=30, hi=60, vocab=4096):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def paged_logits(worker, tokens, chunks):
-    """Logits of every position of one sequence, prefilled in chunks (decode: chunks of 1)."""
-    seq = worker.kv.new_sequence()
-    worker.kv.grow(max(worker.kv_pages_free() // 2, 1))
-    worker.kv.reserve(seq, len(tokens))
-    out, pos = [], 0
-    for size in chunks:
-        part = tokens[pos:pos + size]
-        out.append(worker.forward(part, [0] * len(part), range(pos, pos + len(part)),
-                                  [worker.kv.block_table(seq)], range(len(part))))
-        pos += size
-    worker.kv.free(seq)
-    return np.concatenate(out)
 
 
 @pytest.mark.parametrize("name", list(SCALINGS))

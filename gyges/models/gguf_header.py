@@ -94,7 +94,8 @@ def check(path):
 
 def _walk(view, path):
     if view[:4] != b"GGUF":
-        raise CheckpointError(f"{path}: not a GGUF file (magic {bytes(view[:4])!r})")
+        raise CheckpointError(f"{path}: not a readable GGUF file: the magic is "
+                              f"{bytes(view[:4])!r}, not b'GGUF'")
     order = "<" if struct.unpack_from("<I", view, 4)[0] in (2, 3) else ">"
     w = _Walk(view, path, order)
     w.at = 4

@@ -172,17 +172,7 @@ def _check_gguf(corpus, m, model):
 def reference_greedy(config, tensors, prompt, n):
     """(tokens, gaps) of the float64 reference; gaps: the best two logits' distance, relative."""
     from tests.reference_model import ReferenceModel
-    ref = ReferenceModel(config, tensors)
-    cache = ref.new_cache()
-    logits = ref.forward(prompt, np.arange(len(prompt)), cache)[-1]
-    tokens, gaps = [], []
-    for step in range(n):
-        top2 = np.sort(logits)[-2:]
-        tokens.append(int(np.argmax(logits)))
-        gaps.append((top2[1] - top2[0]) / max(abs(top2[1]), 1e-30))
-        if step + 1 < n:
-            logits = ref.forward([tokens[-1]], [len(cache)], cache)[-1]
-    return tokens, gaps
+    return ReferenceModel(config, tensors).greedy_with_gaps(prompt, n)
 
 
 def check_generation(model):

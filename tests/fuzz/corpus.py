@@ -14,6 +14,7 @@ import numpy as np
 import gyges
 from gyges.models import gguf_file
 from gyges.models.config import ModelConfig
+from tests.gguf_writer import gguf_tensors
 
 MODEL_SEED = 7
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -77,12 +78,6 @@ def tokenizer_config():
             "eos_token": {"content": SPECIALS[2]}, "add_bos_token": False}
 
 
-def permute(w, n_head):
-    """llama.cpp's converter: each head's rows from halves to interleaved rotary pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
-
-
 @dataclass
 class GGUFSpec:
     """A GGUF file before it is written: arch, metadata [(key, GGUFValueType, value, sub_type)],
@@ -122,20 +117,7 @@ def gguf_spec(model):
           ("tokenizer.ggml.bos_token_id", T.UINT32, c.bos_token_id, None),
           ("tokenizer.ggml.eos_token_id", T.UINT32, c.eos_tokens()[0], None),
           ("tokenizer.chat_template", T.STRING, CHAT_TEMPLATE, None)]
-    to_global = {v: k for k, v in gguf_file.GLOBAL_NAMES.items()}
-    to_layer = {v: k for k, v in gguf_file.LAYER_NAMES.items()}
-    tensors = []
-    for name, t in model.tensors.items():
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            gname = f"blk.{layer}.{to_layer[rest]}"
-        else:
-            gname = to_global[name]
-        if name.endswith("q_proj.weight"):
-            t = permute(t, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            t = permute(t, c.num_key_value_heads)
-        tensors.append((gname, np.ascontiguousarray(t, dtype=np.float32)))
+    tensors = list(gguf_tensors(model).items())
     return GGUFSpec(a, kv, tensors)
 
 
