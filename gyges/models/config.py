@@ -133,7 +133,7 @@ def read_json(path: str, what: str = "config", error: type | None = None,
         out = {}
         for key, value in pairs:
             if key in out:
-                raise ValueError(f"key {key!r} appears twice")
+                raise InvalidArgumentError(f"key {key!r} appears twice")  # a ValueError: below
             out[key] = value
         return out
     try:

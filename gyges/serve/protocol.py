@@ -19,7 +19,7 @@ import secrets
 import time
 
 from ..runtime.engine import SamplingParams
-from ..core.errors import Error
+from ..core.errors import Error, InvalidArgumentError
 from ..models.tokenizer import chat_prompts
 
 REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_logprobs": "logprobs",
@@ -48,14 +48,15 @@ class APIError(Error):
                           "code": self.code if self.code is not None else self.status}}
 
 
+# the json module's hooks: a ValueError (InvalidArgumentError is one) fails the parse
 def _no_constant(name):
-    raise ValueError(f"{name} is not JSON")
+    raise InvalidArgumentError(f"{name} is not JSON")
 
 
 def _finite(text):
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text} is out of a double's range")
+        raise InvalidArgumentError(f"{text} is out of a double's range")
     return value
 
 
