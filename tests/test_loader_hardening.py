@@ -420,6 +420,8 @@ def test_a_written_gguf_loads_with_its_tokenizer(model, tmp_path):
     # float keys of an integer type (llama.cpp refuses them too): read as 9.2e18 before
     ("llama.attention.layer_norm_rms_epsilon", (2 ** 63, "UINT64"), ["a finite float"]),
     ("llama.rope.freq_base", (10000, "UINT32"), ["a finite float"]),
+    # angles of 1e30 radians: the engine and the reference agreed on nothing (the fuzz found it)
+    ("llama.rope.freq_base", (1e-30, "FLOAT32"), ["rope_theta must be above 1"]),
 ])
 def test_gguf_metadata_of_the_wrong_type_or_value_is_refused_by_name(model, tmp_path, key,
                                                                      value, words):

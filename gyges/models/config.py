@@ -231,6 +231,10 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not _is_finite(value) or not value > 0:
                 raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        if not self.rope_theta > 1:
+            # the base of the rotary wavelengths: at or below 1 they shrink with the pair index,
+            # and angles of 1e30 radians (theta 1e-30) leave nothing but rounding in cos and sin
+            raise ConfigError(f"rope_theta must be above 1, got {self.rope_theta!r}")
         if not isinstance(self.model_type, str) or self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {self.model_type!r} is not supported "
                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
