@@ -333,6 +333,24 @@ def test_metrics_and_health_are_open_unless_metrics_is_protected(secure, host):
         Server(host, NAME, port=0, protect_metrics=True)
 
 
+def test_a_body_that_stops_arriving_gets_a_408_and_frees_the_handler(host):
+    """A client that declares a Content-Length and stops sending held its connection and its
+    handler for as long as it liked (uvicorn has no timeout for reading a body)."""
+    import socket
+    s = Server(host, NAME, port=0, body_timeout_s=0.5).start()
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            t = time.monotonic()
+            reply = c.recv(4096)
+            assert time.monotonic() - t < 5
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
+        assert raw(s, "GET", "/health", key=None)[0] == 200
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def smol_tokenizer():
     from gyges.models.model import load_tokenizer

@@ -30,13 +30,13 @@ class Server:
 
     def __init__(self, host, model_name, port=8000, bind="127.0.0.1", api_key=None,
                  enable_admin=False, max_body_bytes=1 << 20, max_tokens_limit=4096,
-                 protect_metrics=False, log_level="warning"):
+                 protect_metrics=False, body_timeout_s=30.0, log_level="warning"):
         uvicorn = require("uvicorn", "the server")
         self.host = host
         self.runner = HostRunner(host)
         self.app = build_app(self.runner, model_name, api_key=api_key, enable_admin=enable_admin,
                              max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
-                             protect_metrics=protect_metrics)
+                             protect_metrics=protect_metrics, body_timeout_s=body_timeout_s)
         self.port = free_port(bind) if port == 0 else port
         self.bind = bind
         config = uvicorn.Config(self.app, host=bind, port=self.port, log_level=log_level,

@@ -15,7 +15,8 @@ them, for load balancers and scrapers (protect_metrics=True makes /metrics ask f
 /admin exists only when enabled, and always asks for the key.
 
 Every request gets an answer: a POST body must be `Content-Type: application/json` (415
-otherwise) and UTF-8 JSON of at most max_body_bytes (413) that protocol.parse_body and the field
+otherwise), arrive within body_timeout_s (408), and be UTF-8 JSON of at most max_body_bytes
+(413) that protocol.parse_body and the field
 checks accept (400 naming the field); only a bug of the server's own is a 500. A client that
 disconnects, streaming or not, aborts its request, which frees its KV at the next step. Nothing
 that can wait (the host's lock, tokenizing a megabyte) runs on the event loop: it runs on the
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_bytes=1 << 20,
-              max_tokens_limit=4096, protect_metrics=False):
+              max_tokens_limit=4096, protect_metrics=False, body_timeout_s=30.0):
     fastapi = require("fastapi", "the server")
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -55,7 +56,7 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
     metrics = ServerMetrics(model_name)
     app = fastapi.FastAPI(title="gyges", docs_url=None, redoc_url=None, openapi_url=None,
                           redirect_slashes=False)  # /v1/completions/ is a 404, not a 307
-    app.add_middleware(ReadBodyFirst, max_body_bytes=max_body_bytes)
+    app.add_middleware(ReadBodyFirst, max_body_bytes=max_body_bytes, timeout_s=body_timeout_s)
     app.state.runner, app.state.metrics = runner, metrics
 
     def error(e):  # ASCII JSON: a message may quote anything the client sent
@@ -97,11 +98,18 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise APIError(413, f"the request body is over {max_body_bytes} bytes")
-        body = b""
-        async for part in request.stream():
-            body += part
-            if len(body) > max_body_bytes:
-                raise APIError(413, f"the request body is over {max_body_bytes} bytes")
+        async def whole_body():
+            body = b""
+            async for part in request.stream():
+                body += part
+                if len(body) > max_body_bytes:
+                    raise APIError(413, f"the request body is over {max_body_bytes} bytes")
+            return body
+        try:  # a client that declares a length and stops sending would hold its handler forever
+            body = await asyncio.wait_for(whole_body(), body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {body_timeout_s} s",
+                           code="request_timeout") from None
         return await off_loop(protocol.parse_body, body)
 
     def check_model(body):
@@ -276,8 +284,8 @@ class ReadBodyFirst:
 
     DRAIN_FACTOR = 8
 
-    def __init__(self, app, max_body_bytes):
-        self.app, self.limit = app, max_body_bytes * self.DRAIN_FACTOR
+    def __init__(self, app, max_body_bytes, timeout_s):
+        self.app, self.limit, self.timeout_s = app, max_body_bytes * self.DRAIN_FACTOR, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -291,10 +299,16 @@ class ReadBodyFirst:
                 message.get("more_body", False)
             return message
 
+        async def drain():
+            while unread[0]:
+                await receive_()
+
         async def send_(message):
             if message["type"] == "http.response.start":
-                while unread[0]:
-                    await receive_()
+                try:  # a client that stops sending gets its answer anyway, after the timeout
+                    await asyncio.wait_for(drain(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    pass
             await send(message)
 
         await self.app(scope, receive_, send_)

@@ -21,7 +21,8 @@ def _serve(args):
     server = Server(host, model_name=args.served_model_name or args.model, port=args.port,
                     bind=args.host, api_key=args.api_key, enable_admin=args.enable_admin,
                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                    protect_metrics=args.protect_metrics, log_level="info")
+                    protect_metrics=args.protect_metrics, body_timeout_s=args.body_timeout,
+                    log_level="info")
     logging.getLogger("gyges").info("serving %s on http://%s:%d/v1 (layout %s)", args.model,
                                     args.host, server.port, host.layout())
     try:
@@ -60,6 +61,8 @@ def parser():
                    help="/metrics asks for --api-key too (by default it is open, as vLLM's)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096)
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive (408 after)")
     s.set_defaults(run=_serve)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
