@@ -16,11 +16,11 @@ them, for load balancers and scrapers (protect_metrics=True makes /metrics ask f
 
 Every request gets an answer: a POST body must be `Content-Type: application/json` (415
 otherwise), arrive within body_timeout_s (408), and be UTF-8 JSON of at most max_body_bytes
-(413) that protocol.parse_body and the field
-checks accept (400 naming the field); only a bug of the server's own is a 500. A client that
-disconnects, streaming or not, aborts its request, which frees its KV at the next step. Nothing
-that can wait (the host's lock, tokenizing a megabyte) runs on the event loop: it runs on the
-executor's threads, so /health answers during the longest prefill or transformation.
+(413) that protocol.parse_body and the field checks accept (400 naming the field); only a bug
+of the server's own is a 500. A client that disconnects, streaming or not, aborts its request,
+which frees its KV at the next step. Nothing that can wait (the host's lock, tokenizing a
+megabyte) runs on the event loop: it runs on the executor's threads, so /health answers during
+the longest prefill or transformation.
 """
 import asyncio
 import hmac
