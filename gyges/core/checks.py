@@ -11,6 +11,14 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 INT32_MAX = 2**31 - 1  # token ids, counts of tokens and positions: the C engine's int32
 
 
+def is_finite(value):
+    """math.isfinite, False for an int too large for a float (which makes isfinite raise)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def show(value):
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

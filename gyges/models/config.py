@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.checks import show
+from ..core.checks import is_finite, show
 from ..core.errors import InvalidArgumentError
 
 __all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES",
@@ -95,18 +94,18 @@ def _normalise_rope_scaling(raw: Any) -> dict | None:
         value = raw[key]
         if key in _ROPE_SCALING_BOOLS:
             if not isinstance(value, bool):
-                raise ConfigError(f"rope_scaling.{key} must be true or false, got {value!r}")
+                raise ConfigError(f"rope_scaling.{key} must be true or false, got {show(value)}")
             out[key] = value
         elif key in _ROPE_SCALING_INTS:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31:
                 raise ConfigError(f"rope_scaling.{key} must be a positive integer below 2**31, "
-                                  f"got {value!r}")
+                                  f"got {show(value)}")
             out[key] = value
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or not value > 0:
+                    or not is_finite(value) or not value > 0:
                 raise ConfigError(f"rope_scaling.{key} must be a positive finite number, "
-                                  f"got {value!r}")
+                                  f"got {show(value)}")
             out[key] = float(value)
     if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
         raise ConfigError("rope_scaling: llama3 needs high_freq_factor > low_freq_factor")
@@ -229,8 +228,8 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not _is_finite(value) or not value > 0:
-                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+                    or not is_finite(value) or not value > 0:
+                raise ConfigError(f"{name} must be a positive finite number, got {show(value)}")
         if not self.rope_theta > 1:
             # the base of the rotary wavelengths: at or below 1 they shrink with the pair index,
             # and angles of 1e30 radians (theta 1e-30) leave nothing but rounding in cos and sin
@@ -520,14 +519,6 @@ class ModelConfig:
         names = ("tiny", "qwen2_tiny", "stories15m", "stories110m", "llama2_7b", "llama3_8b",
                  "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b")
         return {name: getattr(cls, name)() for name in names}
-
-
-def _is_finite(value: int | float) -> bool:
-    """math.isfinite, False for an int too large for a float (which makes isfinite raise)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def _is_pos_int(value: Any) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 from . import gguf_header
 from .checkpoint import CheckpointError, check_tensors, expected_shapes
 from .config import ConfigError, ModelConfig
+from ..core.checks import is_finite, show
 from ..core.errors import require
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -81,9 +82,9 @@ _REQUIRED = object()
 def meta_value(meta, key, kind, default=_REQUIRED):
     """meta[key] as a Python value of `kind`, the one conversion of GGUF metadata: "int" (an
     integer type, Python's or NumPy's; never a float, a bool or a string), "count" (an int > 0),
-    "float" (a finite number of a float type), "str", "bool", or "ints"/"strs" (a list of them). Anything else is
-    a CheckpointError naming the key and the value, as is a missing key without a default: int()
-    would turn a head count of 1.5 into 1, and bool() a string into True."""
+    "float" (a finite number of a float type), "str", "bool", or "ints"/"strs" (a list of them).
+    Anything else is a CheckpointError naming the key and the value, as is a missing key without
+    a default: int() would turn a head count of 1.5 into 1, and bool() a string into True."""
     if key not in meta:
         if default is _REQUIRED:
             raise CheckpointError(f"the metadata has no {key!r}")
@@ -93,7 +94,7 @@ def meta_value(meta, key, kind, default=_REQUIRED):
     if kind in ("int", "count") and is_int(value) and (kind == "int" or value > 0):
         return int(value)
     # a float key of an integer type is an error to llama.cpp too (gguf_get_val_f32 checks it)
-    if kind == "float" and isinstance(value, (float, np.floating)) and _finite(value):
+    if kind == "float" and isinstance(value, (float, np.floating)) and is_finite(value):
         return float(value)
     if kind == "str" and isinstance(value, str):
         return value
@@ -106,19 +107,7 @@ def meta_value(meta, key, kind, default=_REQUIRED):
     expected = {"int": "an integer", "count": "a positive integer", "float": "a finite float",
                 "str": "a string", "bool": "a bool", "ints": "a list of integers",
                 "strs": "a list of strings"}[kind]
-    raise CheckpointError(f"metadata {key!r} must be {expected}, got {_short(value)}")
-
-
-def _finite(x):
-    try:
-        return bool(np.isfinite(float(x)))
-    except OverflowError:  # an int past a double
-        return False
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    raise CheckpointError(f"metadata {key!r} must be {expected}, got {show(value)}")
 
 
 # {arch}.rope.* keys gyges reads; any other one (partial rotary per section, a sliding-window

@@ -17,6 +17,7 @@ import threading
 import time
 
 from .checkpoint import CheckpointError
+from ..core.checks import show
 from .config import read_json
 from .gguf_file import meta_value
 from ..core.errors import (ArgumentTypeError, Error, FormatError, InvalidArgumentError,
@@ -170,7 +171,7 @@ class Tokenizer:
                 return default
             if not check(value):
                 raise CheckpointError(f"{settings_file}: {key} must be {expected}, got "
-                                      f"{_short(value)}")
+                                      f"{show(value)}")
             return value
 
         def token_id(key, fallback):
@@ -250,11 +251,6 @@ class Tokenizer:
 
     def _template_name(self):
         return f"the chat template of {self.source or 'the model'}"
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _reraise_interrupts(e):

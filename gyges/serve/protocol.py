@@ -19,6 +19,7 @@ import secrets
 import time
 
 from ..runtime.engine import SamplingParams
+from ..core.checks import INT32_MAX
 from ..core.errors import Error, InvalidArgumentError
 from ..models.tokenizer import chat_prompts
 
@@ -28,7 +29,6 @@ REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_lo
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
            "repetition_penalty": "repetition_penalty"}
 MAX_DEPTH = 32              # JSON nesting a body may have (a chat needs 4)
-MAX_TOP_K = 2**31 - 1       # top_k is an int32 in the sampler; any k >= vocab keeps every token
 _short = reprlib.Repr()
 _short.maxstring, _short.maxother, _short.maxlevel, _short.maxlist, _short.maxdict = 60, 60, 2, 4, 4
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
@@ -128,7 +128,7 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit):
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise APIError(400, "top_p must be > 0", param="top_p")
-    top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)
+    top_k = _number(body, "top_k", 0, -1, INT32_MAX, integer=True)  # any k >= vocab: all
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
