@@ -19,8 +19,16 @@ scheduler and sampler. Times are medians of STEPS steps after WARMUP steps, meas
 
 Without a GPU (or a build without the CUDA forward pass) it prints "skipped: <reason>" and exits 0.
 
-Run: .venv/bin/python benchmarks/bench_cuda_engine.py
+With `--model llama3-8b` the same steps run on Llama-3-8B's shapes (hidden 4096, 32 layers, 32 heads
+/ 8 KV heads of 128, FFN 14336, vocab 128256, untied head: 16 GB of bf16 weights) at batch 1 and 32,
+context 1024 (`--batches`, `--contexts` change them). Its random weights are one layer's arrays
+shared by every layer (the values change no timing, and making 8e9 normal draws would take a
+minute of the GPU check's few); the arena still holds 32 distinct copies.
+
+Run: .venv/bin/python benchmarks/bench_cuda_engine.py [--model llama3-8b] [--batches 1,32]
+[--contexts 1024] [--no-torch]
 """
+import argparse
 import gc
 import statistics
 import sys
@@ -33,15 +41,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import _C_test  # noqa: E402
+from gyges.models import checkpoint  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
 from gyges.runtime.worker import Worker, cuda_unavailable  # noqa: E402
 
-# Llama-3.2-1B's shapes (its llama3 rope scaling is left out: it changes no timing).
-CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-              num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-              rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=True)
-BATCHES = (1, 64)
-CONTEXTS = (128, 1024, 4096)
+# Llama-3.2-1B's and Llama-3-8B's shapes (their llama3 rope scaling is left out: it changes no
+# timing). name -> (config, batches, contexts, title)
+MODELS = {
+    "llama3.2-1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+                    (1, 64), (128, 1024, 4096), "Llama-3.2-1B"),
+    "llama3-8b": (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=8192, tie_word_embeddings=False),
+                  (1, 32), (1024,), "Llama-3-8B"),
+}
+CONFIG, BATCHES, CONTEXTS, TITLE = MODELS["llama3.2-1b"]
 BLOCK_SIZE = 16
 WARMUP, STEPS = 3, 20
 SEED = 0
@@ -61,8 +79,9 @@ def copy_bandwidth(nbytes=GiB):
 
 
 def step_bytes(config, batch, context):
-    """Bytes one decode step must read: every matrix once (the tied embedding as the LM head)
-    and the K and V of the context and the new token, in bf16."""
+    """Bytes one decode step must read: every matrix once (the LM head, tied or not; of the
+    embedding only the batch's rows, which is nothing beside it) and the K and V of the context
+    and the new token, in bf16."""
     c = config
     h, kvd, qd = c.hidden_size, c.num_key_value_heads * c.head_dim, c.num_attention_heads * c.head_dim
     per_layer = 2 * h * qd + 2 * h * kvd + 3 * h * c.intermediate_size
@@ -86,7 +105,8 @@ def timed_steps(step):
 
 def gyges_times(model, config):
     kv_bytes = max(step_bytes(config, b, c)[1] for b in BATCHES for c in CONTEXTS)
-    budget = (3 * GiB + int(kv_bytes * 1.05) + GiB) // (2 << 20) * (2 << 20)
+    weights = 2 * config.param_count()  # bf16, with room for page padding and the workspace
+    budget = (int(weights * 1.1) + int(kv_bytes * 1.05) + GiB) // (2 << 20) * (2 << 20)
     worker = Worker(model, backend="cuda", weight_dtype="bf16", memory=budget,
                     block_size=BLOCK_SIZE, max_pos=max(CONTEXTS) + 8)
     out = {}
@@ -199,7 +219,32 @@ def torch_times(model, config, dev="cuda"):
     return out
 
 
+def shared_layer_model(config, seed):
+    """A random model whose layers are all one layer's arrays (timing only; see the docstring)."""
+    one = ModelConfig.from_dict({**config.to_dict(), "num_hidden_layers": 1})
+    tensors = checkpoint.random_weights(one, seed)
+    out = {n: a for n, a in tensors.items() if not n.startswith("model.layers.")}
+    for i in range(config.num_hidden_layers):
+        for n, a in tensors.items():
+            if n.startswith("model.layers.0."):
+                out[f"model.layers.{i}." + n[len("model.layers.0."):]] = a
+    return gyges.Model(config, out)
+
+
+def parse_ints(text):
+    return tuple(int(x) for x in text.split(","))
+
+
 def main():
+    global CONFIG, BATCHES, CONTEXTS, TITLE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="llama3.2-1b")
+    parser.add_argument("--batches", type=parse_ints)
+    parser.add_argument("--contexts", type=parse_ints)
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager side")
+    args = parser.parse_args()
+    CONFIG, BATCHES, CONTEXTS, TITLE = MODELS[args.model]
+    BATCHES, CONTEXTS = args.batches or BATCHES, args.contexts or CONTEXTS
     reason = cuda_unavailable() or _C_test.cuda_blas_available()
     if reason:
         print(f"skipped: {reason}")
@@ -208,10 +253,11 @@ def main():
     config = ModelConfig.from_dict(CONFIG)
     print(f"device: {info['name']}; building a random {config.param_count() / 1e9:.2f}B-parameter "
           f"model (seed {SEED})...", flush=True)
-    model = gyges.Model.random(config, seed=SEED)
+    model = (gyges.Model.random(config, seed=SEED) if args.model == "llama3.2-1b" else
+             shared_layer_model(config, SEED))
     bandwidth = copy_bandwidth()
     ours, weights_in_arena = gyges_times(model, config)
-    theirs = torch_times(model, config)
+    theirs = "not asked for (--no-torch)" if args.no_torch else torch_times(model, config)
     rows = []
     for batch in BATCHES:
         for context in CONTEXTS:
@@ -225,7 +271,7 @@ def main():
                 row["torch_ms"] = 1e3 * theirs[(batch, context)]
                 row["vs_torch"] = theirs[(batch, context)] / t
             rows.append(row)
-    print_table(f"Decode step, random Llama-3.2-1B shapes in bf16 on {info['name']} "
+    print_table(f"Decode step, random {TITLE} shapes in bf16 on {info['name']} "
                 f"(copy bandwidth {bandwidth / 1e9:.0f} GB/s)", rows, [
                     ("batch", "batch", "{}"), ("context", "context", "{}"),
                     ("gyges_ms", "gyges ms", "{:.3f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
@@ -234,7 +280,8 @@ def main():
                     ("vs_torch", "speed-up vs torch", "{:.2f}x")])
     if not isinstance(theirs, dict):
         print(f"PyTorch eager: not available ({theirs})")
-    write_json("bench_cuda_engine", {
+    write_json("bench_cuda_engine" + ("" if args.model == "llama3.2-1b" else f"_{args.model}"), {
+        "model": args.model,
         "device": info, "config": CONFIG, "dtype": "bf16", "block_size": BLOCK_SIZE,
         "warmup": WARMUP, "steps": STEPS, "copy_bandwidth_bytes_per_s": bandwidth,
         "weights_bytes_in_arena": weights_in_arena, "rows": rows,
