@@ -28,9 +28,10 @@
  * either). Whatever NCCL would hang on or refuse (ranks calling different collectives or sizes, a
  * receive of another size than its send, a stream of another device, a would-be deadlock) is
  * counted in fake_nccl_errors() and described by fake_nccl_last_problem(), so the tests can
- * assert that nothing of the kind happened. The cuda* calls resolve against the program or the
- * extension that loads this library (the emulated runtime). One lock serialises the whole pretend
- * network: simple, and fast enough. */
+ * assert that nothing of the kind happened (and fake_nccl_operations() that NCCL did run). The
+ * cuda* calls resolve against the emulated runtime: the test program's (linked -rdynamic), or
+ * libgy_emu_cudart.so, which this library links in the ext build. One lock serialises the whole
+ * pretend network: simple, and fast enough. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdarg.h>
@@ -116,6 +117,7 @@ static fake_clique *fake_joining; /* cliques some rank has not joined yet */
 static uint64_t fake_ids;
 static double fake_timeout_s;
 static int fake_problems;
+static long fake_completed; /* operations that moved their bytes */
 static char fake_problem[512];
 static char fake_last_error[256]; /* for ncclGetLastError(NULL) */
 
@@ -156,6 +158,14 @@ int fake_nccl_errors(void) {
 
 const char *fake_nccl_last_problem(void) { return fake_problem; }
 
+/* Operations (one rank's part of a collective, a send, a receive) completed so far. */
+long fake_nccl_operations(void) {
+    fake_lock_all();
+    const long n = fake_completed;
+    pthread_mutex_unlock(&fake_lock);
+    return n;
+}
+
 /* The hang detector's patience, in seconds, for operations that start waiting from now on. */
 void fake_nccl_set_timeout(double seconds) {
     fake_lock_all();
@@ -176,6 +186,7 @@ static void fake_unpost(fake_clique *q, fake_op *op) {
 static void fake_finish(fake_clique *q, fake_op *op, fake_state state) {
     fake_unpost(q, op);
     op->state = state;
+    fake_completed += state == FAKE_DONE;
 }
 
 /* A posted send or receive meets its other end, if that has been posted. */

@@ -124,14 +124,14 @@ def script_main(argv):
     parser.add_argument("--devices", type=int, default=1, metavar="N",
                         help="emulated GPUs, 0 to 16 (default 1)")
     parser.add_argument("--out", default=str(ROOT / "build" / "gpu_emu"))
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="after --: the script's arguments")
-    args = parser.parse_args(argv)
+    # Everything after "--" is the script's own, options included.
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if not 0 <= args.devices <= 16:
         parser.error(f"--devices {args.devices}: the emulator has 0 to 16 GPUs")
     script = Path(args.file)
     if not script.is_file():
         parser.error(f"{args.file}: no such file")
-    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     why_not = build.check()
     if why_not:
         raise SystemExit(f"cannot build: {why_not}")
