@@ -114,10 +114,26 @@ def test_nccl_tp4_gives_the_d2d_tokens_but_at_near_ties_and_repeats_itself(tiny)
         assert fake.fake_nccl_errors() == 0, fake.fake_nccl_last_problem()
 
 
-def test_nccl_host_memory_is_on_each_workers_own_gpu(tiny):
-    """Each worker's arena is on its own device, and serving gives every KV page back."""
-    host = host_on(tiny, "nccl", "2xTP2")
+def device_bytes():
+    """Bytes of each emulated GPU's memory the pretend driver holds (tests/gpu_emu/libcuda.c),
+    or None on a real driver."""
+    if not EMULATED:
+        return None
+    driver = ctypes.CDLL("libcuda.so.1")  # the one csrc/mem/arena_cuda.c opened
+    driver.fake_cuda_device_bytes.restype = ctypes.c_size_t
+    return [driver.fake_cuda_device_bytes(d) for d in range(GPUS)]
+
+
+@pytest.mark.parametrize("comm", ["nccl", "d2d"])
+def test_each_workers_memory_is_on_its_own_gpu(tiny, comm):
+    """Each worker's arena is on its device (on the emulator: its pages are that device's
+    memory, no other's), and serving gives every KV page back."""
+    before = device_bytes()
+    host = host_on(tiny, comm, "2xTP2")
     host.generate(prompts(4, seed=23), GREEDY)
-    assert [host.worker(w).arena.device for w in range(GPUS)] == [0, 1, 2, 3]
+    assert [host.worker(w).arena.device for w in range(GPUS)] == host.devices
     assert all(m["kv"] == 0 for m in host.memory())
+    if before is not None:
+        grew = [after > b for after, b in zip(device_bytes(), before)]
+        assert grew == [d in host.devices for d in range(GPUS)], grew
     host.close()

@@ -460,11 +460,17 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes) {
 
 cudaError_t cudaFree(void *ptr) {
     if (ptr == NULL) return cudaSuccess;
-    /* cudaFree waits for the device: nothing queued anywhere may still use it. */
+    /* cudaFree synchronises the memory's device: nothing queued there may still use it. Only
+     * that device: a rank freeing memory while a peer's stream on another GPU waits in NCCL for
+     * this very rank must not wait for that stream (a real GPU does not). */
     pthread_mutex_lock(&emu_lock);
-    for (struct CUstream_st *s = emu_live; s; s = s->next_live) emu_wait_locked(s, s->enqueued);
-    const size_t i = emu_block_after((uintptr_t)ptr);
-    const int known = i > 0 && emu_blocks[i - 1].start == (uintptr_t)ptr;
+    size_t i = emu_block_after((uintptr_t)ptr);
+    int known = i > 0 && emu_blocks[i - 1].start == (uintptr_t)ptr;
+    const int device = known ? emu_blocks[i - 1].device : -1;
+    for (struct CUstream_st *s = emu_live; s; s = s->next_live)
+        if (s->device == device) emu_wait_locked(s, s->enqueued);
+    i = emu_block_after((uintptr_t)ptr); /* the waits let other threads change the table */
+    known = i > 0 && emu_blocks[i - 1].start == (uintptr_t)ptr;
     if (known) {
         emu_used[emu_blocks[i - 1].device] -= emu_blocks[i - 1].bytes;
         memmove(emu_blocks + i - 1, emu_blocks + i, (emu_n_blocks - i) * sizeof *emu_blocks);
