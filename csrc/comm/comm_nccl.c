@@ -60,6 +60,7 @@ const gy_comm_ops gy_comm_nccl_ops = {
 #include <stddef.h>
 #include <stdio.h>
 
+#include "../core/fault.h"
 #include "../kernels/comm_d2d.h"
 
 /* ---- the part of nccl.h's ABI we use ---- */
@@ -207,6 +208,8 @@ static void gy_nccl_destroy(gy_comm *c) {
  * inside a group (one thread joining every rank needs the group: alone, each InitRank waits for
  * the others), or InitAll. On failure none is left. */
 static gy_status gy_nccl_make_comms(gy_comm *c, gy_comm_nccl *m) {
+    if (gy_fault_hit(GY_FAULT_COMM)) /* a device operation that can fail: sweeps reach it */
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault making the nccl communicators");
     int32_t previous = -1;
     GY_TRY(gy_comm_device_enter(c, 0, &previous));
     gy_status s = GY_OK;

@@ -22,6 +22,7 @@
 
 #include "../c/gytest.h"
 #include "comm/comm.h"
+#include "core/fault.h"
 #include "kernels/comm_d2d.h"
 #include "gpu_emu.h"
 
@@ -862,6 +863,14 @@ GYTEST(fake_nccl_gy_comm_abort_wakes_a_rank_stuck_in_nccl_and_reset_remakes_it) 
     CHECK(jobs[1].first == GY_OK); /* enqueued: NCCL reports later */
     CHECK(jobs[1].after_abort == GY_ERR_STATE);
     CHECK(gy_comm_aborted(comm));
+    /* Making the communicators again can fail (an injected fault here): every call then says
+     * so, and the next reset tries again. */
+    gy_fault_arm(GY_FAULT_COMM, 1);
+    gy_comm_reset(comm);
+    gy_fault_disarm_all();
+    CHECK_STATUS(gy_comm_all_reduce(comm, 0, jobs[0].buf, 64), GY_ERR_STATE);
+    CHECK(strstr(gy_error_message(), "could not be made again: injected fault") != NULL);
+    gy_error_clear();
     gy_comm_reset(comm);
     CHECK(!gy_comm_aborted(comm));
     rank_job again[2];
