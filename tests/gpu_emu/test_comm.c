@@ -11,7 +11,12 @@
  * the sums come out wrong, and ThreadSanitizer names the two accesses. What it checks beyond
  * tests/test_comm_cuda.py's GPU tests: many rounds back to back with the inputs written and the
  * results read by later work on the same stream (the visibility rule of comm.h), stream
- * switches between rounds, the current device being restored, and the nccl glue. */
+ * switches between rounds, the current device being restored, and the nccl glue, its abort and
+ * remake. And the emulated machine itself, so that what the other tests rely on is checked: the
+ * pretend NCCL (ranks joining by unique id from their threads, one thread grouping every rank's
+ * part of an all-to-all, a send holding its stream until the receiver posts, ncclCommAbort
+ * waking a stuck receiver, the hang detector catching two communicators called in opposite
+ * orders) and devices with their own memory and peer copies. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stddef.h>
