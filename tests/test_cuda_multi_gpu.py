@@ -137,3 +137,34 @@ def test_each_workers_memory_is_on_its_own_gpu(tiny, comm):
         grew = [after > b for after, b in zip(device_bytes(), before)]
         assert grew == [d in host.devices for d in range(GPUS)], grew
     host.close()
+
+
+def test_a_rank_failing_in_a_collective_wakes_its_nccl_peer_and_serving_goes_on(tiny):
+    """Faults injected into one rank's collective, step after step: the rank aborts the
+    communicator, whose ncclCommAbort wakes the peer if it already waits in the NCCL all-reduce
+    (it does in some of the steps: the ranks are threads racing; without the abort the peer
+    would wait forever, and the pretend NCCL's hang detector would say so after a minute). Each
+    step fails, new communicators are made, and serving ends with the tokens of a run without
+    the faults."""
+    from gyges import testing
+
+    ps = prompts(4, seed=24)
+    params = gyges.SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    want = tokens(tiny, "nccl", "2xTP2", ps, params)
+    fake = fake_nccl()
+    host = host_on(tiny, "nccl", "2xTP2")
+    requests = [host.submit(p, params) for p in ps]
+    host.step()
+    events, _ = testing.count("comm", host.step)
+    assert events > 0
+    for n in testing.spread(max(1, events // 2), 8):  # early in the step: both instances run
+        with testing.inject("comm", n) as fired:
+            with pytest.raises(gyges.Error):
+                host.step()
+            assert fired() == 1
+    host.run()
+    assert [r.output_tokens for r in requests] == want
+    assert all(len(r.output_tokens) == params.max_tokens for r in requests)
+    if fake:
+        assert fake.fake_nccl_errors() == 0, fake.fake_nccl_last_problem()
+    host.close()
