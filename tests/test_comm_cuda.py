@@ -732,7 +732,9 @@ def test_device_backends_on_a_pretend_gpu(fake_build, sanitizer, machine):
     """The d2d and nccl backends and comm_d2d.cu compiled with GY_WITH_CUDA against the emulated
     runtime: four emulated GPUs and a pretend NCCL ("gpu"), or none of either ("bare"). Their
     streams are threads that overtake each other at random, so a missing wait shows as wrong
-    bytes or a sanitizer report."""
+    bytes or a sanitizer report. test_comm.c also checks the pretend NCCL's own behaviour
+    (InitRank, groups from one thread, blocking sends, abort, the hang detector) and the
+    devices' separate memory and peer copies."""
     env = {**os.environ, "FAKE_MODE": machine, "GYGES_EMU_STREAMS": "threads",
            "GYGES_EMU_DEVICES": "4" if machine == "gpu" else "0",
            "GYGES_NCCL_LIBRARY": str(fake_build["nccl"]) if machine == "gpu" else "/nonexistent",

@@ -62,7 +62,11 @@ def prompts(n, seed, lo=4, hi=60):
 
 
 def new_host(tiny, backend, layout="4xTP1", **kw):
-    # A small prefill chunk, so that transformations land in the middle of prefills too.
+    # A small prefill chunk, so that transformations land in the middle of prefills too. CUDA
+    # workers are virtual workers on one GPU (d2d) whatever the machine has: the emulator's has
+    # four, with NCCL (test_cuda_multi_gpu.py runs those).
+    if backend == "cuda":
+        kw.setdefault("devices", 0)
     return gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, page_size=PAGE, layout=layout,
                       max_prefill_chunk=16, max_batch_tokens=64, backend=backend, **kw)
 
@@ -416,10 +420,12 @@ def test_engines_pair_cuda_ranks_with_device_communicators_only(tiny):
 
 @needs_gpu
 def test_automatic_communicator_choice(tiny, monkeypatch):
-    if EMULATED:  # four emulated GPUs and no NCCL: the choice falls back to virtual workers
+    if EMULATED:  # four emulated GPUs and the pretend NCCL (run.py ext): one worker on each
         monkeypatch.setenv("GYGES_EMU_DEVICES", "4")
     host = gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, backend="cuda")
     count = _C.cuda_device_count()
+    if EMULATED and os.environ.get("GYGES_NCCL_LIBRARY", "/nonexistent") != "/nonexistent":
+        assert host.comm_backend == "nccl"
     if host.comm_backend == "nccl":
         assert count >= 4 and host.devices == [0, 1, 2, 3] and host.comm_note is None
     else:
@@ -462,7 +468,7 @@ def test_pipelive_resplits_on_cuda_keep_every_token(tiny, mode):
         want = one_cuda_worker(tiny, ps, params)
         host = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
                           layout="PP[3,1]", max_prefill_chunk=16, max_batch_tokens=64,
-                          backend="cuda")
+                          backend="cuda", devices=0)
         requests = [host.submit(p, params) for p in ps]
         host.step()
         host.step()
@@ -487,7 +493,7 @@ def test_a_failed_resplit_on_cuda_takes_itself_back(tiny, site):
 
     def make_host():
         return gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
-                          layout="PP[3,1]", max_batch_tokens=64, backend="cuda")
+                          layout="PP[3,1]", max_batch_tokens=64, backend="cuda", devices=0)
     events = failed_resplit(make_host, ps, GREEDY, want, site)
     assert events > 0
     outcomes = [failed_resplit(make_host, ps, GREEDY, want, site, n)
@@ -504,7 +510,8 @@ def test_buddy_groups_on_cuda_drop_exchange_and_restore(tiny):
     ps = prompts(6, seed=13, lo=20, hi=70)
     want = one_cuda_worker(tiny, ps, GREEDY)
     host = gyges.Host(tiny, workers=2, memory_per_worker=MEMORY, page_size=PAGE,
-                      layout="2xTP1", max_prefill_chunk=16, max_batch_tokens=64, backend="cuda")
+                      layout="2xTP1", max_prefill_chunk=16, max_batch_tokens=64, backend="cuda",
+                      devices=0)
     weights = [[host.worker(i).weights.read(n) for n in sorted(host.worker(i).weights.offsets)]
                for i in range(2)]
     requests = [host.submit(p, GREEDY, instance=i % 2) for i, p in enumerate(ps)]
@@ -539,7 +546,8 @@ def test_a_failed_buddy_or_restore_on_cuda_changes_nothing(tiny, op):
     ps = prompts(4, seed=3, lo=30, hi=50)
     want = one_cuda_worker(tiny, ps, GREEDY)
     assert sweep_buddy(lambda: gyges.Host(tiny, workers=2, memory_per_worker=MEMORY,
-                                          page_size=PAGE, layout="2xTP1", backend="cuda"),
+                                          page_size=PAGE, layout="2xTP1", backend="cuda",
+                                          devices=0),
                        ps, GREEDY, want, "copy", op, most=6) > 0
 
 

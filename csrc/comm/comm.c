@@ -138,17 +138,22 @@ gy_status gy_comm_host_barrier(gy_comm *c) {
 void gy_comm_abort(gy_comm *c, int32_t rank, const char *reason) {
     if (c == NULL) return;
     pthread_mutex_lock(&c->lock);
-    if (!c->aborted) {
+    const int first = !c->aborted;
+    if (first) {
         c->aborted = 1;
         snprintf(c->abort_reason, sizeof c->abort_reason, "rank %d failed: %s", (int)rank,
                  reason ? reason : "");
     }
     pthread_cond_broadcast(&c->cond);
     pthread_mutex_unlock(&c->lock);
+    /* Ranks stuck inside the device library (an NCCL kernel waiting for this rank) are woken
+     * by the backend; outside the lock, since it waits for them to let go. */
+    if (first && c->ops->abort) c->ops->abort(c);
 }
 
 void gy_comm_reset(gy_comm *c) {
     if (c == NULL) return;
+    if (c->ops->reset) c->ops->reset(c);
     pthread_mutex_lock(&c->lock);
     c->aborted = 0;
     c->waiting = 0;

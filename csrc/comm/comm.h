@@ -148,8 +148,9 @@ gy_status gy_comm_recv(gy_comm *comm, int32_t rank, int32_t peer, void *buf, int
 /* Failure of one rank. A rank whose work fails half-way (its forward pass, an injected fault)
  * aborts the communicator: every collective under way and every later one then fails on every
  * rank with GY_ERR_STATE naming `reason`, so no peer waits forever for a rank that will not
- * come (NCCL's ncclCommAbort, for the host side: shm, and d2d's meetings on the host). Once no
- * rank is inside a collective, gy_comm_reset makes it usable again. */
+ * come (NCCL's ncclCommAbort, for the host side: shm, and d2d's meetings on the host; the nccl
+ * backend also calls ncclCommAbort itself, waking a rank stuck in an NCCL kernel). Once no
+ * rank is inside a collective, gy_comm_reset makes it usable again (nccl: new communicators). */
 void gy_comm_abort(gy_comm *comm, int32_t rank, const char *reason);
 void gy_comm_reset(gy_comm *comm);
 int gy_comm_aborted(const gy_comm *comm);

@@ -37,6 +37,13 @@ typedef struct gy_comm_ops {
     gy_status (*set_stream)(gy_comm *comm, int32_t rank, void *stream);
     gy_status (*stream_priority)(gy_comm *comm, int32_t rank, int32_t *priority);
     gy_status (*synchronize)(gy_comm *comm, int32_t rank);
+    /* Optional, NULL for shm and d2d (whose ranks meet on the host only): abort wakes ranks
+     * stuck in the backend's own waits (nccl: ncclCommAbort on every rank's communicator); it
+     * is called once, by gy_comm_abort, after the host side is aborted, possibly while other
+     * ranks are inside a collective. reset makes the backend usable again (nccl: new
+     * communicators), called by gy_comm_reset when no rank is inside a collective. */
+    void (*abort)(gy_comm *comm);
+    void (*reset)(gy_comm *comm);
 } gy_comm_ops;
 
 /* The mailbox of one ordered pair of ranks (sender, receiver) for gy_comm_send/recv. A message

@@ -2,7 +2,8 @@
 device of this folder instead of a GPU, nvcc, cuBLAS and the driver.
 
     python tests/gpu_emu/build.py harness OUT   # OUT/harness                      (ASan+UBSan)
-    python tests/gpu_emu/build.py ext OUT       # OUT/ext/gyges, OUT/lib/libcuda.so.1   (-O2)
+    python tests/gpu_emu/build.py ext OUT       # OUT/ext/gyges, OUT/lib/{libcuda.so.1,
+                                                #   libnccl.so.2, libgy_emu_cudart.so} (-O2)
     python tests/gpu_emu/build.py kernels OUT   # OUT/kernels/gyges, OUT/lib/...    (ASan+UBSan)
     python tests/gpu_emu/build.py comm OUT      # OUT/comm/test_comm_{thread,address}, libnccl
 
@@ -11,8 +12,11 @@ What each is made of (README.md says why):
            csrc/ but the extensions', the emulated runtime (runtime.c), the naive kernels
            (naive_kernels.c), and the real device.cu and comm_d2d.cu on kernel_emu.h (serial).
   ext      both extensions (gyges._C and its test hooks, gyges._C_test) on that same device, for
-           the Python tests that need a GPU, and the pretend driver (libcuda.c) that
-           csrc/mem/arena_cuda.c opens at run time.
+           the Python tests that need a GPU, the pretend driver (libcuda.c) that
+           csrc/mem/arena_cuda.c opens at run time and the pretend NCCL (nccl.c) that
+           csrc/comm/comm_nccl.c opens; the emulated runtime is a shared library of its own
+           (OUT/lib/libgy_emu_cudart.so) that _C and libnccl.so.2 both link, so that they see
+           one machine (Python loads _C with RTLD_LOCAL: NCCL could not reach its symbols).
   kernels  both extensions with every real kernel (csrc/kernels/*.cu) running on host fibers
            (kernel_emu.cpp), for tests/test_cuda.py; the pretend driver too.
   comm     test_comm.c: the communicators and comm_d2d.cu on streams that are threads, under
@@ -214,14 +218,15 @@ def csrc(*exclude):
             and not str(p.relative_to(CSRC)).startswith(TEST_EXTENSION)]
 
 
-def package(objects, test_objects, b, target):
-    """The Python package beside its two extensions: gyges._C linked from `objects` and
-    gyges._C_test from `test_objects`, against that _C (as setup.py links them)."""
+def package(objects, test_objects, b, target, extra=()):
+    """The Python package beside its two extensions: gyges._C linked from `objects` (and
+    `extra` linker arguments) and gyges._C_test from `test_objects`, against that _C (as
+    setup.py links them)."""
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(ROOT / "gyges", target, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    b.link(objects, target / ("_C" + suffix), shared=True)
+    b.link(objects, target / ("_C" + suffix), shared=True, extra=extra)
     b.link(test_objects, target / ("_C_test" + suffix), shared=True,
            extra=[f"-L{target}", f"-l:_C{suffix}", "-Wl,-rpath,$ORIGIN"])
     return target
@@ -234,12 +239,15 @@ def test_extension(b):
     return objects
 
 
-def shared_library(source, target, extra=()):
-    """A plain shared library of one C file of this folder, rebuilt when the file is newer."""
-    if not target.exists() or target.stat().st_mtime < source.stat().st_mtime:
+def shared_library(source, target, extra=(), libs=()):
+    """A plain shared library of one C file of this folder, rebuilt when the file (or a
+    library in `libs`, linked after it) is newer."""
+    newest = max([source.stat().st_mtime] + [Path(l).stat().st_mtime for l in libs])
+    if not target.exists() or target.stat().st_mtime < newest:
         target.parent.mkdir(parents=True, exist_ok=True)
         run([tools()[0], "-std=c11", "-O1", "-g", "-fPIC", "-shared", *WARN, *extra,
-             f"-I{cuda_include()}", str(source), "-o", str(target), "-lpthread"])
+             f"-I{cuda_include()}", str(source), "-o", str(target), *map(str, libs),
+             *([f"-Wl,-rpath,{Path(libs[0]).parent}"] if libs else []), "-lpthread"])
     return target
 
 
@@ -264,17 +272,26 @@ def build_harness(out):
 
 
 def build_ext(out):
+    """OUT/ext/gyges on the emulated machine: OUT/lib holds its runtime, driver and NCCL."""
+    lib = Path(out).resolve() / "lib"
+    runtime = Build(out, "opt")
+    runtime.c(HERE / "runtime.c")
+    [runtime_obj] = runtime.compile()
+    cudart = lib / "libgy_emu_cudart.so"
+    if not cudart.exists() or cudart.stat().st_mtime < runtime_obj.stat().st_mtime:
+        runtime.link([runtime_obj], cudart, shared=True)
     b = Build(out, "opt")
     for source in csrc():
         b.c(source)
     for stem in ("device", "comm_d2d"):
         b.cu(stem)
     b.cxx(HERE / "kernel_emu.cpp", "kernel_emu_serial", ["-DGY_EMU_SERIAL"])
-    for piece in ("runtime.c", "naive_kernels.c"):
-        b.c(HERE / piece)
+    b.c(HERE / "naive_kernels.c")
     libcuda(out)
+    shared_library(HERE / "nccl.c", lib / "libnccl.so.2", ["-Werror"], [cudart])
     objects = b.compile()
-    return package(objects, test_extension(b), b, Path(out).resolve() / "ext" / "gyges")
+    return package(objects, test_extension(b), b, Path(out).resolve() / "ext" / "gyges",
+                   [str(cudart), f"-Wl,-rpath,{lib}"])
 
 
 def build_kernels(out):

@@ -27,6 +27,9 @@ void gy_emu_kernel_on(cudaStream_t stream);
 /* Copies and launches a thread put on another stream than the one of its last naive model
  * kernel: on a GPU nothing would order them after that kernel. */
 extern long gy_emu_stream_mismatches;
+/* Device-to-device copies between two devices' cudaMalloc'ed memory without peer access
+ * (cudaDeviceEnablePeerAccess either way); cudaMemcpyPeer(Async) is not counted. */
+extern long gy_emu_peer_misuses;
 /* Destroys the legacy default streams (and their threads), for a clean exit under sanitizers. */
 void gy_emu_shutdown(void);
 

@@ -10,7 +10,10 @@
  * reservation (still inaccessible) and cuMemSetAccess opens it, as the real driver wants both;
  * cuMemUnmap puts PROT_NONE back, so a stray access faults. A released handle's range is punched
  * out of the file and reused. Copies are memmove; every call is synchronous, so cuCtxSynchronize
- * has nothing to wait for. GYGES_EMU_DEVICES (default 1) is the number of devices. */
+ * has nothing to wait for. GYGES_EMU_DEVICES (default 1) is the number of devices, each with memory
+ * of its own: a handle belongs to the device its cuMemCreate names (a device that does not exist
+ * is refused), cuMemSetAccess must name existing devices, and fake_cuda_device_bytes(device)
+ * answers how much of a device's memory is held, so tests can see where workers' pages went. */
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <fcntl.h>
@@ -27,13 +30,27 @@
 static pthread_mutex_t fake_lock = PTHREAD_MUTEX_INITIALIZER;
 static int fake_fd = -1;
 static size_t fake_file_end;   /* bytes of the memfd handed out so far */
-typedef struct fake_range { size_t offset, size; struct fake_range *next; } fake_range;
+typedef struct fake_range { size_t offset, size; int device; struct fake_range *next; } fake_range;
+#define FAKE_MAX_DEVICES 16
+static size_t fake_held[FAKE_MAX_DEVICES]; /* bytes of live handles, per device */
 static fake_range *fake_free;  /* released handles' ranges, reused by size */
 static struct { void *raw; size_t raw_size; CUdeviceptr base; } fake_reserved[FAKE_MAX_RESERVATIONS];
 
 static int fake_devices(void) {
     const char *env = getenv("GYGES_EMU_DEVICES");
-    return env ? atoi(env) : 1;
+    const int n = env ? atoi(env) : 1;
+    return n < 0 ? 0 : n > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : n;
+}
+
+static int fake_device_exists(int device) { return device >= 0 && device < fake_devices(); }
+
+/* Bytes of `device`'s memory held by live handles (cuMemCreate, not yet released). */
+size_t fake_cuda_device_bytes(int device) {
+    if (device < 0 || device >= FAKE_MAX_DEVICES) return 0;
+    pthread_mutex_lock(&fake_lock);
+    const size_t n = fake_held[device];
+    pthread_mutex_unlock(&fake_lock);
+    return n;
 }
 
 static CUresult fake_init(unsigned int flags) {
@@ -47,6 +64,7 @@ static CUresult fake_get_error_string(CUresult r, const char **out) {
     case CUDA_ERROR_NO_DEVICE: *out = "no CUDA-capable device is detected (emulated driver)"; break;
     case CUDA_ERROR_OUT_OF_MEMORY: *out = "out of memory (emulated driver)"; break;
     case CUDA_ERROR_INVALID_VALUE: *out = "invalid argument (emulated driver)"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *out = "invalid device ordinal (emulated driver)"; break;
     default: *out = "unknown error (emulated driver)"; break;
     }
     return CUDA_SUCCESS;
@@ -137,9 +155,11 @@ static CUresult fake_address_free(CUdeviceptr ptr, size_t size) {
 
 static CUresult fake_mem_create(CUmemGenericAllocationHandle *handle, size_t size,
                                 const CUmemAllocationProp *prop, unsigned long long flags) {
-    (void)prop;
     (void)flags;
     if (size == 0 || size % FAKE_GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
+    if (prop == NULL || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!fake_device_exists(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
     fake_range *r = NULL;
     pthread_mutex_lock(&fake_lock);
     if (fake_fd < 0) fake_fd = memfd_create("gyges_fake_device", MFD_CLOEXEC);
@@ -159,6 +179,10 @@ static CUresult fake_mem_create(CUmemGenericAllocationHandle *handle, size_t siz
             fake_file_end += size;
         }
     }
+    if (r != NULL) {
+        r->device = prop->location.id;
+        fake_held[r->device] += size;
+    }
     pthread_mutex_unlock(&fake_lock);
     if (r == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)r;
@@ -170,6 +194,7 @@ static CUresult fake_mem_release(CUmemGenericAllocationHandle handle) {
     /* Pages come back to the system, and a reused handle reads as zeros again. */
     fallocate(fake_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)r->offset, (off_t)r->size);
     pthread_mutex_lock(&fake_lock);
+    fake_held[r->device] -= r->size;
     r->next = fake_free;
     fake_free = r;
     pthread_mutex_unlock(&fake_lock);
@@ -194,8 +219,11 @@ static CUresult fake_mem_unmap(CUdeviceptr ptr, size_t size) {
 
 static CUresult fake_mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
                                     size_t count) {
-    (void)desc;
-    (void)count;
+    if (count == 0 || desc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++)
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+            !fake_device_exists(desc[i].location.id))
+            return CUDA_ERROR_INVALID_DEVICE;
     return mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0 ? CUDA_SUCCESS
                                                                               : CUDA_ERROR_INVALID_VALUE;
 }

@@ -1,19 +1,32 @@
 """Builds (build.py) and runs what tests/gpu_emu/ checks on a machine without a GPU; `make cudaemu`
 runs every part. (The communicators' part, `build.py comm`, runs in the main pytest run, from
-tests/test_comm_cuda.py.)
+tests/test_comm_cuda.py.) And runs any script on the emulated machine.
 
     python tests/gpu_emu/run.py [PART ...] [--out OUT]     # PART: harness, ext, kernels; all
+    python tests/gpu_emu/run.py script FILE.py --devices N [--out OUT] [-- ARGS ...]
 
   harness  forward_cuda.c, the d2d communicator and the device KV moves against the CPU pass
            (harness.c), under ASan+UBSan;
-  ext      the extension on the emulated device: tests/test_cuda_host.py and test_cuda_engine.py,
-           whose GPU tests then run (GYGES_CUDA_EMULATED=1);
+  ext      the extension on an emulated machine of 4 GPUs with NCCL (the pretend libnccl.so.2):
+           tests/test_cuda_host.py, test_cuda_engine.py and test_cuda_multi_gpu.py, whose GPU
+           tests then run (GYGES_CUDA_EMULATED=1);
   kernels  every kernel of csrc/kernels/*.cu on host fibers: tests/test_cuda.py, under ASan+UBSan
            (preloaded), with every grid shrunk to 3 blocks so that grid-stride loops turn.
+  script   builds the ext part's extension if needed and runs FILE.py (with ARGS) on an emulated
+           machine of N GPUs with separate memory, the pretend driver and NCCL, as the ext tests
+           run: `import gyges` there is that build, `gyges.Host(model, workers=N,
+           backend="cuda")` puts one worker on each emulated GPU, joined by NCCL. Exits with the
+           script's status. The machine's variables (GYGES_EMU_*, below) may be set around it.
+
+The emulated machine's environment (emulated_env): GYGES_CUDA_EMULATED=1, PYTHONPATH=OUT/ext,
+LD_LIBRARY_PATH=OUT/lib (the pretend libcuda.so.1), GYGES_NCCL_LIBRARY=OUT/lib/libnccl.so.2,
+GYGES_EMU_DEVICES=N; optionally GYGES_EMU_STREAMS=threads (streams overtake one another) and
+GYGES_EMU_NCCL_TIMEOUT_S (the pretend NCCL's hang detector, default 60).
 
 Exits with the first failing part's status.
 """
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,20 +51,46 @@ def run_harness(out):
     return subprocess.call([str(harness)], env=env, cwd=ROOT)
 
 
-def pytest(package, tests, env_extra, extra_args=()):
+def emulated_env(package, devices=None, nccl=None):
+    """The environment of a Python process on the emulated machine of `package` (OUT/ext/gyges):
+    its build on PYTHONPATH, the pretend driver on LD_LIBRARY_PATH, `devices` GPUs and the
+    pretend NCCL when given."""
+    lib = package.parent.parent / "lib"
     env = dict(os.environ, PYTHONPATH=str(package.parent), GYGES_CUDA_EMULATED="1",
-               LD_LIBRARY_PATH=str(package.parent.parent / "lib"), **env_extra)
+               LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib),
+                                                             os.environ.get("LD_LIBRARY_PATH")])))
+    if devices is not None:
+        env["GYGES_EMU_DEVICES"] = str(devices)
+    if nccl is not None:
+        env["GYGES_NCCL_LIBRARY"] = str(nccl)
+    return env
+
+
+def pytest(package, tests, env_extra, extra_args=()):
+    env = dict(emulated_env(package), **env_extra)
     command = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *extra_args]
     print(" ".join(command), flush=True)
     return subprocess.call(command, env=env, cwd=ROOT / "tests")
 
 
+EXT_DEVICES = 4
+
+
 def run_ext(out):
     package = build.build_ext(out)
+    nccl = package.parent.parent / "lib" / "libnccl.so.2"
     # gemm.cu's own refusal messages: the emulated GEMM (naive_kernels.c) has none of its own
-    return pytest(package, ["test_cuda_host.py", "test_cuda_engine.py"],
-                  {"GYGES_NCCL_LIBRARY": "/nonexistent"},
+    return pytest(package, ["test_cuda_host.py", "test_cuda_engine.py", "test_cuda_multi_gpu.py"],
+                  {"GYGES_NCCL_LIBRARY": str(nccl), "GYGES_EMU_DEVICES": str(EXT_DEVICES)},
                   ["--deselect", "tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device"])
+
+
+def run_script(package, script, devices, args):
+    """FILE.py on the emulated machine of `package` with `devices` GPUs; returns its exit
+    status."""
+    nccl = package.parent.parent / "lib" / "libnccl.so.2"
+    env = emulated_env(package, devices=devices, nccl=nccl)
+    return subprocess.call([PYTHON, str(script), *args], env=env)
 
 
 def run_kernels(out):
@@ -78,7 +117,33 @@ def run_kernels(out):
 PARTS = {"harness": run_harness, "ext": run_ext, "kernels": run_kernels}
 
 
+def script_main(argv):
+    parser = argparse.ArgumentParser(prog="run.py script",
+                                     description="runs FILE.py on an emulated machine of N GPUs")
+    parser.add_argument("file")
+    parser.add_argument("--devices", type=int, default=1, metavar="N",
+                        help="emulated GPUs, 0 to 16 (default 1)")
+    parser.add_argument("--out", default=str(ROOT / "build" / "gpu_emu"))
+    # Everything after "--" is the script's own, options included.
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not 0 <= args.devices <= 16:
+        parser.error(f"--devices {args.devices}: the emulator has 0 to 16 GPUs")
+    script = Path(args.file)
+    if not script.is_file():
+        parser.error(f"{args.file}: no such file")
+    why_not = build.check()
+    if why_not:
+        raise SystemExit(f"cannot build: {why_not}")
+    # The build's own output goes to stderr: the script's stdout stays its own.
+    with contextlib.redirect_stdout(sys.stderr):
+        package = build.build_ext(Path(args.out).resolve())
+    raise SystemExit(run_script(package, script.resolve(), args.devices, rest))
+
+
 def main():
+    if sys.argv[1:2] == ["script"]:
+        return script_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="*", default=["all"], choices=[*PARTS, "all"])
     parser.add_argument("--out", default=str(ROOT / "build" / "gpu_emu"))

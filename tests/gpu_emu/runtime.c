@@ -18,7 +18,14 @@
  * stream of another device than the current one, recording an event of another device, a device
  * ordinal out of range.
  *
- * GYGES_EMU_DEVICES (default 1) is the number of devices; 0 answers as a machine without one. */
+ * GYGES_EMU_DEVICES (default 1) is the number of devices; 0 answers as a machine without one.
+ * Each device has memory of its own: every cudaMalloc remembers its device (cudaMemGetInfo
+ * counts per device, cudaPointerGetAttributes answers it). Devices reach each other's memory by
+ * cudaMemcpyPeer(Async), or by plain copies once cudaDeviceEnablePeerAccess opened the way; a
+ * device-to-device copy between two devices without peer access is reported on stderr and
+ * counted in gy_emu_peer_misuses (CUDA stages such a copy through the host, slowly, and a kernel
+ * touching the other device's memory would fault: either way, not what the code meant). Kernels'
+ * pointers are not checked (the naive model kernels receive them untyped). */
 #include "gpu_emu.h"
 
 #include <pthread.h>
@@ -79,6 +86,14 @@ long gy_emu_stream_mismatches;
 static _Thread_local int emu_current;
 static _Thread_local cudaError_t emu_last_error;
 static _Thread_local cudaStream_t emu_kernel_stream; /* of this thread's last model kernel */
+long gy_emu_peer_misuses;
+
+/* Device memory: [start, start + bytes) of `device`, sorted by start (binary search). */
+typedef struct emu_block { uintptr_t start; size_t bytes; int device; } emu_block;
+static emu_block *emu_blocks;
+static size_t emu_n_blocks, emu_cap_blocks;
+static size_t emu_used[EMU_MAX_DEVICES];
+static unsigned char emu_peer[EMU_MAX_DEVICES][EMU_MAX_DEVICES]; /* [device][peer]: enabled */
 
 int gy_emu_device_count(void) {
     const char *env = getenv("GYGES_EMU_DEVICES");
@@ -314,6 +329,8 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
+    case cudaErrorPeerAccessNotEnabled: return "cudaErrorPeerAccessNotEnabled";
     default: return "cudaErrorUnknown";
     }
 }
@@ -327,6 +344,8 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected (emulated)";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle (emulated)";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated)";
+    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled (emulated)";
+    case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled (emulated)";
     default: return "unknown error (emulated)";
     }
 }
@@ -373,7 +392,11 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device) {
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
-    *free_bytes = *total_bytes = EMU_DEVICE_BYTES;
+    pthread_mutex_lock(&emu_lock);
+    const size_t used = emu_used[emu_current];
+    pthread_mutex_unlock(&emu_lock);
+    *total_bytes = EMU_DEVICE_BYTES;
+    *free_bytes = used < EMU_DEVICE_BYTES ? EMU_DEVICE_BYTES - used : 0;
     return cudaSuccess;
 }
 
@@ -385,24 +408,134 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
 
 /* ---- memory ---- */
 
+/* With emu_lock held: the index of the first block starting above `at`. */
+static size_t emu_block_after(uintptr_t at) {
+    size_t lo = 0, hi = emu_n_blocks;
+    while (lo < hi) {
+        const size_t mid = (lo + hi) / 2;
+        if (emu_blocks[mid].start <= at) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The device whose memory holds `ptr`, or -1 (host memory, or the driver's mappings). */
+static int emu_device_of(const void *ptr) {
+    const uintptr_t at = (uintptr_t)ptr;
+    pthread_mutex_lock(&emu_lock);
+    const size_t i = emu_block_after(at);
+    int device = -1;
+    if (i > 0 && at < emu_blocks[i - 1].start + emu_blocks[i - 1].bytes) device = emu_blocks[i - 1].device;
+    pthread_mutex_unlock(&emu_lock);
+    return device;
+}
+
 cudaError_t cudaMalloc(void **ptr, size_t bytes) {
     const size_t rounded = (bytes + 255) / 256 * 256;
     *ptr = aligned_alloc(256, rounded ? rounded : 256);
     if (*ptr == NULL) return emu_fail(cudaErrorMemoryAllocation);
     memset(*ptr, 0xa5, rounded); /* not zeroed, like device memory */
+    pthread_mutex_lock(&emu_lock);
+    if (emu_n_blocks == emu_cap_blocks) {
+        const size_t cap = emu_cap_blocks ? 2 * emu_cap_blocks : 256;
+        emu_block *grown = realloc(emu_blocks, cap * sizeof *grown);
+        if (grown == NULL) {
+            pthread_mutex_unlock(&emu_lock);
+            free(*ptr);
+            *ptr = NULL;
+            return emu_fail(cudaErrorMemoryAllocation);
+        }
+        emu_blocks = grown;
+        emu_cap_blocks = cap;
+    }
+    const size_t i = emu_block_after((uintptr_t)*ptr);
+    memmove(emu_blocks + i + 1, emu_blocks + i, (emu_n_blocks - i) * sizeof *emu_blocks);
+    emu_blocks[i] = (emu_block){(uintptr_t)*ptr, rounded ? rounded : 256, emu_current};
+    emu_n_blocks++;
+    emu_used[emu_current] += emu_blocks[i].bytes;
+    pthread_mutex_unlock(&emu_lock);
     emu_count(1);
     return cudaSuccess;
 }
 
 cudaError_t cudaFree(void *ptr) {
     if (ptr == NULL) return cudaSuccess;
-    /* cudaFree waits for the device: nothing queued anywhere may still use it. */
+    /* cudaFree synchronises the memory's device: nothing queued there may still use it. Only
+     * that device: a rank freeing memory while a peer's stream on another GPU waits in NCCL for
+     * this very rank must not wait for that stream (a real GPU does not). */
     pthread_mutex_lock(&emu_lock);
-    for (struct CUstream_st *s = emu_live; s; s = s->next_live) emu_wait_locked(s, s->enqueued);
+    size_t i = emu_block_after((uintptr_t)ptr);
+    int known = i > 0 && emu_blocks[i - 1].start == (uintptr_t)ptr;
+    const int device = known ? emu_blocks[i - 1].device : -1;
+    for (struct CUstream_st *s = emu_live; s; s = s->next_live)
+        if (s->device == device) emu_wait_locked(s, s->enqueued);
+    i = emu_block_after((uintptr_t)ptr); /* the waits let other threads change the table */
+    known = i > 0 && emu_blocks[i - 1].start == (uintptr_t)ptr;
+    if (known) {
+        emu_used[emu_blocks[i - 1].device] -= emu_blocks[i - 1].bytes;
+        memmove(emu_blocks + i - 1, emu_blocks + i, (emu_n_blocks - i) * sizeof *emu_blocks);
+        emu_n_blocks--;
+    }
     pthread_mutex_unlock(&emu_lock);
+    if (!known) {
+        fprintf(stderr, "gpu_emu: cudaFree(%p) of memory cudaMalloc did not return\n", ptr);
+        return emu_fail(cudaErrorInvalidValue);
+    }
     free(ptr);
     emu_count(-1);
     return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *ptr) {
+    memset(attributes, 0, sizeof *attributes);
+    const int device = emu_device_of(ptr);
+    attributes->type = device >= 0 ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
+    attributes->device = device >= 0 ? device : -2;
+    attributes->devicePointer = device >= 0 ? (void *)ptr : NULL;
+    attributes->hostPointer = device >= 0 ? NULL : (void *)ptr;
+    return cudaSuccess;
+}
+
+/* ---- peers ---- */
+
+cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer) {
+    if (emu_check_device(device) != cudaSuccess || emu_check_device(peer) != cudaSuccess)
+        return emu_fail(cudaErrorInvalidDevice);
+    *can = device != peer; /* every pair of emulated devices is linked */
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+    if (flags != 0) return emu_fail(cudaErrorInvalidValue);
+    if (emu_check_device(peer) != cudaSuccess || peer == emu_current)
+        return emu_fail(cudaErrorInvalidDevice);
+    pthread_mutex_lock(&emu_lock);
+    const int already = emu_peer[emu_current][peer];
+    emu_peer[emu_current][peer] = 1;
+    pthread_mutex_unlock(&emu_lock);
+    return already ? emu_fail(cudaErrorPeerAccessAlreadyEnabled) : cudaSuccess;
+}
+
+cudaError_t cudaDeviceDisablePeerAccess(int peer) {
+    if (emu_check_device(peer) != cudaSuccess) return emu_fail(cudaErrorInvalidDevice);
+    pthread_mutex_lock(&emu_lock);
+    const int was = emu_peer[emu_current][peer];
+    emu_peer[emu_current][peer] = 0;
+    pthread_mutex_unlock(&emu_lock);
+    return was ? cudaSuccess : emu_fail(cudaErrorPeerAccessNotEnabled);
+}
+
+/* A copy between two devices' memory without peer access either way. */
+static void emu_check_peer(void *dst, const void *src) {
+    const int to = emu_device_of(dst), from = emu_device_of(src);
+    if (to < 0 || from < 0 || to == from) return;
+    pthread_mutex_lock(&emu_lock);
+    const int open = emu_peer[to][from] || emu_peer[from][to];
+    pthread_mutex_unlock(&emu_lock);
+    if (open) return;
+    __atomic_fetch_add(&gy_emu_peer_misuses, 1, __ATOMIC_RELAXED);
+    fprintf(stderr, "gpu_emu: a copy from device %d's memory to device %d's without peer access "
+            "(cudaMemcpyPeer, or cudaDeviceEnablePeerAccess first)\n", from, to);
 }
 
 cudaError_t cudaMallocHost(void **ptr, size_t bytes) {
@@ -421,12 +554,38 @@ cudaError_t cudaFreeHost(void *ptr) {
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
                             cudaStream_t stream) {
-    (void)kind; /* one address space: every kind is a memmove */
+    /* one address space: every kind is a memmove */
     if (bytes == 0 || dst == src) return cudaSuccess;
     if (dst == NULL || src == NULL) return emu_fail(cudaErrorInvalidValue);
+    if (kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyDefault) emu_check_peer(dst, src);
     emu_check_order(stream);
     const emu_op op = {.kind = EMU_OP_COPY, .dst = dst, .src = src, .bytes = bytes};
     return emu_enqueue(stream, &op);
+}
+
+/* Between devices, whether or not peer access is enabled. Each pointer must be in its device's
+ * memory when the emulator knows it (cudaMalloc's; the driver's mappings are not known). */
+cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *src, int src_device,
+                                size_t bytes, cudaStream_t stream) {
+    if (emu_check_device(dst_device) != cudaSuccess || emu_check_device(src_device) != cudaSuccess)
+        return emu_fail(cudaErrorInvalidDevice);
+    if (bytes == 0) return cudaSuccess;
+    if (dst == NULL || src == NULL) return emu_fail(cudaErrorInvalidValue);
+    const int to = emu_device_of(dst), from = emu_device_of(src);
+    if ((to >= 0 && to != dst_device) || (from >= 0 && from != src_device)) {
+        fprintf(stderr, "gpu_emu: cudaMemcpyPeer names devices %d <- %d for memory of devices "
+                "%d <- %d\n", dst_device, src_device, to, from);
+        return emu_fail(cudaErrorInvalidValue);
+    }
+    emu_check_order(stream);
+    const emu_op op = {.kind = EMU_OP_COPY, .dst = dst, .src = src, .bytes = bytes};
+    return emu_enqueue(stream, &op);
+}
+
+cudaError_t cudaMemcpyPeer(void *dst, int dst_device, const void *src, int src_device,
+                           size_t bytes) {
+    const cudaError_t e = cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, NULL);
+    return e != cudaSuccess ? e : emu_synchronize(emu_stream(NULL));
 }
 
 /* The synchronous calls: on the legacy default stream, and waited for. */

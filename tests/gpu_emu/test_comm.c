@@ -11,15 +11,23 @@
  * the sums come out wrong, and ThreadSanitizer names the two accesses. What it checks beyond
  * tests/test_comm_cuda.py's GPU tests: many rounds back to back with the inputs written and the
  * results read by later work on the same stream (the visibility rule of comm.h), stream
- * switches between rounds, the current device being restored, and the nccl glue. */
+ * switches between rounds, the current device being restored, and the nccl glue, its abort and
+ * remake. And the emulated machine itself, so that what the other tests rely on is checked: the
+ * pretend NCCL (ranks joining by unique id from their threads, one thread grouping every rank's
+ * part of an all-to-all, a send holding its stream until the receiver posts, ncclCommAbort
+ * waking a stuck receiver, the hang detector catching two communicators called in opposite
+ * orders) and devices with their own memory and peer copies. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../c/gytest.h"
 #include "comm/comm.h"
+#include "core/fault.h"
 #include "kernels/comm_d2d.h"
 #include "gpu_emu.h"
 
@@ -502,6 +510,7 @@ GYTEST(fake_d2d_send_recv_chain_keeps_every_round) {
 
 static int (*fake_nccl_errors_fn)(void);
 static const char *(*fake_nccl_problem_fn)(void);
+static int fake_nccl_expected; /* problems the hang detector's test caused on purpose */
 
 static int fake_nccl_clean(void) {
     if (fake_nccl_errors_fn == NULL) {
@@ -511,8 +520,9 @@ static int fake_nccl_clean(void) {
         *(void **)&fake_nccl_problem_fn = dlsym(lib, "fake_nccl_last_problem");
         if (fake_nccl_errors_fn == NULL || fake_nccl_problem_fn == NULL) return 0;
     }
-    if (fake_nccl_errors_fn() != 0) fprintf(stderr, "  fake NCCL: %s\n", fake_nccl_problem_fn());
-    return fake_nccl_errors_fn() == 0;
+    const int errors = fake_nccl_errors_fn();
+    if (errors != fake_nccl_expected) fprintf(stderr, "  fake NCCL: %s\n", fake_nccl_problem_fn());
+    return errors == fake_nccl_expected;
 }
 
 GYTEST(fake_nccl_collectives_and_all_to_all) {
@@ -556,6 +566,439 @@ GYTEST(fake_nccl_refuses_more_gpus_than_there_are) {
     CHECK_STATUS(gy_comm_init_config(&comm, &config), GY_ERR_UNAVAILABLE);
     CHECK(strstr(gy_error_message(), "wants CUDA device 4, this machine has 4") != NULL);
     gy_error_clear();
+}
+
+/* ---- the pretend NCCL's own behaviour, through its API (as a GPU's NCCL would be driven) ---- */
+
+typedef struct { char internal[128]; } nccl_id;
+typedef struct nccl_comm *nccl_comm;
+enum { NCCL_OK = 0, NCCL_SYSTEM_ERROR = 2, NCCL_REMOTE_ERROR = 6, NCCL_INT8 = 0, NCCL_FLOAT32 = 7 };
+
+static struct {
+    int (*get_unique_id)(nccl_id *);
+    int (*init_rank)(nccl_comm *, int, nccl_id, int);
+    int (*init_all)(nccl_comm *, int, const int *);
+    int (*destroy)(nccl_comm);
+    int (*abort)(nccl_comm);
+    int (*async_error)(nccl_comm, int *);
+    int (*all_reduce)(const void *, void *, size_t, int, int, nccl_comm, void *);
+    int (*send)(const void *, size_t, int, int, nccl_comm, void *);
+    int (*recv)(void *, size_t, int, int, nccl_comm, void *);
+    int (*group_start)(void);
+    int (*group_end)(void);
+    void (*set_timeout)(double);
+} nccl;
+
+static int nccl_load(void) {
+    if (nccl.group_end != NULL) return 1;
+    void *lib = dlopen(getenv("GYGES_NCCL_LIBRARY"), RTLD_NOW);
+    if (lib == NULL) return 0;
+    static const struct { const char *name; size_t offset; } symbols[] = {
+        {"ncclGetUniqueId", offsetof(__typeof__(nccl), get_unique_id)},
+        {"ncclCommInitRank", offsetof(__typeof__(nccl), init_rank)},
+        {"ncclCommInitAll", offsetof(__typeof__(nccl), init_all)},
+        {"ncclCommDestroy", offsetof(__typeof__(nccl), destroy)},
+        {"ncclCommAbort", offsetof(__typeof__(nccl), abort)},
+        {"ncclCommGetAsyncError", offsetof(__typeof__(nccl), async_error)},
+        {"ncclAllReduce", offsetof(__typeof__(nccl), all_reduce)},
+        {"ncclSend", offsetof(__typeof__(nccl), send)},
+        {"ncclRecv", offsetof(__typeof__(nccl), recv)},
+        {"ncclGroupStart", offsetof(__typeof__(nccl), group_start)},
+        {"fake_nccl_set_timeout", offsetof(__typeof__(nccl), set_timeout)},
+        {"ncclGroupEnd", offsetof(__typeof__(nccl), group_end)}, /* last: marks it loaded */
+    };
+    for (size_t i = 0; i < sizeof symbols / sizeof symbols[0]; i++) {
+        void *fn = dlsym(lib, symbols[i].name);
+        if (fn == NULL) return 0;
+        memcpy((char *)&nccl + symbols[i].offset, &fn, sizeof fn);
+    }
+    return 1;
+}
+
+static void *new_stream(int device) {
+    cudaSetDevice(device);
+    cudaStream_t stream = NULL;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    return stream;
+}
+
+static void set_flag(void *flag) { __atomic_store_n((int *)flag, 1, __ATOMIC_SEQ_CST); }
+static int flag_of(int *flag) { return __atomic_load_n(flag, __ATOMIC_SEQ_CST); }
+
+static void sleep_ms(long ms) {
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+#define INIT_RANKS 4
+#define INIT_N 1001
+
+typedef struct init_job {
+    nccl_id id;
+    int rank, late, failures;
+    int *late_joined; /* set by the late rank just before it joins */
+} init_job;
+
+/* Rank r on its own thread and device: joins by the id (the last rank late: the others wait in
+ * InitRank for it), then all-reduces rank-valued floats on its own stream. */
+static void *init_rank_job(void *p) {
+    init_job *j = p;
+    if (j->late) {
+        sleep_ms(100);
+        set_flag(j->late_joined);
+    }
+    cudaSetDevice(j->rank);
+    nccl_comm comm = NULL;
+    j->failures += nccl.init_rank(&comm, INIT_RANKS, j->id, j->rank) != NCCL_OK;
+    j->failures += !flag_of(j->late_joined); /* nobody got through before every rank joined */
+    if (comm == NULL) return NULL;
+    void *stream = new_stream(j->rank);
+    float *buf = NULL;
+    cudaMalloc((void **)&buf, INIT_N * sizeof(float));
+    float host[INIT_N];
+    for (int i = 0; i < INIT_N; i++) host[i] = (float)(j->rank + 1) * (float)i;
+    cudaMemcpyAsync(buf, host, sizeof host, cudaMemcpyHostToDevice, stream);
+    j->failures += nccl.all_reduce(buf, buf, INIT_N, NCCL_FLOAT32, 0, comm, stream) != NCCL_OK;
+    cudaMemcpyAsync(host, buf, sizeof host, cudaMemcpyDeviceToHost, stream);
+    cudaStreamSynchronize(stream);
+    for (int i = 0; i < INIT_N; i++) j->failures += host[i] != 10.0f * (float)i; /* 1+2+3+4 */
+    cudaFree(buf);
+    cudaStreamDestroy(stream);
+    j->failures += nccl.destroy(comm) != NCCL_OK;
+    return NULL;
+}
+
+GYTEST(fake_nccl_ranks_join_by_unique_id_from_their_threads) {
+    if (!mode_is("gpu")) return;
+    CHECK(nccl_load());
+    if (!nccl_load()) return;
+    nccl_id id;
+    CHECK(nccl.get_unique_id(&id) == NCCL_OK);
+    int late_joined = 0;
+    init_job jobs[INIT_RANKS];
+    for (int r = 0; r < INIT_RANKS; r++)
+        jobs[r] = (init_job){.id = id, .rank = r, .late = r == INIT_RANKS - 1,
+                             .late_joined = &late_joined};
+    run_jobs(jobs, sizeof *jobs, INIT_RANKS, init_rank_job);
+    for (int r = 0; r < INIT_RANKS; r++) CHECK(jobs[r].failures == 0);
+    /* Two ranks on one device: NCCL's "Duplicate GPU detected", refused on the second. */
+    nccl_comm a = NULL, b = NULL;
+    CHECK(nccl.get_unique_id(&id) == NCCL_OK);
+    cudaSetDevice(1);
+    CHECK(nccl.group_start() == NCCL_OK);
+    CHECK(nccl.init_rank(&a, 2, id, 0) == NCCL_OK);
+    CHECK(nccl.init_rank(&b, 2, id, 1) != NCCL_OK);
+    CHECK(nccl.group_end() != NCCL_OK);
+    CHECK(nccl.destroy(a) == NCCL_OK);
+    CHECK(fake_nccl_clean());
+}
+
+/* One thread drives four GPUs: every rank's sends and receives of an all-to-all in one group,
+ * each on its rank's stream. Without the group the first send would wait for a receive this
+ * thread has not issued yet. */
+GYTEST(fake_nccl_one_thread_groups_an_all_to_all_over_four_ranks) {
+    if (!mode_is("gpu")) return;
+    CHECK(nccl_load());
+    if (!nccl_load()) return;
+    enum { R = 4 };
+    const int devices[R] = {0, 1, 2, 3};
+    nccl_comm comms[R];
+    CHECK(nccl.init_all(comms, R, devices) == NCCL_OK);
+    void *streams[R];
+    unsigned char *send[R][R], *recv[R][R];
+    size_t bytes[R][R]; /* [src][dst] */
+    for (int s = 0; s < R; s++) {
+        streams[s] = new_stream(s);
+        for (int d = 0; d < R; d++) {
+            bytes[s][d] = (size_t)(97 * s + 31 * d + 5) * (s != d);
+            unsigned char host[512];
+            for (size_t i = 0; i < bytes[s][d]; i++) host[i] = (unsigned char)(s * 16 + d + i);
+            cudaSetDevice(s);
+            cudaMalloc((void **)&send[s][d], 512);
+            cudaMemcpy(send[s][d], host, bytes[s][d], cudaMemcpyHostToDevice);
+            cudaSetDevice(d);
+            cudaMalloc((void **)&recv[d][s], 512);
+            cudaMemset(recv[d][s], 0xee, 512);
+        }
+    }
+    CHECK(nccl.group_start() == NCCL_OK);
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < R; p++) {
+            if (p == r) continue;
+            CHECK(nccl.send(send[r][p], bytes[r][p], NCCL_INT8, p, comms[r], streams[r]) == NCCL_OK);
+            CHECK(nccl.recv(recv[r][p], bytes[p][r], NCCL_INT8, p, comms[r], streams[r]) == NCCL_OK);
+        }
+    CHECK(nccl.group_end() == NCCL_OK);
+    for (int r = 0; r < R; r++) CHECK(cudaStreamSynchronize(streams[r]) == cudaSuccess);
+    for (int s = 0; s < R; s++)
+        for (int d = 0; d < R; d++) {
+            unsigned char got[512], want[512];
+            cudaSetDevice(d);
+            cudaMemcpy(got, recv[d][s], 512, cudaMemcpyDeviceToHost);
+            for (size_t i = 0; i < 512; i++)
+                want[i] = i < bytes[s][d] ? (unsigned char)(s * 16 + d + i) : 0xee;
+            CHECK(memcmp(got, want, 512) == 0);
+        }
+    for (int s = 0; s < R; s++) {
+        for (int d = 0; d < R; d++) {
+            cudaFree(send[s][d]);
+            cudaFree(recv[s][d]);
+        }
+        cudaStreamDestroy(streams[s]);
+        CHECK(nccl.destroy(comms[s]) == NCCL_OK);
+    }
+    cudaSetDevice(0);
+    CHECK(fake_nccl_clean());
+}
+
+/* A send holds its stream until the receiver posts: work enqueued after it does not run. */
+GYTEST(fake_nccl_send_blocks_its_stream_until_the_peer_posts) {
+    if (!mode_is("gpu")) return;
+    CHECK(nccl_load());
+    if (!nccl_load()) return;
+    const int devices[2] = {0, 1};
+    nccl_comm comms[2];
+    CHECK(nccl.init_all(comms, 2, devices) == NCCL_OK);
+    void *s0 = new_stream(0), *s1 = new_stream(1);
+    char *src = NULL, *dst = NULL;
+    cudaSetDevice(0);
+    cudaMalloc((void **)&src, 4096);
+    cudaMemset(src, 0x5a, 4096);
+    cudaSetDevice(1);
+    cudaMalloc((void **)&dst, 4096);
+    cudaMemset(dst, 0, 4096);
+    int passed = 0;
+    cudaSetDevice(0);
+    CHECK(nccl.send(src, 4096, NCCL_INT8, 1, comms[0], s0) == NCCL_OK); /* returns at once */
+    CHECK(cudaLaunchHostFunc(s0, set_flag, &passed) == cudaSuccess);
+    sleep_ms(200);
+    CHECK(!flag_of(&passed));
+    cudaSetDevice(1);
+    CHECK(nccl.recv(dst, 4096, NCCL_INT8, 0, comms[1], s1) == NCCL_OK);
+    CHECK(cudaStreamSynchronize(s0) == cudaSuccess && cudaStreamSynchronize(s1) == cudaSuccess);
+    CHECK(flag_of(&passed));
+    char host[4096];
+    cudaMemcpy(host, dst, 4096, cudaMemcpyDeviceToHost);
+    CHECK(host[0] == 0x5a && host[4095] == 0x5a);
+    cudaFree(dst);
+    cudaSetDevice(0);
+    cudaFree(src);
+    cudaStreamDestroy(s0);
+    cudaStreamDestroy(s1);
+    CHECK(nccl.destroy(comms[0]) == NCCL_OK && nccl.destroy(comms[1]) == NCCL_OK);
+    CHECK(fake_nccl_clean());
+}
+
+/* A receive whose sender never comes holds its stream; ncclCommAbort (from another thread, as
+ * NCCL documents) wakes it, leaves the buffer as it was, and the peer learns of it. */
+GYTEST(fake_nccl_abort_wakes_a_stuck_receiver) {
+    if (!mode_is("gpu")) return;
+    CHECK(nccl_load());
+    if (!nccl_load()) return;
+    const int devices[2] = {0, 1};
+    nccl_comm comms[2];
+    CHECK(nccl.init_all(comms, 2, devices) == NCCL_OK);
+    void *s1 = new_stream(1);
+    char *dst = NULL;
+    cudaMalloc((void **)&dst, 256);
+    cudaMemset(dst, 0x11, 256);
+    int woke = 0;
+    CHECK(nccl.recv(dst, 256, NCCL_INT8, 0, comms[1], s1) == NCCL_OK);
+    CHECK(cudaLaunchHostFunc(s1, set_flag, &woke) == cudaSuccess);
+    sleep_ms(100);
+    CHECK(!flag_of(&woke));
+    CHECK(nccl.abort(comms[1]) == NCCL_OK);
+    CHECK(cudaStreamSynchronize(s1) == cudaSuccess);
+    CHECK(flag_of(&woke));
+    char host[256];
+    cudaMemcpy(host, dst, 256, cudaMemcpyDeviceToHost);
+    CHECK(host[0] == 0x11 && host[255] == 0x11);
+    int error = NCCL_OK;
+    CHECK(nccl.async_error(comms[0], &error) == NCCL_OK && error == NCCL_REMOTE_ERROR);
+    cudaFree(dst);
+    cudaStreamDestroy(s1);
+    CHECK(nccl.destroy(comms[0]) == NCCL_OK);
+    cudaSetDevice(0);
+    CHECK(fake_nccl_clean());
+}
+
+typedef struct stuck_job {
+    gy_comm *comm;
+    int32_t rank;
+    float *buf;
+    gy_status first, after_abort, after_reset;
+    int *entered;
+} stuck_job;
+
+/* Rank 1 all-reduces and waits for its stream: stuck, since rank 0 fails instead of coming.
+ * After gy_comm_reset both all-reduce again. */
+static void *stuck_rank(void *p) {
+    stuck_job *j = p;
+    gy_cuda_comm_device_swap(gy_comm_device(j->comm, j->rank), NULL);
+    if (j->rank == 1) {
+        j->first = gy_comm_all_reduce(j->comm, 1, j->buf, 64);
+        set_flag(j->entered);
+        gy_comm_synchronize(j->comm, 1); /* returns once the abort woke the stream */
+        j->after_abort = gy_comm_all_reduce(j->comm, 1, j->buf, 64);
+        gy_error_clear();
+    } else {
+        while (!flag_of(j->entered)) sleep_ms(5);
+        sleep_ms(100); /* rank 1's stream is waiting in NCCL by now */
+        gy_comm_abort(j->comm, 0, "a test's rank 0 gave up");
+    }
+    return NULL;
+}
+
+GYTEST(fake_nccl_gy_comm_abort_wakes_a_rank_stuck_in_nccl_and_reset_remakes_it) {
+    if (!mode_is("gpu")) return;
+    gy_comm *comm = make(GY_COMM_BACKEND_NCCL, 2, NULL, GY_COMM_CHANNEL_COMPUTE);
+    CHECK(comm != NULL);
+    if (comm == NULL) return;
+    int entered = 0;
+    stuck_job jobs[2];
+    for (int32_t r = 0; r < 2; r++) {
+        jobs[r] = (stuck_job){.comm = comm, .rank = r, .entered = &entered};
+        cudaSetDevice(r);
+        cudaMalloc((void **)&jobs[r].buf, 64 * sizeof(float));
+        float ones[64];
+        for (int i = 0; i < 64; i++) ones[i] = (float)(r + 1);
+        cudaMemcpy(jobs[r].buf, ones, sizeof ones, cudaMemcpyHostToDevice);
+    }
+    run_jobs(jobs, sizeof *jobs, 2, stuck_rank);
+    CHECK(jobs[1].first == GY_OK); /* enqueued: NCCL reports later */
+    CHECK(jobs[1].after_abort == GY_ERR_STATE);
+    CHECK(gy_comm_aborted(comm));
+    /* Making the communicators again can fail (an injected fault here): every call then says
+     * so, and the next reset tries again. */
+    gy_fault_arm(GY_FAULT_COMM, 1);
+    gy_comm_reset(comm);
+    gy_fault_disarm_all();
+    CHECK_STATUS(gy_comm_all_reduce(comm, 0, jobs[0].buf, 64), GY_ERR_STATE);
+    CHECK(strstr(gy_error_message(), "could not be made again: injected fault") != NULL);
+    gy_error_clear();
+    gy_comm_reset(comm);
+    CHECK(!gy_comm_aborted(comm));
+    rank_job again[2];
+    for (int32_t r = 0; r < 2; r++) {
+        again[r] = (rank_job){.comm = comm, .rank = r, .size = 2};
+        for (int k = 0; k < ROUNDS; k++) again[r].n[k] = 64;
+        again[r].inputs = calloc(ROUNDS * MAX_N, sizeof(float));
+        again[r].results = calloc(ROUNDS * MAX_N, sizeof(float));
+        again[r].device = jobs[r].buf;
+        for (int k = 0; k < ROUNDS; k++)
+            for (int i = 0; i < 64; i++) again[r].inputs[k * MAX_N + i] = (float)(r + 1) * (float)i;
+    }
+    run_ranks(again, 2, all_reduce_rounds);
+    for (int32_t r = 0; r < 2; r++) {
+        CHECK(again[r].failures == 0);
+        for (int i = 0; i < 64; i++) CHECK(again[r].results[(ROUNDS - 1) * MAX_N + i] == 3.0f * (float)i);
+        free(again[r].inputs);
+        free(again[r].results);
+        cudaSetDevice(r);
+        cudaFree(jobs[r].buf);
+    }
+    cudaSetDevice(0);
+    gy_comm_free(comm);
+    CHECK(fake_nccl_clean());
+}
+
+/* Two communicators over the same two GPUs, called in opposite orders on one stream per rank:
+ * on a GPU each stream waits forever for the other. The hang detector says so instead. */
+GYTEST(fake_nccl_hang_detector_reports_communicators_in_opposite_orders) {
+    if (!mode_is("gpu")) return;
+    CHECK(nccl_load());
+    if (!nccl_load()) return;
+    const int devices[2] = {0, 1};
+    nccl_comm a[2], b[2];
+    CHECK(nccl.init_all(a, 2, devices) == NCCL_OK);
+    CHECK(nccl.init_all(b, 2, devices) == NCCL_OK);
+    void *streams[2] = {new_stream(0), new_stream(1)};
+    float *buf[2];
+    for (int r = 0; r < 2; r++) {
+        cudaSetDevice(r);
+        cudaMalloc((void **)&buf[r], 16 * sizeof(float));
+        cudaMemset(buf[r], 0, 16 * sizeof(float));
+    }
+    (void)fake_nccl_clean(); /* loads the counters */
+    const int before = fake_nccl_errors_fn != NULL ? fake_nccl_errors_fn() : 0;
+    nccl.set_timeout(0.5);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    cudaSetDevice(0);
+    CHECK(nccl.all_reduce(buf[0], buf[0], 16, NCCL_FLOAT32, 0, a[0], streams[0]) == NCCL_OK);
+    CHECK(nccl.all_reduce(buf[0], buf[0], 16, NCCL_FLOAT32, 0, b[0], streams[0]) == NCCL_OK);
+    cudaSetDevice(1);
+    CHECK(nccl.all_reduce(buf[1], buf[1], 16, NCCL_FLOAT32, 0, b[1], streams[1]) == NCCL_OK);
+    CHECK(nccl.all_reduce(buf[1], buf[1], 16, NCCL_FLOAT32, 0, a[1], streams[1]) == NCCL_OK);
+    CHECK(cudaStreamSynchronize(streams[0]) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(streams[1]) == cudaSuccess);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    nccl.set_timeout(60.0);
+    const double waited = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    CHECK(waited >= 0.5 && waited < 30.0);
+    CHECK(fake_nccl_errors_fn != NULL && fake_nccl_errors_fn() > before);
+    CHECK(fake_nccl_problem_fn != NULL && strstr(fake_nccl_problem_fn(), "would-be deadlock"));
+    int error = NCCL_OK, other = NCCL_OK;
+    CHECK(nccl.async_error(a[0], &error) == NCCL_OK && nccl.async_error(b[0], &other) == NCCL_OK);
+    CHECK(error == NCCL_SYSTEM_ERROR || other == NCCL_SYSTEM_ERROR);
+    if (fake_nccl_errors_fn != NULL) fake_nccl_expected = fake_nccl_errors_fn();
+    for (int r = 0; r < 2; r++) {
+        cudaSetDevice(r);
+        cudaFree(buf[r]);
+        cudaStreamDestroy(streams[r]);
+        CHECK(nccl.destroy(a[r]) == NCCL_OK && nccl.destroy(b[r]) == NCCL_OK);
+    }
+    cudaSetDevice(0);
+}
+
+/* ---- peers ---- */
+
+GYTEST(fake_devices_have_their_own_memory_and_peer_copies) {
+    if (!mode_is("gpu")) return;
+    char *on0 = NULL, *on1 = NULL;
+    cudaSetDevice(0);
+    size_t free0 = 0, total = 0;
+    cudaMemGetInfo(&free0, &total);
+    CHECK(cudaMalloc((void **)&on0, 1 << 20) == cudaSuccess);
+    size_t free0_after = 0;
+    cudaMemGetInfo(&free0_after, &total);
+    CHECK(free0 - free0_after == 1 << 20);
+    cudaSetDevice(1);
+    size_t free1 = 0;
+    cudaMemGetInfo(&free1, &total);
+    CHECK(free1 == free0); /* device 1 did not pay for device 0's memory */
+    CHECK(cudaMalloc((void **)&on1, 1 << 20) == cudaSuccess);
+    struct cudaPointerAttributes attributes;
+    CHECK(cudaPointerGetAttributes(&attributes, on0 + 100) == cudaSuccess);
+    CHECK(attributes.type == cudaMemoryTypeDevice && attributes.device == 0);
+    int can = 0;
+    CHECK(cudaDeviceCanAccessPeer(&can, 1, 0) == cudaSuccess && can);
+    cudaMemset(on1, 0, 1 << 20);
+    cudaSetDevice(0);
+    cudaMemset(on0, 0x77, 1 << 20);
+    /* A plain copy between them without peer access: reported, and counted. */
+    const long misuses = __atomic_load_n(&gy_emu_peer_misuses, __ATOMIC_RELAXED);
+    CHECK(cudaMemcpy(on1, on0, 64, cudaMemcpyDeviceToDevice) == cudaSuccess);
+    CHECK(__atomic_load_n(&gy_emu_peer_misuses, __ATOMIC_RELAXED) == misuses + 1);
+    /* cudaMemcpyPeer is the way, and names the devices right. */
+    CHECK(cudaMemcpyPeer(on1 + 64, 1, on0, 0, 64) == cudaSuccess);
+    CHECK(cudaMemcpyPeer(on1, 0, on0, 0, 64) == cudaErrorInvalidValue);
+    gy_error_clear();
+    cudaGetLastError();
+    /* Once peer access is on, plain copies are fine. */
+    CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+    CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorPeerAccessAlreadyEnabled);
+    cudaGetLastError();
+    CHECK(cudaMemcpy(on1 + 128, on0, 64, cudaMemcpyDeviceToDevice) == cudaSuccess);
+    CHECK(__atomic_load_n(&gy_emu_peer_misuses, __ATOMIC_RELAXED) == misuses + 1);
+    CHECK(cudaDeviceDisablePeerAccess(1) == cudaSuccess);
+    char host[192];
+    cudaMemcpy(host, on1, sizeof host, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < 192; i++) CHECK(host[i] == 0x77);
+    cudaFree(on0);
+    cudaSetDevice(1);
+    cudaFree(on1);
+    cudaSetDevice(0);
 }
 
 /* ---- a machine with neither ---- */
