@@ -925,6 +925,128 @@ def test_kv_write_refuses_bad_arguments_before_the_device():
         _C_test.cuda_kv_write(storage, layout.tuple(), F16, k, k, F16, *batch.args())
 
 
+# ---- Flying Serving's KV views: longer blocks of fewer heads over the same bytes ----
+
+# (layout kind, block_size B, KV heads H, factor k, head_dim): a view of factor k
+# (gy_kv_init_view, KVCache.view) reads each block of its base (B tokens of H heads) as k*B tokens
+# of H/k heads, so a TPk rank of a replicated host attends over blocks k times longer than its
+# worker's DP engine. Odd B (view blocks of 10, 12, 14, 20: neither the base's size nor powers of
+# two), every layout, the factors of a 4-worker host, head sizes of every kernel bucket.
+VIEW_CASES = [(RAW, 5, 4, 2, 40), (PAGE, 3, 4, 4, 8), (HEAD, 7, 2, 2, 64), (HEAD, 5, 4, 4, 128)]
+# DP sequences on the base, TP sequences on the view (one of 150 positions: the decode kernel
+# splits it into partitions), and the tokens attended: decodes, a first token, and prefill chunks
+# that cross several of the view's blocks.
+VIEW_DP_LENS, VIEW_TP_LENS = [13, 11], [150, 1, 37]
+VIEW_DP_TOKENS = [(0, 12)] + [(1, p) for p in range(4, 11)]
+VIEW_TP_TOKENS = ([(0, 149), (1, 0)] + [(2, p) for p in range(3, 37)]
+                  + [(0, p) for p in range(100, 104)])
+
+
+def view_of(layout, factor):
+    """The layout of a view of `factor` over `layout`'s blocks (gy_kv_init_view)."""
+    return Layout(layout.kind, layout.block_size * factor, layout.n_heads // factor,
+                  layout.head_dim, layout.elem_size, layout.n_blocks)
+
+
+def batch_on(layout, lens, tokens, blocks):
+    """A PagedBatch whose sequences own the given block ids, in order."""
+    batch = PagedBatch(np.random.default_rng(0), layout, lens, tokens)
+    assert batch.indices.size == len(blocks)
+    batch.indices = np.asarray(blocks, np.int32)
+    return batch
+
+
+def write_all(storage, layout, kv_dtype, batch, lens, ks, vs):
+    """Every position of every sequence written by the kv_write kernel, as prefills do; ks, vs:
+    per sequence (len, n_heads, head_dim) fp32 values exact in kv_dtype."""
+    tokens = [(s, p) for s, n in enumerate(lens) for p in range(n)]
+    write = batch_on(layout, lens, tokens, batch.indices)
+    k = np.concatenate(ks).astype(np.float32)
+    v = np.concatenate(vs).astype(np.float32)
+    _C_test.cuda_kv_write(storage, layout.tuple(), kv_dtype, k, v, F32, *write.args())
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", VIEW_CASES, ids=lambda c: "%s_b%d_h%d_k%d_d%d" % (
+    "raw page head".split()[c[0]], *c[1:]))
+def test_kernels_on_a_kv_view_share_blocks_with_its_base(case, kv_dtype):
+    """One layer's storage as a replicated worker holds it: DP sequences written in the base's
+    geometry and TP sequences in the view's, in blocks of one shuffled pool. kv_write puts every
+    value where the layout says, bit for bit, and nowhere else (the rest keeps its poison); both
+    attention kernels read the view's longer blocks and the base's short ones against float64,
+    and on the view they give, to the bit, what a sharded TP rank's cache of B-token blocks of
+    the same heads gives: the kernels' sums do not depend on the block size, so a Flying TP
+    engine computes a sharded one's values."""
+    kind, B, H, k, D = case
+    rng = np.random.default_rng(31000 + 1000 * kind + 100 * B + 10 * k + kv_dtype)
+    esz = ELEM_SIZE[kv_dtype]
+    base = Layout(kind, B, H, D, esz, 30)
+    view = view_of(base, k)
+    # the view the engine makes has exactly these strides (what forward_cuda.c hands the kernels)
+    arena = gyges.Arena(budget="4MiB", page_size="64KiB")
+    made = gyges.KVCache(arena, n_layers=1, n_kv_heads=H, head_dim=D, block_size=B,
+                         layout=("raw", "page", "header")[kind]).view(k)
+    made.grow(1)
+    got = made.layout()
+    assert (got["block_size"], got["n_heads"]) == (view.block_size, view.n_heads)
+    assert tuple(got[s] for s in ("stride_kv", "stride_block", "stride_token", "stride_head")) \
+        == layout_strides(kind, view.block_size, view.n_heads, D, got["n_blocks"])
+    del made, arena
+    assert view.n_elems == base.n_elems
+
+    # one pool: the DP sequences' blocks and the TP ones' drawn from one permutation
+    pool = rng.permutation(base.n_blocks)
+    dp_n = [-(-n // B) for n in VIEW_DP_LENS]
+    tp_n = [-(-n // view.block_size) for n in VIEW_TP_LENS]
+    dp_blocks, tp_blocks = pool[:sum(dp_n)], pool[sum(dp_n):sum(dp_n) + sum(tp_n)]
+    dp = batch_on(base, VIEW_DP_LENS, VIEW_DP_TOKENS, dp_blocks)
+    tp = batch_on(view, VIEW_TP_LENS, VIEW_TP_TOKENS, tp_blocks)
+
+    def values(lens, heads):
+        return [round_to(rng.standard_normal((n, heads, D)), kv_dtype) for n in lens]
+    dp_k, dp_v = values(VIEW_DP_LENS, H), values(VIEW_DP_LENS, H)
+    tp_k, tp_v = values(VIEW_TP_LENS, view.n_heads), values(VIEW_TP_LENS, view.n_heads)
+    storage = poison(base.n_elems, esz)
+    want = storage.copy()
+    write_all(storage, base, kv_dtype, dp, VIEW_DP_LENS, dp_k, dp_v)
+    write_all(storage, view, kv_dtype, tp, VIEW_TP_LENS, tp_k, tp_v)
+    for layout, batch, ks, vs in ((base, dp, dp_k, dp_v), (view, tp, tp_k, tp_v)):
+        for s, (kk, vv) in enumerate(zip(ks, vs)):
+            idx = batch.slots(layout, s, np.arange(len(kk)))
+            want[idx[0]] = encode(kk, kv_dtype).view(want.dtype)
+            want[idx[1]] = encode(vv, kv_dtype).view(want.dtype)
+    diff = np.flatnonzero(storage != want)
+    assert diff.size == 0, f"{diff.size} elements differ, first at {diff[:8]}"
+
+    kv_storage = storage.view(np.float32) if kv_dtype == F32 else storage
+    group = 3
+    for layout, batch, ks, vs in ((base, dp, dp_k, dp_v), (view, tp, tp_k, tp_v)):
+        n_q = layout.n_heads * group
+        q = rng.standard_normal((batch.n_tokens, n_q, D)).astype(np.float32)
+        scale = float(np.float32(1 / np.sqrt(D)))
+        ref = attention_reference(q.astype(np.float64), ks, vs, batch, n_q, scale)
+        for kernel in ATTENTION:
+            out = run_attention(kernel, q, F32, kv_storage, layout, kv_dtype, batch, n_q, scale)
+            assert_close(out, ref, F32, ulps=attention_ulps(F32),
+                         scale=max(np.abs(v).max() for v in vs),
+                         what=f"{kernel} on {'the view' if layout is view else 'the base'}")
+            if layout is not view:
+                continue
+            # the same heads' K/V in a sharded rank's cache: B-token blocks, shuffled anew
+            plain = Layout(kind, B, view.n_heads, D, esz, base.n_blocks * k)
+            sharded = PagedBatch(rng, plain, VIEW_TP_LENS, VIEW_TP_TOKENS)
+            other = poison(plain.n_elems, esz)
+            for s, (kk, vv) in enumerate(zip(ks, vs)):
+                idx = sharded.slots(plain, s, np.arange(len(kk)))
+                other[idx[0]] = encode(kk, kv_dtype).view(other.dtype)
+                other[idx[1]] = encode(vv, kv_dtype).view(other.dtype)
+            other = other.view(np.float32) if kv_dtype == F32 else other
+            same = run_attention(kernel, q, F32, other, plain, kv_dtype, sharded, n_q, scale)
+            np.testing.assert_array_equal(out.view(np.uint32), same.view(np.uint32),
+                                          err_msg=f"{kernel}: the view's bits")
+
+
 # ---- sampling on the device, against the CPU sampler ----
 
 def sample_params(rng, n, vocab):

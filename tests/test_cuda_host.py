@@ -549,8 +549,3 @@ def test_a_failed_buddy_or_restore_on_cuda_changes_nothing(tiny, op):
                                           page_size=PAGE, layout="2xTP1", backend="cuda",
                                           devices=0),
                        ps, GREEDY, want, "copy", op, most=6) > 0
-
-
-def test_replicated_weights_are_refused_on_cuda_with_the_reason(tiny):
-    with pytest.raises(gyges.UnavailableError, match="weights='replicated' runs on the CPU"):
-        gyges.Host(tiny, workers=2, backend="cuda", weights="replicated")

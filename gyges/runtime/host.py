@@ -132,10 +132,6 @@ class Host(Serving):
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
         replicated = self._replicated_workers(weights, workers)
-        if replicated and backend != "cpu":
-            raise UnavailableError("weights='replicated' runs on the CPU backend: the CUDA "
-                                   "attention kernels have not been checked with the adaptor's "
-                                   "longer TP blocks")
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers, model.config.num_hidden_layers)
