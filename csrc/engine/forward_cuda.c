@@ -17,6 +17,7 @@
 #include "forward_cuda.h"
 #include "forward_backend.h"
 #include "../core/alloc.h"
+#include "../core/grow.h"
 
 #if defined(GY_WITH_CUDA) && defined(GY_WITH_CUDA_FORWARD)
 
@@ -81,6 +82,13 @@ struct gy_forward_cuda_ws {
     int decode; /* one query token per sequence: the decode attention kernel */
     const int32_t *d_tokens, *d_token_seq, *d_token_pos, *d_indptr, *d_indices, *d_logit_rows,
         *d_iota;
+    /* KunServe's remote attention (gy_fwd_cuda_remote_upload), when the batch has parts:
+     *   ridx: packed int32 zeros (n) | per part p: its block table {0, nb_p} (2), blocks (nb_p)
+     *   rem_at: (cap_rem) host, part p's table at ridx + rem_at[p] */
+    gy_dev_buf ridx;
+    int32_t *host_ridx; /* (host_ridx_cap) pinned staging of ridx */
+    int64_t host_ridx_cap, *rem_at, cap_rem;
+    const int32_t *d_zeros;
 };
 
 static gy_status gy_dev_reserve(gy_dev_buf *b, int64_t bytes) {
@@ -102,10 +110,12 @@ void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *c) {
     if (c->stream != NULL) cudaStreamSynchronize(c->stream);
     gy_cuda_blas_free(c->blas);
     gy_dev_buf *bufs[] = {&c->x, &c->h, &c->q, &c->k, &c->v, &c->attn, &c->gu, &c->g,
-                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx};
+                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx, &c->ridx};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]->ptr != NULL) cudaFree(bufs[i]->ptr);
     if (c->host_idx != NULL) cudaFreeHost(c->host_idx);
+    if (c->host_ridx != NULL) cudaFreeHost(c->host_ridx);
+    free(c->rem_at);
     cudaGetLastError(); /* a cleanup: the first error's message is what matters */
     free(c);
 }
@@ -276,6 +286,127 @@ static gy_status gy_fwd_cuda_upload(struct gy_forward_cuda_ws *c, const gy_forwa
     return GY_OK;
 }
 
+/* ---- KunServe's remote attention (forward.h: gy_forward_remote) ----
+ *
+ * A remote part's rows attend, for its layers, on another worker's cache: their K/V are written
+ * there and the same kernels run over it, the part being one sequence (token_seq zeros, its block
+ * table in that cache). The projections and the FFN stay here. Virtual workers of one GPU share
+ * the device, so the kernels run on this worker's stream, in order with the rest of the layer;
+ * a part whose cache is on another device is refused (a peer copy of q, k and v in and of the
+ * output back is the missing piece). A token's attention depends only on its own sequence, so
+ * the rows attended here and there are the bits of one pass over the whole batch. */
+
+/* The parts' checks a CUDA pass adds to forward.c's, and their index arrays in one copy; the
+ * attention scratch grown for the largest run of rows a layer may cut the batch into. */
+static gy_status gy_fwd_cuda_remote_upload(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                           const gy_forward_batch *b, int64_t heads,
+                                           int64_t max_len) {
+    if (b->n_remote == 0) return GY_OK;
+    const int64_t n = b->paged.n_tokens;
+    int64_t total = n;
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const gy_arena *a = gy_kv_arena(b->remote[i].kv);
+        if (gy_arena_backend(a) != GY_ARENA_BACKEND_CUDA)
+            return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld: its cache is not in a "
+                           "CUDA arena", (long long)i);
+        if (gy_arena_device(a) != m->device)
+            return GY_FAIL(GY_ERR_UNAVAILABLE, "remote attention part %lld: its cache is on "
+                           "device %d, this worker on device %d; remote attention runs between "
+                           "workers of one device", (long long)i, (int)gy_arena_device(a),
+                           (int)m->device);
+        total += 2 + b->remote[i].indptr[1];
+    }
+    GY_TRY(gy_grow((void **)&c->rem_at, &c->cap_rem, b->n_remote, sizeof *c->rem_at,
+                   "remote attention offsets"));
+    if (total > c->host_ridx_cap) {
+        if (c->host_ridx != NULL) cudaFreeHost(c->host_ridx);
+        c->host_ridx = NULL;
+        c->host_ridx_cap = 0;
+        const int64_t want = total + total / 4;
+        GY_FWD_CUDA_CHECK(cudaMallocHost((void **)&c->host_ridx, (size_t)want * sizeof(int32_t)));
+        c->host_ridx_cap = want;
+    }
+    GY_TRY(gy_dev_reserve(&c->ridx, total * (int64_t)sizeof(int32_t)));
+    /* A run of k rows may need more scratch than the whole batch (the decode kernel splits the
+     * KV length further for fewer rows). */
+    int64_t need = 0;
+    for (int64_t k = 1; k <= n; k++) {
+        const int64_t w = gy_cuda_paged_attention_workspace_bytes(k, heads, m->head_dim, max_len);
+        if (w > need) need = w;
+    }
+    GY_TRY(gy_dev_reserve(&c->attn_ws, need));
+    int32_t *h = c->host_ridx;
+    memset(h, 0, (size_t)n * sizeof(int32_t));
+    int64_t at = n;
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const gy_forward_remote *p = &b->remote[i];
+        c->rem_at[i] = at;
+        h[at] = 0;
+        h[at + 1] = p->indptr[1];
+        if (p->indptr[1] > 0)
+            memcpy(h + at + 2, p->blocks, (size_t)p->indptr[1] * sizeof(int32_t));
+        at += 2 + p->indptr[1];
+    }
+    c->d_zeros = c->ridx.ptr;
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->ridx.ptr, h, (size_t)at * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, c->stream));
+    return GY_OK;
+}
+
+/* Rows [row0, row0 + n) of the step: their K/V into the layer at layer_base, then their attention
+ * over it (sequences token_seq[..] of the block tables indptr/indices, n_seqs of them). */
+static gy_status gy_fwd_cuda_attend(struct gy_forward_cuda_ws *c, const gy_model *m, int64_t row0,
+                                    int64_t n, void *layer_base, const gy_kv_layout *layout,
+                                    gy_dtype kv_dtype, const int32_t *token_seq,
+                                    const int32_t *token_pos, const int32_t *indptr,
+                                    const int32_t *indices, int64_t n_seqs, int64_t heads,
+                                    float scale) {
+    const gy_dtype act = m->weight_dtype;
+    const int64_t esz = gy_dtype_size(act), D = m->head_dim;
+    const int64_t q_row = heads * D * esz, kv_row = layout->n_heads * D * esz;
+    const void *q = (const char *)c->q.ptr + row0 * q_row;
+    void *attn = (char *)c->attn.ptr + row0 * q_row;
+    GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, (const char *)c->k.ptr + row0 * kv_row,
+                            (const char *)c->v.ptr + row0 * kv_row, act, token_seq, token_pos, n,
+                            indptr, indices, n_seqs, c->stream));
+    if (c->decode)
+        return gy_cuda_paged_attention_decode(attn, q, act, layer_base, layout, kv_dtype, token_seq,
+                                              token_pos, n, indptr, indices, n_seqs, heads,
+                                              c->max_len, scale, c->attn_ws.ptr, c->attn_ws.bytes,
+                                              c->stream);
+    return gy_cuda_paged_attention_prefill(attn, q, act, layer_base, layout, kv_dtype, token_seq,
+                                           token_pos, n, indptr, indices, n_seqs, heads,
+                                           c->max_len, scale, c->attn_ws.ptr, c->attn_ws.bytes,
+                                           c->stream);
+}
+
+/* Layer l's attention for the whole batch: here, except the remote parts whose KV for l is on
+ * another worker (forward_cpu.c's gy_forward_cpu_attention, on the device). */
+static gy_status gy_fwd_cuda_attention(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                       const gy_forward_batch *b, void *layer_base,
+                                       const gy_kv_layout *layout, gy_dtype kv_dtype, int64_t l,
+                                       int64_t heads, float scale) {
+    int64_t row = 0; /* rows before it are done */
+    for (int64_t i = 0; i <= b->n_remote; i++) {
+        const gy_forward_remote *p = i < b->n_remote ? &b->remote[i] : NULL;
+        if (p != NULL && (l < p->first_layer || l >= p->end_layer)) continue; /* attends here */
+        const int64_t stop = p != NULL ? p->row0 : c->n_tokens;
+        if (stop > row)
+            GY_TRY(gy_fwd_cuda_attend(c, m, row, stop - row, layer_base, layout, kv_dtype,
+                                      c->d_token_seq + row, c->d_token_pos + row, c->d_indptr,
+                                      c->d_indices, c->n_seqs, heads, scale));
+        if (p == NULL) break;
+        const gy_kv_config *rc = gy_kv_config_of(p->kv);
+        void *there = (void *)gy_kv_layer_address(p->kv, l - rc->first_layer);
+        const int32_t *table = (const int32_t *)c->ridx.ptr + c->rem_at[i]; /* {0, nb}, blocks */
+        GY_TRY(gy_fwd_cuda_attend(c, m, p->row0, p->n_rows, there, gy_kv_layout_of(p->kv),
+                                  kv_dtype, c->d_zeros, c->d_token_pos + p->row0, table,
+                                  table + 2, 1, heads, scale));
+        row = p->row0 + p->n_rows;
+    }
+    return GY_OK;
+}
+
 static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                        const gy_forward_batch *b, gy_forward_ws *ws, int embed,
                                        int64_t max_len) {
@@ -309,6 +440,7 @@ static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp,
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++)
         GY_TRY(gy_dev_reserve(plan[i].buf, plan[i].bytes));
     GY_TRY(gy_fwd_cuda_upload(c, b));
+    GY_TRY(gy_fwd_cuda_remote_upload(c, m, b, heads, max_len));
 
     c->n_tokens = n;
     c->n_seqs = p->n_seqs;
@@ -381,19 +513,7 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
                             w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
         GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
                             m->rope_inv_freq_dev, (float)m->rope_mscale, act, st));
-        GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, c->k.ptr, c->v.ptr, act,
-                                c->d_token_seq, c->d_token_pos, n, c->d_indptr, c->d_indices,
-                                c->n_seqs, st));
-        if (c->decode)
-            GY_TRY(gy_cuda_paged_attention_decode(
-                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
-                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
-                c->attn_ws.ptr, c->attn_ws.bytes, st));
-        else
-            GY_TRY(gy_cuda_paged_attention_prefill(
-                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
-                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
-                c->attn_ws.ptr, c->attn_ws.bytes, st));
+        GY_TRY(gy_fwd_cuda_attention(c, m, b, layer_base, layout, kv_dtype, l, heads, scale));
         /* o_proj is row-parallel: this rank's heads' partial sum, onto the residual on rank 0. */
         GY_TRY(gy_fwd_cuda_residual_open(c, m, tp));
         GY_TRY(gy_cuda_gemm(c->o.ptr, F32, hid, c->attn.ptr, act, q_rows,
