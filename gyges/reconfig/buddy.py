@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import _C
 from ..core.checks import integer
-from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError, StateError
+from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
+                           UnavailableError)
 from ..runtime.kv_cache import KVMove
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
@@ -146,6 +147,13 @@ class Buddy(Reconfiguration, Paced):
         if "replicated" in host.weights_of(workers):
             raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
                                        f"keep replicas that switch() binds (weights='replicated')")
+        devices = sorted({host.devices[w] for w in workers} - {None})
+        if self.live and len(devices) > 1:
+            # its remote attention runs on the other worker's cache from this worker's stream,
+            # and its KV moves by device copies: both within one device (forward_cuda.c, kv_move.c)
+            raise UnavailableError(f"a live exchange runs between CUDA workers of one device; "
+                                   f"workers {workers} are on devices {devices} (live=False "
+                                   f"exchanges the KV between two steps)")
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
