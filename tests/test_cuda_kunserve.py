@@ -86,6 +86,82 @@ def nccl_host_or_skip(tiny, **kw):
         pytest.skip(f"NCCL cannot be loaded here: {e}")
 
 
+# ---- remote attention alone ----
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]], ids=["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_remote_attention_gives_the_tokens_of_local_attention(tiny, devices, params):
+    """The mechanism under a live exchange, alone: PP2 whose first worker's cache holds layers
+    2 and 3 too; every other request attends in those layers on that cache from its first token
+    (on one GPU from the second worker's stream; across two GPUs its q, k and v go over by peer
+    copies, the kernels run there and the output comes back), the rest on the second worker.
+    Every request gets one CUDA worker's tokens, and the pages come back."""
+    if devices[1]:
+        devices_or_skip(2)
+    ps = prompts(6, seed=17, lo=10, hi=50)
+    want = unreconfigured(tiny, ps, params, instances=1)
+    host = (nccl_host_or_skip if devices[1] else cuda_host)(tiny, layout="PP2", devices=devices)
+    pipe, kv0 = host.instances[0], host.worker(0).kv
+    start = in_use(host)
+    kv0.set_layers(0, 4)
+    reqs = [host.submit(q, params) for q in ps]
+    assert sorted(r.id for r in reqs) == sorted(pipe.request_ids())
+    for r in reqs[::2]:
+        pipe.set_remote(r.id, 1, 0, 2, 4)
+    host.run()
+    assert [r.output_tokens for r in reqs] == want
+    stats = pipe.remote_stats()   # a call per request and layer of every step it ran in
+    assert stats["calls"] >= 3 * 2 * params.max_tokens and stats["token_layers"] > stats["calls"]
+    kv0.set_layers(0, 2)
+    assert in_use(host) == start
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]], ids=["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("site", ["alloc", "copy"])
+def test_a_failed_remote_attention_fails_its_step_only(tiny, devices, site):
+    """Every host allocation of the steps (the remote parts' lists among them) and, across
+    GPUs, every round trip of remote attention's activations (the `copy` site) fails in turn:
+    that step raises and is taken back, the next ones serve on, and every request gets one CUDA
+    worker's tokens with every page back."""
+    from gyges.testing import count, inject, spread
+    if devices[1]:
+        devices_or_skip(2)
+    ps = prompts(3, seed=19, lo=10, hi=40)
+    want = unreconfigured(tiny, ps, GREEDY, instances=1)
+
+    def setup():
+        host = (nccl_host_or_skip if devices[1] else cuda_host)(tiny, layout="PP2",
+                                                                devices=devices)
+        start = in_use(host)
+        host.worker(0).kv.set_layers(0, 4)
+        reqs = [host.submit(q, GREEDY) for q in ps]
+        for r in reqs[::2]:
+            host.instances[0].set_remote(r.id, 1, 0, 2, 4)
+        return host, reqs, start
+
+    def run(host, reqs):
+        while not all(r.finished for r in reqs):
+            host.step()
+    host, reqs, _ = setup()
+    events, _ = count(site, lambda: run(host, reqs))
+    host.close()
+    if site == "copy" and not devices[1]:
+        assert events == 0   # one device: no copies, the kernels read the other cache
+        return
+    assert events > 0
+    for n in spread(events, 4):
+        host, reqs, start = setup()
+        with inject(site, n) as fired:
+            with pytest.raises(gyges.Error):
+                run(host, reqs)
+            assert fired() == 1
+        run(host, reqs)
+        assert [r.output_tokens for r in reqs] == want
+        host.worker(0).kv.set_layers(0, 2)
+        assert in_use(host) == start
+        host.close()
+
+
 # ---- one GPU: virtual workers ----
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -224,25 +300,39 @@ def test_a_pipeline_across_two_gpus_gives_one_cuda_workers_tokens(tiny, params):
     assert in_use(host) == start
 
 
-def test_a_live_exchange_across_gpus_is_refused_and_changes_nothing(tiny):
-    """Two TP1 workers on two GPUs: a live exchange (its remote attention and KV moves run
-    within one device) is refused before any change, and so is a blocking one, whose KV move
-    between devices needs the NCCL migration backend; the requests keep their tokens."""
+def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
+    """Two TP1 workers on two GPUs: remote attention runs across them (the test above), and the
+    exchange's KV moves between the devices. Where the KV move has no backend between two GPUs
+    (the NCCL migration backend), the group is refused at its plan, live or blocking, with the
+    reason and nothing changed; where it has one, the live exchange and restore give the tokens
+    of a host that never reconfigured. Either way the pages come back."""
     devices_or_skip(2)
     ps = prompts(4, seed=5, lo=20, hi=40)
     want = unreconfigured(tiny, ps, GREEDY)
     host = nccl_host_or_skip(tiny, devices=[0, 1])
+    start = in_use(host)
     reqs = [host.submit(q, GREEDY, instance=i % 2) for i, q in enumerate(ps)]
     host.step()
     before = in_use(host), host.layout()
-    with pytest.raises(gyges.UnavailableError, match="one device"):
-        host.buddy(host.instances, live=True)
-    assert (in_use(host), host.layout()) == before
-    with pytest.raises(gyges.UnavailableError, match="NCCL migration backend"):
-        host.buddy(host.instances)
-    assert (in_use(host), host.layout()) == before
+    try:
+        b = host.buddy(host.instances, live=True)
+    except gyges.UnavailableError as e:
+        assert "KV moves between CUDA device 0 and CUDA device 1" in str(e)
+        assert (in_use(host), host.layout()) == before
+        with pytest.raises(gyges.UnavailableError, match="KV moves between CUDA device"):
+            host.buddy(host.instances)
+        assert (in_use(host), host.layout()) == before
+    else:
+        while not b.done:
+            host.step()
+        assert b.stats["remote_attention_calls"] > 0
+        r = host.restore(b, live=True, weights_from="host")
+        while not r.done:
+            host.step()
+        assert host.layout() == "2xTP1"
     host.run()
     assert [r.output_tokens for r in reqs] == want
+    assert in_use(host) == start
 
 
 @pytest.mark.parametrize("mode", ["live", "stop_copy"])

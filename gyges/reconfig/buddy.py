@@ -24,8 +24,7 @@ import numpy as np
 
 from .. import _C
 from ..core.checks import integer
-from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
-                           UnavailableError)
+from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError, StateError
 from ..runtime.kv_cache import KVMove
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
@@ -147,13 +146,14 @@ class Buddy(Reconfiguration, Paced):
         if "replicated" in host.weights_of(workers):
             raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
                                        f"keep replicas that switch() binds (weights='replicated')")
-        devices = sorted({host.devices[w] for w in workers} - {None})
-        if self.live and len(devices) > 1:
-            # its remote attention runs on the other worker's cache from this worker's stream,
-            # and its KV moves by device copies: both within one device (forward_cuda.c, kv_move.c)
-            raise UnavailableError(f"a live exchange runs between CUDA workers of one device; "
-                                   f"workers {workers} are on devices {devices} (live=False "
-                                   f"exchanges the KV between two steps)")
+        if len({host.devices[w] for w in workers}) > 1:
+            # members on different GPUs: remote attention runs across them (forward_cuda.c), and
+            # the exchange's KV must move between them; refused here, before any change, where
+            # the KV move has no backend for that (an empty move asks it)
+            ws = [host.worker(w) for w in workers]
+            for i, a in enumerate(ws):
+                for b in ws[i + 1:]:
+                    KVMove(range(1)).add(a.kv, b.kv, [], []).run()
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
