@@ -97,8 +97,9 @@ struct gy_forward_cuda_ws {
 };
 
 /* Remote attention on another device (gy_fwd_cuda_remote_peer): buffers there, for the rows of
- * one part at a time, and a stream of its own there, ordered after this worker's by events.
- *   q, attn (n, heads*D) act;  k, v (n, kv_heads*D) act;  attn_ws: the attention's scratch;
+ * one part at a time (r: the most rows of a part there this step), and a stream of its own
+ * there, ordered after this worker's by events.
+ *   q, attn (r, heads*D) act;  k, v (r, kv_heads*D) act;  attn_ws: the attention's scratch;
  *   idx: packed int32, per part p: zeros (rows_p) | positions (rows_p) | {0, nb_p} | blocks */
 typedef struct gy_fwd_cuda_peer {
     int32_t device;
@@ -433,10 +434,12 @@ static gy_status gy_fwd_cuda_remote_upload(struct gy_forward_cuda_ws *c, const g
         /* normally idle (this stream waited for it); after a failed step, the staging and the
          * buffers below may still be in use there */
         GY_FWD_CUDA_CHECK(cudaStreamSynchronize(peer->stream));
-        int64_t count = 0;
+        int64_t count = 0, rows = 0; /* the packed indices, the most rows of one part */
         for (int64_t j = i; j < b->n_remote; j++)
-            if (gy_arena_device(gy_kv_arena(b->remote[j].kv)) == d)
+            if (gy_arena_device(gy_kv_arena(b->remote[j].kv)) == d) {
                 count += 2 * b->remote[j].n_rows + 2 + b->remote[j].indptr[1];
+                if (b->remote[j].n_rows > rows) rows = b->remote[j].n_rows;
+            }
         GY_TRY(gy_fwd_cuda_staging(&peer->host_idx, &peer->host_idx_cap, count));
         h = peer->host_idx;
         at = 0;
@@ -457,8 +460,9 @@ static gy_status gy_fwd_cuda_remote_upload(struct gy_forward_cuda_ws *c, const g
         const int64_t qd = heads * D, kvd = gy_kv_layout_of(b->remote[i].kv)->n_heads * D;
         GY_FWD_CUDA_CHECK(cudaSetDevice(d));
         const struct { gy_dev_buf *buf; int64_t bytes; } plan[] = {
-            {&peer->q, n * qd * esz}, {&peer->attn, n * qd * esz}, {&peer->k, n * kvd * esz},
-            {&peer->v, n * kvd * esz}, {&peer->attn_ws, need},
+            {&peer->q, rows * qd * esz}, {&peer->attn, rows * qd * esz},
+            {&peer->k, rows * kvd * esz}, {&peer->v, rows * kvd * esz},
+            {&peer->attn_ws, gy_fwd_cuda_runs_workspace(rows, heads, D, max_len)},
             {&peer->idx, count * (int64_t)sizeof(int32_t)},
         };
         for (size_t k = 0; k < sizeof plan / sizeof plan[0]; k++)
