@@ -574,7 +574,8 @@ static gy_status gy_fwd_cuda_attention(struct gy_forward_cuda_ws *c, const gy_mo
         if (gy_arena_device(gy_kv_arena(p->kv)) != m->device) {
             GY_TRY(gy_fwd_cuda_remote_peer(c, m, b, i, there, kv_dtype, heads, scale));
         } else {
-            const int32_t *table = (const int32_t *)c->ridx.ptr + c->rem_at[i]; /* {0, nb}, blocks */
+            /* its block table: {0, nb}, then the blocks */
+            const int32_t *table = (const int32_t *)c->ridx.ptr + c->rem_at[i];
             GY_TRY(gy_fwd_cuda_attend(c, m, GY_Q_ROWS(c->attn.ptr, p->row0),
                                       GY_Q_ROWS(c->q.ptr, p->row0), GY_KV_ROWS(c->k.ptr, p->row0),
                                       GY_KV_ROWS(c->v.ptr, p->row0), p->n_rows, there,
