@@ -164,24 +164,25 @@ def test_a_failed_remote_attention_fails_its_step_only(tiny, devices, site):
 
 # ---- one GPU: virtual workers ----
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_live_exchange_and_restore_on_cuda_keep_every_token(tiny, params):
-    """KunServe 4.2 and 4.3 on two virtual workers: the group serves at once, the requests whose
-    KV has not moved attending remotely on the other worker's cache, a layer moving per step;
+@pytest.mark.parametrize("g, params", [(2, GREEDY), (2, SEEDED), (4, GREEDY)],
+                         ids=["2-greedy", "2-seeded", "4-greedy"])
+def test_a_live_exchange_and_restore_on_cuda_keep_every_token(tiny, g, params):
+    """KunServe 4.2 and 4.3 on g virtual workers: the group serves at once, the requests whose
+    KV has not moved attending remotely on the other workers' caches, a layer moving per step;
     a live restore streams the weights and KV back while it serves. Every request, in prefill or
     decode when it forms and arriving meanwhile, gets the tokens of a host that never
     reconfigured; weights come back byte-identical and pages back to a fresh host's."""
     ps = prompts(6, seed=13, lo=20, hi=70)
     late_ps = prompts(2, seed=9, lo=10, hi=30)
-    want = unreconfigured(tiny, ps + late_ps, params)
-    host = cuda_host(tiny)
+    want = unreconfigured(tiny, ps + late_ps, params, instances=g)
+    host = cuda_host(tiny, g, f"{g}xTP1")
     start = in_use(host)
-    weights = [weights_of(host.worker(i)) for i in range(2)]
-    reqs = [host.submit(q, params, instance=i % 2) for i, q in enumerate(ps)]
+    weights = [weights_of(host.worker(i)) for i in range(g)]
+    reqs = [host.submit(q, params, instance=i % g) for i, q in enumerate(ps)]
     host.step()
     host.step()
     b = host.buddy(host.instances, live=True)
-    assert host.layout() == "PP2" and not b.exchange.done
+    assert host.layout() == f"PP{g}" and not b.exchange.done
     late = [host.submit(q, params, instance=0) for i, q in enumerate(late_ps)]
     steps = 0
     while not b.exchange.done:
@@ -197,11 +198,11 @@ def test_a_live_exchange_and_restore_on_cuda_keep_every_token(tiny, params):
         host.step()
         steps += 1
     assert steps >= 2 and sum(len(q.output_tokens) for q in reqs) > served   # served meanwhile
-    assert host.layout() == "2xTP1" and b.restored and host.has_unfinished()
+    assert host.layout() == f"{g}xTP1" and b.restored and host.has_unfinished()
     assert b.stats["weight_bytes_restored"] > 0 and b.stats["kv_bytes_returned"] > 0
     host.run()
     assert [q.output_tokens for q in reqs + late] == want
-    for i in range(2):
+    for i in range(g):
         got = weights_of(host.worker(i))
         assert got.keys() == weights[i].keys()
         assert all(np.array_equal(got[k], weights[i][k]) for k in got)
