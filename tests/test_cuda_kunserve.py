@@ -34,7 +34,9 @@ def tiny():
 
 
 def cuda_host(tiny, workers=2, layout="2xTP1", **kw):
-    # a small prefill chunk, so that the group forms with requests in the middle of prefills
+    # a small prefill chunk, so that the group forms with requests in the middle of prefills;
+    # virtual workers of device 0 unless told (with more devices, Host would give one each)
+    kw.setdefault("devices", 0)
     return gyges.Host(tiny, workers=workers, memory_per_worker=MEMORY, page_size=PAGE,
                       layout=layout, max_prefill_chunk=16, max_batch_tokens=64, backend="cuda",
                       **kw)
