@@ -287,19 +287,23 @@ def test_random_drop_exchange_restore_sequences_lose_nothing(tiny, seed, faults)
     assert r["page_delta"] == [0, 0, 0, 0] and r["layout"] == "4xTP1"
 
 
-def sweep_live(tiny, begin, sites, most, again=None):
+def sweep_live(tiny, begin, sites, most, again=None, make_host=None, want=None, after=None):
     """Every event of each fault site (spread, at most `most` a site) in driving a live
     operation to its end fails in turn: host.step raises, or the layer waits and later steps
     finish it, or (a failure of its switch) it is rolled back and again(host, t) starts it anew;
-    the tokens are one worker's. begin(host) starts the operation on two TP1 instances that
-    have run a step, and returns what its `done` ends; returns the last one."""
+    the tokens are one worker's (`want(ps, p)`, by default a CPU engine's). begin(host) starts
+    the operation on two TP1 instances (of make_host(), by default CPU ones) that have run a
+    step, and returns what its `done` ends; after(host), when given, checks each host once its
+    requests have finished; returns the last one."""
     from gyges.testing import count, inject, spread
     ps = prompts(4, seed=3, lo=30, hi=50)
     p = params(0.0, tokens=16)
-    want = reference(tiny, ps, p)
+    want = want(ps, p) if want is not None else reference(tiny, ps, p)
+    make_host = make_host or (lambda: gyges.Host(tiny, workers=2, memory_per_worker="32MiB",
+                                                 layout="2xTP1"))
 
     def setup():
-        host = gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+        host = make_host()
         reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(ps)]
         host.step()
         return host, reqs, begin(host)
@@ -326,6 +330,8 @@ def sweep_live(tiny, begin, sites, most, again=None):
                 drive(host, t)
             assert t.committed
             assert finish(host, reqs) == want
+            if after is not None:
+                after(host)
             host.close()
     return t
 

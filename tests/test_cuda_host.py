@@ -518,11 +518,7 @@ def test_buddy_groups_on_cuda_drop_exchange_and_restore(tiny):
     host.step()
     host.step()
     before = [host.worker(i).arena.stats()["bytes_in_use"] for i in range(2)]
-    with pytest.raises(gyges.UnavailableError, match="CPU backend"):
-        host.buddy(host.instances, live=True)   # remote attention is CPU-only: nothing changes
-    assert host.layout() == "2xTP1" and \
-        [host.worker(i).arena.stats()["bytes_in_use"] for i in range(2)] == before
-    b = host.buddy(host.instances)
+    b = host.buddy(host.instances)   # (live ones: test_cuda_kunserve.py)
     assert host.layout() == "PP2" and b.stats["kv_bytes_exchanged"] > 0
     released = sum(before) - sum(host.worker(i).arena.stats()["bytes_in_use"] for i in range(2))
     assert released >= b.stats["weight_bytes_released"] > 0

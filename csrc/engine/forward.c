@@ -27,13 +27,12 @@ gy_cpu_paged_batch gy_forward_remote_paged(const gy_forward_batch *b, const gy_f
                                 .bt_indptr = p->indptr, .bt_indices = p->blocks};
 }
 
-/* Remote parts: on the CPU backend, in row order, each one sequence of the batch whose blocks in
- * a cache of the same KV heads cover its positions. */
+/* Remote parts: in row order, each one sequence of the batch whose blocks in a cache of the same
+ * KV heads cover its positions (the backends check where that cache is). */
 static gy_status gy_forward_check_remote(const gy_model *m, const gy_kv_layout *L,
                                          const gy_forward_batch *b) {
+    (void)m;
     if (b->n_remote == 0) return GY_OK;
-    if (m->backend != GY_MODEL_BACKEND_CPU)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "remote attention runs on the CPU backend only");
     if (b->n_remote < 0 || b->remote == NULL || b->zeros == NULL)
         return GY_FAIL(GY_ERR_INVALID, "%lld remote attention parts without their lists",
                        (long long)b->n_remote);

@@ -44,8 +44,10 @@ typedef struct gy_tp_group {
 
 /* KunServe's remote attention: one sequence of the batch whose KV for some layers is still in
  * another worker's cache (a buddy group's exchange has not moved it yet). For those layers its
- * rows' new K/V are written there and attention runs there, with that worker's threads; the
- * projections and the FFN stay here (attention needs no parameters). The rows are the sequence's
+ * rows' new K/V are written there and attention runs there: with that worker's threads (CPU),
+ * from this worker's stream (CUDA, one device), or on that device after a peer copy of the
+ * rows' q, k and v, the output copied back (CUDA, two devices; forward_cuda.c); the projections
+ * and the FFN stay here (attention needs no parameters). The rows are the sequence's
  * tokens [row0, row0 + n_rows) of the batch, positions batch.paged.token_pos[row0 ...]; a real
  * link carries their q, k, v there and the attention output back. */
 typedef struct gy_forward_remote {
@@ -62,7 +64,7 @@ typedef struct gy_forward_batch {
     gy_cpu_paged_batch paged;  /* sequences, positions and block tables of the tokens */
     int64_t n_logits;
     const int32_t *logit_rows; /* [n_logits] indices of the tokens whose logits are wanted */
-    int64_t n_remote;          /* CPU backend only; parts in increasing, disjoint row order */
+    int64_t n_remote;          /* parts in increasing, disjoint row order */
     const gy_forward_remote *remote; /* [n_remote] */
     const int32_t *zeros;      /* [paged.n_tokens] zeros when n_remote > 0 (the parts' token_seq) */
 } gy_forward_batch;

@@ -17,6 +17,8 @@
 #include "forward_cuda.h"
 #include "forward_backend.h"
 #include "../core/alloc.h"
+#include "../core/fault.h"
+#include "../core/grow.h"
 
 #if defined(GY_WITH_CUDA) && defined(GY_WITH_CUDA_FORWARD)
 
@@ -81,7 +83,46 @@ struct gy_forward_cuda_ws {
     int decode; /* one query token per sequence: the decode attention kernel */
     const int32_t *d_tokens, *d_token_seq, *d_token_pos, *d_indptr, *d_indices, *d_logit_rows,
         *d_iota;
+    /* KunServe's remote attention (gy_fwd_cuda_remote_upload), when the batch has parts:
+     *   ridx: packed int32 zeros (n) | per part p: its block table {0, nb_p} (2), blocks (nb_p)
+     *   rem_at: (cap_rem) host, part p's table at ridx + rem_at[p] */
+    gy_dev_buf ridx;
+    int32_t *host_ridx; /* (host_ridx_cap) pinned staging of ridx */
+    int64_t host_ridx_cap, *rem_at, cap_rem;
+    const int32_t *d_zeros;
+    /* parts whose cache is on another device: a workspace there per device (rem_at[p] is then
+     * an offset into that peer's idx) */
+    struct gy_fwd_cuda_peer *peers;
+    int32_t n_peers;
 };
+
+/* Remote attention on another device (gy_fwd_cuda_remote_peer): buffers there, for the rows of
+ * one part at a time (r: the most rows of a part there this step), and a stream of its own
+ * there, ordered after this worker's by events.
+ *   q, attn (r, heads*D) act;  k, v (r, kv_heads*D) act;  attn_ws: the attention's scratch;
+ *   idx: packed int32, per part p: zeros (rows_p) | positions (rows_p) | {0, nb_p} | blocks */
+typedef struct gy_fwd_cuda_peer {
+    int32_t device;
+    cudaStream_t stream;
+    cudaEvent_t ready; /* on this worker's device: its q, k, v are written */
+    cudaEvent_t done;  /* on the peer: the output is back */
+    gy_dev_buf q, k, v, attn, attn_ws, idx;
+    int32_t *host_idx; /* (host_idx_cap) pinned staging of idx */
+    int64_t host_idx_cap;
+} gy_fwd_cuda_peer;
+
+static void gy_fwd_cuda_peer_free(gy_fwd_cuda_peer *p, int32_t home) {
+    cudaSetDevice(p->device);
+    if (p->stream != NULL) cudaStreamSynchronize(p->stream);
+    gy_dev_buf *bufs[] = {&p->q, &p->k, &p->v, &p->attn, &p->attn_ws, &p->idx};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]->ptr != NULL) cudaFree(bufs[i]->ptr);
+    if (p->host_idx != NULL) cudaFreeHost(p->host_idx);
+    if (p->done != NULL) cudaEventDestroy(p->done);
+    if (p->stream != NULL) cudaStreamDestroy(p->stream);
+    cudaSetDevice(home);
+    if (p->ready != NULL) cudaEventDestroy(p->ready);
+}
 
 static gy_status gy_dev_reserve(gy_dev_buf *b, int64_t bytes) {
     if (bytes <= b->bytes) return GY_OK;
@@ -102,10 +143,14 @@ void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *c) {
     if (c->stream != NULL) cudaStreamSynchronize(c->stream);
     gy_cuda_blas_free(c->blas);
     gy_dev_buf *bufs[] = {&c->x, &c->h, &c->q, &c->k, &c->v, &c->attn, &c->gu, &c->g,
-                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx};
+                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx, &c->ridx};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]->ptr != NULL) cudaFree(bufs[i]->ptr);
     if (c->host_idx != NULL) cudaFreeHost(c->host_idx);
+    if (c->host_ridx != NULL) cudaFreeHost(c->host_ridx);
+    free(c->rem_at);
+    for (int32_t i = 0; i < c->n_peers; i++) gy_fwd_cuda_peer_free(&c->peers[i], c->device);
+    free(c->peers);
     cudaGetLastError(); /* a cleanup: the first error's message is what matters */
     free(c);
 }
@@ -276,6 +321,275 @@ static gy_status gy_fwd_cuda_upload(struct gy_forward_cuda_ws *c, const gy_forwa
     return GY_OK;
 }
 
+/* ---- KunServe's remote attention (forward.h: gy_forward_remote) ----
+ *
+ * A remote part's rows attend, for its layers, on another worker's cache: their K/V are written
+ * there and the same kernels run over it, the part being one sequence (token_seq zeros, its block
+ * table in that cache). The projections and the FFN stay here. A cache on this worker's device
+ * (virtual workers of one GPU) is read and written from this worker's stream, in order with the
+ * rest of the layer. A cache on another device is attended there: q, k and v of the part's rows
+ * are copied over (a peer copy), the kernels run on a stream of that device, and the output
+ * comes back, the two streams ordered by events. A token's attention depends only on its own
+ * sequence, so the rows attended here and there are the bits of one pass over the whole batch. */
+
+/* The attention scratch for any run of at most n rows (a run of k rows may need more than the
+ * whole batch: the decode kernel splits the KV length further for fewer rows). */
+static int64_t gy_fwd_cuda_runs_workspace(int64_t n, int64_t heads, int64_t D, int64_t max_len) {
+    int64_t need = 0;
+    for (int64_t k = 1; k <= n; k++) {
+        const int64_t w = gy_cuda_paged_attention_workspace_bytes(k, heads, D, max_len);
+        if (w > need) need = w;
+    }
+    return need;
+}
+
+/* Pinned staging of at least `count` int32, kept between steps. */
+static gy_status gy_fwd_cuda_staging(int32_t **host, int64_t *cap, int64_t count) {
+    if (count <= *cap) return GY_OK;
+    if (*host != NULL) cudaFreeHost(*host);
+    *host = NULL;
+    *cap = 0;
+    const int64_t want = count + count / 4;
+    GY_FWD_CUDA_CHECK(cudaMallocHost((void **)host, (size_t)want * sizeof(int32_t)));
+    *cap = want;
+    return GY_OK;
+}
+
+/* The workspace on device d (made on first use: a stream and two events). */
+static gy_status gy_fwd_cuda_peer_of(struct gy_forward_cuda_ws *c, int32_t d,
+                                     gy_fwd_cuda_peer **out) {
+    for (int32_t i = 0; i < c->n_peers; i++)
+        if (c->peers[i].device == d) {
+            *out = &c->peers[i];
+            return GY_OK;
+        }
+    gy_fwd_cuda_peer *grown = gy_realloc(c->peers, (size_t)(c->n_peers + 1) * sizeof *grown);
+    if (grown == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a peer workspace");
+    c->peers = grown;
+    gy_fwd_cuda_peer *p = &c->peers[c->n_peers];
+    memset(p, 0, sizeof *p);
+    p->device = d;
+    cudaError_t e = cudaEventCreateWithFlags(&p->ready, cudaEventDisableTiming); /* here */
+    if (e == cudaSuccess) e = cudaSetDevice(d);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        gy_fwd_cuda_peer_free(p, c->device);
+        return gy_fwd_cuda_status(e, "a stream and events on the peer device", __FILE__, __LINE__);
+    }
+    c->n_peers++;
+    *out = p;
+    GY_FWD_CUDA_CHECK(cudaSetDevice(c->device));
+    return GY_OK;
+}
+
+/* The parts' checks a CUDA pass adds to forward.c's, and their index arrays: one copy for the
+ * parts on this device, one per other device (with its buffers there); the attention scratch
+ * grown for the largest run of rows a layer may cut the batch into. Leaves this device current. */
+static gy_status gy_fwd_cuda_remote_upload(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                           const gy_forward_batch *b, int64_t heads,
+                                           int64_t max_len) {
+    if (b->n_remote == 0) return GY_OK;
+    const int64_t n = b->paged.n_tokens, D = m->head_dim, esz = gy_dtype_size(m->weight_dtype);
+    int64_t total = n;
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const gy_arena *a = gy_kv_arena(b->remote[i].kv);
+        if (gy_arena_backend(a) != GY_ARENA_BACKEND_CUDA)
+            return GY_FAIL(GY_ERR_INVALID, "remote attention part %lld: its cache is not in a "
+                           "CUDA arena", (long long)i);
+        if (gy_arena_device(a) == m->device) total += 2 + b->remote[i].indptr[1];
+    }
+    GY_TRY(gy_grow((void **)&c->rem_at, &c->cap_rem, b->n_remote, sizeof *c->rem_at,
+                   "remote attention offsets"));
+    const int64_t need = gy_fwd_cuda_runs_workspace(n, heads, D, max_len);
+    GY_TRY(gy_dev_reserve(&c->attn_ws, need));
+    GY_TRY(gy_fwd_cuda_staging(&c->host_ridx, &c->host_ridx_cap, total));
+    GY_TRY(gy_dev_reserve(&c->ridx, total * (int64_t)sizeof(int32_t)));
+    int32_t *h = c->host_ridx;
+    memset(h, 0, (size_t)n * sizeof(int32_t));
+    int64_t at = n;
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const gy_forward_remote *p = &b->remote[i];
+        if (gy_arena_device(gy_kv_arena(p->kv)) != m->device) continue;
+        c->rem_at[i] = at;
+        h[at] = 0;
+        h[at + 1] = p->indptr[1];
+        if (p->indptr[1] > 0)
+            memcpy(h + at + 2, p->blocks, (size_t)p->indptr[1] * sizeof(int32_t));
+        at += 2 + p->indptr[1];
+    }
+    c->d_zeros = c->ridx.ptr;
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->ridx.ptr, h, (size_t)at * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, c->stream));
+
+    /* the other devices': each part's zeros, positions and block table, packed per device */
+    for (int64_t i = 0; i < b->n_remote; i++) {
+        const int32_t d = gy_arena_device(gy_kv_arena(b->remote[i].kv));
+        int first = d != m->device; /* the first part on d packs every part there */
+        for (int64_t j = 0; first && j < i; j++)
+            first = gy_arena_device(gy_kv_arena(b->remote[j].kv)) != d;
+        if (!first) continue;
+        gy_fwd_cuda_peer *peer = NULL;
+        GY_TRY(gy_fwd_cuda_peer_of(c, d, &peer));
+        /* normally idle (this stream waited for it); after a failed step, the staging and the
+         * buffers below may still be in use there */
+        GY_FWD_CUDA_CHECK(cudaStreamSynchronize(peer->stream));
+        int64_t count = 0, rows = 0; /* the packed indices, the most rows of one part */
+        for (int64_t j = i; j < b->n_remote; j++)
+            if (gy_arena_device(gy_kv_arena(b->remote[j].kv)) == d) {
+                count += 2 * b->remote[j].n_rows + 2 + b->remote[j].indptr[1];
+                if (b->remote[j].n_rows > rows) rows = b->remote[j].n_rows;
+            }
+        GY_TRY(gy_fwd_cuda_staging(&peer->host_idx, &peer->host_idx_cap, count));
+        h = peer->host_idx;
+        at = 0;
+        for (int64_t j = i; j < b->n_remote; j++) {
+            const gy_forward_remote *p = &b->remote[j];
+            if (gy_arena_device(gy_kv_arena(p->kv)) != d) continue;
+            c->rem_at[j] = at;
+            memset(h + at, 0, (size_t)p->n_rows * sizeof(int32_t));
+            memcpy(h + at + p->n_rows, b->paged.token_pos + p->row0,
+                   (size_t)p->n_rows * sizeof(int32_t));
+            at += 2 * p->n_rows;
+            h[at] = 0;
+            h[at + 1] = p->indptr[1];
+            if (p->indptr[1] > 0)
+                memcpy(h + at + 2, p->blocks, (size_t)p->indptr[1] * sizeof(int32_t));
+            at += 2 + p->indptr[1];
+        }
+        const int64_t qd = heads * D, kvd = gy_kv_layout_of(b->remote[i].kv)->n_heads * D;
+        GY_FWD_CUDA_CHECK(cudaSetDevice(d));
+        const struct { gy_dev_buf *buf; int64_t bytes; } plan[] = {
+            {&peer->q, rows * qd * esz}, {&peer->attn, rows * qd * esz},
+            {&peer->k, rows * kvd * esz}, {&peer->v, rows * kvd * esz},
+            {&peer->attn_ws, gy_fwd_cuda_runs_workspace(rows, heads, D, max_len)},
+            {&peer->idx, count * (int64_t)sizeof(int32_t)},
+        };
+        for (size_t k = 0; k < sizeof plan / sizeof plan[0]; k++)
+            GY_TRY(gy_dev_reserve(plan[k].buf, plan[k].bytes));
+        GY_FWD_CUDA_CHECK(cudaMemcpyAsync(peer->idx.ptr, h, (size_t)at * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, peer->stream));
+        GY_FWD_CUDA_CHECK(cudaSetDevice(m->device));
+    }
+    return GY_OK;
+}
+
+/* n rows: their K/V (k, v) into the layer at layer_base, then their attention (q -> attn) over
+ * it (sequences token_seq[..] of the block tables indptr/indices, n_seqs of them), on `st` with
+ * the scratch `ws`. */
+static gy_status gy_fwd_cuda_attend(const struct gy_forward_cuda_ws *c, const gy_model *m,
+                                    void *attn, const void *q, const void *k, const void *v,
+                                    int64_t n, void *layer_base, const gy_kv_layout *layout,
+                                    gy_dtype kv_dtype, const int32_t *token_seq,
+                                    const int32_t *token_pos, const int32_t *indptr,
+                                    const int32_t *indices, int64_t n_seqs, int64_t heads,
+                                    float scale, const gy_dev_buf *ws, cudaStream_t st) {
+    const gy_dtype act = m->weight_dtype;
+    GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, k, v, act, token_seq, token_pos, n,
+                            indptr, indices, n_seqs, st));
+    if (c->decode)
+        return gy_cuda_paged_attention_decode(attn, q, act, layer_base, layout, kv_dtype, token_seq,
+                                              token_pos, n, indptr, indices, n_seqs, heads,
+                                              c->max_len, scale, ws->ptr, ws->bytes, st);
+    return gy_cuda_paged_attention_prefill(attn, q, act, layer_base, layout, kv_dtype, token_seq,
+                                           token_pos, n, indptr, indices, n_seqs, heads,
+                                           c->max_len, scale, ws->ptr, ws->bytes, st);
+}
+
+/* Part i's rows on the device of its cache: q, k, v over, the kernels there, the output back,
+ * this worker's stream waiting for it. */
+static gy_status gy_fwd_cuda_remote_peer(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                         const gy_forward_batch *b, int64_t i, void *there,
+                                         gy_dtype kv_dtype, int64_t heads, float scale) {
+    const gy_forward_remote *p = &b->remote[i];
+    const gy_kv_layout *R = gy_kv_layout_of(p->kv);
+    const int32_t d = gy_arena_device(gy_kv_arena(p->kv));
+    gy_fwd_cuda_peer *peer = NULL;
+    GY_TRY(gy_fwd_cuda_peer_of(c, d, &peer)); /* made by the upload */
+    /* activations between workers: a copy that fault sweeps reach */
+    if (gy_fault_hit(GY_FAULT_COPY))
+        return GY_FAIL(GY_ERR_SYSTEM, "injected fault: remote attention's copies to device %d "
+                       "failed", (int)d);
+    const int64_t esz = gy_dtype_size(m->weight_dtype), D = m->head_dim, rows = p->n_rows;
+    const size_t q_bytes = (size_t)(rows * heads * D * esz);
+    const size_t kv_bytes = (size_t)(rows * R->n_heads * D * esz);
+    const int64_t q_off = p->row0 * heads * D * esz, kv_off = p->row0 * R->n_heads * D * esz;
+    const int32_t *idx = (const int32_t *)peer->idx.ptr + c->rem_at[i]; /* zeros | positions */
+    const int32_t *table = idx + 2 * rows;                                /* {0, nb} | blocks */
+    GY_FWD_CUDA_CHECK(cudaEventRecord(peer->ready, c->stream));
+    GY_FWD_CUDA_CHECK(cudaSetDevice(d));
+    gy_status s = GY_OK;
+    cudaError_t e = cudaStreamWaitEvent(peer->stream, peer->ready, 0);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(peer->q.ptr, (const char *)c->q.ptr + q_off, q_bytes,
+                            cudaMemcpyDeviceToDevice, peer->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(peer->k.ptr, (const char *)c->k.ptr + kv_off, kv_bytes,
+                            cudaMemcpyDeviceToDevice, peer->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(peer->v.ptr, (const char *)c->v.ptr + kv_off, kv_bytes,
+                            cudaMemcpyDeviceToDevice, peer->stream);
+    if (e == cudaSuccess)
+        s = gy_fwd_cuda_attend(c, m, peer->attn.ptr, peer->q.ptr, peer->k.ptr, peer->v.ptr, rows,
+                               there, R, kv_dtype, idx, idx + rows, table, table + 2, 1, heads,
+                               scale, &peer->attn_ws, peer->stream);
+    if (e == cudaSuccess && s == GY_OK)
+        e = cudaMemcpyAsync((char *)c->attn.ptr + q_off, peer->attn.ptr, q_bytes,
+                            cudaMemcpyDeviceToDevice, peer->stream);
+    if (e == cudaSuccess && s == GY_OK) e = cudaEventRecord(peer->done, peer->stream);
+    const cudaError_t back = cudaSetDevice(m->device); /* this device again, whatever happened */
+    if (s != GY_OK) return s;
+    if (e != cudaSuccess)
+        return gy_fwd_cuda_status(e, "remote attention on the peer device", __FILE__, __LINE__);
+    if (back != cudaSuccess) return gy_fwd_cuda_status(back, "cudaSetDevice", __FILE__, __LINE__);
+    GY_FWD_CUDA_CHECK(cudaStreamWaitEvent(c->stream, peer->done, 0));
+    return GY_OK;
+}
+
+/* Layer l's attention for the whole batch: here, except the remote parts whose KV for l is on
+ * another worker (forward_cpu.c's gy_forward_cpu_attention, on the device). */
+static gy_status gy_fwd_cuda_attention(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                       const gy_forward_batch *b, void *layer_base,
+                                       const gy_kv_layout *layout, gy_dtype kv_dtype, int64_t l,
+                                       int64_t heads, float scale) {
+    const int64_t esz = gy_dtype_size(m->weight_dtype);
+    const int64_t q_row = heads * m->head_dim * esz, kv_row = layout->n_heads * m->head_dim * esz;
+    /* rows [row, ...) of q or attn, and of k or v */
+#define GY_Q_ROWS(ptr, row) ((void *)((char *)(ptr) + (row) * q_row))
+#define GY_KV_ROWS(ptr, row) ((const void *)((const char *)(ptr) + (row) * kv_row))
+    int64_t row = 0; /* rows before it are done */
+    for (int64_t i = 0; i <= b->n_remote; i++) {
+        const gy_forward_remote *p = i < b->n_remote ? &b->remote[i] : NULL;
+        if (p != NULL && (l < p->first_layer || l >= p->end_layer)) continue; /* attends here */
+        const int64_t stop = p != NULL ? p->row0 : c->n_tokens;
+        if (stop > row)
+            GY_TRY(gy_fwd_cuda_attend(c, m, GY_Q_ROWS(c->attn.ptr, row), GY_Q_ROWS(c->q.ptr, row),
+                                      GY_KV_ROWS(c->k.ptr, row), GY_KV_ROWS(c->v.ptr, row),
+                                      stop - row, layer_base, layout, kv_dtype,
+                                      c->d_token_seq + row, c->d_token_pos + row, c->d_indptr,
+                                      c->d_indices, c->n_seqs, heads, scale, &c->attn_ws,
+                                      c->stream));
+        if (p == NULL) break;
+        void *there = (void *)gy_kv_layer_address(p->kv, l - gy_kv_config_of(p->kv)->first_layer);
+        if (gy_arena_device(gy_kv_arena(p->kv)) != m->device) {
+            GY_TRY(gy_fwd_cuda_remote_peer(c, m, b, i, there, kv_dtype, heads, scale));
+        } else {
+            /* its block table: {0, nb}, then the blocks */
+            const int32_t *table = (const int32_t *)c->ridx.ptr + c->rem_at[i];
+            GY_TRY(gy_fwd_cuda_attend(c, m, GY_Q_ROWS(c->attn.ptr, p->row0),
+                                      GY_Q_ROWS(c->q.ptr, p->row0), GY_KV_ROWS(c->k.ptr, p->row0),
+                                      GY_KV_ROWS(c->v.ptr, p->row0), p->n_rows, there,
+                                      gy_kv_layout_of(p->kv), kv_dtype, c->d_zeros,
+                                      c->d_token_pos + p->row0, table, table + 2, 1, heads, scale,
+                                      &c->attn_ws, c->stream));
+        }
+        row = p->row0 + p->n_rows;
+    }
+#undef GY_Q_ROWS
+#undef GY_KV_ROWS
+    return GY_OK;
+}
+
 static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                        const gy_forward_batch *b, gy_forward_ws *ws, int embed,
                                        int64_t max_len) {
@@ -309,6 +623,7 @@ static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp,
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++)
         GY_TRY(gy_dev_reserve(plan[i].buf, plan[i].bytes));
     GY_TRY(gy_fwd_cuda_upload(c, b));
+    GY_TRY(gy_fwd_cuda_remote_upload(c, m, b, heads, max_len));
 
     c->n_tokens = n;
     c->n_seqs = p->n_seqs;
@@ -381,19 +696,7 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
                             w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
         GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
                             m->rope_inv_freq_dev, (float)m->rope_mscale, act, st));
-        GY_TRY(gy_cuda_kv_write(layer_base, layout, kv_dtype, c->k.ptr, c->v.ptr, act,
-                                c->d_token_seq, c->d_token_pos, n, c->d_indptr, c->d_indices,
-                                c->n_seqs, st));
-        if (c->decode)
-            GY_TRY(gy_cuda_paged_attention_decode(
-                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
-                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
-                c->attn_ws.ptr, c->attn_ws.bytes, st));
-        else
-            GY_TRY(gy_cuda_paged_attention_prefill(
-                c->attn.ptr, c->q.ptr, act, layer_base, layout, kv_dtype, c->d_token_seq,
-                c->d_token_pos, n, c->d_indptr, c->d_indices, c->n_seqs, heads, c->max_len, scale,
-                c->attn_ws.ptr, c->attn_ws.bytes, st));
+        GY_TRY(gy_fwd_cuda_attention(c, m, b, layer_base, layout, kv_dtype, l, heads, scale));
         /* o_proj is row-parallel: this rank's heads' partial sum, onto the residual on rank 0. */
         GY_TRY(gy_fwd_cuda_residual_open(c, m, tp));
         GY_TRY(gy_cuda_gemm(c->o.ptr, F32, hid, c->attn.ptr, act, q_rows,

@@ -14,8 +14,8 @@ extern "C" {
 /* KunServe's remote attention (forward.h): from the next step on, request `id`'s attention in
  * model layers [first_layer, end_layer) of stage `stage` runs on the ranks of stage `src_stage`
  * (rank k on rank k), over its sequence there, whose cache must hold those layers; an empty range
- * ends it. Both stages have one group, of the same size; the CPU backend only (a step fails
- * otherwise). A buddy group's exchange sets it for the requests whose KV has not moved yet and
+ * ends it. Both stages have one group, of the same size (on CUDA, on one device or two:
+ * forward.h). A buddy group's exchange sets it for the requests whose KV has not moved yet and
  * narrows it as layers arrive. Forgotten when the request leaves the engine; re-plans are
  * refused while any is set. */
 gy_status gy_engine_set_remote(gy_engine *e, int64_t id, int32_t stage, int32_t src_stage,

@@ -24,8 +24,7 @@ import numpy as np
 
 from .. import _C
 from ..core.checks import integer
-from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
-                           UnavailableError)
+from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError, StateError
 from ..runtime.kv_cache import KVMove
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
@@ -96,10 +95,6 @@ class Buddy(Reconfiguration, Paced):
         _check_link(link)
         layers_per_step = min(integer("layers_per_step", layers_per_step, lo=1),
                               host.model.config.num_hidden_layers)
-        if live and host.backend != "cpu":
-            raise UnavailableError("a live exchange runs attention remotely, which the CPU "
-                                   "backend does only; live=False exchanges the KV between two "
-                                   "steps")
         if not isinstance(instances, (list, tuple)):
             raise InvalidArgumentError(f"instances must be a list of instances or indices into "
                                        f"host.instances, got {instances!r}")
@@ -151,6 +146,14 @@ class Buddy(Reconfiguration, Paced):
         if "replicated" in host.weights_of(workers):
             raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
                                        f"keep replicas that switch() binds (weights='replicated')")
+        if len({host.devices[w] for w in workers}) > 1:
+            # members on different GPUs: remote attention runs across them (forward_cuda.c), and
+            # the exchange's KV must move between them; refused here, before any change, where
+            # the KV move has no backend for that (an empty move asks it)
+            ws = [host.worker(w) for w in workers]
+            for i, a in enumerate(ws):
+                for b in ws[i + 1:]:
+                    KVMove(range(1)).add(a.kv, b.kv, [], []).run()
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "

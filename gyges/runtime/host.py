@@ -492,11 +492,12 @@ class Host(Serving):
         [k L/g, (k+1) L/g) of one shared copy of the parameters and drops the rest (that memory
         is KV room at once), each request's KV of the layers now held by a buddy is copied
         there, and the group serves as a pipeline. live=False exchanges the KV before the next
-        step; live=True (CPU backend) serves on at once, moving the KV a layer at a time as
-        host.step goes (`layers_per_step`, or what `link` leaves over), each layer not yet moved
-        attending remotely on the worker that holds its KV. link, a gyges.reconfig.link.Link,
-        paces the transfers. Returns the group's reconfiguration (gyges.reconfig.buddy.Buddy:
-        .instance, .ranges; .done once the KV has moved)."""
+        step; live=True serves on at once, moving the KV a layer at a time as host.step goes
+        (`layers_per_step`, or what `link` leaves over), each layer not yet moved attending
+        remotely on the worker that holds its KV. Members on different GPUs need KV moves
+        between them (refused with the reason where the KV move has none). link, a
+        gyges.reconfig.link.Link, paces the transfers. Returns the group's reconfiguration
+        (gyges.reconfig.buddy.Buddy: .instance, .ranges; .done once the KV has moved)."""
         return self._begin("buddy", instances=instances, live=live, link=link,
                            layers_per_step=layers_per_step)
 
