@@ -80,7 +80,9 @@ def run_ext(out):
     package = build.build_ext(out)
     nccl = package.parent.parent / "lib" / "libnccl.so.2"
     # gemm.cu's own refusal messages: the emulated GEMM (naive_kernels.c) has none of its own
-    return pytest(package, ["test_cuda_host.py", "test_cuda_engine.py", "test_cuda_multi_gpu.py"],
+    # every CUDA test of a mechanism (test_cuda.py, the kernels', runs in the kernels part)
+    tests = sorted(p.name for p in (ROOT / "tests").glob("test_cuda_*.py"))
+    return pytest(package, tests,
                   {"GYGES_NCCL_LIBRARY": str(nccl), "GYGES_EMU_DEVICES": str(EXT_DEVICES)},
                   ["--deselect", "tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device"])
 
