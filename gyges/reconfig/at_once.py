@@ -233,6 +233,11 @@ class ScaleDown(_AtOnce):
         if weights_mech != "drop":
             raise TransformError("scale-down needs padded FFN weights (shards are restored page "
                                  "by page)")
+        if host.kv_layout != "header":  # (refused here: _regeometry's reshape would fail late)
+            raise TransformError(f"an at-once scale-down re-reads each cache's pages as wider "
+                                 f"blocks (block reshaping), which needs the header-centric "
+                                 f"layout, not {host.kv_layout!r}; split the page layout "
+                                 f"layer-staggered (layers_per_step)")
         self.inst = split_source(host, first, k)
         refuse_pinned(host, self.workers, f"a transformation of workers {list(self.workers)}")
         self.plan = plan = SplitPlan.of(self.inst.workers, first, k, tp)
