@@ -170,6 +170,13 @@ class ScaleUp(_AtOnce):
             raise
         self._time("kv_all_to_all", start)
 
+    def _back_seqs(self, req):
+        # Basic leaves the old caches whole until _finish: a request taken back goes home to its
+        # old sequences (the new caches' are dropped by their own undo)
+        if self.kv_mech == "basic":
+            return list(self._old_seqs[req.id])
+        return super()._back_seqs(req)
+
     def _reshape(self, w):
         """Worker w's cache re-read as blocks of H/k heads, with the planned pages mapped;
         journaled: back to H/t heads, its pages and every old sequence's table (their new ids
