@@ -111,7 +111,8 @@ def test_a_staggered_round_trip_on_cuda_keeps_every_token_and_kv_byte(tiny, untr
     new groups) those above it, on the same GPU; each step moves layers_per_step layers' KV
     (an overlapping move into a shadow of the same pages: read into a device stage, then
     written) and weights. Tokens are the untransformed host's, KV is bit-exact across each
-    transformation, and the pages are a fresh 4xTP1 host's at the end."""
+    transformation, and the pages are a fresh 4xTP1 host's at the end; a CPU host doing the
+    same moves the same bytes between the same workers."""
     host = cuda_host(tiny)
     load = workload()
     reqs = [host.submit(p, q) for p, q in load[:4]]
@@ -144,10 +145,42 @@ def test_a_staggered_round_trip_on_cuda_keeps_every_token_and_kv_byte(tiny, untr
     assert host.layout() == "4xTP1"
     check_placement(host)
     assert_kv_both(before, kv_by_request(host))
+    assert down.stats["bytes_in_place"] == 0 and sum(down.stats["weight_bytes_copied"].values())
     host.run()
     assert [r.output_tokens for r in reqs] == untransformed()
     assert_pages_of_a_fresh_host(host, untransformed.fresh_bytes("4xTP1"))
     host.close()
+    if not overlap:  # (with overlap the CPU host's first step only reads: other tokens move)
+        # ignore_eos: the CPU host schedules the same tokens, so it moves the same bytes,
+        # worker to worker, and leaves the same in place
+        cpu_up, cpu_down = cpu_round_trip(tiny, layers_per_step)
+        assert moved_bytes(up.stats) == moved_bytes(cpu_up)
+        assert moved_bytes(down.stats) == moved_bytes(cpu_down)
+
+
+def moved_bytes(stats):
+    return {k: stats[k] for k in ("bytes_sent", "bytes_received", "bytes_in_place",
+                                  "kv_bytes_moved", "requests_moved")}
+
+
+def cpu_round_trip(tiny, layers_per_step):
+    """The staggered merge and split of the test above on a CPU host; their stats."""
+    host = gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, page_size=PAGE,
+                      layout="4xTP1", max_prefill_chunk=16, max_batch_tokens=64)
+    load = workload()
+    for p, q in load[:4]:
+        host.submit(p, q)
+    for _ in range(3):
+        host.step()
+    up = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=layers_per_step)
+    for p, q in load[4:]:
+        host.submit(p, q)
+    run_to_commit(host, up)
+    host.step()
+    down = run_to_commit(host, host.transform(workers=(0, 1, 2, 3), tp=1,
+                                              layers_per_step=layers_per_step))
+    host.close()
+    return up.stats, down.stats
 
 
 @needs_gpu
