@@ -20,7 +20,12 @@
    "vs mix" isolates the transformation's own work. Work still running beside a step when it
    ends is waited for and charged to that step. Median of 3 runs.
 
-Run: .venv/bin/python benchmarks/bench_transform.py
+With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): sections 2 to 4 on virtual CUDA
+workers sharing one GPU (2 MiB pages, a KV room of CUDA_KV_ROOM per worker; every KV byte moved
+by the device backend of the KV move, the boundary's hidden states by device copies), written to
+bench_transform_cuda.json; --quick: the tiny model only, 1 and 2 layers a step, one run each.
+
+Run: .venv/bin/python benchmarks/bench_transform.py [--cuda [--quick]]
 """
 import gc
 import sys
@@ -31,12 +36,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
 from gyges.runtime.worker import Worker  # noqa: E402
 
 MIB = 1 << 20
 NOMINAL = 32 * MIB  # per-worker budget the utilisation refers to
+CUDA, HOST_KW = host_backend(sys.argv)
+QUICK = "--quick" in sys.argv
+# On CUDA the pages are 2 MiB, which the CPU's nominal budget cannot hold with the padded
+# weights: the KV room is given instead, beside whatever the weights take.
+CUDA_KV_ROOM = 16 * MIB
 
 
 def capacity_rows(model):
@@ -64,17 +74,21 @@ def capacity_rows(model):
 
 def weights_bytes(model, page_size="64KiB"):
     """Bytes of padded weights one 4xTP1 worker holds."""
-    return Worker(model, memory="1GiB", page_size=page_size, max_tp=4).weights_bytes
+    return Worker(model, memory="1GiB", page_size=page_size, max_tp=4,
+                  backend=HOST_KW.get("backend", "cpu")).weights_bytes
 
 
 def filled_host(model, kv_layout, method, kv_room=None, page_size="64KiB"):
     """4xTP1 whose KV holds 90% of what the nominal budget leaves after the weights (or of
     `kv_room` bytes per worker)."""
+    if CUDA:
+        kv_room, page_size = kv_room or CUDA_KV_ROOM, HOST_KW["page_size"]
     pad = method != "partial_swap"
     weights = weights_bytes(model, page_size) if kv_room else 0
     nominal = weights + kv_room if kv_room else NOMINAL
     host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1",
-                      kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096, page_size=page_size)
+                      kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096, page_size=page_size,
+                      backend=HOST_KW.get("backend", "cpu"))
     worker = host.worker(0)
     kv_room = nominal - worker.arena.stats()["bytes_in_use"]
     per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4 * model.config.num_hidden_layers
@@ -219,8 +233,9 @@ def stagger_rows(model, name, per_step, kv_room=None, page_size="64KiB", reps=3,
 
 def main():
     model = gyges.Model.tiny()
-    cap = capacity_rows(model)
-    print_table("Capacity under a 32 MiB per-worker budget (tiny model; Gyges Table 1 analogue)", cap,
+    cap = [] if CUDA else capacity_rows(model)
+    if cap:
+        print_table("Capacity under a 32 MiB per-worker budget (tiny model; Gyges Table 1 analogue)", cap,
                 [("layout", "layout", "{}"), ("weights_per_worker", "weights/worker", "{:,}"),
                  ("longest_seq", "longest seq", "{:,}"), ("single_tok_s", "1 instance tok/s", "{:.0f}"),
                  ("total_tok_s", "all instances tok/s", "{:.0f}")])
@@ -241,11 +256,14 @@ def main():
     # the paper's models have 32 to 80. The same width with 32 layers (and the same KV per layer)
     # shows the overhead at the paper's depth.
     L = model.config.num_hidden_layers
-    stagger = stagger_rows(model, f"tiny ({L} layers)", range(1, L + 1))
+    stagger = stagger_rows(model, f"tiny ({L} layers)", (1, 2) if QUICK else range(1, L + 1),
+                           reps=1 if QUICK else 3)
     # The same width at the depth of Llama-3-8B (32 layers) and of Qwen2.5-32B (64, the paper's
     # main model), with the same KV room per worker: each layer then holds 1/32 or 1/64 of it.
-    kv_room = NOMINAL - weights_bytes(model)
-    for depth, per_step, stop_world in ((32, (1, 8, 32), True), (64, (1,), False)):
+    kv_room = CUDA_KV_ROOM if CUDA else NOMINAL - weights_bytes(model)
+    deeper = () if QUICK else ((32, (1, 8, 32), True),) if CUDA else (
+        (32, (1, 8, 32), True), (64, (1,), False))
+    for depth, per_step, stop_world in deeper:
         deep_config = ModelConfig.from_dict({**model.config.to_dict(), "num_hidden_layers": depth})
         deep = gyges.Model.random(deep_config, seed=1)
         stagger += stagger_rows(deep, f"tiny width, {depth} layers", per_step, kv_room=8 * kv_room,
@@ -260,7 +278,7 @@ def main():
                  ("plain_step_ms", "plain ms", "{:.2f}"), ("mix_step_ms", "mix ms", "{:.2f}"),
                  ("overhead", "vs plain", "{:+.1%}"), ("overhead_vs_mix", "vs mix", "{:+.1%}"),
                  ("mix_vs_plain", "mix vs plain", "{:+.1%}")])
-    write_json("bench_transform", {"capacity": cap, "kv": kv, "weights": weights,
+    write_json("bench_transform_cuda" if CUDA else "bench_transform", {"capacity": cap, "kv": kv, "weights": weights,
                                    "stagger": stagger})
 
 

@@ -32,7 +32,8 @@ if has build; then
 fi
 if has test; then
     step test 180 $PY -m pytest -q -p no:cacheprovider --timeout=120 -rfEs \
-        tests/test_cuda.py tests/test_cuda_engine.py tests/test_cuda_host.py tests/test_comm_cuda.py
+        tests/test_cuda.py tests/test_cuda_engine.py tests/test_cuda_host.py tests/test_comm_cuda.py \
+        tests/test_cuda_stagger.py
 fi
 if has bench; then
     step bench_kernels 60 $PY benchmarks/bench_cuda_kernels.py --quick
@@ -41,6 +42,9 @@ if has bench; then
     # PipeLive's re-splits and KunServe's drop and exchange on virtual CUDA workers
     step bench_pipeline 120 $PY benchmarks/bench_pipeline.py --quick --cuda
     step bench_kunserve 60 $PY benchmarks/bench_kunserve.py --cuda
+    # Gyges Figures 9-11 on virtual CUDA workers: basic / gyges KV, partial_swap / padded
+    # weights, layer-staggered steps with and without overlap
+    step bench_transform 120 $PY benchmarks/bench_transform.py --cuda --quick
     cat benchmarks/results/bench_cuda_*.json benchmarks/results/bench_*_cuda.json >"$OUT/bench_cuda.json" 2>/dev/null  # one file back
 fi
 if has memcheck; then
