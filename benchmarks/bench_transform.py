@@ -20,11 +20,12 @@
    "vs mix" isolates the transformation's own work. Work still running beside a step when it
    ends is waited for and charged to that step. Median of 3 runs.
 
-With --cuda the hosts are four virtual CUDA workers sharing one GPU (2 MiB pages; the results go to
-bench_transform_cuda.json); --quick keeps one run of each KV method, the weights, and Figure 11 on
-the tiny model with 1 and 4 layers per step (what benchmarks/gpu_check.sh has a minute for).
+With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): sections 2 to 4 on virtual CUDA
+workers sharing one GPU (2 MiB pages, a KV room of CUDA_KV_ROOM per worker; every KV byte moved
+by the device backend of the KV move, the boundary's hidden states by device copies), written to
+bench_transform_cuda.json; --quick: the tiny model only, 1 and 2 layers a step, one run each.
 
-Run: .venv/bin/python benchmarks/bench_transform.py [--cuda] [--quick]
+Run: .venv/bin/python benchmarks/bench_transform.py [--cuda [--quick]]
 """
 import gc
 import sys
@@ -41,17 +42,18 @@ from gyges.runtime.worker import Worker  # noqa: E402
 
 MIB = 1 << 20
 NOMINAL = 32 * MIB  # per-worker budget the utilisation refers to
-PAGE = "64KiB"      # the hosts' page size (2 MiB on CUDA)
-BACKEND = {}        # the Host arguments of the backend (--cuda: virtual CUDA workers)
-REPS = 2            # runs of each KV method (the fastest is kept)
+CUDA, HOST_KW = host_backend(sys.argv)
+QUICK = "--quick" in sys.argv
+# On CUDA the pages are 2 MiB, which the CPU's nominal budget cannot hold with the padded
+# weights: the KV room is given instead, beside whatever the weights take.
+CUDA_KV_ROOM = 16 * MIB
 
 
 def capacity_rows(model):
     rows = []
     params = gyges.SamplingParams(max_tokens=64, ignore_eos=True)
     for layout in ("4xTP1", "2xTP2", "1xTP4"):
-        host = gyges.Host(model, workers=4, memory_per_worker=NOMINAL, layout=layout,
-                          page_size=PAGE, **BACKEND)
+        host = gyges.Host(model, workers=4, memory_per_worker=NOMINAL, layout=layout)
         inst = host.instances[0]
         longest = inst.capacity_blocks() * host.block_size
         prompts = [[(i * 7 + j) % 4000 + 1 for j in range(32)] for i in range(16)]
@@ -70,22 +72,23 @@ def capacity_rows(model):
     return rows
 
 
-def weights_bytes(model, page_size=None):
+def weights_bytes(model, page_size="64KiB"):
     """Bytes of padded weights one 4xTP1 worker holds."""
-    return Worker(model, memory="1GiB", page_size=page_size or PAGE, max_tp=4,
-                  **BACKEND).weights_bytes
+    return Worker(model, memory="1GiB", page_size=page_size, max_tp=4,
+                  backend=HOST_KW.get("backend", "cpu")).weights_bytes
 
 
-def filled_host(model, kv_layout, method, kv_room=None, page_size=None):
+def filled_host(model, kv_layout, method, kv_room=None, page_size="64KiB"):
     """4xTP1 whose KV holds 90% of what the nominal budget leaves after the weights (or of
     `kv_room` bytes per worker)."""
+    if CUDA:
+        kv_room, page_size = kv_room or CUDA_KV_ROOM, HOST_KW["page_size"]
     pad = method != "partial_swap"
-    page_size = page_size or PAGE
     weights = weights_bytes(model, page_size) if kv_room else 0
     nominal = weights + kv_room if kv_room else NOMINAL
     host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1",
                       kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096, page_size=page_size,
-                      **BACKEND)
+                      backend=HOST_KW.get("backend", "cpu"))
     worker = host.worker(0)
     kv_room = nominal - worker.arena.stats()["bytes_in_use"]
     per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4 * model.config.num_hidden_layers
@@ -107,7 +110,7 @@ def kv_rows(model):
                                       ("header", "gyges", 1), ("header", "gyges", 4),
                                       ("header", "gyges", 16)):
         best = None
-        for _ in range(REPS):
+        for _ in range(2):
             host, util = filled_host(model, kv_layout, method)
             gc.collect()
             kv_before = max(host.worker(w).arena.stats()["bytes_by_tag"]["kv"] for w in range(4))
@@ -165,7 +168,7 @@ def dry_transformation(host, lps):
     return t
 
 
-def stagger_run(model, lps, overlap, kv_room, page_size=None):
+def stagger_run(model, lps, overlap, kv_room, page_size):
     """One transformation of a filled 4xTP1 host, stepped in turn with two controls that serve the
     same requests: `plain` never transforms, `mix` runs the same boundary every step but moves
     nothing. Their steps at the same index are the baselines (this machine's speed drifts, and the
@@ -205,7 +208,7 @@ def stagger_run(model, lps, overlap, kv_room, page_size=None):
             "mix_vs_plain": float(mixed.sum() / plain_t.sum()) - 1}
 
 
-def stagger_rows(model, name, per_step, kv_room=None, page_size=None, reps=3, stop_world=True):
+def stagger_rows(model, name, per_step, kv_room=None, page_size="64KiB", reps=3, stop_world=True):
     """Gyges Figure 11: the step time while `per_step` layers move per step, without and with
     overlap, against the plain and the mixed control steps, and stop_world's single pause. Each
     configuration runs `reps` times (this machine is noisy); the row is the run with the median
@@ -229,23 +232,13 @@ def stagger_rows(model, name, per_step, kv_room=None, page_size=None, reps=3, st
 
 
 def main():
-    global PAGE, BACKEND, REPS
-    cuda, BACKEND = host_backend(sys.argv)
-    quick = "--quick" in sys.argv
-    PAGE = BACKEND.pop("page_size", PAGE)
-    REPS = 1 if quick else REPS
-    if cuda:
-        from gyges.runtime.worker import cuda_unavailable
-        if cuda_unavailable():
-            print(f"skipped: {cuda_unavailable()}")
-            return
     model = gyges.Model.tiny()
-    cap = [] if quick else capacity_rows(model)
+    cap = [] if CUDA else capacity_rows(model)
     if cap:
         print_table("Capacity under a 32 MiB per-worker budget (tiny model; Gyges Table 1 analogue)", cap,
-                    [("layout", "layout", "{}"), ("weights_per_worker", "weights/worker", "{:,}"),
-                     ("longest_seq", "longest seq", "{:,}"), ("single_tok_s", "1 instance tok/s", "{:.0f}"),
-                     ("total_tok_s", "all instances tok/s", "{:.0f}")])
+                [("layout", "layout", "{}"), ("weights_per_worker", "weights/worker", "{:,}"),
+                 ("longest_seq", "longest seq", "{:,}"), ("single_tok_s", "1 instance tok/s", "{:.0f}"),
+                 ("total_tok_s", "all instances tok/s", "{:.0f}")])
     kv = kv_rows(model)
     print_table("KV transformation 4xTP1 -> TP4 at ~90% KV utilisation (Gyges Figure 9)", kv,
                 [("layout", "layout", "{}"), ("method", "method", "{}"),
@@ -263,12 +256,14 @@ def main():
     # the paper's models have 32 to 80. The same width with 32 layers (and the same KV per layer)
     # shows the overhead at the paper's depth.
     L = model.config.num_hidden_layers
-    stagger = stagger_rows(model, f"tiny ({L} layers)", (1, L) if quick else range(1, L + 1),
-                           reps=1 if quick else 3)
+    stagger = stagger_rows(model, f"tiny ({L} layers)", (1, 2) if QUICK else range(1, L + 1),
+                           reps=1 if QUICK else 3)
     # The same width at the depth of Llama-3-8B (32 layers) and of Qwen2.5-32B (64, the paper's
     # main model), with the same KV room per worker: each layer then holds 1/32 or 1/64 of it.
-    kv_room = NOMINAL - weights_bytes(model)
-    for depth, per_step, stop_world in () if quick else ((32, (1, 8, 32), True), (64, (1,), False)):
+    kv_room = CUDA_KV_ROOM if CUDA else NOMINAL - weights_bytes(model)
+    deeper = () if QUICK else ((32, (1, 8, 32), True),) if CUDA else (
+        (32, (1, 8, 32), True), (64, (1,), False))
+    for depth, per_step, stop_world in deeper:
         deep_config = ModelConfig.from_dict({**model.config.to_dict(), "num_hidden_layers": depth})
         deep = gyges.Model.random(deep_config, seed=1)
         stagger += stagger_rows(deep, f"tiny width, {depth} layers", per_step, kv_room=8 * kv_room,
@@ -283,9 +278,8 @@ def main():
                  ("plain_step_ms", "plain ms", "{:.2f}"), ("mix_step_ms", "mix ms", "{:.2f}"),
                  ("overhead", "vs plain", "{:+.1%}"), ("overhead_vs_mix", "vs mix", "{:+.1%}"),
                  ("mix_vs_plain", "mix vs plain", "{:+.1%}")])
-    write_json("bench_transform_cuda" if cuda else "bench_transform",
-               {"backend": "cuda" if cuda else "cpu", "quick": quick, "capacity": cap, "kv": kv,
-                "weights": weights, "stagger": stagger})
+    write_json("bench_transform_cuda" if CUDA else "bench_transform", {"capacity": cap, "kv": kv, "weights": weights,
+                                   "stagger": stagger})
 
 
 if __name__ == "__main__":

@@ -617,6 +617,7 @@ TRANSFORMS = {
     "merge, staggered": ("4xTP1", dict(workers=(0, 1, 2, 3), tp=4, layers_per_step=1), "TP4"),
     "split, staggered": ("2xTP2", dict(workers=(0, 1), tp=1, layers_per_step=2, overlap=True),
                          "2xTP1+TP2"),
+    "merge, basic": ("4xTP1", dict(workers=(0, 1, 2, 3), tp=4, method="basic"), "TP4"),
 }
 
 

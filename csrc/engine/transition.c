@@ -45,12 +45,18 @@ static gy_status gy_engine_transition_begin_locked(gy_engine *e, const gy_engine
     for (int32_t i = 0; i < n_ranks; i++)
         if (!seen[i] || old_ranks[i].model == NULL || old_ranks[i].kv == NULL)
             return GY_FAIL(GY_ERR_INVALID, "rank %d has no old group, model or KV cache", (int)i);
-    /* The boundary's hidden states are handed over in host memory between the two stages. */
-    for (int32_t i = 0; i < n_ranks; i++)
-        if (main->groups[0].ranks[i].r.model->backend != GY_MODEL_BACKEND_CPU ||
-            old_ranks[i].model->backend != GY_MODEL_BACKEND_CPU)
-            return GY_FAIL(GY_ERR_UNAVAILABLE,
-                           "layer-staggered transformations run on the CPU backend only");
+    /* The boundary's hidden states go through the engine's host buffer as every pipeline's do
+     * (stage.c: each backend's x_out, then x_in, in the activations' own bytes), with a map of
+     * each group's rows; on CUDA those are device copies on each rank's stream. A rank's two
+     * models are on one backend and device, as a worker is. */
+    for (int32_t i = 0; i < n_ranks; i++) {
+        const gy_model *now = main->groups[0].ranks[i].r.model, *other = old_ranks[i].model;
+        if (now->backend != other->backend || now->device != other->device)
+            return GY_FAIL(GY_ERR_INVALID,
+                           "rank %d: its models of the two geometries run on different backends "
+                           "or devices (%d on %d, %d on %d)", (int)i, (int)now->backend,
+                           (int)now->device, (int)other->backend, (int)other->device);
+    }
     gy_engine_rank members[GY_MODEL_MAX_TP][GY_MODEL_MAX_TP];
     gy_stage_group_spec specs[GY_MODEL_MAX_TP];
     for (int32_t g = 0; g < n_groups; g++) {

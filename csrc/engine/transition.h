@@ -1,6 +1,6 @@
 /* transition.h: the layer-staggered transformation of a running engine (Gyges 4.3): one job of
  * the engine, apart from its requests and step (engine.h), driven by
- * gyges/transform/staggered.py. An engine of a one-stage plan on the CPU backend runs it;
+ * gyges/reconfig/staggered.py. An engine of a one-stage plan runs it, on either backend;
  * requests do not move in or out of an engine (gy_engine_take) while it runs.
  *
  * A scale-up, step by step: gy_engine_transition_begin with the old groups (groups_last = 0),

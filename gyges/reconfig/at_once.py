@@ -170,6 +170,13 @@ class ScaleUp(_AtOnce):
             raise
         self._time("kv_all_to_all", start)
 
+    def _back_seqs(self, req):
+        # Basic leaves the old caches whole until _finish: a request taken back goes home to its
+        # old sequences (the new caches' are dropped by their own undo)
+        if self.kv_mech == "basic":
+            return list(self._old_seqs[req.id])
+        return super()._back_seqs(req)
+
     def _reshape(self, w):
         """Worker w's cache re-read as blocks of H/k heads, with the planned pages mapped;
         journaled: back to H/t heads, its pages and every old sequence's table (their new ids
@@ -233,6 +240,11 @@ class ScaleDown(_AtOnce):
         if weights_mech != "drop":
             raise TransformError("scale-down needs padded FFN weights (shards are restored page "
                                  "by page)")
+        if host.kv_layout != "header":  # (refused here: _regeometry's reshape would fail late)
+            raise TransformError(f"an at-once scale-down re-reads each cache's pages as wider "
+                                 f"blocks (block reshaping), which needs the header-centric "
+                                 f"layout, not {host.kv_layout!r}; split the page layout "
+                                 f"layer-staggered (layers_per_step)")
         self.inst = split_source(host, first, k)
         refuse_pinned(host, self.workers, f"a transformation of workers {list(self.workers)}")
         self.plan = plan = SplitPlan.of(self.inst.workers, first, k, tp)

@@ -10,9 +10,8 @@
     partial_swap: weights by partial swap (unpadded FFN: copy the kept shard to the front, then
         release); KV in place when the layout allows it."""
 
-import numpy as np
-
 from ..core.errors import OutOfMemoryError
+from ..runtime.kv_cache import KVMove
 from .plans import TransformError
 
 METHODS = ("gyges", "stop_world", "basic", "partial_swap")
@@ -89,8 +88,6 @@ class BasicMigration:
         config = host.model.config
         L, H, k = config.num_hidden_layers, config.num_key_value_heads, plan.k
         new_rank = plan.new_rank
-        heads_of = {w: list(range(new_rank[w] * H // k, (new_rank[w] + 1) * H // k))
-                    for w in plan.rank_order}
         seq_of = self.seq_of = {w: {} for w in plan.rank_order}
         tr.undo(self._drop_new, "new caches")
         for w in plan.rank_order:
@@ -107,25 +104,26 @@ class BasicMigration:
                 seq_of[w][req.id] = seq
             tr.stats["kv_pages_mapped"][w] = new.stats()["pages_per_layer"] * L
             tr.stats["pages_mapped"] += tr.stats["kv_pages_mapped"][w]
-        for layer in range(L):
-            for req in self.held:
-                # The whole request's K/V from the ranks that held it, then each new owner's heads.
-                home = req.source.workers
-                parts = [(w_old, host.worker(w_old).kv.gather(seq, layer, 0, req.kv_tokens))
-                         for w_old, seq in zip(home, req.seqs) if seq >= 0]
-                k_all = np.concatenate([p[1][0] for p in parts], axis=1)
-                v_all = np.concatenate([p[1][1] for p in parts], axis=1)
-                held_by = [w_old for w_old, (kk, _) in parts for _ in range(kk.shape[1])]
-                for w in plan.rank_order:
-                    heads = heads_of[w]
-                    self.new_kv[w].write(seq_of[w][req.id], layer, 0, k_all[:, heads],
-                                         v_all[:, heads])
-                    for h in heads:
-                        nbytes = 2 * req.kv_tokens * config.head_dim * 4
-                        if held_by[h] != w:
-                            tr._count(held_by[h], w, nbytes)
-                        else:
-                            tr.stats["kv_bytes_trimmed"][w] += nbytes
+        # Every request's heads each new rank owns, from the old rank of its group that holds
+        # them (h_old = H/t is a multiple of h_new = H/k, so one old rank holds all of them),
+        # every layer at once: one KV move (a memmove on the host, the head-copy kernel on a
+        # device), the same bytes the gather and write of Basic copy.
+        h_old, h_new = H // plan.t, H // k
+        move = KVMove(range(L))
+        for req in self.held:
+            for w in plan.rank_order:
+                first = new_rank[w] * h_new
+                r = first // h_old
+                w_old, seq = req.source.workers[r], req.seqs[r]
+                old = host.worker(w_old).kv
+                move.add(old, self.new_kv[w], src_seq=seq, dst_seq=seq_of[w][req.id],
+                         src_head=first - r * h_old, n_heads=h_new, n_tokens=req.kv_tokens)
+                nbytes = 2 * req.kv_tokens * config.head_dim * old.storage_dtype.itemsize * h_new * L
+                if w_old != w:
+                    tr._count(w_old, w, nbytes)
+                else:
+                    tr.stats["kv_bytes_trimmed"][w] += nbytes
+        move.run()
         return seq_of
 
     def _drop_new(self):

@@ -145,7 +145,7 @@ class _Staggered(Transform):
         start = time.perf_counter()
         items, sent = self._move_plan(self._table())
         planned = self._stages or {}
-        if self.overlap and not planned:
+        if self.overlap and self._early_read() and not planned:
             self._start_background(items, [])  # the first step only starts reading
             self._time("layers", start)
             return False
@@ -175,11 +175,20 @@ class _Staggered(Transform):
         self._time("layers", start)
         return False
 
+    def _early_read(self):
+        """Whether the next layers' KV is read beside the step (host caches: PipeLive's
+        pre-copy). CUDA workers read it in advance() instead, through the device backend's
+        stage: a layer's KV is copied at device bandwidth, a small part of a step, and an early
+        read would have to race the step's kernels on a second stream for it."""
+        return self.host.backend != "cuda"
+
     def _start_background(self, items, released):
-        """Plans the next layers' moves and reads them, and releases the weights of `released`,
-        on the transformation thread while the next step runs."""
+        """Plans the next layers' moves and reads them (host caches), and releases the weights
+        of `released`, on the transformation thread while the next step runs."""
         self._stages = {}
         for layer, stage in zip(self._next_layers(), self._pool()):
+            if not self._early_read():
+                break
             self._stages[layer] = stage
             self._layer_move(items, layer).plan(stage)
 

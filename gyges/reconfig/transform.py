@@ -106,27 +106,14 @@ def check_args(host, workers, tp, method, layers_per_step, weights_from, phase_c
 
 def check_cuda(host, method, layers_per_step):
     """What a transformation of CUDA workers cannot do yet, refused before anything changes:
-    the KV and the FFN shards move by device copies within one GPU (virtual workers), every
-    layer at once."""
+    the KV and the FFN shards move by device copies within one GPU (virtual workers). Every
+    method and layers_per_step run there (their KV moves: the device backend of KVMove)."""
     if host.comm_backend != "d2d":
         raise UnavailableError(
             "transformations of CUDA workers on separate GPUs (comm='nccl') are not "
             "implemented: moving KV and FFN shards between GPUs needs peer copies or the "
             "migration communicator's all-to-all; virtual workers sharing one GPU (comm='d2d') "
             "can transform")
-    if layers_per_step is not None:
-        raise UnavailableError(
-            "layer-staggered transformations (layers_per_step) run on the CPU backend only: "
-            "on CUDA the old groups' hidden states at the boundary would have to be gathered "
-            "on the device, which is not implemented; omit layers_per_step to move every "
-            "layer at once")
-    if method == "basic" or (method == "partial_swap" and host.kv_layout != "header"):
-        how = ("method='basic'" if method == "basic" else
-               f"method='partial_swap' with the {host.kv_layout!r} KV layout (basic's migration)")
-        raise UnavailableError(
-            f"{how} builds the new KV blocks through host copies (KVCache.write), which "
-            f"device arenas do not have; use 'gyges', 'stop_world' or 'partial_swap' with "
-            f"the header layout")
 
 
 # ---- what the executors look at ----
