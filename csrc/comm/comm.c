@@ -155,6 +155,7 @@ void gy_comm_reset(gy_comm *c) {
     c->generation++;
     c->abort_reason[0] = '\0';
     memset(c->posts, 0, sizeof c->posts); /* an abort may have left a message half-way */
+    if (c->ops->reset) c->ops->reset(c);
     pthread_mutex_unlock(&c->lock);
 }
 

@@ -37,6 +37,10 @@ typedef struct gy_comm_ops {
     gy_status (*set_stream)(gy_comm *comm, int32_t rank, void *stream);
     gy_status (*stream_priority)(gy_comm *comm, int32_t rank, int32_t *priority);
     gy_status (*synchronize)(gy_comm *comm, int32_t rank);
+    /* Optional (NULL: nothing to forget): what gy_comm_reset clears besides the host side, once
+     * no rank is inside a collective (an aborted call leaves per-rank counters apart: some
+     * ranks got further into it than others). Called under comm->lock. */
+    void (*reset)(gy_comm *comm);
 } gy_comm_ops;
 
 /* The mailbox of one ordered pair of ranks (sender, receiver) for gy_comm_send/recv. A message

@@ -195,6 +195,12 @@ static gy_status gy_nccl_init(gy_comm *c) {
     return GY_OK;
 }
 
+/* An all-to-all aborted on some ranks before they counted it: start the parities again. */
+static void gy_nccl_reset(gy_comm *c) {
+    gy_comm_nccl *m = c->state;
+    if (m != NULL) memset(m->a2a_calls, 0, sizeof m->a2a_calls);
+}
+
 static gy_status gy_nccl_set_stream(gy_comm *c, int32_t rank, void *stream) {
     gy_comm_nccl *m = c->state;
     return gy_comm_streams_switch(c, &m->streams, rank, stream);
@@ -344,6 +350,7 @@ const gy_comm_ops gy_comm_nccl_ops = {
     .set_stream = gy_nccl_set_stream,
     .stream_priority = gy_comm_streams_priority,
     .synchronize = gy_comm_streams_synchronize,
+    .reset = gy_nccl_reset,
 };
 
 #endif /* GY_WITH_CUDA */
