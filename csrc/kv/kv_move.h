@@ -48,7 +48,7 @@ extern "C" {
 typedef enum gy_kv_move_backend_kind {
     GY_KV_MOVE_BACKEND_HOST = 0,   /* every cache in host memory */
     GY_KV_MOVE_BACKEND_DEVICE = 1, /* every cache on one CUDA device (virtual workers) */
-    GY_KV_MOVE_BACKEND_COMM = 2,   /* caches on different devices, or host and device */
+    GY_KV_MOVE_BACKEND_COMM = 2,   /* caches on several CUDA devices, the ranks of the move's comm */
     GY_KV_MOVE_BACKEND_COUNT
 } gy_kv_move_backend_kind;
 
