@@ -37,6 +37,21 @@
  * engine uses gy_comm_stream(compute comm, rank) as its compute stream, or passes its own with
  * gy_comm_set_stream (create it at the greatest priority to keep that advantage).
  *
+ * Two channels: the order that cannot deadlock. NCCL runs one GPU's operations in order and a
+ * transfer holds both of its GPUs, so two communicators over the same GPUs deadlock when two
+ * ranks post their collectives in opposite orders (PipeLive 6.1): rank 0 waits in a migration
+ * all-to-all for rank 1, which waits in a compute all-reduce for rank 0. gyges keeps one order
+ * on every GPU instead of a handshake: compute collectives are posted only by an engine's rank
+ * threads inside a step, and the step has finished them when it returns (sampling reads the
+ * logits they produced); migration collectives are posted only by KV moves between GPUs
+ * (kv_move_comm.h), which a host runs between two steps, under its lock, from its own thread
+ * (a rank thread each for the length of the move), and a move waits for its streams before it
+ * returns. So on every GPU a step's collectives all come before a move's, and a move's all
+ * before the next step's: no rank can hold one channel while waiting on the other.
+ * tests/test_cuda_nccl.py shows the opposite orders hang and this order complete, and that a
+ * host's moves run only between steps. (PipeLive's live migrations beside running steps would
+ * need comm/handshake.h's protocol; none runs on NCCL yet.)
+ *
  * Stats (every backend): calls (counted once per collective, by rank 0) and the bytes each rank
  * sent to and received from other ranks. An all-reduce of n floats counts what a ring would move,
  * 2 * (size - 1) / size * 4n bytes each way per rank; an all-gather of b bytes, (size - 1) * b;

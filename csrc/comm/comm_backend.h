@@ -40,8 +40,9 @@ typedef struct gy_comm_ops {
     /* Optional, NULL for shm and d2d (whose ranks meet on the host only): abort wakes ranks
      * stuck in the backend's own waits (nccl: ncclCommAbort on every rank's communicator); it
      * is called once, by gy_comm_abort, after the host side is aborted, possibly while other
-     * ranks are inside a collective. reset makes the backend usable again (nccl: new
-     * communicators), called by gy_comm_reset when no rank is inside a collective. */
+     * ranks are inside a collective. reset makes the backend usable again and forgets what an
+     * aborted call left apart between ranks (nccl: the all-to-all parities, new communicators),
+     * called by gy_comm_reset, outside its lock, when no rank is inside a collective. */
     void (*abort)(gy_comm *comm);
     void (*reset)(gy_comm *comm);
 } gy_comm_ops;

@@ -275,10 +275,14 @@ static void gy_nccl_abort(gy_comm *c) {
         if (comms[r] != NULL) gy_nccl.comm_abort(comms[r]);
 }
 
-/* After an abort: new communicators (no rank is inside a call). When that fails the
- * communicator stays aborted and every call says why. */
+/* After an abort (no rank is inside a call): the all-to-all parities start again (an all-to-all
+ * aborted on some ranks before they counted it leaves them a call apart), and new
+ * communicators. When making them fails the communicator stays aborted and every call says
+ * why. */
 static void gy_nccl_reset(gy_comm *c) {
     gy_comm_nccl *m = c->state;
+    if (m == NULL) return;
+    memset(m->a2a_calls, 0, sizeof m->a2a_calls);
     if (!m->aborted) return;
     if (gy_nccl_make_comms(c, m) != GY_OK) {
         snprintf(m->remade, sizeof m->remade, "%s", gy_error_message());

@@ -177,11 +177,15 @@ static gy_status gy_kv_move_check(const gy_kv_move *mv, gy_kv_move_backend_kind 
     if (mv->threads < 0 || mv->threads > 2)
         return GY_FAIL(GY_ERR_INVALID, "a KV move runs on 1 or 2 threads, not %d", (int)mv->threads);
     int32_t mem_a = 0, mem_b = 0;
+    int several = 0, any_host = 0; /* caches in more than one memory; some in host memory */
     for (int64_t i = 0; i < mv->n_items; i++) {
         GY_TRY(gy_kv_move_check_item(mv, i));
         const int32_t a = gy_kv_move_memory(mv->items[i].src), b = gy_kv_move_memory(mv->items[i].dst);
         if (i == 0) mem_a = a, mem_b = b;
-        if ((a != mem_a || b != mem_b) && (a != mem_b || b != mem_a)) {
+        several |= a != mem_a || b != mem_a;
+        any_host |= a < 0 || b < 0;
+        /* With a communicator the comm backend's check places every cache on one of its ranks. */
+        if (mv->comm == NULL && (a != mem_a || b != mem_b) && (a != mem_b || b != mem_a)) {
             char x[32], y[32], u[32], v[32];
             return GY_FAIL(GY_ERR_INVALID,
                            "move item %lld copies from %s to %s, item 0 between %s and %s: a "
@@ -197,19 +201,24 @@ static gy_status gy_kv_move_check(const gy_kv_move *mv, gy_kv_move_backend_kind 
     }
     *work &= mv->end_layer > mv->first_layer;
     if (mv->dirty != NULL) GY_TRY(gy_kv_move_check_dirty(mv));
-    *kind = mem_a != mem_b ? GY_KV_MOVE_BACKEND_COMM
+    *kind = several        ? GY_KV_MOVE_BACKEND_COMM
             : mem_a < 0    ? GY_KV_MOVE_BACKEND_HOST
                            : GY_KV_MOVE_BACKEND_DEVICE;
     if (mv->n_items == 0) *kind = GY_KV_MOVE_BACKEND_HOST;
     const gy_kv_move_backend *b = gy_kv_move_backend_of(*kind);
-    if (b == NULL && *kind == GY_KV_MOVE_BACKEND_COMM) {
+    if (*kind == GY_KV_MOVE_BACKEND_COMM && (b == NULL || mv->comm == NULL || any_host)) {
         char x[32], y[32];
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
+        const char *why = b == NULL ? "which is not registered (gyges built without CUDA)"
+                          : any_host
+                              ? "which joins CUDA devices only: host memory is not a rank"
+                              : "over the group's migration communicator, and this move was given none";
+        return GY_FAIL(any_host || b == NULL ? GY_ERR_UNAVAILABLE : GY_ERR_INVALID,
                        "KV moves between %s and %s need the NCCL migration backend (a "
-                       "communicator between the two), which gyges does not have yet; KV moves "
-                       "work within host memory and within one CUDA device",
+                       "communicator whose ranks hold the caches), %s; KV moves work within host "
+                       "memory, within one CUDA device, and between the devices of one "
+                       "communicator",
                        gy_kv_move_memory_name(mem_a, x, sizeof x),
-                       gy_kv_move_memory_name(mem_b, y, sizeof y));
+                       gy_kv_move_memory_name(mem_b, y, sizeof y), why);
     }
     if (b == NULL)
         return GY_FAIL(GY_ERR_UNAVAILABLE,
@@ -220,6 +229,7 @@ static gy_status gy_kv_move_check(const gy_kv_move *mv, gy_kv_move_backend_kind 
     if ((mv->flags & GY_KV_MOVE_OVERLAP) && b->copy_overlapping == NULL)
         return GY_FAIL(GY_ERR_UNAVAILABLE, "the %s KV move backend cannot move KV over its own "
                        "sources (GY_KV_MOVE_OVERLAP): host caches only", b->name);
+    if (*work && b->check != NULL) GY_TRY(b->check(mv));
     return GY_OK;
 }
 

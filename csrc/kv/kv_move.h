@@ -28,14 +28,18 @@
  *
  * Where the bytes go is the backends' business (kv_move_backend.h), chosen by where the caches
  * live: host memory (memmove, kv_move_host.c, always there), one CUDA device (the kernels,
- * kernels/kv_move_device.c, registered at start-up with gy_kv_move_set_backend), or two devices
- * (a communicator: the NCCL migration backend, not built yet, so such moves are refused). */
+ * kernels/kv_move_device.c, registered at start-up with gy_kv_move_set_backend), or several
+ * devices joined by the move's communicator (`comm`: a group's migration communicator; the
+ * comm backend, comm/kv_move_comm.c, packs, exchanges with one all-to-all per layer and
+ * unpacks). kv/ only carries the communicator: it never calls into comm/. */
 #ifndef GY_KV_MOVE_H
 #define GY_KV_MOVE_H
 
 #include <stdint.h>
 
 #include "kv_cache.h"
+
+struct gy_comm; /* comm/comm.h: only the comm backend of moves looks inside */
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,7 +48,7 @@ extern "C" {
 typedef enum gy_kv_move_backend_kind {
     GY_KV_MOVE_BACKEND_HOST = 0,   /* every cache in host memory */
     GY_KV_MOVE_BACKEND_DEVICE = 1, /* every cache on one CUDA device (virtual workers) */
-    GY_KV_MOVE_BACKEND_COMM = 2,   /* caches on different devices, or host and device */
+    GY_KV_MOVE_BACKEND_COMM = 2,   /* caches on several CUDA devices, the ranks of the move's comm */
     GY_KV_MOVE_BACKEND_COUNT
 } gy_kv_move_backend_kind;
 
@@ -80,6 +84,11 @@ typedef struct gy_kv_move {
     int64_t dirty_slots;
     uint32_t flags;        /* GY_KV_MOVE_* */
     int32_t threads;       /* host OVERLAP moves: threads to copy on (1 or 2; 0 means 1) */
+    /* NULL, or the communicator whose ranks' devices hold the caches (a group's migration
+     * communicator): needed when the items' caches live on more than one CUDA device, and then
+     * every cache must be on the device of one of its ranks; ignored when they share one memory.
+     * Its ranks must be in no other collective while the move runs (comm.h, "Two channels"). */
+    struct gy_comm *comm;
 } gy_kv_move;
 
 typedef struct gy_kv_move_stats {
@@ -98,6 +107,11 @@ typedef struct gy_kv_move_stats {
                                * copied once, straight to their destination (0: through a stage) */
     int64_t runs_parked;      /* of those, one per cycle of runs waiting on each other */
     int32_t backend;          /* gy_kv_move_backend_kind that ran it */
+    uint64_t comm_bytes;      /* the comm backend: bytes sent between devices, every layer (whole
+                               * blocks of the items' heads) */
+    uint64_t staging_bytes;   /* the comm backend: the most device memory one rank staged at once
+                               * (its send and receive buffers of one layer, and the block lists):
+                               * the extra memory of the move beyond the caches */
 } gy_kv_move_stats;
 
 /* A stage: the host memory an OVERLAP move reads into, kept between moves (it grows to the

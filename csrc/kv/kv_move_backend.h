@@ -24,6 +24,10 @@ typedef struct gy_kv_move_backend {
      * these layers (stage may be NULL). */
     gy_status (*copy_overlapping)(const gy_kv_move *move, gy_kv_move_stage *stage,
                                   gy_kv_move_stats *stats);
+    /* Optional (NULL: nothing more to check): what only this backend can check (the comm
+     * backend: every cache on a device of the move's communicator), called by kv_move.c's checks
+     * before the copy event, so a refusal copies nothing and counts no fault event. */
+    gy_status (*check)(const gy_kv_move *move);
 } gy_kv_move_backend;
 
 extern const gy_kv_move_backend gy_kv_move_host_backend; /* kv_move_host.c */

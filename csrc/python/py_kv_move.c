@@ -3,12 +3,14 @@
  * items). Registers the device backend of KV moves at import.
  *
  * A move is (items, first_layer, end_layer, dirty=None, dirty_slots=0, overlap=False,
- * threads=1), the same for kv_move and KVMoveStage.plan; an item is a tuple
+ * threads=1, comm=None), the same for kv_move and KVMoveStage.plan (comm: a gyges._C.Comm whose
+ * ranks' devices hold the caches, for moves between CUDA devices); an item is a tuple
  *   (src KVCache, dst KVCache, src_blocks, dst_blocks, src_seq, dst_seq, src_head, dst_head,
  *    n_heads, n_tokens)
  * with the block lists int32 buffers of one length, or both None (the sequences' tables). */
 #include "py_common.h"
 
+#include "comm/kv_move_comm.h"
 #include "kernels/kv_move_device.h"
 #include "kv/kv_move.h"
 
@@ -19,6 +21,7 @@ typedef struct gy_py_move {
     Py_buffer *lists;      /* (2 n_items); .obj NULL where none was taken */
     Py_buffer dirty;
     PyObject *held;        /* the items as a tuple: keeps every cache and list alive */
+    PyObject *comm;        /* the communicator, alive until the move ends (or NULL) */
 } gy_py_move;
 
 static void gy_py_move_release(gy_py_move *m) {
@@ -28,6 +31,7 @@ static void gy_py_move_release(gy_py_move *m) {
     PyMem_Free(m->lists);
     PyMem_Free(m->items);
     Py_CLEAR(m->held);
+    Py_CLEAR(m->comm);
 }
 
 /* The block list `object` (None or int32 buffer) into *view; its length in *n. */
@@ -47,13 +51,14 @@ static int gy_py_move_list(PyObject *object, Py_buffer *view, Py_ssize_t *n) {
 
 static int gy_py_move_parse(gy_py_move *m, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"items", "first_layer", "end_layer", "dirty", "dirty_slots", "overlap",
-                            "threads", NULL};
-    PyObject *items_object, *dirty_object = Py_None;
+                            "threads", "comm", NULL};
+    PyObject *items_object, *dirty_object = Py_None, *comm_object = Py_None;
     long long first, end, dirty_slots = 0;
     int overlap = 0, threads = 1;
     memset(m, 0, sizeof *m);
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLL|OLpi", names, &items_object, &first, &end,
-                                     &dirty_object, &dirty_slots, &overlap, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLL|OLpiO", names, &items_object, &first,
+                                     &end, &dirty_object, &dirty_slots, &overlap, &threads,
+                                     &comm_object))
         return -1;
     m->held = PySequence_Tuple(items_object);
     if (m->held == NULL) return -1;
@@ -67,6 +72,10 @@ static int gy_py_move_parse(gy_py_move *m, PyObject *args, PyObject *kwargs) {
     m->move = (gy_kv_move){.items = m->items, .n_items = n, .first_layer = first,
                            .end_layer = end, .dirty_slots = dirty_slots,
                            .flags = overlap ? GY_KV_MOVE_OVERLAP : 0, .threads = threads};
+    if (comm_object != Py_None) {
+        if ((m->move.comm = gy_py_comm_unwrap(comm_object)) == NULL) return -1;
+        m->comm = Py_NewRef(comm_object);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyTuple_GET_ITEM(m->held, i), *src, *dst, *lists[2];
         long long src_seq, dst_seq, src_head, dst_head, n_heads, n_tokens;
@@ -111,7 +120,7 @@ static int gy_py_move_parse(gy_py_move *m, PyObject *args, PyObject *kwargs) {
 }
 
 static PyObject *gy_py_move_stats(const gy_kv_move_stats *st) {
-    return Py_BuildValue("{s:L,s:K,s:K,s:K,s:K,s:L,s:L,s:K,s:L,s:L,s:s}", "slots",
+    return Py_BuildValue("{s:L,s:K,s:K,s:K,s:K,s:L,s:L,s:K,s:L,s:L,s:s,s:K,s:K}", "slots",
                          (long long)st->slots, "bytes", (unsigned long long)st->bytes,
                          "bytes_in_place", (unsigned long long)st->bytes_in_place, "bytes_early",
                          (unsigned long long)st->bytes_early, "bytes_late",
@@ -119,7 +128,9 @@ static PyObject *gy_py_move_stats(const gy_kv_move_stats *st) {
                          (long long)st->items_reused, "items_stale", (long long)st->items_stale,
                          "stage_bytes", (unsigned long long)st->stage_bytes, "runs_direct",
                          (long long)st->runs_direct, "runs_parked", (long long)st->runs_parked,
-                         "backend", gy_kv_move_backend_name((gy_kv_move_backend_kind)st->backend));
+                         "backend", gy_kv_move_backend_name((gy_kv_move_backend_kind)st->backend),
+                         "comm_bytes", (unsigned long long)st->comm_bytes, "staging_bytes",
+                         (unsigned long long)st->staging_bytes);
 }
 
 /* ---- KVMoveStage ---- */
@@ -264,12 +275,13 @@ static PyObject *gy_py_kv_move(PyObject *module, PyObject *args, PyObject *kwarg
 static PyMethodDef gy_py_kv_move_functions[] = {
     {"kv_move", (PyCFunction)(void (*)(void))gy_py_kv_move, METH_VARARGS | METH_KEYWORDS,
      "kv_move(items, first_layer, end_layer, dirty=None, dirty_slots=0, overlap=False, threads=1, "
-     "stage=None) -> stats"},
+     "comm=None, stage=None) -> stats"},
     {NULL, NULL, 0, NULL},
 };
 
 int gy_py_kv_move_add(PyObject *module) {
-    const gy_status s = gy_kv_move_device_register();
+    gy_status s = gy_kv_move_device_register();
+    if (s == GY_OK) s = gy_kv_move_comm_register();
     if (s != GY_OK) {
         gy_py_raise(s);
         return -1;

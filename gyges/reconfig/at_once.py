@@ -160,8 +160,9 @@ class ScaleUp(_AtOnce):
         start = time.perf_counter()
         self.sub_of = {w: plan.new_rank[w] % plan.m for w in plan.rank_order}  # old instance j
         done = []
+        comm = kv_move.migration_comm(host, self.workers)
         self.undo(lambda: kv_move.undo_all_to_all(host, self.a2a.rounds, plan.m, self.sub_of,
-                                                  done), "all-to-all")
+                                                  done, comm), "all-to-all")
         try:
             done.extend(kv_move.all_to_all(host, self, self.a2a.rounds, plan.m, self.sub_of,
                                            self.block_bytes_new))
@@ -301,16 +302,10 @@ class ScaleDown(_AtOnce):
         self._time("kv", start)
         # ---- 2. weights: each worker takes back the FFN shards of its new rank ----
         start = time.perf_counter()
-        holders = {}
-        for w in group:
-            for s in host.worker(w).weights.held:
-                holders.setdefault(s, w)
-        source = ((lambda s: host.worker(holders[s]).weights) if self.weights_from == "peers"
-                  else None)
         for (j, r), w in plan.new_ranks:
             worker = host.worker(w)
             missing = worker.owned_shards(tp, r) - worker.weights.held
-            copied = worker.weights.restore_shards(missing, source)
+            copied = worker.weights.restore_shards(missing, self._shard_source(w))
             self.stats["weight_bytes_copied"][w] = copied
             self.stats["weight_bytes_moved"] += copied
             self.stats["bytes_moved"] += copied
@@ -319,6 +314,21 @@ class ScaleDown(_AtOnce):
             self.stats["weight_bytes_released"][w] = worker.weights.drop_shards(
                 worker.owned_shards(tp, r))
         self._time("weights", start)
+
+    def _shard_source(self, w):
+        """Where worker w's missing FFN shards come from: a peer of the group holding the shard
+        on w's own device (arena copies), else the host copy of the weights (weights_from="host",
+        or a peer on another GPU: arenas copy within one device only)."""
+        host = self.host
+        if self.weights_from != "peers":
+            return None
+        device = host.worker(w).arena.device
+        holders = {}
+        for v in self.workers:
+            if host.worker(v).arena.device == device:
+                for s in host.worker(v).weights.held:
+                    holders.setdefault(s, v)
+        return lambda s: host.worker(holders[s]).weights if s in holders else None
 
     def _regeometry(self, w):
         """Worker w's cache as blocks of H/tp heads, every page given back (they come back

@@ -1,7 +1,9 @@
 """The KV bytes of an at-once transformation, all through the one KV move (KVMove,
-csrc/kv/kv_move.h): heads of block lists between two caches wherever they live (memmove on the
-host, one kernel per layer on a GPU both arenas share). The plans (plans.py)
-say which blocks go where; these functions carry them out and count the bytes on the handle.
+csrc/kv/kv_move.h): heads of block lists between caches wherever they live (memmove on the
+host, one kernel per layer on a GPU the arenas share, and between GPUs the group's migration
+communicator: one all-to-all per layer, csrc/comm/kv_move_comm.h). The plans (plans.py) say
+which blocks go where; these functions carry them out and count the bytes on the handle. One
+round of the all-to-all is one move (one phase of Gyges 4.1.2: its staging is the extra memory).
 
     all_to_all   scale-up's phased all-to-all, round by round; reverse=True takes it back
                  (rounds newest first, every run copied back where it came from: nothing it
@@ -17,24 +19,39 @@ from ..runtime.arena import Arena
 from ..runtime.kv_cache import KVCache, KVMove
 
 
+def migration_comm(host, workers):
+    """The migration communicator of the aligned group of `workers` when they sit on distinct
+    GPUs (comm="nccl"), else None: one memory needs none."""
+    if host.comm_backend != "nccl":
+        return None
+    workers = sorted(workers)
+    return host.migration_comm(workers[0], len(workers))
+
+
+def _staged(tr, workers, stats):
+    """A move's device staging (the comm backend's), counted on each worker it involved."""
+    for w in workers:
+        tr.staging_peak[w] = max(tr.staging_peak.get(w, 0), stats.get("staging_bytes", 0))
+
+
 def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
     """Scale-up's phased all-to-all (plans.AllToAllPlan.rounds), in round order: destination dst
     receives sub-group sub_of[dst] of the source's old blocks (new block m*b + sub of old block
-    b). Every layer of a round at once, the rounds in order. Returns the rounds done (a failure
-    raises with `done` attached to the error, for the rollback)."""
+    b). A round is one move, every pair and layer of it (between GPUs: one all-to-all per layer
+    over the group's migration communicator), the rounds in order. Returns the rounds' pairs
+    done (a failure raises with `done` attached to the error, for the rollback)."""
     L = host.model.config.num_hidden_layers
+    comm = migration_comm(host, tr.workers)
     done = []
-    order = sorted(rounds, reverse=reverse)
     try:
-        for rnd in order:
+        for rnd in sorted(rounds, reverse=reverse):
+            move = KVMove(range(L), comm=comm)
             for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
-                src_kv, dst_kv = host.worker(src).kv, host.worker(dst).kv
                 old = m * np.asarray(src_blocks, np.int64) + sub_of[dst]
-                if reverse:
-                    KVMove(range(L)).add(dst_kv, src_kv, dst_blocks, old).run()
-                else:
-                    KVMove(range(L)).add(src_kv, dst_kv, old, dst_blocks).run()
-                    tr._count(src, dst, len(dst_blocks) * run_bytes * L)
+                move.add(host.worker(src).kv, host.worker(dst).kv, old, dst_blocks)
+            _staged(tr, tr.workers, move.run())
+            for (src, dst), (src_blocks, dst_blocks) in rounds[rnd].items():
+                tr._count(src, dst, len(dst_blocks) * run_bytes * L)
                 done.append((rnd, (src, dst)))
     except BaseException as e:
         e.done = done
@@ -42,15 +59,20 @@ def all_to_all(host, tr, rounds, m, sub_of, run_bytes, reverse=False):
     return done
 
 
-def undo_all_to_all(host, rounds, m, sub_of, done):
-    """Takes back the copies `done` lists (newest first): each run goes back to the old block
-    it came from, which no later copy overwrote."""
+def undo_all_to_all(host, rounds, m, sub_of, done, comm=None):
+    """Takes back the copies `done` lists (newest round first, one move a round): each run goes
+    back to the old block it came from, which no later copy overwrote."""
     L = host.model.config.num_hidden_layers
-    for rnd, pair in reversed(done):
-        src, dst = pair
-        src_blocks, dst_blocks = rounds[rnd][pair]
-        KVMove(range(L)).add(host.worker(dst).kv, host.worker(src).kv, dst_blocks,
-                             m * np.asarray(src_blocks, np.int64) + sub_of[dst]).run()
+    by_round = {}
+    for rnd, pair in done:
+        by_round.setdefault(rnd, []).append(pair)
+    for rnd in sorted(by_round, reverse=True):
+        move = KVMove(range(L), comm=comm)
+        for src, dst in by_round[rnd]:
+            src_blocks, dst_blocks = rounds[rnd][(src, dst)]
+            move.add(host.worker(dst).kv, host.worker(src).kv, dst_blocks,
+                     m * np.asarray(src_blocks, np.int64) + sub_of[dst])
+        move.run()
 
 
 def stage(host, tr, moved, rank_worker):
@@ -91,6 +113,7 @@ def unstage(host, tr, moved, staged, plan, seq_of):
     takes sub-group g of its heads from old rank r*m + g (plans.SplitPlan)."""
     L = host.model.config.num_hidden_layers
     m = plan.m
+    move, counts = KVMove(range(L), comm=migration_comm(host, plan.rank_worker)), []
     for (j, r), w in plan.new_ranks:
         kv = host.worker(w).kv
         for g in range(m):
@@ -108,8 +131,12 @@ def unstage(host, tr, moved, staged, plan, seq_of):
             if not dst:
                 continue
             dst, src = np.concatenate(dst), np.concatenate(src)
-            KVMove(range(L)).add(staging, kv, src, dst, dst_head=g * staging.n_kv_heads).run()
-            tr._count(plan.rank_worker[rank], w, len(dst) * staging.block_bytes * L)
+            move.add(staging, kv, src, dst, dst_head=g * staging.n_kv_heads)
+            counts.append((plan.rank_worker[rank], w, len(dst) * staging.block_bytes * L))
+    if counts:  # one move: between GPUs, one all-to-all per layer
+        _staged(tr, tr.workers, move.run())
+    for src, dst, nbytes in counts:
+        tr._count(src, dst, nbytes)
 
 
 def restage(host, moved, staged, rank_worker, seq_of_old):

@@ -35,6 +35,7 @@ class Transform(Reconfiguration):
             peak_extra_bytes={w: 0 for w in ws}, phase_seconds={},
             bytes_read_beside_steps=0, bytes_in_place=0, stage_bytes=0, steps_waiting=0,
             steps_blocked=0)
+        self.staging_peak = {}  # worker -> the most device staging a KV move held on it
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.kind} TP{self.from_tp}->TP{self.to_tp} on workers "
@@ -79,8 +80,11 @@ class Transform(Reconfiguration):
     def _peaks(self):
         for w in self.workers:
             s = self.host.worker(w).arena.stats()
+            # the arena's pages past the base, and the comm backend's staging on top (an upper
+            # bound: the two need not peak at once)
             self.stats["peak_extra_bytes"][w] = max(self.stats["peak_extra_bytes"][w],
-                                                    s["peak_bytes"] - self.base[w])
+                                                    s["peak_bytes"] - self.base[w]
+                                                    + self.staging_peak.get(w, 0))
 
 
 def check_args(host, workers, tp, method, layers_per_step, weights_from, phase_chunks, overlap):
@@ -105,15 +109,29 @@ def check_args(host, workers, tp, method, layers_per_step, weights_from, phase_c
 
 
 def check_cuda(host, method, layers_per_step):
-    """What a transformation of CUDA workers cannot do yet, refused before anything changes:
-    the KV and the FFN shards move by device copies within one GPU (virtual workers). Every
-    method and layers_per_step run there (their KV moves: the device backend of KVMove)."""
-    if host.comm_backend != "d2d":
+    """What a transformation of CUDA workers cannot do yet, refused before anything changes.
+    Virtual workers on one GPU (comm="d2d") run every method, at once or layer-staggered, their
+    KV moved by the device backend of KVMove. Workers on distinct GPUs (comm="nccl") move KV over
+    the group's migration communicator (KVMove's comm backend) and restore FFN shards from a
+    peer on the same GPU or the host copy: every layer at once, with the header-centric
+    methods."""
+    if host.comm_backend != "nccl":
+        return
+    if layers_per_step is not None:
         raise UnavailableError(
-            "transformations of CUDA workers on separate GPUs (comm='nccl') are not "
-            "implemented: moving KV and FFN shards between GPUs needs peer copies or the "
-            "migration communicator's all-to-all; virtual workers sharing one GPU (comm='d2d') "
-            "can transform")
+            "layer-staggered transformations (layers_per_step) of CUDA workers on separate GPUs "
+            "(comm='nccl') are not implemented: a staggered layer's KV lands over the pages it "
+            "is read from, which the migration communicator's all-to-all does not order yet; "
+            "omit layers_per_step to move every layer at once, or use virtual workers sharing "
+            "one GPU (comm='d2d')")
+    if method == "basic" or (method == "partial_swap" and host.kv_layout != "header"):
+        how = ("method='basic'" if method == "basic" else
+               f"method='partial_swap' with the {host.kv_layout!r} KV layout (basic's migration)")
+        raise UnavailableError(
+            f"{how} of CUDA workers on separate GPUs (comm='nccl') is not implemented: its "
+            f"KV move into the new caches is not given the migration communicator; use "
+            f"'gyges', 'stop_world' or 'partial_swap' with the header layout, or virtual "
+            f"workers sharing one GPU (comm='d2d')")
 
 
 # ---- what the executors look at ----

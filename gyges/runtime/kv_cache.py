@@ -363,18 +363,30 @@ class KVMove:
                  source is read before anything is written; host caches only. An overlap move
                  may be read early: plan(stage) between steps, stage.read() beside a step, then
                  run(stage) with the move as it is by then (KVMoveStage);
-      threads    1 or 2, for overlap moves.
+      threads    1 or 2, for overlap moves;
+      comm       a communicator (gyges._C.Comm, a group's migration one: CommPool.migration)
+                 whose ranks' GPUs hold the caches: caches on several GPUs move over it, by one
+                 all-to-all per layer (the comm backend, csrc/comm/kv_move_comm.h); ignored when
+                 every cache is in one memory.
     run() refuses, copying nothing, what does not fit (blocks not mapped, heads or layers out of
-    range, caches on different devices) and returns its stats: "slots" (asked for per layer),
-    "bytes" (written, every layer), "bytes_in_place", "bytes_early", "bytes_late",
-    "items_reused", "items_stale", "stage_bytes", "runs_direct", "runs_parked", "backend"."""
+    range, caches on different devices without a communicator joining them) and returns its
+    stats: "slots" (asked for per layer), "bytes" (written, every layer), "bytes_in_place",
+    "bytes_early", "bytes_late", "items_reused", "items_stale", "stage_bytes", "runs_direct",
+    "runs_parked", "backend", and for the comm backend "comm_bytes" (sent between GPUs) and
+    "staging_bytes" (the most device memory one rank staged)."""
 
-    def __init__(self, layers, items=(), dirty=None, dirty_slots=None, overlap=False, threads=1):
+    def __init__(self, layers, items=(), dirty=None, dirty_slots=None, overlap=False, threads=1,
+                 comm=None):
         if not isinstance(layers, range) or layers.step != 1:
             raise InvalidArgumentError(f"layers must be a range with step 1, got {layers!r}")
         self.layers = layers
         self.items = list(items)  # KVMove.item tuples
         self._options = {"overlap": bool(overlap), "threads": _index(threads, "threads")}
+        if comm is not None:
+            if not isinstance(comm, _C.Comm):
+                raise ArgumentTypeError(f"comm must be a communicator (gyges._C.Comm), got "
+                                        f"{type(comm).__name__}")
+            self._options["comm"] = comm
         if dirty is not None:
             dirty = np.ascontiguousarray(dirty, dtype=np.uint64)
             slots = 64 * dirty.size if dirty_slots is None else _index(dirty_slots, "dirty_slots")
