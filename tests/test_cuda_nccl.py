@@ -3,21 +3,13 @@ moved by the phased all-to-all over the group's migration communicator (KVMove's
 csrc/comm/kv_move_comm.h), the FFN shards dropped in place and restored from the host copy.
 
 Runs where a CUDA host of four workers on four GPUs with NCCL can be made: a machine with four
-GPUs, or the emulated one, in a process of its own (NCCL is loaded once per process, and
-`run.py ext` points the other tests at no NCCL):
-
-    python tests/gpu_emu/build.py ext OUT && python tests/gpu_emu/build.py comm OUT
-    cd tests && PYTHONPATH=OUT/ext LD_LIBRARY_PATH=OUT/lib GYGES_CUDA_EMULATED=1 \\
-        GYGES_EMU_DEVICES=4 GYGES_NCCL_LIBRARY=OUT/comm/libnccl.so.2 \\
-        python -m pytest -q test_cuda_nccl.py
-
+GPUs, or the emulated one (`python tests/gpu_emu/run.py ext`: four GPUs and the pretend NCCL).
 Skipped with the reason elsewhere.
 
 Tolerance policy: exact everywhere. KV bytes are copies (never recomputed); tokens are compared
 with the same host that never transformed: a step at TP4 all-reduces over NCCL, whose order of sums is
 NCCL's and not the TP1 worker's tree, so the exact round trip merges and splits between the
 same two steps, and the variant that serves at TP4 allows test_cuda_host's near ties."""
-import ctypes
 import os
 import subprocess
 import sys
@@ -35,10 +27,6 @@ from gyges.runtime.worker import cuda_unavailable
 pytestmark = pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning")
 
 EMULATED = os.environ.get("GYGES_CUDA_EMULATED") == "1"
-if EMULATED:
-    # The pretend NCCL (tests/gpu_emu/nccl.c) resolves the emulated runtime's cuda* calls in
-    # the process: make the extension's symbols global before anything opens it.
-    ctypes.CDLL(_C.__file__, mode=os.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 4))
 
 
 def _why_not():
@@ -405,10 +393,7 @@ def test_fault_sweep_of_transformations_between_gpus(tiny, kind, site):
 # ---- the order of the two communicators ----
 
 _OPPOSITE_ORDERS = r"""
-import ctypes, os, sys, threading
-import numpy as np
-from gyges import _C
-ctypes.CDLL(_C.__file__, mode=os.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 4))
+import os, sys, threading
 from gyges.runtime.comm import CommPool
 sys.path.insert(0, os.getcwd())
 from test_comm_cuda import RankMemory
