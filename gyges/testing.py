@@ -9,6 +9,7 @@ fails each resource an operation uses in turn.
     with gyges.testing.inject("page_create", 3):
         host.step()        # the third page created during the step fails
 """
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -601,6 +602,20 @@ def snapshot(target, physical=True):
 
 
 # ---- fault sweeps over whole operations ----
+
+SWEEP_MOST_ENV = "GYGES_SWEEP_MOST"
+
+
+def sweep_most(default):
+    """How many events of a site a sampled fault sweep fails: `default` (what `make test` can
+    afford; the emulated GPU is slow), or what GYGES_SWEEP_MOST says, 0 meaning every event
+    (`make sweep-cuda`)."""
+    value = os.environ.get(SWEEP_MOST_ENV)
+    if value is None:
+        return default
+    most = int(value)
+    return None if most == 0 else max(2, most)
+
 
 def spread(count, most=None):
     """Event numbers to fail: all of 1..count, or `most` of them spread evenly (the first and

@@ -27,7 +27,7 @@ from test_flying import paused_state, prompts, same_paused_state
 
 import gyges
 from gyges.reconfig import ReconfigurationWarning
-from gyges.testing import count, inject, snapshot, spread
+from gyges.testing import count, inject, snapshot, spread, sweep_most
 
 # A failed switch is taken back exactly; a rebuild (recovery) would hide that: none may happen.
 pytestmark = pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning")
@@ -270,7 +270,7 @@ def test_a_fault_in_a_switch_on_cuda_loses_nothing(tiny, op, site):
     with new_host(tiny) as idle:
         fresh = [idle.worker(w).arena.stats()["bytes_in_use"] for w in range(4)]
     outcomes = {"refused": 0, "rolled_back": 0, "failed_step": 0, "done": 0}
-    for n in spread(events, 5):
+    for n in spread(events, sweep_most(5)):
         host, reqs, call = switch_case(tiny, op)
         before = snapshot(host, physical=False)
         raised = r = None

@@ -370,7 +370,7 @@ def _sweep(tiny, site, start, target, most):
     return out
 
 
-SWEEP_MOST = int(os.environ.get("GYGES_NCCL_SWEEP_MOST", "4"))
+SWEEP_MOST = testing.sweep_most(4)
 
 
 @needs_nccl
@@ -380,11 +380,10 @@ SWEEP_MOST = int(os.environ.get("GYGES_NCCL_SWEEP_MOST", "4"))
     *(("split", s) for s in ("copy", "comm", "alloc", "page_create", "page_map"))])
 def test_fault_sweep_of_transformations_between_gpus(tiny, kind, site):
     """The n-th event of a site fails, n spread over SWEEP_MOST of them (every one with
-    GYGES_NCCL_SWEEP_MOST=0: minutes on the emulator): refused or rolled back as on the CPU,
+    GYGES_SWEEP_MOST=0: minutes on the emulator): refused or rolled back as on the CPU,
     0 lost, 0 changed, 0 mismatched, 0 leaked."""
     start, target = ("4xTP1", 4) if kind == "merge" else ("1xTP4", 1)
-    most = None if SWEEP_MOST == 0 else SWEEP_MOST
-    out = _sweep(tiny, site, start, target, most)
+    out = _sweep(tiny, site, start, target, SWEEP_MOST)
     assert out["events"] > 0, out
     assert out["refused"] + out["rolled_back"] > 0, out
     assert out["changed"] == out["lost"] == out["mismatches"] == out["leaked"] == 0, out

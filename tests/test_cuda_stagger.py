@@ -39,7 +39,9 @@ def tiny():
 
 
 def cuda_host(tiny, layout="4xTP1", **kw):
-    # A small prefill chunk, so that layers move in the middle of prefills too.
+    # Virtual workers of one GPU (on an emulated machine of four, the default would be one GPU
+    # each, over NCCL). A small prefill chunk, so that layers move in the middle of prefills too.
+    kw.setdefault("devices", 0)
     return gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, page_size=PAGE, layout=layout,
                       max_prefill_chunk=16, max_batch_tokens=64, backend="cuda", **kw)
 
@@ -411,5 +413,5 @@ def test_a_fault_anywhere_in_a_cuda_transformation_loses_nothing(tiny, sweep_bas
            (0, 0, 0, 0, 0), r
 
 
-MOST = 3  # events failed per (kind, site), spread over all of them: on the emulated device a
+MOST = testing.sweep_most(3)  # events failed per (kind, site), spread over all of them: on the emulated device a
 #          run is several seconds, and a staggered merge has ~220 allocation events

@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import _C
 from ..core.checks import integer
-from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError, StateError
+from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
+                           UnavailableError)
 from ..runtime.kv_cache import KVMove
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
@@ -147,13 +148,13 @@ class Buddy(Reconfiguration, Paced):
             raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
                                        f"keep replicas that switch() binds (weights='replicated')")
         if len({host.devices[w] for w in workers}) > 1:
-            # members on different GPUs: remote attention runs across them (forward_cuda.c), and
-            # the exchange's KV must move between them; refused here, before any change, where
-            # the KV move has no backend for that (an empty move asks it)
-            ws = [host.worker(w) for w in workers]
-            for i, a in enumerate(ws):
-                for b in ws[i + 1:]:
-                    KVMove(range(1)).add(a.kv, b.kv, [], []).run()
+            # remote attention runs across GPUs (forward_cuda.c), but the exchange's KV moves
+            # and the restore's weight copies between two devices' arenas are not built
+            raise UnavailableError(
+                f"a buddy group whose members are on different GPUs (workers {workers} on "
+                f"devices {[host.devices[w] for w in workers]}) is not implemented: its KV "
+                f"exchange over the migration communicator and its weight copies between the "
+                f"devices' arenas are not built; members sharing one GPU (comm='d2d') can group")
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
