@@ -40,7 +40,7 @@ cudaemu: build
 	$(PYTHON) tests/gpu_emu/run.py all
 
 # The CUDA tests' fault sweeps over every event of every site (make test fails a few spread
-# over each): about an hour on the emulated GPUs.
+# over each): many times longer than make test.
 sweep-cuda: build
 	GYGES_SWEEP_MOST=0 $(PYTHON) tests/gpu_emu/run.py ext
 
