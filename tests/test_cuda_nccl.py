@@ -318,10 +318,22 @@ def test_moved_kv_has_the_cpu_hosts_layout_to_the_bit(tiny):
     assert len(want) == len(ps) and want == got
 
 
-def _sweep(tiny, site, start, target, most):
+def _transform(host, target, kw):
+    """host.transform(...) driven to its end between the same two steps: a layer-staggered one
+    advanced (Host.step's first half) until done, without a step. Returns the handle."""
+    t = host.transform(workers=(0, 1, 2, 3), tp=target, **kw)
+    while not t.done:
+        t.advance()
+    return t
+
+
+def _sweep(tiny, site, start, target, most, **kw):
     """The n-th `site` event of a transformation on four GPUs fails (every n, or `most`
     spread): refused or rolled back leaves the host as it was; nothing is lost, every token is
-    the untouched host's, and no page is left behind."""
+    the untouched host's, and no page is left behind. `kw`: more transform arguments (a
+    staggered one is advanced to its end before the next step; a failed advance is retried or
+    rolled back on the handle, counted as rolled_back when it was, retried when it was tried
+    again)."""
     from gyges.reconfig import ReconfigurationWarning
     import warnings
 
@@ -333,7 +345,6 @@ def _sweep(tiny, site, start, target, most):
     ref.run()
     want = [r.output_tokens for r in reqs]
     ref.close()
-    workers = (0, 1, 2, 3)
 
     def setup():
         host = nccl_host(tiny, layout=start)
@@ -343,9 +354,9 @@ def _sweep(tiny, site, start, target, most):
         return host, reqs
 
     host, _ = setup()
-    events, _ = testing.count(site, lambda: host.transform(workers=workers, tp=target))
+    events, _ = testing.count(site, lambda: _transform(host, target, kw))
     host.close()
-    out = dict(events=events, refused=0, rolled_back=0, done=0, changed=0, lost=0,
+    out = dict(events=events, refused=0, rolled_back=0, retried=0, done=0, changed=0, lost=0,
                mismatches=0, leaked=0)
     for n in testing.spread(events, most):
         host, reqs = setup()
@@ -354,8 +365,14 @@ def _sweep(tiny, site, start, target, most):
             warnings.simplefilter("ignore", ReconfigurationWarning)
             with testing.inject(site, n):
                 try:
-                    host.transform(workers=workers, tp=target)
-                    out["done"] += 1
+                    t = _transform(host, target, kw)
+                    if not t.committed:
+                        out["rolled_back"] += 1
+                        out["changed"] += (host.layout() != layout
+                                           or testing.snapshot(host, physical=False) != before)
+                    else:
+                        out["done"] += 1
+                        out["retried"] += t.stats.get("retries", 0) > 0
                 except gyges.Error as e:
                     r = getattr(e, "reconfiguration", None)
                     out["refused" if r is None else "rolled_back"] += 1
@@ -536,3 +553,81 @@ def test_a_merge_between_gpus_needs_a_tenth_of_basics_extra_memory(tiny):
     assert ours["occupancy"] >= 0.88 and basic["occupancy"] == ours["occupancy"]
     assert basic["peak_extra"] >= 0.9 * basic["kv_bytes"], basic
     assert 0 < ours["peak_extra"] <= 0.1 * basic["peak_extra"], (ours, basic)
+
+
+# ---- layer-staggered and the baselines' methods between GPUs ----
+
+def d2d_host(tiny, **kw):
+    """nccl_host's twin of virtual workers on one GPU (comm="d2d"): the device backend of KV
+    moves instead of the migration communicator."""
+    return gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, page_size=PAGE, layout="4xTP1",
+                      max_prefill_chunk=16, max_batch_tokens=64, backend="cuda", comm="d2d", **kw)
+
+
+def moved_bytes(stats):
+    return {k: stats[k] for k in ("bytes_sent", "bytes_received", "bytes_in_place",
+                                  "kv_bytes_moved", "requests_moved")}
+
+
+def staggered_round_trip(host, ps, params, **kw):
+    """4xTP1 -> TP4 -> 4xTP1 of `host` between the same two steps (three steps in), each change
+    advanced layer by layer to its end; every request's KV unchanged and placed as the new
+    geometry says after each. Returns (requests, merge handle, split handle, the raw KV after
+    the merge, used_kv after the split)."""
+    reqs = [host.submit(p, q) for p, q in zip(ps, params)]
+    for _ in range(3):
+        host.step()
+    L = host.model.config.num_hidden_layers
+    before = kv_by_request(host)
+    up = host.transform(workers=(0, 1, 2, 3), tp=4, **kw)
+    assert not up.done and up.boundary == L
+    while not up.done:
+        up.advance()
+    assert host.layout() == "TP4" and up.committed, up
+    check_placement(host)
+    assert_kv_unchanged(before, kv_by_request(host))
+    merged = raw_kv(host)
+    before = kv_by_request(host)
+    down = _transform(host, 1, kw)
+    assert host.layout() == "4xTP1" and down.committed, down
+    check_placement(host)
+    assert_kv_unchanged(before, kv_by_request(host))
+    return reqs, up, down, merged, used_kv(host)
+
+
+@needs_nccl
+@pytest.mark.parametrize("layers_per_step, overlap", [(1, False), (2, True)])
+def test_a_staggered_round_trip_between_gpus_keeps_every_token_and_kv_byte(tiny, layers_per_step,
+                                                                           overlap):
+    """Layer-staggered 4xTP1 -> TP4 -> 4xTP1 on four GPUs over NCCL, requests in flight (greedy
+    and seeded, some mid-prefill): each layer's KV is one overlapping move over the migration
+    communicator (the new caches are shadows over the old pages: every rank reads and exchanges
+    before any writes). Tokens are the same host's that never transformed; the KV after the
+    merge is a d2d host's byte for byte (every mapped byte of every worker), and after the split
+    every request's blocks and tokens are; the two move the same bytes between the same workers
+    and leave the same in place; the pages end as a fresh host's."""
+    ps = prompts(8, seed=11)
+    params = [GREEDY if i % 2 else SEEDED for i in range(8)]
+    fresh = nccl_host(tiny)
+    start = accounting(fresh)
+    reqs = [fresh.submit(p, q) for p, q in zip(ps, params)]
+    fresh.run()
+    want = [r.output_tokens for r in reqs]
+    fresh.close()
+    kw = dict(layers_per_step=layers_per_step, overlap=overlap)
+    with d2d_host(tiny) as host:
+        _, d2d_up, d2d_down, d2d_merged, d2d_used = staggered_round_trip(host, ps, params, **kw)
+    host = nccl_host(tiny)
+    reqs, up, down, merged, used = staggered_round_trip(host, ps, params, **kw)
+    assert up.stats["bytes_in_place"] > 0  # a merged rank's own heads stay put (header layout)
+    assert sum(up.stats["bytes_sent"].values()) > 0 and sum(down.stats["bytes_sent"].values()) > 0
+    assert moved_bytes(up.stats) == moved_bytes(d2d_up.stats)
+    assert moved_bytes(down.stats) == moved_bytes(d2d_down.stats)
+    for a, b in zip(merged, d2d_merged):
+        assert [x.tobytes() for x in a] == [y.tobytes() for y in b]
+    assert used == d2d_used
+    host.run()
+    assert [r.output_tokens for r in reqs] == want
+    assert accounting(host) == start
+    assert all(host.worker(w).kv.stats()["pages_per_layer"] == 0 for w in range(4))
+    host.close()
