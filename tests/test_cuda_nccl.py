@@ -61,10 +61,10 @@ def prompts(n, seed, lo=4, hi=60):
     return [rng.integers(0, 4096, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def nccl_host(tiny, layout="4xTP1", backend="cuda", memory=MEMORY):
+def nccl_host(tiny, layout="4xTP1", backend="cuda", memory=MEMORY, **extra):
     kw = dict(comm="nccl") if backend == "cuda" else {}
     return gyges.Host(tiny, workers=4, memory_per_worker=memory, page_size=PAGE, layout=layout,
-                      max_prefill_chunk=16, max_batch_tokens=64, backend=backend, **kw)
+                      max_prefill_chunk=16, max_batch_tokens=64, backend=backend, **kw, **extra)
 
 
 def raw_kv(host):
@@ -207,6 +207,75 @@ def test_a_failed_move_between_gpus_fails_every_rank_and_the_communicator_recove
         for layer in range(3):
             assert (g.arena.read(g.layer_offset(layer), g.n_blocks * g.block_bytes).tobytes()
                     == c.arena.read(c.layer_offset(layer), c.n_blocks * c.block_bytes).tobytes())
+
+
+def _overlapping_items(caches, shadows):
+    """A staggered merge's pattern on n caches: each shadow (blocks of 2 of the 4 heads over its
+    owner's pages: shadow block 2b + j is heads [2j, 2j + 2) of block b) receives, over sources
+    other items still read, heads from the next GPU's cache (A, B) and from its own (C); D is
+    a rank's own heads staying where they are (in place)."""
+    n = len(caches)
+    items = []
+    for d in range(n):
+        to = shadows[(d + 1) % n]
+        items += [
+            gyges.KVMove.item(caches[d], to, list(range(4)), [2 * b + 1 for b in range(4)],
+                              n_heads=2),                                        # A
+            gyges.KVMove.item(caches[d], to, list(range(4)), [2 * b for b in range(4, 8)],
+                              src_head=2, n_heads=2),                            # B
+            gyges.KVMove.item(caches[d], shadows[d], list(range(4, 8)),
+                              [2 * b for b in range(4)], src_head=2, n_heads=2),  # C: over A's
+            gyges.KVMove.item(caches[d], shadows[d], list(range(4, 8)),
+                              [2 * b + 1 for b in range(4, 8)], src_head=2, n_heads=2)]  # D
+    return items
+
+
+@needs_nccl
+def test_an_overlapping_move_between_gpus_reads_and_exchanges_everything_before_writing():
+    """OVERLAP between GPUs (a staggered layer's move into shadows of the same pages): every
+    layer of every cache ends as the host backend's read-first move leaves CPU caches of the
+    same bytes, to the bit, with the same bytes in place (neither read nor written); a plain
+    move of the same items gives another result, so the order matters. Each allocation,
+    exchange and copy event of a two-layer move fails in turn: the move raises and no cache
+    changed (nothing is written until every rank has read and exchanged every layer), and the
+    communicator works again."""
+    comm = make_comm(4, "nccl", list(range(4)), "migration")
+
+    def caches(backend):
+        kvs = [_cache(backend, d if backend == "cuda" else 0) for d in range(4)]
+        _fill([kvs], seed=4)
+        return kvs, _overlapping_items(kvs, [kv.shadow(2) for kv in kvs])
+
+    def contents(kvs):
+        return [[kv.arena.read(kv.layer_offset(l), 16 * kv.block_bytes).tobytes()
+                 for l in range(3)] for kv in kvs]
+
+    def run(backend, overlap=True):
+        kvs, items = caches(backend)
+        stats = gyges.KVMove(range(1, 3), items, overlap=overlap,
+                             comm=comm if backend == "cuda" else None).run()
+        return contents(kvs), stats
+
+    want, host = run("cpu")
+    got, stats = run("cuda")
+    assert stats["backend"] == "comm" and host["backend"] == "host"
+    assert got == want
+    assert stats["bytes_in_place"] == host["bytes_in_place"] > 0
+    assert stats["bytes"] == host["bytes"] and stats["comm_bytes"] > 0
+    assert run("cuda", overlap=False)[0] != want
+    for site in ("alloc", "comm", "copy"):
+        kvs, items = caches("cuda")
+        events, _ = testing.count(
+            site, gyges.KVMove(range(1, 3), items, overlap=True, comm=comm).run)
+        assert events >= 1
+        for n in range(1, events + 1):
+            kvs, items = caches("cuda")
+            before = contents(kvs)
+            with testing.inject(site, n) as fired, pytest.raises(gyges.Error):
+                gyges.KVMove(range(1, 3), items, overlap=True, comm=comm).run()
+            assert fired() == 1 and contents(kvs) == before, (site, n)
+    got, _ = run("cuda")
+    assert got == want
 
 
 # ---- hosts of workers on four GPUs ----
@@ -631,3 +700,69 @@ def test_a_staggered_round_trip_between_gpus_keeps_every_token_and_kv_byte(tiny,
     assert accounting(host) == start
     assert all(host.worker(w).kv.stats()["pages_per_layer"] == 0 for w in range(4))
     host.close()
+
+
+@needs_nccl
+@pytest.mark.parametrize("method, kv_layout", [("basic", "header"), ("partial_swap", "page")])
+def test_basic_and_partial_swap_merges_between_gpus_keep_every_token(tiny, method, kv_layout):
+    """Basic's migration (new caches in fresh pages, every request's heads moved into them in
+    one KV move of every layer) over the migration communicator: basic itself, and
+    partial_swap with the page layout (its KV moves as basic's). Requests in flight; every
+    request's KV unchanged, placed as TP4 says, its blocks and token bytes a d2d host's, the
+    same bytes moved between the same workers; padded (basic), the group splits back at once
+    between the same two steps, to a fresh host's pages. Tokens are the same host's that never
+    transformed (unpadded, served on at TP4: this workload has no near tie NCCL's order of sums
+    flips, as in the merges' fault sweep)."""
+    ps = prompts(8, seed=9, hi=40)
+    params = [GREEDY if i % 2 else SEEDED for i in range(8)]
+    extra = dict(kv_layout=kv_layout, pad_ffn=method == "basic")
+    ref = nccl_host(tiny, **extra)
+    fresh = accounting(ref)
+    reqs = [ref.submit(p, q) for p, q in zip(ps, params)]
+    ref.run()
+    want = [r.output_tokens for r in reqs]
+    ref.close()
+    keys = ("bytes_sent", "bytes_received", "kv_bytes_moved", "kv_bytes_trimmed",
+            "kv_pages_mapped", "requests_moved")
+    out = {}
+    for comm in ("d2d", "nccl"):
+        host = d2d_host(tiny, **extra) if comm == "d2d" else nccl_host(tiny, **extra)
+        reqs = [host.submit(p, q) for p, q in zip(ps, params)]
+        for _ in range(3):
+            host.step()
+        before = kv_by_request(host)
+        up = host.transform(workers=(0, 1, 2, 3), tp=4, method=method)
+        assert host.layout() == "TP4" and up.committed
+        assert min(up.stats["kv_pages_mapped"].values()) > 0  # new caches beside the old
+        check_placement(host)
+        assert_kv_unchanged(before, kv_by_request(host))
+        out[comm] = (used_kv(host), {k: up.stats[k] for k in keys})
+        if comm == "d2d":
+            host.close()
+    assert sum(out["nccl"][1]["bytes_sent"].values()) > 0
+    assert out["nccl"] == out["d2d"]
+    if method == "basic":
+        before = kv_by_request(host)
+        host.transform(workers=(0, 1, 2, 3), tp=1, method=method)
+        assert host.layout() == "4xTP1"
+        check_placement(host)
+        assert_kv_unchanged(before, kv_by_request(host))
+    host.run()
+    assert [r.output_tokens for r in reqs] == want
+    if method == "basic":
+        assert accounting(host) == fresh
+    host.close()
+
+
+@needs_nccl
+@pytest.mark.parametrize("site", ["copy", "comm", "alloc"])
+def test_fault_sweep_of_a_staggered_merge_between_gpus(tiny, site):
+    """The n-th event of a site (SWEEP_MOST of them, spread) fails during a layer-staggered
+    merge on four GPUs (overlapping moves over the migration communicator, two layers a step):
+    the failed advance changed nothing (every rank reads and exchanges before any writes), so
+    it is tried again or rolled back; 0 lost, 0 changed, 0 mismatched, 0 leaked."""
+    most = None if SWEEP_MOST == 0 else SWEEP_MOST
+    out = _sweep(tiny, site, "4xTP1", 4, most, layers_per_step=2)
+    assert out["events"] > 0, out
+    assert out["retried"] + out["refused"] + out["rolled_back"] > 0, out
+    assert out["changed"] == out["lost"] == out["mismatches"] == out["leaked"] == 0, out
