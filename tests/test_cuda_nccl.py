@@ -1,6 +1,9 @@
 """Gyges across GPUs: merge and split of CUDA workers on distinct GPUs (comm="nccl"), the KV
 moved by the phased all-to-all over the group's migration communicator (KVMove's comm backend,
-csrc/comm/kv_move_comm.h), the FFN shards dropped in place and restored from the host copy.
+csrc/comm/kv_move_comm.h), the FFN shards dropped in place and restored from the host copy; the
+same layer-staggered (each layer an overlapping move into shadows of the same pages: every rank
+reads and exchanges before any writes) and with basic's migration (basic, partial_swap with the
+page layout).
 
 Runs where a CUDA host of four workers on four GPUs with NCCL can be made: a machine with four
 GPUs, or the emulated one (`python tests/gpu_emu/run.py ext`: four GPUs and the pretend NCCL).
