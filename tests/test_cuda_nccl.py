@@ -769,3 +769,44 @@ def test_fault_sweep_of_a_staggered_merge_between_gpus(tiny, site):
     assert out["events"] > 0, out
     assert out["retried"] + out["refused"] + out["rolled_back"] > 0, out
     assert out["changed"] == out["lost"] == out["mismatches"] == out["leaked"] == 0, out
+
+
+@needs_nccl
+def test_serving_through_a_staggered_merge_between_gpus_keeps_the_greedy_tokens(tiny):
+    """A layer-staggered merge driven by the steps themselves: while it runs, each step computes
+    the layers below the boundary in the old TP1 instances and those above it in the merged
+    group over NCCL, then the group splits back (staggered too, overlapping); requests arrive
+    meanwhile. Nothing is lost, the KV of the requests both sides hold is unchanged, and the
+    greedy tokens are the untransformed host's but where NCCL's order of sums flips a near tie
+    (test_cuda_host's policy: at most one request; none on the emulator)."""
+    from test_cuda_host import assert_same_greedy_tokens
+
+    ps = prompts(8, seed=2)
+    ref = nccl_host(tiny)
+    want = [r.output_tokens for r in ref.generate(ps, GREEDY)]
+    ref.close()
+    host = nccl_host(tiny)
+    reqs = [host.submit(p, GREEDY) for p in ps[:4]]
+    host.step()
+    host.step()
+    up = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
+    reqs += [host.submit(p, GREEDY) for p in ps[4:]]
+    steps = 0
+    while not up.done:
+        host.step()
+        steps += 1
+    assert up.committed and host.layout() == "TP4" and steps >= tiny.config.num_hidden_layers
+    before = kv_by_request(host)
+    down = host.transform(workers=(0, 1, 2, 3), tp=1, layers_per_step=2, overlap=True)
+    while not down.done:
+        host.step()
+    assert down.committed and host.layout() == "4xTP1"
+    check_placement(host)
+    after = kv_by_request(host)
+    both = set(before) & set(after)
+    assert both
+    assert_kv_unchanged({r: before[r] for r in both}, {r: after[r] for r in both})
+    host.run()
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert assert_same_greedy_tokens(tiny, ps, [r.output_tokens for r in reqs], want) <= 1
+    host.close()
