@@ -692,6 +692,8 @@ def test_a_staggered_round_trip_between_gpus_keeps_every_token_and_kv_byte(tiny,
     host = nccl_host(tiny)
     reqs, up, down, merged, used = staggered_round_trip(host, ps, params, **kw)
     assert up.stats["bytes_in_place"] > 0  # a merged rank's own heads stay put (header layout)
+    # each rank staged its layer (one layer of its heads out and in, whole blocks)
+    assert 0 < up.stats["stage_bytes"] and 0 < down.stats["stage_bytes"]
     assert sum(up.stats["bytes_sent"].values()) > 0 and sum(down.stats["bytes_sent"].values()) > 0
     assert moved_bytes(up.stats) == moved_bytes(d2d_up.stats)
     assert moved_bytes(down.stats) == moved_bytes(d2d_down.stats)

@@ -158,7 +158,9 @@ class _Staggered(Transform):
             self.undo(lambda layer=layer: self._move_back(layer), f"layer {layer}'s KV")
             self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
             self.stats["bytes_in_place"] += moved["bytes_in_place"]
-            self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"])
+            # the stage of one layer: host or one device's, or between GPUs each rank's staging
+            self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"],
+                                            moved.get("staging_bytes", 0))
             for (src_w, dst_w), nbytes in sent.items():
                 self._count(src_w, dst_w, nbytes)
             if self.overlap and self._background_weights:
