@@ -1,6 +1,9 @@
 """Gyges across GPUs: merge and split of CUDA workers on distinct GPUs (comm="nccl"), the KV
 moved by the phased all-to-all over the group's migration communicator (KVMove's comm backend,
-csrc/comm/kv_move_comm.h), the FFN shards dropped in place and restored from the host copy.
+csrc/comm/kv_move_comm.h), the FFN shards dropped in place and restored from the host copy; the
+same layer-staggered (each layer an overlapping move into shadows of the same pages: every rank
+reads and exchanges before any writes) and with basic's migration (basic, partial_swap with the
+page layout).
 
 Runs where a CUDA host of four workers on four GPUs with NCCL can be made: a machine with four
 GPUs, or the emulated one (`python tests/gpu_emu/run.py ext`: four GPUs and the pretend NCCL).
@@ -61,10 +64,10 @@ def prompts(n, seed, lo=4, hi=60):
     return [rng.integers(0, 4096, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def nccl_host(tiny, layout="4xTP1", backend="cuda", memory=MEMORY):
+def nccl_host(tiny, layout="4xTP1", backend="cuda", memory=MEMORY, **extra):
     kw = dict(comm="nccl") if backend == "cuda" else {}
     return gyges.Host(tiny, workers=4, memory_per_worker=memory, page_size=PAGE, layout=layout,
-                      max_prefill_chunk=16, max_batch_tokens=64, backend=backend, **kw)
+                      max_prefill_chunk=16, max_batch_tokens=64, backend=backend, **kw, **extra)
 
 
 def raw_kv(host):
@@ -209,6 +212,75 @@ def test_a_failed_move_between_gpus_fails_every_rank_and_the_communicator_recove
                     == c.arena.read(c.layer_offset(layer), c.n_blocks * c.block_bytes).tobytes())
 
 
+def _overlapping_items(caches, shadows):
+    """A staggered merge's pattern on n caches: each shadow (blocks of 2 of the 4 heads over its
+    owner's pages: shadow block 2b + j is heads [2j, 2j + 2) of block b) receives, over sources
+    other items still read, heads from the next GPU's cache (A, B) and from its own (C); D is
+    a rank's own heads staying where they are (in place)."""
+    n = len(caches)
+    items = []
+    for d in range(n):
+        to = shadows[(d + 1) % n]
+        items += [
+            gyges.KVMove.item(caches[d], to, list(range(4)), [2 * b + 1 for b in range(4)],
+                              n_heads=2),                                        # A
+            gyges.KVMove.item(caches[d], to, list(range(4)), [2 * b for b in range(4, 8)],
+                              src_head=2, n_heads=2),                            # B
+            gyges.KVMove.item(caches[d], shadows[d], list(range(4, 8)),
+                              [2 * b for b in range(4)], src_head=2, n_heads=2),  # C: over A's
+            gyges.KVMove.item(caches[d], shadows[d], list(range(4, 8)),
+                              [2 * b + 1 for b in range(4, 8)], src_head=2, n_heads=2)]  # D
+    return items
+
+
+@needs_nccl
+def test_an_overlapping_move_between_gpus_reads_and_exchanges_everything_before_writing():
+    """OVERLAP between GPUs (a staggered layer's move into shadows of the same pages): every
+    layer of every cache ends as the host backend's read-first move leaves CPU caches of the
+    same bytes, to the bit, with the same bytes in place (neither read nor written); a plain
+    move of the same items gives another result, so the order matters. Each allocation,
+    exchange and copy event of a two-layer move fails in turn: the move raises and no cache
+    changed (nothing is written until every rank has read and exchanged every layer), and the
+    communicator works again."""
+    comm = make_comm(4, "nccl", list(range(4)), "migration")
+
+    def caches(backend):
+        kvs = [_cache(backend, d if backend == "cuda" else 0) for d in range(4)]
+        _fill([kvs], seed=4)
+        return kvs, _overlapping_items(kvs, [kv.shadow(2) for kv in kvs])
+
+    def contents(kvs):
+        return [[kv.arena.read(kv.layer_offset(l), 16 * kv.block_bytes).tobytes()
+                 for l in range(3)] for kv in kvs]
+
+    def run(backend, overlap=True):
+        kvs, items = caches(backend)
+        stats = gyges.KVMove(range(1, 3), items, overlap=overlap,
+                             comm=comm if backend == "cuda" else None).run()
+        return contents(kvs), stats
+
+    want, host = run("cpu")
+    got, stats = run("cuda")
+    assert stats["backend"] == "comm" and host["backend"] == "host"
+    assert got == want
+    assert stats["bytes_in_place"] == host["bytes_in_place"] > 0
+    assert stats["bytes"] == host["bytes"] and stats["comm_bytes"] > 0
+    assert run("cuda", overlap=False)[0] != want
+    for site in ("alloc", "comm", "copy"):
+        kvs, items = caches("cuda")
+        events, _ = testing.count(
+            site, gyges.KVMove(range(1, 3), items, overlap=True, comm=comm).run)
+        assert events >= 1
+        for n in range(1, events + 1):
+            kvs, items = caches("cuda")
+            before = contents(kvs)
+            with testing.inject(site, n) as fired, pytest.raises(gyges.Error):
+                gyges.KVMove(range(1, 3), items, overlap=True, comm=comm).run()
+            assert fired() == 1 and contents(kvs) == before, (site, n)
+    got, _ = run("cuda")
+    assert got == want
+
+
 # ---- hosts of workers on four GPUs ----
 
 @needs_nccl
@@ -318,10 +390,22 @@ def test_moved_kv_has_the_cpu_hosts_layout_to_the_bit(tiny):
     assert len(want) == len(ps) and want == got
 
 
-def _sweep(tiny, site, start, target, most):
+def _transform(host, target, kw):
+    """host.transform(...) driven to its end between the same two steps: a layer-staggered one
+    advanced (Host.step's first half) until done, without a step. Returns the handle."""
+    t = host.transform(workers=(0, 1, 2, 3), tp=target, **kw)
+    while not t.done:
+        t.advance()
+    return t
+
+
+def _sweep(tiny, site, start, target, most, **kw):
     """The n-th `site` event of a transformation on four GPUs fails (every n, or `most`
     spread): refused or rolled back leaves the host as it was; nothing is lost, every token is
-    the untouched host's, and no page is left behind."""
+    the untouched host's, and no page is left behind. `kw`: more transform arguments (a
+    staggered one is advanced to its end before the next step; a failed advance is retried or
+    rolled back on the handle, counted as rolled_back when it was, retried when it was tried
+    again)."""
     from gyges.reconfig import ReconfigurationWarning
     import warnings
 
@@ -333,7 +417,6 @@ def _sweep(tiny, site, start, target, most):
     ref.run()
     want = [r.output_tokens for r in reqs]
     ref.close()
-    workers = (0, 1, 2, 3)
 
     def setup():
         host = nccl_host(tiny, layout=start)
@@ -343,9 +426,9 @@ def _sweep(tiny, site, start, target, most):
         return host, reqs
 
     host, _ = setup()
-    events, _ = testing.count(site, lambda: host.transform(workers=workers, tp=target))
+    events, _ = testing.count(site, lambda: _transform(host, target, kw))
     host.close()
-    out = dict(events=events, refused=0, rolled_back=0, done=0, changed=0, lost=0,
+    out = dict(events=events, refused=0, rolled_back=0, retried=0, done=0, changed=0, lost=0,
                mismatches=0, leaked=0)
     for n in testing.spread(events, most):
         host, reqs = setup()
@@ -354,8 +437,14 @@ def _sweep(tiny, site, start, target, most):
             warnings.simplefilter("ignore", ReconfigurationWarning)
             with testing.inject(site, n):
                 try:
-                    host.transform(workers=workers, tp=target)
-                    out["done"] += 1
+                    t = _transform(host, target, kw)
+                    if not t.committed:
+                        out["rolled_back"] += 1
+                        out["changed"] += (host.layout() != layout
+                                           or testing.snapshot(host, physical=False) != before)
+                    else:
+                        out["done"] += 1
+                        out["retried"] += t.stats.get("retries", 0) > 0
                 except gyges.Error as e:
                     r = getattr(e, "reconfiguration", None)
                     out["refused" if r is None else "rolled_back"] += 1
@@ -535,3 +624,190 @@ def test_a_merge_between_gpus_needs_a_tenth_of_basics_extra_memory(tiny):
     assert ours["occupancy"] >= 0.88 and basic["occupancy"] == ours["occupancy"]
     assert basic["peak_extra"] >= 0.9 * basic["kv_bytes"], basic
     assert 0 < ours["peak_extra"] <= 0.1 * basic["peak_extra"], (ours, basic)
+
+
+# ---- layer-staggered and the baselines' methods between GPUs ----
+
+def d2d_host(tiny, **kw):
+    """nccl_host's twin of virtual workers on one GPU (comm="d2d"): the device backend of KV
+    moves instead of the migration communicator."""
+    return gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, page_size=PAGE, layout="4xTP1",
+                      max_prefill_chunk=16, max_batch_tokens=64, backend="cuda", comm="d2d", **kw)
+
+
+def moved_bytes(stats):
+    return {k: stats[k] for k in ("bytes_sent", "bytes_received", "bytes_in_place",
+                                  "kv_bytes_moved", "requests_moved")}
+
+
+def staggered_round_trip(host, ps, params, **kw):
+    """4xTP1 -> TP4 -> 4xTP1 of `host` between the same two steps (three steps in), each change
+    advanced layer by layer to its end; every request's KV unchanged and placed as the new
+    geometry says after each. Returns (requests, merge handle, split handle, the raw KV after
+    the merge, used_kv after the split)."""
+    reqs = [host.submit(p, q) for p, q in zip(ps, params)]
+    for _ in range(3):
+        host.step()
+    L = host.model.config.num_hidden_layers
+    before = kv_by_request(host)
+    up = host.transform(workers=(0, 1, 2, 3), tp=4, **kw)
+    assert not up.done and up.boundary == L
+    while not up.done:
+        up.advance()
+    assert host.layout() == "TP4" and up.committed, up
+    check_placement(host)
+    assert_kv_unchanged(before, kv_by_request(host))
+    merged = raw_kv(host)
+    before = kv_by_request(host)
+    down = _transform(host, 1, kw)
+    assert host.layout() == "4xTP1" and down.committed, down
+    check_placement(host)
+    assert_kv_unchanged(before, kv_by_request(host))
+    return reqs, up, down, merged, used_kv(host)
+
+
+@needs_nccl
+@pytest.mark.parametrize("layers_per_step, overlap", [(1, False), (2, True)])
+def test_a_staggered_round_trip_between_gpus_keeps_every_token_and_kv_byte(tiny, layers_per_step,
+                                                                           overlap):
+    """Layer-staggered 4xTP1 -> TP4 -> 4xTP1 on four GPUs over NCCL, requests in flight (greedy
+    and seeded, some mid-prefill): each layer's KV is one overlapping move over the migration
+    communicator (the new caches are shadows over the old pages: every rank reads and exchanges
+    before any writes). Tokens are the same host's that never transformed; the KV after the
+    merge is a d2d host's byte for byte (every mapped byte of every worker), and after the split
+    every request's blocks and tokens are; the two move the same bytes between the same workers
+    and leave the same in place; the pages end as a fresh host's."""
+    ps = prompts(8, seed=11)
+    params = [GREEDY if i % 2 else SEEDED for i in range(8)]
+    fresh = nccl_host(tiny)
+    start = accounting(fresh)
+    reqs = [fresh.submit(p, q) for p, q in zip(ps, params)]
+    fresh.run()
+    want = [r.output_tokens for r in reqs]
+    fresh.close()
+    kw = dict(layers_per_step=layers_per_step, overlap=overlap)
+    with d2d_host(tiny) as host:
+        _, d2d_up, d2d_down, d2d_merged, d2d_used = staggered_round_trip(host, ps, params, **kw)
+    host = nccl_host(tiny)
+    reqs, up, down, merged, used = staggered_round_trip(host, ps, params, **kw)
+    assert up.stats["bytes_in_place"] > 0  # a merged rank's own heads stay put (header layout)
+    # each rank staged its layer (one layer of its heads out and in, whole blocks)
+    assert 0 < up.stats["stage_bytes"] and 0 < down.stats["stage_bytes"]
+    assert sum(up.stats["bytes_sent"].values()) > 0 and sum(down.stats["bytes_sent"].values()) > 0
+    assert moved_bytes(up.stats) == moved_bytes(d2d_up.stats)
+    assert moved_bytes(down.stats) == moved_bytes(d2d_down.stats)
+    for a, b in zip(merged, d2d_merged):
+        assert [x.tobytes() for x in a] == [y.tobytes() for y in b]
+    assert used == d2d_used
+    host.run()
+    assert [r.output_tokens for r in reqs] == want
+    assert accounting(host) == start
+    assert all(host.worker(w).kv.stats()["pages_per_layer"] == 0 for w in range(4))
+    host.close()
+
+
+@needs_nccl
+@pytest.mark.parametrize("method, kv_layout", [("basic", "header"), ("partial_swap", "page")])
+def test_basic_and_partial_swap_merges_between_gpus_keep_every_token(tiny, method, kv_layout):
+    """Basic's migration (new caches in fresh pages, every request's heads moved into them in
+    one KV move of every layer) over the migration communicator: basic itself, and
+    partial_swap with the page layout (its KV moves as basic's). Requests in flight; every
+    request's KV unchanged, placed as TP4 says, its blocks and token bytes a d2d host's, the
+    same bytes moved between the same workers; padded (basic), the group splits back at once
+    between the same two steps, to a fresh host's pages. Tokens are the same host's that never
+    transformed (unpadded, served on at TP4: this workload has no near tie NCCL's order of sums
+    flips, as in the merges' fault sweep)."""
+    ps = prompts(8, seed=9, hi=40)
+    params = [GREEDY if i % 2 else SEEDED for i in range(8)]
+    extra = dict(kv_layout=kv_layout, pad_ffn=method == "basic")
+    ref = nccl_host(tiny, **extra)
+    fresh = accounting(ref)
+    reqs = [ref.submit(p, q) for p, q in zip(ps, params)]
+    ref.run()
+    want = [r.output_tokens for r in reqs]
+    ref.close()
+    keys = ("bytes_sent", "bytes_received", "kv_bytes_moved", "kv_bytes_trimmed",
+            "kv_pages_mapped", "requests_moved")
+    out = {}
+    for comm in ("d2d", "nccl"):
+        host = d2d_host(tiny, **extra) if comm == "d2d" else nccl_host(tiny, **extra)
+        reqs = [host.submit(p, q) for p, q in zip(ps, params)]
+        for _ in range(3):
+            host.step()
+        before = kv_by_request(host)
+        up = host.transform(workers=(0, 1, 2, 3), tp=4, method=method)
+        assert host.layout() == "TP4" and up.committed
+        assert min(up.stats["kv_pages_mapped"].values()) > 0  # new caches beside the old
+        check_placement(host)
+        assert_kv_unchanged(before, kv_by_request(host))
+        out[comm] = (used_kv(host), {k: up.stats[k] for k in keys})
+        if comm == "d2d":
+            host.close()
+    assert sum(out["nccl"][1]["bytes_sent"].values()) > 0
+    assert out["nccl"] == out["d2d"]
+    if method == "basic":
+        before = kv_by_request(host)
+        host.transform(workers=(0, 1, 2, 3), tp=1, method=method)
+        assert host.layout() == "4xTP1"
+        check_placement(host)
+        assert_kv_unchanged(before, kv_by_request(host))
+    host.run()
+    assert [r.output_tokens for r in reqs] == want
+    if method == "basic":
+        assert accounting(host) == fresh
+    host.close()
+
+
+@needs_nccl
+@pytest.mark.parametrize("site", ["copy", "comm", "alloc"])
+def test_fault_sweep_of_a_staggered_merge_between_gpus(tiny, site):
+    """The n-th event of a site (SWEEP_MOST of them, spread) fails during a layer-staggered
+    merge on four GPUs (overlapping moves over the migration communicator, two layers a step):
+    the failed advance changed nothing (every rank reads and exchanges before any writes), so
+    it is tried again or rolled back; 0 lost, 0 changed, 0 mismatched, 0 leaked."""
+    most = None if SWEEP_MOST == 0 else SWEEP_MOST
+    out = _sweep(tiny, site, "4xTP1", 4, most, layers_per_step=2)
+    assert out["events"] > 0, out
+    assert out["retried"] + out["refused"] + out["rolled_back"] > 0, out
+    assert out["changed"] == out["lost"] == out["mismatches"] == out["leaked"] == 0, out
+
+
+@needs_nccl
+def test_serving_through_a_staggered_merge_between_gpus_keeps_the_greedy_tokens(tiny):
+    """A layer-staggered merge driven by the steps themselves: while it runs, each step computes
+    the layers below the boundary in the old TP1 instances and those above it in the merged
+    group over NCCL, then the group splits back (staggered too, overlapping); requests arrive
+    meanwhile. Nothing is lost, the KV of the requests both sides hold is unchanged, and the
+    greedy tokens are the untransformed host's but where NCCL's order of sums flips a near tie
+    (test_cuda_host's policy: at most one request; none on the emulator)."""
+    from test_cuda_host import assert_same_greedy_tokens
+
+    ps = prompts(8, seed=2)
+    ref = nccl_host(tiny)
+    want = [r.output_tokens for r in ref.generate(ps, GREEDY)]
+    ref.close()
+    host = nccl_host(tiny)
+    reqs = [host.submit(p, GREEDY) for p in ps[:4]]
+    host.step()
+    host.step()
+    up = host.transform(workers=(0, 1, 2, 3), tp=4, layers_per_step=1)
+    reqs += [host.submit(p, GREEDY) for p in ps[4:]]
+    steps = 0
+    while not up.done:
+        host.step()
+        steps += 1
+    assert up.committed and host.layout() == "TP4" and steps >= tiny.config.num_hidden_layers
+    before = kv_by_request(host)
+    down = host.transform(workers=(0, 1, 2, 3), tp=1, layers_per_step=2, overlap=True)
+    while not down.done:
+        host.step()
+    assert down.committed and host.layout() == "4xTP1"
+    check_placement(host)
+    after = kv_by_request(host)
+    both = set(before) & set(after)
+    assert both
+    assert_kv_unchanged({r: before[r] for r in both}, {r: after[r] for r in both})
+    host.run()
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert assert_same_greedy_tokens(tiny, ps, [r.output_tokens for r in reqs], want) <= 1
+    host.close()

@@ -52,7 +52,10 @@ static gy_status gy_kmc_check(const gy_kv_move *mv) {
 
 typedef struct gy_kmc_item {
     int32_t src_rank, dst_rank;
-    int64_t pairs;        /* block pairs */
+    int64_t pairs;        /* block pairs (OVERLAP, one device: those not already in place) */
+    const int32_t *src_ids, *dst_ids; /* (pairs) each: its block lists, or `kept`'s */
+    int32_t *kept;        /* NULL, or (2, pairs) src then dst ids of an OVERLAP item on one
+                           * device, its pairs already in place left out */
     int64_t layer_bytes;  /* one layer of its pairs' heads, K and V, whole blocks */
     int64_t send_at;      /* its bytes' offset in its source rank's send buffer (one layer) */
     int64_t recv_at;      /* and in its destination rank's receive buffer */
@@ -63,6 +66,15 @@ typedef struct gy_kmc_plan {
     const gy_kv_move *mv;
     gy_comm *comm;
     int32_t size;
+    int overlap;          /* GY_KV_MOVE_OVERLAP: read everything, exchange, then write */
+    int cross;            /* some item crosses devices: every rank takes part in the exchanges */
+    int64_t layers;
+    uint64_t in_place;    /* bytes of pairs already where they go, every layer */
+    /* OVERLAP: nothing is written until every rank has read and exchanged everything, so a
+     * failure anywhere leaves every cache as it was (a staggered layer is moved whole or not) */
+    pthread_mutex_t lock;
+    pthread_cond_t arrived_cond;
+    int32_t expected, arrived, failed;
     gy_kmc_item *items;                                     /* (n_items) */
     int64_t send[GY_COMM_MAX_RANKS][GY_COMM_MAX_RANKS];     /* [src][dst] bytes of one layer */
     int64_t send_total[GY_COMM_MAX_RANKS], recv_total[GY_COMM_MAX_RANKS];
@@ -73,11 +85,62 @@ typedef struct gy_kmc_plan {
     uint64_t staged[GY_COMM_MAX_RANKS];                     /* device bytes each rank staged */
 } gy_kmc_plan;
 
+/* Whether item `it`'s caches lay a head run out alike and place every layer of the move at the
+ * same address (a shadow over its owner's pages), so that a pair can already be in place. */
+static int gy_kmc_same_place(const gy_kv_move *mv, const gy_kv_move_item *it) {
+    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
+    if (ls->stride_kv != ld->stride_kv || ls->stride_token != ld->stride_token ||
+        ls->stride_head != ld->stride_head)
+        return 0;
+    for (int64_t l = mv->first_layer; l < mv->end_layer; l++)
+        if (gy_kv_layer_address(it->src, gy_kv_move_layer(it->src, l)) !=
+            gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)))
+            return 0;
+    return 1;
+}
+
+/* An OVERLAP item on one device: its pairs not already in place (a rank's own heads of a
+ * header-centric block stay put, neither read nor written, as on the host and one device) into
+ * x->kept; their bytes count in p->in_place. */
+static gy_status gy_kmc_keep(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_item *it) {
+    x->kept = gy_malloc((size_t)(2 * x->pairs) * sizeof *x->kept);
+    if (x->kept == NULL)
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the block lists of an overlapping "
+                       "KV move between devices");
+    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
+    const int same = gy_kmc_same_place(p->mv, it);
+    int64_t n = 0;
+    for (int64_t j = 0; j < x->pairs; j++) {
+        if (same && gy_kv_layout_offset(ls, 0, x->src_ids[j], 0, it->src_head) ==
+                        gy_kv_layout_offset(ld, 0, x->dst_ids[j], 0, it->dst_head)) {
+            p->in_place += (uint64_t)(gy_kv_move_pair_tokens(it, j, ls->block_size) * p->layers *
+                                      gy_kv_move_token_bytes(it->src, it->n_heads));
+            continue;
+        }
+        x->kept[n] = x->src_ids[j];
+        x->kept[x->pairs + n++] = x->dst_ids[j];
+    }
+    memmove(x->kept + n, x->kept + x->pairs, (size_t)n * sizeof *x->kept);
+    x->src_ids = x->kept;
+    x->dst_ids = x->kept + n;
+    x->pairs = n;
+    return GY_OK;
+}
+
+static void gy_kmc_plan_free(gy_kmc_plan *p) {
+    if (p->items != NULL)
+        for (int64_t i = 0; i < p->mv->n_items; i++) free(p->items[i].kept);
+    free(p->items);
+}
+
 static gy_status gy_kmc_plan_init(gy_kmc_plan *p, const gy_kv_move *mv) {
     memset(p, 0, sizeof *p);
     p->mv = mv;
     p->comm = mv->comm;
     p->size = gy_comm_size(mv->comm);
+    p->overlap = (mv->flags & GY_KV_MOVE_OVERLAP) != 0;
+    p->layers = mv->end_layer - mv->first_layer;
+    p->expected = p->size;
     p->items = gy_calloc((size_t)(mv->n_items > 0 ? mv->n_items : 1), sizeof *p->items);
     if (p->items == NULL)
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the plan of a KV move between "
@@ -85,12 +148,20 @@ static gy_status gy_kmc_plan_init(gy_kmc_plan *p, const gy_kv_move *mv) {
     for (int64_t i = 0; i < mv->n_items; i++) {
         const gy_kv_move_item *it = &mv->items[i];
         gy_kmc_item *x = &p->items[i];
-        const int32_t *sb, *db;
+        const int32_t *sb = NULL, *db = NULL;
         x->src_rank = gy_kmc_rank_of(p->comm, gy_kmc_device(it->src));
         x->dst_rank = gy_kmc_rank_of(p->comm, gy_kmc_device(it->dst));
         x->pairs = it->n_heads > 0 && gy_kv_move_item_tokens(it) > 0
                        ? gy_kv_move_item_pairs(it, &sb, &db) : 0;
-        if (x->src_rank == x->dst_rank || x->pairs == 0) continue; /* local: the device backend */
+        x->src_ids = sb;
+        x->dst_ids = db;
+        if (x->pairs == 0) continue;
+        if (x->src_rank == x->dst_rank) {
+            if (!p->overlap) continue; /* local: the device backend */
+            GY_TRY(gy_kmc_keep(p, x, it));
+            if (x->pairs == 0) continue;
+        }
+        p->cross |= x->src_rank != x->dst_rank;
         const gy_kv_config *c = gy_kv_config_of(it->src);
         x->layer_bytes = x->pairs * 2 * c->block_size * it->n_heads * c->head_dim * c->elem_size;
         p->send[x->src_rank][x->dst_rank] += x->layer_bytes;
@@ -103,14 +174,20 @@ static gy_status gy_kmc_plan_init(gy_kmc_plan *p, const gy_kv_move *mv) {
         for (int32_t d = 0; d < p->size; d++) {
             send_at[s][d] = p->send_total[s];
             p->send_total[s] += p->send[s][d];
+            if (s == d) continue; /* an OVERLAP move's own items are written from the send side */
             recv_at[d][s] = p->recv_total[d];
             p->recv_total[d] += p->send[s][d];
         }
     for (int64_t i = 0; i < mv->n_items; i++) {
         gy_kmc_item *x = &p->items[i];
-        if (x->src_rank == x->dst_rank || x->pairs == 0) continue;
+        if (x->layer_bytes == 0) continue;
         x->send_at = send_at[x->src_rank][x->dst_rank];
         send_at[x->src_rank][x->dst_rank] += x->layer_bytes;
+        if (x->src_rank == x->dst_rank) { /* both lists on its one rank: src, then dst ids */
+            x->list_at = p->list_total[x->src_rank];
+            p->list_total[x->src_rank] += 2 * x->pairs;
+            continue;
+        }
         x->recv_at = recv_at[x->dst_rank][x->src_rank];
         recv_at[x->dst_rank][x->src_rank] += x->layer_bytes;
         /* the same offset in both ranks' lists: each uploads its own end's ids there */
@@ -158,17 +235,62 @@ static gy_status gy_kmc_local(gy_kmc_plan *p, int32_t rank) {
     return s;
 }
 
+/* Where layer `l`'s groups sit in rank `rank`'s staging `base`: send [send_total] then receive
+ * [recv_total] buffers, one layer's (an OVERLAP move keeps every layer: (layers, ...) each),
+ * then the ids. */
+static void gy_kmc_places(const gy_kmc_plan *p, int32_t rank, char *base, int64_t l, char **send,
+                          char **recv, const int32_t **ids) {
+    const int64_t slots = p->overlap ? p->layers : 1, at = p->overlap ? l - p->mv->first_layer : 0;
+    if (base == NULL) {
+        *send = *recv = NULL;
+        *ids = NULL;
+        return;
+    }
+    *send = base + at * p->send_total[rank];
+    *recv = base + slots * p->send_total[rank] + at * p->recv_total[rank];
+    *ids = (const int32_t *)(base + slots * (p->send_total[rank] + p->recv_total[rank]));
+}
+
+/* Layer `l` of the items rank `rank` receives (or, OVERLAP, keeps on its device) written from
+ * staging into their destinations. */
+static gy_status gy_kmc_unpack(gy_kmc_plan *p, int32_t rank, char *base, int64_t l,
+                               gy_cuda_stream stream) {
+    const gy_kv_move *mv = p->mv;
+    char *send, *recv;
+    const int32_t *dev_ids;
+    gy_kmc_places(p, rank, base, l, &send, &recv, &dev_ids);
+    const int32_t *iota = dev_ids ? dev_ids + p->list_total[rank] : NULL;
+    for (int64_t i = 0; i < mv->n_items; i++) {
+        const gy_kmc_item *x = &p->items[i];
+        if (x->dst_rank != rank || x->layer_bytes == 0) continue;
+        const gy_kv_move_item *it = &mv->items[i];
+        const int local = x->src_rank == rank;
+        gy_kv_layout staging;
+        GY_TRY(gy_kmc_staging_layout(&staging, it, x->pairs));
+        GY_TRY(gy_cuda_kv_copy_heads((void *)gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)),
+                                     gy_kv_layout_of(it->dst),
+                                     dev_ids + x->list_at + (local ? x->pairs : 0), it->dst_head,
+                                     local ? send + x->send_at : recv + x->recv_at, &staging,
+                                     iota, 0, it->n_heads, x->pairs, stream));
+    }
+    return GY_OK;
+}
+
+/* Rank `rank`'s part: stages, reads and exchanges every layer (and, without OVERLAP, writes each
+ * as it arrives). bufs[0] gets its staging. */
 static gy_status gy_kmc_rank_run(gy_kmc_plan *p, int32_t rank, void **bufs) {
     const gy_kv_move *mv = p->mv;
     const int32_t size = p->size;
+    const int64_t slots = p->overlap ? p->layers : 1;
     gy_cuda_stream stream = (gy_cuda_stream)gy_comm_stream(p->comm, rank);
     GY_TRY(gy_cuda_set_device(gy_comm_device(p->comm, rank)));
-    GY_TRY(gy_kmc_local(p, rank));
-    /* Staging: send [send_total], recv [recv_total], ids (list_total) int32, iota (max_pairs). */
+    if (!p->overlap) GY_TRY(gy_kmc_local(p, rank));
+    /* Staging: send (slots, send_total), recv (slots, recv_total), ids (list_total) int32,
+     * iota (max_pairs). */
     const int64_t ids = p->list_total[rank] + p->max_pairs;
-    const uint64_t bytes = (uint64_t)(p->send_total[rank] + p->recv_total[rank]) +
-                           (uint64_t)ids * sizeof(int32_t);
-    if (p->send_total[rank] + p->recv_total[rank] == 0) {
+    const int64_t span = slots * (p->send_total[rank] + p->recv_total[rank]);
+    const uint64_t bytes = (uint64_t)span + (uint64_t)ids * sizeof(int32_t);
+    if (span == 0) {
         /* nothing of its own to move: it still takes part in every layer's exchange */
     } else {
         if (gy_fault_hit(GY_FAULT_ALLOC))
@@ -181,40 +303,32 @@ static gy_status gy_kmc_rank_run(gy_kmc_plan *p, int32_t rank, void **bufs) {
         if (host == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for block lists");
         for (int64_t i = 0; i < mv->n_items; i++) {
             const gy_kmc_item *x = &p->items[i];
-            if (x->src_rank == x->dst_rank || x->pairs == 0) continue;
-            if (x->src_rank != rank && x->dst_rank != rank) continue;
-            const int32_t *sb, *db;
-            gy_kv_move_item_pairs(&mv->items[i], &sb, &db);
-            memcpy(host + x->list_at, x->src_rank == rank ? sb : db,
-                   (size_t)x->pairs * sizeof *host);
+            if (x->layer_bytes == 0 || (x->src_rank != rank && x->dst_rank != rank)) continue;
+            if (x->src_rank == x->dst_rank) { /* OVERLAP on one device: both ends here */
+                memcpy(host + x->list_at, x->src_ids, (size_t)x->pairs * sizeof *host);
+                memcpy(host + x->list_at + x->pairs, x->dst_ids, (size_t)x->pairs * sizeof *host);
+            } else {
+                memcpy(host + x->list_at, x->src_rank == rank ? x->src_ids : x->dst_ids,
+                       (size_t)x->pairs * sizeof *host);
+            }
         }
         for (int64_t j = 0; j < p->max_pairs; j++) host[p->list_total[rank] + j] = (int32_t)j;
-        char *base = bufs[0];
-        const gy_status s = gy_cuda_memcpy_htod(base + p->send_total[rank] + p->recv_total[rank],
-                                                host, (uint64_t)ids * sizeof *host);
+        const gy_status s = gy_cuda_memcpy_htod((char *)bufs[0] + span, host,
+                                                (uint64_t)ids * sizeof *host);
         free(host);
         GY_TRY(s);
     }
-    char *send = bufs[0], *recv = send ? send + p->send_total[rank] : NULL;
-    const int32_t *dev_ids = send ? (const int32_t *)(recv + p->recv_total[rank]) : NULL;
-    const int32_t *iota = dev_ids ? dev_ids + p->list_total[rank] : NULL;
     void *recv_at[GY_COMM_MAX_RANKS];
     const void *send_from[GY_COMM_MAX_RANKS];
     int64_t recv_bytes[GY_COMM_MAX_RANKS], send_bytes[GY_COMM_MAX_RANKS];
-    /* each peer's group (the plan's order: by peer, then item) */
-    int64_t s_at = 0, r_at = 0;
-    for (int32_t q = 0; q < size; q++) {
-        send_from[q] = send ? send + s_at : NULL;
-        recv_at[q] = recv ? recv + r_at : NULL;
-        send_bytes[q] = p->send[rank][q];
-        recv_bytes[q] = p->send[q][rank];
-        s_at += send_bytes[q];
-        r_at += recv_bytes[q];
-    }
     for (int64_t l = mv->first_layer; l < mv->end_layer && p->max_pairs > 0; l++) {
+        char *send, *recv;
+        const int32_t *dev_ids;
+        gy_kmc_places(p, rank, bufs[0], l, &send, &recv, &dev_ids);
+        const int32_t *iota = dev_ids ? dev_ids + p->list_total[rank] : NULL;
         for (int64_t i = 0; i < mv->n_items; i++) {
             const gy_kmc_item *x = &p->items[i];
-            if (x->src_rank != rank || x->dst_rank == rank || x->pairs == 0) continue;
+            if (x->src_rank != rank || x->layer_bytes == 0) continue;
             const gy_kv_move_item *it = &mv->items[i];
             gy_kv_layout staging;
             GY_TRY(gy_kmc_staging_layout(&staging, it, x->pairs));
@@ -223,19 +337,42 @@ static gy_status gy_kmc_rank_run(gy_kmc_plan *p, int32_t rank, void **bufs) {
                                          gy_kv_layout_of(it->src), dev_ids + x->list_at,
                                          it->src_head, it->n_heads, x->pairs, stream));
         }
-        GY_TRY(gy_comm_all_to_all(p->comm, rank, recv_at, recv_bytes, send_from, send_bytes));
-        for (int64_t i = 0; i < mv->n_items; i++) {
-            const gy_kmc_item *x = &p->items[i];
-            if (x->dst_rank != rank || x->src_rank == rank || x->pairs == 0) continue;
-            const gy_kv_move_item *it = &mv->items[i];
-            gy_kv_layout staging;
-            GY_TRY(gy_kmc_staging_layout(&staging, it, x->pairs));
-            GY_TRY(gy_cuda_kv_copy_heads((void *)gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)),
-                                         gy_kv_layout_of(it->dst), dev_ids + x->list_at,
-                                         it->dst_head, recv + x->recv_at, &staging, iota, 0,
-                                         it->n_heads, x->pairs, stream));
+        if (p->cross) {
+            /* each peer's group (the plan's order: by peer, then item); its own group, OVERLAP
+             * items on one device, stays in the send buffer */
+            int64_t s_at = 0, r_at = 0;
+            for (int32_t q = 0; q < size; q++) {
+                send_from[q] = send ? send + s_at : NULL;
+                recv_at[q] = recv ? recv + r_at : NULL;
+                send_bytes[q] = q == rank ? 0 : p->send[rank][q];
+                recv_bytes[q] = q == rank ? 0 : p->send[q][rank];
+                s_at += p->send[rank][q];
+                r_at += recv_bytes[q];
+            }
+            GY_TRY(gy_comm_all_to_all(p->comm, rank, recv_at, recv_bytes, send_from, send_bytes));
         }
+        if (!p->overlap) GY_TRY(gy_kmc_unpack(p, rank, bufs[0], l, stream));
     }
+    return gy_comm_synchronize(p->comm, rank);
+}
+
+/* OVERLAP: every rank waits here until all have read and exchanged; returns whether none
+ * failed (then, and only then, anything is written). */
+static int gy_kmc_barrier(gy_kmc_plan *p, int failed) {
+    pthread_mutex_lock(&p->lock);
+    p->failed += failed;
+    p->arrived++;
+    pthread_cond_broadcast(&p->arrived_cond);
+    while (p->arrived < p->expected) pthread_cond_wait(&p->arrived_cond, &p->lock);
+    const int go = p->failed == 0;
+    pthread_mutex_unlock(&p->lock);
+    return go;
+}
+
+static gy_status gy_kmc_write(gy_kmc_plan *p, int32_t rank, void *base) {
+    gy_cuda_stream stream = (gy_cuda_stream)gy_comm_stream(p->comm, rank);
+    for (int64_t l = p->mv->first_layer; l < p->mv->end_layer && p->max_pairs > 0; l++)
+        GY_TRY(gy_kmc_unpack(p, rank, base, l, stream));
     return gy_comm_synchronize(p->comm, rank);
 }
 
@@ -250,6 +387,20 @@ static void *gy_kmc_thread(void *arg) {
         gy_comm_abort(p->comm, r->rank, p->message[r->rank]);
         gy_comm_synchronize(p->comm, r->rank); /* its staging is idle before it is freed */
     }
+    if (p->overlap && !gy_kmc_barrier(p, s != GY_OK)) {
+        if (s == GY_OK) {
+            s = GY_FAIL(GY_ERR_SYSTEM, "rank %d's part of an overlapping KV move was aborted: "
+                        "another rank failed before anything was written", (int)r->rank);
+            snprintf(p->message[r->rank], sizeof p->message[r->rank], "%s", gy_error_message());
+        }
+    } else if (p->overlap) {
+        /* no collective, no allocation, no fault site: launches of copies read from staging */
+        s = gy_kmc_write(p, r->rank, bufs[0]);
+        if (s != GY_OK) {
+            snprintf(p->message[r->rank], sizeof p->message[r->rank], "%s", gy_error_message());
+            gy_comm_synchronize(p->comm, r->rank);
+        }
+    }
     gy_cuda_free(bufs[0]);
     p->status[r->rank] = s;
     return NULL;
@@ -257,21 +408,33 @@ static void *gy_kmc_thread(void *arg) {
 
 static gy_status gy_kmc_copy(const gy_kv_move *mv, gy_kv_move_stats *st) {
     gy_kmc_plan p;
-    GY_TRY(gy_kmc_plan_init(&p, mv));
+    gy_status s = gy_kmc_plan_init(&p, mv);
+    if (s != GY_OK) {
+        gy_kmc_plan_free(&p);
+        return s;
+    }
+    pthread_mutex_init(&p.lock, NULL);
+    pthread_cond_init(&p.arrived_cond, NULL);
     gy_kmc_rank ranks[GY_COMM_MAX_RANKS];
     pthread_t threads[GY_COMM_MAX_RANKS];
     int32_t started = 0;
-    gy_status s = GY_OK;
     for (; started < p.size; started++) {
         ranks[started] = (gy_kmc_rank){.plan = &p, .rank = started};
         if (pthread_create(&threads[started], NULL, gy_kmc_thread, &ranks[started]) != 0) {
             gy_comm_abort(p.comm, started, "its thread could not start");
+            pthread_mutex_lock(&p.lock); /* the ones started write nothing, nor wait for it */
+            p.expected = started;
+            p.failed++;
+            pthread_cond_broadcast(&p.arrived_cond);
+            pthread_mutex_unlock(&p.lock);
             s = GY_FAIL(GY_ERR_SYSTEM, "could not start the thread of rank %d of a KV move",
                         (int)started);
             break;
         }
     }
     for (int32_t r = 0; r < started; r++) pthread_join(threads[r], NULL);
+    pthread_cond_destroy(&p.arrived_cond);
+    pthread_mutex_destroy(&p.lock);
     /* The failure that started it: a rank's own, not a peer's echo of the abort. */
     int32_t first = -1;
     for (int32_t r = 0; r < started; r++)
@@ -285,18 +448,33 @@ static gy_status gy_kmc_copy(const gy_kv_move *mv, gy_kv_move_stats *st) {
     if (s == GY_OK) {
         for (int32_t a = 0; a < p.size; a++)
             for (int32_t b = 0; b < p.size; b++)
-                st->comm_bytes += (uint64_t)p.send[a][b] * (uint64_t)(mv->end_layer - mv->first_layer);
+                if (a != b)
+                    st->comm_bytes += (uint64_t)p.send[a][b] * (uint64_t)p.layers;
         for (int32_t r = 0; r < p.size; r++)
             if (p.staged[r] > st->staging_bytes) st->staging_bytes = p.staged[r];
+        if (p.overlap) { /* as the host and one device count it */
+            st->bytes -= p.in_place;
+            st->bytes_in_place = p.in_place;
+            st->bytes_late = st->bytes;
+        }
     }
-    free(p.items);
+    gy_kmc_plan_free(&p);
     return s;
+}
+
+/* A staggered layer's KV over the pages it is read from (shadow caches): every source, on every
+ * rank, is read into staging and exchanged before the barrier, and written only after it.
+ * `stage` is the host's early read, which a move between devices does not use. */
+static gy_status gy_kmc_copy_overlapping(const gy_kv_move *mv, gy_kv_move_stage *stage,
+                                         gy_kv_move_stats *st) {
+    (void)stage;
+    return gy_kmc_copy(mv, st);
 }
 
 const gy_kv_move_backend gy_kv_move_comm_backend = {
     .name = "comm",
     .copy = gy_kmc_copy,
-    .copy_overlapping = NULL, /* the all-to-all only receives into blocks it does not read */
+    .copy_overlapping = gy_kmc_copy_overlapping,
     .check = gy_kmc_check,
 };
 

@@ -20,7 +20,16 @@
  * so every other rank's next all-to-all fails at once instead of waiting; the move returns the
  * first failure after every thread has ended and resets the communicator. Sources are only
  * read; a destination block may hold part of what it was to receive (the callers receive only
- * into blocks nobody reads yet, and their journals take back the moves that completed). */
+ * into blocks nobody reads yet, and their journals take back the moves that completed).
+ *
+ * OVERLAP moves (a layer-staggered transformation: each new cache is a shadow over its old
+ * cache's pages, so destinations lie over sources): staging holds every layer of the move
+ * (a staggered step moves one or two), and items on one device go through it too, the pairs
+ * already in place left out (stats->bytes_in_place, as on the host). Each rank packs every
+ * source it holds, every layer, and takes part in every layer's exchange; the ranks then meet
+ * at a barrier (they are threads of this process) and write, from staging, only if none
+ * failed. So every fallible step (staging, the exchanges, the injected faults) comes before
+ * the first write anywhere, and a failed OVERLAP move leaves every cache as it was. */
 #ifndef GY_COMM_KV_MOVE_COMM_H
 #define GY_COMM_KV_MOVE_COMM_H
 

@@ -12,6 +12,7 @@
 
 from ..core.errors import OutOfMemoryError
 from ..runtime.kv_cache import KVMove
+from .kv_move import migration_comm
 from .plans import TransformError
 
 METHODS = ("gyges", "stop_world", "basic", "partial_swap")
@@ -109,7 +110,7 @@ class BasicMigration:
         # every layer at once: one KV move (a memmove on the host, the head-copy kernel on a
         # device), the same bytes the gather and write of Basic copy.
         h_old, h_new = H // plan.t, H // k
-        move = KVMove(range(L))
+        move = KVMove(range(L), comm=migration_comm(host, plan.rank_order))  # between GPUs
         for req in self.held:
             for w in plan.rank_order:
                 first = new_rank[w] * h_new

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.errors import OutOfMemoryError
 from ..runtime.kv_cache import KVMove, KVMoveStage
+from .kv_move import migration_comm
 from .plans import MergePlan, SplitPlan, balance
 from .requests import MovedRequest, collect, hand_back, hand_over
 from .plans import TransformError
@@ -157,7 +158,9 @@ class _Staggered(Transform):
             self.undo(lambda layer=layer: self._move_back(layer), f"layer {layer}'s KV")
             self.stats["bytes_read_beside_steps"] += moved["bytes_early"]
             self.stats["bytes_in_place"] += moved["bytes_in_place"]
-            self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"])
+            # the stage of one layer: host or one device's, or between GPUs each rank's staging
+            self.stats["stage_bytes"] = max(self.stats["stage_bytes"], moved["stage_bytes"],
+                                            moved.get("staging_bytes", 0))
             for (src_w, dst_w), nbytes in sent.items():
                 self._count(src_w, dst_w, nbytes)
             if self.overlap and self._background_weights:
@@ -207,11 +210,12 @@ class _Staggered(Transform):
         items, _ = self._move_plan(self._saved_table or self._table(), reverse=True)
         self._layer_move(items, layer).run()
 
-    @staticmethod
-    def _layer_move(items, layer):
+    def _layer_move(self, items, layer):
         """One layer's KV: the new blocks lie over the old ones, so every source is read first
-        (on two threads)."""
-        return KVMove(range(layer, layer + 1), items, overlap=True, threads=2)
+        (on two threads; between GPUs, over the group's migration communicator, which reads
+        and exchanges everything before it writes)."""
+        return KVMove(range(layer, layer + 1), items, overlap=True, threads=2,
+                      comm=migration_comm(self.host, self.workers))
 
     _saved_table = None
 
@@ -515,18 +519,24 @@ class StaggeredScaleDown(_Staggered):
         self.inst.abort_transition()
 
     def _weights_in(self, layer):
-        """The FFN shards this layer's new ranks need, from a peer or the host copy (all or
-        nothing per shard), before its KV moves."""
-        holders = {}
+        """The FFN shards this layer's new ranks need, from a peer on the same device or the
+        host copy (all or nothing per shard), before its KV moves (arenas copy within one
+        device only: workers on separate GPUs restore from the host copy)."""
+        holders = {}  # (device, shard) -> a worker of the group holding it there
         for w in self.workers:
-            for shard in self.host.worker(w).weights.held:
-                holders.setdefault(shard, w)
-        source = ((lambda shard: self.host.worker(holders[shard]).weights)
-                  if self.weights_from == "peers" else None)
+            worker = self.host.worker(w)
+            for shard in worker.weights.held:
+                holders.setdefault((worker.arena.device, shard), w)
+
+        def source(device):
+            if self.weights_from != "peers":
+                return None
+            return lambda shard: (self.host.worker(holders[device, shard]).weights
+                                  if (device, shard) in holders else None)
         for (j, r), w in self.plan.new_ranks:
             worker = self.host.worker(w)
             copied = worker.weights.restore_layer_shards(layer, worker.owned_shards(self.to_tp, r),
-                                                         source)
+                                                         source(worker.arena.device))
             self.stats["weight_bytes_copied"][w] += copied
             self.stats["weight_bytes_moved"] += copied
             self.stats["bytes_moved"] += copied

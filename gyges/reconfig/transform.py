@@ -12,7 +12,7 @@ What they share is here: the arguments' checks, the handle's statistics, and the
 import time
 
 from ..core import checks
-from ..core.errors import BusyError, InvalidArgumentError, UnavailableError
+from ..core.errors import BusyError, InvalidArgumentError
 from .baselines import METHODS
 from .plans import TransformError
 from .reconfiguration import Reconfiguration
@@ -109,29 +109,13 @@ def check_args(host, workers, tp, method, layers_per_step, weights_from, phase_c
 
 
 def check_cuda(host, method, layers_per_step):
-    """What a transformation of CUDA workers cannot do yet, refused before anything changes.
-    Virtual workers on one GPU (comm="d2d") run every method, at once or layer-staggered, their
-    KV moved by the device backend of KVMove. Workers on distinct GPUs (comm="nccl") move KV over
-    the group's migration communicator (KVMove's comm backend) and restore FFN shards from a
-    peer on the same GPU or the host copy: every layer at once, with the header-centric
-    methods."""
-    if host.comm_backend != "nccl":
-        return
-    if layers_per_step is not None:
-        raise UnavailableError(
-            "layer-staggered transformations (layers_per_step) of CUDA workers on separate GPUs "
-            "(comm='nccl') are not implemented: a staggered layer's KV lands over the pages it "
-            "is read from, which the migration communicator's all-to-all does not order yet; "
-            "omit layers_per_step to move every layer at once, or use virtual workers sharing "
-            "one GPU (comm='d2d')")
-    if method == "basic" or (method == "partial_swap" and host.kv_layout != "header"):
-        how = ("method='basic'" if method == "basic" else
-               f"method='partial_swap' with the {host.kv_layout!r} KV layout (basic's migration)")
-        raise UnavailableError(
-            f"{how} of CUDA workers on separate GPUs (comm='nccl') is not implemented: its "
-            f"KV move into the new caches is not given the migration communicator; use "
-            f"'gyges', 'stop_world' or 'partial_swap' with the header layout, or virtual "
-            f"workers sharing one GPU (comm='d2d')")
+    """What a transformation of CUDA workers cannot do, refused before anything changes: nothing
+    now. Virtual workers on one GPU (comm="d2d") move KV with the device backend of KVMove;
+    workers on distinct GPUs (comm="nccl") over the group's migration communicator (KVMove's
+    comm backend): every method, at once or layer-staggered (a staggered layer's overlapping
+    move reads and exchanges every source before it writes), FFN shards restored from a peer on
+    the same GPU or the host copy. Kept as the one place such a refusal would go."""
+    del host, method, layers_per_step
 
 
 # ---- what the executors look at ----
