@@ -151,7 +151,7 @@ def test_a_failed_remote_attention_fails_its_step_only(tiny, devices, site):
         assert events == 0   # one device: no copies, the kernels read the other cache
         return
     assert events > 0
-    for n in spread(events, sweep_most(4)):
+    for n in spread(events, sweep_most(2)):
         host, reqs, start = setup()
         with inject(site, n) as fired:
             with pytest.raises(gyges.Error):

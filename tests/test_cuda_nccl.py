@@ -459,7 +459,7 @@ def _sweep(tiny, site, start, target, most, **kw):
     return out
 
 
-SWEEP_MOST = testing.sweep_most(4)
+SWEEP_MOST = testing.sweep_most(2)
 
 
 @needs_nccl
