@@ -249,9 +249,9 @@ def test_a_fault_in_a_switch_on_cuda_loses_nothing(tiny, op, site):
     """Events of `site` in a release under load or a soft bind and the steps that serve through
     it (host and device allocations, page creation and mapping, the TP engine's collectives;
     never a copy: NO_EVENTS), a few spread over all of them (every one with GYGES_SWEEP_MOST=0),
-    fail in turn: a release that fails is refused with the host as it was (the same requests, KV and slots); a bind's failure is
-    taken back and reported on its handle; a step that fails changes nothing and the next one
-    serves. Every request then finishes with the tokens of a run without the fault, and no page
+    fail in turn: a release that fails is refused with the host as it was (the same requests, KV
+    and slots); a bind's failure is taken back and reported on its handle; a step that fails
+    changes nothing and the next one serves. Every request then finishes with the tokens of a run without the fault, and no page
     is left behind: as on the CPU
     (test_flying.test_an_allocation_failing_in_a_switch_loses_no_request)."""
     host, reqs, call = switch_case(tiny, op)
