@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_cuda_host import assert_same_greedy_tokens, prompts
 from test_transform import assert_kv_unchanged, check_placement, kv_by_request
 
 import gyges
@@ -57,11 +58,6 @@ SEEDED = gyges.SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=3, 
 @pytest.fixture(scope="module")
 def tiny():
     return gyges.Model.tiny()
-
-
-def prompts(n, seed, lo=4, hi=60):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 4096, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
 def nccl_host(tiny, layout="4xTP1", backend="cuda", memory=MEMORY, **extra):
@@ -324,7 +320,6 @@ def test_serving_at_tp4_between_gpus_keeps_the_greedy_tokens(tiny):
     """A merge, three steps served at TP4 over NCCL, a split: the greedy tokens of the host that
     never transformed, but where NCCL's order of sums (not the TP1 worker's tree) flips a near
     tie of the CPU logits (test_cuda_host's policy: at most one request)."""
-    from test_cuda_host import assert_same_greedy_tokens
 
     ps = prompts(6, seed=2)
     ref = nccl_host(tiny)
@@ -780,7 +775,6 @@ def test_serving_through_a_staggered_merge_between_gpus_keeps_the_greedy_tokens(
     meanwhile. Nothing is lost, the KV of the requests both sides hold is unchanged, and the
     greedy tokens are the untransformed host's but where NCCL's order of sums flips a near tie
     (test_cuda_host's policy: at most one request; none on the emulator)."""
-    from test_cuda_host import assert_same_greedy_tokens
 
     ps = prompts(8, seed=2)
     ref = nccl_host(tiny)
