@@ -338,12 +338,13 @@ def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
     assert in_use(host) == start
 
 
-@pytest.mark.parametrize("mode", ["live", "stop_copy"])
+@pytest.mark.parametrize("mode", ["live", "stop_copy", "no_patch"])
 def test_a_resplit_across_two_gpus_commits_or_rolls_back_and_keeps_every_token(tiny, mode):
-    """PipeLive re-splitting PP[3,1] -> PP[1,3] with its stages on two GPUs copies weights and
-    KV between the devices. Where those copies run, it commits; where they do not yet (the
-    arena's copies between devices), it is rolled back with the pipeline serving on: either
-    way no request is lost or changed and no page is left behind."""
+    """PipeLive re-splitting PP[3,1] -> PP[1,3] with its stages on two GPUs copies weights
+    between the devices' arenas (peer copies) and KV over the stages' migration communicator.
+    stop_copy and no_patch commit; live (dirty bitmaps, which the comm backend refuses) is
+    rolled back with the pipeline serving on: either way no request is lost or changed and no
+    page is left behind."""
     devices_or_skip(2)
     ps = prompts(5, seed=6)
     want = unreconfigured(tiny, ps, GREEDY, instances=1)
@@ -360,9 +361,43 @@ def test_a_resplit_across_two_gpus_commits_or_rolls_back_and_keeps_every_token(t
                 break
             host.step()
     assert r.done and host.layout() == ("PP[1,3]" if r.committed else "PP[3,1]")
+    assert r.committed or mode == "live", r.error
     if not r.committed:   # reported on the handle and warned of, host.step serving on
-        assert r.rolled_back and "devices" in str(r.error)
+        assert r.rolled_back and "dirty" in str(r.error)
         assert any(w.category is ReconfigurationWarning for w in warned)
     host.run()
     assert [q.output_tokens for q in reqs] == want
-    assert in_use(host) == start
+    if r.committed:   # worker 0 freed the layers it gave up (weights and KV), worker 1 holds
+        # them: the same bytes in all (KV pages per layer may differ by one between the two)
+        now = in_use(host)
+        assert now[0] < now[1] and sum(now) == sum(start) and now[2:] == start[2:], (now, start)
+    else:
+        assert in_use(host) == start
+
+
+def test_arena_copies_between_two_gpus_are_peer_copies_counted_as_copy_events():
+    """Runs from a CUDA arena on device 1 into one on device 0 (how a re-split moves a stage's
+    weights between GPUs): the bytes arrive exactly; each call is one copy fault event, and an
+    injected fault leaves the destination as it was."""
+    devices_or_skip(2)
+    from gyges.testing import count, inject
+    a = gyges.Arena(budget="8MiB", page_size=PAGE, backend="cuda", device=0)
+    b = gyges.Arena(budget="8MiB", page_size=PAGE, backend="cuda", device=1)
+    a.grow(0, 2)
+    b.grow(0, 2)
+    page = a.page_size
+    src = np.random.default_rng(3).integers(0, 256, 2 * page, dtype=np.uint8)  # [2 pages]
+    b.write(0, src)
+    a.write(0, np.zeros(2 * page, np.uint8))
+    runs = (np.array([page, 0]), np.array([0, page + 64]), np.array([page, 100]))  # dst, src, bytes
+    with inject("copy", 1) as fired:
+        with pytest.raises(gyges.Error, match="injected fault"):
+            a.copy_runs(b, *runs)
+        assert fired() == 1
+    assert not a.read(0, 2 * page).any()
+    n, _ = count("copy", lambda: a.copy_runs(b, *runs))
+    assert n == 1
+    got = a.read(0, 2 * page)
+    np.testing.assert_array_equal(got[page:], src[:page])
+    np.testing.assert_array_equal(got[:100], src[page + 64:page + 164])
+    assert not got[100:page].any()
