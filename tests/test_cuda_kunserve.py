@@ -303,12 +303,14 @@ def test_a_pipeline_across_two_gpus_gives_one_cuda_workers_tokens(tiny, params):
     assert in_use(host) == start
 
 
-def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
-    """Two TP1 workers on two GPUs: remote attention runs across them (the test above), and the
-    exchange's KV moves between the devices. Until those moves (and the restore's weight copies
-    between the devices) are built, the group is refused at its plan, live or blocking, with the
-    reason and nothing changed; once they are, the live exchange and restore give the tokens
-    of a host that never reconfigured. Either way the pages come back."""
+@pytest.mark.parametrize("live", [True, False])
+@pytest.mark.parametrize("weights_from", ["host", "peers"])
+def test_an_exchange_and_restore_across_gpus_keep_every_token(tiny, live, weights_from):
+    """Two TP1 workers on two GPUs group and come back: remote attention runs across them (the
+    test above), the exchange's KV and the restore's KV (live: its dirty patches too) move over
+    their migration communicator, and the layers a member gave up come back from the host copy
+    or the peer's arena (peer copies between the devices). The tokens of a host that never
+    reconfigured; the pages come back."""
     devices_or_skip(2)
     ps = prompts(4, seed=5, lo=20, hi=40)
     want = unreconfigured(tiny, ps, GREEDY)
@@ -316,23 +318,17 @@ def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
     start = in_use(host)
     reqs = [host.submit(q, GREEDY, instance=i % 2) for i, q in enumerate(ps)]
     host.step()
-    before = in_use(host), host.layout()
-    try:
-        b = host.buddy(host.instances, live=True)
-    except gyges.UnavailableError as e:
-        assert "members are on different GPUs" in str(e)
-        assert (in_use(host), host.layout()) == before
-        with pytest.raises(gyges.UnavailableError, match="members are on different GPUs"):
-            host.buddy(host.instances)
-        assert (in_use(host), host.layout()) == before
-    else:
-        while not b.done:
-            host.step()
-        assert b.stats["remote_attention_calls"] > 0
-        r = host.restore(b, live=True, weights_from="host")
-        while not r.done:
-            host.step()
-        assert host.layout() == "2xTP1"
+    b = host.buddy(host.instances, live=live)
+    while not b.done:
+        host.step()
+    assert b.committed and host.layout() == "PP2", b.error
+    for _ in range(2):
+        host.step()
+    assert b.stats["remote_attention_calls"] > 0 or not live
+    r = host.restore(b, live=live, weights_from=weights_from)
+    while not r.done:
+        host.step()
+    assert r.committed and host.layout() == "2xTP1", r.error
     host.run()
     assert [r.output_tokens for r in reqs] == want
     assert in_use(host) == start
