@@ -303,12 +303,14 @@ def test_a_pipeline_across_two_gpus_gives_one_cuda_workers_tokens(tiny, params):
     assert in_use(host) == start
 
 
-def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
-    """Two TP1 workers on two GPUs: remote attention runs across them (the test above), and the
-    exchange's KV moves between the devices. Until those moves (and the restore's weight copies
-    between the devices) are built, the group is refused at its plan, live or blocking, with the
-    reason and nothing changed; once they are, the live exchange and restore give the tokens
-    of a host that never reconfigured. Either way the pages come back."""
+@pytest.mark.parametrize("live", [True, False])
+@pytest.mark.parametrize("weights_from", ["host", "peers"])
+def test_an_exchange_and_restore_across_gpus_keep_every_token(tiny, live, weights_from):
+    """Two TP1 workers on two GPUs group and come back: remote attention runs across them (the
+    test above), the exchange's KV and the restore's KV (live: its dirty patches too) move over
+    their migration communicator, and the layers a member gave up come back from the host copy
+    or the peer's arena (peer copies between the devices). The tokens of a host that never
+    reconfigured; the pages come back."""
     devices_or_skip(2)
     ps = prompts(4, seed=5, lo=20, hi=40)
     want = unreconfigured(tiny, ps, GREEDY)
@@ -316,34 +318,28 @@ def test_a_live_exchange_across_gpus_runs_or_is_refused_before_any_change(tiny):
     start = in_use(host)
     reqs = [host.submit(q, GREEDY, instance=i % 2) for i, q in enumerate(ps)]
     host.step()
-    before = in_use(host), host.layout()
-    try:
-        b = host.buddy(host.instances, live=True)
-    except gyges.UnavailableError as e:
-        assert "members are on different GPUs" in str(e)
-        assert (in_use(host), host.layout()) == before
-        with pytest.raises(gyges.UnavailableError, match="members are on different GPUs"):
-            host.buddy(host.instances)
-        assert (in_use(host), host.layout()) == before
-    else:
-        while not b.done:
-            host.step()
-        assert b.stats["remote_attention_calls"] > 0
-        r = host.restore(b, live=True, weights_from="host")
-        while not r.done:
-            host.step()
-        assert host.layout() == "2xTP1"
+    b = host.buddy(host.instances, live=live)
+    while not b.done:
+        host.step()
+    assert b.committed and host.layout() == "PP2", b.error
+    for _ in range(2):
+        host.step()
+    assert b.stats["remote_attention_calls"] > 0 or not live
+    r = host.restore(b, live=live, weights_from=weights_from)
+    while not r.done:
+        host.step()
+    assert r.committed and host.layout() == "2xTP1", r.error
     host.run()
     assert [r.output_tokens for r in reqs] == want
     assert in_use(host) == start
 
 
-@pytest.mark.parametrize("mode", ["live", "stop_copy"])
-def test_a_resplit_across_two_gpus_commits_or_rolls_back_and_keeps_every_token(tiny, mode):
-    """PipeLive re-splitting PP[3,1] -> PP[1,3] with its stages on two GPUs copies weights and
-    KV between the devices. Where those copies run, it commits; where they do not yet (the
-    arena's copies between devices), it is rolled back with the pipeline serving on: either
-    way no request is lost or changed and no page is left behind."""
+@pytest.mark.parametrize("mode", ["live", "stop_copy", "no_patch"])
+def test_a_resplit_across_two_gpus_commits_and_keeps_every_token(tiny, mode):
+    """PipeLive re-splitting PP[3,1] -> PP[1,3] with its stages on two GPUs copies weights
+    between the devices' arenas (peer copies) and KV over the stages' migration communicator,
+    live mode's patches too (the blocks holding dirty slots, whole): it commits with requests
+    in flight, no request lost or changed, and no page left behind."""
     devices_or_skip(2)
     ps = prompts(5, seed=6)
     want = unreconfigured(tiny, ps, GREEDY, instances=1)
@@ -359,10 +355,41 @@ def test_a_resplit_across_two_gpus_commits_or_rolls_back_and_keeps_every_token(t
             if r.done:
                 break
             host.step()
-    assert r.done and host.layout() == ("PP[1,3]" if r.committed else "PP[3,1]")
-    if not r.committed:   # reported on the handle and warned of, host.step serving on
-        assert r.rolled_back and "devices" in str(r.error)
-        assert any(w.category is ReconfigurationWarning for w in warned)
+    assert r.done and r.committed and host.layout() == "PP[1,3]", r.error
+    assert not warned
+    if mode == "live":   # requests kept decoding between the rounds: patches crossed GPUs
+        assert r.stats["kv_bulk_bytes"] > 0 and r.stats["patch_rounds"] > 0, r.stats
     host.run()
     assert [q.output_tokens for q in reqs] == want
-    assert in_use(host) == start
+    # worker 0 freed the layers it gave up (weights and KV), worker 1 holds them: the same
+    # bytes in all (KV pages per layer may differ by one between the two)
+    now = in_use(host)
+    assert now[0] < now[1] and sum(now) == sum(start) and now[2:] == start[2:], (now, start)
+
+
+def test_arena_copies_between_two_gpus_are_peer_copies_counted_as_copy_events():
+    """Runs from a CUDA arena on device 1 into one on device 0 (how a re-split moves a stage's
+    weights between GPUs): the bytes arrive exactly; each call is one copy fault event, and an
+    injected fault leaves the destination as it was."""
+    devices_or_skip(2)
+    from gyges.testing import count, inject
+    a = gyges.Arena(budget="8MiB", page_size=PAGE, backend="cuda", device=0)
+    b = gyges.Arena(budget="8MiB", page_size=PAGE, backend="cuda", device=1)
+    a.grow(0, 2)
+    b.grow(0, 2)
+    page = a.page_size
+    src = np.random.default_rng(3).integers(0, 256, 2 * page, dtype=np.uint8)  # [2 pages]
+    b.write(0, src)
+    a.write(0, np.zeros(2 * page, np.uint8))
+    runs = (np.array([page, 0]), np.array([0, page + 64]), np.array([page, 100]))  # dst, src, bytes
+    with inject("copy", 1) as fired:
+        with pytest.raises(gyges.Error, match="injected fault"):
+            a.copy_runs(b, *runs)
+        assert fired() == 1
+    assert not a.read(0, 2 * page).any()
+    n, _ = count("copy", lambda: a.copy_runs(b, *runs))
+    assert n == 1
+    got = a.read(0, 2 * page)
+    np.testing.assert_array_equal(got[page:], src[:page])
+    np.testing.assert_array_equal(got[:100], src[page + 64:page + 164])
+    assert not got[100:page].any()

@@ -29,9 +29,6 @@ static gy_status gy_kmc_check(const gy_kv_move *mv) {
     if (gy_comm_backend(comm) == GY_COMM_BACKEND_SHM)
         return GY_FAIL(GY_ERR_INVALID, "KV moves between CUDA devices need a device communicator "
                        "(nccl), not shm");
-    if (mv->dirty != NULL)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "a dirty bitmap (a patch) between CUDA devices is not "
-                       "implemented: patches move within one device");
     for (int64_t i = 0; i < mv->n_items; i++) {
         const gy_kv_cache *kv[2] = {mv->items[i].src, mv->items[i].dst};
         for (int e = 0; e < 2; e++)
@@ -127,6 +124,32 @@ static gy_status gy_kmc_keep(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_it
     return GY_OK;
 }
 
+/* A patch (a dirty bitmap) between devices: item `x`'s pairs whose source block holds a dirty
+ * slot, into x->kept; each is then moved whole, like the device backend does on one device
+ * (its clean slots hold the same bytes at both ends, so rewriting them changes nothing). */
+static gy_status gy_kmc_dirty(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_item *it) {
+    x->kept = gy_malloc((size_t)(2 * x->pairs) * sizeof *x->kept);
+    if (x->kept == NULL)
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the block lists of a KV patch "
+                       "between devices");
+    const int64_t B = gy_kv_config_of(it->src)->block_size;
+    int64_t n = 0;
+    for (int64_t j = 0; j < x->pairs; j++) {
+        const int64_t t = gy_kv_move_pair_tokens(it, j, B);
+        int any = 0;
+        for (int64_t k = 0; k < t && !any; k++)
+            any = gy_kv_move_dirty_at(p->mv->dirty, (int64_t)x->src_ids[j] * B + k);
+        if (!any) continue;
+        x->kept[n] = x->src_ids[j];
+        x->kept[x->pairs + n++] = x->dst_ids[j];
+    }
+    memmove(x->kept + n, x->kept + x->pairs, (size_t)n * sizeof *x->kept);
+    x->src_ids = x->kept;
+    x->dst_ids = x->kept + n;
+    x->pairs = n;
+    return GY_OK;
+}
+
 static void gy_kmc_plan_free(gy_kmc_plan *p) {
     if (p->items != NULL)
         for (int64_t i = 0; i < p->mv->n_items; i++) free(p->items[i].kept);
@@ -159,6 +182,9 @@ static gy_status gy_kmc_plan_init(gy_kmc_plan *p, const gy_kv_move *mv) {
         if (x->src_rank == x->dst_rank) {
             if (!p->overlap) continue; /* local: the device backend */
             GY_TRY(gy_kmc_keep(p, x, it));
+            if (x->pairs == 0) continue;
+        } else if (p->mv->dirty != NULL) { /* never with OVERLAP (gy_kv_move_check_dirty) */
+            GY_TRY(gy_kmc_dirty(p, x, it));
             if (x->pairs == 0) continue;
         }
         p->cross |= x->src_rank != x->dst_rank;

@@ -535,11 +535,6 @@ gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_o
         return GY_FAIL(GY_ERR_UNAVAILABLE,
                        "copies between a %s arena and a %s arena are not implemented",
                        src->ops->name, dst->ops->name);
-    if (!dst->ops->host_accessible && gy_arena_device(dst) != gy_arena_device(src))
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "copies between arenas on CUDA devices %d and %d are not implemented (only "
-                       "between virtual workers sharing one GPU)",
-                       (int)gy_arena_device(src), (int)gy_arena_device(dst));
     for (int64_t i = 0; i < n; i++)
         if (!gy_arena_is_mapped(dst, dst_offsets[i], bytes[i]) ||
             !gy_arena_is_mapped(src, src_offsets[i], bytes[i]))

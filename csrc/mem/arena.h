@@ -121,8 +121,8 @@ gy_status gy_arena_read(const gy_arena *arena, void *dst, uint64_t offset, uint6
 /* Copies `n` runs between two arenas (a peer-to-peer copy between workers): run i is bytes[i]
  * bytes from src_offsets[i] of `src` to dst_offsets[i] of `dst`. Every range is checked to be
  * mapped before anything is copied. Both arenas on one backend: host memory, or CUDA arenas on
- * one device (virtual workers sharing a GPU: device-to-device copies, finished on return);
- * GY_ERR_UNAVAILABLE for other pairs. */
+ * one device (virtual workers sharing a GPU: device-to-device copies) or on two (peer copies);
+ * finished on return; GY_ERR_UNAVAILABLE for other pairs. Counts one GY_FAULT_COPY event. */
 gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_offsets,
                              const uint64_t *src_offsets, const uint64_t *bytes, int64_t n);
 

@@ -95,6 +95,7 @@ typedef struct gy_cu_driver {
     CUresult (*mem_unmap)(CUdeviceptr, size_t);
     CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*memcpy_dtod)(CUdeviceptr, CUdeviceptr, size_t);
+    CUresult (*memcpy_peer)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
     CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t);
     CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t);
     CUresult (*mem_alloc)(CUdeviceptr *, size_t);
@@ -176,6 +177,7 @@ static void gy_cu_load(void) {
         GY_CU_SYMBOL("cuMemUnmap", mem_unmap),
         GY_CU_SYMBOL("cuMemSetAccess", mem_set_access),
         GY_CU_SYMBOL("cuMemcpyDtoD", memcpy_dtod),
+        GY_CU_SYMBOL("cuMemcpyPeer", memcpy_peer),
         GY_CU_SYMBOL("cuMemcpyHtoD", memcpy_htod),
         GY_CU_SYMBOL("cuMemcpyDtoH", memcpy_dtoh),
         GY_CU_SYMBOL("cuMemAlloc", mem_alloc),
@@ -535,17 +537,30 @@ static gy_status gy_cuda_copy(void *state, uint64_t dst_offset, uint64_t src_off
     return GY_OK;
 }
 
-/* Runs from another arena on the same device (virtual workers sharing a GPU: one context, so
- * one device-to-device copy reaches both ranges). Synchronised like `copy`: before, so that
- * the workers' streams have written what is read; after, so the caller may free or reuse
- * either side. Runs inside one arena may overlap and go through gy_cuda_copy's memmove. */
+/* Runs from another arena: on the same device (virtual workers sharing a GPU: one context, so
+ * one device-to-device copy reaches both ranges), or on another device (a pipeline stage's
+ * weights moving between GPUs in a re-split) by cuMemcpyPeer between the two primary contexts,
+ * which goes over NVLink/PCIe peer access where there is one and is staged by the driver where
+ * there is not. Synchronised like `copy`: before, in both contexts, so that the workers'
+ * streams have written what is read; after, so the caller may free or reuse either side.
+ * Runs inside one arena may overlap and go through gy_cuda_copy's memmove. */
 static gy_status gy_cuda_copy_runs_from(void *dst_state, void *src_state,
                                         const uint64_t *dst_offsets, const uint64_t *src_offsets,
                                         const uint64_t *bytes, int64_t n) {
     gy_cuda_arena *d = dst_state, *s = src_state;
-    if (d->device != s->device)
-        return GY_FAIL(GY_ERR_UNAVAILABLE,
-                       "copies between arenas on two CUDA devices are not implemented");
+    if (d->device != s->device) {
+        GY_CU_CHECK("cuCtxSetCurrent", gy_cu.ctx_set_current(s->ctx));
+        GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+        GY_CU_CHECK("cuCtxSetCurrent", gy_cu.ctx_set_current(d->ctx));
+        GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+        for (int64_t i = 0; i < n; i++)
+            if (bytes[i] > 0)
+                GY_CU_CHECK("cuMemcpyPeer",
+                            gy_cu.memcpy_peer(d->base + dst_offsets[i], d->ctx,
+                                              s->base + src_offsets[i], s->ctx, bytes[i]));
+        GY_CU_CHECK("cuCtxSynchronize", gy_cu.ctx_synchronize());
+        return GY_OK;
+    }
     if (d == s) {
         for (int64_t i = 0; i < n; i++) GY_TRY(gy_cuda_copy(d, dst_offsets[i], src_offsets[i], bytes[i]));
         return GY_OK;

@@ -24,9 +24,9 @@ import numpy as np
 
 from .. import _C
 from ..core.checks import integer
-from ..core.errors import (BusyError, InvalidArgumentError, OutOfMemoryError, StateError,
-                           UnavailableError)
+from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError, StateError
 from ..runtime.kv_cache import KVMove
+from .kv_move import migration_comm
 from .link import Link, Paced
 from .reconfiguration import Reconfiguration
 from .resplit import weight_bytes
@@ -43,10 +43,12 @@ def _new_seq(kv, n_tokens):
     return seq
 
 
-def _move_seq(src, seq, dst, dst_seq, first, end):
+def _move_seq(src, seq, dst, dst_seq, first, end, comm=None):
     """A request's KV of model layers [first, end), which both caches hold, from its sequence in
-    `src` to dst_seq in `dst` (block for block, every slot); returns the bytes."""
-    return KVMove(range(first, end)).add(src, dst, src_seq=seq, dst_seq=dst_seq).run()["bytes"]
+    `src` to dst_seq in `dst` (block for block, every slot; over `comm`, the members' migration
+    communicator, when they are on different GPUs); returns the bytes."""
+    return KVMove(range(first, end), comm=comm).add(src, dst, src_seq=seq,
+                                                    dst_seq=dst_seq).run()["bytes"]
 
 
 def _check_link(link):
@@ -61,6 +63,7 @@ def gather_home(host, pipe, ranges, workers, homes, valid, copy=True):
     other stages' layers is copied into its home cache, which holds every layer. Returns
     ({rid: (home, seqs)}, bytes copied)."""
     ws = [host.worker(w) for w in workers]
+    comm = migration_comm(host, workers)
     g = len(ranges)
     load, out, copied = [0] * g, {}, 0
     for rid in pipe.request_ids():
@@ -75,7 +78,7 @@ def gather_home(host, pipe, ranges, workers, homes, valid, copy=True):
             for k in range(g):
                 lo, hi = valid(rid, k)
                 if k != h and seqs[k] >= 0 and hi > lo:
-                    copied += _move_seq(ws[k].kv, seqs[k], ws[h].kv, seqs[h], lo, hi)
+                    copied += _move_seq(ws[k].kv, seqs[k], ws[h].kv, seqs[h], lo, hi, comm)
     return out, copied
 
 
@@ -147,14 +150,9 @@ class Buddy(Reconfiguration, Paced):
         if "replicated" in host.weights_of(workers):
             raise InvalidArgumentError(f"a buddy group needs sharded workers; workers {workers} "
                                        f"keep replicas that switch() binds (weights='replicated')")
-        if len({host.devices[w] for w in workers}) > 1:
-            # remote attention runs across GPUs (forward_cuda.c), but the exchange's KV moves
-            # and the restore's weight copies between two devices' arenas are not built
-            raise UnavailableError(
-                f"a buddy group whose members are on different GPUs (workers {workers} on "
-                f"devices {[host.devices[w] for w in workers]}) is not implemented: its KV "
-                f"exchange over the migration communicator and its weight copies between the "
-                f"devices' arenas are not built; members sharing one GPU (comm='d2d') can group")
+        # members on different GPUs move KV over their aligned group's migration communicator
+        # (an unaligned group has none: refused here, before any change)
+        self._comm = migration_comm(host, workers)
         viewed = host.pinned(workers)
         if viewed:
             raise BusyError(f"{viewed}: a buddy group changes the workers' pages; delete the "
@@ -207,7 +205,7 @@ class Buddy(Reconfiguration, Paced):
                     if self.live:
                         chunks.append([rid, j, k, lo])
                     else:
-                        exchanged += _move_seq(ws[j].kv, seq, w.kv, new, lo, hi)
+                        exchanged += _move_seq(ws[j].kv, seq, w.kv, new, lo, hi, self._comm)
         # 3. the pipeline over the members' stage models takes every request with its KV (the
         #    caches still hold every layer, so nothing is lost until all of it has worked)
         for w, (lo, hi) in zip(ws, ranges):
@@ -312,7 +310,8 @@ class Buddy(Reconfiguration, Paced):
                         keep.extend(self.pending[i + 1:])   # in order: the next waits for this one
                         break
                     continue
-                nbytes = _move_seq(self._w[j].kv, src, self._w[k].kv, dst, layer, layer + 1)
+                nbytes = _move_seq(self._w[j].kv, src, self._w[k].kv, dst, layer, layer + 1,
+                                   self._comm)
                 pipe.set_remote(rid, k, j, layer + 1, hi)
                 self._moved(moved, (rid, k), nbytes)
                 self.stats["kv_bytes_exchanged"] += nbytes
@@ -392,6 +391,7 @@ class Restore(Reconfiguration, Paced):
         self.pipe = buddy.instance
         self.ranges = list(self.pipe.stages)
         self._w = [host.worker(w) for w in self.workers]
+        self._comm = migration_comm(host, self.workers)
         # (member, layer, the member holding it): every layer a member gave up
         self.pending = [(k, layer, j) for k in range(len(self._w))
                         for j, (lo, hi) in enumerate(self.ranges) if j != k
@@ -462,7 +462,7 @@ class Restore(Reconfiguration, Paced):
         self.copied = set()
 
     def _copy(self, j, k, layer, words=None, slots=0):
-        n = self.pipe.copy_layers(j, k, layer, layer + 1, words, slots)
+        n = self.pipe.copy_layers(j, k, layer, layer + 1, words, slots, comm=self._comm)
         nbytes = n * (self._w[0].kv.block_bytes // self._w[0].kv.block_size)
         self._kv += nbytes
         return nbytes

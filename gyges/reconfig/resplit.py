@@ -46,6 +46,7 @@ import numpy as np
 from .. import _C
 from ..core import checks
 from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError
+from .kv_move import migration_comm
 from .reconfiguration import Reconfiguration
 
 MODES = ("live", "no_patch", "stop_copy")
@@ -126,6 +127,8 @@ class Resplit(Reconfiguration):
             raise BusyError(f"{viewed}: a re-split changes the workers' pages; delete the "
                             f"views first")
         self._w = [host.worker(i) for i in self.workers]
+        # stages on different GPUs move KV over their aligned group's migration communicator
+        self._comm = migration_comm(host, self.workers)
         self.cur = list(instance.stages)
         if self.tgt == self.cur:
             raise InvalidArgumentError(f"the pipeline already runs {[b - a for a, b in self.tgt]}")
@@ -241,7 +244,8 @@ class Resplit(Reconfiguration):
                 self.copied.add((dst, layer))
 
     def _copy(self, src, dst, layer, key, words=None, slots=0):
-        nbytes = self.instance.copy_layers(src, dst, layer, layer + 1, words, slots) * self._slot_bytes
+        nbytes = self.instance.copy_layers(src, dst, layer, layer + 1, words, slots,
+                                           comm=self._comm) * self._slot_bytes
         self.stats[key] += nbytes
         self.stats["kv_bytes_moved"] += nbytes
         self.stats["bytes_moved"] += nbytes

@@ -205,12 +205,14 @@ class Instance:
         _C.KVDirty; None stops)."""
         self._c.set_dirty(stage, 0, bitmap)
 
-    def copy_layers(self, src_stage, dst_stage, first, end, words=None, slots=0):
+    def copy_layers(self, src_stage, dst_stage, first, end, words=None, slots=0, comm=None):
         """Every request's KV of model layers [first, end) from one stage's cache to another's
         (with `words`, a taken dirty bitmap of `slots` slots: only those slots), one KVMove of
-        the sequences the engine pairs; returns the token slots copied."""
+        the sequences the engine pairs (over `comm`, the stages' migration communicator, when
+        they are on different GPUs); returns the token slots copied."""
         src, dst = self.kvs[src_stage], self.kvs[dst_stage]
-        move = KVMove(range(first, end), dirty=words, dirty_slots=slots if words is not None else None)
+        move = KVMove(range(first, end), dirty=words, dirty_slots=slots if words is not None else None,
+                      comm=comm)
         for src_seq, dst_seq in self._c.stage_pairs(src_stage, dst_stage, 0):
             move.add(src, dst, src_seq=src_seq, dst_seq=dst_seq)
         return move.run()["slots"]

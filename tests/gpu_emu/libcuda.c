@@ -233,6 +233,18 @@ static CUresult fake_memcpy_dtod(CUdeviceptr dst, CUdeviceptr src, size_t bytes)
     return CUDA_SUCCESS;
 }
 
+/* Between two devices' memory (arena_cuda.c's copies between arenas on different GPUs): the
+ * contexts must be two existing devices' primary contexts, as the driver checks them. */
+static CUresult fake_memcpy_peer(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src,
+                                 CUcontext src_ctx, size_t bytes) {
+    const int dst_device = (int)((uintptr_t)dst_ctx - 0x1000);
+    const int src_device = (int)((uintptr_t)src_ctx - 0x1000);
+    if (!fake_device_exists(dst_device) || !fake_device_exists(src_device))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+    return CUDA_SUCCESS;
+}
+
 static CUresult fake_memcpy_htod(CUdeviceptr dst, const void *src, size_t bytes) {
     memmove((void *)(uintptr_t)dst, src, bytes);
     return CUDA_SUCCESS;
@@ -285,6 +297,7 @@ CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int cuda_versi
         {"cuMemUnmap", (void *)fake_mem_unmap},
         {"cuMemSetAccess", (void *)fake_mem_set_access},
         {"cuMemcpyDtoD", (void *)fake_memcpy_dtod},
+        {"cuMemcpyPeer", (void *)fake_memcpy_peer},
         {"cuMemcpyHtoD", (void *)fake_memcpy_htod},
         {"cuMemcpyDtoH", (void *)fake_memcpy_dtoh},
         {"cuMemAlloc", (void *)fake_mem_alloc},
