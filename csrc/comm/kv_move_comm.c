@@ -82,64 +82,20 @@ typedef struct gy_kmc_plan {
     uint64_t staged[GY_COMM_MAX_RANKS];                     /* device bytes each rank staged */
 } gy_kmc_plan;
 
-/* Whether item `it`'s caches lay a head run out alike and place every layer of the move at the
- * same address (a shadow over its owner's pages), so that a pair can already be in place. */
-static int gy_kmc_same_place(const gy_kv_move *mv, const gy_kv_move_item *it) {
-    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
-    if (ls->stride_kv != ld->stride_kv || ls->stride_token != ld->stride_token ||
-        ls->stride_head != ld->stride_head)
-        return 0;
-    for (int64_t l = mv->first_layer; l < mv->end_layer; l++)
-        if (gy_kv_layer_address(it->src, gy_kv_move_layer(it->src, l)) !=
-            gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)))
-            return 0;
-    return 1;
-}
-
-/* An OVERLAP item on one device: its pairs not already in place (a rank's own heads of a
- * header-centric block stay put, neither read nor written, as on the host and one device) into
- * x->kept; their bytes count in p->in_place. */
-static gy_status gy_kmc_keep(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_item *it) {
+/* Item `x`'s pairs that the move copies between devices (gy_kv_move_pair_moves), into x->kept:
+ * an OVERLAP item on one device leaves out those already in place (a rank's own heads of a
+ * header-centric block stay put, neither read nor written, as on the host and one device), their
+ * bytes counted in p->in_place; a patch keeps those whose source block holds a dirty slot. */
+static gy_status gy_kmc_filter(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_item *it) {
     x->kept = gy_malloc((size_t)(2 * x->pairs) * sizeof *x->kept);
     if (x->kept == NULL)
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the block lists of an overlapping "
-                       "KV move between devices");
-    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
-    const int same = gy_kmc_same_place(p->mv, it);
-    int64_t n = 0;
-    for (int64_t j = 0; j < x->pairs; j++) {
-        if (same && gy_kv_layout_offset(ls, 0, x->src_ids[j], 0, it->src_head) ==
-                        gy_kv_layout_offset(ld, 0, x->dst_ids[j], 0, it->dst_head)) {
-            p->in_place += (uint64_t)(gy_kv_move_pair_tokens(it, j, ls->block_size) * p->layers *
-                                      gy_kv_move_token_bytes(it->src, it->n_heads));
-            continue;
-        }
-        x->kept[n] = x->src_ids[j];
-        x->kept[x->pairs + n++] = x->dst_ids[j];
-    }
-    memmove(x->kept + n, x->kept + x->pairs, (size_t)n * sizeof *x->kept);
-    x->src_ids = x->kept;
-    x->dst_ids = x->kept + n;
-    x->pairs = n;
-    return GY_OK;
-}
-
-/* A patch (a dirty bitmap) between devices: item `x`'s pairs whose source block holds a dirty
- * slot, into x->kept; each is then moved whole, like the device backend does on one device
- * (its clean slots hold the same bytes at both ends, so rewriting them changes nothing). */
-static gy_status gy_kmc_dirty(gy_kmc_plan *p, gy_kmc_item *x, const gy_kv_move_item *it) {
-    x->kept = gy_malloc((size_t)(2 * x->pairs) * sizeof *x->kept);
-    if (x->kept == NULL)
-        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the block lists of a KV patch "
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the block lists of a KV move "
                        "between devices");
-    const int64_t B = gy_kv_config_of(it->src)->block_size;
+    const int same = p->overlap && x->src_rank == x->dst_rank && gy_kv_move_same_place(p->mv, it);
     int64_t n = 0;
     for (int64_t j = 0; j < x->pairs; j++) {
-        const int64_t t = gy_kv_move_pair_tokens(it, j, B);
-        int any = 0;
-        for (int64_t k = 0; k < t && !any; k++)
-            any = gy_kv_move_dirty_at(p->mv->dirty, (int64_t)x->src_ids[j] * B + k);
-        if (!any) continue;
+        if (!gy_kv_move_pair_moves(p->mv, it, j, x->src_ids, x->dst_ids, same, &p->in_place))
+            continue;
         x->kept[n] = x->src_ids[j];
         x->kept[x->pairs + n++] = x->dst_ids[j];
     }
@@ -179,12 +135,11 @@ static gy_status gy_kmc_plan_init(gy_kmc_plan *p, const gy_kv_move *mv) {
         x->src_ids = sb;
         x->dst_ids = db;
         if (x->pairs == 0) continue;
-        if (x->src_rank == x->dst_rank) {
-            if (!p->overlap) continue; /* local: the device backend */
-            GY_TRY(gy_kmc_keep(p, x, it));
-            if (x->pairs == 0) continue;
-        } else if (p->mv->dirty != NULL) { /* never with OVERLAP (gy_kv_move_check_dirty) */
-            GY_TRY(gy_kmc_dirty(p, x, it));
+        if (x->src_rank == x->dst_rank && !p->overlap) continue; /* local: the device backend */
+        /* an OVERLAP item on one device, or a patch between devices (never both kinds of move:
+         * gy_kv_move_check_dirty) */
+        if (x->src_rank == x->dst_rank || p->mv->dirty != NULL) {
+            GY_TRY(gy_kmc_filter(p, x, it));
             if (x->pairs == 0) continue;
         }
         p->cross |= x->src_rank != x->dst_rank;

@@ -44,18 +44,10 @@ static gy_status gy_kv_move_device_copy(const gy_kv_move *mv, gy_kv_move_stats *
             groups[n_groups] = m;
             group_item[n_groups++] = i;
         }
-        const int64_t B = gy_kv_config_of(it->src)->block_size;
         const int32_t *sb, *db;
         const int64_t n = gy_kv_move_item_pairs(it, &sb, &db);
         for (int64_t j = 0; j < n; j++) {
-            const int64_t t = gy_kv_move_pair_tokens(it, j, B);
-            int any = t > 0 && it->n_heads > 0;
-            if (any && mv->dirty != NULL) {
-                any = 0;
-                for (int64_t k = 0; k < t && !any; k++)
-                    any = gy_kv_move_dirty_at(mv->dirty, (int64_t)sb[j] * B + k);
-            }
-            if (!any) continue;
+            if (!gy_kv_move_pair_moves(mv, it, j, sb, db, 0, NULL)) continue;
             lists[m] = db[j];
             lists[total + m++] = sb[j];
         }
@@ -100,20 +92,6 @@ static gy_status gy_kv_move_device_copy(const gy_kv_move *mv, gy_kv_move_stats *
  * (gy_kv_move_plan); a device move reads everything here: a layer's KV is copied at device
  * bandwidth, a small part of a step. */
 
-/* Whether the group of item `it` can hold pairs already in place: both caches lay a head run out
- * alike and place every layer of the move at the same address. */
-static int gy_kv_move_device_same_place(const gy_kv_move *mv, const gy_kv_move_item *it) {
-    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
-    if (ls->stride_kv != ld->stride_kv || ls->stride_token != ld->stride_token ||
-        ls->stride_head != ld->stride_head)
-        return 0;
-    for (int64_t l = mv->first_layer; l < mv->end_layer; l++)
-        if (gy_kv_layer_address(it->src, gy_kv_move_layer(it->src, l)) !=
-            gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)))
-            return 0;
-    return 1;
-}
-
 static gy_status gy_kv_move_device_copy_overlapping(const gy_kv_move *mv, gy_kv_move_stage *stage,
                                                     gy_kv_move_stats *st) {
     (void)stage; /* host memory: nothing a device move can use */
@@ -134,7 +112,6 @@ static gy_status gy_kv_move_device_copy_overlapping(const gy_kv_move *mv, gy_kv_
     int32_t *lists = (int32_t *)(stage_at + n1), *iota = lists + 2 * total;
     int64_t m = 0, n_groups = 0, stage_bytes = 0, most = 0;
     uint64_t in_place = 0;
-    const int64_t layers = mv->end_layer - mv->first_layer;
     int same_place = 0;
     for (int64_t i = 0; i < mv->n_items; i++) {
         const gy_kv_move_item *it = &mv->items[i];
@@ -147,20 +124,12 @@ static gy_status gy_kv_move_device_copy_overlapping(const gy_kv_move *mv, gy_kv_
             groups[n_groups] = m;
             stage_at[n_groups] = stage_bytes;
             group_item[n_groups++] = i;
-            same_place = gy_kv_move_device_same_place(mv, it);
+            same_place = gy_kv_move_same_place(mv, it);
         }
-        const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
-        const int64_t B = ls->block_size;
         const int32_t *sb, *db;
         const int64_t n = gy_kv_move_item_pairs(it, &sb, &db);
         for (int64_t j = 0; j < n; j++) {
-            const int64_t t = gy_kv_move_pair_tokens(it, j, B);
-            if (t <= 0 || it->n_heads <= 0) continue;
-            if (same_place && gy_kv_layout_offset(ls, 0, sb[j], 0, it->src_head) ==
-                                  gy_kv_layout_offset(ld, 0, db[j], 0, it->dst_head)) {
-                in_place += (uint64_t)(t * layers * gy_kv_move_token_bytes(it->src, it->n_heads));
-                continue;
-            }
+            if (!gy_kv_move_pair_moves(mv, it, j, sb, db, same_place, &in_place)) continue;
             lists[m] = db[j];
             lists[total + m++] = sb[j];
         }

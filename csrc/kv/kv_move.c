@@ -53,6 +53,38 @@ int64_t gy_kv_move_item_tokens(const gy_kv_move_item *it) {
     return gy_kv_move_item_pairs(it, &s, &d) * gy_kv_config_of(it->src)->block_size;
 }
 
+int gy_kv_move_same_place(const gy_kv_move *mv, const gy_kv_move_item *it) {
+    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
+    if (ls->stride_kv != ld->stride_kv || ls->stride_token != ld->stride_token ||
+        ls->stride_head != ld->stride_head)
+        return 0;
+    for (int64_t l = mv->first_layer; l < mv->end_layer; l++)
+        if (gy_kv_layer_address(it->src, gy_kv_move_layer(it->src, l)) !=
+            gy_kv_layer_address(it->dst, gy_kv_move_layer(it->dst, l)))
+            return 0;
+    return 1;
+}
+
+int gy_kv_move_pair_moves(const gy_kv_move *mv, const gy_kv_move_item *it, int64_t j,
+                          const int32_t *sb, const int32_t *db, int same_place, uint64_t *in_place) {
+    const gy_kv_layout *ls = gy_kv_layout_of(it->src), *ld = gy_kv_layout_of(it->dst);
+    const int64_t B = ls->block_size, t = gy_kv_move_pair_tokens(it, j, B);
+    if (t <= 0 || it->n_heads <= 0) return 0;
+    if (mv->dirty != NULL) {
+        int any = 0;
+        for (int64_t k = 0; k < t && !any; k++)
+            any = gy_kv_move_dirty_at(mv->dirty, (int64_t)sb[j] * B + k);
+        if (!any) return 0;
+    }
+    if (same_place && gy_kv_layout_offset(ls, 0, sb[j], 0, it->src_head) ==
+                          gy_kv_layout_offset(ld, 0, db[j], 0, it->dst_head)) {
+        *in_place += (uint64_t)(t * (mv->end_layer - mv->first_layer) *
+                                gy_kv_move_token_bytes(it->src, it->n_heads));
+        return 0;
+    }
+    return 1;
+}
+
 /* ---- checks ---- */
 
 /* Where a cache's bytes are: -1 for host memory, else the CUDA device. */

@@ -66,6 +66,20 @@ static inline int64_t gy_kv_move_token_bytes(const gy_kv_cache *kv, int64_t n_he
     return 2 * n_heads * c->head_dim * c->elem_size;
 }
 
+/* ---- which pairs a device move writes (kernels/kv_move_device.c, comm/kv_move_comm.c) ---- */
+
+/* Whether item `it`'s caches lay a head run out alike and place every layer of the move at the
+ * same address (a shadow over its owner's pages), so that a pair can already be in place. */
+int gy_kv_move_same_place(const gy_kv_move *move, const gy_kv_move_item *it);
+
+/* Whether a device move copies pair j (sb[j] -> db[j]) of item `it`: it holds tokens; with a
+ * dirty bitmap, its source block holds a dirty slot (the block is then moved whole: its clean
+ * slots hold the same bytes at both ends); with `same_place` (gy_kv_move_same_place, OVERLAP
+ * moves only) it is not already where it goes, whose bytes of every layer are added to
+ * *in_place instead. */
+int gy_kv_move_pair_moves(const gy_kv_move *move, const gy_kv_move_item *it, int64_t j,
+                          const int32_t *sb, const int32_t *db, int same_place, uint64_t *in_place);
+
 /* ---- the host's runs (kv_move_host.c; the stage reads and writes through them too) ----
  *
  * Token slots [t0, t0 + n_tokens) of heads [src_head, src_head + n_heads) of one block pair,

@@ -615,6 +615,18 @@ static int nccl_load(void) {
     return 1;
 }
 
+/* The fake NCCL loaded and `n` communicators on devices 0..n-1 in comms (one set per array);
+ * 0, the test failed, if either cannot be. */
+static int open_comms(int n, nccl_comm *comms, nccl_comm *more) {
+    CHECK(nccl_load());
+    if (!nccl_load()) return 0;
+    int devices[8];
+    for (int d = 0; d < n; d++) devices[d] = d;
+    CHECK(nccl.init_all(comms, n, devices) == NCCL_OK);
+    if (more != NULL) CHECK(nccl.init_all(more, n, devices) == NCCL_OK);
+    return 1;
+}
+
 static void *new_stream(int device) {
     cudaSetDevice(device);
     cudaStream_t stream = NULL;
@@ -698,12 +710,9 @@ GYTEST(fake_nccl_ranks_join_by_unique_id_from_their_threads) {
  * thread has not issued yet. */
 GYTEST(fake_nccl_one_thread_groups_an_all_to_all_over_four_ranks) {
     if (!mode_is("gpu")) return;
-    CHECK(nccl_load());
-    if (!nccl_load()) return;
     enum { R = 4 };
-    const int devices[R] = {0, 1, 2, 3};
     nccl_comm comms[R];
-    CHECK(nccl.init_all(comms, R, devices) == NCCL_OK);
+    if (!open_comms(R, comms, NULL)) return;
     void *streams[R];
     unsigned char *send[R][R], *recv[R][R];
     size_t bytes[R][R]; /* [src][dst] */
@@ -754,11 +763,8 @@ GYTEST(fake_nccl_one_thread_groups_an_all_to_all_over_four_ranks) {
 /* A send holds its stream until the receiver posts: work enqueued after it does not run. */
 GYTEST(fake_nccl_send_blocks_its_stream_until_the_peer_posts) {
     if (!mode_is("gpu")) return;
-    CHECK(nccl_load());
-    if (!nccl_load()) return;
-    const int devices[2] = {0, 1};
     nccl_comm comms[2];
-    CHECK(nccl.init_all(comms, 2, devices) == NCCL_OK);
+    if (!open_comms(2, comms, NULL)) return;
     void *s0 = new_stream(0), *s1 = new_stream(1);
     char *src = NULL, *dst = NULL;
     cudaSetDevice(0);
@@ -793,11 +799,8 @@ GYTEST(fake_nccl_send_blocks_its_stream_until_the_peer_posts) {
  * NCCL documents) wakes it, leaves the buffer as it was, and the peer learns of it. */
 GYTEST(fake_nccl_abort_wakes_a_stuck_receiver) {
     if (!mode_is("gpu")) return;
-    CHECK(nccl_load());
-    if (!nccl_load()) return;
-    const int devices[2] = {0, 1};
     nccl_comm comms[2];
-    CHECK(nccl.init_all(comms, 2, devices) == NCCL_OK);
+    if (!open_comms(2, comms, NULL)) return;
     void *s1 = new_stream(1);
     char *dst = NULL;
     cudaMalloc((void **)&dst, 256);
@@ -906,12 +909,8 @@ GYTEST(fake_nccl_gy_comm_abort_wakes_a_rank_stuck_in_nccl_and_reset_remakes_it) 
  * on a GPU each stream waits forever for the other. The hang detector says so instead. */
 GYTEST(fake_nccl_hang_detector_reports_communicators_in_opposite_orders) {
     if (!mode_is("gpu")) return;
-    CHECK(nccl_load());
-    if (!nccl_load()) return;
-    const int devices[2] = {0, 1};
     nccl_comm a[2], b[2];
-    CHECK(nccl.init_all(a, 2, devices) == NCCL_OK);
-    CHECK(nccl.init_all(b, 2, devices) == NCCL_OK);
+    if (!open_comms(2, a, b)) return;
     void *streams[2] = {new_stream(0), new_stream(1)};
     float *buf[2];
     for (int r = 0; r < 2; r++) {
