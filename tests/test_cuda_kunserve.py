@@ -14,10 +14,12 @@ import warnings
 import numpy as np
 import pytest
 from test_buddy import sweep_live, weights_of
+from test_pipelive import failed_resplit
 from test_cuda_host import GPU_SKIP_REASON, MEMORY, PAGE, prompts
 
 import gyges
 from gyges import _C
+from gyges.testing import spread, sweep_most
 from gyges.reconfig import ReconfigurationWarning
 
 pytestmark = [pytest.mark.filterwarnings("error::gyges.reconfig.recovery.RecoveryWarning"),
@@ -125,7 +127,7 @@ def test_a_failed_remote_attention_fails_its_step_only(tiny, devices, site):
     GPUs, every round trip of remote attention's activations (the `copy` site) fails in turn:
     that step raises and is taken back, the next ones serve on, and every request gets one CUDA
     worker's tokens with every page back."""
-    from gyges.testing import count, inject, spread, sweep_most
+    from gyges.testing import count, inject
     if devices[1]:
         devices_or_skip(2)
     ps = prompts(3, seed=19, lo=10, hi=40)
@@ -365,6 +367,65 @@ def test_a_resplit_across_two_gpus_commits_and_keeps_every_token(tiny, mode):
     # bytes in all (KV pages per layer may differ by one between the two)
     now = in_use(host)
     assert now[0] < now[1] and sum(now) == sum(start) and now[2:] == start[2:], (now, start)
+
+
+@pytest.mark.parametrize("site", ["copy", "comm", "page_map", "alloc"])
+def test_a_failed_resplit_across_two_gpus_takes_itself_back(tiny, site):
+    """Events of a live re-split across two GPUs fail in turn (spread over sweep_most(2); every
+    one under `make sweep-cuda`): peer copies of the weights, the migration communicator's KV
+    and patches, page maps, allocations. A failed re-split is taken back, a failed step leaves
+    it going (test_pipelive.failed_resplit); the tokens are one CUDA worker's, and no page is
+    lost: as at the start once taken back, the same total once committed."""
+    devices_or_skip(2)
+    ps = prompts(3, seed=4, lo=20, hi=40)
+    want = unreconfigured(tiny, ps, GREEDY, instances=1)
+    starts = {}
+
+    def make_host():
+        host = nccl_host_or_skip(tiny, layout="PP[3,1]", devices=[0, 1])
+        starts[host] = in_use(host)
+        return host
+
+    def pages_back(host, undone):
+        start, now = starts.pop(host), in_use(host)
+        assert now == start if undone else sum(now) == sum(start), (now, start)
+    events = failed_resplit(make_host, ps, GREEDY, want, site, after=pages_back)
+    assert events > 0
+    undone = [failed_resplit(make_host, ps, GREEDY, want, site, n, after=pages_back)
+              for n in spread(events, sweep_most(2))]
+    if site in ("copy", "comm"):   # (the first allocations and maps may be the steps')
+        assert any(undone)
+
+
+@pytest.mark.parametrize("op", ["exchange", "restore"])
+def test_a_fault_in_a_live_buddy_group_across_two_gpus_loses_nothing(tiny, op):
+    """A live exchange, or a live restore, of two TP1 workers on two GPUs with events failing in
+    turn (spread over sweep_most(2) a site): the migration communicator's KV and patches,
+    device and peer copies, allocations. The layer waits and a later step brings it, or the
+    restore's switch is rolled back and a new one completes; the tokens are one CUDA host's
+    that never reconfigured, and every page is back once restored (test_buddy.sweep_live)."""
+    devices_or_skip(2)
+    fresh = in_use(nccl_host_or_skip(tiny, devices=[0, 1]))
+    groups = {}
+
+    def begin(host):
+        b = host.buddy(host.instances, live=True)
+        if op == "exchange":
+            groups[host] = b
+            return b.exchange
+        while not b.done:
+            host.step()
+        return host.restore(b, live=True, weights_from="peers")
+
+    def after(host):
+        if host in groups:
+            host.restore(groups.pop(host))
+        assert host.layout() == "2xTP1" and in_use(host) == fresh
+    t = sweep_live(tiny, begin, ["comm", "copy", "alloc"], sweep_most(2),
+                   again=lambda host, t: host.restore(t.buddy, live=True, weights_from="peers"),
+                   make_host=lambda: nccl_host_or_skip(tiny, devices=[0, 1]),
+                   want=lambda ps, p: unreconfigured(tiny, ps, p), after=after)
+    assert t.committed
 
 
 def test_arena_copies_between_two_gpus_are_peer_copies_counted_as_copy_events():

@@ -225,12 +225,13 @@ def test_disjoint_ranges_are_refused(deep):
     assert host.layout() == "PP[1,1,6]"
 
 
-def failed_resplit(make_host, ps, p, want, site, n=None):
+def failed_resplit(make_host, ps, p, want, site, n=None, after=None):
     """A live PP[3,1] -> PP[1,3] re-split of make_host()'s only instance, three steps into
     serving `ps`, with event n of `site` failing (n=None: counts the events instead and returns
     their number). A failure of the re-split takes it back (layout, weights and KV layers as
     before, r.error set); a failed step leaves it going. Either way the requests finish with
-    `want`. Returns whether the re-split was undone."""
+    `want`; after(host, undone), when given, then checks the host. Returns whether the re-split
+    was undone."""
     host = make_host()
     reqs = [host.submit(q, p) for q in ps]
     for _ in range(3):
@@ -262,6 +263,8 @@ def failed_resplit(make_host, ps, p, want, site, n=None):
     else:
         assert host.layout() == "PP[1,3]"
     assert finish(host, reqs) == want
+    if after is not None:
+        after(host, undone)
     host.close()
     return events if n is None else undone
 
