@@ -45,7 +45,7 @@ sweep-cuda: build
 	GYGES_SWEEP_MOST=0 $(PYTHON) tests/gpu_emu/run.py ext
 
 pytest: build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 
 bench: build
 	$(PYTHON) benchmarks/run_all.py

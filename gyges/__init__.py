@@ -16,6 +16,7 @@ from .core.errors import (ArgumentTypeError, BusyError, CudaError, DependencyErr
                      SystemCallError, UnavailableError)
 from .runtime.engine import Engine, Request, SamplingParams
 from .runtime.host import Host
+from .distributed.cluster import Cluster
 from . import reconfig  # noqa: F401  (registers the host's reconfigurations: transform, switch, ...)
 from .runtime.kv_cache import KVCache, KVMove, KVMoveStage
 from .serve.llm import LLM
@@ -37,7 +38,7 @@ if os.environ.get("GYGES_CPU_ISA"):
 # The subsystems a notebook reaches for are also here by their short names, imported when first
 # used: gyges.sim, gyges.traces, gyges.experiment, ...
 SUBMODULES = {"core": "core", "models": "models", "runtime": "runtime", "reconfig": "reconfig",
-              "cluster": "cluster", "serve": "serve", "demo": "demo", "testing": "testing",
+              "cluster": "cluster", "distributed": "distributed", "serve": "serve", "demo": "demo", "testing": "testing",
               "sim": "cluster.sim", "traces": "cluster.traces", "experiment": "cluster.experiment",
               "metrics": "cluster.metrics", "results": "cluster.results",
               "costmodel": "cluster.costmodel"}
@@ -49,7 +50,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'gyges' has no attribute {name!r}")
 
 
-__all__ = ["Arena", "KVCache", "KVMove", "KVMoveStage", "Model", "Engine", "SamplingParams", "Request", "Host", "LLM",
+__all__ = ["Arena", "KVCache", "KVMove", "KVMoveStage", "Model", "Engine", "SamplingParams", "Request", "Host", "Cluster", "LLM",
            "Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError", "StateError",
            "BusyError", "SystemCallError", "CudaError", "UnavailableError", "LimitError",
            "FormatError", "DependencyError", "parse_size", "format_size", "WITH_CUDA"]

@@ -34,7 +34,7 @@ import gyges
 import gyges.runtime.host as host_module
 from gyges import _C
 from gyges.runtime.host import cuda_placement
-from gyges.testing import spread
+from gyges.testing import spread, sweep_most
 from gyges.runtime.worker import Worker, cuda_unavailable
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
@@ -481,7 +481,7 @@ def test_a_failed_resplit_on_cuda_takes_itself_back(tiny, site):
     events = failed_resplit(make_host, ps, GREEDY, want, site)
     assert events > 0
     outcomes = [failed_resplit(make_host, ps, GREEDY, want, site, n)
-                for n in spread(events, 6)]
+                for n in spread(events, sweep_most(3))]
     if site == "copy":
         assert any(outcomes)
 

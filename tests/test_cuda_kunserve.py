@@ -257,7 +257,8 @@ def test_a_failed_live_exchange_step_on_cuda_is_tried_again(tiny):
         host.restore(groups.pop(host))
         assert host.layout() == "2xTP1"
         assert in_use(host) == fresh
-    t = sweep_live(tiny, begin, ["copy", "alloc"], 4, make_host=lambda: cuda_host(tiny),
+    t = sweep_live(tiny, begin, ["copy", "alloc"], sweep_most(2),
+                   make_host=lambda: cuda_host(tiny),
                    want=lambda ps, p: unreconfigured(tiny, ps, p), after=restored)
     assert t.stats["remote_attention_calls"] > 0
 
@@ -279,7 +280,7 @@ def test_a_failed_live_restore_on_cuda_waits_or_is_rolled_back(tiny):
     def after(host):
         assert host.layout() == "2xTP1"
         assert in_use(host) == fresh
-    t = sweep_live(tiny, begin, ["alloc", "page_map", "copy"], 3,
+    t = sweep_live(tiny, begin, ["alloc", "page_map", "copy"], sweep_most(2),
                    again=lambda host, t: host.restore(t.buddy, live=True),
                    make_host=lambda: cuda_host(tiny),
                    want=lambda ps, p: unreconfigured(tiny, ps, p), after=after)

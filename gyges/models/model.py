@@ -85,19 +85,26 @@ class Model:
         self.tokenizer = tokenizer
         self.weight_dtype = weight_dtype
         self.name = name
+        # How another process makes the same model (gyges.Cluster's hosts): ("tiny",),
+        # ("random", config dict, seed) or ("load", path, dtype); None for arrays given here.
+        self.source = None
 
     @classmethod
     def random(cls, config, seed=0):
         """A deterministic random model of any shape."""
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config)
-        return cls(config, checkpoint.random_weights(config, seed))
+        model = cls(config, checkpoint.random_weights(config, seed))
+        model.source = ("random", config.to_dict(), seed)
+        return model
 
     @classmethod
     def tiny(cls):
         """The embedded default: 4 layers, hidden 256, 8 query heads, 4 KV heads, FFN 688,
         vocab 4096, built from a fixed seed."""
-        return cls.random(ModelConfig.tiny(), TINY_SEED)
+        model = cls.random(ModelConfig.tiny(), TINY_SEED)
+        model.source = ("tiny",)
+        return model
 
     @classmethod
     def load(cls, path, dtype="f32"):
@@ -124,8 +131,23 @@ class Model:
                                        f"directory")
         log.info("loaded %s: %d layers, hidden %d, %s weights", name or file,
                  config.num_hidden_layers, config.hidden_size, dtype)
-        return cls(config, round_to(tensors, dtype), tokenizer=tokenizer, weight_dtype=dtype,
-                   name=name or os.path.basename(os.path.normpath(file)))
+        model = cls(config, round_to(tensors, dtype), tokenizer=tokenizer, weight_dtype=dtype,
+                    name=name or os.path.basename(os.path.normpath(file)))
+        model.source = ("load", name or os.path.abspath(file), dtype)
+        return model
+
+    @classmethod
+    def from_source(cls, source):
+        """The model `source` (a Model's .source) describes, made again in this process."""
+        kind = source[0] if isinstance(source, (tuple, list)) and source else None
+        if kind == "tiny" and len(source) == 1:
+            return cls.tiny()
+        if kind == "random" and len(source) == 3:
+            return cls.random(source[1], seed=source[2])
+        if kind == "load" and len(source) == 3:
+            return cls.load(source[1], dtype=source[2])
+        raise InvalidArgumentError(f"source={source!r}: expected ('tiny',), ('random', config, "
+                                   f"seed) or ('load', path, dtype)")
 
     def save(self, path, dtype="f32", shard_bytes=None):
         return checkpoint.save(path, self.config, self.tensors, dtype=dtype, shard_bytes=shard_bytes)

@@ -8,8 +8,8 @@ tests/test_comm_cuda.py.) And runs any script on the emulated machine.
   harness  forward_cuda.c, the d2d communicator and the device KV moves against the CPU pass
            (harness.c), under ASan+UBSan;
   ext      the extension on an emulated machine of 4 GPUs with NCCL (the pretend libnccl.so.2):
-           tests/test_cuda_host.py, test_cuda_engine.py and test_cuda_multi_gpu.py, whose GPU
-           tests then run (GYGES_CUDA_EMULATED=1);
+           every tests/test_cuda_*.py, whose GPU tests then run (GYGES_CUDA_EMULATED=1), a file
+           a process, GYGES_EMU_JOBS (default 2) at a time;
   kernels  every kernel of csrc/kernels/*.cu on host fibers: tests/test_cuda.py, under ASan+UBSan
            (preloaded), with every grid shrunk to 3 blocks so that grid-stride loops turn.
   script   builds the ext part's extension if needed and runs FILE.py (with ARGS) on an emulated
@@ -30,6 +30,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import build
@@ -68,23 +70,66 @@ def emulated_env(package, devices=None, nccl=None):
 
 def pytest(package, tests, env_extra, extra_args=()):
     env = dict(emulated_env(package), **env_extra)
-    command = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *extra_args]
+    command = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=12", *tests,
+               *extra_args]   # (the slowest tests named: where make test spends its time)
     print(" ".join(command), flush=True)
     return subprocess.call(command, env=env, cwd=ROOT / "tests")
 
 
 EXT_DEVICES = 4
+# ext test files run side by side, each in its own pytest process: an emulated GPU's tests keep
+# about one core busy, and this part is most of make test's time.
+EXT_JOBS = int(os.environ.get("GYGES_EMU_JOBS", min(2, os.cpu_count() or 1)))
+# Seconds each file took here (2 cores, two at a time): the longest start first, so that the
+# part ends soonest; a file not listed starts before all of them.
+EXT_SECONDS = {"test_cuda_kunserve.py": 300, "test_cuda_host.py": 260, "test_cuda_nccl.py": 250,
+               "test_cuda_stagger.py": 90, "test_cuda_flying.py": 66, "test_cuda_engine.py": 53,
+               "test_cuda_multi_gpu.py": 34}
+
+
+def run_files(package, files, env_extra, extra_args, jobs):
+    """pytest of each file in a process of its own, `jobs` at a time, the longest first
+    (EXT_SECONDS); each file's output printed whole when it ends. Returns 0, or the first
+    failing status."""
+    env = dict(emulated_env(package), **env_extra)
+    queue = sorted(files, key=lambda f: -EXT_SECONDS.get(f, 1e9))
+    lock = threading.Lock()
+    statuses = []
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                f = queue.pop(0)
+            command = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=8",
+                       f, *extra_args]
+            start = time.monotonic()
+            done = subprocess.run(command, env=env, cwd=ROOT / "tests", text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            with lock:
+                print(f"== {' '.join(command)}  ({time.monotonic() - start:.0f} s, exit status "
+                      f"{done.returncode})\n{done.stdout}", flush=True)
+                statuses.append(done.returncode)
+    threads = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return next((s for s in statuses if s != 0), 0)
 
 
 def run_ext(out):
     package = build.build_ext(out)
     nccl = package.parent.parent / "lib" / "libnccl.so.2"
+    # every CUDA test of a mechanism (test_cuda.py, the kernels', runs in the kernels part);
     # gemm.cu's own refusal messages: the emulated GEMM (naive_kernels.c) has none of its own
-    # every CUDA test of a mechanism (test_cuda.py, the kernels', runs in the kernels part)
     tests = sorted(p.name for p in (ROOT / "tests").glob("test_cuda_*.py"))
-    return pytest(package, tests,
-                  {"GYGES_NCCL_LIBRARY": str(nccl), "GYGES_EMU_DEVICES": str(EXT_DEVICES)},
-                  ["--deselect", "tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device"])
+    return run_files(package, tests,
+                     {"GYGES_NCCL_LIBRARY": str(nccl), "GYGES_EMU_DEVICES": str(EXT_DEVICES)},
+                     ["--deselect",
+                      "tests/test_cuda_engine.py::test_gemm_refuses_bad_shapes_before_the_device"],
+                     EXT_JOBS)
 
 
 def run_script(package, script, devices, args):

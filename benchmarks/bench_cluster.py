@@ -1,0 +1,144 @@
+"""gyges.Cluster on Ray: what driving a host from another process costs, and how fast a lost
+host's requests run again elsewhere.
+
+1. Control overhead per decode step (issue 32's target: under 5% of a decode step of
+   SmolLM2-135M). The same batch of requests decoded three ways, side by side in one run:
+   an in-process Host stepped by a loop (the reference), the HostActor class in this process
+   (its stepping thread and the token hand-over, no Ray), and a 1-host Cluster (a Ray actor in
+   another process, its tokens streamed to the driver). Per step: wall time of the whole
+   generation over its decode steps, best of `--repeat`.
+2. Recovery: a 2-host cluster serving long requests has host 1 killed; the time until the driver
+   notices (host 1 leaves cluster.live_hosts) and until the first token of one of its requests,
+   recomputed on host 0, reaches the driver past what it had streamed.
+3. KV bytes/s between hosts: not built yet (issue 32, part 3); shown as such.
+
+    python benchmarks/bench_cluster.py [--model smollm2-135m-instruct|tiny] [--batch 8]
+                                       [--tokens 64] [--repeat 3]
+Writes benchmarks/results/bench_cluster.json."""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import gyges  # noqa: E402
+from gyges.distributed.host_actor import HostActor  # noqa: E402
+from common import print_table, write_json  # noqa: E402
+
+TARGET_OVERHEAD = 0.05
+
+
+def prompts(n, seed=0, vocab=4000):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, vocab, 32)] for _ in range(n)]
+
+
+def in_process(model, host_args, ps, params):
+    host = gyges.Host(model, **host_args)
+    start = time.perf_counter()
+    host.generate(ps, params)
+    seconds = time.perf_counter() - start
+    steps = host.steps
+    host.close()
+    return seconds, steps
+
+
+def actor_in_process(model, host_args, ps, params):
+    """HostActor driven here: its own stepping thread, tokens handed over through updates()."""
+    actor = HostActor(model.source, host_args)
+    start = time.perf_counter()
+    for i, p in enumerate(ps):
+        actor.submit(i, p, params)
+    left = set(range(len(ps)))
+    while left:
+        for rid, _, finished, _, _ in actor.updates(0.05):
+            if finished:
+                left.discard(rid)
+    seconds = time.perf_counter() - start
+    steps = actor.host.steps
+    actor.close()
+    return seconds, steps
+
+
+def on_ray(cluster, ps, params):
+    start = time.perf_counter()
+    cluster.generate(ps, params)
+    return time.perf_counter() - start
+
+
+def recovery(model, host_args, params):
+    with gyges.Cluster(model, hosts=2, **{k: v for k, v in host_args.items() if k != "workers"},
+                       workers_per_host=host_args["workers"]) as cluster:
+        handles = [cluster.submit(p, params) for p in prompts(4, seed=1)]
+        victims = [h for h in handles if h.host == 1]
+        while not all(len(h.output_tokens) > 2 for h in victims):
+            time.sleep(0.001)
+        had = {h.id: len(h.output_tokens) for h in victims}
+        killed = time.perf_counter()
+        cluster._ray.kill(cluster.host(1).actor, no_restart=True)
+        noticed = None
+        while True:
+            if noticed is None and 1 not in cluster.live_hosts:
+                noticed = time.perf_counter() - killed
+            if any(len(h.output_tokens) > had[h.id] and h.host == 0 for h in victims):
+                break
+            time.sleep(0.0005)
+        running = time.perf_counter() - killed
+        cluster.wait(handles)
+        mismatches = sum(h.recompute_mismatches for h in handles)
+    return noticed, running, mismatches
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    model = gyges.Model.tiny() if a.model == "tiny" else gyges.Model.load(a.model)
+    vocab = model.config.vocab_size
+    host_args = dict(workers=1, layout="1xTP1", memory_per_worker="512MiB")
+    params = gyges.SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    ps = prompts(a.batch, vocab=min(vocab, 4000))
+    # every way once to warm up, then the best of `repeat` runs of each, interleaved
+    best = {"host": [], "actor": [], "ray": []}
+    with gyges.Cluster(model, hosts=1, workers_per_host=1, layout="1xTP1",
+                       memory_per_worker="512MiB") as cluster:
+        for i in range(a.repeat + 1):
+            t_host, steps = in_process(model, host_args, ps, params)
+            t_actor, _ = actor_in_process(model, host_args, ps, params)
+            t_ray = on_ray(cluster, ps, params)
+            if i:
+                best["host"].append(t_host)
+                best["actor"].append(t_actor)
+                best["ray"].append(t_ray)
+    step = min(best["host"]) / steps
+    rows = []
+    for key, what in (("host", "in-process Host, stepped by a loop"),
+                      ("actor", "HostActor in this process (stepping thread)"),
+                      ("ray", "1-host Cluster (Ray actor, tokens streamed)")):
+        per = min(best[key]) / steps
+        rows.append(dict(way=what, seconds=min(best[key]), per_step_ms=per * 1e3,
+                         overhead=per / step - 1, target=TARGET_OVERHEAD if key == "ray" else None))
+    print_table(f"{a.model}: {a.batch} requests x {a.tokens} tokens, {steps} steps "
+                f"(best of {a.repeat})", rows,
+                [("way", "driven by", "{}"), ("seconds", "total s", "{:.3f}"),
+                 ("per_step_ms", "per step ms", "{:.3f}"), ("overhead", "overhead", "{:+.1%}"),
+                 ("target", "target", "<{:.0%}")])
+    noticed, running, mismatches = recovery(model, host_args, params)
+    rec = [dict(what="host 1 killed -> driver notices", seconds=noticed),
+           dict(what="host 1 killed -> an orphan's next token at the driver", seconds=running),
+           dict(what="tokens a recomputation gave differently", seconds=mismatches)]
+    print_table("recovery of a killed host (2 hosts)", rec,
+                [("what", "", "{}"), ("seconds", "s (or count)", "{:.3f}")])
+    print("\nKV bytes/s between hosts: not built yet (issue 32, part 3)")
+    write_json("bench_cluster", {"model": a.model, "batch": a.batch, "tokens": a.tokens,
+                                 "steps": steps, "overhead": rows, "recovery": rec})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""gyges.Cluster: hosts in processes of their own, placed on the nodes of a Ray cluster.
+
+    cluster = gyges.Cluster(gyges.Model.tiny(), hosts=2, workers_per_host=4, layout="4xTP1")
+    handles = cluster.generate(prompts, params)       # each request served by one host
+    h = cluster.submit(prompt, params)                # its tokens stream into h.output_tokens
+    cluster.wait([h], timeout=10)
+    r = cluster.host(0).transform(workers=(0, 1, 2, 3), tp=4)   # a Host verb on host 0
+    r.wait(); r.committed
+    cluster.close()
+
+Each host is a gyges.Host inside a Ray actor (distributed/host_actor.py) that steps on its own
+whenever it has work; the driver only places requests and collects tokens. Ray, not a protocol
+of our own, carries the calls: it is what vLLM and Llumnix scale out on, it starts processes on
+other machines, and it tells the driver when one dies. `ray_address=None` starts a local Ray (as
+ray.init() does) unless this process is already connected to one; an address ("auto",
+"ray://...", "host:port") joins that cluster. Host i goes to node i mod (alive nodes), so hosts
+take one node each while nodes last.
+
+The model travels by its source (Model.source: a packaged name, a path, or the seed of a random
+one), never as pickled weights: each host loads it itself.
+
+A host that dies (its process killed, its node lost) is noticed by the driver's call that waits
+on it; its unfinished requests are submitted again to the hosts left and recomputed from their
+prompts. The tokens a request had already streamed are not sent twice: the recomputation must
+give them again (tokens do not depend on the plan or the host), which the handle checks
+(`recompute_mismatches`, 0 unless exactness breaks), then it goes on streaming.
+"""
+import itertools
+import logging
+import os
+import threading
+import time
+
+from ..core import checks
+from ..core.errors import (ArgumentTypeError, DependencyError, Error, InvalidArgumentError,
+                           StateError)
+from ..models.model import Model
+from ..runtime.engine import check_params
+from .host_actor import HostActor
+
+log = logging.getLogger(__name__)
+
+# What gives a driver's call to a lost host up (a node that vanished, not a killed process,
+# can leave a call waiting until Ray notices the node is gone).
+POLL_SECONDS = 0.05
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise DependencyError(f"gyges.Cluster runs its hosts on Ray, which is not installed "
+                              f"here ({e}); pip install ray (make demo installs the pinned one)") from None
+    return ray
+
+
+def model_source(model):
+    """What a host process loads: a Model's source, or a packaged name or path given as such."""
+    if isinstance(model, Model):
+        if model.source is None:
+            raise InvalidArgumentError("model: a Model built from arrays cannot travel to other "
+                                       "processes; save it (model.save(path)) and pass the path, "
+                                       "or use Model.load / Model.random / Model.tiny")
+        return model.source
+    if isinstance(model, (str, os.PathLike)):
+        return ("tiny",) if model == "tiny" else ("load", os.fspath(model), "f32")
+    raise ArgumentTypeError(f"model must be a gyges.Model, a packaged model's name or a path, "
+                            f"got {type(model).__name__}")
+
+
+def _unwrapped(ray, e):
+    """The gyges.Error a host raised, out of Ray's wrapping (its message without the remote
+    traceback), or None."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, Error) else None
+
+
+class ClusterRequest:
+    """A request of a cluster: its tokens so far (streamed from the host serving it), whether it
+    finished and why, which host serves it (`host`), and how often it was submitted again
+    after its host was lost (`resubmitted`)."""
+
+    def __init__(self, request_id, prompt, params):
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.host = None
+        self.output_tokens = []
+        self.finished = False
+        self.finish_reason = None
+        self.error = None
+        self.resubmitted = 0
+        self.recompute_mismatches = 0
+        self._received = 0   # tokens the current host has sent
+        self._done = threading.Event()
+
+    def _take(self, tokens):
+        """Tokens from the current host: those a recomputation gives again are checked, the
+        rest appended."""
+        for t in tokens:
+            if self._received < len(self.output_tokens):
+                self.recompute_mismatches += self.output_tokens[self._received] != t
+            else:
+                self.output_tokens.append(t)
+            self._received += 1
+
+    def __repr__(self):
+        state = f"finished ({self.finish_reason})" if self.finished else "running"
+        return (f"ClusterRequest(id={self.id}, host={self.host}, "
+                f"output={len(self.output_tokens)} tokens, {state})")
+
+
+class RemoteReconfiguration:
+    """A reconfiguration running on one host of a cluster: the fields of a gyges Reconfiguration
+    (state, done, committed, rolled_back, blocked_by, error as text, stats), read from the host
+    when asked while it runs."""
+
+    def __init__(self, host, rid, fields):
+        self.host, self.id, self._fields = host, rid, fields
+
+    def refresh(self):
+        if not self._fields["done"]:
+            self._fields = self.host._call_actor("describe", self.id)
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name not in self.__dict__.get("_fields", {}):
+            raise AttributeError(name)
+        return self.refresh()._fields[name]
+
+    def wait(self, timeout=None):
+        """Waits until it has ended (the host steps it on its own); returns done."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.refresh()._fields["done"]:
+            if end is not None and time.monotonic() > end:
+                break
+            time.sleep(0.005)
+        return self._fields["done"]
+
+    def __repr__(self):
+        return f"RemoteReconfiguration({self._fields['kind']} on host {self.host.index}, " \
+               f"{self._fields['state']})"
+
+
+class HostProxy:
+    """Host i of a cluster, with the Host verbs. Instances are named by their index into the
+    host's instances (host.instances on a Host), a buddy group by its RemoteReconfiguration."""
+
+    def __init__(self, cluster, index):
+        self.cluster, self.index = cluster, index
+
+    @property
+    def actor(self):
+        return self.cluster._actors[self.index]
+
+    @property
+    def alive(self):
+        return self.index in self.cluster.live_hosts
+
+    def _call_actor(self, method, *args):
+        return self.cluster._get(self.index, getattr(self.actor, method).remote(*args))
+
+    def _reconfigure(self, verb, *args, **kwargs):
+        rid, fields = self._call_actor("call", verb, args, kwargs)
+        return RemoteReconfiguration(self, rid, fields)
+
+    def transform(self, workers, tp, **kwargs):
+        return self._reconfigure("transform", list(workers), tp, **kwargs)
+
+    def reconfigure(self, instance, layers, **kwargs):
+        return self._reconfigure("reconfigure", instance, list(layers), **kwargs)
+
+    def switch(self, workers, tp, **kwargs):
+        return self._reconfigure("switch", list(workers), tp, **kwargs)
+
+    def buddy(self, instances, **kwargs):
+        return self._reconfigure("buddy", list(instances), **kwargs)
+
+    def restore(self, buddy, **kwargs):
+        if not isinstance(buddy, RemoteReconfiguration) or buddy.host is not self:
+            raise InvalidArgumentError(f"buddy must be a group this host formed "
+                                       f"(cluster.host({self.index}).buddy), got {buddy!r}")
+        return self._reconfigure("restore", buddy.id, **kwargs)
+
+    def layout(self):
+        return self._call_actor("call", "layout")
+
+    def memory(self):
+        return self._call_actor("call", "memory")
+
+    def stats(self):
+        return self._call_actor("call", "stats")
+
+    def info(self):
+        return self._call_actor("info")
+
+    def __repr__(self):
+        return f"HostProxy({self.index}, {'alive' if self.alive else 'lost'})"
+
+
+class Cluster:
+    def __init__(self, model, hosts=2, workers_per_host=4, layout=None, backend="cpu",
+                 memory_per_worker=None, ray_address=None, **host_options):
+        checks.integer("hosts", hosts, lo=1)
+        checks.integer("workers_per_host", workers_per_host, lo=1)
+        self.source = model_source(model)
+        ray = self._ray = _ray()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        elif ray_address is not None:
+            raise StateError(f"ray_address={ray_address!r}: this process is already connected "
+                             f"to a Ray cluster; leave ray_address out to use it")
+        options = dict(host_options, workers=workers_per_host, layout=layout, backend=backend,
+                       memory_per_worker=memory_per_worker)
+        self._lock = threading.Lock()
+        self._handles = {}       # request id -> ClusterRequest, until it finishes
+        self._ids = itertools.count()
+        self._closing = False
+        self._actors, self._nodes = [], []
+        self.live_hosts = []
+        self.lost_hosts = {}     # index -> why
+        try:
+            self._start_hosts(hosts, options, backend)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._pollers = [threading.Thread(target=self._poll, args=(i,), daemon=True,
+                                          name=f"gyges-cluster-poll-{i}") for i in range(hosts)]
+        for t in self._pollers:
+            t.start()
+
+    # ---- hosts ----
+    def _start_hosts(self, hosts, options, backend):
+        ray = self._ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
+        here = ray.get_runtime_context().get_node_id()
+        nodes.sort(key=lambda n: n["NodeID"] != here)   # the driver's node first
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        actor_class = ray.remote(HostActor)
+        for i in range(hosts):
+            node = nodes[i % len(nodes)]["NodeID"]
+            actor = actor_class.options(
+                max_concurrency=8, num_cpus=0,
+                num_gpus=options["workers"] if backend == "cuda" else 0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            ).remote(self.source, options)
+            self._actors.append(actor)
+            self._nodes.append(node)
+        for i, actor in enumerate(self._actors):   # each host built, or its error raised here
+            try:
+                ray.get(actor.info.remote())
+            except ray.exceptions.RayError as e:
+                raise Error(f"host {i} could not start: {e}") from None
+            self.live_hosts.append(i)
+
+    def host(self, index):
+        """Host `index`, with the Host verbs (a HostProxy)."""
+        checks.integer("index", index, 0, len(self._actors) - 1)
+        return HostProxy(self, index)
+
+    @property
+    def n_hosts(self):
+        return len(self._actors)
+
+    def _get(self, index, ref):
+        """ray.get of a call to host `index`: its gyges.Error raised as such; a host that is
+        gone raises StateError."""
+        ray = self._ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._lost(index, str(e).splitlines()[0])
+            raise StateError(f"host {index} is lost: {self.lost_hosts[index]}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = _unwrapped(ray, e)
+            if cause is not None:
+                raise cause from None
+            raise
+
+    # ---- requests ----
+    def _least_loaded(self, exclude=()):
+        load = {i: 0 for i in self.live_hosts if i not in exclude}
+        for h in self._handles.values():
+            if h.host in load:
+                load[h.host] += 1
+        return min(load, key=lambda i: (load[i], i)) if load else None
+
+    def submit(self, prompt, params=None, host=None, instance=None):
+        """Places a request on `host` (an index) or the live host with the fewest unfinished
+        requests; returns its ClusterRequest, whose tokens stream in as the host serves it. A
+        bad prompt or parameter raises the host's gyges.Error and queues nothing."""
+        params = check_params(params)
+        with self._lock:
+            self._check_open()
+            if host is None:
+                host = self._least_loaded()
+            else:
+                checks.integer("host", host, 0, len(self._actors) - 1)
+                if host not in self.live_hosts:
+                    raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
+            h = ClusterRequest(next(self._ids), prompt, params)
+            h.host = host
+            self._handles[h.id] = h
+        try:
+            self._get(host, self._actors[host].submit.remote(h.id, prompt, params, instance))
+        except BaseException:
+            with self._lock:
+                self._handles.pop(h.id, None)
+            raise
+        return h
+
+    def generate(self, prompts, params=None, timeout=None):
+        """Submits every prompt and waits for them all; returns their handles in order."""
+        handles = [self.submit(p, params) for p in prompts]
+        if not self.wait(handles, timeout):
+            raise Error(f"generate: {sum(not h.finished for h in handles)} of {len(handles)} "
+                        f"requests unfinished after {timeout} s")
+        return handles
+
+    def wait(self, handles, timeout=None):
+        """Waits until every handle has finished; False if `timeout` seconds pass first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not h._done.wait(left):
+                return False
+        return True
+
+    def abort(self, handle):
+        """Finishes a request wherever it is served (finish_reason "abort")."""
+        return bool(self._get(handle.host, self._actors[handle.host].abort.remote(handle.id)))
+
+    # ---- streaming and losses ----
+    def _poll(self, index):
+        ray = self._ray
+        actor = self._actors[index]
+        while not self._closing and index in self.live_hosts:
+            try:
+                updates = ray.get(actor.updates.remote(POLL_SECONDS))
+            except ray.exceptions.RayError as e:
+                if not self._closing:
+                    self._lost(index, str(e).splitlines()[0])
+                return
+            with self._lock:
+                for rid, tokens, finished, reason, error in updates:
+                    h = self._handles.get(rid)
+                    if h is None or h.host != index:
+                        continue   # (a request this host had before it was given up)
+                    h._take(tokens)
+                    if finished:
+                        h.finished, h.finish_reason, h.error = True, reason, error
+                        del self._handles[rid]
+                        h._done.set()
+
+    def _lost(self, index, why):
+        """Host `index` is gone: its unfinished requests go to the hosts left, recomputed."""
+        with self._lock:
+            if index not in self.live_hosts:
+                return
+            self.live_hosts.remove(index)
+            self.lost_hosts[index] = why
+            orphans = [h for h in self._handles.values() if h.host == index]
+        log.warning("host %d lost (%s): %d requests submitted again", index, why, len(orphans))
+        for h in orphans:
+            self._resubmit(h)
+
+    def _resubmit(self, h):
+        while True:
+            with self._lock:
+                target = self._least_loaded()
+                if target is None or self._closing:
+                    self._handles.pop(h.id, None)
+                    h.finished, h.finish_reason = True, "error"
+                    h.error = "every host of the cluster was lost"
+                    h._done.set()
+                    return
+                h.host, h._received = target, 0
+                h.resubmitted += 1
+            try:
+                self._get(target, self._actors[target].submit.remote(h.id, h.prompt, h.params,
+                                                                      None))
+                return
+            except StateError:
+                continue   # that one is gone too: the next
+
+    # ---- the end ----
+    def _check_open(self):
+        if self._closing:
+            raise StateError("the cluster is closed")
+
+    def close(self):
+        """Closes every host (unfinished requests finish with reason "abort") and stops Ray
+        when this cluster started it. Closing twice is harmless."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._shutdown()
+
+    def _shutdown(self):
+        ray = self._ray
+        self._closing = True
+        for i, actor in enumerate(self._actors):
+            if i in self.live_hosts:
+                try:
+                    ray.get(actor.close.remote(), timeout=30)
+                except ray.exceptions.RayError:
+                    pass
+            ray.kill(actor, no_restart=True)
+        for t in getattr(self, "_pollers", []):
+            t.join()
+        with self._lock:
+            for h in self._handles.values():
+                h.finished, h.finish_reason = True, "abort"
+                h._done.set()
+            self._handles.clear()
+        self.live_hosts = []
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"Cluster({len(self.live_hosts)} of {len(self._actors)} hosts alive, "
+                f"model {self.source[0]})")

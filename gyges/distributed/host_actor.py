@@ -1,0 +1,165 @@
+"""One host of a gyges.Cluster: a Host in a process of its own (a Ray actor), stepping on its own.
+
+The actor owns a Host and a thread that steps it whenever a request is unfinished or a
+reconfiguration is live, so hosts serve in parallel without the driver pacing them. The driver
+talks to it through a few calls, each a Ray actor call (threaded actor: calls run beside the
+stepping thread; the Host's own lock orders them with its steps):
+
+    submit(rid, prompt, params, instance)   place a request (rid: the cluster's id)
+    updates(timeout)                        the tokens produced since the last call, per rid,
+                                            waiting up to `timeout` seconds for some
+    call(verb, args, kwargs)                a Host verb (transform, reconfigure, switch, buddy,
+                                            restore, layout, memory, stats); a reconfiguration
+                                            comes back as its id and its fields (describe)
+    describe(rid)                           a reconfiguration's fields now
+    abort(rid), close()
+
+Nothing here imports Ray: gyges.distributed.cluster makes the class an actor, so the class can
+be driven in-process too (tests/test_distributed.py measures the control overhead both ways).
+"""
+import logging
+import threading
+
+from ..core.errors import Error, InvalidArgumentError
+from ..models.model import Model
+from ..runtime.host import Host
+
+log = logging.getLogger(__name__)
+
+# Host verbs that make a reconfiguration, and those that only read.
+RECONFIGURING = ("transform", "reconfigure", "switch", "buddy", "restore")
+READING = ("layout", "memory", "stats")
+# A handle's fields that travel back to the driver.
+FIELDS = ("state", "done", "committed", "rolled_back", "blocked_by", "error", "stats")
+
+
+class HostActor:
+    def __init__(self, source, host_options):
+        self.host = Host(Model.from_source(source), **host_options)
+        self._cond = threading.Condition()
+        self._requests = {}     # rid -> [gyges.Request, tokens already sent]
+        self._changed = set()   # rids with tokens or an end not yet sent
+        self._reconfigs = {}    # id -> Reconfiguration (kept while the host lives)
+        self._next_reconfig = 0
+        self._step_errors = 0
+        self._closing = False
+        self._stepper = threading.Thread(target=self._step_loop, name="gyges-host-stepper",
+                                         daemon=True)
+        self._stepper.start()
+
+    # ---- the stepping thread ----
+    def _busy(self):
+        return not self.host.closed and self.host.has_unfinished()
+
+    def _step_loop(self):
+        while True:
+            with self._cond:
+                while not self._closing and not self._busy():
+                    self._cond.wait(0.5)
+                if self._closing:
+                    return
+            tokens = 0
+            try:
+                tokens = self.host.step()
+            except Error as e:  # a failed step changes nothing; the next one serves on
+                self._step_errors += 1
+                log.warning("host step failed (%s); serving on", e)
+            except Exception:   # a bug: said loudly, but the host's other requests go on
+                self._step_errors += 1
+                log.exception("host step raised")
+            with self._cond:
+                if not tokens:   # only a waiting reconfiguration: do not spin
+                    self._cond.wait(0.001)
+                for rid, entry in self._requests.items():
+                    r, sent = entry
+                    if len(r.output_tokens) > sent or r.finished:
+                        self._changed.add(rid)
+                if self._changed:
+                    self._cond.notify_all()
+
+    # ---- calls ----
+    def info(self):
+        import os
+        import socket
+        return {"pid": os.getpid(), "hostname": socket.gethostname(),
+                "layout": self.host.layout(), "workers": self.host.n_workers,
+                "backend": self.host.backend}
+
+    def submit(self, rid, prompt, params, instance=None):
+        r = self.host.submit(prompt, params, instance=instance)
+        with self._cond:
+            self._requests[rid] = [r, 0]
+            self._cond.notify_all()   # wakes the stepping thread
+        return r.id
+
+    def updates(self, timeout):
+        """[(rid, new tokens, finished, finish_reason, error)] of every request that produced
+        tokens or ended since the last call; waits up to `timeout` seconds for one."""
+        with self._cond:
+            if not self._changed:
+                self._cond.wait(timeout)
+            out = []
+            for rid in sorted(self._changed):
+                entry = self._requests[rid]
+                r, sent = entry
+                tokens = list(r.output_tokens[sent:])
+                entry[1] = sent + len(tokens)
+                out.append((rid, tokens, r.finished, r.finish_reason, r.error))
+                if r.finished:
+                    del self._requests[rid]
+            self._changed.clear()
+            return out
+
+    def abort(self, rid):
+        with self._cond:
+            entry = self._requests.get(rid)
+        if entry is None or not self.host.abort(entry[0]):
+            return False
+        with self._cond:   # its end reaches the driver without waiting for a step
+            self._changed.add(rid)
+            self._cond.notify_all()
+        return True
+
+    def call(self, verb, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if verb in READING:
+            return getattr(self.host, verb)(*args, **kwargs)
+        if verb not in RECONFIGURING:
+            raise InvalidArgumentError(f"verb={verb!r}: a cluster's host takes "
+                                       f"{', '.join(RECONFIGURING + READING)}")
+        # instances travel as indices into host.instances, a buddy group as its id
+        if verb == "reconfigure":
+            args = (self.host.instances[args[0]],) + tuple(args[1:])
+        elif verb == "buddy":
+            insts = self.host.instances
+            args = ([insts[i] for i in args[0]],) + tuple(args[1:])
+        elif verb == "restore":
+            args = (self._reconfig(args[0]),) + tuple(args[1:])
+        r = getattr(self.host, verb)(*args, **kwargs)
+        with self._cond:
+            rid = self._next_reconfig
+            self._next_reconfig += 1
+            self._reconfigs[rid] = r
+            self._cond.notify_all()   # a live one needs steps
+        return rid, self.describe(rid)
+
+    def _reconfig(self, rid):
+        if rid not in self._reconfigs:
+            raise InvalidArgumentError(f"reconfiguration {rid} is not one of this host's")
+        return self._reconfigs[rid]
+
+    def describe(self, rid):
+        r = self._reconfig(rid)
+        out = {f: getattr(r, f, None) for f in FIELDS}
+        out["error"] = None if out["error"] is None else str(out["error"])
+        out["blocked_by"] = None if out["blocked_by"] is None else str(out["blocked_by"])
+        out["kind"] = type(r).__name__
+        return out
+
+    def close(self):
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._stepper.join()
+        self.host.close()
+        return True

@@ -1,0 +1,177 @@
+"""gyges.Cluster: hosts as Ray actors on a 2-node Ray cluster started here
+(ray.cluster_utils.Cluster: two raylets on this machine, as two machines would be).
+
+What is checked: every request gets the tokens of one in-process Host (greedy and seeded) while
+the hosts transform underneath it; tokens stream to the driver while the hosts step on their own;
+a killed host actor, and a whole node lost, lose no request (the orphans recomputed elsewhere,
+the tokens already streamed given again exactly); bad input is a gyges.Error that queues
+nothing. Tolerance policy: exact."""
+import time
+
+import numpy as np
+import pytest
+
+import gyges
+
+ray = pytest.importorskip("ray", reason="gyges.Cluster needs Ray (requirements.txt pins it)")
+from ray.cluster_utils import Cluster as RayNodes  # noqa: E402
+
+GREEDY = gyges.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = gyges.SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=5, ignore_eos=True)
+HOST = dict(workers_per_host=2, layout="2xTP1", memory_per_worker="32MiB")
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Two Ray nodes on this machine (a head and a worker), connected for the module."""
+    c = RayNodes(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gyges.Model.tiny()
+
+
+def prompts(n, seed, lo=8, hi=40):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, 4000, rng.integers(lo, hi))] for _ in range(n)]
+
+
+def reference(model, ps, params):
+    """The tokens of one in-process Host of the cluster hosts' shape."""
+    host = gyges.Host(model, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+    out = [r.output_tokens for r in host.generate(ps, params)]
+    host.close()
+    return out
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_two_hosts_give_one_hosts_tokens_while_both_transform(nodes, tiny, params):
+    """Requests spread over two hosts on two nodes while host 0 merges 2xTP1 -> TP2 and back
+    and host 1 does the same live-staggered: every request's tokens are one Host's, and both
+    hosts end as they began."""
+    ps = prompts(10, seed=1)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=2, **HOST) as cluster:
+        info = [cluster.host(i).info() for i in range(2)]
+        assert info[0]["pid"] != info[1]["pid"]
+        assert len(set(cluster._nodes)) == 2   # one host per node while nodes last
+        handles = [cluster.submit(p, params) for p in ps]
+        assert {h.host for h in handles} == {0, 1}
+        ups = [cluster.host(0).transform(workers=(0, 1), tp=2),
+               cluster.host(1).transform(workers=(0, 1), tp=2, layers_per_step=1)]
+        for r in ups:
+            assert r.wait(60) and r.committed, r.error
+            assert r.stats["steps"] >= 0
+        assert [cluster.host(i).layout() for i in range(2)] == ["TP2", "TP2"]
+        more = [cluster.submit(p, params) for p in ps[:4]]
+        downs = [cluster.host(i).transform(workers=(0, 1), tp=1) for i in range(2)]
+        assert all(r.wait(60) and r.committed for r in downs)
+        assert cluster.wait(handles + more, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert [h.output_tokens for h in more] == want[:4]
+        assert all(h.finish_reason == "length" for h in handles + more)
+        assert [cluster.host(i).layout() for i in range(2)] == ["2xTP1", "2xTP1"]
+
+
+def test_tokens_stream_while_the_hosts_step_on_their_own(nodes, tiny):
+    """A long request's tokens reach its handle while it runs: the driver sees it unfinished
+    with some tokens (the host steps without being asked)."""
+    params = gyges.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with gyges.Cluster(tiny, hosts=1, **HOST) as cluster:
+        h = cluster.submit(prompts(1, seed=2)[0], params)
+        seen = []
+        while not h.finished:
+            seen.append(len(h.output_tokens))
+            time.sleep(0.002)
+        assert any(0 < n < 200 for n in seen), seen[-5:]
+        assert len(h.output_tokens) == 200
+
+
+def test_a_killed_host_loses_no_request(nodes, tiny):
+    """Host 1's actor is killed with requests half decoded: the driver notices within seconds,
+    its requests are recomputed on host 0, each gives the tokens it had streamed again and then
+    the rest (one Host's tokens), and the cluster serves on with host 0 alone."""
+    params = gyges.SamplingParams(max_tokens=128, temperature=0.9, top_k=40, seed=3,
+                                  ignore_eos=True)
+    ps = prompts(6, seed=4)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=2, **HOST) as cluster:
+        handles = [cluster.submit(p, params) for p in ps]
+        victims = [h for h in handles if h.host == 1]
+        while not any(len(h.output_tokens) > 4 for h in victims):
+            time.sleep(0.005)
+        streamed = {h.id: len(h.output_tokens) for h in victims}
+        orphans = [h for h in victims if not h.finished]
+        ray.kill(cluster.host(1).actor, no_restart=True)
+        killed = time.monotonic()
+        while 1 in cluster.live_hosts:
+            time.sleep(0.01)
+            assert time.monotonic() - killed < 10, "the lost host was not noticed"
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert orphans and all(h.resubmitted == 1 and h.host == 0 for h in orphans)
+        assert sum(streamed[h.id] for h in orphans) > 0
+        assert all(h.recompute_mismatches == 0 for h in handles)
+        assert list(cluster.lost_hosts) == [1] and cluster.live_hosts == [0]
+        later = cluster.submit(ps[0], params)
+        assert later.host == 0 and cluster.wait([later], timeout=60)
+        assert later.output_tokens == want[0]
+        with pytest.raises(gyges.StateError, match="host 1 is lost"):
+            cluster.submit(ps[0], params, host=1)
+
+
+def test_a_lost_node_loses_no_request(nodes, tiny):
+    """Three hosts on three nodes; the third node is removed (its raylet and every process on
+    it gone) in the middle of serving: its host's requests finish on the others with one
+    Host's tokens."""
+    extra = nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    ps = prompts(9, seed=6)
+    params = gyges.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=3, **HOST) as cluster:
+        assert len(set(cluster._nodes)) == 3
+        handles = [cluster.submit(p, params) for p in ps]
+        on_extra = [i for i, n in enumerate(cluster._nodes) if n == extra.node_id]
+        assert len(on_extra) == 1
+        lost = on_extra[0]
+        while not any(h.output_tokens for h in handles if h.host == lost):
+            time.sleep(0.005)
+        nodes.remove_node(extra)
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert lost in cluster.lost_hosts and lost not in cluster.live_hosts
+        assert any(h.resubmitted for h in handles)
+        assert all(h.recompute_mismatches == 0 for h in handles)
+
+
+def test_bad_input_is_a_gyges_error_that_queues_nothing(nodes, tiny):
+    with gyges.Cluster(tiny, hosts=1, **HOST) as cluster:
+        with pytest.raises(gyges.InvalidArgumentError, match="token"):
+            cluster.submit([1, 2, 99999], GREEDY)
+        with pytest.raises(gyges.InvalidArgumentError):
+            cluster.submit([1, 2, 3], GREEDY, host=5)
+        with pytest.raises(gyges.InvalidArgumentError):
+            cluster.host(0).transform(workers=(0, 1), tp=3)
+        with pytest.raises(gyges.InvalidArgumentError, match="buddy"):
+            cluster.host(0).restore("not a group")
+        assert cluster.host(0).layout() == "2xTP1"
+        h = cluster.submit([1, 2, 3], GREEDY)
+        assert cluster.wait([h], timeout=60) and len(h.output_tokens) == 24
+        long = cluster.submit([1, 2, 3], gyges.SamplingParams(max_tokens=1000,
+                                                              ignore_eos=True))
+        assert cluster.abort(long) and cluster.wait([long], timeout=30)
+        assert long.finish_reason == "abort"
+    with pytest.raises(gyges.InvalidArgumentError, match="cannot travel"):
+        gyges.Cluster(gyges.Model(tiny.config, tiny.tensors), hosts=1)
+    with pytest.raises(gyges.InvalidArgumentError, match="hosts"):
+        gyges.Cluster(tiny, hosts=0)
+    with pytest.raises(gyges.Error, match="could not start"):
+        gyges.Cluster(tiny, hosts=1, workers_per_host=2, layout="3xTP1")
