@@ -10,10 +10,13 @@ host's requests run again elsewhere.
 2. Recovery: a 2-host cluster serving long requests has host 1 killed; the time until the driver
    notices (host 1 leaves cluster.live_hosts) and until the first token of one of its requests,
    recomputed on host 0, reaches the driver past what it had streamed.
-3. KV bytes/s between hosts: not built yet (issue 32, part 3); shown as such.
+3. KV bytes/s between hosts: requests with long prompts migrate from host 0 to host 1 of a
+   2-host cluster (Cluster.migrate: export between two steps, the packet through Ray's object
+   store from one actor's process to the other's, import), one at a time; bytes of KV over the
+   wall time of each migrate call, which includes the source's wait for its step in flight.
 
     python benchmarks/bench_cluster.py [--model smollm2-135m-instruct|tiny] [--batch 8]
-                                       [--tokens 64] [--repeat 3]
+                                       [--tokens 64] [--repeat 3] [--prompt 1024]
 Writes benchmarks/results/bench_cluster.json."""
 import argparse
 import sys
@@ -92,22 +95,45 @@ def recovery(model, host_args, params):
     return noticed, running, mismatches
 
 
+def migration(model, host_args, prompt_tokens, n):
+    params = gyges.SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+    rows = []
+    with gyges.Cluster(model, hosts=2, workers_per_host=host_args["workers"],
+                       layout=host_args["layout"],
+                       memory_per_worker=host_args["memory_per_worker"]) as cluster:
+        rng = np.random.default_rng(2)
+        vocab = min(model.config.vocab_size, 4000)
+        handles = [cluster.submit([int(t) for t in rng.integers(1, vocab, prompt_tokens)],
+                                  params, host=0) for _ in range(n)]
+        for h in handles:
+            while len(h.output_tokens) < 2:
+                time.sleep(0.001)
+            start = time.perf_counter()
+            moved = cluster.migrate(h, 1)
+            seconds = time.perf_counter() - start
+            rows.append(dict(bytes=moved, seconds=seconds, rate=moved / seconds))
+            cluster.abort(h)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens of a migrated request")
+    ap.add_argument("--memory", default="1GiB", help="memory per worker")
     a = ap.parse_args()
     model = gyges.Model.tiny() if a.model == "tiny" else gyges.Model.load(a.model)
     vocab = model.config.vocab_size
-    host_args = dict(workers=1, layout="1xTP1", memory_per_worker="512MiB")
+    host_args = dict(workers=1, layout="1xTP1", memory_per_worker=a.memory)
     params = gyges.SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     ps = prompts(a.batch, vocab=min(vocab, 4000))
     # every way once to warm up, then the best of `repeat` runs of each, interleaved
     best = {"host": [], "actor": [], "ray": []}
     with gyges.Cluster(model, hosts=1, workers_per_host=1, layout="1xTP1",
-                       memory_per_worker="512MiB") as cluster:
+                       memory_per_worker=a.memory) as cluster:
         for i in range(a.repeat + 1):
             t_host, steps = in_process(model, host_args, ps, params)
             t_actor, _ = actor_in_process(model, host_args, ps, params)
@@ -135,9 +161,13 @@ def main():
            dict(what="tokens a recomputation gave differently", seconds=mismatches)]
     print_table("recovery of a killed host (2 hosts)", rec,
                 [("what", "", "{}"), ("seconds", "s (or count)", "{:.3f}")])
-    print("\nKV bytes/s between hosts: not built yet (issue 32, part 3)")
+    moves = migration(model, host_args, a.prompt, 4)
+    print_table(f"KV migration between two hosts ({a.prompt}-token prompts; Ray object store)",
+                moves, [("bytes", "KV bytes", "{:,}"), ("seconds", "migrate s", "{:.4f}"),
+                        ("rate", "bytes/s", "{:,.0f}")])
     write_json("bench_cluster", {"model": a.model, "batch": a.batch, "tokens": a.tokens,
-                                 "steps": steps, "overhead": rows, "recovery": rec})
+                                 "steps": steps, "overhead": rows, "recovery": rec,
+                                 "migration": moves})
 
 
 if __name__ == "__main__":

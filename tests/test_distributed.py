@@ -94,6 +94,35 @@ def test_tokens_stream_while_the_hosts_step_on_their_own(nodes, tiny):
         assert len(h.output_tokens) == 200
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_requests_migrate_between_hosts_with_their_kv(nodes, tiny, params):
+    """Requests decoding on host 0 move to host 1 on the other node with their KV (stop and
+    copy, through Ray's object store): each goes on there from where it was, its tokens one
+    Host's, none recomputed; one whose instance is transforming is refused and stays."""
+    params = gyges.SamplingParams(max_tokens=96, temperature=params.temperature,
+                                  top_k=params.top_k, seed=params.seed, ignore_eos=True)
+    ps = prompts(6, seed=8)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=2, **HOST) as cluster:
+        handles = [cluster.submit(p, params, host=0, instance=i % 2) for i, p in enumerate(ps)]
+        while not all(len(h.output_tokens) > 2 for h in handles):
+            time.sleep(0.002)
+        moved = [cluster.migrate(h, 1) for h in handles[:3]]
+        assert all(m > 0 for m in moved)
+        assert [h.host for h in handles] == [1, 1, 1, 0, 0, 0]
+        r = cluster.host(0).transform(workers=(0, 1), tp=2, layers_per_step=1)
+        if not r.refresh().done:
+            with pytest.raises(gyges.BusyError, match="being reconfigured"):
+                cluster.migrate(handles[3], 1)
+            assert handles[3].host == 0
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert [h.migrations for h in handles] == [1, 1, 1, 0, 0, 0]
+        assert all(h.recompute_mismatches == 0 and h.resubmitted == 0 for h in handles)
+        with pytest.raises(gyges.InvalidArgumentError, match="finished"):
+            cluster.migrate(handles[0], 0)
+
+
 def test_a_killed_host_loses_no_request(nodes, tiny):
     """Host 1's actor is killed with requests half decoded: the driver notices within seconds,
     its requests are recomputed on host 0, each gives the tokens it had streamed again and then

@@ -40,9 +40,11 @@ from .host_actor import HostActor
 
 log = logging.getLogger(__name__)
 
-# What gives a driver's call to a lost host up (a node that vanished, not a killed process,
-# can leave a call waiting until Ray notices the node is gone).
+# How long a host's long poll waits for tokens before it returns empty, and the least time
+# between two polls of one host: tokens reach the driver in batches of at most that age, and a
+# host that steps faster does not pay a Ray call per step (bench_cluster.py's overhead).
 POLL_SECONDS = 0.05
+STREAM_SECONDS = 0.02
 
 
 def _ray():
@@ -90,6 +92,7 @@ class ClusterRequest:
         self.finish_reason = None
         self.error = None
         self.resubmitted = 0
+        self.migrations = 0
         self.recompute_mismatches = 0
         self._received = 0   # tokens the current host has sent
         self._done = threading.Event()
@@ -335,11 +338,51 @@ class Cluster:
         """Finishes a request wherever it is served (finish_reason "abort")."""
         return bool(self._get(handle.host, self._actors[handle.host].abort.remote(handle.id)))
 
+    # ---- requests between hosts ----
+    def migrate(self, handle, host):
+        """Moves a running request with its KV to `host` (Llumnix-style, stop and copy): its
+        source takes it out between two of its steps (Host.export_request), the packet goes
+        from the source's process to the destination's through Ray's object store, never
+        through the driver, and the destination goes on from where it was, its tokens the same
+        as if it had stayed. Refused (a gyges.Error, the request where it was) for a request
+        that finished or whose instance is reconfiguring; when the destination cannot take it
+        the request goes back to its source (recomputed there if its room went meanwhile).
+        Returns the KV bytes moved."""
+        if not isinstance(handle, ClusterRequest):
+            raise ArgumentTypeError(f"handle must be a ClusterRequest, got {type(handle).__name__}")
+        checks.integer("host", host, 0, len(self._actors) - 1)
+        with self._lock:
+            self._check_open()
+            if host not in self.live_hosts:
+                raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
+            if handle.finished or self._handles.get(handle.id) is not handle:
+                raise InvalidArgumentError(f"request {handle.id} has finished")
+            source = handle.host
+            if source == host:
+                return 0
+        packet, kv_bytes = self._actors[source].migrate_out.options(num_returns=2).remote(
+            handle.id)
+        self._get(source, kv_bytes)   # a refusal is raised here, the request where it was
+        # from here the tokens come from the destination, all of them again (checked)
+        with self._lock:
+            handle.host, handle._received = host, 0
+        try:
+            moved = self._get(host, self._actors[host].migrate_in.remote(handle.id, packet))
+            handle.migrations += 1
+            return moved
+        except BaseException:
+            with self._lock:
+                handle.host, handle._received = source, 0
+            self._get(source, self._actors[source].migrate_in.remote(handle.id, packet,
+                                                                     "if_room"))
+            raise
+
     # ---- streaming and losses ----
     def _poll(self, index):
         ray = self._ray
         actor = self._actors[index]
         while not self._closing and index in self.live_hosts:
+            started = time.monotonic()
             try:
                 updates = ray.get(actor.updates.remote(POLL_SECONDS))
             except ray.exceptions.RayError as e:
@@ -356,6 +399,7 @@ class Cluster:
                         h.finished, h.finish_reason, h.error = True, reason, error
                         del self._handles[rid]
                         h._done.set()
+            time.sleep(max(0.0, STREAM_SECONDS - (time.monotonic() - started)))
 
     def _lost(self, index, why):
         """Host `index` is gone: its unfinished requests go to the hosts left, recomputed."""

@@ -6,6 +6,9 @@ talks to it through a few calls, each a Ray actor call (threaded actor: calls ru
 stepping thread; the Host's own lock orders them with its steps):
 
     submit(rid, prompt, params, instance)   place a request (rid: the cluster's id)
+    migrate_out(rid), migrate_in(rid, packet)
+                                            a request with its KV out of one host, into
+                                            another (runtime/request_packet.py)
     updates(timeout)                        the tokens produced since the last call, per rid,
                                             waiting up to `timeout` seconds for some
     call(verb, args, kwargs)                a Host verb (transform, reconfigure, switch, buddy,
@@ -20,7 +23,7 @@ be driven in-process too (tests/test_distributed.py measures the control overhea
 import logging
 import threading
 
-from ..core.errors import Error, InvalidArgumentError
+from ..core.errors import Error, InvalidArgumentError, OutOfMemoryError
 from ..models.model import Model
 from ..runtime.host import Host
 
@@ -109,6 +112,35 @@ class HostActor:
                     del self._requests[rid]
             self._changed.clear()
             return out
+
+    def migrate_out(self, rid):
+        """Request `rid` taken out with its KV: (a RequestPacket, Host.export_request; its KV
+        bytes). This host serves it no more."""
+        with self._cond:
+            entry = self._requests.get(rid)
+        if entry is None:
+            raise InvalidArgumentError(f"request {rid} is not an unfinished request of this host")
+        packet = self.host.export_request(entry[0])
+        with self._cond:
+            del self._requests[rid]
+            self._changed.discard(rid)
+        return packet, packet.kv_bytes   # (two returns: the driver reads the second only)
+
+    def migrate_in(self, rid, packet, with_kv=True):
+        """Serves `packet`'s request as cluster request `rid` (Host.import_request); its tokens
+        so far are sent again from the first (the driver checks them). Without room for its KV,
+        and with_kv="if_room", it comes in without (recomputed)."""
+        try:
+            r = self.host.import_request(packet, with_kv=bool(with_kv))
+        except OutOfMemoryError:
+            if with_kv != "if_room":
+                raise
+            r = self.host.import_request(packet, with_kv=False)
+        with self._cond:
+            self._requests[rid] = [r, 0]
+            self._changed.add(rid)
+            self._cond.notify_all()
+        return packet.kv_bytes
 
     def abort(self, rid):
         with self._cond:

@@ -50,6 +50,7 @@ from .engine import Clock, Request, Serving, check_params
 from .instance import Instance
 from .layout import layout_string
 from .layout import parse as parse_layout
+from . import request_packet
 from .pool import MixedPool, ShardedPool
 from .replicas import ReplicatedPool
 from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
@@ -558,6 +559,50 @@ class Host(Serving):
             if inst is None:
                 raise InvalidArgumentError(f"request {request.id} is not served by this host")
             return inst.abort(request)
+
+    # ---- requests between hosts (runtime/request_packet.py) ----
+    def export_request(self, request):
+        """Takes an unfinished request out of this host with its KV (a RequestPacket, plain data
+        another host's import_request takes in); here its KV is freed and its handle, left
+        unfinished, is served no more. Refused, changing nothing, for a request this host does
+        not serve or one whose instance a live reconfiguration holds."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request must be a gyges.Request, got "
+                                    f"{type(request).__name__}")
+        with self._lock:
+            self._check_open()
+            inst = None if request.finished else self._instance_of(request)
+            if inst is None:
+                raise InvalidArgumentError(f"request {request.id} is not an unfinished request "
+                                           f"of this host")
+            busy = [r for r in self.reconfigurations
+                    if not r.done and set(r.claims()) & set(inst.workers)]
+            if busy:
+                raise BusyError(f"request {request.id}: its instance {inst.layout} on workers "
+                                f"{list(inst.workers)} is being reconfigured ({busy[0]!r}); "
+                                f"move it once that ends")
+            return request_packet.export_request(inst, request.id, self.clock())
+
+    def import_request(self, packet, instance=None, with_kv=True):
+        """Serves the request of a RequestPacket (another host's export_request) on `instance`
+        (an index into host.instances) or where the pool places it, going on from where it
+        was: with its KV (with_kv=False: recomputed from its tokens). Returns its new handle.
+        Raises OutOfMemoryError, changing nothing, when its KV does not fit there."""
+        if not isinstance(packet, request_packet.RequestPacket):
+            raise ArgumentTypeError(f"packet must be a RequestPacket (Host.export_request), "
+                                    f"got {type(packet).__name__}")
+        with self._lock:
+            self._check_open()
+            if instance is not None:
+                insts = self.instances
+                instance = insts[checks.integer("instance", instance, 0, len(insts) - 1)]
+            length = len(packet.prompt) + packet.params.max_tokens
+            target, asked = self.pool.place(self, length, instance=instance)
+            handle = request_packet.import_request(target, packet, self._next_id, self.clock(),
+                                                   with_kv=with_kv)
+            self._next_id += 1
+            self._start_asked(asked)
+            return handle
 
     def kv_sequences(self, request):
         """{worker: the KV sequence in that worker's cache holding the request} over the

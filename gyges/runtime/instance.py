@@ -146,14 +146,26 @@ class Instance:
         return (i["state_id"], i["n_generated"], i["n_computed"], i["prefill_end"],
                 i["n_preemptions"], i["arrival"], i["first_scheduled"], i["first_token"])
 
-    def readmit(self, handle, tokens, stop_tokens, info):
-        """Takes a request back from its handle alone, with no KV (gyges.reconfig.recovery):
-        tokens are its prompt and output so far, info the scheduler state it arrives in."""
+    def readmit(self, handle, tokens, stop_tokens, info, seqs=None):
+        """Takes a request in from its handle: tokens are its prompt and output so far, info the
+        scheduler state it arrives in, seqs its KV sequence in each rank's cache (None: no KV, it
+        is recomputed: gyges.reconfig.recovery)."""
         params = handle.params
         self._c.adopt(handle.id, tokens, len(handle.prompt), params.max_tokens,
                       float(params.temperature), params.top_k, float(params.top_p), params.seed,
-                      stop_tokens, info, [-1] * len(self.workers))
+                      stop_tokens, info, list(seqs) if seqs is not None else [-1] * len(self.kvs))
         self._loop.requests[handle.id] = handle
+
+    def let_go(self, rid):
+        """Forgets request `rid` (its KV freed) without finishing its handle: it goes on
+        elsewhere (runtime/request_packet.py)."""
+        self._c.abort(rid)
+        self._c.release(rid)
+        self._loop.requests.pop(rid)
+
+    @property
+    def tokenizer(self):
+        return self._loop.tokenizer
 
     def detach_kv(self):
         """Forgets the requests' KV sequences without freeing them: a reconfiguration has
