@@ -204,3 +204,48 @@ def test_bad_input_is_a_gyges_error_that_queues_nothing(nodes, tiny):
         gyges.Cluster(tiny, hosts=0)
     with pytest.raises(gyges.Error, match="could not start"):
         gyges.Cluster(tiny, hosts=1, workers_per_host=2, layout="3xTP1")
+
+
+def test_the_server_fronts_a_cluster(nodes):
+    """`gyges serve --hosts 2`'s server (Server over a Cluster of the packaged SmolLM2, one
+    worker per host): the official openai client's completions, streamed or not, give one
+    Host's text; /metrics has each host's instances and workers labelled and the cluster's
+    sums; an admin transformation names its host."""
+    from packaged import NAME, WHY_NOT
+    if WHY_NOT is not None:
+        pytest.skip(WHY_NOT)
+    openai = pytest.importorskip("openai")
+    from gyges.serve import Server
+    import http.client
+    import json
+    model = gyges.Model.load(NAME)
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+    params = gyges.SamplingParams(max_tokens=12, temperature=0.0)
+    one = gyges.Host(model, workers=1, memory_per_worker="768MiB", layout="1xTP1",
+                     page_size="256KiB")
+    want = [r.text for r in one.generate(prompts, params)]
+    one.close()
+    cluster = gyges.Cluster(model, hosts=2, workers_per_host=1, layout="1xTP1",
+                            memory_per_worker="768MiB", page_size="256KiB")
+    server = Server(cluster, NAME, port=0, api_key="k", enable_admin=True).start()
+    try:
+        c = openai.OpenAI(base_url=server.url, api_key="k", max_retries=0)
+        got = [c.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0.0)
+               .choices[0].text for p in prompts]
+        assert got == want
+        stream = c.completions.create(model=NAME, prompt=prompts[1], max_tokens=12,
+                                      temperature=0.0, stream=True)
+        assert "".join(e.choices[0].text for e in stream) == want[1]
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        assert 'host="0",instance="0"' in text and 'host="1",instance="1"' in text
+        assert "gyges:cluster_hosts{" in text and 'host="1",worker="0"' in text
+        conn.request("POST", "/admin/transform", json.dumps({"workers": [0], "tp": 1,
+                                                             "host": 5}),
+                     {"Authorization": "Bearer k", "Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 400 and b"host" in reply.read()
+    finally:
+        server.stop()
+        cluster.close()

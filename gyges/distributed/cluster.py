@@ -27,6 +27,7 @@ give them again (tokens do not depend on the plan or the host), which the handle
 """
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -34,8 +35,9 @@ import time
 from ..core import checks
 from ..core.errors import (ArgumentTypeError, DependencyError, Error, InvalidArgumentError,
                            StateError)
-from ..models.model import Model
-from ..runtime.engine import check_params
+from ..models.model import Model, load_tokenizer
+from ..models.tokenizer import tokenize_prompt
+from ..runtime.engine import Request, check_params
 from .host_actor import HostActor
 
 log = logging.getLogger(__name__)
@@ -77,20 +79,16 @@ def _unwrapped(ray, e):
     return cause if isinstance(cause, Error) else None
 
 
-class ClusterRequest:
-    """A request of a cluster: its tokens so far (streamed from the host serving it), whether it
-    finished and why, which host serves it (`host`), and how often it was submitted again
-    after its host was lost (`resubmitted`)."""
+class ClusterRequest(Request):
+    """A request of a cluster, a gyges.Request built on the driver from what its host streams:
+    its tokens so far (text too when the cluster's model has a tokenizer), whether it finished
+    and why, and its metrics in the driver's clock; which host serves it (`host`), how often it
+    was submitted again after its host was lost (`resubmitted`) or moved with its KV
+    (`migrations`)."""
 
-    def __init__(self, request_id, prompt, params):
-        self.id = request_id
-        self.prompt = prompt
-        self.params = params
+    def __init__(self, request_id, prompt, params, detokenizer=None, prompt_text=None):
+        super().__init__(request_id, prompt, params, time.monotonic(), detokenizer, prompt_text)
         self.host = None
-        self.output_tokens = []
-        self.finished = False
-        self.finish_reason = None
-        self.error = None
         self.resubmitted = 0
         self.migrations = 0
         self.recompute_mismatches = 0
@@ -98,14 +96,23 @@ class ClusterRequest:
         self._done = threading.Event()
 
     def _take(self, tokens):
-        """Tokens from the current host: those a recomputation gives again are checked, the
-        rest appended."""
+        """Tokens from the current host: those a recomputation or a migration gives again are
+        checked, the rest appended."""
         for t in tokens:
             if self._received < len(self.output_tokens):
                 self.recompute_mismatches += self.output_tokens[self._received] != t
             else:
-                self.output_tokens.append(t)
+                self._append(t, time.monotonic())
             self._received += 1
+
+    def _end(self, reason, error=None):
+        self.finished, self.finish_reason, self.error = True, reason, error
+        if reason == "stop" and self.stop_reason is None and self.output_tokens:
+            self.stop_reason = self.output_tokens[-1]
+        m = self.metrics
+        m.first_token = m.token_times[0] if m.token_times else math.nan
+        m.finish = time.monotonic()
+        self._done.set()
 
     def __repr__(self):
         state = f"finished ({self.finish_reason})" if self.finished else "running"
@@ -194,6 +201,9 @@ class HostProxy:
     def stats(self):
         return self._call_actor("call", "stats")
 
+    def steps(self):
+        return self._call_actor("steps")
+
     def info(self):
         return self._call_actor("info")
 
@@ -207,6 +217,12 @@ class Cluster:
         checks.integer("hosts", hosts, lo=1)
         checks.integer("workers_per_host", workers_per_host, lo=1)
         self.source = model_source(model)
+        # the driver's own copy, when given one (its config and tokenizer; a server's front)
+        self.model = model if isinstance(model, Model) else None
+        self.tokenizer = (self.model.tokenizer if self.model is not None else
+                          load_tokenizer(self.source[1]) if self.source[0] == "load" else None)
+        self.workers_per_host = workers_per_host
+        self._listeners = []
         ray = self._ray = _ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -298,6 +314,13 @@ class Cluster:
         requests; returns its ClusterRequest, whose tokens stream in as the host serves it. A
         bad prompt or parameter raises the host's gyges.Error and queues nothing."""
         params = check_params(params)
+        tokens, text = tokenize_prompt(prompt, self.tokenizer)
+        if isinstance(tokens, str):
+            raise InvalidArgumentError("prompt: this cluster's model has no tokenizer; give "
+                                       "token ids")
+        tokens = list(tokens)
+        detokenizer = (self.tokenizer.detokenizer(tokens) if self.tokenizer is not None
+                       else None)
         with self._lock:
             self._check_open()
             if host is None:
@@ -306,11 +329,11 @@ class Cluster:
                 checks.integer("host", host, 0, len(self._actors) - 1)
                 if host not in self.live_hosts:
                     raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
-            h = ClusterRequest(next(self._ids), prompt, params)
+            h = ClusterRequest(next(self._ids), tokens, params, detokenizer, text)
             h.host = host
             self._handles[h.id] = h
         try:
-            self._get(host, self._actors[host].submit.remote(h.id, prompt, params, instance))
+            self._get(host, self._actors[host].submit.remote(h.id, tokens, params, instance))
         except BaseException:
             with self._lock:
                 self._handles.pop(h.id, None)
@@ -337,6 +360,11 @@ class Cluster:
     def abort(self, handle):
         """Finishes a request wherever it is served (finish_reason "abort")."""
         return bool(self._get(handle.host, self._actors[handle.host].abort.remote(handle.id)))
+
+    def add_listener(self, fn):
+        """fn(handles) is called, on a driver thread, with the handles whose tokens or end
+        have just arrived (a server's streams)."""
+        self._listeners.append(fn)
 
     # ---- requests between hosts ----
     def migrate(self, handle, host):
@@ -389,6 +417,7 @@ class Cluster:
                 if not self._closing:
                     self._lost(index, str(e).splitlines()[0])
                 return
+            changed = []
             with self._lock:
                 for rid, tokens, finished, reason, error in updates:
                     h = self._handles.get(rid)
@@ -396,9 +425,11 @@ class Cluster:
                         continue   # (a request this host had before it was given up)
                     h._take(tokens)
                     if finished:
-                        h.finished, h.finish_reason, h.error = True, reason, error
                         del self._handles[rid]
-                        h._done.set()
+                        h._end(reason, error)
+                    changed.append(h)
+            for listener in self._listeners if changed else ():
+                listener(changed)
             time.sleep(max(0.0, STREAM_SECONDS - (time.monotonic() - started)))
 
     def _lost(self, index, why):
@@ -419,9 +450,7 @@ class Cluster:
                 target = self._least_loaded()
                 if target is None or self._closing:
                     self._handles.pop(h.id, None)
-                    h.finished, h.finish_reason = True, "error"
-                    h.error = "every host of the cluster was lost"
-                    h._done.set()
+                    h._end("error", "every host of the cluster was lost")
                     return
                 h.host, h._received = target, 0
                 h.resubmitted += 1
@@ -460,8 +489,7 @@ class Cluster:
             t.join()
         with self._lock:
             for h in self._handles.values():
-                h.finished, h.finish_reason = True, "abort"
-                h._done.set()
+                h._end("abort", "the cluster was closed")
             self._handles.clear()
         self.live_hosts = []
         if self._owns_ray:

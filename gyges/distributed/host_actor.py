@@ -88,6 +88,9 @@ class HostActor:
                 "layout": self.host.layout(), "workers": self.host.n_workers,
                 "backend": self.host.backend}
 
+    def steps(self):
+        return self.host.steps
+
     def submit(self, rid, prompt, params, instance=None):
         r = self.host.submit(prompt, params, instance=instance)
         with self._cond:

@@ -7,6 +7,7 @@ or from Python (a notebook, a test), on a thread of its own:
     server = gyges.serve.Server(host, model_name="smollm2-135m-instruct", port=8000).start()
     server.url            # http://127.0.0.1:8000/v1, for openai.OpenAI(base_url=...)
     server.stop()
+    server = gyges.serve.Server(gyges.Cluster(model, hosts=2, ...), model_name=...).start()
 """
 import socket
 import threading
@@ -14,9 +15,10 @@ import time
 
 from ..core.errors import StateError, require
 from .app import build_app
+from .cluster_runner import ClusterRunner
 from .runner import HostRunner
 
-__all__ = ["Server", "build_app", "HostRunner", "free_port"]
+__all__ = ["Server", "build_app", "HostRunner", "ClusterRunner", "free_port"]
 
 
 def free_port(host="127.0.0.1"):
@@ -26,14 +28,16 @@ def free_port(host="127.0.0.1"):
 
 
 class Server:
-    """uvicorn serving build_app(HostRunner(host)); binds 127.0.0.1 unless told otherwise."""
+    """uvicorn serving build_app(HostRunner(host)), or in front of a gyges.Cluster
+    build_app(ClusterRunner(cluster)); binds 127.0.0.1 unless told otherwise."""
 
     def __init__(self, host, model_name, port=8000, bind="127.0.0.1", api_key=None,
                  enable_admin=False, max_body_bytes=1 << 20, max_tokens_limit=4096,
                  protect_metrics=False, body_timeout_s=30.0, log_level="warning"):
         uvicorn = require("uvicorn", "the server")
+        from ..distributed.cluster import Cluster
         self.host = host
-        self.runner = HostRunner(host)
+        self.runner = ClusterRunner(host) if isinstance(host, Cluster) else HostRunner(host)
         self.app = build_app(self.runner, model_name, api_key=api_key, enable_admin=enable_admin,
                              max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
                              protect_metrics=protect_metrics, body_timeout_s=body_timeout_s)

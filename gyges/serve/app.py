@@ -254,7 +254,7 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         async def transform(request: fastapi.Request):
             check_key(request)
             body = await read_json(request)
-            args = protocol.transform_args(body, host.n_workers)
+            args = protocol.transform_args(body, host.n_workers, getattr(host, "n_hosts", None))
             started = time.perf_counter()
 
             def run():  # the host's lock: on an executor thread

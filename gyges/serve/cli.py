@@ -1,6 +1,7 @@
 """The `gyges` command (also `python -m gyges`):
 
     gyges serve --model smollm2-135m-instruct --workers 3 --layout 3xTP1 --port 8000
+    gyges serve --hosts 2 --workers-per-host 2 [--ray-address auto]   # a cluster on Ray
     gyges bench serve --base-url http://127.0.0.1:8000/v1 --trace azure --requests 100
 """
 import argparse
@@ -14,17 +15,25 @@ def _serve(args):
     from . import Server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = Model.load(args.model, dtype=args.dtype)
-    host = Host(model, workers=args.workers, layout=args.layout or f"{args.workers}xTP1",
-                memory_per_worker=args.memory_per_worker, page_size=args.page_size,
-                max_batch_tokens=args.max_batch_tokens,
-                threads_per_worker=args.threads_per_worker)
+    options = dict(memory_per_worker=args.memory_per_worker, page_size=args.page_size,
+                   max_batch_tokens=args.max_batch_tokens,
+                   threads_per_worker=args.threads_per_worker)
+    if args.hosts:   # hosts as Ray actors, each with --workers-per-host workers
+        from ..distributed.cluster import Cluster
+        w = args.workers_per_host
+        host = Cluster(model, hosts=args.hosts, workers_per_host=w,
+                       layout=args.layout or f"{w}xTP1", ray_address=args.ray_address,
+                       **options)
+    else:
+        host = Host(model, workers=args.workers, layout=args.layout or f"{args.workers}xTP1",
+                    **options)
     server = Server(host, model_name=args.served_model_name or args.model, port=args.port,
                     bind=args.host, api_key=args.api_key, enable_admin=args.enable_admin,
                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                     protect_metrics=args.protect_metrics, body_timeout_s=args.body_timeout,
                     log_level="info")
     logging.getLogger("gyges").info("serving %s on http://%s:%d/v1 (layout %s)", args.model,
-                                    args.host, server.port, host.layout())
+                                    args.host, server.port, server.runner.host.layout())
     try:
         server.run()
     finally:
@@ -46,6 +55,12 @@ def parser():
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--hosts", type=int, default=0,
+                   help="serve on a gyges.Cluster of this many hosts (Ray actors) instead of "
+                        "one host in this process")
+    s.add_argument("--workers-per-host", type=int, default=1)
+    s.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto); default: start a local one")
     s.add_argument("--layout", default=None, help="e.g. 3xTP1, TP3 (default: every worker TP1)")
     s.add_argument("--memory-per-worker", default="1GiB")
     s.add_argument("--page-size", default="256KiB",

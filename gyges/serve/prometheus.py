@@ -10,6 +10,8 @@ that dashboards and scrapers made for vLLM read a gyges server.
   gyges:prompt_tokens_total, gyges:generation_tokens_total    counters
   gyges:request_success_total{finished_reason}                counter
   gyges:reconfigurations_total, gyges:host_steps_total       counters
+In front of a cluster, instance and worker series carry a `host` label, and
+gyges:cluster_num_requests_running / _waiting and gyges:cluster_hosts give the sums.
 """
 import bisect
 import threading
@@ -21,6 +23,11 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _host(row):
+    """The host label of a cluster's row (none for one host's)."""
+    return f'host="{row["host"]}",' if "host" in row else ""
 
 
 class Histogram:
@@ -85,13 +92,22 @@ class ServerMetrics:
         family("gyges:num_requests_running", "gauge", "Requests in the running batch.")
         family("gyges:num_requests_waiting", "gauge", "Requests waiting to be scheduled.")
         for i, inst in enumerate(host_stats["instances"]):
-            where = f'{label}instance="{i}",layout="{inst["layout"]}"'
+            where = f'{label}{_host(inst)}instance="{i}",layout="{inst["layout"]}"'
             lines.append(f"gyges:num_requests_running{{{where}}} {inst['running']}")
             lines.append(f"gyges:num_requests_waiting{{{where}}} {inst['waiting']}")
+        if "hosts" in host_stats:   # in front of a cluster: the sums over its hosts too
+            family("gyges:cluster_num_requests_running", "gauge", "Running, every host.")
+            family("gyges:cluster_num_requests_waiting", "gauge", "Waiting, every host.")
+            family("gyges:cluster_hosts", "gauge", "Hosts alive.")
+            for key in ("running", "waiting"):
+                total = sum(inst[key] for inst in host_stats["instances"])
+                lines.append(f"gyges:cluster_num_requests_{key}{{{label[:-1]}}} {total}")
+            lines.append(f"gyges:cluster_hosts{{{label[:-1]}}} {len(host_stats['hosts'])}")
         family("gyges:kv_cache_usage_perc", "gauge", "KV-cache usage per worker (1 is full).")
         for w in host_stats["workers"]:
             used = w["kv_blocks_used"] / max(w["kv_blocks_capacity"], 1)
-            lines.append(f'gyges:kv_cache_usage_perc{{{label}worker="{w["worker"]}"}} {used}')
+            lines.append(f'gyges:kv_cache_usage_perc{{{label}{_host(w)}worker="{w["worker"]}"}} '
+                         f'{used}')
         with self.lock:
             for name, hist, doc in (
                     ("gyges:time_to_first_token_seconds", self.ttft, "Time to first token."),

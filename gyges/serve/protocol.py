@@ -189,12 +189,14 @@ def chat_prompt(body, tokenizer):
         raise APIError(400, str(e), param="messages") from None
 
 
-def transform_args(body, n_workers):
-    """host.transform's keyword arguments of a POST /admin/transform body, every one bounded."""
+def transform_args(body, n_workers, n_hosts=None):
+    """host.transform's keyword arguments of a POST /admin/transform body, every one bounded;
+    in front of a cluster (n_hosts) also `host`, which host transforms (default 0)."""
+    keys = {"workers", "tp", "layers_per_step", "method"} | ({"host"} if n_hosts else set())
     shape = ("the body is {'workers': [...], 'tp': k, 'layers_per_step': null or n, 'method': "
-             "null or a name}")
+             "null or a name" + (", 'host': null or i}" if n_hosts else "}"))
     if not isinstance(body, dict) or "workers" not in body or "tp" not in body or \
-            set(body) - {"workers", "tp", "layers_per_step", "method"}:
+            set(body) - keys:
         raise APIError(400, shape)
     workers = body["workers"]
     if not isinstance(workers, list) or not workers or not all(
@@ -208,6 +210,8 @@ def transform_args(body, n_workers):
         if not isinstance(body["method"], str):
             raise APIError(400, "method must be a string", param="method")
         args["method"] = body["method"]
+    if n_hosts and body.get("host") is not None:
+        args["host"] = _number(body, "host", None, 0, n_hosts - 1, integer=True)
     return args
 
 
