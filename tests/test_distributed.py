@@ -51,33 +51,50 @@ def reference(model, ps, params):
     return out
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_two_hosts_give_one_hosts_tokens_while_both_transform(nodes, tiny, params):
-    """Requests spread over two hosts on two nodes while host 0 merges 2xTP1 -> TP2 and back
-    and host 1 does the same live-staggered: every request's tokens are one Host's, and both
-    hosts end as they began."""
-    ps = prompts(10, seed=1)
+@pytest.mark.parametrize("n_hosts, params", [(2, GREEDY), (2, SEEDED), (3, SEEDED)],
+                         ids=["2-greedy", "2-seeded", "3-seeded"])
+def test_hosts_give_one_hosts_tokens_while_they_transform_and_migrate(nodes, tiny, n_hosts,
+                                                                       params):
+    """Requests spread over 2 hosts on the 2 nodes (or 3 hosts: two share a node) while each
+    host merges 2xTP1 -> TP2 and back (even hosts at once, odd ones layer by layer) and
+    requests migrate from each host to the next with their KV: every request's tokens are one
+    Host's, and every host ends as it began."""
+    params = gyges.SamplingParams(max_tokens=40, temperature=params.temperature,
+                                  top_k=params.top_k, seed=params.seed, ignore_eos=True)
+    ps = prompts(12, seed=1)
     want = reference(tiny, ps, params)
-    with gyges.Cluster(tiny, hosts=2, **HOST) as cluster:
-        info = [cluster.host(i).info() for i in range(2)]
-        assert info[0]["pid"] != info[1]["pid"]
+    with gyges.Cluster(tiny, hosts=n_hosts, **HOST) as cluster:
+        pids = {cluster.host(i).info()["pid"] for i in range(n_hosts)}
+        assert len(pids) == n_hosts
         assert len(set(cluster._nodes)) == 2   # one host per node while nodes last
         handles = [cluster.submit(p, params) for p in ps]
-        assert {h.host for h in handles} == {0, 1}
-        ups = [cluster.host(0).transform(workers=(0, 1), tp=2),
-               cluster.host(1).transform(workers=(0, 1), tp=2, layers_per_step=1)]
+        assert {h.host for h in handles} == set(range(n_hosts))
+        ups = [cluster.host(i).transform(workers=(0, 1), tp=2,
+                                         layers_per_step=1 if i % 2 else None)
+               for i in range(n_hosts)]
+        migrated = 0
+        for h in handles[:2 * n_hosts]:   # while the merges run: refused where one holds it
+            if h.finished:
+                continue
+            try:
+                migrated += cluster.migrate(h, (h.host + 1) % n_hosts) > 0
+            except gyges.BusyError:
+                pass
         for r in ups:
             assert r.wait(60) and r.committed, r.error
-            assert r.stats["steps"] >= 0
-        assert [cluster.host(i).layout() for i in range(2)] == ["TP2", "TP2"]
+        assert [cluster.host(i).layout() for i in range(n_hosts)] == ["TP2"] * n_hosts
         more = [cluster.submit(p, params) for p in ps[:4]]
-        downs = [cluster.host(i).transform(workers=(0, 1), tp=1) for i in range(2)]
+        for h in more[:2]:
+            migrated += cluster.migrate(h, (h.host + 1) % n_hosts) >= 0
+        downs = [cluster.host(i).transform(workers=(0, 1), tp=1) for i in range(n_hosts)]
         assert all(r.wait(60) and r.committed for r in downs)
         assert cluster.wait(handles + more, timeout=120)
+        assert migrated > 0
         assert [h.output_tokens for h in handles] == want
         assert [h.output_tokens for h in more] == want[:4]
-        assert all(h.finish_reason == "length" for h in handles + more)
-        assert [cluster.host(i).layout() for i in range(2)] == ["2xTP1", "2xTP1"]
+        assert all(h.finish_reason == "length" and h.recompute_mismatches == 0
+                   for h in handles + more)
+        assert [cluster.host(i).layout() for i in range(n_hosts)] == ["2xTP1"] * n_hosts
 
 
 def test_tokens_stream_while_the_hosts_step_on_their_own(nodes, tiny):
@@ -124,9 +141,10 @@ def test_requests_migrate_between_hosts_with_their_kv(nodes, tiny, params):
 
 
 def test_a_killed_host_loses_no_request(nodes, tiny):
-    """Host 1's actor is killed with requests half decoded: the driver notices within seconds,
-    its requests are recomputed on host 0, each gives the tokens it had streamed again and then
-    the rest (one Host's tokens), and the cluster serves on with host 0 alone."""
+    """Host 1's actor is killed with requests half decoded and a merge under way: the driver
+    notices within seconds, its requests are recomputed on host 0, each gives the tokens it had
+    streamed again and then the rest (one Host's tokens), the merge's handle says its host is
+    lost, and the cluster serves on with host 0 alone."""
     params = gyges.SamplingParams(max_tokens=128, temperature=0.9, top_k=40, seed=3,
                                   ignore_eos=True)
     ps = prompts(6, seed=4)
@@ -138,7 +156,8 @@ def test_a_killed_host_loses_no_request(nodes, tiny):
             time.sleep(0.005)
         streamed = {h.id: len(h.output_tokens) for h in victims}
         orphans = [h for h in victims if not h.finished]
-        ray.kill(cluster.host(1).actor, no_restart=True)
+        merging = cluster.host(1).transform(workers=(0, 1), tp=2, layers_per_step=1)
+        ray.kill(cluster.host(1).actor, no_restart=True)   # (mid merge, most likely)
         killed = time.monotonic()
         while 1 in cluster.live_hosts:
             time.sleep(0.01)
@@ -149,6 +168,9 @@ def test_a_killed_host_loses_no_request(nodes, tiny):
         assert sum(streamed[h.id] for h in orphans) > 0
         assert all(h.recompute_mismatches == 0 for h in handles)
         assert list(cluster.lost_hosts) == [1] and cluster.live_hosts == [0]
+        if not merging._fields["done"]:   # its handle says where it went
+            with pytest.raises(gyges.StateError, match="host 1 is lost"):
+                merging.refresh()
         later = cluster.submit(ps[0], params)
         assert later.host == 0 and cluster.wait([later], timeout=60)
         assert later.output_tokens == want[0]

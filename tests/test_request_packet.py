@@ -168,3 +168,29 @@ def test_refusals_change_nothing(tiny):
     assert [moved.output_tokens, reqs[1].output_tokens, reqs[2].output_tokens] == want
     with pytest.raises(gyges.InvalidArgumentError, match="not an unfinished request"):
         a.export_request(reqs[1])
+
+
+def test_a_reconfiguring_instance_takes_a_request_only_without_its_kv(tiny):
+    """While a live merge holds the destination's workers, a request cannot come in with its
+    KV (the merge's plan would not move it: BusyError, nothing changed); it can without, queued
+    to be recomputed as a new request would be, and its tokens are one Host's."""
+    ps = prompts(4, seed=12, lo=20, hi=30)
+    want = reference(tiny, ps, SEEDED)
+    a, b = host(tiny), host(tiny)
+    reqs = [a.submit(p, SEEDED) for p in ps[:2]]
+    theirs = [b.submit(p, SEEDED) for p in ps[2:]]
+    for _ in range(4):
+        a.step()
+        b.step()
+    packet = a.export_request(reqs[0])
+    r = b.transform(workers=(0, 1), tp=2, layers_per_step=1)
+    assert not r.done
+    before = mapped(b)
+    with pytest.raises(gyges.BusyError, match="being reconfigured"):
+        b.import_request(packet)
+    assert mapped(b) == before
+    moved = b.import_request(packet, with_kv=False)
+    a.run()
+    b.run()
+    assert r.committed
+    assert [moved.output_tokens, reqs[1].output_tokens] + [t.output_tokens for t in theirs] == want

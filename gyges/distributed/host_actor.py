@@ -23,7 +23,7 @@ be driven in-process too (tests/test_distributed.py measures the control overhea
 import logging
 import threading
 
-from ..core.errors import Error, InvalidArgumentError, OutOfMemoryError
+from ..core.errors import BusyError, Error, InvalidArgumentError, OutOfMemoryError
 from ..models.model import Model
 from ..runtime.host import Host
 
@@ -131,14 +131,15 @@ class HostActor:
 
     def migrate_in(self, rid, packet, with_kv=True):
         """Serves `packet`'s request as cluster request `rid` (Host.import_request); its tokens
-        so far are sent again from the first (the driver checks them). Without room for its KV,
-        and with_kv="if_room", it comes in without (recomputed)."""
+        so far are sent again from the first (the driver checks them). With with_kv="if_room",
+        where its KV cannot come in (no room, or a reconfiguration holds the instance) it comes
+        in without (recomputed)."""
         try:
             r = self.host.import_request(packet, with_kv=bool(with_kv))
-        except OutOfMemoryError:
+        except (OutOfMemoryError, BusyError):
             if with_kv != "if_room":
                 raise
-            r = self.host.import_request(packet, with_kv=False)
+            r = self.host.import_request(packet, with_kv=False)   # recomputed: never lost
         with self._cond:
             self._requests[rid] = [r, 0]
             self._changed.add(rid)

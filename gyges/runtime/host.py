@@ -575,19 +575,25 @@ class Host(Serving):
             if inst is None:
                 raise InvalidArgumentError(f"request {request.id} is not an unfinished request "
                                            f"of this host")
-            busy = [r for r in self.reconfigurations
-                    if not r.done and set(r.claims()) & set(inst.workers)]
+            busy = self._reconfiguring(inst)
             if busy:
                 raise BusyError(f"request {request.id}: its instance {inst.layout} on workers "
-                                f"{list(inst.workers)} is being reconfigured ({busy[0]!r}); "
+                                f"{list(inst.workers)} is being reconfigured ({busy!r}); "
                                 f"move it once that ends")
             return request_packet.export_request(inst, request.id, self.clock())
+
+    def _reconfiguring(self, inst):
+        """The live reconfiguration that holds one of the instance's workers, or None."""
+        return next((r for r in self.reconfigurations
+                     if not r.done and set(r.claims()) & set(inst.workers)), None)
 
     def import_request(self, packet, instance=None, with_kv=True):
         """Serves the request of a RequestPacket (another host's export_request) on `instance`
         (an index into host.instances) or where the pool places it, going on from where it
         was: with its KV (with_kv=False: recomputed from its tokens). Returns its new handle.
-        Raises OutOfMemoryError, changing nothing, when its KV does not fit there."""
+        Raises OutOfMemoryError, changing nothing, when its KV does not fit there, and
+        BusyError when a live reconfiguration holds that instance (its plan would not move the
+        new KV; without KV the request comes in as a queued one does)."""
         if not isinstance(packet, request_packet.RequestPacket):
             raise ArgumentTypeError(f"packet must be a RequestPacket (Host.export_request), "
                                     f"got {type(packet).__name__}")
@@ -598,6 +604,12 @@ class Host(Serving):
                 instance = insts[checks.integer("instance", instance, 0, len(insts) - 1)]
             length = len(packet.prompt) + packet.params.max_tokens
             target, asked = self.pool.place(self, length, instance=instance)
+            busy = self._reconfiguring(target)
+            if busy and with_kv and packet.kv is not None:
+                # its plan moves the KV of the requests it knew, not of one that comes now
+                raise BusyError(f"instance {target.layout} on workers {list(target.workers)} "
+                                f"is being reconfigured ({busy!r}); bring the request in once "
+                                f"that ends, or without its KV (with_kv=False)")
             handle = request_packet.import_request(target, packet, self._next_id, self.clock(),
                                                    with_kv=with_kv)
             self._next_id += 1
