@@ -394,15 +394,19 @@ class Cluster:
         # from here the tokens come from the destination, all of them again (checked)
         with self._lock:
             handle.host, handle._received = host, 0
+            resubmitted = handle.resubmitted
         try:
             moved = self._get(host, self._actors[host].migrate_in.remote(handle.id, packet))
             handle.migrations += 1
             return moved
         except BaseException:
-            with self._lock:
-                handle.host, handle._received = source, 0
-            self._get(source, self._actors[source].migrate_in.remote(handle.id, packet,
-                                                                     "if_room"))
+            with self._lock:   # (a destination that died has had it submitted elsewhere)
+                back = handle.host == host and handle.resubmitted == resubmitted
+                if back:
+                    handle.host, handle._received = source, 0
+            if back:
+                self._get(source, self._actors[source].migrate_in.remote(handle.id, packet,
+                                                                         "if_room"))
             raise
 
     # ---- streaming and losses ----
