@@ -220,6 +220,14 @@ def test_bad_input_is_a_gyges_error_that_queues_nothing(nodes, tiny):
                                                               ignore_eos=True))
         assert cluster.abort(long) and cluster.wait([long], timeout=30)
         assert long.finish_reason == "abort"
+        with pytest.raises(gyges.ArgumentTypeError):
+            cluster.migrate("request 0", 0)
+        with pytest.raises(gyges.InvalidArgumentError):
+            cluster.migrate(long, 7)
+        with pytest.raises(gyges.InvalidArgumentError, match="finished"):
+            cluster.migrate(long, 0)
+    with pytest.raises(gyges.StateError, match="closed"):
+        cluster.submit([1, 2, 3], GREEDY)
     with pytest.raises(gyges.InvalidArgumentError, match="cannot travel"):
         gyges.Cluster(gyges.Model(tiny.config, tiny.tensors), hosts=1)
     with pytest.raises(gyges.InvalidArgumentError, match="hosts"):
