@@ -106,7 +106,9 @@ class HostActor:
                 self._cond.wait(timeout)
             out = []
             for rid in sorted(self._changed):
-                entry = self._requests[rid]
+                entry = self._requests.get(rid)
+                if entry is None:   # (already sent as finished, or moved out)
+                    continue
                 r, sent = entry
                 tokens = list(r.output_tokens[sent:])
                 entry[1] = sent + len(tokens)
