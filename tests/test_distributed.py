@@ -51,8 +51,8 @@ def reference(model, ps, params):
     return out
 
 
-@pytest.mark.parametrize("n_hosts, params", [(2, GREEDY), (2, SEEDED), (3, SEEDED)],
-                         ids=["2-greedy", "2-seeded", "3-seeded"])
+@pytest.mark.parametrize("n_hosts, params", [(2, GREEDY), (3, SEEDED)],
+                         ids=["2-greedy", "3-seeded"])
 def test_hosts_give_one_hosts_tokens_while_they_transform_and_migrate(nodes, tiny, n_hosts,
                                                                        params):
     """Requests spread over 2 hosts on the 2 nodes (or 3 hosts: two share a node) while each
@@ -111,7 +111,7 @@ def test_tokens_stream_while_the_hosts_step_on_their_own(nodes, tiny):
         assert len(h.output_tokens) == 200
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [SEEDED], ids=["seeded"])   # (greedy: test_request_packet)
 def test_requests_migrate_between_hosts_with_their_kv(nodes, tiny, params):
     """Requests decoding on host 0 move to host 1 on the other node with their KV (stop and
     copy, through Ray's object store): each goes on there from where it was, its tokens one
