@@ -13,7 +13,8 @@ host's requests run again elsewhere.
 3. KV bytes/s between hosts: requests with long prompts migrate from host 0 to host 1 of a
    2-host cluster (Cluster.migrate: export between two steps, the packet through Ray's object
    store from one actor's process to the other's, import), one at a time; bytes of KV over the
-   wall time of each migrate call, which includes the source's wait for its step in flight.
+   wall time of each migrate call, which includes the source's wait for its step in flight (a
+   decode step: the migrations start once every prefill is done).
 
     python benchmarks/bench_cluster.py [--model smollm2-135m-instruct|tiny] [--batch 8]
                                        [--tokens 64] [--repeat 3] [--prompt 1024]
@@ -105,9 +106,9 @@ def migration(model, host_args, prompt_tokens, n):
         vocab = min(model.config.vocab_size, 4000)
         handles = [cluster.submit([int(t) for t in rng.integers(1, vocab, prompt_tokens)],
                                   params, host=0) for _ in range(n)]
+        while not all(len(h.output_tokens) >= 2 for h in handles):   # every prefill done:
+            time.sleep(0.001)                                          # decode steps only
         for h in handles:
-            while len(h.output_tokens) < 2:
-                time.sleep(0.001)
             start = time.perf_counter()
             moved = cluster.migrate(h, 1)
             seconds = time.perf_counter() - start
