@@ -72,7 +72,7 @@ def model_source(model):
                             f"got {type(model).__name__}")
 
 
-def _unwrapped(ray, e):
+def _unwrapped(e):
     """The gyges.Error a host raised, out of Ray's wrapping (its message without the remote
     traceback), or None."""
     cause = getattr(e, "cause", None)
@@ -296,7 +296,7 @@ class Cluster:
             self._lost(index, str(e).splitlines()[0])
             raise StateError(f"host {index} is lost: {self.lost_hosts[index]}") from None
         except ray.exceptions.RayTaskError as e:
-            cause = _unwrapped(ray, e)
+            cause = _unwrapped(e)
             if cause is not None:
                 raise cause from None
             raise
