@@ -27,7 +27,6 @@ give them again (tokens do not depend on the plan or the host), which the handle
 """
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -105,13 +104,8 @@ class ClusterRequest(Request):
                 self._append(t, time.monotonic())
             self._received += 1
 
-    def _end(self, reason, error=None):
-        self.finished, self.finish_reason, self.error = True, reason, error
-        if reason == "stop" and self.stop_reason is None and self.output_tokens:
-            self.stop_reason = self.output_tokens[-1]
-        m = self.metrics
-        m.first_token = m.token_times[0] if m.token_times else math.nan
-        m.finish = time.monotonic()
+    def _end(self, reason, error=None, now=None):
+        super()._end(reason, error, time.monotonic() if now is None else now)
         self._done.set()
 
     def __repr__(self):

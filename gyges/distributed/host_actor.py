@@ -18,7 +18,7 @@ stepping thread; the Host's own lock orders them with its steps):
     abort(rid), close()
 
 Nothing here imports Ray: gyges.distributed.cluster makes the class an actor, so the class can
-be driven in-process too (tests/test_distributed.py measures the control overhead both ways).
+be driven in-process too (benchmarks/bench_cluster.py measures the control overhead both ways).
 """
 import logging
 import threading

@@ -153,6 +153,15 @@ class Request:
         self.text, self.stop_reason = self.text[:at], stop
         return True
 
+    def _end(self, reason, error, now):
+        """It has finished (reason, and why for "error") at time `now`."""
+        self.finished, self.finish_reason, self.error = True, reason, error
+        if reason == "stop" and self.stop_reason is None and self.output_tokens:
+            self.stop_reason = self.output_tokens[-1]  # the stop token, as vLLM reports it
+        self.metrics.first_token = (self.metrics.token_times[0] if self.metrics.token_times
+                                    else math.nan)
+        self.metrics.finish = now
+
     def __repr__(self):
         state = f"finished ({self.finish_reason})" if self.finished else "running"
         return (f"Request(id={self.id}, prompt={len(self.prompt)} tokens, "
@@ -267,14 +276,8 @@ class InstanceLoop:
     def _finish(self, request_id, now, reason=None):
         r = self.requests.pop(request_id)
         info = self._c.info(request_id)
-        r.finished = True
-        r.finish_reason = reason or info["finish"]
-        if r.finish_reason == "stop" and r.stop_reason is None and r.output_tokens:
-            r.stop_reason = r.output_tokens[-1]  # the stop token, as vLLM reports it
-        r.error = info["error"] or None
         r.metrics.scheduled = info["first_scheduled"]
-        r.metrics.first_token = r.metrics.token_times[0] if r.metrics.token_times else math.nan
-        r.metrics.finish = now
+        r._end(reason or info["finish"], info["error"] or None, now)
         self._c.release(request_id)
 
     def drop_engine(self):

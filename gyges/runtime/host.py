@@ -400,11 +400,11 @@ class Host(Serving):
         kind that is not live is committed here too). Returns r."""
         with self._lock:
             self._check_open()
-            for other in self.reconfigurations:
-                shared = sorted(other.claims() & r.claims())
-                if shared and not other.done:
-                    raise BusyError(f"{other!r} is under way on workers {shared}; wait until it "
-                                    f"is done (r.done) before {r.kind}")
+            other = self._holding(r.claims())
+            if other is not None:
+                raise BusyError(f"{other!r} is under way on workers "
+                                f"{sorted(other.claims() & r.claims())}; wait until it is done "
+                                f"(r.done) before {r.kind}")
             before = self.layout()
             self.reconfigurations_started += 1
             try:
@@ -530,8 +530,7 @@ class Host(Serving):
             if tp is not None:
                 tp = checks.integer("tp", tp, lo=1)
             if instance is not None:
-                insts = self.instances
-                instance = insts[checks.integer("instance", instance, 0, len(insts) - 1)]
+                instance = self._instance_at(instance)
             target, asked = self.pool.place(self, length + params.max_tokens, tp=tp,
                                             instance=instance, priority=priority)
             request = target.add(self._next_id, tokens, params, prompt_text=text)
@@ -575,17 +574,22 @@ class Host(Serving):
             if inst is None:
                 raise InvalidArgumentError(f"request {request.id} is not an unfinished request "
                                            f"of this host")
-            busy = self._reconfiguring(inst)
+            busy = self._holding(inst.workers)
             if busy:
                 raise BusyError(f"request {request.id}: its instance {inst.layout} on workers "
                                 f"{list(inst.workers)} is being reconfigured ({busy!r}); "
                                 f"move it once that ends")
             return request_packet.export_request(inst, request.id, self.clock())
 
-    def _reconfiguring(self, inst):
-        """The live reconfiguration that holds one of the instance's workers, or None."""
+    def _holding(self, workers):
+        """The first live reconfiguration that holds one of `workers`, or None."""
         return next((r for r in self.reconfigurations
-                     if not r.done and set(r.claims()) & set(inst.workers)), None)
+                     if not r.done and r.claims() & set(workers)), None)
+
+    def _instance_at(self, index):
+        """host.instances[index], the index checked."""
+        insts = self.instances
+        return insts[checks.integer("instance", index, 0, len(insts) - 1)]
 
     def import_request(self, packet, instance=None, with_kv=True):
         """Serves the request of a RequestPacket (another host's export_request) on `instance`
@@ -600,11 +604,10 @@ class Host(Serving):
         with self._lock:
             self._check_open()
             if instance is not None:
-                insts = self.instances
-                instance = insts[checks.integer("instance", instance, 0, len(insts) - 1)]
+                instance = self._instance_at(instance)
             length = len(packet.prompt) + packet.params.max_tokens
             target, asked = self.pool.place(self, length, instance=instance)
-            busy = self._reconfiguring(target)
+            busy = self._holding(target.workers)
             if busy and with_kv and packet.kv is not None:
                 # its plan moves the KV of the requests it knew, not of one that comes now
                 raise BusyError(f"instance {target.layout} on workers {list(target.workers)} "
