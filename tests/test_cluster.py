@@ -189,3 +189,50 @@ def test_kunserve_drops_and_restores_a_real_host_as_the_simulator_does():
     assert ours["kind"][0] == theirs["kind"][0] == 7 and ours["gpu"][0] == theirs["gpu"][0] == 0
     assert 4.0 <= ours["start"][0] < 7.0 and 4.0 <= theirs["start"][0] < 7.0
     assert simulated.stats["drops"] == simulated.stats["restores"] >= 1
+
+
+class _LostHostExecutor:
+    """A controller executor over 2 hosts x 2 GPUs whose host 1 is lost: its GPUs are listed as
+    one lost TP2 instance (what gyges/distributed/replay.py lists for a dead host)."""
+
+    def __init__(self, capacity, lost_placeable=0):
+        self.capacity, self.lost_placeable = capacity, lost_placeable
+        self.assigned, self.ops = [], []
+
+    def instances(self):
+        from gyges.cluster.policy import INST_VIEW_DTYPE, XFORM_LOST
+        rows = np.zeros(3, INST_VIEW_DTYPE)
+        rows["gpu_first"], rows["tp"], rows["host"] = [0, 1, 2], [1, 1, 2], [0, 0, 1]
+        rows["placeable"] = [1, 1, self.lost_placeable]
+        rows["kv_total"] = [self.capacity[0], self.capacity[0], 1]
+        rows["xform"][2] = XFORM_LOST
+        return rows.tobytes()
+
+    def assign(self, index, action, gpu_first, tp, tp_work=0):
+        self.assigned.append((index, action, gpu_first, tp))
+
+    def reconfigure(self, kind, g, size, layers=(), target=-1):
+        self.ops.append((kind, g, size))
+        return False
+
+
+@pytest.mark.parametrize("policy", ["gyges", "least_load", "round_robin"])
+def test_the_controller_never_uses_a_lost_hosts_gpus(policy):
+    """Short requests go to host 0's instances only; a request only a TP2 holds is deferred on
+    host 0's pair (merge asked there), never on the lost host's GPUs; a view that calls a lost
+    instance placeable is refused."""
+    from gyges import _C
+    from gyges.cluster import Policy
+    caps = [10, 25]
+    ex = _LostHostExecutor(caps)
+    kw = {"light_load": 0.0, "idle_load": 0.0} if policy == "gyges" else {}
+    ctl = _C.Controller(ex, Policy(policy, **kw)._c, 4, 2, 2, caps, 16, 0.0)
+    for i in range(6):
+        ctl.arrive(i, 40, 8, 3, 1, 0, float(i), float(i))
+    ctl.arrive(6, 300, 8, 20, 2, 0, 6.0, 6.0)
+    placed = [(g, tp) for _, action, g, tp in ex.assigned if action == 1]
+    assert len(placed) == 6 and {g for g, _ in placed} <= {0, 1}
+    assert all(g < 2 for _, g, _ in ex.ops)
+    ex.lost_placeable = 1
+    with pytest.raises(gyges.StateError, match="lost but placeable"):
+        ctl.arrive(7, 40, 8, 3, 1, 0, 7.0, 7.0)

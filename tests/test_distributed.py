@@ -6,12 +6,15 @@ the hosts transform underneath it; tokens stream to the driver while the hosts s
 a killed host actor, and a whole node lost, lose no request (the orphans recomputed elsewhere,
 the tokens already streamed given again exactly); bad input is a gyges.Error that queues
 nothing. Tolerance policy: exact."""
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import gyges
+from gyges import experiment, sim, traces
+from gyges.cluster.costmodel import ConstantCost
 
 ray = pytest.importorskip("ray", reason="gyges.Cluster needs Ray (requirements.txt pins it)")
 from ray.cluster_utils import Cluster as RayNodes  # noqa: E402
@@ -80,6 +83,8 @@ def test_hosts_give_one_hosts_tokens_while_they_transform_and_migrate(nodes, tin
                 migrated += cluster.migrate(h, (h.host + 1) % n_hosts) > 0
             except gyges.BusyError:
                 pass
+            except gyges.InvalidArgumentError as e:   # it finished before its host was asked
+                assert "not an unfinished request" in str(e) and cluster.wait([h], timeout=5)
         for r in ups:
             assert r.wait(60) and r.committed, r.error
         assert [cluster.host(i).layout() for i in range(n_hosts)] == ["TP2"] * n_hosts
@@ -201,6 +206,181 @@ def test_a_lost_node_loses_no_request(nodes, tiny):
         assert lost in cluster.lost_hosts and lost not in cluster.live_hosts
         assert any(h.resubmitted for h in handles)
         assert all(h.recompute_mismatches == 0 for h in handles)
+
+
+# ---- a trace replayed over the cluster by the one controller (distributed/replay.py) ----
+
+REPLAY_HOST = dict(workers_per_host=2, layout="2xTP1", memory_per_worker="24MiB")
+
+
+def replay_capacities(tiny):
+    host = gyges.Host(tiny, workers=2, memory_per_worker="24MiB", layout="2xTP1")
+    caps = experiment.capacities(host)
+    host.close()
+    return caps
+
+
+def decisions(res):
+    """Each request's (status, first GPU, TP) and the reconfigurations in order."""
+    r, x = res.requests, res.transformations
+    return ([(int(st), int(g), int(tp)) for st, g, tp in zip(r["status"], r["gpu"], r["tp"])],
+            [(int(k), int(g), int(a), int(b))
+             for k, g, a, b in zip(x["kind"], x["gpu"], x["tp_from"], x["tp_to"])])
+
+
+def replay_tokens(tiny, trace, seed=0):
+    """What one in-process Host gives each request of a replay (the prompts and sampling the
+    replay uses: random tokens seeded by seed and the request's index, greedy)."""
+    prompts_, params = [], []
+    for i in range(trace.shape[0]):
+        rng = np.random.default_rng([seed, i])
+        prompts_.append(rng.integers(3, tiny.config.vocab_size,
+                                     size=int(trace["input_tokens"][i])).tolist())
+        params.append(gyges.SamplingParams(max_tokens=int(trace["output_tokens"][i]),
+                                           temperature=0.0, ignore_eos=True))
+    host = gyges.Host(tiny, workers=2, memory_per_worker="64MiB", layout="TP2")
+    want = {tuple(p): r.output_tokens for p, r in
+            zip(prompts_, [host.submit(p, q) for p, q in zip(prompts_, params)])}
+    while host.has_unfinished():
+        host.step()
+    host.close()
+    return {k: list(v) for k, v in want.items()}
+
+
+def assert_one_hosts_tokens(seen, want):
+    """Every request of a replay (its handle by prompt) has one Host's tokens."""
+    bad = [(len(want.get(p, ())), len(h.output_tokens), h.finish_reason, h.error, h.host,
+            h.resubmitted, h.recompute_mismatches)
+           for p, h in seen.items() if h.output_tokens != want.get(p)]
+    assert not bad and len(seen) == len(want), (bad, len(seen), len(want))
+
+
+def test_a_replay_over_two_hosts_decides_as_the_simulator_does(nodes, tiny):
+    """gyges.experiment.run(trace, cluster=...) and gyges.sim.run(hosts=2) on one trace: the
+    controller places every request on the same GPU of the same host and merges and splits
+    the same groups in the same order (round-robin over 4 GPUs of 2 hosts, two requests that
+    only a TP2 holds: a merge and a split on each host). Arrivals are far enough apart that
+    timing cannot change a decision (test_cluster.py's rule). Every request's tokens are one
+    Host's."""
+    caps = replay_capacities(tiny)
+    cost = ConstantCost(step=0.001, phase=0.0, capacity=tuple(caps))
+    long2 = (caps[0] + 8) * 16   # more than a TP1 instance holds, less than a TP2
+    trace = traces.from_arrays(np.arange(8) * 1.5, np.array([40, 60, long2, 30, 50,
+                                                             long2 + 100, 20, 70]),
+                               np.array([5, 6, 4, 7, 5, 3, 6, 4]))
+    simulated = sim.run(trace, policy="round_robin", hosts=2, gpus_per_host=2, cost=cost,
+                        watermark=0.0, check=True)
+    with gyges.Cluster(tiny, hosts=2, **REPLAY_HOST) as cluster:
+        for bad, match in (({"idle": "skip"}, "idle='skip'"), ({"policy": "flying"}, "flying"),
+                           ({"layout": "TP2"}, "layout=")):
+            with pytest.raises(experiment.ExperimentError, match=match):
+                experiment.run(trace, cluster=cluster, **{"policy": "round_robin", **bad})
+        seen = {}
+        cluster.add_listener(lambda hs: seen.update({tuple(h.prompt): h for h in hs}))
+        real = experiment.run(trace, policy="round_robin", cluster=cluster, cost=cost)
+    assert decisions(real) == decisions(simulated)
+    placed, xforms = decisions(real)
+    assert {g for _, g, _ in placed} == {0, 1, 2, 3}                 # both hosts serve
+    assert [(k, g) for k, g, _, _ in xforms] == [(0, 2), (1, 2), (0, 0), (1, 0)]  # both merge
+    assert real.config["hosts"] == 2 and real.config["executor"] == "gyges.Cluster"
+    assert real.stats["final_layout"] == "2xTP1 | 2xTP1"
+    assert np.isfinite(real.requests["scheduled"]).all()
+    assert_one_hosts_tokens(seen, replay_tokens(tiny, trace))
+
+
+def test_a_replay_loses_nothing_to_a_killed_host_and_a_lost_node(nodes, tiny):
+    """Three hosts (the third on a node of its own) replay a busy trace under gyges' policy;
+    host 1's actor is killed and then the third node removed while they serve. The
+    controller's view loses their GPUs, their requests are recomputed on host 0, and every
+    request finishes with one Host's tokens; nothing is placed on a lost host afterwards."""
+    extra = nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    rng = np.random.default_rng(11)
+    n = 24
+    trace = traces.from_arrays(np.sort(rng.uniform(0, 3.0, n)), rng.integers(20, 200, n),
+                               rng.integers(30, 60, n))
+    with gyges.Cluster(tiny, hosts=3, **REPLAY_HOST) as cluster:
+        lost = [i for i, node in enumerate(cluster._nodes) if node == extra.node_id]
+        assert len(lost) == 1 and lost[0] != 0
+        killed = ({1, 2} - set(lost)).pop()
+        seen, when = {}, {}
+
+        def losses():
+            for victim, lose in ((killed, lambda: ray.kill(cluster.host(killed).actor,
+                                                           no_restart=True)),
+                                 (lost[0], lambda: nodes.remove_node(extra))):
+                while not any(h.host == victim and h.output_tokens and not h.finished
+                              for h in list(seen.values())):
+                    time.sleep(0.005)
+                lose()
+                when[victim] = time.monotonic()
+
+        cluster.add_listener(lambda hs: seen.update({tuple(h.prompt): h for h in hs}))
+        t = threading.Thread(target=losses, daemon=True)
+        t.start()
+        start = time.monotonic()
+        res = experiment.run(trace, policy="gyges", cluster=cluster)
+        t.join(timeout=30)
+        assert sorted(cluster.lost_hosts) == sorted([killed, lost[0]])
+    assert (res.requests["status"] == 3).all()          # every request finished
+    assert res.stats["n_hosts_lost"] == 2
+    assert res.stats["n_resubmitted"] >= 1 and res.stats["recompute_mismatches"] == 0
+    assert res.stats["final_layout"].count("lost") == 2
+    after = res.requests["arrival"] > max(when.values()) - start + 0.5
+    assert (res.requests["gpu"][after] < 2).all()      # placed on host 0 only
+    assert_one_hosts_tokens(seen, replay_tokens(tiny, trace))
+
+
+def test_llumnix_moves_running_requests_between_hosts_with_their_kv(nodes, tiny):
+    """policy 'llumnix' on two hosts of one TP1 replica each (decode work weighs most in its
+    placement): a long request goes to host 0, then two short ones and a long one to host 1,
+    whose requests' KV demand then exceeds its memory while host 0's does not; the controller's
+    MIGRATE op moves a short one, running, with its KV, to host 0 (Cluster.migrate), and every
+    request's tokens are one Host's."""
+    trace = traces.from_arrays(np.array([0.0, 0.01, 0.02, 0.03]), np.array([150, 300, 300, 150]),
+                               np.array([600, 80, 80, 600]))
+    with gyges.Cluster(tiny, hosts=2, workers_per_host=1, layout="TP1",
+                       memory_per_worker="24MiB") as cluster:
+        seen = {}
+        cluster.add_listener(lambda hs: seen.update({tuple(h.prompt): h for h in hs}))
+        res = experiment.run(trace, policy="llumnix", cluster=cluster, decode_weight=10.0,
+                             sample_interval=0.05)
+        with pytest.raises(experiment.ExperimentError, match="max_tp 1"):
+            experiment.run(trace, policy="llumnix", cluster=cluster, max_tp=2)
+    assert (res.requests["status"] == 3).all()
+    assert res.stats["n_live_migrations"] >= 1, (res.stats, res.requests["gpu"])
+    assert res.stats["n_migrations_between_hosts"] == res.stats["n_live_migrations"]
+    assert res.stats["migrate_bytes"] > 0 and res.stats["recompute_mismatches"] == 0
+    assert res.requests["migrations"].sum() == res.stats["n_live_migrations"]
+    assert sum(h.migrations for h in seen.values()) == res.stats["n_live_migrations"]
+    assert_one_hosts_tokens(seen, replay_tokens(tiny, trace))
+
+
+def test_a_request_placed_twice_on_one_host_is_served_once(tiny):
+    """Two losses in a row can place one request on a host twice (the second loss's
+    resubmission and the first's retry); the host keeps the newest placement, aborts the
+    other, and its updates name the placement (epoch), so the driver takes one stream. (The
+    HostActor class in this process, no Ray.)"""
+    from gyges.distributed.host_actor import HostActor
+    params = gyges.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    p = prompts(1, seed=9)[0]
+    actor = HostActor(tiny.source, dict(workers=2, layout="2xTP1", memory_per_worker="32MiB"))
+    try:
+        first = actor.submit(7, p, params, None, 1)
+        actor.submit(7, p, params, None, 2)
+        assert actor.host.between_steps(lambda: sum(len(i.requests)
+                                                    for i in actor.host.instances)) == 1
+        got, epochs, done = [], set(), False
+        while not done:
+            for rid, epoch, tokens, finished, reason, error, _ in actor.updates(1.0):
+                assert rid == 7
+                epochs.add(epoch)
+                got += tokens
+                done = finished
+        assert epochs == {2} and got == reference(tiny, [p], params)[0]
+        assert first is not None
+    finally:
+        actor.close()
 
 
 def test_bad_input_is_a_gyges_error_that_queues_nothing(nodes, tiny):

@@ -113,6 +113,10 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
                            (int)k, (int)i->gpu_first, (int)i->tp, (long long)i->kv_total,
                            (int)v->max_tp);
     }
+    for (int32_t k = 0; k < v->n_inst; k++)
+        if (v->inst[k].xform == GY_SIM_XFORM_LOST && v->inst[k].placeable)
+            return GY_FAIL(GY_ERR_INVALID, "bad view: instance %d (GPU %d) is lost but placeable",
+                           (int)k, (int)v->inst[k].gpu_first);
     for (int32_t g = 0; g < v->n_gpus; g++) {
         const int32_t k = v->gpu_inst[g];
         if (k < 0 || k >= v->n_inst || g < v->inst[k].gpu_first ||

@@ -112,6 +112,7 @@ int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, 
 int gy_sim_policy_build_group(const gy_sim_view *v, int32_t g, int32_t size, gy_sim_decision *d) {
     if (!gy_sim_group_valid(v, g, size)) return -1;
     const gy_sim_inst_view *owner = &v->inst[v->gpu_inst[g]];
+    if (owner->xform == GY_SIM_XFORM_LOST) return -1; /* its host is gone */
     if (owner->tp > size) return -1; /* the group is a part of a larger instance */
     if (owner->gpu_first == g && owner->tp == size) return 1;
     const int32_t half = size / 2;
@@ -140,7 +141,8 @@ int gy_sim_policy_resume(const gy_sim_view *v, const gy_sim_req_view *r, gy_sim_
     if (!r->deferred || r->group.size == 0) return 0;
     const int32_t k = gy_sim_group_instance(v, r->group.gpu_first, r->group.size);
     if (k >= 0) {
-        if (v->inst[k].kv_total < r->footprint) return 0; /* the group is too small after all */
+        if (v->inst[k].kv_total < r->footprint || v->inst[k].xform == GY_SIM_XFORM_LOST)
+            return 0; /* the group is too small after all, or gone: decided afresh */
         if (v->inst[k].placeable) {
             d->action = GY_SIM_ACTION_PLACE;
             d->target = k;

@@ -72,6 +72,10 @@ typedef enum gy_sim_xform {
                                    transform */
     GY_SIM_XFORM_RESTORING = 9, /* a buddy group getting its weights back; serves (live
                                    restore) or stops, takes no new requests */
+    GY_SIM_XFORM_LOST = 10,     /* GPUs of a host that is gone (its process or machine died):
+                                   never placeable, never part of a group to build; a real
+                                   cluster's executor lists them so that every GPU keeps an
+                                   instance (gyges/distributed/replay.py) */
 } gy_sim_xform;
 
 typedef struct gy_sim_inst_view {

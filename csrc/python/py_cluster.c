@@ -5,10 +5,12 @@
  *                                            the instances in GPU order
  *   assign(id, action, gpu_first, tp, tp_work)  a request's decision (1 place, 2 defer,
  *                                            3 reject; tp_work: a placement as TP work)
- *   reconfigure(kind, gpu_first, size, layers) -> whether it started (0 merge, 1 split,
- *                                            4 bind, 5 release, 6 re-split of a pipeline to
- *                                            the split `layers`, a tuple; () otherwise; 7
- *                                            drop replicas into a buddy group, 8 restore it)
+ *   reconfigure(kind, gpu_first, size, layers, target) -> whether it started (0 merge,
+ *                                            1 split, 4 bind, 5 release, 6 re-split of a
+ *                                            pipeline to the split `layers`, a tuple; ()
+ *                                            otherwise; 7 drop replicas into a buddy group,
+ *                                            8 restore it; 9 migrate a running request to the
+ *                                            instance at GPU `target`, -1 for other kinds)
  *
  * which the controller calls while it decides; the simulator's executor is C (sim/sim.c). An
  * exception raised by an op ends the call with that same exception. The GIL is kept: the
@@ -72,8 +74,9 @@ static gy_status gy_py_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *s
     PyObject *layers = PyTuple_New(n);
     if (layers == NULL) return GY_PY_OP_FAILED;
     for (int32_t i = 0; i < n; i++) PyTuple_SET_ITEM(layers, i, PyLong_FromLong(op->layers[i]));
-    PyObject *result = PyObject_CallMethod(self->executor, "reconfigure", "iiiN", (int)op->kind,
-                                           (int)op->gpu_first, (int)op->size, layers);
+    PyObject *result = PyObject_CallMethod(
+        self->executor, "reconfigure", "iiiNi", (int)op->kind, (int)op->gpu_first, (int)op->size,
+        layers, op->kind == GY_SIM_OP_MIGRATE ? (int)op->target : -1);
     if (result == NULL) return GY_PY_OP_FAILED;
     const int truth = PyObject_IsTrue(result);
     Py_DECREF(result);

@@ -1,6 +1,7 @@
 """Replay a request trace against a real gyges.Host under the simulator's cluster policies: one
-controller (csrc/cluster/controller.h, with the policies of csrc/policy/policy_*.c), two executors
-(gyges.sim's discrete events, and this module's real host).
+controller (csrc/cluster/controller.h, with the policies of csrc/policy/policy_*.c), three
+executors (gyges.sim's discrete events, this module's real host, and a gyges.Cluster's hosts,
+gyges/distributed/replay.py, given as run(..., cluster=...)).
 
     res = gyges.experiment.run(trace, policy="gyges", host=host, time_scale=0.05)
     res.summary(); res.requests; res.plot("run.png"); res.save("runs/gyges")
@@ -48,9 +49,9 @@ import numpy as np
 
 from . import traces
 from .. import _C
-from .policy import (BIND, DEFER, DROP, INST_VIEW_DTYPE, PLACE, RELEASE, RESPLIT, RESTORE,
-                      XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
-                      Policy, check_number, check_policy, smallest_tp)
+from .policy import (BIND, DEFER, DROP, INST_VIEW_DTYPE, MIGRATE, PLACE, RELEASE, RESPLIT,
+                     RESTORE, XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
+                     Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from ..runtime.engine import SamplingParams
 from ..core.errors import Error as GygesError
@@ -137,6 +138,28 @@ def capacities(host, max_tp=None) -> list[int]:
     return out
 
 
+def instance_load(host, inst) -> dict:
+    """What the controller's view of one instance of `host` needs from the instance itself: KV
+    blocks (capacity, in use) in the TP1 block size, requests running and waiting, preemptions
+    so far, and per request not yet sampling its tokens computed ({host request id: n}). Read
+    between two of its steps (a host actor reads it under the host's lock)."""
+    st = inst.stats()
+    kv = host.worker(inst.workers[0]).kv.stats()
+    scale = inst.block_tokens // host.block_size  # a TP view's block: tp DP blocks' tokens
+    if host.replicas is not None:  # the pool is shared: count this instance's own blocks, on rank 0
+        cache = (host.replicas.groups[(min(inst.workers), inst.tp)].views[0]
+                 if inst.tp > 1 else host.worker(inst.workers[0]).kv)
+        used = sum(len(cache.block_table(seq)) for seq in
+                   (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
+        kv = {"n_blocks": used, "free_blocks": 0}
+    computed = {rid: inst.info(rid)["n_computed"]
+                for rid, handle in list(inst.requests.items()) if not handle.output_tokens}
+    return {"capacity": st["capacity_blocks"] * scale, "running": st["running"],
+            "waiting": st["waiting"] + st["preempted_queued"],
+            "kv_used": (kv["n_blocks"] - kv["free_blocks"]) * scale,
+            "computed": computed, "preemptions": st["preemptions"]}
+
+
 @dataclass(eq=False)
 class _Req:
     index: int
@@ -168,36 +191,18 @@ class _Replay:
     def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
                  layers_per_step, idle, sample_interval, max_tp, record_steps=False,
                  pipeline_cost=None, buddy=False, prefill_rate=None):
-        self.trace, self.policy, self.host = trace, policy, host
-        self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
-        self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
-        self.n_gpus = host.n_workers
-        self.max_tp = max_tp
-        self.capacity = np.asarray([host.instances[0].capacity_blocks()]
-                                   if host.instances[0].stages else capacities(host, max_tp),
-                                   np.int64)
-        self.block_size = host.block_size
-        self.max_pos = host.worker(0).max_pos
-        self.vocab = host.model.config.vocab_size
-        self.sample_interval = sample_interval
-        self.initial_layout = host.layout()
-        self.reqs = []
-        self.by_id = {}              # host request id -> _Req
-        self.active = []             # queued, unfinished
-        self.xforms = []             # (row dict, Transformation handle)
-        self.layout_events = []
-        self.samples = []
-        self.cache = {}              # Instance -> what it reported after its last step
-        self.running = {}            # Instance -> (Future of its runner, stop Event)
-        self.events = queue.Queue()  # (what, Instance) from the runners
+        self.host = host
+        self.n_gpus = self.gpus_per_host = host.n_workers
+        self.begin(trace, policy, time_scale, seed, temperature, method, layers_per_step, idle,
+                   sample_interval, max_tp,
+                   [host.instances[0].capacity_blocks()] if host.instances[0].stages
+                   else capacities(host, max_tp),
+                   host.block_size, host.worker(0).max_pos, host.model.config.vocab_size,
+                   host.layout())
         self.pool = ThreadPoolExecutor(max_workers=self.n_gpus,
                                        thread_name_prefix="gyges-experiment")
-        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0, "n_resplits": 0,
-                      "n_drops": 0, "n_restores": 0,
-                      "n_releases": 0, "n_migrations": 0,
-                      "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
-                      "controller_seconds": 0.0, "transform_seconds": 0.0}
-        self.last_refusal = None
+        self.running = {}            # Instance -> (Future of its runner, stop Event)
+        self.events = queue.Queue()  # (what, Instance) from the runners
         # a replicated host (weights="replicated") binds and releases groups (gyges.flying)
         self.replicated = host.replicas is not None
         # a pipeline host (one pipeline over every worker) re-splits it (gyges.pipelive)
@@ -205,24 +210,80 @@ class _Replay:
         pipeline = None
         # a buddy host (KunServe: whole replicas that drop into buddy groups, gyges.kunserve)
         self.buddy = buddy
-        self.buddies = {}            # (gpu_first, size) -> the Buddy serving there
         if self.pipeline is not None or buddy:
             pipeline = (pipeline_cost.params(block_size=self.block_size) if pipeline_cost
                         else pipeline_params(host, host.instances if buddy else None))
-        self.ctl = _C.Controller(self, policy.handle, self.n_gpus, self.n_gpus, max_tp,
+        self.ctl = _C.Controller(self, policy.handle, self.n_gpus, self.gpus_per_host, max_tp,
                                  self.capacity.tolist(), self.block_size, 0.0,
                                  replicated=self.replicated, base_tp=1, pipeline=pipeline,
                                  buddy=buddy, prefill_rate=prefill_rate)
-        self.ended = 0               # transformations ended, not yet told to the controller
-        self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
         self.record_steps = record_steps
-        self.steps = []              # STEP_DTYPE rows
         for inst in host.instances:
             self.refresh(inst)
+
+    def begin(self, trace, policy, time_scale, seed, temperature, method, layers_per_step, idle,
+              sample_interval, max_tp, capacity, block_size, max_pos, vocab, layout):
+        """What every executor of a run keeps: its knobs, the hosts' shape, the requests and
+        what is recorded."""
+        self.trace, self.policy = trace, policy
+        self.time_scale, self.seed, self.temperature = time_scale, seed, temperature
+        self.method, self.layers_per_step, self.idle = method, layers_per_step, idle
+        self.max_tp = max_tp
+        self.capacity = np.asarray(capacity, np.int64)
+        self.block_size, self.max_pos, self.vocab = block_size, max_pos, vocab
+        self.sample_interval = sample_interval
+        self.initial_layout = layout
+        self.reqs = []
+        self.by_id = {}              # request id -> _Req
+        self.active = []             # queued, unfinished
+        self.xforms = []             # (row dict, reconfiguration handle)
+        self.layout_events = []
+        self.samples = []
+        self.cache = {}              # instance -> what it reported after its last step
+        self.stats = {"n_steps": 0, "n_merges": 0, "n_splits": 0, "n_binds": 0, "n_resplits": 0,
+                      "n_drops": 0, "n_restores": 0,
+                      "n_releases": 0, "n_migrations": 0,
+                      "n_preemptions": 0, "refusals": {}, "skipped_idle_seconds": 0.0,
+                      "controller_seconds": 0.0, "transform_seconds": 0.0}
+        self.last_refusal = None
+        self.replicated, self.pipeline, self.buddy = False, None, False
+        self.buddies = {}            # (gpu_first, size) -> the Buddy serving there
+        self.ended = 0               # transformations ended, not yet told to the controller
+        self.steps_ended = []        # (gpu_first, tp) of instances that finished requests
+        self.record_steps = False
+        self.steps = []              # STEP_DTYPE rows
 
     def serving(self):
         """The instances that step now (a replicated host's bound groups and free workers)."""
         return sorted(self.host.serving_instances(), key=lambda inst: min(inst.workers))
+
+    def layout(self):
+        return self.host.layout()
+
+    def all_instances(self):
+        """The instances at the start (layout events)."""
+        return self.host.instances
+
+    def close(self):
+        self.quiesce_all()
+        self.pool.shutdown(wait=True)
+
+    def executor_config(self):
+        """What Results.config says of the executor and its host."""
+        host = self.host
+        return {"executor": "gyges.Host", "model": repr(host.model), "hosts": 1,
+                "memory_per_worker": host.memory_per_worker,
+                "page_size": host.worker(0).page_size,
+                "max_batch_tokens": host.max_batch_tokens, "max_running": host.max_running,
+                "max_prefill_chunk": host.max_prefill_chunk}
+
+    def first_scheduled(self, handle):
+        """When an unfinished request (cut by time_limit) was first scheduled: its instance
+        knows."""
+        for inst in self.host.instances:
+            if handle.id in inst.requests:
+                return inst.info(handle.id)["first_scheduled"]
+        return handle.metrics.scheduled
 
     # ---- clock ----
     def now(self):
@@ -242,25 +303,9 @@ class _Replay:
 
     # ---- steps ----
     def refresh(self, inst):
-        """Reads an instance's scheduler and KV state into the cache (from its runner thread
-        after each step, or from the main thread while it is stopped)."""
-        st = inst.stats()
-        kv = self.host.worker(inst.workers[0]).kv.stats()
-        scale = inst.block_tokens // self.block_size  # a TP view's block: tp DP blocks' tokens
-        if self.replicated:  # the pool is shared: count this instance's own blocks, on rank 0
-            cache = (self.host.replicas.groups[(min(inst.workers), inst.tp)].views[0]
-                     if inst.tp > 1 else self.host.worker(inst.workers[0]).kv)
-            used = sum(len(cache.block_table(seq)) for seq in
-                       (inst.request_seqs(rid)[0] for rid in inst.requests) if seq >= 0)
-            kv = {"n_blocks": used, "free_blocks": 0}
-        computed = {}
-        for rid, handle in list(inst.requests.items()):
-            if not handle.output_tokens:
-                computed[rid] = inst.info(rid)["n_computed"]
-        self.cache[inst] = {"capacity": st["capacity_blocks"] * scale, "running": st["running"],
-                            "waiting": st["waiting"] + st["preempted_queued"],
-                            "kv_used": (kv["n_blocks"] - kv["free_blocks"]) * scale,
-                            "computed": computed, "preemptions": st["preemptions"]}
+        """Reads an instance's load into the cache (from its runner thread after each step, or
+        from the main thread while it is stopped)."""
+        self.cache[inst] = instance_load(self.host, inst)
 
     def busy(self):
         return bool(self.active) or any(not t.done for t in self.host.reconfigurations)
@@ -390,9 +435,7 @@ class _Replay:
 
     def collect(self):
         """Takes in the requests that finished and the transformations that ended."""
-        for row, t in self.xforms:
-            if t is not None and math.isnan(row["end"]) and t.done:
-                self.finish_transform(row, t)
+        self.collect_transforms()
         still = []
         for r in self.active:
             if r.handle.finished:
@@ -402,6 +445,11 @@ class _Replay:
             else:
                 still.append(r)
         self.active = still
+
+    def collect_transforms(self):
+        for row, t in self.xforms:
+            if t is not None and math.isnan(row["end"]) and t.done:
+                self.finish_transform(row, t)
 
     # ---- telling the controller (between its calls: its ops may not call back) ----
     def control(self, method, *args):
@@ -436,6 +484,9 @@ class _Replay:
 
     # ---- the controller's ops ----
     def instances(self):
+        return self.view_rows().tobytes()
+
+    def view_rows(self):
         """gy_sim_inst_view rows of every instance in worker order (the controller adds held
         and reserved): what each reported at the end of its last step plus the requests placed
         on it since."""
@@ -448,7 +499,7 @@ class _Replay:
         for row, i in zip(rows, insts):
             g, c, rs = min(i.workers), self.cache[i], mine[i]
             transforming = bool(staggered & set(i.workers))
-            row["gpu_first"], row["tp"] = g, i.tp
+            row["gpu_first"], row["tp"], row["host"] = g, i.tp, g // self.gpus_per_host
             row["xform"] = XFORM_MERGING if transforming else XFORM_NONE
             row["placeable"] = 0 if transforming else 1
             row["max_min_tp"] = max((r.min_tp for r in rs), default=0)
@@ -474,7 +525,7 @@ class _Replay:
                 row["bound"] = 1
                 row["n_paused"] = sum(1 for r in self.active if r.inst is not None and
                                       r.inst.tp == 1 and r.inst.workers[0] in i.workers)
-        return rows.tobytes()
+        return rows
 
     def assign(self, index, action, gpu_first, tp, tp_work=0):
         r = self.reqs[index]
@@ -489,11 +540,15 @@ class _Replay:
         else:
             r.status = REJECTED
 
-    def reconfigure(self, kind, g, size, layers=()):
+    def reconfigure(self, kind, g, size, layers=(), target=-1):
         """A merge (kind 0) of the two TP size/2 halves of workers g..g+size-1, or a split
         (kind 1) of the TP-size instance at g; on a replicated host a bind (kind 4) of workers
         g..g+size-1 or a release (kind 5) of the group bound there; on a pipeline host a live
-        re-split (kind 6) of the pipeline at g to `layers`: whether it started."""
+        re-split (kind 6) of the pipeline at g to `layers`; a running request of the instance
+        at g moved to the one at `target` (kind 9, where the executor moves requests):
+        whether it started."""
+        if kind == MIGRATE:
+            return self.migrate(g, target)
         if kind in (DROP, RESTORE):
             if not self.buddy:
                 return self.refuse(f"op kind {kind}: not a buddy run (policy 'kunserve')")
@@ -520,6 +575,11 @@ class _Replay:
         if size < 2 or src is None:
             return self.refuse(f"split: no TP{size} instance at worker {g}")
         return self.transform(1, g, size, size // 2, [src])
+
+    def migrate(self, g, target):
+        """(One in-process host does not move requests between its instances; a cluster
+        does, distributed/replay.py.)"""
+        return self.refuse("migrate: this executor does not move requests")
 
     def resplit(self, g, layers):
         """Starts a live re-split of the pipeline at worker g (host.reconfigure); its runner
@@ -693,9 +753,29 @@ class _Replay:
         self.stats["refusals"][why] = self.stats["refusals"].get(why, 0) + 1
         return False
 
+    def transforming(self, g):
+        """Whether a transformation is under way where worker g is (one at a time a host)."""
+        return any(not t.done for t in self.host.reconfigurations)
+
+    def start_transform(self, workers, tp, layers_per_step):
+        """host.transform of `workers` to TP `tp`: its handle (a gyges.Error if refused)."""
+        return self.host.transform(workers=workers, tp=tp, method=self.method,
+                                   layers_per_step=layers_per_step)
+
+    def instances_in(self, g, n):
+        """The serving instances on workers g..g+n-1, their cache rows fresh and their requests
+        followed there."""
+        new = [inst for inst in self.host.instances if g <= min(inst.workers) < g + n]
+        for inst in new:
+            self.refresh(inst)
+            for rid in list(inst.requests):
+                r = self.by_id.get(rid)
+                if r is not None:
+                    r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
+        return new
+
     def transform(self, kind, g, tp_from, tp_to, sources):
-        host = self.host
-        if any(not t.done for t in host.reconfigurations):
+        if self.transforming(g):
             return self.refuse("a transformation is under way")
         for inst in sources:
             self.quiesce(inst)
@@ -704,8 +784,7 @@ class _Replay:
         workers = tuple(range(g, g + max(tp_from, tp_to)))
         from ..reconfig import TransformError
         try:
-            t = host.transform(workers=workers, tp=tp_to, method=self.method,
-                               layers_per_step=self.layers_per_step if kind == 0 else None)
+            t = self.start_transform(workers, tp_to, self.layers_per_step if kind == 0 else None)
         except (TransformError, GygesError) as e:
             self.last_refusal = str(e)
             return self.refuse(f"{('merge', 'split')[kind]}: {type(e).__name__}")
@@ -719,14 +798,8 @@ class _Replay:
         row = {"kind": kind, "gpu": g, "tp_from": tp_from, "tp_to": tp_to, "start": start,
                "phase_end": math.nan, "end": math.nan, "migrated": len(moving)}
         self.xforms.append((row, t))
-        new = [inst for inst in host.instances if g <= min(inst.workers) < g + len(workers)]
-        for inst in new:
-            self.refresh(inst)
+        for inst in self.instances_in(g, len(workers)):
             self.layout_events.append((start, min(inst.workers), inst.tp, +1))
-            for rid in list(inst.requests):
-                r = self.by_id.get(rid)
-                if r is not None:
-                    r.inst, r.gpu, r.tp = inst, min(inst.workers), inst.tp
         if t.done:
             self.finish_transform(row, t)
         return True
@@ -763,14 +836,14 @@ class _Replay:
 def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: dict | None = None,
         progress: bool = False, *, layout: str | None = None, seed: int = 0,
         temperature: float = 0.0, method: str = "gyges", layers_per_step: int | None = None,
-        idle: str = "skip", time_limit: float | None = None,
+        idle: str | None = None, time_limit: float | None = None,
         sample_interval: float | None = None, max_tp: int | None = None,
         decode_weight: float | None = None, scale_down_free: float | None = None,
         scale_up_load: float | None = None, scale_up_cap: float | None = None,
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
         flying_tp: int | None = None, light_load: float | None = None,
         idle_load: float | None = None, record_steps: bool = False, pipeline_cost=None,
-        cost=None) -> Results:
+        cost=None, cluster=None) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -781,7 +854,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     A request that no TP up to max_tp (default: the host's largest) can hold, or longer than
     the model's positions, has min_tp 0 and every policy rejects it.
     method / layers_per_step: how merges run (host.transform); scale-downs run at once.
-    idle: "skip" (jump the clock over idle gaps) or "sleep". time_limit: wall seconds after
+    idle: "skip" (jump the clock over idle gaps; the default) or "sleep". time_limit: wall seconds after
     which the run stops (requests still queued stay unfinished, deferred ones unserved).
     sample_interval: seconds between per-instance samples and throughput bins (default about
     1/100 of the scaled trace, at least 0.1 s). The policy knobs are gyges.sim.run's, in the
@@ -793,6 +866,10 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     proportional to TP). slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
+    cluster: a gyges.Cluster to replay over instead of one host (gyges/distributed/replay.py):
+    every host's GPUs under the one controller, numbered as gyges.sim.run(hosts=N) numbers
+    them; policies gyges, least_load, round_robin, static and llumnix (its MIGRATE op moves
+    running requests with their KV between replicas on any hosts); idle gaps are slept.
     A pipeline host (one pipeline over every worker, e.g. layout="PP2"; the default host for
     policy "pipelive" is an 8-layer tiny model on workers of 112 and 80 MiB) re-splits live
     (host.reconfigure) when the policy says; pipeline_cost: the gyges.costmodel.PipelineCost it
@@ -805,7 +882,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         raise ExperimentError("the trace has no requests")
     check_policy(policy, ExperimentError)
     time_scale = _check_number("time_scale", time_scale, 0.0, low_open=True)
-    if idle not in ("skip", "sleep"):
+    if idle not in (None, "skip", "sleep"):
         raise ExperimentError(f"idle must be 'skip' or 'sleep', got {idle!r}")
     if time_limit is not None:
         time_limit = _check_number("time_limit", time_limit, 0.0, low_open=True)
@@ -825,6 +902,91 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                  eager_scale_up=eager_scale_up, flying_tp=flying_tp, light_load=light_load,
                  idle_load=idle_load)
 
+    n = trace.shape[0]
+    arrival = np.asarray(trace["arrival"], np.float64)
+    rel = (arrival - arrival[0]) * time_scale
+    span = float(rel[-1])
+    if sample_interval is None:
+        sample_interval = max(0.1, span / 100)
+    sample_interval = _check_number("sample_interval", sample_interval, 0.0, low_open=True)
+
+    if cost is not None:
+        from .costmodel import ConstantCost, CostModel
+        if not isinstance(cost, (CostModel, ConstantCost)):
+            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel or ConstantCost, "
+                                  f"got {type(cost).__name__}")
+    if cluster is not None:   # hosts in processes of their own (gyges.distributed)
+        replay = getattr(cluster, "replay_executor", None)
+        if replay is None:
+            raise ExperimentError(f"cluster must be a gyges.Cluster, got {type(cluster).__name__}")
+        for name, value in (("host", host), ("layout", layout), ("pipeline_cost", pipeline_cost)):
+            if value is not None:
+                raise ExperimentError(f"{name}= does not apply to a cluster run: it replays on "
+                                      f"the cluster's hosts as they are")
+        if record_steps:
+            raise ExperimentError("record_steps times each step inside one process; a cluster "
+                                  "run does not record them")
+        if idle == "skip":
+            raise ExperimentError("idle='skip' moves one process's clock; a cluster's hosts keep "
+                                  "their own, so a cluster run sleeps (idle='sleep')")
+        rp = replay(trace, pol, cluster, time_scale, int(seed), float(temperature), method,
+                    layers_per_step, sample_interval, max_tp, cost, policy)
+    else:
+        rp = _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature,
+                          method, layers_per_step, idle or "skip", sample_interval, max_tp,
+                          record_steps, pipeline_cost, cost)
+    t0 = rp.now()
+    for inst in sorted(rp.all_instances(), key=lambda i: min(i.workers)):
+        rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
+    for i in range(n):
+        prompt, output = int(trace["input_tokens"][i]), int(trace["output_tokens"][i])
+        fp = -(-(prompt + output) // rp.block_size)
+        min_tp = 0 if prompt + output > rp.max_pos else smallest_tp(fp, rp.capacity)
+        rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i]),
+                            priority=int(trace["priority"][i])))
+    try:
+        stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
+        rp.sample()
+        cs = rp.ctl.stats()
+        rp.controller_stats = {"n_ops_refused": cs["ops_refused"], "n_decisions": cs["decisions"],
+                               "n_rebalances": cs["rebalances"]}
+    finally:
+        rp.close()
+        rp.ctl = None  # the controller holds rp as its executor: no cycle left behind
+    res = _results(rp, t0, policy, pol, slo, time.perf_counter() - t_wall, stopped)
+    if record_steps:
+        res.steps = np.array(rp.steps, dtype=STEP_DTYPE)
+    return res
+
+
+def checked_max_tp(max_tp, n_workers, model_max_tp, tps, layout):
+    """max_tp (None: the largest a host of n_workers serves the model at) checked against a
+    host of TP groups now at `tps` (its layout `layout`)."""
+    if n_workers & (n_workers - 1):
+        raise ExperimentError(f"the policies need a power-of-two number of workers (aligned "
+                              f"groups), the host has {n_workers}")
+    largest = min(model_max_tp, n_workers)
+    if max_tp is None:
+        max_tp = largest
+    elif isinstance(max_tp, bool) or not isinstance(max_tp, int) or max_tp < 1 or \
+            max_tp & (max_tp - 1) or max_tp > largest:
+        raise ExperimentError(f"max_tp must be a power of two <= {largest}, got {max_tp!r}")
+    if max(tps) > max_tp:
+        raise ExperimentError(f"the host's layout {layout} has an instance above "
+                              f"max_tp={max_tp}")
+    return max_tp
+
+
+def prefill_rates(cost, max_tp, chunk):
+    """The prefill rate per TP level that a cost model gives the controller (None: none)."""
+    return None if cost is None else _C.sim_prefill_rates(cost.kind, cost.params(), max_tp, chunk)
+
+
+def _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature, method,
+                 layers_per_step, idle, sample_interval, max_tp, record_steps, pipeline_cost,
+                 cost):
+    """The executor of a run on one in-process Host (built here when host is None), its
+    policy and knobs checked against the host."""
     from ..runtime.host import Host
     if host is None:
         from ..models.model import Model
@@ -846,8 +1008,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         raise ExperimentError("the host still serves requests or transforms; give run() an "
                               "idle host")
     if policy == "llumnix":
-        raise ExperimentError("policy 'llumnix' migrates running requests live between replicas, "
-                              "which the real host does not do yet; simulate it "
+        raise ExperimentError("policy 'llumnix' migrates running requests live between "
+                              "replicas, which one in-process host does not do; replay it on a "
+                              "gyges.Cluster (cluster=..., even of one host) or simulate it "
                               "(gyges.sim.run(..., weights='buddy', policy='llumnix'))")
     if host.weights == "mixed":
         raise ExperimentError("the controller drives a host whose workers are all sharded or all "
@@ -876,26 +1039,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         if max_tp not in (None, 1):
             raise ExperimentError(f"a pipeline host has max_tp 1, got {max_tp!r}")
         max_tp = 1
-    elif n_gpus & (n_gpus - 1):
-        raise ExperimentError(f"the policies need a power-of-two number of workers (aligned "
-                              f"groups), the host has {n_gpus}")
-    largest = min(host.max_tp, n_gpus)
-    if max_tp is None:
-        max_tp = largest
-    elif isinstance(max_tp, bool) or not isinstance(max_tp, int) or max_tp < 1 or \
-            max_tp & (max_tp - 1) or max_tp > largest:
-        raise ExperimentError(f"max_tp must be a power of two <= {largest}, got {max_tp!r}")
-    if max(inst.tp for inst in host.instances) > max_tp:
-        raise ExperimentError(f"the host's layout {host.layout()} has an instance above "
-                              f"max_tp={max_tp}")
-
-    n = trace.shape[0]
-    arrival = np.asarray(trace["arrival"], np.float64)
-    rel = (arrival - arrival[0]) * time_scale
-    span = float(rel[-1])
-    if sample_interval is None:
-        sample_interval = max(0.1, span / 100)
-    sample_interval = _check_number("sample_interval", sample_interval, 0.0, low_open=True)
+    else:
+        max_tp = checked_max_tp(max_tp, n_gpus, host.max_tp,
+                                [inst.tp for inst in host.instances], host.layout())
 
     if pipeline_cost is not None:
         from .costmodel import PipelineCost
@@ -904,51 +1050,20 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                 pipeline_cost.model.num_hidden_layers != host.model.config.num_hidden_layers:
             raise ExperimentError("pipeline_cost must be a gyges.costmodel.PipelineCost of the "
                                   "host's pipeline (as many stages, the model's layers)")
-    prefill_rate = None
-    if cost is not None:
-        from .costmodel import ConstantCost, CostModel
-        if not isinstance(cost, (CostModel, ConstantCost)):
-            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel or ConstantCost, "
-                                  f"got {type(cost).__name__}")
-        chunk = host.max_prefill_chunk or host.max_batch_tokens
-        prefill_rate = _C.sim_prefill_rates(cost.kind, cost.params(), max_tp, chunk)
-    rp = _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
-                 layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
-                 pipeline_cost, buddy=policy == "kunserve", prefill_rate=prefill_rate)
-    t0 = host.now()
-    for inst in sorted(host.instances, key=lambda i: min(i.workers)):
-        rp.layout_events.append((t0, min(inst.workers), inst.tp, +1))
-    for i in range(n):
-        prompt, output = int(trace["input_tokens"][i]), int(trace["output_tokens"][i])
-        fp = -(-(prompt + output) // rp.block_size)
-        min_tp = 0 if prompt + output > rp.max_pos else smallest_tp(fp, rp.capacity)
-        rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i]),
-                            priority=int(trace["priority"][i])))
-    try:
-        stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
-        rp.sample()
-        cs = rp.ctl.stats()
-        rp.controller_stats = {"n_ops_refused": cs["ops_refused"], "n_decisions": cs["decisions"],
-                               "n_rebalances": cs["rebalances"]}
-    finally:
-        rp.quiesce_all()
-        rp.pool.shutdown(wait=True)
-        rp.ctl = None  # the controller holds rp as its executor: no cycle left behind
-    res = _results(rp, t0, policy, pol, slo, time.perf_counter() - t_wall, stopped)
-    if record_steps:
-        res.steps = np.array(rp.steps, dtype=STEP_DTYPE)
-    return res
+    prefill_rate = prefill_rates(cost, max_tp, host.max_prefill_chunk or host.max_batch_tokens)
+    return _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
+                   layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
+                   pipeline_cost, buddy=policy == "kunserve", prefill_rate=prefill_rate)
 
 
 def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
     """Arrivals, steps and timers until every request is done (or time_limit); returns whether
     time_limit stopped it."""
-    host = rp.host
     nxt, next_sample, shown = 0, t0, 0.0
     stuck_since = None
     merge_wait = rp.policy.config["merge_wait"]
     while True:
-        now = host.now()
+        now = rp.now()
         if time_limit is not None and time.perf_counter() - t_wall > time_limit:
             return True
         while nxt < n and rp.reqs[nxt].arrival <= now:
@@ -960,29 +1075,29 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
             next_sample = now + rp.sample_interval
             # a policy may wait for time alone (merge_wait) or watch the load (gyges, kunserve)
             if rp.n_deferred or rp.policy.monitors:
-                rp.control("tick", host.now())
+                rp.control("tick", rp.now())
                 rp.react()
         if progress and time.perf_counter() - shown > 1.0:
             shown = time.perf_counter()
             done = sum(r.status in (FINISHED, REJECTED) for r in rp.reqs)
             sys.stderr.write(f"\rexperiment {policy}: {now - t0:7.1f} s, {done}/{n} requests "
-                             f"done, layout {host.layout():<16}")
+                             f"done, layout {rp.layout():<16}")
             sys.stderr.flush()
         rp.launch()
         if rp.running:
             stuck_since = None
             until = min(rp.reqs[nxt].arrival, next_sample) if nxt < n else next_sample
-            rp.wait(min(max(until - host.now(), 0.0), 0.25))
+            rp.wait(min(max(until - rp.now(), 0.0), 0.25))
             rp.react()
             continue
         # nothing runs
         if rp.n_deferred:
-            rp.control("tick", host.now())
+            rp.control("tick", rp.now())
             rp.react()
             if rp.busy():
                 continue
             if stuck_since is None:
-                stuck_since = host.now()
+                stuck_since = rp.now()
         deferred = rp.n_deferred
         if nxt < n:
             rp.skip_to(min(rp.reqs[nxt].arrival, next_sample) if deferred else
@@ -993,9 +1108,9 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
                 sys.stderr.write("\n")
             return False
         # only deferred requests are left and nothing serves: let the policy's timers run out
-        if host.now() - stuck_since > merge_wait + rp.sample_interval:
+        if rp.now() - stuck_since > merge_wait + rp.sample_interval:
             return False
-        rp.skip_to(host.now() + rp.sample_interval)
+        rp.skip_to(rp.now() + rp.sample_interval)
 
 
 def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
@@ -1012,11 +1127,7 @@ def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
         if h is None:
             continue
         m = h.metrics
-        scheduled = m.scheduled
-        if not h.finished:  # cut by time_limit: ask its instance when it was first scheduled
-            for inst in rp.host.instances:
-                if h.id in inst.requests:
-                    scheduled = inst.info(h.id)["first_scheduled"]
+        scheduled = m.scheduled if h.finished else rp.first_scheduled(h)
         if scheduled is not None and scheduled >= 0:
             row["scheduled"] = scheduled - t0
         if m.token_times:
@@ -1052,26 +1163,22 @@ def _results(rp, t0, policy, pol, slo, wall, stopped) -> Results:
     for out, (t, g, tp, change) in zip(lay, rp.layout_events):
         out["time"], out["gpu"], out["tp"], out["change"] = t - t0, g, tp, change
     tl = np.array([(t - t0, *rest) for t, *rest in rp.samples], dtype=TIMELINE_DTYPE)
-    host = rp.host
-    w = host.worker(0)
-    config = {"policy": policy, "executor": "gyges.Host", "model": repr(host.model),
-              "hosts": 1, "gpus_per_host": rp.n_gpus, "workers": rp.n_gpus,
-              "memory_per_worker": host.memory_per_worker, "page_size": w.page_size,
+    config = {"policy": policy, **rp.executor_config(), "workers": rp.n_gpus,
+              "gpus_per_host": rp.gpus_per_host,
               "layout": rp.initial_layout, "max_tp": rp.max_tp,
               "capacity_blocks": rp.capacity.tolist(), "block_size": rp.block_size,
-              "max_batch_tokens": host.max_batch_tokens, "max_running": host.max_running,
-              "max_prefill_chunk": host.max_prefill_chunk, "watermark": 0.0,
+              "watermark": 0.0,
               "time_scale": rp.time_scale, "idle": rp.idle, "method": rp.method,
               "layers_per_step": rp.layers_per_step, "seed": rp.seed,
               "temperature": rp.temperature, **pol.config,
               "sample_interval": rp.sample_interval, "record_tokens": True}
     status = req["status"]
-    stats = {"now": host.now() - t0, "n_requests": n,
+    stats = {"now": rp.now() - t0, "n_requests": n,
              "n_arrived": int(sum(r.status != PENDING for r in rp.reqs)),
              "n_finished": int((status == FINISHED).sum()),
              "n_rejected": int((status == REJECTED).sum()),
              "n_deferred": int((status == DEFERRED).sum()), "stopped_by_time_limit": stopped,
-             "final_layout": host.layout(), **rp.stats, **rp.controller_stats}
+             "final_layout": rp.layout(), **rp.stats, **rp.controller_stats}
     return Results(requests=req, timeline=tl, layout=lay, transformations=xf,
                    bins_output=bins_output, bins_prompt=bins_prompt, bin_seconds=bin_s,
                    config=config, stats=stats, slo=slo, wall_seconds=wall, tokens=tokens)

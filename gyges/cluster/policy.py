@@ -55,14 +55,15 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
                       "rebuild the extension (make build)")
 
 # gy_sim_xform, gy_sim_action, gy_sim_op_kind
-XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING, XFORM_EXCHANGING = 0, 1, 6, 8
+XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING, XFORM_EXCHANGING, XFORM_LOST = 0, 1, 6, 8, 10
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
 OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit",
        7: "drop", 8: "restore", 9: "migrate"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 RESPLIT = 6  # gy_sim_op_kind of a pipeline cluster
-DROP, RESTORE = 7, 8  # buddy clusters (KunServe, simulated only)
+DROP, RESTORE = 7, 8  # buddy clusters (KunServe)
+MIGRATE = 9  # a running request moves with its KV (Llumnix; a cluster's executor)
 
 
 @dataclass

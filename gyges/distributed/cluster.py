@@ -27,6 +27,7 @@ give them again (tokens do not depend on the plan or the host), which the handle
 """
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -92,17 +93,30 @@ class ClusterRequest(Request):
         self.migrations = 0
         self.recompute_mismatches = 0
         self._received = 0   # tokens the current host has sent
+        self._epoch = 0      # which placement of it the current host serves (updates name it)
         self._done = threading.Event()
 
-    def _take(self, tokens):
+    def _place(self, host):
+        """It goes to `host` (submitted, resubmitted or migrated there): that host's tokens
+        count from the first again, and only updates of this placement are taken. Returns the
+        placement's epoch, which travels with it to the host."""
+        self.host, self._received = host, 0
+        self._epoch += 1
+        return self._epoch
+
+    def _take(self, tokens, queued=None):
         """Tokens from the current host: those a recomputation or a migration gives again are
-        checked, the rest appended."""
+        checked, the rest appended. queued: the host's seconds from scheduling the request to
+        its first token, which place `metrics.scheduled` on the driver's clock."""
         for t in tokens:
             if self._received < len(self.output_tokens):
                 self.recompute_mismatches += self.output_tokens[self._received] != t
             else:
                 self._append(t, time.monotonic())
             self._received += 1
+        if queued is not None and self.metrics.token_times and \
+                math.isnan(self.metrics.scheduled):
+            self.metrics.scheduled = self.metrics.token_times[0] - queued
 
     def _end(self, reason, error=None, now=None):
         super()._end(reason, error, time.monotonic() if now is None else now)
@@ -306,7 +320,10 @@ class Cluster:
     def submit(self, prompt, params=None, host=None, instance=None):
         """Places a request on `host` (an index) or the live host with the fewest unfinished
         requests; returns its ClusterRequest, whose tokens stream in as the host serves it. A
-        bad prompt or parameter raises the host's gyges.Error and queues nothing."""
+        bad prompt or parameter raises the host's gyges.Error and queues nothing. A host found
+        lost by this very call: a chosen one is replaced by the next least loaded; a named one
+        raises StateError, unless the loss has already sent the request to another host (then
+        it is served there, h.host says where)."""
         params = check_params(params)
         tokens, text = tokenize_prompt(prompt, self.tokenizer)
         if isinstance(tokens, str):
@@ -315,24 +332,38 @@ class Cluster:
         tokens = list(tokens)
         detokenizer = (self.tokenizer.detokenizer(tokens) if self.tokenizer is not None
                        else None)
-        with self._lock:
-            self._check_open()
-            if host is None:
-                host = self._least_loaded()
-            else:
-                checks.integer("host", host, 0, len(self._actors) - 1)
-                if host not in self.live_hosts:
-                    raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
-            h = ClusterRequest(next(self._ids), tokens, params, detokenizer, text)
-            h.host = host
-            self._handles[h.id] = h
-        try:
-            self._get(host, self._actors[host].submit.remote(h.id, tokens, params, instance))
-        except BaseException:
+        chosen = host is None
+        if not chosen:
+            checks.integer("host", host, 0, len(self._actors) - 1)
+        h = ClusterRequest(None, tokens, params, detokenizer, text)
+        while True:
             with self._lock:
-                self._handles.pop(h.id, None)
-            raise
-        return h
+                self._check_open()
+                if chosen:
+                    host = self._least_loaded()
+                    if host is None:
+                        raise StateError("every host of the cluster was lost")
+                elif host not in self.live_hosts:
+                    raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
+                if h.id is None:
+                    h.id = next(self._ids)
+                epoch = h._place(host)
+                self._handles[h.id] = h
+            try:
+                self._get(host, self._actors[host].submit.remote(h.id, tokens, params, instance,
+                                                                  epoch))
+                return h
+            except StateError:
+                with self._lock:
+                    if h._epoch != epoch and self._handles.get(h.id) is h:
+                        return h   # the loss already sent it to another host
+                    self._handles.pop(h.id, None)
+                if not chosen:
+                    raise
+            except BaseException:
+                with self._lock:
+                    self._handles.pop(h.id, None)
+                raise
 
     def generate(self, prompts, params=None, timeout=None):
         """Submits every prompt and waits for them all; returns their handles in order."""
@@ -360,9 +391,21 @@ class Cluster:
         have just arrived (a server's streams)."""
         self._listeners.append(fn)
 
+    def remove_listener(self, fn):
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    @property
+    def replay_executor(self):
+        """The executor gyges.experiment.run(trace, cluster=...) replays a trace with."""
+        from .replay import ClusterReplay
+        return ClusterReplay
+
     # ---- requests between hosts ----
-    def migrate(self, handle, host):
-        """Moves a running request with its KV to `host` (Llumnix-style, stop and copy): its
+    def migrate(self, handle, host, instance=None):
+        """Moves a running request with its KV to `host` (Llumnix-style, stop and copy), onto
+        its `instance` (an index into its instances; default: where its pool places it; on
+        the request's own host, another instance of it): its
         source takes it out between two of its steps (Host.export_request), the packet goes
         from the source's process to the destination's through Ray's object store, never
         through the driver, and the destination goes on from where it was, its tokens the same
@@ -380,27 +423,27 @@ class Cluster:
             if handle.finished or self._handles.get(handle.id) is not handle:
                 raise InvalidArgumentError(f"request {handle.id} has finished")
             source = handle.host
-            if source == host:
+            if source == host and instance is None:
                 return 0
         packet, kv_bytes = self._actors[source].migrate_out.options(num_returns=2).remote(
             handle.id)
         self._get(source, kv_bytes)   # a refusal is raised here, the request where it was
         # from here the tokens come from the destination, all of them again (checked)
         with self._lock:
-            handle.host, handle._received = host, 0
-            resubmitted = handle.resubmitted
+            epoch = handle._place(host)
         try:
-            moved = self._get(host, self._actors[host].migrate_in.remote(handle.id, packet))
+            moved = self._get(host, self._actors[host].migrate_in.remote(handle.id, packet,
+                                                                         True, instance, epoch))
             handle.migrations += 1
             return moved
         except BaseException:
             with self._lock:   # (a destination that died has had it submitted elsewhere)
-                back = handle.host == host and handle.resubmitted == resubmitted
+                back = handle._epoch == epoch
                 if back:
-                    handle.host, handle._received = source, 0
+                    epoch = handle._place(source)
             if back:
-                self._get(source, self._actors[source].migrate_in.remote(handle.id, packet,
-                                                                         "if_room"))
+                self._get(source, self._actors[source].migrate_in.remote(
+                    handle.id, packet, "if_room", None, epoch))
             raise
 
     # ---- streaming and losses ----
@@ -417,16 +460,16 @@ class Cluster:
                 return
             changed = []
             with self._lock:
-                for rid, tokens, finished, reason, error in updates:
+                for rid, epoch, tokens, finished, reason, error, queued in updates:
                     h = self._handles.get(rid)
-                    if h is None or h.host != index:
-                        continue   # (a request this host had before it was given up)
-                    h._take(tokens)
+                    if h is None or h.host != index or h._epoch != epoch:
+                        continue   # (a request, or a placement of it, given up since)
+                    h._take(tokens, queued)
                     if finished:
                         del self._handles[rid]
                         h._end(reason, error)
                     changed.append(h)
-            for listener in self._listeners if changed else ():
+            for listener in list(self._listeners) if changed else ():
                 listener(changed)
             time.sleep(max(0.0, STREAM_SECONDS - (time.monotonic() - started)))
 
@@ -450,13 +493,16 @@ class Cluster:
                     self._handles.pop(h.id, None)
                     h._end("error", "every host of the cluster was lost")
                     return
-                h.host, h._received = target, 0
+                epoch = h._place(target)
                 h.resubmitted += 1
             try:
                 self._get(target, self._actors[target].submit.remote(h.id, h.prompt, h.params,
-                                                                      None))
+                                                                      None, epoch))
                 return
             except StateError:
+                with self._lock:
+                    if h._epoch != epoch:
+                        return   # that host's loss has placed it again meanwhile
                 continue   # that one is gone too: the next
 
     # ---- the end ----

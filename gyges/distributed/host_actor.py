@@ -15,6 +15,9 @@ stepping thread; the Host's own lock orders them with its steps):
                                             restore, layout, memory, stats); a reconfiguration
                                             comes back as its id and its fields (describe)
     describe(rid)                           a reconfiguration's fields now
+    facts(max_tp), loads()                  what a trace replay's controller needs of the host
+                                            (distributed/replay.py): its shape, and each
+                                            instance's load now
     abort(rid), close()
 
 Nothing here imports Ray: gyges.distributed.cluster makes the class an actor, so the class can
@@ -23,6 +26,7 @@ be driven in-process too (benchmarks/bench_cluster.py measures the control overh
 import logging
 import threading
 
+from ..cluster.experiment import capacities, instance_load
 from ..core.errors import BusyError, Error, InvalidArgumentError, OutOfMemoryError
 from ..models.model import Model
 from ..runtime.host import Host
@@ -33,7 +37,8 @@ log = logging.getLogger(__name__)
 RECONFIGURING = ("transform", "reconfigure", "switch", "buddy", "restore")
 READING = ("layout", "memory", "stats")
 # A handle's fields that travel back to the driver.
-FIELDS = ("state", "done", "committed", "rolled_back", "blocked_by", "error", "stats")
+FIELDS = ("state", "done", "committed", "rolled_back", "blocked_by", "error", "stats",
+          "workers")
 
 
 class HostActor:
@@ -74,7 +79,7 @@ class HostActor:
                 if not tokens:   # only a waiting reconfiguration: do not spin
                     self._cond.wait(0.001)
                 for rid, entry in self._requests.items():
-                    r, sent = entry
+                    r, sent, _ = entry
                     if len(r.output_tokens) > sent or r.finished:
                         self._changed.add(rid)
                 if self._changed:
@@ -91,16 +96,64 @@ class HostActor:
     def steps(self):
         return self.host.steps
 
-    def submit(self, rid, prompt, params, instance=None):
-        r = self.host.submit(prompt, params, instance=instance)
+    def facts(self, max_tp=None):
+        """The host's shape as a trace replay checks and prices it."""
+        h = self.host
+        return {"n_workers": h.n_workers, "model_max_tp": h.max_tp, "weights": h.weights,
+                "tps": [inst.tp for inst in h.instances],
+                "piped": any(inst.stages for inst in h.instances), "layout": h.layout(),
+                "capacity": capacities(h, max_tp), "block_size": h.block_size,
+                "max_pos": h.worker(0).max_pos, "vocab": h.model.config.vocab_size,
+                "model": repr(h.model), "memory_per_worker": h.memory_per_worker,
+                "page_size": h.worker(0).page_size, "max_batch_tokens": h.max_batch_tokens,
+                "max_running": h.max_running, "max_prefill_chunk": h.max_prefill_chunk,
+                "unfinished": h.has_unfinished()}
+
+    def loads(self):
+        """(layout, [per serving instance: its index into host.instances, workers, tp, whether
+        a reconfiguration holds it, the cluster ids of its requests, and gyges.experiment's
+        instance_load with its request ids the cluster's]), read between two steps."""
         with self._cond:
-            self._requests[rid] = [r, 0]
-            self._cond.notify_all()   # wakes the stepping thread
+            ids = {entry[0].id: rid for rid, entry in self._requests.items()}
+
+        def read(h):
+            moving = set()
+            for t in h.reconfigurations:
+                if not t.done:
+                    moving |= set(t.workers)
+            out = []
+            for inst in h.serving_instances():
+                load = instance_load(h, inst)
+                load["computed"] = {ids[i]: n for i, n in load["computed"].items() if i in ids}
+                out.append({"index": h.instances.index(inst), "workers": list(inst.workers),
+                            "tp": inst.tp, "transforming": bool(moving & set(inst.workers)),
+                            "rids": [ids[i] for i in inst.requests if i in ids], **load})
+            return h.layout(), out
+        return self.host.between_steps(read, self.host)
+
+    def submit(self, rid, prompt, params, instance=None, epoch=0):
+        """Serves cluster request `rid` (its placement `epoch`, which its updates name)."""
+        r = self.host.submit(prompt, params, instance=instance)
+        self._adopt(rid, r, epoch)
         return r.id
 
+    def _adopt(self, rid, r, epoch):
+        """Request `rid` is served here as r; an earlier placement of it here (a race between
+        two losses may place it twice) is aborted, so that one copy serves it."""
+        with self._cond:
+            old = self._requests.get(rid)
+            self._requests[rid] = [r, 0, epoch]
+            self._changed.add(rid)
+            self._cond.notify_all()   # wakes the stepping thread
+        if old is not None and not old[0].finished:
+            self.host.abort(old[0])
+
     def updates(self, timeout):
-        """[(rid, new tokens, finished, finish_reason, error)] of every request that produced
-        tokens or ended since the last call; waits up to `timeout` seconds for one."""
+        """[(rid, epoch, new tokens, finished, finish_reason, error, queued)] of every request
+        that produced tokens or ended since the last call; waits up to `timeout` seconds for
+        one. epoch: the placement it serves (Cluster's ClusterRequest._place).
+        queued: seconds from its scheduling to its first token here (a span, which the driver
+        can place on its own clock), None before its first token."""
         with self._cond:
             if not self._changed:
                 self._cond.wait(timeout)
@@ -109,10 +162,14 @@ class HostActor:
                 entry = self._requests.get(rid)
                 if entry is None:   # (already sent as finished, or moved out)
                     continue
-                r, sent = entry
+                r, sent, epoch = entry
                 tokens = list(r.output_tokens[sent:])
                 entry[1] = sent + len(tokens)
-                out.append((rid, tokens, r.finished, r.finish_reason, r.error))
+                m = r.metrics
+                queued = (m.token_times[0] - m.scheduled
+                          if m.token_times and m.scheduled is not None and m.scheduled >= 0
+                          else None)
+                out.append((rid, epoch, tokens, r.finished, r.finish_reason, r.error, queued))
                 if r.finished:
                     del self._requests[rid]
             self._changed.clear()
@@ -131,21 +188,19 @@ class HostActor:
             self._changed.discard(rid)
         return packet, packet.kv_bytes   # (two returns: the driver reads the second only)
 
-    def migrate_in(self, rid, packet, with_kv=True):
+    def migrate_in(self, rid, packet, with_kv=True, instance=None, epoch=0):
         """Serves `packet`'s request as cluster request `rid` (Host.import_request); its tokens
         so far are sent again from the first (the driver checks them). With with_kv="if_room",
         where its KV cannot come in (no room, or a reconfiguration holds the instance) it comes
-        in without (recomputed)."""
+        in without (recomputed). instance: an index into host.instances (default: where the
+        pool places it)."""
         try:
-            r = self.host.import_request(packet, with_kv=bool(with_kv))
+            r = self.host.import_request(packet, instance=instance, with_kv=bool(with_kv))
         except (OutOfMemoryError, BusyError):
             if with_kv != "if_room":
                 raise
             r = self.host.import_request(packet, with_kv=False)   # recomputed: never lost
-        with self._cond:
-            self._requests[rid] = [r, 0]
-            self._changed.add(rid)
-            self._cond.notify_all()
+        self._adopt(rid, r, epoch)
         return packet.kv_bytes
 
     def abort(self, rid):

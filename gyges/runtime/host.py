@@ -629,6 +629,13 @@ class Host(Serving):
                 return {}
             return dict(zip(inst.workers, inst.request_seqs(request.id)))
 
+    def between_steps(self, fn, *args):
+        """fn(*args) run between two of the host's steps (under its lock), e.g. to read every
+        instance's state at one moment while another thread steps the host."""
+        with self._lock:
+            self._check_open()
+            return fn(*args)
+
     def has_unfinished(self):
         with self._lock:
             if self._workers is None:
