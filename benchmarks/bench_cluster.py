@@ -15,6 +15,11 @@ host's requests run again elsewhere.
    store from one actor's process to the other's, import), one at a time; bytes of KV over the
    wall time of each migrate call, which includes the source's wait for its step in flight (a
    decode step: the migrations start once every prefill is done).
+4. The one controller over two hosts (issue 32's part 2): a spaced trace replayed by
+   gyges.experiment.run(cluster=...) on 2 hosts of the tiny model and simulated by
+   gyges.sim.run(hosts=2) with the same policy: whether they place every request on the same
+   GPU and reconfigure the same groups in order, and what a decision costs over Ray (the
+   hosts' loads read through their actors, the controller's own time).
 
     python benchmarks/bench_cluster.py [--model smollm2-135m-instruct|tiny] [--batch 8]
                                        [--tokens 64] [--repeat 3] [--prompt 1024]
@@ -58,7 +63,7 @@ def actor_in_process(model, host_args, ps, params):
         actor.submit(i, p, params)
     left = set(range(len(ps)))
     while left:
-        for rid, _, finished, _, _ in actor.updates(0.05):
+        for rid, _, _, finished, *_ in actor.updates(0.05):
             if finished:
                 left.discard(rid)
     seconds = time.perf_counter() - start
@@ -117,6 +122,44 @@ def migration(model, host_args, prompt_tokens, n):
     return rows
 
 
+def replay_vs_sim(policy="round_robin"):
+    """Decisions of a 2-host replay and of the simulator on one spaced trace (arrivals 1.5 s
+    apart: every request done before the next, so timing cannot change a decision)."""
+    from gyges import experiment, sim, traces
+    from gyges.cluster.costmodel import ConstantCost
+    tiny = gyges.Model.tiny()
+    shape = dict(workers=2, memory_per_worker="24MiB", layout="2xTP1")
+    host = gyges.Host(tiny, **shape)
+    caps = experiment.capacities(host)
+    host.close()
+    cost = ConstantCost(step=0.001, phase=0.0, capacity=tuple(caps))
+    long2 = (caps[0] + 8) * 16
+    trace = traces.from_arrays(np.arange(8) * 1.5, np.array([40, 60, long2, 30, 50, long2 + 100,
+                                                             20, 70]),
+                               np.array([5, 6, 4, 7, 5, 3, 6, 4]))
+
+    def decisions(res):
+        r, x = res.requests, res.transformations
+        return (list(zip(r["gpu"].tolist(), r["tp"].tolist())),
+                list(zip(x["kind"].tolist(), x["gpu"].tolist())))
+
+    simulated = sim.run(trace, policy=policy, hosts=2, gpus_per_host=2, cost=cost,
+                        watermark=0.0)
+    with gyges.Cluster(tiny, hosts=2, workers_per_host=2, layout="2xTP1",
+                       memory_per_worker="24MiB") as cluster:
+        real = experiment.run(trace, policy=policy, cluster=cluster, cost=cost)
+    st = real.stats
+    return [dict(what="placements equal (request: GPU, TP)",
+                 value=decisions(real)[0] == decisions(simulated)[0]),
+            dict(what="reconfigurations equal, in order", value=decisions(real)[1] ==
+                 decisions(simulated)[1]),
+            dict(what="reconfigurations (merges + splits)", value=st["n_merges"] + st["n_splits"]),
+            dict(what="controller calls: loads read over Ray, ms each",
+                 value=1e3 * st["load_read_seconds"] / max(st["n_load_reads"], 1)),
+            dict(what="controller's own ms per decision",
+                 value=1e3 * st["controller_seconds"] / max(st["n_decisions"], 1))]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -166,9 +209,12 @@ def main():
     print_table(f"KV migration between two hosts ({a.prompt}-token prompts; Ray object store)",
                 moves, [("bytes", "KV bytes", "{:,}"), ("seconds", "migrate s", "{:.4f}"),
                         ("rate", "bytes/s", "{:,.0f}")])
+    replay = replay_vs_sim()
+    print_table("one controller over 2 hosts (tiny model, round_robin, 8 spaced requests) vs "
+                "gyges.sim.run(hosts=2)", replay, [("what", "", "{}"), ("value", "", "{}")])
     write_json("bench_cluster", {"model": a.model, "batch": a.batch, "tokens": a.tokens,
                                  "steps": steps, "overhead": rows, "recovery": rec,
-                                 "migration": moves})
+                                 "migration": moves, "replay_vs_sim": replay})
 
 
 if __name__ == "__main__":
