@@ -254,10 +254,64 @@ def test_fifty_concurrent_streams_with_disconnects_leak_nothing(secure, host):
     assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
     assert [m["in_use"] for m in host.memory()] == before
     metrics = raw(secure, "GET", "/metrics", key=None)[1]
-    assert 'gyges:request_success_total{model_name="smollm2-135m-instruct",finished_reason="abort"}' \
-        in metrics
-    assert "gyges:time_to_first_token_seconds_bucket" in metrics
+    assert ('vllm:request_success_total{model_name="smollm2-135m-instruct",engine="0",'
+            'finished_reason="abort"}') in metrics
+    assert "vllm:time_to_first_token_seconds_bucket" in metrics
     assert "gyges:kv_cache_usage_perc" in metrics
+
+
+# vLLM's metric families (V1 engine) and their types, as its dashboards read them
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram"}
+
+
+def test_metrics_are_valid_prometheus_text_with_vllms_names(secure, host):
+    """prometheus_client's own parser reads /metrics (each family whole, its samples after its
+    TYPE line), finds vLLM's families under vLLM's names and types with samples, the request
+    counts and histograms agree with what was served, and gyges' own families are there."""
+    parser = pytest.importorskip("prometheus_client.parser",
+                                 reason="prometheus_client is not installed (requirements.txt)")
+    for _ in range(3):
+        client(secure).completions.create(model=NAME, prompt="Hello", max_tokens=4)
+    wait_idle(host)
+    text = raw(secure, "GET", "/metrics", key=None)[1]
+
+    def problems(text):
+        """Families the parser could not type (samples away from their TYPE line) or saw twice."""
+        fams = list(parser.text_string_to_metric_families(text))
+        names = [f.name for f in fams]
+        return [f.name for f in fams if f.type == "unknown"] + \
+            sorted({n for n in names if names.count(n) > 1})
+
+    assert problems(text) == []
+    # a family written in two pieces (the defect this guards against) is caught
+    assert problems("# HELP a x\n# TYPE a gauge\n# HELP b y\n# TYPE b gauge\na 1\nb 2\n") \
+        == ["a", "b", "a", "b"]
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    assert {name: families[name].type for name in VLLM_FAMILIES if name in families} == \
+        VLLM_FAMILIES
+    assert all(families[name].samples for name in VLLM_FAMILIES)
+    for name in ("gyges:num_requests_running", "gyges:kv_cache_usage_perc", "gyges:memory_bytes",
+                 "gyges:reconfigurations", "gyges:host_steps"):
+        assert families[name].samples, name
+    value = {(s.name, s.labels.get("finished_reason"), s.labels.get("le")): s.value
+             for f in families.values() for s in f.samples}
+    served = value[("vllm:request_success_total", "length", None)]
+    assert served >= 3
+    assert value[("vllm:e2e_request_latency_seconds_count", None, None)] == \
+        sum(v for (n, _, _), v in value.items() if n == "vllm:request_success_total")
+    assert value[("vllm:request_generation_tokens_bucket", None, "+Inf")] == \
+        value[("vllm:request_generation_tokens_count", None, None)]
+    assert value[("vllm:num_requests_running", None, None)] == 0
 
 
 def _until(what, timeout):

@@ -728,7 +728,7 @@ class Host(Serving):
                 c = inst.stats()
                 instances.append({"layout": inst.layout, "workers": list(inst.workers),
                                   "waiting": c["waiting"] + c["preempted_queued"],
-                                  "running": c["running"]})
+                                  "running": c["running"], "preemptions": c["preemptions"]})
                 for w in inst.workers:
                     kv = self._workers[w].kv.stats()
                     workers.append({"worker": w, "kv_blocks_used": kv["n_blocks"] - kv["free_blocks"],

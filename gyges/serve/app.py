@@ -246,7 +246,8 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         if protect_metrics:
             check_key(request)
         stats = await off_loop(host.stats)
-        return PlainTextResponse(metrics.render(stats, runner.steps),
+        memory = await off_loop(host.memory) if hasattr(host, "memory") else None
+        return PlainTextResponse(metrics.render(stats, runner.steps, memory),
                                  media_type="text/plain; version=0.0.4")
 
     if enable_admin:
