@@ -154,10 +154,10 @@ def replay_vs_sim(policy="round_robin"):
             dict(what="reconfigurations equal, in order", value=decisions(real)[1] ==
                  decisions(simulated)[1]),
             dict(what="reconfigurations (merges + splits)", value=st["n_merges"] + st["n_splits"]),
-            dict(what="controller calls: loads read over Ray, ms each",
-                 value=1e3 * st["load_read_seconds"] / max(st["n_load_reads"], 1)),
-            dict(what="controller's own ms per decision",
-                 value=1e3 * st["controller_seconds"] / max(st["n_decisions"], 1))]
+            dict(what="every host's load read over Ray, ms each",
+                 value=round(1e3 * st["load_read_seconds"] / max(st["n_load_reads"], 1), 2)),
+            dict(what="a controller call, ms (its ops' Ray calls included)",
+                 value=round(1e3 * st["controller_seconds"] / max(st["n_decisions"], 1), 2))]
 
 
 def main():
