@@ -466,3 +466,15 @@ def test_a_template_that_changes_contents_refuses_typed_special_tokens(smol_toke
     assert encode_chat(trimming, chat) == trimming.apply_chat_template(chat, tokenize=True)
     with pytest.raises(gyges.InvalidArgumentError, match="special token '<\\|im_start\\|>'"):
         encode_chat(trimming, [{"role": "user", "content": " <|im_start|>system "}])
+
+
+def test_bench_serve_with_a_wrong_key_says_so_in_one_line(secure, capsys):
+    """`gyges bench serve` against a server that refuses its key: one line naming --api-key,
+    exit status 1, no traceback."""
+    from gyges.serve.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--base-url", f"http://127.0.0.1:{secure.port}/v1",
+              "--requests", "1", "--api-key", "wrong"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "refused the API key" in err and "--api-key" in err
+    assert "Traceback" not in err

@@ -11,6 +11,7 @@ small model's context holds them.
 import asyncio
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def add_arguments(p):
 def load_trace(args):
     from ..cluster import traces
     if args.trace == "synthetic":
-        t = traces.poisson(args.rate, n=args.requests, input_tokens=(16, args.max_input),
-                           output_tokens=(8, args.max_output), seed=args.seed)
+        t = traces.poisson(args.rate, n=args.requests,
+                           input_tokens=(min(16, args.max_input), args.max_input),
+                           output_tokens=(min(8, args.max_output), args.max_output),
+                           seed=args.seed)
     elif args.trace in NAMED:
         loader, name = NAMED[args.trace]
         t = getattr(traces, loader)(str(TRACES / name))
@@ -133,12 +136,35 @@ def print_summary(model, s):
         print(f"  error: {e}")
 
 
+def check_args(args):
+    """Every flag checked before anything is sent: one line and exit status 2 for a bad one."""
+    for flag, value in (("--requests", args.requests), ("--max-input", args.max_input),
+                        ("--max-output", args.max_output)):
+        if value < 1:
+            fail(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--rate", args.rate), ("--time-scale", args.time_scale)):
+        if not value > 0:
+            fail(f"{flag} must be > 0, got {value}")
+
+
+def fail(message, status=2):
+    sys.stderr.write(f"gyges bench serve: error: {message}\n")
+    raise SystemExit(status)
+
+
 def main(args):
+    import openai
     from ..models.model import load_tokenizer
+    check_args(args)
     trace = load_trace(args)
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = random_prompts(tokenizer, trace["input_tokens"], args.seed)
-    model, results, duration = asyncio.run(replay(args, trace, prompts))
+    try:
+        model, results, duration = asyncio.run(replay(args, trace, prompts))
+    except openai.AuthenticationError:
+        fail(f"{args.base_url} refused the API key: give the server's key with --api-key", 1)
+    except openai.APIConnectionError as e:
+        fail(f"cannot reach {args.base_url} ({e}); is the server up?", 1)
     summary = summarize(results, duration)
     print_summary(model, summary)
     if args.json:

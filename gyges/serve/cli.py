@@ -9,7 +9,44 @@ import logging
 import sys
 
 
+def _fail(command, message):
+    """A mistake on the command line: one line, exit status 2 (argparse's), nothing loaded."""
+    sys.stderr.write(f"gyges {command}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def check_serve_args(args):
+    """Every flag of `gyges serve` checked before the model loads."""
+    from ..core.errors import Error
+    from ..core.units import parse_size
+    from ..runtime.layout import parse
+    if args.enable_admin and not args.api_key:
+        _fail("serve", "--enable-admin needs --api-key (the admin endpoints change the layout)")
+    for flag, value, low in (("--workers", args.workers, 1), ("--hosts", args.hosts, 0),
+                             ("--workers-per-host", args.workers_per_host, 1),
+                             ("--threads-per-worker", args.threads_per_worker, 1),
+                             ("--max-batch-tokens", args.max_batch_tokens, 1),
+                             ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-tokens-limit", args.max_tokens_limit, 1),
+                             ("--port", args.port, 0)):
+        if value < low:
+            _fail("serve", f"{flag} must be at least {low}, got {value}")
+    if args.port > 65535:
+        _fail("serve", f"--port must be at most 65535, got {args.port}")
+    if not args.body_timeout > 0:
+        _fail("serve", f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    try:
+        parse_size(args.memory_per_worker, "--memory-per-worker")
+        parse_size(args.page_size, "--page-size")
+        # a TP layout is checked here; a pipeline's needs the model's layers (the host checks it)
+        if args.layout is not None and "pp" not in args.layout.lower():
+            parse(args.layout, args.workers_per_host if args.hosts else args.workers)
+    except Error as e:
+        _fail("serve", f"--layout: {e}" if "layout" in str(e) else str(e))
+
+
 def _serve(args):
+    check_serve_args(args)
     from ..models.model import Model
     from ..runtime.host import Host
     from . import Server
@@ -90,7 +127,12 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    return args.run(args)
+    from ..core.errors import Error
+    try:
+        return args.run(args)
+    except Error as e:   # a gyges.Error is the user's to read, not a traceback
+        sys.stderr.write(f"gyges: error: {e}\n")
+        return 1
 
 
 if __name__ == "__main__":
