@@ -1,4 +1,4 @@
-"""python -m gyges serve ... | bench serve ... (gyges/cli.py)."""
+"""python -m gyges serve ... | bench serve ... (gyges/serve/cli.py)."""
 import sys
 
 from .serve.cli import main

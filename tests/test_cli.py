@@ -44,3 +44,13 @@ def test_bench_serve_says_what_is_wrong_in_one_line(args, says, status):
     assert code == status
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and says in lines[0], err
+
+
+def test_the_gyges_command_entry_point_resolves():
+    """pyproject.toml's `gyges` script names a function that exists (it named gyges.cli:main,
+    a module that does not, so an installed `gyges` command could not start)."""
+    import importlib
+    import tomllib
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["gyges"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))

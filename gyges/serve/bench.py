@@ -149,7 +149,7 @@ def check_args(args):
 
 def fail(message, status=2):
     sys.stderr.write(f"gyges bench serve: error: {message}\n")
-    raise SystemExit(status)
+    sys.exit(status)
 
 
 def main(args):

@@ -12,7 +12,7 @@ import sys
 def _fail(command, message):
     """A mistake on the command line: one line, exit status 2 (argparse's), nothing loaded."""
     sys.stderr.write(f"gyges {command}: error: {message}\n")
-    raise SystemExit(2)
+    sys.exit(2)   # (argparse's status for a usage error, as parser.exit gives it)
 
 
 def check_serve_args(args):
