@@ -729,11 +729,17 @@ class _Replay:
         self.control("arrive", r.index, r.prompt, r.output, r.footprint, r.min_tp, r.priority,
                      r.arrival, self.now())
 
-    def submit(self, r, inst):
+    def request_of(self, r):
+        """(prompt tokens, SamplingParams) of trace request r: random tokens seeded by the run's
+        seed and its index, exactly its output length, sampled at the run's temperature."""
         rng = np.random.default_rng([self.seed, r.index])
         tokens = rng.integers(3, self.vocab, size=r.prompt).tolist()
         params = SamplingParams(max_tokens=r.output, temperature=self.temperature,
                                 seed=(self.seed * 1_000_003 + r.index) % 2**63, ignore_eos=True)
+        return tokens, params
+
+    def submit(self, r, inst):
+        tokens, params = self.request_of(r)
         self.quiesce(inst)
         r.handle = self.host.submit(tokens, params, instance=self.host.instances.index(inst))
         r.status = QUEUED

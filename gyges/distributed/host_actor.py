@@ -15,7 +15,7 @@ stepping thread; the Host's own lock orders them with its steps):
                                             restore, layout, memory, stats); a reconfiguration
                                             comes back as its id and its fields (describe)
     describe(rid)                           a reconfiguration's fields now
-    facts(max_tp), loads()                  what a trace replay's controller needs of the host
+    facts(), loads()                         what a trace replay's controller needs of the host
                                             (distributed/replay.py): its shape, and each
                                             instance's load now
     abort(rid), close()
@@ -96,13 +96,14 @@ class HostActor:
     def steps(self):
         return self.host.steps
 
-    def facts(self, max_tp=None):
-        """The host's shape as a trace replay checks and prices it."""
+    def facts(self):
+        """The host's shape as a trace replay checks and prices it (capacity: KV blocks of a
+        TP 1, 2, 4, ... instance up to the largest TP it can run)."""
         h = self.host
         return {"n_workers": h.n_workers, "model_max_tp": h.max_tp, "weights": h.weights,
                 "tps": [inst.tp for inst in h.instances],
                 "piped": any(inst.stages for inst in h.instances), "layout": h.layout(),
-                "capacity": capacities(h, max_tp), "block_size": h.block_size,
+                "capacity": capacities(h), "block_size": h.block_size,
                 "max_pos": h.worker(0).max_pos, "vocab": h.model.config.vocab_size,
                 "model": repr(h.model), "memory_per_worker": h.memory_per_worker,
                 "page_size": h.worker(0).page_size, "max_batch_tokens": h.max_batch_tokens,

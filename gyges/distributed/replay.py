@@ -37,7 +37,6 @@ from ..cluster.experiment import (QUEUED, ExperimentError, _Replay, checked_max_
                                   prefill_rates)
 from ..cluster.policy import INST_VIEW_DTYPE, MIGRATE, XFORM_LOST
 from ..core.errors import Error, StateError
-from ..runtime.engine import SamplingParams
 
 __all__ = ["ClusterReplay", "RemoteInstance"]
 
@@ -95,7 +94,7 @@ class ClusterReplay(_Replay):
         max_tp = checked_max_tp(max_tp, w, first["model_max_tp"],
                                 [tp for f in facts for tp in f["tps"]],
                                 " | ".join(f["layout"] for f in facts))
-        capacity = cluster.host(0)._call_actor("facts", max_tp)["capacity"]
+        capacity = first["capacity"][:max_tp.bit_length()]   # (TP 1, 2, ..., max_tp)
         self.facts = first
         self.n_gpus, self.gpus_per_host = w * cluster.n_hosts, w
         self.views = {}              # host -> (layout, [RemoteInstance])
@@ -260,10 +259,7 @@ class ClusterReplay(_Replay):
         return None
 
     def submit(self, r, inst):
-        rng = np.random.default_rng([self.seed, r.index])
-        tokens = rng.integers(3, self.vocab, size=r.prompt).tolist()
-        params = SamplingParams(max_tokens=r.output, temperature=self.temperature,
-                                seed=(self.seed * 1_000_003 + r.index) % 2**63, ignore_eos=True)
+        tokens, params = self.request_of(r)
         try:
             r.handle = self.cluster.submit(tokens, params, host=inst.host, instance=inst.index)
         except StateError:   # its host was lost just now: the least loaded one takes it
