@@ -34,6 +34,8 @@ from .worker import Worker
 # An arrival further ahead of the engine's clock than this is almost surely an absolute time
 # (time.time()) where seconds since the engine started were meant; it would never be served.
 MAX_ARRIVAL_AHEAD = 3600.0
+# memory=None: the whole model and the KV of worker.DEFAULT_KV_TOKENS tokens, and at least this
+ENGINE_MEMORY_FLOOR = "256MiB"
 
 
 @dataclass(frozen=True)
@@ -335,16 +337,17 @@ def check_params(params):
 
 
 class Engine(Serving):
-    """Engine(model, memory="256MiB", page_size=None, block_size=16, kv_layout="header",
+    """Engine(model, memory=None, page_size=None, block_size=16, kv_layout="header",
     weight_dtype=None, threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
     max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0)
 
-    backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler: only the
-    forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
+    memory=None sizes the budget from the model: its weights and the KV of 8192 tokens, at least
+    256MiB. backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler:
+    only the forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
     Use it in a with block, or call close(), to give its memory back at a known point.
     """
 
-    def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
+    def __init__(self, model, memory=None, page_size=None, block_size=16,
                  kv_layout="header", weight_dtype=None, threads=2, max_batch_tokens=512,
                  max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True,
                  backend="cpu", device=0):
@@ -357,7 +360,7 @@ class Engine(Serving):
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
                              kv_layout=kv_layout, weight_dtype=weight_dtype, max_tp=max_tp,
                              threads=threads, max_pos=max_pos, pad_ffn=pad_ffn,
-                             backend=backend, device=device)
+                             backend=backend, device=device, memory_floor=ENGINE_MEMORY_FLOOR)
         self.clock = Clock()
         self._c = _C.Engine([self.worker.c_model], [self.worker.kv.handle], None, max_batch_tokens,
                             max_running, max_prefill_chunk)
@@ -365,7 +368,7 @@ class Engine(Serving):
                                   getattr(model, "tokenizer", None))
         self._next_id = 0
         self.steps = 0
-        self.memory_budget = parse_size(memory, "memory")
+        self.memory_budget = self.worker.arena.stats()["budget_bytes"]
 
     def __repr__(self):
         if self._c is None:

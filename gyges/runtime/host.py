@@ -53,12 +53,11 @@ from .layout import parse as parse_layout
 from . import request_packet
 from .pool import MixedPool, ShardedPool
 from .replicas import ReplicatedPool
-from .worker import Worker, cuda_unavailable, default_max_tp, tp_degrees
+from .worker import MEMORY_FLOOR, Worker, cuda_unavailable, default_max_tp, default_memory, tp_degrees
 
 log = logging.getLogger(__name__)
 
 COMMS = ("d2d", "nccl")
-DEFAULT_MEMORY = {"cpu": "64MiB", "cuda": "256MiB"}
 WEIGHTS = ("sharded", "replicated")
 MAX_WORKERS = 1024
 
@@ -127,9 +126,9 @@ class Host(Serving):
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             checks.integer(name, value, lo=1)
         checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0)
-        if backend not in DEFAULT_MEMORY:
+        if backend not in MEMORY_FLOOR:
             raise InvalidArgumentError(f"unknown backend {backend!r}; expected one of "
-                                       f"{', '.join(DEFAULT_MEMORY)}")
+                                       f"{', '.join(MEMORY_FLOOR)}")
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
         replicated = self._replicated_workers(weights, workers)
@@ -158,7 +157,10 @@ class Host(Serving):
         self.max_prefill_chunk = max_prefill_chunk
         self.max_tp = max_tp or default_max_tp(model.config, limit=8)
         self.tp_degrees = tp_degrees(model.config, self.max_tp)
-        memory_per_worker = memory_per_worker or DEFAULT_MEMORY[backend]
+        if memory_per_worker is None:  # every worker can hold the whole model (a TP1 instance)
+            memory_per_worker = default_memory(model, backend, weight_dtype=weight_dtype,
+                                               max_tp=self.max_tp, page_size=page_size,
+                                               pad_ffn=pad_ffn)
         if isinstance(memory_per_worker, (list, tuple)):
             # heterogeneous workers (PipeLive pairs an 80 GB and a 48 GB GPU in one pipeline)
             if len(memory_per_worker) != workers:
@@ -296,8 +298,10 @@ class Host(Serving):
 
     def new_worker(self, index):
         """A fresh worker for position `index` (TP1, the whole model), as the host made it."""
-        return Worker(self.model, memory=self.worker_memory[index], device=self.devices[index] or 0,
-                      **self._worker_args)
+        name = ("memory_per_worker" if isinstance(self.memory_per_worker, int)
+                else f"memory_per_worker[{index}]")
+        return Worker(self.model, memory=self.worker_memory[index], memory_name=name,
+                      device=self.devices[index] or 0, **self._worker_args)
 
     def worker(self, index):
         self._check_open()
@@ -682,13 +686,17 @@ class Host(Serving):
             self._start_asked(self.pool.tick(self))
             return tokens
 
-    def run(self):
-        """Steps until every submitted request has finished. Raises BusyError, instead of
-        stepping forever, when nothing can move: requests wait only for a state a call asked
-        to hold (say what, and how to release it)."""
+    def run(self, on_step=None):
+        """Steps until every submitted request has finished, calling on_step() after each step
+        (a progress bar's update). Raises BusyError, instead of stepping forever, when nothing
+        can move: requests wait only for a state a call asked to hold (say what, and how to
+        release it)."""
         idle = 0
         while self.has_unfinished():
-            if self.step() or any(not r.done for r in self.reconfigurations):
+            moved = self.step()
+            if on_step is not None:
+                on_step()
+            if moved or any(not r.done for r in self.reconfigurations):
                 idle = 0
                 continue
             idle += 1

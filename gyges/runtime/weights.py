@@ -89,6 +89,42 @@ def _is_matrix(name):
     return name.endswith("proj.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
 
 
+class WeightPages:
+    """Where a model's weights go in an arena of `page_size` pages, before anything is placed:
+    what ModelWeights lays out and what a default memory budget is sized from (worker.py).
+
+    runs: {run key: (first slot, slots)} relative to the first slot; plan: (name, byte offset
+    relative to the first slot, stored dtype) of each replicated tensor; tensor_slots: the slots of
+    one FFN matrix (its max_tp shards); slots: everything (replicated runs, then 3 matrices per
+    layer)."""
+
+    def __init__(self, config, tensors, dtype, max_tp, page_size, pad):
+        self.runs, self.plan = {}, []
+        run_slot = packed = 0
+        for key, names in replicated_runs(config):
+            cursor = 0  # bytes into the run
+            for name in names:
+                if name not in tensors:
+                    raise InvalidArgumentError(f"tensor {name!r} is missing")
+                stored = dtype if _is_matrix(name) else "f32"
+                nbytes = int(np.prod(tensors[name].shape)) * DTYPES[stored][1]
+                self.plan.append((name, run_slot * page_size + cursor, stored))
+                cursor = _round_up(cursor + nbytes, ALIGN)
+            slots = max(_round_up(cursor, page_size) // page_size, 1)
+            self.runs[key] = (run_slot, slots)
+            run_slot += slots
+            packed += cursor
+        self.replicated_slots, self.packed = run_slot, packed
+        self.shard_bytes = config.intermediate_size // max_tp * config.hidden_size * DTYPES[dtype][1]
+        # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
+        tensor_bytes = (_round_up(self.shard_bytes, page_size) * max_tp if pad
+                        else self.shard_bytes * max_tp)
+        self.tensor_slots = _round_up(tensor_bytes, page_size) // page_size
+        self.shard_slots = self.tensor_slots // max_tp if pad else None
+        self.slots = self.replicated_slots + self.tensor_slots * 3 * config.num_hidden_layers
+        self.bytes = self.slots * page_size
+
+
 class ModelWeights:
     """ModelWeights(arena, config, tensors, dtype="f32", max_tp=4, first_slot=0, pad=True)
 
@@ -116,47 +152,27 @@ class ModelWeights:
         self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
         self._host = tensors  # the host copy, for restoring dropped shards
         self.page_size = arena.page_size
-        elem = DTYPES[dtype][1]
         hidden, inter = config.hidden_size, config.intermediate_size
         self.shard_rows = inter // max_tp
 
         # Replicated tensors: one packed run of pages per run key, each on its own pages.
+        layout = WeightPages(config, tensors, dtype, max_tp, self.page_size, pad)
         self.offsets = {}
-        self.runs = {}
-        plan = []
-        run_slot = packed = 0
-        for key, names in replicated_runs(config):
-            cursor = 0  # bytes into the run
-            for name in names:
-                if name not in tensors:
-                    raise InvalidArgumentError(f"tensor {name!r} is missing")
-                array = tensors[name]
-                stored = dtype if _is_matrix(name) else "f32"
-                nbytes = int(np.prod(array.shape)) * DTYPES[stored][1]
-                plan.append((name, run_slot * self.page_size + cursor, stored))
-                cursor = _round_up(cursor + nbytes, ALIGN)
-            slots = max(_round_up(cursor, self.page_size) // self.page_size, 1)
-            self.runs[key] = (first_slot + run_slot, slots)
-            run_slot += slots
-            packed += cursor
-        self.replicated_slots = run_slot
+        self.runs = {key: (first_slot + slot, n) for key, (slot, n) in layout.runs.items()}
+        self.replicated_slots = layout.replicated_slots
         self.run_names = dict(replicated_runs(config))
-        shard_bytes = self.shard_rows * hidden * elem
         self.pad = pad
-        # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
-        tensor_bytes = _round_up(shard_bytes, self.page_size) * max_tp if pad else shard_bytes * max_tp
-        self.tensor_slots = _round_up(tensor_bytes, self.page_size) // self.page_size
-        self.shard_slots = self.tensor_slots // max_tp if pad else None
-        self._check_room(first_slot, self.replicated_slots + self.tensor_slots * 3 *
-                         config.num_hidden_layers)
+        self.tensor_slots, self.shard_slots = layout.tensor_slots, layout.shard_slots
+        shard_bytes = layout.shard_bytes
+        self._check_room(first_slot, layout.slots)
         self.first_slot = first_slot
         base = first_slot * self.page_size
         arena.grow(first_slot, self.replicated_slots, "weights")
-        for name, offset, stored in plan:
+        for name, offset, stored in layout.plan:
             array = _oriented(name, tensors[name])
             self._store(base + offset, array, stored)
             self.offsets[name] = (base + offset, array.shape, stored)
-        self.replicated_bytes = packed
+        self.replicated_bytes = layout.packed
 
         # FFN shards: each on its own page-aligned run of slots.
         self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers

@@ -15,14 +15,44 @@ from .. import _C
 from .arena import BACKENDS, Arena
 from ..core import checks
 from ..core.checks import INT32_MAX
-from ..core.errors import InvalidArgumentError, UnavailableError
+from ..core.errors import InvalidArgumentError, OutOfMemoryError, UnavailableError
 from .kv_cache import KVCache, layout_name
-from ..core.units import parse_size
+from ..core.units import format_size, parse_size
 from ..models.rope import rope_frequencies
-from .weights import DTYPES, ModelWeights
+from .weights import DTYPES, ModelWeights, WeightPages
 
 WEIGHT_DTYPE_IDS = {"f32": 0, "f16": 1, "bf16": 2}
 DEFAULT_PAGE_SIZE = {"cpu": "64KiB", "cuda": "2MiB"}
+# A budget left to its default holds the whole model (a worker may serve it alone, at TP1) and KV
+# for this many tokens (SmolLM2-135M: 8192 tokens of fp32 KV are 360 MiB beside 515 MiB of
+# weights), and never less than the floor, the budget that tiny test models were sized with.
+DEFAULT_KV_TOKENS = 8192
+MEMORY_FLOOR = {"cpu": "64MiB", "cuda": "256MiB"}
+
+
+def default_kv_dtype(backend, weight_dtype):
+    """The CPU kernels keep fp32 KV; the CUDA ones the activation (= weight) dtype."""
+    return "f32" if backend == "cpu" else weight_dtype
+
+
+def model_memory(model, backend="cpu", weight_dtype=None, max_tp=None, page_size=None,
+                 pad_ffn=True, kv_tokens=DEFAULT_KV_TOKENS):
+    """The bytes a worker needs for the whole model's weights laid out in its pages and for the KV
+    of `kv_tokens` tokens (every layer, all KV heads), its pages rounded per layer."""
+    config = model.config
+    weight_dtype = weight_dtype or getattr(model, "weight_dtype", "f32")
+    max_tp = default_max_tp(config) if max_tp is None else max_tp
+    page = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size", lo=1)
+    weights = WeightPages(config, model.tensors, weight_dtype, max_tp, page, pad_ffn).bytes
+    kv_elem = DTYPES[default_kv_dtype(backend, weight_dtype)][1]
+    kv = -(-config.kv_bytes_per_token(kv_elem) * kv_tokens // page) * page
+    return weights + kv + 2 * config.num_hidden_layers * page
+
+
+def default_memory(model, backend="cpu", floor=None, **layout):
+    """A worker's default budget: model_memory(...), at least `floor` (the backend's floor)."""
+    return max(model_memory(model, backend, **layout),
+               parse_size(floor or MEMORY_FLOOR[backend], "floor"))
 
 
 def cuda_device_unavailable():
@@ -68,10 +98,10 @@ def tp_degrees(config, max_tp):
 
 
 class Worker:
-    def __init__(self, model, memory="256MiB", page_size=None, block_size=16,
+    def __init__(self, model, memory=None, page_size=None, block_size=16,
                  kv_layout="header", weight_dtype=None, max_tp=None, threads=2, max_pos=None,
                  backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None,
-                 kv_stack=1):
+                 kv_stack=1, memory_name="memory", memory_floor=None):
         config = model.config
         if weight_dtype is None:  # the dtype the model was loaded in
             weight_dtype = getattr(model, "weight_dtype", "f32")
@@ -81,7 +111,7 @@ class Worker:
             raise InvalidArgumentError(f"unknown weight dtype {weight_dtype!r}; expected one of "
                              f"{', '.join(DTYPES)}")
         # The CPU kernels keep fp32 KV; the CUDA ones the activation (= weight) dtype, or fp32.
-        kv_dtype = kv_dtype or ("f32" if backend == "cpu" else weight_dtype)
+        kv_dtype = kv_dtype or default_kv_dtype(backend, weight_dtype)
         if kv_dtype not in ("f32", weight_dtype) or (backend == "cpu" and kv_dtype != "f32"):
             raise InvalidArgumentError(f"kv_dtype {kv_dtype!r} does not fit the {backend} backend with "
                              f"{weight_dtype} weights (use f32" +
@@ -91,8 +121,19 @@ class Worker:
         self.max_tp = max_tp
         self.backend, self.kv_dtype = backend, kv_dtype
         self.page_size = parse_size(page_size or DEFAULT_PAGE_SIZE[backend], "page_size", lo=1)
-        budget = parse_size(memory, "memory")
+        layout = dict(weight_dtype=weight_dtype, max_tp=max_tp, page_size=self.page_size,
+                      pad_ffn=pad_ffn)
+        budget = (default_memory(model, backend, memory_floor, **layout) if memory is None
+                  else parse_size(memory, memory_name))
         budget -= budget % self.page_size
+        weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
+        if weights.bytes > budget:  # said in the caller's words, before any memory is taken
+            fits = -(-model_memory(model, backend, **layout) // (1 << 20)) << 20
+            raise OutOfMemoryError(
+                f"{memory_name}={format_size(budget)} cannot hold the weights "
+                f"({weights.bytes / (1 << 20):.1f} MiB in pages of {format_size(self.page_size)}); "
+                f"{memory_name}='{format_size(fits)}' holds them and the KV of "
+                f"{DEFAULT_KV_TOKENS} tokens (None sizes it so)")
         # A worker's memory is its device's: on the cpu backend a released page keeps its memory
         # for the next creation (the arena's pool), so that dropping a layer's FFN shards in a
         # transformation does not pay the kernel for freeing them on the serving path. The budget
