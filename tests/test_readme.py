@@ -1,8 +1,11 @@
 """Every Python block of README.md runs, in order, in one namespace, as a reader would paste
 them into a notebook, and every value its comments show is compared: a line `expr  # <a Python
 literal>[: prose]` must give that literal (`...` in a list: a prefix). The GPU blocks
-(backend="cuda", d2d or nccl pools) are skipped with the reason where no GPU is usable."""
+(backend="cuda", d2d or nccl pools) are skipped with the reason where no GPU is usable; every
+block, run or not, is checked for names nothing defined before it and for rebinding a name that
+a later block reads."""
 import ast
+import builtins
 import io
 import re
 import tokenize
@@ -28,6 +31,34 @@ def blocks():
 
 BLOCKS = blocks()
 NAMESPACE = {"__name__": "readme"}
+
+
+def names(code):
+    """(names the code binds, names it reads)."""
+    bound, read = set(), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read
+
+
+def name_faults(codes):
+    """For each block: the names it reads that neither it nor an earlier block binds, and those
+    it rebinds that a later block reads without binding (had the block been skipped, those
+    would be different there)."""
+    scanned = [names(code) for code in codes]
+    faults, before = [], set(dir(builtins))
+    for i, (bound, read) in enumerate(scanned):
+        later = set().union(*(r - b for b, r in scanned[i + 1:]))
+        faults.append((sorted(read - bound - before), sorted(bound & before & later)))
+        before |= bound
+    return faults
 
 
 def test_the_readme_has_blocks():
@@ -83,12 +114,31 @@ def _shown(got, want, line):
 
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(line, code, monkeypatch):
-    if any(mark in code for mark in GPU_MARKS) and GPU_SKIP_REASON is not None:
+    undefined, rebound = name_faults([c for _, c in BLOCKS])[BLOCKS.index((line, code))]
+    assert not undefined, f"README block line {line} reads names never defined: {undefined}"
+    gpu = any(mark in code for mark in GPU_MARKS)
+    # a block that runs only on a GPU must leave what later blocks read as it was (an import
+    # binds the same module again)
+    rebound = [n for n in rebound if n not in _imported(code)]
+    assert not (gpu and rebound), f"README GPU block line {line} rebinds {rebound}, which " \
+                                  f"later blocks read"
+    if gpu and GPU_SKIP_REASON is not None:
         pytest.skip(f"a GPU block: {GPU_SKIP_REASON}")
     monkeypatch.chdir(ROOT)  # the blocks name ../shared/traces from the repository root
     checked, _ = with_checks(code)
     NAMESPACE["__shown"] = _shown
     exec(compile(checked, f"{README}:{line}", "exec"), NAMESPACE)
+
+
+def _imported(code):
+    return [n for node in ast.walk(ast.parse(code)) if isinstance(node, ast.alias)
+            for n in [(node.asname or node.name).split(".")[0]]]
+
+
+def test_the_name_check_sees_undefined_and_rebound_names():
+    """The faults the communicators block once had: names from nowhere, a model rebound."""
+    codes = ["m = 1\n", "c, m = 2, 3\nc.f(rank, n)\n", "print(m)\n"]
+    assert name_faults(codes) == [([], []), (["n", "rank"], ["m"]), ([], [])]
 
 
 def test_the_values_the_readme_shows_are_checked():
