@@ -9,12 +9,14 @@
    under the Gyges policy (gyges.experiment: the simulator's C policy driving the real host),
    under a static 4xTP1 layout (the long requests are rejected) and a static 1xTP4 layout
    (everything on one instance). A table compares throughput, TTFT, TPOT, rejections and
-   transformations, and a PNG shows throughput over time with the transformations and the
+   transformations, one line per layout says what it won and why, and a PNG (written into the
+   working directory, or --out DIR) shows throughput over time with the transformations and the
    layout timeline of each run.
 
 Timings are wall-clock on whatever machine runs it; on a small shared machine they move by
 10-20% from run to run.
 """
+import argparse
 import os
 import sys
 import time
@@ -28,7 +30,7 @@ from gyges import experiment, traces
 MEMORY = "32MiB"   # per worker: a TP1 instance holds ~3,000 tokens of KV, TP2 ~8,300, TP4 ~18,900
 RUNS = (("gyges", "gyges", "4xTP1"), ("static 4xTP1", "static", "4xTP1"),
         ("static 1xTP4", "static", "1xTP4"))
-OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "demo.png"
+PLOT = "gyges-demo.png"
 
 
 def real_model(n_tokens=60):
@@ -148,7 +150,38 @@ def compare(trace, model):
     print("   " + "  ".join("-" * w for w in widths))
     for c in cells:
         print("   " + "  ".join(v.rjust(w) for v, w in zip(c, widths)))
-    return results
+    return rows, results
+
+
+# What each column's winner is: the highest or the lowest value.
+WINS = (("done", max, "most requests served"), ("out_tps", max, "most output tok/s"),
+        ("ttft50", min, "lowest TTFT p50"), ("ttft99", min, "lowest TTFT p99"),
+        ("tpot", min, "lowest TPOT"))
+
+
+def why(rows, capacities, block_size):
+    """One line per run: what it won in this table (computed, ties included) and the property
+    of its layout that explains it, with this run's own figures."""
+    by = {r["run"]: r for r in rows}
+    tp1, tp4 = by["static 4xTP1"], by["static 1xTP4"]
+    cap1, cap4 = capacities[0] * block_size, capacities[-1] * block_size
+    reasons = {
+        "static 4xTP1": (f"four TP1 instances step side by side with no all-reduce, but one holds "
+                         f"{cap1:,} tokens of KV, so it rejected {tp1['rejected']} longer "
+                         f"request(s)"),
+        "static 1xTP4": (f"one TP4 instance holds {cap4:,} tokens, so nothing is rejected, but "
+                         f"every request waits in its one queue, and a TP4 step on "
+                         f"{os.cpu_count()} CPU cores is no faster (TPOT {tp4['tpot']:.0f} ms vs "
+                         f"TP1's {tp1['tpot']:.0f})"),
+        "gyges": (f"serves what TP1 instances cannot hold by merging workers only while it must "
+                  f"({by['gyges']['xf']} transformations), and runs the rest as TP1; requests "
+                  f"placed on a merged instance queue behind its long prefill (its TTFT p99)"),
+    }
+    for r in rows:
+        won = [what for key, best, what in WINS
+               if r[key] == best(x[key] for x in rows) and len({x[key] for x in rows}) > 1]
+        print(f"   {r['run']}: {', '.join(won) if won else 'wins no column'}: "
+              f"{reasons[r['run']]}")
 
 
 def plot(results, path):
@@ -203,7 +236,13 @@ def plot(results, path):
     plt.close(fig)
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m gyges.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".", help="where the plot goes (default: the working "
+                        "directory)")
+    out = parser.parse_args(argv).out
+    if not os.path.isdir(out):
+        parser.error(f"--out {out!r} is not a directory")
     start = time.perf_counter()
     print(f"gyges {gyges.__version__} (CUDA backend compiled in: {gyges.WITH_CUDA})")
     # GYGES_DEMO_QUICK=1 (the test suite): shorter runs, for machines whose CPU has no AVX-512
@@ -223,12 +262,14 @@ def main():
           f"{trace['arrival'][-1]:.0f} s ({trace.size - n_long} short, {n_long} long of "
           f"{trace['input_tokens'].max():,} tokens at most), 4 workers of {MEMORY}")
     host = gyges.Host(model, workers=4, memory_per_worker=MEMORY, layout="4xTP1")
-    caps = experiment.capacities(host)
+    caps, block_size = experiment.capacities(host), host.block_size
     print(f"   a fresh instance holds {', '.join(f'TP{1 << i} {c * host.block_size:,}' for i, c in enumerate(caps))} "
           f"tokens of KV; the policies are the simulator's C code (csrc/policy/policy_*.c)")
     del host
-    results = compare(trace, model)
-    path = Path(os.environ.get("GYGES_DEMO_PNG", OUT))
+    rows, results = compare(trace, model)
+    print()
+    why(rows, caps, block_size)
+    path = Path(out) / PLOT
     try:
         plot(results, path)
         print(f"\nplot: {path}")
