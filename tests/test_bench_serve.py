@@ -168,6 +168,10 @@ def test_sharegpt_prompts_through_chat(server, capsys, tmp_path):
     (["--random-range-ratio", "1"], "--random-range-ratio must be in [0, 1)"),
     (["--time-scale", "inf"], "--time-scale must be > 0 and finite"),
     (["--metadata", "novalue"], "--metadata takes KEY=VALUE"),
+    (["--dataset-name", "burstgpt", "--dataset-path", "/no/such.csv"],
+     "no burstgpt file at /no/such.csv"),
+    (["--base-url", "127.0.0.1:8000"], "--base-url must be an http:// or https:// URL"),
+    (["--tokenizer", "nope"], "--tokenizer nope: nope: no such GGUF file"),
 ])
 def test_every_bad_flag_value_is_one_line(server, capsys, args, says):
     code, out, err = bench(capsys, "--base-url", server.url, "--api-key", KEY, *args)

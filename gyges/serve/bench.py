@@ -175,7 +175,7 @@ def base_url(args):
 async def one(client, args, model, prompt, max_tokens, at, t0, slots, bar):
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     arrived = time.perf_counter()
-    r = {"queue": 0.0, "times": [], "last": None, "text": [], "usage": None, "error": None}
+    r = {"queue": 0.0, "times": [], "text": [], "usage": None, "error": None}
     async with slots:
         r["start"] = time.perf_counter()
         r["queue"] = r["start"] - arrived
@@ -195,7 +195,6 @@ async def one(client, args, model, prompt, max_tokens, at, t0, slots, bar):
                 if chunk.choices:
                     c = chunk.choices[0]
                     text = c.delta.content if args.api == "chat" else c.text
-                    r["last"] = now
                     if text:   # (a chat stream's first chunk carries only the role)
                         r["times"].append(now)
                         r["text"].append(text)
@@ -244,7 +243,6 @@ async def replay(args, model, requests):
             r["start"] -= t0   # times from the benchmark's start
             r["times"] = [t - t0 for t in r["times"]]
             r["end"] -= t0
-            r["last"] = None if r["last"] is None else r["last"] - t0
         return results, duration
     finally:
         await client.close()
@@ -286,8 +284,9 @@ def metrics(args, requests, results, duration):
         u = r["usage"]
         in_lens.append(u.prompt_tokens if u is not None else expected)
         out_lens.append(u.completion_tokens if u is not None else len(r["times"]))
-        from_in.add("usage" if u is not None else "tokenizer")
-        from_out.add("usage" if u is not None else "streamed chunks")
+        if r["error"] is None:   # (a failed request has no usage to say anything)
+            from_in.add("usage" if u is not None else "tokenizer")
+            from_out.add("usage" if u is not None else "streamed chunks")
     good = [(r, n) for r, n, g in zip(results, out_lens, ok) if g]
     total_in = sum(n for n, g in zip(in_lens, ok) if g)
     total_out = sum(n for _, n in good)
@@ -377,7 +376,7 @@ def print_report(args, res, rate):
         for p in args.percentiles:
             row(f"P{p_word(p)} {short} (ms):", res[f"p{p_word(p)}_{name}_ms"], ".2f")
     print("=" * 50)
-    if res["output_tokens_from"] != "usage":
+    if "streamed chunks" in res["output_tokens_from"]:
         print("note: the server sent no usage for some requests: their output tokens are "
               "streamed chunks counted")
 
@@ -389,7 +388,8 @@ def result_json(args, model, requests, res):
     out.update(kv.split("=", 1) for kv in args.metadata or ())
     rate = requests.timed_by
     out.update(request_rate=rate if rate == "trace" or not math.isinf(rate) else "inf",
-               burstiness=args.burstiness, max_concurrency=args.max_concurrency, **res,
+               burstiness=args.burstiness if math.isfinite(args.burstiness) else "inf",
+               max_concurrency=args.max_concurrency, **res,
                dataset_name=args.dataset_name, endpoint=ENDPOINTS[args.api],
                ignore_eos=args.ignore_eos)
     if not args.save_detailed:   # vLLM's way: the long lists only when asked for
