@@ -21,6 +21,7 @@ from gyges.serve.cli import main  # noqa: E402
 
 pytestmark = needs_packaged_model
 KEY = "bench-key"
+ERROR = "gyges bench serve: error: "
 
 # vLLM's result keys, in its order (vllm/benchmarks/serve.py), with --save-detailed's lists
 VLLM_KEYS = ["date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id",
@@ -176,7 +177,7 @@ def test_sharegpt_prompts_through_chat(server, capsys, tmp_path):
 def test_every_bad_flag_value_is_one_line(server, capsys, args, says):
     code, out, err = bench(capsys, "--base-url", server.url, "--api-key", KEY, *args)
     assert code == 2
-    assert err.count("\n") == 1 and err.startswith("gyges bench serve: error: ") and says in err, err
+    assert err.count("\n") == 1 and err.startswith(ERROR) and says in err, err
 
 
 @pytest.mark.parametrize("args, says", [
@@ -189,7 +190,7 @@ def test_a_server_that_refuses_is_one_line(server, capsys, monkeypatch, args, sa
     key = [] if "--api-key" in args or not args else ["--api-key", KEY]
     code, out, err = bench(capsys, "--base-url", server.url, *key, "--num-prompts", "1", *args)
     assert code == 1
-    assert err.count("\n") == 1 and err.startswith("gyges bench serve: error: ") and says in err, err
+    assert err.count("\n") == 1 and err.startswith(ERROR) and says in err, err
 
 
 def test_a_server_that_is_down_is_one_line(capsys):

@@ -123,10 +123,12 @@ def check_args(args):
     if args.endpoint is not None:
         api = {v: k for k, v in ENDPOINTS.items()}.get(args.endpoint.rstrip("/"))
         if api is None:
-            fail(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint!r}")
+            fail("--endpoint must be /v1/completions or /v1/chat/completions, "
+                 f"got {args.endpoint!r}")
         args.backend = "openai" if api == "completions" else "openai-chat"
     if args.backend not in BACKENDS:
-        fail(f"--backend/--endpoint-type must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+        fail(f"--backend/--endpoint-type must be one of {', '.join(BACKENDS)}, "
+             f"got {args.backend!r}")
     args.api = BACKENDS[args.backend]
     args.kind = bench_data.dataset_kind(args.dataset_name)
     if args.kind is None:
@@ -135,7 +137,8 @@ def check_args(args):
     if args.kind in ("sharegpt", "burstgpt") and args.dataset_path is None:
         fail(f"--dataset-name {args.kind} needs --dataset-path (its file)")
     if args.kind in ("random", "file") and args.dataset_path is not None:
-        fail(f"--dataset-path is for sharegpt, azure, mooncake and burstgpt, not {args.dataset_name}")
+        fail("--dataset-path is for sharegpt, azure, mooncake and burstgpt, "
+             f"not {args.dataset_name}")
     path = args.dataset_path or (bench_data.TRACES / bench_data.NAMED[args.kind][1]
                                  if args.kind in ("azure", "mooncake") else None)
     if path is not None and not Path(path).is_file():
@@ -185,8 +188,8 @@ async def one(client, args, model, prompt, max_tokens, at, t0, slots, bar):
         try:
             if args.api == "chat":
                 stream = await client.chat.completions.create(
-                    messages=[{"role": "user", "content": prompt}], max_completion_tokens=max_tokens,
-                    **common)
+                    messages=[{"role": "user", "content": prompt}],
+                    max_completion_tokens=max_tokens, **common)
             else:
                 stream = await client.completions.create(prompt=prompt, max_tokens=max_tokens,
                                                          **common)

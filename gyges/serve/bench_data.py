@@ -37,7 +37,8 @@ class Requests:
 
     def __init__(self, prompts, input_lens, output_lens, arrivals, timed_by):
         self.prompts, self.input_lens = prompts, [int(n) for n in input_lens]
-        self.output_lens, self.arrivals = [int(n) for n in output_lens], [float(a) for a in arrivals]
+        self.output_lens = [int(n) for n in output_lens]
+        self.arrivals = [float(a) for a in arrivals]
         self.timed_by = timed_by   # "trace", or the request rate used
 
     def __len__(self):
@@ -92,8 +93,8 @@ def build(args, kind, tokenizer):
             arrivals, timed_by = (t["arrival"] - t["arrival"][0]) * args.time_scale, "trace"
         else:
             arrivals, timed_by = _arrivals(args, len(t)), args.request_rate
-    prompts, lens = zip(*(random_prompt(tokenizer, rng, int(k)) for k in inp)) if len(inp) else ((), ())
-    return Requests(list(prompts), lens, out, arrivals, timed_by)
+    built = [random_prompt(tokenizer, rng, int(k)) for k in inp]
+    return Requests([p for p, _ in built], [k for _, k in built], out, arrivals, timed_by)
 
 
 def _rate(args):
@@ -161,8 +162,10 @@ def _sharegpt(args, tokenizer, rng, cap_in, cap_out):
     try:
         data = json.loads(Path(args.dataset_path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"--dataset-path {args.dataset_path}: not a ShareGPT JSON file ({e})") from None
-    convs = [d.get("conversations") for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+        raise FormatError(f"--dataset-path {args.dataset_path}: not a ShareGPT JSON file "
+                          f"({e})") from None
+    data = data if isinstance(data, list) else []
+    convs = [d.get("conversations") for d in data if isinstance(d, dict)]
     convs = [c for c in convs if isinstance(c, list) and len(c) >= 2 and
              all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in c[:2])]
     prompts, inp, out = [], [], []
