@@ -118,8 +118,10 @@ class Host(Serving):
                  layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
-                 comm=None, weights="sharded", kv_stack=1):
+                 comm=None, weights="sharded", kv_stack=1, seed=0):
         checks.integer("workers", workers, lo=1)
+        # requests without a seed take one mixed from this and their id (engine.resolve_params)
+        self.seed = checks.integer("seed", seed, lo=0, hi=2**64 - 1)
         if workers > MAX_WORKERS:
             raise InvalidArgumentError(f"workers={workers}: a host has at most {MAX_WORKERS} "
                                        f"(each is a thread with its own arena)")
@@ -531,7 +533,10 @@ class Host(Serving):
                 tp = checks.integer("tp", tp, lo=1)
             if instance is not None:
                 instance = self._instance_at(instance)
-            target, asked = self.pool.place(self, length + params.max_tokens, tp=tp,
+            # max_tokens None runs to the context's end: the whole context to place
+            max_tokens = (params.max_tokens if params.max_tokens is not None else
+                          max(self.model.config.max_position_embeddings - length, 1))
+            target, asked = self.pool.place(self, length + max_tokens, tp=tp,
                                             instance=instance, priority=priority)
             request = target.add(self._next_id, tokens, params, prompt_text=text)
             self._next_id += 1
