@@ -222,28 +222,32 @@ def snapshot(reqs):
 
 
 def test_tokens_and_logprobs_are_bit_identical_across_a_live_transform(tiny):
+    """Down from TP2 to two TP1 instances and back up, live a layer at a time (the way down
+    computes the logits in the transformation's groups, stage.c), penalties on."""
     ps = prompts(4, 9, 10, 40)
-    params = gyges.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True,
+    params = gyges.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, ignore_eos=True,
                                   repetition_penalty=1.3, frequency_penalty=0.4,
                                   presence_penalty=0.3, min_tokens=2, logprobs=3,
                                   prompt_logprobs=2)
 
-    def host():
-        return gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout="2xTP1",
+    def host(layout="TP2"):
+        return gyges.Host(tiny, workers=2, memory_per_worker="32MiB", layout=layout,
                           max_batch_tokens=64, max_prefill_chunk=16, seed=21)
     with host() as h:
         want = snapshot(h.generate(ps, params))
     with host() as h:
         reqs = [h.submit(p, params) for p in ps]
-        for _ in range(3):
-            h.step()
-        t = h.transform((0, 1), 2, layers_per_step=1)  # live, a layer at a time
-        while not t.done:
-            h.step()
+        for tp in (1, 2):
+            for _ in range(2):
+                h.step()
+            t = h.transform((0, 1), tp, layers_per_step=1)
+            while not t.done:
+                h.step()
+        assert not all(r.finished for r in reqs)
         h.run()
         assert snapshot(reqs) == want
     # and out of one host into another with its KV (a Cluster's migration)
-    with host() as a, host() as b:
+    with host("2xTP1") as a, host("2xTP1") as b:
         reqs = [a.submit(p, params) for p in ps]
         for _ in range(4):
             a.step()
