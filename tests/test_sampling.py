@@ -286,6 +286,10 @@ def test_sample_params_fan_out_with_distinct_seeds(tiny):
             e.submit([1, 2], gyges.SamplingParams(n=2))
         with pytest.raises(gyges.Error, match="sample_params"):
             e.submit([1, 2], gyges.SamplingParams(best_of=2))
+        with gyges.Host(tiny, workers=1, memory_per_worker="32MiB") as h:
+            with pytest.raises(gyges.Error, match="sample_params"):
+                h.submit([1, 2], gyges.SamplingParams(n=2, best_of=4))
+            assert not h.has_unfinished()
         rs = [e.submit([1, 2, 3], q) for q in gyges.SamplingParams(
             n=2, max_tokens=6, temperature=1.0, ignore_eos=True).sample_params()]
         e.run()

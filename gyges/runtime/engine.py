@@ -143,14 +143,19 @@ class SamplingParams:
                 for i in range(count)]
 
 
-def resolve_params(params, prompt_len, max_pos, engine_seed, request_id):
-    """The params a submitted request runs with, fixed at submission so that they travel with
-    it between instances: max_tokens None -> the rest of the model's max_pos positions; seed
-    None -> mixed from (engine seed, request id). Raises a gyges.Error for n or best_of > 1."""
+def check_one_sample(params):
+    """An engine serves one sample per request: n or best_of above 1 is refused by name."""
     if params.n > 1 or (params.best_of or 1) > 1:
         raise InvalidArgumentError(f"n={params.n}, best_of={params.best_of}: an engine serves "
                                    f"one sample per request; submit each of "
                                    f"params.sample_params()")
+
+
+def resolve_params(params, prompt_len, max_pos, engine_seed, request_id):
+    """The params a submitted request runs with, fixed at submission so that they travel with
+    it between instances: max_tokens None -> the rest of the model's max_pos positions; seed
+    None -> mixed from (engine seed, request id). Raises a gyges.Error for n or best_of > 1."""
+    check_one_sample(params)
     changes = {}
     if params.max_tokens is None:
         room = max_pos - prompt_len

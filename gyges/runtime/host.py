@@ -46,7 +46,7 @@ from ..core.fairlock import FairLock
 from ..core.units import parse_size
 from ..models.tokenizer import tokenize_prompt
 from .comm import CommPool, aligned_groups
-from .engine import Clock, Request, Serving, check_params
+from .engine import Clock, Request, Serving, check_one_sample, check_params
 from .instance import Instance
 from .layout import layout_string
 from .layout import parse as parse_layout
@@ -524,6 +524,7 @@ class Host(Serving):
         once no TP request is left; a request no DP worker can hold binds the smallest group
         whose pooled KV holds it."""
         params = check_params(params)
+        check_one_sample(params)  # before placing it anywhere
         tokens, text = tokenize_prompt(tokens, getattr(self.model, "tokenizer", None))
         priority = checks.integer("priority", priority, lo=0)
         with self._lock:
