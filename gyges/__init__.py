@@ -14,7 +14,7 @@ from .runtime.arena import Arena
 from .core.errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, Error, FormatError,
                      InvalidArgumentError, LimitError, OutOfMemoryError, StateError,
                      SystemCallError, UnavailableError)
-from .runtime.engine import Engine, Request, SamplingParams
+from .runtime.engine import Engine, Logprob, Request, SamplingParams
 from .runtime.host import Host
 from .distributed.cluster import Cluster
 from . import reconfig  # noqa: F401  (registers the host's reconfigurations: transform, switch, ...)
@@ -50,7 +50,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'gyges' has no attribute {name!r}")
 
 
-__all__ = ["Arena", "KVCache", "KVMove", "KVMoveStage", "Model", "Engine", "SamplingParams", "Request", "Host", "Cluster", "LLM",
+__all__ = ["Arena", "KVCache", "KVMove", "KVMoveStage", "Model", "Engine", "SamplingParams", "Request", "Logprob", "Host", "Cluster", "LLM",
            "Error", "InvalidArgumentError", "ArgumentTypeError", "OutOfMemoryError", "StateError",
            "BusyError", "SystemCallError", "CudaError", "UnavailableError", "LimitError",
            "FormatError", "DependencyError", "parse_size", "format_size", "WITH_CUDA"]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gyges
+from gyges.runtime.engine import SamplingParams, engine_params
 
 # A transformation that fails half-way is rebuilt and recomputes its requests (gyges.recovery),
 # which keeps token streams right and would hide the failure: here none may happen.
@@ -145,13 +146,14 @@ def _serve_raw(engines, prompts, steps_before=3):
     first, last = engines[0], engines[-1]
     none = np.zeros(0, np.int32)
     for i, p in enumerate(prompts):
-        first.add(i, np.array(p, np.int32), 12, 0.8 if i % 2 else 0.0, 40, 1.0, 7, none, 0.0)
+        params = SamplingParams(max_tokens=12, temperature=0.8 if i % 2 else 0.0, top_k=40, seed=7)
+        first.add(i, np.array(p, np.int32), engine_params(params, none), 0.0)
     out = {i: [] for i in range(len(prompts))}
     now = 0.0
     for _ in range(steps_before):
         tokens, *_ = first.step(now)
         now += 1.0
-        for rid, token in tokens:
+        for rid, token, _ in tokens:
             out[rid].append(token)
     if first is not last:
         for rid in first.request_ids():
@@ -160,7 +162,7 @@ def _serve_raw(engines, prompts, steps_before=3):
     while last.request_ids():
         tokens, finished, *_ = last.step(now)
         now += 1.0
-        for rid, token in tokens:
+        for rid, token, _ in tokens:
             out[rid].append(token)
         for rid in finished:
             last.release(rid)

@@ -17,6 +17,12 @@ typedef struct gy_sampler_params {
     int64_t top_k;      /* [0, vocab]; 0 = off */
     uint64_t seed;      /* per request */
     double min_p;       /* [0, 1]; 0 = off */
+    /* vLLM's penalties (sched/logits.h applies them to a row before the sampler reads it). The
+     * engine applies them on the host, where it samples for every backend, so the CUDA sampler
+     * reads none of them. A zeroed struct means no penalties: repetition_penalty 0 reads as 1. */
+    double repetition_penalty; /* > 0; 1 (or 0) = off */
+    double frequency_penalty;  /* [-2, 2]; 0 = off */
+    double presence_penalty;   /* [-2, 2]; 0 = off */
 } gy_sampler_params;
 
 #ifdef __cplusplus

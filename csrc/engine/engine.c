@@ -401,7 +401,8 @@ void gy_engine_free(gy_engine *e) {
     for (int32_t s = 0; s < e->n_stages; s++) gy_stage_free(&e->stages[s]);
     void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->logit_rows, e->sampled,
                        e->sample_index, e->sampled_ids, e->finished, e->sample_params, e->stop,
-                       e->failed, e->logits, e->x};
+                       e->failed, e->logits, e->x, e->sample_at, e->sample_logits, e->sample_lp,
+                       e->prompt_at, e->prompt_ids, e->prompt_pos, e->prompt_lp, e->counts};
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
     pthread_mutex_destroy(&e->api);
     free(e);
@@ -423,6 +424,15 @@ static gy_status gy_engine_add_request(gy_engine *e, int64_t id, const int32_t *
                        "prompt (%lld) + max_tokens (%lld) is longer than the model's %lld positions",
                        (long long)prompt_len, (long long)p->max_new_tokens, (long long)e->model->max_pos);
     GY_TRY(gy_sampler_check(&p->sampler, e->model->vocab));
+    if (p->min_tokens < 0 || p->min_tokens > (p->max_new_tokens > 0 ? p->max_new_tokens : 0))
+        return GY_FAIL(GY_ERR_INVALID, "min_tokens must be in [0, max_tokens=%lld], got %lld",
+                       (long long)p->max_new_tokens, (long long)p->min_tokens);
+    if (p->logprobs_top < 0 || p->logprobs_top > GY_LOGPROBS_MAX)
+        return GY_FAIL(GY_ERR_INVALID, "logprobs must be in [0, %d], got %d", GY_LOGPROBS_MAX,
+                       (int)p->logprobs_top);
+    if (p->prompt_logprobs_top < 0 || p->prompt_logprobs_top > GY_LOGPROBS_MAX)
+        return GY_FAIL(GY_ERR_INVALID, "prompt_logprobs must be in [0, %d], got %d",
+                       GY_LOGPROBS_MAX, (int)p->prompt_logprobs_top);
     if (gy_engine_find(e, id) != NULL)
         return GY_FAIL(GY_ERR_STATE, "request id %lld is already in use", (long long)id);
     gy_engine_request *r = gy_calloc(1, sizeof *r);
@@ -604,7 +614,9 @@ static gy_status gy_engine_attach_kv_locked(gy_engine *e, int64_t id, const int6
 
 /* ---- one step ---- */
 
-static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries) {
+static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries,
+                                   int64_t n_logits) {
+    const int64_t V = e->model->vocab;
     if (n_tokens > e->cap_tokens) {
         free(e->tokens); free(e->token_seq); free(e->token_pos); free(e->x);
         e->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
@@ -619,10 +631,11 @@ static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_ent
         e->x = gy_malloc((size_t)(e->cap_tokens * e->model->hidden) * sizeof(float));
         if (e->x == NULL) goto oom;
     }
+    if (e->counts == NULL && (e->counts = gy_calloc((size_t)V, sizeof(int32_t))) == NULL) goto oom;
     if (n_entries > e->cap_entries) {
-        free(e->logit_rows); free(e->sampled); free(e->sample_index); free(e->sampled_ids);
-        free(e->finished); free(e->sample_params); free(e->stop); free(e->failed); free(e->logits);
-        e->logit_rows = gy_malloc((size_t)n_entries * sizeof(int32_t));
+        free(e->sampled); free(e->sample_index); free(e->sampled_ids); free(e->finished);
+        free(e->sample_params); free(e->stop); free(e->failed); free(e->sample_at);
+        free(e->sample_logits); free(e->sample_lp);
         e->sampled = gy_malloc((size_t)n_entries * sizeof(int32_t));
         e->sample_index = gy_malloc((size_t)n_entries * sizeof(int64_t));
         e->sampled_ids = gy_malloc((size_t)n_entries * sizeof(int64_t));
@@ -630,38 +643,85 @@ static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_ent
         e->sample_params = gy_malloc((size_t)n_entries * sizeof(gy_sampler_params));
         e->stop = gy_malloc((size_t)n_entries);
         e->failed = gy_malloc((size_t)n_entries);
-        e->logits = gy_malloc((size_t)(n_entries * e->model->vocab) * sizeof(float));
+        e->sample_at = gy_malloc((size_t)n_entries * sizeof(int64_t));
+        e->sample_logits = gy_malloc((size_t)(n_entries * V) * sizeof(float));
+        e->sample_lp = gy_malloc((size_t)n_entries * sizeof(gy_logprobs));
         e->cap_entries = n_entries;
-        if (!e->logit_rows || !e->sampled || !e->sample_index || !e->sampled_ids || !e->finished ||
-            !e->sample_params || !e->stop || !e->failed || !e->logits)
+        if (!e->sampled || !e->sample_index || !e->sampled_ids || !e->finished ||
+            !e->sample_params || !e->stop || !e->failed || !e->sample_at || !e->sample_logits ||
+            !e->sample_lp)
+            goto oom;
+    }
+    if (n_logits > e->cap_logits) {
+        free(e->logit_rows); free(e->logits); free(e->prompt_at); free(e->prompt_ids);
+        free(e->prompt_pos); free(e->prompt_lp);
+        e->logit_rows = gy_malloc((size_t)n_logits * sizeof(int32_t));
+        e->logits = gy_malloc((size_t)(n_logits * V) * sizeof(float));
+        e->prompt_at = gy_malloc((size_t)n_logits * sizeof(int64_t));
+        e->prompt_ids = gy_malloc((size_t)n_logits * sizeof(int64_t));
+        e->prompt_pos = gy_malloc((size_t)n_logits * sizeof(int32_t));
+        e->prompt_lp = gy_malloc((size_t)n_logits * sizeof(gy_logprobs));
+        e->cap_logits = n_logits;
+        if (!e->logit_rows || !e->logits || !e->prompt_at || !e->prompt_ids || !e->prompt_pos ||
+            !e->prompt_lp)
             goto oom;
     }
     return GY_OK;
 oom:
-    e->cap_tokens = e->cap_entries = 0;
+    e->cap_tokens = e->cap_entries = e->cap_logits = 0;
     return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's batch");
 }
 
+/* The prompt positions [lo, hi) of entry `en` that score a prompt token (prompt_logprobs): the
+ * row at position q scores token q + 1, so positions [0, prompt_len - 1). */
+static void gy_engine_prompt_span(const gy_engine_request *r, const gy_sched_entry *en,
+                                  int64_t *lo, int64_t *hi) {
+    *lo = en->pos;
+    *hi = en->pos + en->n_tokens;
+    if (!r->params.prompt_logprobs || *hi > r->prompt_len - 1) *hi = r->prompt_len - 1;
+    if (!r->params.prompt_logprobs || *lo > *hi) *lo = *hi;
+}
+
 /* Gathers the tokens and positions, and every stage's rows, block tables and batches. */
-static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
-    GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries));
-    int64_t t = 0, rows = 0;
+static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t *n_samples,
+                                 int64_t *n_prompt) {
+    int64_t n_logits = 0;
     for (int64_t i = 0; i < b->n_entries; i++) {
         const gy_sched_entry *en = &b->entries[i];
         const gy_engine_request *r = gy_engine_find(e, en->id);
         if (r == NULL || en->pos + en->n_tokens > r->n_tokens)
             return GY_FAIL(GY_ERR_STATE, "request %lld: scheduled tokens it does not have", (long long)en->id);
+        int64_t lo, hi;
+        gy_engine_prompt_span(r, en, &lo, &hi);
+        n_logits += (hi - lo) + (en->samples ? 1 : 0);
+    }
+    GY_TRY(gy_engine_scratch(e, b->n_tokens, b->n_entries, n_logits));
+    /* Logit rows in token order (stage.c's groups rely on it): an entry's prompt rows, then its
+     * sampling row, the entry's last token. */
+    int64_t t = 0, rows = 0, samples = 0, prompts = 0;
+    for (int64_t i = 0; i < b->n_entries; i++) {
+        const gy_sched_entry *en = &b->entries[i];
+        const gy_engine_request *r = gy_engine_find(e, en->id);
+        int64_t lo, hi;
+        gy_engine_prompt_span(r, en, &lo, &hi);
         for (int64_t j = 0; j < en->n_tokens; j++, t++) {
             e->tokens[t] = r->tokens[en->pos + j];
             e->token_seq[t] = (int32_t)i;
             e->token_pos[t] = (int32_t)(en->pos + j);
+            if (en->pos + j >= lo && en->pos + j < hi) {
+                e->prompt_at[prompts] = rows;
+                e->prompt_ids[prompts] = en->id;
+                e->prompt_pos[prompts++] = (int32_t)(en->pos + j + 1);
+                e->logit_rows[rows++] = (int32_t)t;
+            }
         }
         if (en->samples) {
-            e->logit_rows[rows] = (int32_t)(t - 1);
-            e->sample_params[rows] = r->params.sampler;
-            e->sample_index[rows] = en->sample_index;
-            e->sampled_ids[rows] = en->id;
-            rows++;
+            e->sample_at[samples] = rows;
+            e->logit_rows[rows++] = (int32_t)(t - 1);
+            e->sample_params[samples] = r->params.sampler;
+            e->sample_index[samples] = en->sample_index;
+            e->sampled_ids[samples] = en->id;
+            samples++;
         }
     }
     e->rows = (gy_step_rows){.batch = b, .tokens = e->tokens, .token_seq = e->token_seq,
@@ -677,7 +737,8 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
     for (int32_t s = 0; s < e->n_stages; s++)
         if (e->stages[s].first < e->stages[s].end)
             GY_TRY(gy_stage_build(&e->stages[s], &e->rows, s == e->last_stage, e->model->vocab));
-    *n_logits = rows;
+    *n_samples = samples;
+    *n_prompt = prompts;
     return GY_OK;
 }
 
@@ -751,23 +812,54 @@ static void gy_engine_shrink(gy_engine *e) {
     }
 }
 
-static gy_status gy_engine_sample(gy_engine *e, int64_t n_logits, uint8_t *failed) {
-    memset(failed, 0, (size_t)n_logits);
+/* Records why request `id`'s row was refused (its finish reason becomes "error"). */
+static gy_status gy_engine_fail_request(gy_engine *e, int64_t id) {
+    gy_engine_request *r = gy_engine_find(e, id);
+    char *why = gy_malloc(strlen(gy_error_message()) + 1);
+    if (why == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
+    strcpy(why, gy_error_message());
+    free(r->error);
+    r->error = why;
+    return GY_OK;
+}
+
+/* Each sampling row: penalised into sample_logits (logits.h), sampled, and its token scored in
+ * the raw row; then every prompt row is scored. */
+static gy_status gy_engine_sample(gy_engine *e, int64_t n_samples, int64_t n_prompt, uint8_t *failed) {
+    memset(failed, 0, (size_t)n_samples);
     const int64_t V = e->model->vocab;
-    if (gy_sampler_sample_batch(e->sampled, e->logits, n_logits, V, e->sample_params,
-                                e->sample_index) == GY_OK)
-        return GY_OK;
-    for (int64_t row = 0; row < n_logits; row++) {
-        if (gy_sampler_sample(&e->sampled[row], e->logits + row * V, V, &e->sample_params[row],
-                              e->sample_index[row]) == GY_OK)
-            continue;
-        gy_engine_request *r = gy_engine_find(e, e->sampled_ids[row]);
-        char *why = gy_malloc(strlen(gy_error_message()) + 1);
-        if (why == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
-        strcpy(why, gy_error_message());
-        free(r->error);
-        r->error = why;
-        failed[row] = 1;
+    for (int64_t row = 0; row < n_samples; row++) {
+        const gy_engine_request *r = gy_engine_find(e, e->sampled_ids[row]);
+        float *x = e->sample_logits + row * V;
+        memcpy(x, e->logits + e->sample_at[row] * V, (size_t)V * sizeof(float));
+        /* the tokens before the one sampled here (a recomputed request may hold more) */
+        int64_t n = r->prompt_len + e->sample_index[row];
+        if (n > r->n_tokens) n = r->n_tokens;
+        if (gy_logits_active(&r->params.sampler, n - r->prompt_len, r->params.min_tokens))
+            GY_TRY(gy_logits_process(x, V, r->tokens, n, r->prompt_len, &r->params.sampler,
+                                     r->params.min_tokens, r->stop_tokens,
+                                     r->params.n_stop_tokens, e->counts));
+    }
+    if (gy_sampler_sample_batch(e->sampled, e->sample_logits, n_samples, V, e->sample_params,
+                                e->sample_index) != GY_OK) {
+        for (int64_t row = 0; row < n_samples; row++) {
+            if (gy_sampler_sample(&e->sampled[row], e->sample_logits + row * V, V,
+                                  &e->sample_params[row], e->sample_index[row]) == GY_OK)
+                continue;
+            GY_TRY(gy_engine_fail_request(e, e->sampled_ids[row]));
+            failed[row] = 1;
+        }
+    }
+    for (int64_t row = 0; row < n_samples; row++) {
+        if (failed[row]) continue;
+        const gy_engine_request *r = gy_engine_find(e, e->sampled_ids[row]);
+        GY_TRY(gy_logits_logprobs(&e->sample_lp[row], e->logits + e->sample_at[row] * V, V,
+                                  e->sampled[row], r->params.logprobs_top));
+    }
+    for (int64_t q = 0; q < n_prompt; q++) {
+        const gy_engine_request *r = gy_engine_find(e, e->prompt_ids[q]);
+        GY_TRY(gy_logits_logprobs(&e->prompt_lp[q], e->logits + e->prompt_at[q] * V, V,
+                                  r->tokens[e->prompt_pos[q]], r->params.prompt_logprobs_top));
     }
     return GY_OK;
 }
@@ -775,13 +867,15 @@ static gy_status gy_engine_sample(gy_engine *e, int64_t n_logits, uint8_t *faile
 /* ---- one step ---- */
 
 /* Everything but the commit; any failure leaves the step for the caller to cancel. */
-static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_logits) {
+static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n_samples,
+                               int64_t *n_prompt) {
     if (b->n_entries == 0) return GY_OK;
-    GY_TRY(gy_engine_build(e, b, n_logits));
+    GY_TRY(gy_engine_build(e, b, n_samples, n_prompt));
     GY_TRY(gy_engine_forward_all(e));
     GY_TRY(gy_engine_mark_dirty(e, b));
     gy_engine_count_remote(e); /* (a later failure of the sampler still ran the attention) */
-    return *n_logits > 0 ? gy_engine_sample(e, *n_logits, e->failed) : GY_OK;
+    return *n_samples + *n_prompt > 0 ? gy_engine_sample(e, *n_samples, *n_prompt, e->failed)
+                                      : GY_OK;
 }
 
 static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_out *out) {
@@ -796,8 +890,8 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
         gy_engine_undo(e, pages);
         return GY_FAIL(s, "%s", message);
     }
-    int64_t n_logits = 0;
-    s = gy_engine_run(e, &b, &n_logits);
+    int64_t n_logits = 0, n_prompt = 0;
+    s = gy_engine_run(e, &b, &n_logits, &n_prompt);
     if (s != GY_OK) {
         /* The step did not happen: the scheduler and the caches go back to before it, so the
          * next step tries the same again. */
@@ -833,6 +927,7 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
     for (int64_t k = 0; k < n_logits; k++)
         if (!e->failed[k]) {
             e->sampled_ids[n_out] = e->sampled_ids[k];
+            e->sample_lp[n_out] = e->sample_lp[k];
             e->sampled[n_out++] = e->sampled[k];
         }
     /* (e->finished is NULL until some request has been added: no memcpy of nothing into it) */
@@ -843,6 +938,11 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
     out->n_tokens = n_out;
     out->token_ids = e->sampled_ids;
     out->tokens = e->sampled;
+    out->logprobs = e->sample_lp;
+    out->n_prompt = n_prompt;
+    out->prompt_ids = e->prompt_ids;
+    out->prompt_pos = e->prompt_pos;
+    out->prompt_logprobs = e->prompt_lp;
     out->n_finished = done.n_finished;
     out->finished = e->finished;
     out->n_batch_tokens = b.n_tokens;

@@ -36,6 +36,7 @@
 #include <stddef.h>
 
 #include "../sched/batch.h"
+#include "../sched/logits.h"
 #include "../sched/sampler.h"
 #include "forward.h"
 
@@ -53,17 +54,31 @@ typedef struct gy_engine_config {
 } gy_engine_config;
 
 typedef struct gy_engine_params {
-    gy_sampler_params sampler;
+    gy_sampler_params sampler;   /* its penalties applied by the engine (sched/logits.h) */
     int64_t max_new_tokens;
     const int32_t *stop_tokens; /* ends the request when sampled (EOS included unless ignore_eos) */
     int64_t n_stop_tokens;
+    /* Zeroed, these ask for nothing (every sampled token is scored anyway). */
+    int64_t min_tokens;          /* [0, max_new_tokens]: stop tokens get -inf until this many */
+    int32_t logprobs_top;        /* [0, 20]: the top k beside each sampled token */
+    int32_t prompt_logprobs;     /* 1: score every prompt token (vLLM's prompt_logprobs set) */
+    int32_t prompt_logprobs_top; /* [0, 20]: the top k beside each scored prompt token */
 } gy_engine_params;
 
-/* What one step produced: a token for each sampling entry, and the requests that finished. */
+/* What one step produced: a token for each sampling entry, and the requests that finished.
+ * Every sampled token comes with its log-probability and rank in the raw logits (logits.h),
+ * with the top params.logprobs_top. A request with prompt_logprobs gets a scored row
+ * for each prompt position its chunk computed, position p scoring prompt token p (p >= 1)
+ * given tokens [0, p); a recomputed prefill reports them again, identical. */
 typedef struct gy_engine_step_out {
     int64_t n_tokens;
     const int64_t *token_ids;  /* (n_tokens) request ids */
     const int32_t *tokens;     /* (n_tokens) the sampled tokens, in entry order */
+    const gy_logprobs *logprobs; /* (n_tokens) */
+    int64_t n_prompt;
+    const int64_t *prompt_ids; /* (n_prompt) request ids */
+    const int32_t *prompt_pos; /* (n_prompt) the position p of the prompt token scored */
+    const gy_logprobs *prompt_logprobs; /* (n_prompt) */
     int64_t n_finished;
     const int64_t *finished;   /* (n_finished) ids; their info is final */
     int64_t n_batch_tokens;    /* tokens run through the model */

@@ -60,14 +60,23 @@ struct gy_engine {
     int step_failed;             /* set atomically by a failing thread */
     gy_status status[GY_RANK_THREADS_MAX];
     char error[GY_RANK_THREADS_MAX][512];
-    /* Per-step scratch, grown on demand. */
-    int64_t cap_tokens, cap_entries;
-    int32_t *tokens, *token_seq, *token_pos, *logit_rows, *sampled;
+    /* Per-step scratch, grown on demand. The logit rows are the sampling rows and, for requests
+     * with prompt_logprobs, the prompt positions their chunks compute, in token order. */
+    int64_t cap_tokens, cap_entries, cap_logits;
+    int32_t *tokens, *token_seq, *token_pos, *sampled;
     int64_t *sample_index, *sampled_ids, *finished;
+    int64_t *sample_at;          /* (entries) each sampling row's row of `logits` */
     gy_sampler_params *sample_params;
     uint8_t *stop;               /* (entries) gy_sched_end of each entry */
     uint8_t *failed;             /* (entries) the sampling rows whose logits were refused */
-    float *logits;               /* (entries, vocab) */
+    float *sample_logits;        /* (entries, vocab) the sampling rows, penalised (logits.h) */
+    gy_logprobs *sample_lp;      /* (entries) */
+    int32_t *logit_rows;         /* (logits) token rows of the batch */
+    float *logits;               /* (logits, vocab) raw */
+    int64_t *prompt_at, *prompt_ids; /* (logits) the prompt rows: row of `logits`, request id */
+    int32_t *prompt_pos;         /* (logits) the position scored */
+    gy_logprobs *prompt_lp;      /* (logits) */
+    int32_t *counts;             /* (vocab) zero between uses: gy_logits_process's scratch */
     float *x;                    /* (tokens, hidden) the hidden states between stages */
     /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
     int64_t remote_calls, remote_token_layers;

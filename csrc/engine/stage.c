@@ -239,12 +239,17 @@ static gy_status gy_stage_group_rows(gy_stage *st, const gy_step_rows *rows, int
         gy_stage_group *grp = &st->groups[g];
         if (b->n_entries > grp->cap_entries) {
             grp->cap_entries = 0;
-            if (gy_stage_reserve((void **)&grp->entry_index, b->n_entries, sizeof(int64_t)) ||
-                gy_stage_reserve((void **)&grp->logit_rows, b->n_entries, sizeof(int32_t)) ||
-                gy_stage_reserve((void **)&grp->logit_index, b->n_entries, sizeof(int64_t)) ||
-                gy_stage_reserve((void **)&grp->logits, b->n_entries * vocab, sizeof(float)))
+            if (gy_stage_reserve((void **)&grp->entry_index, b->n_entries, sizeof(int64_t)))
                 return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a group's rows");
             grp->cap_entries = b->n_entries;
+        }
+        if (rows->n_logits > grp->cap_logits) {
+            grp->cap_logits = 0;
+            if (gy_stage_reserve((void **)&grp->logit_rows, rows->n_logits, sizeof(int32_t)) ||
+                gy_stage_reserve((void **)&grp->logit_index, rows->n_logits, sizeof(int64_t)) ||
+                gy_stage_reserve((void **)&grp->logits, rows->n_logits * vocab, sizeof(float)))
+                return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a group's rows");
+            grp->cap_logits = rows->n_logits;
         }
         if (b->n_tokens > grp->cap_tokens) {
             grp->cap_tokens = 0;
@@ -257,13 +262,16 @@ static gy_status gy_stage_group_rows(gy_stage *st, const gy_step_rows *rows, int
         }
         grp->n_entries = grp->n_tokens = grp->n_logits = 0;
     }
-    int64_t row = 0, sample = 0;
+    /* The step's logit rows are in token order, so each entry's are the next ones below its
+     * end: they become rows of the entry's group, keeping their place among the step's logits. */
+    int64_t row = 0, logit = 0;
     for (int64_t i = 0; i < b->n_entries; i++) {
         const gy_sched_entry *en = &b->entries[i];
         const int32_t g = gy_stage_home(st, en->id);
         if (g < 0) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
         gy_stage_group *grp = &st->groups[g];
         const int32_t local = (int32_t)grp->n_entries;
+        const int64_t first_row = row, first_local = grp->n_tokens;
         grp->entry_index[grp->n_entries++] = i;
         for (int64_t j = 0; j < en->n_tokens; j++, row++) {
             grp->rows[grp->n_tokens] = (int32_t)row;
@@ -272,9 +280,9 @@ static gy_status gy_stage_group_rows(gy_stage *st, const gy_step_rows *rows, int
             grp->token_pos[grp->n_tokens] = rows->token_pos[row];
             grp->n_tokens++;
         }
-        if (en->samples) {
-            grp->logit_rows[grp->n_logits] = (int32_t)(grp->n_tokens - 1);
-            grp->logit_index[grp->n_logits] = sample++;
+        for (; logit < rows->n_logits && rows->logit_rows[logit] < row; logit++) {
+            grp->logit_rows[grp->n_logits] = (int32_t)(first_local + rows->logit_rows[logit] - first_row);
+            grp->logit_index[grp->n_logits] = logit;
             grp->n_logits++;
         }
     }

@@ -63,13 +63,13 @@ typedef struct gy_stage_group {
     /* The step's rows of this group, when the stage has several groups: its entries, their
      * tokens, and its sampling rows with their place among the step's logits. */
     int64_t n_entries, n_tokens, n_logits;
-    int64_t cap_entries, cap_tokens;
+    int64_t cap_entries, cap_tokens, cap_logits;
     int64_t *entry_index;           /* [n_entries] index into the step's batch */
     int32_t *rows;                  /* [n_tokens] token rows in the step's batch */
     int32_t *tokens, *token_seq, *token_pos; /* [n_tokens], sequences numbered in the group */
-    int32_t *logit_rows;            /* [n_entries] the group's sampling rows, in its own rows */
-    int64_t *logit_index;           /* [n_entries] their place among the step's logits */
-    float *logits;                  /* [n_entries, vocab] */
+    int32_t *logit_rows;            /* [n_logits] the group's logit rows, in its own rows */
+    int64_t *logit_index;           /* [n_logits] their place among the step's logits */
+    float *logits;                  /* [n_logits, vocab] */
 } gy_stage_group;
 
 /* A request whose attention in some layers of this stage runs where its KV still is: on the
@@ -105,7 +105,7 @@ typedef struct gy_step_rows {
     const gy_sched_batch *batch;
     const int32_t *tokens, *token_seq, *token_pos; /* [batch->n_tokens] */
     int64_t n_logits;
-    const int32_t *logit_rows;      /* [n_logits] */
+    const int32_t *logit_rows;      /* [n_logits] token rows, ascending (gy_stage_build) */
     float *x;                       /* [n_tokens, hidden] host: hidden states between stages */
     float *logits;                  /* [n_logits, vocab] */
 } gy_step_rows;

@@ -132,27 +132,95 @@ static void gy_py_engine_dealloc(GyEngineObject *self) {
     Py_DECREF(type);
 }
 
-/* add(id, prompt_int32, max_new_tokens, temperature, top_k, top_p, seed, stop_int32, arrival) */
+/* A request's params from a dict (gyges/runtime/engine.py's engine_params writes it): keys
+ * max_new_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty, frequency_penalty,
+ * presence_penalty, min_tokens, logprobs and prompt_logprobs (-1: none), stop_tokens (an int32
+ * buffer, borrowed into *stop: release it). 0, or -1 with an exception. */
+static int gy_py_engine_params(PyObject *d, gy_engine_params *out, Py_buffer *stop) {
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(GY_PY_TYPE_ERROR, "params must be a dict");
+        return -1;
+    }
+    static const char *ints[] = {"max_new_tokens", "top_k", "min_tokens", "logprobs",
+                                 "prompt_logprobs"};
+    static const char *floats[] = {"temperature", "top_p", "min_p", "repetition_penalty",
+                                   "frequency_penalty", "presence_penalty"};
+    long long iv[5];
+    double fv[6];
+    for (int i = 0; i < 5; i++) {
+        PyObject *v = PyDict_GetItemString(d, ints[i]); /* borrowed */
+        if (v == NULL) {
+            PyErr_Format(GY_PY_VALUE_ERROR, "params has no %s", ints[i]);
+            return -1;
+        }
+        iv[i] = PyLong_AsLongLong(v);
+        if (PyErr_Occurred()) return -1;
+    }
+    for (int i = 0; i < 6; i++) {
+        PyObject *v = PyDict_GetItemString(d, floats[i]);
+        if (v == NULL) {
+            PyErr_Format(GY_PY_VALUE_ERROR, "params has no %s", floats[i]);
+            return -1;
+        }
+        fv[i] = PyFloat_AsDouble(v);
+        if (PyErr_Occurred()) return -1;
+    }
+    PyObject *seed = PyDict_GetItemString(d, "seed"), *stops = PyDict_GetItemString(d, "stop_tokens");
+    if (seed == NULL || stops == NULL) {
+        PyErr_SetString(GY_PY_VALUE_ERROR, "params needs seed and stop_tokens");
+        return -1;
+    }
+    const unsigned long long seed_value = PyLong_AsUnsignedLongLong(seed);
+    if (PyErr_Occurred()) return -1;
+    if (PyObject_GetBuffer(stops, stop, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (iv[3] < -1 || iv[3] > GY_LOGPROBS_MAX || iv[4] < -1 || iv[4] > GY_LOGPROBS_MAX) {
+        PyBuffer_Release(stop);
+        PyErr_SetString(GY_PY_VALUE_ERROR, "logprobs and prompt_logprobs are -1 or in [0, 20]");
+        return -1;
+    }
+    *out = (gy_engine_params){
+        .sampler = {.temperature = fv[0], .top_p = fv[1], .top_k = iv[1], .seed = seed_value,
+                    .min_p = fv[2], .repetition_penalty = fv[3], .frequency_penalty = fv[4],
+                    .presence_penalty = fv[5]},
+        .max_new_tokens = iv[0],
+        .stop_tokens = stop->buf,
+        .n_stop_tokens = stop->len / 4,
+        .min_tokens = iv[2],
+        .logprobs_top = iv[3] > 0 ? (int32_t)iv[3] : 0,
+        .prompt_logprobs = iv[4] >= 0,
+        .prompt_logprobs_top = iv[4] > 0 ? (int32_t)iv[4] : 0,
+    };
+    return 0;
+}
+
+/* The dict gy_py_engine_params reads, from a request's params (stop_tokens as int32 bytes). */
+static PyObject *gy_py_engine_params_dict(const gy_engine_params *p) {
+    return Py_BuildValue("{sLsdsLsdsdsKsdsdsdsLsisisy#}", "max_new_tokens",
+                         (long long)p->max_new_tokens, "temperature", p->sampler.temperature,
+                         "top_k", (long long)p->sampler.top_k, "top_p", p->sampler.top_p, "min_p",
+                         p->sampler.min_p, "seed", (unsigned long long)p->sampler.seed,
+                         "repetition_penalty", p->sampler.repetition_penalty, "frequency_penalty",
+                         p->sampler.frequency_penalty, "presence_penalty",
+                         p->sampler.presence_penalty, "min_tokens", (long long)p->min_tokens,
+                         "logprobs", (int)p->logprobs_top, "prompt_logprobs",
+                         p->prompt_logprobs ? (int)p->prompt_logprobs_top : -1,
+                         "stop_tokens", (const char *)p->stop_tokens,
+                         (Py_ssize_t)(p->n_stop_tokens * 4));
+}
+
+/* add(id, prompt_int32, params, arrival): params as gy_py_engine_params reads them */
 static PyObject *gy_py_engine_add_request(GyEngineObject *self, PyObject *args) {
-    long long id, max_new, top_k;
-    unsigned long long seed;
-    double temperature, top_p, arrival;
-    PyObject *prompt_object, *stop_object;
-    if (!PyArg_ParseTuple(args, "LOLdLdKOd", &id, &prompt_object, &max_new, &temperature, &top_k,
-                          &top_p, &seed, &stop_object, &arrival))
-        return NULL;
+    long long id;
+    double arrival;
+    PyObject *prompt_object, *params_object;
+    if (!PyArg_ParseTuple(args, "LOOd", &id, &prompt_object, &params_object, &arrival)) return NULL;
     Py_buffer prompt, stop;
+    gy_engine_params params;
     if (PyObject_GetBuffer(prompt_object, &prompt, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(stop_object, &stop, PyBUF_C_CONTIGUOUS) < 0) {
+    if (gy_py_engine_params(params_object, &params, &stop) < 0) {
         PyBuffer_Release(&prompt);
         return NULL;
     }
-    const gy_engine_params params = {
-        .sampler = {.temperature = temperature, .top_p = top_p, .top_k = top_k, .seed = seed},
-        .max_new_tokens = max_new,
-        .stop_tokens = stop.buf,
-        .n_stop_tokens = stop.len / 4,
-    };
     gy_status s = gy_engine_add(self->engine, id, prompt.buf, prompt.len / 4, &params, arrival);
     PyBuffer_Release(&prompt);
     PyBuffer_Release(&stop);
@@ -160,7 +228,22 @@ static PyObject *gy_py_engine_add_request(GyEngineObject *self, PyObject *args) 
     Py_RETURN_NONE;
 }
 
-/* step(now) -> (tokens [(id, token)], finished [id], batch_tokens, preempted) */
+/* A scored token: (logprob, rank, ((token, logprob), ...) of the top n_top). */
+static PyObject *gy_py_engine_logprobs(const gy_logprobs *lp) {
+    PyObject *top = PyTuple_New(lp->n_top);
+    for (int32_t j = 0; top != NULL && j < lp->n_top; j++) {
+        PyObject *pair = Py_BuildValue("(id)", (int)lp->top_tokens[j], lp->top_logprobs[j]);
+        if (pair == NULL) Py_CLEAR(top);
+        else PyTuple_SET_ITEM(top, j, pair);
+    }
+    if (top == NULL) return NULL;
+    return Py_BuildValue("(dLN)", lp->logprob, (long long)lp->rank, top);
+}
+
+/* step(now) -> (tokens, finished [id], batch_tokens, preempted, prompt):
+ *   tokens [(id, token, (logprob, rank, top))], one per sampled token in entry order;
+ *   prompt [(id, position, (logprob, rank, top))], one per scored prompt position;
+ *   top: ((token, logprob), ...) most likely first, as many as the request asked for (engine.h). */
 static PyObject *gy_py_engine_step(GyEngineObject *self, PyObject *args) {
     double now;
     if (!PyArg_ParseTuple(args, "d", &now)) return NULL;
@@ -172,22 +255,33 @@ static PyObject *gy_py_engine_step(GyEngineObject *self, PyObject *args) {
     if (s != GY_OK) return gy_py_raise(s);
     PyObject *tokens = PyList_New(out.n_tokens);
     PyObject *finished = PyList_New(out.n_finished);
-    if (tokens == NULL || finished == NULL) goto fail;
+    PyObject *prompt = PyList_New(out.n_prompt);
+    if (tokens == NULL || finished == NULL || prompt == NULL) goto fail;
     for (int64_t i = 0; i < out.n_tokens; i++) {
-        PyObject *pair = Py_BuildValue("(Li)", (long long)out.token_ids[i], (int)out.tokens[i]);
-        if (pair == NULL) goto fail;
-        PyList_SET_ITEM(tokens, i, pair);
+        PyObject *lp = gy_py_engine_logprobs(&out.logprobs[i]);
+        if (lp == NULL) goto fail;
+        PyObject *row = Py_BuildValue("(LiN)", (long long)out.token_ids[i], (int)out.tokens[i], lp);
+        if (row == NULL) goto fail;
+        PyList_SET_ITEM(tokens, i, row);
+    }
+    for (int64_t i = 0; i < out.n_prompt; i++) {
+        PyObject *lp = gy_py_engine_logprobs(&out.prompt_logprobs[i]);
+        if (lp == NULL) goto fail;
+        PyObject *row = Py_BuildValue("(LiN)", (long long)out.prompt_ids[i], (int)out.prompt_pos[i], lp);
+        if (row == NULL) goto fail;
+        PyList_SET_ITEM(prompt, i, row);
     }
     for (int64_t i = 0; i < out.n_finished; i++) {
         PyObject *id = PyLong_FromLongLong(out.finished[i]);
         if (id == NULL) goto fail;
         PyList_SET_ITEM(finished, i, id);
     }
-    return Py_BuildValue("(NNLL)", tokens, finished, (long long)out.n_batch_tokens,
-                         (long long)out.n_preempted);
+    return Py_BuildValue("(NNLLN)", tokens, finished, (long long)out.n_batch_tokens,
+                         (long long)out.n_preempted, prompt);
 fail:
     Py_XDECREF(tokens);
     Py_XDECREF(finished);
+    Py_XDECREF(prompt);
     return NULL;
 }
 
@@ -266,7 +360,8 @@ static PyObject *gy_py_engine_info_dict(const gy_sched_info *info) {
                          "first_token", info->first_token);
 }
 
-/* export(id) -> dict: tokens (int32 bytes), prompt_len, sampling params, info, seqs per rank */
+/* export(id) -> dict: tokens (int32 bytes), prompt_len, params (gy_py_engine_params's dict,
+ * stop_tokens int32 bytes), info, seqs per rank */
 static PyObject *gy_py_engine_export(GyEngineObject *self, PyObject *args) {
     long long id;
     if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
@@ -284,14 +379,14 @@ static PyObject *gy_py_engine_export(GyEngineObject *self, PyObject *args) {
         }
         PyList_SET_ITEM(seqs, i, x);
     }
-    return Py_BuildValue("{sy#sLsLsdsLsdsKsy#sNsN}", "tokens", (const char *)v.tokens,
+    PyObject *params = gy_py_engine_params_dict(&v.params);
+    if (params == NULL) {
+        Py_DECREF(seqs);
+        return NULL;
+    }
+    return Py_BuildValue("{sy#sLsNsNsN}", "tokens", (const char *)v.tokens,
                          (Py_ssize_t)(v.n_tokens * 4), "prompt_len", (long long)v.prompt_len,
-                         "max_new_tokens", (long long)v.params.max_new_tokens, "temperature",
-                         v.params.sampler.temperature, "top_k", (long long)v.params.sampler.top_k,
-                         "top_p", v.params.sampler.top_p, "seed",
-                         (unsigned long long)v.params.sampler.seed, "stop_tokens",
-                         (const char *)v.params.stop_tokens, (Py_ssize_t)(v.params.n_stop_tokens * 4),
-                         "info", gy_py_engine_info_dict(&v.info), "seqs", seqs);
+                         "params", params, "info", gy_py_engine_info_dict(&v.info), "seqs", seqs);
 }
 
 /* The engine's own type, to recognise another Engine (heap types differ per module). */
@@ -360,18 +455,17 @@ static PyObject *gy_py_engine_take(GyEngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* adopt(id, tokens, prompt_len, max_new, temperature, top_k, top_p, seed, stop_tokens,
+/* adopt(id, tokens, prompt_len, params (as add takes them),
  *       (state_id, n_generated, n_computed, prefill_end, n_preemptions, arrival,
  *        first_scheduled, first_token), seqs) */
 static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
-    long long id, prompt_len, max_new, top_k, G, C, E, preemptions;
-    unsigned long long seed;
-    double temperature, top_p, arrival, first_scheduled, first_token;
+    long long id, prompt_len, G, C, E, preemptions;
+    double arrival, first_scheduled, first_token;
     int state;
-    PyObject *tokens_object, *stop_object, *seqs_object;
-    if (!PyArg_ParseTuple(args, "LOLLdLdKO(iLLLLddd)O", &id, &tokens_object, &prompt_len, &max_new,
-                          &temperature, &top_k, &top_p, &seed, &stop_object, &state, &G, &C, &E,
-                          &preemptions, &arrival, &first_scheduled, &first_token, &seqs_object))
+    PyObject *tokens_object, *params_object, *seqs_object;
+    if (!PyArg_ParseTuple(args, "LOLO(iLLLLddd)O", &id, &tokens_object, &prompt_len,
+                          &params_object, &state, &G, &C, &E, &preemptions, &arrival,
+                          &first_scheduled, &first_token, &seqs_object))
         return NULL;
     int64_t seqs[GY_MODEL_MAX_TP];
     for (int i = 0; i < GY_MODEL_MAX_TP; i++) seqs[i] = -1;
@@ -384,16 +478,14 @@ static PyObject *gy_py_engine_adopt(GyEngineObject *self, PyObject *args) {
         if (PyErr_Occurred()) return NULL;
     }
     Py_buffer tokens, stop;
+    gy_engine_params params;
     if (PyObject_GetBuffer(tokens_object, &tokens, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(stop_object, &stop, PyBUF_C_CONTIGUOUS) < 0) {
+    if (gy_py_engine_params(params_object, &params, &stop) < 0) {
         PyBuffer_Release(&tokens);
         return NULL;
     }
-    const gy_engine_params params = {
-        .sampler = {.temperature = temperature, .top_p = top_p, .top_k = top_k, .seed = seed},
-        .max_new_tokens = max_new, .stop_tokens = stop.buf, .n_stop_tokens = stop.len / 4};
     const gy_sched_info info = {.state = (gy_sched_state)state, .prompt_len = prompt_len,
-                                .max_new_tokens = max_new, .n_generated = G, .n_computed = C,
+                                .max_new_tokens = params.max_new_tokens, .n_generated = G, .n_computed = C,
                                 .prefill_end = E, .n_preemptions = preemptions, .arrival = arrival,
                                 .first_scheduled = first_scheduled, .first_token = first_token};
     gy_status s = gy_engine_adopt(self->engine, id, tokens.buf, tokens.len / 4, prompt_len, &params,
@@ -693,12 +785,14 @@ static PyMethodDef gy_py_engine_methods[] = {
     {"replan", (PyCFunction)gy_py_engine_replan, METH_VARARGS,
      "replan(layers, models): new layer ranges and models over the same stages and caches"},
     {"export", (PyCFunction)gy_py_engine_export, METH_VARARGS, "export(id) -> dict"},
-    {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS, "adopt(id, tokens, ...)"},
+    {"adopt", (PyCFunction)gy_py_engine_adopt, METH_VARARGS,
+     "adopt(id, tokens, prompt_len, params, info, seqs)"},
     {"take", (PyCFunction)gy_py_engine_take, METH_VARARGS,
      "take(src, id, seqs): moves a request from Engine src here, with its progress and KV"},
     {"add", (PyCFunction)gy_py_engine_add_request, METH_VARARGS,
-     "add(id, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, arrival)"},
-    {"step", (PyCFunction)gy_py_engine_step, METH_VARARGS, "step(now) -> (tokens, finished, batch_tokens, preempted)"},
+     "add(id, prompt, params, arrival)"},
+    {"step", (PyCFunction)gy_py_engine_step, METH_VARARGS,
+     "step(now) -> (tokens, finished, batch_tokens, preempted, prompt)"},
     {"abort", (PyCFunction)gy_py_engine_abort, METH_VARARGS, "abort(id)"},
     {"release", (PyCFunction)gy_py_engine_release, METH_VARARGS, "release(id)"},
     {"info", (PyCFunction)gy_py_engine_info, METH_VARARGS, "info(id) -> dict"},

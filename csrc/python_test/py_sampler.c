@@ -4,6 +4,7 @@
 #include "py_test.h"
 
 #include "core/rng.h"
+#include "sched/logits.h"
 #include "sched/sampler.h"
 
 /* Borrows a C-contiguous buffer of float32 (code 'f') or float64 ('d') values, exactly `count`
@@ -154,6 +155,63 @@ static PyObject *gy_py_sampler_probs(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* logits_process(logits_f32, tokens_i32, prompt_len, repetition, frequency, presence,
+ *                min_tokens, stop_i32): penalises the row in place (sched/logits.h). */
+static PyObject *gy_py_logits_process(PyObject *module, PyObject *args) {
+    PyObject *logits_object, *tokens_object, *stop_object;
+    long long prompt_len, min_tokens;
+    gy_sampler_params p = {0};
+    if (!PyArg_ParseTuple(args, "OOLdddLO", &logits_object, &tokens_object, &prompt_len,
+                          &p.repetition_penalty, &p.frequency_penalty, &p.presence_penalty,
+                          &min_tokens, &stop_object))
+        return NULL;
+    Py_buffer logits, tokens, stop;
+    if (gy_py_get_floats(logits_object, &logits, -1, "logits", 1, 'f') < 0) return NULL;
+    if (PyObject_GetBuffer(tokens_object, &tokens, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&logits);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(stop_object, &stop, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&logits);
+        PyBuffer_Release(&tokens);
+        return NULL;
+    }
+    const int64_t vocab = logits.len / 4;
+    int32_t *counts = PyMem_Calloc((size_t)vocab, sizeof *counts);
+    gy_status st = GY_OK;
+    if (counts != NULL)
+        st = gy_logits_process(logits.buf, vocab, tokens.buf, tokens.len / 4, prompt_len, &p,
+                               min_tokens, stop.buf, stop.len / 4, counts);
+    PyMem_Free(counts);
+    PyBuffer_Release(&logits);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&stop);
+    if (counts == NULL) return PyErr_NoMemory();
+    if (st != GY_OK) return gy_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* logits_logprobs(logits_f32, token, k) -> (logprob, rank, [(token, logprob)] * k) */
+static PyObject *gy_py_logits_logprobs(PyObject *module, PyObject *args) {
+    PyObject *logits_object;
+    int token, k;
+    if (!PyArg_ParseTuple(args, "Oii", &logits_object, &token, &k)) return NULL;
+    Py_buffer logits;
+    if (gy_py_get_floats(logits_object, &logits, -1, "logits", 0, 'f') < 0) return NULL;
+    gy_logprobs lp;
+    const gy_status st = gy_logits_logprobs(&lp, logits.buf, logits.len / 4, token, k);
+    PyBuffer_Release(&logits);
+    if (st != GY_OK) return gy_py_raise(st);
+    PyObject *top = PyList_New(lp.n_top);
+    for (int32_t j = 0; top != NULL && j < lp.n_top; j++) {
+        PyObject *pair = Py_BuildValue("(id)", (int)lp.top_tokens[j], lp.top_logprobs[j]);
+        if (pair == NULL) Py_CLEAR(top);
+        else PyList_SET_ITEM(top, j, pair);
+    }
+    if (top == NULL) return NULL;
+    return Py_BuildValue("(dLN)", lp.logprob, (long long)lp.rank, top);
+}
+
 /* rng_uniform(seed, index, stream=the sampler's) -> float in [0, 1). */
 static PyObject *gy_py_rng_uniform(PyObject *module, PyObject *args) {
     unsigned long long seed;
@@ -170,6 +228,11 @@ static PyMethodDef gy_py_sampler_functions[] = {
     {"sampler_probs", gy_py_sampler_probs, METH_VARARGS,
      "sampler_probs(logits_f32, temperature, top_k, top_p, out_f64[, min_p]): the draw's "
      "distribution"},
+    {"logits_process", gy_py_logits_process, METH_VARARGS,
+     "logits_process(logits_f32, tokens_i32, prompt_len, repetition_penalty, frequency_penalty, "
+     "presence_penalty, min_tokens, stop_i32): penalises the row in place"},
+    {"logits_logprobs", gy_py_logits_logprobs, METH_VARARGS,
+     "logits_logprobs(logits_f32, token, k) -> (logprob, rank, [(token, logprob)] * k)"},
     {"rng_uniform", gy_py_rng_uniform, METH_VARARGS,
      "rng_uniform(seed, index, stream=sampler's) -> float in [0, 1)"},
     {NULL, NULL, 0, NULL},

@@ -26,6 +26,15 @@ static int gy_sampler_bad_params(const gy_sampler_params *p, int64_t vocab, char
         snprintf(why, n, "top_p must be in (0, 1] (1 = off), got %g", p->top_p);
     else if (!(p->min_p >= 0 && p->min_p <= 1))
         snprintf(why, n, "min_p must be in [0, 1] (0 = off), got %g", p->min_p);
+    else if (!(p->repetition_penalty >= 0 && isfinite(p->repetition_penalty)))
+        snprintf(why, n, "repetition_penalty must be finite and > 0 (1 = off), got %g",
+                 p->repetition_penalty);
+    else if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        snprintf(why, n, "frequency_penalty must be in [-2, 2] (0 = off), got %g",
+                 p->frequency_penalty);
+    else if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        snprintf(why, n, "presence_penalty must be in [-2, 2] (0 = off), got %g",
+                 p->presence_penalty);
     else
         return 0;
     return 1;

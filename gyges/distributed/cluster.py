@@ -25,6 +25,7 @@ prompts. The tokens a request had already streamed are not sent twice: the recom
 give them again (tokens do not depend on the plan or the host), which the handle checks
 (`recompute_mismatches`, 0 unless exactness breaks), then it goes on streaming.
 """
+import dataclasses
 import itertools
 import logging
 import math
@@ -37,7 +38,7 @@ from ..core.errors import (ArgumentTypeError, DependencyError, Error, InvalidArg
                            StateError)
 from ..models.model import Model, load_tokenizer
 from ..models.tokenizer import tokenize_prompt
-from ..runtime.engine import Request, check_params
+from ..runtime.engine import Request, check_params, mix_seed
 from .host_actor import HostActor
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,8 @@ class Cluster:
                     raise StateError(f"host {host} is lost: {self.lost_hosts.get(host)}")
                 if h.id is None:
                     h.id = next(self._ids)
+                    if params.seed is None:  # fixed here: a resubmission draws the same tokens
+                        params = h.params = dataclasses.replace(params, seed=mix_seed(0, h.id))
                 epoch = h._place(host)
                 self._handles[h.id] = h
             try:

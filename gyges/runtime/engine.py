@@ -18,7 +18,7 @@ with block) gives the worker's memory back, and so does dropping the last refere
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,38 +38,74 @@ MAX_ARRIVAL_AHEAD = 3600.0
 ENGINE_MEMORY_FLOOR = "256MiB"
 
 
+LOGPROBS_MAX = 20  # vLLM's cap on logprobs and prompt_logprobs (GY_LOGPROBS_MAX)
+MASK64 = 2**64 - 1
+
+
+def mix_seed(a, b):
+    """A 64-bit seed from two 64-bit numbers: splitmix64's finaliser over a + golden * (b + 1),
+    so nearby inputs (request 0, 1, 2 of one engine seed) give unrelated streams."""
+    z = (a + 0x9E3779B97F4A7C15 * (b + 1)) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability in the raw logits (vLLM's default), its rank (1 = most
+    likely) and its text (None without a tokenizer): vLLM's Logprob."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 and top_p 1 are
-    off; the seed makes sampling reproducible per request (independent of the batch).
+    """How to pick tokens and when to stop, under vLLM's names. temperature 0 is greedy; top_k
+    0 or -1, top_p 1 and min_p 0 are off. Order as vLLM's: penalties and min_tokens, then
+    temperature, min_p, top_k, top_p, a draw keyed by (seed, token index), so a request's tokens
+    do not depend on its batch or on moves between instances.
 
-    Beside vLLM's SamplingParams: the same names; defaults differ where gyges is a research
-    engine that must be reproducible: temperature 0.0 (vLLM 1.0) and seed 0 (vLLM None, a random
-    one); max_tokens 16, top_p 1.0 and top_k off as in vLLM. n > 1, min_tokens, the three
-    penalties and logprobs are refused by name; stop strings and stop_token_ids work."""
-    max_tokens: int = 16
+    Beside vLLM: temperature defaults to 0.0 (vLLM 1.0). seed None (the default) takes one
+    derived from the engine's seed and the request id at submission (Engine(seed=), Host(seed=)),
+    so runs repeat and copies of one prompt differ. max_tokens None runs to the model's context
+    (its positions minus the prompt). n and best_of describe a request of several samples: an
+    engine serves one sample per request, so submit each of sample_params(). logprobs and
+    prompt_logprobs (0..20) fill request.logprobs / prompt_logprobs; cumulative_logprob is
+    always kept. stop strings need a tokenizer; include_stop_str_in_output keeps them in the
+    text, skip_special_tokens=False keeps special tokens' text."""
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     stop: tuple = ()  # strings: the text ends before the first of them (needs a tokenizer)
-    # vLLM's fields that gyges does not implement: accepted at their defaults, refused otherwise
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
+    best_of: int | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # the C engine counts tokens and positions in 32 bits: larger values mean nothing
-        checks.integer("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
+        if self.max_tokens is not None:
+            checks.integer("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX)
         checks.number("temperature", self.temperature, lo=0)
-        checks.integer("top_k", self.top_k, lo=0, hi=INT32_MAX)
+        top_k = checks.integer("top_k", self.top_k, lo=-1, hi=INT32_MAX)
+        object.__setattr__(self, "top_k", max(top_k, 0))  # -1 (vLLM's off) is 0 here
         checks.number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
-        checks.integer("seed", self.seed, lo=0, hi=2**64 - 1)
+        checks.number("min_p", self.min_p, lo=0, hi=1)
+        if self.seed is not None:
+            checks.integer("seed", self.seed, lo=0, hi=MASK64)
         stops = checks.int_sequence("stop_token_ids", self.stop_token_ids, lo=0, hi=INT32_MAX)
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         checks.boolean("ignore_eos", self.ignore_eos)
@@ -78,12 +114,75 @@ class SamplingParams:
             raise InvalidArgumentError(f"stop={self.stop!r}: expected a non-empty string or a "
                                        f"list of them")
         object.__setattr__(self, "stop", tuple(stop))
-        for name, default in (("n", 1), ("min_tokens", 0), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("logprobs", None)):
-            if getattr(self, name) != default:
-                raise InvalidArgumentError(f"{name}={getattr(self, name)!r}: gyges does not "
-                                           f"implement {name} (only {default!r})")
+        checks.boolean("include_stop_str_in_output", self.include_stop_str_in_output)
+        checks.boolean("skip_special_tokens", self.skip_special_tokens)
+        checks.integer("n", self.n, lo=1, hi=INT32_MAX)
+        if self.best_of is not None:
+            checks.integer("best_of", self.best_of, lo=1, hi=INT32_MAX)
+            if self.best_of < self.n:
+                raise InvalidArgumentError(f"best_of={self.best_of} must be >= n={self.n}")
+        checks.integer("min_tokens", self.min_tokens, lo=0, hi=INT32_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidArgumentError(f"min_tokens={self.min_tokens} must be <= "
+                                       f"max_tokens={self.max_tokens}")
+        checks.number("presence_penalty", self.presence_penalty, lo=-2, hi=2)
+        checks.number("frequency_penalty", self.frequency_penalty, lo=-2, hi=2)
+        checks.number("repetition_penalty", self.repetition_penalty, lo=0, lo_open=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                checks.integer(name, getattr(self, name), lo=0, hi=LOGPROBS_MAX)
+
+    def sample_params(self):
+        """The params of each sample of a request with n / best_of: best_of (or n) of them, each
+        with n=1 and best_of=None. With a seed, sample i draws from a seed derived from (seed, i)
+        (a single sample keeps the seed itself); without, each stays None and the engine derives
+        one per submitted request. Pick the best n of best_of by cumulative_logprob."""
+        count = self.best_of or self.n
+        if count == 1:
+            return [replace(self, n=1, best_of=None)]
+        return [replace(self, n=1, best_of=None,
+                        seed=None if self.seed is None else mix_seed(self.seed, i))
+                for i in range(count)]
+
+
+def check_one_sample(params):
+    """An engine serves one sample per request: n or best_of above 1 is refused by name."""
+    if params.n > 1 or (params.best_of or 1) > 1:
+        raise InvalidArgumentError(f"n={params.n}, best_of={params.best_of}: an engine serves "
+                                   f"one sample per request; submit each of "
+                                   f"params.sample_params()")
+
+
+def resolve_params(params, prompt_len, max_pos, engine_seed, request_id):
+    """The params a submitted request runs with, fixed at submission so that they travel with
+    it between instances: max_tokens None -> the rest of the model's max_pos positions; seed
+    None -> mixed from (engine seed, request id). Raises a gyges.Error for n or best_of > 1."""
+    check_one_sample(params)
+    changes = {}
+    if params.max_tokens is None:
+        room = max_pos - prompt_len
+        if room < 1:
+            raise InvalidArgumentError(f"max_tokens=None: the prompt ({prompt_len} tokens) leaves "
+                                       f"no room in the model's {max_pos} positions")
+        if params.min_tokens > room:
+            raise InvalidArgumentError(f"min_tokens={params.min_tokens} must be <= max_tokens="
+                                       f"{room} (the model's {max_pos} positions minus the prompt)")
+        changes["max_tokens"] = room
+    if params.seed is None:
+        changes["seed"] = mix_seed(engine_seed, request_id)
+    return replace(params, **changes) if changes else params
+
+
+def engine_params(params, stops):
+    """The dict gyges._C.Engine's add and adopt read (csrc/python/py_engine.c); stops: int32."""
+    return {"max_new_tokens": params.max_tokens, "temperature": float(params.temperature),
+            "top_k": params.top_k, "top_p": float(params.top_p), "min_p": float(params.min_p),
+            "seed": params.seed, "repetition_penalty": float(params.repetition_penalty),
+            "frequency_penalty": float(params.frequency_penalty),
+            "presence_penalty": float(params.presence_penalty), "min_tokens": params.min_tokens,
+            "logprobs": -1 if params.logprobs is None else params.logprobs,
+            "prompt_logprobs": -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+            "stop_tokens": np.ascontiguousarray(stops, dtype=np.int32)}
 
 
 @dataclass
@@ -117,14 +216,27 @@ class Request:
     """A submitted request: its tokens so far, whether it finished (finish_reason "stop",
     "length", "abort" or "error"; error says why for the last), and its metrics. With a
     tokenizer, `text` is the output so far, decoded piece by piece (never half a character),
-    and `stop_reason` the stop string or token that ended it."""
+    and `stop_reason` the stop string or token that ended it. `params` are the ones it runs
+    with (seed and max_tokens fixed at submission: resolve_params).
 
-    def __init__(self, request_id, prompt, params, arrival, detokenizer=None, prompt_text=None):
+    Log-probabilities (vLLM's shapes, of the raw logits): cumulative_logprob sums the sampled
+    tokens'; logprobs is None unless params.logprobs is set, else one dict per output token,
+    {token_id: Logprob} holding the sampled token then the top params.logprobs; prompt_logprobs
+    is None unless params.prompt_logprobs is set, else one entry per prompt token, None for the
+    first (and for any not computed yet), then {token_id: Logprob} for the prompt token and the
+    top k."""
+
+    def __init__(self, request_id, prompt, params, arrival, detokenizer=None, prompt_text=None,
+                 tokenizer=None):
         self.id = request_id
         self.prompt = list(prompt)
         self.prompt_text = prompt_text
         self.params = params
         self.output_tokens = []
+        self.cumulative_logprob = 0.0
+        self.logprobs = None if params.logprobs is None else []
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(self.prompt)
+        self._tokenizer = tokenizer
         self.text = "" if detokenizer is not None else None
         self.finished = False
         self.finish_reason = None
@@ -133,10 +245,34 @@ class Request:
         self.metrics = RequestMetrics(arrival=arrival)
         self._detokenizer = detokenizer
 
-    def _append(self, token, now):
-        """A new token; True when a stop string now ends the text (the text is cut before it)."""
+    def _scored(self, token, logprob, rank, top):
+        """{token: Logprob} of a scored token then the top ones ((token, logprob), ...)."""
+        out = {token: Logprob(logprob, rank, self._decode(token))}
+        for j, (t, lp) in enumerate(top):
+            if t not in out:
+                out[t] = Logprob(lp, j + 1, self._decode(t))
+        return out
+
+    def _decode(self, token):
+        return None if self._tokenizer is None else self._tokenizer.decode([token], False)
+
+    def _score_prompt(self, pos, logprob, rank, top):
+        """Prompt token `pos` given the ones before it (a recomputed prefill scores it again,
+        identically: the first stays)."""
+        if self.prompt_logprobs is not None and self.prompt_logprobs[pos] is None:
+            self.prompt_logprobs[pos] = self._scored(self.prompt[pos], logprob, rank, top)
+
+    def _append(self, token, now, scored=None):
+        """A new token, and (logprob, rank, top) when the engine scored it (a moved request's
+        replayed tokens carry theirs in the packet); True when a stop string now ends the text
+        (the text is cut before it, or after it with include_stop_str_in_output)."""
         self.output_tokens.append(token)
         self.metrics.token_times.append(now)
+        if scored is not None:
+            logprob, rank, top = scored
+            self.cumulative_logprob += logprob
+            if self.logprobs is not None:
+                self.logprobs.append(self._scored(token, logprob, rank, top))
         if self._detokenizer is None:
             return False
         piece = self._detokenizer.add(token)
@@ -152,7 +288,8 @@ class Request:
         if not hits:
             return False
         at, stop = min(hits)
-        self.text, self.stop_reason = self.text[:at], stop
+        keep = at + len(stop) if self.params.include_stop_str_in_output else at
+        self.text, self.stop_reason = self.text[:keep], stop
         return True
 
     def _end(self, reason, error, now):
@@ -168,6 +305,13 @@ class Request:
         state = f"finished ({self.finish_reason})" if self.finished else "running"
         return (f"Request(id={self.id}, prompt={len(self.prompt)} tokens, "
                 f"output={len(self.output_tokens)} tokens, {state})")
+
+
+def new_request(request_id, prompt, params, arrival, tokenizer=None, prompt_text=None):
+    """A handle with its detokenizer (when there is a tokenizer) set up after the prompt."""
+    detokenizer = (tokenizer.detokenizer(prompt, skip_special_tokens=params.skip_special_tokens)
+                   if tokenizer is not None else None)
+    return Request(request_id, prompt, params, arrival, detokenizer, prompt_text, tokenizer)
 
 
 def check_prompt(tokens, vocab):
@@ -221,11 +365,13 @@ class InstanceLoop:
     request handles it serves and their timestamps. Engine has one; a Host has one per instance.
     Its owner serializes the calls (a lock)."""
 
-    def __init__(self, c_engine, config, clock, tokenizer=None):
+    def __init__(self, c_engine, config, clock, tokenizer=None, seed=0, max_pos=None):
         self._c = c_engine
         self.config = config
         self.clock = clock
         self.tokenizer = tokenizer
+        self.seed = seed  # what requests without a seed take theirs from (resolve_params)
+        self.max_pos = max_pos or config.max_position_embeddings
         self.requests = {}
 
     def add(self, request_id, tokens, params, arrival=None, prompt_text=None):
@@ -242,11 +388,10 @@ class InstanceLoop:
         if not params.ignore_eos:
             stops |= set(self.config.eos_tokens())
         arrival = check_arrival(arrival, self.clock())
-        detokenizer = self.tokenizer.detokenizer(prompt.tolist()) if self.tokenizer else None
-        request = Request(request_id, prompt.tolist(), params, arrival, detokenizer, prompt_text)
-        self._c.add(request.id, prompt, params.max_tokens, float(params.temperature),
-                    params.top_k, float(params.top_p), params.seed,
-                    np.array(sorted(stops), dtype=np.int32), arrival)
+        params = resolve_params(params, len(prompt), self.max_pos, self.seed, request_id)
+        request = new_request(request_id, prompt.tolist(), params, arrival, self.tokenizer,
+                              prompt_text)
+        self._c.add(request.id, prompt, engine_params(params, sorted(stops)), arrival)
         self.requests[request.id] = request
         return request
 
@@ -256,9 +401,12 @@ class InstanceLoop:
     def step(self):
         """One C step; returns the tokens it ran through the model. A failed step raises and
         changes nothing."""
-        tokens, finished, batch_tokens, _ = self._c.step(self.clock())
+        tokens, finished, batch_tokens, _, prompt = self._c.step(self.clock())
         done = self.clock()
-        stopped = [rid for rid, token in tokens if self.requests[rid]._append(token, done)]
+        for rid, pos, (logprob, rank, top) in prompt:
+            self.requests[rid]._score_prompt(pos, logprob, rank, top)
+        stopped = [rid for rid, token, scored in tokens
+                   if self.requests[rid]._append(token, done, scored)]
         for request_id in finished:
             self._finish(request_id, done)
         for request_id in stopped:  # a stop string: the request ends here, as at a stop token
@@ -339,22 +487,25 @@ def check_params(params):
 class Engine(Serving):
     """Engine(model, memory=None, page_size=None, block_size=16, kv_layout="header",
     weight_dtype=None, threads=2, max_batch_tokens=512, max_running=64, max_prefill_chunk=0,
-    max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0)
+    max_tp=None, max_pos=None, pad_ffn=True, backend="cpu", device=0, seed=0)
 
     memory=None sizes the budget from the model: its weights and the KV of 8192 tokens, at least
     256MiB. backend="cuda" serves from GPU `device` with the same loop, scheduler and sampler:
     only the forward pass runs there (page_size then defaults to 2MiB, the driver's granularity).
     Use it in a with block, or call close(), to give its memory back at a known point.
+    seed: requests submitted without a seed get one mixed from it and their id (0, 1, ... in
+    submission order), so a run repeats and copies of a prompt differ.
     """
 
     def __init__(self, model, memory=None, page_size=None, block_size=16,
                  kv_layout="header", weight_dtype=None, threads=2, max_batch_tokens=512,
                  max_running=64, max_prefill_chunk=0, max_tp=None, max_pos=None, pad_ffn=True,
-                 backend="cpu", device=0):
+                 backend="cpu", device=0, seed=0):
         for name, value in (("block_size", block_size), ("max_batch_tokens", max_batch_tokens),
                             ("max_running", max_running), ("threads", threads)):
             checks.integer(name, value, lo=1, hi=INT32_MAX)
         checks.integer("max_prefill_chunk", max_prefill_chunk, lo=0, hi=INT32_MAX)
+        self.seed = checks.integer("seed", seed, lo=0, hi=MASK64)
         self._lock = FairLock()
         self.model = model
         self.worker = Worker(model, memory=memory, page_size=page_size, block_size=block_size,
@@ -365,7 +516,8 @@ class Engine(Serving):
         self._c = _C.Engine([self.worker.c_model], [self.worker.kv.handle], None, max_batch_tokens,
                             max_running, max_prefill_chunk)
         self._loop = InstanceLoop(self._c, model.config, self.clock,
-                                  getattr(model, "tokenizer", None))
+                                  getattr(model, "tokenizer", None), seed=self.seed,
+                                  max_pos=self.worker.max_pos)
         self._next_id = 0
         self.steps = 0
         self.memory_budget = self.worker.arena.stats()["budget_bytes"]

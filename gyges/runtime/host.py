@@ -46,7 +46,7 @@ from ..core.fairlock import FairLock
 from ..core.units import parse_size
 from ..models.tokenizer import tokenize_prompt
 from .comm import CommPool, aligned_groups
-from .engine import Clock, Request, Serving, check_params
+from .engine import Clock, Request, Serving, check_one_sample, check_params
 from .instance import Instance
 from .layout import layout_string
 from .layout import parse as parse_layout
@@ -117,8 +117,10 @@ class Host(Serving):
                  layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
-                 comm=None, weights="sharded", kv_stack=1):
+                 comm=None, weights="sharded", kv_stack=1, seed=0):
         checks.integer("workers", workers, lo=1)
+        # requests without a seed take one mixed from this and their id (engine.resolve_params)
+        self.seed = checks.integer("seed", seed, lo=0, hi=2**64 - 1)
         if workers > MAX_WORKERS:
             raise InvalidArgumentError(f"workers={workers}: a host has at most {MAX_WORKERS} "
                                        f"(each is a thread with its own arena)")
@@ -526,6 +528,7 @@ class Host(Serving):
         once no TP request is left; a request no DP worker can hold binds the smallest group
         whose pooled KV holds it."""
         params = check_params(params)
+        check_one_sample(params)  # before placing it anywhere
         tokens, text = tokenize_prompt(tokens, getattr(self.model, "tokenizer", None))
         priority = checks.integer("priority", priority, lo=0)
         with self._lock:
@@ -535,7 +538,10 @@ class Host(Serving):
                 tp = checks.integer("tp", tp, lo=1)
             if instance is not None:
                 instance = self._instance_at(instance)
-            target, asked = self.pool.place(self, length + params.max_tokens, tp=tp,
+            # max_tokens None runs to the context's end: the whole context to place
+            max_tokens = (params.max_tokens if params.max_tokens is not None else
+                          max(self.model.config.max_position_embeddings - length, 1))
+            target, asked = self.pool.place(self, length + max_tokens, tp=tp,
                                             instance=instance, priority=priority)
             request = target.add(self._next_id, tokens, params, prompt_text=text)
             self._next_id += 1

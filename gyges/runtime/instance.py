@@ -9,7 +9,7 @@ and the loop are this class's own."""
 import weakref
 
 from .. import _C
-from .engine import InstanceLoop
+from .engine import InstanceLoop, engine_params
 from .kv_cache import KVMove
 from .layout import part_string
 
@@ -38,7 +38,8 @@ class Instance:
             self._c = _C.Engine([w.c_model for w in ranks], [kv.handle for kv in kvs], comm,
                                 host.max_batch_tokens, host.max_running, host.max_prefill_chunk)
         self._loop = InstanceLoop(self._c, host.model.config, host.clock,
-                                  getattr(host.model, "tokenizer", None))
+                                  getattr(host.model, "tokenizer", None),
+                                  seed=getattr(host, "seed", 0), max_pos=ranks[0].max_pos)
 
     @property
     def layout(self):
@@ -150,10 +151,8 @@ class Instance:
         """Takes a request in from its handle: tokens are its prompt and output so far, info the
         scheduler state it arrives in, seqs its KV sequence in each rank's cache (None: no KV, it
         is recomputed: gyges.reconfig.recovery)."""
-        params = handle.params
-        self._c.adopt(handle.id, tokens, len(handle.prompt), params.max_tokens,
-                      float(params.temperature), params.top_k, float(params.top_p), params.seed,
-                      stop_tokens, info, list(seqs) if seqs is not None else [-1] * len(self.kvs))
+        self._c.adopt(handle.id, tokens, len(handle.prompt), engine_params(handle.params, stop_tokens),
+                      info, list(seqs) if seqs is not None else [-1] * len(self.kvs))
         self._loop.requests[handle.id] = handle
 
     def let_go(self, rid):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import InvalidArgumentError
-from .engine import Request, SamplingParams
+from .engine import SamplingParams, new_request
 
 STATE_PREEMPTED = 1   # gy_sched_state
 
@@ -37,6 +37,10 @@ class RequestPacket:
     record: tuple
     kv: np.ndarray          # (layers, 2, computed tokens, kv heads, head dim) float32, or None
     prompt_text: str = None
+    # the handle's log-probabilities so far (Request's shapes): they go on where it goes
+    cumulative_logprob: float = 0.0
+    logprobs: list = None
+    prompt_logprobs: list = None
 
     @property
     def kv_bytes(self):
@@ -91,8 +95,13 @@ def export_request(instance, rid, now):
               age(info["first_token"]))
     packet = RequestPacket(prompt=tokens[:prompt_len].tolist(),
                            output=tokens[prompt_len:].tolist(), params=handle.params,
-                           stop_tokens=np.frombuffer(ex["stop_tokens"] or b"", dtype=np.int32).copy(),
-                           record=record, kv=kv, prompt_text=handle.prompt_text)
+                           stop_tokens=np.frombuffer(ex["params"]["stop_tokens"] or b"",
+                                                     dtype=np.int32).copy(),
+                           record=record, kv=kv, prompt_text=handle.prompt_text,
+                           cumulative_logprob=handle.cumulative_logprob,
+                           logprobs=None if handle.logprobs is None else list(handle.logprobs),
+                           prompt_logprobs=(None if handle.prompt_logprobs is None
+                                            else list(handle.prompt_logprobs)))
     instance.let_go(rid)
     return packet
 
@@ -164,12 +173,17 @@ def import_request(instance, packet, rid, now, with_kv=True):
 
 
 def new_handle(packet, rid, tokenizer, now):
-    """The destination's handle of a moved request: its prompt and the tokens it already has."""
-    detokenizer = tokenizer.detokenizer(packet.prompt) if tokenizer is not None else None
-    handle = Request(rid, packet.prompt, packet.params, now - packet.record[5], detokenizer,
-                     packet.prompt_text)
+    """The destination's handle of a moved request: its prompt, the tokens it already has and
+    their log-probabilities."""
+    handle = new_request(rid, packet.prompt, packet.params, now - packet.record[5], tokenizer,
+                         packet.prompt_text)
     for t in packet.output:
         handle._append(t, now)
+    handle.cumulative_logprob = packet.cumulative_logprob
+    if packet.logprobs is not None:
+        handle.logprobs = list(packet.logprobs)
+    if packet.prompt_logprobs is not None:
+        handle.prompt_logprobs = list(packet.prompt_logprobs)
     return handle
 
 
