@@ -1,6 +1,6 @@
 /* py_backends.c: what this build and machine offer the package: whether CUDA is built in
  * (WITH_CUDA), how many devices there are (cuda_device_count), whether the CUDA forward pass is
- * in this build (cuda_forward_unavailable), and which instruction set the CPU kernels use
+ * in this build (cuda_forward_unavailable), a device's memory (cuda_device_memory), and which instruction set the CPU kernels use
  * (set_cpu_isa, the GYGES_CPU_ISA switch of gyges/__init__.py). */
 #include "py_common.h"
 
@@ -28,6 +28,25 @@ static PyObject *gy_py_cuda_device_count(PyObject *module, PyObject *unused) {
     return PyLong_FromLong(count);
 }
 
+/* cuda_device_memory(device) -> its memory in bytes (what gpu_memory_utilization is a fraction
+ * of); GY_ERR_UNAVAILABLE without CUDA or the device. */
+static PyObject *gy_py_cuda_device_memory(PyObject *module, PyObject *args) {
+    int device;
+    if (!PyArg_ParseTuple(args, "i", &device)) return NULL;
+#ifdef GY_WITH_CUDA
+    gy_cuda_device_info info;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_cuda_device_info_get(&info, device);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) return gy_py_raise(s);
+    return PyLong_FromUnsignedLongLong(info.total_bytes);
+#else
+    return gy_py_raise(GY_FAIL(GY_ERR_UNAVAILABLE, "gyges was built without CUDA: no device %d",
+                               device));
+#endif
+}
+
 /* cuda_forward_unavailable() -> None when the CUDA forward pass is built in, else the reason. */
 static PyObject *gy_py_cuda_forward_unavailable(PyObject *module, PyObject *unused) {
     const char *why = gy_forward_cuda_unavailable();
@@ -51,6 +70,8 @@ static PyObject *gy_py_set_cpu_isa(PyObject *module, PyObject *args) {
 static PyMethodDef gy_py_backend_functions[] = {
     {"cuda_device_count", gy_py_cuda_device_count, METH_NOARGS,
      "cuda_device_count() -> number of CUDA devices; 0 without a driver, a device or CUDA support"},
+    {"cuda_device_memory", gy_py_cuda_device_memory, METH_VARARGS,
+     "cuda_device_memory(device) -> the device's memory in bytes"},
     {"cuda_forward_unavailable", gy_py_cuda_forward_unavailable, METH_NOARGS,
      "cuda_forward_unavailable() -> None, or why the CUDA forward pass is not in this build"},
     {"set_cpu_isa", gy_py_set_cpu_isa, METH_VARARGS,
