@@ -29,7 +29,7 @@ LEVEL_ENV = "GYGES_LOGGING_LEVEL"
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
 # a line in FORMAT (tests match every line of a server's output against it)
-LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.-]+:\d+\] ")
+LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\] ")
 
 
 def env_level():
