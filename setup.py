@@ -7,6 +7,10 @@ GYGES_CUDA=0 turns the CUDA part off; GYGES_CUDA_ARCH picks the SM targets (defa
 H100/H200); GYGES_NVCC_FLAGS adds nvcc flags (a kernel's tuning macro, say). The CUDA driver is
 never linked: csrc/mem/arena_cuda.c loads libcuda.so.1 at run time, and the CUDA runtime is
 linked statically, so `import gyges` works on machines with no GPU.
+The C files of an extension compile in parallel (GYGES_BUILD_JOBS, default one per core), and an
+object newer than its source and every header, built with the same command, is kept.
+GYGES_SKIP_EXT=1 builds no extension: the Makefile's editable install, which runs the ones
+`make build` put in gyges/.
 cuBLAS is not linked either: csrc/kernels/gemm.cu loads libcublas.so at run time.
 
 The CUDA forward pass (csrc/engine/forward_cuda.c) is built with the CUDA backend
@@ -15,6 +19,7 @@ The CUDA forward pass (csrc/engine/forward_cuda.c) is built with the CUDA backen
 import os
 import shutil
 import subprocess
+import types
 from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 from pathlib import Path
@@ -55,8 +60,10 @@ class BuildExtWithCuda(build_ext):
     gyges._C_test against gyges._C."""
 
     def build_extensions(self):
-        # in order, never in parallel (-j): gyges._C_test links against gyges._C
+        # in order, never in parallel (-j): gyges._C_test links against gyges._C; the files of
+        # one extension compile in parallel instead
         self.parallel = False
+        self.compiler.compile = types.MethodType(_compile_parallel, self.compiler)
         super().build_extensions()
 
     def build_extension(self, ext):
@@ -113,6 +120,33 @@ class BuildExtWithCuda(build_ext):
         return max([os.path.getmtime(source)] + [os.path.getmtime(h) for h in headers])
 
 
+def _compile_parallel(self, sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                      extra_preargs=None, extra_postargs=None, depends=None):
+    """distutils' CCompiler.compile, one process per core, skipping an object that is newer
+    than its source and every header and was built by the same command (a .cmd beside it).
+    distutils decides first whether the extension is out of date at all; then it would compile
+    every file, one at a time: 77 s for gyges._C on 2 cores after a header change."""
+    macros, objects, extra_postargs, pp_opts, build = self._setup_compile(
+        output_dir, macros, include_dirs, sources, depends, extra_postargs)
+    cc_args = self._get_cc_args(pp_opts, debug, extra_preargs)
+    newest_header = max((os.path.getmtime(h) for h in depends or ()), default=0.0)
+
+    def one(obj):
+        src, ext = build[obj]
+        stamp = Path(obj).with_suffix(".cmd")
+        cmd = " ".join([*self.compiler_so, *cc_args, src, *extra_postargs])
+        if (os.path.exists(obj) and stamp.exists() and stamp.read_text() == cmd
+                and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header)):
+            return
+        self._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+        stamp.write_text(cmd)
+
+    jobs = int(os.environ.get("GYGES_BUILD_JOBS", 0)) or os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, objects))
+    return objects
+
+
 def extension(test):
     """gyges._C, or gyges._C_test when `test`."""
     define_macros = []
@@ -144,5 +178,6 @@ def extension(test):
     )
 
 
-setup(ext_modules=[extension(test=False), extension(test=True)],
+setup(ext_modules=([] if os.environ.get("GYGES_SKIP_EXT") == "1" else
+                   [extension(test=False), extension(test=True)]),
       cmdclass={"build_ext": BuildExtWithCuda})

@@ -186,7 +186,7 @@ def profile(duration, rate, seed=0):
     caps = experiment.capacities(new_host())
     trace = mixed_trace(duration, rate, seed)
     results = [experiment.run(trace, "gyges", host=new_host(), time_scale=scale,
-                              record_steps=True) for scale in (1.0, 0.25)]
+                              record_steps=True, progress=True) for scale in (1.0, 0.25)]
     cost, row = fit(np.concatenate([r.steps for r in results]),
                     np.concatenate([r.transformations for r in results]), caps)
     return cost, {"fit": "held-out (calibration trace, seed 0, 1x and 4x)", **row}

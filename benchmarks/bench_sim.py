@@ -233,7 +233,7 @@ def azure_comparison(cost, rate_factors):
         info = {"tail_prompt_factor": factor, "fraction_exceeding_tp1": exceed,
                 "requests": int(tr.size)}
         for label, policy, kw in runs:
-            res = sim.run(tr, policy=policy, slo=SLO, **kw)
+            res = sim.run(tr, policy=policy, slo=SLO, progress=True, **kw)
             s = res.summary()
             g_req, g_tok, attained = goodputs(res)
             rows.append({"rate": rf * 5.53, "layout": label, "static": policy == "static",

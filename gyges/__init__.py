@@ -3,13 +3,14 @@
 The performance-critical parts are C (and CUDA) in gyges._C; this package is the steering wheel.
 Every public submodule is reachable after a bare `import gyges` (gyges.sim, gyges.traces,
 gyges.experiment, gyges.metrics, gyges.results, gyges.serve, ...), imported when first used.
-The package logs through `logging` (logger "gyges"); it prints nothing.
+The package logs through `logging` (logger "gyges", in vLLM's line format): at INFO on stderr
+while the application configures no logging of its own (gyges/core/logs.py); nothing print()s.
 """
 import importlib
-import logging
 import os
 
 from . import _C
+from .core import logs as _logs
 from .runtime.arena import Arena
 from .core.errors import (ArgumentTypeError, BusyError, CudaError, DependencyError, Error, FormatError,
                      InvalidArgumentError, LimitError, OutOfMemoryError, StateError,
@@ -26,7 +27,7 @@ from .core.units import format_size, parse_size
 __version__ = "0.1.0"
 WITH_CUDA = bool(_C.WITH_CUDA)
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+_logs.install_default()
 
 # GYGES_CPU_ISA=portable runs the portable CPU kernels on a machine that has AVX-512 (same bits):
 # how a machine without AVX-512 is timed here.

@@ -24,7 +24,10 @@ def kernel_manager(root):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "gyges .venv", "language": "python",
-        "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline"}}))
+        # PYTHONPATH: this checkout's gyges, whichever gyges .venv has installed (make test
+        # installs this one, editable; a .venv shared between checkouts may hold another's)
+        "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                "PYTHONPATH": str(HERE.parent)}}))
     ksm = KernelSpecManager(kernel_dirs=[str(root)], ensure_native_kernel=False)
     return KernelManager(kernel_name="gyges-venv", kernel_spec_manager=ksm)
 

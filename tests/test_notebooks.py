@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -r "
                                                   "requirements.txt)")
@@ -26,7 +27,10 @@ def kernel_spec_manager(tmp_path_factory):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "gyges .venv", "language": "python",
-        "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline"}}))
+        # PYTHONPATH: this checkout's gyges, whichever gyges .venv has installed (make test
+        # installs this one, editable; a .venv shared between checkouts may hold another's)
+        "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                "PYTHONPATH": str(ROOT)}}))
     return KernelSpecManager(kernel_dirs=[str(root)], ensure_native_kernel=False)
 
 

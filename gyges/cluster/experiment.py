@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +55,7 @@ from .costmodel import CostModel as _CostModel
 from ..runtime.engine import SamplingParams
 from ..core.errors import Error as GygesError
 from ..core.errors import InvalidArgumentError
+from ..core.logs import progress as progress_bar
 from .results import LAYOUT_DTYPE, REQUEST_DTYPE, TIMELINE_DTYPE, TOKEN_DTYPE, TRANSFORM_DTYPE, \
     Results
 
@@ -951,7 +951,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         rp.reqs.append(_Req(i, prompt, output, fp, min_tp, t0 + float(rel[i]),
                             priority=int(trace["priority"][i])))
     try:
-        stopped = _loop(rp, n, t0, t_wall, time_limit, progress, policy)
+        with progress_bar(enabled=bool(progress), total=n, unit="req",
+                          desc=f"experiment {policy}") as bar:
+            stopped = _loop(rp, n, t0, t_wall, time_limit, bar if progress else None)
         rp.sample()
         cs = rp.ctl.stats()
         rp.controller_stats = {"n_ops_refused": cs["ops_refused"], "n_decisions": cs["decisions"],
@@ -1062,9 +1064,9 @@ def _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature
                    pipeline_cost, buddy=policy == "kunserve", prefill_rate=prefill_rate)
 
 
-def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
+def _loop(rp, n, t0, t_wall, time_limit, bar):
     """Arrivals, steps and timers until every request is done (or time_limit); returns whether
-    time_limit stopped it."""
+    time_limit stopped it. bar: a progress bar of requests done, or None."""
     nxt, next_sample, shown = 0, t0, 0.0
     stuck_since = None
     merge_wait = rp.policy.config["merge_wait"]
@@ -1083,12 +1085,10 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
             if rp.n_deferred or rp.policy.monitors:
                 rp.control("tick", rp.now())
                 rp.react()
-        if progress and time.perf_counter() - shown > 1.0:
+        if bar is not None and time.perf_counter() - shown > 1.0:   # (counting is O(n))
             shown = time.perf_counter()
-            done = sum(r.status in (FINISHED, REJECTED) for r in rp.reqs)
-            sys.stderr.write(f"\rexperiment {policy}: {now - t0:7.1f} s, {done}/{n} requests "
-                             f"done, layout {rp.layout():<16}")
-            sys.stderr.flush()
+            bar.update(sum(r.status in (FINISHED, REJECTED) for r in rp.reqs) - bar.n)
+            bar.set_postfix_str(f"{now - t0:.1f} s, layout {rp.layout()}")
         rp.launch()
         if rp.running:
             stuck_since = None
@@ -1110,8 +1110,8 @@ def _loop(rp, n, t0, t_wall, time_limit, progress, policy):
                        rp.reqs[nxt].arrival)
             continue
         if not deferred:
-            if progress and shown:
-                sys.stderr.write("\n")
+            if bar is not None:
+                bar.update(sum(r.status in (FINISHED, REJECTED) for r in rp.reqs) - bar.n)
             return False
         # only deferred requests are left and nothing serves: let the policy's timers run out
         if rp.now() - stuck_since > merge_wait + rp.sample_interval:

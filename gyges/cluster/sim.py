@@ -52,7 +52,6 @@ live_restore=False: a restoring group, its weights back, finishes its requests a
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import numpy as np
@@ -64,6 +63,7 @@ from .policy import POLICIES, Policy, check_number, check_policy  # one set for 
 from .costmodel import ConstantCost, CostModel, CostModelError, PipelineCost
 from .costmodel import gpu_spec as costmodel_gpu
 from ..core.errors import InvalidArgumentError
+from ..core.logs import progress as progress_bar
 from .results import Results
 
 __all__ = ["run", "parse_layout", "POLICIES", "SimError"]
@@ -279,26 +279,22 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
 
 
 def _drive(sim, policy, n, start, span, check, progress, t_wall, slo, config) -> Results:
-    """Runs the simulator in chunks (a progress line for long runs) and wraps the results."""
+    """Runs the simulator in chunks (a progress bar of requests done when `progress`) and
+    wraps the results."""
     chunk = max(span / 100, 1.0)
     until = start
-    shown = False
-    while True:
-        until += chunk
-        done = sim.run(until if until < start + span else math.inf)
-        if check:
-            sim.check()
-        if progress and time.perf_counter() - t_wall > 2.0:
-            st = sim.stats()
-            sys.stderr.write(f"\rsim {policy}: {st['now'] - start:9.0f} s of {span:.0f} s "
-                             f"simulated, {st['finished'] + st['rejected']}/{n} requests done, "
-                             f"{time.perf_counter() - t_wall:6.1f} s")
-            sys.stderr.flush()
-            shown = True
-        if done:
-            break
-    if shown:
-        sys.stderr.write("\n")
+    with progress_bar(enabled=bool(progress), total=n, unit="req", desc=f"sim {policy}") as bar:
+        while True:
+            until += chunk
+            done = sim.run(until if until < start + span else math.inf)
+            if check:
+                sim.check()
+            if progress:
+                st = sim.stats()
+                bar.update(st["finished"] + st["rejected"] - bar.n)
+                bar.set_postfix_str(f"{min(st['now'] - start, span):.0f}/{span:.0f} s simulated")
+            if done:
+                break
     return Results.from_simulator(sim, config, slo=slo,
                                   wall_seconds=time.perf_counter() - t_wall)
 

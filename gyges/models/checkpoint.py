@@ -26,6 +26,7 @@ import numpy as np
 from . import safetensors
 from .config import EXECUTABLE_MODEL_TYPES, ConfigError, ModelConfig, read_json
 from ..core.errors import FormatError
+from ..core.logs import progress as progress_bar
 
 __all__ = ["CheckpointError", "expected_shapes", "check_tensors", "random_weights", "load",
            "save", "INDEX_FILE", "CONFIG_FILE"]
@@ -175,14 +176,16 @@ def _check_float(config: ModelConfig, fpath: str, present: Mapping[str, safetens
                 f"point (F32, F16, BF16 or F64)")
 
 
-def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load(path: str | os.PathLike,
+         progress: bool | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Reads config.json and all weights of a checkpoint directory, as float32 arrays in model
     order (the order of expected_shapes).
 
     With model.safetensors.index.json, each tensor is read from the file its weight_map names;
     without it, every *.safetensors file in the directory is read and a name found in two files
     is an error. A malformed safetensors file, or a weight whose dtype is not floating point,
-    raises safetensors.SafetensorsError (a gyges.FormatError).
+    raises safetensors.SafetensorsError (a gyges.FormatError). progress: a bar per shard, as
+    vLLM's "Loading safetensors checkpoint shards" (None: on a terminal, for a load over 1 s).
     """
     path = os.fspath(path)
     try:
@@ -191,7 +194,9 @@ def load(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         raise CheckpointError(str(e)) from e
     tensors: dict[str, np.ndarray] = {}
     where: dict[str, str] = {}
-    for fname, names in _shard_plan(path).items():
+    plan = _shard_plan(path)
+    for fname, names in progress_bar(plan.items(), progress, total=len(plan), unit="shard",
+                                     desc="Loading safetensors checkpoint shards"):
         fpath = os.path.join(path, fname)
         if not os.path.exists(fpath):
             raise CheckpointError(f"{path}: {INDEX_FILE} names {fname!r}, which does not exist")

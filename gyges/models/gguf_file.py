@@ -23,6 +23,7 @@ from .checkpoint import CheckpointError, check_tensors, expected_shapes
 from .config import ConfigError, ModelConfig
 from ..core.checks import is_finite, show
 from ..core.errors import require
+from ..core.logs import progress as progress_bar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # GGUF tensor name (without "blk.N.") -> HF name (without "model.layers.N.")
@@ -275,10 +276,11 @@ def _shape(t):
     return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def load(path):
+def load(path, progress=None):
     """(config, tensors, metadata) of a GGUF file: float32 tensors under HF names, in model
     order. Q4_0/Q4_1/Q8_0/F16/BF16/F32 (and every other type the gguf package dequantizes).
-    Every name and shape is checked against the config before any tensor is dequantized."""
+    Every name and shape is checked against the config before any tensor is dequantized.
+    progress: a bar per tensor (None: on a terminal, for a load over 1 s)."""
     path = os.fspath(path)
     reader = open_reader(path)
     gguf = require("gguf", "reading GGUF files")
@@ -308,7 +310,8 @@ def load(path):
             raise CheckpointError(f"missing tensor {missing[0]!r} of shape "
                                   f"{expected[missing[0]]}")
         tensors = {}
-        for name in expected:
+        for name in progress_bar(expected, progress, unit="tensor",
+                                 desc="Loading GGUF tensors"):
             t = names[name]
             array = _dequantize(gguf, t)
             if config.model_type == "llama" and name.endswith("q_proj.weight"):

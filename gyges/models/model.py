@@ -107,11 +107,13 @@ class Model:
         return model
 
     @classmethod
-    def load(cls, path, dtype="f32"):
+    def load(cls, path, dtype="f32", progress=None):
         """A packaged model by name (PACKAGED: "smollm2-135m-instruct"), a GGUF file, or a Hugging
         Face checkpoint directory (config.json, *.safetensors, tokenizer.json when present).
         The weights are converted once, to `dtype` (f32, bf16 or f16), which becomes the
-        storage dtype engines and hosts use unless told otherwise."""
+        storage dtype engines and hosts use unless told otherwise. progress: a tqdm bar per
+        tensor (GGUF) or shard (safetensors) on stderr; None shows one on a terminal for a load
+        over a second (GYGES_PROGRESS=1/0 decides instead), as vLLM shows its shards' bar."""
         if dtype not in WEIGHT_DTYPES:
             raise InvalidArgumentError(f"dtype={dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
         if not isinstance(path, (str, os.PathLike)):
@@ -119,10 +121,10 @@ class Model:
         name = path if isinstance(path, str) and path in PACKAGED else None
         file = packaged_path(name) if name else os.fspath(path)
         if os.path.isdir(file):
-            config, tensors = checkpoint.load(file)
+            config, tensors = checkpoint.load(file, progress)
             tokenizer = Tokenizer.from_directory(file, config)
         elif file.endswith(".gguf") or name:
-            config, tensors, meta = gguf_file.load(file)
+            config, tensors, meta = gguf_file.load(file, progress)
             tokenizer = (Tokenizer.from_gguf_metadata(meta, source=file)
                          if "tokenizer.ggml.model" in meta else None)
         else:

@@ -14,9 +14,11 @@ import threading
 import time
 
 from ..core.errors import StateError, require
+from ..core.logs import uvicorn_config
 from .app import build_app
 from .cluster_runner import ClusterRunner
 from .runner import HostRunner
+from .server_logs import AccessLog, StatsLogger
 
 __all__ = ["Server", "build_app", "HostRunner", "ClusterRunner", "free_port"]
 
@@ -29,11 +31,17 @@ def free_port(host="127.0.0.1"):
 
 class Server:
     """uvicorn serving build_app(HostRunner(host)), or in front of a gyges.Cluster
-    build_app(ClusterRunner(cluster)); binds 127.0.0.1 unless told otherwise."""
+    build_app(ClusterRunner(cluster)); binds 127.0.0.1 unless told otherwise.
+
+    Logging (gyges/serve/server_logs.py): uvicorn's lines at log_level in gyges' format;
+    access_log: a line per request with its duration; log_stats_interval: vLLM's throughput
+    line every so many seconds (None: none). The command line turns both on; from Python they
+    are off, as is uvicorn below warning."""
 
     def __init__(self, host, model_name, port=8000, bind="127.0.0.1", api_key=None,
                  enable_admin=False, max_body_bytes=1 << 20, max_tokens_limit=4096,
-                 protect_metrics=False, body_timeout_s=30.0, log_level="warning"):
+                 protect_metrics=False, body_timeout_s=30.0, log_level="warning",
+                 access_log=False, log_stats_interval=None):
         uvicorn = require("uvicorn", "the server")
         from ..distributed.cluster import Cluster
         self.host = host
@@ -43,10 +51,13 @@ class Server:
                              protect_metrics=protect_metrics, body_timeout_s=body_timeout_s)
         self.port = free_port(bind) if port == 0 else port
         self.bind = bind
-        config = uvicorn.Config(self.app, host=bind, port=self.port, log_level=log_level,
-                                access_log=False, lifespan="off")
+        config = uvicorn.Config(AccessLog(self.app) if access_log else self.app, host=bind,
+                                port=self.port, log_level=log_level,
+                                log_config=uvicorn_config(log_level), access_log=False,
+                                lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = None
+        self._stats = StatsLogger(self.runner, log_stats_interval) if log_stats_interval else None
 
     @property
     def url(self):
@@ -55,6 +66,8 @@ class Server:
     def start(self, timeout=30.0):
         """Serves on a background thread; returns once the port accepts connections."""
         self.runner.start()
+        if self._stats is not None:
+            self._stats.start()
         self._thread = threading.Thread(target=self._server.run, name="gyges-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -68,13 +81,19 @@ class Server:
     def run(self):
         """Serves on this thread until interrupted (the command line's way)."""
         self.runner.start()
+        if self._stats is not None:
+            self._stats.start()
         try:
             self._server.run()
         finally:
+            if self._stats is not None:
+                self._stats.stop()
             self.runner.close()
 
     def stop(self):
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join()
+        if self._stats is not None:
+            self._stats.stop()
         self.runner.close()

@@ -3,10 +3,17 @@
     gyges serve --model smollm2-135m-instruct --workers 3 --layout 3xTP1 --port 8000
     gyges serve --hosts 2 --workers-per-host 2 [--ray-address auto]   # a cluster on Ray
     gyges bench serve --base-url http://127.0.0.1:8000/v1 --trace azure --requests 100
+
+Every command logs in vLLM's format on stderr at --log-level (default GYGES_LOGGING_LEVEL, else
+info); the server adds a line per request and a throughput line every --log-stats-interval s.
 """
 import argparse
 import logging
 import sys
+
+from ..core import logs
+
+log = logging.getLogger("gyges.serve.cli")
 
 
 def _fail(command, message):
@@ -15,8 +22,21 @@ def _fail(command, message):
     sys.exit(2)   # (argparse's status for a usage error, as parser.exit gives it)
 
 
+def check_log_level(command, args):
+    """--log-level, or GYGES_LOGGING_LEVEL in its place, names a level; then gyges logs at it."""
+    if args.log_level is None:
+        args.log_level = logs.env_level()
+        if args.log_level not in logs.LEVELS:
+            _fail(command, f"{logs.LEVEL_ENV}={args.log_level!r}: expected one of "
+                           f"{', '.join(logs.LEVELS)}")
+    elif args.log_level.lower() not in logs.LEVELS:
+        _fail(command, f"--log-level {args.log_level!r}: expected one of {', '.join(logs.LEVELS)}")
+    args.log_level = args.log_level.lower()
+
+
 def check_serve_args(args):
     """Every flag of `gyges serve` checked before the model loads."""
+    check_log_level("serve", args)
     from ..core.errors import Error
     from ..core.units import parse_size
     from ..runtime.layout import parse
@@ -35,6 +55,8 @@ def check_serve_args(args):
         _fail("serve", f"--port must be at most 65535, got {args.port}")
     if not args.body_timeout > 0:
         _fail("serve", f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if not args.log_stats_interval > 0:
+        _fail("serve", f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
     try:
         parse_size(args.memory_per_worker, "--memory-per-worker")
         parse_size(args.page_size, "--page-size")
@@ -50,8 +72,14 @@ def _serve(args):
     from ..models.model import Model
     from ..runtime.host import Host
     from . import Server
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = Model.load(args.model, dtype=args.dtype)
+    logs.configure(args.log_level)
+    defaults = vars(parser().parse_args(["serve"]))
+    log.info("gyges serve, non-default args: %s",
+             {k: "<hidden>" if k == "api_key" else v for k, v in vars(args).items()
+              if k not in ("run", "log_level") and v != defaults.get(k)})
+    # the load's bar, as vLLM's, at info and below
+    model = Model.load(args.model, dtype=args.dtype,
+                       progress=args.log_level in ("debug", "info"))
     options = dict(memory_per_worker=args.memory_per_worker, page_size=args.page_size,
                    max_batch_tokens=args.max_batch_tokens,
                    threads_per_worker=args.threads_per_worker)
@@ -68,9 +96,11 @@ def _serve(args):
                     bind=args.host, api_key=args.api_key, enable_admin=args.enable_admin,
                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                     protect_metrics=args.protect_metrics, body_timeout_s=args.body_timeout,
-                    log_level="info")
-    logging.getLogger("gyges").info("serving %s on http://%s:%d/v1 (layout %s)", args.model,
-                                    args.host, server.port, server.runner.host.layout())
+                    log_level=args.log_level,
+                    access_log=not (args.disable_uvicorn_access_log or args.disable_log_requests),
+                    log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
+    log.info("serving %s on http://%s:%d/v1 (layout %s)", args.model, args.host, server.port,
+             server.runner.host.layout())
     try:
         server.run()
     finally:
@@ -79,8 +109,16 @@ def _serve(args):
 
 
 def _bench_serve(args):
+    check_log_level("bench serve", args)
+    logs.configure(args.log_level)
     from .bench import main as bench_main
     return bench_main(args)
+
+
+def add_log_level(p):
+    # checked by check_log_level, not by argparse's choices: a bad value is one line, not two
+    p.add_argument("--log-level", default=None, metavar="{debug,info,warning,error}",
+                   help=f"default: {logs.LEVEL_ENV}, else info")
 
 
 def parser():
@@ -115,12 +153,21 @@ def parser():
     s.add_argument("--max-tokens-limit", type=int, default=4096)
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive (408 after)")
+    add_log_level(s)
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request (method, path, status, duration)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="the same (vLLM's older name)")
+    s.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between throughput lines (tokens/s, requests, KV cache usage)")
+    s.add_argument("--disable-log-stats", action="store_true", help="no throughput lines")
     s.set_defaults(run=_serve)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from .bench import add_arguments
     bs = bsub.add_parser("serve", help="replay a trace against an OpenAI-compatible endpoint")
     add_arguments(bs)
+    add_log_level(bs)
     bs.set_defaults(run=_bench_serve)
     return p
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 from ..core.errors import InvalidArgumentError
-from .runner import Stream
+from .runner import Stream, TokenCounts
 
 
 class ClusterFront:
@@ -52,6 +52,7 @@ class ClusterRunner:
         self.host = ClusterFront(cluster)
         self.started = time.time()
         self._streams = {}   # request id -> Stream
+        self.counts = TokenCounts()
         self._lock = threading.Lock()
         cluster.add_listener(self._updated)
 
@@ -69,7 +70,7 @@ class ClusterRunner:
     def submit(self, prompt, params, loop):
         """Places a request on the least loaded host and returns its Stream."""
         h = self.cluster.submit(prompt, params)
-        stream = Stream(h, loop)
+        stream = Stream(h, loop, self.counts)
         with self._lock:
             self._streams[h.id] = stream
         self._updated([h])   # (tokens that came before the stream was known)

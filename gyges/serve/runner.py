@@ -16,12 +16,23 @@ from ..core.errors import Error
 log = logging.getLogger(__name__)
 
 
+class TokenCounts:
+    """Tokens a runner's streams have carried, for the server's throughput line: a request's
+    prompt once its first token comes (its prefill done), generated tokens as they come. One
+    thread writes (the one that updates the streams)."""
+
+    def __init__(self):
+        self.prompt = 0
+        self.generation = 0
+
+
 class Stream:
     """One request's progress as events on an asyncio queue: (text, token ids, finish_reason or
     None). Text that may still turn out to start a stop string is held back until it cannot."""
 
-    def __init__(self, request, loop):
+    def __init__(self, request, loop, counts=None):
         self.request = request
+        self.counts = counts
         self.loop = loop
         self.queue = asyncio.Queue()
         self.sent_tokens = 0
@@ -38,6 +49,10 @@ class Stream:
         end = len(text) if finished else max(self.sent_chars, len(text) - self._hold)
         piece = text[self.sent_chars:end]
         if tokens or piece or finished:
+            if tokens and self.counts is not None:
+                if self.sent_tokens == 0:
+                    self.counts.prompt += len(r.prompt)
+                self.counts.generation += len(tokens)
             self.sent_tokens += len(tokens)
             self.sent_chars = end
             event = (piece, list(tokens), r.finish_reason if finished else None)
@@ -56,6 +71,7 @@ class HostRunner:
         self._stop = False
         self.steps = 0
         self.failed_steps = 0
+        self.counts = TokenCounts()
         self.started = time.time()
         self._thread = threading.Thread(target=self._run, name="gyges-host-steps", daemon=True)
 
@@ -67,7 +83,7 @@ class HostRunner:
     def submit(self, prompt, params, loop):
         """Queues a request (token ids) and returns its Stream; a gyges.Error if refused."""
         request = self.host.submit(prompt, params)
-        stream = Stream(request, loop)
+        stream = Stream(request, loop, self.counts)
         with self._streams_lock:
             self._streams.append(stream)
         self._wake.set()
