@@ -7,6 +7,7 @@ out-of-range numbers are 400s, /health answers while the host's lock is held, /m
 protected, and chat contents that never make special tokens."""
 import http.client
 import json
+import math
 import random
 import socket
 import threading
@@ -111,6 +112,55 @@ def test_models_chat_and_completions_with_the_openai_client(secure):
     assert text == chat.choices[0].message.content
 
 
+def test_n_best_of_logprobs_and_usage_through_the_openai_client(secure, host):
+    """vLLM's sampling through the official client: n samples that differ, each with its
+    logprobs (completions' and chat's shapes), streamed choices by index with the usage chunk,
+    best_of billed for every sample, a pinned seed repeating."""
+    c = client(secure)
+    out = c.completions.create(model=NAME, prompt="Once upon a time", n=3, max_tokens=6,
+                               temperature=1.0, logprobs=3, presence_penalty=0.3,
+                               extra_body={"min_p": 0.05, "ignore_eos": True})
+    assert [ch.index for ch in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 18
+    assert len({ch.text for ch in out.choices}) > 1
+    for ch in out.choices:
+        lp = ch.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert all(x <= 0 for x in lp.token_logprobs)
+        assert lp.text_offset == sorted(lp.text_offset)
+        for top, token, x in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs):
+            assert 1 <= len(top) <= 3 and sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
+            # min_p 0.05 after a presence penalty of at most 0.3
+            assert x >= math.log(0.05) + max(top.values()) - 0.3 - 1e-4
+    greedy = c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logprobs=1)
+    assert all(top == {t: x} for top, t, x in zip(greedy.choices[0].logprobs.top_logprobs,
+                                                  greedy.choices[0].logprobs.tokens,
+                                                  greedy.choices[0].logprobs.token_logprobs))
+    stream = c.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Tell me a story."}], n=2,
+        max_tokens=5, temperature=1.0, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    entries, finish, usage = {0: [], 1: []}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            if ch.logprobs is not None:
+                entries[ch.index] += ch.logprobs.content
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert finish == {0: "length", 1: "length"} and usage.completion_tokens == 10
+    for got in entries.values():
+        assert len(got) == 5 and all(len(e.top_logprobs) == 2 for e in got)
+        assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in got)
+    best = c.completions.create(model=NAME, prompt="Once upon a time", n=1, max_tokens=4,
+                                temperature=1.0, extra_body={"best_of": 3, "ignore_eos": True})
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 12
+    pinned = [c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6,
+                                   temperature=1.0, seed=5).choices[0].text for _ in range(2)]
+    assert pinned[0] == pinned[1]
+    wait_idle(host)
+
+
 def test_a_stream_that_spans_a_live_merge_has_the_same_text(secure, host):
     c = client(secure)
     prompt, n = "Write a short story about a lighthouse keeper.", 48
@@ -142,8 +192,18 @@ def test_a_stream_that_spans_a_live_merge_has_the_same_text(secure, host):
     ("POST", "/v1/completions", "{not json", 400, "not valid JSON"),
     ("POST", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
     ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("POST", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n="),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 17}, 400, "n=17"),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of=2"),
+    ("POST", "/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400,
+     "cannot stream"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs=21"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "top_logprobs": 2}, 400, "needs logprobs"),
+    ("POST", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("POST", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("POST", "/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("POST", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo is not supported"),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt must be"),

@@ -142,12 +142,29 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
             raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
                                 f"{config.max_position_embeddings}", param="messages" if chat else "prompt")
         default = min(room, max_tokens_limit) if chat else min(16, max_tokens_limit)
-        params = protocol.parse_sampling(body, default, max_tokens_limit)
+        params = protocol.parse_sampling(body, default, max_tokens_limit, chat)
+        if not getattr(runner, "reports_logprobs", True) and (
+                params.logprobs is not None or len(params.sample_params()) > params.n):
+            raise APIError(400, "logprobs and best_of > n are not served in front of a cluster "
+                                "(its hosts send tokens only)",
+                           param="logprobs" if params.logprobs is not None else "best_of")
         if len(prompt) + params.max_tokens > config.max_position_embeddings:
             raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                 f"is over this model's context of {config.max_position_embeddings}",
                            param="max_tokens")
         return prompt, params
+
+    def submit_samples(prompt, params, loop):
+        """A Stream per sample (params.sample_params()); none stays queued if one is refused."""
+        streams = []
+        try:
+            for sample in params.sample_params():
+                streams.append(runner.submit(prompt, sample, loop))
+        except BaseException:
+            for stream in streams:
+                runner.abort(stream)
+            raise
+        return streams
 
     async def generate(request, chat):
         check_key(request)
@@ -156,40 +173,53 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         stream_it, include_usage = protocol.stream_flags(body)
         loop = asyncio.get_running_loop()
         try:
-            stream = await off_loop(runner.submit, prompt, params, loop)
+            streams = await off_loop(submit_samples, prompt, params, loop)
         except Error as e:  # too long for any instance, ...
             raise APIError(400, str(e)) from None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if stream_it:  # starlette cancels the stream when the client goes: sse's finally aborts
-            return StreamingResponse(sse(stream, rid, chat, include_usage, len(prompt)),
+            return StreamingResponse(sse(streams, rid, chat, include_usage, len(prompt),
+                                         params.logprobs),
                                      media_type="text/event-stream")
-        result = asyncio.ensure_future(collect(stream))
+        result = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             result.cancel()
-            abandon(stream)
+            abandon(*streams)
             raise
         finally:
             gone.cancel()
         if not result.done():  # the client went away: nobody reads an answer
             result.cancel()
-            abandon(stream)
+            abandon(*streams)
             return Response(status_code=499)
-        text, tokens, finish = result.result()
-        metrics.observe(stream.request)
-        if protocol.finish_reason(finish) is None:
-            raise APIError(500, f"the request ended with {finish}: {stream.request.error}",
-                           type_="server_error")
-        return protocol.completion(rid, model_name, text, finish, len(prompt), len(tokens), chat)
+        results = result.result()
+        for stream in streams:
+            metrics.observe(stream.request)
+        for stream, (_, _, finish, _) in zip(streams, results):
+            if protocol.finish_reason(finish) is None:
+                raise APIError(500, f"the request ended with {finish}: {stream.request.error}",
+                               type_="server_error")
+        chosen = range(len(streams))
+        if len(streams) > params.n:  # best_of: the n most likely samples, most likely first
+            chosen = sorted(chosen, key=lambda i: -streams[i].request.cumulative_logprob)
+            chosen = chosen[:params.n]
+        choices = [protocol.choice(index, text, finish, chat, protocol.logprobs_of(
+                       entries, tokens, params.logprobs, chat))
+                   for index, (text, tokens, finish, entries) in
+                   enumerate(results[i] for i in chosen)]
+        generated = sum(len(tokens) for _, tokens, _, _ in results)  # best_of's too, as OpenAI
+        return protocol.completion(rid, model_name, choices, len(prompt), generated, chat)
 
-    def abandon(stream):
-        """The client went away: its request is aborted (its KV freed) on an executor thread.
-        Not awaited: the task that would wait is being cancelled, and under anyio every await
-        of a cancelled task is cancelled too."""
-        future = asyncio.get_running_loop().run_in_executor(None, runner.abort, stream)
-        future.add_done_callback(lambda _: metrics.observe(stream.request))
+    def abandon(*streams):
+        """The client went away: its requests are aborted (their KV freed) on an executor
+        thread. Not awaited: the task that would wait is being cancelled, and under anyio every
+        await of a cancelled task is cancelled too."""
+        for stream in streams:
+            future = asyncio.get_running_loop().run_in_executor(None, runner.abort, stream)
+            future.add_done_callback(lambda _, s=stream: metrics.observe(s.request))
 
     async def disconnected(request):
         """Returns once the client has closed its connection: after the body, the only message
@@ -198,40 +228,61 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
             pass
 
     async def collect(stream):
-        text, tokens = "", []
+        """(text, token ids, finish, logprobs entries or None) of a whole request."""
+        text, tokens, entries = "", [], []
         while True:
-            piece, new, finish = await stream.queue.get()
+            piece, new, finish, logprobs = await stream.queue.get()
             text, tokens = text + piece, tokens + new
+            entries = None if logprobs is None else entries + logprobs
             if finish is not None:
-                return text, tokens, finish
+                return text, tokens, finish, entries
 
-    async def sse(stream, rid, chat, include_usage, n_prompt):
-        n_tokens, ended = 0, False
+    async def sse(streams, rid, chat, include_usage, n_prompt, top_k):
+        """The samples' events as one stream of chunks, each naming its choice's index."""
+        merged = asyncio.Queue()
+
+        async def forward(index, stream):
+            while True:
+                event = await stream.queue.get()
+                merged.put_nowait((index, event))
+                if event[2] is not None:
+                    return
+
+        tasks = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(streams)]
+        running, n_tokens, offsets = set(range(len(streams))), 0, [0] * len(streams)
         try:
             if chat:  # the assistant's role first, as OpenAI's stream does
-                yield _event(protocol.chunk(rid, model_name, "", None, chat, first=True))
-            while True:
-                piece, new, finish = await stream.queue.get()
+                yield _event(protocol.chunk(rid, model_name, [
+                    protocol.choice(i, "", None, chat, delta=True, first=True)
+                    for i in range(len(streams))], chat))
+            while running:
+                index, (piece, new, finish, entries) = await merged.get()
                 n_tokens += len(new)
+                logprobs = protocol.logprobs_of(entries, new, top_k, chat, offsets[index])
+                offsets[index] += len(piece)
                 if finish is not None:
-                    ended = True
-                    metrics.observe(stream.request)
+                    running.discard(index)
+                    metrics.observe(streams[index].request)
                     reason = protocol.finish_reason(finish)
                     if reason is None:
                         yield _event(APIError(500, f"the request ended with {finish}: "
-                                                   f"{stream.request.error}", "server_error").body())
+                                                   f"{streams[index].request.error}",
+                                              "server_error").body())
                         break
-                    yield _event(protocol.chunk(rid, model_name, piece, reason, chat))
-                    if include_usage:
-                        yield _event(protocol.chunk(rid, model_name, "", None, chat,
-                                                    usage_=protocol.usage(n_prompt, n_tokens)))
-                    break
-                if piece:
-                    yield _event(protocol.chunk(rid, model_name, piece, None, chat))
+                    yield _event(protocol.chunk(rid, model_name, [protocol.choice(
+                        index, piece, reason, chat, logprobs, delta=True)], chat))
+                elif piece or logprobs:
+                    yield _event(protocol.chunk(rid, model_name, [protocol.choice(
+                        index, piece, None, chat, logprobs, delta=True)], chat))
+            if include_usage and not running:
+                yield _event(protocol.chunk(rid, model_name, [], chat,
+                                            usage_=protocol.usage(n_prompt, n_tokens)))
             yield "data: [DONE]\n\n"
         finally:
-            if not ended:  # the client went away mid-stream
-                abandon(stream)
+            for task in tasks:
+                task.cancel()
+            if running:  # the client went away mid-stream, or a sample failed
+                abandon(*(streams[i] for i in running))
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):

@@ -3,9 +3,11 @@ field into (prompt tokens, SamplingParams, stream options), OpenAI-style errors,
 response and chunk objects of /v1/completions and /v1/chat/completions.
 
 Defaults follow the OpenAI API (and vLLM's server): max_tokens 16 for completions and the room
-left for chat, temperature 1.0, top_p 1.0, top_k off (a vLLM extension, -1 or 0), a random seed
-when none is given. n > 1, best_of, echo, logprobs, logit_bias, tools and the penalties are
-refused by name: gyges does not implement them.
+left for chat, temperature 1.0, top_p 1.0, top_k off (a vLLM extension, -1 or 0); a request
+without a seed draws its own stream from the server's seed (runs repeat, requests differ). n and
+best_of (up to MAX_N samples), logprobs (completions: an int; chat: logprobs + top_logprobs),
+the three penalties, min_p and min_tokens are the C sampler's; echo, logit_bias, suffix and tools
+are refused by name: gyges does not implement them.
 
 Every body the server reads goes through parse_body: UTF-8 JSON (no NaN or Infinity), at most
 MAX_DEPTH deep, every string valid Unicode; every integer is bounded here (below 2**63, most far
@@ -23,17 +25,18 @@ from ..core.checks import INT32_MAX
 from ..core.errors import Error, InvalidArgumentError
 from ..models.tokenizer import chat_prompts
 
-REFUSED = {"best_of": "best_of", "echo": "echo", "logprobs": "logprobs", "top_logprobs": "logprobs",
-           "logit_bias": "logit_bias", "suffix": "suffix", "tools": "tools",
-           "tool_choice": "tools", "functions": "functions", "response_format": "response_format",
-           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-           "repetition_penalty": "repetition_penalty"}
+REFUSED = {"echo": "echo", "logit_bias": "logit_bias", "suffix": "suffix", "tools": "tools",
+           "tool_choice": "tools", "functions": "functions", "response_format": "response_format"}
+MAX_N = 16                  # samples (n, best_of) one request may ask for
+MAX_LOGPROBS = 20           # top log-probabilities per token, as vLLM's default cap
 MAX_DEPTH = 32              # JSON nesting a body may have (a chat needs 4)
 _short = reprlib.Repr()
 _short.maxstring, _short.maxother, _short.maxlevel, _short.maxlist, _short.maxdict = 60, 60, 2, 4, 4
 KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user",
-         "ignore_eos", "min_tokens", *REFUSED}
+         "ignore_eos", "min_tokens", "best_of", "logprobs", "top_logprobs", "presence_penalty",
+         "frequency_penalty", "repetition_penalty", "min_p", "skip_special_tokens",
+         "include_stop_str_in_output", *REFUSED}
 
 
 class APIError(Error):
@@ -108,19 +111,43 @@ def _number(body, name, default, lo=None, hi=None, integer=False):
     return value
 
 
-def parse_sampling(body, default_max_tokens, max_tokens_limit):
+def _boolean(body, name, default):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean, got {show(value)}", param=name)
+    return value
+
+
+def _logprobs(body, chat):
+    """SamplingParams.logprobs of a body: completions ask with an int (the top-k), chat with
+    logprobs: true and top_logprobs: k."""
+    if not chat:
+        return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if not _boolean(body, "logprobs", False):
+        if top is not None:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def parse_sampling(body, default_max_tokens, max_tokens_limit, chat=False):
     """SamplingParams of a request body; APIError(400) naming the bad or refused field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name, what in REFUSED.items():
-        value = body.get(name)
-        off = 1.0 if name == "repetition_penalty" else 0  # the value that asks for nothing
-        if value not in (None, False, off, {}, []):
+        if body.get(name) not in (None, False, 0, {}, []):
             raise APIError(400, f"{what} is not supported by gyges", param=name)
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise APIError(400, f"unknown field {show(unknown[0])}", param=unknown[0][:100])
-    _number(body, "n", 1, 1, 1, integer=True)  # gyges returns one choice
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = _number(body, "best_of", None, n, MAX_N, integer=True)
+    if best_of is not None and best_of > n and body.get("stream"):
+        raise APIError(400, "best_of > n cannot stream: the best are known at the end",
+                       param="best_of")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if max_tokens is None else _number(
         {"max_tokens": max_tokens}, "max_tokens", None, 1, max_tokens_limit, integer=True)
@@ -138,13 +165,18 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit):
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError(400, "ignore_eos must be a boolean", param="ignore_eos")
-    if body.get("min_tokens") not in (None, 0):
-        raise APIError(400, "min_tokens is not supported by gyges", param="min_tokens")
-    try:
+    penalties = {name: float(_number(body, name, default, lo, hi)) for name, default, lo, hi in
+                 (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0),
+                  ("repetition_penalty", 1.0, 0.0, 10.0), ("min_p", 0.0, 0.0, 1.0))}
+    min_tokens = _number(body, "min_tokens", 0, 0, max_tokens, integer=True)
+    try:  # (SamplingParams' own checks name the field too: repetition_penalty 0, ...)
         return SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
-                              top_k=max(top_k, 0), top_p=float(top_p),
-                              seed=secrets.randbits(63) if seed is None else seed,
-                              stop=tuple(stop), ignore_eos=ignore_eos)
+                              top_k=max(top_k, 0), top_p=float(top_p), seed=seed,
+                              stop=tuple(stop), ignore_eos=ignore_eos, n=n, best_of=best_of,
+                              logprobs=_logprobs(body, chat), min_tokens=min_tokens,
+                              skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+                              include_stop_str_in_output=_boolean(
+                                  body, "include_stop_str_in_output", False), **penalties)
     except Error as e:
         raise APIError(400, str(e)) from None
 
@@ -224,24 +256,49 @@ def usage(prompt_tokens, completion_tokens):
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid, model, text, finish, prompt_tokens, completion_tokens, chat):
+def logprobs_of(entries, tokens, top_k, chat, text_offset=0):
+    """OpenAI's logprobs object of a choice's new tokens: entries holds one {token id: Logprob}
+    per token (the sampled one and the top_k, by rank); None when none were asked for."""
+    if entries is None:
+        return None
+    tops = [sorted(entry.values(), key=lambda lp: lp.rank)[:top_k] for entry in entries]
+    sampled = [entry[token] for token, entry in zip(tokens, entries)]
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        def item(lp):
+            text = lp.decoded_token or ""
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(lp), "top_logprobs": [item(t) for t in top]}
+                            for lp, top in zip(sampled, tops)]}
+    offsets, at = [], text_offset
+    for lp in sampled:
+        offsets.append(at)
+        at += len(lp.decoded_token or "")
+    return {"tokens": [lp.decoded_token for lp in sampled],
+            "token_logprobs": [lp.logprob for lp in sampled],
+            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for top in tops],
+            "text_offset": offsets}
+
+
+def choice(index, text, finish, chat, logprobs=None, delta=False, first=False):
+    """One choice of a response (delta=False) or of a stream's chunk."""
+    if not chat:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    if not delta:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish, "logprobs": logprobs}
+    content = {"role": "assistant", "content": text} if first else (
+        {"content": text} if text or finish is None else {})
+    return {"index": index, "delta": content, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion(rid, model, choices, prompt_tokens, completion_tokens, chat):
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
+            "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chunk(rid, model, text, finish, chat, first=False, usage_=None):
-    if chat:
-        delta = {"role": "assistant", "content": text} if first else (
-            {"content": text} if text or finish is None else {})
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-    else:
-        choices = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+def chunk(rid, model, choices, chat, usage_=None):
+    """A stream's chunk of some choices, or (usage_) the final usage chunk with none."""
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": int(time.time()), "model": model, "choices": choices}
     if usage_ is not None:

@@ -28,7 +28,8 @@ class TokenCounts:
 
 class Stream:
     """One request's progress as events on an asyncio queue: (text, token ids, finish_reason or
-    None). Text that may still turn out to start a stop string is held back until it cannot."""
+    None, the tokens' logprobs entries or None). Text that may still turn out to start a stop
+    string is held back until it cannot."""
 
     def __init__(self, request, loop, counts=None):
         self.request = request
@@ -53,14 +54,19 @@ class Stream:
                 if self.sent_tokens == 0:
                     self.counts.prompt += len(r.prompt)
                 self.counts.generation += len(tokens)
+            logprobs = getattr(r, "logprobs", None)
+            if logprobs is not None:
+                logprobs = logprobs[self.sent_tokens:self.sent_tokens + len(tokens)]
             self.sent_tokens += len(tokens)
             self.sent_chars = end
-            event = (piece, list(tokens), r.finish_reason if finished else None)
+            event = (piece, list(tokens), r.finish_reason if finished else None, logprobs)
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         return finished
 
 
 class HostRunner:
+    reports_logprobs = True   # its requests are the host's own, with their log-probabilities
+
     def __init__(self, host, idle_seconds=0.01, shed_after=3):
         self.host = host
         self.idle_seconds = idle_seconds
