@@ -23,9 +23,11 @@ def gyges(*args, timeout=60):
     (["--workers", "2", "--layout", "3xTP1"], "--layout: layout '3xTP1' covers"),
     (["--layout", "TP1+banana"], "--layout: layout part 'banana'"),
     (["--memory-per-worker", "lots"], "--memory-per-worker"),
+    (["--seed", "-3"], "--seed"),
     (["--workers", "0"], "--workers must be at least 1, got 0"),
     (["--port", "70000"], "--port must be at most 65535"),
-], ids=["admin-without-key", "layout-too-wide", "layout-grammar", "memory", "workers", "port"])
+], ids=["admin-without-key", "layout-too-wide", "layout-grammar", "memory", "seed", "workers",
+        "port"])
 def test_a_bad_serve_flag_is_one_line_before_the_model_loads(args, says):
     code, err, seconds = gyges("serve", *args)
     assert code == 2

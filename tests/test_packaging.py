@@ -80,3 +80,40 @@ def test_python_dash_m_gyges_runs_the_installed_package(installed, tmp_path):
     venv = installed
     assert "usage: gyges" in run([str(venv / "bin" / "python"), "-m", "gyges", "--help"],
                                  cwd=tmp_path)
+
+
+def test_the_installed_gyges_serves_the_packaged_model(installed, tmp_path):
+    """`gyges serve` of the wheel, from /tmp: the server answers a completion."""
+    import json
+    import socket
+    import time
+    import urllib.request
+    from packaged import WHY_NOT
+    if WHY_NOT is not None:
+        pytest.skip(WHY_NOT)
+    with socket.socket() as s:   # a free port (the server binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(installed / "bin" / "gyges"), "serve", "--port", str(port),
+                               "--log-level", "warning"], cwd=tmp_path, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 3,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = json.load(urllib.request.urlopen(request, timeout=60))
+        assert answer["choices"][0]["text"].startswith(" Paris"), answer
+    finally:
+        server.terminate()
+        server.wait(30)

@@ -222,8 +222,10 @@ class HostProxy:
 
 class Cluster:
     def __init__(self, model, hosts=2, workers_per_host=4, layout=None, backend="cpu",
-                 memory_per_worker=None, ray_address=None, **host_options):
+                 memory_per_worker=None, ray_address=None, seed=0, **host_options):
         checks.integer("hosts", hosts, lo=1)
+        # a request without a seed draws from (seed, its cluster id), as on one Host
+        self.seed = checks.integer("seed", seed, lo=0, hi=2**64 - 1)
         checks.integer("workers_per_host", workers_per_host, lo=1)
         self.source = model_source(model)
         # the driver's own copy, when given one (its config and tokenizer; a server's front)
@@ -349,7 +351,7 @@ class Cluster:
                 if h.id is None:
                     h.id = next(self._ids)
                     if params.seed is None:  # fixed here: a resubmission draws the same tokens
-                        params = h.params = dataclasses.replace(params, seed=mix_seed(0, h.id))
+                        params = h.params = dataclasses.replace(params, seed=mix_seed(self.seed, h.id))
                 epoch = h._place(host)
                 self._handles[h.id] = h
             try:

@@ -126,14 +126,6 @@ class Worker:
         budget = (default_memory(model, backend, memory_floor, **layout) if memory is None
                   else parse_size(memory, memory_name))
         budget -= budget % self.page_size
-        weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
-        if weights.bytes > budget:  # said in the caller's words, before any memory is taken
-            fits = -(-model_memory(model, backend, **layout) // (1 << 20)) << 20
-            raise OutOfMemoryError(
-                f"{memory_name}={format_size(budget)} cannot hold the weights "
-                f"({weights.bytes / (1 << 20):.1f} MiB in pages of {format_size(self.page_size)}); "
-                f"{memory_name}='{format_size(fits)}' holds them and the KV of "
-                f"{DEFAULT_KV_TOKENS} tokens (None sizes it so)")
         # A worker's memory is its device's: on the cpu backend a released page keeps its memory
         # for the next creation (the arena's pool), so that dropping a layer's FFN shards in a
         # transformation does not pay the kernel for freeing them on the serving path. The budget
@@ -146,6 +138,14 @@ class Worker:
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())
         self.device = self.arena.device
+        weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
+        if weights.bytes > budget:  # said in the caller's words, before a weight is copied
+            fits = -(-model_memory(model, backend, **layout) // (1 << 20)) << 20
+            raise OutOfMemoryError(
+                f"{memory_name}={format_size(budget)} cannot hold the weights "
+                f"({weights.bytes / (1 << 20):.1f} MiB in pages of {format_size(self.page_size)}); "
+                f"{memory_name}='{format_size(fits)}' holds them and the KV of "
+                f"{DEFAULT_KV_TOKENS} tokens (None sizes it so)")
         # The rotary frequencies, scaled as the config says: data for both backends.
         self.rope_inv_freq, self.rope_mscale = rope_frequencies(config)
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,

@@ -58,7 +58,10 @@ def check_serve_args(args):
     if not args.log_stats_interval > 0:
         _fail("serve", f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
     try:
-        parse_size(args.memory_per_worker, "--memory-per-worker")
+        if args.memory_per_worker is not None:
+            parse_size(args.memory_per_worker, "--memory-per-worker")
+        if not 0 <= args.seed < 2**64:
+            _fail("serve", f"--seed must be in [0, 2**64), got {args.seed}")
         parse_size(args.page_size, "--page-size")
         # a TP layout is checked here; a pipeline's needs the model's layers (the host checks it)
         if args.layout is not None and "pp" not in args.layout.lower():
@@ -82,7 +85,7 @@ def _serve(args):
                        progress=args.log_level in ("debug", "info"))
     options = dict(memory_per_worker=args.memory_per_worker, page_size=args.page_size,
                    max_batch_tokens=args.max_batch_tokens,
-                   threads_per_worker=args.threads_per_worker)
+                   threads_per_worker=args.threads_per_worker, seed=args.seed)
     if args.hosts:   # hosts as Ray actors, each with --workers-per-host workers
         from ..distributed.cluster import Cluster
         w = args.workers_per_host
@@ -137,7 +140,10 @@ def parser():
     s.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. auto); default: start a local one")
     s.add_argument("--layout", default=None, help="e.g. 3xTP1, TP3 (default: every worker TP1)")
-    s.add_argument("--memory-per-worker", default="1GiB")
+    s.add_argument("--memory-per-worker", default=None,
+                   help="e.g. 2GiB (default: the whole model and the KV of 8192 tokens)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="requests without a seed draw their own stream from this one")
     s.add_argument("--page-size", default="256KiB",
                    help="arena pages; large ones keep a real model's mappings few")
     s.add_argument("--threads-per-worker", type=int, default=1)
