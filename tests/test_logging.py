@@ -163,3 +163,40 @@ def test_a_model_load_shows_a_progress_bar_only_when_asked(tmp_path, capsys):
     assert "Loading safetensors checkpoint shards" not in capsys.readouterr().err
     gyges.Model.load(tmp_path, progress=True)
     assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err
+
+
+def test_log_records_hold_no_engine_object():
+    """A handler that keeps records (pytest's, a MemoryHandler) must not keep a host alive: a
+    refused and rolled-back reconfiguration logs strings, never itself or its exception."""
+    import logging
+
+    import gyges
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record)
+
+    logger = logging.getLogger("gyges")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        host = gyges.Host(gyges.Model.tiny(), workers=4, memory_per_worker="48MiB", layout="TP4",
+                          weights="replicated")
+        params = gyges.SamplingParams(max_tokens=4, ignore_eos=True)
+        for i in range(4):
+            host.submit([1 + i, 2, 3, 4] * 5, params)
+        host.step()
+        with gyges.testing.inject("alloc", 1):
+            with pytest.raises(gyges.Error):
+                host.switch((0, 1, 2, 3), 1, preempt="soft")
+        host.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert any("rolled back" in r.getMessage() for r in kept)
+    primitive = (str, int, float, bool, type(None), list, tuple, dict)
+    heavy = [(r.getMessage(), type(a).__name__) for r in kept for a in (r.args or ())
+             if not isinstance(a, primitive)]
+    assert not heavy, heavy

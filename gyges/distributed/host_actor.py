@@ -71,7 +71,7 @@ class HostActor:
                 tokens = self.host.step()
             except Error as e:  # a failed step changes nothing; the next one serves on
                 self._step_errors += 1
-                log.warning("host step failed (%s); serving on", e)
+                log.warning("host step failed (%s); serving on", str(e))
             except Exception:   # a bug: said loudly, but the host's other requests go on
                 self._step_errors += 1
                 log.exception("host step raised")

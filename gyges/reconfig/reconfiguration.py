@@ -38,6 +38,8 @@ import weakref
 from ..core.errors import Error
 from .recovery import rebuild
 
+# Log records hold strings only, never an engine object or an exception: a handler that keeps
+# records (pytest's, a memory handler) must not keep a host's pages alive.
 log = logging.getLogger(__name__)
 
 STATES = ("running", "committed", "rolled_back", "recovered")
@@ -188,8 +190,8 @@ class Reconfiguration:
             if self._failures < self.max_retries and not self._commit_failed:
                 self._failures += 1
                 self.stats["retries"] += 1
-                log.warning("%r: an advance failed and changed nothing; it is tried again at the "
-                            "next step (%s)", self, e)
+                log.warning("%s: an advance failed and changed nothing; it is tried again at the "
+                            "next step (%s)", repr(self), str(e))
                 return
             self._fail(e)
             warnings.warn(f"{self!r} failed ({self.error})", ReconfigurationWarning, stacklevel=3)
@@ -228,7 +230,7 @@ class Reconfiguration:
         try:
             self._rollback()
         except Exception as e:  # the host's memory goes with it: nothing to keep consistent
-            log.warning("%r: rollback at close failed: %s", self, e)
+            log.warning("%s: rollback at close failed: %s", repr(self), str(e))
         self._undo.clear()
         self._end("rolled_back")
 
@@ -249,12 +251,12 @@ class Reconfiguration:
         try:
             self._rollback()
         except Exception as second:
-            log.warning("%r: rollback failed (%s); rebuilding the group", self, second)
+            log.warning("%s: rollback failed (%s); rebuilding the group", repr(self), str(second))
             self._undo.clear()
             self._recover(cause if cause is not None else second)
             return
         self._end("rolled_back")
-        log.info("%r rolled back: %s", self, self.error)
+        log.info("%s rolled back: %s", repr(self), str(self.error))
 
     def _recover(self, cause):
         layout = self._recovery_layout()
@@ -262,7 +264,7 @@ class Reconfiguration:
         rebuild(self.host, self, layout, cause)
 
     def _end(self, state):
-        log.debug("%r ends %s%s", self, state, f" ({self.error})" if self.error else "")
+        log.debug("%s ends %s%s", repr(self), state, f" ({self.error})" if self.error else "")
         self.state = state
         if self._t0 is not None:
             self.stats["seconds"] = time.perf_counter() - self._t0

@@ -416,7 +416,7 @@ class Host(Serving):
             try:
                 r.start()
             except Error as e:
-                log.info("%s on workers %s refused: %s", r.kind, list(r.workers), e)
+                log.info("%s on workers %s refused: %s", r.kind, list(r.workers), str(e))
                 raise
             if not r.done:
                 self.reconfigurations.append(r)
@@ -446,7 +446,7 @@ class Host(Serving):
             try:
                 self._begin(verb, **kwargs)
             except Error as e:
-                log.debug("%s %s not started now: %s", verb, kwargs, e)
+                log.debug("%s %s not started now: %s", verb, kwargs, str(e))
 
     def transform(self, workers, tp, method="gyges", layers_per_step=None, weights_from="peers",
                   phase_chunks=4, overlap=False):

@@ -137,7 +137,7 @@ class HostRunner:
                 except Error as e:  # a failed step changed nothing; it is tried again
                     self.failed_steps += 1
                     failures += 1
-                    log.warning("a host step failed (%d in a row): %s", failures, e)
+                    log.warning("a host step failed (%d in a row): %s", failures, str(e))
                     if failures >= self.shed_after:
                         self._shed(e)
                         failures = 0

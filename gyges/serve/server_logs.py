@@ -78,7 +78,7 @@ class StatsLogger:
             try:
                 self.log_once()
             except Error as e:   # a host closing under us: the next interval tries again
-                log.debug("no stats this interval: %s", e)
+                log.debug("no stats this interval: %s", str(e))
 
     def log_once(self):
         t0, prompt0, gen0 = self._last
