@@ -170,9 +170,9 @@ def why(rows, capacities, block_size):
                          f"{cap1:,} tokens of KV, so it rejected {tp1['rejected']} longer "
                          f"request(s)"),
         "static 1xTP4": (f"one TP4 instance holds {cap4:,} tokens, so nothing is rejected, but "
-                         f"every request waits in its one queue, and a TP4 step on "
-                         f"{os.cpu_count()} CPU cores is no faster (TPOT {tp4['tpot']:.0f} ms vs "
-                         f"TP1's {tp1['tpot']:.0f})"),
+                         f"every request waits in its one queue, whose TP4 steps on "
+                         f"{os.cpu_count()} CPU cores take {tp4['tpot']:.1f} ms a token (TP1's: "
+                         f"{tp1['tpot']:.1f})"),
         "gyges": (f"serves what TP1 instances cannot hold by merging workers only while it must "
                   f"({by['gyges']['xf']} transformations), and runs the rest as TP1; requests "
                   f"placed on a merged instance queue behind its long prefill (its TTFT p99)"),
