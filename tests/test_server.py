@@ -155,6 +155,16 @@ def test_n_best_of_logprobs_and_usage_through_the_openai_client(secure, host):
     best = c.completions.create(model=NAME, prompt="Once upon a time", n=1, max_tokens=4,
                                 temperature=1.0, extra_body={"best_of": 3, "ignore_eos": True})
     assert len(best.choices) == 1 and best.usage.completion_tokens == 12
+    scored = raw(secure, "POST", "/v1/completions", {"prompt": "The capital of France is",
+                                                      "max_tokens": 1, "prompt_logprobs": 2})[1]
+    prompt_ids = host.model.tokenizer.encode("The capital of France is")
+    got = scored["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(prompt_ids) and got[0] is None
+    for token, entry in zip(prompt_ids[1:], got[1:]):   # the prompt's own token and the top 2
+        assert str(token) in entry and {v["rank"] for v in entry.values()} >= {1, 2}
+        assert all(v["logprob"] <= 0 for v in entry.values())
+    assert raw(secure, "POST", "/v1/completions", {"prompt": "hi", "prompt_logprobs": 1,
+                                                   "stream": True})[0] == 400
     pinned = [c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6,
                                    temperature=1.0, seed=5).choices[0].text for _ in range(2)]
     assert pinned[0] == pinned[1]

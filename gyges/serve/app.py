@@ -144,7 +144,8 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
         default = min(room, max_tokens_limit) if chat else min(16, max_tokens_limit)
         params = protocol.parse_sampling(body, default, max_tokens_limit, chat)
         if not getattr(runner, "reports_logprobs", True) and (
-                params.logprobs is not None or len(params.sample_params()) > params.n):
+                params.logprobs is not None or params.prompt_logprobs is not None or
+                len(params.sample_params()) > params.n):
             raise APIError(400, "logprobs and best_of > n are not served in front of a cluster "
                                 "(its hosts send tokens only)",
                            param="logprobs" if params.logprobs is not None else "best_of")
@@ -211,7 +212,12 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                    for index, (text, tokens, finish, entries) in
                    enumerate(results[i] for i in chosen)]
         generated = sum(len(tokens) for _, tokens, _, _ in results)  # best_of's too, as OpenAI
-        return protocol.completion(rid, model_name, choices, len(prompt), generated, chat)
+        answer = protocol.completion(rid, model_name, choices, len(prompt), generated, chat)
+        if params.prompt_logprobs is not None:   # where vLLM puts them; every sample's prompt is one
+            scored = protocol.prompt_logprobs_of(streams[0].request.prompt_logprobs)
+            for c in answer["choices"] if not chat else [answer]:
+                c["prompt_logprobs"] = scored
+        return answer
 
     def abandon(*streams):
         """The client went away: its requests are aborted (their KV freed) on an executor

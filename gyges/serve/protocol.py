@@ -6,6 +6,7 @@ Defaults follow the OpenAI API (and vLLM's server): max_tokens 16 for completion
 left for chat, temperature 1.0, top_p 1.0, top_k off (a vLLM extension, -1 or 0); a request
 without a seed draws its own stream from the server's seed (runs repeat, requests differ). n and
 best_of (up to MAX_N samples), logprobs (completions: an int; chat: logprobs + top_logprobs),
+vLLM's prompt_logprobs (not streamed),
 the three penalties, min_p and min_tokens are the C sampler's; echo, logit_bias, suffix and tools
 are refused by name: gyges does not implement them.
 
@@ -36,7 +37,7 @@ KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "
          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user",
          "ignore_eos", "min_tokens", "best_of", "logprobs", "top_logprobs", "presence_penalty",
          "frequency_penalty", "repetition_penalty", "min_p", "skip_special_tokens",
-         "include_stop_str_in_output", *REFUSED}
+         "include_stop_str_in_output", "prompt_logprobs", *REFUSED}
 
 
 class APIError(Error):
@@ -133,6 +134,25 @@ def _logprobs(body, chat):
     return top or 0
 
 
+def _prompt_logprobs(body):
+    """vLLM's extension: each prompt token's logprob and the top k, in the whole response."""
+    k = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if k is not None and body.get("stream"):
+        raise APIError(400, "prompt_logprobs comes with a whole response, not a stream",
+                       param="prompt_logprobs")
+    return k
+
+
+def prompt_logprobs_of(entries):
+    """vLLM's prompt_logprobs of a response: None for the first prompt token, then per token
+    {token id (a string, as JSON keys are): {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
+
+
 def parse_sampling(body, default_max_tokens, max_tokens_limit, chat=False):
     """SamplingParams of a request body; APIError(400) naming the bad or refused field."""
     if not isinstance(body, dict):
@@ -174,6 +194,7 @@ def parse_sampling(body, default_max_tokens, max_tokens_limit, chat=False):
                               top_k=max(top_k, 0), top_p=float(top_p), seed=seed,
                               stop=tuple(stop), ignore_eos=ignore_eos, n=n, best_of=best_of,
                               logprobs=_logprobs(body, chat), min_tokens=min_tokens,
+                              prompt_logprobs=_prompt_logprobs(body),
                               skip_special_tokens=_boolean(body, "skip_special_tokens", True),
                               include_stop_str_in_output=_boolean(
                                   body, "include_stop_str_in_output", False), **penalties)
