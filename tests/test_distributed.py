@@ -372,7 +372,7 @@ def test_a_request_placed_twice_on_one_host_is_served_once(tiny):
                                                     for i in actor.host.instances)) == 1
         got, epochs, done = [], set(), False
         while not done:
-            for rid, epoch, tokens, finished, reason, error, _ in actor.updates(1.0):
+            for rid, epoch, tokens, finished, reason, error, _, _ in actor.updates(1.0):
                 assert rid == 7
                 epochs.add(epoch)
                 got += tokens
@@ -434,6 +434,7 @@ def test_the_server_fronts_a_cluster(nodes):
     one = gyges.Host(model, workers=1, memory_per_worker="768MiB", layout="1xTP1",
                      page_size="256KiB")
     want = [r.text for r in one.generate(prompts, params)]
+    (scored,) = one.generate(prompts[:1], gyges.SamplingParams(max_tokens=4, logprobs=2))
     one.close()
     cluster = gyges.Cluster(model, hosts=2, workers_per_host=1, layout="1xTP1",
                             memory_per_worker="768MiB", page_size="256KiB")
@@ -446,6 +447,14 @@ def test_the_server_fronts_a_cluster(nodes):
         stream = c.completions.create(model=NAME, prompt=prompts[1], max_tokens=12,
                                       temperature=0.0, stream=True)
         assert "".join(e.choices[0].text for e in stream) == want[1]
+        # log-probabilities come back from the hosts' processes: a single Host's, to the bit
+        lp = c.completions.create(model=NAME, prompt=prompts[0], max_tokens=4, temperature=0.0,
+                                  logprobs=2).choices[0].logprobs
+        assert lp.token_logprobs == [e[t].logprob for t, e in zip(scored.output_tokens,
+                                                                  scored.logprobs)]
+        best = c.completions.create(model=NAME, prompt=prompts[1], max_tokens=3, n=2,
+                                    temperature=1.0, extra_body={"best_of": 3})
+        assert len(best.choices) == 2 and best.usage.completion_tokens == 9
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()

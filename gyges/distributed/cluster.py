@@ -105,16 +105,24 @@ class ClusterRequest(Request):
         self._epoch += 1
         return self._epoch
 
-    def _take(self, tokens, queued=None):
+    def _take(self, tokens, queued=None, scores=None):
         """Tokens from the current host: those a recomputation or a migration gives again are
         checked, the rest appended. queued: the host's seconds from scheduling the request to
-        its first token, which place `metrics.scheduled` on the driver's clock."""
-        for t in tokens:
+        its first token, which place `metrics.scheduled` on the driver's clock. scores: the
+        host's (logprobs entries of these tokens, cumulative_logprob, prompt_logprobs)."""
+        entries, cumulative, prompt = scores if scores is not None else (None, None, None)
+        for i, t in enumerate(tokens):
             if self._received < len(self.output_tokens):
                 self.recompute_mismatches += self.output_tokens[self._received] != t
             else:
                 self._append(t, time.monotonic())
+                if self.logprobs is not None and entries is not None:
+                    self.logprobs.append(entries[i])
             self._received += 1
+        if cumulative is not None and self._received >= len(self.output_tokens):
+            self.cumulative_logprob = cumulative   # (the host's covers every token it made)
+        if prompt is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs = list(prompt)
         if queued is not None and self.metrics.token_times and \
                 math.isnan(self.metrics.scheduled):
             self.metrics.scheduled = self.metrics.token_times[0] - queued
@@ -465,11 +473,11 @@ class Cluster:
                 return
             changed = []
             with self._lock:
-                for rid, epoch, tokens, finished, reason, error, queued in updates:
+                for rid, epoch, tokens, finished, reason, error, queued, scores in updates:
                     h = self._handles.get(rid)
                     if h is None or h.host != index or h._epoch != epoch:
                         continue   # (a request, or a placement of it, given up since)
-                    h._take(tokens, queued)
+                    h._take(tokens, queued, scores)
                     if finished:
                         del self._handles[rid]
                         h._end(reason, error)

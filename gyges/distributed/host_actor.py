@@ -150,11 +150,13 @@ class HostActor:
             self.host.abort(old[0])
 
     def updates(self, timeout):
-        """[(rid, epoch, new tokens, finished, finish_reason, error, queued)] of every request
-        that produced tokens or ended since the last call; waits up to `timeout` seconds for
-        one. epoch: the placement it serves (Cluster's ClusterRequest._place).
+        """[(rid, epoch, new tokens, finished, finish_reason, error, queued, scores)] of every
+        request that produced tokens or ended since the last call; waits up to `timeout`
+        seconds for one. epoch: the placement it serves (Cluster's ClusterRequest._place).
         queued: seconds from its scheduling to its first token here (a span, which the driver
-        can place on its own clock), None before its first token."""
+        can place on its own clock), None before its first token. scores: (the new tokens'
+        logprobs entries or None, cumulative_logprob so far, prompt_logprobs or None), as the
+        host's Request has them."""
         with self._cond:
             if not self._changed:
                 self._cond.wait(timeout)
@@ -170,7 +172,10 @@ class HostActor:
                 queued = (m.token_times[0] - m.scheduled
                           if m.token_times and m.scheduled is not None and m.scheduled >= 0
                           else None)
-                out.append((rid, epoch, tokens, r.finished, r.finish_reason, r.error, queued))
+                scores = (None if r.logprobs is None else r.logprobs[sent:sent + len(tokens)],
+                          r.cumulative_logprob, r.prompt_logprobs)
+                out.append((rid, epoch, tokens, r.finished, r.finish_reason, r.error, queued,
+                            scores))
                 if r.finished:
                     del self._requests[rid]
             self._changed.clear()

@@ -143,12 +143,6 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
                                 f"{config.max_position_embeddings}", param="messages" if chat else "prompt")
         default = min(room, max_tokens_limit) if chat else min(16, max_tokens_limit)
         params = protocol.parse_sampling(body, default, max_tokens_limit, chat)
-        if not getattr(runner, "reports_logprobs", True) and (
-                params.logprobs is not None or params.prompt_logprobs is not None or
-                len(params.sample_params()) > params.n):
-            raise APIError(400, "logprobs and best_of > n are not served in front of a cluster "
-                                "(its hosts send tokens only)",
-                           param="logprobs" if params.logprobs is not None else "best_of")
         if len(prompt) + params.max_tokens > config.max_position_embeddings:
             raise APIError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                                 f"is over this model's context of {config.max_position_embeddings}",

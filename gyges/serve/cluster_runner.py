@@ -47,9 +47,6 @@ class ClusterFront:
 
 
 class ClusterRunner:
-    # a host's updates carry tokens, not their log-probabilities: logprobs and best_of > n are
-    # refused in front of a cluster
-    reports_logprobs = False
 
     def __init__(self, cluster):
         self.cluster = cluster

@@ -65,7 +65,6 @@ class Stream:
 
 
 class HostRunner:
-    reports_logprobs = True   # its requests are the host's own, with their log-probabilities
 
     def __init__(self, host, idle_seconds=0.01, shed_after=3):
         self.host = host
