@@ -144,6 +144,15 @@ class SamplingParams:
                         seed=None if self.seed is None else mix_seed(self.seed, i))
                 for i in range(count)]
 
+    def chosen_samples(self, cumulative_logprobs):
+        """Indices of the samples a request returns, given each sample's cumulative_logprob (in
+        sample_params() order): all of them in order, or with best_of > n the n most likely,
+        most likely first."""
+        chosen = range(len(cumulative_logprobs))
+        if len(chosen) <= self.n:
+            return list(chosen)
+        return sorted(chosen, key=lambda i: -cumulative_logprobs[i])[:self.n]
+
 
 def check_one_sample(params):
     """An engine serves one sample per request: n or best_of above 1 is refused by name."""

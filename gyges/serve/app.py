@@ -197,10 +197,7 @@ def build_app(runner, model_name, api_key=None, enable_admin=False, max_body_byt
             if protocol.finish_reason(finish) is None:
                 raise APIError(500, f"the request ended with {finish}: {stream.request.error}",
                                type_="server_error")
-        chosen = range(len(streams))
-        if len(streams) > params.n:  # best_of: the n most likely samples, most likely first
-            chosen = sorted(chosen, key=lambda i: -streams[i].request.cumulative_logprob)
-            chosen = chosen[:params.n]
+        chosen = params.chosen_samples([s.request.cumulative_logprob for s in streams])
         choices = [protocol.choice(index, text, finish, chat, protocol.logprobs_of(
                        entries, tokens, params.logprobs, chat))
                    for index, (text, tokens, finish, entries) in

@@ -75,19 +75,19 @@ class RequestOutput:
 
 def _completion(index, request):
     return CompletionOutput(index, request.text if request.text is not None else "",
-                            list(request.output_tokens), getattr(request, "cumulative_logprob", None),
-                            getattr(request, "logprobs", None), request.finish_reason,
+                            list(request.output_tokens), request.cumulative_logprob,
+                            request.logprobs, request.finish_reason,
                             request.stop_reason)
 
 
 def request_output(samples, params):
     """One RequestOutput of a prompt's samples (gyges.Requests, as params.sample_params() made
     them): all n of them in order, or with best_of the n of highest cumulative log-probability."""
-    if params.best_of is not None and params.best_of > params.n:
-        samples = sorted(samples, key=lambda r: -r.cumulative_logprob)[:params.n]
+    samples = [samples[i] for i in
+               params.chosen_samples([r.cumulative_logprob for r in samples])]
     first = samples[0]
     return RequestOutput(str(first.id), first.prompt_text, list(first.prompt),
-                         getattr(first, "prompt_logprobs", None),
+                         first.prompt_logprobs,
                          [_completion(i, r) for i, r in enumerate(samples)],
                          all(r.finished for r in samples), first.metrics, first)
 

@@ -54,9 +54,8 @@ class Stream:
                 if self.sent_tokens == 0:
                     self.counts.prompt += len(r.prompt)
                 self.counts.generation += len(tokens)
-            logprobs = getattr(r, "logprobs", None)
-            if logprobs is not None:
-                logprobs = logprobs[self.sent_tokens:self.sent_tokens + len(tokens)]
+            logprobs = (None if r.logprobs is None else
+                        r.logprobs[self.sent_tokens:self.sent_tokens + len(tokens)])
             self.sent_tokens += len(tokens)
             self.sent_chars = end
             event = (piece, list(tokens), r.finish_reason if finished else None, logprobs)
