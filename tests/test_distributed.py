@@ -468,3 +468,78 @@ def test_the_server_fronts_a_cluster(nodes):
     finally:
         server.stop()
         cluster.close()
+
+
+# ---- KunServe buddy groups whose members sit on different hosts (reconfig/split_buddy.py) ----
+
+ONE = dict(workers_per_host=1, memory_per_worker="32MiB")
+
+
+def one_host(model, ps, params):
+    """Tokens and logprobs of one in-process one-worker Host."""
+    host = gyges.Host(model, workers=1, memory_per_worker="32MiB")
+    out = [(r.output_tokens, r.logprobs) for r in host.generate(ps, params)]
+    host.close()
+    return out
+
+
+def started(handles, n=2):
+    while not all(len(h.output_tokens) >= n or h.finished for h in handles):
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_cluster_groups_two_hosts_instances_and_restores_them(nodes, tiny, params):
+    """Host 0's and host 1's instances (on two Ray nodes) form a buddy group with requests in
+    flight on both, serve as one pipeline split between the two processes, and are restored:
+    every request's tokens are one Host's, the follower's requests moved to the leader and
+    some back, and each host is a TP1 instance again."""
+    params = gyges.SamplingParams(max_tokens=64, temperature=params.temperature,
+                                  top_k=params.top_k, seed=params.seed, ignore_eos=True,
+                                  logprobs=2)
+    ps = prompts(6, seed=5)
+    want = one_host(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=2, **ONE) as cluster:
+        handles = [cluster.submit(p, params, host=i % 2) for i, p in enumerate(ps)]
+        started(handles)
+        with pytest.raises(gyges.InvalidArgumentError, match="both members are on host 0"):
+            cluster.buddy([(0, 0), (0, 0)])
+        group = cluster.buddy([(0, 0), (1, 0)])
+        assert group.stats["leader"]["weight_bytes_released"] > 0
+        assert group.stats["follower"]["weight_bytes_released"] > 0
+        unfinished = [h for h in handles if not h.finished]
+        assert all(h.host == 0 for h in unfinished)
+        assert cluster.host(0).layout() == "PP1" and cluster.host(1).layout() == ""
+        started(handles, 12)
+        cluster.restore(group)
+        assert group.restored and cluster.groups == []
+        assert cluster.host(0).layout() == cluster.host(1).layout() == "TP1"
+        assert cluster.wait(handles, timeout=120)
+        assert [(h.output_tokens, h.logprobs) for h in handles] == want
+        assert all(h.recompute_mismatches == 0 and h.resubmitted == 0 for h in handles)
+        assert group.stats["leader"]["kv_bytes_received"] > 0
+        assert group.stats["follower"]["steps"] > 0
+
+
+def test_a_lost_follower_host_leaves_the_leader_serving_alone(nodes, tiny):
+    """The follower's host actor is killed while the group serves: the leader's host gets its
+    parameters back, its requests (every request of the group) recompute what the follower held
+    and finish with one Host's tokens; the cluster serves on."""
+    params = gyges.SamplingParams(max_tokens=96, temperature=0.9, top_k=40, seed=3,
+                                  ignore_eos=True)
+    ps = prompts(4, seed=6)
+    want = one_host(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=2, **ONE) as cluster:
+        handles = [cluster.submit(p, params, host=i % 2) for i, p in enumerate(ps)]
+        started(handles)
+        cluster.buddy([(0, 0), (1, 0)])
+        started(handles, 8)
+        ray.kill(cluster.host(1).actor, no_restart=True)
+        killed = time.monotonic()
+        while 1 in cluster.live_hosts:
+            time.sleep(0.01)
+            assert time.monotonic() - killed < 10, "the lost host was not noticed"
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == [tokens for tokens, _ in want]
+        assert all(h.recompute_mismatches == 0 for h in handles)
+        assert cluster.groups == [] and cluster.host(0).layout() == "TP1"

@@ -33,7 +33,8 @@ static int64_t gy_engine_free_blocks(void *ctx) {
             const int64_t f = gy_stage_rank_free_blocks(gy_stage_rank_at(&e->stages[s], k, NULL));
             if (f < least) least = f;
         }
-    return least;
+    const int64_t peer = gy_engine_peer_free_blocks(e);
+    return peer < least ? peer : least;
 }
 
 static int64_t gy_engine_blocks_needed(void *ctx, int64_t req, int64_t n_tokens) {
@@ -64,7 +65,7 @@ static gy_status gy_engine_reserve_all(gy_engine *e, int64_t req, int64_t n_toke
     return GY_OK;
 }
 
-static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
+gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
     gy_engine *e = ctx;
     /* Check every rank before reserving on any, so that a refusal changes nothing. */
     const int64_t need = gy_engine_blocks_needed(e, req, n_tokens);
@@ -83,8 +84,9 @@ static gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens) {
     return s;
 }
 
-static void gy_engine_release_kv(void *ctx, int64_t req) {
+void gy_engine_release_kv(void *ctx, int64_t req) {
     gy_engine *e = ctx;
+    if (e->outlet != NULL) gy_engine_peer_released(e, req);
     for (int32_t s = 0; s < e->n_stages; s++) {
         gy_stage *st = &e->stages[s];
         int64_t g = 0;
@@ -103,7 +105,7 @@ void gy_engine_detach_stage(gy_stage *st) {
 }
 
 /* Blocks every request could get: the least any owned one-group stage could hold. */
-static int64_t gy_engine_capacity_blocks_locked(const gy_engine *e) {
+int64_t gy_engine_capacity_blocks_locked(const gy_engine *e) {
     int64_t least = INT64_MAX;
     for (int32_t s = 0; s < e->n_stages; s++) {
         const gy_stage *st = &e->stages[s];
@@ -113,7 +115,7 @@ static int64_t gy_engine_capacity_blocks_locked(const gy_engine *e) {
             if (n < least) least = n;
         }
     }
-    return least;
+    return e->outlet != NULL && e->peer_capacity < least ? e->peer_capacity : least;
 }
 
 /* ---- the ranks' forward passes ---- */
@@ -155,7 +157,7 @@ static void gy_engine_thread_step(void *ctx, int32_t t) {
 }
 
 /* Runs the step's stages on every thread (thread 0 is this one); the first failure wins. */
-static gy_status gy_engine_forward_all(gy_engine *e) {
+gy_status gy_engine_forward_all(gy_engine *e) {
     e->step_failed = 0;
     gy_rank_threads_run(&e->crew);
     /* Every rank is out of its collectives now: an aborted communicator can be used again. */
@@ -245,7 +247,8 @@ static void gy_engine_return_streams(gy_engine *e) {
 /* What a plan must be before any of it is built: stages covering [0, L) in order, each a TP
  * group of ranks with models of one shape and caches of one block size, each group's
  * communicator fitting its ranks. */
-gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) {
+gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages, int64_t first,
+                               int64_t end) {
     if (n_stages < 1 || n_stages > GY_ENGINE_MAX_STAGES)
         return GY_FAIL(GY_ERR_INVALID, "a plan has 1 to %d stages, got %d", GY_ENGINE_MAX_STAGES,
                        (int)n_stages);
@@ -263,16 +266,20 @@ gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) 
                                (int)s, (int)k);
     const gy_model *m0 = stages[0].ranks[0].model;
     const int64_t block_size = gy_kv_config_of(stages[0].ranks[0].kv)->block_size;
-    int64_t next = 0;
+    if (end == 0) end = m0->n_layers;
+    if (first < 0 || end > m0->n_layers || first >= end)
+        return GY_FAIL(GY_ERR_INVALID, "a plan covers layers [%lld, %lld) of the model's %lld",
+                       (long long)first, (long long)end, (long long)m0->n_layers);
+    int64_t next = first;
     for (int32_t s = 0; s < n_stages; s++) {
         const gy_engine_stage *st = &stages[s];
         if (st->first_layer != next || st->end_layer <= st->first_layer ||
             st->end_layer > m0->n_layers)
             return GY_FAIL(GY_ERR_INVALID,
-                           "stage %d runs layers [%lld, %lld); the stages must cover the model's "
-                           "%lld layers in order, each at least one",
+                           "stage %d runs layers [%lld, %lld); the stages must cover layers "
+                           "[%lld, %lld) in order, each at least one",
                            (int)s, (long long)st->first_layer, (long long)st->end_layer,
-                           (long long)m0->n_layers);
+                           (long long)first, (long long)end);
         next = st->end_layer;
         for (int32_t k = 0; k < st->size; k++) {
             const gy_model *m = st->ranks[k].model;
@@ -283,7 +290,8 @@ gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) 
                 return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's model has another shape than "
                                "stage 0 rank 0's", (int)s, (int)k);
             if (m->layer_begin > st->first_layer || m->layer_end < st->end_layer ||
-                (s == 0 && !m->has_embed) || (s == n_stages - 1 && !m->has_head))
+                (s == 0 && first == 0 && !m->has_embed) ||
+                (s == n_stages - 1 && end == m0->n_layers && !m->has_head))
                 return GY_FAIL(GY_ERR_INVALID, "stage %d rank %d's model holds layers [%lld, %lld)%s%s, "
                                "not all the stage [%lld, %lld) needs", (int)s, (int)k,
                                (long long)m->layer_begin, (long long)m->layer_end,
@@ -303,9 +311,9 @@ gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages) 
         }
         if (st->size > 1) GY_TRY(gy_engine_check_comm(st->ranks, st->size, st->comm));
     }
-    if (next != m0->n_layers)
-        return GY_FAIL(GY_ERR_INVALID, "the stages end at layer %lld of %lld", (long long)next,
-                       (long long)m0->n_layers);
+    if (next != end)
+        return GY_FAIL(GY_ERR_INVALID, "the stages end at layer %lld, not %lld", (long long)next,
+                       (long long)end);
     return GY_OK;
 }
 
@@ -314,10 +322,12 @@ gy_status gy_engine_init_plan(gy_engine **out, const gy_engine_stage *stages, in
     if (out == NULL || stages == NULL || config == NULL)
         return GY_FAIL(GY_ERR_INVALID, "gy_engine_init_plan: NULL argument");
     *out = NULL;
-    GY_TRY(gy_engine_check_plan(stages, n_stages));
+    GY_TRY(gy_engine_check_plan(stages, n_stages, config->first_layer, config->end_layer));
     gy_engine *e = gy_calloc(1, sizeof *e);
     if (e == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory");
     e->model = stages[0].ranks[0].model;
+    e->first_layer = config->first_layer;
+    e->end_layer = config->end_layer > 0 ? config->end_layer : e->model->n_layers;
     e->max_running = config->max_running;
     e->transition = -1;
     pthread_mutex_init(&e->api, NULL);
@@ -402,7 +412,8 @@ void gy_engine_free(gy_engine *e) {
     void *scratch[] = {e->tokens, e->token_seq, e->token_pos, e->logit_rows, e->sampled,
                        e->sample_index, e->sampled_ids, e->finished, e->sample_params, e->stop,
                        e->failed, e->logits, e->x, e->sample_at, e->sample_logits, e->sample_lp,
-                       e->prompt_at, e->prompt_ids, e->prompt_pos, e->prompt_lp, e->counts};
+                       e->prompt_at, e->prompt_ids, e->prompt_pos, e->prompt_lp, e->counts,
+                       e->released, e->follow_entries, e->peer_columns};
     for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) free(scratch[i]);
     pthread_mutex_destroy(&e->api);
     free(e);
@@ -503,6 +514,8 @@ void gy_engine_stats(gy_engine *e, gy_sched_stats *out) {
 }
 
 int32_t gy_engine_n_ranks(const gy_engine *e) { return e->stages[e->main].n_ranks; }
+int64_t gy_engine_hidden(const gy_engine *e) { return e->model->hidden; }
+int64_t gy_engine_vocab(const gy_engine *e) { return e->model->vocab; }
 
 /* ---- a request's whole state, out and in (gy_engine_take moves one: handover.c) ---- */
 
@@ -614,20 +627,20 @@ static gy_status gy_engine_attach_kv_locked(gy_engine *e, int64_t id, const int6
 
 /* ---- one step ---- */
 
-static gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries,
-                                   int64_t n_logits) {
+gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries, int64_t n_logits) {
     const int64_t V = e->model->vocab;
+    /* Hidden states are handed over between stages, and to or from another process. */
+    const int hands_over = e->n_stages > 1 || e->first_layer > 0 || e->end_layer < e->model->n_layers;
     if (n_tokens > e->cap_tokens) {
         free(e->tokens); free(e->token_seq); free(e->token_pos); free(e->x);
         e->tokens = gy_malloc((size_t)n_tokens * sizeof(int32_t));
         e->token_seq = gy_malloc((size_t)n_tokens * sizeof(int32_t));
         e->token_pos = gy_malloc((size_t)n_tokens * sizeof(int32_t));
-        /* Only a plan of several stages hands hidden states over. */
-        e->x = e->n_stages > 1 ? gy_malloc((size_t)(n_tokens * e->model->hidden) * sizeof(float)) : NULL;
+        e->x = hands_over ? gy_malloc((size_t)(n_tokens * e->model->hidden) * sizeof(float)) : NULL;
         e->cap_tokens = n_tokens;
-        if (!e->tokens || !e->token_seq || !e->token_pos || (e->n_stages > 1 && !e->x)) goto oom;
+        if (!e->tokens || !e->token_seq || !e->token_pos || (hands_over && !e->x)) goto oom;
     }
-    if (e->n_stages > 1 && e->x == NULL) {
+    if (hands_over && e->x == NULL) {
         e->x = gy_malloc((size_t)(e->cap_tokens * e->model->hidden) * sizeof(float));
         if (e->x == NULL) goto oom;
     }
@@ -727,6 +740,12 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
     e->rows = (gy_step_rows){.batch = b, .tokens = e->tokens, .token_seq = e->token_seq,
                              .token_pos = e->token_pos, .n_logits = rows,
                              .logit_rows = e->logit_rows, .x = e->x, .logits = e->logits};
+    *n_samples = samples;
+    *n_prompt = prompts;
+    return gy_engine_build_stages(e);
+}
+
+gy_status gy_engine_build_stages(gy_engine *e) {
     e->n_live_stages = 0;
     e->last_stage = -1;
     for (int32_t s = 0; s < e->n_stages; s++)
@@ -734,11 +753,10 @@ static gy_status gy_engine_build(gy_engine *e, const gy_sched_batch *b, int64_t 
             e->n_live_stages++;
             e->last_stage = s;
         }
+    if (e->end_layer < e->model->n_layers) e->last_stage = -1; /* the follower's stages end it */
     for (int32_t s = 0; s < e->n_stages; s++)
         if (e->stages[s].first < e->stages[s].end)
             GY_TRY(gy_stage_build(&e->stages[s], &e->rows, s == e->last_stage, e->model->vocab));
-    *n_samples = samples;
-    *n_prompt = prompts;
     return GY_OK;
 }
 
@@ -752,7 +770,7 @@ static int gy_engine_is_stop(const gy_engine_request *r, int32_t token) {
 
 /* Marks every KV adapter and remembers the pages of each owned cache, so that a failed step can
  * take back what its scheduler reserved and released, and unmap what it grew. */
-static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
+gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
     gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) {
@@ -775,7 +793,7 @@ static gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
     return GY_OK;
 }
 
-static void gy_engine_unmark(gy_engine *e) {
+void gy_engine_unmark(gy_engine *e) {
     gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) gy_sched_kv_adapter_unmark(adapters[i]);
@@ -783,7 +801,7 @@ static void gy_engine_unmark(gy_engine *e) {
 
 /* Back to the mark; pages grown since go back too where nothing holds them (a live view of a
  * raw layer, or a transformation's shared pages, keep them: free blocks, no request changed). */
-static void gy_engine_undo(gy_engine *e, const int64_t *pages) {
+void gy_engine_undo(gy_engine *e, const int64_t *pages) {
     gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = n - 1; i >= 0; i--) gy_sched_kv_adapter_undo(adapters[i]);
@@ -872,6 +890,7 @@ static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n
     if (b->n_entries == 0) return GY_OK;
     GY_TRY(gy_engine_build(e, b, n_samples, n_prompt));
     GY_TRY(gy_engine_forward_all(e));
+    if (e->outlet != NULL) GY_TRY(gy_engine_peer_run(e, b));
     GY_TRY(gy_engine_mark_dirty(e, b));
     gy_engine_count_remote(e); /* (a later failure of the sampler still ran the attention) */
     return *n_samples + *n_prompt > 0 ? gy_engine_sample(e, *n_samples, *n_prompt, e->failed)
@@ -880,7 +899,15 @@ static gy_status gy_engine_run(gy_engine *e, const gy_sched_batch *b, int64_t *n
 
 static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_out *out) {
     memset(out, 0, sizeof *out);
+    if (e->first_layer > 0)
+        return GY_FAIL(GY_ERR_STATE, "a plan from layer %lld on follows another engine's steps "
+                       "(gy_engine_follow)", (long long)e->first_layer);
+    if (e->end_layer < e->model->n_layers && e->outlet == NULL)
+        return GY_FAIL(GY_ERR_STATE, "a plan ending at layer %lld of %lld steps once its "
+                       "follower is attached (gy_engine_set_outlet)", (long long)e->end_layer,
+                       (long long)e->model->n_layers);
     int64_t pages[GY_ENGINE_MAX_ADAPTERS];
+    gy_engine_peer_begin(e);   /* what was released before this step is final */
     GY_TRY(gy_engine_mark(e, pages));
     gy_sched_batch b;
     gy_status s = gy_sched_schedule(e->sched, now, &b);
@@ -888,6 +915,7 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
         char message[512];
         snprintf(message, sizeof message, "%s", gy_error_message());
         gy_engine_undo(e, pages);
+        gy_engine_peer_cancel(e);
         return GY_FAIL(s, "%s", message);
     }
     int64_t n_logits = 0, n_prompt = 0;
@@ -899,6 +927,7 @@ static gy_status gy_engine_step_locked(gy_engine *e, double now, gy_engine_step_
         snprintf(message, sizeof message, "%s", gy_error_message());
         gy_sched_cancel(e->sched);
         gy_engine_undo(e, pages);
+        gy_engine_peer_cancel(e);
         return GY_FAIL(s, "%s", message);
     }
     gy_engine_unmark(e);

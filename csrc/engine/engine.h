@@ -51,6 +51,9 @@ typedef struct gy_engine_config {
     int64_t max_running;
     int64_t max_prefill_chunk; /* 0 = no cap */
     int64_t watermark_blocks;
+    /* The layers the plan covers, [first_layer, end_layer); 0, 0: the whole model. A part of it
+     * is one side of a pipeline split between processes (peer.h). */
+    int64_t first_layer, end_layer;
 } gy_engine_config;
 
 typedef struct gy_engine_params {
@@ -169,6 +172,9 @@ gy_status gy_engine_adopt(gy_engine *e, int64_t id, const int32_t *tokens, int64
 gy_status gy_engine_info(gy_engine *e, int64_t id, gy_sched_info *out, char *error, size_t error_size);
 void gy_engine_stats(gy_engine *e, gy_sched_stats *out);
 int32_t gy_engine_n_ranks(const gy_engine *e);
+/* The model's hidden size and vocabulary. */
+int64_t gy_engine_hidden(const gy_engine *e);
+int64_t gy_engine_vocab(const gy_engine *e);
 /* Points request `id` at KV sequences again, seqs[r] on rank r of the ranks an adopt gives
  * sequences to (-1: none): a rollback gives back what detach_kv or a take let go of. On
  * failure the request holds no KV sequence. */

@@ -16,6 +16,7 @@
 #include "../sched/idmap.h"
 #include "../sched/kv_adapter.h"
 #include "engine.h"
+#include "peer.h"
 #include "rank_threads.h"
 #include "stage.h"
 
@@ -80,6 +81,26 @@ struct gy_engine {
     float *x;                    /* (tokens, hidden) the hidden states between stages */
     /* Remote attention so far (gy_engine_set_remote): calls (a part's layer) and token-layers. */
     int64_t remote_calls, remote_token_layers;
+    /* The layers the plan covers (a side of a pipeline split between processes, peer.h). */
+    int64_t first_layer, end_layer;
+    /* Leader: the outlet, the follower's capacity, the releases it has not heard of (the first
+     * n_released_committed of them are final), and whether this step's outlet ran. */
+    gy_peer_outlet outlet;
+    void *outlet_ctx;
+    int64_t peer_capacity;
+    int64_t *released, n_released, cap_released, n_released_committed;
+    int outlet_called;           /* this step's outlet was called (it may have run) */
+    int64_t peer_number;         /* steps sent to the follower */
+    int released_lost;           /* a release could not be noted (out of host memory) */
+    int64_t *peer_columns;       /* [3, entries] the step's ids, positions and token counts */
+    int64_t cap_peer_columns;
+    /* Follower: the undo record of the last followed step (its number), open until the next
+     * call. */
+    int follow_marked;
+    int64_t follow_number;
+    int64_t follow_pages[GY_ENGINE_MAX_STAGES * GY_STAGE_MAX_RANKS];
+    gy_sched_entry *follow_entries;
+    int64_t cap_follow_entries;
 };
 
 /* Room for every rank of every stage of a plan, stage after stage. */
@@ -95,8 +116,10 @@ void gy_engine_request_free(gy_engine_request *r);
 /* Every adapter of the plan, stage after stage, into out[GY_ENGINE_MAX_ADAPTERS]; returns how
  * many. */
 int32_t gy_engine_adapters(gy_engine *e, gy_sched_kv_adapter **out);
-/* What a plan must be before any of it is built (gy_engine_init_plan; a re-plan checks the same). */
-gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages);
+/* What a plan must be before any of it is built (gy_engine_init_plan; a re-plan checks the same):
+ * its stages cover layers [first, end) (end 0: to the model's last). */
+gy_status gy_engine_check_plan(const gy_engine_stage *stages, int32_t n_stages, int64_t first,
+                               int64_t end);
 /* Forgets the KV sequences of every rank of the stage without freeing them. */
 void gy_engine_detach_stage(gy_stage *st);
 /* gy_engine_request_get and gy_engine_adopt with the lock held (gy_engine_take holds two). */
@@ -104,6 +127,38 @@ gy_status gy_engine_request_get_locked(const gy_engine *e, int64_t id, gy_engine
 gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens, int64_t n_tokens,
                                  int64_t prompt_len, const gy_engine_params *params,
                                  const gy_sched_info *info, const int64_t *seqs);
+
+/* The step's machinery, shared with peer.c: the undo record of a step over every cache
+ * (pages[GY_ENGINE_MAX_ADAPTERS] receives each owned cache's size), the per-step scratch, the
+ * stages' forward passes on every thread, and the scheduler's KV ops. */
+gy_status gy_engine_mark(gy_engine *e, int64_t *pages);
+void gy_engine_unmark(gy_engine *e);
+void gy_engine_undo(gy_engine *e, const int64_t *pages);
+/* Blocks every request could get (with a follower: no more than it holds). */
+int64_t gy_engine_capacity_blocks_locked(const gy_engine *e);
+gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries, int64_t n_logits);
+gy_status gy_engine_forward_all(gy_engine *e);
+gy_status gy_engine_reserve(void *ctx, int64_t req, int64_t n_tokens);
+void gy_engine_release_kv(void *ctx, int64_t req);
+/* Which stage computes the logits this step (-1: none, the follower does) and how many stages
+ * run; called once the rows are in e->rows. */
+gy_status gy_engine_build_stages(gy_engine *e);
+
+/* ---- peer.c ---- */
+
+/* Leader: request `req` let go of its KV (the follower frees its own at the next step). Out of
+ * host memory to note it, the leader's steps fail until the follower is detached. */
+void gy_engine_peer_released(gy_engine *e, int64_t req);
+/* Leader: sends the built step to the follower and takes its logits into e->logits. */
+gy_status gy_engine_peer_run(gy_engine *e, const gy_sched_batch *b);
+/* Leader: the step failed; the follower takes back its part if it ran, and this step's
+ * releases are forgotten (the scheduler took them back). */
+void gy_engine_peer_cancel(gy_engine *e);
+/* Leader: a step begins; every release noted so far is final (an earlier step's commit, an
+ * abort between steps). */
+void gy_engine_peer_begin(gy_engine *e);
+/* Blocks the follower could still give (INT64_MAX without one). */
+int64_t gy_engine_peer_free_blocks(const gy_engine *e);
 
 /* ---- resplit.c ---- */
 

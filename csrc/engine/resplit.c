@@ -77,7 +77,7 @@ static gy_status gy_engine_replan_locked(gy_engine *e, const gy_engine_stage *st
     if (n_stages != e->n_stages)
         return GY_FAIL(GY_ERR_INVALID, "a re-plan keeps the %d stages, got %d", (int)e->n_stages,
                        (int)n_stages);
-    GY_TRY(gy_engine_check_plan(stages, n_stages));
+    GY_TRY(gy_engine_check_plan(stages, n_stages, e->first_layer, e->end_layer));
     for (int32_t s = 0; s < n_stages; s++) {
         const gy_stage *st = &e->stages[s];
         if (st->n_groups != 1 || stages[s].size != st->groups[0].size)

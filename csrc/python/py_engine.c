@@ -4,6 +4,7 @@
 
 #include "engine/engine.h"
 #include "engine/handover.h"
+#include "engine/peer.h"
 #include "engine/remote.h"
 #include "engine/resplit.h"
 #include "engine/transition.h"
@@ -13,6 +14,7 @@ typedef struct {
     PyObject *keep;    /* strong: a tuple of the models, KV caches and communicator used */
     PyObject *transition_keep; /* strong, while a transformation runs: its old models and caches */
     PyObject *dirty_keep;      /* strong: {(stage, rank): KVDirty} the steps mark */
+    PyObject *outlet;          /* strong: the leader's outlet (peer.h), or NULL */
     gy_engine *engine;
 } GyEngineObject;
 
@@ -70,19 +72,22 @@ static Py_ssize_t gy_py_engine_plan(PyObject *layers, PyObject *models, PyObject
 }
 
 /* Engine(models, kvs, comm, max_batch_tokens, max_running, max_prefill_chunk=0,
- *        watermark_blocks=0, layers=None): one stage over every layer, models and kvs one entry
- * per TP rank and comm a gyges._C.Comm of that size (None for one rank). With layers, a list
- * of (first, end) per stage, the plan of engine.h: models, kvs and comm are then lists of one
- * entry per stage, each as above. */
+ *        watermark_blocks=0, layers=None, span=None): one stage over every layer, models and kvs
+ * one entry per TP rank and comm a gyges._C.Comm of that size (None for one rank). With layers,
+ * a list of (first, end) per stage, the plan of engine.h: models, kvs and comm are then lists of
+ * one entry per stage, each as above. span=(first, end): the layers the plan covers when it is
+ * one side of a pipeline split between processes (peer.h). */
 static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"models", "kvs", "comm", "max_batch_tokens", "max_running",
-                            "max_prefill_chunk", "watermark_blocks", "layers", NULL};
-    PyObject *models, *kvs, *comm_object, *layers = Py_None;
+                            "max_prefill_chunk", "watermark_blocks", "layers", "span", NULL};
+    PyObject *models, *kvs, *comm_object, *layers = Py_None, *span = Py_None;
     long long max_batch_tokens, max_running, max_prefill_chunk = 0, watermark = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLL|LLO", names, &models, &kvs, &comm_object,
+    long long span_first = 0, span_end = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLL|LLOO", names, &models, &kvs, &comm_object,
                                      &max_batch_tokens, &max_running, &max_prefill_chunk, &watermark,
-                                     &layers))
+                                     &layers, &span))
         return NULL;
+    if (span != Py_None && !PyArg_ParseTuple(span, "LL", &span_first, &span_end)) return NULL;
     PyObject *keep = Py_BuildValue("(OOO)", models, kvs, comm_object);
     if (keep == NULL) return NULL;
     gy_engine_rank ranks[GY_ENGINE_MAX_STAGES][GY_MODEL_MAX_TP];
@@ -101,7 +106,8 @@ static PyObject *gy_py_engine_new(PyTypeObject *type, PyObject *args, PyObject *
     }
     const gy_engine_config config = {.max_batch_tokens = max_batch_tokens, .max_running = max_running,
                                      .max_prefill_chunk = max_prefill_chunk,
-                                     .watermark_blocks = watermark};
+                                     .watermark_blocks = watermark, .first_layer = span_first,
+                                     .end_layer = span_end};
     gy_engine *engine;
     gy_status s = gy_engine_init_plan(&engine, stages, n_stages, &config);
     if (s != GY_OK) {
@@ -125,6 +131,7 @@ fail:
 static void gy_py_engine_dealloc(GyEngineObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     gy_engine_free(self->engine);
+    Py_XDECREF(self->outlet);
     Py_XDECREF(self->transition_keep);
     Py_XDECREF(self->dirty_keep);
     Py_XDECREF(self->keep);
@@ -749,7 +756,230 @@ static PyObject *gy_py_engine_replan(GyEngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- a pipeline split between processes (peer.h) ---- */
+
+/* A step as plain data: a dict of bytes (int64 ids, pos, n_tokens; int32 tokens, logit_rows;
+ * float32 x [rows, hidden]; int64 released) and the release counts. */
+static PyObject *gy_py_peer_step_dict(const gy_peer_step *st, int64_t hidden) {
+    /* (y# makes None of a NULL pointer: an empty column is b"") */
+#define GY_PY_COLUMN(p, n, size) ((n) > 0 ? (const char *)(p) : ""), (Py_ssize_t)((n) * (size))
+    const int64_t n_rel = st->n_released_before + st->n_released_now;
+    return Py_BuildValue(
+        "{s:L,s:i,s:y#,s:y#,s:y#,s:y#,s:y#,s:y#,s:y#,s:L,s:L}",
+        "number", (long long)st->number, "cancel", (int)st->cancel,
+        "ids", GY_PY_COLUMN(st->ids, st->n_entries, 8),
+        "pos", GY_PY_COLUMN(st->pos, st->n_entries, 8),
+        "n_tokens", GY_PY_COLUMN(st->n_tokens, st->n_entries, 8),
+        "tokens", GY_PY_COLUMN(st->tokens, st->n_rows, 4),
+        "logit_rows", GY_PY_COLUMN(st->logit_rows, st->n_logits, 4),
+        "x", GY_PY_COLUMN(st->x, st->n_rows * hidden, 4),
+        "released", GY_PY_COLUMN(st->released, n_rel, 8),
+        "n_released_before", (long long)st->n_released_before,
+        "n_released_now", (long long)st->n_released_now);
+#undef GY_PY_COLUMN
+}
+
+/* The leader's outlet: calls the Python function with the step (a dict) from the stepping
+ * thread; it returns the logits as a float32 buffer (anything for a cancel). */
+static gy_status gy_py_outlet(void *ctx, const gy_peer_step *step, float *logits) {
+    GyEngineObject *self = ctx;   /* (the engine calls it, so self is alive) */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    gy_status s = GY_OK;
+    const int64_t V = gy_engine_vocab(self->engine);
+    PyObject *arg = gy_py_peer_step_dict(step, gy_engine_hidden(self->engine));
+    PyObject *r = arg ? PyObject_CallOneArg(self->outlet, arg) : NULL;
+    Py_XDECREF(arg);
+    if (r != NULL && !step->cancel) {
+        Py_buffer out;
+        if (PyObject_GetBuffer(r, &out, PyBUF_C_CONTIGUOUS) == 0) {
+            if (out.len != (Py_ssize_t)(step->n_logits * V * 4))
+                s = GY_FAIL(GY_ERR_STATE, "the follower returned %lld bytes of logits, not %lld",
+                            (long long)out.len, (long long)(step->n_logits * V * 4));
+            else if (out.len > 0)
+                memcpy(logits, out.buf, (size_t)out.len);
+            PyBuffer_Release(&out);
+        }
+    }
+    Py_XDECREF(r);
+    if (PyErr_Occurred()) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *text = value ? PyObject_Str(value) : NULL;
+        const char *m = text ? PyUnicode_AsUTF8(text) : NULL;
+        s = GY_FAIL(GY_ERR_STATE, "the follower: %s", m ? m : "an exception");
+        PyErr_Clear();
+        Py_XDECREF(text);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
+    PyGILState_Release(gil);
+    return s;
+}
+
+/* set_outlet(fn, peer_capacity): fn(step dict) -> float32 logits buffer; fn None detaches the
+ * follower. */
+static PyObject *gy_py_engine_set_outlet(GyEngineObject *self, PyObject *args) {
+    PyObject *fn;
+    long long capacity;
+    if (!PyArg_ParseTuple(args, "OL", &fn, &capacity)) return NULL;
+    if (fn != Py_None && !PyCallable_Check(fn))
+        return PyErr_Format(GY_PY_VALUE_ERROR, "the outlet must be callable");
+    /* (the engine's lock orders this with a step that may be calling the old outlet: the new
+     * one is in place before the engine can call it, the old one kept until it cannot) */
+    PyObject *old = self->outlet;
+    self->outlet = fn == Py_None ? NULL : Py_NewRef(fn);
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_set_outlet(self->engine, fn == Py_None ? NULL : gy_py_outlet, self, capacity);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) {
+        Py_XDECREF(self->outlet);
+        self->outlet = old;
+        return gy_py_raise(s);
+    }
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+/* One bytes entry of a step dict, its length checked to be n elements of `size` bytes. */
+static int gy_py_step_field(PyObject *d, const char *key, Py_ssize_t size, Py_buffer *out) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (v == NULL) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "step has no %s", key);
+        return -1;
+    }
+    if (PyObject_GetBuffer(v, out, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (out->len % size) {
+        PyBuffer_Release(out);
+        PyErr_Format(GY_PY_VALUE_ERROR, "step %s: %zd bytes, not whole %zd-byte items", key,
+                     out->len, size);
+        return -1;
+    }
+    return 0;
+}
+
+/* follow(step dict) -> logits bytes (float32 [n_logits, vocab]; b"" for a cancel). */
+static PyObject *gy_py_engine_follow(GyEngineObject *self, PyObject *arg) {
+    gy_status s;
+    if (!PyDict_Check(arg)) return PyErr_Format(GY_PY_VALUE_ERROR, "step must be a dict");
+    static const char *keys[] = {"ids", "pos", "n_tokens", "tokens", "logit_rows", "x", "released"};
+    static const Py_ssize_t sizes[] = {8, 8, 8, 4, 4, 4, 8};
+    Py_buffer b[7];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 7; got++)
+        if (gy_py_step_field(arg, keys[got], sizes[got], &b[got]) < 0) goto done;
+    PyObject *before = PyDict_GetItemString(arg, "n_released_before");
+    PyObject *now = PyDict_GetItemString(arg, "n_released_now");
+    PyObject *number = PyDict_GetItemString(arg, "number");
+    PyObject *cancel = PyDict_GetItemString(arg, "cancel");
+    const long long n_before = before ? PyLong_AsLongLong(before) : -1;
+    const long long n_now = now ? PyLong_AsLongLong(now) : -1;
+    const long long n_step = number ? PyLong_AsLongLong(number) : -1;
+    const int cancelled = cancel ? PyObject_IsTrue(cancel) : -1;
+    if (PyErr_Occurred()) goto done;
+    const int64_t n_entries = b[0].len / 8, n_rows = b[3].len / 4, n_logits = b[4].len / 4;
+    const int64_t hidden = gy_engine_hidden(self->engine), vocab = gy_engine_vocab(self->engine);
+    if (b[1].len / 8 != n_entries || b[2].len / 8 != n_entries || b[5].len / 4 != n_rows * hidden ||
+        n_before < 0 || n_now < 0 || n_before + n_now != b[6].len / 8 || n_step < 0 ||
+        cancelled < 0) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "step: columns of different lengths");
+        goto done;
+    }
+    const gy_peer_step st = {.number = n_step, .cancel = cancelled, .n_entries = n_entries, .ids = b[0].buf, .pos = b[1].buf,
+                             .n_tokens = b[2].buf, .n_rows = n_rows, .tokens = b[3].buf,
+                             .n_logits = n_logits, .logit_rows = b[4].buf, .x = b[5].buf,
+                             .n_released_before = n_before, .n_released_now = n_now,
+                             .released = b[6].buf};
+    PyObject *logits = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n_logits * vocab * 4));
+    if (logits == NULL) goto done;
+    float *out = (float *)PyBytes_AS_STRING(logits);
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_follow(self->engine, &st, out);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) {
+        Py_DECREF(logits);
+        gy_py_raise(s);
+        goto done;
+    }
+    result = logits;
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* follow_adopt(id, seqs): the follower's request `id` holds seqs[k] on rank k. */
+static PyObject *gy_py_engine_follow_adopt(GyEngineObject *self, PyObject *args) {
+    long long id;
+    PyObject *seqs_object;
+    if (!PyArg_ParseTuple(args, "LO", &id, &seqs_object)) return NULL;
+    int64_t seqs[GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP];
+    const Py_ssize_t n = PySequence_Size(seqs_object);
+    if (n < 0 || n > GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP)
+        return PyErr_Format(GY_PY_VALUE_ERROR, "bad seqs");
+    int64_t have[GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP];
+    if (n != gy_engine_follow_seqs(self->engine, id, have))
+        return PyErr_Format(GY_PY_VALUE_ERROR, "seqs: one per rank of the plan");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PySequence_GetItem(seqs_object, i);
+        seqs[i] = x ? PyLong_AsLongLong(x) : -1;
+        Py_XDECREF(x);
+        if (PyErr_Occurred()) return NULL;
+    }
+    const gy_status s = gy_engine_follow_adopt(self->engine, id, seqs);
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
+/* follow_seqs(id) -> [seq per rank] (-1 where none). */
+static PyObject *gy_py_engine_follow_seqs(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    int64_t seqs[GY_ENGINE_MAX_STAGES * GY_MODEL_MAX_TP];
+    const int32_t n = gy_engine_follow_seqs(self->engine, id, seqs);
+    PyObject *out = PyList_New(n);
+    for (int32_t k = 0; out != NULL && k < n; k++) {
+        PyObject *v = PyLong_FromLongLong(seqs[k]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, v);
+    }
+    return out;
+}
+
+static PyObject *gy_py_engine_follow_forget(GyEngineObject *self, PyObject *args) {
+    long long id;
+    if (!PyArg_ParseTuple(args, "L", &id)) return NULL;
+    gy_engine_follow_forget(self->engine, id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gy_py_engine_peer_flush(GyEngineObject *self, PyObject *unused) {
+    (void)unused;
+    gy_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = gy_engine_peer_flush(self->engine);
+    Py_END_ALLOW_THREADS
+    if (s != GY_OK) return gy_py_raise(s);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef gy_py_engine_methods[] = {
+    {"peer_flush", (PyCFunction)gy_py_engine_peer_flush, METH_NOARGS,
+     "peer_flush(): the follower frees what the leader released"},
+    {"set_outlet", (PyCFunction)gy_py_engine_set_outlet, METH_VARARGS,
+     "set_outlet(fn, peer_capacity): the follower of a plan that ends early (peer.h)"},
+    {"follow", (PyCFunction)gy_py_engine_follow, METH_O,
+     "follow(step or None) -> logits bytes: the follower's side of a leader's step"},
+    {"follow_adopt", (PyCFunction)gy_py_engine_follow_adopt, METH_VARARGS,
+     "follow_adopt(id, seqs): a request's KV sequences on the follower's ranks"},
+    {"follow_seqs", (PyCFunction)gy_py_engine_follow_seqs, METH_VARARGS,
+     "follow_seqs(id) -> sequences per rank"},
+    {"follow_forget", (PyCFunction)gy_py_engine_follow_forget, METH_VARARGS,
+     "follow_forget(id): the follower lets go of a request's sequences without freeing them"},
     {"detach_kv", (PyCFunction)gy_py_engine_detach_kv, METH_NOARGS,
      "detach_kv(): forget the requests' KV sequences without freeing them"},
     {"transition_begin", (PyCFunction)gy_py_engine_transition_begin, METH_VARARGS,

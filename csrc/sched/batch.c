@@ -720,3 +720,7 @@ void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out) {
 }
 
 void gy_sched_hold(gy_sched *s, int held) { s->held = held != 0; }
+
+void gy_sched_set_total_blocks(gy_sched *s, int64_t total_blocks) {
+    if (total_blocks > s->config.watermark_blocks) s->config.total_blocks = total_blocks;
+}

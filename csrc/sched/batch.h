@@ -216,6 +216,9 @@ void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out);
 /* held != 0 skips step 3 (admission) until released: running requests go on, queued and
  * preempted ones wait (a Flying Serving member draining before it binds into a TP group). */
 void gy_sched_hold(gy_sched *s, int held);
+/* The blocks the submit-time check compares a request with (the instance's KV changed size:
+ * a follower in another process holds fewer, engine/peer.h). */
+void gy_sched_set_total_blocks(gy_sched *s, int64_t total_blocks);
 const gy_sched_config *gy_sched_config_of(const gy_sched *s);
 const char *gy_sched_state_name(gy_sched_state state);
 const char *gy_sched_finish_name(gy_sched_finish finish);

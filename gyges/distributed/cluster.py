@@ -40,6 +40,7 @@ from ..models.model import Model, load_tokenizer
 from ..models.tokenizer import tokenize_prompt
 from ..runtime.engine import Request, check_params, mix_seed
 from .host_actor import HostActor
+from .split_group import SplitBuddy
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,7 @@ class Cluster:
         self._actors, self._nodes = [], []
         self.live_hosts = []
         self.lost_hosts = {}     # index -> why
+        self.groups = []         # buddy groups split between hosts (SplitBuddy), formed
         try:
             self._start_hosts(hosts, options, backend)
         except BaseException:
@@ -459,6 +461,35 @@ class Cluster:
                     handle.id, packet, "if_room", None, epoch))
             raise
 
+    # ---- buddy groups whose members sit on different hosts ----
+    def buddy(self, members, split=None):
+        """KunServe's buddy group of two TP1 instances on different hosts: members
+        [(host, instance index), (host, instance index)]. The first keeps layers [0, split)
+        (default: half the model) and every request of the group, the second [split, L); each
+        drops the other's parameters (KV room at once), each request's KV of the layers now
+        across crosses once, and the pair serves as one pipeline split between the two
+        processes (gyges.distributed.split_group). Blocking: both hosts pause between two
+        steps while it forms. Refused, nothing changed, for members that are not TP1 instances
+        of sharded workers or that a reconfiguration holds. Returns the group (a SplitBuddy);
+        two members on one host are cluster.host(h).buddy(...)."""
+        self._check_open()
+        group = SplitBuddy(self, members, split).form()
+        with self._lock:
+            self.groups.append(group)
+        return group
+
+    def restore(self, group):
+        """A split buddy group's members serve alone again: every request goes to the less
+        loaded one with its KV of every layer, the parameters come back from each host's copy."""
+        if not isinstance(group, SplitBuddy) or group.cluster is not self:
+            raise ArgumentTypeError(f"group must be a SplitBuddy of this cluster, got {group!r}")
+        self._check_open()
+        group.restore()
+        with self._lock:
+            if group in self.groups:
+                self.groups.remove(group)
+        return group
+
     # ---- streaming and losses ----
     def _poll(self, index):
         ray = self._ray
@@ -495,6 +526,11 @@ class Cluster:
             self.lost_hosts[index] = why
             orphans = [h for h in self._handles.values() if h.host == index]
         log.warning("host %d lost (%s): %d requests submitted again", index, why, len(orphans))
+        with self._lock:
+            broken = [g for g in self.groups if index in g.hosts]
+            self.groups = [g for g in self.groups if g not in broken]
+        for g in broken:   # the other member serves alone again
+            g.lost(index)
         for h in orphans:
             self._resubmit(h)
 

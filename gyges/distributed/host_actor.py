@@ -15,6 +15,10 @@ stepping thread; the Host's own lock orders them with its steps):
                                             restore, layout, memory, stats); a reconfiguration
                                             comes back as its id and its fields (describe)
     describe(rid)                           a reconfiguration's fields now
+    pause(), resume()                       no step from here on (a step under way ends
+                                            first), and serving again
+    split_*(group, ...)                     one side of a buddy group split between two hosts
+                                            (reconfig/split_buddy.py; Cluster.buddy drives them)
     facts(), loads()                         what a trace replay's controller needs of the host
                                             (distributed/replay.py): its shape, and each
                                             instance's load now
@@ -29,6 +33,7 @@ import threading
 from ..cluster.experiment import capacities, instance_load
 from ..core.errors import BusyError, Error, InvalidArgumentError, OutOfMemoryError
 from ..models.model import Model
+from ..reconfig.split_buddy import Follow, Lead
 from ..runtime.host import Host
 
 log = logging.getLogger(__name__)
@@ -51,13 +56,15 @@ class HostActor:
         self._next_reconfig = 0
         self._step_errors = 0
         self._closing = False
+        self._paused = 0        # pause() calls not yet resumed
+        self._split = {}        # group id -> this host's side (split_buddy.Lead or Follow)
         self._stepper = threading.Thread(target=self._step_loop, name="gyges-host-stepper",
                                          daemon=True)
         self._stepper.start()
 
     # ---- the stepping thread ----
     def _busy(self):
-        return not self.host.closed and self.host.has_unfinished()
+        return not self._paused and not self.host.closed and self.host.has_unfinished()
 
     def _step_loop(self):
         while True:
@@ -108,7 +115,7 @@ class HostActor:
                 "model": repr(h.model), "memory_per_worker": h.memory_per_worker,
                 "page_size": h.worker(0).page_size, "max_batch_tokens": h.max_batch_tokens,
                 "max_running": h.max_running, "max_prefill_chunk": h.max_prefill_chunk,
-                "unfinished": h.has_unfinished()}
+                "unfinished": h.has_unfinished(), "layers": h.model.config.num_hidden_layers}
 
     def loads(self):
         """(layout, [per serving instance: its index into host.instances, workers, tp, whether
@@ -254,6 +261,118 @@ class HostActor:
         out["blocked_by"] = None if out["blocked_by"] is None else str(out["blocked_by"])
         out["kind"] = type(r).__name__
         return out
+
+    # ---- pausing (a change that spans hosts happens while both are paused) ----
+    def pause(self):
+        """No step starts from here on; returns once a step under way has ended."""
+        with self._cond:
+            self._paused += 1
+        self.host.between_steps(lambda: None)
+        return True
+
+    def resume(self):
+        with self._cond:
+            self._paused = max(0, self._paused - 1)
+            self._cond.notify_all()
+        return True
+
+    # ---- a buddy group split between two hosts (reconfig/split_buddy.py) ----
+    def _cluster_ids(self):
+        with self._cond:
+            return {entry[0].id: rid for rid, entry in self._requests.items()}
+
+    def _forget(self, host_ids):
+        """The requests (host ids) left this host: their cluster ids, and they are no more
+        this host's to report."""
+        ids = self._cluster_ids()
+        out = {}
+        with self._cond:
+            for hid in host_ids:
+                rid = ids.get(hid)
+                if rid is not None:
+                    out[hid] = rid
+                    self._requests.pop(rid, None)
+                    self._changed.discard(rid)
+        return out
+
+    def split_lead_begin(self, group, instance, split):
+        """The leader's side: KV of layers [split, L) of the member's requests ({host id:
+        array})."""
+        lead = Lead(self.host, instance, split)
+        upper = lead.upper_kv()
+        self._split[group] = lead
+        return upper
+
+    def split_follow_form(self, group, instance, split, upper):
+        """The follower's side (three returns): {host id: cluster id} of its requests, which go
+        to the leader; [(host id, RequestPacket)]; the follower's capacity in KV blocks."""
+        follow = Follow(self.host, instance, split)
+        packets = follow.form(upper)
+        self._split[group] = follow
+        return self._forget([hid for hid, _ in packets]), packets, follow.capacity_blocks
+
+    def split_lead_form(self, group, packets, placed, outlet, capacity_blocks):
+        """packets: [(the follower's host id, RequestPacket)]; placed: {that id: (cluster id,
+        epoch)}. Returns {the follower's host id: host id here}."""
+        lead = self._split[group]
+        try:
+            moved, handles = lead.form(packets, outlet, capacity_blocks)
+        except BaseException:
+            del self._split[group]
+            raise
+        for hid, (rid, epoch) in placed.items():
+            self._adopt(rid, handles[moved[hid]], epoch)
+        return moved
+
+    def split_follow_adopt(self, group, moved):
+        self._split[group].adopt(moved)
+        return True
+
+    def split_follow(self, group, step):
+        """One leader step on the follower (engine/peer.h): logits bytes."""
+        return self._split[group].follow(step)
+
+    def split_lead_leave(self, group):
+        """Restore, first part (leader; three returns): {host id: cluster id} of the requests
+        going to the follower's host, {host id: RequestPacket} of them, [host ids staying]."""
+        go, stay = self._split[group].split_homes()
+        return self._forget(list(go)), go, stay
+
+    def split_follow_restore(self, group, go, stay, placed):
+        """Restore (follower): go {the leader's host id: RequestPacket}, placed {that id:
+        (cluster id, epoch)}. Returns the KV above split of the requests staying there."""
+        follow = self._split.pop(group)
+        upper, handles = follow.restore(go, stay)
+        for hid, (rid, epoch) in placed.items():
+            self._adopt(rid, handles[hid], epoch)
+        return upper
+
+    def split_lead_restore(self, group, upper):
+        self._split.pop(group).restore(upper)
+        return True
+
+    def split_undo(self, group, placed=None):
+        """A formation given up before the leader formed: this side as before (a follower's
+        own requests come back to it, recomputed; placed: {host id: (cluster id, epoch)})."""
+        side = self._split.pop(group, None)
+        if isinstance(side, Follow):
+            handles = side.unform()
+            for hid, (rid, epoch) in (placed or {}).items():
+                self._adopt(rid, handles[hid], epoch)
+        return True
+
+    def split_dissolve(self, group):
+        """The other side's host is lost: this side serves alone again (a leader's requests
+        recomputed from their tokens, their KV above split gone with the follower)."""
+        side = self._split.pop(group, None)
+        if side is not None:
+            side.dissolve()
+            with self._cond:
+                self._cond.notify_all()
+        return side is not None
+
+    def split_stats(self, group):
+        return dict(self._split[group].stats) if group in self._split else None
 
     def close(self):
         with self._cond:

@@ -379,8 +379,8 @@ class Host(Serving):
             return [modes[w] for w in range(self.n_workers)] if isinstance(modes, dict) else modes
 
     # ---- what reconfigurations change: instances come and go through these ----
-    def make_instance(self, workers, tp, stages=None, kvs=None):
-        return Instance(self, workers, tp, stages, kvs)
+    def make_instance(self, workers, tp, stages=None, kvs=None, span=None):
+        return Instance(self, workers, tp, stages, kvs, span)
 
     def install(self, instance):
         """Starts serving an instance (kept in order of first worker)."""

@@ -18,9 +18,10 @@ class Instance:
     """workers: in rank order (after a transformation rank order need not be worker order);
     stages: None (a TP group) or the layer range of each worker (a pipeline); kvs: the ranks'
     KV caches when not the workers' own (a replicated host's TP instances run on views of
-    them, whose blocks hold tp times the tokens)."""
+    them, whose blocks hold tp times the tokens); span: the layers the stages cover when the
+    rest of the model runs in another process (a leader, engine/peer.h: set_peer)."""
 
-    def __init__(self, host, workers, tp, stages=None, kvs=None):
+    def __init__(self, host, workers, tp, stages=None, kvs=None, span=None):
         self.host = weakref.proxy(host)  # the host owns its instances: no cycle
         self.workers = tuple(workers)
         self.tp = tp
@@ -29,10 +30,11 @@ class Instance:
         kvs = kvs or [w.kv for w in ranks]
         self.kvs = tuple(kvs)  # the ranks' caches, in rank order
         self.block_tokens = kvs[0].block_size
+        self.peered = False   # a leader with its follower attached (set_peer)
         if self.stages:
             self._c = _C.Engine([[w.c_model] for w in ranks], [[kv.handle] for kv in kvs],
                                 [None] * len(ranks), host.max_batch_tokens, host.max_running,
-                                host.max_prefill_chunk, layers=list(self.stages))
+                                host.max_prefill_chunk, layers=list(self.stages), span=span)
         else:
             comm = host.comm(min(self.workers), tp) if tp > 1 else None
             self._c = _C.Engine([w.c_model for w in ranks], [kv.handle for kv in kvs], comm,
@@ -60,10 +62,16 @@ class Instance:
 
     def step(self):
         """One step of its C loop; returns the tokens it ran through the model."""
-        return self._loop.step()
+        tokens = self._loop.step()
+        if self.peered and not self._loop.unfinished():
+            self._c.peer_flush()   # an idle pair holds no KV on either side
+        return tokens
 
     def abort(self, request):
-        return self._loop.abort(request)
+        aborted = self._loop.abort(request)
+        if aborted and self.peered and not self._loop.unfinished():
+            self._c.peer_flush()
+        return aborted
 
     def serves(self, request):
         return self._loop.requests.get(request.id) is request
@@ -118,6 +126,17 @@ class Instance:
         blocks = sum(self.blocks_for(len(r.prompt) + r.params.max_tokens)
                      for r in self._loop.requests.values())
         return blocks / max(self.capacity_blocks(), 1)
+
+    # ---- a pipeline split between processes (engine/peer.h) ----
+    def set_peer(self, outlet, capacity_blocks):
+        """The rest of the model runs behind outlet(step) -> logits (a Follower's follow, maybe
+        in another process), which holds capacity_blocks KV blocks; None detaches it."""
+        self._c.set_outlet(outlet, int(capacity_blocks))
+        self.peered = outlet is not None
+
+    def peer_flush(self):
+        """Tells the follower of the requests this instance let go of since its last step."""
+        self._c.peer_flush()
 
     # ---- moving requests ----
     def request_ids(self):

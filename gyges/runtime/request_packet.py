@@ -37,6 +37,9 @@ class RequestPacket:
     record: tuple
     kv: np.ndarray          # (layers, 2, computed tokens, kv heads, head dim) float32, or None
     prompt_text: str = None
+    # the model layers kv holds, [first, end) (None: all; a buddy group split between hosts
+    # moves each side's part)
+    kv_layers: tuple = None
     # the handle's log-probabilities so far (Request's shapes): they go on where it goes
     cumulative_logprob: float = 0.0
     logprobs: list = None
@@ -68,10 +71,34 @@ def _rank_slices(instance, config):
     return out
 
 
-def export_request(instance, rid, now):
+def gather_layers(cache, seq, first, end, n, out=None, head=0):
+    """KV of model layers [first, end) of a sequence's first n tokens, as
+    out[layer - first, 0 or 1, token, kv head, :] (heads from `head` on: a TP rank's slice)."""
+    if out is None:
+        out = np.empty((end - first, 2, n, cache.n_kv_heads, cache.head_dim), dtype=np.float32)
+    for layer in range(first, end):
+        k, v = cache.gather(seq, layer - cache.first_layer, 0, n)
+        out[layer - first, 0, :, head:head + cache.n_kv_heads] = k
+        out[layer - first, 1, :, head:head + cache.n_kv_heads] = v
+    return out
+
+
+def write_layers(cache, seq, first, kv, head=0):
+    """Writes kv[i] (model layer first + i, gather_layers' shape) into a sequence holding
+    kv.shape[2] tokens."""
+    for i in range(kv.shape[0]):
+        cache.write(seq, first + i - cache.first_layer, 0,
+                    kv[i, 0, :, head:head + cache.n_kv_heads],
+                    kv[i, 1, :, head:head + cache.n_kv_heads])
+
+
+def export_request(instance, rid, now, layers=None, keep_kv=False):
     """Request `rid` of `instance` as a RequestPacket; the instance then lets it go (its KV is
-    freed, its handle no longer served there, unfinished). Nothing changes when it raises."""
+    freed, or with keep_kv left in the caches for the caller: returns (packet, its sequences)),
+    its handle no longer served there, unfinished. layers=(first, end): the KV of those model
+    layers only (the instance's ranks must hold them). Nothing changes when it raises."""
     config = instance.host.model.config
+    first, end = layers or (0, config.num_hidden_layers)
     ex = instance.export(rid)
     info = ex["info"]
     handle = instance.requests[rid]
@@ -80,13 +107,12 @@ def export_request(instance, rid, now):
     computed = info["n_computed"] if all(s >= 0 for s in ex["seqs"]) else 0
     kv = None
     if computed > 0:
-        kv = np.empty((config.num_hidden_layers, 2, computed, config.num_key_value_heads,
+        kv = np.empty((end - first, 2, computed, config.num_key_value_heads,
                        config.head_dim), dtype=np.float32)
         for (cache, lo, hi, head), seq in zip(_rank_slices(instance, config), ex["seqs"]):
-            for layer in range(lo, hi):
-                k, v = cache.gather(seq, layer - cache.first_layer, 0, computed)
-                kv[layer, 0, :, head:head + cache.n_kv_heads] = k
-                kv[layer, 1, :, head:head + cache.n_kv_heads] = v
+            lo, hi = max(lo, first), min(hi, end)
+            if hi > lo:
+                gather_layers(cache, seq, lo, hi, computed, kv[lo - first:hi - first], head)
 
     def age(t):
         return now - t if not math.isnan(t) else math.nan
@@ -101,7 +127,12 @@ def export_request(instance, rid, now):
                            cumulative_logprob=handle.cumulative_logprob,
                            logprobs=None if handle.logprobs is None else list(handle.logprobs),
                            prompt_logprobs=(None if handle.prompt_logprobs is None
-                                            else list(handle.prompt_logprobs)))
+                                            else list(handle.prompt_logprobs)),
+                           kv_layers=None if layers is None else (first, end))
+    if keep_kv:
+        instance.attach_kv(rid, [-1] * len(ex["seqs"]))   # forgotten, not freed
+        instance.let_go(rid)
+        return packet, list(ex["seqs"])
     instance.let_go(rid)
     return packet
 
@@ -130,22 +161,23 @@ def import_request(instance, packet, rid, now, with_kv=True):
     seqs = [-1] * len(instance.kvs)
     kv = packet.kv if with_kv else None
     if kv is not None:
-        want = (config.num_hidden_layers, 2, computed, config.num_key_value_heads,
-                config.head_dim)
+        first, end = packet.kv_layers or (0, config.num_hidden_layers)
+        want = (end - first, 2, computed, config.num_key_value_heads, config.head_dim)
         if kv.shape != want:
             raise InvalidArgumentError(f"packet.kv has shape {kv.shape}, this model's KV of "
-                                       f"{computed} tokens is {want}")
+                                       f"{computed} tokens in layers [{first}, {end}) is {want}")
+        slices = _rank_slices(instance, config)
+        if any(lo < first or hi > end for _, lo, hi, _ in slices):
+            raise InvalidArgumentError(f"packet.kv holds layers [{first}, {end}), not every "
+                                       f"layer of instance {instance.layout}")
         made, grown = [], []
         try:
-            for r, (cache, lo, hi, head) in enumerate(_rank_slices(instance, config)):
+            for r, (cache, lo, hi, head) in enumerate(slices):
                 grown.append((cache, _make_room(cache, computed)))
                 seq = cache.new_sequence()
                 made.append((cache, seq))
                 cache.reserve(seq, computed)
-                for layer in range(lo, hi):
-                    cache.write(seq, layer - cache.first_layer, 0,
-                                kv[layer, 0, :, head:head + cache.n_kv_heads],
-                                kv[layer, 1, :, head:head + cache.n_kv_heads])
+                write_layers(cache, seq, lo, kv[lo - first:hi - first], head)
                 seqs[r] = seq
         except BaseException:
             for cache, seq in made:
@@ -187,4 +219,5 @@ def new_handle(packet, rid, tokenizer, now):
     return handle
 
 
-__all__ = ["RequestPacket", "export_request", "import_request", "new_handle"]
+__all__ = ["RequestPacket", "export_request", "import_request", "new_handle", "gather_layers",
+           "write_layers"]
