@@ -119,7 +119,8 @@ HOST_CALL = 5e-6
 
 def gpu_link(gpu) -> Link:
     """The link between two GPUs of one server of the kind `gpu` (a costmodel.GPUSpec): NVLink
-    by generation, PCIe for a GPU without NVLink (the L40S)."""
+    by generation, PCIe for a GPU without NVLink (the L40S); a GPU of no preset (a custom
+    GPUSpec, the CPU host's workers) gets its own link_bw with PCIe's latencies."""
     name = getattr(gpu, "name", str(gpu)).upper()
     if name.startswith("A800"):
         return NVLINK3_A800
@@ -129,4 +130,7 @@ def gpu_link(gpu) -> Link:
         return NVLINK4
     if name.startswith("L40S"):
         return PCIE4_X16
-    raise LinkError(f"no link preset for GPU {name!r}")
+    bw = getattr(gpu, "link_bw", None)
+    if bw is None:
+        raise LinkError(f"no link preset for GPU {name!r} and no link_bw to build one from")
+    return Link(f"{name} link", float(bw), "pcie")
