@@ -20,10 +20,14 @@
    the soonest-prefill placement gives without the latency mode).
    The issue's goal, judged in a last table for both workloads: gyges matches the best static
    layout that serves every request on throughput and beats it on mean and p99 TTFT.
+0. Mechanism times, derived (gyges.cluster.mechanisms: bytes over alpha-beta links, barriers,
+   host calls) beside the papers' figures under the papers' setups: Flying Serving's switch,
+   PipeLive's stop (and its stop-and-copy baseline), a Gyges transformation's per-step slowdown
+   and KunServe's KV exchange. `--mechanisms` prints only this table (a second).
 4. Speed: 10 hours of the 6.2.4 workload (~36,600 requests) on 8 GPUs, and 200,000 requests of it
    at 10 req/s (overloaded: the waiting lists grow all run long).
 
-Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--calibrate]
+Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--calibrate] [--mechanisms]
 """
 import argparse
 import math
@@ -36,12 +40,75 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import metrics, sim, traces  # noqa: E402
-from gyges.cluster.costmodel import CALIBRATION, DEFAULTS, CostModel  # noqa: E402
+from gyges.cluster import mechanisms  # noqa: E402
+from gyges.cluster.costmodel import (CALIBRATION, DEFAULTS, RDMA_100G, RDMA_200G,  # noqa: E402
+                                     CostModel, PipelineCost)
 
 AZURE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
     "azure_llm_2023_conv.csv"
 SLO = {"ttft": 10.0, "tpot": 0.1}
 PAPER_TABLE1 = {1: (448, 3750), 2: (670, 41250), 4: (767, 120500)}  # tokens/s, max sequence
+
+
+# ---- 0. Mechanism times ---------------------------------------------------------------------
+
+def _terms(price, unit=1e3, fmt="{:.3g}"):
+    parts = {**price.terms, **price.extra}
+    return ", ".join(f"{k} {fmt.format(v * unit)}" for k, v in parts.items())
+
+
+def mechanism_rows():
+    """Each mechanism's derived figure under the paper's setup, beside the paper's."""
+    rows = []
+    h200 = CostModel.create("llama3-70b", "h200")
+    f = mechanisms.flying_switch(h200, 2, 8)
+    rows.append({"mechanism": "Flying switch (Table 2)",
+                 "setup": "Llama-3-70B, 8 H200, TP2 engines -> TP8, idle",
+                 "derived": f"{f.as_measured * 1e3:.1f} ms", "paper": "15 ms",
+                 "ratio": f.as_measured / 0.015, "tolerance": "2x",
+                 "terms": _terms(f) + " (ms; drain = half a TP2 decode step)"})
+    pipe = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1,
+                               eff_flops=0.6, link_bw=RDMA_100G)
+    st = mechanisms.pipelive_stop(pipe, (44, 36), (60, 20))
+    rows.append({"mechanism": "PipeLive stop (Fig. 13)",
+                 "setup": "Llama-3-70B fp8, A100+L40S, 100G IB, 16 layers, tau 50",
+                 "derived": f"{st.seconds * 1e3:.2f} ms", "paper": "~10 ms (< 10)",
+                 "ratio": st.seconds / 0.010, "tolerance": "< 10 ms",
+                 "terms": _terms(st) + " (ms)"})
+    live = 0.9 * pipe.capacity((44, 36)) * 16
+    sc = mechanisms.pipelive_stop(pipe, (44, 36), (60, 20), kv_tokens=live, stop_and_copy=True)
+    rows.append({"mechanism": "PipeLive stop-and-copy",
+                 "setup": "as above, KV 90% full, no patching",
+                 "derived": f"{sc.seconds * 1e3:.0f} ms", "paper": "'seconds' (with weights)",
+                 "ratio": None, "tolerance": ">= 10x stop", "terms": _terms(sc) + " (ms)"})
+    q = CostModel.create("qwen2.5-32b", "h20")
+    for k in (1, 64):
+        g = mechanisms.transform_slowdown(q, 1, 4, layers_per_step=k)
+        rows.append({"mechanism": f"Gyges slowdown, {k} layer(s)/step (Fig. 11)",
+                     "setup": "Qwen2.5-32B, H20, 4xTP1 -> TP4, KV 90%, decode 32x1K",
+                     "derived": f"{g.seconds:.2%}", "paper": "< 1%",
+                     "ratio": g.seconds / 0.01, "tolerance": "< 1%" if k == 1 else "-",
+                     "terms": _terms(g, 100, "{:.2f}") + " (%; serial: without overlap)"})
+    rows.append({"mechanism": "Gyges slowdown, simulator default",
+                 "setup": "Qwen2.5-32B, H20, TP1 -> TP2 KV phase, KV 90%",
+                 "derived": f"{q.slowdown():.2%}", "paper": "-", "ratio": None,
+                 "tolerance": "-", "terms": "the phase's bytes over its duration"})
+    kun = PipelineCost.create("qwen2.5-14b", ["a800-80gb"] * 2, link_bw=RDMA_200G)
+    tokens = 33e9 / (2 * kun.kv_layer * 24)
+    x = mechanisms.kunserve_exchange(kun, [tokens, tokens])
+    rows.append({"mechanism": "KunServe exchange (4.2)",
+                 "setup": "Qwen-2.5-14B, 2 GPUs, 200G RDMA, 33 GB of KV",
+                 "derived": f"{x.seconds:.2f} s", "paper": "1.3 s", "ratio": x.seconds / 1.3,
+                 "tolerance": "35%", "terms": _terms(x, 1, "{:.3g}") + " (s)"})
+    return rows
+
+
+def print_mechanisms(rows):
+    print_table("Mechanism times: derived (gyges.cluster.mechanisms) vs the papers' figures",
+                rows, [("mechanism", "mechanism", "{}"), ("setup", "setup", "{}"),
+                       ("derived", "derived", "{}"), ("paper", "paper", "{}"),
+                       ("ratio", "x paper", "{:.2f}"), ("tolerance", "check", "{}"),
+                       ("terms", "terms", "{}")])
 
 
 # ---- 1. Table 1 -------------------------------------------------------------------------------
@@ -302,8 +369,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter runs, one seed")
     ap.add_argument("--calibrate", action="store_true", help="refit the efficiency factors")
+    ap.add_argument("--mechanisms", action="store_true", help="only the mechanism times")
     args = ap.parse_args()
-    payload = {}
+    payload = {"mechanisms": mechanism_rows()}
+    print_mechanisms(payload["mechanisms"])
+    if args.mechanisms:
+        write_json("bench_sim_mechanisms", payload)
+        return
 
     calibration = dict(CALIBRATION)
     if args.calibrate:

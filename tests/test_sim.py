@@ -626,6 +626,7 @@ def test_replicated_and_policy_mismatches_are_refused():
 # ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------
 
 from gyges.cluster.costmodel import PipelineCost  # noqa: E402
+from gyges.cluster import mechanisms  # noqa: E402
 
 # Llama-3-70B in one-byte weights and KV (bf16 does not fit 80 + 48 GB) on A100-80GB + L40S.
 PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6)
@@ -803,8 +804,24 @@ def test_pipelive_resplits_on_pattern_shifting_and_scores():
     live = runs["pipelive"]
     assert live.summary()["completed"] == 200
     assert live.stats["resplits"] >= 2 and live.stats["ops_refused"] == 0
-    assert live.stats["resplit_stop_s"] == pytest.approx(0.010 * live.stats["resplits"])
+    # every stop is the derived one (gyges.cluster.mechanisms.pipelive_stop_layers, checked by
+    # hand in tests/test_mechanisms.py), well under PipeLive's 10 ms
+    stop = PIPE.stop_seconds()
+    assert stop == pytest.approx(mechanisms.pipelive_stop_layers(PIPE, 20).seconds)
+    assert 0 < stop < 0.010
+    assert live.stats["resplit_stop_s"] == pytest.approx(stop * live.stats["resplits"])
     t = live.transformations
-    assert np.all(t["kind"] == 6) and np.all(t["end"] - t["phase_end"] == pytest.approx(0.01))
-    # measured (seed 1, rate 2/s, 20 s phases): see benchmarks/bench_pipeline_sim.py
-    assert score["pipelive"] > min(score[k] for k in score if k != "pipelive")
+    assert np.all(t["kind"] == 6) and np.all(t["end"] - t["phase_end"] == pytest.approx(stop))
+    # it beats the split it starts from (balanced)
+    assert score["pipelive"] > score["balanced"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PipeLive Fig. 9 has it beat every static split; here (seed 1, rate 2/s, 20 s phases) it "
+    "scores 0.659 to decode-optimal's 0.667: the pipelive policy moves to decode splits (68/12, "
+    "66/14, 64/16) at 21, 29 and 43 s and never back to a prefill split in the later prefill "
+    "phases, so it runs about as decode-optimal does after a first phase at the balanced split, "
+    "whose prefill-heavy requests' TPOT (0.311 s against 0.262) costs it the TPOT column"))
+def test_pipelive_beats_the_best_static_split():
+    runs, m, score = _fig9()
+    assert score["pipelive"] >= max(score[k] for k in score if k != "pipelive")

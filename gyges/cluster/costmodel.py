@@ -10,7 +10,8 @@ reference, which the tests compare with the C evaluation). Per TP rank of a TP-`
     step   = step_overhead + max(bytes / (hbm_bw * eff_bw), flops / (peak * eff_flops))
              + [tp > 1] 2 * layers * (2 (tp-1)/tp * n_tokens * hidden * dtype / (link * eff_link)
                                       + allreduce_latency)
-    under a transformation: step * (1 + transform_slowdown)
+    under a transformation: step * (1 + transform_slowdown), transform_slowdown derived by
+    gyges.cluster.mechanisms.transform_slowdown (the KV phase's HBM and link traffic) unless given
 
 KV room of a TP-`tp` instance: tp * (memory * mem_util - activation) - weights, in blocks of
 `block_size` tokens (each rank holds max(1, kv_heads / tp) of the KV heads). During a scale-up
@@ -48,6 +49,7 @@ import numpy as np
 
 from ..models.config import ModelConfig
 from ..core.errors import InvalidArgumentError
+from . import links, mechanisms
 
 __all__ = ["GPUSpec", "GPUS", "CALIBRATION", "CostModel", "ConstantCost", "PipelineCost",
            "CostModelError",
@@ -103,8 +105,8 @@ MODEL_NAMES = {
 # Links between servers, bytes/s one direction (a pipeline's link_bw across servers: KunServe's
 # 200 Gbps GPU-direct RDMA for Qwen-2.5-14B, 100 Gbps for its multi-GPU runs), and a GPU's
 # PCIe 4.0 x16 read of host memory (a restore from the host copy of the weights).
-RDMA_100G = 100e9 / 8
-RDMA_200G = 200e9 / 8
+RDMA_100G = links.RDMA_100G.bw
+RDMA_200G = links.RDMA_200G.bw
 PCIE4_X16 = 25e9
 
 # The efficiency factors and latencies the defaults use: fitted on Qwen2.5-32B / H20 to Gyges
@@ -127,8 +129,9 @@ DEFAULTS = {
     "eff_xfer": 0.70,              # bulk NVLink copies of a transformation
     "activation_fraction": 0.15,   # Gyges 3.1: 14.3 GB of runtime activations on a 96 GB H20
     "phase_latency_per_layer": 2e-3,   # driver calls per layer per phase (Gyges 6.2.2 scale)
-    "transform_slowdown": 0.02,    # Gyges 6.2.3: < 1% with overlap; we take 2%
 }
+# transform_slowdown and PipelineCost.stop_time are not here: gyges.cluster.mechanisms derives
+# them from what the mechanisms move (Gyges 6.2.3's < 1% and PipeLive's ~10 ms are checks).
 
 
 def _norm(name: str) -> str:
@@ -184,7 +187,7 @@ class CostModel:
     step_overhead: float = CALIBRATION["step_overhead"]
     allreduce_latency: float = CALIBRATION["allreduce_latency"]
     phase_latency_per_layer: float = DEFAULTS["phase_latency_per_layer"]
-    transform_slowdown: float = DEFAULTS["transform_slowdown"]
+    transform_slowdown: float | None = None   # None: derived (slowdown())
     mem_util: float = CALIBRATION["mem_util"]
     activation_bytes: float | None = None   # per GPU; None: activation_fraction of its memory
     prefill_act_bytes: float = CALIBRATION["prefill_act_bytes"]  # per prompt token at TP1
@@ -201,6 +204,8 @@ class CostModel:
         for name in ("step_overhead", "allreduce_latency", "phase_latency_per_layer",
                      "transform_slowdown"):
             v = getattr(self, name)
+            if name == "transform_slowdown" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
                 raise CostModelError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -283,9 +288,26 @@ class CostModel:
         """max_input_tokens per level TP 1, 2, 4, ..., max_tp, as the simulator takes them."""
         return [max(1, self.max_input_tokens(1 << l)) for l in range(int(math.log2(max_tp)) + 1)]
 
+    def slowdown(self) -> float:
+        """transform_slowdown as given, else derived: the KV phase of the first merge (the
+        smallest TP the model fits -> twice it) with 90% of the KV in use (Gyges 6.2.1's
+        setting), its bytes spread over the phase (gyges.cluster.mechanisms)."""
+        if self.transform_slowdown is not None:
+            return float(self.transform_slowdown)
+        tp = 1
+        while tp <= 64 and self.kv_blocks(tp) < 1:
+            tp *= 2
+        if tp > 64:
+            return 0.0
+        return mechanisms.transform_slowdown(self, tp, 2 * tp).seconds
+
     # ---- the parameters C evaluates ----
 
     def params(self) -> dict:
+        return {**self._params(), "transform_slowdown": self.slowdown()}
+
+    def _params(self) -> dict:
+        """params() but the slowdown (which is derived from the others)."""
         m = self.model
         return {
             "weight_bytes": self.weight_bytes,
@@ -308,14 +330,13 @@ class CostModel:
             "step_overhead": float(self.step_overhead),
             "allreduce_latency": float(self.allreduce_latency),
             "phase_latency_per_layer": float(self.phase_latency_per_layer),
-            "transform_slowdown": float(self.transform_slowdown),
         }
 
     # ---- the float64 reference of csrc/policy/cost.c ----
 
     def step_terms(self, tp, n_tokens, n_samples, kv_read_tokens, attn_pairs):
         """(bytes per rank, FLOPs per rank, communication seconds) of one step."""
-        p = self.params()
+        p = self._params()
         heads = max(1, p["kv_heads"] // tp)
         kv_rank = p["kv_bytes_per_token"] * heads / p["kv_heads"]
         nbytes = p["weight_bytes"] / tp + kv_rank * (kv_read_tokens + n_tokens)
@@ -338,7 +359,7 @@ class CostModel:
                                               attn_pairs)
         t = self.step_overhead + max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
                                      flops / (self.gpu.peak_flops * self.eff_flops)) + comm
-        return t * (1 + self.transform_slowdown) if transforming else t
+        return t * (1 + self.slowdown()) if transforming else t
 
     def phase_time(self, phase: str, tp_from: int, tp_to: int, kv_tokens: float = 0.0):
         """(seconds, bytes each GPU receives) of one transformation phase."""
@@ -346,7 +367,7 @@ class CostModel:
             raise CostModelError(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
         lo, hi = min(tp_from, tp_to), max(tp_from, tp_to)
         if phase == "kv_scatter":
-            nbytes = (1 - lo / hi) * kv_tokens * self.params()["kv_bytes_per_token"] / hi
+            nbytes = (1 - lo / hi) * kv_tokens * self._params()["kv_bytes_per_token"] / hi
         elif phase == "weights_gather":
             nbytes = self.ffn_bytes * (1 / lo - 1 / hi)
         else:
@@ -425,8 +446,9 @@ class CostModel:
         return {"kind": self.kind, "model": _model_name(self.model), "gpu": self.gpu.name,
                 **{k: getattr(self, k) for k in ("eff_bw", "eff_flops", "eff_link", "eff_xfer",
                                                  "step_overhead", "allreduce_latency",
-                                                 "phase_latency_per_layer", "transform_slowdown",
-                                                 "mem_util", "prefill_act_bytes")},
+                                                 "phase_latency_per_layer", "mem_util",
+                                                 "prefill_act_bytes")},
+                "transform_slowdown": self.slowdown(),
                 "activation_bytes": self.activation, "note": self.note}
 
 
@@ -487,7 +509,11 @@ class PipelineCost:
     the stages + (n - 1) hand-offs of its tokens * hidden * dtype bytes over link_bw, default the
     slowest stage GPU's link, plus link_latency); with flush=True every step fills and drains the
     pipeline instead: m + n - 1 slots of the busiest stage plus the hand-offs (GPipe's bubble). A re-split moves the layers each stage gains (weights and KV of the
-    live tokens) at link_bw * eff_xfer, stages receiving in parallel, then stops stop_time.
+    live tokens) at link_bw * eff_xfer, stages receiving in parallel, its steps slowed by
+    transform_slowdown, then stops stop_time. Both default to None: derived by
+    gyges.cluster.mechanisms (pipeline_slowdown: the migration's HBM traffic beside the step;
+    pipelive_stop_layers for a re-split moving a quarter of the layers: the lagging KV, the
+    commit handshake and the table swaps).
     """
     model: ModelConfig
     gpus: tuple
@@ -496,12 +522,13 @@ class PipelineCost:
     eff_flops: float = CALIBRATION["eff_flops"]
     eff_xfer: float = DEFAULTS["eff_xfer"]
     step_overhead: float = CALIBRATION["step_overhead"]
-    transform_slowdown: float = DEFAULTS["transform_slowdown"]
+    transform_slowdown: float | None = None   # None: derived (slowdown())
     mem_util: float = CALIBRATION["mem_util"]
     activation_fraction: float = DEFAULTS["activation_fraction"]  # of each stage GPU's memory
     link_bw: float | None = None      # bytes/s between stages; None: the least of the GPUs'
     link_latency: float = 20e-6       # seconds per hand-off (our choice: an RDMA send)
-    stop_time: float = 0.010          # PipeLive's stop at a commit (its Fig. 13: ~10 ms)
+    stop_time: float | None = None    # seconds of the stop at a commit; None: derived
+                                      # (stop_seconds())
     host_bw: float = 0.0              # bytes/s of a host copy of the weights (KunServe's
                                       # restore reads it beside its peers); 0: none
     micro_batches: int | None = 1     # batches in flight (at most one per stage counts);
@@ -524,6 +551,8 @@ class PipelineCost:
         for name in ("step_overhead", "transform_slowdown", "activation_fraction",
                      "link_latency", "stop_time", "host_bw"):
             v = getattr(self, name)
+            if name in ("transform_slowdown", "stop_time") and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
                 raise CostModelError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -596,6 +625,19 @@ class PipelineCost:
         return float(self.link_bw if self.link_bw is not None
                      else min(g.link_bw for g in self.gpus))
 
+    def slowdown(self) -> float:
+        """transform_slowdown as given, else mechanisms.pipeline_slowdown."""
+        if self.transform_slowdown is not None:
+            return float(self.transform_slowdown)
+        return mechanisms.pipeline_slowdown(self).seconds
+
+    def stop_seconds(self) -> float:
+        """stop_time as given, else mechanisms.pipelive_stop_layers for a re-split whose busiest
+        stage gains a quarter of the layers (C takes one stop for every re-split)."""
+        if self.stop_time is not None:
+            return float(self.stop_time)
+        return mechanisms.pipelive_stop_layers(self, max(1, self.n_layers // 4)).seconds
+
     def params(self, block_size: int = 16, fixed_blocks: int = 0) -> dict:
         """What C's gy_sim_pipeline takes (fixed_blocks > 0: no KV resizing, see pipeline.h)."""
         m = self.model
@@ -615,8 +657,8 @@ class PipelineCost:
             "link_latency": float(self.link_latency),
             "eff_xfer": float(self.eff_xfer),
             "step_overhead": float(self.step_overhead),
-            "transform_slowdown": float(self.transform_slowdown),
-            "stop_time": float(self.stop_time),
+            "transform_slowdown": self.slowdown(),
+            "stop_time": self.stop_seconds(),
             "host_bw": float(self.host_bw),
             "micro_batches": int(self.n_stages if self.micro_batches is None else self.micro_batches),
             "flush": bool(self.flush),
@@ -703,7 +745,7 @@ class PipelineCost:
             t = self.step_overhead + (m + self.n_stages - 1) * max(times) + hops
         else:
             t = self.step_overhead + max(m * max(times), sum(times) + hops)
-        return t * (1 + self.transform_slowdown) if transforming else t
+        return t * (1 + self.slowdown()) if transforming else t
 
     # ---- profiles and the paper's static splits ----
 
@@ -773,9 +815,10 @@ class PipelineCost:
         return {"kind": self.kind, "model": _model_name(self.model),
                 "gpus": [g.name for g in self.gpus], "dtype_bytes": self.dtype_bytes,
                 **{k: getattr(self, k) for k in ("eff_bw", "eff_flops", "eff_xfer",
-                                                 "step_overhead", "transform_slowdown",
-                                                 "mem_util", "activation_fraction",
-                                                 "link_latency", "stop_time", "host_bw")},
+                                                 "step_overhead", "mem_util",
+                                                 "activation_fraction", "link_latency",
+                                                 "host_bw")},
+                "transform_slowdown": self.slowdown(), "stop_time": self.stop_seconds(),
                 "link_bw": self.link, "note": self.note}
 
 

@@ -61,6 +61,7 @@ from .. import _C
 from ..runtime import layout as layout_mod
 from .policy import POLICIES, Policy, check_number, check_policy  # one set for both executors
 from .costmodel import ConstantCost, CostModel, CostModelError, PipelineCost
+from . import mechanisms
 from .costmodel import gpu_spec as costmodel_gpu
 from ..core.errors import InvalidArgumentError
 from ..core.logs import progress as progress_bar
@@ -129,7 +130,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         scale_down_free: float | None = None, scale_up_load: float | None = None,
         scale_up_cap: float | None = None, merge_wait: float | None = None,
         eager_scale_up: bool | None = None, weights: str = "sharded",
-        switch_time: float = 0.015, flying_tp: int | None = None,
+        switch_time: float | None = None, flying_tp: int | None = None,
         light_load: float | None = None, idle_load: float | None = None,
         sample_interval: float | None = None,
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
@@ -151,7 +152,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     cannot hold the request (False: only when no instance can). weights="replicated" is Flying
     Serving's cluster: every GPU keeps the model (or the smallest TP that fits keeps one copy
     per group), a TP-k group binds the replicas (policy "flying", or "static" for a fixed
-    layout) in switch_time seconds (the paper's 15 ms) moving nothing, and its KV is the
+    layout) in switch_time seconds moving nothing (default: gyges.cluster.mechanisms.flying_switch
+    of the cost model, the smallest TP it fits to max_tp; 0 for a ConstantCost), then the
+    members' steps in flight, and its KV is the
     members' pooled KV; flying_tp: the group size priority and light-load requests bind (0:
     gpus_per_host / 2); light_load: outstanding work per GPU (tokens, as the policies count
     load) under which arrivals go to TP groups (flying), or under which gyges keeps a base TP
@@ -209,7 +212,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if weights not in ("sharded", "replicated"):
         raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
     replicated = weights == "replicated"
-    switch_time = _check_float("switch_time", switch_time, 0.0)
+    if switch_time is not None:
+        switch_time = _check_float("switch_time", switch_time, 0.0)
     if replicated and policy not in ("flying", "static"):
         raise SimError(f"policy {policy!r} transforms by moving shards; a replicated cluster "
                        f"switches with policy 'flying' (or stays put with 'static')")
@@ -246,6 +250,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         if max_input is not None:
             max_input = [max_input[base] << (level - base) if level >= base else max_input[level]
                          for level in range(len(max_input))]
+    if switch_time is None:
+        switch_time = mechanisms.flying_switch(cost, min_tp, max_tp).seconds \
+            if isinstance(cost, CostModel) and max_tp > min_tp else 0.0
     if layout is None:
         layout = f"{gpus_per_host // min_tp}xTP{min_tp}"
     tps = parse_layout(layout, gpus_per_host)
