@@ -145,6 +145,74 @@ def test_requests_migrate_between_hosts_with_their_kv(nodes, tiny, params):
             cluster.migrate(handles[0], 0)
 
 
+def on_call(cluster, k, action):
+    """Runs action() before the driver's k-th wait on a host from now on (Cluster._get: a live
+    migration's calls in order are round 1 at the source, the reservation at the destination,
+    round 2, its fill, ..., the stop, the import, the source's settle)."""
+    calls, real = [0], cluster._get
+
+    def get(index, ref):
+        calls[0] += 1
+        if calls[0] == k:
+            action()
+        return real(index, ref)
+    cluster._get = get
+    return calls
+
+
+def kv_in_use(cluster, host):
+    return sum(w["kv_blocks_used"] for w in cluster.host(host).stats()["workers"])
+
+
+def test_a_live_migration_stops_the_request_only_for_its_last_round(nodes, tiny):
+    """Requests decoding on host 0 move to host 1 live (Llumnix: KV in rounds while they decode,
+    then a last round of a block or two) or stopped and copied, side by side: each goes on
+    from where it was with one Host's tokens, none recomputed, and a live one's last round
+    carries a fraction of the KV a stop and copy does. Midway: a request that finishes on its
+    source during the rounds stays there (the reservation freed), a destination that is
+    killed after round 1 leaves the request on its source, and a source killed after round 1
+    has its request recomputed on the destination, whose reservation is freed."""
+    params = gyges.SamplingParams(max_tokens=160, temperature=0.9, top_k=40, seed=5,
+                                  ignore_eos=True)
+    ps = prompts(6, seed=14, lo=60, hi=90)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=3, **HOST) as cluster:
+        handles = [cluster.submit(p, params, host=0, instance=i % 2) for i, p in enumerate(ps)]
+        while not all(len(h.output_tokens) > 2 for h in handles):
+            time.sleep(0.002)
+        live, stop = handles[0], handles[1]
+        assert cluster.migrate(live, 1, live=True) > 0
+        assert cluster.migrate(stop, 1) > 0
+        m, s = live.last_migration, stop.last_migration
+        assert (m.mode, m.outcome, s.mode, s.outcome) == ("live", "moved", "stop", "moved")
+        assert len(m.rounds) >= 2 and m.rounds[0] > 20 * m.final_bytes > 0
+        assert s.final_bytes > 20 * m.final_bytes and s.rounds == []
+        assert live.host == stop.host == 1
+        # finished on its source between round 1 and round 2
+        short = cluster.submit(ps[2], gyges.SamplingParams(max_tokens=6, ignore_eos=True),
+                               host=0)
+        on_call(cluster, 3, lambda: cluster.wait([short], timeout=30))
+        assert cluster.migrate(short, 2, live=True) == 0
+        assert short.last_migration.outcome == "finished" and short.host == 0
+        assert kv_in_use(cluster, 2) == 0
+        # the destination (host 2) killed after round 1: the request stays on host 0
+        on_call(cluster, 3, lambda: ray.kill(cluster.host(2).actor, no_restart=True))
+        with pytest.raises(gyges.StateError, match="host 2 is lost"):
+            cluster.migrate(handles[2], 2, live=True)
+        assert handles[2].host == 0 and handles[2].last_migration.outcome == "refused"
+        # the source (host 0) killed after round 1: recomputed on host 1, reservation freed
+        on_call(cluster, 3, lambda: ray.kill(cluster.host(0).actor, no_restart=True))
+        with pytest.raises(gyges.StateError, match="host 0 is lost"):
+            cluster.migrate(handles[3], 1, live=True)
+        cluster._get = type(cluster)._get.__get__(cluster)
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert [h.migrations for h in handles] == [1, 1, 0, 0, 0, 0]
+        assert handles[3].resubmitted == 1 and handles[3].host == 1
+        assert all(h.recompute_mismatches == 0 for h in handles)
+        assert kv_in_use(cluster, 1) == 0   # (every request done: its reservation went too)
+
+
 def test_a_killed_host_loses_no_request(nodes, tiny):
     """Host 1's actor is killed with requests half decoded and a merge under way: the driver
     notices within seconds, its requests are recomputed on host 0, each gives the tokens it had
