@@ -595,12 +595,14 @@ class Cluster:
             self._resubmit(h)
 
     def _resubmit(self, h):
+        refused = {}   # host -> why it cannot take the request (no instance holds it)
         while True:
             with self._lock:
-                target = self._least_loaded()
+                target = self._least_loaded(exclude=refused)
                 if target is None or self._closing:
                     self._handles.pop(h.id, None)
-                    h._end("error", "every host of the cluster was lost")
+                    h._end("error", "; ".join(f"host {i}: {why}" for i, why in refused.items())
+                           or "every host of the cluster was lost")
                     return
                 epoch = h._place(target)
                 h.resubmitted += 1
@@ -613,6 +615,8 @@ class Cluster:
                     if h._epoch != epoch:
                         return   # that host's loss has placed it again meanwhile
                 continue   # that one is gone too: the next
+            except Error as e:   # (its layout holds no instance this large): the next
+                refused[target] = str(e)
 
     # ---- the end ----
     def _check_open(self):

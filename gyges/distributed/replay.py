@@ -328,6 +328,12 @@ class ClusterReplay(_Replay):
         return any(math.isnan(row["end"]) and row["gpu"] // self.gpus_per_host == h
                    for row, _ in self.xforms)
 
+    def transform(self, kind, g, tp_from, tp_to, sources):
+        try:
+            return super().transform(kind, g, tp_from, tp_to, sources)
+        except StateError:   # its host was lost once it began: recorded as abandoned
+            return True      # (collect_transforms), as a loss later in it is
+
     def start_transform(self, workers, tp, layers_per_step):
         h = workers[0] // self.gpus_per_host
         local = [w - h * self.gpus_per_host for w in workers]
