@@ -6,6 +6,8 @@ the hosts transform underneath it; tokens stream to the driver while the hosts s
 a killed host actor, and a whole node lost, lose no request (the orphans recomputed elsewhere,
 the tokens already streamed given again exactly); bad input is a gyges.Error that queues
 nothing. Tolerance policy: exact."""
+import functools
+import os
 import threading
 import time
 
@@ -536,3 +538,110 @@ def test_the_server_fronts_a_cluster(nodes):
     finally:
         server.stop()
         cluster.close()
+
+
+# ---- a fault-injection sweep of the replay: a host killed at a spread of points ----
+
+# (point, policy): make test runs FAST; GYGES_FAULT_SWEEP=1 runs every point
+FAULT_POINTS = ("queued", "before_merge", "while_merging", "after_merge",
+                "migrating_live_destination", "migrating_live_last_round",
+                "migrating_live_source", "migrating_stop_destination")
+FAST_POINTS = ("while_merging", "migrating_live_last_round")
+
+
+def faulty_replay(point, killed):
+    """ClusterReplay that kills a host once, at `point` (appending its index to `killed`)."""
+    from gyges.distributed.replay import ClusterReplay
+
+    class Faulty(ClusterReplay):
+        def kill(self, h):
+            if not killed:
+                killed.append(h)
+                ray.kill(self.cluster.host(h).actor, no_restart=True)
+
+        def start_transform(self, workers, tp, layers_per_step):
+            h = workers[0] // self.gpus_per_host
+            if point == "before_merge":
+                self.kill(h)
+            t = super().start_transform(workers, tp, layers_per_step)
+            if point == "while_merging":
+                self.kill(h)
+            return t
+
+        def finish_transform(self, row, t):
+            super().finish_transform(row, t)
+            if point == "after_merge":
+                self.kill(row["gpu"] // self.gpus_per_host)
+
+        def migrate(self, g, target):
+            if point.startswith("migrating") and not killed:
+                # after round 1 (live), at the last of one round (its stop sent), or before
+                # the import (stop and copy)
+                victim = (g if point.endswith("source") else target) // self.gpus_per_host
+                on_call(self.cluster, 2 if "stop" in point else 3, lambda: self.kill(victim))
+                if point.endswith("last_round"):
+                    self.cluster.migrate = functools.partial(type(self.cluster).migrate,
+                                                             self.cluster, max_rounds=1)
+            try:
+                return super().migrate(g, target)
+            finally:
+                self.cluster._get = type(self.cluster)._get.__get__(self.cluster)
+                self.cluster.__dict__.pop("migrate", None)
+    return Faulty
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_a_replay_survives_a_host_killed_at_any_point(nodes, tiny, point, monkeypatch):
+    """A host's actor is killed at one point of a replay: before a merge starts on it, while
+    it merges, after its merge, while requests queue on it, or in the middle of a Llumnix
+    migration (live, the destination or the source killed after round 1, or the destination
+    at the last round, once the source has stopped the request; stop and copy, the
+    destination killed before the import). Every time the replay finishes, every request
+    finishes with one Host's tokens (none lost, none recomputed differently), and the
+    controller drops the dead host's GPUs."""
+    if point not in FAST_POINTS and not os.environ.get("GYGES_FAULT_SWEEP"):
+        pytest.skip("GYGES_FAULT_SWEEP=1 runs every point")
+    killed = []
+    monkeypatch.setattr(gyges.Cluster, "replay_executor",
+                        property(lambda self: faulty_replay(point, killed)))
+    if point.startswith("migrating"):   # llumnix on one TP1 replica a host
+        trace = traces.from_arrays(np.array([0.0, 0.01, 0.02, 0.03]),
+                                   np.array([150, 300, 300, 150]), np.array([600, 80, 80, 600]))
+        shape = dict(workers_per_host=1, layout="TP1", memory_per_worker="24MiB")
+        run = dict(policy="llumnix", decode_weight=10.0, sample_interval=0.05,
+                   migrate="stop" if "stop" in point else "live")
+    elif point == "queued":   # one running request an instance: the others queue
+        trace = traces.from_arrays(np.arange(8) * 0.05, np.array([40, 90, 60, 80, 30, 50, 20,
+                                                                  70]), np.full(8, 40))
+        shape = dict(REPLAY_HOST, max_running=1)
+        run = dict(policy="round_robin")
+    else:   # round robin over 2xTP1 hosts; requests only a TP2 holds make them merge
+        caps = replay_capacities(tiny)
+        long2 = (caps[0] + 8) * 16
+        trace = traces.from_arrays(np.arange(8) * 0.3, np.array([40, long2, 60, long2 + 100,
+                                                                 30, 50, 20, 70]),
+                                   np.array([30, 8, 30, 8, 30, 30, 30, 30]))
+        shape = REPLAY_HOST
+        run = dict(policy="round_robin", layers_per_step=1)
+    with gyges.Cluster(tiny, hosts=2, **shape) as cluster:
+        seen = {}
+        cluster.add_listener(lambda hs: seen.update({tuple(h.prompt): h for h in hs}))
+        if point == "queued":   # host 1 with a request waiting behind a running one
+            def waiting():
+                while not killed:
+                    rows = cluster.host(1).stats()["instances"]
+                    if any(r["waiting"] and r["running"] for r in rows):
+                        killed.append(1)
+                        ray.kill(cluster.host(1).actor, no_restart=True)
+                    time.sleep(0.002)
+            threading.Thread(target=waiting, daemon=True).start()
+        res = experiment.run(trace, cluster=cluster, time_limit=90, **run)
+        assert killed and list(cluster.lost_hosts) == killed
+    assert (res.requests["status"] == 3).all()
+    assert res.stats["n_hosts_lost"] == 1 and "lost" in res.stats["final_layout"]
+    assert res.stats["recompute_mismatches"] == 0
+    if point.startswith("migrating"):
+        assert res.stats["migrate_mode"] == run["migrate"]
+    if point == "while_merging":
+        assert res.stats["n_transformations_abandoned"] == 1
+    assert_one_hosts_tokens(seen, replay_tokens(tiny, trace))
