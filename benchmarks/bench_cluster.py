@@ -15,7 +15,12 @@ host's requests run again elsewhere.
    store from one actor's process to the other's, import), one at a time; bytes of KV over the
    wall time of each migrate call, which includes the source's wait for its step in flight (a
    decode step: the migrations start once every prefill is done).
-4. The one controller over two hosts (issue 32's part 2): a spaced trace replayed by
+4. Live vs stop-and-copy migration (Llumnix's multi-round copy, Cluster.migrate(live=True)):
+   pairs of decoding requests move from host 0 to host 1, one of each pair live and the other
+   stopped and copied, in one run: KV bytes per round, bytes moved while the request was
+   stopped, and its downtime (the driver's time from asking the source to stop it to its
+   admission at the destination, the source's step in flight and the Ray calls included).
+5. The one controller over two hosts (issue 32's part 2): a spaced trace replayed by
    gyges.experiment.run(cluster=...) on 2 hosts of the tiny model and simulated by
    gyges.sim.run(hosts=2) with the same policy: whether they place every request on the same
    GPU and reconfigure the same groups in order, and what a decision costs over Ray (the
@@ -101,24 +106,57 @@ def recovery(model, host_args, params):
     return noticed, running, mismatches
 
 
-def migration(model, host_args, prompt_tokens, n):
+def _decoding(cluster, model, prompt_tokens, n, seed=2):
+    """n requests of `prompt_tokens`-token prompts on host 0, returned once each decodes."""
     params = gyges.SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(seed)
+    vocab = min(model.config.vocab_size, 4000)
+    handles = [cluster.submit([int(t) for t in rng.integers(1, vocab, prompt_tokens)],
+                              params, host=0) for _ in range(n)]
+    while not all(len(h.output_tokens) >= 2 for h in handles):   # every prefill done:
+        time.sleep(0.001)                                          # decode steps only
+    return handles
+
+
+def _two_hosts(model, host_args):
+    return gyges.Cluster(model, hosts=2, workers_per_host=host_args["workers"],
+                         layout=host_args["layout"],
+                         memory_per_worker=host_args["memory_per_worker"])
+
+
+def migration(model, host_args, prompt_tokens, n):
     rows = []
-    with gyges.Cluster(model, hosts=2, workers_per_host=host_args["workers"],
-                       layout=host_args["layout"],
-                       memory_per_worker=host_args["memory_per_worker"]) as cluster:
-        rng = np.random.default_rng(2)
-        vocab = min(model.config.vocab_size, 4000)
-        handles = [cluster.submit([int(t) for t in rng.integers(1, vocab, prompt_tokens)],
-                                  params, host=0) for _ in range(n)]
-        while not all(len(h.output_tokens) >= 2 for h in handles):   # every prefill done:
-            time.sleep(0.001)                                          # decode steps only
-        for h in handles:
+    with _two_hosts(model, host_args) as cluster:
+        for h in _decoding(cluster, model, prompt_tokens, n):
             start = time.perf_counter()
             moved = cluster.migrate(h, 1)
             seconds = time.perf_counter() - start
             rows.append(dict(bytes=moved, seconds=seconds, rate=moved / seconds))
             cluster.abort(h)
+    return rows
+
+
+def live_vs_stop(model, host_args, prompt_tokens, n):
+    """Pairs of decoding requests of one prompt length: one of each pair moves live (Llumnix's
+    rounds), the other stopped and copied, alternately first, in one run. Per migration: its
+    KV bytes per live round, the bytes moved while the request was stopped, and its downtime
+    (Migration.downtime: the driver's seconds from asking the source to stop it to its
+    admission at the destination)."""
+    rows = []
+    with _two_hosts(model, host_args) as cluster:
+        handles = _decoding(cluster, model, prompt_tokens, 2 * n, seed=3)
+        for i in range(n):
+            pair = handles[2 * i:2 * i + 2]
+            for h, live in zip(pair, (i % 2 == 0, i % 2 == 1)):
+                start = time.perf_counter()
+                cluster.migrate(h, 1, live=live)
+                m = h.last_migration
+                rows.append(dict(mode=m.mode, rounds=len(m.rounds),
+                                 round_bytes=" ".join(f"{b:,}" for b in m.rounds) or "-",
+                                 stopped_bytes=m.final_bytes, downtime_ms=1e3 * m.downtime,
+                                 migrate_s=time.perf_counter() - start))
+            for h in pair:
+                cluster.abort(h)
     return rows
 
 
@@ -209,12 +247,23 @@ def main():
     print_table(f"KV migration between two hosts ({a.prompt}-token prompts; Ray object store)",
                 moves, [("bytes", "KV bytes", "{:,}"), ("seconds", "migrate s", "{:.4f}"),
                         ("rate", "bytes/s", "{:,.0f}")])
+    both = live_vs_stop(model, host_args, a.prompt, 3)
+    print_table(f"live (Llumnix's rounds) vs stop-and-copy migration ({a.prompt}-token prompts, "
+                f"decoding; side by side)", both,
+                [("mode", "mode", "{}"), ("rounds", "rounds", "{}"),
+                 ("round_bytes", "KV bytes per round", "{}"),
+                 ("stopped_bytes", "KV bytes while stopped", "{:,}"),
+                 ("downtime_ms", "downtime ms", "{:.2f}"), ("migrate_s", "migrate s", "{:.4f}")])
+    for mode in ("live", "stop"):
+        d = [r["downtime_ms"] for r in both if r["mode"] == mode]
+        print(f"  {mode}: downtime median {np.median(d):.2f} ms over {len(d)} migrations")
     replay = replay_vs_sim()
     print_table("one controller over 2 hosts (tiny model, round_robin, 8 spaced requests) vs "
                 "gyges.sim.run(hosts=2)", replay, [("what", "", "{}"), ("value", "", "{}")])
     write_json("bench_cluster", {"model": a.model, "batch": a.batch, "tokens": a.tokens,
                                  "steps": steps, "overhead": rows, "recovery": rec,
-                                 "migration": moves, "replay_vs_sim": replay})
+                                 "migration": moves, "live_vs_stop": both,
+                                 "replay_vs_sim": replay})
 
 
 if __name__ == "__main__":

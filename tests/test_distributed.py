@@ -6,6 +6,8 @@ the hosts transform underneath it; tokens stream to the driver while the hosts s
 a killed host actor, and a whole node lost, lose no request (the orphans recomputed elsewhere,
 the tokens already streamed given again exactly); bad input is a gyges.Error that queues
 nothing. Tolerance policy: exact."""
+import functools
+import os
 import threading
 import time
 
@@ -143,6 +145,74 @@ def test_requests_migrate_between_hosts_with_their_kv(nodes, tiny, params):
         assert all(h.recompute_mismatches == 0 and h.resubmitted == 0 for h in handles)
         with pytest.raises(gyges.InvalidArgumentError, match="finished"):
             cluster.migrate(handles[0], 0)
+
+
+def on_call(cluster, k, action):
+    """Runs action() before the driver's k-th wait on a host from now on (Cluster._get: a live
+    migration's calls in order are round 1 at the source, the reservation at the destination,
+    round 2, its fill, ..., the stop, the import, the source's settle)."""
+    calls, real = [0], cluster._get
+
+    def get(index, ref):
+        calls[0] += 1
+        if calls[0] == k:
+            action()
+        return real(index, ref)
+    cluster._get = get
+    return calls
+
+
+def kv_in_use(cluster, host):
+    return sum(w["kv_blocks_used"] for w in cluster.host(host).stats()["workers"])
+
+
+def test_a_live_migration_stops_the_request_only_for_its_last_round(nodes, tiny):
+    """Requests decoding on host 0 move to host 1 live (Llumnix: KV in rounds while they decode,
+    then a last round of a block or two) or stopped and copied, side by side: each goes on
+    from where it was with one Host's tokens, none recomputed, and a live one's last round
+    carries a fraction of the KV a stop and copy does. Midway: a request that finishes on its
+    source during the rounds stays there (the reservation freed), a destination that is
+    killed after round 1 leaves the request on its source, and a source killed after round 1
+    has its request recomputed on the destination, whose reservation is freed."""
+    params = gyges.SamplingParams(max_tokens=160, temperature=0.9, top_k=40, seed=5,
+                                  ignore_eos=True)
+    ps = prompts(6, seed=14, lo=60, hi=90)
+    want = reference(tiny, ps, params)
+    with gyges.Cluster(tiny, hosts=3, **HOST) as cluster:
+        handles = [cluster.submit(p, params, host=0, instance=i % 2) for i, p in enumerate(ps)]
+        while not all(len(h.output_tokens) > 2 for h in handles):
+            time.sleep(0.002)
+        live, stop = handles[0], handles[1]
+        assert cluster.migrate(live, 1, live=True) > 0
+        assert cluster.migrate(stop, 1) > 0
+        m, s = live.last_migration, stop.last_migration
+        assert (m.mode, m.outcome, s.mode, s.outcome) == ("live", "moved", "stop", "moved")
+        assert len(m.rounds) >= 2 and m.rounds[0] > 20 * m.final_bytes > 0
+        assert s.final_bytes > 20 * m.final_bytes and s.rounds == []
+        assert live.host == stop.host == 1
+        # finished on its source between round 1 and round 2
+        short = cluster.submit(ps[2], gyges.SamplingParams(max_tokens=6, ignore_eos=True),
+                               host=0)
+        on_call(cluster, 3, lambda: cluster.wait([short], timeout=30))
+        assert cluster.migrate(short, 2, live=True) == 0
+        assert short.last_migration.outcome == "finished" and short.host == 0
+        assert kv_in_use(cluster, 2) == 0
+        # the destination (host 2) killed after round 1: the request stays on host 0
+        on_call(cluster, 3, lambda: ray.kill(cluster.host(2).actor, no_restart=True))
+        with pytest.raises(gyges.StateError, match="host 2 is lost"):
+            cluster.migrate(handles[2], 2, live=True)
+        assert handles[2].host == 0 and handles[2].last_migration.outcome == "refused"
+        # the source (host 0) killed after round 1: recomputed on host 1, reservation freed
+        on_call(cluster, 3, lambda: ray.kill(cluster.host(0).actor, no_restart=True))
+        with pytest.raises(gyges.StateError, match="host 0 is lost"):
+            cluster.migrate(handles[3], 1, live=True)
+        cluster._get = type(cluster)._get.__get__(cluster)
+        assert cluster.wait(handles, timeout=120)
+        assert [h.output_tokens for h in handles] == want
+        assert [h.migrations for h in handles] == [1, 1, 0, 0, 0, 0]
+        assert handles[3].resubmitted == 1 and handles[3].host == 1
+        assert all(h.recompute_mismatches == 0 for h in handles)
+        assert kv_in_use(cluster, 1) == 0   # (every request done: its reservation went too)
 
 
 def test_a_killed_host_loses_no_request(nodes, tiny):
@@ -468,6 +538,113 @@ def test_the_server_fronts_a_cluster(nodes):
     finally:
         server.stop()
         cluster.close()
+
+
+# ---- a fault-injection sweep of the replay: a host killed at a spread of points ----
+
+# (point, policy): make test runs FAST; GYGES_FAULT_SWEEP=1 runs every point
+FAULT_POINTS = ("queued", "before_merge", "while_merging", "after_merge",
+                "migrating_live_destination", "migrating_live_last_round",
+                "migrating_live_source", "migrating_stop_destination")
+FAST_POINTS = ("while_merging", "migrating_live_last_round")
+
+
+def faulty_replay(point, killed):
+    """ClusterReplay that kills a host once, at `point` (appending its index to `killed`)."""
+    from gyges.distributed.replay import ClusterReplay
+
+    class Faulty(ClusterReplay):
+        def kill(self, h):
+            if not killed:
+                killed.append(h)
+                ray.kill(self.cluster.host(h).actor, no_restart=True)
+
+        def start_transform(self, workers, tp, layers_per_step):
+            h = workers[0] // self.gpus_per_host
+            if point == "before_merge":
+                self.kill(h)
+            t = super().start_transform(workers, tp, layers_per_step)
+            if point == "while_merging":
+                self.kill(h)
+            return t
+
+        def finish_transform(self, row, t):
+            super().finish_transform(row, t)
+            if point == "after_merge":
+                self.kill(row["gpu"] // self.gpus_per_host)
+
+        def migrate(self, g, target):
+            if point.startswith("migrating") and not killed:
+                # after round 1 (live), at the last of one round (its stop sent), or before
+                # the import (stop and copy)
+                victim = (g if point.endswith("source") else target) // self.gpus_per_host
+                on_call(self.cluster, 2 if "stop" in point else 3, lambda: self.kill(victim))
+                if point.endswith("last_round"):
+                    self.cluster.migrate = functools.partial(type(self.cluster).migrate,
+                                                             self.cluster, max_rounds=1)
+            try:
+                return super().migrate(g, target)
+            finally:
+                self.cluster._get = type(self.cluster)._get.__get__(self.cluster)
+                self.cluster.__dict__.pop("migrate", None)
+    return Faulty
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_a_replay_survives_a_host_killed_at_any_point(nodes, tiny, point, monkeypatch):
+    """A host's actor is killed at one point of a replay: before a merge starts on it, while
+    it merges, after its merge, while requests queue on it, or in the middle of a Llumnix
+    migration (live, the destination or the source killed after round 1, or the destination
+    at the last round, once the source has stopped the request; stop and copy, the
+    destination killed before the import). Every time the replay finishes, every request
+    finishes with one Host's tokens (none lost, none recomputed differently), and the
+    controller drops the dead host's GPUs."""
+    if point not in FAST_POINTS and not os.environ.get("GYGES_FAULT_SWEEP"):
+        pytest.skip("GYGES_FAULT_SWEEP=1 runs every point")
+    killed = []
+    monkeypatch.setattr(gyges.Cluster, "replay_executor",
+                        property(lambda self: faulty_replay(point, killed)))
+    if point.startswith("migrating"):   # llumnix on one TP1 replica a host
+        trace = traces.from_arrays(np.array([0.0, 0.01, 0.02, 0.03]),
+                                   np.array([150, 300, 300, 150]), np.array([600, 80, 80, 600]))
+        shape = dict(workers_per_host=1, layout="TP1", memory_per_worker="24MiB")
+        run = dict(policy="llumnix", decode_weight=10.0, sample_interval=0.05,
+                   migrate="stop" if "stop" in point else "live")
+    elif point == "queued":   # one running request an instance: the others queue
+        trace = traces.from_arrays(np.arange(8) * 0.05, np.array([40, 90, 60, 80, 30, 50, 20,
+                                                                  70]), np.full(8, 40))
+        shape = dict(REPLAY_HOST, max_running=1)
+        run = dict(policy="round_robin")
+    else:   # round robin over 2xTP1 hosts; requests only a TP2 holds make them merge
+        caps = replay_capacities(tiny)
+        long2 = (caps[0] + 8) * 16
+        trace = traces.from_arrays(np.arange(8) * 0.3, np.array([40, long2, 60, long2 + 100,
+                                                                 30, 50, 20, 70]),
+                                   np.array([30, 8, 30, 8, 30, 30, 30, 30]))
+        shape = REPLAY_HOST
+        run = dict(policy="round_robin", layers_per_step=1)
+    with gyges.Cluster(tiny, hosts=2, **shape) as cluster:
+        seen = {}
+        cluster.add_listener(lambda hs: seen.update({tuple(h.prompt): h for h in hs}))
+        if point == "queued":   # host 1 with a request waiting behind a running one
+            def waiting():
+                while not killed:
+                    rows = cluster.host(1).stats()["instances"]
+                    if any(r["waiting"] and r["running"] for r in rows):
+                        killed.append(1)
+                        ray.kill(cluster.host(1).actor, no_restart=True)
+                    time.sleep(0.002)
+            threading.Thread(target=waiting, daemon=True).start()
+        res = experiment.run(trace, cluster=cluster, time_limit=90, **run)
+        assert killed and list(cluster.lost_hosts) == killed
+    assert (res.requests["status"] == 3).all()
+    assert res.stats["n_hosts_lost"] == 1 and "lost" in res.stats["final_layout"]
+    assert res.stats["recompute_mismatches"] == 0
+    if point.startswith("migrating"):
+        assert res.stats["migrate_mode"] == run["migrate"]
+    if point == "while_merging":
+        assert res.stats["n_transformations_abandoned"] == 1
+    assert_one_hosts_tokens(seen, replay_tokens(tiny, trace))
 
 
 # ---- KunServe buddy groups whose members sit on different hosts (reconfig/split_buddy.py) ----

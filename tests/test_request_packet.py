@@ -194,3 +194,103 @@ def test_a_reconfiguring_instance_takes_a_request_only_without_its_kv(tiny):
     b.run()
     assert r.committed
     assert [moved.output_tokens, reqs[1].output_tokens] + [t.output_tokens for t in theirs] == want
+
+
+# ---- a live migration's rounds (gyges.Cluster.migrate(live=True)), host to host ----
+
+def copy_in_rounds(a, b, request, rounds, instance=None):
+    """Round 1 copies the request's KV so far into a reservation of b, each later round (one
+    step of a later) the tokens computed since; returns (reservation, tokens b holds, the
+    rounds' packets)."""
+    packets = [a.export_request(request, then="stay")]
+    key = b.reserve_request(packets[0], instance=instance)
+    held = packets[0].computed
+    for _ in range(rounds - 1):
+        a.step()
+        packets.append(a.export_request(request, start=held, then="stay"))
+        assert packets[-1].kv_start == held
+        held = b.fill_reservation(key, packets[-1])
+        assert held == packets[-1].computed
+    return key, held, packets
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("to", ["1xTP2", "2xTP1"])
+def test_a_request_copied_in_rounds_while_it_decodes_gives_its_tokens(tiny, params, to):
+    """Llumnix's live migration in one process: while a request decodes on host a, its KV goes
+    to host b in rounds (the first all of it, each later one only the tokens computed since,
+    into sequences b reserved); the last round stops it, carries a token or two of KV and b
+    adopts it with the reservation. Its tokens, and its neighbours', are one Host's that never
+    moved it, nothing was recomputed, and both hosts give every page back."""
+    ps = prompts(4, seed=21, lo=40, hi=60)
+    params = gyges.SamplingParams(max_tokens=30, temperature=params.temperature,
+                                  top_k=params.top_k, seed=params.seed, ignore_eos=True)
+    want = reference(tiny, ps, params)
+    a, b = host(tiny), host(tiny, to)
+    start = [in_use(a), in_use(b)]
+    reqs = [a.submit(p, params) for p in ps]
+    while len(reqs[0].output_tokens) < 3:
+        a.step()
+    key, held, packets = copy_in_rounds(a, b, reqs[0], rounds=3)
+    assert packets[0].kv.shape[2] == packets[0].computed > 40
+    assert all(0 < p.kv.shape[2] <= 2 for p in packets[1:])   # a step's tokens each
+    assert len(reqs[0].output_tokens) > len(packets[0].output)   # it decoded meanwhile
+    a.step()
+    last = a.export_request(reqs[0], start=held, then="hold")
+    assert a.kv_sequences(reqs[0]) == {} and not reqs[0].finished
+    assert last.kv_start == held and last.kv.shape[2] == last.computed - held <= 2
+    moved = b.import_request(last, reservation=key)
+    assert b.instances[0].info(moved.id)["n_computed"] == last.computed   # not recomputed
+    assert a.settle_export(reqs[0], arrived=True)
+    assert not a.settle_export(reqs[0], arrived=True)   # once
+    a.run()
+    b.run()
+    assert [moved.output_tokens] + [r.output_tokens for r in reqs[1:]] == want
+    assert [in_use(a), in_use(b)] == start
+
+
+def test_an_abandoned_live_migration_leaves_the_request_where_it_was(tiny):
+    """A reservation blocks reconfigurations of its workers and frees every page it mapped when
+    the migration is abandoned; a destination that is gone at the last round puts the request
+    back on its source as it was (its KV kept, nothing recomputed); a first round whose pages
+    cannot be mapped is refused, changing nothing. Every request's tokens are one Host's."""
+    ps = prompts(3, seed=22, lo=40, hi=60)
+    want = reference(tiny, ps, SEEDED)
+    a, b = host(tiny), host(tiny)
+    reqs = [a.submit(p, SEEDED, instance=i % 2) for i, p in enumerate(ps)]
+    while len(reqs[0].output_tokens) < 3:
+        a.step()
+    before = in_use(b)
+    key, held, _ = copy_in_rounds(a, b, reqs[0], rounds=2, instance=0)
+    with pytest.raises(gyges.BusyError, match="live migration"):
+        b.transform(workers=(0, 1), tp=2)
+    assert b.layout() == "2xTP1"
+    assert b.free_reservation(key) and not b.free_reservation(key)
+    assert in_use(b) == before
+    r = b.transform(workers=(0, 1), tp=2)   # (allowed again) and back
+    assert r.committed and b.transform(workers=(0, 1), tp=1).committed
+    # the destination closes before the last round arrives: back on a, with its KV
+    key, held, _ = copy_in_rounds(a, b, reqs[1], rounds=2)
+    last = a.export_request(reqs[1], start=held, then="hold")
+    with pytest.raises(gyges.BusyError, match="live migration"):
+        a.transform(workers=(0, 1), tp=2)
+    b.close()
+    with pytest.raises(gyges.StateError, match="closed"):
+        b.import_request(last, reservation=key)
+    assert a.settle_export(reqs[1], arrived=False)
+    info = a.instances[1].info(reqs[1].id)
+    assert info["n_computed"] == last.computed and info["n_preemptions"] == 0
+    # a first round whose last page cannot be mapped (rank 1's of a TP2): refused, nothing
+    # mapped
+    first = a.export_request(reqs[2], then="stay")
+    probe = host(tiny, "1xTP2")
+    events, _ = count("page_map", lambda: probe.reserve_request(first))
+    assert events >= 2
+    c = host(tiny, "1xTP2")
+    room = mapped(c)
+    with inject("page_map", events):
+        with pytest.raises(gyges.Error, match="injected"):
+            c.reserve_request(first)
+    assert mapped(c) == room and c._reservations == {}
+    a.run()
+    assert [r.output_tokens for r in reqs] == want

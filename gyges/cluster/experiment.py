@@ -849,7 +849,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
         flying_tp: int | None = None, light_load: float | None = None,
         idle_load: float | None = None, record_steps: bool = False, pipeline_cost=None,
-        cost=None, cluster=None) -> Results:
+        cost=None, cluster=None, migrate: str | None = None) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -876,6 +876,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     every host's GPUs under the one controller, numbered as gyges.sim.run(hosts=N) numbers
     them; policies gyges, least_load, round_robin, static and llumnix (its MIGRATE op moves
     running requests with their KV between replicas on any hosts); idle gaps are slept.
+    migrate: how a cluster run's MIGRATE moves a request, "live" (the default: Llumnix's KV
+    copy in rounds while it decodes, stopped for the last round only) or "stop" (stop and
+    copy); res.stats has migrate_mode, migrate_rounds and migrate_downtime_seconds.
     A pipeline host (one pipeline over every worker, e.g. layout="PP2"; the default host for
     policy "pipelive" is an 8-layer tiny model on workers of 112 and 80 MiB) re-splits live
     (host.reconfigure) when the policy says; pipeline_cost: the gyges.costmodel.PipelineCost it
@@ -936,8 +939,12 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
             raise ExperimentError("idle='skip' moves one process's clock; a cluster's hosts keep "
                                   "their own, so a cluster run sleeps (idle='sleep')")
         rp = replay(trace, pol, cluster, time_scale, int(seed), float(temperature), method,
-                    layers_per_step, sample_interval, max_tp, cost, policy)
+                    layers_per_step, sample_interval, max_tp, cost, policy,
+                    migrate=migrate or "live")
     else:
+        if migrate is not None:
+            raise ExperimentError("migrate= is for a cluster run (cluster=...): one host's "
+                                  "executor does not move requests between hosts")
         rp = _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature,
                           method, layers_per_step, idle or "skip", sample_interval, max_tp,
                           record_steps, pipeline_cost, cost)

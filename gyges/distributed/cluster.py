@@ -94,6 +94,7 @@ class ClusterRequest(Request):
         self.resubmitted = 0
         self.migrations = 0
         self.recompute_mismatches = 0
+        self.last_migration = None   # a Migration
         self._received = 0   # tokens the current host has sent
         self._epoch = 0      # which placement of it the current host serves (updates name it)
         self._done = threading.Event()
@@ -136,6 +137,24 @@ class ClusterRequest(Request):
         state = f"finished ({self.finish_reason})" if self.finished else "running"
         return (f"ClusterRequest(id={self.id}, host={self.host}, "
                 f"output={len(self.output_tokens)} tokens, {state})")
+
+
+@dataclasses.dataclass
+class Migration:
+    """What one Cluster.migrate did (ClusterRequest.last_migration)."""
+    mode: str                 # "live" (multi-round copy) or "stop" (stop and copy)
+    source: int
+    destination: int
+    rounds: list = dataclasses.field(default_factory=list)   # KV bytes of each live round
+    final_bytes: int = 0      # KV bytes moved while the request was stopped
+    # driver's seconds from asking the source to stop it to its admission at the destination
+    # (its step in flight and the Ray calls included): the request's downtime
+    downtime: float = math.nan
+    outcome: str = None       # "moved", "finished" (on its source, during the rounds), "refused"
+
+    @property
+    def bytes(self):
+        return sum(self.rounds) + self.final_bytes
 
 
 class RemoteReconfiguration:
@@ -417,20 +436,36 @@ class Cluster:
         return ClusterReplay
 
     # ---- requests between hosts ----
-    def migrate(self, handle, host, instance=None):
-        """Moves a running request with its KV to `host` (Llumnix-style, stop and copy), onto
-        its `instance` (an index into its instances; default: where its pool places it; on
-        the request's own host, another instance of it): its
-        source takes it out between two of its steps (Host.export_request), the packet goes
-        from the source's process to the destination's through Ray's object store, never
-        through the driver, and the destination goes on from where it was, its tokens the same
-        as if it had stayed. Refused (a gyges.Error, the request where it was) for a request
-        that finished or whose instance is reconfiguring; when the destination cannot take it
-        the request goes back to its source (recomputed there if its room went meanwhile).
-        Returns the KV bytes moved."""
+    def migrate(self, handle, host, instance=None, live=False, max_rounds=8, stop_blocks=2):
+        """Moves a running request with its KV to `host`, onto its `instance` (an index into its
+        instances; default: where its pool places it; on the request's own host, another
+        instance of it); its tokens go on the same as if it had stayed. The KV travels from the
+        source's process to the destination's through Ray's object store, never through the
+        driver. Refused (a gyges.Error, the request where it was) for a request that finished
+        or whose instance is reconfiguring. Returns the KV bytes moved; handle.last_migration
+        (a Migration) says how.
+
+        live=False, stop and copy: the source takes the request out between two of its steps
+        (Host.export_request) and the destination goes on from there; when the destination
+        cannot take it, it goes back to its source (recomputed there if its room went
+        meanwhile).
+
+        live=True, Llumnix's multi-round copy: while the request decodes on, round 1 copies the
+        KV of its tokens so far into sequences the destination reserves, each later round the
+        tokens computed since the round before; once a round copied at most `stop_blocks` KV
+        blocks, or after `max_rounds` rounds, the source stops it and the last tokens' KV and
+        the request go over, its KV kept at the source until the destination has it. Its
+        downtime is that last round. A destination that refuses or is lost before it has the
+        request leaves it on its source as it was (the reservation freed); a request that
+        finishes on its source during the rounds is left there (returns 0, outcome
+        "finished")."""
         if not isinstance(handle, ClusterRequest):
             raise ArgumentTypeError(f"handle must be a ClusterRequest, got {type(handle).__name__}")
         checks.integer("host", host, 0, len(self._actors) - 1)
+        if not isinstance(live, bool):
+            raise ArgumentTypeError(f"live must be True or False, got {live!r}")
+        checks.integer("max_rounds", max_rounds, lo=1)
+        checks.integer("stop_blocks", stop_blocks, lo=0)
         with self._lock:
             self._check_open()
             if host not in self.live_hosts:
@@ -440,6 +475,11 @@ class Cluster:
             source = handle.host
             if source == host and instance is None:
                 return 0
+        m = Migration("live" if live else "stop", source, host)
+        handle.last_migration = m
+        if live:
+            return self._migrate_live(handle, m, instance, max_rounds, stop_blocks)
+        started = time.perf_counter()
         packet, kv_bytes = self._actors[source].migrate_out.options(num_returns=2).remote(
             handle.id)
         self._get(source, kv_bytes)   # a refusal is raised here, the request where it was
@@ -449,9 +489,8 @@ class Cluster:
         try:
             moved = self._get(host, self._actors[host].migrate_in.remote(handle.id, packet,
                                                                          True, instance, epoch))
-            handle.migrations += 1
-            return moved
         except BaseException:
+            m.outcome = "refused"
             with self._lock:   # (a destination that died has had it submitted elsewhere)
                 back = handle._epoch == epoch
                 if back:
@@ -460,6 +499,63 @@ class Cluster:
                 self._get(source, self._actors[source].migrate_in.remote(
                     handle.id, packet, "if_room", None, epoch))
             raise
+        m.downtime, m.final_bytes, m.outcome = time.perf_counter() - started, moved, "moved"
+        handle.migrations += 1
+        return moved
+
+    def _migrate_live(self, handle, m, instance, max_rounds, stop_blocks):
+        src, dst = self._actors[m.source], self._actors[m.destination]
+        key, start = None, 0
+        try:
+            for _ in range(max_rounds):
+                packet, info = src.migrate_round.options(num_returns=2).remote(handle.id, start)
+                info = self._get(m.source, info)
+                if info["finished"]:
+                    m.outcome = "finished"
+                    return 0
+                if key is None:
+                    key = self._get(m.destination, dst.migrate_reserve.remote(packet, instance))
+                else:
+                    self._get(m.destination, dst.migrate_fill.remote(key, packet))
+                m.rounds.append(info["bytes"])
+                start = info["end"]
+                if info["blocks"] <= stop_blocks:
+                    break
+            started = time.perf_counter()
+            packet, info = src.migrate_stop.options(num_returns=2).remote(handle.id, start)
+            info = self._get(m.source, info)
+            if info["finished"]:
+                m.outcome = "finished"
+                return 0
+            with self._lock:   # from here its tokens come from the destination (checked)
+                epoch = handle._place(m.destination)
+            reservation, key = key, None   # (the import ends it, whatever happens)
+            try:
+                self._get(m.destination, dst.migrate_in.remote(handle.id, packet, True, None,
+                                                               epoch, reservation))
+            except BaseException:
+                m.outcome = "refused"
+                with self._lock:   # (a destination that died has had it submitted elsewhere)
+                    back = handle._epoch == epoch
+                    if back:
+                        epoch = handle._place(m.source)
+                self._get(m.source, src.migrate_settle.remote(handle.id, not back, epoch))
+                raise
+            m.downtime, m.final_bytes = time.perf_counter() - started, info["bytes"]
+            self._get(m.source, src.migrate_settle.remote(handle.id, True))
+            m.outcome = "moved"
+            handle.migrations += 1
+            return m.bytes
+        except BaseException:
+            if m.outcome is None:
+                m.outcome = "refused"
+            raise
+        finally:
+            if key is not None and m.destination in self.live_hosts:
+                try:   # abandoned: the destination's reserved KV goes back
+                    self._get(m.destination, dst.migrate_cancel.remote(key))
+                except (Error, self._ray.exceptions.RayError):
+                    pass
 
     # ---- buddy groups whose members sit on different hosts ----
     def buddy(self, members, split=None):
@@ -535,12 +631,14 @@ class Cluster:
             self._resubmit(h)
 
     def _resubmit(self, h):
+        refused = {}   # host -> why it cannot take the request (no instance holds it)
         while True:
             with self._lock:
-                target = self._least_loaded()
+                target = self._least_loaded(exclude=refused)
                 if target is None or self._closing:
                     self._handles.pop(h.id, None)
-                    h._end("error", "every host of the cluster was lost")
+                    h._end("error", "; ".join(f"host {i}: {why}" for i, why in refused.items())
+                           or "every host of the cluster was lost")
                     return
                 epoch = h._place(target)
                 h.resubmitted += 1
@@ -553,6 +651,8 @@ class Cluster:
                     if h._epoch != epoch:
                         return   # that host's loss has placed it again meanwhile
                 continue   # that one is gone too: the next
+            except Error as e:   # (its layout holds no instance this large): the next
+                refused[target] = str(e)
 
     # ---- the end ----
     def _check_open(self):

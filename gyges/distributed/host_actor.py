@@ -9,6 +9,9 @@ stepping thread; the Host's own lock orders them with its steps):
     migrate_out(rid), migrate_in(rid, packet)
                                             a request with its KV out of one host, into
                                             another (runtime/request_packet.py)
+    migrate_round, migrate_stop, migrate_settle (source); migrate_reserve, migrate_fill,
+    migrate_cancel, migrate_in(..., reservation) (destination)
+                                            a live migration's rounds (Cluster.migrate)
     updates(timeout)                        the tokens produced since the last call, per rid,
                                             waiting up to `timeout` seconds for some
     call(verb, args, kwargs)                a Host verb (transform, reconfigure, switch, buddy,
@@ -201,20 +204,81 @@ class HostActor:
             self._changed.discard(rid)
         return packet, packet.kv_bytes   # (two returns: the driver reads the second only)
 
-    def migrate_in(self, rid, packet, with_kv=True, instance=None, epoch=0):
+    def migrate_in(self, rid, packet, with_kv=True, instance=None, epoch=0, reservation=None):
         """Serves `packet`'s request as cluster request `rid` (Host.import_request); its tokens
         so far are sent again from the first (the driver checks them). With with_kv="if_room",
         where its KV cannot come in (no room, or a reconfiguration holds the instance) it comes
         in without (recomputed). instance: an index into host.instances (default: where the
-        pool places it)."""
+        pool places it). reservation: a live migration's (migrate_reserve), which it ends."""
         try:
-            r = self.host.import_request(packet, instance=instance, with_kv=bool(with_kv))
+            r = self.host.import_request(packet, instance=instance, with_kv=bool(with_kv),
+                                         reservation=reservation)
         except (OutOfMemoryError, BusyError):
             if with_kv != "if_room":
                 raise
             r = self.host.import_request(packet, with_kv=False)   # recomputed: never lost
         self._adopt(rid, r, epoch)
         return packet.kv_bytes
+
+    # ---- a live migration (Cluster.migrate(live=True)): the source's side ----
+    def _round_info(self, packet):
+        end, start = packet.computed, packet.kv_start
+        bs = self.host.block_size
+        return {"finished": False, "bytes": packet.kv_bytes, "start": start, "end": end,
+                "blocks": -(-end // bs) - start // bs if end > start else 0}
+
+    def _live_export(self, rid, start, then):
+        """(packet, its round's info) of request rid, or (None, {"finished": True}) when it has
+        ended here."""
+        with self._cond:
+            entry = self._requests.get(rid)
+        if entry is None or entry[0].finished:
+            return None, {"finished": True}
+        try:
+            packet = self.host.export_request(entry[0], start, then)
+        except InvalidArgumentError:
+            if entry[0].finished:   # it ended between the two lines above
+                return None, {"finished": True}
+            raise
+        return packet, self._round_info(packet)
+
+    def migrate_round(self, rid, start):
+        """A round: the KV of request rid's tokens [start, computed) while it goes on here
+        (two returns: the packet, and the round's info for the driver)."""
+        return self._live_export(rid, start, "stay")
+
+    def migrate_stop(self, rid, start):
+        """The last round: request rid served here no more, its KV of tokens [start, computed)
+        in the packet and the rest kept until migrate_settle."""
+        return self._live_export(rid, start, "hold")
+
+    def migrate_settle(self, rid, arrived, epoch=0):
+        """After migrate_stop: arrived, this host forgets the request and frees its KV; else it
+        serves it again as it was (placement `epoch`, its tokens sent again from the first)."""
+        with self._cond:
+            entry = self._requests.get(rid)
+        if entry is None or not self.host.settle_export(entry[0], arrived):
+            return False
+        with self._cond:
+            if arrived:
+                del self._requests[rid]
+                self._changed.discard(rid)
+            else:
+                self._requests[rid] = [entry[0], 0, epoch]
+                self._changed.add(rid)
+                self._cond.notify_all()   # wakes the stepping thread
+        return True
+
+    # ---- a live migration: the destination's side ----
+    def migrate_reserve(self, packet, instance=None):
+        """The first round's KV into a reservation (Host.reserve_request); returns its id."""
+        return self.host.reserve_request(packet, instance=instance)
+
+    def migrate_fill(self, reservation, packet):
+        return self.host.fill_reservation(reservation, packet)
+
+    def migrate_cancel(self, reservation):
+        return self.host.free_reservation(reservation)
 
     def abort(self, rid):
         with self._cond:

@@ -43,6 +43,8 @@ __all__ = ["ClusterReplay", "RemoteInstance"]
 # the policies that place requests and merge or split TP groups of sharded hosts, and
 # Llumnix's, which moves running requests with their KV between TP1 replicas (any hosts)
 POLICIES = ("gyges", "least_load", "round_robin", "static", "llumnix")
+# how MIGRATE moves a request: Llumnix's multi-round live copy, or stop and copy
+MIGRATE_MODES = ("live", "stop")
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,15 @@ class ClusterReplay(_Replay):
     """experiment.run's executor over a gyges.Cluster (see the module docstring)."""
 
     def __init__(self, trace, policy, cluster, time_scale, seed, temperature, method,
-                 layers_per_step, sample_interval, max_tp, cost, policy_name):
+                 layers_per_step, sample_interval, max_tp, cost, policy_name, migrate="live"):
         if policy_name not in POLICIES:
             raise ExperimentError(f"policy {policy_name!r} on a cluster: its hosts merge and "
                                   f"split TP groups of sharded workers ({', '.join(POLICIES)}); "
                                   f"replay {policy_name!r} on one host (host=) or simulate it")
+        if migrate not in MIGRATE_MODES:
+            raise ExperimentError(f"migrate={migrate!r}: expected one of "
+                                  f"{', '.join(MIGRATE_MODES)}")
+        self.migrate_live = migrate == "live"
         self.cluster = cluster
         self.host = None
         if len(cluster.live_hosts) != cluster.n_hosts:
@@ -103,7 +109,9 @@ class ClusterReplay(_Replay):
                    first["max_pos"], first["vocab"], "")
         self.stats.update({"n_hosts_lost": 0, "n_transformations_abandoned": 0,
                            "n_live_migrations": 0, "n_migrations_between_hosts": 0,
-                           "migrate_bytes": 0, "n_load_reads": 0, "load_read_seconds": 0.0})
+                           "migrate_bytes": 0, "n_load_reads": 0, "load_read_seconds": 0.0,
+                           "migrate_mode": migrate, "migrate_rounds": 0,
+                           "migrate_downtime_seconds": 0.0})
         self._woken = threading.Event()
         cluster.add_listener(self._heard)
         self.ctl = _C.Controller(
@@ -280,8 +288,9 @@ class ClusterReplay(_Replay):
     def migrate(self, g, target):
         """Llumnix: of the running requests of the instance at GPU g, the one with the least KV
         whose footprint fits the free blocks of the instance at GPU `target` moves there with
-        its KV (Cluster.migrate: stop and copy, through Ray's object store; between two
-        instances of one host too), its tokens going on where they were."""
+        its KV (Cluster.migrate, live unless run(migrate="stop"): its KV copied in rounds while
+        it decodes, through Ray's object store; between two instances of one host too), its
+        tokens going on where they were. One that finishes during the rounds stays: refused."""
         src = next((i for i in self.serving() if i.workers[0] == g), None)
         dst = next((i for i in self.serving() if i.workers[0] == target), None)
         if src is None or dst is None or src == dst:
@@ -295,16 +304,22 @@ class ClusterReplay(_Replay):
             return self.refuse("migrate: no running request fits the destination")
         r = min(candidates, key=lambda r: r.prompt + len(r.handle.output_tokens))
         try:
-            moved = self.cluster.migrate(r.handle, dst.host, instance=dst.index)
+            moved = self.cluster.migrate(r.handle, dst.host, instance=dst.index,
+                                         live=self.migrate_live)
         except Error as e:
             self.last_refusal = str(e)
             return self.refuse(f"migrate: {type(e).__name__}")
+        m = r.handle.last_migration
+        if m.outcome != "moved":
+            return self.refuse(f"migrate: the request {m.outcome} on its source")
         r.inst, r.gpu, r.tp = dst, dst.workers[0], dst.tp
         r.migrations += 1
         self.stats["n_migrations"] += 1
         self.stats["n_live_migrations"] += 1
         self.stats["n_migrations_between_hosts"] += src.host != dst.host
         self.stats["migrate_bytes"] += moved
+        self.stats["migrate_rounds"] += len(m.rounds)
+        self.stats["migrate_downtime_seconds"] += m.downtime
         self.fetch(sorted({src.host, dst.host}))   # their loads after the move
         return True
 
@@ -312,6 +327,12 @@ class ClusterReplay(_Replay):
         h = g // self.gpus_per_host
         return any(math.isnan(row["end"]) and row["gpu"] // self.gpus_per_host == h
                    for row, _ in self.xforms)
+
+    def transform(self, kind, g, tp_from, tp_to, sources):
+        try:
+            return super().transform(kind, g, tp_from, tp_to, sources)
+        except StateError:   # its host was lost once it began: recorded as abandoned
+            return True      # (collect_transforms), as a loss later in it is
 
     def start_transform(self, workers, tp, layers_per_step):
         h = workers[0] // self.gpus_per_host

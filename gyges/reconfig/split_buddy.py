@@ -80,7 +80,7 @@ def _keep_all(worker):
 
 
 def _new_seq(cache, n):
-    request_packet._make_room(cache, n)
+    request_packet._make_room(cache, -(-n // cache.block_size))
     seq = cache.new_sequence()
     cache.reserve(seq, n)
     return seq
@@ -108,7 +108,7 @@ class Lead:
                 seq = self.member.request_seqs(rid)[0]
                 n = self.member.info(rid)["n_computed"]
                 if seq >= 0 and n > 0:
-                    out[rid] = gather_layers(self.worker.kv, seq, self.split, L, n)
+                    out[rid] = gather_layers(self.worker.kv, seq, self.split, L, 0, n)
         self.stats["kv_bytes_sent"] += sum(a.nbytes for a in out.values())
         return out
 
@@ -262,10 +262,10 @@ class Follow:
                 raise
             # the member's own requests leave for the leader (nothing fails past here)
             for rid in list(self.member.request_ids()):
-                packet, seqs = request_packet.export_request(
-                    self.member, rid, host.clock(), layers=(0, self.split), keep_kv=True)
+                packet, held = request_packet.export_request(
+                    self.member, rid, host.clock(), layers=(0, self.split), then="hold")
                 packets.append((rid, packet))
-                kept[rid] = seqs[0]
+                kept[rid] = held.seqs[0]   # (the follower's now: adopt)
             self._kept, self._packets = kept, packets
             host.pool.remove(self.member)
             return packets
@@ -333,14 +333,14 @@ class Follow:
             for rid in stay:
                 seq = self._c.follow_seqs(rid)[0]
                 if seq >= 0:
-                    upper[rid] = gather_layers(w.kv, seq, self.split, L, w.kv.n_tokens(seq))
+                    upper[rid] = gather_layers(w.kv, seq, self.split, L, 0, w.kv.n_tokens(seq))
             packets = {}
             for rid, packet in go.items():
                 seq = self._c.follow_seqs(rid)[0]
                 if packet.kv is not None and seq >= 0:
                     n = packet.kv.shape[2]
                     packet.kv = np.concatenate([packet.kv, gather_layers(
-                        w.kv, seq, self.split, L, n)])
+                        w.kv, seq, self.split, L, 0, n)])
                     packet.kv_layers = None
                 elif packet.kv is not None:   # (no KV above: it is recomputed)
                     packet.kv = None

@@ -196,6 +196,9 @@ class Host(Serving):
                                  kv_stack=kv_stack)
         self._workers = [self.new_worker(i) for i in range(workers)]
         self.reconfigurations = []  # the live ones, in the order they started
+        # live migrations' KV (request_packet): held exports by request id, reservations by id
+        self._held, self._reservations = {}, {}
+        self._next_reservation = 0
         self.reconfigurations_started = 0
         self._next_id = 0
         self.steps = 0
@@ -407,6 +410,10 @@ class Host(Serving):
         with self._lock:
             self._check_open()
             other = self._holding(r.claims())
+            moving = self._migrating(r.claims())
+            if moving is not None and other is None:
+                raise BusyError(f"a live migration holds KV on workers {list(moving.workers)}; "
+                                f"{r.kind} once it ends")
             if other is not None:
                 raise BusyError(f"{other!r} is under way on workers "
                                 f"{sorted(other.claims() & r.claims())}; wait until it is done "
@@ -570,14 +577,23 @@ class Host(Serving):
             return inst.abort(request)
 
     # ---- requests between hosts (runtime/request_packet.py) ----
-    def export_request(self, request):
+    def export_request(self, request, start=0, then="let_go"):
         """Takes an unfinished request out of this host with its KV (a RequestPacket, plain data
         another host's import_request takes in); here its KV is freed and its handle, left
         unfinished, is served no more. Refused, changing nothing, for a request this host does
-        not serve or one whose instance a live reconfiguration holds."""
+        not serve or one whose instance a live reconfiguration holds.
+
+        A live migration's steps (gyges.Cluster.migrate(live=True)): start, the first token
+        whose KV the packet carries (the destination's reservation holds those before it);
+        then="stay": a copy while the request goes on here (a round); then="hold": it is served
+        no more, but its KV stays until settle_export says whether it arrived."""
         if not isinstance(request, Request):
             raise ArgumentTypeError(f"request must be a gyges.Request, got "
                                     f"{type(request).__name__}")
+        start = checks.integer("start", start, lo=0)
+        if then not in request_packet.THEN:
+            raise InvalidArgumentError(f"then={then!r}: expected one of "
+                                       f"{', '.join(request_packet.THEN)}")
         with self._lock:
             self._check_open()
             inst = None if request.finished else self._instance_of(request)
@@ -589,7 +605,35 @@ class Host(Serving):
                 raise BusyError(f"request {request.id}: its instance {inst.layout} on workers "
                                 f"{list(inst.workers)} is being reconfigured ({busy!r}); "
                                 f"move it once that ends")
-            return request_packet.export_request(inst, request.id, self.clock())
+            out = request_packet.export_request(inst, request.id, self.clock(), start, then)
+            if then != "hold":
+                return out
+            packet, self._held[request.id] = out
+            return packet
+
+    def settle_export(self, request, arrived):
+        """Ends an export held for a live migration: arrived, its KV here is freed; else the
+        request is served here again as it was, with its KV. False when none was held."""
+        with self._lock:
+            self._check_open()
+            held = self._held.get(getattr(request, "id", None))
+            if held is None or held.handle is not request:
+                return False
+            if arrived:
+                held.free()
+            else:
+                try:
+                    held.restore()
+                except Error:   # (no room in its running set now): recomputed, never lost
+                    held.free()
+                    held.restore()
+            del self._held[request.id]
+            return True
+
+    def _migrating(self, workers):
+        """A live migration's KV (a held export, a reservation) on one of `workers`, or None."""
+        return next((m for m in list(self._held.values()) + list(self._reservations.values())
+                     if set(m.workers) & set(workers)), None)
 
     def _holding(self, workers):
         """The first live reconfiguration that holds one of `workers`, or None."""
@@ -601,33 +645,97 @@ class Host(Serving):
         insts = self.instances
         return insts[checks.integer("instance", index, 0, len(insts) - 1)]
 
-    def import_request(self, packet, instance=None, with_kv=True):
+    def import_request(self, packet, instance=None, with_kv=True, reservation=None):
         """Serves the request of a RequestPacket (another host's export_request) on `instance`
         (an index into host.instances) or where the pool places it, going on from where it
         was: with its KV (with_kv=False: recomputed from its tokens). Returns its new handle.
         Raises OutOfMemoryError, changing nothing, when its KV does not fit there, and
         BusyError when a live reconfiguration holds that instance (its plan would not move the
-        new KV; without KV the request comes in as a queued one does)."""
+        new KV; without KV the request comes in as a queued one does). reservation: the id
+        reserve_request gave (its instance, and the KV before packet.kv_start); it ends with
+        this call, whether the request comes in or not."""
         if not isinstance(packet, request_packet.RequestPacket):
             raise ArgumentTypeError(f"packet must be a RequestPacket (Host.export_request), "
                                     f"got {type(packet).__name__}")
         with self._lock:
             self._check_open()
-            if instance is not None:
-                instance = self._instance_at(instance)
-            length = len(packet.prompt) + packet.params.max_tokens
-            target, asked = self.pool.place(self, length, instance=instance)
-            busy = self._holding(target.workers)
-            if busy and with_kv and packet.kv is not None:
-                # its plan moves the KV of the requests it knew, not of one that comes now
-                raise BusyError(f"instance {target.layout} on workers {list(target.workers)} "
-                                f"is being reconfigured ({busy!r}); bring the request in once "
-                                f"that ends, or without its KV (with_kv=False)")
+            if reservation is not None:
+                res = self._reservation(reservation)
+                del self._reservations[reservation]
+                handle = request_packet.import_request(res.instance, packet, self._next_id,
+                                                       self.clock(), with_kv, res)
+                self._next_id += 1
+                return handle
+            target, asked = self._place_packet(packet, instance, with_kv and packet.kv is not None)
             handle = request_packet.import_request(target, packet, self._next_id, self.clock(),
                                                    with_kv=with_kv)
             self._next_id += 1
             self._start_asked(asked)
             return handle
+
+    def _place_packet(self, packet, instance, with_kv):
+        """(instance, what the pool asks to start) for a packet's request, refused while a live
+        reconfiguration holds it and it brings KV."""
+        if instance is not None:
+            instance = self._instance_at(instance)
+        length = len(packet.prompt) + packet.params.max_tokens
+        target, asked = self.pool.place(self, length, instance=instance)
+        busy = self._holding(target.workers)
+        if busy and with_kv:
+            # its plan moves the KV of the requests it knew, not of one that comes now
+            raise BusyError(f"instance {target.layout} on workers {list(target.workers)} "
+                            f"is being reconfigured ({busy!r}); bring the request in once "
+                            f"that ends, or without its KV (with_kv=False)")
+        return target, asked
+
+    def reserve_request(self, packet, instance=None):
+        """A live migration's arrival: sequences on `instance` (or where the pool places the
+        request) holding the KV the packet carries (a first round's, tokens [0, computed)),
+        extended by fill_reservation and adopted with the request by import_request(packet,
+        reservation=); returns the reservation's id. While it lives, no reconfiguration
+        starts on its workers. Refused as import_request is, changing nothing."""
+        if not isinstance(packet, request_packet.RequestPacket):
+            raise ArgumentTypeError(f"packet must be a RequestPacket (Host.export_request), "
+                                    f"got {type(packet).__name__}")
+        with self._lock:
+            self._check_open()
+            target, asked = self._place_packet(packet, instance, True)
+            res = request_packet.Reservation(target)
+            res.take(packet)
+            key = self._next_reservation
+            self._next_reservation += 1
+            self._reservations[key] = res
+            self._start_asked(asked)
+            return key
+
+    def fill_reservation(self, reservation, packet):
+        """Writes a later round's KV (packet.kv_start: the tokens the reservation holds) into
+        it; returns the tokens it holds. A failure frees the reservation."""
+        with self._lock:
+            self._check_open()
+            res = self._reservation(reservation)
+            try:
+                res.take(packet)
+            except BaseException:
+                del self._reservations[reservation]
+                raise
+            return res.tokens
+
+    def free_reservation(self, reservation):
+        """Gives back a reservation's KV (the migration was abandoned); False when none."""
+        with self._lock:
+            self._check_open()
+            res = self._reservations.pop(reservation, None)
+            if res is None:
+                return False
+            res.free()
+            return True
+
+    def _reservation(self, key):
+        if key not in self._reservations:
+            raise InvalidArgumentError(f"reservation={key!r} is not a live reservation of "
+                                       f"this host")
+        return self._reservations[key]
 
     def kv_sequences(self, request):
         """{worker: the KV sequence in that worker's cache holding the request} over the
@@ -725,6 +833,7 @@ class Host(Serving):
             for r in reversed(self.reconfigurations):
                 r.close()
             self.reconfigurations = []
+            self._held, self._reservations = {}, {}   # (their pages go with the workers')
             for inst in self.pool.instances():
                 inst.stop("the host was closed")
             self._executor.shutdown(wait=True)

@@ -14,6 +14,20 @@ rank of the destination, so a TP1 request can go on in a TP2 instance. Sampling 
 would have produced where it was.
 
 Times travel as ages (seconds before the export), since every host has its own clock.
+
+A live migration (Llumnix's, gyges.Cluster.migrate(live=True)) sends the KV in rounds while the
+request goes on at its source: each round's packet carries the KV of tokens [kv_start, computed)
+only (export_request(..., then="stay")), and the destination writes them into sequences it holds
+for the request, a Reservation, before the request itself comes. The last round stops it
+(then="hold": its KV kept at the source until the destination has it, so a refusal puts it back
+as it was) and import_request(..., reservation=) adopts it with the reserved sequences. A token's
+KV never changes once computed (a preempted request recomputes the same bytes), so the ranges of
+earlier rounds stay valid; only a request that has computed fewer tokens since (preempted) is
+sent again from token 0.
+
+A packet may carry the KV of some layers only (kv_layers): a KunServe buddy group split between
+two hosts moves each request's KV of the layers its host no longer serves
+(reconfig/split_buddy.py).
 """
 import math
 from dataclasses import dataclass
@@ -35,15 +49,16 @@ class RequestPacket:
     # scheduler record: (state, generated, computed, prefill end, preemptions,
     # arrival age, first-scheduled age, first-token age); ages in seconds, nan for never
     record: tuple
-    kv: np.ndarray          # (layers, 2, computed tokens, kv heads, head dim) float32, or None
+    kv: np.ndarray          # (layers in kv_layers, 2, computed - kv_start, kv heads, head dim)
+    #                         float32, or None
     prompt_text: str = None
-    # the model layers kv holds, [first, end) (None: all; a buddy group split between hosts
-    # moves each side's part)
-    kv_layers: tuple = None
     # the handle's log-probabilities so far (Request's shapes): they go on where it goes
     cumulative_logprob: float = 0.0
     logprobs: list = None
     prompt_logprobs: list = None
+    kv_start: int = 0       # kv holds tokens [kv_start, computed): a live migration sent the rest
+    # the model layers kv holds, [first, end) (None: all of them)
+    kv_layers: tuple = None
 
     @property
     def kv_bytes(self):
@@ -71,77 +86,128 @@ def _rank_slices(instance, config):
     return out
 
 
-def gather_layers(cache, seq, first, end, n, out=None, head=0):
-    """KV of model layers [first, end) of a sequence's first n tokens, as
+def gather_layers(cache, seq, first, end, start, n, out=None, head=0):
+    """KV of model layers [first, end) of a sequence's tokens [start, start + n), as
     out[layer - first, 0 or 1, token, kv head, :] (heads from `head` on: a TP rank's slice)."""
     if out is None:
         out = np.empty((end - first, 2, n, cache.n_kv_heads, cache.head_dim), dtype=np.float32)
     for layer in range(first, end):
-        k, v = cache.gather(seq, layer - cache.first_layer, 0, n)
+        k, v = cache.gather(seq, layer - cache.first_layer, start, n)
         out[layer - first, 0, :, head:head + cache.n_kv_heads] = k
         out[layer - first, 1, :, head:head + cache.n_kv_heads] = v
     return out
 
 
-def write_layers(cache, seq, first, kv, head=0):
-    """Writes kv[i] (model layer first + i, gather_layers' shape) into a sequence holding
-    kv.shape[2] tokens."""
+def write_layers(cache, seq, first, kv, start=0, head=0):
+    """Writes kv[i] (model layer first + i, gather_layers' shape) into a sequence's tokens
+    [start, start + kv.shape[2])."""
     for i in range(kv.shape[0]):
-        cache.write(seq, first + i - cache.first_layer, 0,
+        cache.write(seq, first + i - cache.first_layer, start,
                     kv[i, 0, :, head:head + cache.n_kv_heads],
                     kv[i, 1, :, head:head + cache.n_kv_heads])
 
 
-def export_request(instance, rid, now, layers=None, keep_kv=False):
-    """Request `rid` of `instance` as a RequestPacket; the instance then lets it go (its KV is
-    freed, or with keep_kv left in the caches for the caller: returns (packet, its sequences)),
-    its handle no longer served there, unfinished. layers=(first, end): the KV of those model
-    layers only (the instance's ranks must hold them). Nothing changes when it raises."""
-    config = instance.host.model.config
+def _layers(config, layers):
     first, end = layers or (0, config.num_hidden_layers)
+    return first, end
+
+
+def _gather(instance, config, seqs, start, end, layers=None):
+    """The KV of tokens [start, end) of model layers `layers` (all: None) from every rank's
+    sequence, in the model's shape."""
+    first, last = _layers(config, layers)
+    kv = np.empty((last - first, 2, end - start, config.num_key_value_heads, config.head_dim),
+                  dtype=np.float32)
+    for (cache, lo, hi, head), seq in zip(_rank_slices(instance, config), seqs):
+        lo, hi = max(lo, first), min(hi, last)
+        if hi > lo:
+            gather_layers(cache, seq, lo, hi, start, end - start, kv[lo - first:hi - first], head)
+    return kv
+
+
+THEN = ("let_go", "stay", "hold")
+
+
+def export_request(instance, rid, now, start=0, then="let_go", layers=None):
+    """Request `rid` of `instance` as a RequestPacket whose KV is that of tokens [start,
+    computed) (from token 0 when it has computed fewer than `start`: packet.kv_start says) of
+    model layers `layers` = (first, end) (None: all).
+    then: "let_go" (the instance lets it go: its KV freed, its handle unfinished and served
+    no more), "stay" (it goes on here: a live migration's round), or "hold" (served no more,
+    its KV kept: returns (packet, Held)). Nothing changes when it raises."""
+    config = instance.host.model.config
     ex = instance.export(rid)
     info = ex["info"]
     handle = instance.requests[rid]
     tokens = np.frombuffer(ex["tokens"], dtype=np.int32)
     prompt_len = ex["prompt_len"]
     computed = info["n_computed"] if all(s >= 0 for s in ex["seqs"]) else 0
-    kv = None
-    if computed > 0:
-        kv = np.empty((end - first, 2, computed, config.num_key_value_heads,
-                       config.head_dim), dtype=np.float32)
-        for (cache, lo, hi, head), seq in zip(_rank_slices(instance, config), ex["seqs"]):
-            lo, hi = max(lo, first), min(hi, end)
-            if hi > lo:
-                gather_layers(cache, seq, lo, hi, computed, kv[lo - first:hi - first], head)
+    start = start if start <= computed else 0
+    kv = (_gather(instance, config, ex["seqs"], start, computed, layers) if computed > start
+          else None)
 
     def age(t):
         return now - t if not math.isnan(t) else math.nan
     record = (info["state_id"], info["n_generated"], computed, info["prefill_end"],
               info["n_preemptions"], age(info["arrival"]), age(info["first_scheduled"]),
               age(info["first_token"]))
+    stop_tokens = np.frombuffer(ex["params"]["stop_tokens"] or b"", dtype=np.int32).copy()
     packet = RequestPacket(prompt=tokens[:prompt_len].tolist(),
                            output=tokens[prompt_len:].tolist(), params=handle.params,
-                           stop_tokens=np.frombuffer(ex["params"]["stop_tokens"] or b"",
-                                                     dtype=np.int32).copy(),
-                           record=record, kv=kv, prompt_text=handle.prompt_text,
+                           stop_tokens=stop_tokens, record=record, kv=kv,
+                           prompt_text=handle.prompt_text,
                            cumulative_logprob=handle.cumulative_logprob,
                            logprobs=None if handle.logprobs is None else list(handle.logprobs),
                            prompt_logprobs=(None if handle.prompt_logprobs is None
                                             else list(handle.prompt_logprobs)),
-                           kv_layers=None if layers is None else (first, end))
-    if keep_kv:
-        instance.attach_kv(rid, [-1] * len(ex["seqs"]))   # forgotten, not freed
+                           kv_start=start, kv_layers=layers and tuple(layers))
+    if then == "stay":
+        return packet
+    if then == "let_go":
         instance.let_go(rid)
-        return packet, list(ex["seqs"])
-    instance.let_go(rid)
-    return packet
+        return packet
+    held = Held(instance, handle, tokens.copy(), stop_tokens, instance.record(rid),
+                list(ex["seqs"]))
+    instance.attach_kv(rid, [-1] * len(held.seqs))   # its sequences are the Held's now
+    try:
+        instance.let_go(rid)
+    except BaseException:
+        instance.attach_kv(rid, held.seqs)
+        raise
+    return packet, held
 
 
-def _make_room(cache, tokens):
-    """Maps the pages a new sequence of `tokens` tokens needs past the cache's free blocks (the
-    engine grows its caches as its requests grow; an imported one arrives whole); returns how
-    many pages per layer it mapped."""
-    need = -(-tokens // cache.block_size) - cache.free_blocks
+@dataclass
+class Held:
+    """A request a live migration's last round took out of `instance`, its KV sequences kept
+    until its destination has it (free) or cannot take it (restore: served here again as it
+    was, with its KV)."""
+    instance: object
+    handle: object
+    tokens: np.ndarray       # prompt then output
+    stop_tokens: np.ndarray
+    record: tuple            # Instance.record() at the stop (this host's clock)
+    seqs: list               # per rank, -1 for none
+
+    @property
+    def workers(self):
+        return self.instance.workers
+
+    def restore(self):
+        self.instance.readmit(self.handle, self.tokens, self.stop_tokens, self.record, self.seqs)
+
+    def free(self):
+        for cache, seq in zip(self.instance.kvs, self.seqs):
+            if seq >= 0:
+                cache.free(seq)
+        self.seqs = [-1] * len(self.seqs)
+
+
+def _make_room(cache, blocks):
+    """Maps the pages `blocks` more blocks need past the cache's free ones (the engine grows its
+    caches as its requests grow; moved KV arrives whole); returns how many pages per layer it
+    mapped."""
+    need = blocks - cache.free_blocks
     if need <= 0:
         return 0
     pages = math.ceil(need / cache.blocks_per_page())
@@ -149,58 +215,99 @@ def _make_room(cache, tokens):
     return pages
 
 
-def import_request(instance, packet, rid, now, with_kv=True):
+class Reservation:
+    """A sequence on every rank of `instance` holding the KV of a request's tokens [0, tokens),
+    written range by range before the request comes (a live migration's rounds), then adopted
+    with it (import_request). free() gives back the sequences and the pages mapped for them."""
+
+    def __init__(self, instance):
+        self.instance = instance
+        self.tokens = 0
+        self.seqs = [-1] * len(instance.kvs)
+        self.grown = [0] * len(instance.kvs)
+
+    @property
+    def workers(self):
+        return self.instance.workers
+
+    def take(self, packet):
+        """Brings the sequences to the packet's KV, tokens [0, packet.computed): what it carries
+        is written past what they hold. A request that has computed fewer tokens since
+        (preempted at its source) starts over. When it raises, the reservation is freed."""
+        kv = packet.kv
+        if packet.computed < self.tokens or (self.tokens and kv is not None
+                                             and packet.kv_start == 0):
+            self.free()
+        if kv is None:
+            return
+        config = self.instance.host.model.config
+        start, n = packet.kv_start, packet.computed - packet.kv_start
+        first, last = _layers(config, packet.kv_layers)
+        want = (last - first, 2, n, config.num_key_value_heads, config.head_dim)
+        if kv.shape != want or start != self.tokens:
+            self.free()
+            raise InvalidArgumentError(f"packet.kv has shape {kv.shape} from token {start}; "
+                                       f"this model's KV of tokens [{self.tokens}, "
+                                       f"{packet.computed}) in layers [{first}, {last}) is {want}")
+        slices = _rank_slices(self.instance, config)
+        if any(lo < first or hi > last for _, lo, hi, _ in slices):
+            self.free()
+            raise InvalidArgumentError(f"packet.kv holds layers [{first}, {last}), not every "
+                                       f"layer of instance {self.instance.layout}")
+        end = start + n
+        try:
+            for r, (cache, lo, hi, head) in enumerate(slices):
+                if self.seqs[r] < 0:
+                    self.seqs[r] = cache.new_sequence()
+                blocks = -(-end // cache.block_size) - (-(-start // cache.block_size))
+                self.grown[r] += _make_room(cache, blocks)
+                cache.reserve(self.seqs[r], end)
+                write_layers(cache, self.seqs[r], lo, kv[lo - first:hi - first], start, head)
+        except BaseException:
+            self.free()
+            raise
+        self.tokens = end
+
+    def free(self):
+        for r, cache in enumerate(self.instance.kvs):
+            if self.seqs[r] >= 0:
+                cache.free(self.seqs[r])
+            if self.grown[r]:   # the pages mapped for it go back, where nothing uses them
+                pages = min(self.grown[r], cache.shrinkable())
+                if pages:
+                    cache.shrink(pages)
+        self.tokens = 0
+        self.seqs = [-1] * len(self.instance.kvs)
+        self.grown = [0] * len(self.instance.kvs)
+
+
+def import_request(instance, packet, rid, now, with_kv=True, reservation=None):
     """The request of `packet` served by `instance` under id `rid`, with its KV written into new
-    sequences of every rank (or, with_kv=False or without KV, queued to be recomputed); returns
-    its handle. Raises OutOfMemoryError, changing nothing, when the KV does not fit."""
-    config = instance.host.model.config
+    sequences of every rank, or into `reservation`'s (a Reservation of this instance, which
+    holds its tokens before packet.kv_start; it ends here either way), or, with_kv=False or
+    without KV, queued to be recomputed; returns its handle. Raises OutOfMemoryError, changing
+    nothing, when the KV does not fit."""
     state, generated, computed, prefill_end, preemptions, *ages = packet.record
     if generated != len(packet.output):
         raise InvalidArgumentError(f"packet: {generated} generated tokens recorded, "
                                    f"{len(packet.output)} carried")
-    seqs = [-1] * len(instance.kvs)
-    kv = packet.kv if with_kv else None
-    if kv is not None:
-        first, end = packet.kv_layers or (0, config.num_hidden_layers)
-        want = (end - first, 2, computed, config.num_key_value_heads, config.head_dim)
-        if kv.shape != want:
-            raise InvalidArgumentError(f"packet.kv has shape {kv.shape}, this model's KV of "
-                                       f"{computed} tokens in layers [{first}, {end}) is {want}")
-        slices = _rank_slices(instance, config)
-        if any(lo < first or hi > end for _, lo, hi, _ in slices):
-            raise InvalidArgumentError(f"packet.kv holds layers [{first}, {end}), not every "
-                                       f"layer of instance {instance.layout}")
-        made, grown = [], []
-        try:
-            for r, (cache, lo, hi, head) in enumerate(slices):
-                grown.append((cache, _make_room(cache, computed)))
-                seq = cache.new_sequence()
-                made.append((cache, seq))
-                cache.reserve(seq, computed)
-                write_layers(cache, seq, lo, kv[lo - first:hi - first], head)
-                seqs[r] = seq
-        except BaseException:
-            for cache, seq in made:
-                cache.free(seq)
-            for cache, pages in grown:   # the pages mapped for it go back
-                if pages:
-                    cache.shrink(pages)
-            raise
-    else:
-        computed = prefill_end = 0
-
-    def at(age):
-        return now - age if not math.isnan(age) else math.nan
-    info = (state, generated, computed, prefill_end, preemptions) + tuple(at(a) for a in ages)
-    handle = new_handle(packet, rid, instance.tokenizer, now)
-    tokens = np.array(packet.prompt + packet.output, dtype=np.int32)
+    res = reservation if reservation is not None else Reservation(instance)
     try:
-        instance.readmit(handle, tokens, packet.stop_tokens, info, seqs)
+        if with_kv:
+            res.take(packet)
+        if not with_kv or res.tokens != computed or computed == 0:
+            res.free()   # recomputed from its tokens
+            computed = prefill_end = 0
+
+        def at(age):
+            return now - age if not math.isnan(age) else math.nan
+        info = (state, generated, computed, prefill_end, preemptions) + tuple(at(a) for a in ages)
+        handle = new_handle(packet, rid, instance.tokenizer, now)
+        tokens = np.array(packet.prompt + packet.output, dtype=np.int32)
+        instance.readmit(handle, tokens, packet.stop_tokens, info, res.seqs)
         return handle
     except BaseException:
-        for cache, seq in zip(instance.kvs, seqs):
-            if seq >= 0:
-                cache.free(seq)
+        res.free()
         raise
 
 
@@ -219,5 +326,5 @@ def new_handle(packet, rid, tokenizer, now):
     return handle
 
 
-__all__ = ["RequestPacket", "export_request", "import_request", "new_handle", "gather_layers",
-           "write_layers"]
+__all__ = ["Held", "RequestPacket", "Reservation", "export_request", "gather_layers",
+           "import_request", "new_handle", "write_layers"]
