@@ -26,6 +26,13 @@ host's requests run again elsewhere.
    GPU and reconfigure the same groups in order, and what a decision costs over Ray (the
    hosts' loads read through their actors, the controller's own time).
 
+6. A KunServe buddy group whose members sit on different hosts (Cluster.buddy: a pipeline
+   split between two processes, engine/peer.h): the same batch decoded, side by side in one
+   run, by one TP1 instance, by the group split over Ray (each step's rows to the follower's
+   process and its logits back), and by the same split in one process (the outlet a direct
+   call: the engine's own cost of the split, without Ray); per decode step, the bytes that
+   cross per step, and the seconds a formation and a restore take with the batch in flight.
+
     python benchmarks/bench_cluster.py [--model smollm2-135m-instruct|tiny] [--batch 8]
                                        [--tokens 64] [--repeat 3] [--prompt 1024]
 Writes benchmarks/results/bench_cluster.json."""
@@ -160,6 +167,66 @@ def live_vs_stop(model, host_args, prompt_tokens, n):
     return rows
 
 
+def _split_in_process(model, host_args, ps, params):
+    """The batch decoded by a group split between two Hosts of this process (Lead and Follow
+    joined by a direct call): seconds, leader steps."""
+    from gyges.reconfig.split_buddy import Follow, Lead
+    a, b = gyges.Host(model, **host_args), gyges.Host(model, **host_args)
+    lead, follow = Lead(a, 0, model.config.num_hidden_layers // 2), \
+        Follow(b, 0, model.config.num_hidden_layers // 2)
+    moved, _ = lead.form(follow.form(lead.upper_kv()), follow.follow, follow.capacity_blocks)
+    follow.adopt(moved)
+    start = time.perf_counter()
+    a.generate(ps, params)
+    seconds, steps = time.perf_counter() - start, a.steps
+    a.close()
+    b.close()
+    return seconds, steps
+
+
+def split_group(model, host_args, ps, params, repeat):
+    """Per decode step: one TP1 instance (host 0 of a 2-host cluster, alone), the group split
+    between the two hosts over Ray, and the same split in one process; and the formation's and
+    the restore's seconds with a batch in flight."""
+    cfg = model.config
+    rows, form_s, restore_s = {"tp1": [], "ray": [], "local": []}, [], []
+    with _two_hosts(model, host_args) as cluster:
+        for _ in range(repeat):
+            before = cluster.host(0).steps()
+            start = time.perf_counter()
+            cluster.wait([cluster.submit(p, params, host=0) for p in ps])
+            rows["tp1"].append((time.perf_counter() - start) / (cluster.host(0).steps() - before))
+            flight = [cluster.submit(p, params, host=i % 2) for i, p in enumerate(ps)]
+            while not all(len(h.output_tokens) >= 2 for h in flight):
+                time.sleep(0.001)
+            start = time.perf_counter()
+            group = cluster.buddy([(0, 0), (1, 0)])
+            form_s.append(time.perf_counter() - start)
+            cluster.wait(flight)
+            before = cluster.host(0).steps()
+            start = time.perf_counter()
+            cluster.wait([cluster.submit(p, params, host=0) for p in ps])
+            rows["ray"].append((time.perf_counter() - start) / (cluster.host(0).steps() - before))
+            flight = [cluster.submit(p, params, host=0) for p in ps]
+            while not all(len(h.output_tokens) >= 2 for h in flight):
+                time.sleep(0.001)
+            start = time.perf_counter()
+            cluster.restore(group)
+            restore_s.append(time.perf_counter() - start)
+            cluster.wait(flight)
+            seconds, steps = _split_in_process(model, host_args, ps, params)
+            rows["local"].append(seconds / steps)
+    tp1 = min(rows["tp1"])
+    n = len(ps)
+    cross = n * cfg.hidden_size * 4 + n * cfg.vocab_size * 4   # a decode step: rows out, logits back
+    out = [dict(way=what, per_step_ms=1e3 * min(rows[key]), vs_tp1=min(rows[key]) / tp1 - 1,
+                crossing=0 if key == "tp1" else cross)
+           for key, what in (("tp1", "one TP1 instance (Ray actor)"),
+                             ("ray", "split between 2 hosts over Ray"),
+                             ("local", "split between 2 hosts of one process"))]
+    return out, min(form_s), min(restore_s)
+
+
 def replay_vs_sim(policy="round_robin"):
     """Decisions of a 2-host replay and of the simulator on one spaced trace (arrivals 1.5 s
     apart: every request done before the next, so timing cannot change a decision)."""
@@ -257,12 +324,21 @@ def main():
     for mode in ("live", "stop"):
         d = [r["downtime_ms"] for r in both if r["mode"] == mode]
         print(f"  {mode}: downtime median {np.median(d):.2f} ms over {len(d)} migrations")
+    split, formed, restored = split_group(model, host_args, ps, params, max(1, a.repeat - 1))
+    print_table(f"a buddy group split between two hosts ({a.batch} requests x {a.tokens} tokens; "
+                f"best of {max(1, a.repeat - 1)})", split,
+                [("way", "decoded by", "{}"), ("per_step_ms", "per step ms", "{:.3f}"),
+                 ("vs_tp1", "vs TP1", "{:+.1%}"), ("crossing", "bytes across per step", "{:,}")])
+    print(f"  formation with {a.batch} requests in flight: {formed:.3f} s; restore: "
+          f"{restored:.3f} s")
     replay = replay_vs_sim()
     print_table("one controller over 2 hosts (tiny model, round_robin, 8 spaced requests) vs "
                 "gyges.sim.run(hosts=2)", replay, [("what", "", "{}"), ("value", "", "{}")])
     write_json("bench_cluster", {"model": a.model, "batch": a.batch, "tokens": a.tokens,
                                  "steps": steps, "overhead": rows, "recovery": rec,
                                  "migration": moves, "live_vs_stop": both,
+                                 "split_group": split, "split_form_s": formed,
+                                 "split_restore_s": restored,
                                  "replay_vs_sim": replay})
 
 

@@ -101,6 +101,7 @@ class HostActor:
         import socket
         return {"pid": os.getpid(), "hostname": socket.gethostname(),
                 "layout": self.host.layout(), "workers": self.host.n_workers,
+                "layers": self.host.model.config.num_hidden_layers,
                 "backend": self.host.backend}
 
     def steps(self):
@@ -118,7 +119,7 @@ class HostActor:
                 "model": repr(h.model), "memory_per_worker": h.memory_per_worker,
                 "page_size": h.worker(0).page_size, "max_batch_tokens": h.max_batch_tokens,
                 "max_running": h.max_running, "max_prefill_chunk": h.max_prefill_chunk,
-                "unfinished": h.has_unfinished(), "layers": h.model.config.num_hidden_layers}
+                "unfinished": h.has_unfinished()}
 
     def loads(self):
         """(layout, [per serving instance: its index into host.instances, workers, tp, whether

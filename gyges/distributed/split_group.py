@@ -102,7 +102,7 @@ class SplitBuddy:
         (ha, ia), (hb, ib) = self.members
         a, b = self._actors()
         if self.split is None:
-            self.split = c._get(ha, a.facts.remote())["layers"] // 2
+            self.split = c._get(ha, a.info.remote())["layers"] // 2
 
         def run():
             upper = a.split_lead_begin.remote(self.id, ia, self.split)
