@@ -819,7 +819,7 @@ void gy_engine_undo(gy_engine *e, const int64_t *pages) {
 
 /* Gives the free tails of the owned caches back; a live NumPy view of a raw-layout layer may
  * refuse, which only delays the shrink to a later step. */
-static void gy_engine_shrink(gy_engine *e) {
+void gy_engine_shrink(gy_engine *e) {
     for (int32_t s = 0; s < e->n_stages; s++) {
         if (!e->stages[s].owned) continue;
         for (int32_t k = 0; k < e->stages[s].n_ranks; k++) {

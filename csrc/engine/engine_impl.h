@@ -134,6 +134,8 @@ gy_status gy_engine_adopt_locked(gy_engine *e, int64_t id, const int32_t *tokens
 gy_status gy_engine_mark(gy_engine *e, int64_t *pages);
 void gy_engine_unmark(gy_engine *e);
 void gy_engine_undo(gy_engine *e, const int64_t *pages);
+/* Gives the free tails of the owned caches back (after requests finished). */
+void gy_engine_shrink(gy_engine *e);
 /* Blocks every request could get (with a follower: no more than it holds). */
 int64_t gy_engine_capacity_blocks_locked(const gy_engine *e);
 gy_status gy_engine_scratch(gy_engine *e, int64_t n_tokens, int64_t n_entries, int64_t n_logits);

@@ -150,6 +150,7 @@ static gy_status gy_engine_follow_locked(gy_engine *e, const gy_peer_step *in, f
     if (e->follow_marked) gy_engine_unmark(e); /* the leader's last step stands */
     e->follow_marked = 0;
     for (int64_t i = 0; i < in->n_released_before; i++) gy_engine_release_kv(e, in->released[i]);
+    if (in->n_released_before > 0) gy_engine_shrink(e); /* as the leader gave its pages back */
     if (in->n_entries == 0 && in->n_released_now == 0) return GY_OK;
     GY_TRY(gy_engine_mark(e, e->follow_pages));
     e->follow_marked = 1;

@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "engine/forward_cuda.h"
 #include "engine/handover.h"
+#include "engine/peer.h"
 #include "engine/remote.h"
 #include "engine/resplit.h"
 #include "gytest.h"
@@ -763,6 +764,105 @@ GYTEST(engine_remote_attention_gives_the_tokens_of_one_stage) {
     for (int s = 0; s < 2; s++) {
         gy_kv_free(kvs[s]);
         gy_arena_free(arenas[s]);
+    }
+    gy_model_free(&model);
+    for (int i = 0; i < o.n; i++) free(o.tensors[i]);
+}
+
+/* ---- a pipeline split between two processes (peer.h) ---- */
+
+typedef struct {
+    gy_engine *follower;
+    int calls, lose_reply_at, lose_request_at, cancels;
+} outlet_state;
+
+/* The leader's outlet: the follower called directly, a reply or a request lost on the calls
+ * asked for (as a broken link would). */
+static gy_status direct_outlet(void *ctx, const gy_peer_step *step, float *logits) {
+    outlet_state *o = ctx;
+    if (step->cancel) {
+        o->cancels++;
+        return gy_engine_follow(o->follower, step, logits);
+    }
+    o->calls++;
+    if (o->calls == o->lose_request_at) return GY_FAIL(GY_ERR_STATE, "the request was lost");
+    GY_TRY(gy_engine_follow(o->follower, step, logits));
+    if (o->calls == o->lose_reply_at) return GY_FAIL(GY_ERR_STATE, "the reply was lost");
+    return GY_OK;
+}
+
+/* One side of the split: a stage whose model holds layers [first, end) only. */
+static void split_side(plan_worker *w, int64_t first, int64_t end, gy_engine_rank *rank) {
+    plan_worker_init(w, NKV, 0, PLAN_L);
+    gy_model *m = &w->model;
+    m->layer_begin = first;
+    m->layer_end = end;
+    m->has_embed = first == 0;
+    m->has_head = end == PLAN_L;
+    for (int64_t l = 0; l < PLAN_L; l++)
+        if (l < first || l >= end) memset(&m->layers[l], 0, sizeof m->layers[l]);
+    if (!m->has_embed) m->embed = NULL;
+    if (!m->has_head) m->final_norm = NULL, m->lm_head = NULL;
+    *rank = (gy_engine_rank){.model = m, .kv = w->kv};
+}
+
+GYTEST(engine_a_pipeline_split_between_two_engines_gives_the_tokens_of_one_stage) {
+    owned o = {0};
+    gy_model model;
+    build_model_layers(&model, &o, PLAN_L);
+    int32_t want[3][12];
+    serve_tp1(&model, want);
+    for (int lost = 0; lost < 3; lost++) { /* none, a lost reply, a lost request */
+        plan_worker a, b;
+        gy_engine_rank ra, rb;
+        split_side(&a, 0, 2, &ra);
+        split_side(&b, 2, PLAN_L, &rb);
+        const gy_engine_stage lead_stage = {.first_layer = 0, .end_layer = 2, .size = 1, .ranks = &ra};
+        const gy_engine_stage follow_stage = {.first_layer = 2, .end_layer = PLAN_L, .size = 1,
+                                              .ranks = &rb};
+        gy_engine_config cfg = {.max_batch_tokens = 16, .max_running = 8};
+        gy_engine *lead, *follow;
+        /* a part of the model is a plan only when it says which part */
+        CHECK_STATUS(gy_engine_init_plan(&lead, &lead_stage, 1, &cfg), GY_ERR_INVALID);
+        gy_error_clear();
+        cfg.end_layer = 2;
+        CHECK_OK(gy_engine_init_plan(&lead, &lead_stage, 1, &cfg));
+        cfg.first_layer = 2;
+        cfg.end_layer = 0;
+        CHECK_OK(gy_engine_init_plan(&follow, &follow_stage, 1, &cfg));
+        gy_engine_step_out out;
+        CHECK_STATUS(gy_engine_step(lead, 0.0, &out), GY_ERR_STATE); /* no follower yet */
+        CHECK_STATUS(gy_engine_step(follow, 0.0, &out), GY_ERR_STATE); /* it follows */
+        CHECK_STATUS(gy_engine_set_outlet(follow, direct_outlet, NULL, 10), GY_ERR_INVALID);
+        gy_error_clear();
+        outlet_state st = {.follower = follow, .lose_reply_at = lost == 1 ? 3 : 0,
+                           .lose_request_at = lost == 2 ? 3 : 0};
+        CHECK_OK(gy_engine_set_outlet(lead, direct_outlet, &st, gy_engine_capacity_blocks(follow)));
+        int32_t got[3][12];
+        int64_t produced[3] = {0, 0, 0};
+        add_requests(lead);
+        int failures = 0;
+        for (int step = 0; step < 100; step++) {
+            const gy_status s = gy_engine_step(lead, (double)step, &out);
+            if (s != GY_OK) {
+                failures++;
+                gy_error_clear();
+                continue;
+            }
+            collect(&out, got, produced);
+            for (int64_t i = 0; i < out.n_finished; i++) CHECK_OK(gy_engine_release(lead, out.finished[i]));
+        }
+        CHECK(produced[0] == 12 && produced[1] == 12 && produced[2] == 12);
+        CHECK(memcmp(got, want, sizeof got) == 0);
+        CHECK(failures == (lost ? 1 : 0) && st.cancels == failures);
+        CHECK_OK(gy_engine_peer_flush(lead));
+        gy_kv_stats ka, kb;
+        gy_kv_stats_get(a.kv, &ka);
+        gy_kv_stats_get(b.kv, &kb);
+        CHECK(ka.n_sequences == 0 && kb.n_sequences == 0);
+        gy_engine_free(lead);
+        gy_engine_free(follow);
+        CHECK(plan_worker_free(&a) && plan_worker_free(&b)); /* every KV page given back */
     }
     gy_model_free(&model);
     for (int i = 0; i < o.n; i++) free(o.tensors[i]);
