@@ -9,7 +9,6 @@ both sides; in one process, a group formed and restored with requests in flight 
 request one Host's tokens, with the bytes that crossed counted; on a 2-node Ray cluster, the
 same through gyges.Cluster.buddy / restore, and a lost follower host leaves the leader serving
 alone with nothing lost (those two in tests/test_distributed.py, on its Ray nodes)."""
-import time
 
 import numpy as np
 import pytest

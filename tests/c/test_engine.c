@@ -497,6 +497,21 @@ static int plan_worker_free(plan_worker *w) {
     return st.bytes_in_use == 0;
 }
 
+/* The worker's model holds layers [first, end) only, and the ends asked for: the others'
+ * weights are gone (NULL), so a stage touching them would crash. */
+static void plan_worker_keep(plan_worker *w, int64_t first, int64_t end, int embed, int head) {
+    gy_model *m = &w->model;
+    m->layer_begin = first;
+    m->layer_end = end;
+    m->has_embed = embed;
+    m->has_head = head;
+    for (int64_t l = 0; l < PLAN_L; l++)
+        if (l < first || l >= end) memset(&m->layers[l], 0, sizeof m->layers[l]);
+    if (!embed) m->embed = NULL;
+    if (!head) m->final_norm = NULL, m->lm_head = NULL;
+    CHECK_OK(gy_model_check(m, (1u << MAX_TP) - 1));
+}
+
 /* Serves the three requests on a plan of TP1 stages with the given layer counts, one worker a
  * stage, and checks the tokens against `want`. */
 static void check_pipeline(const int *layers, int n_stages, int32_t want[3][12]) {
@@ -506,18 +521,7 @@ static void check_pipeline(const int *layers, int n_stages, int32_t want[3][12])
     int64_t first = 0;
     for (int s = 0; s < n_stages; s++) {
         plan_worker_init(&w[s], NKV, first, first + layers[s]);
-        /* The stage's model holds its layers only: the others' weights are gone (NULL), so a
-         * stage touching them would crash here. */
-        gy_model *m = &w[s].model;
-        m->layer_begin = first;
-        m->layer_end = first + layers[s];
-        m->has_embed = s == 0;
-        m->has_head = s == n_stages - 1;
-        for (int64_t l = 0; l < PLAN_L; l++)
-            if (l < m->layer_begin || l >= m->layer_end) memset(&m->layers[l], 0, sizeof m->layers[l]);
-        if (!m->has_embed) m->embed = NULL;
-        if (!m->has_head) m->final_norm = NULL, m->lm_head = NULL;
-        CHECK_OK(gy_model_check(m, (1u << MAX_TP) - 1));
+        plan_worker_keep(&w[s], first, first + layers[s], s == 0, s == n_stages - 1);
         ranks[s] = (gy_engine_rank){.model = &w[s].model, .kv = w[s].kv};
         stages[s] = (gy_engine_stage){.first_layer = first, .end_layer = first + layers[s],
                                       .size = 1, .ranks = &ranks[s]};
@@ -793,17 +797,9 @@ static gy_status direct_outlet(void *ctx, const gy_peer_step *step, float *logit
 
 /* One side of the split: a stage whose model holds layers [first, end) only. */
 static void split_side(plan_worker *w, int64_t first, int64_t end, gy_engine_rank *rank) {
-    plan_worker_init(w, NKV, 0, PLAN_L);
-    gy_model *m = &w->model;
-    m->layer_begin = first;
-    m->layer_end = end;
-    m->has_embed = first == 0;
-    m->has_head = end == PLAN_L;
-    for (int64_t l = 0; l < PLAN_L; l++)
-        if (l < first || l >= end) memset(&m->layers[l], 0, sizeof m->layers[l]);
-    if (!m->has_embed) m->embed = NULL;
-    if (!m->has_head) m->final_norm = NULL, m->lm_head = NULL;
-    *rank = (gy_engine_rank){.model = m, .kv = w->kv};
+    plan_worker_init(w, NKV, 0, PLAN_L);   /* (its cache holds every layer, as a worker's does) */
+    plan_worker_keep(w, first, end, first == 0, end == PLAN_L);
+    *rank = (gy_engine_rank){.model = &w->model, .kv = w->kv};
 }
 
 GYTEST(engine_a_pipeline_split_between_two_engines_gives_the_tokens_of_one_stage) {
