@@ -192,6 +192,9 @@ def test_a_group_across_two_hosts_forms_and_restores_in_flight(tiny, params):
     assert lead.stats["weight_bytes_released"] > 0 and follow.stats["weight_bytes_released"] > 0
     assert b.instances == [] and a.layout() == "PP1"
     rb = [handles[moved[r.id]] for r in rb]
+    # its KV is on two hosts: no request of the group leaves while it is formed
+    with pytest.raises(gyges.BusyError, match=r"Lead\(worker 0, split 2, formed\)"):
+        a.export_request(rb[0])
     for _ in range(6):
         a.step()
     assert follow.stats["steps"] >= 6

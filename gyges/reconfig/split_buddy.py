@@ -79,6 +79,29 @@ def _keep_all(worker):
     return copied
 
 
+class _Side:
+    """What both sides share: while formed, the side holds its worker (Host.holds): nothing
+    else reconfigures it, and no request of it is exported (its KV is on two hosts)."""
+    kind = "buddy group split between hosts"
+
+    @property
+    def done(self):
+        return self not in self.host.holds
+
+    def claims(self):
+        return {self.member.workers[0]}
+
+    def _hold(self, held):
+        if held and self not in self.host.holds:
+            self.host.holds.append(self)
+        elif not held and self in self.host.holds:
+            self.host.holds.remove(self)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(worker {self.member.workers[0]}, split {self.split}, "
+                f"{'done' if self.done else 'formed'})")
+
+
 def _new_seq(cache, n):
     request_packet._make_room(cache, -(-n // cache.block_size))
     seq = cache.new_sequence()
@@ -86,7 +109,7 @@ def _new_seq(cache, n):
     return seq
 
 
-class Lead:
+class Lead(_Side):
     """The leader's side: the TP1 instance host.instances[index] becomes the pipeline's first
     part, layers [0, split), with every request of the group."""
 
@@ -149,6 +172,7 @@ class Lead:
             host.pool.remove(self.member)
             host.install(pipe)
             self.instance = pipe
+            self._hold(True)
             return moved, handles
 
     def split_homes(self):
@@ -196,6 +220,7 @@ class Lead:
             host.retire(pipe)
             host.install(inst)
             self.member, self.instance = inst, None
+            self._hold(False)
             return inst
 
     def dissolve(self):
@@ -216,9 +241,10 @@ class Lead:
             host.retire(pipe)
             host.install(inst)
             self.member, self.instance = inst, None
+            self._hold(False)
 
 
-class Follow:
+class Follow(_Side):
     """The follower's side: the TP1 instance host.instances[index] becomes the pipeline's last
     part, layers [split, L), run for the leader (follow)."""
 
@@ -268,6 +294,7 @@ class Follow:
                 kept[rid] = held.seqs[0]   # (the follower's now: adopt)
             self._kept, self._packets = kept, packets
             host.pool.remove(self.member)
+            self._hold(True)
             return packets
 
     def adopt(self, moved):
@@ -301,6 +328,7 @@ class Follow:
             return handles
 
     def _serve_alone(self):
+        self._hold(False)
         _keep_all(self.worker)
         inst = self.host.make_instance(self.member.workers, 1)
         self.host.install(inst)

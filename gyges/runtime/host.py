@@ -198,6 +198,9 @@ class Host(Serving):
         self.reconfigurations = []  # the live ones, in the order they started
         # live migrations' KV (request_packet): held exports by request id, reservations by id
         self._held, self._reservations = {}, {}
+        # changes that hold workers without needing steps (a buddy group split between hosts:
+        # reconfig/split_buddy.py), refused to others as a live reconfiguration is
+        self.holds = []
         self._next_reservation = 0
         self.reconfigurations_started = 0
         self._next_id = 0
@@ -636,8 +639,8 @@ class Host(Serving):
                      if set(m.workers) & set(workers)), None)
 
     def _holding(self, workers):
-        """The first live reconfiguration that holds one of `workers`, or None."""
-        return next((r for r in self.reconfigurations
+        """The first live reconfiguration (or hold) on one of `workers`, or None."""
+        return next((r for r in self.reconfigurations + self.holds
                      if not r.done and r.claims() & set(workers)), None)
 
     def _instance_at(self, index):
