@@ -78,13 +78,21 @@ struct gy_forward_cuda_ws;
  *   x, h, o   (n, hidden)        the residual stream, the normed input, the output of a block
  *   q, attn   (n, qd)            queries, attention output
  *   k, v      (n, kvd)           this step's keys and values
- *   g, u      (n, shard_rows)    gate and up of one FFN shard
+ *   g, u      (n, rows)          gate and up of one FFN shard (rows: the widest of shard_rows,
+ *                                expert_rows and shared_rows; an expert's tokens are at most n)
  *   parts     (n, max_tp*hidden) partial sums before the fixed-order reduction
  *   sel       (n, hidden)        the rows whose logits are asked for
+ * and for a mixture of experts (E = n_experts, k = n_experts_used; cpu/moe.h):
+ *   logits    (n, E)             router logits        choice (n, k) int32, weight (n, k)
+ *   xs, ys    (n*k, hidden)      the tokens' rows grouped by expert, and the experts' outputs
+ *   token_of, slot_of (n*k) int32, offsets (E+1) int64: the grouping;  sg (n) shared gate logit
  * A CUDA model keeps its own device buffers in `cuda` (forward_cuda.c lists them). */
 typedef struct gy_forward_ws {
     int64_t capacity_tokens;
     float *x, *h, *q, *k, *v, *attn, *o, *g, *u, *parts, *sel;
+    float *logits, *weight, *xs, *ys, *sg;
+    int32_t *choice, *token_of, *slot_of;
+    int64_t *offsets;
     struct gy_forward_cuda_ws *cuda; /* a cuda model's device workspace, made on first use */
 } gy_forward_ws;
 

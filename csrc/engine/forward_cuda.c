@@ -162,6 +162,13 @@ const char *gy_forward_cuda_unavailable(void) { return NULL; }
 gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_forward_cuda_attach: NULL model");
     if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
+    /* Not written yet on the device (the CPU pass has them): refused before any device work. */
+    int qk_norm = 0;
+    for (int64_t l = m->layer_begin; l < m->layer_end; l++) qk_norm |= m->layers[l].q_norm != NULL;
+    if (m->n_experts > 0 || qk_norm)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "the CUDA forward pass does not run %s yet; use "
+                       "backend='cpu'", m->n_experts > 0 ? "mixture-of-experts models"
+                                                         : "Qwen3's q/k norms");
     GY_FWD_CUDA_CHECK(cudaSetDevice(device));
     GY_TRY(gy_cuda_blas_available());
     if (m->rope_inv_freq == NULL)

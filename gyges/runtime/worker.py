@@ -74,7 +74,8 @@ def cuda_unavailable():
 
 def _divides_model(config, tp):
     return not (config.num_attention_heads % tp or config.num_key_value_heads % tp
-                or config.intermediate_size % tp)
+                or config.intermediate_size % tp or config.moe_intermediate_size % tp
+                or config.shared_expert_intermediate_size % tp)
 
 
 def default_max_tp(config, limit=4):
@@ -137,6 +138,10 @@ class Worker:
         if backend == "cuda" and _C.cuda_forward_unavailable():
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())
+        if backend == "cuda" and (config.is_moe or config.qk_norm):
+            # the C model refuses it too (gy_forward_cuda_attach); said before the weights move
+            raise UnavailableError(f"backend='cuda' does not run {config.model_type} models yet "
+                                   f"(mixture of experts or q/k norms); use backend='cpu'")
         self.device = self.arena.device
         weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
         if weights.bytes > budget:  # said in the caller's words, before a weight is copied
@@ -206,7 +211,11 @@ class Worker:
         return _C.Model(self.arena.handle, spec, w.c_offsets(shards, pending, set(held)), mask,
                         self.threads, getattr(self, "c_model", None),  # its rotary tables
                         layers=layers, embed=w.has_embed, head=w.has_head,
-                        rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale)
+                        rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale,
+                        n_experts=config.num_experts, experts_used=config.num_experts_per_tok,
+                        expert_intermediate=config.moe_intermediate_size,
+                        shared_intermediate=config.shared_expert_intermediate_size,
+                        norm_topk_prob=config.norm_topk_prob)
 
     def model_for_layers(self, first, end):
         """A C model over layers [first, end) of those held (a pipeline re-split's target stage,
