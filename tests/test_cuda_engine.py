@@ -25,6 +25,7 @@ Tolerance policy (the reason is beside each threshold; the largest error is repo
 import numpy as np
 import pytest
 from reference_model import ReferenceModel
+from worker_logits import paged_logits
 
 import gyges
 from gyges import _C, _C_test
@@ -62,27 +63,6 @@ def prompts(n, seed=0, lo=3, hi=70, vocab=4096):
 
 def cuda_worker(model, **kw):
     return Worker(model, backend="cuda", memory=kw.pop("memory", "512MiB"), **kw)
-
-
-def paged_logits(worker, tokens, chunks, keep=False):
-    """Logits of every position of one sequence, in prefill chunks of the given sizes (decode is
-    a chunk of 1); with keep=True the sequence stays and (logits, seq) is returned."""
-    seq = worker.kv.new_sequence()
-    while worker.kv.free_blocks * worker.block_size < len(tokens):
-        worker.kv.grow(1)
-    worker.kv.reserve(seq, len(tokens))
-    out, pos = [], 0
-    for size in chunks:
-        part = tokens[pos:pos + size]
-        out.append(worker.forward(part, [0] * len(part), range(pos, pos + len(part)),
-                                  [worker.kv.block_table(seq)], range(len(part))))
-        pos += size
-    logits = np.concatenate(out)
-    if keep:
-        return logits, seq
-    worker.kv.free(seq)
-    worker.kv.shrink(worker.kv.stats()["pages_per_layer"])
-    return logits
 
 
 def relative_error(got, want):

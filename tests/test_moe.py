@@ -6,6 +6,7 @@ compositions and TP degrees, compared exactly."""
 import numpy as np
 import pytest
 from reference_model import ReferenceModel
+from worker_logits import paged_logits
 
 import gyges
 from gyges.models.config import ConfigError, ModelConfig
@@ -45,21 +46,6 @@ def checkpoints(tmp_path_factory):
 def prompts(n, seed=0, lo=3, hi=40):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def paged_logits(worker, tokens, chunks):
-    """Logits of every position of one sequence, prefilled in chunks (decode: chunks of 1)."""
-    seq = worker.kv.new_sequence()
-    worker.kv.grow(max(worker.kv_pages_free() // 2, 1))
-    worker.kv.reserve(seq, len(tokens))
-    out, pos = [], 0
-    for size in chunks:
-        part = tokens[pos:pos + size]
-        out.append(worker.forward(part, [0] * len(part), range(pos, pos + len(part)),
-                                  [worker.kv.block_table(seq)], range(len(part))))
-        pos += size
-    worker.kv.free(seq)
-    return np.concatenate(out)
 
 
 def test_hf_config_keys_of_each_family():
