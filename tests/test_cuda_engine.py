@@ -29,6 +29,7 @@ from worker_logits import paged_logits
 
 import gyges
 from gyges import _C, _C_test
+from gyges.models.config import ModelConfig
 from gyges.runtime.kv_cache import KVCache, decode_values
 from gyges.models.safetensors import bf16_to_f32, f32_to_bf16
 from gyges.runtime.worker import Worker
@@ -304,7 +305,6 @@ def test_prefill_and_decode_agree(tiny):
 
 @needs_forward
 def test_qwen2_biases_match_the_cpu_backend():
-    from gyges.models.config import ModelConfig
     qwen = gyges.Model.random(ModelConfig.qwen2_tiny(), seed=5)
     tokens = prompts(1, seed=6, lo=20, hi=21)[0]
     cpu = paged_logits(Worker(qwen, memory="64MiB"), tokens, [12] + [1] * 8)
@@ -321,7 +321,6 @@ def test_qwen2_biases_match_the_cpu_backend():
 def test_rope_scaling_reaches_the_cuda_kernel(scaling):
     # The kernel rotates by the model's frequencies (and YaRN's mscale), not by theta alone:
     # fp32 logits follow the scaled reference, and are far from the unscaled one.
-    from gyges.models.config import ModelConfig
     config = ModelConfig.tiny().replace(num_hidden_layers=2, rope_scaling=scaling)
     model = gyges.Model.random(config, seed=11)
     tokens = prompts(1, seed=7, lo=90, hi=91)[0]
@@ -343,6 +342,19 @@ def test_bf16_logits_track_the_reference_on_rounded_weights(tiny):
     got = paged_logits(worker, tokens, [17] + [1] * 8)
     err = relative_error(got, want)
     assert err < BF16_RTOL, f"largest relative error {err:.2e}"
+
+
+@needs_forward
+def test_mixtures_of_experts_and_qwen3_are_refused_by_name():
+    """The CUDA pass has neither experts nor q/k norms yet: the worker says so before a weight
+    reaches the device, rather than running a model without them."""
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=None)
+    for config in (ModelConfig(**base, model_type="qwen3"),
+                   ModelConfig(**base, model_type="mixtral", num_experts=2, num_experts_per_tok=1,
+                               moe_intermediate_size=32, norm_topk_prob=True)):
+        with pytest.raises(gyges.UnavailableError, match=f"{config.model_type} models yet"):
+            cuda_worker(gyges.Model.random(config))
 
 
 def _first_divergence(a, b):
