@@ -207,3 +207,31 @@ def test_gguf_files_of_each_family_load_as_the_checkpoint(tmp_path, family, arch
     assert list(loaded.tensors) == list(model.tensors)
     for name, t in model.tensors.items():
         np.testing.assert_array_equal(loaded.tensors[name], t, err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_expert_parallelism_gives_tp1_s_tokens_and_logprobs_to_the_bit(checkpoints, family):
+    """EP2: each worker of a TP2 group holds its block of experts whole (Mixtral's 5 split 2 and
+    3), attention and the shared expert TP-sharded; the experts' outputs go through the
+    all-reduce and are combined in TP1's order."""
+    model = checkpoints[(family, "f32")]
+    params = gyges.SamplingParams(max_tokens=10, temperature=0.8, seed=4, logprobs=3,
+                                  ignore_eos=True)
+    ps = prompts(4, seed=7)
+    tp1 = gyges.Host(model, workers=2, memory_per_worker="32MiB", layout="2xTP1")
+    want = [(r.output_tokens, r.logprobs) for r in tp1.generate(ps, params)]
+    host = gyges.Host(model, workers=2, memory_per_worker="32MiB", layout="TP2",
+                      expert_parallel=True)
+    n = model.config.num_experts
+    for rank in range(2):
+        worker = host.worker(rank)
+        assert worker.weights.held_experts == set(range(rank * n // 2, (rank + 1) * n // 2))
+        # half the memory of TP1's experts, give or take the uneven split
+        assert worker.arena.stats()["bytes_in_use"] < tp1.worker(rank).arena.stats()["bytes_in_use"]
+    assert [(r.output_tokens, r.logprobs) for r in host.generate(ps, params)] == want
+    with pytest.raises(gyges.InvalidArgumentError, match="expert-parallel host does not"):
+        host.transform((0, 1), 1)
+    tp1.close()
+    host.close()
+    with pytest.raises(gyges.InvalidArgumentError, match="mixture-of-experts model"):
+        Worker(checkpoints[("qwen3", "f32")], memory="64MiB", expert_parallel=True)

@@ -30,6 +30,7 @@ static int32_t gy_forward_cpu_buffers(gy_forward_cpu_buffer *out, gy_forward_ws 
     if (m->expert_rows > rows) rows = m->expert_rows;
     if (m->shared_rows > rows) rows = m->shared_rows;
     const int64_t E = m->n_experts, nk = n * m->n_experts_used;
+    const int64_t outputs = m->expert_end - m->expert_begin < E ? m->max_tp : 1; /* ys's P */
     const gy_forward_cpu_buffer plan[] = {
         {(void **)&ws->x, n * m->hidden, 4}, {(void **)&ws->h, n * m->hidden, 4},
         {(void **)&ws->q, n * qd, 4}, {(void **)&ws->k, n * kvd, 4}, {(void **)&ws->v, n * kvd, 4},
@@ -37,7 +38,7 @@ static int32_t gy_forward_cpu_buffers(gy_forward_cpu_buffer *out, gy_forward_ws 
         {(void **)&ws->g, n * rows, 4}, {(void **)&ws->u, n * rows, 4},
         {(void **)&ws->parts, n * m->max_tp * m->hidden, 4}, {(void **)&ws->sel, n * m->hidden, 4},
         {(void **)&ws->logits, n * E, 4}, {(void **)&ws->weight, nk, 4},
-        {(void **)&ws->xs, nk * m->hidden, 4}, {(void **)&ws->ys, nk * m->hidden, 4},
+        {(void **)&ws->xs, nk * m->hidden, 4}, {(void **)&ws->ys, outputs * nk * m->hidden, 4},
         {(void **)&ws->sg, E > 0 ? n : 0, 4}, {(void **)&ws->choice, nk, 4},
         {(void **)&ws->token_of, nk, 4}, {(void **)&ws->slot_of, nk, 4},
         {(void **)&ws->offsets, E > 0 ? E + 1 : 0, 8},
@@ -61,10 +62,12 @@ static void gy_forward_cpu_ws_free(gy_forward_ws *ws) {
         *buffers[i] = NULL;
     }
     ws->capacity_tokens = 0;
+    ws->ys_parts = 0;
 }
 
 static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int64_t n) {
-    if (n <= ws->capacity_tokens) return GY_OK;
+    const int64_t parts = m->expert_end - m->expert_begin < m->n_experts ? m->max_tp : 1;
+    if (n <= ws->capacity_tokens && parts <= ws->ys_parts) return GY_OK;
     gy_forward_cpu_ws_free(ws);
     gy_forward_cpu_buffer plan[GY_FORWARD_CPU_BUFFERS];
     const int32_t count = gy_forward_cpu_buffers(plan, ws, m, n);
@@ -77,6 +80,7 @@ static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int
         }
     }
     ws->capacity_tokens = n;
+    ws->ys_parts = parts;
     return GY_OK;
 }
 
@@ -149,26 +153,55 @@ static gy_status gy_forward_cpu_ffn(float *y, gy_forward_ws *ws, const float *x,
 }
 
 /* Layer l's mixture of experts on ws->h: ws->parts gets the partial sum of each FFN shard this
- * rank holds, as a dense layer's. The router runs on every rank (its weight is replicated, so
+ * rank holds, as a dense layer's (expert-parallel: after the exchange above). The router runs on every rank (its weight is replicated, so
  * every rank routes alike); each expert's tokens are gathered into a run of rows (cpu/moe.h) and
  * go through the expert's shard in one GEMM each; each token's rows are combined in its rank
  * order, and the shared expert's shard, gated, added after them. A shard's partial is what TP1
  * computes for that shard, so the tree over shards and ranks gives TP1's bits. */
+/* Expert parallelism's half of it: this rank's experts, every shard, into ys [max_tp, n*k,
+ * hidden] (zeros in the other ranks' slots), then the all-reduce that gives every rank every
+ * slot; each value comes from one rank, so the sum over ranks is exact. */
+static gy_status gy_forward_cpu_moe_exchange(const gy_model *m, const gy_layer_weights *w,
+                                             const gy_tp_group *tp, gy_forward_ws *ws, int64_t n,
+                                             int64_t l, gy_threadpool *pool) {
+    const int64_t nk = n * m->n_experts_used, hid = m->hidden;
+    memset(ws->ys, 0, (size_t)(m->max_tp * nk * hid) * sizeof(float));
+    for (int64_t s = 0; s < m->max_tp; s++)
+        for (int64_t e = m->expert_begin; e < m->expert_end; e++) {
+            const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
+            const gy_expert_weights *x = &w->experts[e];
+            if (rows == 0) continue;
+            if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
+                return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
+                               (long long)l, (long long)e, (long long)s);
+            GY_TRY(gy_forward_cpu_ffn(ws->ys + (s * nk + first) * hid, ws, ws->xs + first * hid,
+                                      x->gate[s], x->up[s], x->down_t[s], m->weight_dtype, rows,
+                                      hid, m->expert_rows, pool));
+        }
+    return tp->all_reduce(tp->ctx, ws->ys, m->max_tp * nk * hid);
+}
+
 static gy_status gy_forward_cpu_moe(const gy_model *m, const gy_layer_weights *w,
-                                    gy_forward_ws *ws, int64_t n, int64_t first_shard,
-                                    int64_t shards_here, int64_t l, gy_threadpool *pool) {
+                                    const gy_tp_group *tp, gy_forward_ws *ws, int64_t n,
+                                    int64_t first_shard, int64_t shards_here, int64_t l,
+                                    gy_threadpool *pool) {
     const int64_t E = m->n_experts, k = m->n_experts_used, hid = m->hidden;
     const gy_dtype wt = m->weight_dtype;
+    const int partitioned = m->expert_end - m->expert_begin < E;
     GY_TRY(gy_cpu_linear(ws->logits, ws->h, w->router, GY_DTYPE_F32, NULL, n, hid, E, 1, pool));
     GY_TRY(gy_cpu_moe_route(ws->choice, ws->weight, ws->logits, n, E, k, m->norm_topk_prob));
     GY_TRY(gy_cpu_moe_group(ws->offsets, ws->token_of, ws->slot_of, ws->choice, n, E, k));
     GY_TRY(gy_cpu_moe_gather(ws->xs, ws->h, ws->token_of, n * k, hid));
     if (m->shared_rows > 0 && w->shared_gate != NULL)
         GY_TRY(gy_cpu_linear(ws->sg, ws->h, w->shared_gate, GY_DTYPE_F32, NULL, n, hid, 1, 1, pool));
+    if (partitioned) GY_TRY(gy_forward_cpu_moe_exchange(m, w, tp, ws, n, l, pool));
     for (int64_t j = 0; j < shards_here; j++) {
         const int64_t s = first_shard + j;
         float *part = ws->parts + j * n * hid;
-        for (int64_t e = 0; e < E; e++) {
+        /* the experts' outputs of shard s: exchanged (expert-parallel), or computed here */
+        const float *ys = partitioned ? ws->ys + s * n * k * hid : ws->ys;
+        float *spare = partitioned ? ws->xs : ws->ys; /* n rows free for the shared expert */
+        for (int64_t e = 0; e < E && !partitioned; e++) {
             const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
             const gy_expert_weights *x = &w->experts[e];
             if (rows == 0) continue;
@@ -178,15 +211,14 @@ static gy_status gy_forward_cpu_moe(const gy_model *m, const gy_layer_weights *w
             GY_TRY(gy_forward_cpu_ffn(ws->ys + first * hid, ws, ws->xs + first * hid, x->gate[s],
                                       x->up[s], x->down_t[s], wt, rows, hid, m->expert_rows, pool));
         }
-        GY_TRY(gy_cpu_moe_combine(part, ws->ys, ws->weight, ws->slot_of, n, k, hid));
+        GY_TRY(gy_cpu_moe_combine(part, ys, ws->weight, ws->slot_of, n, k, hid));
         if (m->shared_rows == 0) continue;
         if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
             return GY_FAIL(GY_ERR_STATE, "layer %lld: the shared expert's shard %lld is not held "
                            "here", (long long)l, (long long)s);
-        /* ys is free again: n <= n * k rows of it hold the shared expert's output */
-        GY_TRY(gy_forward_cpu_ffn(ws->ys, ws, ws->h, w->gate[s], w->up[s], w->down_t[s], wt, n,
+        GY_TRY(gy_forward_cpu_ffn(spare, ws, ws->h, w->gate[s], w->up[s], w->down_t[s], wt, n,
                                   hid, m->shared_rows, pool));
-        GY_TRY(gy_cpu_moe_add_gated(part, ws->ys, w->shared_gate ? ws->sg : NULL, n, hid));
+        GY_TRY(gy_cpu_moe_add_gated(part, spare, w->shared_gate ? ws->sg : NULL, n, hid));
     }
     return GY_OK;
 }
@@ -234,7 +266,7 @@ static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp,
         const float *parts[GY_MODEL_MAX_TP];
         for (int64_t j = 0; j < shards_here; j++) parts[j] = ws->parts + j * n * hid;
         if (w->router != NULL)
-            GY_TRY(gy_forward_cpu_moe(m, w, ws, n, first_shard, shards_here, l, pool));
+            GY_TRY(gy_forward_cpu_moe(m, w, tp, ws, n, first_shard, shards_here, l, pool));
         else
             for (int64_t j = 0; j < shards_here; j++) {
                 const int64_t s = first_shard + j;

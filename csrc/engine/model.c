@@ -73,6 +73,8 @@ gy_status gy_model_init(gy_model *m, const double *inv_freq, double mscale,
     m->shard_rows = m->intermediate / m->max_tp;
     m->expert_rows = m->n_experts > 0 ? m->expert_intermediate / m->max_tp : 0;
     m->shared_rows = m->n_experts > 0 ? m->shared_intermediate / m->max_tp : 0;
+    m->expert_begin = 0;
+    m->expert_end = m->n_experts;
     m->layer_begin = 0;
     m->layer_end = m->n_layers;
     m->has_embed = m->has_head = 1;
@@ -121,6 +123,11 @@ void gy_model_free(gy_model *m) {
 }
 
 gy_status gy_model_check(const gy_model *m, uint32_t shards) {
+    if (m->n_experts > 0 &&
+        (m->expert_begin < 0 || m->expert_end > m->n_experts || m->expert_begin >= m->expert_end))
+        return GY_FAIL(GY_ERR_INVALID, "the model holds experts [%lld, %lld) of %lld",
+                       (long long)m->expert_begin, (long long)m->expert_end,
+                       (long long)m->n_experts);
     if (m->layer_begin < 0 || m->layer_end > m->n_layers || m->layer_begin > m->layer_end)
         return GY_FAIL(GY_ERR_INVALID, "the model holds layers [%lld, %lld) of %lld",
                        (long long)m->layer_begin, (long long)m->layer_end, (long long)m->n_layers);
@@ -137,14 +144,19 @@ gy_status gy_model_check(const gy_model *m, uint32_t shards) {
         if (w->router != NULL && m->n_experts == 0)
             return GY_FAIL(GY_ERR_INVALID, "layer %lld has a router but the model no experts",
                            (long long)l);
-        /* A dense layer's FFN, or an MoE layer's shared expert when the model has one. */
+        /* A dense layer's FFN, or an MoE layer's shared expert when the model has one; the
+         * experts it holds: the shards in `shards`, or every shard when expert-parallel. */
+        const int partitioned = m->expert_end - m->expert_begin < m->n_experts;
         const int dense = w->router == NULL || m->shared_rows > 0;
         for (int64_t s = 0; s < m->max_tp; s++) {
             if (!((shards >> s) & 1u)) continue;
             if (dense && (!w->gate[s] || !w->up[s] || !w->down_t[s]))
                 return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing %s shard %lld", (long long)l,
                                w->router ? "the shared expert's" : "FFN", (long long)s);
-            for (int64_t e = 0; w->router != NULL && e < m->n_experts; e++) {
+        }
+        for (int64_t s = 0; w->router != NULL && s < m->max_tp; s++) {
+            if (!partitioned && !((shards >> s) & 1u)) continue;
+            for (int64_t e = m->expert_begin; e < m->expert_end; e++) {
                 const gy_expert_weights *x = &w->experts[e];
                 if (!x->gate[s] || !x->up[s] || !x->down_t[s])
                     return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing expert %lld's shard %lld",

@@ -79,6 +79,10 @@ typedef struct gy_model {
     int64_t shared_intermediate;  /* the shared expert's (0: none); shared_rows = it / max_tp */
     int64_t expert_rows, shared_rows;
     int32_t norm_topk_prob;
+    /* The experts this model holds (gy_model_init: all, which TP shards like the dense FFN).
+     * Expert parallelism: rank r of a TP group of t holds experts [r*E/t, (r+1)*E/t), each with
+     * every shard, while attention, dense layers and the shared expert stay TP-sharded. */
+    int64_t expert_begin, expert_end;
     float rms_eps;
     gy_dtype weight_dtype;
     gy_model_backend backend;

@@ -31,14 +31,16 @@ static const void *gy_py_at(uintptr_t base, int64_t offset) {
 
 /* Model(arena, spec, offsets, shards, threads=1, tables_from=None, layers=None, embed=True,
  *       head=True, *, rope_inv_freq, rope_mscale=1.0, n_experts=0, experts_used=0,
- *       expert_intermediate=0, shared_intermediate=0, norm_topk_prob=False): spec = (vocab,
+ *       expert_intermediate=0, shared_intermediate=0, norm_topk_prob=False, experts=None):
+ * experts = (begin, end), the block of whole experts of an expert-parallel rank (None: all,
+ * TP-sharded by `shards`); spec = (vocab,
  * hidden, intermediate, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos, weight dtype
  * id, rms_eps); rope_inv_freq: a buffer of head_dim / 2 float64 (gyges/models/rope.py). */
 static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from",
                             "layers", "embed", "head", "rope_inv_freq", "rope_mscale",
                             "n_experts", "experts_used", "expert_intermediate",
-                            "shared_intermediate", "norm_topk_prob", NULL};
+                            "shared_intermediate", "norm_topk_prob", "experts", NULL};
     PyObject *arena_object, *offsets_object, *tables_from = Py_None, *layers = Py_None;
     PyObject *inv_freq_object = NULL;
     int has_embed = 1, has_head = 1;
@@ -48,12 +50,17 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     double eps, mscale = 1.0;
     long long n_experts = 0, experts_used = 0, expert_inter = 0, shared_inter = 0;
     int norm_topk = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLid)OI|iOOpp$OdLLLLp", names,
+    PyObject *experts = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLid)OI|iOOpp$OdLLLLpO", names,
                                      &arena_object, &vocab, &hidden, &inter, &n_layers, &n_heads,
                                      &n_kv_heads, &head_dim, &max_tp, &max_pos, &dtype, &eps,
                                      &offsets_object, &shards, &threads, &tables_from, &layers,
                                      &has_embed, &has_head, &inv_freq_object, &mscale, &n_experts,
-                                     &experts_used, &expert_inter, &shared_inter, &norm_topk))
+                                     &experts_used, &expert_inter, &shared_inter, &norm_topk,
+                                     &experts))
+        return NULL;
+    long long expert_begin = 0, expert_end = n_experts;
+    if (experts != Py_None && !PyArg_ParseTuple(experts, "LL", &expert_begin, &expert_end))
         return NULL;
     if (inv_freq_object == NULL)
         return PyErr_Format(GY_PY_TYPE_ERROR, "Model needs rope_inv_freq (head_dim / 2 float64)");
@@ -155,6 +162,8 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     PyBuffer_Release(&view);
     m->layer_begin = layer_begin;
     m->layer_end = layer_end;
+    m->expert_begin = expert_begin;
+    m->expert_end = expert_end;
     m->has_embed = has_embed;
     m->has_head = has_head;
     s = gy_model_check(m, shards);

@@ -243,6 +243,9 @@ class ModelWeights:
             self.ffn.append(layer)
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
+        # Expert parallelism (drop_experts): the experts held whole, every shard of each; None
+        # while experts are TP-sharded like the dense FFN (each held expert's `held` shards).
+        self.held_experts = None
         self.held_layers = set(range(config.num_hidden_layers))
         self.has_embed = self.has_head = True
         self._dropped = set()           # (layer, shard) released by a staggered transformation
@@ -285,6 +288,31 @@ class ModelWeights:
             raise InvalidArgumentError("unpadded shards share pages; they cannot be released one by one")
         first = self.ffn[layer][kind][shard][0] // self.page_size
         return range(first, first + self._matrix[(layer, kind)][1].shard_slots)
+
+    def _sharded_kinds(self, layer):
+        """The matrices whose shards `held` says: all, but the experts' when they are held whole
+        (expert parallelism)."""
+        if self.held_experts is None:
+            return self.kinds(layer)
+        return [k for k in self.kinds(layer) if not (k[0] == "e" and k[1].isdigit())]
+
+    def drop_experts(self, keep):
+        """Expert parallelism: unmaps every MoE layer's experts not in `keep`, whole (each is one
+        run of pages: expert_slots), and holds the kept ones with every shard from now on, while
+        the dense FFN and the shared expert stay sharded by drop_shards. Once, on weights that
+        hold every shard and layer. Returns the bytes given back."""
+        if not self.pad or self.held_experts is not None or self.held != set(range(self.max_tp)):
+            raise InvalidArgumentError("experts are dropped whole once, from padded weights that "
+                                       "hold every shard")
+        keep = set(keep)
+        before = self.arena.stats()["bytes_in_use"]
+        for layer in sorted(self.held_layers):
+            if self.config.is_sparse_layer(layer):
+                for e in sorted(set(range(self.config.num_experts)) - keep):
+                    slots = self.expert_slots(layer, e)
+                    self.arena.shrink(slots.start, len(slots))
+        self.held_experts = keep
+        return before - self.arena.stats()["bytes_in_use"]
 
     def ffn_slots(self, shards):
         """The slots every layer's FFN matrices map holding `shards` of their shards."""
@@ -357,7 +385,7 @@ class ModelWeights:
         """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
         `held` changes once every layer has been done (finish_layer_drops)."""
         drop = [shard for shard in sorted(self.held - set(keep)) if (layer, shard) not in self._dropped]
-        slots = sorted(s for shard in drop for kind in self.kinds(layer)
+        slots = sorted(s for shard in drop for kind in self._sharded_kinds(layer)
                        for s in self.shard_slots_of(layer, kind, shard))
         # One call per run of neighbouring slots: each call is one TLB flush of every core
         # running the serving threads (a layer's gate, up and down shards are neighbours).
@@ -632,9 +660,13 @@ class ModelWeights:
             if cfg.is_sparse_layer(i):
                 units[0] = "shared"
             for unit in units:
+                # experts held whole (expert parallelism) give every shard, the others none
+                whole = unit not in (None, "shared") and self.held_experts is not None
+                mine = shards if not whole else (
+                    range(self.max_tp) if int(unit[1:]) in self.held_experts else ())
                 for kind in FFN_KINDS:
                     key = kind if unit is None else f"{unit}.{kind}"
-                    out += [self.shard_offset(i, key, s) if key in self.ffn[i] and s in shards
+                    out += [self.shard_offset(i, key, s) if key in self.ffn[i] and s in mine
                             else -1 for s in range(self.max_tp)]
         return np.array(out, dtype=np.int64)
 
