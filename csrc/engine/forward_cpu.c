@@ -17,6 +17,8 @@
 
 /* The workspace's buffers (forward.h) and how many elements of what size each holds for a batch
  * of n tokens of model m (0: not needed by this model). */
+#define GY_FORWARD_CPU_BUFFERS 20
+
 typedef struct gy_forward_cpu_buffer {
     void **buf;
     int64_t elems;
@@ -31,24 +33,24 @@ static int32_t gy_forward_cpu_buffers(gy_forward_cpu_buffer *out, gy_forward_ws 
     if (m->shared_rows > rows) rows = m->shared_rows;
     const int64_t E = m->n_experts, nk = n * m->n_experts_used;
     const int64_t outputs = m->expert_end - m->expert_begin < E ? m->max_tp : 1; /* ys's P */
+    const size_t F = sizeof(float), I32 = sizeof(int32_t), I64 = sizeof(int64_t);
     const gy_forward_cpu_buffer plan[] = {
-        {(void **)&ws->x, n * m->hidden, 4}, {(void **)&ws->h, n * m->hidden, 4},
-        {(void **)&ws->q, n * qd, 4}, {(void **)&ws->k, n * kvd, 4}, {(void **)&ws->v, n * kvd, 4},
-        {(void **)&ws->attn, n * qd, 4}, {(void **)&ws->o, n * m->hidden, 4},
-        {(void **)&ws->g, n * rows, 4}, {(void **)&ws->u, n * rows, 4},
-        {(void **)&ws->parts, n * m->max_tp * m->hidden, 4}, {(void **)&ws->sel, n * m->hidden, 4},
-        {(void **)&ws->logits, n * E, 4}, {(void **)&ws->weight, nk, 4},
-        {(void **)&ws->xs, nk * m->hidden, 4}, {(void **)&ws->ys, outputs * nk * m->hidden, 4},
-        {(void **)&ws->sg, E > 0 ? n : 0, 4}, {(void **)&ws->choice, nk, 4},
-        {(void **)&ws->token_of, nk, 4}, {(void **)&ws->slot_of, nk, 4},
-        {(void **)&ws->offsets, E > 0 ? E + 1 : 0, 8},
+        {(void **)&ws->x, n * m->hidden, F}, {(void **)&ws->h, n * m->hidden, F},
+        {(void **)&ws->q, n * qd, F}, {(void **)&ws->k, n * kvd, F}, {(void **)&ws->v, n * kvd, F},
+        {(void **)&ws->attn, n * qd, F}, {(void **)&ws->o, n * m->hidden, F},
+        {(void **)&ws->g, n * rows, F}, {(void **)&ws->u, n * rows, F},
+        {(void **)&ws->parts, n * m->max_tp * m->hidden, F}, {(void **)&ws->sel, n * m->hidden, F},
+        {(void **)&ws->logits, n * E, F}, {(void **)&ws->weight, nk, F},
+        {(void **)&ws->xs, nk * m->hidden, F}, {(void **)&ws->ys, outputs * nk * m->hidden, F},
+        {(void **)&ws->sg, E > 0 ? n : 0, F}, {(void **)&ws->choice, nk, I32},
+        {(void **)&ws->token_of, nk, I32}, {(void **)&ws->slot_of, nk, I32},
+        {(void **)&ws->offsets, E > 0 ? E + 1 : 0, I64},
     };
-    const int32_t count = (int32_t)(sizeof plan / sizeof plan[0]);
-    for (int32_t i = 0; i < count; i++) out[i] = plan[i];
-    return count;
+    _Static_assert(sizeof plan / sizeof plan[0] == GY_FORWARD_CPU_BUFFERS, "the buffers' count");
+    for (int32_t i = 0; i < GY_FORWARD_CPU_BUFFERS; i++) out[i] = plan[i];
+    return GY_FORWARD_CPU_BUFFERS;
 }
 
-#define GY_FORWARD_CPU_BUFFERS 20
 
 static void gy_forward_cpu_ws_free(gy_forward_ws *ws) {
     void **buffers[] = {(void **)&ws->x, (void **)&ws->h, (void **)&ws->q, (void **)&ws->k,
