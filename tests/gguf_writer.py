@@ -1,7 +1,7 @@
 """A model's tensors as llama.cpp's converter writes them into a GGUF file, written here apart
 from gyges' reader (gyges/models/gguf_file.py) so that the tests check one against the other:
 GGUF names (blk.N.attn_q.weight, token_embd.weight, ...) and q/k rows in interleaved rotary
-order."""
+order; write_gguf makes the file, its metadata under llama.cpp's architecture names."""
 import numpy as np
 
 from gyges.models import checkpoint, gguf_file
@@ -65,3 +65,45 @@ def gguf_tensors(model):
             t = permute(t, c.num_key_value_heads)
         out[gname] = np.ascontiguousarray(t, dtype=np.float32)
     return out
+
+
+# gyges' model_type -> llama.cpp's architecture (Mixtral is a llama with experts)
+ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def write_gguf(path, model):
+    """A GGUF file of `model` (the `gguf` package's writer): its architecture's metadata, the
+    experts' included, and gguf_tensors. Returns path."""
+    import gguf
+    c = model.config
+    arch = ARCHITECTURES[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    if c.is_moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if c.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if c.bos_token_id is not None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
+    if c.eos_tokens():
+        w.add_uint32("tokenizer.ggml.eos_token_id", c.eos_tokens()[0])
+    for name, t in gguf_tensors(model).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

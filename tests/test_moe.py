@@ -5,7 +5,7 @@ logit (fp32 accumulation); tokens, and the bit-exactness promised across KV layo
 compositions and TP degrees, compared exactly."""
 import numpy as np
 import pytest
-from gguf_writer import gguf_tensors
+from gguf_writer import write_gguf
 from reference_model import ReferenceModel
 from worker_logits import paged_logits
 
@@ -163,46 +163,14 @@ def test_each_expert_s_pages_are_its_own_and_tp_halves_them(checkpoints):
     assert w.shard_offset(0, "e4.gate", 1) // w.page_size in w.expert_slots(0, 4)
 
 
-def write_moe_gguf(path, model, arch):
-    """A GGUF of `model` as llama.cpp's converter writes one of `arch` (the experts stacked)."""
-    import gguf
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    if c.is_moe:
-        w.add_expert_count(c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        if arch != "llama":
-            w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        if c.shared_expert_intermediate_size:
-            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    for name, t in gguf_tensors(model).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
-@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"),
-                                         ("qwen3_moe", "qwen3moe"), ("qwen3", "qwen3")])
-def test_gguf_files_of_each_family_load_as_the_checkpoint(tmp_path, family, arch):
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3"])
+def test_gguf_files_of_each_family_load_as_the_checkpoint(tmp_path, family):
     """A GGUF holds what the HF checkpoint holds (stacked experts cut per expert, Mixtral's q/k
     rows put back in rotate-half order, Qwen2-MoE's 1-D shared gate): the same config, the same
     tensors to the bit."""
     config = CONFIGS[family].replace(mlp_only_layers=(), max_position_embeddings=512)
     model = gyges.Model.random(config, seed=12)
-    loaded = gyges.Model.load(write_moe_gguf(tmp_path / "m.gguf", model, arch))
+    loaded = gyges.Model.load(write_gguf(tmp_path / "m.gguf", model))
     assert loaded.config == config
     assert list(loaded.tensors) == list(model.tensors)
     for name, t in model.tensors.items():
