@@ -4,11 +4,11 @@ measured side by side in one run.
 Two models that differ only in their FFN (random weights, bf16 storage, fp32 compute, the same
 attention): a Qwen3-MoE of E experts of width I, k a token, and a Qwen3 whose dense FFN is k * I
 wide, so a token multiplies by the same number of FFN weights in both. For batches of n tokens
-(one sequence's prefill of n; n = 1 is a decode step's shape) each model's forward pass is timed
-(best of 5) and the table gives tokens/s and the MoE/dense ratio. At n = 1 both read the same
-bytes of FFN weights; as n grows the dense GEMM gets all n rows while each expert gets about
-n * k / E of them (grouped dispatch: one GEMM per expert), and the MoE holds E / k times the
-weights.
+(one sequence's prefill of n; n = 1 is a decode step's shape) each model's forward pass is timed,
+best of 7 rounds that alternate the two, and the table gives tokens/s and the MoE/dense ratio.
+At n = 1 both read the same bytes of FFN weights; as n grows the dense GEMM gets all n rows
+while each expert gets about n * k / E of them (grouped dispatch: one GEMM per expert), and the
+MoE holds E / k times the weights.
 
 Run: .venv/bin/python benchmarks/bench_moe.py [--threads N]
 """
@@ -30,16 +30,28 @@ SHAPE = dict(vocab_size=512, hidden_size=1024, intermediate_size=TOP_K * WIDTH,
              max_position_embeddings=1024, bos_token_id=None, eos_token_id=None)
 
 
-def forward_seconds(worker, n, rng):
-    """Best wall time of one prefill of n tokens (logits of the last only), KV freed after."""
+def prefill(worker, n, rng):
+    """A function running one prefill of n tokens (logits of the last only), and its cleanup."""
     tokens = rng.integers(0, SHAPE["vocab_size"], size=n).tolist()
     seq = worker.kv.new_sequence()
     worker.kv.grow(max(worker.kv_pages_free() // 2, 1))
     worker.kv.reserve(seq, n)
     table = [worker.kv.block_table(seq)]
-    seconds = best_of(lambda: worker.forward(tokens, [0] * n, range(n), table, [n - 1]))
-    worker.kv.free(seq)
-    return seconds
+    return (lambda: worker.forward(tokens, [0] * n, range(n), table, [n - 1]),
+            lambda: worker.kv.free(seq))
+
+
+def paired_seconds(workers, n, rounds=7):
+    """Each worker's best wall time of a prefill of n tokens over `rounds` rounds that run them
+    in turn, so that a disturbance of the shared machine hits both alike."""
+    runs = {name: prefill(w, n, np.random.default_rng(n)) for name, w in workers.items()}
+    best = {name: float("inf") for name in workers}
+    for _ in range(rounds):
+        for name, (run, _) in runs.items():
+            best[name] = min(best[name], best_of(run, repeat=1))
+    for _, free in runs.values():
+        free()
+    return best
 
 
 def main(argv):
@@ -55,9 +67,7 @@ def main(argv):
                for name, config in configs.items()}
     rows = []
     for n in BATCHES:
-        rng = np.random.default_rng(n)
-        # interleaved, so that a disturbance of the shared machine hits both alike
-        seconds = {name: forward_seconds(w, n, rng) for name, w in workers.items()}
+        seconds = paired_seconds(workers, n)
         rows.append({"tokens": n, "moe_tok_s": n / seconds["moe"],
                      "dense_tok_s": n / seconds["dense"],
                      "ratio": seconds["dense"] / seconds["moe"]})
