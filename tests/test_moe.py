@@ -203,3 +203,25 @@ def test_expert_parallelism_gives_tp1_s_tokens_and_logprobs_to_the_bit(checkpoin
     host.close()
     with pytest.raises(gyges.InvalidArgumentError, match="mixture-of-experts model"):
         Worker(checkpoints[("qwen3", "f32")], memory="64MiB", expert_parallel=True)
+
+
+def test_unpadded_experts_give_the_padded_bits_at_tp1_and_tp2(checkpoints):
+    """pad_ffn=False packs each expert's shards together (the reference layout of Gyges 4.2,
+    whose TP2 keeps a rank's shards by a partial swap of every matrix, experts' included): the
+    same logits at TP1, and TP1's tokens at TP2."""
+    model = checkpoints[("qwen2_moe", "f32")]
+    tokens = prompts(1, seed=8, lo=25, hi=26)[0]
+    padded = paged_logits(Worker(model, memory="64MiB", pad_ffn=True), tokens, [25])
+    packed = paged_logits(Worker(model, memory="64MiB", pad_ffn=False), tokens, [25])
+    np.testing.assert_array_equal(padded, packed)
+    params = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
+    ps = prompts(3, seed=9)
+    got = []
+    for layout, pad in (("2xTP1", True), ("TP2", True), ("TP2", False)):
+        # 4 shards on small pages: a TP2 rank keeps two, which the partial swap packs together
+        # before it releases the pages past them
+        host = gyges.Host(model, workers=2, memory_per_worker="32MiB", layout=layout,
+                          pad_ffn=pad, max_tp=4, page_size="4KiB")
+        got.append([r.output_tokens for r in host.generate(ps, params)])
+        host.close()
+    assert got[1] == got[0] and got[2] == got[0]
