@@ -345,16 +345,22 @@ def test_bf16_logits_track_the_reference_on_rounded_weights(tiny):
 
 
 @needs_forward
-def test_mixtures_of_experts_and_qwen3_are_refused_by_name():
-    """The CUDA pass has neither experts nor q/k norms yet: the worker says so before a weight
-    reaches the device, rather than running a model without them."""
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=None)
-    for config in (ModelConfig(**base, model_type="qwen3"),
-                   ModelConfig(**base, model_type="mixtral", num_experts=2, num_experts_per_tok=1,
-                               moe_intermediate_size=32, norm_topk_prob=True)):
-        with pytest.raises(gyges.UnavailableError, match=f"{config.model_type} models yet"):
-            cuda_worker(gyges.Model.random(config))
+def test_qwen3_s_q_k_norms_track_the_cpu_pass_and_experts_are_refused_by_name():
+    """Qwen3 RMS-normalises each q and k head before the rotation on the device as on the CPU;
+    the CUDA pass has no experts yet, and the worker says so before a weight reaches the
+    device, rather than running a model without them."""
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=None,
+                eos_token_id=None)
+    qwen3 = gyges.Model.random(ModelConfig(**base, model_type="qwen3"), seed=2)
+    tokens = prompts(1, seed=14, lo=20, hi=21, vocab=96)[0]
+    cpu = paged_logits(Worker(qwen3, memory="64MiB"), tokens, [12] + [1] * 8)
+    gpu = paged_logits(cuda_worker(qwen3), tokens, [12] + [1] * 8)
+    assert relative_error(gpu, cpu) < FP32_RTOL
+    mixtral = ModelConfig(**base, model_type="mixtral", num_experts=2, num_experts_per_tok=1,
+                          moe_intermediate_size=96, norm_topk_prob=True)
+    with pytest.raises(gyges.UnavailableError, match="mixtral models yet"):
+        cuda_worker(gyges.Model.random(mixtral))
 
 
 def _first_divergence(a, b):

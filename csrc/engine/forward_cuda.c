@@ -163,12 +163,9 @@ gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_forward_cuda_attach: NULL model");
     if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
     /* Not written yet on the device (the CPU pass has them): refused before any device work. */
-    int qk_norm = 0;
-    for (int64_t l = m->layer_begin; l < m->layer_end; l++) qk_norm |= m->layers[l].q_norm != NULL;
-    if (m->n_experts > 0 || qk_norm)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "the CUDA forward pass does not run %s yet; use "
-                       "backend='cpu'", m->n_experts > 0 ? "mixture-of-experts models"
-                                                         : "Qwen3's q/k norms");
+    if (m->n_experts > 0)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "the CUDA forward pass does not run mixture-of-experts "
+                       "models yet; use backend='cpu'");
     GY_FWD_CUDA_CHECK(cudaSetDevice(device));
     GY_TRY(gy_cuda_blas_available());
     if (m->rope_inv_freq == NULL)
@@ -701,6 +698,12 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
         GY_TRY(gy_cuda_gemm(c->v.ptr, act, kv_rows, c->h.ptr, act, hid,
                             GY_ROWS(w->wv, tp->rank * kv_rows), act, GY_GEMM_W_OUT_IN,
                             w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
+        if (w->q_norm != NULL) { /* Qwen3: each head RMS-normed before the rotation */
+            GY_TRY(gy_cuda_rmsnorm(c->q.ptr, c->q.ptr, w->q_norm, n * heads, D, m->rms_eps, act,
+                                   F32, st));
+            GY_TRY(gy_cuda_rmsnorm(c->k.ptr, c->k.ptr, w->k_norm, n * kv_heads, D, m->rms_eps, act,
+                                   F32, st));
+        }
         GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
                             m->rope_inv_freq_dev, (float)m->rope_mscale, act, st));
         GY_TRY(gy_fwd_cuda_attention(c, m, b, layer_base, layout, kv_dtype, l, heads, scale));
