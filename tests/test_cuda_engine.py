@@ -344,23 +344,51 @@ def test_bf16_logits_track_the_reference_on_rounded_weights(tiny):
     assert err < BF16_RTOL, f"largest relative error {err:.2e}"
 
 
+_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=None,
+              eos_token_id=None)
+# Qwen3's q/k norms, and a mixture of experts of each family (Qwen2-MoE: a shared expert
+# behind its gate and a dense layer among the sparse ones)
+_FAMILIES = {
+    "qwen3": ModelConfig(**_SMALL, model_type="qwen3"),
+    "mixtral": ModelConfig(**_SMALL, model_type="mixtral", num_experts=5, num_experts_per_tok=2,
+                           moe_intermediate_size=96, norm_topk_prob=True),
+    "qwen2_moe": ModelConfig(**_SMALL, model_type="qwen2_moe", attention_bias=True,
+                             num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=80, mlp_only_layers=(1,)),
+    "qwen3_moe": ModelConfig(**_SMALL, model_type="qwen3_moe", num_experts=7,
+                             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+}
+
+
 @needs_forward
-def test_qwen3_s_q_k_norms_track_the_cpu_pass_and_experts_are_refused_by_name():
-    """Qwen3 RMS-normalises each q and k head before the rotation on the device as on the CPU;
-    the CUDA pass has no experts yet, and the worker says so before a weight reaches the
-    device, rather than running a model without them."""
-    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=None,
-                eos_token_id=None)
-    qwen3 = gyges.Model.random(ModelConfig(**base, model_type="qwen3"), seed=2)
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_qwen3_and_mixtures_of_experts_track_the_cpu_pass(family):
+    """On the device: Qwen3 RMS-normalises each q and k head before the rotation; a mixture of
+    experts routes by the fp32 router and the CPU pass's top-k (so a token goes to the same
+    experts), runs each expert's tokens as one GEMM and combines them per token; TP2 (virtual
+    workers) gives TP1's tokens. fp32 logits within FP32_RTOL of the CPU pass's."""
+    model = gyges.Model.random(_FAMILIES[family], seed=2)
     tokens = prompts(1, seed=14, lo=20, hi=21, vocab=96)[0]
-    cpu = paged_logits(Worker(qwen3, memory="64MiB"), tokens, [12] + [1] * 8)
-    gpu = paged_logits(cuda_worker(qwen3), tokens, [12] + [1] * 8)
+    cpu = paged_logits(Worker(model, memory="64MiB"), tokens, [12] + [1] * 8)
+    gpu = paged_logits(cuda_worker(model), tokens, [12] + [1] * 8)
     assert relative_error(gpu, cpu) < FP32_RTOL
-    mixtral = ModelConfig(**base, model_type="mixtral", num_experts=2, num_experts_per_tok=1,
-                          moe_intermediate_size=96, norm_topk_prob=True)
-    with pytest.raises(gyges.UnavailableError, match="mixtral models yet"):
-        cuda_worker(gyges.Model.random(mixtral))
+    ps = prompts(3, seed=15, vocab=96)
+    params = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
+    got = {}
+    for layout in ("2xTP1", "TP2"):
+        # 4 shards: a TP2 rank adds two onto its partial sum (each expert's shard on 2 MiB
+        # pages of its own: the default budget sizes the workers for that)
+        host = gyges.Host(model, workers=2, layout=layout, backend="cuda", devices=0, max_tp=4)
+        got[layout] = [r.output_tokens for r in host.generate(ps, params)]
+        host.close()
+    assert got["TP2"] == got["2xTP1"]
+
+
+def test_expert_parallelism_is_refused_on_cuda_by_name():
+    model = gyges.Model.random(_FAMILIES["mixtral"], seed=2)
+    with pytest.raises(gyges.Error, match="expert"):
+        gyges.Host(model, workers=2, layout="TP2", backend="cuda", expert_parallel=True)
 
 
 def _first_divergence(a, b):
