@@ -160,6 +160,25 @@ static gy_status gy_forward_cpu_ffn(float *y, gy_forward_ws *ws, const float *x,
  * go through the expert's shard in one GEMM each; each token's rows are combined in its rank
  * order, and the shared expert's shard, gated, added after them. A shard's partial is what TP1
  * computes for that shard, so the tree over shards and ranks gives TP1's bits. */
+/* ys [n*k, hidden]: the grouped rows of experts [e_begin, e_end) through their shard s, one GEMM
+ * an expert (the other experts' rows are left as they are). */
+static gy_status gy_forward_cpu_experts(float *ys, const gy_model *m, const gy_layer_weights *w,
+                                        gy_forward_ws *ws, int64_t s, int64_t e_begin,
+                                        int64_t e_end, int64_t l, gy_threadpool *pool) {
+    const int64_t hid = m->hidden;
+    for (int64_t e = e_begin; e < e_end; e++) {
+        const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
+        const gy_expert_weights *x = &w->experts[e];
+        if (rows == 0) continue;
+        if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
+            return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
+                           (long long)l, (long long)e, (long long)s);
+        GY_TRY(gy_forward_cpu_ffn(ys + first * hid, ws, ws->xs + first * hid, x->gate[s], x->up[s],
+                                  x->down_t[s], m->weight_dtype, rows, hid, m->expert_rows, pool));
+    }
+    return GY_OK;
+}
+
 /* Expert parallelism's half of it: this rank's experts, every shard, into ys [max_tp, n*k,
  * hidden] (zeros in the other ranks' slots), then the all-reduce that gives every rank every
  * slot; each value comes from one rank, so the sum over ranks is exact. */
@@ -169,17 +188,8 @@ static gy_status gy_forward_cpu_moe_exchange(const gy_model *m, const gy_layer_w
     const int64_t nk = n * m->n_experts_used, hid = m->hidden;
     memset(ws->ys, 0, (size_t)(m->max_tp * nk * hid) * sizeof(float));
     for (int64_t s = 0; s < m->max_tp; s++)
-        for (int64_t e = m->expert_begin; e < m->expert_end; e++) {
-            const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
-            const gy_expert_weights *x = &w->experts[e];
-            if (rows == 0) continue;
-            if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
-                return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
-                               (long long)l, (long long)e, (long long)s);
-            GY_TRY(gy_forward_cpu_ffn(ws->ys + (s * nk + first) * hid, ws, ws->xs + first * hid,
-                                      x->gate[s], x->up[s], x->down_t[s], m->weight_dtype, rows,
-                                      hid, m->expert_rows, pool));
-        }
+        GY_TRY(gy_forward_cpu_experts(ws->ys + s * nk * hid, m, w, ws, s, m->expert_begin,
+                                      m->expert_end, l, pool));
     return tp->all_reduce(tp->ctx, ws->ys, m->max_tp * nk * hid);
 }
 
@@ -203,16 +213,7 @@ static gy_status gy_forward_cpu_moe(const gy_model *m, const gy_layer_weights *w
         /* the experts' outputs of shard s: exchanged (expert-parallel), or computed here */
         const float *ys = partitioned ? ws->ys + s * n * k * hid : ws->ys;
         float *spare = partitioned ? ws->xs : ws->ys; /* n rows free for the shared expert */
-        for (int64_t e = 0; e < E && !partitioned; e++) {
-            const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
-            const gy_expert_weights *x = &w->experts[e];
-            if (rows == 0) continue;
-            if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
-                return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
-                               (long long)l, (long long)e, (long long)s);
-            GY_TRY(gy_forward_cpu_ffn(ws->ys + first * hid, ws, ws->xs + first * hid, x->gate[s],
-                                      x->up[s], x->down_t[s], wt, rows, hid, m->expert_rows, pool));
-        }
+        if (!partitioned) GY_TRY(gy_forward_cpu_experts(ws->ys, m, w, ws, s, 0, E, l, pool));
         GY_TRY(gy_cpu_moe_combine(part, ys, ws->weight, ws->slot_of, n, k, hid));
         if (m->shared_rows == 0) continue;
         if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
