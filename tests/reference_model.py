@@ -1,4 +1,5 @@
-"""Float64 NumPy reference of a Llama / Qwen2 decoder: what the fast kernels are tested against.
+"""Float64 NumPy reference of a Llama / Qwen2 / Qwen3 decoder, dense or a mixture of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE): what the fast kernels are tested against.
 
 Written to be obviously right rather than fast: one sequence, loops over heads, float64 all the
 way, and each step a small function that follows the HF transformers implementation:
@@ -8,6 +9,14 @@ way, and each step a small function that follows the HF transformers implementat
         x = x + o_proj(attention(rope(q_proj(norm1(x))), rope(k_proj(..)), v_proj(..)))
         x = x + down_proj(silu(gate_proj(norm2(x))) * up_proj(norm2(x)))
     logits = lm_head(norm(x))          # lm_head = embed when tied
+
+Qwen3 RMS-normalises each q and k head (q_norm, k_norm) before the rotation. A mixture-of-experts
+layer replaces the FFN by, token by token (transformers' MixtralSparseMoeBlock and
+Qwen2MoeSparseMoeBlock):
+
+    p = softmax(router(h));  E = the k experts of highest p (ties: the lower index)
+    y = sum over e in E of w_e * expert_e(h),  w_e = p_e (/ sum of p over E when norm_topk_prob)
+    y += sigmoid(shared_expert_gate(h)) * shared_expert(h)        (Qwen2-MoE)
 
 It depends on gyges only for ModelConfig and the tensor-name check (checkpoint.check_tensors).
 """
@@ -31,6 +40,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest of a 1-D array, largest first, ties to the lower index."""
+    return np.argsort(-logits, kind="stable")[:k]
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -181,6 +200,34 @@ class ReferenceModel:
         bias = self.w.get(name + ".bias")
         return y if bias is None else y + bias
 
+    def _swiglu(self, h: np.ndarray, prefix: str, names=("gate_proj", "up_proj", "down_proj")):
+        gate, up, down = (prefix + n for n in names)
+        return self._linear(silu(self._linear(h, gate)) * self._linear(h, up), down)
+
+    def _ffn(self, h: np.ndarray, i: int) -> np.ndarray:
+        """Layer i's FFN on h [n, hidden]: dense, or a mixture of experts (HF's sparse-layer
+        rule: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0)."""
+        c, p = self.config, f"model.layers.{i}."
+        if not c.num_experts or i in c.mlp_only_layers or (i + 1) % c.decoder_sparse_step:
+            return self._swiglu(h, p + "mlp.")
+        mixtral = c.model_type == "mixtral"
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        logits = self._linear(h, moe + "gate")  # [n, experts]
+        probs = softmax(logits)
+        out = np.zeros_like(h)
+        for t in range(h.shape[0]):
+            chosen = top_k(logits[t], c.num_experts_per_tok)
+            weights = probs[t, chosen]
+            if c.norm_topk_prob:
+                weights = weights / weights.sum()
+            for e, weight in zip(chosen, weights):
+                out[t] += weight * self._swiglu(h[t:t + 1], f"{moe}experts.{e}.", names)[0]
+        if moe + "shared_expert_gate.weight" in self.w:
+            gate = 1.0 / (1.0 + np.exp(-self._linear(h, moe + "shared_expert_gate")))  # [n, 1]
+            out += gate * self._swiglu(h, moe + "shared_expert.")
+        return out
+
     def forward(self, tokens, positions, cache: KVCache) -> np.ndarray:
         """Logits [n, vocab] for n new tokens of one sequence, appending their K/V to cache."""
         c = self.config
@@ -200,6 +247,9 @@ class ReferenceModel:
             heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
             q = self._linear(h, p + "self_attn.q_proj").reshape(n, heads, d)
             k = self._linear(h, p + "self_attn.k_proj").reshape(n, kv_heads, d)
+            if p + "self_attn.q_norm.weight" in self.w:  # Qwen3: per head, before RoPE
+                q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+                k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
             v = self._linear(h, p + "self_attn.v_proj").reshape(n, kv_heads, d)
             q = apply_rope(q, positions, self.inv_freq, self.attention_scaling)
             k = apply_rope(k, positions, self.inv_freq, self.attention_scaling)
@@ -207,9 +257,7 @@ class ReferenceModel:
             a = attention(q, keys, values, c.kv_group_size).reshape(n, c.q_size)
             x = x + self._linear(a, p + "self_attn.o_proj")
             h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = self._linear(h, p + "mlp.gate_proj")
-            up = self._linear(h, p + "mlp.up_proj")
-            x = x + self._linear(silu(gate) * up, p + "mlp.down_proj")
+            x = x + self._ffn(h, i)
         x = rms_norm(x, self.w["model.norm.weight"], c.rms_norm_eps)
         return x @ self.lm_head.T
 

@@ -483,6 +483,30 @@ def test_residual_add_matches_reference(dtype, n):
 
 
 @needs_gpu
+@pytest.mark.parametrize("shared,accumulate", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("n,k,dim", [(1, 1, 1), (5, 2, 33), (17, 3, 257)])
+def test_moe_combine_matches_reference(n, k, dim, shared, accumulate):
+    """Each token's k expert rows weighted in rank order, a gated shared row after them, onto
+    out or into it; against float64 with the slots permuted as the grouping leaves them."""
+    rng = np.random.default_rng(8100 + n * k + dim)
+    ys = rng.standard_normal((n * k + 2, dim)).astype(np.float32)
+    slot = rng.permutation(n * k + 2)[:n * k].astype(np.int32)
+    weight = rng.random((n, k)).astype(np.float32)
+    sh = rng.standard_normal((n, dim)).astype(np.float32) if shared else None
+    gate = rng.standard_normal(n).astype(np.float32) if shared else None
+    out = rng.standard_normal((n, dim)).astype(np.float32)
+    want = (out.astype(np.float64) if accumulate else 0.0) + np.einsum(
+        "tr,trd->td", weight.astype(np.float64), ys[slot.reshape(n, k)].astype(np.float64))
+    if shared:
+        want = want + (1 / (1 + np.exp(-gate.astype(np.float64))))[:, None] * sh
+    _C_test.cuda_moe_combine(out, ys, weight, slot, sh, gate, n, k, dim, accumulate)
+    # k + 2 fp32 products and sums: a few units of rounding of the terms' scale
+    assert_close(out, want, F32, ulps=4 * (k + 2), scale=1.0, what="moe_combine")
+    with pytest.raises(ValueError, match="slot must hold"):
+        _C_test.cuda_moe_combine(out, ys, weight, slot[:-1], None, None, n, k, dim, False)
+
+
+@needs_gpu
 @pytest.mark.parametrize("table_dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("out_dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_embedding_is_exact(out_dtype, table_dtype):

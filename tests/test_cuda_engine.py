@@ -25,9 +25,11 @@ Tolerance policy (the reason is beside each threshold; the largest error is repo
 import numpy as np
 import pytest
 from reference_model import ReferenceModel
+from worker_logits import paged_logits
 
 import gyges
 from gyges import _C, _C_test
+from gyges.models.config import ModelConfig
 from gyges.runtime.kv_cache import KVCache, decode_values
 from gyges.models.safetensors import bf16_to_f32, f32_to_bf16
 from gyges.runtime.worker import Worker
@@ -62,27 +64,6 @@ def prompts(n, seed=0, lo=3, hi=70, vocab=4096):
 
 def cuda_worker(model, **kw):
     return Worker(model, backend="cuda", memory=kw.pop("memory", "512MiB"), **kw)
-
-
-def paged_logits(worker, tokens, chunks, keep=False):
-    """Logits of every position of one sequence, in prefill chunks of the given sizes (decode is
-    a chunk of 1); with keep=True the sequence stays and (logits, seq) is returned."""
-    seq = worker.kv.new_sequence()
-    while worker.kv.free_blocks * worker.block_size < len(tokens):
-        worker.kv.grow(1)
-    worker.kv.reserve(seq, len(tokens))
-    out, pos = [], 0
-    for size in chunks:
-        part = tokens[pos:pos + size]
-        out.append(worker.forward(part, [0] * len(part), range(pos, pos + len(part)),
-                                  [worker.kv.block_table(seq)], range(len(part))))
-        pos += size
-    logits = np.concatenate(out)
-    if keep:
-        return logits, seq
-    worker.kv.free(seq)
-    worker.kv.shrink(worker.kv.stats()["pages_per_layer"])
-    return logits
 
 
 def relative_error(got, want):
@@ -324,7 +305,6 @@ def test_prefill_and_decode_agree(tiny):
 
 @needs_forward
 def test_qwen2_biases_match_the_cpu_backend():
-    from gyges.models.config import ModelConfig
     qwen = gyges.Model.random(ModelConfig.qwen2_tiny(), seed=5)
     tokens = prompts(1, seed=6, lo=20, hi=21)[0]
     cpu = paged_logits(Worker(qwen, memory="64MiB"), tokens, [12] + [1] * 8)
@@ -341,7 +321,6 @@ def test_qwen2_biases_match_the_cpu_backend():
 def test_rope_scaling_reaches_the_cuda_kernel(scaling):
     # The kernel rotates by the model's frequencies (and YaRN's mscale), not by theta alone:
     # fp32 logits follow the scaled reference, and are far from the unscaled one.
-    from gyges.models.config import ModelConfig
     config = ModelConfig.tiny().replace(num_hidden_layers=2, rope_scaling=scaling)
     model = gyges.Model.random(config, seed=11)
     tokens = prompts(1, seed=7, lo=90, hi=91)[0]
@@ -363,6 +342,53 @@ def test_bf16_logits_track_the_reference_on_rounded_weights(tiny):
     got = paged_logits(worker, tokens, [17] + [1] * 8)
     err = relative_error(got, want)
     assert err < BF16_RTOL, f"largest relative error {err:.2e}"
+
+
+_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=None,
+              eos_token_id=None)
+# Qwen3's q/k norms, and a mixture of experts of each family (Qwen2-MoE: a shared expert
+# behind its gate and a dense layer among the sparse ones)
+_FAMILIES = {
+    "qwen3": ModelConfig(**_SMALL, model_type="qwen3"),
+    "mixtral": ModelConfig(**_SMALL, model_type="mixtral", num_experts=5, num_experts_per_tok=2,
+                           moe_intermediate_size=96, norm_topk_prob=True),
+    "qwen2_moe": ModelConfig(**_SMALL, model_type="qwen2_moe", attention_bias=True,
+                             num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=80, mlp_only_layers=(1,)),
+    "qwen3_moe": ModelConfig(**_SMALL, model_type="qwen3_moe", num_experts=7,
+                             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+}
+
+
+@needs_forward
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_qwen3_and_mixtures_of_experts_track_the_cpu_pass(family):
+    """On the device: Qwen3 RMS-normalises each q and k head before the rotation; a mixture of
+    experts routes by the fp32 router and the CPU pass's top-k (so a token goes to the same
+    experts), runs each expert's tokens as one GEMM and combines them per token; TP2 (virtual
+    workers) gives TP1's tokens. fp32 logits within FP32_RTOL of the CPU pass's."""
+    model = gyges.Model.random(_FAMILIES[family], seed=2)
+    tokens = prompts(1, seed=14, lo=20, hi=21, vocab=96)[0]
+    cpu = paged_logits(Worker(model, memory="64MiB"), tokens, [12] + [1] * 8)
+    gpu = paged_logits(cuda_worker(model), tokens, [12] + [1] * 8)
+    assert relative_error(gpu, cpu) < FP32_RTOL
+    ps = prompts(3, seed=15, vocab=96)
+    params = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
+    got = {}
+    for layout in ("2xTP1", "TP2"):
+        # 4 shards: a TP2 rank adds two onto its partial sum (each expert's shard on 2 MiB
+        # pages of its own: the default budget sizes the workers for that)
+        host = gyges.Host(model, workers=2, layout=layout, backend="cuda", devices=0, max_tp=4)
+        got[layout] = [r.output_tokens for r in host.generate(ps, params)]
+        host.close()
+    assert got["TP2"] == got["2xTP1"]
+
+
+def test_expert_parallelism_is_refused_on_cuda_by_name():
+    model = gyges.Model.random(_FAMILIES["mixtral"], seed=2)
+    with pytest.raises(gyges.Error, match="expert"):
+        gyges.Host(model, workers=2, layout="TP2", backend="cuda", expert_parallel=True)
 
 
 def _first_divergence(a, b):

@@ -5,6 +5,7 @@ accumulation over a few thousand terms); tokens and promised bit-exactness are c
 import numpy as np
 import pytest
 from reference_model import ReferenceModel
+from worker_logits import paged_logits
 
 import gyges
 from gyges.models.config import ModelConfig
@@ -26,22 +27,6 @@ def qwen():
 def prompts(n, seed=0, lo=3, hi=70, vocab=4096):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def paged_logits(worker, tokens, chunks):
-    """Logits of every position of one sequence, computed in prefill chunks of the given sizes
-    through the paged cache (decode is a chunk of 1)."""
-    seq = worker.kv.new_sequence()
-    worker.kv.grow(max(worker.kv_pages_free() // 2, 1))
-    worker.kv.reserve(seq, len(tokens))
-    out, pos = [], 0
-    for size in chunks:
-        part = tokens[pos:pos + size]
-        out.append(worker.forward(part, [0] * len(part), range(pos, pos + len(part)),
-                                  [worker.kv.block_table(seq)], range(len(part))))
-        pos += size
-    worker.kv.free(seq)
-    return np.concatenate(out)
 
 
 @pytest.mark.parametrize("which", ["tiny", "qwen"])

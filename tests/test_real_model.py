@@ -19,7 +19,7 @@ import pytest
 from reference_bpe import ReferenceBPE
 from packaged import NAME, needs_packaged_model
 from reference_model import ReferenceModel
-from gguf_writer import gguf_tensors
+from gguf_writer import write_gguf
 
 import gyges
 from gyges.models import gguf_file
@@ -150,33 +150,10 @@ def test_a_host_serves_text(smol):
 # ---- GGUF files written here ----
 
 
-def write_tiny_gguf(path, model, qtype=None):
-    import gguf
-    c = model.config
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_uint32("tokenizer.ggml.bos_token_id", c.bos_token_id)
-    w.add_uint32("tokenizer.ggml.eos_token_id", c.eos_tokens()[0])
-    for gname, t in gguf_tensors(model).items():
-        w.add_tensor(gname, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     model = gyges.Model.tiny()
-    return model, write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"), model)
+    return model, write_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"), model)
 
 
 def test_a_gguf_file_reads_back_the_model_it_was_written_from(tiny_gguf):

@@ -274,8 +274,8 @@ def test_expected_shapes_qwen2_bias_and_tied():
     assert "lm_head.weight" in shapes
     tied = checkpoint.expected_shapes(ModelConfig.tiny().replace(tie_word_embeddings=True))
     assert "lm_head.weight" not in tied and not any(n.endswith(".bias") for n in tied)
-    with pytest.raises(CheckpointError, match="shape-only"):
-        checkpoint.expected_shapes(ModelConfig.qwen3_32b())
+    qwen3 = checkpoint.expected_shapes(ModelConfig.qwen3_32b())
+    assert qwen3["model.layers.63.self_attn.k_norm.weight"] == (128,)
 
 
 @pytest.mark.parametrize("cfg", TINY_CONFIGS, ids=["llama", "qwen2"])
@@ -408,3 +408,27 @@ def test_save_refuses_bad_input(tmp_path):
     cfg.save(tmp_path / "d")
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         checkpoint.load(tmp_path / "d")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_of_identical_experts_is_the_dense_model(family):
+    """Renormalised weights sum to 1, so experts that are all one FFN give that FFN: the MoE
+    reference equals the dense one (Mixtral against Llama, Qwen3-MoE against Qwen3, the
+    attention tensors shared)."""
+    dense = SMALL.replace(model_type="qwen3" if family == "qwen3_moe" else "llama")
+    moe = dense.replace(model_type=family, num_experts=3, num_experts_per_tok=2,
+                        moe_intermediate_size=SMALL.intermediate_size, norm_topk_prob=True)
+    tensors = checkpoint.random_weights(dense, seed=4)
+    experts = checkpoint.random_weights(moe, seed=5)
+    for i in range(dense.num_hidden_layers):
+        for (_, names, _), (_, dense_names, _) in zip(
+                checkpoint.ffn_units(moe, i), checkpoint.ffn_units(dense, i) * moe.num_experts):
+            for kind in ("gate", "up", "down"):
+                experts[names[kind]] = tensors[dense_names[kind]]
+    for name, array in tensors.items():
+        if name in experts:
+            experts[name] = array
+    tokens = [1, 5, 2, 6, 0]
+    np.testing.assert_allclose(ReferenceModel(moe, experts).prefill_logits(tokens),
+                               ReferenceModel(dense, tensors).prefill_logits(tokens),
+                               rtol=0, atol=1e-12)

@@ -141,7 +141,7 @@ def test_whole_layers_drop_and_come_back_exactly(tiny):
     assert w.layer_bytes(2) == one_layer
     assert w.drop_layers({2, 3}) == 2 * one_layer
     assert arena.stats()["bytes_in_use"] == before - 2 * one_layer
-    assert w.held_layers == {0, 1} and w.c_offsets()[3 + 2 * (9 + 12)] == -1
+    assert w.held_layers == {0, 1} and w.c_offsets()[3 + 2 * (13 + 12)] == -1
     with pytest.raises(gyges.InvalidArgumentError, match="not held"):
         w.drop_layers({3})
     assert arena.stats()["bytes_in_use"] == before - 2 * one_layer  # refused: nothing changed

@@ -75,6 +75,14 @@ gy_status gy_forward_check(const gy_model *m, const gy_tp_group *tp, const gy_kv
                        "TP rank %d of %d does not fit %lld KV heads and %lld FFN shards (the "
                        "degree must divide both, with shards per rank a power of two or TP1)",
                        (int)tp->rank, (int)tp->size, (long long)m->n_kv_heads, (long long)m->max_tp);
+    /* expert parallelism: each rank holds its block of experts, whole (model.h) */
+    const int64_t E = m->n_experts, mine = tp->rank * E / tp->size;
+    if (m->expert_end - m->expert_begin < E &&
+        (tp->size == 1 || m->expert_begin != mine || m->expert_end != (tp->rank + 1) * E / tp->size))
+        return GY_FAIL(GY_ERR_INVALID, "TP rank %d of %d holds experts [%lld, %lld) of %lld; "
+                       "expert parallelism gives it [%lld, %lld)", (int)tp->rank, (int)tp->size,
+                       (long long)m->expert_begin, (long long)m->expert_end, (long long)E,
+                       (long long)mine, (long long)((tp->rank + 1) * E / tp->size));
     const gy_kv_layout *L = gy_kv_layout_of(kv);
     const gy_kv_config *c = gy_kv_config_of(kv);
     if (L->n_heads != m->n_kv_heads / tp->size || L->head_dim != m->head_dim ||

@@ -9,7 +9,10 @@
  * [r * n_heads / size, ...) and KV heads likewise, and the FFN shards
  * [r * max_tp / size, (r + 1) * max_tp / size). The o_proj and FFN partial sums are combined by
  * the group's all-reduce in the tree order of linear.h, so every TP degree gives the same bits as
- * TP1. The KV cache of a worker holds only its KV heads.
+ * TP1. The KV cache of a worker holds only its KV heads. An expert-parallel model (model.h:
+ * each rank holds a block of whole experts) computes its experts' outputs for every shard and
+ * all-reduces them (one rank's rows and zeros elsewhere: exact), then combines its own shards as
+ * TP does, so expert parallelism too gives TP1's bits.
  *
  * Backends: the three calls below dispatch on model->backend. A cpu model runs here (forward.c,
  * the CPU kernels, fp32 activations); a cuda model runs in forward_cuda.c on the worker's stream
@@ -78,13 +81,24 @@ struct gy_forward_cuda_ws;
  *   x, h, o   (n, hidden)        the residual stream, the normed input, the output of a block
  *   q, attn   (n, qd)            queries, attention output
  *   k, v      (n, kvd)           this step's keys and values
- *   g, u      (n, shard_rows)    gate and up of one FFN shard
+ *   g, u      (n, rows)          gate and up of one FFN shard (rows: the widest of shard_rows,
+ *                                expert_rows and shared_rows; an expert's tokens are at most n)
  *   parts     (n, max_tp*hidden) partial sums before the fixed-order reduction
  *   sel       (n, hidden)        the rows whose logits are asked for
+ * and for a mixture of experts (E = n_experts, k = n_experts_used; cpu/moe.h):
+ *   logits    (n, E)             router logits        choice (n, k) int32, weight (n, k)
+ *   xs        (n*k, hidden)      the tokens' rows grouped by expert
+ *   ys        (P, n*k, hidden)   the experts' outputs (P = max_tp when expert-parallel: every
+ *                                shard's, exchanged by the all-reduce; else 1: one shard's)
+ *   token_of, slot_of (n*k) int32, offsets (E+1) int64: the grouping;  sg (n) shared gate logit
  * A CUDA model keeps its own device buffers in `cuda` (forward_cuda.c lists them). */
 typedef struct gy_forward_ws {
     int64_t capacity_tokens;
     float *x, *h, *q, *k, *v, *attn, *o, *g, *u, *parts, *sel;
+    float *logits, *weight, *xs, *ys, *sg;
+    int32_t *choice, *token_of, *slot_of;
+    int64_t *offsets;
+    int64_t ys_parts;  /* P that ys was sized for (an expert-parallel model needs max_tp) */
     struct gy_forward_cuda_ws *cuda; /* a cuda model's device workspace, made on first use */
 } gy_forward_ws;
 

@@ -11,36 +11,78 @@
 #include "../cpu/embedding.h"
 #include "../cpu/kv_write.h"
 #include "../cpu/linear.h"
+#include "../cpu/moe.h"
 #include "../cpu/norm.h"
 #include "../cpu/rope.h"
 
+/* The workspace's buffers (forward.h) and how many elements of what size each holds for a batch
+ * of n tokens of model m (0: not needed by this model). */
+#define GY_FORWARD_CPU_BUFFERS 20
+
+typedef struct gy_forward_cpu_buffer {
+    void **buf;
+    int64_t elems;
+    size_t size;
+} gy_forward_cpu_buffer;
+
+static int32_t gy_forward_cpu_buffers(gy_forward_cpu_buffer *out, gy_forward_ws *ws,
+                                      const gy_model *m, int64_t n) {
+    const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
+    int64_t rows = m->shard_rows;
+    if (m->expert_rows > rows) rows = m->expert_rows;
+    if (m->shared_rows > rows) rows = m->shared_rows;
+    const int64_t E = m->n_experts, nk = n * m->n_experts_used;
+    const int64_t outputs = m->expert_end - m->expert_begin < E ? m->max_tp : 1; /* ys's P */
+    const size_t F = sizeof(float), I32 = sizeof(int32_t), I64 = sizeof(int64_t);
+    const gy_forward_cpu_buffer plan[] = {
+        {(void **)&ws->x, n * m->hidden, F}, {(void **)&ws->h, n * m->hidden, F},
+        {(void **)&ws->q, n * qd, F}, {(void **)&ws->k, n * kvd, F}, {(void **)&ws->v, n * kvd, F},
+        {(void **)&ws->attn, n * qd, F}, {(void **)&ws->o, n * m->hidden, F},
+        {(void **)&ws->g, n * rows, F}, {(void **)&ws->u, n * rows, F},
+        {(void **)&ws->parts, n * m->max_tp * m->hidden, F}, {(void **)&ws->sel, n * m->hidden, F},
+        {(void **)&ws->logits, n * E, F}, {(void **)&ws->weight, nk, F},
+        {(void **)&ws->xs, nk * m->hidden, F}, {(void **)&ws->ys, outputs * nk * m->hidden, F},
+        {(void **)&ws->sg, E > 0 ? n : 0, F}, {(void **)&ws->choice, nk, I32},
+        {(void **)&ws->token_of, nk, I32}, {(void **)&ws->slot_of, nk, I32},
+        {(void **)&ws->offsets, E > 0 ? E + 1 : 0, I64},
+    };
+    _Static_assert(sizeof plan / sizeof plan[0] == GY_FORWARD_CPU_BUFFERS, "the buffers' count");
+    for (int32_t i = 0; i < GY_FORWARD_CPU_BUFFERS; i++) out[i] = plan[i];
+    return GY_FORWARD_CPU_BUFFERS;
+}
+
+
 static void gy_forward_cpu_ws_free(gy_forward_ws *ws) {
-    float **buffers[] = {&ws->x, &ws->h, &ws->q, &ws->k, &ws->v, &ws->attn, &ws->o,
-                         &ws->g, &ws->u, &ws->parts, &ws->sel};
+    void **buffers[] = {(void **)&ws->x, (void **)&ws->h, (void **)&ws->q, (void **)&ws->k,
+                        (void **)&ws->v, (void **)&ws->attn, (void **)&ws->o, (void **)&ws->g,
+                        (void **)&ws->u, (void **)&ws->parts, (void **)&ws->sel,
+                        (void **)&ws->logits, (void **)&ws->weight, (void **)&ws->xs,
+                        (void **)&ws->ys, (void **)&ws->sg, (void **)&ws->choice,
+                        (void **)&ws->token_of, (void **)&ws->slot_of, (void **)&ws->offsets};
     for (size_t i = 0; i < sizeof buffers / sizeof buffers[0]; i++) {
         free(*buffers[i]);
         *buffers[i] = NULL;
     }
     ws->capacity_tokens = 0;
+    ws->ys_parts = 0;
 }
 
 static gy_status gy_forward_ws_reserve(gy_forward_ws *ws, const gy_model *m, int64_t n) {
-    if (n <= ws->capacity_tokens) return GY_OK;
+    const int64_t parts = m->expert_end - m->expert_begin < m->n_experts ? m->max_tp : 1;
+    if (n <= ws->capacity_tokens && parts <= ws->ys_parts) return GY_OK;
     gy_forward_cpu_ws_free(ws);
-    const int64_t qd = m->n_heads * m->head_dim, kvd = m->n_kv_heads * m->head_dim;
-    const struct { float **buf; int64_t width; } plan[] = {
-        {&ws->x, m->hidden}, {&ws->h, m->hidden}, {&ws->q, qd}, {&ws->k, kvd}, {&ws->v, kvd},
-        {&ws->attn, qd}, {&ws->o, m->hidden}, {&ws->g, m->shard_rows}, {&ws->u, m->shard_rows},
-        {&ws->parts, m->max_tp * m->hidden}, {&ws->sel, m->hidden},
-    };
-    for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++) {
-        *plan[i].buf = gy_malloc((size_t)(n * plan[i].width) * sizeof(float));
+    gy_forward_cpu_buffer plan[GY_FORWARD_CPU_BUFFERS];
+    const int32_t count = gy_forward_cpu_buffers(plan, ws, m, n);
+    for (int32_t i = 0; i < count; i++) {
+        if (plan[i].elems == 0) continue; /* a dense model's expert buffers stay NULL */
+        *plan[i].buf = gy_malloc((size_t)plan[i].elems * plan[i].size);
         if (*plan[i].buf == NULL) {
             gy_forward_cpu_ws_free(ws);
             return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a batch of %lld tokens", (long long)n);
         }
     }
     ws->capacity_tokens = n;
+    ws->ys_parts = parts;
     return GY_OK;
 }
 
@@ -101,6 +143,89 @@ static gy_status gy_forward_cpu_attention(const gy_forward_batch *b, gy_forward_
     return GY_OK;
 }
 
+/* y [n, hidden] = one shard of a SwiGLU FFN (R rows of gate, up and down_t) on x [n, hidden];
+ * ws->g and ws->u hold its gate and up. */
+static gy_status gy_forward_cpu_ffn(float *y, gy_forward_ws *ws, const float *x, const void *gate,
+                                    const void *up, const void *down_t, gy_dtype wt, int64_t n,
+                                    int64_t hid, int64_t R, gy_threadpool *pool) {
+    GY_TRY(gy_cpu_linear(ws->g, x, gate, wt, NULL, n, hid, R, 1, pool));
+    GY_TRY(gy_cpu_linear(ws->u, x, up, wt, NULL, n, hid, R, 1, pool));
+    GY_TRY(gy_cpu_swiglu(ws->g, ws->g, ws->u, n * R));
+    return gy_cpu_linear_t(y, ws->g, down_t, wt, NULL, n, R, hid, 1, pool);
+}
+
+/* Layer l's mixture of experts on ws->h: ws->parts gets the partial sum of each FFN shard this
+ * rank holds, as a dense layer's (expert-parallel: after the exchange above). The router runs on every rank (its weight is replicated, so
+ * every rank routes alike); each expert's tokens are gathered into a run of rows (cpu/moe.h) and
+ * go through the expert's shard in one GEMM each; each token's rows are combined in its rank
+ * order, and the shared expert's shard, gated, added after them. A shard's partial is what TP1
+ * computes for that shard, so the tree over shards and ranks gives TP1's bits. */
+/* ys [n*k, hidden]: the grouped rows of experts [e_begin, e_end) through their shard s, one GEMM
+ * an expert (the other experts' rows are left as they are). */
+static gy_status gy_forward_cpu_experts(float *ys, const gy_model *m, const gy_layer_weights *w,
+                                        gy_forward_ws *ws, int64_t s, int64_t e_begin,
+                                        int64_t e_end, int64_t l, gy_threadpool *pool) {
+    const int64_t hid = m->hidden;
+    for (int64_t e = e_begin; e < e_end; e++) {
+        const int64_t first = ws->offsets[e], rows = ws->offsets[e + 1] - first;
+        const gy_expert_weights *x = &w->experts[e];
+        if (rows == 0) continue;
+        if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
+            return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
+                           (long long)l, (long long)e, (long long)s);
+        GY_TRY(gy_forward_cpu_ffn(ys + first * hid, ws, ws->xs + first * hid, x->gate[s], x->up[s],
+                                  x->down_t[s], m->weight_dtype, rows, hid, m->expert_rows, pool));
+    }
+    return GY_OK;
+}
+
+/* Expert parallelism's half of it: this rank's experts, every shard, into ys [max_tp, n*k,
+ * hidden] (zeros in the other ranks' slots), then the all-reduce that gives every rank every
+ * slot; each value comes from one rank, so the sum over ranks is exact. */
+static gy_status gy_forward_cpu_moe_exchange(const gy_model *m, const gy_layer_weights *w,
+                                             const gy_tp_group *tp, gy_forward_ws *ws, int64_t n,
+                                             int64_t l, gy_threadpool *pool) {
+    const int64_t nk = n * m->n_experts_used, hid = m->hidden;
+    memset(ws->ys, 0, (size_t)(m->max_tp * nk * hid) * sizeof(float));
+    for (int64_t s = 0; s < m->max_tp; s++)
+        GY_TRY(gy_forward_cpu_experts(ws->ys + s * nk * hid, m, w, ws, s, m->expert_begin,
+                                      m->expert_end, l, pool));
+    return tp->all_reduce(tp->ctx, ws->ys, m->max_tp * nk * hid);
+}
+
+static gy_status gy_forward_cpu_moe(const gy_model *m, const gy_layer_weights *w,
+                                    const gy_tp_group *tp, gy_forward_ws *ws, int64_t n,
+                                    int64_t first_shard, int64_t shards_here, int64_t l,
+                                    gy_threadpool *pool) {
+    const int64_t E = m->n_experts, k = m->n_experts_used, hid = m->hidden;
+    const gy_dtype wt = m->weight_dtype;
+    const int partitioned = m->expert_end - m->expert_begin < E;
+    GY_TRY(gy_cpu_linear(ws->logits, ws->h, w->router, GY_DTYPE_F32, NULL, n, hid, E, 1, pool));
+    GY_TRY(gy_cpu_moe_route(ws->choice, ws->weight, ws->logits, n, E, k, m->norm_topk_prob));
+    GY_TRY(gy_cpu_moe_group(ws->offsets, ws->token_of, ws->slot_of, ws->choice, n, E, k));
+    GY_TRY(gy_cpu_moe_gather(ws->xs, ws->h, ws->token_of, n * k, hid));
+    if (m->shared_rows > 0 && w->shared_gate != NULL)
+        GY_TRY(gy_cpu_linear(ws->sg, ws->h, w->shared_gate, GY_DTYPE_F32, NULL, n, hid, 1, 1, pool));
+    if (partitioned) GY_TRY(gy_forward_cpu_moe_exchange(m, w, tp, ws, n, l, pool));
+    for (int64_t j = 0; j < shards_here; j++) {
+        const int64_t s = first_shard + j;
+        float *part = ws->parts + j * n * hid;
+        /* the experts' outputs of shard s: exchanged (expert-parallel), or computed here */
+        const float *ys = partitioned ? ws->ys + s * n * k * hid : ws->ys;
+        float *spare = partitioned ? ws->xs : ws->ys; /* n rows free for the shared expert */
+        if (!partitioned) GY_TRY(gy_forward_cpu_experts(ws->ys, m, w, ws, s, 0, E, l, pool));
+        GY_TRY(gy_cpu_moe_combine(part, ys, ws->weight, ws->slot_of, n, k, hid));
+        if (m->shared_rows == 0) continue;
+        if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
+            return GY_FAIL(GY_ERR_STATE, "layer %lld: the shared expert's shard %lld is not held "
+                           "here", (long long)l, (long long)s);
+        GY_TRY(gy_forward_cpu_ffn(spare, ws, ws->h, w->gate[s], w->up[s], w->down_t[s], wt, n,
+                                  hid, m->shared_rows, pool));
+        GY_TRY(gy_cpu_moe_add_gated(part, spare, w->shared_gate ? ws->sg : NULL, n, hid));
+    }
+    return GY_OK;
+}
+
 static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                        const gy_forward_batch *b, gy_forward_ws *ws,
                                        gy_threadpool *pool, int64_t first_layer, int64_t end_layer) {
@@ -126,6 +251,10 @@ static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp,
                              w->bk ? w->bk + tp->rank * kv_rows : NULL, n, hid, kv_rows, 1, pool));
         GY_TRY(gy_cpu_linear(ws->v, ws->h, GY_ROWS(w->wv, tp->rank * kv_rows), wt,
                              w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 1, pool));
+        if (w->q_norm != NULL) { /* Qwen3: each head RMS-normed before the rotation */
+            GY_TRY(gy_cpu_rmsnorm(ws->q, ws->q, w->q_norm, n * heads, D, m->rms_eps));
+            GY_TRY(gy_cpu_rmsnorm(ws->k, ws->k, w->k_norm, n * kv_heads, D, m->rms_eps));
+        }
         GY_TRY(gy_cpu_rope(ws->q, b->paged.token_pos, m->rope_cos, m->rope_sin, n, heads, D, m->max_pos));
         GY_TRY(gy_cpu_rope(ws->k, b->paged.token_pos, m->rope_cos, m->rope_sin, n, kv_heads, D, m->max_pos));
         GY_TRY(gy_forward_cpu_attention(b, ws, layer_base, layout, l, heads, pool));
@@ -138,18 +267,18 @@ static gy_status gy_forward_cpu_layers(const gy_model *m, const gy_tp_group *tp,
         /* FFN: each shard's partial sum, then the tree over shards and ranks. */
         GY_TRY(gy_cpu_rmsnorm(ws->h, ws->x, w->ffn_norm, n, hid, m->rms_eps));
         const float *parts[GY_MODEL_MAX_TP];
-        for (int64_t j = 0; j < shards_here; j++) {
-            const int64_t s = first_shard + j, R = m->shard_rows;
-            float *part = ws->parts + j * n * hid;
-            if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
-                return GY_FAIL(GY_ERR_STATE, "layer %lld: FFN shard %lld is not held here",
-                               (long long)l, (long long)s);
-            GY_TRY(gy_cpu_linear(ws->g, ws->h, w->gate[s], wt, NULL, n, hid, R, 1, pool));
-            GY_TRY(gy_cpu_linear(ws->u, ws->h, w->up[s], wt, NULL, n, hid, R, 1, pool));
-            GY_TRY(gy_cpu_swiglu(ws->g, ws->g, ws->u, n * R));
-            GY_TRY(gy_cpu_linear_t(part, ws->g, w->down_t[s], wt, NULL, n, R, hid, 1, pool));
-            parts[j] = part;
-        }
+        for (int64_t j = 0; j < shards_here; j++) parts[j] = ws->parts + j * n * hid;
+        if (w->router != NULL)
+            GY_TRY(gy_forward_cpu_moe(m, w, tp, ws, n, first_shard, shards_here, l, pool));
+        else
+            for (int64_t j = 0; j < shards_here; j++) {
+                const int64_t s = first_shard + j;
+                if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
+                    return GY_FAIL(GY_ERR_STATE, "layer %lld: FFN shard %lld is not held here",
+                                   (long long)l, (long long)s);
+                GY_TRY(gy_forward_cpu_ffn(ws->parts + j * n * hid, ws, ws->h, w->gate[s], w->up[s],
+                                          w->down_t[s], wt, n, hid, m->shard_rows, pool));
+            }
         GY_TRY(gy_cpu_add_tree(ws->o, parts, (int32_t)shards_here, n * hid));
         if (tp->size > 1) GY_TRY(tp->all_reduce(tp->ctx, ws->o, n * hid));
         GY_TRY(gy_cpu_add(ws->x, ws->x, ws->o, n * hid));

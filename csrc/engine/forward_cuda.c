@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cpu/moe.h"
 #include "../kernels/gemm.h"
 #include "../kernels/attention.h"
 #include "../kernels/kv_ops.h"
@@ -76,6 +77,17 @@ struct gy_forward_cuda_ws {
      *   logits (n_logits, vocab) fp32;  attn_ws: the attention kernels' scratch;
      *   idx: the step's packed int32 index arrays (layout in gy_fwd_cuda_upload) */
     gy_dev_buf x, h, q, k, v, attn, gu, g, o, sel, logits, attn_ws, idx;
+    /* A mixture of experts (E experts, k a token; gu and g are as wide as the widest FFN):
+     *   hf (n, hidden) fp32: h widened for the fp32 router;  rlog (n*E + n) fp32: router logits
+     *   and the shared expert's gate logit;  xs (n*k, hidden) act: the tokens' rows grouped by
+     *   expert;  ys (n*k, hidden) fp32: the experts' outputs;  sh (n, hidden) fp32: the shared
+     *   expert's;  midx (2*n*k) int32: token_of | slot_of;  mw (n*k) fp32: the weights
+     * and on the host (moe_cap tokens) the logits, the choice and the grouping, computed by
+     * cpu/moe.h so that a token goes to the experts the CPU pass sends it to. */
+    gy_dev_buf hf, rlog, xs, ys, sh, midx, mw;
+    float *h_logits, *h_weight;
+    int32_t *h_choice, *h_token_of, *h_slot_of;
+    int64_t *h_offsets, moe_cap;
     int32_t *host_idx; /* (host_idx_cap) pinned staging of idx */
     int64_t host_idx_cap;
     /* The step, set by begin for layers and end. */
@@ -143,12 +155,19 @@ void gy_forward_cuda_ws_free(struct gy_forward_cuda_ws *c) {
     if (c->stream != NULL) cudaStreamSynchronize(c->stream);
     gy_cuda_blas_free(c->blas);
     gy_dev_buf *bufs[] = {&c->x, &c->h, &c->q, &c->k, &c->v, &c->attn, &c->gu, &c->g,
-                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx, &c->ridx};
+                          &c->o, &c->sel, &c->logits, &c->attn_ws, &c->idx, &c->ridx,
+                          &c->hf, &c->rlog, &c->xs, &c->ys, &c->sh, &c->midx, &c->mw};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]->ptr != NULL) cudaFree(bufs[i]->ptr);
     if (c->host_idx != NULL) cudaFreeHost(c->host_idx);
     if (c->host_ridx != NULL) cudaFreeHost(c->host_ridx);
     free(c->rem_at);
+    free(c->h_logits);
+    free(c->h_weight);
+    free(c->h_choice);
+    free(c->h_token_of);
+    free(c->h_slot_of);
+    free(c->h_offsets);
     for (int32_t i = 0; i < c->n_peers; i++) gy_fwd_cuda_peer_free(&c->peers[i], c->device);
     free(c->peers);
     cudaGetLastError(); /* a cleanup: the first error's message is what matters */
@@ -162,6 +181,10 @@ const char *gy_forward_cuda_unavailable(void) { return NULL; }
 gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_forward_cuda_attach: NULL model");
     if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
+    /* Not written yet on the device (the CPU pass has it): refused before any device work. */
+    if (m->expert_end - m->expert_begin < m->n_experts)
+        return GY_FAIL(GY_ERR_UNAVAILABLE, "the CUDA forward pass does not run expert "
+                       "parallelism yet; use backend='cpu'");
     GY_FWD_CUDA_CHECK(cudaSetDevice(device));
     GY_TRY(gy_cuda_blas_available());
     if (m->rope_inv_freq == NULL)
@@ -590,6 +613,28 @@ static gy_status gy_fwd_cuda_attention(struct gy_forward_cuda_ws *c, const gy_mo
     return GY_OK;
 }
 
+/* The host arrays of a mixture of experts' routing, for n tokens (all or nothing). */
+static gy_status gy_fwd_cuda_moe_host(struct gy_forward_cuda_ws *c, const gy_model *m, int64_t n) {
+    const int64_t E = m->n_experts, nk = n * m->n_experts_used;
+    float *logits = gy_malloc((size_t)(n * E) * sizeof(float));
+    float *weight = gy_malloc((size_t)nk * sizeof(float));
+    int32_t *choice = gy_malloc((size_t)nk * sizeof(int32_t));
+    int32_t *token_of = gy_malloc((size_t)nk * sizeof(int32_t));
+    int32_t *slot_of = gy_malloc((size_t)nk * sizeof(int32_t));
+    int64_t *offsets = gy_malloc((size_t)(E + 1) * sizeof(int64_t));
+    if (!logits || !weight || !choice || !token_of || !slot_of || !offsets) {
+        free(logits), free(weight), free(choice), free(token_of), free(slot_of), free(offsets);
+        return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the routing of %lld tokens",
+                       (long long)n);
+    }
+    free(c->h_logits), free(c->h_weight), free(c->h_choice), free(c->h_token_of);
+    free(c->h_slot_of), free(c->h_offsets);
+    c->h_logits = logits, c->h_weight = weight, c->h_choice = choice, c->h_token_of = token_of;
+    c->h_slot_of = slot_of, c->h_offsets = offsets;
+    c->moe_cap = n;
+    return GY_OK;
+}
+
 static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
                                        const gy_forward_batch *b, gy_forward_ws *ws, int embed,
                                        int64_t max_len) {
@@ -611,17 +656,24 @@ static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp,
 
     const int64_t esz = gy_dtype_size(m->weight_dtype);
     const int64_t heads = m->n_heads / tp->size, kv_heads = m->n_kv_heads / tp->size;
-    const int64_t qd = heads * D, kvd = kv_heads * D, R = m->shard_rows;
-    const int64_t nl = b->n_logits;
+    const int64_t qd = heads * D, kvd = kv_heads * D;
+    int64_t R = m->shard_rows; /* gu and g hold the widest FFN: dense, an expert or shared */
+    if (m->expert_rows > R) R = m->expert_rows;
+    if (m->shared_rows > R) R = m->shared_rows;
+    const int64_t nl = b->n_logits, E = m->n_experts, nk = n * m->n_experts_used;
     const struct { gy_dev_buf *buf; int64_t bytes; } plan[] = {
         {&c->x, n * hid * esz},      {&c->h, n * hid * esz},     {&c->q, n * qd * esz},
         {&c->k, n * kvd * esz},      {&c->v, n * kvd * esz},     {&c->attn, n * qd * esz},
         {&c->gu, n * 2 * R * esz},   {&c->g, n * R * esz},       {&c->o, n * hid * 4},
         {&c->sel, nl * hid * esz},   {&c->logits, nl * m->vocab * 4},
         {&c->attn_ws, gy_cuda_paged_attention_workspace_bytes(n, heads, D, max_len)},
+        {&c->hf, E > 0 ? n * hid * 4 : 0},  {&c->rlog, (n * E + n) * 4},
+        {&c->xs, nk * hid * esz},    {&c->ys, nk * hid * 4},     {&c->sh, E > 0 ? n * hid * 4 : 0},
+        {&c->midx, 2 * nk * 4},      {&c->mw, nk * 4},
     };
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++)
         GY_TRY(gy_dev_reserve(plan[i].buf, plan[i].bytes));
+    if (E > 0 && n > c->moe_cap) GY_TRY(gy_fwd_cuda_moe_host(c, m, n));
     GY_TRY(gy_fwd_cuda_upload(c, b));
     GY_TRY(gy_fwd_cuda_remote_upload(c, m, b, heads, max_len));
 
@@ -653,6 +705,77 @@ static gy_status gy_fwd_cuda_residual_close(struct gy_forward_cuda_ws *c, const 
     if (tp->size > 1) GY_TRY(tp->all_reduce(tp->ctx, c->o.ptr, c->n_tokens * m->hidden));
     return gy_cuda_embedding(c->x.ptr, c->o.ptr, c->d_iota, c->n_tokens, c->n_tokens, m->hidden,
                              m->weight_dtype, GY_DTYPE_F32, c->stream);
+}
+
+/* Layer l's mixture of experts on h, onto o (rank 0's residual, or overwritten first on other
+ * ranks) for this rank's shards, as the dense FFN's shards go: the router in fp32 on the device,
+ * the top k and the grouping on the host by cpu/moe.h (one wait for the stream a layer), each
+ * expert's tokens gathered and run as one GEMM a shard, combined per token in rank order with
+ * the shared expert's shard behind its gate (moe_combine.cu). */
+static gy_status gy_fwd_cuda_moe(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                 const gy_layer_weights *w, const gy_tp_group *tp, int64_t l,
+                                 int64_t first_shard, int64_t shards_here) {
+    const gy_dtype act = m->weight_dtype, F32 = GY_DTYPE_F32;
+    const int64_t n = c->n_tokens, hid = m->hidden, E = m->n_experts, k = m->n_experts_used;
+    const int64_t nk = n * k, esz = gy_dtype_size(act), R = m->expert_rows, S = m->shared_rows;
+    const cudaStream_t st = c->stream;
+    gy_cuda_blas *blas = c->blas;
+    float *logits = c->rlog.ptr, *gate = logits + n * E, *ys = c->ys.ptr, *sh = c->sh.ptr;
+    int32_t *d_token_of = c->midx.ptr, *d_slot_of = d_token_of + nk;
+    GY_TRY(gy_cuda_embedding(c->hf.ptr, c->h.ptr, c->d_iota, n, n, hid, F32, act, st));
+    GY_TRY(gy_cuda_gemm(logits, F32, E, c->hf.ptr, F32, hid, w->router, F32, GY_GEMM_W_OUT_IN,
+                        NULL, n, hid, E, 0, blas));
+    const int gated = S > 0 && w->shared_gate != NULL;
+    if (gated)
+        GY_TRY(gy_cuda_gemm(gate, F32, 1, c->hf.ptr, F32, hid, w->shared_gate, F32,
+                            GY_GEMM_W_OUT_IN, NULL, n, hid, 1, 0, blas));
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->h_logits, logits, (size_t)(n * E) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, st));
+    GY_FWD_CUDA_CHECK(cudaStreamSynchronize(st));
+    GY_TRY(gy_cpu_moe_route(c->h_choice, c->h_weight, c->h_logits, n, E, k, m->norm_topk_prob));
+    GY_TRY(gy_cpu_moe_group(c->h_offsets, c->h_token_of, c->h_slot_of, c->h_choice, n, E, k));
+    /* pageable sources: each copy has read them when it returns */
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(d_token_of, c->h_token_of, (size_t)nk * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, st));
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(d_slot_of, c->h_slot_of, (size_t)nk * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, st));
+    GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->mw.ptr, c->h_weight, (size_t)nk * sizeof(float),
+                                      cudaMemcpyHostToDevice, st));
+    GY_TRY(gy_cuda_embedding(c->xs.ptr, c->h.ptr, d_token_of, nk, n, hid, act, act, st));
+    for (int64_t j = 0; j < shards_here; j++) {
+        const int64_t s = first_shard + j;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t first = c->h_offsets[e], rows = c->h_offsets[e + 1] - first;
+            const gy_expert_weights *x = &w->experts[e];
+            if (rows == 0) continue;
+            if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
+                return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
+                               (long long)l, (long long)e, (long long)s);
+            const void *xe = (const char *)c->xs.ptr + first * hid * esz;
+            GY_TRY(gy_cuda_gemm(c->gu.ptr, act, 2 * R, xe, act, hid, x->gate[s], act,
+                                GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, blas));
+            GY_TRY(gy_cuda_gemm((char *)c->gu.ptr + R * esz, act, 2 * R, xe, act, hid, x->up[s],
+                                act, GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, blas));
+            GY_TRY(gy_cuda_silu_mul(c->g.ptr, c->gu.ptr, rows, R, act, st));
+            GY_TRY(gy_cuda_gemm(ys + first * hid, F32, hid, c->g.ptr, act, R, x->down_t[s], act,
+                                GY_GEMM_W_IN_OUT, NULL, rows, R, hid, 0, blas));
+        }
+        if (S > 0) {
+            if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
+                return GY_FAIL(GY_ERR_STATE, "layer %lld: the shared expert's shard %lld is not "
+                               "held here", (long long)l, (long long)s);
+            GY_TRY(gy_cuda_gemm(c->gu.ptr, act, 2 * S, c->h.ptr, act, hid, w->gate[s], act,
+                                GY_GEMM_W_OUT_IN, NULL, n, hid, S, 0, blas));
+            GY_TRY(gy_cuda_gemm((char *)c->gu.ptr + S * esz, act, 2 * S, c->h.ptr, act, hid,
+                                w->up[s], act, GY_GEMM_W_OUT_IN, NULL, n, hid, S, 0, blas));
+            GY_TRY(gy_cuda_silu_mul(c->g.ptr, c->gu.ptr, n, S, act, st));
+            GY_TRY(gy_cuda_gemm(sh, F32, hid, c->g.ptr, act, S, w->down_t[s], act,
+                                GY_GEMM_W_IN_OUT, NULL, n, S, hid, 0, blas));
+        }
+        GY_TRY(gy_cuda_moe_combine(c->o.ptr, ys, c->mw.ptr, d_slot_of, S > 0 ? sh : NULL,
+                                   gated ? gate : NULL, n, k, hid, tp->rank == 0 || j > 0, st));
+    }
+    return GY_OK;
 }
 
 static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp, gy_kv_cache *kv,
@@ -694,6 +817,12 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
         GY_TRY(gy_cuda_gemm(c->v.ptr, act, kv_rows, c->h.ptr, act, hid,
                             GY_ROWS(w->wv, tp->rank * kv_rows), act, GY_GEMM_W_OUT_IN,
                             w->bv ? w->bv + tp->rank * kv_rows : NULL, n, hid, kv_rows, 0, blas));
+        if (w->q_norm != NULL) { /* Qwen3: each head RMS-normed before the rotation */
+            GY_TRY(gy_cuda_rmsnorm(c->q.ptr, c->q.ptr, w->q_norm, n * heads, D, m->rms_eps, act,
+                                   F32, st));
+            GY_TRY(gy_cuda_rmsnorm(c->k.ptr, c->k.ptr, w->k_norm, n * kv_heads, D, m->rms_eps, act,
+                                   F32, st));
+        }
         GY_TRY(gy_cuda_rope(c->q.ptr, c->k.ptr, c->d_token_pos, n, heads, kv_heads, D,
                             m->rope_inv_freq_dev, (float)m->rope_mscale, act, st));
         GY_TRY(gy_fwd_cuda_attention(c, m, b, layer_base, layout, kv_dtype, l, heads, scale));
@@ -707,7 +836,9 @@ static gy_status gy_forward_cuda_layers(const gy_model *m, const gy_tp_group *tp
         /* FFN: each shard's product accumulates onto o in fp32. */
         GY_TRY(gy_cuda_rmsnorm(c->h.ptr, c->x.ptr, w->ffn_norm, n, hid, m->rms_eps, act, F32, st));
         GY_TRY(gy_fwd_cuda_residual_open(c, m, tp));
-        for (int64_t j = 0; j < shards_here; j++) {
+        if (w->router != NULL)
+            GY_TRY(gy_fwd_cuda_moe(c, m, w, tp, l, first_shard, shards_here));
+        for (int64_t j = 0; j < shards_here && w->router == NULL; j++) {
             const int64_t s = first_shard + j;
             if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
                 return GY_FAIL(GY_ERR_STATE, "layer %lld: FFN shard %lld is not held here",

@@ -48,6 +48,17 @@ gy_status gy_model_init(gy_model *m, const double *inv_freq, double mscale,
                        "max_tp=%lld must be in [1, %d] and divide intermediate %lld and %lld heads",
                        (long long)m->max_tp, GY_MODEL_MAX_TP, (long long)m->intermediate,
                        (long long)m->n_heads);
+    if (m->n_experts < 0 || m->n_experts > GY_MODEL_MAX_EXPERTS ||
+        (m->n_experts > 0 &&
+         (m->n_experts_used < 1 || m->n_experts_used > m->n_experts ||
+          m->expert_intermediate <= 0 || m->expert_intermediate % m->max_tp != 0 ||
+          m->shared_intermediate < 0 || m->shared_intermediate % m->max_tp != 0)))
+        return GY_FAIL(GY_ERR_INVALID,
+                       "%lld experts (at most %d), %lld used a token, of width %lld (shared: "
+                       "%lld): the used must be in [1, experts] and max_tp=%lld must divide "
+                       "the widths", (long long)m->n_experts, GY_MODEL_MAX_EXPERTS,
+                       (long long)m->n_experts_used, (long long)m->expert_intermediate,
+                       (long long)m->shared_intermediate, (long long)m->max_tp);
     const int64_t half = m->head_dim / 2;
     if (inv_freq == NULL) return GY_FAIL(GY_ERR_INVALID, "the model needs its rotary frequencies");
     for (int64_t i = 0; i < half; i++)
@@ -60,21 +71,29 @@ gy_status gy_model_init(gy_model *m, const double *inv_freq, double mscale,
     size_t table = 0;
     GY_TRY(gy_model_rope_bytes(m, &table));
     m->shard_rows = m->intermediate / m->max_tp;
+    m->expert_rows = m->n_experts > 0 ? m->expert_intermediate / m->max_tp : 0;
+    m->shared_rows = m->n_experts > 0 ? m->shared_intermediate / m->max_tp : 0;
+    m->expert_begin = 0;
+    m->expert_end = m->n_experts;
     m->layer_begin = 0;
     m->layer_end = m->n_layers;
     m->has_embed = m->has_head = 1;
     m->rope_mscale = mscale;
     m->rope_inv_freq_dev = NULL;
     m->layers = gy_calloc((size_t)m->n_layers, sizeof *m->layers);
+    m->experts = m->n_experts > 0
+                     ? gy_calloc((size_t)(m->n_layers * m->n_experts), sizeof *m->experts) : NULL;
     m->rope_inv_freq = gy_malloc((size_t)half * sizeof(double));
     m->rope_cos = gy_malloc(table);
     m->rope_sin = gy_malloc(table);
     if (m->layers == NULL || m->rope_inv_freq == NULL || m->rope_cos == NULL ||
-        m->rope_sin == NULL) {
+        m->rope_sin == NULL || (m->n_experts > 0 && m->experts == NULL)) {
         gy_model_free(m);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for the model tables (max_pos=%lld, "
                        "head_dim=%lld)", (long long)m->max_pos, (long long)m->head_dim);
     }
+    if (m->experts != NULL)
+        for (int64_t l = 0; l < m->n_layers; l++) m->layers[l].experts = m->experts + l * m->n_experts;
     memcpy(m->rope_inv_freq, inv_freq, (size_t)half * sizeof(double));
     const gy_model *from = tables_from;
     if (from != NULL && from->rope_cos != NULL && from->max_pos == m->max_pos &&
@@ -93,15 +112,22 @@ gy_status gy_model_init(gy_model *m, const double *inv_freq, double mscale,
 void gy_model_free(gy_model *m) {
     if (m == NULL) return;
     free(m->layers);
+    free(m->experts);
     free(m->rope_inv_freq);
     free(m->rope_cos);
     free(m->rope_sin);
     m->layers = NULL;
+    m->experts = NULL;
     m->rope_inv_freq = NULL;
     m->rope_cos = m->rope_sin = NULL;
 }
 
 gy_status gy_model_check(const gy_model *m, uint32_t shards) {
+    if (m->n_experts > 0 &&
+        (m->expert_begin < 0 || m->expert_end > m->n_experts || m->expert_begin >= m->expert_end))
+        return GY_FAIL(GY_ERR_INVALID, "the model holds experts [%lld, %lld) of %lld",
+                       (long long)m->expert_begin, (long long)m->expert_end,
+                       (long long)m->n_experts);
     if (m->layer_begin < 0 || m->layer_end > m->n_layers || m->layer_begin > m->layer_end)
         return GY_FAIL(GY_ERR_INVALID, "the model holds layers [%lld, %lld) of %lld",
                        (long long)m->layer_begin, (long long)m->layer_end, (long long)m->n_layers);
@@ -113,11 +139,30 @@ gy_status gy_model_check(const gy_model *m, uint32_t shards) {
         const gy_layer_weights *w = &m->layers[l];
         if (!w->attn_norm || !w->ffn_norm || !w->wq || !w->wk || !w->wv || !w->wo_t)
             return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing an attention tensor", (long long)l);
-        for (int64_t s = 0; s < m->max_tp; s++)
-            if ((shards >> s) & 1u)
-                if (!w->gate[s] || !w->up[s] || !w->down_t[s])
-                    return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing FFN shard %lld",
-                                   (long long)l, (long long)s);
+        if ((w->q_norm == NULL) != (w->k_norm == NULL))
+            return GY_FAIL(GY_ERR_INVALID, "layer %lld has one of q_norm and k_norm", (long long)l);
+        if (w->router != NULL && m->n_experts == 0)
+            return GY_FAIL(GY_ERR_INVALID, "layer %lld has a router but the model no experts",
+                           (long long)l);
+        /* A dense layer's FFN, or an MoE layer's shared expert when the model has one; the
+         * experts it holds: the shards in `shards`, or every shard when expert-parallel. */
+        const int partitioned = m->expert_end - m->expert_begin < m->n_experts;
+        const int dense = w->router == NULL || m->shared_rows > 0;
+        for (int64_t s = 0; s < m->max_tp; s++) {
+            if (!((shards >> s) & 1u)) continue;
+            if (dense && (!w->gate[s] || !w->up[s] || !w->down_t[s]))
+                return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing %s shard %lld", (long long)l,
+                               w->router ? "the shared expert's" : "FFN", (long long)s);
+        }
+        for (int64_t s = 0; w->router != NULL && s < m->max_tp; s++) {
+            if (!partitioned && !((shards >> s) & 1u)) continue;
+            for (int64_t e = m->expert_begin; e < m->expert_end; e++) {
+                const gy_expert_weights *x = &w->experts[e];
+                if (!x->gate[s] || !x->up[s] || !x->down_t[s])
+                    return GY_FAIL(GY_ERR_INVALID, "layer %lld is missing expert %lld's shard %lld",
+                                   (long long)l, (long long)e, (long long)s);
+            }
+        }
     }
     return GY_OK;
 }

@@ -1,5 +1,5 @@
 /* model_ops.h: the elementwise and row kernels of a Llama layer (rmsnorm.cu, rope.cu, silu_mul.cu,
- * residual_add.cu, embedding.cu).
+ * residual_add.cu, embedding.cu) and of a mixture of experts (moe_combine.cu).
  * The conventions of every kernel header are in kernels.h. Only declared when gyges is built with
  * CUDA (GY_WITH_CUDA). */
 #ifndef GY_KERNELS_MODEL_OPS_H
@@ -47,6 +47,18 @@ gy_status gy_cuda_residual_add(void *out, const void *a, const void *b, int64_t 
 gy_status gy_cuda_embedding(void *out, const void *table, const int32_t *ids, int64_t n_tokens,
                             int64_t vocab, int64_t dim, gy_dtype out_dtype, gy_dtype table_dtype,
                             gy_cuda_stream stream);
+
+/* moe_combine.cu: a mixture-of-experts layer's weighted sum of each token's k expert rows
+ * (csrc/cpu/moe.h's grouping), then a shared expert's row behind its sigmoid gate, all fp32:
+ *   out[t] = (accumulate ? out[t] : 0) + (sum over r = 0 .. k-1, from +0 in r order, of
+ *            weight[t, r] * ys[slot[t, r]]) + sigmoid(gate[t]) * shared[t]
+ *   out, shared: (n, dim)  ys: (rows, dim)  weight, slot: (n, k) fp32, int32  gate: (n)
+ * shared may be NULL (no shared expert) and gate NULL (its weight is 1); out must not overlap
+ * the rest. */
+gy_status gy_cuda_moe_combine(float *out, const float *ys, const float *weight,
+                              const int32_t *slot, const float *shared, const float *gate,
+                              int64_t n, int64_t k, int64_t dim, int accumulate,
+                              gy_cuda_stream stream);
 
 #ifdef __cplusplus
 }

@@ -20,21 +20,27 @@ typedef struct {
 static PyObject *gy_py_model_type;
 
 /* The offsets buffer (int64, -1 = absent) in this order: embed, final_norm, lm_head, then per
- * layer attn_norm, ffn_norm, wq, wk, wv, wo_t, bq, bk, bv, gate[max_tp], up[max_tp],
- * down_t[max_tp]. */
-#define GY_PY_MODEL_LAYER_FIXED 9
+ * layer attn_norm, ffn_norm, wq, wk, wv, wo_t, bq, bk, bv, q_norm, k_norm, router, shared_gate,
+ * gate[max_tp], up[max_tp], down_t[max_tp] (the dense FFN, or an MoE layer's shared expert), and
+ * for each of n_experts experts its gate[max_tp], up[max_tp], down_t[max_tp]. */
+#define GY_PY_MODEL_LAYER_FIXED 13
 
 static const void *gy_py_at(uintptr_t base, int64_t offset) {
     return offset < 0 ? NULL : (const void *)(base + (uintptr_t)offset);
 }
 
 /* Model(arena, spec, offsets, shards, threads=1, tables_from=None, layers=None, embed=True,
- *       head=True, *, rope_inv_freq, rope_mscale=1.0): spec = (vocab, hidden, intermediate,
- * n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos, weight dtype id, rms_eps);
- * rope_inv_freq: a buffer of head_dim / 2 float64 (gyges/models/rope.py). */
+ *       head=True, *, rope_inv_freq, rope_mscale=1.0, n_experts=0, experts_used=0,
+ *       expert_intermediate=0, shared_intermediate=0, norm_topk_prob=False, experts=None):
+ * experts = (begin, end), the block of whole experts of an expert-parallel rank (None: all,
+ * TP-sharded by `shards`); spec = (vocab,
+ * hidden, intermediate, n_layers, n_heads, n_kv_heads, head_dim, max_tp, max_pos, weight dtype
+ * id, rms_eps); rope_inv_freq: a buffer of head_dim / 2 float64 (gyges/models/rope.py). */
 static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"arena", "spec", "offsets", "shards", "threads", "tables_from",
-                            "layers", "embed", "head", "rope_inv_freq", "rope_mscale", NULL};
+                            "layers", "embed", "head", "rope_inv_freq", "rope_mscale",
+                            "n_experts", "experts_used", "expert_intermediate",
+                            "shared_intermediate", "norm_topk_prob", "experts", NULL};
     PyObject *arena_object, *offsets_object, *tables_from = Py_None, *layers = Py_None;
     PyObject *inv_freq_object = NULL;
     int has_embed = 1, has_head = 1;
@@ -42,11 +48,19 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     int dtype, threads = 1;
     unsigned int shards;
     double eps, mscale = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLid)OI|iOOpp$Od", names,
+    long long n_experts = 0, experts_used = 0, expert_inter = 0, shared_inter = 0;
+    int norm_topk = 0;
+    PyObject *experts = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O(LLLLLLLLLid)OI|iOOpp$OdLLLLpO", names,
                                      &arena_object, &vocab, &hidden, &inter, &n_layers, &n_heads,
                                      &n_kv_heads, &head_dim, &max_tp, &max_pos, &dtype, &eps,
                                      &offsets_object, &shards, &threads, &tables_from, &layers,
-                                     &has_embed, &has_head, &inv_freq_object, &mscale))
+                                     &has_embed, &has_head, &inv_freq_object, &mscale, &n_experts,
+                                     &experts_used, &expert_inter, &shared_inter, &norm_topk,
+                                     &experts))
+        return NULL;
+    long long expert_begin = 0, expert_end = n_experts;
+    if (experts != Py_None && !PyArg_ParseTuple(experts, "LL", &expert_begin, &expert_end))
         return NULL;
     if (inv_freq_object == NULL)
         return PyErr_Format(GY_PY_TYPE_ERROR, "Model needs rope_inv_freq (head_dim / 2 float64)");
@@ -84,6 +98,9 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
     m->vocab = vocab; m->hidden = hidden; m->intermediate = inter; m->n_layers = n_layers;
     m->n_heads = n_heads; m->n_kv_heads = n_kv_heads; m->head_dim = head_dim; m->max_tp = max_tp;
     m->max_pos = max_pos; m->weight_dtype = (gy_dtype)dtype; m->rms_eps = (float)eps;
+    m->n_experts = n_experts; m->n_experts_used = experts_used;
+    m->expert_intermediate = expert_inter; m->shared_intermediate = shared_inter;
+    m->norm_topk_prob = norm_topk;
     self->shards = shards;
     gy_status s = gy_model_init(m, inv_freq, mscale,
                                 tables_from == Py_None ? NULL
@@ -93,7 +110,8 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
         Py_DECREF(self);
         return gy_py_raise(s);
     }
-    const int64_t per_layer = GY_PY_MODEL_LAYER_FIXED + 3 * max_tp;
+    /* gy_model_init bounded max_tp, n_experts and n_layers' allocation: no product wraps */
+    const int64_t per_layer = GY_PY_MODEL_LAYER_FIXED + 3 * max_tp * (1 + n_experts);
     Py_buffer view;
     if (gy_py_get_buffer(offsets_object, &view, (Py_ssize_t)((3 + n_layers * per_layer) * 8), 0,
                          "weight offsets") < 0) {
@@ -123,15 +141,29 @@ static PyObject *gy_py_model_new(PyTypeObject *type, PyObject *args, PyObject *k
         w->bq = gy_py_at(base, o[6]);
         w->bk = gy_py_at(base, o[7]);
         w->bv = gy_py_at(base, o[8]);
+        w->q_norm = gy_py_at(base, o[9]);
+        w->k_norm = gy_py_at(base, o[10]);
+        w->router = gy_py_at(base, o[11]);
+        w->shared_gate = gy_py_at(base, o[12]);
         for (int64_t t = 0; t < max_tp; t++) {
             w->gate[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + t]);
             w->up[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + max_tp + t]);
             w->down_t[t] = gy_py_at(base, o[GY_PY_MODEL_LAYER_FIXED + 2 * max_tp + t]);
         }
+        for (int64_t e = 0; e < n_experts; e++) {
+            const int64_t *x = o + GY_PY_MODEL_LAYER_FIXED + 3 * max_tp * (1 + e);
+            for (int64_t t = 0; t < max_tp; t++) {
+                w->experts[e].gate[t] = gy_py_at(base, x[t]);
+                w->experts[e].up[t] = gy_py_at(base, x[max_tp + t]);
+                w->experts[e].down_t[t] = gy_py_at(base, x[2 * max_tp + t]);
+            }
+        }
     }
     PyBuffer_Release(&view);
     m->layer_begin = layer_begin;
     m->layer_end = layer_end;
+    m->expert_begin = expert_begin;
+    m->expert_end = expert_end;
     m->has_embed = has_embed;
     m->has_head = has_head;
     s = gy_model_check(m, shards);

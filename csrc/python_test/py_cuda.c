@@ -552,6 +552,42 @@ static PyObject *gy_py_cuda_silu_mul(PyObject *self, PyObject *args) {
                                         (gy_dtype)dtype, NULL));
 }
 
+/* moe_combine(out, ys, weight, slot, shared, gate, n, k, dim, accumulate): fp32 buffers, slot
+ * int32; shared and gate may be None */
+static PyObject *gy_py_cuda_moe_combine(PyObject *self, PyObject *args) {
+    PyObject *out, *ys, *weight, *slot, *shared, *gate;
+    long long n, k, dim;
+    int accumulate;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLp", &out, &ys, &weight, &slot, &shared, &gate, &n, &k,
+                          &dim, &accumulate))
+        return NULL;
+    gy_py_devs ds = {.n = 0};
+    int64_t n_slots = 0;
+    int shared_at = -1, gate_at = -1;
+    if (gy_py_devs_add(&ds, out, 1, "out", n, dim, 1, 4) < 0 ||
+        gy_py_devs_add(&ds, ys, 0, "ys", 0, 0, 0, 0) < 0 ||
+        gy_py_devs_add(&ds, weight, 0, "weight", n, k, 1, 4) < 0 ||
+        gy_py_devs_add_int32(&ds, slot, &n_slots, "slot") < 0 ||
+        (shared != Py_None && (shared_at = gy_py_devs_add(&ds, shared, 0, "shared", n, dim, 1, 4)) < 0) ||
+        (gate != Py_None && (gate_at = gy_py_devs_add(&ds, gate, 0, "gate", n, 1, 1, 4)) < 0))
+        return gy_py_devs_fail(&ds);
+    /* every slot must index a row of ys, as the engine's grouping guarantees */
+    const int32_t *slots = ds.d[3].host;
+    const int64_t rows = dim > 0 ? (int64_t)(ds.d[1].bytes / 4 / (uint64_t)dim) : 0;
+    int bad = n_slots != n * k;
+    for (int64_t i = 0; i < n_slots && !bad; i++) bad = slots[i] < 0 || slots[i] >= rows;
+    if (bad) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "slot must hold n * k indices of ys's %lld rows",
+                     (long long)rows);
+        return gy_py_devs_fail(&ds);
+    }
+    GY_PY_DEVS_RUN(ds, gy_cuda_moe_combine(GY_PY_DEV(ds, 0), GY_PY_DEV(ds, 1), GY_PY_DEV(ds, 2),
+                                           GY_PY_DEV(ds, 3),
+                                           shared_at >= 0 ? GY_PY_DEV(ds, shared_at) : NULL,
+                                           gate_at >= 0 ? GY_PY_DEV(ds, gate_at) : NULL, n, k,
+                                           dim, accumulate, NULL));
+}
+
 /* residual_add(out, a, b, n, dtype) */
 static PyObject *gy_py_cuda_residual_add(PyObject *self, PyObject *args) {
     PyObject *out, *a, *b;
@@ -826,6 +862,8 @@ static PyMethodDef gy_py_cuda_methods[] = {
      "mscale, dtype): in place"},
     {"cuda_silu_mul", GY_PY_CUDA_FN(silu_mul, METH_VARARGS),
      "cuda_silu_mul(out, x, rows, dim, dtype): out = silu(x[:, :dim]) * x[:, dim:]"},
+    {"cuda_moe_combine", GY_PY_CUDA_FN(moe_combine, METH_VARARGS),
+     "cuda_moe_combine(out, ys, weight, slot, shared, gate, n, k, dim, accumulate)"},
     {"cuda_residual_add", GY_PY_CUDA_FN(residual_add, METH_VARARGS),
      "cuda_residual_add(out, a, b, n, dtype)"},
     {"cuda_embedding", GY_PY_CUDA_FN(embedding, METH_VARARGS),

@@ -117,14 +117,7 @@ def capacities(host, max_tp=None) -> list[int]:
     out = []
     tp = 1
     while tp <= max_tp:
-        shards = ws.max_tp // tp
-        if ws.pad:
-            tensor_pages = ws.shard_slots * shards
-        else:
-            from ..runtime.weights import DTYPES
-            nbytes = ws.shard_rows * c.hidden_size * DTYPES[ws.dtype][1] * shards
-            tensor_pages = -(-nbytes // page)
-        weight_pages = ws.replicated_slots + 3 * c.num_hidden_layers * tensor_pages
+        weight_pages = ws.replicated_slots + ws.ffn_slots(ws.max_tp // tp)
         per_layer = (budget_pages - weight_pages) // c.num_hidden_layers
         out.append(max(per_layer, 0) * (page // (block_bytes_tp1 // tp)))
         tp *= 2

@@ -9,8 +9,11 @@ a weight stored as integers is refused (converting it by value would give anothe
 
 Extra tensors: rotary `inv_freq` buffers (recomputed from the config) and a tied model's
 `lm_head.weight` are dropped. Any other unexpected tensor is an error, because it almost always
-means an architecture feature we do not implement (Qwen3's q_norm, a biased o_proj, MoE experts)
+means an architecture feature we do not implement (a biased o_proj, experts of another family)
 and ignoring it would give a model that runs but computes the wrong thing.
+
+A mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE) holds a router and one FFN per expert
+(ffn_units), under each family's names.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from typing import Mapping
 import numpy as np
 
 from . import safetensors
-from .config import EXECUTABLE_MODEL_TYPES, ConfigError, ModelConfig, read_json
+from .config import ConfigError, ModelConfig, read_json
 from ..core.errors import FormatError
 from ..core.logs import progress as progress_bar
 
-__all__ = ["CheckpointError", "expected_shapes", "check_tensors", "random_weights", "load",
+__all__ = ["CheckpointError", "expected_shapes", "ffn_units", "attention_extras", "check_tensors", "random_weights", "load",
            "save", "INDEX_FILE", "CONFIG_FILE"]
 
 CONFIG_FILE = "config.json"
@@ -43,12 +46,51 @@ class CheckpointError(FormatError):
     """A checkpoint directory is incomplete, inconsistent, or unsupported."""
 
 
+# Each family's names of an expert's three matrices, as (gate, up, down).
+_EXPERT_KINDS = {"mixtral": ("w1", "w3", "w2")}
+_SWIGLU_KINDS = ("gate_proj", "up_proj", "down_proj")
+
+
+def ffn_units(config: ModelConfig, i: int) -> list[tuple[str | None, dict[str, str], int]]:
+    """Layer i's SwiGLU FFNs in storage order, each (unit, {"gate"|"up"|"down": HF weight name},
+    width): the dense MLP (unit None), or an MoE layer's experts ("e0", "e1", ...) followed by
+    its shared expert ("shared", Qwen2-MoE)."""
+    p = f"model.layers.{i}."
+    if not config.is_sparse_layer(i):
+        return [(None, {k: f"{p}mlp.{n}.weight" for k, n in zip(("gate", "up", "down"),
+                                                                _SWIGLU_KINDS)},
+                 config.intermediate_size)]
+    moe = p + ("block_sparse_moe." if config.model_type == "mixtral" else "mlp.")
+    names = _EXPERT_KINDS.get(config.model_type, _SWIGLU_KINDS)
+    units = [(f"e{e}", {k: f"{moe}experts.{e}.{n}.weight"
+                        for k, n in zip(("gate", "up", "down"), names)},
+              config.moe_intermediate_size) for e in range(config.num_experts)]
+    if config.shared_expert_intermediate_size:
+        units.append(("shared", {k: f"{moe}shared_expert.{n}.weight"
+                                 for k, n in zip(("gate", "up", "down"), _SWIGLU_KINDS)},
+                      config.shared_expert_intermediate_size))
+    return units
+
+
+def attention_extras(config: ModelConfig, i: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Layer i's small replicated tensors beyond a Llama layer's, by role ("q_norm", "k_norm",
+    "router", "shared_gate"): (HF name, shape)."""
+    p, h = f"model.layers.{i}.", config.hidden_size
+    out = {}
+    if config.qk_norm:
+        out["q_norm"] = (p + "self_attn.q_norm.weight", (config.head_dim,))
+        out["k_norm"] = (p + "self_attn.k_norm.weight", (config.head_dim,))
+    if config.is_sparse_layer(i):
+        moe = p + ("block_sparse_moe." if config.model_type == "mixtral" else "mlp.")
+        out["router"] = (moe + "gate.weight", (config.num_experts, h))
+        if config.shared_expert_intermediate_size:
+            out["shared_gate"] = (moe + "shared_expert_gate.weight", (1, h))
+    return out
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds, with its shape, in model order."""
-    if config.model_type not in EXECUTABLE_MODEL_TYPES:
-        raise CheckpointError(f"model_type {config.model_type!r} is shape-only in gyges; no "
-                              f"weights can be loaded for it")
-    h, q, kv, ff = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -62,9 +104,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (ff, h)
-        shapes[p + "mlp.up_proj.weight"] = (ff, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, ff)
+        shapes.update(attention_extras(config, i).values())
+        for _, names, ff in ffn_units(config, i):
+            shapes[names["gate"]] = (ff, h)
+            shapes[names["up"]] = (ff, h)
+            shapes[names["down"]] = (h, ff)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -85,13 +129,13 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     residual_scale = 1.0 / np.sqrt(2.0 * config.num_hidden_layers)
     out: dict[str, np.ndarray] = {}
     for name, shape in expected_shapes(config).items():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
             w = 1.0 + 0.05 * rng.standard_normal(shape)
         elif name.endswith(".bias"):
             w = 0.05 * rng.standard_normal(shape)
         else:
             w = rng.standard_normal(shape) / np.sqrt(shape[1])
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
                 w *= residual_scale
         out[name] = w.astype(np.float32)
     return out

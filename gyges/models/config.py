@@ -1,4 +1,5 @@
-"""Shape and hyper-parameters of a Llama-family decoder, read from / written to HF config.json.
+"""Shape and hyper-parameters of a Llama-family decoder (dense, or a mixture of experts: Mixtral,
+Qwen2-MoE, Qwen3-MoE), read from / written to HF config.json.
 
 One frozen dataclass, `ModelConfig`, is the single description of a model that the engine, the
 simulator, the checkpoint loader and the float64 reference all share. Everything it cannot
@@ -18,7 +19,7 @@ from typing import Any
 from ..core.checks import is_finite, show
 from ..core.errors import InvalidArgumentError
 
-__all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "EXECUTABLE_MODEL_TYPES",
+__all__ = ["ConfigError", "ModelConfig", "SUPPORTED_MODEL_TYPES", "MOE_MODEL_TYPES",
            "read_json", "MAX_JSON_BYTES"]
 
 # The most a model's JSON file (config.json, the safetensors index, tokenizer_config.json) may
@@ -30,16 +31,23 @@ class ConfigError(InvalidArgumentError):
     """A config is malformed, inconsistent, or asks for a feature gyges does not implement."""
 
 
-# qwen3 is accepted for shape-only use (the simulator's cost model): it adds per-head RMSNorm on q
-# and k (q_norm/k_norm), which neither the engine nor the reference implements yet.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-EXECUTABLE_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm of each q and k head before RoPE
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+# HF's defaults of each MoE family's config class, for keys a config.json leaves out:
+# (num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size).
+_MOE_DEFAULTS = {"mixtral": (8, 2, None, 0), "qwen2_moe": (60, 4, 1408, 5632),
+                 "qwen3_moe": (128, 8, 768, 0)}
 
 # RoPE scalings gyges implements (gyges/models/rope.py turns them into frequencies, and the float64
 # reference in tests/ implements each on its own). Anything else (longrope, su, mrope...) changes
@@ -190,6 +198,19 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = 2
     # Normalised (see _normalise_rope_scaling); a dict, so left out of the hash.
     rope_scaling: dict | None = field(default=None, hash=False)
+    # Mixture of experts (num_experts 0: dense). A sparse layer routes each token to its
+    # num_experts_per_tok experts (FFN width moe_intermediate_size) by softmax probability,
+    # renormalised over the chosen when norm_topk_prob (always, in Mixtral); Qwen2-MoE adds a
+    # shared expert of width shared_expert_intermediate_size behind a sigmoid gate. Layer i is
+    # sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (HF's rule); the
+    # others have a dense FFN of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ so presets and from_dict agree.
@@ -203,6 +224,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.mlp_only_layers, list):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         object.__setattr__(self, "rope_scaling", _normalise_rope_scaling(self.rope_scaling))
         self._validate()
 
@@ -245,6 +268,12 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.model_type in ("qwen3", "qwen3_moe", "mixtral") and self.attention_bias:
+            raise ConfigError(f"{self.model_type} with attention_bias=True (a biased o_proj too) "
+                              f"is not supported")
+        if self.model_type == "qwen2_moe" and not self.attention_bias:
+            raise ConfigError("qwen2_moe always has q/k/v biases; attention_bias must be True")
+        self._validate_experts()
         ids = [("eos_token_id", tok) for tok in self.eos_tokens()]
         if self.bos_token_id is not None:
             ids.append(("bos_token_id", self.bos_token_id))
@@ -253,7 +282,55 @@ class ModelConfig:
                 raise ConfigError(f"{name}: token id {tok!r} is not in "
                                   f"[0, vocab_size={self.vocab_size})")
 
+    def _validate_experts(self) -> None:
+        moe = self.model_type in MOE_MODEL_TYPES
+        n = self.num_experts
+        if not isinstance(n, int) or isinstance(n, bool) or not (0 < n <= 1024 if moe else n == 0):
+            raise ConfigError(f"num_experts={show(n)}: a {self.model_type} model has "
+                              + ("1 to 1024 experts" if moe else "none"))
+        if not moe:
+            return
+        k, width = self.num_experts_per_tok, self.moe_intermediate_size
+        if not _is_pos_int(k) or k > n:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={n}], got {show(k)}")
+        if not _is_pos_int(width):
+            raise ConfigError(f"moe_intermediate_size must be a positive integer, got {show(width)}")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0 or \
+                (shared and self.model_type != "qwen2_moe"):
+            raise ConfigError(f"shared_expert_intermediate_size={show(shared)}: only qwen2_moe "
+                              f"has a shared expert, of a non-negative width")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be a bool, got {show(self.norm_topk_prob)}")
+        if self.model_type == "mixtral" and (not self.norm_topk_prob or
+                                             width != self.intermediate_size):
+            raise ConfigError("mixtral's experts are intermediate_size wide "
+                              "(moe_intermediate_size) and always renormalise their top-k "
+                              "weights (norm_topk_prob)")
+        if not _is_pos_int(self.decoder_sparse_step):
+            raise ConfigError(f"decoder_sparse_step must be a positive integer, "
+                              f"got {show(self.decoder_sparse_step)}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_hidden_layers
+                   for i in self.mlp_only_layers):
+            raise ConfigError(f"mlp_only_layers must list layers in [0, "
+                              f"{self.num_hidden_layers}), got {show(list(self.mlp_only_layers))}")
+
     # ---- derived quantities ----
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention RMS-normalises each q and k head (q_norm / k_norm) before RoPE."""
+        return self.model_type in QK_NORM_MODEL_TYPES
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer i's FFN is a mixture of experts (HF's rule for Qwen2/3-MoE; every layer
+        of Mixtral)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def kv_group_size(self) -> int:
@@ -282,13 +359,19 @@ class ModelConfig:
         per_layer = (
             2 * h                                   # input + post-attention RMSNorm
             + h * q + 2 * h * kv + q * h            # q, k, v, o projections
-            + 3 * h * self.intermediate_size        # gate, up, down
         )
         if self.attention_bias:
             per_layer += q + 2 * kv
-        if self.model_type == "qwen3":
+        if self.qk_norm:
             per_layer += 2 * self.head_dim          # q_norm, k_norm
         total = self.vocab_size * h + self.num_hidden_layers * per_layer + h
+        for i in range(self.num_hidden_layers):
+            if not self.is_sparse_layer(i):
+                total += 3 * h * self.intermediate_size   # gate, up, down
+                continue
+            total += self.num_experts * (3 * h * self.moe_intermediate_size + h)  # and router
+            if self.shared_expert_intermediate_size:
+                total += 3 * h * self.shared_expert_intermediate_size + h  # and its gate
         if not self.tie_word_embeddings:
             total += self.vocab_size * h
         return total
@@ -330,6 +413,8 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
         if _typed(d, "mlp_bias", "bool", False):
             raise ConfigError("mlp_bias=True is not supported")
+        if model_type == "mixtral" and d.get("sliding_window") is not None:
+            raise ConfigError("mixtral with a sliding_window is not supported (full attention only)")
         if _typed(d, "use_sliding_window", "bool", False):
             raise ConfigError("use_sliding_window=True is not supported (full attention only)")
         if _typed(d, "pretraining_tp", "int", 1) != 1:
@@ -344,7 +429,7 @@ class ModelConfig:
         rope = rope or {}
         # Qwen2's q/k/v biases are implicit in the architecture, not in config.json.
         attention_bias = _typed(d, "attention_bias", "bool", False)
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen2_moe"):
             attention_bias = True
         # The shape fields are checked as the dataclass checks them (positive integers).
         ints = {k: d[k] for k in required}
@@ -370,6 +455,22 @@ class ModelConfig:
             rope_scaling=d.get("rope_scaling",
                                {k: v for k, v in rope.items() if k != "rope_theta"} or None),
         )
+        if model_type in _MOE_DEFAULTS:
+            n, k, width, shared = _MOE_DEFAULTS[model_type]
+            mixtral = model_type == "mixtral"
+            fields.update(
+                num_experts=_typed(d, "num_local_experts" if mixtral else "num_experts", "int", n),
+                num_experts_per_tok=_typed(d, "num_experts_per_tok", "int", k),
+                # Mixtral's experts are intermediate_size wide and always renormalised
+                moe_intermediate_size=(ints["intermediate_size"] if mixtral else
+                                       _typed(d, "moe_intermediate_size", "int", width)),
+                shared_expert_intermediate_size=(
+                    _typed(d, "shared_expert_intermediate_size", "int", shared)
+                    if model_type == "qwen2_moe" else 0),
+                norm_topk_prob=mixtral or _typed(d, "norm_topk_prob", "bool", False),
+                decoder_sparse_step=_typed(d, "decoder_sparse_step", "int", 1),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            )
         try:
             return cls(**fields)
         except ConfigError:
@@ -414,6 +515,17 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,
         }
+        if self.model_type == "mixtral":
+            d.update(num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, sliding_window=None)
+        elif self.is_moe:
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
+            if self.model_type == "qwen2_moe":
+                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return d
 
     def save(self, path: str | os.PathLike) -> None:
@@ -505,8 +617,7 @@ class ModelConfig:
 
     @classmethod
     def qwen3_32b(cls) -> "ModelConfig":
-        # Qwen/Qwen3-32B: head_dim 128 is given explicitly (64 * 128 != 5120). Shape-only: see
-        # EXECUTABLE_MODEL_TYPES.
+        # Qwen/Qwen3-32B: head_dim 128 is given explicitly (64 * 128 != 5120).
         return cls(vocab_size=151936, hidden_size=5120, intermediate_size=25600,
                    num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -514,10 +625,31 @@ class ModelConfig:
                    bos_token_id=151643, eos_token_id=151645)
 
     @classmethod
+    def qwen3_30b_a3b(cls) -> "ModelConfig":
+        # Qwen/Qwen3-30B-A3B (AMOEBAs' MoE model): 128 experts of 768, 8 a token, 3B active
+        return cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                   head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   max_position_embeddings=40960, model_type="qwen3_moe", num_experts=128,
+                   num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                   bos_token_id=151643, eos_token_id=151645)
+
+    @classmethod
+    def mixtral_8x7b(cls) -> "ModelConfig":
+        # mistralai/Mixtral-8x7B-v0.1
+        return cls(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+                   model_type="mixtral", num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=14336, norm_topk_prob=True,
+                   bos_token_id=1, eos_token_id=2)
+
+    @classmethod
     def presets(cls) -> dict[str, "ModelConfig"]:
         """Every named preset, by name."""
         names = ("tiny", "qwen2_tiny", "stories15m", "stories110m", "llama2_7b", "llama3_8b",
-                 "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b")
+                 "qwen2_5_14b", "qwen2_5_32b", "qwen3_32b", "llama3_70b", "qwen3_30b_a3b",
+                 "mixtral_8x7b")
         return {name: getattr(cls, name)() for name in names}
 
 

@@ -11,6 +11,11 @@ Two conventions differ from an HF checkpoint:
   - GGUF lists a tensor's dimensions fastest first; the reader's arrays are already [rows, cols]
     = HF's [out_features, in_features].
 A model without `output.weight` ties its LM head to the embedding, as llama.cpp does.
+
+Mixtures of experts (a llama file with experts is Mixtral; qwen2moe, qwen3moe) hold each layer's
+experts stacked in one tensor per matrix (ffn_gate_exps: (experts, width, hidden) rows first),
+which is cut into HF's one tensor per expert; the router is ffn_gate_inp, Qwen2-MoE's shared
+expert ffn_*_shexp with its gate ffn_gate_inp_shexp.
 """
 from __future__ import annotations
 
@@ -19,13 +24,19 @@ import os
 import numpy as np
 
 from . import gguf_header
-from .checkpoint import CheckpointError, check_tensors, expected_shapes
+from .checkpoint import CheckpointError, attention_extras, check_tensors, expected_shapes, ffn_units
 from .config import ConfigError, ModelConfig
 from ..core.checks import is_finite, show
 from ..core.errors import require
 from ..core.logs import progress as progress_bar
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# llama.cpp's architecture -> gyges' model_type (a llama file with experts: Mixtral)
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the chosen experts' weights when the file does not say
+# ({arch}.expert_weights_norm): always for Mixtral and Qwen3-MoE, never for Qwen2-MoE.
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # GGUF tensor name (without "blk.N.") -> HF name (without "model.layers.N.")
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -40,7 +51,16 @@ LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# A sparse layer's tensors (without "blk.N."): the stacked experts' matrices and the shared
+# expert's by kind, and the routers by role (checkpoint.attention_extras)
+EXPERT_NAMES = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                "ffn_down_exps.weight": "down"}
+SHARED_NAMES = {"ffn_gate_shexp.weight": "gate", "ffn_up_shexp.weight": "up",
+                "ffn_down_shexp.weight": "down"}
+ROUTER_NAMES = {"ffn_gate_inp.weight": "router", "ffn_gate_inp_shexp.weight": "shared_gate"}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -167,8 +187,12 @@ def config_from_metadata(meta, tensor_shapes):
                               f"{arch}.rope.scaling.type")
 
     changes = [k for k in _UNSUPPORTED_KEYS if f"{arch}.{k}" in meta]
-    if meta.get(f"{arch}.expert_count", 0) not in (0, None):
+    experts = meta_value(meta, f"{arch}.expert_count", "int", 0)
+    if experts and arch not in _NORM_TOPK:
         changes.append("expert_count")
+    # softmax gating (llama.cpp's 1) is what every family here routes by; anything else is not
+    if meta_value(meta, f"{arch}.expert_gating_func", "int", 1) != 1:
+        changes.append("expert_gating_func")
     if changes:
         raise CheckpointError(f"metadata {arch}.{changes[0]} is not supported: it changes the "
                               f"model in a way gyges does not compute")
@@ -201,6 +225,10 @@ def config_from_metadata(meta, tensor_shapes):
         raise CheckpointError(f"metadata {arch}.rope.dimension_count is {rotated}, not the head "
                               f"dimension {head_dim}: partial rotary embedding is not supported")
     eos = meta_value(meta, "tokenizer.ggml.eos_token_id", "int", None)
+    model_type = "mixtral" if arch == "llama" and experts else _MODEL_TYPES[arch]
+    moe = {}
+    if experts:
+        moe = _experts_from_metadata(meta, arch, experts, need)
     try:
         return ModelConfig(
             vocab_size=vocab, hidden_size=hidden,
@@ -214,7 +242,7 @@ def config_from_metadata(meta, tensor_shapes):
             rope_theta=_f32_value(meta_value(meta, f"{arch}.rope.freq_base", "float", 10000.0)),
             max_position_embeddings=need("context_length"),
             tie_word_embeddings="output.weight" not in tensor_shapes,
-            attention_bias=arch == "qwen2", model_type=arch,
+            attention_bias=arch in ("qwen2", "qwen2moe"), model_type=model_type, **moe,
             bos_token_id=meta_value(meta, "tokenizer.ggml.bos_token_id", "int", None),
             eos_token_id=eos,
             rope_scaling=rope_scaling_from_metadata(meta, arch))
@@ -230,10 +258,31 @@ def config_from_metadata(meta, tensor_shapes):
                 "max_position_embeddings": f"{arch}.context_length",
                 "bos_token_id": "tokenizer.ggml.bos_token_id",
                 "eos_token_id": "tokenizer.ggml.eos_token_id",
-                "rope_scaling": f"{arch}.rope.scaling.type"}
+                "rope_scaling": f"{arch}.rope.scaling.type",
+                "num_experts": f"{arch}.expert_count",
+                "num_experts_per_tok": f"{arch}.expert_used_count",
+                "moe_intermediate_size": f"{arch}.expert_feed_forward_length",
+                "shared_expert": f"{arch}.expert_shared_feed_forward_length",
+                "norm_topk_prob": f"{arch}.expert_weights_norm"}
         named = [key for field, key in keys.items() if field in str(e) and key in meta]
         raise CheckpointError(f"the metadata ({', '.join(named) or 'its shape'}) describes no "
                               f"model gyges can run: {e}") from None
+
+
+def _experts_from_metadata(meta, arch, experts, need):
+    """The ModelConfig fields of a file with `experts` experts a layer ({arch}.expert_*)."""
+    try:
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=meta_value(meta, f"{arch}.expert_used_count", "count"),
+            moe_intermediate_size=(need("feed_forward_length") if arch == "llama" else
+                                   need("expert_feed_forward_length")),
+            shared_expert_intermediate_size=meta_value(
+                meta, f"{arch}.expert_shared_feed_forward_length", "int", 0),
+            norm_topk_prob=meta_value(meta, f"{arch}.expert_weights_norm", "bool",
+                                      _NORM_TOPK[arch]))
+    except CheckpointError as e:
+        raise CheckpointError(f"metadata {arch}.expert_count is {experts}: {e}") from None
 
 
 def _f32_value(x):
@@ -256,7 +305,7 @@ def unpermute_rows(w, n_heads):
 
 def hf_name(name):
     """The HF name of a GGUF tensor name, or None for one to ignore; CheckpointError when
-    unknown (an architecture feature gyges does not run)."""
+    unknown (an architecture feature gyges does not run). A sparse layer's tensors: hf_targets."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     if name.endswith(IGNORED_SUFFIXES):
@@ -265,6 +314,30 @@ def hf_name(name):
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
         return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
     raise CheckpointError(f"tensor {name!r} is not part of a model gyges can run")
+
+
+def hf_targets(name, config):
+    """[(HF name, expert index or None)] a GGUF tensor becomes: one name, or for a stacked
+    experts' tensor every expert's (index j: its slice j); [] for a tensor to ignore."""
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] in {**EXPERT_NAMES, **SHARED_NAMES, **ROUTER_NAMES}:
+        layer = int(parts[1])
+        if not 0 <= layer < config.num_hidden_layers or not config.is_sparse_layer(layer):
+            raise CheckpointError(f"tensor {name!r}: layer {layer} has no experts as configured")
+        units = {unit: names for unit, names, _ in ffn_units(config, layer)}
+        if parts[2] in EXPERT_NAMES:
+            kind = EXPERT_NAMES[parts[2]]
+            return [(units[f"e{j}"][kind], j) for j in range(config.num_experts)]
+        if parts[2] in SHARED_NAMES and "shared" in units:
+            return [(units["shared"][SHARED_NAMES[parts[2]]], None)]
+        extras = attention_extras(config, layer)
+        if parts[2] in ROUTER_NAMES and ROUTER_NAMES[parts[2]] in extras:
+            return [(extras[ROUTER_NAMES[parts[2]]][0], None)]
+        raise CheckpointError(f"tensor {name!r} is not part of a {config.model_type} model as "
+                              f"configured")
+    target = hf_name(name)
+    return [] if target is None else [(target, None)]
 
 
 # ggml types that hold integers: read as weights they would be converted by value
@@ -289,34 +362,47 @@ def load(path, progress=None):
         shapes = {t.name: _shape(t) for t in reader.tensors}
         config = config_from_metadata(meta, shapes)
         expected = expected_shapes(config)
-        names = {}
+        names = {}  # HF name -> (reader tensor, expert index or None)
         for t in reader.tensors:
-            name = hf_name(t.name)
-            if name is None:
+            targets = hf_targets(t.name, config)
+            if not targets:
                 _check_rope_freqs(t, shapes[t.name])
                 continue
-            if name not in expected:
-                raise CheckpointError(f"tensor {t.name!r} is not part of a {config.model_type} "
-                                      f"model as configured")
-            if shapes[t.name] != expected[name]:
-                raise CheckpointError(f"tensor {t.name!r}: expected shape {expected[name]}, got "
+            for name, _ in targets:
+                if name not in expected:
+                    raise CheckpointError(f"tensor {t.name!r} is not part of a "
+                                          f"{config.model_type} model as configured")
+            name, expert = targets[0]
+            # stacked experts lead with the expert count; a shared expert's gate is 1-D
+            want = ((len(targets), *expected[name]) if expert is not None else
+                    (expected[name][1],) if t.name.endswith("gate_inp_shexp.weight") and
+                    shapes[t.name] == (expected[name][1],) else expected[name])
+            if shapes[t.name] != want:
+                raise CheckpointError(f"tensor {t.name!r}: expected shape {want}, got "
                                       f"{shapes[t.name]}")
             if t.tensor_type.name in _INTEGER_TYPES:
                 raise CheckpointError(f"tensor {t.name!r} has type {t.tensor_type.name}; model "
                                       f"weights must be floating point or quantized")
-            names[name] = t
+            names.update((n, (t, j)) for n, j in targets)
         missing = [n for n in expected if n not in names]
         if missing:
             raise CheckpointError(f"missing tensor {missing[0]!r} of shape "
                                   f"{expected[missing[0]]}")
         tensors = {}
+        stacked = {}  # a stacked experts' tensor, dequantized once for all its experts
+        permuted = config.model_type in ("llama", "mixtral")  # llama.cpp's converter's rows
         for name in progress_bar(expected, progress, unit="tensor",
                                  desc="Loading GGUF tensors"):
-            t = names[name]
-            array = _dequantize(gguf, t)
-            if config.model_type == "llama" and name.endswith("q_proj.weight"):
+            t, expert = names[name]
+            if expert is None:
+                array = _dequantize(gguf, t).reshape(expected[name])
+            else:
+                if t.name not in stacked:
+                    stacked = {t.name: _dequantize(gguf, t)}
+                array = np.ascontiguousarray(stacked[t.name][expert])
+            if permuted and name.endswith("q_proj.weight"):
                 array = unpermute_rows(array, config.num_attention_heads)
-            elif config.model_type == "llama" and name.endswith("k_proj.weight"):
+            elif permuted and name.endswith("k_proj.weight"):
                 array = unpermute_rows(array, config.num_key_value_heads)
             tensors[name] = array
         check_tensors(config, tensors)

@@ -180,7 +180,7 @@ def reserve_growing(kv, seq, n_tokens, page_size):
 def shards_to_restore(worker, tp, rank):
     """Slots the worker must map to hold its new rank's FFN shards."""
     missing = worker.owned_shards(tp, rank) - worker.weights.held
-    return len(missing) * worker.weights.shard_slots * 3 * worker.config.num_hidden_layers
+    return worker.weights.ffn_slots(len(missing))
 
 
 def trim_kv(host, workers):

@@ -33,6 +33,12 @@ by device-to-device copies (comm="d2d"), which add partial sums in the CPU backe
 NCCL cannot be loaded, devices=None falls back to virtual workers on device 0 (host.comm_note
 says why). Without a usable GPU the constructor raises UnavailableError with the reason before
 anything is allocated.
+
+expert_parallel=True (a mixture-of-experts model, CPU workers): each TPk group partitions the
+experts over its k workers (EPk: rank r holds experts [r*E/k, (r+1)*E/k) whole, every shard)
+while attention, dense layers and a shared expert stay TP-sharded; the experts' outputs are
+exchanged by the group's all-reduce and combined in TP1's order, so the tokens are TP1's to the
+bit. Such a host does not reconfigure yet (every verb is refused).
 """
 import logging
 import operator
@@ -117,7 +123,7 @@ class Host(Serving):
                  layout=None, block_size=16, kv_layout="header", weight_dtype=None,
                  threads_per_worker=1, max_batch_tokens=512, max_running=64,
                  max_prefill_chunk=0, max_tp=None, pad_ffn=True, backend="cpu", devices=None,
-                 comm=None, weights="sharded", kv_stack=1, seed=0):
+                 comm=None, weights="sharded", kv_stack=1, seed=0, expert_parallel=False):
         checks.integer("workers", workers, lo=1)
         # requests without a seed take one mixed from this and their id (engine.resolve_params)
         self.seed = checks.integer("seed", seed, lo=0, hi=2**64 - 1)
@@ -134,6 +140,11 @@ class Host(Serving):
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
         replicated = self._replicated_workers(weights, workers)
+        if expert_parallel and (replicated or backend != "cpu"):
+            raise InvalidArgumentError("expert_parallel=True partitions experts over the CPU "
+                                       "workers of sharded TP groups (weights='sharded', "
+                                       "backend='cpu')")
+        self.expert_parallel = bool(expert_parallel)
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"
         groups = parse_layout(layout, workers, model.config.num_hidden_layers)
@@ -193,7 +204,7 @@ class Host(Serving):
                                  block_size=block_size, kv_layout=kv_layout,
                                  weight_dtype=weight_dtype, max_tp=self.max_tp,
                                  threads=threads_per_worker, pad_ffn=pad_ffn, backend=backend,
-                                 kv_stack=kv_stack)
+                                 kv_stack=kv_stack, expert_parallel=self.expert_parallel)
         self._workers = [self.new_worker(i) for i in range(workers)]
         self.reconfigurations = []  # the live ones, in the order they started
         # live migrations' KV (request_packet): held exports by request id, reservations by id
@@ -421,6 +432,9 @@ class Host(Serving):
                 raise BusyError(f"{other!r} is under way on workers "
                                 f"{sorted(other.claims() & r.claims())}; wait until it is done "
                                 f"(r.done) before {r.kind}")
+            if self.expert_parallel:
+                raise InvalidArgumentError(f"{r.kind}: an expert-parallel host does not "
+                                           f"reconfigure yet (its experts are not moved)")
             before = self.layout()
             self.reconfigurations_started += 1
             try:

@@ -16,10 +16,17 @@ at once. Down is stored transposed, (intermediate, hidden), so that a shard is a
 
 The padding is never computed on: kernels take each shard's pointer and its true row count, so
 the padded FFN gives exactly the unpadded result. `padding_bytes` reports what it costs.
+
+A mixture-of-experts layer has several FFNs (checkpoint.ffn_units: its experts, then Qwen2-MoE's
+shared expert), each cut into max_tp shards exactly like the dense one and placed one after the
+other: expert e's gate, up and down are a run of pages of their own (keys "e<e>.gate", ...), so
+an expert can be dropped and restored whole; its router (and the shared expert's gate, Qwen3's
+q/k norms) are small replicated tensors in the layer's attention run.
 """
 import numpy as np
 
 from .arena import Arena
+from ..models.checkpoint import attention_extras, ffn_units
 from ..models.config import ModelConfig
 from ..core.errors import ArgumentTypeError, InvalidArgumentError, OutOfMemoryError
 from ..models.safetensors import f32_to_bf16
@@ -59,7 +66,35 @@ def layer_names(config, i):
     names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
     if config.attention_bias:
         names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
+    return names + [name for name, _ in attention_extras(config, i).values()]
+
+
+def ffn_matrices(config, i):
+    """Layer i's FFN matrices in storage order, each (key, HF name, width): keys "gate", "up",
+    "down" of a dense layer; "e<j>.gate", "e<j>.up", "e<j>.down" of expert j and "shared.gate",
+    ... of the shared expert in an MoE layer. Down is stored transposed, (width, hidden)."""
+    return [(kind if unit is None else f"{unit}.{kind}", names[kind], width)
+            for unit, names, width in ffn_units(config, i) for kind in FFN_KINDS]
+
+
+class MatrixPages:
+    """The pages of one FFN matrix of `width` rows cut into max_tp shards (Gyges eq. 2):
+    shard_rows, shard_bytes, tensor_slots (all its shards), shard_slots (one padded shard's;
+    None unpadded)."""
+
+    def __init__(self, width, hidden, dtype, max_tp, page_size, pad):
+        self.shard_rows = width // max_tp
+        self.shard_bytes = self.shard_rows * hidden * DTYPES[dtype][1]
+        tensor_bytes = (_round_up(self.shard_bytes, page_size) * max_tp if pad
+                        else self.shard_bytes * max_tp)
+        self.tensor_slots = _round_up(tensor_bytes, page_size) // page_size
+        self.shard_slots = self.tensor_slots // max_tp if pad else None
+
+    def slots_holding(self, shards, page_size):
+        """Slots the matrix maps holding `shards` of its shards (unpadded: packed together)."""
+        if self.shard_slots is not None:
+            return self.shard_slots * shards
+        return -(-(shards * self.shard_bytes) // page_size)
 
 
 def replicated_runs(config):
@@ -85,7 +120,8 @@ def _oriented(name, array):
 
 
 def _is_matrix(name):
-    # Norms and biases stay fp32 whatever the storage dtype: they are tiny and precision-critical.
+    # Norms, biases and routers stay fp32 whatever the storage dtype: they are tiny and
+    # precision-critical (a router's rounding could change which experts a token goes to).
     return name.endswith("proj.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
 
 
@@ -94,9 +130,9 @@ class WeightPages:
     what ModelWeights lays out and what a default memory budget is sized from (worker.py).
 
     runs: {run key: (first slot, slots)} relative to the first slot; plan: (name, byte offset
-    relative to the first slot, stored dtype) of each replicated tensor; tensor_slots: the slots of
-    one FFN matrix (its max_tp shards); slots: everything (replicated runs, then 3 matrices per
-    layer)."""
+    relative to the first slot, stored dtype) of each replicated tensor; matrices[layer]: (key, HF
+    name, MatrixPages) of each FFN matrix in storage order; tensor_slots, shard_bytes: a dense
+    layer's FFN matrix's; slots: everything (replicated runs, then each layer's FFN matrices)."""
 
     def __init__(self, config, tensors, dtype, max_tp, page_size, pad):
         self.runs, self.plan = {}, []
@@ -115,13 +151,17 @@ class WeightPages:
             run_slot += slots
             packed += cursor
         self.replicated_slots, self.packed = run_slot, packed
-        self.shard_bytes = config.intermediate_size // max_tp * config.hidden_size * DTYPES[dtype][1]
+        dense = MatrixPages(config.intermediate_size, config.hidden_size, dtype, max_tp,
+                            page_size, pad)
+        self.shard_bytes, self.tensor_slots = dense.shard_bytes, dense.tensor_slots
+        self.shard_slots = dense.shard_slots
         # Padded: each shard gets whole pages. Unpadded: a tensor's shards are packed together.
-        tensor_bytes = (_round_up(self.shard_bytes, page_size) * max_tp if pad
-                        else self.shard_bytes * max_tp)
-        self.tensor_slots = _round_up(tensor_bytes, page_size) // page_size
-        self.shard_slots = self.tensor_slots // max_tp if pad else None
-        self.slots = self.replicated_slots + self.tensor_slots * 3 * config.num_hidden_layers
+        self.matrices = [[(key, name, MatrixPages(width, config.hidden_size, dtype, max_tp,
+                                                  page_size, pad))
+                          for key, name, width in ffn_matrices(config, i)]
+                         for i in range(config.num_hidden_layers)]
+        self.slots = self.replicated_slots + sum(m.tensor_slots for layer in self.matrices
+                                                 for _, _, m in layer)
         self.bytes = self.slots * page_size
 
 
@@ -146,9 +186,11 @@ class ModelWeights:
             raise InvalidArgumentError(f"unknown weight dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         if not 1 <= max_tp <= MAX_TP:
             raise InvalidArgumentError(f"max_tp must be in [1, {MAX_TP}], got {max_tp}")
-        if config.intermediate_size % max_tp:
-            raise InvalidArgumentError(f"intermediate_size {config.intermediate_size} is not divisible by "
-                             f"max_tp={max_tp}")
+        for field in ("intermediate_size", "moe_intermediate_size",
+                      "shared_expert_intermediate_size"):
+            if getattr(config, field) % max_tp:
+                raise InvalidArgumentError(f"{field} {getattr(config, field)} is not divisible by "
+                                           f"max_tp={max_tp}")
         self.arena, self.config, self.dtype, self.max_tp = arena, config, dtype, max_tp
         self._host = tensors  # the host copy, for restoring dropped shards
         self.page_size = arena.page_size
@@ -163,7 +205,7 @@ class ModelWeights:
         self.run_names = dict(replicated_runs(config))
         self.pad = pad
         self.tensor_slots, self.shard_slots = layout.tensor_slots, layout.shard_slots
-        shard_bytes = layout.shard_bytes
+        self.shard_bytes = layout.shard_bytes
         self._check_room(first_slot, layout.slots)
         self.first_slot = first_slot
         base = first_slot * self.page_size
@@ -175,38 +217,43 @@ class ModelWeights:
         self.replicated_bytes = layout.packed
 
         # FFN shards: each on its own page-aligned run of slots.
-        self.padding_bytes = (self.tensor_slots * self.page_size - shard_bytes * max_tp) * 3 * config.num_hidden_layers
-        self.ffn = []
-        self.ffn_pages = {}  # (layer, kind) -> (first slot, mapped slots) of the tensor
+        self._matrix = {}   # (layer, key) -> (HF name, MatrixPages)
+        self.ffn = []       # [layer][key] -> [(byte offset, rows) of each shard]
+        self.ffn_pages = {}  # (layer, key) -> (first slot, mapped slots) of the tensor
         slot = first_slot + self.replicated_slots
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}.mlp."
-            mats = {"gate": tensors[p + "gate_proj.weight"], "up": tensors[p + "up_proj.weight"],
-                    "down": np.asarray(tensors[p + "down_proj.weight"]).T}
+        for i, matrices in enumerate(layout.matrices):
             layer = {}
-            for kind in FFN_KINDS:
-                if mats[kind].shape != (inter, hidden):
-                    raise InvalidArgumentError(f"{p}{kind}_proj has shape {mats[kind].shape}, expected "
-                                     f"{(inter, hidden) if kind != 'down' else (hidden, inter)}")
+            for key, name, m in matrices:
+                mat = np.asarray(tensors[name])
+                mat = mat.T if key.endswith("down") else mat
+                if mat.shape != (m.shard_rows * max_tp, hidden):
+                    raise InvalidArgumentError(f"{name} has shape {tensors[name].shape}, which does "
+                                               f"not fit a width of {m.shard_rows * max_tp}")
+                self._matrix[(i, key)] = (name, m)
                 shards = []
-                arena.grow(slot, self.tensor_slots, "weights")
-                self.ffn_pages[(i, kind)] = (slot, self.tensor_slots)
+                arena.grow(slot, m.tensor_slots, "weights")
+                self.ffn_pages[(i, key)] = (slot, m.tensor_slots)
                 for s in range(max_tp):
-                    rows = mats[kind][s * self.shard_rows:(s + 1) * self.shard_rows]
-                    offset = (slot * self.page_size + (s * self.shard_slots * self.page_size
-                                                        if pad else s * shard_bytes))
-                    self._store(offset, rows, dtype)
-                    shards.append((offset, self.shard_rows))
-                slot += self.tensor_slots
-                layer[kind] = shards
+                    offset = slot * self.page_size + (s * m.shard_slots * self.page_size
+                                                      if pad else s * m.shard_bytes)
+                    self._store(offset, mat[s * m.shard_rows:(s + 1) * m.shard_rows], dtype)
+                    shards.append((offset, m.shard_rows))
+                slot += m.tensor_slots
+                layer[key] = shards
             self.ffn.append(layer)
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
+        # Expert parallelism (drop_experts): the experts held whole, every shard of each; None
+        # while experts are TP-sharded like the dense FFN (each held expert's `held` shards).
+        self.held_experts = None
         self.held_layers = set(range(config.num_hidden_layers))
         self.has_embed = self.has_head = True
         self._dropped = set()           # (layer, shard) released by a staggered transformation
         self._restored = set()          # (layer, shard) mapped again by a staggered scale-down
-        self.unpadded_bytes = self.replicated_bytes + shard_bytes * max_tp * 3 * config.num_hidden_layers
+        matrices = [m for _, m in self._matrix.values()]
+        self.padding_bytes = sum(m.tensor_slots * self.page_size - m.shard_bytes * max_tp
+                                 for m in matrices)
+        self.unpadded_bytes = self.replicated_bytes + sum(m.shard_bytes * max_tp for m in matrices)
         self.bytes_total = (self.end_slot - first_slot) * self.page_size
 
     def _check_room(self, first_slot, n_slots, in_place=False):
@@ -226,6 +273,11 @@ class ModelWeights:
         # Through the arena's copy-in path: host memory or device memory alike.
         self.arena.write(offset, _encode(array, stored))
 
+    def kinds(self, layer):
+        """Layer `layer`'s FFN matrix keys in storage order ("gate", "up", "down"; in an MoE
+        layer "e0.gate", ..., "shared.down")."""
+        return list(self.ffn[layer])
+
     def shard_offset(self, layer, kind, shard):
         """Byte offset of one FFN shard in the arena."""
         return self.ffn[layer][kind][shard][0]
@@ -235,7 +287,42 @@ class ModelWeights:
         if not self.pad:
             raise InvalidArgumentError("unpadded shards share pages; they cannot be released one by one")
         first = self.ffn[layer][kind][shard][0] // self.page_size
-        return range(first, first + self.shard_slots)
+        return range(first, first + self._matrix[(layer, kind)][1].shard_slots)
+
+    def _sharded_kinds(self, layer):
+        """The matrices whose shards `held` says: all, but the experts' when they are held whole
+        (expert parallelism)."""
+        if self.held_experts is None:
+            return self.kinds(layer)
+        return [k for k in self.kinds(layer) if not (k[0] == "e" and k[1].isdigit())]
+
+    def drop_experts(self, keep):
+        """Expert parallelism: unmaps every MoE layer's experts not in `keep`, whole (each is one
+        run of pages: expert_slots), and holds the kept ones with every shard from now on, while
+        the dense FFN and the shared expert stay sharded by drop_shards. Once, on weights that
+        hold every shard and layer. Returns the bytes given back."""
+        if not self.pad or self.held_experts is not None or self.held != set(range(self.max_tp)):
+            raise InvalidArgumentError("experts are dropped whole once, from padded weights that "
+                                       "hold every shard")
+        keep = set(keep)
+        before = self.arena.stats()["bytes_in_use"]
+        for layer in sorted(self.held_layers):
+            if self.config.is_sparse_layer(layer):
+                for e in sorted(set(range(self.config.num_experts)) - keep):
+                    slots = self.expert_slots(layer, e)
+                    self.arena.shrink(slots.start, len(slots))
+        self.held_experts = keep
+        return before - self.arena.stats()["bytes_in_use"]
+
+    def ffn_slots(self, shards):
+        """The slots every layer's FFN matrices map holding `shards` of their shards."""
+        return sum(m.slots_holding(shards, self.page_size) for _, m in self._matrix.values())
+
+    def expert_slots(self, layer, expert):
+        """The slots of expert `expert` of an MoE layer: its gate, up and down, one run of pages
+        of their own (what dropping the expert whole would give back)."""
+        runs = [self.ffn_pages[(layer, f"e{expert}.{kind}")] for kind in FFN_KINDS]
+        return range(runs[0][0], runs[-1][0] + runs[-1][1])
 
     def padding_overhead(self):
         """Padding bytes as a fraction of the unpadded weights (Gyges Figure 10b: 0 to 14%)."""
@@ -257,10 +344,10 @@ class ModelWeights:
         """The bytes drop_shards (padded) or partial_swap (unpadded) would give back."""
         keep = set(keep) & self.held
         if self.pad:
-            return len(self.held - keep) * self.shard_slots * self.page_size * 3 * len(self.held_layers)
-        shard_bytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
-        used = -(-(len(keep) * shard_bytes) // self.page_size)
-        return sum(max(mapped - used, 0) for _, mapped in self.ffn_pages.values()) * self.page_size
+            return sum(len(self.held - keep) * m.shard_slots for (layer, _), (_, m)
+                       in self._matrix.items() if layer in self.held_layers) * self.page_size
+        return sum(max(mapped - self._matrix[key][1].slots_holding(len(keep), self.page_size), 0)
+                   for key, (_, mapped) in self.ffn_pages.items()) * self.page_size
 
     def partial_swap(self, keep):
         """The baseline of Gyges section 4.2 for unpadded weights: the shards a worker keeps share
@@ -272,11 +359,10 @@ class ModelWeights:
         keep = sorted(set(keep))
         if not set(keep) <= self.held:
             raise InvalidArgumentError(f"cannot keep FFN shards {sorted(set(keep) - self.held)}: not held")
-        elem = DTYPES[self.dtype][1]
-        shard_bytes = self.shard_rows * self.config.hidden_size * elem
         copied = released = 0
         for layer in sorted(self.held_layers):
-            for kind in FFN_KINDS:
+            for kind in self.kinds(layer):
+                shard_bytes = self._matrix[(layer, kind)][1].shard_bytes
                 shards = self.ffn[layer][kind]
                 base, mapped = self.ffn_pages[(layer, kind)]
                 start = base * self.page_size
@@ -299,7 +385,7 @@ class ModelWeights:
         """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
         `held` changes once every layer has been done (finish_layer_drops)."""
         drop = [shard for shard in sorted(self.held - set(keep)) if (layer, shard) not in self._dropped]
-        slots = sorted(s for shard in drop for kind in FFN_KINDS
+        slots = sorted(s for shard in drop for kind in self._sharded_kinds(layer)
                        for s in self.shard_slots_of(layer, kind, shard))
         # One call per run of neighbouring slots: each call is one TLB flush of every core
         # running the serving threads (a layer's gate, up and down shards are neighbours).
@@ -320,10 +406,10 @@ class ModelWeights:
                 continue
             peer = source(shard) if source is not None else None
             runs = [(slots.start, len(slots)) for slots in
-                    (self.shard_slots_of(layer, kind, shard) for kind in FFN_KINDS)]
+                    (self.shard_slots_of(layer, kind, shard) for kind in self.kinds(layer))]
             # a shard comes back whole or not at all, so a failed step can be retried
             copied += self._map_and_fill(runs, lambda: sum(
-                self._fill_shard(layer, kind, shard, peer) for kind in FFN_KINDS))
+                self._fill_shard(layer, kind, shard, peer) for kind in self.kinds(layer)))
             self._restored.add((layer, shard))
         return copied
 
@@ -331,15 +417,15 @@ class ModelWeights:
         """Writes one FFN shard (its pages mapped) from the peer ModelWeights or the host copy;
         returns the bytes written."""
         offset = self.shard_offset(layer, kind, shard)
-        nbytes = self.shard_rows * self.config.hidden_size * DTYPES[self.dtype][1]
+        name, m = self._matrix[(layer, kind)]
         if peer is not None:
             one = np.array([offset], dtype=np.uint64)
-            self.arena.copy_runs(peer.arena, one, one, np.array([nbytes], np.uint64))
+            self.arena.copy_runs(peer.arena, one, one, np.array([m.shard_bytes], np.uint64))
         else:
-            mat = self._host[f"model.layers.{layer}.mlp.{kind}_proj.weight"]
-            mat = np.asarray(mat).T if kind == "down" else mat
-            self._store(offset, mat[shard * self.shard_rows:(shard + 1) * self.shard_rows], self.dtype)
-        return nbytes
+            mat = np.asarray(self._host[name])
+            mat = mat.T if kind.endswith("down") else mat
+            self._store(offset, mat[shard * m.shard_rows:(shard + 1) * m.shard_rows], self.dtype)
+        return m.shard_bytes
 
     def finish_layer_restores(self, shards):
         self.held |= set(shards)
@@ -365,7 +451,7 @@ class ModelWeights:
         unpadded), as runs of neighbouring slots."""
         first, n = self.runs[layer]
         slots = list(range(first, first + n))
-        for kind in FFN_KINDS:
+        for kind in self.kinds(layer):
             if self.pad:
                 slots += [x for shard in sorted(self.held) for x in self.shard_slots_of(layer, kind, shard)]
             else:
@@ -423,7 +509,7 @@ class ModelWeights:
         def fill():
             return sum(self._fill(self.run_names[layer], source)
                        + sum(self._fill_shard(layer, kind, shard, source)
-                             for shard in sorted(self.held) for kind in FFN_KINDS)
+                             for shard in sorted(self.held) for kind in self.kinds(layer))
                        for layer in sorted(layers))
         copied = self._map_and_fill(runs, fill)
         self.held_layers |= layers
@@ -500,13 +586,14 @@ class ModelWeights:
                 self._restored.difference_update((layer, s) for s in range(self.max_tp))
                 have = set()
             for shard in sorted(have - want[layer]):
-                for kind in FFN_KINDS:
-                    self.arena.shrink(self.shard_slots_of(layer, kind, shard).start, self.shard_slots)
+                for kind in self.kinds(layer):
+                    r = self.shard_slots_of(layer, kind, shard)
+                    self.arena.shrink(r.start, len(r))
             for shard in sorted(want[layer] - have):
                 runs = [(r.start, len(r)) for r in
-                        (self.shard_slots_of(layer, kind, shard) for kind in FFN_KINDS)]
+                        (self.shard_slots_of(layer, kind, shard) for kind in self.kinds(layer))]
                 self._map_and_fill(runs, lambda: sum(self._fill_shard(layer, kind, shard, None)
-                                                     for kind in FFN_KINDS))
+                                                     for kind in self.kinds(layer)))
             # the layer holds want[layer] now; record it against `held` once every layer is done
             for shard in range(self.max_tp):
                 self._dropped.discard((layer, shard))
@@ -522,8 +609,9 @@ class ModelWeights:
         first, n = self.runs[layer]
         self.arena.shrink(first, n)
         for shard in sorted(self._present(layer)):
-            for kind in FFN_KINDS:
-                self.arena.shrink(self.shard_slots_of(layer, kind, shard).start, self.shard_slots)
+            for kind in self.kinds(layer):
+                r = self.shard_slots_of(layer, kind, shard)
+                self.arena.shrink(r.start, len(r))
         self.held_layers.discard(layer)
 
     def _unpack(self, cp):
@@ -548,22 +636,38 @@ class ModelWeights:
         held (a model of part of what a worker holds)."""
         shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
         cfg = self.config
+        per_ffn = 3 * self.max_tp
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         out = [self._offset("model.embed_tokens.weight") if self.has_embed else -1,
                self._offset("model.norm.weight") if self.has_head else -1,
                self._offset(head) if self.has_head else -1]
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
+            # csrc/python/py_model.c's order: 13 tensors, the dense FFN (or the shared expert),
+            # then each expert's FFN
             if i not in self.held_layers or (layers is not None and i not in layers):
-                out += [-1] * (9 + 3 * self.max_tp)
+                out += [-1] * (13 + per_ffn * (1 + cfg.num_experts))
                 continue
             out += [self._offset(p + n) for n in (
                 "input_layernorm.weight", "post_attention_layernorm.weight",
                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
                 "self_attn.v_proj.bias")]
-            for kind in FFN_KINDS:
-                out += [self.shard_offset(i, kind, s) if s in shards else -1 for s in range(self.max_tp)]
+            extras = attention_extras(cfg, i)
+            out += [self._offset(extras[role][0]) if role in extras else -1
+                    for role in ("q_norm", "k_norm", "router", "shared_gate")]
+            units = [None] + [f"e{e}" for e in range(cfg.num_experts)]
+            if cfg.is_sparse_layer(i):
+                units[0] = "shared"
+            for unit in units:
+                # experts held whole (expert parallelism) give every shard, the others none
+                whole = unit not in (None, "shared") and self.held_experts is not None
+                mine = shards if not whole else (
+                    range(self.max_tp) if int(unit[1:]) in self.held_experts else ())
+                for kind in FFN_KINDS:
+                    key = kind if unit is None else f"{unit}.{kind}"
+                    out += [self.shard_offset(i, key, s) if key in self.ffn[i] and s in mine
+                            else -1 for s in range(self.max_tp)]
         return np.array(out, dtype=np.int64)
 
     def _offset(self, name):

@@ -74,7 +74,8 @@ def cuda_unavailable():
 
 def _divides_model(config, tp):
     return not (config.num_attention_heads % tp or config.num_key_value_heads % tp
-                or config.intermediate_size % tp)
+                or config.intermediate_size % tp or config.moe_intermediate_size % tp
+                or config.shared_expert_intermediate_size % tp)
 
 
 def default_max_tp(config, limit=4):
@@ -101,7 +102,7 @@ class Worker:
     def __init__(self, model, memory=None, page_size=None, block_size=16,
                  kv_layout="header", weight_dtype=None, max_tp=None, threads=2, max_pos=None,
                  backend="cpu", pad_ffn=True, tp_size=1, tp_rank=0, device=0, kv_dtype=None,
-                 kv_stack=1, memory_name="memory", memory_floor=None):
+                 kv_stack=1, memory_name="memory", memory_floor=None, expert_parallel=False):
         config = model.config
         if weight_dtype is None:  # the dtype the model was loaded in
             weight_dtype = getattr(model, "weight_dtype", "f32")
@@ -117,6 +118,15 @@ class Worker:
                              f"{weight_dtype} weights (use f32" +
                              (f" or {weight_dtype})" if backend == "cuda" else ")"))
         self.config = config
+        if expert_parallel and not config.is_moe:
+            raise InvalidArgumentError(f"expert_parallel=True needs a mixture-of-experts model, "
+                                       f"not {config.model_type}")
+        if expert_parallel and not pad_ffn:
+            raise InvalidArgumentError("expert_parallel=True drops experts by their pages: it "
+                                       "needs pad_ffn=True")
+        # Expert parallelism: as rank r of a TP group of t, hold experts [r*E/t, (r+1)*E/t)
+        # whole instead of every expert's TP shards (csrc/engine/model.h)
+        self.expert_parallel = bool(expert_parallel)
         max_tp = default_max_tp(config) if max_tp is None else max_tp
         self.max_tp = max_tp
         self.backend, self.kv_dtype = backend, kv_dtype
@@ -137,6 +147,10 @@ class Worker:
         if backend == "cuda" and _C.cuda_forward_unavailable():
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())
+        if backend == "cuda" and expert_parallel:
+            # the C model refuses it too (gy_forward_cuda_attach); said before the weights move
+            raise UnavailableError("backend='cuda' does not run expert parallelism yet; use "
+                                   "backend='cpu'")
         self.device = self.arena.device
         weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
         if weights.bytes > budget:  # said in the caller's words, before a weight is copied
@@ -206,7 +220,12 @@ class Worker:
         return _C.Model(self.arena.handle, spec, w.c_offsets(shards, pending, set(held)), mask,
                         self.threads, getattr(self, "c_model", None),  # its rotary tables
                         layers=layers, embed=w.has_embed, head=w.has_head,
-                        rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale)
+                        rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale,
+                        n_experts=config.num_experts, experts_used=config.num_experts_per_tok,
+                        expert_intermediate=config.moe_intermediate_size,
+                        shared_intermediate=config.shared_expert_intermediate_size,
+                        norm_topk_prob=config.norm_topk_prob,
+                        experts=self.experts_held())
 
     def model_for_layers(self, first, end):
         """A C model over layers [first, end) of those held (a pipeline re-split's target stage,
@@ -217,6 +236,17 @@ class Worker:
         """A C model over the given FFN shards (the model of a future TP rank); pending=True
         allows shards that are mapped later, before a layer using them runs."""
         return self._new_c_model(shards, pending)
+
+    def owned_experts(self, tp_size, tp_rank):
+        """The experts rank tp_rank of an expert-parallel TP group holds whole."""
+        n = self.config.num_experts
+        return range(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size)
+
+    def experts_held(self):
+        """(begin, end) of the experts the C model holds whole, or None: every expert, sharded."""
+        if self.weights.held_experts is None:
+            return None
+        return (min(self.weights.held_experts), max(self.weights.held_experts) + 1)
 
     def owned_shards(self, tp_size, tp_rank):
         per = self.max_tp // tp_size
@@ -231,6 +261,11 @@ class Worker:
                              f"and {self.max_tp} FFN shards")
         if self.kv.stats()["n_sequences"]:
             raise InvalidArgumentError("the worker still holds requests; transform it instead")
+        if self.expert_parallel and tp_size > 1:
+            if tp_size > self.config.num_experts:
+                raise InvalidArgumentError(f"TP{tp_size} with expert parallelism leaves a rank "
+                                           f"none of the {self.config.num_experts} experts")
+            self.weights.drop_experts(self.owned_experts(tp_size, tp_rank))
         if self.weights.pad:
             self.weights.drop_shards(self.owned_shards(tp_size, tp_rank))
         else:

@@ -57,6 +57,16 @@ gy_status gy_cuda_rope(void *q, void *k, const int32_t *pos, int64_t n, int64_t 
             st(xs[w], t, b + i, a0 * c - b0 * sn); st(xs[w], t, b + i + D / 2, b0 * c + a0 * sn); } }
     return GY_OK;
 }
+gy_status gy_cuda_moe_combine(float *out, const float *ys, const float *w, const int32_t *slot, const float *shared,
+                              const float *gate, int64_t n, int64_t k, int64_t dim, int accumulate, gy_cuda_stream s) {
+    gy_emu_kernel_on(s);
+    for (int64_t t = 0; t < n; t++) for (int64_t j = 0; j < dim; j++) {
+        double acc = 0.0;
+        for (int64_t r = 0; r < k; r++) acc += (double)w[t * k + r] * ys[(int64_t)slot[t * k + r] * dim + j];
+        if (shared) acc += (gate ? 1.0 / (1.0 + exp(-(double)gate[t])) : 1.0) * shared[t * dim + j];
+        out[t * dim + j] = (float)(accumulate ? out[t * dim + j] + acc : acc); }
+    return GY_OK;
+}
 gy_status gy_cuda_silu_mul(void *out, const void *x, int64_t rows, int64_t dim, gy_dtype t, gy_cuda_stream s) {
     gy_emu_kernel_on(s);
     for (int64_t r = 0; r < rows; r++) for (int64_t j = 0; j < dim; j++) {

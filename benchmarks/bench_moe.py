@@ -1,0 +1,87 @@
+"""Mixture-of-experts FFN speed on this CPU beside the dense FFN of equal active parameters,
+measured side by side in one run.
+
+Two models that differ only in their FFN (random weights, bf16 storage, fp32 compute, the same
+attention): a Qwen3-MoE of E experts of width I, k a token, and a Qwen3 whose dense FFN is k * I
+wide, so a token multiplies by the same number of FFN weights in both. For batches of n tokens
+(one sequence's prefill of n; n = 1 is a decode step's shape) each model's forward pass is timed,
+best of 7 rounds that alternate the two, and the table gives tokens/s and the MoE/dense ratio.
+At n = 1 both read the same bytes of FFN weights; as n grows the dense GEMM gets all n rows
+while each expert gets about n * k / E of them (grouped dispatch: one GEMM per expert), and the
+MoE holds E / k times the weights.
+
+Run: .venv/bin/python benchmarks/bench_moe.py [--threads N]
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gyges  # noqa: E402
+from benchmarks.common import best_of, print_table, write_json  # noqa: E402
+from gyges.models.config import ModelConfig  # noqa: E402
+from gyges.runtime.worker import Worker  # noqa: E402
+
+EXPERTS, TOP_K, WIDTH = 8, 2, 768
+BATCHES = (1, 16, 64, 256)
+SHAPE = dict(vocab_size=512, hidden_size=1024, intermediate_size=TOP_K * WIDTH,
+             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=1024, bos_token_id=None, eos_token_id=None)
+
+
+def prefill(worker, n, rng):
+    """A function running one prefill of n tokens (logits of the last only), and its cleanup."""
+    tokens = rng.integers(0, SHAPE["vocab_size"], size=n).tolist()
+    seq = worker.kv.new_sequence()
+    worker.kv.grow(max(worker.kv_pages_free() // 2, 1))
+    worker.kv.reserve(seq, n)
+    table = [worker.kv.block_table(seq)]
+    return (lambda: worker.forward(tokens, [0] * n, range(n), table, [n - 1]),
+            lambda: worker.kv.free(seq))
+
+
+def paired_seconds(workers, n, rounds=7):
+    """Each worker's best wall time of a prefill of n tokens over `rounds` rounds that run them
+    in turn, so that a disturbance of the shared machine hits both alike."""
+    runs = {name: prefill(w, n, np.random.default_rng(n)) for name, w in workers.items()}
+    best = {name: float("inf") for name in workers}
+    for _ in range(rounds):
+        for name, (run, _) in runs.items():
+            best[name] = min(best[name], best_of(run, repeat=1))
+    for _, free in runs.values():
+        free()
+    return best
+
+
+def main(argv):
+    threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else 1
+    configs = {
+        "moe": ModelConfig(**SHAPE, model_type="qwen3_moe", num_experts=EXPERTS,
+                           num_experts_per_tok=TOP_K, moe_intermediate_size=WIDTH,
+                           norm_topk_prob=True),
+        "dense": ModelConfig(**SHAPE, model_type="qwen3"),
+    }
+    workers = {name: Worker(gyges.Model.random(config, seed=1), memory="256MiB",
+                            weight_dtype="bf16", threads=threads, max_tp=1)
+               for name, config in configs.items()}
+    rows = []
+    for n in BATCHES:
+        seconds = paired_seconds(workers, n)
+        rows.append({"tokens": n, "moe_tok_s": n / seconds["moe"],
+                     "dense_tok_s": n / seconds["dense"],
+                     "ratio": seconds["dense"] / seconds["moe"]})
+    weights = {name: w.weights.bytes_total for name, w in workers.items()}
+    title = (f"Qwen3-MoE layer x2 ({EXPERTS} experts of {WIDTH}, top {TOP_K}) vs dense FFN of "
+             f"{TOP_K * WIDTH}, hidden {SHAPE['hidden_size']}, bf16 weights, {threads} thread(s); "
+             f"weights {weights['moe'] / 2**20:.0f} vs {weights['dense'] / 2**20:.0f} MiB")
+    print_table(title, rows, [("tokens", "tokens", "{}"), ("moe_tok_s", "MoE tok/s", "{:.0f}"),
+                              ("dense_tok_s", "dense tok/s", "{:.0f}"),
+                              ("ratio", "MoE/dense", "{:.2f}")])
+    write_json("bench_moe", {"threads": threads, "experts": EXPERTS, "top_k": TOP_K,
+                             "expert_width": WIDTH, "shape": SHAPE, "weight_bytes": weights,
+                             "rows": rows})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
