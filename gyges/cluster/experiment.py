@@ -867,7 +867,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     host's seconds and tokens, defaults gyges.cluster.DEFAULTS; merge_wait defaults to 1 s here
     (2 s in the simulator), since a real run lasts seconds; gyges' latency mode (light_load,
     idle_load) is off here unless given, since its defaults are GPU tokens. cost: the
-    gyges.costmodel CostModel (or ConstantCost) of this host, whose prefill rates per TP the
+    gyges.costmodel CostModel (or ConstantCost, or gyges.cluster.profile.ProfiledCost) of this
+    host, whose prefill rates per TP the
     policies compare placements by, as gyges.sim.run does with its cost (default: rates
     proportional to TP). slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
@@ -921,9 +922,10 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
 
     if cost is not None:
         from .costmodel import ConstantCost, CostModel
-        if not isinstance(cost, (CostModel, ConstantCost)):
-            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel or ConstantCost, "
-                                  f"got {type(cost).__name__}")
+        from .profile import ProfiledCost
+        if not isinstance(cost, (CostModel, ProfiledCost, ConstantCost)):
+            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel, ConstantCost or a "
+                                  f"ProfiledCost, got {type(cost).__name__}")
     if cluster is not None:   # hosts in processes of their own (gyges.distributed)
         replay = getattr(cluster, "replay_executor", None)
         if replay is None:
