@@ -126,7 +126,9 @@ def capacities(host, max_tp=None) -> list[int]:
             tensor_pages = -(-nbytes // page)
         weight_pages = ws.replicated_slots + 3 * c.num_hidden_layers * tensor_pages
         per_layer = (budget_pages - weight_pages) // c.num_hidden_layers
-        out.append(max(per_layer, 0) * (page // (block_bytes_tp1 // tp)))
+        # blocks pack across a layer's pages (kv_cache.c's gy_kv_blocks_for_pages): a block of
+        # SmolLM2's 3 KV heads is 24 KiB, 2.67 to a 64 KiB page
+        out.append(max(per_layer, 0) * page // (block_bytes_tp1 // tp))
         tp *= 2
     for inst in host.instances:
         level = int(math.log2(inst.tp))
