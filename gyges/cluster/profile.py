@@ -22,8 +22,8 @@ timed too, with the KV of the last decode points in flight and without.
 The model. Per TP level, step = base + per_token * n_tokens + per_sample * n_samples +
 per_kv_read * kv_read_tokens + per_pair * attn_pairs (csrc/policy/cost.h's profiled backend; the
 matmuls, the LM head and sampler, attention's reads and its causal FLOPs), every coefficient
->= 0, fitted by least squares on relative error (so that 1 ms decode steps and 0.5 s prefills
-count alike) to that level's points. A transformation phase moves the roofline's bytes (the KV
+>= 0, fitted by least squares on errors relative to the fit (so that 1 ms decode steps and 0.5 s
+prefills count alike) to that level's points. A transformation phase moves the roofline's bytes (the KV
 heads that change owner, the FFN shards a split gathers) at `xfer_bw` plus a latency per layer,
 both fitted to the timed merges and splits. The host's merges run every layer at once between two
 steps, so `transform_slowdown` is 0. KV capacities are the host's own (experiment.capacities);
@@ -78,6 +78,20 @@ def _nonneg_lstsq(X, y):
         if not keep or coef[keep].min() >= 0:
             return coef
         keep.remove(keep[int(np.argmin(coef[keep]))])
+
+
+def _relative_fit(X, y, iterations=8):
+    """Non-negative coefficients c of X c ~ y with errors relative to the fit (Gamma regression
+    by reweighted least squares: weights 1 / (X c) of the previous round, first 1 / y). Weighting
+    by the measured 1 / y instead is biased low under noise: a point measured slow counts less."""
+    w = 1.0 / y
+    for _ in range(iterations):
+        c = _nonneg_lstsq(X * w[:, None], y * w)
+        fitted = X @ c
+        if np.any(fitted <= 0):
+            break
+        w = 1.0 / fitted
+    return c
 
 
 def _columns(p):
@@ -240,8 +254,7 @@ class ProfiledCost:
             y = np.asarray([p["seconds"] for p in mine], np.float64)
             if not np.all(np.isfinite(y)) or np.any(y <= 0):
                 raise ProfileError(f"TP{tp}: measured times must be finite and > 0")
-            # relative error: scale each row by 1/y; a column's scale cancels in lstsq
-            levels.append(tuple(float(c) for c in _nonneg_lstsq(X / y[:, None], np.ones_like(y))))
+            levels.append(tuple(float(c) for c in _relative_fit(X, y)))
         lat, bw = _fit_phases(transforms, model.num_hidden_layers, kv_bytes_per_token, ffn_bytes)
         return cls(model=model, levels=tuple(levels), capacity=tuple(int(c) for c in capacity),
                    block_size=int(block_size), kv_bytes_per_token=float(kv_bytes_per_token),
