@@ -96,7 +96,8 @@ typedef struct gy_sim_roofline {
 } gy_sim_roofline;
 
 /* Level l is TP 2^l; a TP above the last level measured is priced as the last (the Python side
- * refuses such a max_tp). Every coefficient is >= 0, so a step never gets cheaper with more work. */
+ * refuses such a max_tp). Every coefficient is >= 0, so a step never gets cheaper with more
+ * work. */
 typedef struct gy_sim_cost_profiled {
     int32_t n_levels;                           /* 1..GY_SIM_COST_LEVELS levels measured */
     double base[GY_SIM_COST_LEVELS];            /* seconds per step that computes something */

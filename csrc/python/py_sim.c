@@ -21,7 +21,8 @@ typedef struct {
     int busy;
 } GySimulatorObject;
 
-_Static_assert(GY_SIM_COST_LEVELS == GY_SIM_MAX_LEVELS, "cost.h and policy.h count TP levels alike");
+_Static_assert(GY_SIM_COST_LEVELS == GY_SIM_MAX_LEVELS,
+               "cost.h and policy.h count TP levels alike");
 
 /* A list of 1..GY_SIM_COST_LEVELS floats from params[name] into out; its length, or -1 with an
  * exception. */
@@ -144,7 +145,8 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         return 0;
     }
 #undef GY_PY_SIM_FIELD
-    PyErr_Format(GY_PY_VALUE_ERROR, "unknown cost model kind %s (roofline, profiled, constant)", kind);
+    PyErr_Format(GY_PY_VALUE_ERROR, "unknown cost model kind %s (roofline, profiled, constant)",
+                 kind);
     return -1;
 }
 

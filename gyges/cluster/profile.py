@@ -22,12 +22,13 @@ timed too, with the KV of the last decode points in flight and without.
 The model. Per TP level, step = base + per_token * n_tokens + per_sample * n_samples +
 per_kv_read * kv_read_tokens + per_pair * attn_pairs (csrc/policy/cost.h's profiled backend; the
 matmuls, the LM head and sampler, attention's reads and its causal FLOPs), every coefficient
->= 0, fitted by least squares on errors relative to the fit (so that 1 ms decode steps and 0.5 s
-prefills count alike) to that level's points. A transformation phase moves the roofline's bytes (the KV
-heads that change owner, the FFN shards a split gathers) at `xfer_bw` plus a latency per layer,
-both fitted to the timed merges and splits. The host's merges run every layer at once between two
-steps, so `transform_slowdown` is 0. KV capacities are the host's own (experiment.capacities);
-prompts are prefilled in chunks, so only the KV limits their length (max_inputs is None).
+>= 0, fitted by least squares on errors relative to the fit (so that 1 ms decode steps and
+0.5 s prefills count alike) to that level's points. A transformation phase moves the roofline's
+bytes (the KV heads that change owner, the FFN shards a split gathers) at `xfer_bw` plus a
+latency per layer, both fitted to the timed merges and splits. The host's merges run every
+layer at once between two steps, so `transform_slowdown` is 0. KV capacities are the host's own
+(experiment.capacities); prompts are prefilled in chunks, so only the KV limits their length
+(max_inputs is None).
 
 Pipelines (PP) are not profiled: the simulator prices them with gyges.costmodel.PipelineCost."""
 
@@ -67,7 +68,7 @@ def _shape_of(entries):
     return CostModel.batch_shape(entries)
 
 
-def _nonneg_lstsq(X, y):
+def nonneg_lstsq(X, y):
     """Least squares with every coefficient >= 0 (an active set: drop the most negative column
     and solve again)."""
     keep = list(range(X.shape[1]))
@@ -86,7 +87,7 @@ def _relative_fit(X, y, iterations=8):
     by the measured 1 / y instead is biased low under noise: a point measured slow counts less."""
     w = 1.0 / y
     for _ in range(iterations):
-        c = _nonneg_lstsq(X * w[:, None], y * w)
+        c = nonneg_lstsq(X * w[:, None], y * w)
         fitted = X @ c
         if np.any(fitted <= 0):
             break
@@ -124,7 +125,7 @@ class ProfiledCost:
     (`capacity`, of `block_size` tokens), the phase terms, and the grid points it was fitted to
     (`points`, dicts of POINT_KEYS) with the timed transformations (`transforms`)."""
     model: ModelConfig
-    levels: tuple                  # per TP level: (base, per_token, per_sample, per_kv_read, per_pair)
+    levels: tuple                  # per TP level: TERMS' coefficients
     capacity: tuple                # KV blocks of a TP-1, 2, 4, ... instance
     block_size: int
     kv_bytes_per_token: float      # K and V of one token, every layer, every head
@@ -366,7 +367,7 @@ def _fit_phases(transforms, n_layers, kv_token, ffn):
     if not rows:
         return 0.0, 1e12
     X, y = np.asarray(rows), np.asarray(y)
-    coef = _nonneg_lstsq(X, y)
+    coef = nonneg_lstsq(X, y)
     bw = 1.0 / coef[1] if coef[1] > 0 else 1e12   # no byte cost seen: as good as free
     return float(coef[0]), float(bw)
 

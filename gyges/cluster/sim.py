@@ -141,7 +141,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
-    (measured on a real host); default CostModel.create(model, gpu) (the calibrated roofline). max_tp: the largest TP (default gpus_per_host). The scheduler of every
+    (measured on a real host); default CostModel.create(model, gpu) (the calibrated roofline).
+    max_tp: the largest TP (default gpus_per_host). The scheduler of every
     instance gets block_size, max_batch_tokens, max_running, max_prefill_chunk and watermark (a
     fraction of its blocks). decode_weight: the policies' load is (pending prompt tokens +
     decode_weight * pending output tokens) / TP. scale_down_free: gyges splits a held instance
