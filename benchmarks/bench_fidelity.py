@@ -51,7 +51,7 @@ SETUPS = {
 def held_out(quick):
     """(label, setup, policy, trace): none of them is the profiling grid."""
     d = 0.5 if quick else 1.0
-    light = traces.poisson(0.25, duration=32 * d, input_tokens=(32, 192), output_tokens=(16, 48),
+    light = traces.poisson(0.3, duration=40 * d, input_tokens=(32, 192), output_tokens=(16, 48),
                            seed=11)
     saturated = traces.poisson(1.5, duration=10 * d, input_tokens=(32, 192),
                                output_tokens=(16, 48), seed=12)
@@ -91,7 +91,9 @@ def simulate(trace, policy, cost, host):
 
 
 def step_kinds(steps, cost):
-    """Measured vs predicted step time by kind of step (decode only, prefill only, mixed)."""
+    """Measured vs predicted step time by kind of step (decode only, prefill only, mixed) and by
+    how many of the host's instances were stepping when it began (the profile measured every
+    instance busy at once)."""
     pred = np.array([cost.step_time(int(s["tp"]), int(s["n_tokens"]), int(s["n_seqs"]),
                                     int(s["n_samples"]), float(s["kv_read_tokens"]),
                                     float(s["attn_pairs"])) for s in steps])
@@ -101,12 +103,12 @@ def step_kinds(steps, cost):
     total = steps["seconds"].sum()
     out = []
     for kind, m in kinds:
-        if not m.any():
-            continue
-        real, p = steps["seconds"][m].sum(), pred[m].sum()
-        out.append({"kind": kind, "steps": int(m.sum()),
-                    "real_ms": 1e3 * real / m.sum(), "pred_ms": 1e3 * p / m.sum(),
-                    "err": 100 * (p / real - 1), "share": 100 * real / total})
+        for busy in sorted(set(steps["concurrent"][m].tolist())):
+            mb = m & (steps["concurrent"] == busy)
+            real, p = steps["seconds"][mb].sum(), pred[mb].sum()
+            out.append({"kind": kind, "busy": int(busy), "steps": int(mb.sum()),
+                        "real_ms": 1e3 * real / mb.sum(), "pred_ms": 1e3 * p / mb.sum(),
+                        "err": 100 * (p / real - 1), "share": 100 * real / total})
     return out
 
 
@@ -183,7 +185,8 @@ def main():
         ("spread", "spread %", "{:.1f}"), ("sim", "sim", "{:.2f}"), ("err", "err %", "{:+.1f}")])
     print_table("where the error comes from: real steps vs the profile's prediction for their "
                 "shape", kind_rows, [
-        ("trace", "trace", "{}"), ("kind", "step kind", "{}"), ("steps", "steps", "{}"),
+        ("trace", "trace", "{}"), ("kind", "step kind", "{}"),
+        ("busy", "instances stepping", "{}"), ("steps", "steps", "{}"),
         ("share", "share of step time %", "{:.0f}"), ("real_ms", "real ms", "{:.2f}"),
         ("pred_ms", "profile ms", "{:.2f}"), ("err", "err %", "{:+.1f}")])
     print_table("the runs", runs, [
