@@ -3,10 +3,14 @@ gyges.cluster.profile.ProfiledCost measured on the real CPU engine, against gyge
 on that engine, on traces the profile never saw.
 
 1. Profile (Vidur-style): ProfiledCost.profile(host) runs a grid of decode batches x contexts
-   and prefill lengths on every instance of the host at once, at every TP it forms, and fits a
-   step time linear in the batch shape per TP. SmolLM2-135M on 2 CPU workers (TP1 only: its 3
+   and prefill lengths on every instance of the host at once ("all busy"; and once more on one
+   instance while the others idle, "one busy"), at every TP it forms, and fits a step time
+   linear in the batch shape per TP. SmolLM2-135M on 2 CPU workers (TP1 only: its 3
    KV heads split 1 or 3 ways), and the tiny model on 2 workers (TP1 and TP2, for the merges).
    The profiles are saved as JSON (benchmarks/results/profile_*.json; --reuse loads them).
+   The simulator runs with each (the CPU workers share cores and memory bandwidth, so a step's
+   time depends on what the other instances do, which a per-instance step model cannot see:
+   the two profiles bracket it).
 2. Held-out traces, each replayed `--repeats` times on a fresh host (the mean is compared) and
    once in the simulator with the same policy knobs, the profile's prefill rates in both:
    - smollm2 light: round robin over 2xTP1 at a rate the host keeps up with;
@@ -66,15 +70,15 @@ def held_out(quick):
             ("tiny reconfig, gyges 2xTP1 (merges)", "tiny", "gyges", traces.merge([short, long])))
 
 
-def profile(name, model, reuse, repeats):
-    path = RESULTS / f"profile_{name}.json"
+def profile(name, model, reuse, repeats, concurrent):
+    path = RESULTS / f"profile_{name}{'' if concurrent else '_alone'}.json"
     if reuse and path.exists():
         return ProfiledCost.load(path), 0.0
     _, memory, grid = SETUPS[name]
     host = gyges.Host(model, workers=WORKERS, memory_per_worker=memory,
                       layout=f"{WORKERS}xTP1")
     t = time.perf_counter()
-    cost = ProfiledCost.profile(host, grid, warmup=1, repeats=repeats)
+    cost = ProfiledCost.profile(host, grid, warmup=1, repeats=repeats, concurrent=concurrent)
     seconds = time.perf_counter() - t
     host.close()
     RESULTS.mkdir(exist_ok=True)
@@ -128,12 +132,14 @@ def main():
           f"{os.getloadavg()[0]:.1f}; {repeats} real runs per trace")
     t0 = time.perf_counter()
     models = {name: loader() for name, (loader, _, _) in SETUPS.items()}
-    costs, fit_rows = {}, []
-    for name in SETUPS:
-        cost, seconds = profile(name, models[name], args.reuse, 3 if args.quick else 5)
-        costs[name] = cost
+    costs, alone, fit_rows = {}, {}, []
+    for name, concurrent in [(n, c) for n in SETUPS for c in (True, False)]:
+        cost, seconds = profile(name, models[name], args.reuse, 3 if args.quick else 5,
+                                concurrent)
+        (costs if concurrent else alone)[name] = cost
         err = np.array([abs(r["error"]) for r in cost.fit_report()]) * 100
-        fit_rows.append({"profile": name, "points": len(cost.points), "tps": len(cost.levels),
+        fit_rows.append({"profile": f"{name}, {'all' if concurrent else 'one'} busy",
+                         "points": len(cost.points), "tps": len(cost.levels),
                          "seconds": seconds, "median": float(np.median(err)),
                          "max": float(err.max()),
                          "xfer": cost.xfer_bw / 1e9,
@@ -159,16 +165,17 @@ def main():
                                        max_tp=cost.max_tp))
             host.close()
         host = new_host()
-        simulated = simulate(trace, policy, cost, host)
+        s = simulate(trace, policy, cost, host).summary()
+        s1 = simulate(trace, policy, alone[name], host).summary()
         host.close()
-        s = simulated.summary()
         reals = [r.summary() for r in real]
         for metric, key, scale in METRICS:
             values = np.array([r[key] for r in reals], float)
             mean = float(values.mean())
             rows.append({"trace": label, "metric": metric, "real": mean * scale,
                          "spread": 100 * (values.max() - values.min()) / 2 / mean,
-                         "sim": s[key] * scale, "err": 100 * (s[key] / mean - 1)})
+                         "sim": s[key] * scale, "err": 100 * (s[key] / mean - 1),
+                         "sim1": s1[key] * scale, "err1": 100 * (s1[key] / mean - 1)})
         steps = np.concatenate([r.steps for r in real])
         for k in step_kinds(steps, cost):
             kind_rows.append({"trace": label, **k})
@@ -182,11 +189,13 @@ def main():
     print_table(f"simulator (profiled cost) vs real CPU host, held-out traces (real: the mean of "
                 f"{repeats} runs; goal |err| < 5%)", rows, [
         ("trace", "trace", "{}"), ("metric", "metric", "{}"), ("real", "real", "{:.2f}"),
-        ("spread", "spread %", "{:.1f}"), ("sim", "sim", "{:.2f}"), ("err", "err %", "{:+.1f}")])
-    print_table("where the error comes from: real steps vs the profile's prediction for their "
-                "shape", kind_rows, [
+        ("spread", "spread %", "{:.1f}"), ("sim", "sim (all busy)", "{:.2f}"),
+        ("err", "err %", "{:+.1f}"), ("sim1", "sim (one busy)", "{:.2f}"),
+        ("err1", "err %", "{:+.1f}")])
+    print_table("where the error comes from: real steps vs the all-busy profile's prediction for "
+                "their shape", kind_rows, [
         ("trace", "trace", "{}"), ("kind", "step kind", "{}"),
-        ("busy", "instances stepping", "{}"), ("steps", "steps", "{}"),
+        ("busy", "instances running (0, 1: alone)", "{}"), ("steps", "steps", "{}"),
         ("share", "share of step time %", "{:.0f}"), ("real_ms", "real ms", "{:.2f}"),
         ("pred_ms", "profile ms", "{:.2f}"), ("err", "err %", "{:+.1f}")])
     print_table("the runs", runs, [
@@ -198,7 +207,9 @@ def main():
     write_json("bench_fidelity", {"workers": WORKERS, "cores": os.cpu_count(),
                                   "repeats": repeats, "quick": args.quick, "fits": fit_rows,
                                   "rows": rows, "step_kinds": kind_rows, "runs": runs,
-                                  "profiles": {n: c.describe() for n, c in costs.items()}})
+                                  "profiles": {n: c.describe() for n, c in costs.items()},
+                                  "profiles_one_busy": {n: c.describe()
+                                                        for n, c in alone.items()}})
 
 
 if __name__ == "__main__":
