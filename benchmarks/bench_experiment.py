@@ -41,6 +41,7 @@ import gyges  # noqa: E402
 from gyges import experiment, sim, traces  # noqa: E402
 from gyges.models.config import ModelConfig  # noqa: E402
 from gyges.cluster.costmodel import CostModel, GPUSpec  # noqa: E402
+from gyges.cluster.profile import nonneg_lstsq  # noqa: E402
 
 MEMORY = "32MiB"
 WORKERS = 4
@@ -90,19 +91,6 @@ def new_host(layout=None):
                       layout=layout)
 
 
-def _nonneg_lstsq(X, y):
-    """Least squares with every coefficient >= 0 (a small active set: drop the most negative
-    column and solve again)."""
-    keep = list(range(X.shape[1]))
-    while True:
-        coef = np.zeros(X.shape[1])
-        if keep:
-            coef[keep], *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-        if not keep or coef[keep].min() >= 0:
-            return coef
-        keep.remove(keep[int(np.argmin(coef[keep]))])
-
-
 def fit_steps(samples, iterations=50, **fixed):
     """The roofline of CostModel.profiled, t = overhead + max(bytes / (bw eff_bw), flops /
     (peak eff_flops)) + [TP > 1] 2 L (allreduce_latency + 2 (tp-1)/tp payload /
@@ -139,7 +127,7 @@ def fit_steps(samples, iterations=50, **fixed):
     for _ in range(iterations):
         X = np.stack([np.ones(y.size), np.where(mem, B, 0.0), np.where(mem, 0.0, F), lat, link,
                       np.where(mem, 0.0, A)], axis=1)
-        coef = _nonneg_lstsq(X * w[:, None], y * w)
+        coef = nonneg_lstsq(X * w[:, None], y * w)
         new_mem = B * coef[1] >= F * coef[2] + A * coef[5]
         if np.array_equal(new_mem, mem):
             break

@@ -454,7 +454,7 @@ TR = trace_of([(0.0, 10, 2)])
     (dict(block_size=0), "block_size"),
     (dict(sample_interval=0), "sample_interval"),
     (dict(model="llama3-70b", gpu="l40s", max_tp=2), "fits no instance up to TP2"),
-    (dict(cost="fast"), "CostModel or ConstantCost"),
+    (dict(cost="fast"), "CostModel, ProfiledCost or ConstantCost"),
 ])
 def test_bad_arguments_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,4 @@
-/* cost.c: the roofline and constant cost backends of cost.h. */
+/* cost.c: the roofline, profiled and constant cost backends of cost.h. */
 #include "cost.h"
 
 #include <math.h>
@@ -74,24 +74,26 @@ double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int trans
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 
-double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
-                                  double *bytes_per_gpu) {
+/* Bytes each GPU of the group receives in one phase (the same for every backend). */
+static double gy_sim_phase_bytes(const gy_sim_phase_shape *ph, double kv_bytes_per_token,
+                                 double ffn_bytes) {
     const double lo = ph->tp_from < ph->tp_to ? ph->tp_from : ph->tp_to;
     const double hi = ph->tp_from < ph->tp_to ? ph->tp_to : ph->tp_from;
-    double bytes = 0.0;
     switch (ph->kind) {
     case GY_SIM_PHASE_KV_SCATTER:
         /* Header-centric layout: of each token's heads, a fraction lo/hi stays where it is; the
          * rest moves. The group has `hi` GPUs sharing the traffic. */
-        bytes = (1.0 - lo / hi) * ph->kv_tokens * p->kv_bytes_per_token / hi;
-        break;
+        return (1.0 - lo / hi) * ph->kv_tokens * kv_bytes_per_token / hi;
     case GY_SIM_PHASE_WEIGHTS_GATHER:
-        bytes = p->ffn_bytes * (1.0 / lo - 1.0 / hi);
-        break;
+        return ffn_bytes * (1.0 / lo - 1.0 / hi);
     default: /* GY_SIM_PHASE_WEIGHTS_DROP: padded shards are simply unmapped */
-        bytes = 0.0;
-        break;
+        return 0.0;
     }
+}
+
+double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
+                                  double *bytes_per_gpu) {
+    const double bytes = gy_sim_phase_bytes(ph, p->kv_bytes_per_token, p->ffn_bytes);
     *bytes_per_gpu = bytes;
     return bytes / (p->link_bw * p->eff_xfer) + p->n_layers * p->phase_latency_per_layer;
 }
@@ -102,6 +104,56 @@ static double gy_sim_roofline_step(void *ctx, int32_t tp, int transforming,
 }
 static double gy_sim_roofline_phase(void *ctx, const gy_sim_phase_shape *p, double *bytes) {
     return gy_sim_roofline_phase_time(ctx, p, bytes);
+}
+
+gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p) {
+    if (p == NULL) return GY_FAIL(GY_ERR_INVALID, "profiled cost parameters are NULL");
+    if (p->n_levels < 1 || p->n_levels > GY_SIM_COST_LEVELS)
+        return GY_FAIL(GY_ERR_INVALID, "profiled cost model: n_levels must be in [1, %d], got %d",
+                       GY_SIM_COST_LEVELS, (int)p->n_levels);
+    for (int32_t l = 0; l < p->n_levels; l++) {
+        const double c[] = {p->base[l], p->per_token[l], p->per_sample[l], p->per_kv_read[l],
+                            p->per_pair[l]};
+        static const char *names[] = {"base", "per_token", "per_sample", "per_kv_read",
+                                      "per_pair"};
+        for (size_t k = 0; k < sizeof c / sizeof c[0]; k++)
+            if (!gy_sim_nonneg(c[k]))
+                return GY_FAIL(GY_ERR_INVALID, "profiled cost model: %s of TP%d must be >= 0, "
+                               "got %g", names[k], 1 << l, c[k]);
+        if (!(c[0] + c[1] > 0))
+            return GY_FAIL(GY_ERR_INVALID, "profiled cost model: a TP%d step costs nothing "
+                           "(base and per_token are 0)", 1 << l);
+    }
+    if (!gy_sim_nonneg(p->transform_slowdown) || !gy_sim_positive(p->kv_bytes_per_token) ||
+        !gy_sim_nonneg(p->ffn_bytes) || !gy_sim_positive(p->xfer_bw) ||
+        !gy_sim_nonneg(p->phase_latency_per_layer) || p->n_layers < 1)
+        return GY_FAIL(GY_ERR_INVALID, "profiled cost model: transform_slowdown %g, "
+                       "kv_bytes_per_token %g, ffn_bytes %g, xfer_bw %g, phase_latency_per_layer "
+                       "%g, n_layers %d out of range", p->transform_slowdown,
+                       p->kv_bytes_per_token, p->ffn_bytes, p->xfer_bw,
+                       p->phase_latency_per_layer, (int)p->n_layers);
+    return GY_OK;
+}
+
+double gy_sim_profiled_step_time(const gy_sim_cost_profiled *p, int32_t tp, int transforming,
+                                 const gy_sim_step_shape *s) {
+    if (s->n_tokens <= 0) return 0.0;
+    int32_t l = 0;
+    while (l + 1 < p->n_levels && (INT32_C(1) << (l + 1)) <= tp) l++;
+    const double time = p->base[l] + p->per_token[l] * (double)s->n_tokens +
+                        p->per_sample[l] * (double)s->n_samples +
+                        p->per_kv_read[l] * s->kv_read_tokens + p->per_pair[l] * s->attn_pairs;
+    return transforming ? time * (1.0 + p->transform_slowdown) : time;
+}
+
+static double gy_sim_profiled_step(void *ctx, int32_t tp, int transforming,
+                                   const gy_sim_step_shape *s) {
+    return gy_sim_profiled_step_time(ctx, tp, transforming, s);
+}
+static double gy_sim_profiled_phase(void *ctx, const gy_sim_phase_shape *ph, double *bytes) {
+    const gy_sim_cost_profiled *p = ctx;
+    *bytes = gy_sim_phase_bytes(ph, p->kv_bytes_per_token, p->ffn_bytes);
+    return *bytes / p->xfer_bw + p->n_layers * p->phase_latency_per_layer;
 }
 
 static double gy_sim_constant_step(void *ctx, int32_t tp, int transforming,
@@ -119,6 +171,11 @@ static double gy_sim_constant_phase(void *ctx, const gy_sim_phase_shape *ph, dou
 gy_sim_cost_ops gy_sim_cost_roofline_ops(const gy_sim_roofline *p) {
     return (gy_sim_cost_ops){.ctx = (void *)p, .step_time = gy_sim_roofline_step,
                              .phase_time = gy_sim_roofline_phase};
+}
+
+gy_sim_cost_ops gy_sim_cost_profiled_ops(const gy_sim_cost_profiled *p) {
+    return (gy_sim_cost_ops){.ctx = (void *)p, .step_time = gy_sim_profiled_step,
+                             .phase_time = gy_sim_profiled_phase};
 }
 
 gy_sim_cost_ops gy_sim_cost_constant_ops(const gy_sim_cost_constant *p) {

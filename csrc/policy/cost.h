@@ -7,6 +7,11 @@
  *   plus a fixed per-step overhead. Transformation phases: bytes moved per GPU / (link *
  *   eff_xfer) + a driver latency per layer. gyges/costmodel.py computes every parameter from a
  *   GPU preset and a ModelConfig, and holds the float64 reference of these formulas.
+ * - profiled: measured on a real engine (gyges.cluster.profile.ProfiledCost): per TP level, a
+ *   step is linear in its shape, base + per_token * n_tokens + per_sample * n_samples +
+ *   per_kv_read * kv_read_tokens + per_pair * attn_pairs, the coefficients fitted to step times
+ *   measured over a grid of shapes; phases move the roofline's bytes at a measured rate plus a
+ *   measured latency per layer.
  * - constant: every non-empty step and every phase takes a fixed time (hand-checked tests).
  *
  * Token counts exclude tokens whose KV a request kept through a transformation: the scheduler
@@ -25,6 +30,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define GY_SIM_COST_LEVELS 8 /* TP 1, 2, ..., 128: policy.h's GY_SIM_MAX_LEVELS */
 
 /* What one step computes (all of it charged). */
 typedef struct gy_sim_step_shape {
@@ -88,24 +95,55 @@ typedef struct gy_sim_roofline {
                                      (1 + this) times longer (layer-staggered overlap) */
 } gy_sim_roofline;
 
+/* Level l is TP 2^l; a TP above the last level measured is priced as the last (the Python side
+ * refuses such a max_tp). Every coefficient is >= 0, so a step never gets cheaper with more
+ * work. */
+typedef struct gy_sim_cost_profiled {
+    int32_t n_levels;                           /* 1..GY_SIM_COST_LEVELS levels measured */
+    double base[GY_SIM_COST_LEVELS];            /* seconds per step that computes something */
+    double per_token[GY_SIM_COST_LEVELS];       /* seconds per computed (query) token */
+    double per_sample[GY_SIM_COST_LEVELS];      /* seconds per sampled token (LM head, sampler) */
+    double per_kv_read[GY_SIM_COST_LEVELS];     /* seconds per token of KV attention reads */
+    double per_pair[GY_SIM_COST_LEVELS];        /* seconds per causal (query, key) pair */
+    double transform_slowdown;                  /* >= 0, as the roofline's */
+    /* transformation phases: the roofline's bytes per GPU at xfer_bw, plus a latency per layer */
+    double kv_bytes_per_token;                  /* > 0: K and V of one token, every layer */
+    double ffn_bytes;                           /* >= 0: the FFN weights */
+    int32_t n_layers;                           /* >= 1 */
+    double xfer_bw;                             /* > 0: bytes/s a GPU receives in a phase */
+    double phase_latency_per_layer;             /* >= 0: seconds per layer per phase */
+} gy_sim_cost_profiled;
+
 typedef struct gy_sim_cost_constant {
     double step_time;          /* > 0: every step that computes something */
     double phase_time;         /* >= 0: every transformation phase */
     double transform_slowdown; /* >= 0, as above */
 } gy_sim_cost_constant;
 
+/* Room for any backend's parameters: a caller that picks the backend by name at run time keeps
+ * one of these alive as long as the ops over it. */
+typedef struct gy_sim_cost_store {
+    gy_sim_roofline roofline;
+    gy_sim_cost_constant constant;
+    gy_sim_cost_profiled profiled;
+} gy_sim_cost_store;
+
 /* Checks the fields (GY_ERR_INVALID naming the first bad one). */
 gy_status gy_sim_roofline_check(const gy_sim_roofline *p);
 gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p);
+gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p);
 /* The ops over `p`, which must outlive them. */
 gy_sim_cost_ops gy_sim_cost_roofline_ops(const gy_sim_roofline *p);
 gy_sim_cost_ops gy_sim_cost_constant_ops(const gy_sim_cost_constant *p);
+gy_sim_cost_ops gy_sim_cost_profiled_ops(const gy_sim_cost_profiled *p);
 
 /* Exposed for the tests and the Python reference check. */
 double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
                                  const gy_sim_step_shape *s);
 double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
                                   double *bytes_per_gpu);
+double gy_sim_profiled_step_time(const gy_sim_cost_profiled *p, int32_t tp, int transforming,
+                                 const gy_sim_step_shape *s);
 
 #ifdef __cplusplus
 }

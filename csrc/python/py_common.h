@@ -65,13 +65,12 @@ PyObject *gy_py_arena_view_new(PyObject *arena_object, PyObject *keep, uint64_t 
  * checked; 0, or -1 with an exception. */
 struct gy_sim_pipeline;
 int gy_py_sim_pipeline_params(PyObject *params, struct gy_sim_pipeline *p);
-/* The roofline or constant cost model's parameters (`kind` names it) from a dict, checked, and
- * the cost ops over the one filled in; 0, or -1 with an exception. */
-struct gy_sim_roofline;
-struct gy_sim_cost_constant;
+/* A cost model's parameters (`kind` names it: roofline, profiled, constant) from a dict, checked,
+ * into its member of *store, and the cost ops over it; 0, or -1 with an exception. */
+struct gy_sim_cost_store;
 struct gy_sim_cost_ops;
-int gy_py_sim_cost_params(PyObject *params, const char *kind, struct gy_sim_roofline *roof,
-                          struct gy_sim_cost_constant *cst, struct gy_sim_cost_ops *ops);
+int gy_py_sim_cost_params(PyObject *params, const char *kind, struct gy_sim_cost_store *store,
+                          struct gy_sim_cost_ops *ops);
 /* A pipeline's split (layers per stage) from a sequence of n ints; 0, or -1 with an exception
  * naming `what`. */
 int gy_py_sim_split(PyObject *o, int32_t n, int32_t *layers, const char *what);

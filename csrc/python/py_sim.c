@@ -17,13 +17,38 @@
 typedef struct {
     PyObject_HEAD
     gy_sim *sim;
-    gy_sim_roofline roofline;      /* the cost model's ctx: lives as long as the simulator */
-    gy_sim_cost_constant constant;
+    gy_sim_cost_store cost;        /* the cost model's ctx: lives as long as the simulator */
     int busy;
 } GySimulatorObject;
 
-int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *roof,
-                          gy_sim_cost_constant *cst, gy_sim_cost_ops *ops) {
+_Static_assert(GY_SIM_COST_LEVELS == GY_SIM_MAX_LEVELS,
+               "cost.h and policy.h count TP levels alike");
+
+/* A list of 1..GY_SIM_COST_LEVELS floats from params[name] into out; its length, or -1 with an
+ * exception. */
+static int gy_py_sim_levels(PyObject *params, const char *name, double *out) {
+    PyObject *v = PyDict_GetItemString(params, name);
+    if (v == NULL) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "cost parameters lack %s", name);
+        return -1;
+    }
+    if (!PyList_Check(v) || PyList_GET_SIZE(v) < 1 || PyList_GET_SIZE(v) > GY_SIM_COST_LEVELS) {
+        PyErr_Format(GY_PY_VALUE_ERROR, "cost parameter %s must be a list of 1 to %d floats",
+                     name, GY_SIM_COST_LEVELS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); i++) {
+        out[i] = PyFloat_AsDouble(PyList_GET_ITEM(v, i));
+        if (out[i] == -1.0 && PyErr_Occurred()) return -1;
+    }
+    return (int)PyList_GET_SIZE(v);
+}
+
+int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store *store,
+                          gy_sim_cost_ops *ops) {
+    gy_sim_roofline *roof = &store->roofline;
+    gy_sim_cost_constant *cst = &store->constant;
+    gy_sim_cost_profiled *prof = &store->profiled;
     if (!PyDict_Check(params)) {
         PyErr_SetString(GY_PY_TYPE_ERROR, "cost parameters must be a dict");
         return -1;
@@ -76,6 +101,36 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *r
         *ops = gy_sim_cost_roofline_ops(roof);
         return 0;
     }
+    if (strcmp(kind, "profiled") == 0) {
+        memset(prof, 0, sizeof *prof);
+        double *levels[] = {prof->base, prof->per_token, prof->per_sample, prof->per_kv_read,
+                            prof->per_pair};
+        static const char *names[] = {"base", "per_token", "per_sample", "per_kv_read",
+                                      "per_pair"};
+        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+            const int n = gy_py_sim_levels(params, names[k], levels[k]);
+            if (n < 0) return -1;
+            if (k > 0 && n != prof->n_levels) {
+                PyErr_Format(GY_PY_VALUE_ERROR, "cost parameter %s has %d TP levels, base %d",
+                             names[k], n, (int)prof->n_levels);
+                return -1;
+            }
+            prof->n_levels = n;
+        }
+        GY_PY_SIM_FIELD(&prof->transform_slowdown, "transform_slowdown", 0);
+        GY_PY_SIM_FIELD(&prof->kv_bytes_per_token, "kv_bytes_per_token", 0);
+        GY_PY_SIM_FIELD(&prof->ffn_bytes, "ffn_bytes", 0);
+        GY_PY_SIM_FIELD(&prof->n_layers, "n_layers", 1);
+        GY_PY_SIM_FIELD(&prof->xfer_bw, "xfer_bw", 0);
+        GY_PY_SIM_FIELD(&prof->phase_latency_per_layer, "phase_latency_per_layer", 0);
+        st = gy_sim_cost_profiled_check(prof);
+        if (st != GY_OK) {
+            gy_py_raise(st);
+            return -1;
+        }
+        *ops = gy_sim_cost_profiled_ops(prof);
+        return 0;
+    }
     if (strcmp(kind, "constant") == 0) {
         memset(cst, 0, sizeof *cst);
         GY_PY_SIM_FIELD(&cst->step_time, "step_time", 0);
@@ -90,7 +145,8 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_roofline *r
         return 0;
     }
 #undef GY_PY_SIM_FIELD
-    PyErr_Format(GY_PY_VALUE_ERROR, "unknown cost model kind %s (roofline, constant)", kind);
+    PyErr_Format(GY_PY_VALUE_ERROR, "unknown cost model kind %s (roofline, profiled, constant)",
+                 kind);
     return -1;
 }
 
@@ -306,8 +362,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         .kv_token_bytes = kv_token_bytes,
         .migrate_bw = migrate_bw,
     };
-    if (gy_py_sim_cost_params(cost_params, cost_kind, &self->roofline, &self->constant,
-                              &c.cost) < 0) {
+    if (gy_py_sim_cost_params(cost_params, cost_kind, &self->cost, &c.cost) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -474,10 +529,9 @@ static PyObject *gy_py_sim_prefill_rates(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "sOiL", &kind, &params, &max_tp, &chunk)) return NULL;
     if (gy_sim_level(max_tp) < 0)
         return PyErr_Format(GY_PY_VALUE_ERROR, "max_tp must be a power of two, got %d", max_tp);
-    gy_sim_roofline roof;
-    gy_sim_cost_constant cst;
+    gy_sim_cost_store store;
     gy_sim_cost_ops ops;
-    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    if (gy_py_sim_cost_params(params, kind, &store, &ops) < 0) return NULL;
     double rates[GY_SIM_MAX_LEVELS];
     const int levels = gy_sim_level(max_tp) + 1;
     const gy_status s = gy_sim_prefill_rates(&ops, levels, chunk, rates);

@@ -17,10 +17,9 @@ static PyObject *gy_py_sim_step_time(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "sOipLLLdd", &kind, &params, &tp, &transforming, &n_tokens,
                           &n_seqs, &n_samples, &kv_read, &pairs))
         return NULL;
-    gy_sim_roofline roof;
-    gy_sim_cost_constant cst;
+    gy_sim_cost_store store;
     gy_sim_cost_ops ops;
-    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    if (gy_py_sim_cost_params(params, kind, &store, &ops) < 0) return NULL;
     const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
                                  .kv_read_tokens = kv_read, .attn_pairs = pairs};
     return PyFloat_FromDouble(ops.step_time(ops.ctx, tp, transforming, &s));
@@ -36,10 +35,9 @@ static PyObject *gy_py_sim_phase_time(PyObject *module, PyObject *args) {
         return NULL;
     if (phase < 0 || phase >= GY_SIM_PHASE_KIND_COUNT)
         return PyErr_Format(GY_PY_VALUE_ERROR, "unknown phase kind %d", phase);
-    gy_sim_roofline roof;
-    gy_sim_cost_constant cst;
+    gy_sim_cost_store store;
     gy_sim_cost_ops ops;
-    if (gy_py_sim_cost_params(params, kind, &roof, &cst, &ops) < 0) return NULL;
+    if (gy_py_sim_cost_params(params, kind, &store, &ops) < 0) return NULL;
     const gy_sim_phase_shape p = {.kind = phase, .tp_from = tp_from, .tp_to = tp_to,
                                   .kv_tokens = kv_tokens};
     double bytes = 0;

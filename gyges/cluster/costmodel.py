@@ -36,7 +36,10 @@ weights and KV over the link), and finds the static splits the PipeLive paper co
 
 `CostModel.profiled(samples, ...)` fits the efficiency factors and the step overhead to measured
 (batch shape -> step time) samples by least squares on the same functional form, so that the
-simulator can be compared with a real engine. `ConstantCost` is for hand-checked tests.
+simulator can be compared with a real engine; gyges.cluster.profile.ProfiledCost measures a real
+Host over a grid of batch shapes instead and prices steps by what it measured (a step linear in
+its shape per TP, csrc/policy/cost.h's profiled backend). `ConstantCost` is for hand-checked
+tests.
 """
 
 from __future__ import annotations

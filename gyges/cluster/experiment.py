@@ -119,7 +119,9 @@ def capacities(host, max_tp=None) -> list[int]:
     while tp <= max_tp:
         weight_pages = ws.replicated_slots + ws.ffn_slots(ws.max_tp // tp)
         per_layer = (budget_pages - weight_pages) // c.num_hidden_layers
-        out.append(max(per_layer, 0) * (page // (block_bytes_tp1 // tp)))
+        # blocks pack across a layer's pages (kv_cache.c's gy_kv_blocks_for_pages): a block of
+        # SmolLM2's 3 KV heads is 24 KiB, 2.67 to a 64 KiB page
+        out.append(max(per_layer, 0) * page // (block_bytes_tp1 // tp))
         tp *= 2
     for inst in host.instances:
         level = int(math.log2(inst.tp))
@@ -860,7 +862,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     host's seconds and tokens, defaults gyges.cluster.DEFAULTS; merge_wait defaults to 1 s here
     (2 s in the simulator), since a real run lasts seconds; gyges' latency mode (light_load,
     idle_load) is off here unless given, since its defaults are GPU tokens. cost: the
-    gyges.costmodel CostModel (or ConstantCost) of this host, whose prefill rates per TP the
+    gyges.costmodel CostModel (or ConstantCost, or gyges.cluster.profile.ProfiledCost) of this
+    host, whose prefill rates per TP the
     policies compare placements by, as gyges.sim.run does with its cost (default: rates
     proportional to TP). slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
@@ -912,11 +915,12 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         sample_interval = max(0.1, span / 100)
     sample_interval = _check_number("sample_interval", sample_interval, 0.0, low_open=True)
 
-    if cost is not None:
-        from .costmodel import ConstantCost, CostModel
-        if not isinstance(cost, (CostModel, ConstantCost)):
-            raise ExperimentError(f"cost must be a gyges.costmodel.CostModel or ConstantCost, "
-                                  f"got {type(cost).__name__}")
+    # told apart by kind: gyges.cluster.profile measures hosts with this module, so it is not
+    # imported here
+    if cost is not None and getattr(cost, "kind", None) not in ("roofline", "profiled",
+                                                                 "constant"):
+        raise ExperimentError(f"cost must be a gyges.costmodel.CostModel, ConstantCost or a "
+                              f"ProfiledCost, got {type(cost).__name__}")
     if cluster is not None:   # hosts in processes of their own (gyges.distributed)
         replay = getattr(cluster, "replay_executor", None)
         if replay is None:

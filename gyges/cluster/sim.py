@@ -61,6 +61,7 @@ from .. import _C
 from ..runtime import layout as layout_mod
 from .policy import POLICIES, Policy, check_number, check_policy  # one set for both executors
 from .costmodel import ConstantCost, CostModel, CostModelError, PipelineCost
+from .profile import ProfiledCost
 from . import mechanisms
 from .costmodel import gpu_spec as costmodel_gpu
 from ..core.errors import InvalidArgumentError
@@ -139,8 +140,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         swap_bw: float | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
-    cost: a gyges.costmodel.CostModel or ConstantCost; default CostModel.create(model, gpu) (the
-    calibrated roofline). max_tp: the largest TP (default gpus_per_host). The scheduler of every
+    cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
+    (measured on a real host); default CostModel.create(model, gpu) (the calibrated roofline).
+    max_tp: the largest TP (default gpus_per_host). The scheduler of every
     instance gets block_size, max_batch_tokens, max_running, max_prefill_chunk and watermark (a
     fraction of its blocks). decode_weight: the policies' load is (pending prompt tokens +
     decode_weight * pending output tokens) / TP. scale_down_free: gyges splits a held instance
@@ -227,8 +229,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
             cost = CostModel.create(model, gpu)
         except CostModelError as e:
             raise SimError(str(e)) from None
-    elif not isinstance(cost, (CostModel, ConstantCost)):
-        raise SimError(f"cost must be a CostModel or ConstantCost, got {type(cost).__name__}")
+    elif not isinstance(cost, (CostModel, ProfiledCost, ConstantCost)):
+        raise SimError(f"cost must be a CostModel, ProfiledCost or ConstantCost, got "
+                       f"{type(cost).__name__}")
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
     max_input = cost.max_inputs(max_tp)
     # A large model may fit only from some TP on (Qwen2.5-32B on an H100: TP2): smaller
@@ -317,6 +320,8 @@ def _kv_args(cost, swap_bw=None, migrate_bw=0.0) -> dict:
         token = cost.kv_layer * cost.n_layers
     elif isinstance(cost, CostModel):
         token = float(cost.model.kv_bytes_per_token(cost.dtype_bytes, 1))
+    elif isinstance(cost, ProfiledCost):
+        token = cost.kv_bytes_per_token
     else:
         raise SimError("swap_bw prices KV bytes: give a CostModel or PipelineCost, not "
                        f"{type(cost).__name__}")

@@ -132,6 +132,40 @@ GYTEST(sim_cost_roofline_by_hand) {
     CHECK_STATUS(gy_sim_cost_constant_check(&c), GY_ERR_INVALID);
 }
 
+GYTEST(sim_cost_profiled_by_hand) {
+    gy_sim_cost_profiled p = {.n_levels = 2, .base = {1, 2}, .per_token = {0.5, 0.25},
+                              .per_sample = {0.1, 0.1}, .per_kv_read = {0.01, 0},
+                              .per_pair = {0.001, 0.002}, .transform_slowdown = 0.5,
+                              .kv_bytes_per_token = 8, .ffn_bytes = 600, .n_layers = 3,
+                              .xfer_bw = 2.5, .phase_latency_per_layer = 0.1};
+    CHECK_OK(gy_sim_cost_profiled_check(&p));
+    gy_sim_cost_ops ops = gy_sim_cost_profiled_ops(&p);
+    /* 4 tokens, 2 samples, 10 keys read, 20 pairs: TP1 1 + 2 + 0.2 + 0.1 + 0.02 = 3.32 */
+    gy_sim_step_shape s = {.n_tokens = 4, .n_seqs = 2, .n_samples = 2, .kv_read_tokens = 10,
+                           .attn_pairs = 20};
+    CHECK(fabs(ops.step_time(ops.ctx, 1, 0, &s) - 3.32) < 1e-12);
+    CHECK(fabs(ops.step_time(ops.ctx, 1, 1, &s) - 3.32 * 1.5) < 1e-12);
+    /* TP2: 2 + 1 + 0.2 + 0 + 0.04; TP4 is beyond the levels: priced as TP2 */
+    CHECK(fabs(ops.step_time(ops.ctx, 2, 0, &s) - 3.24) < 1e-12);
+    CHECK(ops.step_time(ops.ctx, 4, 0, &s) == ops.step_time(ops.ctx, 2, 0, &s));
+    gy_sim_step_shape none = {0};
+    CHECK(ops.step_time(ops.ctx, 1, 0, &none) == 0.0);
+    /* the roofline's phase bytes at xfer_bw, plus the latency of 3 layers */
+    double bytes = -1;
+    gy_sim_phase_shape ph = {.kind = GY_SIM_PHASE_KV_SCATTER, .tp_from = 1, .tp_to = 4,
+                             .kv_tokens = 100};
+    CHECK(fabs(ops.phase_time(ops.ctx, &ph, &bytes) - (150 / 2.5 + 0.3)) < 1e-12);
+    CHECK(bytes == 150);
+    p.per_pair[1] = -1e-3;
+    CHECK_STATUS(gy_sim_cost_profiled_check(&p), GY_ERR_INVALID);
+    p.per_pair[1] = 0;
+    p.n_levels = 9;
+    CHECK_STATUS(gy_sim_cost_profiled_check(&p), GY_ERR_INVALID);
+    p.n_levels = 2;
+    p.base[0] = p.per_token[0] = 0;   /* a step that costs nothing */
+    CHECK_STATUS(gy_sim_cost_profiled_check(&p), GY_ERR_INVALID);
+}
+
 /* ---- hand-built views ---- */
 
 #define MAXI 16
