@@ -123,7 +123,7 @@ def test_transformations_of_a_pipeline_are_refused_and_change_nothing(tiny):
 def test_the_engine_checks_a_plan_and_its_caches(tiny):
     w = [gyges.runtime.worker.Worker(tiny, memory="32MiB") for _ in range(2)]
     models, kvs = [[x.c_model] for x in w], [[x.kv._c] for x in w]
-    with pytest.raises(gyges.InvalidArgumentError, match=r"must cover the model's 4 layers"):
+    with pytest.raises(gyges.InvalidArgumentError, match=r"must cover layers \[0, 4\)"):
         gyges._C.Engine(models, kvs, [None, None], 64, 8, layers=[(0, 2), (3, 4)])
     w[1].join_stage(3, 4)
     with pytest.raises(gyges.InvalidArgumentError,
