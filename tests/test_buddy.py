@@ -258,10 +258,10 @@ def test_a_link_stalls_a_blocking_exchange_but_not_a_live_one(tiny):
 def test_an_exchange_that_does_not_fit_is_taken_back(tiny):
     """Long requests on both members fill their caches: the copies of each other's half do not
     fit even with the weights dropped; the buddy is refused and every page and layer is back."""
-    host = gyges.Host(tiny, workers=2, memory_per_worker="64MiB", layout="2xTP1",
+    host = gyges.Host(tiny, workers=2, memory_per_worker="36MiB", layout="2xTP1",
                       max_batch_tokens=16384)
     p = params(0.0, tokens=4)
-    reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(prompts(8, 2, 2400, 2600))]
+    reqs = [host.submit(q, p, instance=i % 2) for i, q in enumerate(prompts(8, 2, 900, 1000))]
     host.step()
     state = in_use(host), host.layout(), [sorted(host.worker(i).weights.held_layers) for i in range(2)]
     with pytest.raises(gyges.OutOfMemoryError):
@@ -270,7 +270,7 @@ def test_an_exchange_that_does_not_fit_is_taken_back(tiny):
         host.worker(i).kv.trim()
     assert (in_use(host), host.layout(),
             [sorted(host.worker(i).weights.held_layers) for i in range(2)]) == state
-    assert finish(host, reqs) == reference(tiny, prompts(8, 2, 2400, 2600), p)
+    assert finish(host, reqs) == reference(tiny, prompts(8, 2, 900, 1000), p)
 
 
 @pytest.mark.parametrize("seed, faults", [(0, False), (1, True)])

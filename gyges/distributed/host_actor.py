@@ -150,15 +150,20 @@ class HostActor:
         return r.id
 
     def _adopt(self, rid, r, epoch):
-        """Request `rid` is served here as r; an earlier placement of it here (a race between
-        two losses may place it twice) is aborted, so that one copy serves it."""
+        """Request `rid` is served here as r; of two placements of it here (a race between two
+        losses, or a loss and a migration's way back, may place it twice, in either order) the
+        older one is aborted, so that one copy serves it: the one the driver follows."""
         with self._cond:
             old = self._requests.get(rid)
-            self._requests[rid] = [r, 0, epoch]
-            self._changed.add(rid)
-            self._cond.notify_all()   # wakes the stepping thread
-        if old is not None and not old[0].finished:
-            self.host.abort(old[0])
+            if old is not None and old[2] > epoch:
+                stale = r   # (a newer placement came first: this one is already given up)
+            else:
+                stale = old[0] if old is not None else None
+                self._requests[rid] = [r, 0, epoch]
+                self._changed.add(rid)
+                self._cond.notify_all()   # wakes the stepping thread
+        if stale is not None and not stale.finished:
+            self.host.abort(stale)
 
     def updates(self, timeout):
         """[(rid, epoch, new tokens, finished, finish_reason, error, queued, scores)] of every
