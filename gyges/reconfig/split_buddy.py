@@ -31,6 +31,7 @@ from .. import _C
 from ..core.errors import BusyError, InvalidArgumentError, OutOfMemoryError
 from ..runtime import request_packet
 from ..runtime.request_packet import gather_layers, write_layers
+from .buddy import _new_seq
 
 
 def _member(host, index):
@@ -100,13 +101,6 @@ class _Side:
     def __repr__(self):
         return (f"{type(self).__name__}(worker {self.member.workers[0]}, split {self.split}, "
                 f"{'done' if self.done else 'formed'})")
-
-
-def _new_seq(cache, n):
-    request_packet._make_room(cache, -(-n // cache.block_size))
-    seq = cache.new_sequence()
-    cache.reserve(seq, n)
-    return seq
 
 
 class Lead(_Side):
