@@ -151,8 +151,16 @@ def test_pipelive_resplits_the_same_on_both_executors():
                         dtype_bytes=4, mem_util=1.0, activation_fraction=0.0, step_overhead=0.0)
     trace = traces.pattern_shifting(2.0, phase=6.0, duration=18.0, seed=1,
                                     patterns=((256, 8), (64, 256)))
-    real = experiment.run(trace, policy="pipelive", pipeline_cost=cost)
     simulated = sim.run(trace, policy="pipelive", layout="PP[4,4]", cost=cost)
+    longest = float(np.max(simulated.transformations["end"] - simulated.transformations["start"]))
+    for attempt in range(2):
+        real = experiment.run(trace, policy="pipelive", pipeline_cost=cost)
+        took = real.transformations["end"] - real.transformations["start"]
+        # a re-split here takes about a tenth of the simulator's; one that took seconds of
+        # the host's clock means this machine stalled under it (CI once saw a 5 s one, and
+        # the policy then saw another load): the comparison is run once more
+        if not (took > 2 * longest).any():
+            break
     assert real.summary()["completed"] == len(trace)
     ours, theirs = real.transformations, simulated.transformations
     assert len(ours) >= 2 and (ours["kind"] == 6).all()

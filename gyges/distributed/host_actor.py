@@ -53,7 +53,8 @@ class HostActor:
     def __init__(self, source, host_options):
         self.host = Host(Model.from_source(source), **host_options)
         self._cond = threading.Condition()
-        self._requests = {}     # rid -> [gyges.Request, tokens already sent]
+        self._requests = {}     # rid -> [gyges.Request, tokens already sent, epoch]
+        self._held = {}         # rid -> its gyges.Request a live migration's last round stopped
         self._changed = set()   # rids with tokens or an end not yet sent
         self._reconfigs = {}    # id -> Reconfiguration (kept while the host lives)
         self._next_reconfig = 0
@@ -162,7 +163,15 @@ class HostActor:
                 self._requests[rid] = [r, 0, epoch]
                 self._changed.add(rid)
                 self._cond.notify_all()   # wakes the stepping thread
-        if stale is not None and not stale.finished:
+        if stale is None or stale.finished:
+            return
+        with self._cond:
+            held = self._held.get(rid) is stale
+            if held:
+                del self._held[rid]
+        if held:   # a live migration's stopped copy (its destination lost): its KV freed
+            self.host.settle_export(stale, True)
+        else:
             self.host.abort(stale)
 
     def updates(self, timeout):
@@ -246,6 +255,9 @@ class HostActor:
             if entry[0].finished:   # it ended between the two lines above
                 return None, {"finished": True}
             raise
+        if then == "hold":
+            with self._cond:
+                self._held[rid] = entry[0]
         return packet, self._round_info(packet)
 
     def migrate_round(self, rid, start):
@@ -260,17 +272,23 @@ class HostActor:
 
     def migrate_settle(self, rid, arrived, epoch=0):
         """After migrate_stop: arrived, this host forgets the request and frees its KV; else it
-        serves it again as it was (placement `epoch`, its tokens sent again from the first)."""
+        serves it again as it was (placement `epoch`, its tokens sent again from the first).
+        Where the destination's loss has placed the request here anew meanwhile (submit), that
+        placement serves it and the stopped copy's KV is freed."""
         with self._cond:
+            held = self._held.pop(rid, None)
             entry = self._requests.get(rid)
-        if entry is None or not self.host.settle_export(entry[0], arrived):
+            superseded = entry is None or entry[0] is not held
+        if held is None or not self.host.settle_export(held, arrived or superseded):
             return False
+        if superseded:
+            return True
         with self._cond:
             if arrived:
                 del self._requests[rid]
                 self._changed.discard(rid)
             else:
-                self._requests[rid] = [entry[0], 0, epoch]
+                self._requests[rid] = [held, 0, epoch]
                 self._changed.add(rid)
                 self._cond.notify_all()   # wakes the stepping thread
         return True
