@@ -589,7 +589,7 @@ def snapshot(target, physical=True):
              # what each worker holds of the model and which TP rank it is
              "weights": [(sorted(w.weights.held), sorted(w.weights.held_layers),
                           w.weights.has_embed, w.weights.has_head, w.tp_size, w.tp_rank,
-                          w.layers) for w in workers]}
+                          w.layers, sorted(w.weights.held_experts or ())) for w in workers]}
     for owner, ranks in parts:
         for rid, r in owner.requests.items():
             ex = owner.export(rid)
@@ -640,10 +640,10 @@ class _Workload:
     """Eight requests (greedy and seeded sampling) on a 4-worker host, their tokens served by a
     plain engine, and what each worker of an idle host of a layout holds."""
 
-    def __init__(self, model, memory):
+    def __init__(self, model, memory, **host_options):
         from .runtime.engine import Engine, SamplingParams
 
-        self.model, self.memory = model, memory
+        self.model, self.memory, self.options = model, memory, host_options
         rng = np.random.default_rng(0)
         vocab = model.config.vocab_size
         self.prompts = [rng.integers(0, vocab, size=int(rng.integers(3, 40))).tolist()
@@ -660,7 +660,8 @@ class _Workload:
     def host(self, layout, steps=2):
         from .runtime.host import Host
 
-        host = Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout)
+        host = Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout,
+                    **self.options)
         reqs = [host.submit(p, q) for p, q in zip(self.prompts, self.params)]
         for _ in range(steps):
             host.step()
@@ -670,7 +671,8 @@ class _Workload:
         if layout not in self._fresh:
             from .runtime.host import Host
 
-            with Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout) as h:
+            with Host(self.model, workers=4, memory_per_worker=self.memory, layout=layout,
+                      **self.options) as h:
                 self._fresh[layout] = [h.worker(w).arena.stats()["bytes_in_use"] for w in range(4)]
         return self._fresh[layout]
 
@@ -695,7 +697,7 @@ def _transform_to_the_end(host, kwargs):
     return t
 
 
-def sweep_transformation(model, kind, site, most=None, memory="48MiB"):
+def sweep_transformation(model, kind, site, most=None, memory="48MiB", **host_options):
     """Fails the n-th `site` event of a transformation of `kind` (TRANSFORMS), for every n it
     has (or `most` of them), each on a fresh host serving eight requests. Returns the counts:
     events, runs; how each ended: refused (before its first change), rolled_back (after it:
@@ -704,12 +706,13 @@ def sweep_transformation(model, kind, site, most=None, memory="48MiB"):
     two steps that left the host other than before (changed: its layout, pages by slot,
     requests' records, block tables, tokens), runs ending in a layout neither the start nor the
     target (wrong_layout), lost requests, token mismatches against a plain engine, and runs
-    leaving pages behind (leaked_pages)."""
+    leaving pages behind (leaked_pages). host_options: the hosts' other arguments
+    (expert_parallel=True)."""
     from .core.errors import Error
     from .reconfig import RecoveryWarning, ReconfigurationWarning
 
     start, kwargs, target = TRANSFORMS[kind]
-    load = _Workload(model, memory)
+    load = _Workload(model, memory, **host_options)
     host, _ = load.host(start)
     events, _ = count(site, lambda: _transform_to_the_end(host, kwargs))
     host.close()

@@ -3,6 +3,8 @@ engine, against the float64 reference (tests/reference_model.py), from random ch
 tests write. Tolerance policy as test_engine.py's: logits within 1e-4 of the largest reference
 logit (fp32 accumulation); tokens, and the bit-exactness promised across KV layouts, batch
 compositions and TP degrees, compared exactly."""
+import dataclasses
+
 import numpy as np
 import pytest
 from gguf_writer import write_gguf
@@ -10,6 +12,7 @@ from reference_model import ReferenceModel
 from worker_logits import paged_logits
 
 import gyges
+from gyges import testing
 from gyges.models.config import ConfigError, ModelConfig
 from gyges.runtime.worker import Worker
 
@@ -197,8 +200,8 @@ def test_expert_parallelism_gives_tp1_s_tokens_and_logprobs_to_the_bit(checkpoin
         # half the memory of TP1's experts, give or take the uneven split
         assert worker.arena.stats()["bytes_in_use"] < tp1.worker(rank).arena.stats()["bytes_in_use"]
     assert [(r.output_tokens, r.logprobs) for r in host.generate(ps, params)] == want
-    with pytest.raises(gyges.InvalidArgumentError, match="expert-parallel host does not"):
-        host.transform((0, 1), 1)
+    with pytest.raises(gyges.InvalidArgumentError, match="layer-staggered only"):
+        host.transform((0, 1), 1)   # at once: only the staggered executors move experts
     tp1.close()
     host.close()
     with pytest.raises(gyges.InvalidArgumentError, match="mixture-of-experts model"):
@@ -225,3 +228,76 @@ def test_unpadded_experts_give_the_padded_bits_at_tp1_and_tp2(checkpoints):
         got.append([r.output_tokens for r in host.generate(ps, params)])
         host.close()
     assert got[1] == got[0] and got[2] == got[0]
+
+
+# ---- live expert-parallel transformation (AMOEBAs: 4x(TP1EP1) -> TP4EP4 and back) ----
+
+def four_way(family):
+    """A random model of `family` with 4 KV heads (so TP4 divides them)."""
+    return gyges.Model.random(dataclasses.replace(CONFIGS[family], num_key_value_heads=4),
+                              seed=11)
+
+
+def weight_bytes(host):
+    return [host.worker(w).arena.stats()["bytes_by_tag"]["weights"] for w in range(4)]
+
+
+@pytest.mark.parametrize("family, dtype, params", [
+    ("mixtral", "f32", dict(temperature=0.0)),
+    ("qwen2_moe", "bf16", dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2)),
+    ("qwen3_moe", "f32", dict(temperature=0.7, seed=5))])
+def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, params):
+    """4x(TP1EP1) -> TP4EP4 -> 4x(TP1EP1) layer-staggered while eight requests decode: each
+    worker of the merge keeps its block of experts whole and its dense shards, dropping the rest
+    layer by layer (no weight byte copied; its weights are then a TP4EP4 host's to the byte), and
+    the split gets the other experts back from the ranks that hold them. Every request's tokens
+    (and logprobs) equal a 4xTP1 host's that never transformed, and each worker ends holding
+    what a fresh host's does."""
+    model = four_way(family)
+    params = gyges.SamplingParams(max_tokens=20, ignore_eos=True, **params)
+    ps = prompts(8, seed=3)
+    kw = dict(workers=4, memory_per_worker="32MiB", weight_dtype=dtype)
+    with gyges.Host(model, layout="4xTP1", **kw) as plain:
+        want = [(r.output_tokens, r.logprobs) for r in plain.generate(ps, params)]
+    fresh = {}
+    for layout in ("4xTP1", "TP4"):
+        with gyges.Host(model, layout=layout, expert_parallel=True, **kw) as h:
+            fresh[layout] = weight_bytes(h)
+    host = gyges.Host(model, layout="4xTP1", expert_parallel=True, **kw)
+    reqs = [host.submit(p, params) for p in ps]
+    host.step()
+    n = model.config.num_experts
+    merge = host.transform((0, 1, 2, 3), 4, layers_per_step=1)
+    while not merge.done:
+        host.step()
+    assert merge.committed and host.layout() == "TP4"
+    assert sum(merge.stats["weight_bytes_copied"].values()) == 0
+    assert [host.worker(w).weights.held_experts for w in range(4)] == [
+        set(range(r * n // 4, (r + 1) * n // 4)) for r in range(4)]
+    assert weight_bytes(host) == fresh["TP4"]
+    host.step()
+    split = host.transform((0, 1, 2, 3), 1, layers_per_step=1)
+    while not split.done:
+        host.step()
+    assert split.committed and host.layout() == "4xTP1"
+    assert all(host.worker(w).weights.held_experts == set(range(n)) for w in range(4))
+    assert weight_bytes(host) == fresh["4xTP1"]
+    host.run()
+    assert [(r.output_tokens, r.logprobs) for r in reqs] == want
+    host.close()
+
+
+@pytest.mark.parametrize("site", list(testing.SITES))
+@pytest.mark.parametrize("kind", ["merge, staggered", "split, staggered"])
+def test_a_fault_in_a_live_expert_parallel_transformation_loses_nothing(kind, site):
+    """gyges.testing's fault sweep on an expert-parallel host (4xTP1 -> TP4EP4; 2xTP2EP2, one
+    split to TP1): refused with nothing changed, rolled back (each layer's experts as they were,
+    the dropped ones refilled from the host copy), or done; every request with the tokens it
+    has alone, no page left behind."""
+    r = testing.sweep_transformation(four_way("qwen2_moe"), kind, site, most=6, memory="32MiB",
+                                     expert_parallel=True)
+    if r["events"] == 0:
+        pytest.skip(f"{kind} has no {site} event")
+    assert r["runs"] == r["refused"] + r["rolled_back"] + r["done"] > 0, r
+    assert (r["changed"], r["wrong_layout"], r["lost"], r["mismatches"], r["leaked_pages"]) == \
+           (0, 0, 0, 0, 0), r

@@ -49,6 +49,9 @@ def transformation(host, workers, tp, method="gyges", layers_per_step=None,
                              f"workers from a multiple of k, k a TP degree of the model: "
                              f"{', '.join(map(str, host.tp_degrees))})")
     staggered = layers_per_step is not None and method != "stop_world"
+    if host.expert_parallel and k > host.model.config.num_experts:
+        raise TransformError(f"TP{k} with expert parallelism leaves a rank none of the "
+                             f"{host.model.config.num_experts} experts")
     if tp == k:
         if staggered:
             return StaggeredScaleUp(host, first, k, method, layers_per_step, overlap)

@@ -72,6 +72,7 @@ class Reconfiguration:
     max_retries = 0     # advances that may fail and be tried again (each must change nothing)
     max_steps = 1 << 20  # a live one that has not committed after this many advances rolls back
     advance_after_step = False  # also advanced right after each host step (what only waits)
+    moves_experts = False       # can change the experts an expert-parallel worker holds whole
 
     def __init__(self, host, workers):
         self.host = weakref.proxy(host)

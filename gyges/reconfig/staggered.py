@@ -65,6 +65,7 @@ class _Staggered(Transform):
     only starts the reading, so the transformation takes one step more."""
 
     live = True
+    moves_experts = True
     _background_weights = False  # can _layer_weights run after the boundary has passed?
     overlap = False
     _background = None
@@ -284,7 +285,7 @@ class StaggeredScaleUp(_Staggered):
             self.old_models[w], self.old_kvs[w] = worker.c_model, worker.kv
             self.new_kvs[w] = worker.kv.shadow(self.h_new)
             worker.install(kv=self.new_kvs[w],
-                           c_model=worker.model_for_shards(worker.owned_shards(k, self.new_rank[w])))
+                           c_model=worker.model_for_rank(k, self.new_rank[w]))
         if host.kv_layout == "header":
             # Worker (j, r) keeps heads run j of its old heads (plans.MergePlan). In the header
             # layout that run of old block X is the shadow's block m*X + j, so a sequence made
@@ -365,9 +366,11 @@ class StaggeredScaleUp(_Staggered):
             kv.unshare()
 
     def _weights_out(self, layer):
-        for w in self.workers:  # this layer's FFN shards of other ranks go back to the budget
+        for w in self.workers:  # this layer's FFN shards (and experts) of other ranks go back
             worker = self.host.worker(w)
-            worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, self.new_rank[w]))
+            rank = self.new_rank[w]
+            worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, rank))
+            worker.weights.drop_layer_experts(layer, worker.owned_experts(self.to_tp, rank))
 
     def _table(self):
         return self.merged.transition_table()
@@ -409,6 +412,7 @@ class StaggeredScaleUp(_Staggered):
         for w in self.workers:
             worker = host.worker(w)
             worker.weights.finish_layer_drops(worker.owned_shards(self.to_tp, self.new_rank[w]))
+            worker.weights.finish_layer_experts(worker.owned_experts(self.to_tp, self.new_rank[w]))
             worker.install(tp=(self.to_tp, self.new_rank[w]))
 
     def _finish(self):
@@ -484,7 +488,7 @@ class StaggeredScaleDown(_Staggered):
         for (j, r), w in plan.new_ranks:
             worker = host.worker(w)
             self.new_kvs[w] = worker.kv.shadow(self.h_new)
-            self.new_model[w] = worker.model_for_shards(worker.owned_shards(tp, r), pending=True)
+            self.new_model[w] = worker.model_for_rank(tp, r, pending=True)
         rank_of = {w: i for i, w in enumerate(self.rank_worker)}
         self.group_ranks = [[rank_of[w] for w in plan.instance_workers(j)] for j in range(self.m)]
         groups = [(ranks, host.comm(self.first + j * tp, tp) if tp > 1 else None)
@@ -519,24 +523,31 @@ class StaggeredScaleDown(_Staggered):
         self.inst.abort_transition()
 
     def _weights_in(self, layer):
-        """The FFN shards this layer's new ranks need, from a peer on the same device or the
-        host copy (all or nothing per shard), before its KV moves (arenas copy within one
-        device only: workers on separate GPUs restore from the host copy)."""
-        holders = {}  # (device, shard) -> a worker of the group holding it there
+        """The FFN shards (and, expert-parallel, the experts) this layer's new ranks need, from
+        a peer on the same device or the host copy (all or nothing per shard or expert), before
+        its KV moves (arenas copy within one device only: workers on separate GPUs restore
+        from the host copy)."""
+        holders = {}  # (device, shard or ("expert", e)) -> a worker of the group holding it
         for w in self.workers:
-            worker = self.host.worker(w)
-            for shard in worker.weights.held:
-                holders.setdefault((worker.arena.device, shard), w)
+            weights = self.host.worker(w).weights
+            for unit in [*weights.held, *(("expert", e) for e in weights.held_experts or ())]:
+                holders.setdefault((weights.arena.device, unit), w)
 
-        def source(device):
+        def source(device, kind=None):
             if self.weights_from != "peers":
                 return None
-            return lambda shard: (self.host.worker(holders[device, shard]).weights
-                                  if (device, shard) in holders else None)
+
+            def peer(unit):
+                key = (device, unit if kind is None else (kind, unit))
+                return self.host.worker(holders[key]).weights if key in holders else None
+            return peer
         for (j, r), w in self.plan.new_ranks:
             worker = self.host.worker(w)
+            device = worker.arena.device
             copied = worker.weights.restore_layer_shards(layer, worker.owned_shards(self.to_tp, r),
-                                                         source(worker.arena.device))
+                                                         source(device))
+            copied += worker.weights.restore_layer_experts(
+                layer, worker.owned_experts(self.to_tp, r) or (), source(device, "expert"))
             self.stats["weight_bytes_copied"][w] += copied
             self.stats["weight_bytes_moved"] += copied
             self.stats["bytes_moved"] += copied
@@ -589,6 +600,7 @@ class StaggeredScaleDown(_Staggered):
         for (j, r), w in self.plan.new_ranks:
             worker = host.worker(w)
             worker.weights.finish_layer_restores(worker.owned_shards(tp, r))
+            worker.weights.finish_layer_experts(worker.owned_experts(tp, r))
             worker.install(kv=self.new_kvs[w], c_model=self.new_model[w], tp=(tp, r))
         rank_of = {w: i for i, w in enumerate(self.rank_worker)}
         by_id = {req.id: req for req in self.moved}

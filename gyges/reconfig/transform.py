@@ -178,9 +178,10 @@ def reserve_growing(kv, seq, n_tokens, page_size):
 
 
 def shards_to_restore(worker, tp, rank):
-    """Slots the worker must map to hold its new rank's FFN shards."""
+    """Slots the worker must map to hold its new rank's FFN shards (and experts)."""
     missing = worker.owned_shards(tp, rank) - worker.weights.held
-    return worker.weights.ffn_slots(len(missing))
+    return (worker.weights.ffn_slots(len(missing))
+            + worker.weights.expert_slots_to_restore(worker.owned_experts(tp, rank) or ()))
 
 
 def trim_kv(host, workers):

@@ -38,7 +38,10 @@ expert_parallel=True (a mixture-of-experts model, CPU workers): each TPk group p
 experts over its k workers (EPk: rank r holds experts [r*E/k, (r+1)*E/k) whole, every shard)
 while attention, dense layers and a shared expert stay TP-sharded; the experts' outputs are
 exchanged by the group's all-reduce and combined in TP1's order, so the tokens are TP1's to the
-bit. Such a host does not reconfigure yet (every verb is refused).
+bit. Such a host changes TP live, layer-staggered (transform with layers_per_step: AMOEBAs'
+4x(TP1EP1) -> TP4EP4): a merge keeps each new rank's block of experts whole and its dense shards
+and drops the rest layer by layer (nothing copied), a split maps the other experts again from the
+ranks that hold them; every other reconfiguration is refused.
 """
 import logging
 import operator
@@ -432,9 +435,10 @@ class Host(Serving):
                 raise BusyError(f"{other!r} is under way on workers "
                                 f"{sorted(other.claims() & r.claims())}; wait until it is done "
                                 f"(r.done) before {r.kind}")
-            if self.expert_parallel:
-                raise InvalidArgumentError(f"{r.kind}: an expert-parallel host does not "
-                                           f"reconfigure yet (its experts are not moved)")
+            if self.expert_parallel and not r.moves_experts:
+                raise InvalidArgumentError(f"{r.kind}: an expert-parallel host changes TP "
+                                           f"layer-staggered only (host.transform with "
+                                           f"layers_per_step): this one moves no experts")
             before = self.layout()
             self.reconfigurations_started += 1
             try:

@@ -243,9 +243,11 @@ class ModelWeights:
             self.ffn.append(layer)
         self.end_slot = slot
         self.held = set(range(max_tp))  # FFN shards whose pages this worker still has
-        # Expert parallelism (drop_experts): the experts held whole, every shard of each; None
-        # while experts are TP-sharded like the dense FFN (each held expert's `held` shards).
+        # Expert parallelism (hold_experts_whole): the experts held whole, every shard of each;
+        # None while experts are TP-sharded like the dense FFN (each held expert's `held` shards).
         self.held_experts = None
+        self._expert_layers = {}        # layer -> experts it holds, where a staggered change
+                                        # has made that differ from held_experts
         self.held_layers = set(range(config.num_hidden_layers))
         self.has_embed = self.has_head = True
         self._dropped = set()           # (layer, shard) released by a staggered transformation
@@ -296,27 +298,81 @@ class ModelWeights:
             return self.kinds(layer)
         return [k for k in self.kinds(layer) if not (k[0] == "e" and k[1].isdigit())]
 
+    def hold_experts_whole(self):
+        """Expert parallelism from here on: each expert is held whole (every shard, one run of
+        pages: expert_slots) or not at all, by drop_experts / restore_layer_experts, while the
+        dense FFN and the shared expert stay sharded by `held`. On padded weights that hold
+        every shard."""
+        if not self.pad or self.held != set(range(self.max_tp)):
+            raise InvalidArgumentError("experts are held whole by padded weights that hold every "
+                                       "shard")
+        self.held_experts = set(range(self.config.num_experts))
+
+    def experts_present(self, layer):
+        """The experts layer `layer` holds whole now (a staggered change drops and restores them
+        a layer at a time before held_experts says so)."""
+        return set(self._expert_layers.get(layer, self.held_experts))
+
+    def drop_layer_experts(self, layer, keep):
+        """Unmaps the experts of MoE layer `layer` not in `keep`, each whole; held_experts
+        changes once every layer is done (finish_layer_experts). Returns the bytes given back."""
+        if self.held_experts is None or not self.config.is_sparse_layer(layer):
+            return 0
+        freed = 0
+        for e in sorted(self.experts_present(layer) - set(keep)):
+            slots = self.expert_slots(layer, e)
+            self.arena.shrink(slots.start, len(slots))
+            self._expert_layers[layer] = self.experts_present(layer) - {e}
+            freed += len(slots) * self.page_size
+        return freed
+
+    def restore_layer_experts(self, layer, experts, source=None):
+        """Maps and fills the experts of MoE layer `layer` in `experts` it lacks, each whole or
+        not at all: copied from source(expert), the ModelWeights of a peer holding it there
+        (same placement, same offsets), or from the host copy. Returns the bytes copied."""
+        if self.held_experts is None or not self.config.is_sparse_layer(layer):
+            return 0
+        copied = 0
+        for e in sorted(set(experts) - self.experts_present(layer)):
+            peer = source(e) if source is not None else None
+            if peer is not None and e not in peer.experts_present(layer):
+                raise InvalidArgumentError(f"the peer does not hold expert {e} of layer {layer}")
+            slots = self.expert_slots(layer, e)
+            copied += self._map_and_fill([(slots.start, len(slots))], lambda: sum(
+                self._fill_shard(layer, f"e{e}.{kind}", s, peer)
+                for kind in FFN_KINDS for s in range(self.max_tp)))
+            self._expert_layers[layer] = self.experts_present(layer) | {e}
+        return copied
+
+    def finish_layer_experts(self, experts):
+        """Every layer holds `experts` now: held_experts says so."""
+        if self.held_experts is not None:
+            self.held_experts = set(experts)
+            self._expert_layers.clear()
+
     def drop_experts(self, keep):
-        """Expert parallelism: unmaps every MoE layer's experts not in `keep`, whole (each is one
-        run of pages: expert_slots), and holds the kept ones with every shard from now on, while
-        the dense FFN and the shared expert stay sharded by drop_shards. Once, on weights that
-        hold every shard and layer. Returns the bytes given back."""
-        if not self.pad or self.held_experts is not None or self.held != set(range(self.max_tp)):
-            raise InvalidArgumentError("experts are dropped whole once, from padded weights that "
-                                       "hold every shard")
-        keep = set(keep)
-        before = self.arena.stats()["bytes_in_use"]
-        for layer in sorted(self.held_layers):
-            if self.config.is_sparse_layer(layer):
-                for e in sorted(set(range(self.config.num_experts)) - keep):
-                    slots = self.expert_slots(layer, e)
-                    self.arena.shrink(slots.start, len(slots))
-        self.held_experts = keep
-        return before - self.arena.stats()["bytes_in_use"]
+        """Unmaps every MoE layer's experts not in `keep`, whole (a worker joining an expert-
+        parallel TP group keeps its own). Returns the bytes given back."""
+        if self.held_experts is None:
+            raise InvalidArgumentError("experts are dropped whole only by weights that hold them "
+                                       "whole (hold_experts_whole)")
+        freed = sum(self.drop_layer_experts(layer, keep) for layer in sorted(self.held_layers))
+        self.finish_layer_experts(set(keep) & self.held_experts)
+        return freed
+
+    def expert_slots_to_restore(self, experts):
+        """Slots every held MoE layer must map to hold `experts` whole."""
+        if self.held_experts is None:
+            return 0
+        return sum(len(self.expert_slots(layer, e)) for layer in sorted(self.held_layers)
+                   if self.config.is_sparse_layer(layer)
+                   for e in set(experts) - self.experts_present(layer))
 
     def ffn_slots(self, shards):
-        """The slots every layer's FFN matrices map holding `shards` of their shards."""
-        return sum(m.slots_holding(shards, self.page_size) for _, m in self._matrix.values())
+        """The slots every layer's FFN matrices map holding `shards` of their shards (the
+        experts' not counted where they are held whole)."""
+        return sum(self._matrix[(layer, kind)][1].slots_holding(shards, self.page_size)
+                   for layer in range(len(self.ffn)) for kind in self._sharded_kinds(layer))
 
     def expert_slots(self, layer, expert):
         """The slots of expert `expert` of an MoE layer: its gate, up and down, one run of pages
@@ -344,8 +400,9 @@ class ModelWeights:
         """The bytes drop_shards (padded) or partial_swap (unpadded) would give back."""
         keep = set(keep) & self.held
         if self.pad:
-            return sum(len(self.held - keep) * m.shard_slots for (layer, _), (_, m)
-                       in self._matrix.items() if layer in self.held_layers) * self.page_size
+            return sum(len(self.held - keep) * self._matrix[(layer, kind)][1].shard_slots
+                       for layer in sorted(self.held_layers)
+                       for kind in self._sharded_kinds(layer)) * self.page_size
         return sum(max(mapped - self._matrix[key][1].slots_holding(len(keep), self.page_size), 0)
                    for key, (_, mapped) in self.ffn_pages.items()) * self.page_size
 
@@ -405,11 +462,12 @@ class ModelWeights:
             if (layer, shard) in self._restored:
                 continue
             peer = source(shard) if source is not None else None
+            kinds = self._sharded_kinds(layer)
             runs = [(slots.start, len(slots)) for slots in
-                    (self.shard_slots_of(layer, kind, shard) for kind in self.kinds(layer))]
+                    (self.shard_slots_of(layer, kind, shard) for kind in kinds)]
             # a shard comes back whole or not at all, so a failed step can be retried
             copied += self._map_and_fill(runs, lambda: sum(
-                self._fill_shard(layer, kind, shard, peer) for kind in self.kinds(layer)))
+                self._fill_shard(layer, kind, shard, peer) for kind in kinds))
             self._restored.add((layer, shard))
         return copied
 
@@ -563,6 +621,9 @@ class ModelWeights:
         where each shard sits)."""
         return {"layers": {layer: self._present(layer) for layer in self.held_layers},
                 "held": set(self.held), "embed": self.has_embed, "head": self.has_head,
+                "experts": None if self.held_experts is None else {
+                    layer: self.experts_present(layer) for layer in self.held_layers},
+                "held_experts": None if self.held_experts is None else set(self.held_experts),
                 "packed": None if self.pad else ([{k: list(v) for k, v in layer.items()}
                                                   for layer in self.ffn], dict(self.ffn_pages))}
 
@@ -585,20 +646,28 @@ class ModelWeights:
                 self._dropped.update((layer, s) for s in self.held)  # none of its shards yet
                 self._restored.difference_update((layer, s) for s in range(self.max_tp))
                 have = set()
+            kinds = self._sharded_kinds(layer)
             for shard in sorted(have - want[layer]):
-                for kind in self.kinds(layer):
+                for kind in kinds:
                     r = self.shard_slots_of(layer, kind, shard)
                     self.arena.shrink(r.start, len(r))
             for shard in sorted(want[layer] - have):
                 runs = [(r.start, len(r)) for r in
-                        (self.shard_slots_of(layer, kind, shard) for kind in self.kinds(layer))]
+                        (self.shard_slots_of(layer, kind, shard) for kind in kinds)]
                 self._map_and_fill(runs, lambda: sum(self._fill_shard(layer, kind, shard, None)
-                                                     for kind in self.kinds(layer)))
+                                                     for kind in kinds))
+            if cp["experts"] is not None:   # experts held whole: each layer's as they were
+                self.drop_layer_experts(layer, cp["experts"][layer])
+                self.restore_layer_experts(layer, cp["experts"][layer])
             # the layer holds want[layer] now; record it against `held` once every layer is done
             for shard in range(self.max_tp):
                 self._dropped.discard((layer, shard))
                 self._restored.discard((layer, shard))
         self.held = set(cp["held"])
+        if cp["experts"] is not None:
+            self.held_experts = set(cp["held_experts"])
+            self._expert_layers = {layer: e for layer, e in cp["experts"].items()
+                                   if e != self.held_experts}
         self._dropped = {(layer, s) for layer, shards in want.items()
                          for s in self.held - shards}
         self._restored = {(layer, s) for layer, shards in want.items()
@@ -609,9 +678,10 @@ class ModelWeights:
         first, n = self.runs[layer]
         self.arena.shrink(first, n)
         for shard in sorted(self._present(layer)):
-            for kind in self.kinds(layer):
+            for kind in self._sharded_kinds(layer):
                 r = self.shard_slots_of(layer, kind, shard)
                 self.arena.shrink(r.start, len(r))
+        self.drop_layer_experts(layer, ())
         self.held_layers.discard(layer)
 
     def _unpack(self, cp):
@@ -628,12 +698,14 @@ class ModelWeights:
                 self._fill_shard(layer, kind, shard, None)
         self.held = set(cp["held"])
 
-    def c_offsets(self, shards=None, pending=False, layers=None):
+    def c_offsets(self, shards=None, pending=False, layers=None, experts=None):
         """The int64 offsets array gyges._C.Model takes (-1 for absent tensors); `shards` limits
         the FFN shards given to a subset of those held (default: all held). pending=True gives
         the offsets of shards not held yet too (a staggered scale-down maps them layer by layer,
-        before the model uses them). `layers` (a set) limits the layers given to those of the ones
-        held (a model of part of what a worker holds)."""
+        before the model uses them), and of `experts` (those held whole by the model, default
+        held_experts) not held yet. `layers` (a set) limits the layers given to those of the
+        ones held (a model of part of what a worker holds)."""
+        experts = self.held_experts if experts is None else set(experts)
         shards = self.held if shards is None else (set(shards) if pending else set(shards) & self.held)
         cfg = self.config
         per_ffn = 3 * self.max_tp
@@ -661,9 +733,9 @@ class ModelWeights:
                 units[0] = "shared"
             for unit in units:
                 # experts held whole (expert parallelism) give every shard, the others none
-                whole = unit not in (None, "shared") and self.held_experts is not None
+                whole = unit not in (None, "shared") and experts is not None
                 mine = shards if not whole else (
-                    range(self.max_tp) if int(unit[1:]) in self.held_experts else ())
+                    range(self.max_tp) if int(unit[1:]) in experts else ())
                 for kind in FFN_KINDS:
                     key = kind if unit is None else f"{unit}.{kind}"
                     out += [self.shard_offset(i, key, s) if key in self.ffn[i] and s in mine

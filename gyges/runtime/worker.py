@@ -164,6 +164,8 @@ class Worker:
         self.rope_inv_freq, self.rope_mscale = rope_frequencies(config)
         self.weights = ModelWeights(self.arena, config, model.tensors, dtype=weight_dtype,
                                     max_tp=max_tp, pad=pad_ffn)
+        if expert_parallel:
+            self.weights.hold_experts_whole()
         self.weights_bytes = self.arena.stats()["bytes_in_use"]
         self.max_pos = (config.max_position_embeddings if max_pos is None else
                         checks.integer("max_pos", max_pos, lo=1, hi=INT32_MAX))
@@ -201,7 +203,7 @@ class Worker:
                        slots_per_layer=per_run, dtype=self.kv_dtype, first_layer=self.layers[0],
                        stack=k)
 
-    def _new_c_model(self, shards=None, pending=False, layers=None):
+    def _new_c_model(self, shards=None, pending=False, layers=None, experts=None):
         config = self.config
         spec = (config.vocab_size, config.hidden_size, config.intermediate_size,
                 config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
@@ -217,7 +219,9 @@ class Worker:
         layers = (held[0], held[-1] + 1) if held else (0, 0)
         if len(held) != layers[1] - layers[0]:
             raise InvalidArgumentError(f"the worker holds layers {held}, not a range")
-        return _C.Model(self.arena.handle, spec, w.c_offsets(shards, pending, set(held)), mask,
+        experts = w.held_experts if experts is None else set(experts)
+        return _C.Model(self.arena.handle, spec,
+                        w.c_offsets(shards, pending, set(held), experts), mask,
                         self.threads, getattr(self, "c_model", None),  # its rotary tables
                         layers=layers, embed=w.has_embed, head=w.has_head,
                         rope_inv_freq=self.rope_inv_freq, rope_mscale=self.rope_mscale,
@@ -225,28 +229,38 @@ class Worker:
                         expert_intermediate=config.moe_intermediate_size,
                         shared_intermediate=config.shared_expert_intermediate_size,
                         norm_topk_prob=config.norm_topk_prob,
-                        experts=self.experts_held())
+                        experts=self._expert_range(experts))
 
     def model_for_layers(self, first, end):
         """A C model over layers [first, end) of those held (a pipeline re-split's target stage,
         made while the worker still holds the layers it is about to give up)."""
         return self._new_c_model(layers=(first, end))
 
-    def model_for_shards(self, shards, pending=False):
-        """A C model over the given FFN shards (the model of a future TP rank); pending=True
-        allows shards that are mapped later, before a layer using them runs."""
-        return self._new_c_model(shards, pending)
+    def model_for_rank(self, tp_size, tp_rank, pending=False):
+        """A C model over the FFN shards (and, expert-parallel, the experts) of rank tp_rank of
+        a TP group of tp_size: the model of a future TP position; pending=True allows shards
+        and experts that are mapped later, before a layer using them runs."""
+        return self._new_c_model(self.owned_shards(tp_size, tp_rank), pending,
+                                 experts=self.owned_experts(tp_size, tp_rank))
 
     def owned_experts(self, tp_size, tp_rank):
-        """The experts rank tp_rank of an expert-parallel TP group holds whole."""
+        """The experts rank tp_rank of an expert-parallel TP group holds whole (all of them at
+        TP1); None when experts are TP-sharded like the dense FFN."""
+        if not self.expert_parallel:
+            return None
         n = self.config.num_experts
-        return range(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size)
+        return set(range(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size))
+
+    def _expert_range(self, experts):
+        """(begin, end) of `experts`, held whole, for the C model; None for every expert (TP1)
+        or experts sharded like the dense FFN."""
+        if experts is None or len(experts) == self.config.num_experts:
+            return None
+        return (min(experts), max(experts) + 1)
 
     def experts_held(self):
-        """(begin, end) of the experts the C model holds whole, or None: every expert, sharded."""
-        if self.weights.held_experts is None:
-            return None
-        return (min(self.weights.held_experts), max(self.weights.held_experts) + 1)
+        """(begin, end) of the experts the C model holds whole, or None: every expert."""
+        return self._expert_range(self.weights.held_experts)
 
     def owned_shards(self, tp_size, tp_rank):
         per = self.max_tp // tp_size
@@ -261,7 +275,7 @@ class Worker:
                              f"and {self.max_tp} FFN shards")
         if self.kv.stats()["n_sequences"]:
             raise InvalidArgumentError("the worker still holds requests; transform it instead")
-        if self.expert_parallel and tp_size > 1:
+        if self.expert_parallel:
             if tp_size > self.config.num_experts:
                 raise InvalidArgumentError(f"TP{tp_size} with expert parallelism leaves a rank "
                                            f"none of the {self.config.num_experts} experts")
