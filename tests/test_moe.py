@@ -260,8 +260,9 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
     with gyges.Host(model, layout="4xTP1", **kw) as plain:
         want = [(r.output_tokens, r.logprobs) for r in plain.generate(ps, params)]
     fresh = {}
-    for layout in ("4xTP1", "TP4"):
-        with gyges.Host(model, layout=layout, expert_parallel=True, **kw) as h:
+    for layout in ("4xTP1EP1", "TP4EP4"):   # (the layout says expert_parallel=True)
+        with gyges.Host(model, layout=layout, **kw) as h:
+            assert h.expert_parallel and h.layout() == layout
             fresh[layout] = weight_bytes(h)
     host = gyges.Host(model, layout="4xTP1", expert_parallel=True, **kw)
     reqs = [host.submit(p, params) for p in ps]
@@ -270,18 +271,18 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
     merge = host.transform((0, 1, 2, 3), 4, layers_per_step=1)
     while not merge.done:
         host.step()
-    assert merge.committed and host.layout() == "TP4"
+    assert merge.committed and host.layout() == "TP4EP4"
     assert sum(merge.stats["weight_bytes_copied"].values()) == 0
     assert [host.worker(w).weights.held_experts for w in range(4)] == [
         set(range(r * n // 4, (r + 1) * n // 4)) for r in range(4)]
-    assert weight_bytes(host) == fresh["TP4"]
+    assert weight_bytes(host) == fresh["TP4EP4"]
     host.step()
     split = host.transform((0, 1, 2, 3), 1, layers_per_step=1)
     while not split.done:
         host.step()
-    assert split.committed and host.layout() == "4xTP1"
+    assert split.committed and host.layout() == "4xTP1EP1"
     assert all(host.worker(w).weights.held_experts == set(range(n)) for w in range(4))
-    assert weight_bytes(host) == fresh["4xTP1"]
+    assert weight_bytes(host) == fresh["4xTP1EP1"]
     host.run()
     assert [(r.output_tokens, r.logprobs) for r in reqs] == want
     host.close()
@@ -301,3 +302,23 @@ def test_a_fault_in_a_live_expert_parallel_transformation_loses_nothing(kind, si
     assert r["runs"] == r["refused"] + r["rolled_back"] + r["done"] > 0, r
     assert (r["changed"], r["wrong_layout"], r["lost"], r["mismatches"], r["leaked_pages"]) == \
            (0, 0, 0, 0, 0), r
+
+
+def test_the_layout_grammar_names_expert_parallel_groups():
+    """'TP4EP4' and '4xTP1EP1' make an expert-parallel host (as expert_parallel=True does); EP
+    is the TP group's own degree, and a host's TP groups are all expert-parallel or none."""
+    from gyges.runtime.layout import expert_parallel, parse
+    assert parse("TP2EP2+2xTP1EP1", 4) == parse("TP2+2xTP1", 4)
+    assert expert_parallel("TP2EP2+2xTP1EP1") and not expert_parallel("TP2+2xTP1")
+    with pytest.raises(gyges.InvalidArgumentError, match="EP equals TP"):
+        parse("TP4EP2", 4)
+    with pytest.raises(gyges.InvalidArgumentError, match="mixes expert-parallel"):
+        gyges.Host(four_way("mixtral"), workers=4, memory_per_worker="32MiB",
+                   layout="TP2EP2+2xTP1")
+    with pytest.raises(gyges.InvalidArgumentError, match="mixture-of-experts model"):
+        gyges.Host(gyges.Model.random(CONFIGS["qwen3"]), workers=2, memory_per_worker="32MiB",
+                   layout="TP2EP2")
+    with gyges.Host(four_way("mixtral"), workers=4, memory_per_worker="32MiB",
+                    layout="TP2EP2+2xTP1EP1") as host:
+        assert host.expert_parallel and host.layout() == "TP2EP2+2xTP1EP1"
+        assert host.worker(1).weights.held_experts == {2, 3, 4}

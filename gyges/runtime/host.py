@@ -34,7 +34,8 @@ NCCL cannot be loaded, devices=None falls back to virtual workers on device 0 (h
 says why). Without a usable GPU the constructor raises UnavailableError with the reason before
 anything is allocated.
 
-expert_parallel=True (a mixture-of-experts model, CPU workers): each TPk group partitions the
+expert_parallel=True, or a layout that says so ('TP4EP4', '4xTP1EP1'; layout() says it too) (a
+mixture-of-experts model, CPU workers): each TPk group partitions the
 experts over its k workers (EPk: rank r holds experts [r*E/k, (r+1)*E/k) whole, every shard)
 while attention, dense layers and a shared expert stay TP-sharded; the experts' outputs are
 exchanged by the group's all-reduce and combined in TP1's order, so the tokens are TP1's to the
@@ -57,7 +58,7 @@ from ..models.tokenizer import tokenize_prompt
 from .comm import CommPool, aligned_groups
 from .engine import Clock, Request, Serving, check_one_sample, check_params
 from .instance import Instance
-from .layout import layout_string
+from .layout import expert_parallel as layout_expert_parallel, layout_string
 from .layout import parse as parse_layout
 from . import request_packet
 from .pool import MixedPool, ShardedPool
@@ -143,6 +144,8 @@ class Host(Serving):
         if layout is not None and not isinstance(layout, str):
             raise ArgumentTypeError(f"layout must be a string like '4xTP1', got {layout!r}")
         replicated = self._replicated_workers(weights, workers)
+        if layout is not None and layout_expert_parallel(layout):   # 'TP4EP4', '4xTP1EP1'
+            expert_parallel = True
         if expert_parallel and (replicated or backend != "cpu"):
             raise InvalidArgumentError("expert_parallel=True partitions experts over the CPU "
                                        "workers of sharded TP groups (weights='sharded', "

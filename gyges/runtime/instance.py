@@ -45,8 +45,10 @@ class Instance:
 
     @property
     def layout(self):
-        """'TP2', or 'PP2' (an even split) / 'PP[3,1]' (gyges.runtime.layout's grammar)."""
-        return part_string(self.tp, [end - first for first, end in self.stages or ()])
+        """'TP2' ('TP2EP2' on an expert-parallel host), or 'PP2' (an even split) / 'PP[3,1]'
+        (gyges.runtime.layout's grammar)."""
+        return part_string(self.tp, [end - first for first, end in self.stages or ()],
+                           getattr(self.host, "expert_parallel", False))
 
     def __repr__(self):
         return f"Instance({self.layout}, workers={list(self.workers)}, requests={len(self.requests)})"

@@ -7,6 +7,9 @@ gyges.sim, gyges.experiment and their results.
 
 A layout is parts joined by '+', each `[count x]` one of:
   TPk        a tensor-parallel group of k workers over every layer;
+  TPkEPk     the same group with its experts partitioned over its k workers (a mixture-of-experts
+             model; AMOEBAs writes 4x(TP1EP1) and TP4EP4): a host's TP groups are all
+             expert-parallel or none (expert_parallel says which a layout names);
   PPn        a pipeline of n one-worker stages, the layers as even as they go (the first stages
              take one more when they do not divide);
   PP[a,b,..] a pipeline whose stage i runs the next a_i layers.
@@ -23,9 +26,10 @@ from typing import NamedTuple
 
 from ..core.errors import InvalidArgumentError
 
-__all__ = ["Group", "parse", "tp_sizes", "part_string", "layout_string", "even_split"]
+__all__ = ["Group", "parse", "tp_sizes", "part_string", "layout_string", "even_split",
+           "expert_parallel"]
 
-_PART = re.compile(r"^(?:(\d+)[x*])?(?:tp(\d+)|pp(\d+)|pp\[(\d+(?:,\d+)*)\])$")
+_PART = re.compile(r"^(?:(\d+)[x*])?(?:tp(\d+)(?:ep(\d+))?|pp(\d+)|pp\[(\d+(?:,\d+)*)\])$")
 MAX_STAGES = 8
 
 
@@ -57,8 +61,8 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
     for part in layout.replace(" ", "").split("+"):
         match = _PART.match(part.lower())
         if match is None:
-            raise error(f"layout part {part!r} is not like 'TP2', '4xTP1', 'PP2' or 'PP[3,1]' "
-                        f"(in {layout!r})")
+            raise error(f"layout part {part!r} is not like 'TP2', '4xTP1', 'TP4EP4', 'PP2' or "
+                        f"'PP[3,1]' (in {layout!r})")
         count = int(match.group(1) or 1)
         if count < 1:
             raise error(f"layout part {part!r}: counts are at least 1 (in {layout!r})")
@@ -67,6 +71,9 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
             tp = int(match.group(2))
             if tp < 1:
                 raise error(f"layout part {part!r}: TP degrees are at least 1 (in {layout!r})")
+            if match.group(3) is not None and int(match.group(3)) != tp:
+                raise error(f"layout part {part!r}: experts are partitioned over the TP group, "
+                            f"so EP equals TP (TP{tp}EP{tp}; in {layout!r})")
             if tp_degrees is not None and tp not in tp_degrees:
                 raise error(f"layout {layout!r}: TP{tp} is not one of the TP degrees here "
                             f"({', '.join(str(t) for t in sorted(tp_degrees))})")
@@ -75,14 +82,14 @@ def parse(layout: str, n_workers: int, n_layers: int | None = None, tp_degrees=N
             if n_layers is None:
                 raise error(f"layout {layout!r}: pipeline stages ({part!r}) need the model's "
                             f"layers; here only TP groups are run")
-            if match.group(3) is not None:
-                n = int(match.group(3))
+            if match.group(4) is not None:
+                n = int(match.group(4))
                 if not 2 <= n <= min(n_layers, MAX_STAGES):
                     raise error(f"layout part {part!r}: a pipeline has 2 to "
                                 f"{min(n_layers, MAX_STAGES)} stages for {n_layers} layers")
                 stages = even_split(n_layers, n)
             else:
-                stages = tuple(int(x) for x in match.group(4).split(","))
+                stages = tuple(int(x) for x in match.group(5).split(","))
                 if len(stages) < 2 or len(stages) > MAX_STAGES or min(stages) < 1 \
                         or sum(stages) != n_layers:
                     raise error(f"layout part {part!r}: a pipeline has 2 to {MAX_STAGES} stages "
@@ -114,10 +121,23 @@ def tp_sizes(layout: str, n_workers: int, error=InvalidArgumentError,
     return [g.tp for g in parse(layout, n_workers, None, degrees, error, unit)]
 
 
-def part_string(tp: int, stages=None) -> str:
-    """One instance's part: 'TP2', or for layers per stage 'PP2' (an even split) / 'PP[3,1]'."""
+def expert_parallel(layout: str, error=InvalidArgumentError) -> bool:
+    """Whether `layout` (valid for parse) names expert-parallel groups: 'TP4EP4' and
+    '4xTP1EP1' do, 'TP4' does not; one that mixes them is refused."""
+    tps = [m.group(3) is not None for m in
+           (_PART.match(p.lower()) for p in layout.replace(" ", "").split("+"))
+           if m is not None and m.group(2) is not None]
+    if any(tps) and not all(tps):
+        raise error(f"layout {layout!r} mixes expert-parallel TP groups (TPkEPk) with others: "
+                    f"a host's are all expert-parallel or none")
+    return any(tps)
+
+
+def part_string(tp: int, stages=None, ep: bool = False) -> str:
+    """One instance's part: 'TP2' ('TP2EP2' expert-parallel), or for layers per stage 'PP2' (an
+    even split) / 'PP[3,1]'."""
     if not stages:
-        return f"TP{tp}"
+        return f"TP{tp}EP{tp}" if ep else f"TP{tp}"
     stages = tuple(stages)
     if stages == even_split(sum(stages), len(stages)):
         return f"PP{len(stages)}"
