@@ -10,8 +10,18 @@ At n = 1 both read the same bytes of FFN weights; as n grows the dense GEMM gets
 while each expert gets about n * k / E of them (grouped dispatch: one GEMM per expert), and the
 MoE holds E / k times the weights.
 
+Section 2, the live transformation (AMOEBAs 4.2.1: 4x(TP1) -> TP4, and for the MoE model
+4x(TP1EP1) -> TP4EP4, at 90% KV utilisation): the same two shapes with 4 KV heads on a host of 4
+workers whose KV is 90% full, merged layer-staggered (one layer a step while the requests decode)
+and split back. Per direction: the transformation's own time (its advances), KV and weight bytes
+copied, weight bytes given back and peak extra memory per worker. The KV work is the same in
+both; the MoE merge frees 3/4 of its experts in place (no byte copied) and its split copies them
+back from the ranks that hold them. Beside them the paper's: extra memory below 70 MB for every
+model, and a transformation procedure for EP that is the dense one.
+
 Run: .venv/bin/python benchmarks/bench_moe.py [--threads N]
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -54,6 +64,48 @@ def paired_seconds(workers, n, rounds=7):
     return best
 
 
+def filled_host(config, threads):
+    """A 4x(TP1) host (expert-parallel for an MoE config) whose KV is 90% full: 240-token
+    requests spread over its instances, prefilled and a step decoded."""
+    model = gyges.Model.random(config, seed=1)
+    host = gyges.Host(model, workers=4, memory_per_worker="320MiB", weight_dtype="bf16",
+                      threads_per_worker=threads, layout="4xTP1",
+                      expert_parallel=config.is_moe, max_batch_tokens=4096)
+    worker = host.worker(0)
+    per_token = (2 * config.num_key_value_heads * config.head_dim * 4
+                 * config.num_hidden_layers)
+    room = worker.arena.stats()["budget_bytes"] - worker.arena.stats()["bytes_in_use"]
+    rng = np.random.default_rng(2)
+    for inst in range(4):
+        for _ in range(int(0.9 * room / per_token) // 240):
+            host.submit(rng.integers(0, config.vocab_size, 232).tolist(),
+                        gyges.SamplingParams(max_tokens=64, ignore_eos=True), instance=inst)
+    for _ in range(3):
+        host.step()
+    return host, worker.arena.stats()["bytes_by_tag"]["kv"] / room
+
+
+def transformation_rows(configs, threads):
+    rows = []
+    for name, config in configs.items():
+        host, util = filled_host(config, threads)
+        for direction, tp in (("merge", 4), ("split", 1)):
+            t = host.transform((0, 1, 2, 3), tp, layers_per_step=1)
+            while not t.done:
+                host.step()
+            s = t.stats
+            rows.append({"model": name, "direction": direction, "layout": host.layout(),
+                         "kv_util": util, "steps": s["steps"],
+                         "advance_ms": s["advance_seconds"] * 1e3,
+                         "stall_ms": s["stall_seconds"] * 1e3,
+                         "kv_mib": s["kv_bytes_moved"] / 2**20,
+                         "weights_copied_mib": s["weight_bytes_moved"] / 2**20,
+                         "weights_freed_mib": max(s["weight_bytes_released"].values()) / 2**20,
+                         "peak_extra_mib": max(s["peak_extra_bytes"].values()) / 2**20})
+        host.close()
+    return rows
+
+
 def main(argv):
     threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else 1
     configs = {
@@ -78,9 +130,21 @@ def main(argv):
     print_table(title, rows, [("tokens", "tokens", "{}"), ("moe_tok_s", "MoE tok/s", "{:.0f}"),
                               ("dense_tok_s", "dense tok/s", "{:.0f}"),
                               ("ratio", "MoE/dense", "{:.2f}")])
+    four = {name: dataclasses.replace(config, num_key_value_heads=4, num_hidden_layers=4)
+            for name, config in configs.items()}
+    moves = transformation_rows(four, threads)
+    print_table("Live transformation at 90% KV, 4 workers (AMOEBAs 4.2.1: EP is the dense "
+                "procedure; extra memory < 70 MB on every model)", moves,
+                [("model", "model", "{}"), ("direction", "", "{}"), ("layout", "to", "{}"),
+                 ("kv_util", "KV util", "{:.2f}"), ("steps", "steps", "{}"),
+                 ("advance_ms", "advance ms", "{:.1f}"), ("stall_ms", "stall ms", "{:.1f}"),
+                 ("kv_mib", "KV MiB", "{:.1f}"), ("weights_copied_mib", "w copied MiB", "{:.1f}"),
+                 ("weights_freed_mib", "w freed MiB/worker", "{:.1f}"),
+                 ("peak_extra_mib", "peak extra MiB", "{:.2f}")])
     write_json("bench_moe", {"threads": threads, "experts": EXPERTS, "top_k": TOP_K,
                              "expert_width": WIDTH, "shape": SHAPE, "weight_bytes": weights,
-                             "rows": rows})
+                             "rows": rows, "transformations": moves,
+                             "paper": {"extra_memory_mb_below": 70}})
 
 
 if __name__ == "__main__":

@@ -242,17 +242,18 @@ def weight_bytes(host):
     return [host.worker(w).arena.stats()["bytes_by_tag"]["weights"] for w in range(4)]
 
 
-@pytest.mark.parametrize("family, dtype, params", [
-    ("mixtral", "f32", dict(temperature=0.0)),
-    ("qwen2_moe", "bf16", dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2)),
-    ("qwen3_moe", "f32", dict(temperature=0.7, seed=5))])
-def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, params):
-    """4x(TP1EP1) -> TP4EP4 -> 4x(TP1EP1) layer-staggered while eight requests decode: each
-    worker of the merge keeps its block of experts whole and its dense shards, dropping the rest
-    layer by layer (no weight byte copied; its weights are then a TP4EP4 host's to the byte), and
-    the split gets the other experts back from the ranks that hold them. Every request's tokens
-    (and logprobs) equal a 4xTP1 host's that never transformed, and each worker ends holding
-    what a fresh host's does."""
+@pytest.mark.parametrize("family, dtype, params, split_to", [
+    ("mixtral", "f32", dict(temperature=0.0), 1),
+    ("qwen2_moe", "bf16", dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2), 2),
+    ("qwen3_moe", "f32", dict(temperature=0.7, seed=5), 1)])
+def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, params, split_to):
+    """4x(TP1EP1) -> TP4EP4 -> 4x(TP1EP1) (or 2x(TP2EP2)) layer-staggered while eight requests
+    decode: each worker of the merge keeps its block of experts whole and its dense shards,
+    dropping the rest layer by layer (no weight byte copied; its weights are then a TP4EP4
+    host's to the byte), and the split gets the experts of its new rank back from the ranks that
+    hold them (and, to TP2, gives back those it no longer owns). Every request's tokens (and
+    logprobs) equal a 4xTP1 host's that never transformed, and each worker ends holding what a
+    fresh host's does."""
     model = four_way(family)
     params = gyges.SamplingParams(max_tokens=20, ignore_eos=True, **params)
     ps = prompts(8, seed=3)
@@ -260,7 +261,8 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
     with gyges.Host(model, layout="4xTP1", **kw) as plain:
         want = [(r.output_tokens, r.logprobs) for r in plain.generate(ps, params)]
     fresh = {}
-    for layout in ("4xTP1EP1", "TP4EP4"):   # (the layout says expert_parallel=True)
+    final = "4xTP1EP1" if split_to == 1 else "2xTP2EP2"
+    for layout in ("4xTP1EP1", "TP4EP4", final):   # (the layout says expert_parallel=True)
         with gyges.Host(model, layout=layout, **kw) as h:
             assert h.expert_parallel and h.layout() == layout
             fresh[layout] = weight_bytes(h)
@@ -273,16 +275,20 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
         host.step()
     assert merge.committed and host.layout() == "TP4EP4"
     assert sum(merge.stats["weight_bytes_copied"].values()) == 0
+    assert [merge.stats["weight_bytes_released"][w] for w in range(4)] == [
+        a - b for a, b in zip(fresh["4xTP1EP1"], fresh["TP4EP4"])]
     assert [host.worker(w).weights.held_experts for w in range(4)] == [
         set(range(r * n // 4, (r + 1) * n // 4)) for r in range(4)]
     assert weight_bytes(host) == fresh["TP4EP4"]
     host.step()
-    split = host.transform((0, 1, 2, 3), 1, layers_per_step=1)
+    split = host.transform((0, 1, 2, 3), split_to, layers_per_step=1)
     while not split.done:
         host.step()
-    assert split.committed and host.layout() == "4xTP1EP1"
-    assert all(host.worker(w).weights.held_experts == set(range(n)) for w in range(4))
-    assert weight_bytes(host) == fresh["4xTP1EP1"]
+    assert split.committed and host.layout() == final
+    assert [host.worker(w).weights.held_experts for w in range(4)] == [
+        set(range(r * n // split_to, (r + 1) * n // split_to))
+        for r in (w % split_to for w in range(4))]
+    assert weight_bytes(host) == fresh[final]
     host.run()
     assert [(r.output_tokens, r.logprobs) for r in reqs] == want
     host.close()

@@ -369,8 +369,9 @@ class StaggeredScaleUp(_Staggered):
         for w in self.workers:  # this layer's FFN shards (and experts) of other ranks go back
             worker = self.host.worker(w)
             rank = self.new_rank[w]
-            worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, rank))
-            worker.weights.drop_layer_experts(layer, worker.owned_experts(self.to_tp, rank))
+            self.stats["weight_bytes_released"][w] += (
+                worker.weights.drop_layer_shards(layer, worker.owned_shards(self.to_tp, rank))
+                + worker.weights.drop_layer_experts(layer, worker.owned_experts(self.to_tp, rank)))
 
     def _table(self):
         return self.merged.transition_table()
@@ -600,7 +601,7 @@ class StaggeredScaleDown(_Staggered):
         for (j, r), w in self.plan.new_ranks:
             worker = host.worker(w)
             worker.weights.finish_layer_restores(worker.owned_shards(tp, r))
-            worker.weights.finish_layer_experts(worker.owned_experts(tp, r))
+            worker.weights.finish_layer_expert_restores(worker.owned_experts(tp, r))
             worker.install(kv=self.new_kvs[w], c_model=self.new_model[w], tp=(tp, r))
         rank_of = {w: i for i, w in enumerate(self.rank_worker)}
         by_id = {req.id: req for req in self.moved}
@@ -626,6 +627,9 @@ class StaggeredScaleDown(_Staggered):
             worker = host.worker(w)
             self.stats["weight_bytes_released"][w] = worker.weights.drop_shards(
                 worker.owned_shards(tp, r))
+            if worker.expert_parallel:   # the old rank's experts the new one does not own
+                self.stats["weight_bytes_released"][w] += worker.weights.drop_experts(
+                    worker.owned_experts(tp, r))
         host.retire(self.inst)
         self._peaks()
         trim_kv(host, self.workers)

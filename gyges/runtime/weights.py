@@ -345,10 +345,15 @@ class ModelWeights:
         return copied
 
     def finish_layer_experts(self, experts):
-        """Every layer holds `experts` now: held_experts says so."""
+        """Every layer holds `experts` now (a staggered drop is done): held_experts says so."""
         if self.held_experts is not None:
             self.held_experts = set(experts)
             self._expert_layers.clear()
+
+    def finish_layer_expert_restores(self, experts):
+        """Every layer holds `experts` beside those it held (a staggered restore is done)."""
+        if self.held_experts is not None:
+            self.finish_layer_experts(self.held_experts | set(experts))
 
     def drop_experts(self, keep):
         """Unmaps every MoE layer's experts not in `keep`, whole (a worker joining an expert-
@@ -440,7 +445,8 @@ class ModelWeights:
 
     def drop_layer_shards(self, layer, keep):
         """drop_shards for one layer (a layer-staggered transformation moves a layer at a time);
-        `held` changes once every layer has been done (finish_layer_drops)."""
+        `held` changes once every layer has been done (finish_layer_drops). Returns the bytes
+        given back."""
         drop = [shard for shard in sorted(self.held - set(keep)) if (layer, shard) not in self._dropped]
         slots = sorted(s for shard in drop for kind in self._sharded_kinds(layer)
                        for s in self.shard_slots_of(layer, kind, shard))
@@ -449,6 +455,7 @@ class ModelWeights:
         for start, n in _runs(slots):
             self.arena.shrink(start, n)
         self._dropped.update((layer, shard) for shard in drop)
+        return len(slots) * self.page_size
 
     def finish_layer_drops(self, keep):
         self.held = set(keep)
