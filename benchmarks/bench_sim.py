@@ -215,17 +215,21 @@ def calibrate():
 BEST_STATIC_6_2_4 = "1xTP4+4xTP1"
 
 
-def scheduler_comparison(duration, factors, seeds):
+def scheduler_comparison(duration, factors, seeds, cost=None, statics=(BEST_STATIC_6_2_4,)):
+    """The 6.2.4 workload at each rate factor: gyges, RR and LL (eager and lazy scale-up) and
+    the static `statics`, means over `seeds`, priced by `cost` (default the calibrated
+    Qwen2.5-32B on H20)."""
     rows = []
     for factor in factors:
         for policy, eager, layout in (("gyges", True, None), ("round_robin", True, None),
                                       ("least_load", True, None), ("round_robin", False, None),
                                       ("least_load", False, None),
-                                      ("static", True, BEST_STATIC_6_2_4)):
+                                      *(("static", True, s) for s in statics)):
             acc = []
             for seed in seeds:
                 tr = traces.scale_rate(traces.gyges_mixed(duration, seed=seed), factor)
-                res = sim.run(tr, policy=policy, eager_scale_up=eager, layout=layout, slo=SLO)
+                res = sim.run(tr, policy=policy, eager_scale_up=eager, layout=layout, slo=SLO,
+                              cost=cost)
                 window, _ = res.window_throughput()
                 acc.append({**res.summary(), "window_throughput": window})
             mean = {k: float(np.mean([a[k] for a in acc])) for k in

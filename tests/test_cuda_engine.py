@@ -367,7 +367,8 @@ def test_qwen3_and_mixtures_of_experts_track_the_cpu_pass(family):
     """On the device: Qwen3 RMS-normalises each q and k head before the rotation; a mixture of
     experts routes by the fp32 router and the CPU pass's top-k (so a token goes to the same
     experts), runs each expert's tokens as one GEMM and combines them per token; TP2 (virtual
-    workers) gives TP1's tokens. fp32 logits within FP32_RTOL of the CPU pass's."""
+    workers) gives TP1's tokens, and so does EP2 (each worker holds its experts whole, their
+    outputs exchanged by the all-reduce). fp32 logits within FP32_RTOL of the CPU pass's."""
     model = gyges.Model.random(_FAMILIES[family], seed=2)
     tokens = prompts(1, seed=14, lo=20, hi=21, vocab=96)[0]
     cpu = paged_logits(Worker(model, memory="64MiB"), tokens, [12] + [1] * 8)
@@ -376,19 +377,42 @@ def test_qwen3_and_mixtures_of_experts_track_the_cpu_pass(family):
     ps = prompts(3, seed=15, vocab=96)
     params = gyges.SamplingParams(max_tokens=8, ignore_eos=True)
     got = {}
-    for layout in ("2xTP1", "TP2"):
+    for layout in ("2xTP1", "TP2") + (("TP2EP2",) if model.config.is_moe else ()):
         # 4 shards: a TP2 rank adds two onto its partial sum (each expert's shard on 2 MiB
         # pages of its own: the default budget sizes the workers for that)
         host = gyges.Host(model, workers=2, layout=layout, backend="cuda", devices=0, max_tp=4)
         got[layout] = [r.output_tokens for r in host.generate(ps, params)]
         host.close()
-    assert got["TP2"] == got["2xTP1"]
+    assert got["TP2"] == got["2xTP1"] and got.get("TP2EP2", got["TP2"]) == got["2xTP1"]
 
 
-def test_expert_parallelism_is_refused_on_cuda_by_name():
+@needs_forward
+def test_a_live_expert_parallel_merge_on_cuda_keeps_every_token():
+    """2x(TP1EP1) -> TP2EP2 -> 2x(TP1EP1) layer-staggered on two virtual CUDA workers while
+    requests decode (Mixtral's 5 experts split 2 and 3): no weight byte copied at the merge,
+    the experts back from the peer at the split, and the tokens of a host that never
+    transformed."""
     model = gyges.Model.random(_FAMILIES["mixtral"], seed=2)
-    with pytest.raises(gyges.Error, match="expert"):
-        gyges.Host(model, workers=2, layout="TP2", backend="cuda", expert_parallel=True)
+    ps = prompts(4, seed=16, vocab=96)
+    params = gyges.SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(workers=2, backend="cuda", devices=0, max_tp=4)
+    with gyges.Host(model, layout="2xTP1", **kw) as plain:
+        want = [r.output_tokens for r in plain.generate(ps, params)]
+    with gyges.Host(model, layout="2xTP1EP1", **kw) as host:
+        reqs = [host.submit(p, params) for p in ps]
+        host.step()
+        merge = host.transform((0, 1), 2, layers_per_step=1)
+        while not merge.done:
+            host.step()
+        assert host.layout() == "TP2EP2" and merge.committed
+        assert sum(merge.stats["weight_bytes_copied"].values()) == 0
+        assert [host.worker(w).weights.held_experts for w in range(2)] == [{0, 1}, {2, 3, 4}]
+        split = host.transform((0, 1), 1, layers_per_step=1)
+        while not split.done:
+            host.step()
+        assert host.layout() == "2xTP1EP1" and split.committed
+        host.run()
+        assert [r.output_tokens for r in reqs] == want
 
 
 def _first_divergence(a, b):

@@ -5,6 +5,7 @@ scheduler in test_sched.py; invariants on random traces under every policy (each
 finishes or is rejected exactly once, KV never over capacity, every GPU in exactly one
 instance); the C cost model against its Python reference; the profiled fit; results files; and
 the errors for bad names, layouts and values."""
+import dataclasses
 import math
 import random
 
@@ -317,7 +318,7 @@ def test_roofline_runs_and_is_deterministic():
 
 def test_c_cost_model_matches_python_reference():
     rng = np.random.default_rng(0)
-    for model in ("qwen2.5-32b", "llama3-8b", "llama2-7b"):
+    for model in ("qwen2.5-32b", "llama3-8b", "llama2-7b", "qwen3-30b-a3b", "mixtral-8x7b"):
         cm = CostModel.create(model, "h20", transform_slowdown=0.03)
         p = cm.params()
         for _ in range(200):
@@ -335,6 +336,33 @@ def test_c_cost_model_matches_python_reference():
                 ref = cm.phase_time(phase, a, b, 123456.0)
                 got = _C_test.sim_phase_time("roofline", p, kind, a, b, 123456.0)
                 assert got == pytest.approx(ref, rel=1e-12)
+
+
+def test_a_mixture_of_experts_is_priced_by_the_parameters_a_token_uses():
+    """Qwen3-30B-A3B and Mixtral-8x7B: the parameters stored and those a token multiplies by
+    are the model cards' (30.5B / 3.3B; 46.7B / 12.9B, embeddings included); a decode step
+    reads the dense part and about k/E of the experts, a large batch every expert (so decode
+    of one token reads far less than the stored weights, and a long prefill all of them)."""
+    from gyges.cluster.costmodel import _matmul_params
+    for name, total, active in (("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                ("mixtral-8x7b", 46.7e9, 12.9e9)):
+        cm = CostModel.create(name, "h20")
+        m = cm.model
+        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        assert m.param_count() == pytest.approx(total, rel=0.01)
+        assert _matmul_params(m) + embeddings == pytest.approx(active, rel=0.02)
+        k_of_e = m.num_experts_per_tok / m.num_experts
+        dense = cm.weight_bytes - cm.expert_bytes
+        assert cm.weight_read(1) == pytest.approx(dense + k_of_e * cm.expert_bytes, rel=1e-12)
+        reads = [cm.weight_read(n) for n in (1, 2, 8, 64, 4096)]
+        assert reads == sorted(reads) and reads[-1] == pytest.approx(cm.weight_bytes, rel=1e-9)
+        # a decode step of one token reads about the active parameters' bytes, not the stored
+        # ones (every expert routed to: the stored ones), and computes the active ones
+        every = cm.replace(model=dataclasses.replace(m, num_experts_per_tok=m.num_experts))
+        one, all_of_them = cm.step_terms(2, 1, 1, 0, 0), every.step_terms(2, 1, 1, 0, 0)
+        assert one[0] < 0.3 * all_of_them[0] and one[1] < 0.3 * all_of_them[1]
+    dense = CostModel.create("qwen2.5-32b", "h20")
+    assert dense.expert_bytes == 0 and dense.weight_read(1) == dense.weight_bytes
 
 
 def test_prefill_rates_are_the_cost_models_prefill_steps():

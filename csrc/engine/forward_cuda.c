@@ -181,10 +181,6 @@ const char *gy_forward_cuda_unavailable(void) { return NULL; }
 gy_status gy_forward_cuda_attach(gy_model *m, int32_t device) {
     if (m == NULL) return GY_FAIL(GY_ERR_INVALID, "gy_forward_cuda_attach: NULL model");
     if (m->stream != NULL) return GY_FAIL(GY_ERR_STATE, "the model already has a CUDA stream");
-    /* Not written yet on the device (the CPU pass has it): refused before any device work. */
-    if (m->expert_end - m->expert_begin < m->n_experts)
-        return GY_FAIL(GY_ERR_UNAVAILABLE, "the CUDA forward pass does not run expert "
-                       "parallelism yet; use backend='cpu'");
     GY_FWD_CUDA_CHECK(cudaSetDevice(device));
     GY_TRY(gy_cuda_blas_available());
     if (m->rope_inv_freq == NULL)
@@ -661,6 +657,8 @@ static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp,
     if (m->expert_rows > R) R = m->expert_rows;
     if (m->shared_rows > R) R = m->shared_rows;
     const int64_t nl = b->n_logits, E = m->n_experts, nk = n * m->n_experts_used;
+    /* expert parallelism: ys holds every shard's outputs, exchanged by the all-reduce */
+    const int64_t ys_parts = m->expert_end - m->expert_begin < E ? m->max_tp : 1;
     const struct { gy_dev_buf *buf; int64_t bytes; } plan[] = {
         {&c->x, n * hid * esz},      {&c->h, n * hid * esz},     {&c->q, n * qd * esz},
         {&c->k, n * kvd * esz},      {&c->v, n * kvd * esz},     {&c->attn, n * qd * esz},
@@ -668,7 +666,8 @@ static gy_status gy_forward_cuda_begin(const gy_model *m, const gy_tp_group *tp,
         {&c->sel, nl * hid * esz},   {&c->logits, nl * m->vocab * 4},
         {&c->attn_ws, gy_cuda_paged_attention_workspace_bytes(n, heads, D, max_len)},
         {&c->hf, E > 0 ? n * hid * 4 : 0},  {&c->rlog, (n * E + n) * 4},
-        {&c->xs, nk * hid * esz},    {&c->ys, nk * hid * 4},     {&c->sh, E > 0 ? n * hid * 4 : 0},
+        {&c->xs, nk * hid * esz},    {&c->ys, ys_parts * nk * hid * 4},
+        {&c->sh, E > 0 ? n * hid * 4 : 0},
         {&c->midx, 2 * nk * 4},      {&c->mw, nk * 4},
     };
     for (size_t i = 0; i < sizeof plan / sizeof plan[0]; i++)
@@ -707,17 +706,45 @@ static gy_status gy_fwd_cuda_residual_close(struct gy_forward_cuda_ws *c, const 
                              m->weight_dtype, GY_DTYPE_F32, c->stream);
 }
 
+/* Shard s of experts [first_e, end_e) on the grouped rows xs into ys (fp32, (n*k, hidden)). */
+static gy_status gy_fwd_cuda_experts(struct gy_forward_cuda_ws *c, const gy_model *m,
+                                     const gy_layer_weights *w, float *ys, int64_t s,
+                                     int64_t first_e, int64_t end_e, int64_t l) {
+    const gy_dtype act = m->weight_dtype, F32 = GY_DTYPE_F32;
+    const int64_t hid = m->hidden, esz = gy_dtype_size(act), R = m->expert_rows;
+    for (int64_t e = first_e; e < end_e; e++) {
+        const int64_t first = c->h_offsets[e], rows = c->h_offsets[e + 1] - first;
+        const gy_expert_weights *x = &w->experts[e];
+        if (rows == 0) continue;
+        if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
+            return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
+                           (long long)l, (long long)e, (long long)s);
+        const void *xe = (const char *)c->xs.ptr + first * hid * esz;
+        GY_TRY(gy_cuda_gemm(c->gu.ptr, act, 2 * R, xe, act, hid, x->gate[s], act,
+                            GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, c->blas));
+        GY_TRY(gy_cuda_gemm((char *)c->gu.ptr + R * esz, act, 2 * R, xe, act, hid, x->up[s],
+                            act, GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, c->blas));
+        GY_TRY(gy_cuda_silu_mul(c->g.ptr, c->gu.ptr, rows, R, act, c->stream));
+        GY_TRY(gy_cuda_gemm(ys + first * hid, F32, hid, c->g.ptr, act, R, x->down_t[s], act,
+                            GY_GEMM_W_IN_OUT, NULL, rows, R, hid, 0, c->blas));
+    }
+    return GY_OK;
+}
+
 /* Layer l's mixture of experts on h, onto o (rank 0's residual, or overwritten first on other
  * ranks) for this rank's shards, as the dense FFN's shards go: the router in fp32 on the device,
  * the top k and the grouping on the host by cpu/moe.h (one wait for the stream a layer), each
  * expert's tokens gathered and run as one GEMM a shard, combined per token in rank order with
- * the shared expert's shard behind its gate (moe_combine.cu). */
+ * the shared expert's shard behind its gate (moe_combine.cu). Expert-parallel (the model holds
+ * experts [expert_begin, expert_end) whole): this rank's experts for every shard into
+ * ys [max_tp, n*k, hidden], zeros in the others' slots, and the group's all-reduce gives every
+ * rank every slot (one contributor a value: exact), as the CPU pass does. */
 static gy_status gy_fwd_cuda_moe(struct gy_forward_cuda_ws *c, const gy_model *m,
                                  const gy_layer_weights *w, const gy_tp_group *tp, int64_t l,
                                  int64_t first_shard, int64_t shards_here) {
     const gy_dtype act = m->weight_dtype, F32 = GY_DTYPE_F32;
     const int64_t n = c->n_tokens, hid = m->hidden, E = m->n_experts, k = m->n_experts_used;
-    const int64_t nk = n * k, esz = gy_dtype_size(act), R = m->expert_rows, S = m->shared_rows;
+    const int64_t nk = n * k, esz = gy_dtype_size(act), S = m->shared_rows;
     const cudaStream_t st = c->stream;
     gy_cuda_blas *blas = c->blas;
     float *logits = c->rlog.ptr, *gate = logits + n * E, *ys = c->ys.ptr, *sh = c->sh.ptr;
@@ -742,24 +769,19 @@ static gy_status gy_fwd_cuda_moe(struct gy_forward_cuda_ws *c, const gy_model *m
     GY_FWD_CUDA_CHECK(cudaMemcpyAsync(c->mw.ptr, c->h_weight, (size_t)nk * sizeof(float),
                                       cudaMemcpyHostToDevice, st));
     GY_TRY(gy_cuda_embedding(c->xs.ptr, c->h.ptr, d_token_of, nk, n, hid, act, act, st));
+    const int partitioned = m->expert_end - m->expert_begin < E;
+    if (partitioned) {
+        GY_FWD_CUDA_CHECK(cudaMemsetAsync(ys, 0, (size_t)(m->max_tp * nk * hid) * sizeof(float),
+                                          st));
+        for (int64_t s = 0; s < m->max_tp; s++)
+            GY_TRY(gy_fwd_cuda_experts(c, m, w, ys + s * nk * hid, s, m->expert_begin,
+                                       m->expert_end, l));
+        GY_TRY(tp->all_reduce(tp->ctx, ys, m->max_tp * nk * hid));
+    }
     for (int64_t j = 0; j < shards_here; j++) {
         const int64_t s = first_shard + j;
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t first = c->h_offsets[e], rows = c->h_offsets[e + 1] - first;
-            const gy_expert_weights *x = &w->experts[e];
-            if (rows == 0) continue;
-            if (x->gate[s] == NULL || x->up[s] == NULL || x->down_t[s] == NULL)
-                return GY_FAIL(GY_ERR_STATE, "layer %lld: expert %lld's shard %lld is not held here",
-                               (long long)l, (long long)e, (long long)s);
-            const void *xe = (const char *)c->xs.ptr + first * hid * esz;
-            GY_TRY(gy_cuda_gemm(c->gu.ptr, act, 2 * R, xe, act, hid, x->gate[s], act,
-                                GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, blas));
-            GY_TRY(gy_cuda_gemm((char *)c->gu.ptr + R * esz, act, 2 * R, xe, act, hid, x->up[s],
-                                act, GY_GEMM_W_OUT_IN, NULL, rows, hid, R, 0, blas));
-            GY_TRY(gy_cuda_silu_mul(c->g.ptr, c->gu.ptr, rows, R, act, st));
-            GY_TRY(gy_cuda_gemm(ys + first * hid, F32, hid, c->g.ptr, act, R, x->down_t[s], act,
-                                GY_GEMM_W_IN_OUT, NULL, rows, R, hid, 0, blas));
-        }
+        const float *ys_s = partitioned ? ys + s * nk * hid : ys;
+        if (!partitioned) GY_TRY(gy_fwd_cuda_experts(c, m, w, ys, s, 0, E, l));
         if (S > 0) {
             if (w->gate[s] == NULL || w->up[s] == NULL || w->down_t[s] == NULL)
                 return GY_FAIL(GY_ERR_STATE, "layer %lld: the shared expert's shard %lld is not "
@@ -772,7 +794,7 @@ static gy_status gy_fwd_cuda_moe(struct gy_forward_cuda_ws *c, const gy_model *m
             GY_TRY(gy_cuda_gemm(sh, F32, hid, c->g.ptr, act, S, w->down_t[s], act,
                                 GY_GEMM_W_IN_OUT, NULL, n, S, hid, 0, blas));
         }
-        GY_TRY(gy_cuda_moe_combine(c->o.ptr, ys, c->mw.ptr, d_slot_of, S > 0 ? sh : NULL,
+        GY_TRY(gy_cuda_moe_combine(c->o.ptr, ys_s, c->mw.ptr, d_slot_of, S > 0 ? sh : NULL,
                                    gated ? gate : NULL, n, k, hid, tp->rank == 0 || j > 0, st));
     }
     return GY_OK;

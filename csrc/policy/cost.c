@@ -17,6 +17,7 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
         {"kv_bytes_per_token", p->kv_bytes_per_token, 1},
         {"allreduce_bytes_per_token", p->allreduce_bytes_per_token, 0},
         {"ffn_bytes", p->ffn_bytes, 0},
+        {"expert_bytes", p->expert_bytes, 0},
         {"hbm_bw", p->hbm_bw, 1},
         {"peak_flops", p->peak_flops, 1},
         {"link_bw", p->link_bw, 1},
@@ -37,7 +38,22 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
     if (p->kv_heads < 1 || p->n_layers < 1)
         return GY_FAIL(GY_ERR_INVALID, "cost model: kv_heads and n_layers must be >= 1 (got %d, %d)",
                        (int)p->kv_heads, (int)p->n_layers);
+    if (p->n_experts < 0 || (p->n_experts > 0 && (p->experts_per_tok < 1 ||
+                                                  p->experts_per_tok > p->n_experts)) ||
+        (p->n_experts == 0 && p->expert_bytes > 0) || p->expert_bytes > p->weight_bytes)
+        return GY_FAIL(GY_ERR_INVALID,
+                       "cost model: %d experts, %d a token, %g of %g weight bytes: experts_per_tok "
+                       "must be in [1, n_experts] and expert_bytes within weight_bytes",
+                       (int)p->n_experts, (int)p->experts_per_tok, p->expert_bytes,
+                       p->weight_bytes);
     return GY_OK;
+}
+
+double gy_sim_roofline_weight_read(const gy_sim_roofline *p, int32_t n_tokens) {
+    if (p->n_experts <= 0) return p->weight_bytes;
+    const double miss = 1.0 - (double)p->experts_per_tok / (double)p->n_experts;
+    const double touched = 1.0 - pow(miss, (double)n_tokens);
+    return p->weight_bytes - p->expert_bytes + p->expert_bytes * touched;
 }
 
 gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p) {
@@ -58,7 +74,8 @@ double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int trans
     const double t = tp;
     const int32_t heads = p->kv_heads / tp > 1 ? p->kv_heads / tp : 1;
     const double kv_rank = p->kv_bytes_per_token * heads / p->kv_heads; /* one token, one rank */
-    const double bytes = p->weight_bytes / t + kv_rank * (s->kv_read_tokens + (double)s->n_tokens);
+    const double bytes = gy_sim_roofline_weight_read(p, s->n_tokens) / t +
+                         kv_rank * (s->kv_read_tokens + (double)s->n_tokens);
     const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
                           2.0 * p->lm_head_params * (double)s->n_samples +
                           p->attn_flops_per_pair * s->attn_pairs) / t;

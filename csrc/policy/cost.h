@@ -75,6 +75,14 @@ typedef struct gy_sim_roofline {
     double kv_bytes_per_token;    /* K and V of one token, all layers, all KV heads */
     double allreduce_bytes_per_token; /* hidden * dtype bytes: one token's all-reduce payload */
     double ffn_bytes;             /* the FFN weights (what a scale-down gathers) */
+    /* a mixture of experts (n_experts 0: a dense model). matmul_params counts the parameters
+     * a token uses (experts_per_tok experts a layer); a step reads the experts its tokens are
+     * routed to: expert_bytes * (1 - (1 - k/E)^n_tokens), n tokens routed uniformly and
+     * independently. With attention in TP, an expert-parallel rank computes its experts for the
+     * tokens it already has and the combine is the FFN's all-reduce: EP's traffic is TP's. */
+    double expert_bytes;          /* >= 0: the experts' share of weight_bytes */
+    int32_t n_experts;            /* >= 0: experts of an MoE layer */
+    int32_t experts_per_tok;      /* 1..n_experts when n_experts > 0 */
     int32_t kv_heads;             /* KV heads: a rank holds max(1, kv_heads / tp) of them */
     int32_t n_layers;
     /* the GPU */
@@ -130,6 +138,9 @@ typedef struct gy_sim_cost_store {
 
 /* Checks the fields (GY_ERR_INVALID naming the first bad one). */
 gy_status gy_sim_roofline_check(const gy_sim_roofline *p);
+/* Bytes of weights a step of n_tokens reads (every rank together): all of them for a dense
+ * model, the dense part and the experts its tokens touch (expected) for a mixture of experts. */
+double gy_sim_roofline_weight_read(const gy_sim_roofline *p, int32_t n_tokens);
 gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p);
 gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p);
 /* The ops over `p`, which must outlive them. */

@@ -80,6 +80,9 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         GY_PY_SIM_FIELD(&roof->kv_bytes_per_token, "kv_bytes_per_token", 0);
         GY_PY_SIM_FIELD(&roof->allreduce_bytes_per_token, "allreduce_bytes_per_token", 0);
         GY_PY_SIM_FIELD(&roof->ffn_bytes, "ffn_bytes", 0);
+        GY_PY_SIM_FIELD(&roof->expert_bytes, "expert_bytes", 0);
+        GY_PY_SIM_FIELD(&roof->n_experts, "n_experts", 1);
+        GY_PY_SIM_FIELD(&roof->experts_per_tok, "experts_per_tok", 1);
         GY_PY_SIM_FIELD(&roof->kv_heads, "kv_heads", 1);
         GY_PY_SIM_FIELD(&roof->n_layers, "n_layers", 1);
         GY_PY_SIM_FIELD(&roof->hbm_bw, "hbm_bw", 0);

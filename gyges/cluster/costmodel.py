@@ -103,6 +103,8 @@ MODEL_NAMES = {
     "qwen2.5-32b": "qwen2_5_32b",
     "qwen3-32b": "qwen3_32b",
     "llama3-70b": "llama3_70b",
+    "qwen3-30b-a3b": "qwen3_30b_a3b",
+    "mixtral-8x7b": "mixtral_8x7b",
 }
 
 # Links between servers, bytes/s one direction (a pipeline's link_bw across servers: KunServe's
@@ -172,9 +174,31 @@ def model_config(model) -> ModelConfig:
     return getattr(ModelConfig, attr)()
 
 
+def _ffn_widths(m: ModelConfig):
+    """Per layer, (FFN width a token uses, FFN width stored): the dense FFN's, or in an MoE
+    layer experts_per_tok (and the shared expert) of the experts' and all of them."""
+    for i in range(m.num_hidden_layers):
+        if not m.is_sparse_layer(i):
+            yield m.intermediate_size, m.intermediate_size
+        else:
+            shared = m.shared_expert_intermediate_size
+            yield (m.num_experts_per_tok * m.moe_intermediate_size + shared,
+                   m.num_experts * m.moe_intermediate_size + shared)
+
+
 def _matmul_params(m: ModelConfig) -> int:
+    """Parameters of the decoder layers a token multiplies by (an MoE layer's routed experts and
+    its router, not the others)."""
     h, q, kv = m.hidden_size, m.q_size, m.kv_size
-    return m.num_hidden_layers * (h * q + 2 * h * kv + q * h + 3 * h * m.intermediate_size)
+    used = sum(u for u, _ in _ffn_widths(m))
+    routers = sum(m.num_experts for i in range(m.num_hidden_layers) if m.is_sparse_layer(i))
+    return m.num_hidden_layers * (h * q + 2 * h * kv + q * h) + 3 * h * used + h * routers
+
+
+def _expert_params(m: ModelConfig) -> int:
+    """Parameters of the routed experts (what a step reads only where its tokens go)."""
+    return sum(3 * m.hidden_size * m.moe_intermediate_size * m.num_experts
+               for i in range(m.num_hidden_layers) if m.is_sparse_layer(i))
 
 
 @dataclass(frozen=True)
@@ -237,9 +261,14 @@ class CostModel:
 
     @property
     def ffn_bytes(self) -> float:
+        """The FFN weights: dense FFNs, experts and shared experts (what TP shards)."""
         m = self.model
-        return float(3 * m.hidden_size * m.intermediate_size * m.num_hidden_layers
-                     * self.dtype_bytes)
+        return float(3 * m.hidden_size * sum(w for _, w in _ffn_widths(m)) * self.dtype_bytes)
+
+    @property
+    def expert_bytes(self) -> float:
+        """The routed experts' weights (0 for a dense model)."""
+        return float(_expert_params(self.model) * self.dtype_bytes)
 
     @property
     def activation(self) -> float:
@@ -321,6 +350,9 @@ class CostModel:
             "kv_bytes_per_token": float(m.kv_bytes_per_token(self.dtype_bytes, 1)),
             "allreduce_bytes_per_token": float(m.hidden_size * self.dtype_bytes),
             "ffn_bytes": self.ffn_bytes,
+            "expert_bytes": self.expert_bytes,
+            "n_experts": int(m.num_experts),
+            "experts_per_tok": int(m.num_experts_per_tok if m.is_moe else 0),
             "kv_heads": int(m.num_key_value_heads),
             "n_layers": int(m.num_hidden_layers),
             "hbm_bw": float(self.gpu.hbm_bw),
@@ -337,12 +369,22 @@ class CostModel:
 
     # ---- the float64 reference of csrc/policy/cost.c ----
 
+    def weight_read(self, n_tokens: int) -> float:
+        """Bytes of weights a step of n_tokens reads (every rank together): an MoE layer's
+        experts only where its tokens go, n tokens routed uniformly and independently touching
+        1 - (1 - k/E)^n of them."""
+        m = self.model
+        if not m.is_moe:
+            return self.weight_bytes
+        touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** n_tokens
+        return self.weight_bytes - self.expert_bytes + self.expert_bytes * touched
+
     def step_terms(self, tp, n_tokens, n_samples, kv_read_tokens, attn_pairs):
         """(bytes per rank, FLOPs per rank, communication seconds) of one step."""
         p = self._params()
         heads = max(1, p["kv_heads"] // tp)
         kv_rank = p["kv_bytes_per_token"] * heads / p["kv_heads"]
-        nbytes = p["weight_bytes"] / tp + kv_rank * (kv_read_tokens + n_tokens)
+        nbytes = self.weight_read(n_tokens) / tp + kv_rank * (kv_read_tokens + n_tokens)
         flops = (2 * p["matmul_params"] * n_tokens + 2 * p["lm_head_params"] * n_samples
                  + p["attn_flops_per_pair"] * attn_pairs) / tp
         comm = 0.0

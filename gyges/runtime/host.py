@@ -35,7 +35,7 @@ says why). Without a usable GPU the constructor raises UnavailableError with the
 anything is allocated.
 
 expert_parallel=True, or a layout that says so ('TP4EP4', '4xTP1EP1'; layout() says it too) (a
-mixture-of-experts model, CPU workers): each TPk group partitions the
+mixture-of-experts model, sharded weights, either backend): each TPk group partitions the
 experts over its k workers (EPk: rank r holds experts [r*E/k, (r+1)*E/k) whole, every shard)
 while attention, dense layers and a shared expert stay TP-sharded; the experts' outputs are
 exchanged by the group's all-reduce and combined in TP1's order, so the tokens are TP1's to the
@@ -146,10 +146,9 @@ class Host(Serving):
         replicated = self._replicated_workers(weights, workers)
         if layout is not None and layout_expert_parallel(layout):   # 'TP4EP4', '4xTP1EP1'
             expert_parallel = True
-        if expert_parallel and (replicated or backend != "cpu"):
-            raise InvalidArgumentError("expert_parallel=True partitions experts over the CPU "
-                                       "workers of sharded TP groups (weights='sharded', "
-                                       "backend='cpu')")
+        if expert_parallel and replicated:
+            raise InvalidArgumentError("expert_parallel=True partitions experts over the "
+                                       "workers of sharded TP groups (weights='sharded')")
         self.expert_parallel = bool(expert_parallel)
         self._lock = FairLock()
         layout = layout or f"{workers}xTP1"

@@ -147,10 +147,6 @@ class Worker:
         if backend == "cuda" and _C.cuda_forward_unavailable():
             # Refused before the weights are copied in, with the build's reason.
             raise UnavailableError(_C.cuda_forward_unavailable())
-        if backend == "cuda" and expert_parallel:
-            # the C model refuses it too (gy_forward_cuda_attach); said before the weights move
-            raise UnavailableError("backend='cuda' does not run expert parallelism yet; use "
-                                   "backend='cpu'")
         self.device = self.arena.device
         weights = WeightPages(config, model.tensors, weight_dtype, max_tp, self.page_size, pad_ffn)
         if weights.bytes > budget:  # said in the caller's words, before a weight is copied

@@ -602,6 +602,14 @@ cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
     return e != cudaSuccess ? e : emu_synchronize(emu_stream(NULL));
 }
 
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t stream) {
+    if (bytes == 0) return cudaSuccess;
+    if (dst == NULL) return emu_fail(cudaErrorInvalidValue);
+    emu_check_order(stream);
+    const emu_op op = {.kind = EMU_OP_SET, .dst = dst, .value = value, .bytes = bytes};
+    return emu_enqueue(stream, &op);
+}
+
 /* ---- streams ---- */
 
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t *stream, unsigned int flags, int priority) {
