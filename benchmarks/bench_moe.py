@@ -72,13 +72,19 @@ def paired_seconds(workers, n, rounds=7):
     return best
 
 
+KV_ROOM = 32 * 2**20   # bytes of KV a worker of section 2 has beside its weights
+
+
 def filled_host(config, threads):
-    """A 4x(TP1) host (expert-parallel for an MoE config) whose KV is 90% full: 240-token
-    requests spread over its instances, prefilled and a step decoded."""
+    """A 4x(TP1) host (expert-parallel for an MoE config) whose workers have KV_ROOM beside
+    their weights, 90% full: 240-token requests spread over its instances, prefilled and a step
+    decoded."""
     model = gyges.Model.random(config, seed=1)
-    host = gyges.Host(model, workers=4, memory_per_worker="320MiB", weight_dtype="bf16",
-                      threads_per_worker=threads, layout="4xTP1",
-                      expert_parallel=config.is_moe, max_batch_tokens=4096)
+    kw = dict(workers=4, weight_dtype="bf16", threads_per_worker=threads, layout="4xTP1",
+              expert_parallel=config.is_moe, max_batch_tokens=4096, max_running=256)
+    with gyges.Host(model, memory_per_worker="512MiB", **kw) as probe:
+        weights = probe.worker(0).arena.stats()["bytes_by_tag"]["weights"]
+    host = gyges.Host(model, memory_per_worker=weights + KV_ROOM, **kw)
     worker = host.worker(0)
     per_token = (2 * config.num_key_value_heads * config.head_dim * 4
                  * config.num_hidden_layers)
