@@ -450,8 +450,10 @@ class Host(Serving):
                 raise
             if not r.done:
                 self.reconfigurations.append(r)
-            log.info("%s %s -> %s%s", r.kind, before, self.layout(),
-                     "" if r.done else ": under way")
+            if r.done:
+                log.info("%s %s -> %s", r.kind, before, self.layout())
+            else:   # (the layout a live one leads to is known once it ends)
+                log.info("%s of %s on workers %s: under way", r.kind, before, list(r.workers))
             return r
 
     def cancel(self, r, why="cancelled"):
