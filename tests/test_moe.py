@@ -200,8 +200,8 @@ def test_expert_parallelism_gives_tp1_s_tokens_and_logprobs_to_the_bit(checkpoin
         # half the memory of TP1's experts, give or take the uneven split
         assert worker.arena.stats()["bytes_in_use"] < tp1.worker(rank).arena.stats()["bytes_in_use"]
     assert [(r.output_tokens, r.logprobs) for r in host.generate(ps, params)] == want
-    with pytest.raises(gyges.InvalidArgumentError, match="layer-staggered only"):
-        host.transform((0, 1), 1)   # at once: only the staggered executors move experts
+    with pytest.raises(gyges.InvalidArgumentError, match="moves no experts"):
+        host.buddy([0])   # only the TP transformations move experts
     tp1.close()
     host.close()
     with pytest.raises(gyges.InvalidArgumentError, match="mixture-of-experts model"):
@@ -242,14 +242,16 @@ def weight_bytes(host):
     return [host.worker(w).arena.stats()["bytes_by_tag"]["weights"] for w in range(4)]
 
 
-@pytest.mark.parametrize("family, dtype, params, split_to", [
-    ("mixtral", "f32", dict(temperature=0.0), 1),
-    ("qwen2_moe", "bf16", dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2), 2),
-    ("qwen3_moe", "f32", dict(temperature=0.7, seed=5), 1)])
-def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, params, split_to):
-    """4x(TP1EP1) -> TP4EP4 -> 4x(TP1EP1) (or 2x(TP2EP2)) layer-staggered while eight requests
-    decode: each worker of the merge keeps its block of experts whole and its dense shards,
-    dropping the rest layer by layer (no weight byte copied; its weights are then a TP4EP4
+@pytest.mark.parametrize("family, dtype, params, split_to, layers_per_step", [
+    ("mixtral", "f32", dict(temperature=0.0), 1, 1),
+    ("qwen2_moe", "bf16", dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2), 2, 1),
+    ("qwen3_moe", "f32", dict(temperature=0.7, seed=5), 1, 1),
+    ("qwen2_moe", "f32", dict(temperature=0.0), 2, None)])   # at once, between two steps
+def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, params, split_to,
+                                                                 layers_per_step):
+    """4x(TP1EP1) -> TP4EP4 -> 4x(TP1EP1) (or 2x(TP2EP2)), layer-staggered or at once, while
+    eight requests decode: each worker of the merge keeps its block of experts whole and its
+    dense shards, dropping the rest (no weight byte copied; its weights are then a TP4EP4
     host's to the byte), and the split gets the experts of its new rank back from the ranks that
     hold them (and, to TP2, gives back those it no longer owns). Every request's tokens (and
     logprobs) equal a 4xTP1 host's that never transformed, and each worker ends holding what a
@@ -270,7 +272,7 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
     reqs = [host.submit(p, params) for p in ps]
     host.step()
     n = model.config.num_experts
-    merge = host.transform((0, 1, 2, 3), 4, layers_per_step=1)
+    merge = host.transform((0, 1, 2, 3), 4, layers_per_step=layers_per_step)
     while not merge.done:
         host.step()
     assert merge.committed and host.layout() == "TP4EP4"
@@ -281,7 +283,7 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
         set(range(r * n // 4, (r + 1) * n // 4)) for r in range(4)]
     assert weight_bytes(host) == fresh["TP4EP4"]
     host.step()
-    split = host.transform((0, 1, 2, 3), split_to, layers_per_step=1)
+    split = host.transform((0, 1, 2, 3), split_to, layers_per_step=layers_per_step)
     while not split.done:
         host.step()
     assert split.committed and host.layout() == final
@@ -295,12 +297,13 @@ def test_a_live_expert_parallel_merge_and_split_keep_every_token(family, dtype, 
 
 
 @pytest.mark.parametrize("site", list(testing.SITES))
-@pytest.mark.parametrize("kind", ["merge, staggered", "split, staggered"])
+@pytest.mark.parametrize("kind", ["merge", "split", "merge, staggered", "split, staggered"])
 def test_a_fault_in_a_live_expert_parallel_transformation_loses_nothing(kind, site):
-    """gyges.testing's fault sweep on an expert-parallel host (4xTP1 -> TP4EP4; 2xTP2EP2, one
-    split to TP1): refused with nothing changed, rolled back (each layer's experts as they were,
-    the dropped ones refilled from the host copy), or done; every request with the tokens it
-    has alone, no page left behind."""
+    """gyges.testing's fault sweep on an expert-parallel host (4xTP1 -> TP4EP4 and TP4EP4 ->
+    4xTP1 at once; 4xTP1 -> TP4EP4 and 2xTP2EP2, one split to TP1, layer-staggered): refused
+    with nothing changed, rolled back (each layer's experts as they were, the dropped ones
+    refilled from the host copy), or done; every request with the tokens it has alone, no page
+    left behind."""
     r = testing.sweep_transformation(four_way("qwen2_moe"), kind, site, most=6, memory="32MiB",
                                      expert_parallel=True)
     if r["events"] == 0:

@@ -40,6 +40,8 @@ class _AtOnce(Transform):
     """What both directions share: the old instances live on (detached from their KV) until the
     commit retires them, and a rollback gives them back their requests and KV."""
 
+    moves_experts = True   # an expert-parallel worker drops or restores its experts whole
+
     def _detach_old(self, old, moved):
         """The old engines forget their requests' KV sequences (the new instances take the
         requests at the commit); journaled: they get the sequences back, as they then are."""
@@ -305,7 +307,12 @@ class ScaleDown(_AtOnce):
         for (j, r), w in plan.new_ranks:
             worker = host.worker(w)
             missing = worker.owned_shards(tp, r) - worker.weights.held
-            copied = worker.weights.restore_shards(missing, self._shard_source(w))
+            copied = worker.weights.restore_shards(missing, self._peer_source(
+                w, lambda weights: weights.held))
+            if worker.expert_parallel:   # the experts of its new rank, whole
+                copied += worker.weights.restore_experts(
+                    worker.owned_experts(tp, r), self._peer_source(
+                        w, lambda weights: weights.held_experts))
             self.stats["weight_bytes_copied"][w] = copied
             self.stats["weight_bytes_moved"] += copied
             self.stats["bytes_moved"] += copied
@@ -313,12 +320,16 @@ class ScaleDown(_AtOnce):
             worker = host.worker(w)
             self.stats["weight_bytes_released"][w] = worker.weights.drop_shards(
                 worker.owned_shards(tp, r))
+            if worker.expert_parallel:
+                self.stats["weight_bytes_released"][w] += worker.weights.drop_experts(
+                    worker.owned_experts(tp, r))
         self._time("weights", start)
 
-    def _shard_source(self, w):
-        """Where worker w's missing FFN shards come from: a peer of the group holding the shard
-        on w's own device (arena copies), else the host copy of the weights (weights_from="host",
-        or a peer on another GPU: arenas copy within one device only)."""
+    def _peer_source(self, w, held):
+        """Where worker w's missing FFN shards (or experts) come from: a peer of the group
+        holding one on w's own device (arena copies; held(its ModelWeights) says which it
+        holds), else the host copy of the weights (weights_from="host", or a peer on another
+        GPU: arenas copy within one device only)."""
         host = self.host
         if self.weights_from != "peers":
             return None
@@ -326,9 +337,9 @@ class ScaleDown(_AtOnce):
         holders = {}
         for v in self.workers:
             if host.worker(v).arena.device == device:
-                for s in host.worker(v).weights.held:
-                    holders.setdefault(s, v)
-        return lambda s: host.worker(holders[s]).weights if s in holders else None
+                for unit in held(host.worker(v).weights):
+                    holders.setdefault(unit, v)
+        return lambda unit: host.worker(holders[unit]).weights if unit in holders else None
 
     def _regeometry(self, w):
         """Worker w's cache as blocks of H/tp heads, every page given back (they come back

@@ -48,6 +48,8 @@ def weights_up(host, tr, plan, mechanism):
         keep = worker.owned_shards(plan.k, new_rank[w])
         if mechanism == "drop":
             worker.weights.drop_shards(keep)
+            if worker.expert_parallel:   # and the experts of the other ranks, whole
+                worker.weights.drop_experts(worker.owned_experts(plan.k, new_rank[w]))
         else:
             copied, _ = worker.weights.partial_swap(keep)
             tr.stats["weight_bytes_copied"][w] = copied

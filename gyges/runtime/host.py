@@ -39,10 +39,10 @@ mixture-of-experts model, sharded weights, either backend): each TPk group parti
 experts over its k workers (EPk: rank r holds experts [r*E/k, (r+1)*E/k) whole, every shard)
 while attention, dense layers and a shared expert stay TP-sharded; the experts' outputs are
 exchanged by the group's all-reduce and combined in TP1's order, so the tokens are TP1's to the
-bit. Such a host changes TP live, layer-staggered (transform with layers_per_step: AMOEBAs'
-4x(TP1EP1) -> TP4EP4): a merge keeps each new rank's block of experts whole and its dense shards
-and drops the rest layer by layer (nothing copied), a split maps the other experts again from the
-ranks that hold them; every other reconfiguration is refused.
+bit. Such a host changes TP (transform, at once or layer-staggered: AMOEBAs' 4x(TP1EP1) ->
+TP4EP4): a merge keeps each new rank's block of experts whole and its dense shards and drops the
+rest (nothing copied), a split maps the other experts again from the ranks that hold them; every
+other reconfiguration is refused.
 """
 import logging
 import operator
@@ -439,8 +439,8 @@ class Host(Serving):
                                 f"(r.done) before {r.kind}")
             if self.expert_parallel and not r.moves_experts:
                 raise InvalidArgumentError(f"{r.kind}: an expert-parallel host changes TP "
-                                           f"layer-staggered only (host.transform with "
-                                           f"layers_per_step): this one moves no experts")
+                                           f"(host.transform) and nothing else: this one moves "
+                                           f"no experts")
             before = self.layout()
             self.reconfigurations_started += 1
             try:

@@ -365,6 +365,14 @@ class ModelWeights:
         self.finish_layer_experts(set(keep) & self.held_experts)
         return freed
 
+    def restore_experts(self, experts, source=None):
+        """restore_layer_experts for every held layer, then held_experts says so. Returns the
+        bytes copied."""
+        copied = sum(self.restore_layer_experts(layer, experts, source)
+                     for layer in sorted(self.held_layers))
+        self.finish_layer_expert_restores(experts)
+        return copied
+
     def expert_slots_to_restore(self, experts):
         """Slots every held MoE layer must map to hold `experts` whole."""
         if self.held_experts is None:
