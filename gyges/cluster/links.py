@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from ..core.errors import InvalidArgumentError
 
 __all__ = ["Link", "LINKS", "NVLINK3", "NVLINK3_A800", "NVLINK4", "PCIE4_X16", "PCIE5_X16",
-           "RDMA_100G", "RDMA_200G", "HOST_MESSAGE", "HOST_CALL", "gpu_link", "LinkError"]
+           "RDMA_100G", "RDMA_200G", "HOST_MESSAGE", "HOST_CALL", "gpu_link", "host_link",
+           "LinkError"]
 
 
 class LinkError(InvalidArgumentError):
@@ -115,6 +116,14 @@ HOST_MESSAGE = 10e-6
 # tensor view): NVIDIA's "Getting Started with CUDA Graphs" (developer blog, 2019) measures a few
 # microseconds of CPU launch overhead per kernel; we take 5 us.
 HOST_CALL = 5e-6
+
+
+def host_link(gpu) -> Link:
+    """The link between a GPU of the kind `gpu` and its host's memory: PCIe 5.0 x16 for the
+    Hopper GPUs (the H100, H200 and H20 datasheets), PCIe 4.0 x16 for the A100, A800 and L40S;
+    a GPU of no preset gets PCIe 4.0."""
+    name = getattr(gpu, "name", str(gpu)).upper()
+    return PCIE5_X16 if name.startswith(("H100", "H200", "H20")) else PCIE4_X16
 
 
 def gpu_link(gpu) -> Link:

@@ -29,6 +29,10 @@ transform_slowdown  A Gyges transformation's per-step slowdown with overlap (its
 kunserve_exchange   KunServe's KV exchange of a drop (its 4.2): each member sends the KV of the
                     layers it dropped to the member that keeps them, over the buddy link, all at
                     once in both directions (pipeline.h's exchange formula).
+seesaw_reshard      Seesaw's re-sharding of the KV through CPU shared memory (the baseline of
+                    Gyges 6.2.3 / Figure 11): every GPU of the group offloads the KV it holds to
+                    host memory and loads its share in the new geometry back, over its PCIe link
+                    to the host, between two steps (nothing overlaps the step).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from . import links as links_mod
 from ..core.errors import InvalidArgumentError
 
 __all__ = ["Price", "flying_switch", "pipelive_stop", "pipelive_stop_layers", "transform_slowdown",
-           "pipeline_slowdown", "kunserve_exchange", "stage_link", "MechanismError"]
+           "pipeline_slowdown", "kunserve_exchange", "seesaw_reshard", "stage_link",
+           "MechanismError"]
 
 
 class MechanismError(InvalidArgumentError):
@@ -212,6 +217,31 @@ def transform_slowdown(cost, tp_from: int, tp_to: int, kv_fraction: float = 0.9,
              "link": min(comm, on_link) / step if src > 1 else 0.0}
     # without overlap (Gyges-): the copy runs between the steps instead
     return _price(terms, {"serial": on_link / step})
+
+
+def seesaw_reshard(cost, tp_from: int, tp_to: int, kv_fraction: float = 0.9,
+                   layers: int | None = None, decode_batch: int = 32,
+                   decode_context: int = 1024) -> Price:
+    """Seesaw's move of `layers` layers' KV (default all of them) for a TP change tp_from ->
+    tp_to with `kv_fraction` of the KV in use, as a fraction of a decode step of `decode_batch`
+    sequences at `decode_context` tokens (Figure 11's axis; transform_slowdown's `serial` is
+    Gyges' without overlap on the same axis). Terms: `offload` (each GPU's KV of those layers
+    to host memory over PCIe at eff_xfer) and `reload` (its share in the new geometry back);
+    the GPUs' PCIe links run in parallel."""
+    _need(cost, "roofline", "seesaw_reshard")
+    if not 0 <= kv_fraction <= 1:
+        raise MechanismError(f"kv_fraction must be in [0, 1], got {kv_fraction!r}")
+    lo, hi = _check_tps(tp_from, tp_to)
+    L = cost.model.num_hidden_layers
+    layers = L if layers is None else layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= L:
+        raise MechanismError(f"layers must be an int in [1, {L}], got {layers!r}")
+    kv_tokens = kv_fraction * cost.max_tokens(lo) * (hi // lo)   # as transform_slowdown's
+    # each of the hi GPUs holds 1/hi of the group's KV before and after
+    per_gpu = kv_tokens * cost.model.kv_bytes_per_token(cost.dtype_bytes, 1) / hi * layers / L
+    pcie = links_mod.host_link(cost.gpu).bw * cost.eff_xfer
+    step, _ = _decode(cost, tp_from, decode_batch, decode_context)
+    return _price({"offload": per_gpu / pcie / step, "reload": per_gpu / pcie / step})
 
 
 def kunserve_exchange(pcost, tokens, layers=None) -> Price:
