@@ -185,14 +185,14 @@ def nelder_mead(f, x0, step, iterations=80):
     return pts[i], vals[i]
 
 
-def calibrate_memory():
-    """mem_util and prefill_act_bytes from Table 1's maximal supported sequences (the
+def calibrate_memory(tps=(1, 2, 4)):
+    """mem_util and prefill_act_bytes from Table 1's maximal supported sequences of `tps` (the
     throughput rows do not depend on them at 1K-token sequences)."""
     def objective(x):
         v = {"mem_util": min(float(x[0]), 1.0), "prefill_act_bytes": float(np.exp(x[1]))}
         cost = CostModel.create("qwen2.5-32b", "h20", **v)
         return sum(math.log(max(cost.max_input_tokens(tp), 1) / PAPER_TABLE1[tp][1]) ** 2
-                   for tp in (1, 2, 4))
+                   for tp in tps)
 
     x, err = nelder_mead(objective, np.array([CALIBRATION["mem_util"],
                                               math.log(CALIBRATION["prefill_act_bytes"])]),
@@ -200,19 +200,69 @@ def calibrate_memory():
     return {"mem_util": min(float(x[0]), 1.0), "prefill_act_bytes": float(np.exp(x[1]))}, err
 
 
-def calibrate():
-    memory, _ = calibrate_memory()
+def calibrate(tps=(1, 2, 4), iterations=80):
+    """The step model's factors fitted to Table 1's throughput row at `tps` (and the memory
+    factors to its maximal sequences there)."""
+    memory, _ = calibrate_memory(tps)
     names = ("eff_flops", "eff_link", "allreduce_latency", "step_overhead")
 
     def objective(x):
         v = dict(zip(names, np.exp(x)))
         cost = CostModel.create("qwen2.5-32b", "h20", **v, **memory)
         return sum(math.log(max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0]) ** 2
-                   for tp in (1, 2, 4))
+                   for tp in tps)
 
     x, err = nelder_mead(objective, np.log([CALIBRATION[n] for n in names]),
-                         [0.3, 0.5, 1.0, 1.0])
+                         [0.3, 0.5, 1.0, 1.0], iterations)
     return {**dict(zip(names, (float(v) for v in np.exp(x)))), **memory}, err
+
+
+# Where each value of the cost model comes from, and what is physically plausible for it.
+SOURCES = {
+    "eff_flops": ("fitted: Table 1 throughput", "0.3-0.7 of dense bf16 peak (MFU of serving)"),
+    "eff_link": ("fitted: Table 1 throughput", "0.5-0.9 of NVLink (NCCL bus bandwidth)"),
+    "allreduce_latency": ("fitted: Table 1 throughput", "5-50 us (NCCL latency model)"),
+    "step_overhead": ("fitted: Table 1 throughput", "1-20 ms (scheduling, launches)"),
+    "mem_util": ("fitted: Table 1 max sequence", "0.8-0.95 (vLLM gpu_memory_utilization)"),
+    "prefill_act_bytes": ("fitted: Table 1 max sequence", "-"),
+    "eff_bw": ("chosen: decode GEMV bandwidth", "0.6-0.9 of HBM"),
+    "eff_xfer": ("chosen: bulk NVLink copies", "0.6-0.9 of NVLink"),
+    "activation_fraction": ("cited: Gyges 3.1, 14.3 of 96 GB", "-"),
+    "phase_latency_per_layer": ("chosen: driver calls, Gyges 6.2.2 scale", "-"),
+}
+PLAUSIBLE = {"eff_flops": (0.3, 0.7), "eff_link": (0.5, 0.9), "allreduce_latency": (5e-6, 50e-6),
+             "step_overhead": (1e-3, 20e-3), "mem_util": (0.8, 0.95)}
+
+
+def calibration_table(iterations=80):
+    """Every value of the calibrated cost model, its source, its error on the set it was
+    fitted to and, leaving each TP of Table 1 out in turn (refit on the other two, predict the
+    one left out), its held-out error; whether it lies in its plausible range."""
+    cost = CostModel.create("qwen2.5-32b", "h20")
+    fit = table1(cost)
+    held = {}
+    for out in (1, 2, 4):
+        rest = tuple(tp for tp in (1, 2, 4) if tp != out)
+        refit, _ = calibrate(rest, iterations)
+        row = next(r for r in table1(CostModel.create("qwen2.5-32b", "h20", **refit))
+                   if r["tp"] == f"TP{out}")
+        held[out] = row
+    fit_tput = float(np.mean([abs(r["single_err"]) for r in fit]))
+    fit_seq = float(np.mean([abs(r["max_seq_err"]) for r in fit]))
+    out_tput = float(np.mean([abs(r["single_err"]) for r in held.values()]))
+    out_seq = float(np.mean([abs(r["max_seq_err"]) for r in held.values()]))
+    rows = []
+    for name, (source, range_) in SOURCES.items():
+        value = CALIBRATION.get(name, DEFAULTS.get(name))
+        memory = name in ("mem_util", "prefill_act_bytes")
+        fitted = source.startswith("fitted")
+        lo_hi = PLAUSIBLE.get(name)
+        rows.append({"value": value, "name": name, "source": source, "range": range_,
+                     "fit_err": (fit_seq if memory else fit_tput) if fitted else None,
+                     "held_out_err": (out_seq if memory else out_tput) if fitted else None,
+                     "plausible": "-" if lo_hi is None else
+                     ("yes" if lo_hi[0] <= value <= lo_hi[1] else "NO")})
+    return rows, held
 
 
 # ---- 2. Gyges 6.2.4 ---------------------------------------------------------------------------
@@ -382,6 +432,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="shorter runs, one seed")
     ap.add_argument("--calibrate", action="store_true", help="refit the efficiency factors")
     ap.add_argument("--mechanisms", action="store_true", help="only the mechanism times")
+    ap.add_argument("--calibration-table", action="store_true",
+                    help="only the sources of the cost model's values, with fit and held-out "
+                         "errors (refits three times: minutes)")
     args = ap.parse_args()
     payload = {"mechanisms": mechanism_rows()}
     print_mechanisms(payload["mechanisms"])
@@ -390,6 +443,20 @@ def main():
         return
 
     calibration = dict(CALIBRATION)
+    if args.calibration_table:
+        t = time.perf_counter()
+        rows, held = calibration_table(iterations=40 if args.quick else 80)
+        payload["calibration_table"] = {"rows": rows, "held_out": {str(k): v for k, v in
+                                                                   held.items()}}
+        print_table(f"Where each value comes from (fit: mean |error| % on its set; held out: "
+                    f"each TP of Table 1 refitted without it and predicted; "
+                    f"{time.perf_counter() - t:.0f} s)", rows,
+                    [("name", "value of", "{}"), ("value", "", "{:.4g}"),
+                     ("source", "source", "{}"), ("fit_err", "fit err %", "{:.1f}"),
+                     ("held_out_err", "held out %", "{:.1f}"), ("range", "plausible", "{}"),
+                     ("plausible", "in it", "{}")])
+        write_json("bench_sim_calibration", payload)
+        return
     if args.calibrate:
         t = time.perf_counter()
         calibration, err = calibrate()

@@ -370,8 +370,10 @@ def test_a_replay_loses_nothing_to_a_killed_host_and_a_lost_node(nodes, tiny):
     nodes.wait_for_nodes()
     rng = np.random.default_rng(11)
     n = 24
+    # (outputs long enough that each host still streams when the losses look for one: with
+    # 30-60 tokens a fast machine once finished the replay before the first loss)
     trace = traces.from_arrays(np.sort(rng.uniform(0, 3.0, n)), rng.integers(20, 200, n),
-                               rng.integers(30, 60, n))
+                               rng.integers(80, 160, n))
     with gyges.Cluster(tiny, hosts=3, **REPLAY_HOST) as cluster:
         lost = [i for i, node in enumerate(cluster._nodes) if node == extra.node_id]
         assert len(lost) == 1 and lost[0] != 0
