@@ -592,6 +592,25 @@ def test_window_throughput_counts_the_tokens_of_the_window():
     assert math.isnan(res.window_throughput(0.0)[0])
 
 
+def test_gyges_gains_the_papers_throughput_over_rr_and_llf_once_they_saturate():
+    """Gyges 6.2.4 / Figure 12: +26.1% to +39.2% mean throughput over RR and LLF on 8 H20, a
+    result our simulator reproduces only under load. At the paper's rate the modelled cluster
+    still serves what arrives under every policy (RR and LL queue, at about their capacity,
+    and catch up: +4%); at 1.5x, where RR and LL fall behind (their eager merges for every
+    long prompt keep GPUs in TP4), gyges gains about the paper's figure, and it matches the
+    best complete static layout (1xTP4+4xTP1) throughout (the window throughput of Figure 12,
+    3 seeds, 1 h each)."""
+    def window(policy, rate, layout=None):
+        return np.mean([sim.run(traces.scale_rate(traces.gyges_mixed(3600, seed=seed), rate),
+                                policy=policy, layout=layout).window_throughput()[0]
+                        for seed in (0, 1, 2)])
+    for rate, lo, hi in ((1.0, 0.0, 0.10), (1.5, 0.20, 0.45)):
+        ours = window("gyges", rate)
+        for baseline in ("round_robin", "least_load"):
+            assert lo < ours / window(baseline, rate) - 1 < hi, (rate, baseline)
+        assert ours == pytest.approx(window("static", rate, "1xTP4+4xTP1"), rel=0.01)
+
+
 # ---- Flying Serving: a replicated cluster (bind / release) ----
 
 def _bursty(seed=1, scale=0.5, duration=300):
