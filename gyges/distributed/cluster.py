@@ -569,10 +569,16 @@ class Cluster:
         of sharded workers or that a reconfiguration holds. Returns the group (a SplitBuddy);
         two members on one host are cluster.host(h).buddy(...)."""
         self._check_open()
-        group = SplitBuddy(self, members, split).form()
-        with self._lock:
+        group = SplitBuddy(self, members, split)
+        with self._lock:   # (listed first: a member lost while it forms dissolves it)
             self.groups.append(group)
-        return group
+        try:
+            return group.form()
+        except BaseException:
+            with self._lock:
+                if group in self.groups:
+                    self.groups.remove(group)
+            raise
 
     def restore(self, group):
         """A split buddy group's members serve alone again: every request goes to the less

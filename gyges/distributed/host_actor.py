@@ -34,7 +34,7 @@ import logging
 import threading
 
 from ..cluster.experiment import capacities, instance_load
-from ..core.errors import BusyError, Error, InvalidArgumentError, OutOfMemoryError
+from ..core.errors import BusyError, Error, InvalidArgumentError, OutOfMemoryError, StateError
 from ..models.model import Model
 from ..reconfig.split_buddy import Follow, Lead
 from ..runtime.host import Host
@@ -62,6 +62,11 @@ class HostActor:
         self._closing = False
         self._paused = 0        # pause() calls not yet resumed
         self._split = {}        # group id -> this host's side (split_buddy.Lead or Follow)
+        # A side is made, changed and dissolved one call at a time (the driver's formation and
+        # a loss noticed by another of its threads may overlap); a group dissolved here (its
+        # other member lost) forms no side any more.
+        self._split_lock = threading.RLock()
+        self._dissolved = set()
         self._stepper = threading.Thread(target=self._step_loop, name="gyges-host-stepper",
                                          daemon=True)
         self._stepper.start()
@@ -386,35 +391,48 @@ class HostActor:
     def split_lead_begin(self, group, instance, split):
         """The leader's side: KV of layers [split, L) of the member's requests ({host id:
         array})."""
-        lead = Lead(self.host, instance, split)
-        upper = lead.upper_kv()
-        self._split[group] = lead
-        return upper
+        with self._split_lock:
+            self._check_group(group)
+            lead = Lead(self.host, instance, split)
+            upper = lead.upper_kv()
+            self._split[group] = lead
+            return upper
+
+    def _check_group(self, group):
+        if group in self._dissolved:
+            raise StateError(f"buddy group {group} was dissolved: its other member's host is "
+                             f"lost")
 
     def split_follow_form(self, group, instance, split, upper):
         """The follower's side (three returns): {host id: cluster id} of its requests, which go
         to the leader; [(host id, RequestPacket)]; the follower's capacity in KV blocks."""
-        follow = Follow(self.host, instance, split)
-        packets = follow.form(upper)
-        self._split[group] = follow
-        return self._forget([hid for hid, _ in packets]), packets, follow.capacity_blocks
+        with self._split_lock:
+            self._check_group(group)
+            follow = Follow(self.host, instance, split)
+            packets = follow.form(upper)
+            self._split[group] = follow
+            return self._forget([hid for hid, _ in packets]), packets, follow.capacity_blocks
 
     def split_lead_form(self, group, packets, placed, outlet, capacity_blocks):
         """packets: [(the follower's host id, RequestPacket)]; placed: {that id: (cluster id,
         epoch)}. Returns {the follower's host id: host id here}."""
-        lead = self._split[group]
-        try:
-            moved, handles = lead.form(packets, outlet, capacity_blocks)
-        except BaseException:
-            del self._split[group]
-            raise
-        for hid, (rid, epoch) in placed.items():
-            self._adopt(rid, handles[moved[hid]], epoch)
-        return moved
+        with self._split_lock:
+            self._check_group(group)
+            lead = self._split[group]
+            try:
+                moved, handles = lead.form(packets, outlet, capacity_blocks)
+            except BaseException:
+                del self._split[group]
+                raise
+            for hid, (rid, epoch) in placed.items():
+                self._adopt(rid, handles[moved[hid]], epoch)
+            return moved
 
     def split_follow_adopt(self, group, moved):
-        self._split[group].adopt(moved)
-        return True
+        with self._split_lock:
+            self._check_group(group)
+            self._split[group].adopt(moved)
+            return True
 
     def split_follow(self, group, step):
         """One leader step on the follower (engine/peer.h): logits bytes."""
@@ -441,23 +459,27 @@ class HostActor:
 
     def split_undo(self, group, placed=None):
         """A formation given up before the leader formed: this side as before (a follower's
-        own requests come back to it, recomputed; placed: {host id: (cluster id, epoch)})."""
-        side = self._split.pop(group, None)
-        if isinstance(side, Follow):
-            handles = side.unform()
-            for hid, (rid, epoch) in (placed or {}).items():
-                self._adopt(rid, handles[hid], epoch)
-        return True
+        own requests come back to it, recomputed; placed: {host id: (cluster id, epoch)}).
+        False when this side was gone already (dissolved by the other host's loss)."""
+        with self._split_lock:
+            side = self._split.pop(group, None)
+            if isinstance(side, Follow):
+                handles = side.unform()
+                for hid, (rid, epoch) in (placed or {}).items():
+                    self._adopt(rid, handles[hid], epoch)
+            return side is not None
 
     def split_dissolve(self, group):
         """The other side's host is lost: this side serves alone again (a leader's requests
         recomputed from their tokens, their KV above split gone with the follower)."""
-        side = self._split.pop(group, None)
-        if side is not None:
-            side.dissolve()
-            with self._cond:
-                self._cond.notify_all()
-        return side is not None
+        with self._split_lock:
+            self._dissolved.add(group)
+            side = self._split.pop(group, None)
+            if side is not None:
+                side.dissolve()
+                with self._cond:
+                    self._cond.notify_all()
+            return side is not None
 
     def split_stats(self, group):
         return dict(self._split[group].stats) if group in self._split else None

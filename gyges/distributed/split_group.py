@@ -120,7 +120,17 @@ class SplitBuddy:
                                                              _Outlet(b, self.id), capacity))
             except BaseException:
                 back = self._place({hid: rid for hid, (rid, _) in placed.items()}, hb)
-                c._get(hb, b.split_undo.remote(self.id, back))
+                try:
+                    undone = c._get(hb, b.split_undo.remote(self.id, back))
+                except StateError:   # the follower's host is lost too
+                    undone = False
+                if not undone:
+                    # a loss has dissolved the follower already, or taken it: the requests it
+                    # let go are placed anew, on a live host
+                    for rid, _ in back.values():
+                        h = c._handles.get(rid)
+                        if h is not None:
+                            c._resubmit(h)
                 raise
             c._get(hb, b.split_follow_adopt.remote(self.id, moved))
             self.stats["moved_to_leader"] = len(moved)

@@ -249,6 +249,7 @@ class Follow(_Side):
         self.worker = host.worker(self.member.workers[0])
         self._c = None
         self.capacity_blocks = 0
+        self._kept, self._packets = {}, []   # its own requests let go to the leader (form)
         self.stats = {"weight_bytes_released": 0, "steps": 0}
 
     def form(self, upper):
@@ -331,9 +332,14 @@ class Follow(_Side):
 
     def dissolve(self):
         """The leader's host is lost (its requests are placed elsewhere by the cluster): the
-        follower's KV goes and the worker serves alone again."""
+        follower's KV goes and the worker serves alone again. (Its own requests, let go to the
+        leader at the formation, are the cluster's to place again.)"""
         with self.host._lock:
             self._c = None   # (frees every sequence it held)
+            for seq in self._kept.values():   # (a formation the loss cut short)
+                if seq >= 0:
+                    self.worker.kv.free(seq)
+            self._kept, self._packets = {}, []
             self._serve_alone()
 
     def follow(self, step):
