@@ -620,19 +620,27 @@ class Cluster:
             time.sleep(max(0.0, STREAM_SECONDS - (time.monotonic() - started)))
 
     def _lost(self, index, why):
-        """Host `index` is gone: its unfinished requests go to the hosts left, recomputed."""
+        """Host `index` is gone: its unfinished requests go to the hosts left, recomputed. Found
+        lost again (a later call to it), it sends on any request placed there since: an
+        operation under way when the loss was noticed (a migration, a buddy group's formation
+        or restore) may still have placed one there, and it always calls that host after."""
         with self._lock:
-            if index not in self.live_hosts:
-                return
-            self.live_hosts.remove(index)
-            self.lost_hosts[index] = why
+            first = index in self.live_hosts
+            if first:
+                self.live_hosts.remove(index)
+                self.lost_hosts[index] = why
             orphans = [h for h in self._handles.values() if h.host == index]
-        log.warning("host %d lost (%s): %d requests submitted again", index, why, len(orphans))
-        with self._lock:
-            broken = [g for g in self.groups if index in g.hosts]
-            self.groups = [g for g in self.groups if g not in broken]
-        for g in broken:   # the other member serves alone again
-            g.lost(index)
+        if first:
+            log.warning("host %d lost (%s): %d requests submitted again", index, why,
+                        len(orphans))
+            with self._lock:
+                broken = [g for g in self.groups if index in g.hosts]
+                self.groups = [g for g in self.groups if g not in broken]
+            for g in broken:   # the other member serves alone again
+                g.lost(index)
+        elif orphans:
+            log.warning("host %d (lost) had %d requests placed on it since: submitted again",
+                        index, len(orphans))
         for h in orphans:
             self._resubmit(h)
 
