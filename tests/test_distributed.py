@@ -773,21 +773,21 @@ def test_a_lost_member_host_leaves_the_other_serving_alone(nodes, tiny, lost):
 
 
 # driver calls of a formation: info, pause, pause, lead_begin, follow_form, lead_form,
-# follow_adopt, resume, resume, stats, stats (make test kills at two; GYGES_FAULT_SWEEP=1 all)
-FORMATION_CALLS = range(1, 12)
+# follow_adopt, resume, resume, stats, stats; of a restore: stats, stats, pause, pause,
+# lead_leave, follow_restore, lead_restore, resume, resume (make test kills at two of each;
+# GYGES_FAULT_SWEEP=1 at all)
+FORMATION_CALLS, RESTORE_CALLS = range(1, 12), range(1, 10)
 FAST_FORMATION = {("leader", 6), ("follower", 7)}
+FAST_RESTORE = {("leader", 6), ("follower", 6)}
 
 
-@pytest.mark.parametrize("victim", ["leader", "follower"])
-@pytest.mark.parametrize("call", FORMATION_CALLS)
-def test_a_member_host_killed_while_a_split_group_forms_loses_nothing(nodes, tiny, victim, call):
-    """A member's host actor is killed before the driver's `call`-th wait of Cluster.buddy
-    (every step of the formation in turn, the leader's or the follower's). The formation
-    completes and the group then serves the survivor alone, or it is refused with a
-    gyges.Error; either way no group is left, the surviving host serves a TP1 instance, and
-    every request (the leader's and the follower's, some moved between them when it struck)
-    finishes with one Host's tokens."""
-    if (victim, call) not in FAST_FORMATION and not os.environ.get("GYGES_FAULT_SWEEP"):
+def split_group_killed_at(tiny, victim, call, fast, operate):
+    """Four requests on two one-worker hosts; `operate(cluster)` (forming or restoring a buddy
+    group split between them) with the leader's or the follower's host killed before the
+    driver's `call`-th wait of the operation that ends it. It completes or is refused with a
+    gyges.Error; either way no group is left, the surviving host serves a TP1 instance and
+    every request finishes with one Host's tokens."""
+    if (victim, call) not in fast and not os.environ.get("GYGES_FAULT_SWEEP"):
         pytest.skip("GYGES_FAULT_SWEEP=1 runs every point")
     params = gyges.SamplingParams(max_tokens=48, temperature=0.9, top_k=40, seed=3,
                                   ignore_eos=True)
@@ -797,71 +797,48 @@ def test_a_member_host_killed_while_a_split_group_forms_loses_nothing(nodes, tin
     with gyges.Cluster(tiny, hosts=2, **ONE) as cluster:
         handles = [cluster.submit(p, params, host=i % 2) for i, p in enumerate(ps)]
         started(handles)
-        on_call(cluster, call, lambda: ray.kill(cluster.host(host).actor, no_restart=True))
-        try:
-            cluster.buddy([(0, 0), (1, 0)])
-        except gyges.Error:
-            pass
-        finally:
-            cluster._get = type(cluster)._get.__get__(cluster)
-        if host in cluster.live_hosts:   # killed after the formation's last wait
+        operate(cluster, lambda: on_call(cluster, call, lambda: ray.kill(
+            cluster.host(host).actor, no_restart=True)), handles)
+        cluster._get = type(cluster)._get.__get__(cluster)
+        if host in cluster.live_hosts:   # killed after the operation's last wait
             ray.kill(cluster.host(host).actor, no_restart=True)
         killed = time.monotonic()
         while host in cluster.live_hosts:
             time.sleep(0.01)
             assert time.monotonic() - killed < 10, "the lost host was not noticed"
         assert cluster.wait(handles, timeout=60), [
-            (h.host, h.finished, h._epoch, h.resubmitted, h.migrations, len(h.output_tokens))
-            for h in handles] + [cluster.host(1 - host).stats()["instances"]]
+            (h.host, h.finished, h._epoch, h.resubmitted, len(h.output_tokens)) for h in handles]
         assert [(h.finish_reason, h.error) for h in handles] == [("length", None)] * len(ps)
         assert [h.output_tokens for h in handles] == [tokens for tokens, _ in want]
         assert all(h.recompute_mismatches == 0 for h in handles)
         assert cluster.groups == [] and cluster.host(1 - host).layout() == "TP1"
 
 
-# driver calls of a restore: stats, stats, pause, pause, lead_leave, follow_restore,
-# lead_restore, resume, resume
-RESTORE_CALLS = range(1, 10)
-FAST_RESTORE = {("leader", 6), ("follower", 6)}
+@pytest.mark.parametrize("victim", ["leader", "follower"])
+@pytest.mark.parametrize("call", FORMATION_CALLS)
+def test_a_member_host_killed_while_a_split_group_forms_loses_nothing(nodes, tiny, victim, call):
+    """split_group_killed_at for Cluster.buddy: every step of the formation in turn."""
+    def operate(cluster, arm, handles):
+        arm()
+        try:
+            cluster.buddy([(0, 0), (1, 0)])
+        except gyges.Error:
+            pass
+    split_group_killed_at(tiny, victim, call, FAST_FORMATION, operate)
 
 
 @pytest.mark.parametrize("victim", ["leader", "follower"])
 @pytest.mark.parametrize("call", RESTORE_CALLS)
 def test_a_member_host_killed_while_a_split_group_restores_loses_nothing(nodes, tiny, victim,
                                                                          call):
-    """As the formation's sweep, for Cluster.restore: a member's host is killed before each
-    driver wait of the restore (some requests on their way to the follower's host when it
-    strikes). The restore completes or is refused with a gyges.Error; no group is left, the
-    survivor serves a TP1 instance and every request finishes with one Host's tokens."""
-    if (victim, call) not in FAST_RESTORE and not os.environ.get("GYGES_FAULT_SWEEP"):
-        pytest.skip("GYGES_FAULT_SWEEP=1 runs every point")
-    params = gyges.SamplingParams(max_tokens=48, temperature=0.9, top_k=40, seed=3,
-                                  ignore_eos=True)
-    ps = prompts(4, seed=8)
-    want = one_host(tiny, ps, params)
-    host = 0 if victim == "leader" else 1
-    with gyges.Cluster(tiny, hosts=2, **ONE) as cluster:
-        handles = [cluster.submit(p, params, host=i % 2) for i, p in enumerate(ps)]
-        started(handles)
+    """split_group_killed_at for Cluster.restore of a formed group (some requests on their way
+    to the follower's host when it strikes)."""
+    def operate(cluster, arm, handles):
         group = cluster.buddy([(0, 0), (1, 0)])
         started(handles, 6)
-        on_call(cluster, call, lambda: ray.kill(cluster.host(host).actor, no_restart=True))
+        arm()
         try:
             cluster.restore(group)
         except gyges.Error:
             pass
-        finally:
-            cluster._get = type(cluster)._get.__get__(cluster)
-        if host in cluster.live_hosts:   # killed after the restore's last wait
-            ray.kill(cluster.host(host).actor, no_restart=True)
-        killed = time.monotonic()
-        while host in cluster.live_hosts:
-            time.sleep(0.01)
-            assert time.monotonic() - killed < 10, "the lost host was not noticed"
-        assert cluster.wait(handles, timeout=60), [
-            (h.host, h.finished, h._epoch, h.resubmitted, h.migrations, len(h.output_tokens))
-            for h in handles] + [cluster.host(1 - host).stats()["instances"]]
-        assert [(h.finish_reason, h.error) for h in handles] == [("length", None)] * len(ps)
-        assert [h.output_tokens for h in handles] == [tokens for tokens, _ in want]
-        assert all(h.recompute_mismatches == 0 for h in handles)
-        assert cluster.groups == [] and cluster.host(1 - host).layout() == "TP1"
+    split_group_killed_at(tiny, victim, call, FAST_RESTORE, operate)
