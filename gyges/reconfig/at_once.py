@@ -325,22 +325,6 @@ class ScaleDown(_AtOnce):
                     worker.owned_experts(tp, r))
         self._time("weights", start)
 
-    def _peer_source(self, w, held):
-        """Where worker w's missing FFN shards (or experts) come from: a peer of the group
-        holding one on w's own device (arena copies; held(its ModelWeights) says which it
-        holds), else the host copy of the weights (weights_from="host", or a peer on another
-        GPU: arenas copy within one device only)."""
-        host = self.host
-        if self.weights_from != "peers":
-            return None
-        device = host.worker(w).arena.device
-        holders = {}
-        for v in self.workers:
-            if host.worker(v).arena.device == device:
-                for unit in held(host.worker(v).weights):
-                    holders.setdefault(unit, v)
-        return lambda unit: host.worker(holders[unit]).weights if unit in holders else None
-
     def _regeometry(self, w):
         """Worker w's cache as blocks of H/tp heads, every page given back (they come back
         below for the new sequences); journaled: its old geometry, pages and tables."""

@@ -528,27 +528,14 @@ class StaggeredScaleDown(_Staggered):
         a peer on the same device or the host copy (all or nothing per shard or expert), before
         its KV moves (arenas copy within one device only: workers on separate GPUs restore
         from the host copy)."""
-        holders = {}  # (device, shard or ("expert", e)) -> a worker of the group holding it
-        for w in self.workers:
-            weights = self.host.worker(w).weights
-            for unit in [*weights.held, *(("expert", e) for e in weights.held_experts or ())]:
-                holders.setdefault((weights.arena.device, unit), w)
-
-        def source(device, kind=None):
-            if self.weights_from != "peers":
-                return None
-
-            def peer(unit):
-                key = (device, unit if kind is None else (kind, unit))
-                return self.host.worker(holders[key]).weights if key in holders else None
-            return peer
         for (j, r), w in self.plan.new_ranks:
             worker = self.host.worker(w)
-            device = worker.arena.device
-            copied = worker.weights.restore_layer_shards(layer, worker.owned_shards(self.to_tp, r),
-                                                         source(device))
+            copied = worker.weights.restore_layer_shards(
+                layer, worker.owned_shards(self.to_tp, r),
+                self._peer_source(w, lambda weights: weights.held))
             copied += worker.weights.restore_layer_experts(
-                layer, worker.owned_experts(self.to_tp, r) or (), source(device, "expert"))
+                layer, worker.owned_experts(self.to_tp, r) or (),
+                self._peer_source(w, lambda weights: weights.held_experts or ()))
             self.stats["weight_bytes_copied"][w] += copied
             self.stats["weight_bytes_moved"] += copied
             self.stats["bytes_moved"] += copied

@@ -71,6 +71,22 @@ class Transform(Reconfiguration):
         self._mark_base()
         self.undo(lambda: [host.worker(w).restore(cps[w]) for w in self.workers], "workers")
 
+    def _peer_source(self, w, held):
+        """Where worker w's missing FFN shards (or experts) come from, as ModelWeights'
+        restores take it: a peer of the group holding one on w's own device (arena copies;
+        held(its ModelWeights) says which it holds), else None, the host copy of the weights
+        (weights_from="host", or a peer on another GPU: arenas copy within one device only)."""
+        host = self.host
+        if self.weights_from != "peers":
+            return None
+        device = host.worker(w).arena.device
+        holders = {}
+        for v in self.workers:
+            if host.worker(v).arena.device == device:
+                for unit in held(host.worker(v).weights):
+                    holders.setdefault(unit, v)
+        return lambda unit: host.worker(holders[unit]).weights if unit in holders else None
+
     def _mark_base(self):
         """What peak_extra_bytes counts from: the bytes each worker holds now."""
         for w in self.workers:
