@@ -280,6 +280,7 @@ class Cluster:
         self.live_hosts = []
         self.lost_hosts = {}     # index -> why
         self.groups = []         # buddy groups split between hosts (SplitBuddy), formed
+        self._broken = {}        # lost host -> the groups its loss dissolved
         try:
             self._start_hosts(hosts, options, backend)
         except BaseException:
@@ -623,31 +624,39 @@ class Cluster:
         """Host `index` is gone: its unfinished requests go to the hosts left, recomputed. Found
         lost again (a later call to it), it sends on any request placed there since: an
         operation under way when the loss was noticed (a migration, a buddy group's formation
-        or restore) may still have placed one there, and it always calls that host after."""
+        or restore) may still have placed one there, and it always calls that host after.
+        Every notice (the poller's and a driver call's may overlap) first dissolves the groups
+        the host was in, so that no request is sent to a member still serving its group (the
+        actor makes a second dissolve wait for the first and do nothing), and sends on a
+        request only if no other notice has placed it meanwhile (its epoch)."""
         with self._lock:
             first = index in self.live_hosts
             if first:
                 self.live_hosts.remove(index)
                 self.lost_hosts[index] = why
-            orphans = [h for h in self._handles.values() if h.host == index]
+                self._broken[index] = [g for g in self.groups if index in g.hosts]
+                self.groups = [g for g in self.groups if index not in g.hosts]
+            broken = list(self._broken.get(index, ()))
+            orphans = [(h, h._epoch) for h in self._handles.values() if h.host == index]
         if first:
             log.warning("host %d lost (%s): %d requests submitted again", index, why,
                         len(orphans))
-            with self._lock:
-                broken = [g for g in self.groups if index in g.hosts]
-                self.groups = [g for g in self.groups if g not in broken]
-            for g in broken:   # the other member serves alone again
-                g.lost(index)
         elif orphans:
             log.warning("host %d (lost) had %d requests placed on it since: submitted again",
                         index, len(orphans))
-        for h in orphans:
-            self._resubmit(h)
+        for g in broken:   # the other member serves alone again
+            g.lost(index)
+        for h, epoch in orphans:
+            self._resubmit(h, epoch)
 
-    def _resubmit(self, h):
+    def _resubmit(self, h, epoch=None):
+        """Places request h anew on the least loaded live host that can hold it, recomputed.
+        epoch: only if h is still at that placement (no other thread has placed it since)."""
         refused = {}   # host -> why it cannot take the request (no instance holds it)
         while True:
             with self._lock:
+                if epoch is not None and (h._epoch != epoch or self._handles.get(h.id) is not h):
+                    return   # placed again, or ended, meanwhile
                 target = self._least_loaded(exclude=refused)
                 if target is None or self._closing:
                     self._handles.pop(h.id, None)
@@ -661,10 +670,7 @@ class Cluster:
                                                                       None, epoch))
                 return
             except StateError:
-                with self._lock:
-                    if h._epoch != epoch:
-                        return   # that host's loss has placed it again meanwhile
-                continue   # that one is gone too: the next
+                continue   # that one is gone too (its loss may have placed h: the epoch says)
             except Error as e:   # (its layout holds no instance this large): the next
                 refused[target] = str(e)
 

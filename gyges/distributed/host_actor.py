@@ -403,6 +403,14 @@ class HostActor:
             raise StateError(f"buddy group {group} was dissolved: its other member's host is "
                              f"lost")
 
+    def _side(self, group):
+        """This host's side of a formed group (a restore's calls, under _split_lock: a loss
+        noticed meanwhile dissolves it before or after, never during)."""
+        self._check_group(group)
+        if group not in self._split:
+            raise InvalidArgumentError(f"buddy group {group} has no side on this host")
+        return self._split[group]
+
     def split_follow_form(self, group, instance, split, upper):
         """The follower's side (three returns): {host id: cluster id} of its requests, which go
         to the leader; [(host id, RequestPacket)]; the follower's capacity in KV blocks."""
@@ -430,8 +438,7 @@ class HostActor:
 
     def split_follow_adopt(self, group, moved):
         with self._split_lock:
-            self._check_group(group)
-            self._split[group].adopt(moved)
+            self._side(group).adopt(moved)
             return True
 
     def split_follow(self, group, step):
@@ -441,21 +448,25 @@ class HostActor:
     def split_lead_leave(self, group):
         """Restore, first part (leader; three returns): {host id: cluster id} of the requests
         going to the follower's host, {host id: RequestPacket} of them, [host ids staying]."""
-        go, stay = self._split[group].split_homes()
-        return self._forget(list(go)), go, stay
+        with self._split_lock:
+            go, stay = self._side(group).split_homes()
+            return self._forget(list(go)), go, stay
 
     def split_follow_restore(self, group, go, stay, placed):
         """Restore (follower): go {the leader's host id: RequestPacket}, placed {that id:
         (cluster id, epoch)}. Returns the KV above split of the requests staying there."""
-        follow = self._split.pop(group)
-        upper, handles = follow.restore(go, stay)
-        for hid, (rid, epoch) in placed.items():
-            self._adopt(rid, handles[hid], epoch)
-        return upper
+        with self._split_lock:
+            upper, handles = self._side(group).restore(go, stay)
+            del self._split[group]
+            for hid, (rid, epoch) in placed.items():
+                self._adopt(rid, handles[hid], epoch)
+            return upper
 
     def split_lead_restore(self, group, upper):
-        self._split.pop(group).restore(upper)
-        return True
+        with self._split_lock:
+            self._side(group).restore(upper)
+            del self._split[group]
+            return True
 
     def split_undo(self, group, placed=None):
         """A formation given up before the leader formed: this side as before (a follower's

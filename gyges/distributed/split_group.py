@@ -127,10 +127,7 @@ class SplitBuddy:
                 if not undone:
                     # a loss has dissolved the follower already, or taken it: the requests it
                     # let go are placed anew, on a live host
-                    for rid, _ in back.values():
-                        h = c._handles.get(rid)
-                        if h is not None:
-                            c._resubmit(h)
+                    self._send_on(back.values())
                 raise
             c._get(hb, b.split_follow_adopt.remote(self.id, moved))
             self.stats["moved_to_leader"] = len(moved)
@@ -160,17 +157,31 @@ class SplitBuddy:
             ids, go, stay = a.split_lead_leave.options(num_returns=3).remote(self.id)
             placed = self._place(c._get(ha, ids), hb)
             upper = b.split_follow_restore.remote(self.id, go, stay, placed)
-            c._get(hb, upper)
+            try:
+                c._get(hb, upper)
+            except BaseException:
+                # the follower took none of them (the leader's loss dissolved its side first,
+                # or its own host is lost): each is placed anew, unless a loss has already
+                self._send_on(placed.values())
+                raise
             c._get(ha, a.split_lead_restore.remote(self.id, upper))
             self.stats["moved_to_follower"] = len(placed)
         self._paused(run)
         self.restored = True
         return self
 
+    def _send_on(self, placed):
+        """Requests [(cluster id, epoch)] this group placed on a member that did not take them:
+        placed anew on a live host (those still at that placement)."""
+        c = self.cluster
+        for rid, epoch in placed:
+            h = c._handles.get(rid)
+            if h is not None:
+                c._resubmit(h, epoch)
+
     def lost(self, host):
-        """Host `host` (one of the members') is lost: the other serves alone again."""
-        if self.restored:
-            return
+        """Host `host` (one of the members') is lost: the other serves alone again. (Every
+        notice of the loss calls it; the second dissolve does nothing.)"""
         self.restored = True
         other = self.hosts[1] if host == self.hosts[0] else self.hosts[0]
         if other in self.cluster.live_hosts:
