@@ -52,6 +52,17 @@ def test_flying_switch_is_its_terms_and_near_the_papers_15_ms():
         mechanisms.flying_switch(cost, 2, 3)
 
 
+def test_loongserve_scale_is_a_flying_switch_without_the_rebind():
+    """LoongServe's elastic instances keep whole replicas and a request's KV where it was made:
+    a scale-up re-points nothing, so only the signal and the group's first collective."""
+    cost = CostModel.create("qwen2.5-32b", "h20")
+    p = mechanisms.loongserve_scale(cost, 2, 8)
+    f = mechanisms.flying_switch(cost, 2, 8)
+    assert p.terms == {"signal": f.terms["signal"], "barrier": f.terms["barrier"]}
+    assert p.seconds == pytest.approx(f.seconds - f.terms["rebind"])
+    assert p.extra["drain"] == pytest.approx(f.extra["drain"])
+
+
 # PipeLive's testbed: Llama-3-70B (one-byte weights and KV) on an A100-80GB and an L40S on two
 # servers over 100 Gb/s InfiniBand, tau = 50 tokens.
 PIPE_IB = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6,

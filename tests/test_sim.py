@@ -14,6 +14,7 @@ import pytest
 
 import gyges
 from gyges import _C, _C_test, metrics, sim, traces
+from gyges.cluster import mechanisms
 from gyges.cluster.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
                              gpu_spec, model_config)
 from gyges.cluster.results import Results
@@ -318,8 +319,10 @@ def test_roofline_runs_and_is_deterministic():
 
 def test_c_cost_model_matches_python_reference():
     rng = np.random.default_rng(0)
-    for model in ("qwen2.5-32b", "llama3-8b", "llama2-7b", "qwen3-30b-a3b", "mixtral-8x7b"):
-        cm = CostModel.create(model, "h20", transform_slowdown=0.03)
+    for model, sp in (("qwen2.5-32b", 0), ("llama3-8b", 0), ("llama2-7b", 0),
+                      ("qwen3-30b-a3b", 0), ("mixtral-8x7b", 0), ("qwen2.5-32b", 1),
+                      ("qwen2.5-32b", 2), ("mixtral-8x7b", 2)):
+        cm = CostModel.create(model, "h20", transform_slowdown=0.03, sequence_parallel=sp)
         p = cm.params()
         for _ in range(200):
             tp = int(rng.choice([1, 2, 4, 8]))
@@ -670,10 +673,72 @@ def test_replicated_and_policy_mismatches_are_refused():
         sim.run(tr, policy="static", layout="8xTP1", weights="copied")
 
 
+# ---- LoongServe's elastic sequence parallelism (Gyges Figure 14's baseline) -------------------
+
+def test_sequence_parallel_steps_split_the_tokens_not_the_weights():
+    """A group of elastic instances (sequence_parallel = their TP) splits a long prefill's
+    tokens, so it is faster than one instance, but every part reads its whole weight shard:
+    one sequence's decode step is never cheaper than the part's own, unlike TP's."""
+    tp2 = CostModel.create("qwen2.5-32b", "h20")
+    sp = tp2.replace(sequence_parallel=2)
+    chunk = CostModel.batch_shape([(30000, 2048, False)])
+    one = CostModel.batch_shape([(30000, 1, True)])
+    assert sp.step_time(2, **chunk) == tp2.step_time(2, **chunk)   # one part: TP2 itself
+    assert sp.step_time(8, **chunk) < sp.step_time(4, **chunk) < sp.step_time(2, **chunk)
+    assert sp.step_time(8, **one) > sp.step_time(2, **one)          # + the partials' combine
+    assert tp2.step_time(8, **one) < tp2.step_time(2, **one)
+    nbytes, _, _ = sp.step_terms(8, 1, 1, 30000.0, 30000.0)
+    assert nbytes == pytest.approx(tp2.weight_bytes / 2 + 30001 * tp2._params()[
+        "kv_bytes_per_token"] / 2 / 4)   # a rank: its TP2 shard, its heads of a quarter of the KV
+    with pytest.raises(CostModelError, match="sequence_parallel"):
+        tp2.replace(sequence_parallel=3)
+
+
+LOONG = dict(policy="loongserve", weights="replicated", layout="4xTP2")
+
+
+def test_loongserve_scales_groups_up_for_long_prefills_and_keeps_every_requests_kv():
+    """Gyges 6.2.4's mix on 8 H20 with Qwen2.5-32B as LoongServe serves it: elastic instances of
+    TP2 (the layout's), a 50K prompt prefilled by a group of them, the group released after.
+    Every request is served and nothing is paused or recomputed (a token's KV stays where it
+    was made); without spreading prefills for speed (sp_min_prompt past every prompt) the long
+    prompts wait longer for their first token."""
+    tr = traces.gyges_mixed(300, seed=0)
+    res = sim.run(tr, check=True, **LOONG)
+    s = res.summary()
+    assert s["completed"] == s["requests"] and s["rejected"] == 0
+    assert res.stats["binds"] > 0 and res.stats["releases"] > 0
+    assert res.stats["paused"] == 0 and res.stats["recomputed"] == 0
+    assert not res.requests["migrations"].any()
+    t = res.transformations
+    assert set(t["kind"]) <= {4, 5} and not t["kv_bytes"].any() and not t["weight_bytes"].any()
+    cap = res.config["capacity_blocks"]   # elastic instances of TP2: the pool of their KV
+    assert cap[0] == 0 and cap[2] == 2 * cap[1] and cap[3] == 4 * cap[1]
+    assert res.config["cost"]["sequence_parallel"] == 2
+    assert res.config["switch_time"] == pytest.approx(
+        mechanisms.loongserve_scale(CostModel.create("qwen2.5-32b", "h20"), 2, 8).seconds)
+    q = res.requests
+    long = q["input_tokens"] == 50_000
+    slow = sim.run(tr, sp_min_prompt=1e9, **LOONG).requests
+    ttft = lambda q, m: np.mean((q["first_token"] - q["arrival"])[m])
+    assert ttft(q, long) < 0.8 * ttft(slow, long)
+    # replicas of TP1 have no room to prefill a 50K prompt even pooled: refused, as flying's
+    one = sim.run(tr, policy="loongserve", weights="replicated")
+    assert (one.requests["status"][one.requests["input_tokens"] == 50_000] == 4).all()
+
+
+def test_loongserve_needs_replicas_and_the_roofline():
+    tr = traces.poisson(1.0, n=5)
+    with pytest.raises(sim.SimError, match="weights='replicated'"):
+        sim.run(tr, policy="loongserve")
+    with pytest.raises(sim.SimError, match="CostModel"):
+        sim.run(tr, policy="loongserve", weights="replicated",
+                cost=ConstantCost(step=0.05, phase=0.1, capacity=(100, 250, 600, 1300)))
+
+
 # ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------
 
 from gyges.cluster.costmodel import PipelineCost  # noqa: E402
-from gyges.cluster import mechanisms  # noqa: E402
 
 # Llama-3-70B in one-byte weights and KV (bf16 does not fit 80 + 48 GB) on A100-80GB + L40S.
 PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6)

@@ -35,6 +35,9 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
             return GY_FAIL(GY_ERR_INVALID, "cost model: %s must be %s, got %g", f[i].name,
                            f[i].strict ? "> 0" : ">= 0", f[i].v);
     }
+    if (p->sequence_parallel < 0 || (p->sequence_parallel & (p->sequence_parallel - 1)))
+        return GY_FAIL(GY_ERR_INVALID, "cost model: sequence_parallel must be 0 or a power of two, "
+                       "got %d", (int)p->sequence_parallel);
     if (p->kv_heads < 1 || p->n_layers < 1)
         return GY_FAIL(GY_ERR_INVALID, "cost model: kv_heads and n_layers must be >= 1 (got %d, %d)",
                        (int)p->kv_heads, (int)p->n_layers);
@@ -68,26 +71,52 @@ gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p) {
     return GY_OK;
 }
 
-double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
-                                 const gy_sim_step_shape *s) {
-    if (s->n_tokens <= 0) return 0.0;
-    const double t = tp;
+/* A step of `sp` sequence-parallel parts, each a TP-`tp` group (a TP instance is one part):
+ * each part computes 1/sp of the tokens, their KV (every head) kept on the part that made it.
+ * Each rank reads its TP shard of the weights its tokens touch, its heads of its part's KV, and
+ * does 1/(sp tp) of the FLOPs. The TP all-reduces (two per layer, ring) carry its part's tokens;
+ * between parts, the new tokens' KV goes around the ring (bulk copies, hidden behind the
+ * attention they feed) and the partial attention of every query is combined once per layer. */
+static double gy_sim_parts_step_time(const gy_sim_roofline *p, int32_t sp, int32_t tp,
+                                     const gy_sim_step_shape *s) {
+    const double t = tp, parts = sp;
     const int32_t heads = p->kv_heads / tp > 1 ? p->kv_heads / tp : 1;
     const double kv_rank = p->kv_bytes_per_token * heads / p->kv_heads; /* one token, one rank */
-    const double bytes = gy_sim_roofline_weight_read(p, s->n_tokens) / t +
-                         kv_rank * (s->kv_read_tokens + (double)s->n_tokens);
+    const int32_t part_tokens = (int32_t)((s->n_tokens + sp - 1) / sp);
+    const double bytes = gy_sim_roofline_weight_read(p, part_tokens) / t +
+                         kv_rank * (s->kv_read_tokens + (double)s->n_tokens) / parts;
     const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
                           2.0 * p->lm_head_params * (double)s->n_samples +
-                          p->attn_flops_per_pair * s->attn_pairs) / t;
+                          p->attn_flops_per_pair * s->attn_pairs) / (t * parts);
+    const double flop_rate = p->peak_flops * p->eff_flops;
     const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
-    const double t_flop = flops / (p->peak_flops * p->eff_flops);
+    const double t_flop = flops / flop_rate;
     double time = p->step_overhead + (t_mem > t_flop ? t_mem : t_flop);
+    const double payload = p->allreduce_bytes_per_token * (double)s->n_tokens / parts;
     if (tp > 1) {
-        const double payload = p->allreduce_bytes_per_token * (double)s->n_tokens;
         const double one = 2.0 * (t - 1.0) / t * payload / (p->link_bw * p->eff_link) +
                            p->allreduce_latency;
         time += 2.0 * p->n_layers * one;
     }
+    if (sp > 1) {
+        const double ring = (parts - 1.0) / parts * kv_rank * (double)s->n_tokens /
+                            (p->link_bw * p->eff_xfer);
+        const double hidden = p->attn_flops_per_pair * s->attn_pairs / (t * parts) / flop_rate;
+        if (ring > hidden) time += ring - hidden;
+        const double partials = p->allreduce_bytes_per_token * (double)s->n_tokens / t;
+        time += p->n_layers * (2.0 * (parts - 1.0) / parts * partials /
+                                   (p->link_bw * p->eff_link) +
+                               p->allreduce_latency);
+    }
+    return time;
+}
+
+double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
+                                 const gy_sim_step_shape *s) {
+    if (s->n_tokens <= 0) return 0.0;
+    const int32_t unit = p->sequence_parallel;
+    const double time = unit > 0 && tp > unit ? gy_sim_parts_step_time(p, tp / unit, unit, s)
+                                              : gy_sim_parts_step_time(p, 1, tp, s);
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 

@@ -101,6 +101,16 @@ typedef struct gy_sim_roofline {
     double phase_latency_per_layer; /* >= 0: seconds of driver calls per layer per phase */
     double transform_slowdown;    /* >= 0: a step of an instance under transformation takes
                                      (1 + this) times longer (layer-staggered overlap) */
+    /* how an instance of tp > 1 GPUs splits its work */
+    int32_t sequence_parallel;    /* 0: tensor parallel (above). u > 0 (a power of two): an
+                                     instance of tp > u GPUs is sequence parallel over tp / u
+                                     TP-u parts (LoongServe's elastic instances): each part
+                                     computes 1/(tp/u) of the step's tokens and keeps their KV,
+                                     every head; a step passes its new tokens' KV around the
+                                     parts' ring (bulk copies at eff_xfer, hidden behind the
+                                     attention they feed) and combines the parts' partial
+                                     attention once per layer (an all-reduce of the queries) */
+    int32_t pad_;
 } gy_sim_roofline;
 
 /* Level l is TP 2^l; a TP above the last level measured is priced as the last (the Python side

@@ -13,6 +13,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_pipelive,
     &gy_sim_policy_kunserve,
     &gy_sim_policy_llumnix,
+    &gy_sim_policy_loongserve,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -23,7 +24,8 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
 }
 
 const char *gy_sim_policy_names(void) {
-    return "gyges, round_robin, least_load, static, flying, pipelive, kunserve, llumnix";
+    return "gyges, round_robin, least_load, static, flying, pipelive, kunserve, llumnix, "
+           "loongserve";
 }
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {
@@ -48,7 +50,12 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * restore (policy_kunserve.c) */
                                   .buddy_strategy = 0, .restore_wait = 5.0,
                                   /* llumnix: one migration per instance pair and look */
-                                  .max_migrations = 1};
+                                  .max_migrations = 1,
+                                  /* loongserve: a prompt of 8K tokens or more may take more
+                                   * instances than its KV needs (ours: the paper's scheduler
+                                   * prices each choice; at 8K a TP1 prefill of a 32B model on
+                                   * an H20 is about a second) */
+                                  .sp_min_prompt = 8192.0};
 }
 
 int gy_sim_level(int32_t tp) {

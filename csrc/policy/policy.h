@@ -37,7 +37,10 @@
  * (policy_pipelive.c: re-splits pipelines as the prefill/decode mix shifts), kunserve
  * (policy_kunserve.c: drops parameters into buddy groups under KV pressure, restores after),
  * llumnix (policy_llumnix.c: least-load placement, then live migrations from the instance
- * whose KV demand is highest to the one where it is lowest: KunServe's migration baseline). */
+ * whose KV demand is highest to the one where it is lowest: KunServe's migration baseline),
+ * loongserve (policy_loongserve.c: LoongServe's elastic sequence parallelism on a replicated
+ * cluster whose bound instances are sequence parallel: a long prompt scales its group up for its
+ * prefill, the group scales down once its prompts are done). */
 #ifndef GY_POLICY_POLICY_H
 #define GY_POLICY_POLICY_H
 
@@ -231,6 +234,8 @@ typedef struct gy_sim_policy_config {
     int32_t max_migrations;  /* llumnix: live migrations one rebalance may start */
     double restore_wait;     /* kunserve: seconds a group's demand must fit its members' own KV
                                 before it restores */
+    double sp_min_prompt;    /* loongserve: the shortest prompt (tokens) whose prefill may be
+                                spread over more instances than its KV needs, for speed */
 } gy_sim_policy_config;
 
 /* The contract the controller relies on to decide waiting requests again only when it can
@@ -266,6 +271,7 @@ extern const gy_sim_policy_ops gy_sim_policy_flying;
 extern const gy_sim_policy_ops gy_sim_policy_pipelive;
 extern const gy_sim_policy_ops gy_sim_policy_kunserve;
 extern const gy_sim_policy_ops gy_sim_policy_llumnix;
+extern const gy_sim_policy_ops gy_sim_policy_loongserve;
 
 /* ---- helpers the policies share ---- */
 

@@ -40,10 +40,39 @@
  * (their requests move along); above it, instances split as above once the load passes 4x the
  * threshold that merged them (the margin keeps a passing burst from churning). While a request
  * needs more than that base, the base is 1 (the paper's regime). Rebalance then also runs at
- * every tick (monitor), since a TP1 step never calls it. */
+ * every tick (monitor), since a TP1 step never calls it.
+ *
+ * The work mix (ours): scale_up_cap keeps TP1 instances for short requests, which on Gyges'
+ * workloads are most of the work. Where long prompts are (Mooncake's trace: 90% of the prompt
+ * tokens need TP > 1), the TP1 half would idle while the long half queues (at 0.2 req/s on 8
+ * H20, 0.6x the output throughput of least-load). So a scale-up may also take the GPUs at TP > 1
+ * to the long requests' share of the recent prompt tokens (arrivals, decayed over
+ * GYGES_MIX_SECONDS), give or take half its group. */
 #include "policy.h"
 
+#include <math.h>
 #include <string.h>
+
+#define GYGES_MIX_SECONDS 120.0 /* (ours) a couple of Gyges 6.2.4's long arrivals */
+
+typedef struct gyges_state {
+    double t;           /* when the mix was last updated */
+    double long_tokens; /* decayed prompt tokens of arrivals that need TP > 1 */
+    double all_tokens;  /* decayed prompt tokens of every arrival */
+} gyges_state;
+
+/* The long requests' share of the recent prompt tokens (state NULL: no history, 0). */
+static double gyges_long_share(const gyges_state *st) {
+    return st != NULL && st->all_tokens > 0 ? st->long_tokens / st->all_tokens : 0;
+}
+
+static void gyges_count_arrival(gyges_state *st, const gy_sim_view *v, const gy_sim_req_view *r) {
+    if (st == NULL || r->deferred) return;
+    const double decay = st->all_tokens > 0 ? exp(-(v->now - st->t) / GYGES_MIX_SECONDS) : 0;
+    st->t = v->now;
+    st->long_tokens = st->long_tokens * decay + (r->min_tp > 1 ? (double)r->prompt : 0);
+    st->all_tokens = st->all_tokens * decay + (double)r->prompt;
+}
 
 /* Least load; ties to the smaller TP for short requests (more throughput per GPU), to the
  * larger for long ones (more room for the next), then the lower GPU. */
@@ -181,16 +210,19 @@ static void gyges_gate_merges(const gy_sim_policy_config *cfg, const gy_sim_view
     d->n_ops = kept;
 }
 
-/* 1 when the GPUs at TP > 1 or reserved, with group g added, stay within scale_up_cap. */
-static int gyges_within_cap(const gy_sim_policy_config *cfg, const gy_sim_view *v,
-                            gy_sim_group g) {
+/* 1 when the GPUs at TP > 1 or reserved, with group g added, stay within scale_up_cap of them,
+ * or within the long requests' share of the work `long_share` give or take half the group (the
+ * nearest whole group to that share). */
+static int gyges_within_cap(const gy_sim_policy_config *cfg, double long_share,
+                            const gy_sim_view *v, gy_sim_group g) {
     int32_t scaled = 0;
     for (int32_t x = 0; x < v->n_gpus; x++) {
         scaled += v->inst[v->gpu_inst[x]].tp > 1 ||
                   gy_sim_ranges_overlap(x, 1, g.gpu_first, g.size) ||
                   gy_sim_pending_overlaps(v, x, 1, 0);
     }
-    return scaled <= cfg->scale_up_cap * v->n_gpus;
+    return scaled <= cfg->scale_up_cap * v->n_gpus ||
+           scaled <= long_share * v->n_gpus + 0.5 * g.size;
 }
 
 static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
@@ -200,6 +232,8 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
     }
+    gyges_count_arrival(state, v, r);
+    const double long_share = gyges_long_share(state);
     if (r->min_tp == 1) { /* short */
         int32_t k = -1;
         for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier);
@@ -228,7 +262,7 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
         /* No instance has room for it now, but one at its TP will once its requests finish:
          * a scale-up beyond scale_up_cap would leave short requests too few instances (at 2x
          * the 6.2.4 rate, a second TP4 left none), so it waits for room instead. */
-        if (k < 0 && can_scale && up.group.size > 0 && !gyges_within_cap(cfg, v, up.group))
+        if (k < 0 && can_scale && up.group.size > 0 && !gyges_within_cap(cfg, long_share, v, up.group))
             for (int32_t j = 0; j < v->n_inst; j++)
                 if (v->inst[j].tp >= r->min_tp && v->inst[j].kv_total >= r->footprint) {
                     memset(d, 0, sizeof *d);
@@ -244,7 +278,7 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
     }
     if (k >= 0 && (!can_scale || up.group.size == 0 ||
                    gy_sim_policy_load(cfg, &v->inst[k]) - group_load <= cfg->scale_up_load ||
-                   !gyges_within_cap(cfg, v, up.group))) {
+                   !gyges_within_cap(cfg, long_share, v, up.group))) {
         d->action = GY_SIM_ACTION_PLACE;
         d->target = k;
         if (v->inst[k].held)
@@ -323,7 +357,7 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
 
 const gy_sim_policy_ops gy_sim_policy_gyges = {
     .name = "gyges",
-    .state_size = 0,
+    .state_size = sizeof(gyges_state),
     .place = gyges_place,
     .rebalance = gyges_rebalance,
     .monitor = 1,

@@ -96,6 +96,8 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         GY_PY_SIM_FIELD(&roof->allreduce_latency, "allreduce_latency", 0);
         GY_PY_SIM_FIELD(&roof->phase_latency_per_layer, "phase_latency_per_layer", 0);
         GY_PY_SIM_FIELD(&roof->transform_slowdown, "transform_slowdown", 0);
+        if (PyDict_GetItemString(params, "sequence_parallel") != NULL) /* (else tensor parallel) */
+            GY_PY_SIM_FIELD(&roof->sequence_parallel, "sequence_parallel", 1);
         st = gy_sim_roofline_check(roof);
         if (st != GY_OK) {
             gy_py_raise(st);
@@ -278,7 +280,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "switch_time", "flying_tp", "light_load", "pipeline",
                             "pipe_layers", "buddy", "buddy_group", "live_restore",
                             "buddy_strategy", "restore_wait", "swap_bw", "kv_token_bytes",
-                            "migrate_bw", "idle_load", NULL};
+                            "migrate_bw", "idle_load", "sequence_parallel", "sp_min_prompt",
+                            NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -291,16 +294,17 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     double switch_time = 0.0, light_load = defaults.light_load, idle_load = defaults.idle_load;
     int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
     double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0,
-           migrate_bw = 0.0;
+           migrate_bw = 0.0, sp_min_prompt = defaults.sp_min_prompt;
+    int sequence_parallel = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipiddddd", names, &hosts,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddddpd", names, &hosts,
             &gpus_per_host, &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
             &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
             &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes,
-            &migrate_bw, &idle_load))
+            &migrate_bw, &idle_load, &sequence_parallel, &sp_min_prompt))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -351,11 +355,13 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                           .flying_tp = flying_tp, .light_load = light_load,
                           .idle_load = idle_load, .buddy_strategy = buddy_strategy,
                           .restore_wait = restore_wait,
-                          .max_migrations = defaults.max_migrations},
+                          .max_migrations = defaults.max_migrations,
+                          .sp_min_prompt = sp_min_prompt},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
         .replicated = replicated,
         .switch_time = switch_time,
+        .sequence_parallel = sequence_parallel,
         .pipeline = pipe_o == Py_None ? NULL : &pipeline,
         .pipe_layers = pipe_layers,
         .buddy = buddy,

@@ -2,7 +2,9 @@
  * the unbound instances of an aligned group one bound TP instance over their replicas, a release
  * gives the members back. No weights move (every GPU keeps its replica), only switch_time
  * passes: a bind pauses the members' requests with their KV and recomputes their TP work on the
- * bound instance; a release resumes the paused requests where they were. */
+ * bound instance; a release resumes the paused requests where they were. The same two are
+ * LoongServe's elastic scale-up and scale-down when the bound instance is sequence parallel
+ * (config.sequence_parallel): every request then keeps its KV through both. */
 #include "sim_impl.h"
 
 /* Starts a bind of the members [first, first + n) (slots) into one TP-size instance: they serve
@@ -74,11 +76,14 @@ gy_status gy_sim_try_release(gy_sim *s, const gy_sim_op *op, int32_t *started) {
 }
 
 /* The members' TP work moves to the new bound instance (recomputed: its KV had the members'
- * geometry); the rest pause with their KV, which keeps its blocks in the members' pools. */
+ * geometry); the rest pause with their KV, which keeps its blocks in the members' pools. A
+ * sequence-parallel bind moves every request in with its KV: nothing pauses, and the bound
+ * instance's blocks are the members' pooled capacity. */
 gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
     const int32_t member_tp = o->tp_from;
+    const int sp = s->config.sequence_parallel;
     int64_t moving = -1, paused = -1, n_paused = 0, least_free = INT64_MAX;
     for (int32_t k = 0; k < f->n_src; k++) {
         gy_sim_inst *m = &s->inst[f->src[k]];
@@ -87,11 +92,12 @@ gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
         while (m->head >= 0) {
             const int64_t r = m->head;
             gy_sim_req *q = &s->req[r];
-            GY_TRY(gy_sim_lift(s, r, q->tp_work)); /* TP work is recomputed under TP */
-            if (q->tp_work) {
+            const int recompute = q->tp_work && !sp; /* TP work is recomputed under TP */
+            GY_TRY(gy_sim_lift(s, r, recompute));
+            if (q->tp_work || sp) {
                 q->next = moving;
                 moving = r;
-                s->stats.n_recomputed++;
+                if (recompute) s->stats.n_recomputed++;
             } else {
                 q->home = home;
                 q->next = paused;
@@ -108,11 +114,14 @@ gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
     int32_t c;
     GY_TRY(gy_sim_inst_create(s, o->gpu_first, o->tp_to, &c));
     gy_sim_inst *b = &s->inst[c];
-    /* a TP-k block holds k / member_tp times the tokens of a member's block in the same bytes */
-    int64_t cap = least_free * (o->tp_to / member_tp);
-    if (cap > b->core.counter_total) cap = b->core.counter_total;
-    if (cap < 1) cap = 1;
-    GY_TRY(gy_sim_instance_set_capacity(&b->core, cap));
+    if (!sp) { /* (SP: the requests come with their blocks into the pooled capacity) */
+        /* a TP-k block holds k / member_tp times the tokens of a member's block in the same
+         * bytes */
+        int64_t cap = least_free * (o->tp_to / member_tp);
+        if (cap > b->core.counter_total) cap = b->core.counter_total;
+        if (cap < 1) cap = 1;
+        GY_TRY(gy_sim_instance_set_capacity(&b->core, cap));
+    }
     b->bound = 1;
     b->member_tp = member_tp;
     b->paused_head = paused;
@@ -122,14 +131,15 @@ gy_status gy_sim_bind_switch(gy_sim *s, int64_t x) {
         const int64_t r = moving;
         moving = s->req[r].next;
         GY_TRY(gy_sim_land(s, r, c));
-        s->out[r].migrations++;
+        if (!sp) s->out[r].migrations++; /* (SP: its KV stays where it is) */
         o->n_migrated++;
     }
     return gy_sim_xf_finish(s, x, c, &s->stats.n_binds);
 }
 
 /* The members come back: their paused requests resume, KV and progress kept; the bound
- * instance's own requests (a release under load) are recomputed on the members packed. */
+ * instance's own requests (a release under load) are recomputed on the members packed (SP:
+ * they go with their KV, placed on their member during the prefill). */
 gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
     gy_sim_xf *f = &s->xf[x];
     gy_sim_transform_out *o = &s->xf_out[x];
@@ -140,14 +150,15 @@ gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
     if (!gy_sim_pack_members(s, c))
         return GY_FAIL(GY_ERR_STATE, "a release's requests no longer fit its members");
     int64_t moving = -1;
+    const int sp = s->config.sequence_parallel;
     while (s->inst[c].head >= 0) { /* recomputed on the member gy_sim_pack chose (req.half) */
         const int64_t r = s->inst[c].head;
         gy_sim_req *q = &s->req[r];
-        GY_TRY(gy_sim_lift(s, r, 1));
+        GY_TRY(gy_sim_lift(s, r, !sp));
         q->tp_work = 0;
         q->next = moving;
         moving = r;
-        s->stats.n_recomputed++;
+        if (!sp) s->stats.n_recomputed++;
     }
     GY_TRY(gy_sim_inst_destroy(s, c));
     int32_t members[GY_SIM_XF_MAX_SRC];
@@ -161,7 +172,7 @@ gy_status gy_sim_release_switch(gy_sim *s, int64_t x) {
         const int32_t slot = members[q->half];
         q->half = -1;
         GY_TRY(gy_sim_land(s, r, slot));
-        s->out[r].migrations++;
+        if (!sp) s->out[r].migrations++;
         o->n_migrated++;
     }
     while (paused >= 0) {

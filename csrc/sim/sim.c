@@ -337,6 +337,11 @@ common:
         return GY_FAIL(GY_ERR_INVALID, "sample_interval must be > 0, got %g", c->sample_interval);
     if (c->replicated && (!(c->switch_time >= 0) || !isfinite(c->switch_time)))
         return GY_FAIL(GY_ERR_INVALID, "switch_time must be >= 0, got %g", c->switch_time);
+    if ((c->sequence_parallel != 0 && c->sequence_parallel != 1) ||
+        (c->sequence_parallel && !c->replicated))
+        return GY_FAIL(GY_ERR_INVALID, "sequence_parallel must be 0 or 1, and 1 only on a "
+                       "replicated cluster (got %d, replicated %d)", (int)c->sequence_parallel,
+                       (int)c->replicated);
     if (t == NULL || t->n < 0 || (t->n > 0 && (t->arrival == NULL || t->input_tokens == NULL ||
                                                t->output_tokens == NULL)))
         return GY_FAIL(GY_ERR_INVALID, "the trace is missing columns");

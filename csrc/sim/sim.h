@@ -42,7 +42,9 @@
  *            members (packed largest first; refused when one fits no member). It takes no new
  *            requests meanwhile.
  *   Nothing moves: the transform records carry no bytes. MERGE and SPLIT are refused there, and
- *   BIND and RELEASE elsewhere.
+ *   BIND and RELEASE elsewhere. With `sequence_parallel` (LoongServe) a bind pauses nothing: every
+ *   member's request moves into the bound instance with its KV, whose blocks are the members'
+ *   pooled capacity; a release packs its requests onto the members with their KV.
  * On a pipeline cluster (`pipeline`: PipeLive) every host is one pipeline instance, stage i on
  * the host's GPU i (its kind in the pipeline's stage i), priced and sized by policy/pipeline.h;
  * its one reconfiguration is
@@ -116,6 +118,15 @@ typedef struct gy_sim_config {
     int32_t replicated;           /* 1: every GPU keeps its replica; BIND / RELEASE (above), and
                                      capacity[l] is the pooled blocks of a bound TP-2^l group */
     double switch_time;           /* replicated: seconds of a bind or a release (>= 0) */
+    int32_t sequence_parallel;    /* replicated: 1 a bound instance is a sequence-parallel group
+                                     (LoongServe's elastic instances; the cost model prices it
+                                     so): a bind takes every member's requests in with their KV
+                                     (SP keeps a token's KV whole on one rank, so nothing is
+                                     paused or recomputed) and a release packs the bound
+                                     instance's requests onto the members with their KV (the
+                                     KV's place planned during the prefill: LoongServe's
+                                     proactive scale-down), refused while one fits no member */
+    int32_t pad_sp_;
     const gy_sim_pipeline *pipeline; /* NULL: TP groups. Else a pipeline cluster (above): every
                                      host is one pipeline of pipeline->n_stages GPUs
                                      (gpus_per_host), max_tp 1, not replicated; layout and

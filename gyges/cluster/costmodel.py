@@ -218,6 +218,9 @@ class CostModel:
     mem_util: float = CALIBRATION["mem_util"]
     activation_bytes: float | None = None   # per GPU; None: activation_fraction of its memory
     prefill_act_bytes: float = CALIBRATION["prefill_act_bytes"]  # per prompt token at TP1
+    # 0: an instance of tp GPUs is tensor parallel; u: sequence parallel over TP-u parts when
+    # tp > u (LoongServe's elastic instances of u GPUs, cost.h)
+    sequence_parallel: int = 0
     note: str = field(default="", compare=False)
 
     kind = "roofline"
@@ -239,6 +242,9 @@ class CostModel:
         v = self.prefill_act_bytes
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise CostModelError(f"prefill_act_bytes must be a finite number >= 0, got {v!r}")
+        u = self.sequence_parallel
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0 or u & (u - 1):
+            raise CostModelError(f"sequence_parallel must be 0 or a power of two, got {u!r}")
         if not 0 < self.mem_util <= 1:
             raise CostModelError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
 
@@ -365,6 +371,7 @@ class CostModel:
             "step_overhead": float(self.step_overhead),
             "allreduce_latency": float(self.allreduce_latency),
             "phase_latency_per_layer": float(self.phase_latency_per_layer),
+            "sequence_parallel": int(self.sequence_parallel),
         }
 
     # ---- the float64 reference of csrc/policy/cost.c ----
@@ -380,19 +387,32 @@ class CostModel:
         return self.weight_bytes - self.expert_bytes + self.expert_bytes * touched
 
     def step_terms(self, tp, n_tokens, n_samples, kv_read_tokens, attn_pairs):
-        """(bytes per rank, FLOPs per rank, communication seconds) of one step."""
+        """(bytes per rank, FLOPs per rank, communication seconds) of one step. A TP instance
+        is one part; a sequence-parallel one of tp GPUs (sequence_parallel = u < tp) is tp / u
+        TP-u parts, each computing 1/(tp/u) of the tokens and keeping their KV (cost.h)."""
         p = self._params()
+        u = int(self.sequence_parallel)
+        parts, tp = (tp // u, u) if 0 < u < tp else (1, tp)
         heads = max(1, p["kv_heads"] // tp)
         kv_rank = p["kv_bytes_per_token"] * heads / p["kv_heads"]
-        nbytes = self.weight_read(n_tokens) / tp + kv_rank * (kv_read_tokens + n_tokens)
+        nbytes = self.weight_read(-(-n_tokens // parts)) / tp \
+            + kv_rank * (kv_read_tokens + n_tokens) / parts
+        attn_flops = p["attn_flops_per_pair"] * attn_pairs
         flops = (2 * p["matmul_params"] * n_tokens + 2 * p["lm_head_params"] * n_samples
-                 + p["attn_flops_per_pair"] * attn_pairs) / tp
+                 + attn_flops) / (tp * parts)
+        payload = p["allreduce_bytes_per_token"] * n_tokens / parts
         comm = 0.0
         if tp > 1:
-            payload = p["allreduce_bytes_per_token"] * n_tokens
             one = 2 * (tp - 1) / tp * payload / (p["link_bw"] * p["eff_link"]) \
                 + p["allreduce_latency"]
             comm = 2 * p["n_layers"] * one
+        if parts > 1:   # the KV ring behind the attention, and the partials combined per layer
+            ring = (parts - 1) / parts * kv_rank * n_tokens / (p["link_bw"] * p["eff_xfer"])
+            hidden = attn_flops / (tp * parts) / (p["peak_flops"] * p["eff_flops"])
+            comm += max(0.0, ring - hidden)
+            partials = p["allreduce_bytes_per_token"] * n_tokens / tp
+            comm += p["n_layers"] * (2 * (parts - 1) / parts * partials
+                                     / (p["link_bw"] * p["eff_link"]) + p["allreduce_latency"])
         return nbytes, flops, comm
 
     def step_time(self, tp: int, n_tokens: int, n_seqs: int = 1, n_samples: int = 1,
@@ -494,7 +514,8 @@ class CostModel:
                                                  "phase_latency_per_layer", "mem_util",
                                                  "prefill_act_bytes")},
                 "transform_slowdown": self.slowdown(),
-                "activation_bytes": self.activation, "note": self.note}
+                "activation_bytes": self.activation, "sequence_parallel": self.sequence_parallel,
+                "note": self.note}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ flying_switch       Flying Serving's DP -> TP bind (its section 4): nothing is c
                     sharded tensor per layer). The members also finish the step they are in
                     (the simulator runs that step itself); `drain` is its expected remainder,
                     half a decode step, counted only in `as_measured`.
+loongserve_scale    LoongServe's elastic scale-up or scale-down of sequence parallelism: a
+                    flying_switch without the rebind (whole replicas; a request's KV stays
+                    where it was produced), so the signal and the group's first collective.
 pipelive_stop       PipeLive's commit pause (its Algorithm 1, phase 5): the KV still lagging at
                     the switch point (fewer than tau tokens of the moved layers) crosses the
                     stage link, a two-phase SyncAndCommit handshake crosses it twice, and each
@@ -121,6 +124,23 @@ def flying_switch(cost, tp_from: int, tp_to: int, decode_batch: int = 1,
         # every member re-points its views, all members at once
         "rebind": cost.model.num_hidden_layers * _VIEWS_PER_LAYER * links_mod.HOST_CALL,
     }
+    step, _ = _decode(cost, lo, decode_batch, decode_context)
+    return _price(terms, {"drain": step / 2})
+
+
+def loongserve_scale(cost, tp_from: int, tp_to: int, decode_batch: int = 1,
+                     decode_context: int = 1024, link: links_mod.Link | None = None) -> Price:
+    """A scale-up of LoongServe's elastic sequence parallelism from groups of tp_from GPUs to
+    one of tp_to (or the scale-down back). A flying_switch without the rebind: each elastic
+    instance keeps the whole model, and a request's KV stays on the instance that produced it
+    (a scale-down's KV is placed during the prefill), so nothing is re-pointed or moved; what
+    is left is the signal and the first collective of the group's pre-built communicator, after
+    the step in flight (`drain`)."""
+    _need(cost, "roofline", "loongserve_scale")
+    lo, hi = _check_tps(tp_from, tp_to)
+    link = links_mod.gpu_link(cost.gpu) if link is None else link
+    engines = hi // lo
+    terms = {"signal": 2 * (engines - 1) * links_mod.HOST_MESSAGE, "barrier": link.barrier(hi)}
     step, _ = _decode(cost, lo, decode_batch, decode_context)
     return _price(terms, {"drain": step / 2})
 

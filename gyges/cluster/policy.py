@@ -148,7 +148,8 @@ class Policy:
 
     def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
                  merge_wait=None, scale_up_load=None, eager_scale_up=None, flying_tp=None,
-                 light_load=None, buddy_strategy=None, restore_wait=None, idle_load=None):
+                 light_load=None, buddy_strategy=None, restore_wait=None, idle_load=None,
+                 sp_min_prompt=None):
         check_policy(name)
         knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
@@ -158,7 +159,8 @@ class Policy:
                              ("scale_up_load", scale_up_load, None),
                              ("light_load", light_load, None),
                              ("idle_load", idle_load, None),
-                             ("restore_wait", restore_wait, None)):
+                             ("restore_wait", restore_wait, None),
+                             ("sp_min_prompt", sp_min_prompt, None)):
             if v is not None:
                 knobs[key] = check_number(key, v, 0.0, high)
         if eager_scale_up is not None:

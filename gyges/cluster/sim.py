@@ -15,8 +15,10 @@ loop in chunks (a progress line for long runs) and wraps the results (gyges.resu
 Policies: "gyges" (Gyges Algorithms 1-2 with AMOEBAs 3.3), "round_robin" and "least_load" (the
 baselines of Gyges 6.2.4; eager_scale_up=False makes them scale up only when no instance can
 hold a request), "static" (a fixed `layout`, never transforms; requests that fit no instance
-are rejected), "flying" (Flying Serving, weights="replicated"), "pipelive" (pipelines re-split
-as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
+are rejected), "flying" (Flying Serving, weights="replicated"), "loongserve" (LoongServe's
+elastic sequence parallelism, weights="replicated": the layout's instances are its elastic
+instances, and groups of them serve as sequence-parallel instances), "pipelive" (pipelines
+re-split as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
 "4xTP1+1xTP4", ... for ONE host, in GPU order; every host starts with it (the dynamic policies
 default to all TP1).
 
@@ -137,7 +139,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
         buddy_strategy: str | None = None, restore_wait: float | None = None,
-        swap_bw: float | None = None) -> Results:
+        swap_bw: float | None = None, sp_min_prompt: float | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
@@ -157,7 +159,12 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     layout) in switch_time seconds moving nothing (default: gyges.cluster.mechanisms.flying_switch
     of the cost model, the smallest TP it fits to max_tp; 0 for a ConstantCost), then the
     members' steps in flight, and its KV is the
-    members' pooled KV; flying_tp: the group size priority and light-load requests bind (0:
+    members' pooled KV. Policy "loongserve" on it is LoongServe's elastic sequence parallelism:
+    a bound group is sequence parallel (the cost model priced with sequence_parallel=True, every
+    request keeps its KV through a scale-up and a scale-down, switch_time default
+    mechanisms.loongserve_scale), and a prompt of sp_min_prompt tokens or more may take a larger
+    group than its KV needs, for speed (policy_loongserve.c). flying_tp: the group size priority
+    and light-load requests bind (0:
     gpus_per_host / 2); light_load: outstanding work per GPU (tokens, as the policies count
     load) under which arrivals go to TP groups (flying), or under which gyges keeps a base TP
     of 2, and idle_load the same for a base TP of 4 (gyges' latency mode, policy_gyges.c; 0
@@ -192,7 +199,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                            "weights='buddy'")
         return _run_pipeline(**{k: v for k, v in locals().items()
                                 if k not in ("t_wall", "buddy_group", "live_restore",
-                                             "buddy_strategy", "restore_wait")},
+                                             "buddy_strategy", "restore_wait", "sp_min_prompt")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -210,17 +217,21 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     knobs = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
                    eager_scale_up=eager_scale_up, flying_tp=flying_tp,
-                   light_load=light_load, idle_load=idle_load).config  # checked, defaults
+                   light_load=light_load, idle_load=idle_load,
+                   sp_min_prompt=sp_min_prompt).config  # checked, defaults
     if weights not in ("sharded", "replicated"):
         raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
     replicated = weights == "replicated"
     if switch_time is not None:
         switch_time = _check_float("switch_time", switch_time, 0.0)
-    if replicated and policy not in ("flying", "static"):
+    if replicated and policy not in ("flying", "loongserve", "static"):
         raise SimError(f"policy {policy!r} transforms by moving shards; a replicated cluster "
-                       f"switches with policy 'flying' (or stays put with 'static')")
-    if policy == "flying" and not replicated:
-        raise SimError("policy 'flying' binds replicas: use weights='replicated'")
+                       f"switches with policy 'flying' or 'loongserve' (or stays put with "
+                       f"'static')")
+    if policy in ("flying", "loongserve") and not replicated:
+        raise SimError(f"policy {policy!r} binds replicas: use weights='replicated'")
+    sequence_parallel = policy == "loongserve"
+
     if layout is None and policy == "static":
         raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
 
@@ -232,6 +243,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     elif not isinstance(cost, (CostModel, ProfiledCost, ConstantCost)):
         raise SimError(f"cost must be a CostModel, ProfiledCost or ConstantCost, got "
                        f"{type(cost).__name__}")
+    if sequence_parallel:
+        if not isinstance(cost, CostModel):
+            raise SimError("policy 'loongserve' prices sequence-parallel groups with the roofline "
+                           "cost model: give a CostModel")
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
     max_input = cost.max_inputs(max_tp)
     # A large model may fit only from some TP on (Qwen2.5-32B on an H100: TP2): smaller
@@ -245,8 +260,14 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     min_tp = 1 << fits[0]
     capacity_mid = [max(int(m), c) if c >= 1 else 0 for m, c in zip(capacity_mid, capacity)]
     if replicated:
-        # a bound TP-2^l group pools its members' KV: each keeps the smallest TP's copy
+        # a bound TP-2^l group pools its members' KV: each keeps the smallest TP's copy (for
+        # LoongServe, the copy of the layout's smallest instances: its elastic instances)
         base = fits[0]
+        if sequence_parallel and layout is not None:
+            base = max(base, min(parse_layout(layout, gpus_per_host)).bit_length() - 1)
+        min_tp = 1 << base
+        if sequence_parallel:   # groups of them are priced as sequence parallel
+            cost = cost.replace(sequence_parallel=min_tp)
         capacity = [capacity[base] << (level - base) if level >= base else 0
                     for level in range(len(capacity))]
         capacity_mid = list(capacity)
@@ -254,7 +275,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
             max_input = [max_input[base] << (level - base) if level >= base else max_input[level]
                          for level in range(len(max_input))]
     if switch_time is None:
-        switch_time = mechanisms.flying_switch(cost, min_tp, max_tp).seconds \
+        scale = mechanisms.loongserve_scale if sequence_parallel else mechanisms.flying_switch
+        switch_time = scale(cost, min_tp, max_tp).seconds \
             if isinstance(cost, CostModel) and max_tp > min_tp else 0.0
     if layout is None:
         layout = f"{gpus_per_host // min_tp}xTP{min_tp}"
@@ -274,7 +296,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         cost_params=cost.params(), policy=policy, **knobs,
         sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         max_input=max_input, replicated=replicated, switch_time=switch_time,
-        **_kv_args(cost, swap_bw))
+        sequence_parallel=sequence_parallel, **_kv_args(cost, swap_bw))
 
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {

@@ -132,6 +132,31 @@ GYTEST(sim_cost_roofline_by_hand) {
     CHECK_STATUS(gy_sim_cost_constant_check(&c), GY_ERR_INVALID);
 }
 
+GYTEST(sim_cost_sequence_parallel_by_hand) {
+    gy_sim_roofline p = toy_roofline();
+    gy_sim_step_shape s = {.n_tokens = 4, .n_seqs = 2, .n_samples = 2, .kv_read_tokens = 10,
+                           .attn_pairs = 20};
+    const double tp2 = gy_sim_roofline_step_time(&p, 2, 0, &s);
+    p.sequence_parallel = 1; /* two TP1 parts, each of 2 tokens, every KV head:
+     * bytes = 1000 + 8 * 14 / 2 = 1056 -> 21.12 s; flops 140 / 2 -> 2.8 s; step 1 + 21.12;
+     * ring: 1/2 * 8 * 4 / (10 * 0.25) = 6.4 s, less the attention it hides (40 / 2 / 25 = 0.8);
+     * partials combined per layer: 3 * (2 * 1/2 * 16 / 5 + 0.5) = 11.1 */
+    CHECK_OK(gy_sim_roofline_check(&p));
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 0, &s) - (22.12 + 5.6 + 11.1)) < 1e-12);
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 1, &s) - (22.12 + 5.6 + 11.1) * 1.5) < 1e-12);
+    CHECK(gy_sim_roofline_step_time(&p, 1, 0, &s) == 23.24); /* one part: TP1 */
+    p.sequence_parallel = 2; /* two TP2 parts: a rank holds one head (kv 4 bytes a token).
+     * bytes = 500 + 4 * 14 / 2 = 528 -> 10.56 s; TP2 all-reduces of 2 tokens:
+     * 2 * 3 * (1/2 * 2 * 8 / 5 + 0.5) = 12.6; ring 1/2 * 4 * 4 / 2.5 = 3.2 less 0.4;
+     * partials 3 * (2 * 1/2 * 8 / 5 + 0.5) = 6.3 */
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 4, 0, &s) - (11.56 + 12.6 + 2.8 + 6.3)) < 1e-12);
+    CHECK(gy_sim_roofline_step_time(&p, 2, 0, &s) == tp2); /* one part: TP2 */
+    p.sequence_parallel = 3;
+    CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
+    p.sequence_parallel = -2;
+    CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
+}
+
 GYTEST(sim_cost_profiled_by_hand) {
     gy_sim_cost_profiled p = {.n_levels = 2, .base = {1, 2}, .per_token = {0.5, 0.25},
                               .per_sample = {0.1, 0.1}, .per_kv_read = {0.01, 0},
@@ -861,6 +886,107 @@ GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
     CHECK(has_op(&d, GY_SIM_OP_MERGE, 4, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
+}
+
+GYTEST(sim_policy_gyges_cap_follows_the_long_share_of_the_work) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default(); /* scale_up_cap 0.5 */
+    world w;
+    const int32_t tps[] = {4, 1, 1, 1, 1};
+    world_init(&w, 8, 8, tps, 5);
+    w.inst[0].footprint = w.inst[0].max_footprint = 500; /* a full TP4 */
+    w.inst[0].max_min_tp = 4;
+    struct { double t, long_tokens, all_tokens; } state = {0, 0, 0}; /* gyges_state */
+    CHECK(gy_sim_policy_gyges.state_size == sizeof state);
+    /* short requests were most of the prompt tokens: the cap holds the second TP4 back */
+    gy_sim_req_view shorts = req(100, 1);
+    for (int k = 0; k < 10; k++) place(&gy_sim_policy_gyges, &state, &cfg, &w, &shorts);
+    gy_sim_req_view r = req(400, 4);
+    gy_sim_decision d = place(&gy_sim_policy_gyges, &state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
+    /* a deferred request is not counted again */
+    const double all = state.all_tokens;
+    r.deferred = 1;
+    place(&gy_sim_policy_gyges, &state, &cfg, &w, &r);
+    CHECK(state.all_tokens == all);
+    r.deferred = 0;
+    /* long prompts became most of the work (6 of 7 tokens): the GPUs at TP > 1 may follow */
+    for (int k = 0; k < 20; k++) d = place(&gy_sim_policy_gyges, &state, &cfg, &w, &r);
+    CHECK(state.long_tokens / state.all_tokens > 0.75);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
+    /* the mix decays: 10 minutes later a burst of short requests is the recent work */
+    w.v.now = 600;
+    for (int k = 0; k < 10; k++) place(&gy_sim_policy_gyges, &state, &cfg, &w, &shorts);
+    d = place(&gy_sim_policy_gyges, &state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
+}
+
+GYTEST(sim_policy_loongserve_decisions) {
+    const gy_sim_policy_ops *p = gy_sim_policy_find("loongserve");
+    CHECK(p != NULL && p->monitor);
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    const int32_t dp[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world w;
+    world_init(&w, 8, 8, dp, 8);
+    w.v.replicated = 1;
+    w.v.base_tp = 1;
+    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
+    const int64_t pooled[] = {100, 200, 400, 800};
+    memcpy(w.capacity, pooled, sizeof pooled);
+    for (int k = 0; k < 8; k++) set_load(&w, k, 100 + k, 0);
+    /* a short prompt: the least-loaded instance */
+    gy_sim_req_view r = req(50, 1);
+    gy_sim_decision d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0 && d.n_ops == 0);
+    set_load(&w, 0, 1000, 0);
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
+    /* KV beyond one instance, a short prompt: only a pair, which binds */
+    r = req(150, 2);
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 2 &&
+          has_op(&d, GY_SIM_OP_BIND, d.group.gpu_first, 2) && d.n_ops == 1);
+    /* a long prompt, every instance idle: the whole host binds, its prefill 8x as fast */
+    cfg.sp_min_prompt = 500;
+    for (int k = 0; k < 8; k++) set_load(&w, k, 0, 0);
+    r = req(50, 1);
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 8 &&
+          has_op(&d, GY_SIM_OP_BIND, 0, 8));
+    /* the second half busy with prompts of its own: the idle quartet ends it sooner */
+    for (int k = 4; k < 8; k++) set_load(&w, k, 10000, 0);
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 4);
+    cfg = gy_sim_policy_config_default();
+    /* a request deferred on a group that has bound goes there */
+    const int32_t bound[] = {2, 1, 1, 1, 1, 1, 1};
+    world_init(&w, 8, 8, bound, 7);
+    w.v.replicated = 1;
+    w.v.base_tp = 1;
+    memcpy(w.capacity, pooled, sizeof pooled);
+    w.inst[0].bound = 1;
+    w.inst[0].kv_total = 200;
+    for (int k = 1; k < 7; k++) w.inst[k].kv_total = 100;
+    r = req(150, 2);
+    r.deferred = 1;
+    r.group = (gy_sim_group){.gpu_first = 0, .size = 2};
+    d = place(p, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+    /* scale-down: released once its prompts are done and its requests fit the members */
+    w.inst[0].n_requests = 2;
+    w.inst[0].footprint = 120;
+    w.inst[0].max_footprint = 70;
+    set_load(&w, 0, 20000, 100);
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0); /* a long prompt still prefilling */
+    set_load(&w, 0, 0, 100);
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_RELEASE, 0, 2));
+    w.inst[0].max_footprint = 110; /* one fits no member: multi-master decoding goes on */
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.inst[0].n_requests = 0; /* empty: released */
+    CHECK_OK(p->rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(has_op(&d, GY_SIM_OP_RELEASE, 0, 2));
 }
 
 GYTEST(sim_policy_gyges_says_when_a_request_is_blocked) {
