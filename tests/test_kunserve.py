@@ -91,6 +91,27 @@ def test_the_kunserve_policy_drops_under_a_burst_and_restores_after():
     assert calm.stats["drops"] == 0  # before the burst the replicas hold the demand
 
 
+def test_a_request_no_replica_holds_is_served_by_a_group_dropped_for_it():
+    """Gyges 6.2.4's 50K prompts on 8 H20 serving Qwen2.5-32B: no replica holds one (its KV
+    room is 27K tokens), a buddy group of two does. KunServe drops the least-loaded pair for
+    each that no group holds yet and serves it there; replication (least load over the same
+    replicas) can only reject them. Asked once the group stands, a request already waiting for
+    it is not dropped a second group."""
+    from gyges import sim, traces
+    from gyges.cluster.costmodel import RDMA_200G, PipelineCost
+    cost = PipelineCost.create("qwen2.5-32b", ["h20"] * 8, link_bw=RDMA_200G, micro_batches=None)
+    tr = traces.gyges_mixed(300, seed=0)
+    long = tr["input_tokens"] == 50_000
+    res = sim.run(tr, policy="kunserve", weights="buddy", cost=cost, check=True)
+    q = res.requests
+    assert res.summary()["rejected"] == 0 and (q["status"] == 3).all()
+    assert (q["min_tp"][long] == 0).all()   # (no replica holds them)
+    assert res.stats["drops"] >= 1 and res.stats["ops_refused"] == 0
+    replicas = sim.run(tr, policy="least_load", weights="buddy", cost=cost)
+    assert (replicas.requests["status"][long] == 4).all()   # rejected
+    assert (replicas.requests["status"][~long] == 3).all()
+
+
 def burst_of_long_outputs(seconds=200):
     from gyges import traces
     return traces.burst(4, seconds, at=60, factor=3, length=40, seed=1,

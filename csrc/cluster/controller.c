@@ -127,11 +127,16 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
     }
     for (int32_t p = 0; p < v->n_pending; p++) {
         const gy_sim_group *g = &v->pending[p];
-        if (!gy_cluster_tp_ok(g->size, v->max_tp) || g->gpu_first < 0 ||
-            g->gpu_first % g->size || g->gpu_first + g->size > v->n_gpus)
+        /* a buddy cluster's groups are runs of replicas of one host (DROP), aligned or not */
+        const int ok = v->buddy ? g->size >= 2 && g->size <= v->gpus_per_host && g->gpu_first >= 0 &&
+                                      g->gpu_first / v->gpus_per_host ==
+                                          (g->gpu_first + g->size - 1) / v->gpus_per_host
+                                : gy_cluster_tp_ok(g->size, v->max_tp) && g->gpu_first >= 0 &&
+                                      g->gpu_first % g->size == 0;
+        if (!ok || g->gpu_first + g->size > v->n_gpus)
             return GY_FAIL(GY_ERR_INVALID,
                            "bad view: pending group %d (GPU %d, size %d) is not an aligned group "
-                           "of size <= max_tp",
+                           "of size <= max_tp (a buddy cluster: a run of one host's GPUs)",
                            (int)p, (int)g->gpu_first, (int)g->size);
     }
     return GY_OK;
@@ -412,7 +417,10 @@ static gy_status gy_cluster_decide(gy_cluster *c, const gy_cluster_request *r, i
             return GY_FAIL(GY_ERR_STATE, "policy %s placed request %lld on instance %d of %d",
                            name, (long long)r->id, (int)d.target, (int)v.n_inst);
         const gy_sim_inst_view *i = &v.inst[d.target];
-        if (!i->placeable || r->footprint > i->kv_total || r->min_tp == 0 || i->tp < r->min_tp)
+        /* on a buddy cluster a request no replica holds (min_tp 0) may go to a group */
+        const int group_only = r->min_tp == 0 && v.buddy && i->n_stages > 1;
+        if (!i->placeable || r->footprint > i->kv_total || (r->min_tp == 0 && !group_only) ||
+            i->tp < r->min_tp)
             return GY_FAIL(GY_ERR_STATE,
                            "policy %s placed request %lld (%lld blocks) on the TP%d instance at "
                            "GPU %d, which cannot take it (%lld blocks, %s)",
@@ -473,7 +481,7 @@ static gy_status gy_cluster_reconsider_after(gy_cluster *c, double now, int even
      * find every later one of its TP and at least its footprint blocked too, until the pass
      * changes the cluster: those keep their place undecided (the policy's contract). */
     int64_t blocked[GY_SIM_MAX_LEVELS];
-    const int prune = c->config.policy->state_size == 0;
+    const int prune = c->config.policy->state_size == 0 || c->config.policy->pass_stable;
     for (int l = 0; l < GY_SIM_MAX_LEVELS; l++) blocked[l] = INT64_MAX;
     gy_status st = GY_OK;
     int64_t k = 0;

@@ -255,6 +255,9 @@ typedef struct gy_sim_policy_ops {
     gy_status (*rebalance)(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                            gy_sim_decision *out);
     int32_t monitor; /* 1: rebalance also at every tick (a policy that watches time: kunserve) */
+    int32_t pass_stable; /* 1: its state changes only with new arrivals (never while deferred
+                            requests are decided again), so it keeps a stateless policy's
+                            promise about blocked requests (decision.blocked) within one pass */
 } gy_sim_policy_ops;
 
 /* The policy called `name`, or NULL. */

@@ -6,7 +6,10 @@
  * Placement: least outstanding work per instance (gy_sim_policy_load) among the instances that
  * can hold the request; a group counts as one instance (one batch in flight over its stages: it
  * is as fast as one replica, with more memory). A request no instance can hold waits at the
- * cluster (DEFER on no group) until a drop or a finish makes room.
+ * cluster (DEFER on no group) until a drop or a finish makes room. A request no replica can hold
+ * (min_tp 0) but a buddy group of g GPUs can (the fewest, split evenly) goes to a group that
+ * holds it, else the least-loaded run of g whole replicas drops into one for it (DEFER on it);
+ * only one no group of the host holds is rejected (the paper's KV room for long requests).
  *
  * The monitor (on every placement and every tick, the paper's "in-processing and head-of-line
  * queued requests"), per host, in blocks:
@@ -153,23 +156,80 @@ static void kun_monitor(kun_state *st, const gy_sim_policy_config *cfg, const gy
     }
 }
 
+/* The fewest GPUs of one host whose buddy group (layers split evenly) holds r's KV; 0: none. */
+static int32_t kun_group_size(const gy_sim_view *v, const gy_sim_req_view *r) {
+    for (int32_t g = 2; g <= v->gpus_per_host && g <= v->pipeline->n_stages; g++) {
+        const gy_sim_pipeline sub = gy_sim_pipeline_sub(v->pipeline, g);
+        int32_t even[GY_SIM_MAX_STAGES];
+        gy_sim_pipeline_even(&sub, even);
+        if (gy_sim_pipeline_capacity(&sub, even) >= r->footprint) return g;
+    }
+    return 0;
+}
+
+/* For r, which no replica holds: DEFER on the least-loaded run of g whole replicas of one host
+ * (nothing under way, no request waiting on it) with its DROP; DEFER on no group when none. */
+static void kun_drop_for(const gy_sim_policy_config *cfg, const gy_sim_view *v, int32_t g,
+                         gy_sim_decision *d) {
+    int32_t best = -1;
+    double best_load = 0;
+    for (int32_t x = 0; x + g <= v->n_gpus; x++) {
+        if (x / v->gpus_per_host != (x + g - 1) / v->gpus_per_host ||
+            gy_sim_pending_overlaps(v, x, g, 0))
+            continue;
+        double load = 0;
+        int whole = 1;
+        for (int32_t y = x; y < x + g && whole; y++) {
+            const gy_sim_inst_view *i = &v->inst[v->gpu_inst[y]];
+            whole = i->n_stages == 0 && i->xform == GY_SIM_XFORM_NONE && i->placeable;
+            load += gy_sim_policy_load(cfg, i);
+        }
+        if (whole && (best < 0 || load < best_load)) {
+            best = x;
+            best_load = load;
+        }
+    }
+    d->action = GY_SIM_ACTION_DEFER;
+    if (best < 0) return; /* every run is grouped or busy: as room frees */
+    d->group = (gy_sim_group){.gpu_first = best, .size = g};
+    gy_sim_decision_add_op(d, GY_SIM_OP_DROP, best, g);
+}
+
+/* 1 while a drop inside [g, g + size) is under way. */
+static int kun_dropping(const gy_sim_view *v, int32_t g, int32_t size) {
+    for (int32_t x = g; x < g + size && x < v->n_gpus; x++)
+        if (v->inst[v->gpu_inst[x]].xform == GY_SIM_XFORM_DROPPING) return 1;
+    return 0;
+}
+
 static gy_status kun_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                            const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
-    if (r->min_tp == 0 || r->min_tp > v->max_tp) {
+    const int32_t group = r->min_tp == 0 && v->buddy && v->pipeline != NULL
+                              ? kun_group_size(v, r) : 0;
+    if ((r->min_tp == 0 && group == 0) || r->min_tp > v->max_tp) {
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
     }
     int32_t best = -1;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (!gy_sim_policy_fits(i, r)) continue;
+        const int fits = group > 0 ? i->placeable && i->n_stages > 1 &&
+                                         r->footprint <= i->kv_total
+                                   : gy_sim_policy_fits(i, r);
+        if (!fits) continue;
         if (best < 0 || gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))
             best = k;
     }
     if (best >= 0) {
         d->action = GY_SIM_ACTION_PLACE;
         d->target = best;
+    } else if (group > 0 && r->deferred && r->group.size > 0 &&
+               kun_dropping(v, r->group.gpu_first, r->group.size)) {
+        d->action = GY_SIM_ACTION_DEFER; /* its group is on its way */
+        d->group = r->group;
+    } else if (group > 0) {
+        kun_drop_for(cfg, v, group, d);
     } else {
         d->action = GY_SIM_ACTION_DEFER; /* on no group: a drop or a finish frees room */
     }

@@ -112,7 +112,8 @@ void gy_sim_link(gy_sim *s, int32_t slot, int64_t r) {
     }
     i->pending_prefill += s->out[r].input_tokens - q->prefill_done;
     i->pending_output += s->out[r].output_tokens - q->generated;
-    i->by_min_tp[gy_sim_level(s->out[r].min_tp)]++;
+    /* (a request no replica holds, on a buddy group: min_tp 0, counted at the first level) */
+    i->by_min_tp[s->out[r].min_tp > 0 ? gy_sim_level(s->out[r].min_tp) : 0]++;
     i->n_tp_work += q->tp_work;
     i->n_priority += q->priority > 0;
     s->out[r].gpu_first = i->gpu_first;
@@ -130,7 +131,7 @@ void gy_sim_unlink(gy_sim *s, int64_t r) {
         i->max_fp_stale = 1;
     i->pending_prefill -= s->out[r].input_tokens - q->prefill_done;
     i->pending_output -= s->out[r].output_tokens - q->generated;
-    i->by_min_tp[gy_sim_level(s->out[r].min_tp)]--;
+    i->by_min_tp[s->out[r].min_tp > 0 ? gy_sim_level(s->out[r].min_tp) : 0]--;
     i->n_tp_work -= q->tp_work;
     i->n_priority -= q->priority > 0;
     q->prev = q->next = -1;

@@ -888,6 +888,27 @@ GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
     CHECK(has_op(&d, GY_SIM_OP_MERGE, 4, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
 }
 
+GYTEST(sim_policy_gyges_places_a_short_request_where_its_kv_has_room_first) {
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    world w;
+    const int32_t tps[] = {1, 1, 2, 4};
+    world_init(&w, 8, 8, tps, 4);
+    set_load(&w, 0, 0, 0);     /* prefills soonest, but its KV is committed to others */
+    w.inst[0].footprint = 80;
+    set_load(&w, 1, 500, 0);
+    set_load(&w, 2, 5000, 0);
+    set_load(&w, 3, 10000, 0);
+    gy_sim_req_view r = req(30, 1);
+    gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
+    /* no room anywhere: where it is prefilled soonest, as before */
+    w.inst[1].footprint = 90;
+    w.inst[2].footprint = 240;
+    w.inst[3].footprint = 590;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+}
+
 GYTEST(sim_policy_gyges_cap_follows_the_long_share_of_the_work) {
     gy_sim_policy_config cfg = gy_sim_policy_config_default(); /* scale_up_cap 0.5 */
     world w;
@@ -1416,6 +1437,52 @@ GYTEST(sim_buddy_costs_by_hand) {
     /* gather: member 0's requests (1e5 tokens) lack 5 layers' KV: 5e8 B at 5 GB/s */
     const double packed[2] = {1e5, 0};
     CHECK(near(gy_sim_pipeline_gather_time(&p, half, packed, &kv), 0.1) && kv == 5e8);
+}
+
+GYTEST(sim_policy_kunserve_drops_a_group_for_a_request_no_replica_holds) {
+    gy_sim_pipeline p = buddy_pipeline(); /* a replica holds 37500 blocks, a pair 137500 */
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    const gy_sim_policy_ops *ks = gy_sim_policy_find("kunserve");
+    world w;
+    const int32_t tps[] = {1, 1, 1, 1};
+    world_init(&w, 4, 4, tps, 4);
+    w.v.max_tp = 1;
+    w.v.buddy = 1;
+    w.v.pipeline = &p;
+    for (int k = 0; k < 4; k++) w.inst[k].kv_total = 37500;
+    set_load(&w, 0, 5000, 0); /* the least-loaded pair is {1, 2} (any run of one host) */
+    set_load(&w, 3, 5000, 0);
+    unsigned char state[sizeof(double) * 8192 + 8192];
+    CHECK(ks->state_size <= sizeof state);
+    memset(state, 0, sizeof state);
+    gy_sim_req_view r = req(50000, 0); /* min_tp 0: no replica holds it */
+    gy_sim_decision d = place(ks, state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 1 && d.group.size == 2);
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_DROP, 1, 2));
+    /* asked again while its pair drops: it keeps waiting for that pair, no second drop */
+    w.inst[1].xform = w.inst[2].xform = GY_SIM_XFORM_DROPPING;
+    w.inst[1].placeable = w.inst[2].placeable = 0;
+    r.deferred = 1;
+    r.group = d.group;
+    d = place(ks, state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 1 && d.n_ops == 0);
+    /* the pair is a group now: it goes there */
+    const int32_t grouped[] = {1, 2, 1}; /* (the middle one made a 2-stage pipeline below) */
+    world_init(&w, 4, 4, grouped, 3);
+    w.v.max_tp = 1;
+    w.v.buddy = 1;
+    w.v.pipeline = &p;
+    w.inst[0].kv_total = w.inst[2].kv_total = 37500;
+    w.inst[1].tp = 1;
+    w.inst[1].n_stages = 2;
+    w.inst[1].layers[0] = w.inst[1].layers[1] = 5;
+    w.inst[1].kv_total = 137500;
+    d = place(ks, state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
+    /* more than the host's largest group holds: rejected */
+    r = req(200000, 0);
+    d = place(ks, state, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_REJECT);
 }
 
 /* A scripted buddy policy: every request to the least-used placeable instance, and on the
