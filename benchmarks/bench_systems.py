@@ -1,7 +1,8 @@
-"""All four systems side by side, through the one cluster controller: gyges (TP merges and
+"""All the systems side by side, through the one cluster controller: gyges (TP merges and
 splits of sharded instances), PipeLive (live pipeline re-splits), Flying Serving (DP<->TP binds of
-replicas) and KunServe (buddy groups that drop replicated parameters), with least-load
-replication and the best static layout beside them.
+replicas), KunServe (buddy groups that drop replicated parameters) and, in the simulator,
+LoongServe (elastic sequence parallelism over TP2 replicas), with least-load replication and the
+best static layout beside them.
 
 1. The simulator at paper scale: 8 H20 running Qwen2.5-32B, every system on the same GPUs
    (KunServe's groups and PipeLive's pipelines priced by a PipelineCost of H20 stages, 200 Gbps
@@ -56,6 +57,9 @@ def paper_scale_systems():
         "pipelive": dict(policy="pipelive", hosts=N_GPUS // 2, layout="PP2", cost=pair),
         "flying": dict(policy="flying", weights="replicated"),
         "kunserve": dict(policy="kunserve", weights="buddy", cost=buddy),
+        # elastic instances of TP2 (a TP1 replica of a 32B model on an H20 has no room to
+        # prefill a long prompt, even pooled)
+        "loongserve": dict(policy="loongserve", weights="replicated", layout="4xTP2"),
         "replication (least_load)": dict(policy="least_load", layout=f"{N_GPUS}xTP1",
                                          eager_scale_up=False, scale_up_cap=0.0),
     }

@@ -622,6 +622,20 @@ def _bursty(seed=1, scale=0.5, duration=300):
                                output_tokens=(64, 512), seed=seed)
 
 
+def test_gyges_meets_a_memory_burst_by_merging_instead_of_preempting():
+    """KunServe's memory burst (x3 for 60 s of 3,000-token outputs at 2 req/s, Qwen2.5-32B on 8
+    H20, bench_systems' trace): every request fits a TP1 instance, but their KV together does
+    not. With no instance's KV left for a request, gyges merges a pair (a TP2 holds 5.6x the
+    blocks of two TP1s) instead of placing it where it will be preempted: before, it preempted
+    about 4,000 times and its mean TTFT was 18x least-load's."""
+    tr = traces.burst(2.0, 150, at=50, factor=3, length=60, seed=1,
+                      input_tokens=traces.lognormal_lengths(1000),
+                      output_tokens=traces.lognormal_lengths(3000, cap=8192))
+    ours, ll = sim.run(tr, policy="gyges"), sim.run(tr, policy="least_load")
+    assert ours.stats["merges"] > 0 and ours.stats["preemptions"] <= ll.stats["preemptions"]
+    assert ours.summary()["ttft_mean"] < 2 * ll.summary()["ttft_mean"]
+
+
 def test_flying_binds_and_releases_replicas_and_keeps_its_invariants():
     cost = CostModel.create("llama3-70b", "h200", eff_link=0.7)
     res = sim.run(_bursty(), policy="flying", weights="replicated", cost=cost, gpus_per_host=8,

@@ -14,7 +14,12 @@
  *     room for its whole KV beside what they have committed (gyges_has_room, as for long
  *     requests), then among all: on Mooncake's prompts of thousands of tokens, TP1 instances
  *     that took them by prefill time alone preempted 1004 times in 20 minutes at 0.3 req/s
- *     (window throughput 0.76x least-load's; room first: 139 and 0.95x);
+ *     (window throughput 0.76x least-load's; room first: 139 and 0.95x). When none has
+ *     room (a memory burst), it is decided as a request that needs TP2, uncapped: a merge
+ *     frees the halves' duplicate weights for KV (Qwen2.5-32B on H20: a TP2 holds 5.6x two
+ *     TP1s' blocks). On KunServe's burst (bench_systems) that took its mean TTFT from 393 s
+ *     (4020 preemptions) to 25 s (9), least-load's 21 s; it is placed as before when there
+ *     is nothing to merge;
  *   - a request that needs TP > 1 ("long") is capable on an instance with room for its whole
  *     KV beside the footprints already committed there (no preemption thrash); held instances
  *     count (they are un-held: consecutive long requests reuse an instance already at a higher
@@ -232,6 +237,10 @@ static int gyges_within_cap(const gy_sim_policy_config *cfg, double long_share,
            scaled <= long_share * v->n_gpus + 0.5 * g.size;
 }
 
+static gy_status gyges_place_long(const gy_sim_policy_config *cfg, double long_share,
+                                  const gy_sim_view *v, const gy_sim_req_view *r,
+                                  gy_sim_decision *d);
+
 static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                              const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
@@ -245,8 +254,22 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
                            * of thousands of tokens, Mooncake's, thrash TP1 instances that take
                            * them by prefill time alone), then the tiers without that */
         int32_t k = -1;
-        for (int room = 1; room >= 0 && k < 0; room--)
-            for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier, room);
+        for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier, 1);
+        if (k < 0 && v->max_tp >= 2) {
+            /* No instance has room for its KV (a memory burst): decided as a request that
+             * needs TP2, whose merge frees the halves' duplicate weights for KV (Qwen2.5-32B
+             * on H20: a TP2 holds 5.6x two TP1s' blocks); placed as before when that finds
+             * nothing to do */
+            gy_sim_req_view wide = *r;
+            wide.min_tp = 2;
+            /* (uncapped: the cap keeps TP1 instances for short requests, and none of them has
+             * room for this one) */
+            GY_TRY(gyges_place_long(cfg, 1.0, v, &wide, d));
+            if (d->action != GY_SIM_ACTION_DEFER || d->group.size > 0 || d->n_ops > 0)
+                return GY_OK;
+            memset(d, 0, sizeof *d);
+        }
+        for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier, 0);
         if (k >= 0) {
             d->action = GY_SIM_ACTION_PLACE;
             d->target = k;
@@ -256,6 +279,13 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
         }
         return GY_OK;
     }
+    return gyges_place_long(cfg, long_share, v, r, d);
+}
+
+/* A request that needs TP > 1 (Algorithm 1's long branch, above). */
+static gy_status gyges_place_long(const gy_sim_policy_config *cfg, double long_share,
+                                  const gy_sim_view *v, const gy_sim_req_view *r,
+                                  gy_sim_decision *d) {
     /* long: the instance with room for it that prefills it soonest, held ones included */
     int32_t k = -1;
     for (int32_t j = 0; j < v->n_inst; j++) {

@@ -10,10 +10,12 @@
  *          one pool of work; unbound first, so that groups can scale down);
  *   long   (a prompt of sp_min_prompt tokens or more, or KV no unbound instance holds): of the
  *          instances of TP >= min_tp with room for it and the groups of min_tp, 2 min_tp,
- *          ... GPUs that can bind (every member unbound, nothing under way), the one where its
- *          prefill ends first at the view's prefill rates, the prompt tokens already waiting
- *          there first (a group binding for it takes its members' requests in with their KV, so
- *          their prompts count). A prompt below sp_min_prompt only considers groups of min_tp.
+ *          ... GPUs that can bind (every member unbound, nothing under way; idle, for a group
+ *          larger than its KV needs: a prefill spread for speed must not stall other requests'
+ *          decodes), the one where its prefill ends first at the view's prefill rates, the
+ *          prompt tokens already waiting there first (a group binding for it takes its members'
+ *          requests in with their KV, so their prompts count). A prompt below sp_min_prompt
+ *          only considers groups of min_tp.
  *          With no such choice it waits at the cluster until one frees.
  * Rebalance (scale-down): a bound instance with nothing under way, no request waiting for a group
  * around it and less than sp_min_prompt of prompt left to prefill (its long prompts done; the
@@ -30,15 +32,15 @@
 #include <string.h>
 
 /* 1 when the aligned group [g, g + size) can bind now: every instance in it unbound, of TP
- * below size, nothing under way, placeable, and no larger group waited for around it. *pending
- * receives its prompt tokens not prefilled yet. */
-static int ls_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *pending) {
+ * below size, nothing under way, placeable, idle too when `idle`, and no larger group waited
+ * for around it. *pending receives its prompt tokens not prefilled yet. */
+static int ls_bindable(const gy_sim_view *v, int32_t g, int32_t size, int idle, int64_t *pending) {
     if (!gy_sim_group_valid(v, g, size) || gy_sim_pending_overlaps(v, g, size, size + 1)) return 0;
     *pending = 0;
     for (int32_t x = g; x < g + size;) {
         const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
         if (i->gpu_first != x || i->bound || i->tp >= size || i->xform != GY_SIM_XFORM_NONE ||
-            !i->placeable)
+            !i->placeable || (idle && i->n_requests > 0))
             return 0;
         *pending += i->pending_prefill;
         x += i->tp;
@@ -109,7 +111,9 @@ static void ls_place_long(const gy_sim_policy_config *cfg, const gy_sim_view *v,
     for (int32_t size = first; size <= last; size *= 2)
         for (int32_t g = 0; g + size <= v->n_gpus; g += size) {
             int64_t pending;
-            if (!ls_bindable(v, g, size, &pending)) continue;
+            /* beyond what its KV needs, only over idle instances: a prefill spread for speed
+             * must not stall other requests' decodes in its chunks */
+            if (!ls_bindable(v, g, size, size > base, &pending)) continue;
             const double t = (double)(pending + r->prompt) / ls_rate(v, size);
             if ((inst < 0 && group < 0) || t < best) {
                 best = t;

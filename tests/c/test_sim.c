@@ -901,10 +901,16 @@ GYTEST(sim_policy_gyges_places_a_short_request_where_its_kv_has_room_first) {
     gy_sim_req_view r = req(30, 1);
     gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 1);
-    /* no room anywhere: where it is prefilled soonest, as before */
+    /* no room anywhere (a memory burst): it waits for the TP1 pair to merge, whose TP2 holds
+     * more than the two (the cap on TP > 1 does not hold it back: no TP1 has room for it) */
     w.inst[1].footprint = 90;
     w.inst[2].footprint = 240;
     w.inst[3].footprint = 590;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 2 &&
+          has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    /* nothing to merge (TP1 is the largest): where it is prefilled soonest, as before */
+    w.v.max_tp = 1;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
 }
