@@ -67,6 +67,13 @@ def mechanism_rows():
                  "derived": f"{f.as_measured * 1e3:.1f} ms", "paper": "15 ms",
                  "ratio": f.as_measured / 0.015, "tolerance": "2x",
                  "terms": _terms(f) + " (ms; drain = half a TP2 decode step)"})
+    q = CostModel.create("qwen2.5-32b", "h20")
+    ls = mechanisms.loongserve_scale(q, 2, 8)
+    rows.append({"mechanism": "LoongServe scale (Fig. 14's baseline)",
+                 "setup": "Qwen2.5-32B, 8 H20, TP2 elastic instances -> SP4xTP2",
+                 "derived": f"{ls.seconds * 1e3:.2f} ms (+ drain {ls.extra['drain'] * 1e3:.1f})",
+                 "paper": "'zero-overhead' scale-down", "ratio": None,
+                 "tolerance": "< Flying's", "terms": _terms(ls) + " (ms)"})
     pipe = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1,
                                eff_flops=0.6, link_bw=RDMA_100G)
     st = mechanisms.pipelive_stop(pipe, (44, 36), (60, 20))

@@ -107,6 +107,15 @@ int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32
     return 0;
 }
 
+int gy_sim_group_under(const gy_sim_view *v, int32_t g, int32_t size, int32_t xform) {
+    for (int32_t x = g; x < g + size && x < v->n_gpus;) {
+        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
+        if (i->xform == xform) return 1;
+        x = i->gpu_first + gy_sim_inst_gpus(i);
+    }
+    return 0;
+}
+
 int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, int32_t size) {
     for (int32_t i = 0; i < d->n_ops; i++) /* the same op twice would only be refused */
         if (d->ops[i].kind == kind && d->ops[i].gpu_first == gpu_first && d->ops[i].size == size)

@@ -307,6 +307,9 @@ int gy_sim_ranges_overlap(int32_t a, int32_t na, int32_t b, int32_t nb);
 /* 1 when a deferred request waits for a group (view.pending) of at least min_size GPUs that
  * overlaps [g, g + size) (min_size 0: any group). */
 int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size);
+/* 1 when an instance owning a GPU of [g, g + size) is under `xform` (a gy_sim_xform): a bind or
+ * a drop of a group a request waits for is on its way. */
+int gy_sim_group_under(const gy_sim_view *v, int32_t g, int32_t size, int32_t xform);
 /* Appends an op; 0 when the decision is full. */
 int gy_sim_decision_add_op(gy_sim_decision *d, int32_t kind, int32_t gpu_first, int32_t size);
 /* For a deferred request whose group is now one instance that holds it: PLACE there and 1;

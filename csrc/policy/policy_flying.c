@@ -86,16 +86,6 @@ static int fl_bindable(const gy_sim_view *v, int32_t g, int32_t size, int64_t *b
     return 1;
 }
 
-/* 1 when a bind of the group [g, g + size) is under way. */
-static int fl_binding(const gy_sim_view *v, int32_t g, int32_t size) {
-    for (int32_t x = g; x < g + size && x < v->n_gpus;) {
-        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
-        if (i->xform == GY_SIM_XFORM_BINDING) return 1;
-        x += i->tp;
-    }
-    return 0;
-}
-
 /* The bindable group of `size` GPUs with the fewest busy requests (-1: none). */
 static int32_t fl_pick_group(const gy_sim_view *v, int32_t size, int64_t *busy_out,
                              int32_t *idle_out) {
@@ -248,7 +238,8 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
             fl_bind_when_drained(v, r->group.gpu_first, r->group.size, busy, d);
             return GY_OK;
         }
-        if (fl_binding(v, r->group.gpu_first, r->group.size) || /* its bind is under way, */
+        if (gy_sim_group_under(v, r->group.gpu_first, r->group.size, /* its bind under way, */
+                               GY_SIM_XFORM_BINDING) ||
             fl_claim_holds(v, r->group.gpu_first, r->group.size, NULL)) { /* or smaller clear */
             fl_defer_on_claim(v, d, r->group.gpu_first, r->group.size);
             return GY_OK;

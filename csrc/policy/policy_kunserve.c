@@ -195,13 +195,6 @@ static void kun_drop_for(const gy_sim_policy_config *cfg, const gy_sim_view *v, 
     gy_sim_decision_add_op(d, GY_SIM_OP_DROP, best, g);
 }
 
-/* 1 while a drop inside [g, g + size) is under way. */
-static int kun_dropping(const gy_sim_view *v, int32_t g, int32_t size) {
-    for (int32_t x = g; x < g + size && x < v->n_gpus; x++)
-        if (v->inst[v->gpu_inst[x]].xform == GY_SIM_XFORM_DROPPING) return 1;
-    return 0;
-}
-
 static gy_status kun_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                            const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
@@ -225,7 +218,8 @@ static gy_status kun_place(void *state, const gy_sim_policy_config *cfg, const g
         d->action = GY_SIM_ACTION_PLACE;
         d->target = best;
     } else if (group > 0 && r->deferred && r->group.size > 0 &&
-               kun_dropping(v, r->group.gpu_first, r->group.size)) {
+               gy_sim_group_under(v, r->group.gpu_first, r->group.size,
+                                  GY_SIM_XFORM_DROPPING)) {
         d->action = GY_SIM_ACTION_DEFER; /* its group is on its way */
         d->group = r->group;
     } else if (group > 0) {

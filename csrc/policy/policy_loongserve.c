@@ -48,16 +48,6 @@ static int ls_bindable(const gy_sim_view *v, int32_t g, int32_t size, int idle, 
     return 1;
 }
 
-/* 1 while a bind inside [g, g + size) is under way. */
-static int ls_binding(const gy_sim_view *v, int32_t g, int32_t size) {
-    for (int32_t x = g; x < g + size && x < v->n_gpus;) {
-        const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];
-        if (i->xform == GY_SIM_XFORM_BINDING) return 1;
-        x += i->tp;
-    }
-    return 0;
-}
-
 static double ls_rate(const gy_sim_view *v, int32_t tp) {
     const int l = gy_sim_level(tp);
     return v->prefill_rate != NULL && l >= 0 ? v->prefill_rate[l] : (double)tp;
@@ -151,7 +141,8 @@ static gy_status ls_place_request(void *state, const gy_sim_policy_config *cfg,
             ls_place(d, k);
             return GY_OK;
         }
-        if (ls_binding(v, r->group.gpu_first, r->group.size)) {
+        if (gy_sim_group_under(v, r->group.gpu_first, r->group.size,
+                               GY_SIM_XFORM_BINDING)) {
             ls_defer_on(d, r->group.gpu_first, r->group.size);
             return GY_OK;
         }

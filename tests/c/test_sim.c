@@ -947,18 +947,27 @@ GYTEST(sim_policy_gyges_cap_follows_the_long_share_of_the_work) {
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
 }
 
+/* A replicated cluster of 8 GPUs (DP units of TP1, 100 blocks each; a bound group pools its
+ * members' blocks): instances of `tps`, those above TP1 bound. */
+static void replicated_world(world *w, const int32_t *tps, int n) {
+    world_init(w, 8, 8, tps, n);
+    w->v.replicated = 1;
+    w->v.base_tp = 1;
+    const int64_t pooled[] = {100, 200, 400, 800};
+    memcpy(w->capacity, pooled, sizeof pooled);
+    for (int k = 0; k < n; k++) {
+        w->inst[k].kv_total = 100 * tps[k];
+        w->inst[k].bound = tps[k] > 1;
+    }
+}
+
 GYTEST(sim_policy_loongserve_decisions) {
     const gy_sim_policy_ops *p = gy_sim_policy_find("loongserve");
     CHECK(p != NULL && p->monitor);
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
     const int32_t dp[] = {1, 1, 1, 1, 1, 1, 1, 1};
     world w;
-    world_init(&w, 8, 8, dp, 8);
-    w.v.replicated = 1;
-    w.v.base_tp = 1;
-    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
-    const int64_t pooled[] = {100, 200, 400, 800};
-    memcpy(w.capacity, pooled, sizeof pooled);
+    replicated_world(&w, dp, 8);
     for (int k = 0; k < 8; k++) set_load(&w, k, 100 + k, 0);
     /* a short prompt: the least-loaded instance */
     gy_sim_req_view r = req(50, 1);
@@ -986,13 +995,7 @@ GYTEST(sim_policy_loongserve_decisions) {
     cfg = gy_sim_policy_config_default();
     /* a request deferred on a group that has bound goes there */
     const int32_t bound[] = {2, 1, 1, 1, 1, 1, 1};
-    world_init(&w, 8, 8, bound, 7);
-    w.v.replicated = 1;
-    w.v.base_tp = 1;
-    memcpy(w.capacity, pooled, sizeof pooled);
-    w.inst[0].bound = 1;
-    w.inst[0].kv_total = 200;
-    for (int k = 1; k < 7; k++) w.inst[k].kv_total = 100;
+    replicated_world(&w, bound, 7);
     r = req(150, 2);
     r.deferred = 1;
     r.group = (gy_sim_group){.gpu_first = 0, .size = 2};
@@ -1105,12 +1108,7 @@ GYTEST(sim_policy_flying_decisions) {
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
     const int32_t dp[] = {1, 1, 1, 1, 1, 1, 1, 1};
     world w;
-    world_init(&w, 8, 8, dp, 8);
-    w.v.replicated = 1;
-    w.v.base_tp = 1;
-    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
-    const int64_t pooled[] = {100, 200, 400, 800};
-    memcpy(w.capacity, pooled, sizeof pooled);
+    replicated_world(&w, dp, 8);
     /* a request no DP unit holds, all idle: waits on a pair that binds at once */
     gy_sim_req_view r = req(150, 2);
     gy_sim_decision d = place(p, NULL, &cfg, &w, &r);
@@ -1139,13 +1137,7 @@ GYTEST(sim_policy_flying_decisions) {
     small.priority = 0;
     /* light load with a bound quartet that has room: TP work there */
     const int32_t mixed[] = {4, 1, 1, 1, 1};
-    world_init(&w, 8, 8, mixed, 5);
-    w.v.replicated = 1;
-    w.v.base_tp = 1;
-    memcpy(w.capacity, pooled, sizeof pooled);
-    w.inst[0].bound = 1;
-    w.inst[0].kv_total = 400;
-    for (int k = 1; k < 5; k++) w.inst[k].kv_total = 100;
+    replicated_world(&w, mixed, 5);
     d = place(p, NULL, &cfg, &w, &small);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0 && d.tp_work);
     /* a burst: the quartet goes back to DP at once (its requests fit DP units), the request DP */
@@ -1161,11 +1153,7 @@ GYTEST(sim_policy_flying_decisions) {
     d = place(p, NULL, &cfg, &w, &small);
     CHECK(!has_op(&d, GY_SIM_OP_RELEASE, 0, 4) && has_op(&d, GY_SIM_OP_HOLD, 0, 4));
     /* rebalance: a held, drained pair a request waits for binds */
-    world_init(&w, 8, 8, dp, 8);
-    w.v.replicated = 1;
-    w.v.base_tp = 1;
-    memcpy(w.capacity, pooled, sizeof pooled);
-    for (int k = 0; k < 8; k++) w.inst[k].kv_total = 100;
+    replicated_world(&w, dp, 8);
     w.inst[2].held = w.inst[3].held = 1;
     w.pending[0] = (gy_sim_group){.gpu_first = 2, .size = 2, .footprint = 150};
     w.v.n_pending = 1;
