@@ -18,8 +18,10 @@
    where 1xTP8 collapses); gyges vs round_robin, least_load and every static layout of the 8
    GPUs, on goodput and TTFT; plus gyges' placement pinned to 4xTP2 (no transformations: what
    the soonest-prefill placement gives without the latency mode).
-   The issue's goal, judged in a last table for both workloads: gyges matches the best static
-   layout that serves every request on throughput and beats it on mean and p99 TTFT.
+   Mooncake's request lengths (Kimi's production trace, long prompts most of the work) at
+   0.1-0.3 req/s, the same runs.
+   The issue's goal, judged in a last table for the three workloads: gyges matches the best
+   static layout that serves every request on throughput and beats it on mean and p99 TTFT.
 0. Mechanism times, derived (gyges.cluster.mechanisms: bytes over alpha-beta links, barriers,
    host calls) beside the papers' figures under the papers' setups: Flying Serving's switch,
    PipeLive's stop (and its stop-and-copy baseline), a Gyges transformation's per-step slowdown
@@ -44,8 +46,9 @@ from gyges.cluster import mechanisms  # noqa: E402
 from gyges.cluster.costmodel import (CALIBRATION, DEFAULTS, RDMA_100G, RDMA_200G,  # noqa: E402
                                      CostModel, PipelineCost)
 
-AZURE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
-    "azure_llm_2023_conv.csv"
+TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+AZURE = TRACES / "azure_llm_2023_conv.csv"
+MOONCAKE = TRACES / "mooncake_synthetic.jsonl"
 SLO = {"ttft": 10.0, "tpot": 0.1}
 PAPER_TABLE1 = {1: (448, 3750), 2: (670, 41250), 4: (767, 120500)}  # tokens/s, max sequence
 
@@ -358,29 +361,48 @@ LAYOUTS = ["8xTP1", "4xTP2", "2xTP4", "1xTP8", "1xTP4+4xTP1", "1xTP2+6xTP1",
 PINNED_4XTP2 = {"layout": "4xTP2", "light_load": 1e18, "idle_load": 0.0}
 
 
-def azure_comparison(cost, rate_factors):
-    rows, info = [], {}
+def layout_comparison(traces_by_rate):
+    """[(rate, trace)] -> rows: gyges, round_robin, least_load, gyges' placement pinned to
+    4xTP2 and every static layout of the 8 GPUs, each on every trace."""
+    rows = []
     runs = [("gyges (dynamic)", "gyges", {}), ("round_robin", "round_robin", {}),
             ("least_load", "least_load", {}),
             ("4xTP2, gyges placement", "gyges", PINNED_4XTP2)] + \
         [(layout, "static", {"layout": layout}) for layout in LAYOUTS]
-    for rf in rate_factors:
-        tr, factor, exceed = azure_trace(cost, rate_factor=rf)
-        info = {"tail_prompt_factor": factor, "fraction_exceeding_tp1": exceed,
-                "requests": int(tr.size)}
+    for rate, tr in traces_by_rate:
         for label, policy, kw in runs:
             res = sim.run(tr, policy=policy, slo=SLO, progress=True, **kw)
             s = res.summary()
             g_req, g_tok, attained = goodputs(res)
-            rows.append({"rate": rf * 5.53, "layout": label, "static": policy == "static",
+            rows.append({"rate": rate, "layout": label, "static": policy == "static",
                          "goodput": g_req, "token_goodput": g_tok, "attained": attained,
                          "plain_goodput": s["goodput"], "policy_rejected": s["policy_rejected"],
                          "latency_requests": s["latency_requests"],
                          "ttft_mean": s["ttft_mean"], "ttft_p99": s["ttft_p99"],
                          "tpot_mean": s["tpot_mean"],
+                         "window_throughput": res.window_throughput()[0],
                          "total_token_throughput": s["total_token_throughput"],
                          "transformations": s["transformations"]})
-    return rows, info
+    return rows
+
+
+def azure_comparison(cost, rate_factors):
+    pairs, info = [], {}
+    for rf in rate_factors:
+        tr, factor, exceed = azure_trace(cost, rate_factor=rf)
+        info = {"tail_prompt_factor": factor, "fraction_exceeding_tp1": exceed,
+                "requests": int(tr.size)}
+        pairs.append((rf * 5.53, tr))
+    return layout_comparison(pairs), info
+
+
+def mooncake_comparison(rates, duration):
+    """Mooncake's request lengths (Kimi's production: a median prompt of 11.6K tokens), its
+    arrivals rescaled to each rate, `duration` seconds of them."""
+    prod = traces.load_mooncake(MOONCAKE)
+    rate0 = len(prod) / (prod["arrival"][-1] - prod["arrival"][0])
+    return layout_comparison([(q, traces.clip(traces.scale_rate(prod, q / rate0),
+                                              duration=duration)) for q in rates])
 
 
 def goal_rows(workload, rows, rate_key, name_key, is_static, gyges_name):
@@ -526,6 +548,21 @@ def main():
                      ("transformations", "transf.", "{}")])
     else:
         print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
+    if MOONCAKE.exists():
+        rows = mooncake_comparison([0.1, 0.2, 0.3], 600.0 if args.quick else 1200.0)
+        payload["mooncake"] = rows
+        goals += goal_rows("Mooncake (req/s)", rows, "rate", "layout", lambda r: r["static"],
+                           "gyges (dynamic)")
+        print_table("Mooncake's request lengths (prompts of 11.6K tokens at the median, up to "
+                    "191K), 8 x H20; TPS: tokens processed while requests arrive; goodput as "
+                    "above", rows,
+                    [("rate", "req/s", "{:.2f}"), ("layout", "layout", "{}"),
+                     ("window_throughput", "TPS", "{:.0f}"), ("goodput", "goodput", "{:.4f}"),
+                     ("attained", "attained", "{:.3f}"), ("policy_rejected", "rejected", "{}"),
+                     ("ttft_mean", "TTFT", "{:.1f}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
+                     ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{}")])
+    else:
+        print(f"\n(skipping the Mooncake comparison: {MOONCAKE} is absent)")
     payload["goal"] = goals
     print_table("The goal: gyges against the best static layout that serves every request (the "
                 "best on mean TTFT and on p99 TTFT, each its own layout; tok/s: gyges over the "
