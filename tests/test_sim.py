@@ -748,6 +748,9 @@ def test_loongserve_needs_replicas_and_the_roofline():
     with pytest.raises(sim.SimError, match="CostModel"):
         sim.run(tr, policy="loongserve", weights="replicated",
                 cost=ConstantCost(step=0.05, phase=0.1, capacity=(100, 250, 600, 1300)))
+    from gyges import experiment   # the CPU engine has no sequence-parallel plan
+    with pytest.raises(experiment.ExperimentError, match="sequence-parallel"):
+        experiment.run(tr, policy="loongserve")
 
 
 # ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------

@@ -1024,6 +1024,11 @@ def _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature
                               "replicas, which one in-process host does not do; replay it on a "
                               "gyges.Cluster (cluster=..., even of one host) or simulate it "
                               "(gyges.sim.run(..., weights='buddy', policy='llumnix'))")
+    if policy == "loongserve":
+        raise ExperimentError("policy 'loongserve' serves groups of replicas as one sequence-"
+                              "parallel instance, and the CPU engine has no sequence-parallel "
+                              "plan: simulate it (gyges.sim.run(..., policy='loongserve', "
+                              "weights='replicated'))")
     if host.weights == "mixed":
         raise ExperimentError("the controller drives a host whose workers are all sharded or all "
                               "replicated; this one mixes them (weights=[...] per worker)")
