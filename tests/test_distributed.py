@@ -656,9 +656,10 @@ def test_a_replay_survives_a_host_killed_at_any_point(nodes, tiny, point, monkey
         shape = dict(workers_per_host=1, layout="TP1", memory_per_worker="24MiB")
         run = dict(policy="llumnix", decode_weight=10.0, sample_interval=0.05,
                    migrate="stop" if "stop" in point else "live")
-    elif point == "queued":   # one running request an instance: the others queue
-        trace = traces.from_arrays(np.arange(8) * 0.05, np.array([40, 90, 60, 80, 30, 50, 20,
-                                                                  70]), np.full(8, 40))
+    elif point == "queued":   # one running request an instance: the others queue (each
+        # instance's second arrives while its first still decodes, however fast this CPU)
+        trace = traces.from_arrays(np.arange(8) * 0.01, np.array([40, 90, 60, 80, 30, 50, 20,
+                                                                  70]), np.full(8, 120))
         shape = dict(REPLAY_HOST, max_running=1)
         run = dict(policy="round_robin")
     else:   # round robin over 2xTP1 hosts; requests only a TP2 holds make them merge
