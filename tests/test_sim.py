@@ -741,6 +741,25 @@ def test_loongserve_scales_groups_up_for_long_prefills_and_keeps_every_requests_
     assert (one.requests["status"][one.requests["input_tokens"] == 50_000] == 4).all()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loongserve_keeps_the_invariants_on_random_traces(seed):
+    """Random traces (1% of prompts 45K tokens, more than a TP2 instance prefills: their groups
+    bind over busy members) on one or two hosts of elastic TP2 instances, spreading prompts of
+    8K tokens (seed 0) or 2K (seed 1) and up: every request finishes once, KV never over
+    capacity, every GPU in one instance at every moment, and every scale-up and scale-down keeps
+    the requests' KV (nothing paused, recomputed or migrated)."""
+    tr = random_trace(seed)
+    tr["input_tokens"][tr["input_tokens"] == 40000] = 45000
+    hosts = 1 + seed
+    res = sim.run(tr, hosts=hosts, check=True, sp_min_prompt=8192 if seed == 0 else 2048,
+                  **LOONG)
+    check_invariants(res, 8 * hosts)
+    assert res.summary()["completed"] == tr.size
+    assert res.stats["binds"] > 0 and res.stats["releases"] > 0
+    assert res.stats["paused"] == res.stats["recomputed"] == 0
+    assert not res.requests["migrations"].any()
+
+
 def test_loongserve_needs_replicas_and_the_roofline():
     tr = traces.poisson(1.0, n=5)
     with pytest.raises(sim.SimError, match="weights='replicated'"):
