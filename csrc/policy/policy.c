@@ -107,6 +107,12 @@ int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32
     return 0;
 }
 
+int32_t gy_sim_policy_bound_group(const gy_sim_view *v, const gy_sim_req_view *r) {
+    if (!r->deferred || r->group.size == 0) return -1;
+    const int32_t k = gy_sim_group_instance(v, r->group.gpu_first, r->group.size);
+    return k >= 0 && v->inst[k].bound && gy_sim_policy_fits(&v->inst[k], r) ? k : -1;
+}
+
 int gy_sim_group_under(const gy_sim_view *v, int32_t g, int32_t size, int32_t xform) {
     for (int32_t x = g; x < g + size && x < v->n_gpus;) {
         const gy_sim_inst_view *i = &v->inst[v->gpu_inst[x]];

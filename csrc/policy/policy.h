@@ -307,6 +307,9 @@ int gy_sim_ranges_overlap(int32_t a, int32_t na, int32_t b, int32_t nb);
 /* 1 when a deferred request waits for a group (view.pending) of at least min_size GPUs that
  * overlaps [g, g + size) (min_size 0: any group). */
 int gy_sim_pending_overlaps(const gy_sim_view *v, int32_t g, int32_t size, int32_t min_size);
+/* For a request deferred on a group (replicated clusters): the index of the bound instance that
+ * the group is now, when it holds r; else -1. */
+int32_t gy_sim_policy_bound_group(const gy_sim_view *v, const gy_sim_req_view *r);
 /* 1 when an instance owning a GPU of [g, g + size) is under `xform` (a gy_sim_xform): a bind or
  * a drop of a group a request waits for is on its way. */
 int gy_sim_group_under(const gy_sim_view *v, int32_t g, int32_t size, int32_t xform);

@@ -224,8 +224,8 @@ static gy_status fl_place_request(void *state, const gy_sim_policy_config *cfg,
     int64_t busy = 0;
     int32_t idle = -1;
     if (r->deferred && r->group.size > 0) { /* it waits for its group: bound yet? */
-        const int32_t k = gy_sim_group_instance(v, r->group.gpu_first, r->group.size);
-        if (k >= 0 && v->inst[k].bound && gy_sim_policy_fits(&v->inst[k], r)) {
+        const int32_t k = gy_sim_policy_bound_group(v, r);
+        if (k >= 0) {
             fl_place(d, k, 1);
             return GY_OK;
         }
