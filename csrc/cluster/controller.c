@@ -49,6 +49,16 @@ static int gy_cluster_tp_ok(int32_t tp, int32_t max_tp) {
     return tp >= 1 && tp <= max_tp && gy_sim_level(tp) >= 0;
 }
 
+/* A group a request may wait for: an aligned group of size <= max_tp, or on a buddy cluster a
+ * run of 2 or more of one host's GPUs (DROP takes any run, aligned or not). */
+static int gy_cluster_group_ok(const gy_sim_view *v, const gy_sim_group *g) {
+    if (g->gpu_first < 0) return 0;
+    if (v->buddy)
+        return g->size >= 2 && g->size <= v->gpus_per_host &&
+               g->gpu_first / v->gpus_per_host == (g->gpu_first + g->size - 1) / v->gpus_per_host;
+    return gy_cluster_tp_ok(g->size, v->max_tp) && g->gpu_first % g->size == 0;
+}
+
 gy_status gy_cluster_view_check(const gy_sim_view *v) {
     if (v == NULL) return GY_FAIL(GY_ERR_INVALID, "view: NULL");
     /* a host's GPUs: a power of two for TP groups; a pipeline's stages any count (max_tp 1) */
@@ -127,13 +137,7 @@ gy_status gy_cluster_view_check(const gy_sim_view *v) {
     }
     for (int32_t p = 0; p < v->n_pending; p++) {
         const gy_sim_group *g = &v->pending[p];
-        /* a buddy cluster's groups are runs of replicas of one host (DROP), aligned or not */
-        const int ok = v->buddy ? g->size >= 2 && g->size <= v->gpus_per_host && g->gpu_first >= 0 &&
-                                      g->gpu_first / v->gpus_per_host ==
-                                          (g->gpu_first + g->size - 1) / v->gpus_per_host
-                                : gy_cluster_tp_ok(g->size, v->max_tp) && g->gpu_first >= 0 &&
-                                      g->gpu_first % g->size == 0;
-        if (!ok || g->gpu_first + g->size > v->n_gpus)
+        if (!gy_cluster_group_ok(v, g) || g->gpu_first + g->size > v->n_gpus)
             return GY_FAIL(GY_ERR_INVALID,
                            "bad view: pending group %d (GPU %d, size %d) is not an aligned group "
                            "of size <= max_tp (a buddy cluster: a run of one host's GPUs)",

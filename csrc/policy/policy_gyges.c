@@ -102,7 +102,11 @@ static int gyges_sooner(const gy_sim_policy_config *cfg, const gy_sim_view *v,
     return wa != wb ? wa < wb : gyges_better(cfg, a, b, is_long);
 }
 
-static int gyges_has_room(const gy_sim_inst_view *i, const gy_sim_req_view *r);
+/* Room for all of a request's KV beside what the instance has already committed: a request
+ * placed there will not be preempted by the requests already there. */
+static int gyges_has_room(const gy_sim_inst_view *i, const gy_sim_req_view *r) {
+    return i->placeable && r->min_tp <= i->tp && i->footprint + r->footprint <= i->kv_total;
+}
 
 /* The instance that prefills a short request soonest (Algorithm 1's check_and_update), in
  * tiers: tier 0, instances neither reserved nor held (a long prompt being prefilled there is
@@ -120,12 +124,6 @@ static int32_t gyges_pick(const gy_sim_policy_config *cfg, const gy_sim_view *v,
         if (best < 0 || gyges_sooner(cfg, v, i, &v->inst[best], r, 0)) best = k;
     }
     return best;
-}
-
-/* Room for all of a long request's KV beside what the instance has already committed: a long
- * request is only "capable" where it will not be preempted by the requests already there. */
-static int gyges_has_room(const gy_sim_inst_view *i, const gy_sim_req_view *r) {
-    return i->placeable && r->min_tp <= i->tp && i->footprint + r->footprint <= i->kv_total;
 }
 
 /* The blocks committed on, and the load per GPU of, the instances inside group [g, g + s). */
@@ -237,9 +235,56 @@ static int gyges_within_cap(const gy_sim_policy_config *cfg, double long_share,
            scaled <= long_share * v->n_gpus + 0.5 * g.size;
 }
 
+/* A request that needs TP > 1 (Algorithm 1's long branch; the module comment). */
 static gy_status gyges_place_long(const gy_sim_policy_config *cfg, double long_share,
                                   const gy_sim_view *v, const gy_sim_req_view *r,
-                                  gy_sim_decision *d);
+                                  gy_sim_decision *d) {
+    /* long: the instance with room for it that prefills it soonest, held ones included */
+    int32_t k = -1;
+    for (int32_t j = 0; j < v->n_inst; j++) {
+        if (!gyges_has_room(&v->inst[j], r)) continue;
+        if (k < 0 || gyges_sooner(cfg, v, &v->inst[j], &v->inst[k], r, 1)) k = j;
+    }
+    gy_sim_decision up;
+    memset(&up, 0, sizeof up);
+    double group_load = 0;
+    int can_scale = 0;
+    if (!gy_sim_policy_resume(v, r, &up)) {
+        memset(&up, 0, sizeof up);
+        can_scale = gyges_scale_up(cfg, v, r, &up, &group_load);
+        /* No instance has room for it now, but one at its TP will once its requests finish:
+         * a scale-up beyond scale_up_cap would leave short requests too few instances (at 2x
+         * the 6.2.4 rate, a second TP4 left none), so it waits for room instead. */
+        if (k < 0 && can_scale && up.group.size > 0 &&
+            !gyges_within_cap(cfg, long_share, v, up.group))
+            for (int32_t j = 0; j < v->n_inst; j++)
+                if (v->inst[j].tp >= r->min_tp && v->inst[j].kv_total >= r->footprint) {
+                    memset(d, 0, sizeof *d);
+                    d->action = GY_SIM_ACTION_DEFER; /* no group: decided again as room frees */
+                    return GY_OK;
+                }
+    } else if (up.action == GY_SIM_ACTION_PLACE) {
+        *d = up; /* its group is ready */
+        return GY_OK;
+    } else {
+        can_scale = 1; /* waiting for its group, which is on its way */
+        group_load = 0;
+    }
+    if (k >= 0 && (!can_scale || up.group.size == 0 ||
+                   gy_sim_policy_load(cfg, &v->inst[k]) - group_load <= cfg->scale_up_load ||
+                   !gyges_within_cap(cfg, long_share, v, up.group))) {
+        d->action = GY_SIM_ACTION_PLACE;
+        d->target = k;
+        if (v->inst[k].held)
+            gy_sim_decision_add_op(d, GY_SIM_OP_UNHOLD, v->inst[k].gpu_first, v->inst[k].tp);
+        return GY_OK;
+    }
+    *d = up;
+    gyges_gate_merges(cfg, v, r, d, 0);
+    /* no instance has room and no group can take it: nor any larger request of its TP */
+    d->blocked = k < 0 && up.group.size == 0 && d->n_ops == 0;
+    return GY_OK;
+}
 
 static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
                              const gy_sim_req_view *r, gy_sim_decision *d) {
@@ -280,56 +325,6 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
         return GY_OK;
     }
     return gyges_place_long(cfg, long_share, v, r, d);
-}
-
-/* A request that needs TP > 1 (Algorithm 1's long branch, above). */
-static gy_status gyges_place_long(const gy_sim_policy_config *cfg, double long_share,
-                                  const gy_sim_view *v, const gy_sim_req_view *r,
-                                  gy_sim_decision *d) {
-    /* long: the instance with room for it that prefills it soonest, held ones included */
-    int32_t k = -1;
-    for (int32_t j = 0; j < v->n_inst; j++) {
-        if (!gyges_has_room(&v->inst[j], r)) continue;
-        if (k < 0 || gyges_sooner(cfg, v, &v->inst[j], &v->inst[k], r, 1)) k = j;
-    }
-    gy_sim_decision up;
-    memset(&up, 0, sizeof up);
-    double group_load = 0;
-    int can_scale = 0;
-    if (!gy_sim_policy_resume(v, r, &up)) {
-        memset(&up, 0, sizeof up);
-        can_scale = gyges_scale_up(cfg, v, r, &up, &group_load);
-        /* No instance has room for it now, but one at its TP will once its requests finish:
-         * a scale-up beyond scale_up_cap would leave short requests too few instances (at 2x
-         * the 6.2.4 rate, a second TP4 left none), so it waits for room instead. */
-        if (k < 0 && can_scale && up.group.size > 0 && !gyges_within_cap(cfg, long_share, v, up.group))
-            for (int32_t j = 0; j < v->n_inst; j++)
-                if (v->inst[j].tp >= r->min_tp && v->inst[j].kv_total >= r->footprint) {
-                    memset(d, 0, sizeof *d);
-                    d->action = GY_SIM_ACTION_DEFER; /* no group: decided again as room frees */
-                    return GY_OK;
-                }
-    } else if (up.action == GY_SIM_ACTION_PLACE) {
-        *d = up; /* its group is ready */
-        return GY_OK;
-    } else {
-        can_scale = 1; /* waiting for its group, which is on its way */
-        group_load = 0;
-    }
-    if (k >= 0 && (!can_scale || up.group.size == 0 ||
-                   gy_sim_policy_load(cfg, &v->inst[k]) - group_load <= cfg->scale_up_load ||
-                   !gyges_within_cap(cfg, long_share, v, up.group))) {
-        d->action = GY_SIM_ACTION_PLACE;
-        d->target = k;
-        if (v->inst[k].held)
-            gy_sim_decision_add_op(d, GY_SIM_OP_UNHOLD, v->inst[k].gpu_first, v->inst[k].tp);
-        return GY_OK;
-    }
-    *d = up;
-    gyges_gate_merges(cfg, v, r, d, 0);
-    /* no instance has room and no group can take it: nor any larger request of its TP */
-    d->blocked = k < 0 && up.group.size == 0 && d->n_ops == 0;
-    return GY_OK;
 }
 
 /* The latency mode's base TP at `load` outstanding tokens per GPU (1 on clusters that do not

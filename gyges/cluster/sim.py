@@ -18,7 +18,8 @@ hold a request), "static" (a fixed `layout`, never transforms; requests that fit
 are rejected), "flying" (Flying Serving, weights="replicated"), "loongserve" (LoongServe's
 elastic sequence parallelism, weights="replicated": the layout's instances are its elastic
 instances, and groups of them serve as sequence-parallel instances), "pipelive" (pipelines
-re-split as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c). Layouts: "8xTP1", "2xTP4",
+re-split as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c). Layouts: "8xTP1",
+"2xTP4",
 "4xTP1+1xTP4", ... for ONE host, in GPU order; every host starts with it (the dynamic policies
 default to all TP1).
 
@@ -158,13 +159,12 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     per group), a TP-k group binds the replicas (policy "flying", or "static" for a fixed
     layout) in switch_time seconds moving nothing (default: gyges.cluster.mechanisms.flying_switch
     of the cost model, the smallest TP it fits to max_tp; 0 for a ConstantCost), then the
-    members' steps in flight, and its KV is the
-    members' pooled KV. Policy "loongserve" on it is LoongServe's elastic sequence parallelism:
-    a bound group is sequence parallel (the cost model priced with sequence_parallel=True, every
-    request keeps its KV through a scale-up and a scale-down, switch_time default
-    mechanisms.loongserve_scale), and a prompt of sp_min_prompt tokens or more may take a larger
-    group than its KV needs, for speed (policy_loongserve.c). flying_tp: the group size priority
-    and light-load requests bind (0:
+    members' steps in flight, and its KV is the members' pooled KV. Policy "loongserve" on it is
+    LoongServe's elastic sequence parallelism: a bound group is sequence parallel (the cost
+    model priced with sequence_parallel = the elastic instances' TP; every request keeps its KV
+    through a scale-up and a scale-down; switch_time default mechanisms.loongserve_scale), and a
+    prompt of sp_min_prompt tokens or more may take a larger group than its KV needs, for speed
+    (policy_loongserve.c). flying_tp: the group size priority and light-load requests bind (0:
     gpus_per_host / 2); light_load: outstanding work per GPU (tokens, as the policies count
     load) under which arrivals go to TP groups (flying), or under which gyges keeps a base TP
     of 2, and idle_load the same for a base TP of 4 (gyges' latency mode, policy_gyges.c; 0

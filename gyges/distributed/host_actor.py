@@ -425,8 +425,7 @@ class HostActor:
         """packets: [(the follower's host id, RequestPacket)]; placed: {that id: (cluster id,
         epoch)}. Returns {the follower's host id: host id here}."""
         with self._split_lock:
-            self._check_group(group)
-            lead = self._split[group]
+            lead = self._side(group)
             try:
                 moved, handles = lead.form(packets, outlet, capacity_blocks)
             except BaseException:
