@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from gyges import metrics, sim, traces  # noqa: E402
 from gyges.cluster import mechanisms  # noqa: E402
-from gyges.cluster.costmodel import (CALIBRATION, DEFAULTS, RDMA_100G, RDMA_200G,  # noqa: E402
-                                     CostModel, PipelineCost)
+from gyges.cluster.costmodel import (CALIBRATION, CALIBRATIONS, DEFAULTS,  # noqa: E402
+                                     GROUNDED, RDMA_100G, RDMA_200G, CostModel,
+                                     PipelineCost)
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"
@@ -227,14 +228,39 @@ def calibrate(tps=(1, 2, 4), iterations=80):
     return {**dict(zip(names, (float(v) for v in np.exp(x)))), **memory}, err
 
 
-# Where each value of the cost model comes from, and what is physically plausible for it.
-SOURCES = {
-    "eff_flops": ("fitted: Table 1 throughput", "0.3-0.7 of dense bf16 peak (MFU of serving)"),
-    "eff_link": ("fitted: Table 1 throughput", "0.5-0.9 of NVLink (NCCL bus bandwidth)"),
-    "allreduce_latency": ("fitted: Table 1 throughput", "5-50 us (NCCL latency model)"),
-    "step_overhead": ("fitted: Table 1 throughput", "1-20 ms (scheduling, launches)"),
+def calibrate_grounded(iterations=12):
+    """GROUNDED's one fitted value: eff_flops, bisected until TP1's throughput is Table 1's (TP1
+    has no communication; the link terms stay cited)."""
+    lo, hi = 0.05, 1.0
+    for _ in range(iterations):
+        mid = math.sqrt(lo * hi)
+        cost = CostModel.create("qwen2.5-32b", "h20", calibration="grounded", eff_flops=mid)
+        if max_slo_throughput(cost, 1)[0] < PAPER_TABLE1[1][0]:
+            lo = mid
+        else:
+            hi = mid
+    return {**GROUNDED, "eff_flops": math.sqrt(lo * hi)}
+
+
+# Where each value of each calibration comes from, and what is physically plausible for it.
+_MEMORY_SOURCE = {
     "mem_util": ("fitted: Table 1 max sequence", "0.8-0.95 (vLLM gpu_memory_utilization)"),
-    "prefill_act_bytes": ("fitted: Table 1 max sequence", "-"),
+    "prefill_act_bytes": ("fitted: Table 1 max sequence", "-")}
+SOURCES = {
+    "table1": {
+        "eff_flops": ("fitted: Table 1 throughput", "0.3-0.7 of dense bf16 peak (MFU of serving)"),
+        "eff_link": ("fitted: Table 1 throughput", "0.5-0.9 of NVLink (NCCL bus bandwidth)"),
+        "allreduce_latency": ("fitted: Table 1 throughput", "5-50 us (NCCL latency model)"),
+        "step_overhead": ("fitted: Table 1 throughput", "1-20 ms (scheduling, launches)"),
+        **_MEMORY_SOURCE},
+    "grounded": {
+        "eff_flops": ("fitted: Table 1 TP1 throughput", "0.3-0.7 of dense bf16 peak"),
+        "eff_link": ("cited: nccl-tests busbw (NVIDIA/nccl#1264)", "0.5-0.9 of NVLink"),
+        "allreduce_latency": ("cited: NCCL's LL ring model, 4 ranks", "5-50 us"),
+        "step_overhead": ("chosen: vLLM's CPU work per step", "1-20 ms"),
+        **_MEMORY_SOURCE},
+}
+CHOSEN = {
     "eff_bw": ("chosen: decode GEMV bandwidth", "0.6-0.9 of HBM"),
     "eff_xfer": ("chosen: bulk NVLink copies", "0.6-0.9 of NVLink"),
     "activation_fraction": ("cited: Gyges 3.1, 14.3 of 96 GB", "-"),
@@ -244,35 +270,82 @@ PLAUSIBLE = {"eff_flops": (0.3, 0.7), "eff_link": (0.5, 0.9), "allreduce_latency
              "step_overhead": (1e-3, 20e-3), "mem_util": (0.8, 0.95)}
 
 
+def _plausible(name, value):
+    lo_hi = PLAUSIBLE.get(name)
+    return "-" if lo_hi is None else ("yes" if lo_hi[0] <= value <= lo_hi[1] else "NO")
+
+
 def calibration_table(iterations=80):
-    """Every value of the calibrated cost model, its source, its error on the set it was
-    fitted to and, leaving each TP of Table 1 out in turn (refit on the other two, predict the
-    one left out), its held-out error; whether it lies in its plausible range."""
-    cost = CostModel.create("qwen2.5-32b", "h20")
-    fit = table1(cost)
+    """Every value of both calibrations, its source, its error on the set it was fitted to and
+    its held-out error, and whether it lies in its plausible range. 'table1': leaving each TP of
+    Table 1 out in turn (refit on the other two, predict the one left out). 'grounded': fitted
+    on TP1, so TP2 and TP4 are its held-out rows."""
     held = {}
     for out in (1, 2, 4):
         rest = tuple(tp for tp in (1, 2, 4) if tp != out)
         refit, _ = calibrate(rest, iterations)
-        row = next(r for r in table1(CostModel.create("qwen2.5-32b", "h20", **refit))
-                   if r["tp"] == f"TP{out}")
-        held[out] = row
-    fit_tput = float(np.mean([abs(r["single_err"]) for r in fit]))
-    fit_seq = float(np.mean([abs(r["max_seq_err"]) for r in fit]))
-    out_tput = float(np.mean([abs(r["single_err"]) for r in held.values()]))
-    out_seq = float(np.mean([abs(r["max_seq_err"]) for r in held.values()]))
+        held[out] = next(r for r in table1(CostModel.create("qwen2.5-32b", "h20", **refit))
+                         if r["tp"] == f"TP{out}")
+    mean_abs = lambda rs, k: float(np.mean([abs(r[k]) for r in rs]))  # noqa: E731
+    fit = table1(CostModel.create("qwen2.5-32b", "h20"))
+    grounded = table1(CostModel.create("qwen2.5-32b", "h20", calibration="grounded"))
+    errors = {  # (calibration, memory?) -> (fit error, held-out error), mean |%|
+        ("table1", False): (mean_abs(fit, "single_err"), mean_abs(held.values(), "single_err")),
+        ("table1", True): (mean_abs(fit, "max_seq_err"), mean_abs(held.values(), "max_seq_err")),
+        ("grounded", False): (mean_abs(grounded[:1], "single_err"),
+                              mean_abs(grounded[1:], "single_err")),
+        ("grounded", True): (mean_abs(grounded, "max_seq_err"), None)}
     rows = []
-    for name, (source, range_) in SOURCES.items():
-        value = CALIBRATION.get(name, DEFAULTS.get(name))
-        memory = name in ("mem_util", "prefill_act_bytes")
-        fitted = source.startswith("fitted")
-        lo_hi = PLAUSIBLE.get(name)
-        rows.append({"value": value, "name": name, "source": source, "range": range_,
-                     "fit_err": (fit_seq if memory else fit_tput) if fitted else None,
-                     "held_out_err": (out_seq if memory else out_tput) if fitted else None,
-                     "plausible": "-" if lo_hi is None else
-                     ("yes" if lo_hi[0] <= value <= lo_hi[1] else "NO")})
-    return rows, held
+    for calibration, sources in SOURCES.items():
+        values = CALIBRATIONS[calibration]
+        for name, (source, range_) in sources.items():
+            fitted = source.startswith("fitted")
+            fit_err, held_err = errors[calibration, name in _MEMORY_SOURCE]
+            rows.append({"calibration": calibration, "name": name, "value": values[name],
+                         "source": source, "range": range_,
+                         "fit_err": fit_err if fitted else None,
+                         "held_out_err": held_err if fitted else None,
+                         "plausible": _plausible(name, values[name])})
+    for name, (source, range_) in CHOSEN.items():
+        rows.append({"calibration": "both", "name": name, "value": DEFAULTS[name],
+                     "source": source, "range": range_, "fit_err": None, "held_out_err": None,
+                     "plausible": "-"})
+    return rows, held, grounded
+
+
+# The terms that might explain Table 1's TP rows: each refitted alone to them, the rest grounded.
+MISSING_TERMS = (("eff_link", "a cost per all-reduced byte (link bandwidth)"),
+                 ("allreduce_latency", "a cost per all-reduce (latency)"),
+                 ("eff_flops", "slower compute under TP"),
+                 ("step_overhead", "a cost per step (every TP, TP1 too)"))
+
+
+def missing_term_rows(iterations=30):
+    """Which single term, refitted alone to Table 1's TP2 and TP4 throughput with every other
+    value as GROUNDED has it, explains those rows: its fitted value, the errors it leaves at
+    TP1, TP2 and TP4 (TP1 is what it must not break) and whether the value is plausible."""
+    rows = []
+
+    def errors(cost):
+        return [100 * (max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0] - 1)
+                for tp in (1, 2, 4)]
+
+    base = CostModel.create("qwen2.5-32b", "h20", calibration="grounded")
+    e = errors(base)
+    rows.append({"term": "none (grounded)", "meaning": "-", "grounded": None, "fitted": None,
+                 "tp1_err": e[0], "tp2_err": e[1], "tp4_err": e[2], "plausible": "-"})
+    for name, meaning in MISSING_TERMS:
+        def objective(x, name=name):
+            cost = base.replace(**{name: float(np.exp(x[0]))})
+            return sum(math.log(max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0]) ** 2
+                       for tp in (2, 4))
+        x, _ = nelder_mead(objective, np.log([GROUNDED[name]]), [1.0], iterations)
+        value = float(np.exp(x[0]))
+        e = errors(base.replace(**{name: value}))
+        rows.append({"term": name, "meaning": meaning, "grounded": GROUNDED[name],
+                     "fitted": value, "tp1_err": e[0], "tp2_err": e[1], "tp4_err": e[2],
+                     "plausible": _plausible(name, value)})
+    return rows
 
 
 # ---- 2. Gyges 6.2.4 ---------------------------------------------------------------------------
@@ -315,6 +388,24 @@ def scheduler_comparison(duration, factors, seeds, cost=None, statics=(BEST_STAT
                 r["gyges_window_gain"] = 100 * (g["window_throughput"] /
                                                 r["window_throughput"] - 1)
     return rows
+
+
+def calibration_gains(by_calibration):
+    """{calibration: scheduler_comparison rows} -> per calibration and rate: gyges' window
+    throughput gain over every other policy, and gyges' mean TTFT and TPOT beside the best
+    other policy's."""
+    out = []
+    for name, rows in by_calibration.items():
+        for rate in sorted({r["rate"] for r in rows}):
+            at = {r["policy"]: r for r in rows if r["rate"] == rate}
+            g = at.pop("gyges")
+            out.append({"calibration": name, "rate": rate, "gyges_tps": g["window_throughput"],
+                        **{p: r["gyges_window_gain"] for p, r in at.items()},
+                        "gyges_ttft": g["ttft_mean"],
+                        "best_ttft": min(r["ttft_mean"] for r in at.values()),
+                        "gyges_tpot": g["tpot_mean"],
+                        "best_tpot": min(r["tpot_mean"] for r in at.values())})
+    return out
 
 
 # ---- 3. Azure ---------------------------------------------------------------------------------
@@ -361,9 +452,9 @@ LAYOUTS = ["8xTP1", "4xTP2", "2xTP4", "1xTP8", "1xTP4+4xTP1", "1xTP2+6xTP1",
 PINNED_4XTP2 = {"layout": "4xTP2", "light_load": 1e18, "idle_load": 0.0}
 
 
-def layout_comparison(traces_by_rate):
+def layout_comparison(traces_by_rate, cost=None):
     """[(rate, trace)] -> rows: gyges, round_robin, least_load, gyges' placement pinned to
-    4xTP2 and every static layout of the 8 GPUs, each on every trace."""
+    4xTP2 and every static layout of the 8 GPUs, each on every trace, priced by `cost`."""
     rows = []
     runs = [("gyges (dynamic)", "gyges", {}), ("round_robin", "round_robin", {}),
             ("least_load", "least_load", {}),
@@ -371,7 +462,7 @@ def layout_comparison(traces_by_rate):
         [(layout, "static", {"layout": layout}) for layout in LAYOUTS]
     for rate, tr in traces_by_rate:
         for label, policy, kw in runs:
-            res = sim.run(tr, policy=policy, slo=SLO, progress=True, **kw)
+            res = sim.run(tr, policy=policy, slo=SLO, progress=True, cost=cost, **kw)
             s = res.summary()
             g_req, g_tok, attained = goodputs(res)
             rows.append({"rate": rate, "layout": label, "static": policy == "static",
@@ -393,16 +484,16 @@ def azure_comparison(cost, rate_factors):
         info = {"tail_prompt_factor": factor, "fraction_exceeding_tp1": exceed,
                 "requests": int(tr.size)}
         pairs.append((rf * 5.53, tr))
-    return layout_comparison(pairs), info
+    return layout_comparison(pairs, cost), info
 
 
-def mooncake_comparison(rates, duration):
+def mooncake_comparison(rates, duration, cost=None):
     """Mooncake's request lengths (Kimi's production: a median prompt of 11.6K tokens), its
     arrivals rescaled to each rate, `duration` seconds of them."""
     prod = traces.load_mooncake(MOONCAKE)
     rate0 = len(prod) / (prod["arrival"][-1] - prod["arrival"][0])
     return layout_comparison([(q, traces.clip(traces.scale_rate(prod, q / rate0),
-                                              duration=duration)) for q in rates])
+                                              duration=duration)) for q in rates], cost)
 
 
 def goal_rows(workload, rows, rate_key, name_key, is_static, gyges_name):
@@ -463,7 +554,10 @@ def main():
     ap.add_argument("--mechanisms", action="store_true", help="only the mechanism times")
     ap.add_argument("--calibration-table", action="store_true",
                     help="only the sources of the cost model's values, with fit and held-out "
-                         "errors (refits three times: minutes)")
+                         "errors, and the missing-term fits (refits: minutes)")
+    ap.add_argument("--calibration", choices=list(CALIBRATIONS), default="table1",
+                    help="the cost model's factors for every run: fitted to Table 1 (default) "
+                         "or grounded (cited link terms); 6.2.4's gains print under both")
     args = ap.parse_args()
     payload = {"mechanisms": mechanism_rows()}
     print_mechanisms(payload["mechanisms"])
@@ -471,32 +565,45 @@ def main():
         write_json("bench_sim_mechanisms", payload)
         return
 
-    calibration = dict(CALIBRATION)
+    calibration = dict(CALIBRATIONS[args.calibration])
     if args.calibration_table:
         t = time.perf_counter()
-        rows, held = calibration_table(iterations=40 if args.quick else 80)
+        rows, held, grounded = calibration_table(iterations=40 if args.quick else 80)
+        missing = missing_term_rows(iterations=15 if args.quick else 30)
         payload["calibration_table"] = {"rows": rows, "held_out": {str(k): v for k, v in
-                                                                   held.items()}}
+                                                                   held.items()},
+                                        "grounded_table1": grounded, "missing_terms": missing}
         print_table(f"Where each value comes from (fit: mean |error| % on its set; held out: "
-                    f"each TP of Table 1 refitted without it and predicted; "
+                    f"table1 refits without each TP of Table 1 and predicts it, grounded is "
+                    f"fitted on TP1 and predicts TP2 and TP4; "
                     f"{time.perf_counter() - t:.0f} s)", rows,
-                    [("name", "value of", "{}"), ("value", "", "{:.4g}"),
-                     ("source", "source", "{}"), ("fit_err", "fit err %", "{:.1f}"),
+                    [("calibration", "calibration", "{}"), ("name", "value of", "{}"),
+                     ("value", "", "{:.4g}"), ("source", "source", "{}"),
+                     ("fit_err", "fit err %", "{:.1f}"),
                      ("held_out_err", "held out %", "{:.1f}"), ("range", "plausible", "{}"),
                      ("plausible", "in it", "{}")])
+        print_table("The missing term: Table 1's TP2 and TP4 throughput refitted by one term "
+                    "alone, every other value grounded (errors: model vs paper, %)", missing,
+                    [("term", "term", "{}"), ("meaning", "what it prices", "{}"),
+                     ("grounded", "grounded", "{:.4g}"), ("fitted", "fitted", "{:.4g}"),
+                     ("plausible", "plausible", "{}"), ("tp1_err", "TP1 %", "{:+.1f}"),
+                     ("tp2_err", "TP2 %", "{:+.1f}"), ("tp4_err", "TP4 %", "{:+.1f}")])
         write_json("bench_sim_calibration", payload)
         return
     if args.calibrate:
         t = time.perf_counter()
-        calibration, err = calibrate()
+        if args.calibration == "table1":
+            calibration, err = calibrate()
+        else:
+            calibration, err = calibrate_grounded(), float("nan")
         print(f"calibrated in {time.perf_counter() - t:.0f} s (squared log error {err:.4f}): "
-              f"{calibration}  <- put these in gyges.costmodel.CALIBRATION")
+              f"{calibration}  <- put these in gyges.costmodel.{args.calibration.upper()}")
     cost = CostModel.create("qwen2.5-32b", "h20", **calibration)
-    payload["calibration"] = {"fitted": calibration,
+    payload["calibration"] = {"name": args.calibration, "values": calibration,
                               "fixed": {k: DEFAULTS[k] for k in DEFAULTS}}
     rows = table1(cost)
     payload["table1"] = rows
-    print_table("Gyges Table 1, Qwen2.5-32B on H20 (tokens/s; calibrated: "
+    print_table(f"Gyges Table 1, Qwen2.5-32B on H20 (tokens/s; {args.calibration}: "
                 + ", ".join(f"{k}={v:.4g}" for k, v in calibration.items()) + f"; fixed: "
                 f"eff_bw={DEFAULTS['eff_bw']})", rows,
                 [("tp", "", "{}"), ("single", "single", "{:.0f}"),
@@ -508,7 +615,12 @@ def main():
 
     duration = 1800.0 if args.quick else 7200.0
     seeds = [0] if args.quick else [0, 1, 2]
-    rows = scheduler_comparison(duration, [1.0, 1.25, 1.5, 2.0], seeds)
+    by_calibration = {name: scheduler_comparison(
+        duration, [1.0, 1.25, 1.5, 2.0, 3.0], seeds,
+        cost if name == args.calibration else CostModel.create("qwen2.5-32b", "h20",
+                                                               calibration=name))
+        for name in CALIBRATIONS}
+    rows = by_calibration[args.calibration]
     payload["scheduler_6_2_4"] = {"duration_s": duration, "seeds": seeds, "rows": rows}
     goals = goal_rows("6.2.4 (rate x)", rows, "rate", "policy",
                       lambda r: r["policy"].startswith("static"), "gyges")
@@ -527,6 +639,18 @@ def main():
                  ("ttft_mean", "TTFT", "{:.1f}"), ("ttft_p99", "TTFT p99", "{:.0f}"),
                  ("tpot_mean", "TPOT", "{:.3f}"), ("transformations", "transf.", "{:.0f}"),
                  ("preemptions", "preempt", "{:.0f}")])
+    gains = calibration_gains(by_calibration)
+    payload["scheduler_6_2_4_by_calibration"] = gains
+    print_table("Gyges 6.2.4 under each calibration (gyges' TPS gain, %, over each policy; the "
+                "paper: +26.1% to +39.2% over round_robin and least_load; TTFT: gyges' mean "
+                "and the best other's)", gains,
+                [("calibration", "calibration", "{}"), ("rate", "rate x", "{:.1f}"),
+                 ("gyges_tps", "gyges TPS", "{:.0f}"), ("round_robin", "RR", "{:+.1f}"),
+                 ("least_load", "LL", "{:+.1f}"), ("round_robin (lazy)", "RR lazy", "{:+.1f}"),
+                 ("least_load (lazy)", "LL lazy", "{:+.1f}"),
+                 (f"static {BEST_STATIC_6_2_4}", BEST_STATIC_6_2_4, "{:+.1f}"),
+                 ("gyges_ttft", "gyges TTFT", "{:.1f}"), ("best_ttft", "best other", "{:.1f}"),
+                 ("gyges_tpot", "gyges TPOT", "{:.3f}"), ("best_tpot", "best other", "{:.3f}")])
 
     if AZURE.exists():
         rows, info = azure_comparison(cost, [0.1, 0.14, 0.2])
@@ -549,7 +673,7 @@ def main():
     else:
         print(f"\n(skipping the Azure comparison: {AZURE} is absent)")
     if MOONCAKE.exists():
-        rows = mooncake_comparison([0.1, 0.2, 0.3], 600.0 if args.quick else 1200.0)
+        rows = mooncake_comparison([0.1, 0.2, 0.3], 600.0 if args.quick else 1200.0, cost)
         payload["mooncake"] = rows
         goals += goal_rows("Mooncake (req/s)", rows, "rate", "layout", lambda r: r["static"],
                            "gyges (dynamic)")
@@ -584,7 +708,8 @@ def main():
                  ("wall_s", "wall s", "{:.2f}"), ("steps", "steps", "{}"),
                  ("decisions", "decisions", "{}"), ("steps_per_s", "steps/s", "{:.3g}"),
                  ("transformations", "transf.", "{}")])
-    write_json("bench_sim", payload)
+    write_json("bench_sim" if args.calibration == "table1" else f"bench_sim_{args.calibration}",
+               payload)
 
 
 if __name__ == "__main__":

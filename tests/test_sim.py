@@ -14,9 +14,10 @@ import pytest
 
 import gyges
 from gyges import _C, _C_test, metrics, sim, traces
-from gyges.cluster import mechanisms
-from gyges.cluster.costmodel import (CALIBRATION, GPUS, ConstantCost, CostModel, CostModelError,
-                             gpu_spec, model_config)
+from gyges.cluster import links, mechanisms
+from gyges.cluster.costmodel import (CALIBRATION, GPUS, GROUNDED, ConstantCost, CostModel,
+                                     CostModelError, PipelineCost,
+                                     gpu_spec, model_config)
 from gyges.cluster.results import Results
 
 from test_sched import Model as SchedModel
@@ -383,6 +384,54 @@ def test_prefill_rates_are_the_cost_models_prefill_steps():
         _C.sim_prefill_rates("roofline", cm.params(), 8, 0)
     with pytest.raises(ValueError, match="power of two"):
         _C.sim_prefill_rates("roofline", cm.params(), 3, 2048)
+
+
+TABLE1_THROUGHPUT = {1: 448, 2: 670, 4: 767}   # Gyges Table 1: tokens/s of one TP-tp instance
+
+
+def _table1_throughput(cost, tp):
+    """Table 1's measure: prompt + output tokens/s of one TP-tp instance at the highest Poisson
+    rate of 768 + 256-token requests at which 90% meet TTFT <= 10 s and TPOT <= 100 ms."""
+    def run(rate):
+        tr = traces.poisson(rate, duration=600.0, input_tokens=768, output_tokens=256, seed=0)
+        return sim.run(tr, policy="static", gpus_per_host=tp, layout=f"1xTP{tp}", cost=cost,
+                       slo={"ttft": 10.0, "tpot": 0.1}).summary()
+    lo, hi = 0.01, 20.0
+    for _ in range(14):
+        mid = math.sqrt(lo * hi)
+        s = run(mid)
+        lo, hi = (mid, hi) if s["good_completed"] >= 0.9 * max(1, s["completed"]) else (lo, mid)
+    return run(lo)["total_token_throughput"]
+
+
+def test_grounded_calibration_shows_what_table1s_tp_rows_need():
+    """The Table 1 fit reproduces Table 1's throughput; the grounded calibration (NVLink at
+    NCCL's measured speed) fits TP1 and predicts TP2 and TP4 far above the paper; the one term
+    that brings them back is a cost per all-reduced byte (eff_link), not one per all-reduce."""
+    paper = TABLE1_THROUGHPUT
+    fitted = CostModel.create("qwen2.5-32b", "h20")
+    for tp in (1, 2, 4):
+        assert abs(_table1_throughput(fitted, tp) / paper[tp] - 1) < 0.1
+    g = CostModel.create("qwen2.5-32b", "h20", calibration="grounded")
+    assert g.eff_link == GROUNDED["eff_link"] and 0.5 <= g.eff_link <= 0.9
+    assert g.allreduce_latency == links.NVLINK4.allreduce(0, 4) < 50e-6
+    assert 1e-3 <= g.step_overhead <= 20e-3 and g.mem_util == fitted.mem_util
+    assert abs(_table1_throughput(g, 1) / paper[1] - 1) < 0.03      # its calibration set
+    assert _table1_throughput(g, 2) > 1.4 * paper[2]                   # held out
+    assert _table1_throughput(g, 4) > 2.5 * paper[4]
+    slow_bytes = g.replace(eff_link=0.0076)
+    for tp in (2, 4):
+        assert abs(_table1_throughput(slow_bytes, tp) / paper[tp] - 1) < 0.06
+    lo, hi = 1e-6, 1e-2     # the all-reduce latency that makes TP2 the paper's
+    for _ in range(12):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if _table1_throughput(g.replace(allreduce_latency=mid), 2) > \
+            paper[2] else (lo, mid)
+    assert _table1_throughput(g.replace(allreduce_latency=lo), 4) > 1.25 * paper[4]
+    assert PipelineCost.create("qwen2.5-32b", ["h20"] * 2, calibration="grounded").eff_flops \
+        == GROUNDED["eff_flops"]
+    with pytest.raises(CostModelError, match="calibration must be one of"):
+        CostModel.create(calibration="vendor")
 
 
 def test_capacities_and_table1_memory():
@@ -774,7 +823,6 @@ def test_loongserve_needs_replicas_and_the_roofline():
 
 # ---- pipelines (PipeLive, issue 14) ----------------------------------------------------------
 
-from gyges.cluster.costmodel import PipelineCost  # noqa: E402
 
 # Llama-3-70B in one-byte weights and KV (bf16 does not fit 80 + 48 GB) on A100-80GB + L40S.
 PIPE = PipelineCost.create("llama3-70b", ["a100-80gb", "l40s"], dtype_bytes=1, eff_flops=0.6)
