@@ -146,6 +146,25 @@ def test_the_simulator_predicts_a_real_replay_with_the_profile(profiled):
         assert 1 / 2 < ratio < 2, (key, simulated[key], real[key])
 
 
+def test_a_point_only_a_larger_tp_holds_is_measured_there():
+    """A prompt of 1280 tokens and a decode at context 1024 exceed a TP1 instance of this host
+    (56 blocks of 16 tokens) but not its TP2 (256): they are measured at TP2 only, so that the
+    profile covers the long prompts a merged instance serves instead of extrapolating to them;
+    the KV a split brings back to TP1 is a point TP1 holds."""
+    host = gyges.Host(gyges.Model.tiny(), workers=2, memory_per_worker="24MiB", layout="2xTP1")
+    grid = {"batch": (1, 2), "context": (32, 96, 1024), "prefill": (32, 128, 1280)}
+    cost = ProfiledCost.profile(host, grid, warmup=1, repeats=2)
+    assert host.layout() == "2xTP1"
+    host.close()
+    longest = {tp: max(p["kv_read_tokens"] for p in cost.points if p["tp"] == tp)
+               for tp in (1, 2)}
+    assert longest[1] <= 56 * 16 < 1280 <= longest[2]
+    decodes = {(p["tp"], p["n_seqs"], p["kv_read_tokens"] > 1000) for p in cost.points
+               if p["kind"] == "decode"}
+    assert (2, 1, True) in decodes and (1, 1, True) not in decodes
+    assert fit_is_close(cost)
+
+
 def test_bad_grids_hosts_and_profiles_are_refused(tmp_path):
     host = gyges.Host(gyges.Model.tiny(), workers=2, memory_per_worker="24MiB", layout="2xTP1")
     for grid, match in (({"batch": (1, 0), "context": (32,), "prefill": (32,)}, "ints >= 1"),
@@ -155,7 +174,7 @@ def test_bad_grids_hosts_and_profiles_are_refused(tmp_path):
                          "must be a dict of"),
                         ({"batch": "12", "context": (32,), "prefill": (32,)}, "sequence"),
                         ({"batch": (64,), "context": (4000,), "prefill": (32, 64, 96, 128)},
-                         "KV blocks")):
+                         "holds 0 decode and 4 prefill points")):
         with pytest.raises(ProfileError, match=match):
             ProfiledCost.profile(host, grid)
     with pytest.raises(ProfileError, match="repeats"):

@@ -8,7 +8,8 @@ shapes, and the cost model the simulator takes built from them.
 
 What is measured. On the host's TP1 instances, then on its workers merged into TP-tp instances
 for every TP the host can form (host.transform, split back afterwards), each grid point is run
-for real: a decode point of `batch` requests at `context` tokens times `repeats` decode steps
+for real at every TP whose instance holds it (a long prompt that only a merged instance holds is
+measured there, not extrapolated to): a decode point of `batch` requests at `context` tokens times `repeats` decode steps
 (after `warmup`), a prefill point of `prefill` prompt tokens times its chunk steps (a prompt
 longer than the host's max_batch_tokens is prefilled in several) over `repeats` fresh requests.
 Every instance of a level runs the grid at once, each on a thread, as a replay's instances step
@@ -283,8 +284,8 @@ class ProfiledCost:
             raise ProfileError(f"concurrent must be True or False, got {concurrent!r}")
         from .experiment import capacities
         caps = capacities(host, tps[-1])
-        for tp, cap in zip(tps, caps):
-            _check_fits(host, grid, cap, warmup, repeats, tp)
+        levels = {tp: _level_grid(host, grid, cap, warmup, repeats, tp)
+                  for tp, cap in zip(tps, caps)}
         cfg = host.model.config
         kv_token = float(host.worker(0).kv.block_bytes * cfg.num_hidden_layers / host.block_size)
         from ..runtime.weights import DTYPES
@@ -302,9 +303,12 @@ class ProfiledCost:
                         moving = [h for f, hs in alive.items() if g <= f < g + tp for h in hs]
                         transforms.append(_timed_transform(host, g, tp, moving, "merge"))
                     alive = {}
-                keep = len(tps) > 1   # the next merge or split moves its KV
-                jobs = [pool.submit(_measure_level, host, _instance_at(host, g, tp), tp, grid,
-                                    warmup, repeats, keep) for g in firsts]
+                # the decode point whose KV the next merge or split moves: the last one a
+                # TP1 instance holds too (a split brings it back to one)
+                keep = [bc for bc in levels[tp]["decode"] if bc in levels[tps[0]]["decode"]][-1] \
+                    if len(tps) > 1 else None
+                jobs = [pool.submit(_measure_level, host, _instance_at(host, g, tp), tp,
+                                    levels[tp], warmup, repeats, keep) for g in firsts]
                 done = len(points)
                 for g, job in zip(firsts, jobs):
                     mine, alive[g] = job.result()
@@ -434,20 +438,23 @@ def _decode_tokens(host, b, c, warmup, repeats):
     return warmup + repeats + 3 + _blocks(b * c, host.max_batch_tokens)
 
 
-def _check_fits(host, grid, cap, warmup, repeats, tp):
-    """Every point's KV fits a TP-tp instance (or the profile would measure preemptions)."""
+def _level_grid(host, grid, cap, warmup, repeats, tp):
+    """The grid points a TP-tp instance holds (a larger point would measure preemptions): the
+    prompt lengths, and the (batch, context) decode points. A prompt only a larger TP holds is
+    measured there, so that the profile covers the shapes each level serves. Too few points
+    left to fit the terms at this level: a ProfileError."""
     bs = host.block_size
-    for b in grid["batch"]:
-        for c in grid["context"]:
-            need = b * _blocks(c + _decode_tokens(host, b, c, warmup, repeats), bs)
-            if need > cap or b > host.max_running:
-                raise ProfileError(f"grid point batch {b} x context {c} needs {need} KV blocks "
-                                   f"and {b} running requests; a TP{tp} instance of this host "
-                                   f"holds {cap} blocks and runs {host.max_running}")
-    for p in grid["prefill"]:
-        if _blocks(p + 2, bs) > cap or p + 2 > host.worker(0).max_pos:
-            raise ProfileError(f"grid prefill {p} does not fit a TP{tp} instance of this host "
-                               f"({cap} blocks of {bs} tokens)")
+    decodes = [(b, c) for b in grid["batch"] for c in grid["context"]
+               if b <= host.max_running and
+               b * _blocks(c + _decode_tokens(host, b, c, warmup, repeats), bs) <= cap]
+    prefills = [p for p in grid["prefill"]
+                if _blocks(p + 2, bs) <= cap and p + 2 <= host.worker(0).max_pos]
+    if not decodes or not prefills or len(decodes) + len(prefills) < len(TERMS):
+        raise ProfileError(f"a TP{tp} instance of this host ({cap} blocks of {bs} tokens, "
+                           f"{host.max_running} running requests) holds {len(decodes)} decode "
+                           f"and {len(prefills)} prefill points of grid {grid!r}: too few to fit "
+                           f"{len(TERMS)} terms")
+    return {"decode": decodes, "prefill": prefills}
 
 
 def _instance_at(host, first, tp):
@@ -497,17 +504,18 @@ def _point(tp, kind, shapes, times):
             "spread": float((q3 - q1) / 2 / med)}
 
 
-def _measure_level(host, inst, tp, grid, warmup, repeats, keep_last):
-    """(the grid points of one instance, the requests of its last decode point: in flight when
-    keep_last, else aborted like the rest). Each timed step is what a replay's runner does per
-    step: Instance.step() and the load it reads after it (experiment.instance_load)."""
+def _measure_level(host, inst, tp, level, warmup, repeats, keep):
+    """(the points of `level` (_level_grid) on one instance, the requests of its decode point
+    `keep` (batch, context), left in flight; None: every point's are aborted). Each timed step
+    is what a replay's runner does per step: Instance.step() and the load it reads after it
+    (experiment.instance_load)."""
     from .experiment import instance_load
     points, alive = [], []
     seed = 1000 * tp + 100_000 * min(inst.workers)
 
     def timed():
         return _timed_step(inst, lambda: instance_load(host, inst))
-    for p in grid["prefill"]:
+    for p in level["prefill"]:
         chunks = {}
         for r in range(warmup + repeats):
             seed += 1
@@ -522,26 +530,24 @@ def _measure_level(host, inst, tp, grid, warmup, repeats, keep_last):
                 k += 1
             host.abort(h)
         points += [_point(tp, "prefill", *chunks[k]) for k in sorted(chunks)]
-    last = (grid["batch"][-1], grid["context"][-1])
-    for b in grid["batch"]:
-        for c in grid["context"]:
-            seed += 1
-            n_out = _decode_tokens(host, b, c, warmup, repeats)
-            hs = [_submit(host, inst, c, n_out, seed * 100 + j) for j in range(b)]
-            while any(not h.output_tokens for h in hs):   # prefill (untimed)
-                inst.step()
-            shapes, times = [], []
-            for s in range(warmup + repeats):
-                seconds, shape = timed()
-                if shape is not None and s >= warmup:
-                    shapes.append(shape)
-                    times.append(seconds)
-            points.append(_point(tp, "decode", shapes, times))
-            if keep_last and (b, c) == last:
-                alive = hs
-            else:
-                for h in hs:
-                    host.abort(h)
+    for b, c in level["decode"]:
+        seed += 1
+        n_out = _decode_tokens(host, b, c, warmup, repeats)
+        hs = [_submit(host, inst, c, n_out, seed * 100 + j) for j in range(b)]
+        while any(not h.output_tokens for h in hs):   # prefill (untimed)
+            inst.step()
+        shapes, times = [], []
+        for s in range(warmup + repeats):
+            seconds, shape = timed()
+            if shape is not None and s >= warmup:
+                shapes.append(shape)
+                times.append(seconds)
+        points.append(_point(tp, "decode", shapes, times))
+        if (b, c) == keep:
+            alive = hs
+        else:
+            for h in hs:
+                host.abort(h)
     return points, alive
 
 
