@@ -335,11 +335,59 @@ def test_c_cost_model_matches_python_reference():
             ref = cm.step_time(tp, n_tok, 1, n_samp, kv, pairs, trans)
             got = _C_test.sim_step_time("roofline", p, tp, trans, n_tok, 1, n_samp, kv, pairs)
             assert got == pytest.approx(ref, rel=1e-12, abs=0)  # same float64 formula
-        for phase, kind in (("weights_drop", 0), ("kv_scatter", 1), ("weights_gather", 2)):
-            for a, b in ((1, 2), (2, 4), (4, 1), (8, 2)):
-                ref = cm.phase_time(phase, a, b, 123456.0)
-                got = _C_test.sim_phase_time("roofline", p, kind, a, b, 123456.0)
-                assert got == pytest.approx(ref, rel=1e-12)
+        for reshard in ("gyges", "seesaw"):
+            p = cm.replace(reshard=reshard).params()
+            for phase, kind in (("weights_drop", 0), ("kv_scatter", 1), ("weights_gather", 2)):
+                for a, b in ((1, 2), (2, 4), (4, 1), (8, 2)):
+                    ref = cm.replace(reshard=reshard).phase_time(phase, a, b, 123456.0)
+                    got = _C_test.sim_phase_time("roofline", p, kind, a, b, 123456.0)
+                    assert got == pytest.approx(ref, rel=1e-12)
+
+
+def test_seesaw_resharding_stops_the_instances_and_moves_the_kv_through_host_memory():
+    """reshard='seesaw': a merge's KV phase moves all of each GPU's KV out to host memory and
+    its new share back over PCIe (by hand below), and the merging instances serve nothing from
+    the merge's start to its end, where Gyges' serve throughout; the policy's decisions are
+    the same."""
+    cm = CostModel.create("qwen2.5-32b", "h20")
+    kv, pcie = 10_000.0, links.host_link(cm.gpu).bw * cm.eff_xfer
+    per_token = cm.model.kv_bytes_per_token(cm.dtype_bytes, 1)
+    t, nbytes = cm.replace(reshard="seesaw").phase_time("kv_scatter", 1, 2, kv)
+    assert nbytes == pytest.approx(2 * kv * per_token / 2)     # out and back, a GPU's half
+    assert t == pytest.approx(nbytes / pcie + 64 * cm.phase_latency_per_layer)
+    assert cm.phase_time("kv_scatter", 1, 2, kv)[1] == pytest.approx(kv * per_token / 4)
+    # two TP1 instances decode; a prompt only TP2 holds arrives and merges them at once
+    tr = traces.from_arrays(arrival=[0.0, 0.0, 5.0], input_tokens=[500, 500, 20_000],
+                            output_tokens=[400, 400, 8])
+    runs = {r: sim.run(tr, policy="gyges", gpus_per_host=2, merge_wait=0.0, light_load=0.0,
+                       idle_load=0.0, reshard=r, record_tokens=True, check=True)
+            for r in ("gyges", "seesaw")}
+    for r, res in runs.items():
+        assert res.summary()["completed"] == 3 and res.config["reshard"] == r
+        x = res.transformations
+        merge = x[x["kind"] == 0][0]
+        assert merge["tp_to"] == 2 and merge["kv_bytes"] > 0
+        tok = res.tokens
+        during = tok[(tok["request"] < 2) & (tok["time"] > merge["start"] + 0.1)
+                     & (tok["time"] < merge["end"])]
+        # Gyges' halves decode through the merge; Seesaw's stop once their step ends
+        assert (len(during) > 0) == (r == "gyges"), (r, len(during))
+    g, s_ = (runs[r].transformations for r in ("gyges", "seesaw"))
+    assert s_[0]["kv_bytes"] > 3 * g[0]["kv_bytes"]   # all of it twice vs the half that moves
+    # the split after the long request: its halves read the FFN shards they lack from the host
+    # copy over PCIe, not from each other over NVLink
+    assert s_[1]["kind"] == g[1]["kind"] == 1 and s_[1]["weight_bytes"] == g[1]["weight_bytes"]
+    assert s_[1]["end"] - s_[1]["start"] > 2 * (g[1]["end"] - g[1]["start"])
+    for bad, match in ((dict(reshard="pcie"), "reshard must be one of"),
+                       (dict(reshard="seesaw", weights="replicated", policy="flying"),
+                        "replicated cluster"),
+                       (dict(reshard="seesaw", cost=ConstantCost()), "roofline"),
+                       (dict(reshard="seesaw", weights="buddy", policy="kunserve"),
+                        "not pipelines")):
+        with pytest.raises(sim.SimError, match=match):
+            sim.run(tr, **{"gpus_per_host": 2, **bad})
+    with pytest.raises(CostModelError, match="reshard must be one of"):
+        cm.replace(reshard="host")
 
 
 def test_a_mixture_of_experts_is_priced_by_the_parameters_a_token_uses():

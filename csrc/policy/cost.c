@@ -35,6 +35,9 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
             return GY_FAIL(GY_ERR_INVALID, "cost model: %s must be %s, got %g", f[i].name,
                            f[i].strict ? "> 0" : ">= 0", f[i].v);
     }
+    if ((p->reshard != 0 && p->reshard != 1) || (p->reshard == 1 && !gy_sim_positive(p->host_bw)))
+        return GY_FAIL(GY_ERR_INVALID, "cost model: reshard must be 0 or 1 (Seesaw's, with host_bw "
+                       "> 0), got %d (host_bw %g)", (int)p->reshard, p->host_bw);
     if (p->sequence_parallel < 0 || (p->sequence_parallel & (p->sequence_parallel - 1)))
         return GY_FAIL(GY_ERR_INVALID, "cost model: sequence_parallel must be 0 or a power of two, "
                        "got %d", (int)p->sequence_parallel);
@@ -139,9 +142,17 @@ static double gy_sim_phase_bytes(const gy_sim_phase_shape *ph, double kv_bytes_p
 
 double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
                                   double *bytes_per_gpu) {
-    const double bytes = gy_sim_phase_bytes(ph, p->kv_bytes_per_token, p->ffn_bytes);
+    double bytes = gy_sim_phase_bytes(ph, p->kv_bytes_per_token, p->ffn_bytes);
+    double link = p->link_bw;
+    if (p->reshard == 1) { /* Seesaw: through host memory */
+        link = p->host_bw;
+        if (ph->kind == GY_SIM_PHASE_KV_SCATTER) { /* all of a GPU's KV out, its new share in */
+            const double hi = ph->tp_from > ph->tp_to ? ph->tp_from : ph->tp_to;
+            bytes = 2.0 * ph->kv_tokens * p->kv_bytes_per_token / hi;
+        }
+    }
     *bytes_per_gpu = bytes;
-    return bytes / (p->link_bw * p->eff_xfer) + p->n_layers * p->phase_latency_per_layer;
+    return bytes / (link * p->eff_xfer) + p->n_layers * p->phase_latency_per_layer;
 }
 
 static double gy_sim_roofline_step(void *ctx, int32_t tp, int transforming,

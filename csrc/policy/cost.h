@@ -110,7 +110,14 @@ typedef struct gy_sim_roofline {
                                      parts' ring (bulk copies at eff_xfer, hidden behind the
                                      attention they feed) and combines the parts' partial
                                      attention once per layer (an all-reduce of the queries) */
-    int32_t pad_;
+    /* how a transformation's phases move their bytes */
+    int32_t reshard;              /* 0: Gyges' (the heads that change owner and the FFN shards
+                                     a rank lacks, GPU to GPU over link_bw); 1: Seesaw's (every
+                                     GPU offloads the KV it holds to host memory and loads its
+                                     share in the new geometry back, and reads the FFN shards it
+                                     lacks from the host copy, over host_bw) */
+    double host_bw;               /* bytes/s one GPU moves to or from host memory (PCIe); > 0
+                                     when reshard is 1 */
 } gy_sim_roofline;
 
 /* Level l is TP 2^l; a TP above the last level measured is priced as the last (the Python side

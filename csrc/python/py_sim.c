@@ -98,6 +98,10 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         GY_PY_SIM_FIELD(&roof->transform_slowdown, "transform_slowdown", 0);
         if (PyDict_GetItemString(params, "sequence_parallel") != NULL) /* (else tensor parallel) */
             GY_PY_SIM_FIELD(&roof->sequence_parallel, "sequence_parallel", 1);
+        if (PyDict_GetItemString(params, "reshard") != NULL) { /* (else Gyges' phases) */
+            GY_PY_SIM_FIELD(&roof->reshard, "reshard", 1);
+            GY_PY_SIM_FIELD(&roof->host_bw, "host_bw", 0);
+        }
         st = gy_sim_roofline_check(roof);
         if (st != GY_OK) {
             gy_py_raise(st);
@@ -281,7 +285,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "pipe_layers", "buddy", "buddy_group", "live_restore",
                             "buddy_strategy", "restore_wait", "swap_bw", "kv_token_bytes",
                             "migrate_bw", "idle_load", "sequence_parallel", "sp_min_prompt",
-                            NULL};
+                            "stop_transforming", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -295,16 +299,16 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
     double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0,
            migrate_bw = 0.0, sp_min_prompt = defaults.sp_min_prompt;
-    int sequence_parallel = 0;
+    int sequence_parallel = 0, stop_transforming = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddddpd", names, &hosts,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddddpdp", names, &hosts,
             &gpus_per_host, &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
             &sample_interval, &record_tokens, &arr_o, &in_o, &out_o, &prio_o, &max_in_o,
             &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
             &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes,
-            &migrate_bw, &idle_load, &sequence_parallel, &sp_min_prompt))
+            &migrate_bw, &idle_load, &sequence_parallel, &sp_min_prompt, &stop_transforming))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -362,6 +366,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
         .replicated = replicated,
         .switch_time = switch_time,
         .sequence_parallel = sequence_parallel,
+        .stop_transforming = stop_transforming,
         .pipeline = pipe_o == Py_None ? NULL : &pipeline,
         .pipe_layers = pipe_layers,
         .buddy = buddy,

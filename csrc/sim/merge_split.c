@@ -12,6 +12,7 @@ static gy_status gy_sim_start_merge(gy_sim *s, int32_t a, int32_t b, int32_t g, 
     for (int k = 0; k < 2; k++) {
         s->inst[s->xf[x].src[k]].xform = GY_SIM_XFORM_MERGING;
         s->inst[s->xf[x].src[k]].xform_id = (int32_t)x;
+        s->inst[s->xf[x].src[k]].stopped = s->config.stop_transforming; /* after its step */
     }
     return gy_sim_xf_phase(s, x, GY_SIM_PHASE_WEIGHTS_DROP, 0.0);
 }
@@ -85,6 +86,7 @@ static gy_status gy_sim_start_split(gy_sim *s, int32_t c) {
     s->xf[x] = (gy_sim_xf){.src = {c, -1}, .n_src = 1, .dst = {-1, -1}, .phase = 0};
     i->xform = GY_SIM_XFORM_SPLITTING;
     i->xform_id = (int32_t)x;
+    i->stopped = s->config.stop_transforming; /* once its step in flight ends */
     return gy_sim_xf_phase(s, x, GY_SIM_PHASE_KV_SCATTER, gy_sim_kv_tokens(s, c));
 }
 
@@ -123,6 +125,7 @@ gy_status gy_sim_split_switch(gy_sim *s, int64_t x) {
         f->dst[k] = h[k];
         s->inst[h[k]].xform = GY_SIM_XFORM_SPLIT_TAIL;
         s->inst[h[k]].xform_id = (int32_t)x;
+        s->inst[h[k]].stopped = s->config.stop_transforming; /* until their weights are in */
     }
     f->n_dst = 2;
     f->phase = 1;
@@ -139,10 +142,12 @@ gy_status gy_sim_split_weights_gathered(gy_sim *s, int64_t x) {
     for (int k = 0; k < 2; k++) {
         s->inst[f->dst[k]].xform = GY_SIM_XFORM_NONE;
         s->inst[f->dst[k]].xform_id = -1;
+        s->inst[f->dst[k]].stopped = 0;
     }
     f->phase = 2;
     o->end = s->now;
     s->n_active_xf--;
     s->stats.n_splits++;
+    for (int k = 0; k < 2; k++) GY_TRY(gy_sim_start_step(s, f->dst[k]));
     return gy_cluster_reconfigured(s->cluster, 1, s->now);
 }

@@ -337,6 +337,10 @@ common:
         return GY_FAIL(GY_ERR_INVALID, "sample_interval must be > 0, got %g", c->sample_interval);
     if (c->replicated && (!(c->switch_time >= 0) || !isfinite(c->switch_time)))
         return GY_FAIL(GY_ERR_INVALID, "switch_time must be >= 0, got %g", c->switch_time);
+    if ((c->stop_transforming != 0 && c->stop_transforming != 1) ||
+        (c->stop_transforming && (c->replicated || c->pipeline != NULL)))
+        return GY_FAIL(GY_ERR_INVALID, "stop_transforming must be 0 or 1, and 1 only on a sharded "
+                       "cluster of TP groups (got %d)", (int)c->stop_transforming);
     if ((c->sequence_parallel != 0 && c->sequence_parallel != 1) ||
         (c->sequence_parallel && !c->replicated))
         return GY_FAIL(GY_ERR_INVALID, "sequence_parallel must be 0 or 1, and 1 only on a "

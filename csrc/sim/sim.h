@@ -126,7 +126,10 @@ typedef struct gy_sim_config {
                                      instance's requests onto the members with their KV (the
                                      KV's place planned during the prefill: LoongServe's
                                      proactive scale-down), refused while one fits no member */
-    int32_t pad_sp_;
+    int32_t stop_transforming;    /* sharded: 1 an instance serves nothing while it merges or
+                                     splits (Seesaw's re-sharding, which nothing overlaps: the
+                                     halves of a merge stop at its start, a split's halves start
+                                     once their weights are in); 0 Gyges' (served throughout) */
     const gy_sim_pipeline *pipeline; /* NULL: TP groups. Else a pipeline cluster (above): every
                                      host is one pipeline of pipeline->n_stages GPUs
                                      (gpus_per_host), max_tp 1, not replicated; layout and

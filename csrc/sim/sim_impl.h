@@ -65,6 +65,8 @@ typedef struct gy_sim_inst {
     int32_t xform, xform_id;
     int32_t stepping;      /* a step-end event is pending */
     int32_t barrier;       /* a transformation waits for it to stop stepping */
+    int32_t stopped;       /* it starts no step (Seesaw's re-sharding under way) */
+    int32_t pad_stopped_;
     gy_sched_batch batch;  /* the step in flight */
     int64_t head, tail;    /* its requests (indices), in assignment order */
     int64_t n_req, footprint, pending_prefill, pending_output;

@@ -33,7 +33,7 @@ static gy_status gy_sim_bin_at(gy_sim *s, double t, int64_t *bin) {
 gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
     for (int64_t guard = 0;; guard++) {
         gy_sim_inst *i = &s->inst[slot];
-        if (i->stepping || i->barrier) return GY_OK;
+        if (i->stepping || i->barrier || i->stopped) return GY_OK;
         if (guard > (INT64_C(1) << 24))
             return GY_FAIL(GY_ERR_STATE, "instance at GPU %d made no progress in %lld steps",
                            (int)i->gpu_first, (long long)guard);

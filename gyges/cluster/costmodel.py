@@ -63,6 +63,8 @@ GiB = 1024 ** 3
 
 # Phase kinds, as in csrc/policy/cost.h.
 PHASES = {"weights_drop": 0, "kv_scatter": 1, "weights_gather": 2}
+# How a transformation moves its bytes (cost.h's reshard, in this order).
+RESHARDS = ("gyges", "seesaw")
 
 
 class CostModelError(InvalidArgumentError):
@@ -254,6 +256,11 @@ class CostModel:
     # 0: an instance of tp GPUs is tensor parallel; u: sequence parallel over TP-u parts when
     # tp > u (LoongServe's elastic instances of u GPUs, cost.h)
     sequence_parallel: int = 0
+    # how a transformation moves its bytes: "gyges" (GPU to GPU over the link: the KV heads
+    # that change owner, the FFN shards a rank lacks) or "seesaw" (through host memory over
+    # PCIe, links.host_link: every GPU's KV out and its new share back, the FFN shards from the
+    # host copy; the simulator stops the instances meanwhile, sim.run(reshard=...))
+    reshard: str = "gyges"
     note: str = field(default="", compare=False)
 
     kind = "roofline"
@@ -280,6 +287,9 @@ class CostModel:
             raise CostModelError(f"sequence_parallel must be 0 or a power of two, got {u!r}")
         if not 0 < self.mem_util <= 1:
             raise CostModelError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
+        if self.reshard not in RESHARDS:
+            raise CostModelError(f"reshard must be one of {', '.join(RESHARDS)}, got "
+                                 f"{self.reshard!r}")
 
     @classmethod
     def create(cls, model="qwen2.5-32b", gpu="h20", calibration: str = "table1",
@@ -408,6 +418,8 @@ class CostModel:
             "allreduce_latency": float(self.allreduce_latency),
             "phase_latency_per_layer": float(self.phase_latency_per_layer),
             "sequence_parallel": int(self.sequence_parallel),
+            "reshard": RESHARDS.index(self.reshard),
+            "host_bw": float(links.host_link(self.gpu).bw),
         }
 
     # ---- the float64 reference of csrc/policy/cost.c ----
@@ -467,13 +479,16 @@ class CostModel:
         if phase not in PHASES:
             raise CostModelError(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
         lo, hi = min(tp_from, tp_to), max(tp_from, tp_to)
-        if phase == "kv_scatter":
-            nbytes = (1 - lo / hi) * kv_tokens * self._params()["kv_bytes_per_token"] / hi
+        p = self._params()
+        seesaw = self.reshard == "seesaw"
+        if phase == "kv_scatter":   # Seesaw: all of a GPU's KV out and its new share back
+            nbytes = (2 if seesaw else 1 - lo / hi) * kv_tokens * p["kv_bytes_per_token"] / hi
         elif phase == "weights_gather":
             nbytes = self.ffn_bytes * (1 / lo - 1 / hi)
         else:
             nbytes = 0.0
-        t = nbytes / (self.gpu.link_bw * self.eff_xfer) \
+        link = p["host_bw"] if seesaw else self.gpu.link_bw
+        t = nbytes / (link * self.eff_xfer) \
             + self.model.num_hidden_layers * self.phase_latency_per_layer
         return t, nbytes
 
@@ -551,6 +566,7 @@ class CostModel:
                                                  "prefill_act_bytes")},
                 "transform_slowdown": self.slowdown(),
                 "activation_bytes": self.activation, "sequence_parallel": self.sequence_parallel,
+                "reshard": self.reshard,
                 "note": self.note}
 
 

@@ -63,7 +63,7 @@ from . import traces
 from .. import _C
 from ..runtime import layout as layout_mod
 from .policy import POLICIES, Policy, check_number, check_policy  # one set for both executors
-from .costmodel import ConstantCost, CostModel, CostModelError, PipelineCost
+from .costmodel import RESHARDS, ConstantCost, CostModel, CostModelError, PipelineCost
 from .profile import ProfiledCost
 from . import mechanisms
 from .costmodel import gpu_spec as costmodel_gpu
@@ -140,7 +140,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         record_tokens: bool = False, check: bool = False, gpus=None, kv_resize: bool = True,
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
         buddy_strategy: str | None = None, restore_wait: float | None = None,
-        swap_bw: float | None = None, sp_min_prompt: float | None = None) -> Results:
+        swap_bw: float | None = None, sp_min_prompt: float | None = None,
+        reshard: str = "gyges") -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
@@ -175,6 +176,11 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     after every chunk (tests). slo: kept for Results.summary (goodput). swap_bw: bytes/s per
     GPU (PCIe) at which a preempted request's KV goes to host memory and comes back instead of
     being computed again (vLLM's swap preemption, KunServe's KV-swap baseline); None recomputes.
+    reshard: how a sharded cluster's merges and splits move their bytes: "gyges" (GPU to GPU,
+    the instances serving throughout) or "seesaw" (Seesaw's re-sharding, the baseline of Gyges
+    Figure 11: the KV through host memory over PCIe and the FFN shards from the host copy,
+    priced by the cost model (CostModel.reshard), the instances serving nothing until it is
+    over); the same policy decides either way.
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
@@ -186,9 +192,15 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     traces.validate(trace)
     check_policy(policy, SimError)
     hosts = _check_int("hosts", hosts, 1, 4096)
+    if reshard not in RESHARDS:
+        raise SimError(f"reshard must be one of {', '.join(RESHARDS)}, got {reshard!r}")
+    if reshard != "gyges" and (weights == "buddy" or (isinstance(layout, str) and
+                                                      "pp" in layout.lower())):
+        raise SimError(f"reshard={reshard!r} re-shards the TP groups of a sharded cluster, not "
+                       f"pipelines or buddy groups")
     if weights == "buddy":
-        return _run_buddy(**{k: v for k, v in locals().items() if k != "t_wall"},
-                          t_wall=t_wall)
+        return _run_buddy(**{k: v for k, v in locals().items()
+                             if k not in ("t_wall", "reshard")}, t_wall=t_wall)
     if policy in ("kunserve", "llumnix"):
         what = "drops replicated parameters" if policy == "kunserve" else \
             "migrates requests between replicas"
@@ -199,7 +211,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                            "weights='buddy'")
         return _run_pipeline(**{k: v for k, v in locals().items()
                                 if k not in ("t_wall", "buddy_group", "live_restore",
-                                             "buddy_strategy", "restore_wait", "sp_min_prompt")},
+                                             "buddy_strategy", "restore_wait", "sp_min_prompt",
+                                             "reshard")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -231,6 +244,12 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if policy in ("flying", "loongserve") and not replicated:
         raise SimError(f"policy {policy!r} binds replicas: use weights='replicated'")
     sequence_parallel = policy == "loongserve"
+    if reshard == "seesaw":
+        if replicated:
+            raise SimError("reshard='seesaw' moves shards: a replicated cluster binds instead")
+        if not isinstance(cost, (CostModel, type(None))):
+            raise SimError("reshard='seesaw' prices its host-memory round trip with the roofline "
+                           "cost model: give a CostModel")
 
     if layout is None and policy == "static":
         raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
@@ -243,6 +262,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     elif not isinstance(cost, (CostModel, ProfiledCost, ConstantCost)):
         raise SimError(f"cost must be a CostModel, ProfiledCost or ConstantCost, got "
                        f"{type(cost).__name__}")
+    if reshard == "seesaw":
+        cost = cost.replace(reshard="seesaw")
     if sequence_parallel:
         if not isinstance(cost, CostModel):
             raise SimError("policy 'loongserve' prices sequence-parallel groups with the roofline "
@@ -296,7 +317,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         cost_params=cost.params(), policy=policy, **knobs,
         sample_interval=sample_interval, record_tokens=bool(record_tokens), **arrays,
         max_input=max_input, replicated=replicated, switch_time=switch_time,
-        sequence_parallel=sequence_parallel, **_kv_args(cost, swap_bw))
+        sequence_parallel=sequence_parallel, stop_transforming=reshard == "seesaw",
+        **_kv_args(cost, swap_bw))
 
     start = float(arrays["arrival"][0]) if n else 0.0
     return _drive(sim, policy, n, start, span, check, progress, t_wall, slo, {
@@ -305,7 +327,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
               "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
               "max_input_tokens": max_input,
               **sched, **knobs, "weights": weights,
-              "switch_time": switch_time,
+              "switch_time": switch_time, "reshard": reshard,
               "sample_interval": sample_interval, "record_tokens": bool(record_tokens),
               "swap_bw": swap_bw})
 
