@@ -344,6 +344,29 @@ def test_c_cost_model_matches_python_reference():
                     assert got == pytest.approx(ref, rel=1e-12)
 
 
+def test_gyges_base_tp_follows_the_cost_models_prefill_efficiency():
+    """gyges' floor (policy_gyges.c, gyges_efficient_tp): the largest TP whose prefill rate per
+    GPU is at least 90% of TP1's. Under the Table 1 fit (TP2 at 68%) it is 1, the paper's
+    regime: short requests never merge. Under the grounded calibration (TP8 at 95%) they are
+    served by one TP8 instance; while a 50K prompt needs TP4, the others stay below it (TP2),
+    apart from its group, and go back to TP8 once it is done. The latency mode is off."""
+    short = traces.poisson(1.0, duration=300, input_tokens=1024, output_tokens=64, seed=3)
+    kw = dict(policy="gyges", light_load=0.0, idle_load=0.0, check=True)
+    fit = sim.run(short, cost=CostModel.create(), **kw)
+    assert fit.summary()["transformations"] == 0 and set(fit.requests["tp"].tolist()) == {1}
+    grounded = CostModel.create(calibration="grounded")
+    r = sim.run(short, cost=grounded, **kw).requests
+    assert set(r["tp"][r["arrival"] > 60].tolist()) == {8}
+    mixed = traces.merge([short, traces.from_arrays([100.0], [50_000], [2000])])
+    r = sim.run(mixed, cost=grounded, **kw).requests
+    long = r["input_tokens"] == 50_000
+    assert r["tp"][long].tolist() == [4] and np.isfinite(r["finish"][long][0])
+    during = (~long & (r["arrival"] > r["first_token"][long][0])
+              & (r["finish"] < r["finish"][long][0]))
+    assert 2 in r["tp"][during] and 8 not in r["tp"][during]
+    assert set(r["tp"][~long & (r["arrival"] > r["finish"][long][0] + 30)].tolist()) == {8}
+
+
 def test_seesaw_resharding_stops_the_instances_and_moves_the_kv_through_host_memory():
     """reshard='seesaw': a merge's KV phase moves all of each GPU's KV out to host memory and
     its new share back over PCIe (by hand below), and the merging instances serve nothing from

@@ -179,9 +179,9 @@ gy_status gy_cluster_init(gy_cluster **out, const gy_cluster_config *config,
     c->config = *config;
     memcpy(c->capacity, config->capacity, (size_t)levels * sizeof *c->capacity);
     c->config.capacity = c->capacity;
-    for (int32_t l = 0; l < levels; l++)
-        c->prefill_rate[l] = config->prefill_rate ? config->prefill_rate[l] : (double)(1 << l);
-    c->config.prefill_rate = c->prefill_rate;
+    for (int32_t l = 0; config->prefill_rate != NULL && l < levels; l++)
+        c->prefill_rate[l] = config->prefill_rate[l];
+    if (config->prefill_rate != NULL) c->config.prefill_rate = c->prefill_rate;
     c->ops = *ops;
     c->ctx = ctx;
     const size_t n = (size_t)config->n_gpus;
@@ -277,7 +277,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .n_deferred = c->n_deferred,
         .pipeline = c->config.pipeline,
         .buddy = c->config.buddy,
-        .prefill_rate = c->prefill_rate,
+        .prefill_rate = c->config.prefill_rate, /* NULL unless the executor gave them */
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */

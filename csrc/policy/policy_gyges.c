@@ -51,6 +51,12 @@
  * needs more than that base, the base is 1 (the paper's regime). Rebalance then also runs at
  * every tick (monitor), since a TP1 step never calls it.
  *
+ * The efficient floor (ours): the base TP is at least the largest TP whose prefill rate per GPU
+ * (the controller's, from the cost model) is GYGES_EFFICIENT of TP1's; while a request needs
+ * TP > 1 the floor stays below that TP. Under the Table 1 fit it is 1 (the paper's premise: TP1
+ * serves the most per GPU), so nothing above changes; under costs where TP is nearly free (NVLink
+ * at NCCL's measured speed) short requests no longer wait on TP1 instances.
+ *
  * The work mix (ours): scale_up_cap keeps TP1 instances for short requests, which on Gyges'
  * workloads are most of the work. Where long prompts are (Mooncake's trace: 90% of the prompt
  * tokens need TP > 1), the TP1 half would idle while the long half queues (at 0.2 req/s on 8
@@ -63,6 +69,7 @@
 #include <string.h>
 
 #define GYGES_MIX_SECONDS 120.0 /* (ours) a couple of Gyges 6.2.4's long arrivals */
+#define GYGES_EFFICIENT 0.9     /* (ours) a TP this close to TP1's prefill rate per GPU is free */
 
 typedef struct gyges_state {
     double t;           /* when the mix was last updated */
@@ -327,13 +334,29 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
     return gyges_place_long(cfg, long_share, v, r, d);
 }
 
-/* The latency mode's base TP at `load` outstanding tokens per GPU (1 on clusters that do not
- * merge and split, or with both thresholds 0). */
-static int32_t gyges_base_tp(const gy_sim_policy_config *cfg, const gy_sim_view *v, double load) {
-    if (v->replicated || v->pipeline != NULL || v->buddy) return 1;
+/* The largest TP whose prefill rate per GPU (the controller's, from the cost model) is at least
+ * GYGES_EFFICIENT of TP1's (ours): a larger instance then gives up no throughput and prefills
+ * faster. Under the Table 1 fit (Qwen2.5-32B on H20: TP2 at 68% of TP1's rate per GPU) it is 1,
+ * the paper's regime; with NVLink at NCCL's measured speed (the grounded calibration: TP8 at
+ * 95%) it is 8, and short requests stop queueing on TP1 instances for nothing. */
+static int32_t gyges_efficient_tp(const gy_sim_view *v) {
     int32_t tp = 1;
-    if (cfg->idle_load > 0 && load <= cfg->idle_load) tp = 4;
-    else if (cfg->light_load > 0 && load <= cfg->light_load) tp = 2;
+    if (v->prefill_rate == NULL) return tp;
+    for (int32_t l = 1; l < GY_SIM_MAX_LEVELS && (INT32_C(1) << l) <= v->max_tp; l++)
+        if (v->prefill_rate[l] >= GYGES_EFFICIENT * (double)(INT32_C(1) << l) * v->prefill_rate[0])
+            tp = INT32_C(1) << l;
+    while (tp > 1 && !gy_sim_group_valid(v, 0, tp)) tp /= 2; /* the host */
+    return tp;
+}
+
+/* The base TP at `load` outstanding tokens per GPU: the latency mode's, at least `floor` (1 on
+ * clusters that do not merge and split). */
+static int32_t gyges_base_tp(const gy_sim_policy_config *cfg, const gy_sim_view *v, double load,
+                             int32_t floor) {
+    if (v->replicated || v->pipeline != NULL || v->buddy) return 1;
+    int32_t tp = floor;
+    if (cfg->idle_load > 0 && load <= cfg->idle_load && tp < 4) tp = 4;
+    else if (cfg->light_load > 0 && load <= cfg->light_load && tp < 2) tp = 2;
     while (tp > 1 && !gy_sim_group_valid(v, 0, tp)) tp /= 2; /* max_tp, the host */
     return tp;
 }
@@ -374,9 +397,14 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
         if (v->inst[k].max_min_tp > need) need = v->inst[k].max_min_tp;
     for (int32_t p = 0; p < v->n_pending; p++)
         if (v->pending[p].size > need) need = v->pending[p].size;
-    int32_t up = gyges_base_tp(cfg, v, load), base = gyges_base_tp(cfg, v, load / 4);
-    if (need > up) up = 1;
-    if (need > base) base = 1; /* what a split must be above */
+    /* The efficient TP is the floor; while a request needs TP > 1, below what it needs, so
+     * that its group and the instances of the other requests stay apart (grounded costs, 6.2.4
+     * at 2x: mean TTFT 2.1 s, where a floor of what it needs gave 10.3 s and none 3.5 s). */
+    int32_t floor = gyges_efficient_tp(v);
+    if (need > 1 && floor >= need) floor = need / 2;
+    int32_t up = gyges_base_tp(cfg, v, load, floor), base = gyges_base_tp(cfg, v, load / 4, floor);
+    if (need > up) up = floor;
+    if (need > base) base = floor; /* what a split must be above */
     if (!gyges_merge_to_base(v, up, d)) return GY_OK;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
