@@ -9,8 +9,9 @@ on that engine, on traces the profile never saw.
    KV heads split 1 or 3 ways), and the tiny model on 2 workers (TP1 and TP2, for the merges).
    The profiles are saved as JSON (benchmarks/results/profile_*.json; --reuse loads them).
    The simulator runs with each (the CPU workers share cores and memory bandwidth, so a step's
-   time depends on what the other instances do, which a per-instance step model cannot see:
-   the two profiles bracket it).
+   time depends on what the other instances do: the two profiles bracket it), and with both
+   (ProfiledCost.with_alone): each step priced between them by the share of the host's other
+   workers stepping when it starts, which the simulator knows.
 2. Held-out traces, each replayed `--repeats` times on a fresh host (the mean is compared) and
    once in the simulator with the same policy knobs, the profile's prefill rates in both:
    - smollm2 light: round robin over 2xTP1 at a rate the host keeps up with;
@@ -169,6 +170,7 @@ def main():
         host = new_host()
         s = simulate(trace, policy, cost, host).summary()
         s1 = simulate(trace, policy, alone[name], host).summary()
+        s2 = simulate(trace, policy, cost.with_alone(alone[name]), host).summary()
         host.close()
         reals = [r.summary() for r in real]
         for metric, key, scale in METRICS:
@@ -177,7 +179,8 @@ def main():
             rows.append({"trace": label, "metric": metric, "real": mean * scale,
                          "spread": 100 * (values.max() - values.min()) / 2 / mean,
                          "sim": s[key] * scale, "err": 100 * (s[key] / mean - 1),
-                         "sim1": s1[key] * scale, "err1": 100 * (s1[key] / mean - 1)})
+                         "sim1": s1[key] * scale, "err1": 100 * (s1[key] / mean - 1),
+                         "sim2": s2[key] * scale, "err2": 100 * (s2[key] / mean - 1)})
         steps = np.concatenate([r.steps for r in real])
         for k in step_kinds(steps, cost):
             kind_rows.append({"trace": label, **k})
@@ -193,7 +196,8 @@ def main():
         ("trace", "trace", "{}"), ("metric", "metric", "{}"), ("real", "real", "{:.2f}"),
         ("spread", "spread %", "{:.1f}"), ("sim", "sim (all busy)", "{:.2f}"),
         ("err", "err %", "{:+.1f}"), ("sim1", "sim (one busy)", "{:.2f}"),
-        ("err1", "err %", "{:+.1f}")])
+        ("err1", "err %", "{:+.1f}"), ("sim2", "sim (by busy share)", "{:.2f}"),
+        ("err2", "err %", "{:+.1f}")])
     print_table("where the error comes from: real steps vs the all-busy profile's prediction for "
                 "their shape", kind_rows, [
         ("trace", "trace", "{}"), ("kind", "step kind", "{}"),

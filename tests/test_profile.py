@@ -50,6 +50,41 @@ def test_the_c_backend_matches_its_reference():
     shape = dict(n_tokens=256, n_samples=1, kv_read_tokens=256.0, attn_pairs=256 * 257 / 2)
     assert rates == pytest.approx([256 / cost.step_time(1, **shape),
                                    256 / cost.step_time(2, **shape)], rel=1e-12)
+    # with the alone coefficients a step goes from them (no other worker busy) to the busy ones
+    alone = hand_cost(levels=((5e-4, 1e-4, 1e-4, 5e-7, 2e-8), (1e-3, 5e-5, 5e-5, 2e-7, 1e-8)))
+    both = cost.with_alone(alone)
+    pb = both.params()
+    for tp, share in ((1, 0.0), (1, 1.0), (2, 0.25), (1, 0.6), (2, 7.0)):
+        got = _C_test.sim_step_time("profiled", pb, tp, False, 300, 2, 2, 900.0, 5e4, share)
+        want = both.step_time(tp, 300, 2, 2, 900.0, 5e4, busy_share=share)
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+    one, busy = alone.step_time(1, 300, 2, 2, 900.0, 5e4), cost.step_time(1, 300, 2, 2, 900.0, 5e4)
+    assert both.step_time(1, 300, 2, 2, 900.0, 5e4, busy_share=0.0) == pytest.approx(one)
+    assert both.step_time(1, 300, 2, 2, 900.0, 5e4, busy_share=1.0) == pytest.approx(busy)
+    assert both.step_time(1, 300, 2, 2, 900.0, 5e4, busy_share=0.5) == \
+        pytest.approx((one + busy) / 2)
+    with pytest.raises(ProfileError, match="same model"):
+        cost.with_alone(hand_cost(capacity=(56, 64)))
+    with pytest.raises(ProfileError, match="alone coefficients of TP2"):
+        cost.replace(alone=((1e-3,) * len(TERMS), (0.0,) * len(TERMS)))
+
+
+def test_the_simulator_prices_a_step_by_how_many_of_the_hosts_workers_are_busy():
+    """With alone coefficients the simulator passes each step the share of the host's other
+    workers stepping when it starts: one request alone runs at the alone speed; two at once on
+    the two workers run slower than alone and no slower than all busy."""
+    busy = hand_cost()
+    alone = hand_cost(levels=tuple(tuple(c / 3 for c in lv) for lv in busy.levels))
+    both = busy.with_alone(alone)
+    kw = dict(policy="round_robin", gpus_per_host=2, block_size=16, watermark=0.0, check=True)
+    one = traces.from_arrays([0.0], [64], [30])
+    finish = {name: sim.run(one, cost=c, **kw).requests["finish"][0]
+              for name, c in (("alone", alone), ("both", both))}
+    assert finish["both"] == pytest.approx(finish["alone"], rel=1e-12)
+    two = traces.from_arrays([0.0, 0.0], [64, 64], [30, 30])
+    f = {name: sim.run(two, cost=c, **kw).requests["finish"].max()
+         for name, c in (("alone", alone), ("busy", busy), ("both", both))}
+    assert f["alone"] < f["both"] <= f["busy"] * (1 + 1e-12)
 
 
 def fit_is_close(cost):

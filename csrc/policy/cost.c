@@ -180,7 +180,17 @@ gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p) {
         if (!(c[0] + c[1] > 0))
             return GY_FAIL(GY_ERR_INVALID, "profiled cost model: a TP%d step costs nothing "
                            "(base and per_token are 0)", 1 << l);
+        const gy_sim_profiled_alone *a = &p->alone;
+        const double ca[] = {a->base[l], a->per_token[l], a->per_sample[l], a->per_kv_read[l],
+                             a->per_pair[l]};
+        for (size_t k = 0; p->has_alone && k < sizeof ca / sizeof ca[0]; k++)
+            if (!gy_sim_nonneg(ca[k]) || !(ca[0] + ca[1] > 0))
+                return GY_FAIL(GY_ERR_INVALID, "profiled cost model: alone %s of TP%d must be >= "
+                               "0 (and base + per_token > 0), got %g", names[k], 1 << l, ca[k]);
     }
+    if (p->has_alone != 0 && p->has_alone != 1)
+        return GY_FAIL(GY_ERR_INVALID, "profiled cost model: has_alone must be 0 or 1, got %d",
+                       (int)p->has_alone);
     if (!gy_sim_nonneg(p->transform_slowdown) || !gy_sim_positive(p->kv_bytes_per_token) ||
         !gy_sim_nonneg(p->ffn_bytes) || !gy_sim_positive(p->xfer_bw) ||
         !gy_sim_nonneg(p->phase_latency_per_layer) || p->n_layers < 1)
@@ -197,9 +207,17 @@ double gy_sim_profiled_step_time(const gy_sim_cost_profiled *p, int32_t tp, int 
     if (s->n_tokens <= 0) return 0.0;
     int32_t l = 0;
     while (l + 1 < p->n_levels && (INT32_C(1) << (l + 1)) <= tp) l++;
-    const double time = p->base[l] + p->per_token[l] * (double)s->n_tokens +
-                        p->per_sample[l] * (double)s->n_samples +
-                        p->per_kv_read[l] * s->kv_read_tokens + p->per_pair[l] * s->attn_pairs;
+    double time = p->base[l] + p->per_token[l] * (double)s->n_tokens +
+                  p->per_sample[l] * (double)s->n_samples + p->per_kv_read[l] * s->kv_read_tokens +
+                  p->per_pair[l] * s->attn_pairs;
+    if (p->has_alone) { /* from alone (no other worker busy) to the all-busy time */
+        const gy_sim_profiled_alone *a = &p->alone;
+        const double alone = a->base[l] + a->per_token[l] * (double)s->n_tokens +
+                             a->per_sample[l] * (double)s->n_samples +
+                             a->per_kv_read[l] * s->kv_read_tokens + a->per_pair[l] * s->attn_pairs;
+        const double share = s->busy_share < 0 ? 0 : s->busy_share > 1 ? 1 : s->busy_share;
+        time = alone + share * (time - alone);
+    }
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 
@@ -232,7 +250,7 @@ gy_sim_cost_ops gy_sim_cost_roofline_ops(const gy_sim_roofline *p) {
 
 gy_sim_cost_ops gy_sim_cost_profiled_ops(const gy_sim_cost_profiled *p) {
     return (gy_sim_cost_ops){.ctx = (void *)p, .step_time = gy_sim_profiled_step,
-                             .phase_time = gy_sim_profiled_phase};
+                             .phase_time = gy_sim_profiled_phase, .host_shared = p->has_alone};
 }
 
 gy_sim_cost_ops gy_sim_cost_constant_ops(const gy_sim_cost_constant *p) {

@@ -40,6 +40,8 @@ typedef struct gy_sim_step_shape {
     int64_t n_samples;     /* entries that sample a token (rows of the LM head) */
     double kv_read_tokens; /* sum over those entries of the tokens whose KV attention reads */
     double attn_pairs;     /* sum of causal (query, key) pairs: sum over queries of keys seen */
+    double busy_share;     /* 0..1: the share of the host's other workers stepping when it
+                              starts (read only by a cost model whose ops say host_shared) */
 } gy_sim_step_shape;
 
 typedef enum gy_sim_phase_kind {
@@ -63,6 +65,9 @@ typedef struct gy_sim_cost_ops {
     double (*step_time)(void *ctx, int32_t tp, int transforming, const gy_sim_step_shape *s);
     /* Seconds for one phase; *bytes_per_gpu (never NULL) receives what each GPU receives. */
     double (*phase_time)(void *ctx, const gy_sim_phase_shape *p, double *bytes_per_gpu);
+    int32_t host_shared;   /* 1: a step's time depends on its shape's busy_share (the workers of
+                              a host share cores and memory bandwidth); the executor sets it */
+    int32_t pad_;
 } gy_sim_cost_ops;
 
 /* Every field is > 0 unless it says >= 0. */
@@ -123,6 +128,13 @@ typedef struct gy_sim_roofline {
 /* Level l is TP 2^l; a TP above the last level measured is priced as the last (the Python side
  * refuses such a max_tp). Every coefficient is >= 0, so a step never gets cheaper with more
  * work. */
+/* A step's coefficients per level, as measured with the host's other workers idle. */
+typedef struct gy_sim_profiled_alone {
+    double base[GY_SIM_COST_LEVELS], per_token[GY_SIM_COST_LEVELS],
+        per_sample[GY_SIM_COST_LEVELS], per_kv_read[GY_SIM_COST_LEVELS],
+        per_pair[GY_SIM_COST_LEVELS];
+} gy_sim_profiled_alone;
+
 typedef struct gy_sim_cost_profiled {
     int32_t n_levels;                           /* 1..GY_SIM_COST_LEVELS levels measured */
     double base[GY_SIM_COST_LEVELS];            /* seconds per step that computes something */
@@ -137,6 +149,11 @@ typedef struct gy_sim_cost_profiled {
     int32_t n_layers;                           /* >= 1 */
     double xfer_bw;                             /* > 0: bytes/s a GPU receives in a phase */
     double phase_latency_per_layer;             /* >= 0: seconds per layer per phase */
+    /* 1: the coefficients above were measured with every instance of the host stepping and
+     * `alone` with the others idle; a step interpolates between them by its shape's
+     * busy_share (its ops say host_shared). 0: the above for every step. */
+    int32_t has_alone;
+    gy_sim_profiled_alone alone;
 } gy_sim_cost_profiled;
 
 typedef struct gy_sim_cost_constant {

@@ -132,6 +132,23 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         GY_PY_SIM_FIELD(&prof->n_layers, "n_layers", 1);
         GY_PY_SIM_FIELD(&prof->xfer_bw, "xfer_bw", 0);
         GY_PY_SIM_FIELD(&prof->phase_latency_per_layer, "phase_latency_per_layer", 0);
+        if (PyDict_GetItemString(params, "alone_base") != NULL) { /* (else one set) */
+            double *alone[] = {prof->alone.base, prof->alone.per_token, prof->alone.per_sample,
+                               prof->alone.per_kv_read, prof->alone.per_pair};
+            static const char *alone_names[] = {"alone_base", "alone_per_token",
+                                                "alone_per_sample", "alone_per_kv_read",
+                                                "alone_per_pair"};
+            for (size_t k = 0; k < sizeof alone_names / sizeof alone_names[0]; k++) {
+                const int n = gy_py_sim_levels(params, alone_names[k], alone[k]);
+                if (n < 0) return -1;
+                if (n != prof->n_levels) {
+                    PyErr_Format(GY_PY_VALUE_ERROR, "cost parameter %s has %d TP levels, base "
+                                 "%d", alone_names[k], n, (int)prof->n_levels);
+                    return -1;
+                }
+            }
+            prof->has_alone = 1;
+        }
         st = gy_sim_cost_profiled_check(prof);
         if (st != GY_OK) {
             gy_py_raise(st);

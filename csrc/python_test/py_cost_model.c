@@ -7,21 +7,23 @@
 #include "policy/cost.h"
 #include "policy/pipeline.h"
 
-/* sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs) */
+/* sim_step_time(kind, params, tp, transforming, n_tokens, n_seqs, n_samples, kv_read, pairs
+ *               [, busy_share]) */
 static PyObject *gy_py_sim_step_time(PyObject *module, PyObject *args) {
     const char *kind;
     PyObject *params;
     int tp, transforming;
     long long n_tokens, n_seqs, n_samples;
-    double kv_read, pairs;
-    if (!PyArg_ParseTuple(args, "sOipLLLdd", &kind, &params, &tp, &transforming, &n_tokens,
-                          &n_seqs, &n_samples, &kv_read, &pairs))
+    double kv_read, pairs, busy_share = 0.0;
+    if (!PyArg_ParseTuple(args, "sOipLLLdd|d", &kind, &params, &tp, &transforming, &n_tokens,
+                          &n_seqs, &n_samples, &kv_read, &pairs, &busy_share))
         return NULL;
     gy_sim_cost_store store;
     gy_sim_cost_ops ops;
     if (gy_py_sim_cost_params(params, kind, &store, &ops) < 0) return NULL;
     const gy_sim_step_shape s = {.n_tokens = n_tokens, .n_seqs = n_seqs, .n_samples = n_samples,
-                                 .kv_read_tokens = kv_read, .attn_pairs = pairs};
+                                 .kv_read_tokens = kv_read, .attn_pairs = pairs,
+                                 .busy_share = busy_share};
     return PyFloat_FromDouble(ops.step_time(ops.ctx, tp, transforming, &s));
 }
 

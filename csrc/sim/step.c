@@ -29,6 +29,20 @@ static gy_status gy_sim_bin_at(gy_sim *s, double t, int64_t *bin) {
     return GY_OK;
 }
 
+/* The share of the host's other GPUs whose instances are stepping as `slot` starts a step (a CPU
+ * host's workers share its cores and memory bandwidth: cost ops host_shared). */
+static double gy_sim_busy_share(const gy_sim *s, int32_t slot) {
+    const gy_sim_inst *i = &s->inst[slot];
+    const int32_t others = s->config.gpus_per_host - i->width;
+    if (others <= 0) return 0.0;
+    int32_t busy = 0;
+    for (int64_t k = 0; k < s->n_slots; k++) {
+        const gy_sim_inst *o = &s->inst[k];
+        if (k != slot && o->alive && o->stepping && o->host == i->host) busy += o->width;
+    }
+    return (double)busy / (double)others;
+}
+
 /* Starts steps on an idle instance until one takes time (or there is no work). */
 gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
     for (int64_t guard = 0;; guard++) {
@@ -76,6 +90,7 @@ gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             shape.attn_pairs += ((double)end * (double)(end + 1) -
                                  (double)start * (double)(start + 1)) / 2.0;
         }
+        if (s->config.cost.host_shared) shape.busy_share = gy_sim_busy_share(s, slot);
         const int busy = i->xform != GY_SIM_XFORM_NONE && i->xform != GY_SIM_XFORM_EXCHANGING;
         double dt = i->n_stages > 0
                         ? gy_sim_pipeline_step_time(gy_sim_inst_pipe(s, i), i->layers, busy,

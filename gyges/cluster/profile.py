@@ -136,6 +136,10 @@ class ProfiledCost:
     transform_slowdown: float = 0.0
     points: tuple = ()
     transforms: tuple = ()
+    # per TP level: TERMS' coefficients measured with the host's other workers idle (a profile
+    # with concurrent=False, with_alone); a step then interpolates from them to `levels` by the
+    # share of the host's other workers stepping when it starts. None: `levels` for every step
+    alone: tuple | None = None
     note: str = field(default="", compare=False)
 
     kind = "profiled"
@@ -151,6 +155,16 @@ class ProfiledCost:
                 if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                     raise ProfileError(f"{name} of TP{1 << l} must be a finite number >= 0, "
                                        f"got {v!r}")
+        if self.alone is not None:
+            if len(self.alone) != len(self.levels) or \
+                    any(len(c) != len(TERMS) for c in self.alone):
+                raise ProfileError(f"alone must give {len(TERMS)} coefficients for each of the "
+                                   f"{len(self.levels)} TP levels, got {self.alone!r}")
+            for l, coefs in enumerate(self.alone):
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                           for v in coefs) or not coefs[0] + coefs[1] > 0:
+                    raise ProfileError(f"alone coefficients of TP{1 << l} must be finite, >= 0 "
+                                       f"and not all 0, got {coefs!r}")
         if len(self.capacity) != len(self.levels) or min(self.capacity) < 1:
             raise ProfileError(f"capacity must give >= 1 block for each of the "
                                f"{len(self.levels)} TP levels, got {self.capacity!r}")
@@ -172,9 +186,22 @@ class ProfiledCost:
 
     # ---- what the simulator and the controller take ----
 
+    def with_alone(self, alone: "ProfiledCost") -> "ProfiledCost":
+        """This profile (measured with every instance busy) with `alone`'s coefficients (the
+        same host profiled with concurrent=False) as its idle-neighbours end."""
+        if not isinstance(alone, ProfiledCost) or len(alone.levels) != len(self.levels) or \
+                alone.model != self.model or alone.capacity != self.capacity:
+            raise ProfileError("alone must be a ProfiledCost of the same model, TP levels and "
+                               "capacities")
+        return self.replace(alone=alone.levels,
+                            note=f"{self.note}; alone: {alone.note}" if self.note else alone.note)
+
     def params(self) -> dict:
         m = self.model
+        alone = {} if self.alone is None else {
+            f"alone_{name}": [float(c[k]) for c in self.alone] for k, name in enumerate(TERMS)}
         return {**{name: [float(c[k]) for c in self.levels] for k, name in enumerate(TERMS)},
+                **alone,
                 "transform_slowdown": float(self.transform_slowdown),
                 "kv_bytes_per_token": float(self.kv_bytes_per_token),
                 "ffn_bytes": float(self.ffn_bytes), "n_layers": int(m.num_hidden_layers),
@@ -199,18 +226,29 @@ class ProfiledCost:
                 "levels": {f"TP{1 << l}": dict(zip(TERMS, c)) for l, c in enumerate(self.levels)},
                 "capacity": list(self.capacity), "block_size": self.block_size,
                 "xfer_bw": self.xfer_bw, "phase_latency_per_layer": self.phase_latency_per_layer,
-                "transform_slowdown": self.transform_slowdown, "note": self.note}
+                "transform_slowdown": self.transform_slowdown,
+                "alone": None if self.alone is None else
+                {f"TP{1 << l}": dict(zip(TERMS, c)) for l, c in enumerate(self.alone)},
+                "note": self.note}
 
     # ---- the float64 reference of csrc/policy/cost.c's profiled backend ----
 
     def step_time(self, tp: int, n_tokens: int, n_seqs: int = 1, n_samples: int = 1,
                   kv_read_tokens: float = 0.0, attn_pairs: float = 0.0,
-                  transforming: bool = False) -> float:
+                  transforming: bool = False, busy_share: float = 0.0) -> float:
+        """busy_share: the share of the host's other workers stepping (0..1; read only with
+        `alone` coefficients)."""
         if n_tokens <= 0:
             return 0.0
         level = min(max(int(tp), 1).bit_length() - 1, len(self.levels) - 1)
-        c = self.levels[level]
-        t = c[0] + c[1] * n_tokens + c[2] * n_samples + c[3] * kv_read_tokens + c[4] * attn_pairs
+
+        def of(c):
+            return c[0] + c[1] * n_tokens + c[2] * n_samples + c[3] * kv_read_tokens \
+                + c[4] * attn_pairs
+        t = of(self.levels[level])
+        if self.alone is not None:
+            alone = of(self.alone[level])
+            t = alone + min(max(busy_share, 0.0), 1.0) * (t - alone)
         return t * (1 + self.transform_slowdown) if transforming else t
 
     def phase_time(self, phase: str, tp_from: int, tp_to: int, kv_tokens: float = 0.0):
@@ -230,7 +268,7 @@ class ProfiledCost:
         out = []
         for p in self.points:
             pred = self.step_time(p["tp"], p["n_tokens"], p["n_seqs"], p["n_samples"],
-                                  p["kv_read_tokens"], p["attn_pairs"])
+                                  p["kv_read_tokens"], p["attn_pairs"], busy_share=1.0)
             out.append({**p, "fitted": pred, "error": pred / p["seconds"] - 1})
         return out
 
@@ -351,7 +389,9 @@ class ProfiledCost:
             raise ProfileError(f"{str(path)!r} is not a profiled cost model")
         try:
             model = ModelConfig(**d.pop("model"))
+            alone = d.pop("alone", None)
             return cls(model=model, levels=tuple(tuple(c) for c in d.pop("levels")),
+                       alone=None if alone is None else tuple(tuple(c) for c in alone),
                        capacity=tuple(d.pop("capacity")),
                        points=tuple(d.pop("points", ())),
                        transforms=tuple(d.pop("transforms", ())), **d)
