@@ -15,7 +15,8 @@
  *     requests), then among all: on Mooncake's prompts of thousands of tokens, TP1 instances
  *     that took them by prefill time alone preempted 1004 times in 20 minutes at 0.3 req/s
  *     (window throughput 0.76x least-load's; room first: 139 and 0.95x). When none has
- *     room (a memory burst), it is decided as a request that needs TP2, uncapped: a merge
+ *     room and a TP1 instance holds fewer than GYGES_BURST_BATCH requests of its size (a
+ *     memory burst), it is decided as a request that needs TP2, uncapped: a merge
  *     frees the halves' duplicate weights for KV (Qwen2.5-32B on H20: a TP2 holds 5.6x two
  *     TP1s' blocks). On KunServe's burst (bench_systems) that took its mean TTFT from 393 s
  *     (4020 preemptions) to 25 s (9), least-load's 21 s; it is placed as before when there
@@ -70,6 +71,7 @@
 
 #define GYGES_MIX_SECONDS 120.0 /* (ours) a couple of Gyges 6.2.4's long arrivals */
 #define GYGES_EFFICIENT 0.9     /* (ours) a TP this close to TP1's prefill rate per GPU is free */
+#define GYGES_BURST_BATCH 8     /* (ours) a TP1 holding fewer requests of a size: memory-bound */
 
 typedef struct gyges_state {
     double t;           /* when the mix was last updated */
@@ -307,11 +309,14 @@ static gy_status gyges_place(void *state, const gy_sim_policy_config *cfg, const
                            * them by prefill time alone), then the tiers without that */
         int32_t k = -1;
         for (int tier = 0; tier < 3 && k < 0; tier++) k = gyges_pick(cfg, v, r, tier, 1);
-        if (k < 0 && v->max_tp >= 2) {
-            /* No instance has room for its KV (a memory burst): decided as a request that
-             * needs TP2, whose merge frees the halves' duplicate weights for KV (Qwen2.5-32B
-             * on H20: a TP2 holds 5.6x two TP1s' blocks); placed as before when that finds
-             * nothing to do */
+        if (k < 0 && v->max_tp >= 2 && v->capacity[0] < GYGES_BURST_BATCH * r->footprint) {
+            /* No instance has room for its KV and a TP1 instance holds few requests of its size
+             * (a memory burst): decided as a request that needs TP2, whose merge frees the
+             * halves' duplicate weights for KV (Qwen2.5-32B on H20: a TP2 holds 5.6x two TP1s'
+             * blocks); placed as before when that finds nothing to do. Where a TP1 holds many
+             * (6.2.4's 1K-token requests: 8.4), the queue is compute, which a merge slows:
+             * 6.2.4 at 3x, mean TTFT 215 s merging and 99 s not; Flying's alternating trace,
+             * TPOT 304 ms and 127 ms; KunServe's burst (3,000-token outputs) merges still */
             gy_sim_req_view wide = *r;
             wide.min_tp = 2;
             /* (uncapped: the cap keeps TP1 instances for short requests, and none of them has
