@@ -365,6 +365,13 @@ def test_gyges_base_tp_follows_the_cost_models_prefill_efficiency():
               & (r["finish"] < r["finish"][long][0]))
     assert 2 in r["tp"][during] and 8 not in r["tp"][during]
     assert set(r["tp"][~long & (r["arrival"] > r["finish"][long][0] + 30)].tolist()) == {8}
+    # where long requests are most of the work (20K prompts, 85% of the prompt tokens), keeping
+    # their groups apart would cost them: everything runs on TP8
+    mostly_long = traces.merge([
+        traces.poisson(0.05, duration=600, input_tokens=20_000, output_tokens=64, seed=4),
+        traces.poisson(0.1, duration=600, input_tokens=1000, output_tokens=64, seed=5)])
+    r = sim.run(mostly_long, cost=grounded, **kw).requests
+    assert 2 in r["min_tp"] and set(r["tp"][r["arrival"] > 120].tolist()) == {8}
 
 
 def test_seesaw_resharding_stops_the_instances_and_moves_the_kv_through_host_memory():

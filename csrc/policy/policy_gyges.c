@@ -54,7 +54,8 @@
  *
  * The efficient floor (ours): the base TP is at least the largest TP whose prefill rate per GPU
  * (the controller's, from the cost model) is GYGES_EFFICIENT of TP1's; while a request needs
- * TP > 1 the floor stays below that TP. Under the Table 1 fit it is 1 (the paper's premise: TP1
+ * TP > 1 the floor stays below that TP, unless long requests are most of the recent prompt
+ * tokens (GYGES_LONG_MOST). Under the Table 1 fit it is 1 (the paper's premise: TP1
  * serves the most per GPU), so nothing above changes; under costs where TP is nearly free (NVLink
  * at NCCL's measured speed) short requests no longer wait on TP1 instances.
  *
@@ -72,6 +73,8 @@
 #define GYGES_MIX_SECONDS 120.0 /* (ours) a couple of Gyges 6.2.4's long arrivals */
 #define GYGES_EFFICIENT 0.9     /* (ours) a TP this close to TP1's prefill rate per GPU is free */
 #define GYGES_BURST_BATCH 8     /* (ours) a TP1 holding fewer requests of a size: memory-bound */
+#define GYGES_LONG_MOST 0.75    /* (ours) long requests' share of the prompt tokens that is most
+                                   of the work (6.2.4: about 0.45; Mooncake's: about 0.9) */
 
 typedef struct gyges_state {
     double t;           /* when the mix was last updated */
@@ -404,9 +407,11 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
         if (v->pending[p].size > need) need = v->pending[p].size;
     /* The efficient TP is the floor; while a request needs TP > 1, below what it needs, so
      * that its group and the instances of the other requests stay apart (grounded costs, 6.2.4
-     * at 2x: mean TTFT 2.1 s, where a floor of what it needs gave 10.3 s and none 3.5 s). */
+     * at 2x: mean TTFT 2.1 s, where a floor of what it needs gave 10.3 s and none 3.5 s),
+     * unless long requests are most of the work (Mooncake's: 11.4 s kept apart at 0.1 req/s,
+     * 6.2 s not, 1xTP8's 6.0 s). */
     int32_t floor = gyges_efficient_tp(v);
-    if (need > 1 && floor >= need) floor = need / 2;
+    if (need > 1 && floor >= need && gyges_long_share(state) < GYGES_LONG_MOST) floor = need / 2;
     int32_t up = gyges_base_tp(cfg, v, load, floor), base = gyges_base_tp(cfg, v, load / 4, floor);
     if (need > up) up = floor;
     if (need > base) base = floor; /* what a split must be above */
