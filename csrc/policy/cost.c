@@ -202,19 +202,25 @@ gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p) {
     return GY_OK;
 }
 
+/* A step's time from one level's coefficients: linear in the step's shape. */
+static double gy_sim_profiled_sum(double base, double per_token, double per_sample,
+                                  double per_kv_read, double per_pair,
+                                  const gy_sim_step_shape *s) {
+    return base + per_token * (double)s->n_tokens + per_sample * (double)s->n_samples +
+           per_kv_read * s->kv_read_tokens + per_pair * s->attn_pairs;
+}
+
 double gy_sim_profiled_step_time(const gy_sim_cost_profiled *p, int32_t tp, int transforming,
                                  const gy_sim_step_shape *s) {
     if (s->n_tokens <= 0) return 0.0;
     int32_t l = 0;
     while (l + 1 < p->n_levels && (INT32_C(1) << (l + 1)) <= tp) l++;
-    double time = p->base[l] + p->per_token[l] * (double)s->n_tokens +
-                  p->per_sample[l] * (double)s->n_samples + p->per_kv_read[l] * s->kv_read_tokens +
-                  p->per_pair[l] * s->attn_pairs;
+    double time = gy_sim_profiled_sum(p->base[l], p->per_token[l], p->per_sample[l],
+                                      p->per_kv_read[l], p->per_pair[l], s);
     if (p->has_alone) { /* from alone (no other worker busy) to the all-busy time */
         const gy_sim_profiled_alone *a = &p->alone;
-        const double alone = a->base[l] + a->per_token[l] * (double)s->n_tokens +
-                             a->per_sample[l] * (double)s->n_samples +
-                             a->per_kv_read[l] * s->kv_read_tokens + a->per_pair[l] * s->attn_pairs;
+        const double alone = gy_sim_profiled_sum(a->base[l], a->per_token[l], a->per_sample[l],
+                                                 a->per_kv_read[l], a->per_pair[l], s);
         const double share = s->busy_share < 0 ? 0 : s->busy_share > 1 ? 1 : s->busy_share;
         time = alone + share * (time - alone);
     }
