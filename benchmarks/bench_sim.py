@@ -143,14 +143,18 @@ def slo_throughput(cost, tp, rate, duration=600.0, seed=0):
     return s["total_token_throughput"], s["good_completed"] / max(1, s["completed"])
 
 
-def max_slo_throughput(cost, tp, iterations=14):
-    lo, hi = 0.01, 20.0
+def geometric_bisect(lo, hi, go_up, iterations):
+    """(lo, hi) after `iterations` halvings of [lo, hi] on a log scale; go_up(mid) says the answer
+    lies above mid."""
     for _ in range(iterations):
         mid = math.sqrt(lo * hi)
-        if slo_throughput(cost, tp, mid)[1] >= 0.9:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if go_up(mid) else (lo, mid)
+    return lo, hi
+
+
+def max_slo_throughput(cost, tp, iterations=14):
+    lo, _ = geometric_bisect(0.01, 20.0, lambda rate: slo_throughput(cost, tp, rate)[1] >= 0.9,
+                             iterations)
     return slo_throughput(cost, tp, lo)[0], lo
 
 
@@ -234,14 +238,10 @@ def calibrate(tps=(1, 2, 4), iterations=80):
 def calibrate_grounded(iterations=12):
     """GROUNDED's one fitted value: eff_flops, bisected until TP1's throughput is Table 1's (TP1
     has no communication; the link terms stay cited)."""
-    lo, hi = 0.05, 1.0
-    for _ in range(iterations):
-        mid = math.sqrt(lo * hi)
-        cost = CostModel.create("qwen2.5-32b", "h20", calibration="grounded", eff_flops=mid)
-        if max_slo_throughput(cost, 1)[0] < PAPER_TABLE1[1][0]:
-            lo = mid
-        else:
-            hi = mid
+    def too_slow(eff_flops):
+        cost = CostModel.create("qwen2.5-32b", "h20", calibration="grounded", eff_flops=eff_flops)
+        return max_slo_throughput(cost, 1)[0] < PAPER_TABLE1[1][0]
+    lo, hi = geometric_bisect(0.05, 1.0, too_slow, iterations)
     return {**GROUNDED, "eff_flops": math.sqrt(lo * hi)}
 
 
@@ -330,8 +330,7 @@ def missing_term_rows(iterations=30):
     rows = []
 
     def errors(cost):
-        return [100 * (max_slo_throughput(cost, tp)[0] / PAPER_TABLE1[tp][0] - 1)
-                for tp in (1, 2, 4)]
+        return [r["single_err"] for r in table1(cost)]
 
     base = CostModel.create("qwen2.5-32b", "h20", calibration="grounded")
     e = errors(base)

@@ -35,7 +35,8 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
             return GY_FAIL(GY_ERR_INVALID, "cost model: %s must be %s, got %g", f[i].name,
                            f[i].strict ? "> 0" : ">= 0", f[i].v);
     }
-    if ((p->reshard != 0 && p->reshard != 1) || (p->reshard == 1 && !gy_sim_positive(p->host_bw)))
+    if ((p->reshard != 0 && p->reshard != 1) ||
+        (p->reshard == 1 && !gy_sim_positive(p->host_bw)))
         return GY_FAIL(GY_ERR_INVALID, "cost model: reshard must be 0 or 1 (Seesaw's, with host_bw "
                        "> 0), got %d (host_bw %g)", (int)p->reshard, p->host_bw);
     if (p->sequence_parallel < 0 || (p->sequence_parallel & (p->sequence_parallel - 1)))
@@ -163,34 +164,37 @@ static double gy_sim_roofline_phase(void *ctx, const gy_sim_phase_shape *p, doub
     return gy_sim_roofline_phase_time(ctx, p, bytes);
 }
 
+/* One level's coefficients c (base, per_token, per_sample, per_kv_read, per_pair) of the set
+ * named `set` ("" or "alone "): each >= 0, and a step that computes something costs time. */
+static gy_status gy_sim_profiled_level_check(const char *set, int32_t l, const double c[5]) {
+    static const char *names[] = {"base", "per_token", "per_sample", "per_kv_read", "per_pair"};
+    for (size_t k = 0; k < 5; k++)
+        if (!gy_sim_nonneg(c[k]))
+            return GY_FAIL(GY_ERR_INVALID, "profiled cost model: %s%s of TP%d must be >= 0, "
+                           "got %g", set, names[k], 1 << l, c[k]);
+    if (!(c[0] + c[1] > 0))
+        return GY_FAIL(GY_ERR_INVALID, "profiled cost model: a TP%d step costs nothing (%sbase "
+                       "and per_token are 0)", 1 << l, set);
+    return GY_OK;
+}
+
 gy_status gy_sim_cost_profiled_check(const gy_sim_cost_profiled *p) {
     if (p == NULL) return GY_FAIL(GY_ERR_INVALID, "profiled cost parameters are NULL");
     if (p->n_levels < 1 || p->n_levels > GY_SIM_COST_LEVELS)
         return GY_FAIL(GY_ERR_INVALID, "profiled cost model: n_levels must be in [1, %d], got %d",
                        GY_SIM_COST_LEVELS, (int)p->n_levels);
-    for (int32_t l = 0; l < p->n_levels; l++) {
-        const double c[] = {p->base[l], p->per_token[l], p->per_sample[l], p->per_kv_read[l],
-                            p->per_pair[l]};
-        static const char *names[] = {"base", "per_token", "per_sample", "per_kv_read",
-                                      "per_pair"};
-        for (size_t k = 0; k < sizeof c / sizeof c[0]; k++)
-            if (!gy_sim_nonneg(c[k]))
-                return GY_FAIL(GY_ERR_INVALID, "profiled cost model: %s of TP%d must be >= 0, "
-                               "got %g", names[k], 1 << l, c[k]);
-        if (!(c[0] + c[1] > 0))
-            return GY_FAIL(GY_ERR_INVALID, "profiled cost model: a TP%d step costs nothing "
-                           "(base and per_token are 0)", 1 << l);
-        const gy_sim_profiled_alone *a = &p->alone;
-        const double ca[] = {a->base[l], a->per_token[l], a->per_sample[l], a->per_kv_read[l],
-                             a->per_pair[l]};
-        for (size_t k = 0; p->has_alone && k < sizeof ca / sizeof ca[0]; k++)
-            if (!gy_sim_nonneg(ca[k]) || !(ca[0] + ca[1] > 0))
-                return GY_FAIL(GY_ERR_INVALID, "profiled cost model: alone %s of TP%d must be >= "
-                               "0 (and base + per_token > 0), got %g", names[k], 1 << l, ca[k]);
-    }
     if (p->has_alone != 0 && p->has_alone != 1)
         return GY_FAIL(GY_ERR_INVALID, "profiled cost model: has_alone must be 0 or 1, got %d",
                        (int)p->has_alone);
+    const gy_sim_profiled_alone *a = &p->alone;
+    for (int32_t l = 0; l < p->n_levels; l++) {
+        const double busy[] = {p->base[l], p->per_token[l], p->per_sample[l], p->per_kv_read[l],
+                               p->per_pair[l]};
+        const double alone[] = {a->base[l], a->per_token[l], a->per_sample[l], a->per_kv_read[l],
+                                a->per_pair[l]};
+        GY_TRY(gy_sim_profiled_level_check("", l, busy));
+        if (p->has_alone) GY_TRY(gy_sim_profiled_level_check("alone ", l, alone));
+    }
     if (!gy_sim_nonneg(p->transform_slowdown) || !gy_sim_positive(p->kv_bytes_per_token) ||
         !gy_sim_nonneg(p->ffn_bytes) || !gy_sim_positive(p->xfer_bw) ||
         !gy_sim_nonneg(p->phase_latency_per_layer) || p->n_layers < 1)

@@ -54,8 +54,8 @@ from ..models.config import ModelConfig
 from ..core.errors import InvalidArgumentError
 from . import links, mechanisms
 
-__all__ = ["GPUSpec", "GPUS", "CALIBRATION", "GROUNDED", "CALIBRATIONS", "CostModel", "ConstantCost", "PipelineCost",
-           "CostModelError",
+__all__ = ["GPUSpec", "GPUS", "CALIBRATION", "GROUNDED", "CALIBRATIONS", "CostModel",
+           "ConstantCost", "PipelineCost", "CostModelError",
            "gpu_spec", "model_config", "MODEL_NAMES", "PHASES", "RDMA_100G", "RDMA_200G",
            "PCIE4_X16"]
 

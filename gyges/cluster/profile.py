@@ -9,9 +9,10 @@ shapes, and the cost model the simulator takes built from them.
 What is measured. On the host's TP1 instances, then on its workers merged into TP-tp instances
 for every TP the host can form (host.transform, split back afterwards), each grid point is run
 for real at every TP whose instance holds it (a long prompt that only a merged instance holds is
-measured there, not extrapolated to): a decode point of `batch` requests at `context` tokens times `repeats` decode steps
-(after `warmup`), a prefill point of `prefill` prompt tokens times its chunk steps (a prompt
-longer than the host's max_batch_tokens is prefilled in several) over `repeats` fresh requests.
+measured there, not extrapolated to): a decode point of `batch` requests at `context` tokens
+times `repeats` decode steps (after `warmup`), a prefill point of `prefill` prompt tokens times
+its chunk steps (a prompt longer than the host's max_batch_tokens is prefilled in several) over
+`repeats` fresh requests.
 Every instance of a level runs the grid at once, each on a thread, as a replay's instances step
 (concurrent=True: CPU workers share cores and memory bandwidth, so one instance alone is faster
 than under load). A timed step is what a replay's runner pays per step: Instance.step() and the

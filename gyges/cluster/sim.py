@@ -244,12 +244,6 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if policy in ("flying", "loongserve") and not replicated:
         raise SimError(f"policy {policy!r} binds replicas: use weights='replicated'")
     sequence_parallel = policy == "loongserve"
-    if reshard == "seesaw":
-        if replicated:
-            raise SimError("reshard='seesaw' moves shards: a replicated cluster binds instead")
-        if not isinstance(cost, (CostModel, type(None))):
-            raise SimError("reshard='seesaw' prices its host-memory round trip with the roofline "
-                           "cost model: give a CostModel")
 
     if layout is None and policy == "static":
         raise SimError("policy 'static' needs a layout, e.g. layout='8xTP1' or '4xTP1+1xTP4'")
@@ -263,6 +257,11 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         raise SimError(f"cost must be a CostModel, ProfiledCost or ConstantCost, got "
                        f"{type(cost).__name__}")
     if reshard == "seesaw":
+        if replicated:
+            raise SimError("reshard='seesaw' moves shards: a replicated cluster binds instead")
+        if not isinstance(cost, CostModel):
+            raise SimError("reshard='seesaw' prices its host-memory round trip with the roofline "
+                           "cost model: give a CostModel")
         cost = cost.replace(reshard="seesaw")
     if sequence_parallel:
         if not isinstance(cost, CostModel):
