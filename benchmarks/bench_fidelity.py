@@ -7,13 +7,17 @@ on that engine, on traces the profile never saw.
    instance while the others idle, "one busy"), at every TP it forms, and fits a step time
    linear in the batch shape per TP. SmolLM2-135M on 2 CPU workers (TP1 only: its 3
    KV heads split 1 or 3 ways), and the tiny model on 2 workers (TP1 and TP2, for the merges).
-   The profiles are saved as JSON (benchmarks/results/profile_*.json; --reuse loads them).
+   The host is profiled again right before each real run (a shared machine's speed drifts by
+   more than the goal over minutes, its memory-bound decode steps most), so a run and the
+   simulation it is set against see the machine as it was then. The last profiles are saved
+   as JSON (benchmarks/results/profile_*.json; --reuse loads them for every run instead).
    The simulator runs with each (the CPU workers share cores and memory bandwidth, so a step's
    time depends on what the other instances do: the two profiles bracket it), and with both
    (ProfiledCost.with_alone): each step priced between them by the share of the host's other
    workers stepping when it starts, which the simulator knows.
-2. Held-out traces, each replayed `--repeats` times on a fresh host (the mean is compared) and
-   once in the simulator with the same policy knobs, the profile's prefill rates in both:
+2. Held-out traces, each replayed `--repeats` times on a fresh host and simulated once per
+   run, with that run's profiles and the same policy knobs (the profile's prefill rates in
+   both); the means are compared:
    - smollm2 light: round robin over 2xTP1 at a rate the host keeps up with;
    - smollm2 saturated: least load over 2xTP1, arrivals faster than it serves;
    - tiny reconfig: gyges over 2xTP1 with short requests and two prompts only a TP2 instance
@@ -97,30 +101,53 @@ def simulate(trace, policy, cost, host):
                    watermark=0.0, merge_wait=1.0, **knobs)
 
 
-def step_kinds(steps, cost):
+def step_kinds(runs):
     """Measured vs predicted step time by kind of step (decode only, prefill only, mixed) and by
-    how many of the host's instances were stepping when it began (the profile measured every
-    instance busy at once)."""
-    pred = np.array([cost.step_time(int(s["tp"]), int(s["n_tokens"]), int(s["n_seqs"]),
-                                    int(s["n_samples"]), float(s["kv_read_tokens"]),
-                                    float(s["attn_pairs"])) for s in steps])
-    decode = steps["n_tokens"] == steps["n_seqs"]          # one token each
-    prefill = (steps["n_seqs"] == 1) & ~decode
-    kinds = (("decode only", decode), ("prefill only", prefill), ("mixed", ~decode & ~prefill))
-    total = steps["seconds"].sum()
-    out = []
-    for kind, m in kinds:
-        for busy in sorted(set(steps["concurrent"][m].tolist())):
-            mb = m & (steps["concurrent"] == busy)
-            real, p = steps["seconds"][mb].sum(), pred[mb].sum()
-            out.append({"kind": kind, "busy": int(busy), "steps": int(mb.sum()),
-                        "real_ms": 1e3 * real / mb.sum(), "pred_ms": 1e3 * p / mb.sum(),
-                        "err": 100 * (p / real - 1), "share": 100 * real / total})
-    return out
+    how many of the host's instances were stepping when it began (the all-busy profile measured
+    every instance busy at once), over `runs` of (steps, the profile taken before them)."""
+    sums = {}                                  # (kind, busy) -> [steps, real s, predicted s]
+    total = 0.0
+    for steps, cost in runs:
+        pred = np.array([cost.step_time(int(s["tp"]), int(s["n_tokens"]), int(s["n_seqs"]),
+                                        int(s["n_samples"]), float(s["kv_read_tokens"]),
+                                        float(s["attn_pairs"])) for s in steps])
+        decode = steps["n_tokens"] == steps["n_seqs"]          # one token each
+        prefill = (steps["n_seqs"] == 1) & ~decode
+        total += steps["seconds"].sum()
+        for kind, m in (("decode only", decode), ("prefill only", prefill),
+                        ("mixed", ~decode & ~prefill)):
+            for busy in set(steps["concurrent"][m].tolist()):
+                mb = m & (steps["concurrent"] == busy)
+                acc = sums.setdefault((kind, int(busy)), [0, 0.0, 0.0])
+                acc[0] += int(mb.sum())
+                acc[1] += steps["seconds"][mb].sum()
+                acc[2] += pred[mb].sum()
+    order = {"decode only": 0, "prefill only": 1, "mixed": 2}
+    return [{"kind": kind, "busy": busy, "steps": n, "real_ms": 1e3 * real / n,
+             "pred_ms": 1e3 * p / n, "err": 100 * (p / real - 1), "share": 100 * real / total}
+            for (kind, busy), (n, real, p) in sorted(sums.items(),
+                                                      key=lambda kv: (order[kv[0][0]], kv[0][1]))]
 
 
 METRICS = (("output tok/s", "output_throughput", 1.0), ("TTFT ms", "ttft_mean", 1e3),
            ("TPOT ms", "tpot_mean", 1e3))
+
+
+def profile_pair(name, model, reuse, repeats):
+    """(all busy, one busy) profiles of setup `name`, and the seconds each took."""
+    return [profile(name, model, reuse, repeats, concurrent) for concurrent in (True, False)]
+
+
+def fit_row(label, costs_and_seconds):
+    """The fit on its own grid points, over every profile taken of one kind."""
+    err = np.concatenate([[abs(r["error"]) for r in c.fit_report()]
+                          for c, _ in costs_and_seconds]) * 100
+    last = costs_and_seconds[-1][0]
+    return {"profile": label, "taken": len(costs_and_seconds), "points": len(last.points),
+            "tps": len(last.levels),
+            "seconds": float(np.mean([s for _, s in costs_and_seconds])),
+            "median": float(np.median(err)), "max": float(err.max()),
+            "xfer": last.xfer_bw / 1e9, "lat": last.phase_latency_per_layer * 1e3}
 
 
 def main():
@@ -128,69 +155,70 @@ def main():
     ap.add_argument("--quick", action="store_true", help="half-length traces, 1 real run each")
     ap.add_argument("--repeats", type=int, default=None, help="real runs per trace (default 3)")
     ap.add_argument("--reuse", action="store_true",
-                    help="load the profiles of an earlier run (benchmarks/results/profile_*.json)")
+                    help="load the profiles of an earlier run (benchmarks/results/profile_*.json)"
+                         " instead of profiling before each real run")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
+    grid_repeats = 3 if args.quick else 5
     print(f"gyges {gyges.__version__}: {WORKERS} CPU workers, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f}; {repeats} real runs per trace")
+          f"{os.getloadavg()[0]:.1f}; {repeats} real runs per trace, each right after a profile "
+          f"of its host")
     t0 = time.perf_counter()
     models = {name: loader() for name, (loader, _, _) in SETUPS.items()}
-    costs, alone, fit_rows = {}, {}, []
-    for name, concurrent in [(n, c) for n in SETUPS for c in (True, False)]:
-        cost, seconds = profile(name, models[name], args.reuse, 3 if args.quick else 5,
-                                concurrent)
-        (costs if concurrent else alone)[name] = cost
-        err = np.array([abs(r["error"]) for r in cost.fit_report()]) * 100
-        fit_rows.append({"profile": f"{name}, {'all' if concurrent else 'one'} busy",
-                         "points": len(cost.points), "tps": len(cost.levels),
-                         "seconds": seconds, "median": float(np.median(err)),
-                         "max": float(err.max()),
-                         "xfer": cost.xfer_bw / 1e9,
-                         "lat": cost.phase_latency_per_layer * 1e3})
-    print_table("profiles: the fit on its own grid points (|fitted / measured - 1|)", fit_rows, [
-        ("profile", "profile", "{}"), ("points", "grid points", "{}"), ("tps", "TP levels", "{}"),
-        ("seconds", "profiling s", "{:.0f}"), ("median", "median err %", "{:.1f}"),
-        ("max", "max err %", "{:.1f}"), ("xfer", "phase GB/s", "{:.2f}"),
-        ("lat", "phase ms/layer", "{:.3f}")])
-
-    rows, kind_rows, runs = [], [], []
+    taken = {(name, c): [] for name in SETUPS for c in ("all", "one")}
+    rows, kind_rows, runs, last = [], [], [], {}
     for label, name, policy, trace in held_out(args.quick):
         _, memory, _ = SETUPS[name]
-        cost = costs[name]
 
         def new_host():
             return gyges.Host(models[name], workers=WORKERS, memory_per_worker=memory,
                               layout=f"{WORKERS}xTP1")
-        real = []
+        real, sims, all_steps = [], {"sim": [], "sim1": [], "sim2": []}, []
         for _ in range(repeats):
+            # the profile just before the run: a shared machine's speed drifts by more than
+            # the 5% goal over minutes (memory-bound decode steps most), so each real run is
+            # set against a profile of the machine as it is then
+            (busy, s_busy), (alone, s_alone) = profile_pair(name, models[name], args.reuse,
+                                                            grid_repeats)
+            taken[name, "all"].append((busy, s_busy))
+            taken[name, "one"].append((alone, s_alone))
             host = new_host()
-            real.append(experiment.run(trace, policy, host=host, cost=cost, record_steps=True,
-                                       max_tp=cost.max_tp))
+            r = experiment.run(trace, policy, host=host, cost=busy, record_steps=True,
+                               max_tp=busy.max_tp)
+            for key, cost in (("sim", busy), ("sim1", alone), ("sim2", busy.with_alone(alone))):
+                sims[key].append(simulate(trace, policy, cost, host).summary())
             host.close()
-        host = new_host()
-        s = simulate(trace, policy, cost, host).summary()
-        s1 = simulate(trace, policy, alone[name], host).summary()
-        s2 = simulate(trace, policy, cost.with_alone(alone[name]), host).summary()
-        host.close()
+            real.append(r)
+            all_steps.append((r.steps, busy))
+            last[name] = busy, alone
         reals = [r.summary() for r in real]
         for metric, key, scale in METRICS:
             values = np.array([r[key] for r in reals], float)
             mean = float(values.mean())
-            rows.append({"trace": label, "metric": metric, "real": mean * scale,
-                         "spread": 100 * (values.max() - values.min()) / 2 / mean,
-                         "sim": s[key] * scale, "err": 100 * (s[key] / mean - 1),
-                         "sim1": s1[key] * scale, "err1": 100 * (s1[key] / mean - 1),
-                         "sim2": s2[key] * scale, "err2": 100 * (s2[key] / mean - 1)})
-        steps = np.concatenate([r.steps for r in real])
-        for k in step_kinds(steps, cost):
+            row = {"trace": label, "metric": metric, "real": mean * scale,
+                   "spread": 100 * (values.max() - values.min()) / 2 / mean}
+            for col, summaries in sims.items():
+                sim_mean = float(np.mean([s[key] for s in summaries]))
+                row[col] = sim_mean * scale
+                row[col.replace("sim", "err")] = 100 * (sim_mean / mean - 1)
+            rows.append(row)
+        for k in step_kinds(all_steps):
             kind_rows.append({"trace": label, **k})
-        busy = float(np.mean([r.steps["seconds"].sum() for r in real]))
         runs.append({"trace": label, "requests": int(trace.size),
                      "real_merges": float(np.mean([r.stats["n_merges"] for r in real])),
                      "real_splits": float(np.mean([r.stats["n_splits"] for r in real])),
-                     "sim_transformations": int(s["transformations"]),
+                     "sim_transformations": float(np.mean([s["transformations"]
+                                                           for s in sims["sim"]])),
                      "real_seconds": float(np.mean([r.stats["now"] for r in real])),
-                     "steps_seconds": busy})
+                     "steps_seconds": float(np.mean([r.steps["seconds"].sum() for r in real]))})
+    fit_rows = [fit_row(f"{name}, {c} busy", ps) for (name, c), ps in taken.items() if ps]
+    print_table("profiles: the fit on its own grid points (|fitted / measured - 1|, over every "
+                "profile taken)", fit_rows, [
+        ("profile", "profile", "{}"), ("taken", "profiles", "{}"),
+        ("points", "grid points", "{}"), ("tps", "TP levels", "{}"),
+        ("seconds", "profiling s", "{:.0f}"), ("median", "median err %", "{:.1f}"),
+        ("max", "max err %", "{:.1f}"), ("xfer", "phase GB/s", "{:.2f}"),
+        ("lat", "phase ms/layer", "{:.3f}")])
     print_table(f"simulator (profiled cost) vs real CPU host, held-out traces (real: the mean of "
                 f"{repeats} runs; goal |err| < 5%)", rows, [
         ("trace", "trace", "{}"), ("metric", "metric", "{}"), ("real", "real", "{:.2f}"),
@@ -207,15 +235,15 @@ def main():
     print_table("the runs", runs, [
         ("trace", "trace", "{}"), ("requests", "requests", "{}"),
         ("real_merges", "merges (real)", "{:.1f}"), ("real_splits", "splits (real)", "{:.1f}"),
-        ("sim_transformations", "transformations (sim)", "{}"),
+        ("sim_transformations", "transformations (sim)", "{:.1f}"),
         ("real_seconds", "run s (real)", "{:.1f}")])
     print(f"\n{time.perf_counter() - t0:.0f} s")
     write_json("bench_fidelity", {"workers": WORKERS, "cores": os.cpu_count(),
                                   "repeats": repeats, "quick": args.quick, "fits": fit_rows,
                                   "rows": rows, "step_kinds": kind_rows, "runs": runs,
-                                  "profiles": {n: c.describe() for n, c in costs.items()},
-                                  "profiles_one_busy": {n: c.describe()
-                                                        for n, c in alone.items()}})
+                                  "profiles": {n: b.describe() for n, (b, _) in last.items()},
+                                  "profiles_one_busy": {n: a.describe()
+                                                        for n, (_, a) in last.items()}})
 
 
 if __name__ == "__main__":
