@@ -768,6 +768,30 @@ def test_gyges_meets_a_memory_burst_by_merging_instead_of_preempting():
     assert res.summary()["transformations"] == 0 and res.summary()["ttft_mean"] < 380
 
 
+def test_gyges_queues_a_long_request_that_short_ones_would_starve():
+    """One TP2 instance (24 blocks of 4 tokens; a TP1 holds 4) overloaded by short requests (3
+    blocks) and 5-block requests that need TP2, so it never splits. A 15-block request needs
+    TP2 and more room than is ever free: every group of its TP is an instance already, so it
+    waits at the cluster, where the short requests placed meanwhile kept taking the room it
+    waited for until the arrivals stopped. After merge_wait it queues on the instance, whose
+    admission is in order: nothing that arrives later is scheduled before it."""
+    cost = ConstantCost(step=1.0, phase=0.5, capacity=(4, 24), capacity_mid=(6, 24))
+    short = [(0.5 + 0.5 * k, 8, 4) for k in range(100)]     # 3 blocks, to t = 50
+    need_tp2 = [(3.0 * k, 10, 10) for k in range(17)]       # 5 blocks
+    rows = short + need_tp2 + [(5.0, 40, 20)]               # 15 blocks
+    rows.sort()
+    res = sim.run(trace_of(rows), policy="gyges", gpus_per_host=2, cost=cost, block_size=4,
+                  max_batch_tokens=64, watermark=0.0, layout="1xTP2", merge_wait=2.0,
+                  light_load=0.0, idle_load=0.0, check=True)
+    q = res.requests
+    assert (q["status"] == 3).all()
+    assert (res.transformations["start"] >= q["arrival"].max()).all()   # it never split
+    big = np.flatnonzero(q["input_tokens"] == 40)[0]
+    later = q["arrival"] > q["arrival"][big] + 2.0 + 1.0   # placed after it queued
+    assert q["scheduled"][big] <= q["scheduled"][later].min()
+    assert q["first_token"][big] - q["arrival"][big] < 40
+
+
 def test_flying_binds_and_releases_replicas_and_keeps_its_invariants():
     cost = CostModel.create("llama3-70b", "h200", eff_link=0.7)
     res = sim.run(_bursty(), policy="flying", weights="replicated", cost=cost, gpus_per_host=8,

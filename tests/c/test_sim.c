@@ -876,6 +876,16 @@ GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
     gy_sim_req_view r = req(400, 4);
     gy_sim_decision d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
+    /* once it has waited merge_wait it queues on the TP4, which admits in order: requests
+     * placed there later no longer take the room it waits for */
+    w.v.now = cfg.merge_wait;
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0 && d.n_ops == 0);
+    w.inst[0].held = 1; /* draining towards a split: not there */
+    d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
+    w.inst[0].held = 0;
+    w.v.now = 0;
     /* room frees on the TP4: it goes there */
     w.inst[0].footprint = 100;
     d = place(&gy_sim_policy_gyges, NULL, &cfg, &w, &r);
@@ -941,7 +951,7 @@ GYTEST(sim_policy_gyges_cap_follows_the_long_share_of_the_work) {
     CHECK(state.long_tokens / state.all_tokens > 0.75);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 4 && d.group.size == 4);
     /* the mix decays: 10 minutes later a burst of short requests is the recent work */
-    w.v.now = 600;
+    w.v.now = r.arrival = 600;
     for (int k = 0; k < 10; k++) place(&gy_sim_policy_gyges, &state, &cfg, &w, &shorts);
     d = place(&gy_sim_policy_gyges, &state, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.size == 0 && d.n_ops == 0);
