@@ -242,8 +242,10 @@ typedef struct gy_sim_policy_config {
  * matter: a request deferred on a group (DEFER with group.size > 0) is decided the same until an
  * instance inside that group changes, an instance of TP >= its min_tp frees room, time passes,
  * or the topology changes; a request deferred on no group, until any instance frees room or the
- * topology changes (time alone does not change it). Every policy here keeps it (a deferred
- * request resumes its group: gy_sim_policy_resume; time only gates merges: merge_wait). */
+ * topology changes (time alone does not change it, save that gyges queues such a request on an
+ * instance once it has waited merge_wait: decided again after the next step that ends, soon
+ * on a cluster without room). Every policy here keeps it (a deferred request resumes its group:
+ * gy_sim_policy_resume; time only gates merges and that queueing: merge_wait). */
 typedef struct gy_sim_policy_ops {
     const char *name;
     size_t state_size; /* bytes of per-run state the simulator allocates zeroed (may be 0) */
