@@ -225,6 +225,24 @@ def test_baselines_serve_everything(model, policy):
     assert res.summary()["scale_ups"] >= 1
 
 
+def test_seesaw_alternates_its_phases_on_a_real_host(model):
+    """Seesaw's policy on the CPU engine: the prompts are prefilled by TP1 instances, the four
+    workers merge into one TP4 that decodes them, and split back once it is empty; every
+    request gets exactly its tokens."""
+    rng = np.random.default_rng(4)
+    trace = traces.from_arrays(np.sort(rng.uniform(0, 0.05, 12)), rng.integers(24, 100, 12),
+                               np.full(12, 80))
+    res = experiment.run(trace, "seesaw", host=host_of(model), record_steps=True)
+    check_accounting(res, trace)
+    assert res.summary()["completed"] == trace.size
+    assert res.stats["n_merges"] >= 3 and res.stats["n_splits"] >= 1
+    st = res.steps
+    prefill = st["n_tokens"] > st["n_seqs"]
+    assert (st["tp"][prefill] == 1).all()
+    decoded = st["n_tokens"][~prefill]
+    assert decoded[st["tp"][~prefill] == 4].sum() > 0.5 * decoded.sum()   # most decoded at TP4
+
+
 def test_results_save_load_and_summary_like_the_simulator(model, tmp_path):
     trace = mixed(n_short=6, longs=())
     res = experiment.run(trace, "gyges", host=host_of(model), time_scale=0.5, slo={"ttft": 1.0})

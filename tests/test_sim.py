@@ -420,6 +420,62 @@ def test_seesaw_resharding_stops_the_instances_and_moves_the_kv_through_host_mem
         cm.replace(reshard="host")
 
 
+def _phase_of(res, t):
+    """'prefill' while the layout at t is all TP1, 'decode' while it is one instance of every
+    GPU, else 'moving'."""
+    tps = sorted(tp for _, tp in res.layout_at(t))
+    return "prefill" if set(tps) == {1} else "decode" if len(tps) == 1 else "moving"
+
+
+def test_seesaw_prefills_as_tp1_instances_and_decodes_merged():
+    """policy='seesaw' (Seesaw's re-sharding, with reshard='seesaw' its mechanism): a wave of
+    requests is prefilled by the TP1 instances, the unit merges into one TP8 that decodes them
+    while a second wave waits at the cluster, then splits back and prefills that wave. Each
+    transformation moves every GPU's KV through host memory, and nothing is served meanwhile."""
+    first = traces.from_arrays(np.linspace(0, 0.5, 24), np.full(24, 1500), np.full(24, 300))
+    second = traces.from_arrays(np.linspace(8, 8.5, 16), np.full(16, 1500), np.full(16, 300))
+    tr = traces.merge([first, second])
+    res = sim.run(tr, policy="seesaw", reshard="seesaw", record_tokens=True, check=True)
+    q, x = res.requests, res.transformations
+    assert res.summary()["completed"] == tr.size and (q["status"] == 3).all()
+    assert res.stats["merges"] >= 3 and res.stats["splits"] >= 3   # 8xTP1 -> TP8 -> 8xTP1
+    # every prompt is prefilled by a TP1 instance, and most tokens are decoded at TP8
+    assert all(_phase_of(res, t) == "prefill" for t in q["first_token"])
+    tok = res.tokens
+    phase = np.array([_phase_of(res, t) for t in tok["time"]])
+    assert (phase == "decode").mean() > 0.8
+    # the second wave waits for the first's decode phase to end: its prompts come after a split
+    wave2 = q["arrival"] >= 8
+    first_split = x["start"][x["kind"] == 1].min()
+    assert q["first_token"][wave2].min() > first_split > q["arrival"][wave2].max()
+    # Seesaw's mechanism: the KV of every request carried goes out to host memory and back at
+    # every step of the way, the instances stopped meanwhile (no token inside a transformation)
+    assert (x["kv_bytes"][x["migrated"] > 0] > 0).all() and (x["migrated"] > 0).sum() >= 6
+    for t in x:   # (the step in flight when it starts still ends)
+        assert not ((tok["time"] > t["start"] + 0.1) & (tok["time"] < t["end"])).any()
+
+
+def test_seesaw_keeps_the_simulators_invariants_and_serves_prompts_no_tp1_holds():
+    """Random mixed traces with 60K prompts (only a TP8, or a TP4 of a 4-GPU host, holds them):
+    everything is served, on one host of 8 and two of 4, with either mechanism; a long prompt
+    is prefilled by a merged instance."""
+    for seed in range(2):
+        tr = traces.merge([
+            traces.poisson(2.0, duration=60, input_tokens=(64, 4000), output_tokens=(16, 600),
+                           seed=seed),
+            traces.from_arrays([10.0 + seed], [60_000], [64])])
+        for reshard in ("gyges", "seesaw"):
+            for hosts, per_host in ((1, 8), (2, 4)):
+                res = sim.run(tr, policy="seesaw", reshard=reshard, hosts=hosts,
+                              gpus_per_host=per_host, check=True)
+                q = res.requests
+                assert (q["status"] == 3).all(), (seed, reshard, hosts)
+                k = np.flatnonzero(q["input_tokens"] == 60_000)[0]   # prefilled merged
+                assert q["min_tp"][k] > 1
+                at = res.layout_at(q["first_token"][k] - 1e-6)   # its prefill step's end
+                assert max(tp for _, tp in at) >= q["min_tp"][k]
+
+
 def test_a_mixture_of_experts_is_priced_by_the_parameters_a_token_uses():
     """Qwen3-30B-A3B and Mixtral-8x7B: the parameters stored and those a token multiplies by
     are the model cards' (30.5B / 3.3B; 46.7B / 12.9B, embeddings included); a decode step

@@ -14,6 +14,7 @@ static const gy_sim_policy_ops *const gy_sim_policies[] = {
     &gy_sim_policy_kunserve,
     &gy_sim_policy_llumnix,
     &gy_sim_policy_loongserve,
+    &gy_sim_policy_seesaw,
 };
 
 const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
@@ -25,7 +26,7 @@ const gy_sim_policy_ops *gy_sim_policy_find(const char *name) {
 
 const char *gy_sim_policy_names(void) {
     return "gyges, round_robin, least_load, static, flying, pipelive, kunserve, llumnix, "
-           "loongserve";
+           "loongserve, seesaw";
 }
 
 gy_sim_policy_config gy_sim_policy_config_default(void) {

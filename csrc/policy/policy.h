@@ -40,7 +40,9 @@
  * whose KV demand is highest to the one where it is lowest: KunServe's migration baseline),
  * loongserve (policy_loongserve.c: LoongServe's elastic sequence parallelism on a replicated
  * cluster whose bound instances are sequence parallel: a long prompt scales its group up for its
- * prefill, the group scales down once its prompts are done). */
+ * prefill, the group scales down once its prompts are done), seesaw (policy_seesaw.c: Seesaw's
+ * re-sharding: each unit of max_tp GPUs prefills as TP1 instances, then merges to decode at
+ * TP-max_tp, then splits back). */
 #ifndef GY_POLICY_POLICY_H
 #define GY_POLICY_POLICY_H
 
@@ -277,6 +279,7 @@ extern const gy_sim_policy_ops gy_sim_policy_pipelive;
 extern const gy_sim_policy_ops gy_sim_policy_kunserve;
 extern const gy_sim_policy_ops gy_sim_policy_llumnix;
 extern const gy_sim_policy_ops gy_sim_policy_loongserve;
+extern const gy_sim_policy_ops gy_sim_policy_seesaw;
 
 /* ---- helpers the policies share ---- */
 

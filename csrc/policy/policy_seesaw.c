@@ -1,0 +1,195 @@
+/* policy_seesaw.c: Seesaw's dynamic model re-sharding (Su et al., MLSys '25), the baseline of
+ * Gyges section 6.2.3, as a policy of a sharded cluster: each aligned unit of N GPUs (N the
+ * largest TP a host forms, max_tp) alternates between a prefill phase, where its GPUs serve as
+ * N TP1 instances, and a decode phase, where they are one TP-N instance. Run with
+ * sim.run(reshard="seesaw") its transitions move the KV and the weights through host memory
+ * with the instances stopped, as Seesaw's do (cost.h: reshard).
+ *
+ *   prefill phase: new requests go to the unit's TP1 instances once the unit has settled
+ *                  (nothing transforming, every instance TP1 or held at its TP by a request
+ *                  that needs it: its first TP1s must not take every waiting request), room
+ *                  for the whole KV first, then least load. Once no prompt token is left to
+ *                  prefill and nothing waits at the cluster, or every TP1 has committed all its
+ *                  KV, the unit merges into the TP-N instance (x2 merges, the requests along
+ *                  with their KV);
+ *   decode phase:  the TP-N instance decodes the unit's requests; new requests wait at the
+ *                  cluster (transition-minimizing scheduling: prefills are gathered, not
+ *                  interleaved). It splits back (x2 splits, the requests along) once it is
+ *                  empty, or once requests wait and the decode batch has thinned to
+ *                  1 - scale_down_free of the requests the phase began with (half), no request
+ *                  needs its TP and its requests fit its halves.
+ *
+ * A request no TP1 instance holds goes to an instance of its TP with room, else the aligned
+ * group of min_tp GPUs around the least-loaded instance merges for it (the baselines' rule); it
+ * keeps that TP until it finishes.
+ *
+ * What Seesaw has that this does not (ours, so that it runs on gyges' sharded instances):
+ * its prefill phase is pipeline parallel (each GPU one N-th of the layers); here it is data
+ * parallel (each TP1 instance every layer), which has PP's advantage (no all-reduce) without its
+ * pipeline bubbles, but only the KV room the whole weights leave, and no room for prompts only
+ * a TP > 1 holds. Its tiered KV buffer keeps prefilled KV in host memory until the decode phase
+ * loads it; here the KV stays on the GPUs, so a prefill phase gathers what the TP1 instances
+ * hold. Its parallelism for each phase comes from a search over its cost model; here the decode
+ * phase is always TP-max_tp (under the Table 1 fit, where TP costs more per GPU than it gives,
+ * that search would keep DP throughout). Units beyond SEESAW_MAX_UNITS keep their layout. */
+#include "policy.h"
+
+#include <string.h>
+
+#define SEESAW_MAX_UNITS 1024
+
+typedef struct seesaw_state {
+    uint8_t decode[SEESAW_MAX_UNITS];  /* 1: the unit is in (or moving to) its decode phase */
+    int64_t batch[SEESAW_MAX_UNITS];   /* requests the unit held when that phase began */
+} seesaw_state;
+
+/* GPUs of a unit: the largest TP an aligned group of the first host forms. */
+static int32_t seesaw_unit(const gy_sim_view *v) {
+    int32_t n = v->max_tp;
+    while (n > 1 && !gy_sim_group_valid(v, 0, n)) n /= 2;
+    return n;
+}
+
+static int seesaw_in_decode(const seesaw_state *st, int32_t unit, int32_t gpu) {
+    const int32_t u = gpu / unit;
+    return st != NULL && u < SEESAW_MAX_UNITS && st->decode[u];
+}
+
+/* What a unit holds: its prompt tokens not prefilled yet, its requests, whether it is settled
+ * at TP1 (nothing transforming, every instance TP1 or held at its TP by a request that needs
+ * it), and whether every instance has committed all its KV (the prefill phase has gathered what
+ * the unit holds). */
+typedef struct seesaw_work {
+    int64_t prefill, requests;
+    int settled, full;
+} seesaw_work;
+
+static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t unit) {
+    seesaw_work w = {0, 0, 1, 1};
+    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        w.prefill += i->pending_prefill;
+        w.requests += i->n_requests;
+        w.settled &= i->reserved || (i->xform == GY_SIM_XFORM_NONE &&
+                                     (i->tp == 1 || i->max_min_tp >= i->tp));
+        w.full &= i->tp > 1 || i->footprint >= i->kv_total;
+    }
+    return w;
+}
+
+/* 1 when an instance of the unit at g is transforming. */
+static int seesaw_moving(const gy_sim_view *v, int32_t g, int32_t unit) {
+    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++)
+        if (v->inst[k].xform != GY_SIM_XFORM_NONE) return 1;
+    return 0;
+}
+
+static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                              const gy_sim_req_view *r, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    const seesaw_state *st = state;
+    const int32_t unit = seesaw_unit(v);
+    if (r->min_tp == 0 || r->min_tp > unit) {
+        d->action = GY_SIM_ACTION_REJECT;
+        return GY_OK;
+    }
+    if (gy_sim_policy_resume(v, r, d)) return GY_OK;
+    if (r->min_tp == 1) { /* a TP1 instance of a unit settled in its prefill phase (the whole
+                           * unit re-sharded: its first TP1s must not take every waiting
+                           * request), room first */
+        int32_t best = -1, best_room = 0;
+        for (int32_t k = 0; k < v->n_inst; k++) {
+            const gy_sim_inst_view *i = &v->inst[k];
+            if (i->tp != 1 || i->reserved || !gy_sim_policy_fits(i, r) ||
+                seesaw_in_decode(st, unit, i->gpu_first))
+                continue;
+            if (!seesaw_unit_work(v, i->gpu_first - i->gpu_first % unit, unit).settled) continue;
+            const int room = i->footprint + r->footprint <= i->kv_total;
+            if (best < 0 || room > best_room ||
+                (room == best_room &&
+                 gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))) {
+                best = k;
+                best_room = room;
+            }
+        }
+        if (best >= 0) {
+            d->action = GY_SIM_ACTION_PLACE;
+            d->target = best;
+        } else { /* every unit decodes (or moves): it waits for a prefill phase */
+            d->action = GY_SIM_ACTION_DEFER;
+            d->blocked = 1;
+        }
+        return GY_OK;
+    }
+    /* No TP1 holds it: an instance of its TP with room for it, the least loaded; else the
+     * aligned group of min_tp GPUs around the least-loaded instance merges for it (the
+     * baselines' rule), where it stays, held at its TP, until it finishes. */
+    int32_t room = -1, any = -1;
+    for (int32_t k = 0; k < v->n_inst; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (!i->placeable || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
+        const double load = gy_sim_policy_load(cfg, i);
+        if (gy_sim_policy_fits(i, r) && i->footprint + r->footprint <= i->kv_total &&
+            (room < 0 || load < gy_sim_policy_load(cfg, &v->inst[room])))
+            room = k;
+        if (any < 0 || load < gy_sim_policy_load(cfg, &v->inst[any])) any = k;
+    }
+    gy_sim_policy_place_or_scale(v, room >= 0 ? room : any, r, d);
+    return GY_OK;
+}
+
+static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
+                                  const gy_sim_view *v, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    seesaw_state *st = state;
+    const int32_t unit = seesaw_unit(v);
+    if (unit < 2) return GY_OK;
+    for (int32_t g = 0; g + unit <= v->n_gpus && g / unit < SEESAW_MAX_UNITS; g += unit) {
+        if (!gy_sim_group_valid(v, g, unit)) continue;
+        uint8_t *decode = &st->decode[g / unit];
+        const seesaw_work w = seesaw_unit_work(v, g, unit);
+        const int moving = seesaw_moving(v, g, unit);
+        const int32_t whole = gy_sim_group_instance(v, g, unit);
+        const int waited_for = gy_sim_pending_overlaps(v, g, unit, 0);
+        if (!*decode && !moving) {
+            /* its prompts are prefilled (and no request waits to be placed here), or its KV is
+             * all committed: decode at TP-N */
+            const int gathered = w.settled && w.requests > 0 &&
+                                 ((w.prefill == 0 && v->n_deferred == 0) || w.full);
+            if (gathered) {
+                *decode = 1;
+                st->batch[g / unit] = w.requests;
+            }
+        } else if (*decode && !moving && whole >= 0) {
+            const gy_sim_inst_view *i = &v->inst[whole];
+            const int thinned = v->n_deferred > 0 && !waited_for && i->max_min_tp < i->tp &&
+                                (double)w.requests <=
+                                    (1.0 - cfg->scale_down_free) * (double)st->batch[g / unit] &&
+                                gy_sim_policy_split_plausible(v, i);
+            if (!i->reserved && (w.requests == 0 || thinned)) *decode = 0;
+        }
+        if (*decode) {
+            /* -1: it cannot become one instance now (the decision is full): next time */
+            if (gy_sim_policy_build_group(v, g, unit, d) < 0) return GY_OK;
+            continue;
+        }
+        /* prefill phase: split what is above TP1, its requests along with their KV */
+        for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
+            const gy_sim_inst_view *i = &v->inst[k];
+            if (i->tp <= 1 || i->xform != GY_SIM_XFORM_NONE || i->reserved ||
+                i->max_min_tp >= i->tp || !gy_sim_policy_split_plausible(v, i))
+                continue; /* (a request that needs its TP keeps it until it finishes) */
+            if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) return GY_OK;
+        }
+    }
+    return GY_OK;
+}
+
+const gy_sim_policy_ops gy_sim_policy_seesaw = {
+    .name = "seesaw",
+    .state_size = sizeof(seesaw_state),
+    .place = seesaw_place,
+    .rebalance = seesaw_rebalance,
+    .monitor = 1,     /* a TP1 step calls no rebalance; the prefill phase's end is watched */
+    .pass_stable = 1, /* the phases change in rebalance only, never while requests are decided */
+};
