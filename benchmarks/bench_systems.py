@@ -1,8 +1,9 @@
 """All the systems side by side, through the one cluster controller: gyges (TP merges and
 splits of sharded instances), PipeLive (live pipeline re-splits), Flying Serving (DP<->TP binds of
-replicas), KunServe (buddy groups that drop replicated parameters) and, in the simulator,
-LoongServe (elastic sequence parallelism over TP2 replicas), with least-load replication and the
-best static layout beside them.
+replicas), KunServe (buddy groups that drop replicated parameters), Seesaw (TP1 instances that
+prefill, merged into one that decodes, through host memory) and, in the simulator, LoongServe
+(elastic sequence parallelism over TP2 replicas), with least-load replication and the best static
+layout beside them.
 
 1. The simulator at paper scale: 8 H20 running Qwen2.5-32B, every system on the same GPUs
    (KunServe's groups and PipeLive's pipelines priced by a PipelineCost of H20 stages, 200 Gbps
@@ -27,7 +28,10 @@ KunServe 8.4-27.3x lower P99 TTFT than replication under bursts (Fig. 10); Flyin
 4.79x (high load) and 3.47x (low load) over static DP/TP; PipeLive 33-36% end-to-end on
 heterogeneous GPUs (its gains need unequal GPUs, which this cluster does not have).
 
-Writes results/bench_systems.json and results/bench_systems.png.
+--calibration grounded prices the TP systems and pipelines with NVLink at NCCL's measured speed
+instead of the Table 1 fit (gyges.costmodel.GROUNDED; the traces stay the same).
+
+Writes results/bench_systems.json and .png (bench_systems_grounded.*).
 Run: .venv/bin/python benchmarks/bench_systems.py [--quick] [--no-host]
 """
 import argparse
@@ -42,17 +46,21 @@ from benchmarks.bench_kunserve import BURSTS  # noqa: E402
 from benchmarks.bench_sim import AZURE, LAYOUTS, SLO, azure_trace, goodputs  # noqa: E402
 from benchmarks.common import RESULTS, print_table, write_json  # noqa: E402
 from gyges import experiment, metrics, sim, traces  # noqa: E402
-from gyges.cluster.costmodel import RDMA_200G, CostModel, PipelineCost  # noqa: E402
+from gyges.cluster.costmodel import CALIBRATIONS, RDMA_200G, CostModel, PipelineCost  # noqa: E402
 
 MODEL, GPU, N_GPUS = "qwen2.5-32b", "h20", 8
 
 
-def paper_scale_systems():
-    """name -> sim.run keyword arguments, every system on the same 8 GPUs."""
+def paper_scale_systems(calibration="table1"):
+    """name -> sim.run keyword arguments, every system on the same 8 GPUs, priced under
+    `calibration` (gyges.costmodel.CALIBRATIONS)."""
     # pipelines keep one micro-batch per stage in flight (vLLM's virtual engines)
-    buddy = PipelineCost.create(MODEL, [GPU] * N_GPUS, link_bw=RDMA_200G, micro_batches=None)
-    pair = PipelineCost.create(MODEL, [GPU] * 2, link_bw=RDMA_200G, micro_batches=None)
-    return {
+    buddy = PipelineCost.create(MODEL, [GPU] * N_GPUS, link_bw=RDMA_200G, micro_batches=None,
+                                calibration=calibration)
+    pair = PipelineCost.create(MODEL, [GPU] * 2, link_bw=RDMA_200G, micro_batches=None,
+                               calibration=calibration)
+    tp = CostModel.create(MODEL, GPU, calibration=calibration)
+    systems = {
         "gyges": dict(policy="gyges"),
         "pipelive": dict(policy="pipelive", hosts=N_GPUS // 2, layout="PP2", cost=pair),
         "flying": dict(policy="flying", weights="replicated"),
@@ -60,9 +68,13 @@ def paper_scale_systems():
         # elastic instances of TP2 (a TP1 replica of a 32B model on an H20 has no room to
         # prefill a long prompt, even pooled)
         "loongserve": dict(policy="loongserve", weights="replicated", layout="4xTP2"),
+        # Seesaw's re-sharding: each host prefills as 8 TP1 instances and decodes as one TP8,
+        # its transitions through host memory (policy_seesaw.c)
+        "seesaw": dict(policy="seesaw", reshard="seesaw"),
         "replication (least_load)": dict(policy="least_load", layout=f"{N_GPUS}xTP1",
                                          eager_scale_up=False, scale_up_cap=0.0),
     }
+    return {name: {"cost": tp, **kw} for name, kw in systems.items()}
 
 
 def paper_scale_traces(quick):
@@ -112,14 +124,17 @@ def best_static(rows):
     return best
 
 
-def simulator_rows(quick):
+def simulator_rows(quick, calibration="table1"):
     rows = []
+    systems = paper_scale_systems(calibration)
+    tp = systems["gyges"]["cost"]
     for name, tr in paper_scale_traces(quick).items():
         t = time.perf_counter()
         group = [row_of(sim.run(tr, slo=SLO, **kw), name, system)
-                 for system, kw in paper_scale_systems().items()]
-        static = best_static([row_of(sim.run(tr, policy="static", layout=layout, slo=SLO), name,
-                                     f"static {layout}") for layout in LAYOUTS])
+                 for system, kw in systems.items()]
+        static = best_static([row_of(sim.run(tr, policy="static", layout=layout, slo=SLO,
+                                             cost=tp), name, f"static {layout}")
+                              for layout in LAYOUTS])
         group.append(static)
         for r in group:  # each system against the best static layout
             r["goodput_vs_static"] = r["goodput"] / static["goodput"] if static["goodput"] else None
@@ -137,7 +152,7 @@ def host_rows(quick):
                       input_tokens=traces.lognormal_lengths(200, cap=350),
                       output_tokens=traces.lognormal_lengths(300, cap=500))
     runs = {"gyges": dict(policy="gyges"), "flying": dict(policy="flying"),
-            "kunserve": dict(policy="kunserve"),
+            "kunserve": dict(policy="kunserve"), "seesaw": dict(policy="seesaw"),
             "replication (least_load)": dict(policy="least_load", eager_scale_up=False,
                                              scale_up_cap=0.0)}
     runs.update({f"static {layout}": dict(policy="static", layout=layout)
@@ -189,19 +204,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter traces")
     ap.add_argument("--no-host", action="store_true", help="the simulator section only")
+    ap.add_argument("--calibration", choices=CALIBRATIONS, default="table1",
+                    help="the cost model's calibration (table1: fitted to Gyges Table 1; "
+                         "grounded: NVLink at NCCL's measured speed)")
     args = ap.parse_args()
-    out = {"sim": simulator_rows(args.quick)}
-    print_table(f"1. Simulator: {N_GPUS}x {GPU}, {MODEL}; goodput and P99 TTFT also against the "
-                f"best static layout", out["sim"],
+    out = {"calibration": args.calibration, "sim": simulator_rows(args.quick, args.calibration)}
+    print_table(f"1. Simulator: {N_GPUS}x {GPU}, {MODEL}, {args.calibration} calibration; "
+                f"goodput and P99 TTFT also against the best static layout", out["sim"],
                 COLUMNS + [("goodput_vs_static", "goodput / static", "{:.2f}"),
                            ("p99_vs_static", "p99 / static", "{:.2f}")])
     if not args.no_host:
         out["host"] = host_rows(args.quick)
         print_table("2. CPU host (tiny model, 4 workers of 24 MiB, one burst; the same controller)",
                     out["host"], COLUMNS + [("wall_s", "wall s", "{:.1f}")])
-    write_json("bench_systems", out)
+    name = "bench_systems" if args.calibration == "table1" else \
+        f"bench_systems_{args.calibration}"
+    write_json(name, out)
     RESULTS.mkdir(exist_ok=True)
-    plot(out["sim"] + out.get("host", []), RESULTS / "bench_systems.png")
+    plot(out["sim"] + out.get("host", []), RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":
