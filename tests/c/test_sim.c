@@ -1029,6 +1029,64 @@ GYTEST(sim_policy_loongserve_decisions) {
     CHECK(has_op(&d, GY_SIM_OP_RELEASE, 0, 2));
 }
 
+GYTEST(sim_policy_seesaw_decisions) {
+    const gy_sim_policy_ops *p = gy_sim_policy_find("seesaw");
+    CHECK(p != NULL && p->monitor && p->state_size > 0);
+    void *st = calloc(1, p->state_size);
+    CHECK(st != NULL);
+    gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    const int32_t dp[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world w;
+    world_init(&w, 8, 8, dp, 8);
+    for (int k = 0; k < 8; k++) set_load(&w, k, 0, 100 - k);
+    /* prefill phase: a short request goes to a TP1 with room, the least loaded */
+    gy_sim_req_view r = req(30, 1);
+    gy_sim_decision d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 7);
+    w.inst[7].footprint = 90; /* no room there now: the next least loaded */
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 6);
+    /* a prompt still to prefill: the unit stays as it is */
+    for (int k = 0; k < 8; k++) w.inst[k].n_requests = 3;
+    set_load(&w, 3, 500, 100);
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    /* every prompt prefilled: the pairs merge towards one TP8 */
+    set_load(&w, 3, 0, 100);
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
+    /* ... and new requests wait at the cluster meanwhile, blocked */
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.blocked && d.n_ops == 0);
+    /* decode phase at TP8 (24 requests when it began): prompts wait, it keeps decoding ... */
+    const int32_t one[] = {8};
+    world_init(&w, 8, 8, one, 1);
+    w.v.n_deferred = 3;
+    w.inst[0].n_requests = 13;
+    w.inst[0].footprint = w.inst[0].max_footprint = 30;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    /* ... until its batch has halved: it splits, its requests along */
+    w.inst[0].n_requests = 12;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_SPLIT, 0, 8));
+    /* back in the prefill phase, halfway down (TP4 pair): no placement until it has settled */
+    const int32_t half[] = {4, 4};
+    world_init(&w, 8, 8, half, 2);
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.blocked);
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_SPLIT, 0, 4) && has_op(&d, GY_SIM_OP_SPLIT, 4, 4));
+    /* a request no TP1 holds, no room anywhere: the pair around the least loaded merges */
+    world_init(&w, 8, 8, dp, 8);
+    for (int k = 0; k < 8; k++) set_load(&w, k, 100 + k, 0);
+    r = req(200, 2);
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 2 &&
+          has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    free(st);
+}
+
 GYTEST(sim_policy_gyges_says_when_a_request_is_blocked) {
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
     world w;
