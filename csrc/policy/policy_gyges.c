@@ -324,7 +324,9 @@ static gy_status gyges_place_long(const gy_sim_policy_config *cfg, double long_s
     }
     *d = up;
     gyges_gate_merges(cfg, v, r, d, 0);
-    /* no instance has room and no group can take it: nor any larger request of its TP */
+    /* no instance has room and no group can take it: nor any larger request of its TP that
+     * the controller decides after it in this pass (deferred later, so waited no longer: none
+     * would queue after merge_wait where this one does not) */
     d->blocked = k < 0 && up.group.size == 0 && d->n_ops == 0;
     return GY_OK;
 }
