@@ -1051,8 +1051,13 @@ GYTEST(sim_policy_seesaw_decisions) {
     set_load(&w, 3, 500, 100);
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
     CHECK(d.n_ops == 0);
-    /* every prompt prefilled: the pairs merge towards one TP8 */
+    /* every prompt prefilled, but fewer requests than GPUs: not worth a re-sharding */
     set_load(&w, 3, 0, 100);
+    for (int k = 0; k < 8; k++) w.inst[k].n_requests = k < 7;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    /* a batch of a request a GPU or more: the pairs merge towards one TP8 */
+    for (int k = 0; k < 8; k++) w.inst[k].n_requests = 3;
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
     CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
     /* ... and new requests wait at the cluster meanwhile, blocked */
