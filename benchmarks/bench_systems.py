@@ -74,6 +74,7 @@ def paper_scale_systems(calibration="table1"):
         "replication (least_load)": dict(policy="least_load", layout=f"{N_GPUS}xTP1",
                                          eager_scale_up=False, scale_up_cap=0.0),
     }
+    # the TP cost model for every system that names none of its own (pipelines do)
     return {name: {"cost": tp, **kw} for name, kw in systems.items()}
 
 

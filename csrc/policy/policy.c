@@ -207,15 +207,21 @@ void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_
     }
 }
 
-gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
-                                       const gy_sim_view *v, gy_sim_decision *d) {
-    memset(d, 0, sizeof *d);
-    for (int32_t k = 0; k < v->n_inst; k++) {
+int gy_sim_policy_split_unneeded_in(const gy_sim_view *v, int32_t g, int32_t size,
+                                    gy_sim_decision *d) {
+    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + size; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         if (i->tp <= 1 || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
         if (i->max_min_tp >= i->tp || !gy_sim_policy_split_plausible(v, i)) continue;
-        if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) break;
+        if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) return 0;
     }
+    return 1;
+}
+
+gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
+                                       const gy_sim_view *v, gy_sim_decision *d) {
+    memset(d, 0, sizeof *d);
+    gy_sim_policy_split_unneeded_in(v, 0, v->n_gpus, d);
     return GY_OK;
 }
 

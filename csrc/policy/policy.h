@@ -327,8 +327,12 @@ int gy_sim_policy_resume(const gy_sim_view *v, const gy_sim_req_view *r, gy_sim_
  * it holds r, else DEFER on the aligned group of min_tp GPUs around it, with its merges. */
 void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_req_view *r,
                                   gy_sim_decision *d);
-/* The baselines' rebalance: SPLIT every TP > 1 instance that nothing under way or reserved
- * touches, that no request needs at its TP, and whose requests plausibly fit its halves. */
+/* Appends a SPLIT of every TP > 1 instance of the aligned group [g, g + size) that nothing under
+ * way or reserved touches, that no request needs at its TP, and whose requests plausibly fit its
+ * halves; 0 when the decision is full. */
+int gy_sim_policy_split_unneeded_in(const gy_sim_view *v, int32_t g, int32_t size,
+                                    gy_sim_decision *d);
+/* The baselines' rebalance: gy_sim_policy_split_unneeded_in over the whole cluster. */
 gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
                                        const gy_sim_view *v, gy_sim_decision *d);
 

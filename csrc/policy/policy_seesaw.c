@@ -55,33 +55,27 @@ static int seesaw_in_decode(const seesaw_state *st, int32_t unit, int32_t gpu) {
     return st != NULL && u < SEESAW_MAX_UNITS && st->decode[u];
 }
 
-/* What a unit holds: its prompt tokens not prefilled yet, its requests, whether it is settled
- * at TP1 (nothing transforming, every instance TP1 or held at its TP by a request that needs
- * it), and whether every instance has committed all its KV (the prefill phase has gathered what
- * the unit holds). */
+/* What a unit holds: its prompt tokens not prefilled yet, its requests, whether any of its
+ * instances is transforming, whether it is settled at TP1 (nothing transforming, every instance
+ * TP1 or held at its TP by a request that needs it), and whether every TP1 has committed all its
+ * KV (the prefill phase has gathered what the unit holds). */
 typedef struct seesaw_work {
     int64_t prefill, requests;
-    int settled, full;
+    int moving, settled, full;
 } seesaw_work;
 
 static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t unit) {
-    seesaw_work w = {0, 0, 1, 1};
+    seesaw_work w = {0, 0, 0, 1, 1};
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         w.prefill += i->pending_prefill;
         w.requests += i->n_requests;
+        w.moving |= i->xform != GY_SIM_XFORM_NONE;
         w.settled &= i->reserved || (i->xform == GY_SIM_XFORM_NONE &&
                                      (i->tp == 1 || i->max_min_tp >= i->tp));
         w.full &= i->tp > 1 || i->footprint >= i->kv_total;
     }
     return w;
-}
-
-/* 1 when an instance of the unit at g is transforming. */
-static int seesaw_moving(const gy_sim_view *v, int32_t g, int32_t unit) {
-    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++)
-        if (v->inst[k].xform != GY_SIM_XFORM_NONE) return 1;
-    return 0;
 }
 
 static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, const gy_sim_view *v,
@@ -148,10 +142,9 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
         if (!gy_sim_group_valid(v, g, unit)) continue;
         uint8_t *decode = &st->decode[g / unit];
         const seesaw_work w = seesaw_unit_work(v, g, unit);
-        const int moving = seesaw_moving(v, g, unit);
         const int32_t whole = gy_sim_group_instance(v, g, unit);
         const int waited_for = gy_sim_pending_overlaps(v, g, unit, 0);
-        if (!*decode && !moving) {
+        if (!*decode && !w.moving) {
             /* its prompts are prefilled (and no request waits to be placed here), or its KV is
              * all committed: decode at TP-N, for a batch of at least a request a GPU (fewer are
              * not worth two re-shardings: on the Azure trace, 8,000 transformations for 2,000
@@ -162,7 +155,7 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                 *decode = 1;
                 st->batch[g / unit] = w.requests;
             }
-        } else if (*decode && !moving && whole >= 0) {
+        } else if (*decode && !w.moving && whole >= 0) {
             const gy_sim_inst_view *i = &v->inst[whole];
             const int thinned = v->n_deferred > 0 && !waited_for && i->max_min_tp < i->tp &&
                                 (double)w.requests <=
@@ -175,14 +168,9 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
             if (gy_sim_policy_build_group(v, g, unit, d) < 0) return GY_OK;
             continue;
         }
-        /* prefill phase: split what is above TP1, its requests along with their KV */
-        for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
-            const gy_sim_inst_view *i = &v->inst[k];
-            if (i->tp <= 1 || i->xform != GY_SIM_XFORM_NONE || i->reserved ||
-                i->max_min_tp >= i->tp || !gy_sim_policy_split_plausible(v, i))
-                continue; /* (a request that needs its TP keeps it until it finishes) */
-            if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) return GY_OK;
-        }
+        /* prefill phase: split what is above TP1, its requests along with their KV (a request
+         * that needs its TP keeps it until it finishes) */
+        if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
     }
     return GY_OK;
 }
