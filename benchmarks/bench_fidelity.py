@@ -7,15 +7,16 @@ on that engine, on traces the profile never saw.
    instance while the others idle, "one busy"), at every TP it forms, and fits a step time
    linear in the batch shape per TP. SmolLM2-135M on 2 CPU workers (TP1 only: its 3
    KV heads split 1 or 3 ways), and the tiny model on 2 workers (TP1 and TP2, for the merges).
-   The host is profiled again right before each real run (a shared machine's speed drifts by
-   more than the goal over minutes, its memory-bound decode steps most), so a run and the
-   simulation it is set against see the machine as it was then. The last profiles are saved
+   The host is profiled again right before and right after each real run (a shared machine's
+   speed drifts by more than the goal over minutes, its memory-bound decode steps most), so a
+   run is set against the machine as it was then: it is simulated once with each pair of
+   profiles, and the simulations' mean is its prediction. The last profiles are saved
    as JSON (benchmarks/results/profile_*.json; --reuse loads them for every run instead).
    The simulator runs with each (the CPU workers share cores and memory bandwidth, so a step's
    time depends on what the other instances do: the two profiles bracket it), and with both
    (ProfiledCost.with_alone): each step priced between them by the share of the host's other
    workers stepping when it starts, which the simulator knows.
-2. Held-out traces, each replayed `--repeats` times on a fresh host and simulated once per
+2. Held-out traces, each replayed `--repeats` times on a fresh host and simulated twice per
    run, with that run's profiles and the same policy knobs (the profile's prefill rates in
    both); the means are compared:
    - smollm2 light: round robin over 2xTP1 at a rate the host keeps up with;
@@ -93,24 +94,31 @@ def profile(name, model, reuse, repeats, concurrent):
     return cost, seconds
 
 
-def simulate(trace, policy, cost, host):
+def host_knobs(host):
+    """The simulator's knobs that are the host's: its blocks and its scheduler's limits."""
+    return {"block_size": host.block_size, "max_batch_tokens": host.max_batch_tokens,
+            "max_running": host.max_running, "max_prefill_chunk": host.max_prefill_chunk}
+
+
+def simulate(trace, policy, cost, host_knobs):
     knobs = {"light_load": 0.0, "idle_load": 0.0} if policy == "gyges" else {}
     return sim.run(trace, policy=policy, gpus_per_host=WORKERS, cost=cost, max_tp=cost.max_tp,
-                   block_size=host.block_size, max_batch_tokens=host.max_batch_tokens,
-                   max_running=host.max_running, max_prefill_chunk=host.max_prefill_chunk,
-                   watermark=0.0, merge_wait=1.0, **knobs)
+                   watermark=0.0, merge_wait=1.0, **host_knobs, **knobs)
 
 
 def step_kinds(runs):
     """Measured vs predicted step time by kind of step (decode only, prefill only, mixed) and by
     how many of the host's instances were stepping when it began (the all-busy profile measured
-    every instance busy at once), over `runs` of (steps, the profile taken before them)."""
+    every instance busy at once), over `runs` of (steps, the profiles taken before and after them:
+their mean prediction)."""
     sums = {}                                  # (kind, busy) -> [steps, real s, predicted s]
     total = 0.0
-    for steps, cost in runs:
-        pred = np.array([cost.step_time(int(s["tp"]), int(s["n_tokens"]), int(s["n_seqs"]),
-                                        int(s["n_samples"]), float(s["kv_read_tokens"]),
-                                        float(s["attn_pairs"])) for s in steps])
+    for steps, costs in runs:
+        pred = np.array([np.mean([cost.step_time(int(s["tp"]), int(s["n_tokens"]),
+                                                 int(s["n_seqs"]), int(s["n_samples"]),
+                                                 float(s["kv_read_tokens"]),
+                                                 float(s["attn_pairs"])) for cost in costs])
+                         for s in steps])
         decode = steps["n_tokens"] == steps["n_seqs"]          # one token each
         prefill = (steps["n_seqs"] == 1) & ~decode
         total += steps["seconds"].sum()
@@ -175,22 +183,25 @@ def main():
                               layout=f"{WORKERS}xTP1")
         real, sims, all_steps = [], {"sim": [], "sim1": [], "sim2": []}, []
         for _ in range(repeats):
-            # the profile just before the run: a shared machine's speed drifts by more than
-            # the 5% goal over minutes (memory-bound decode steps most), so each real run is
-            # set against a profile of the machine as it is then
-            (busy, s_busy), (alone, s_alone) = profile_pair(name, models[name], args.reuse,
-                                                            grid_repeats)
-            taken[name, "all"].append((busy, s_busy))
-            taken[name, "one"].append((alone, s_alone))
+            # profiles just before and just after the run: a shared machine's speed drifts by
+            # more than the 5% goal over minutes (memory-bound decode steps most), so each real
+            # run is set against profiles of the machine as it was then, on both sides of it
+            pairs = [profile_pair(name, models[name], args.reuse, grid_repeats)]
             host = new_host()
-            r = experiment.run(trace, policy, host=host, cost=busy, record_steps=True,
-                               max_tp=busy.max_tp)
-            for key, cost in (("sim", busy), ("sim1", alone), ("sim2", busy.with_alone(alone))):
-                sims[key].append(simulate(trace, policy, cost, host).summary())
-            host.close()
+            r = experiment.run(trace, policy, host=host, cost=pairs[0][0][0],
+                               record_steps=True, max_tp=pairs[0][0][0].max_tp)
+            knobs = host_knobs(host)
+            host.close()   # (a process maps so many pages; the next profile's host needs them)
+            pairs.append(profile_pair(name, models[name], args.reuse, grid_repeats))
+            for (busy, s_busy), (alone, s_alone) in pairs:
+                taken[name, "all"].append((busy, s_busy))
+                taken[name, "one"].append((alone, s_alone))
+                for key, cost in (("sim", busy), ("sim1", alone),
+                                  ("sim2", busy.with_alone(alone))):
+                    sims[key].append(simulate(trace, policy, cost, knobs).summary())
             real.append(r)
-            all_steps.append((r.steps, busy))
-            last[name] = busy, alone
+            all_steps.append((r.steps, [busy for (busy, _), _ in pairs]))
+            last[name] = pairs[-1][0][0], pairs[-1][1][0]
         reals = [r.summary() for r in real]
         for metric, key, scale in METRICS:
             values = np.array([r[key] for r in reals], float)

@@ -18,7 +18,8 @@ Every instance of a level runs the grid at once, each on a thread, as a replay's
 than under load). A timed step is what a replay's runner pays per step: Instance.step() and the
 load it reads after it (experiment.instance_load); its shape comes from the requests' computed
 tokens before and after (gyges.costmodel's batch shape: tokens, samples, KV tokens read, causal
-pairs); a point's time is the median of its steps. The merges and splits between the levels are
+pairs); a point's time is the mean of its steps (the simulator adds step times up, so it needs
+their expectation: a shared machine's occasional slow step makes the median too low). The merges and splits between the levels are
 timed too, with the KV of the last decode points in flight and without.
 
 The model. Per TP level, step = base + per_token * n_tokens + per_sample * n_samples +
@@ -39,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -366,7 +366,7 @@ class ProfiledCost:
                 host.abort(h)
         return cls.fit(points, transforms, cfg, caps, host.block_size, kv_token, ffn,
                        note=f"profiled on {n} CPU workers ({'all' if concurrent else 'one'} "
-                            f"busy), {len(points)} grid points, median of {repeats}")
+                            f"busy), {len(points)} grid points, mean of {repeats}")
 
     # ---- files ----
 
@@ -533,16 +533,16 @@ def _timed_step(inst, after):
 
 
 def _point(tp, kind, shapes, times):
-    """A grid point: the median step's shape and the median of the times (spread: half the
-    interquartile range, relative)."""
+    """A grid point: the median step's shape and the mean of the times (what a sum of such steps
+    costs on average; spread: half the interquartile range, relative to the mean)."""
     if not times:   # pragma: no cover - the grid checks keep requests in every timed step
         raise ProfileError(f"TP{tp} {kind}: no step of a clean shape was measured")
     order = np.argsort(times)
     mid = order[len(order) // 2]
     q1, q3 = np.percentile(times, [25, 75])
-    med = float(statistics.median(times))
-    return {"tp": tp, "kind": kind, **shapes[mid], "seconds": med,
-            "spread": float((q3 - q1) / 2 / med)}
+    mean = float(np.mean(times))
+    return {"tp": tp, "kind": kind, **shapes[mid], "seconds": mean,
+            "spread": float((q3 - q1) / 2 / mean)}
 
 
 def _measure_level(host, inst, tp, level, warmup, repeats, keep):
