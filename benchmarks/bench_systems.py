@@ -1,7 +1,8 @@
 """All the systems side by side, through the one cluster controller: gyges (TP merges and
 splits of sharded instances), PipeLive (live pipeline re-splits), Flying Serving (DP<->TP binds of
 replicas), KunServe (buddy groups that drop replicated parameters), Seesaw (TP1 instances that
-prefill, merged into one that decodes, through host memory) and, in the simulator, LoongServe
+prefill, merged into a TP-N that decodes, N from its search, through host memory) and, in the
+simulator, LoongServe
 (elastic sequence parallelism over TP2 replicas), with least-load replication and the best static
 layout beside them.
 
@@ -68,8 +69,9 @@ def paper_scale_systems(calibration="table1"):
         # elastic instances of TP2 (a TP1 replica of a 32B model on an H20 has no room to
         # prefill a long prompt, even pooled)
         "loongserve": dict(policy="loongserve", weights="replicated", layout="4xTP2"),
-        # Seesaw's re-sharding: each host prefills as 8 TP1 instances and decodes as one TP8,
-        # its transitions through host memory (policy_seesaw.c)
+        # Seesaw's re-sharding: units of GPUs prefill as TP1 instances and decode as one TP-N,
+        # N from its search for each trace (seesaw_search), its transitions through host
+        # memory (policy_seesaw.c)
         "seesaw": dict(policy="seesaw", reshard="seesaw"),
         "replication (least_load)": dict(policy="least_load", layout=f"{N_GPUS}xTP1",
                                          eager_scale_up=False, scale_up_cap=0.0),
@@ -131,8 +133,9 @@ def simulator_rows(quick, calibration="table1"):
     tp = systems["gyges"]["cost"]
     for name, tr in paper_scale_traces(quick).items():
         t = time.perf_counter()
-        group = [row_of(sim.run(tr, slo=SLO, **kw), name, system)
-                 for system, kw in systems.items()]
+        group = [row_of(res, name, f"{system} (decode TP{res.config['decode_tp']})"
+                        if system == "seesaw" else system)   # (its search's pick)
+                 for system, kw in systems.items() for res in [sim.run(tr, slo=SLO, **kw)]]
         static = best_static([row_of(sim.run(tr, policy="static", layout=layout, slo=SLO,
                                              cost=tp), name, f"static {layout}")
                               for layout in LAYOUTS])

@@ -99,6 +99,16 @@ def test_the_controller_checks_its_prefill_rates():
             _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, prefill_rate=rates)
     with pytest.raises(TypeError):
         _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, prefill_rate=[1.0, "a", 2.0])
+    # the view's cost model: a kind and its parameters, checked as the simulator checks them
+    cost = ConstantCost()
+    _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, cost_kind=cost.kind,
+                  cost_params=cost.params())
+    bad = {**cost.params(), "step_time": -1.0}
+    for kw, match in (({"cost_kind": "constant"}, "come together"),
+                      ({"cost_params": cost.params()}, "come together"),
+                      ({"cost_kind": "constant", "cost_params": bad}, "step_time")):
+        with pytest.raises(ValueError, match=match):
+            _C.Controller(object(), p, 4, 4, 4, [10, 25, 60], 16, 0.0, **kw)
 
 
 def test_static_rejects_the_same_on_both_executors(host_caps):

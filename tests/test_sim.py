@@ -14,7 +14,7 @@ import pytest
 
 import gyges
 from gyges import _C, _C_test, metrics, sim, traces
-from gyges.cluster import links, mechanisms
+from gyges.cluster import links, mechanisms, seesaw_search
 from gyges.cluster.costmodel import (CALIBRATION, GPUS, GROUNDED, ConstantCost, CostModel,
                                      CostModelError, PipelineCost,
                                      gpu_spec, model_config)
@@ -151,6 +151,20 @@ def test_latency_mode_by_hand():
     # without the latency mode the TP2, which no request needs, splits at once and stays split
     res = gyges_two_gpus(rows, sample_interval=1.0, layout="1xTP2")
     assert list(res.transformations["kind"]) == [1] and res.transformations["start"][0] == 0.0
+
+
+def test_latency_mode_splits_pairs_that_decode_more_slowly_than_their_halves():
+    """Flying's alternating load under the Table 1 fit, where a TP2 decodes a large batch about
+    1.5x as slowly as its two halves: gyges' latency mode merges pairs in the light phases and,
+    weighing the view's cost model (a pair's decode step against its halves'), splits them as
+    their batches grow rather than only past 4 x light_load. Its goodput comes within 5% of the
+    best static layout's (8xTP1); weighing load alone it fell 11% short."""
+    tr = traces.scale_rate(traces.flying_alternating(480, seed=0), 1 / 4)
+    slo = {"ttft": 10.0, "tpot": 0.1}
+    gyges_ = sim.run(tr, policy="gyges", slo=slo).summary()
+    static = sim.run(tr, policy="static", layout="8xTP1", slo=slo).summary()
+    assert gyges_["transformations"] > 20   # the latency mode is at work
+    assert gyges_["goodput"] >= 0.95 * static["goodput"]
 
 
 def test_an_allocation_failing_in_a_latency_mode_run_raises_and_leaves_no_trace():
@@ -435,7 +449,8 @@ def test_seesaw_prefills_as_tp1_instances_and_decodes_merged():
     first = traces.from_arrays(np.linspace(0, 0.5, 24), np.full(24, 1500), np.full(24, 300))
     second = traces.from_arrays(np.linspace(8, 8.5, 16), np.full(16, 1500), np.full(16, 300))
     tr = traces.merge([first, second])
-    res = sim.run(tr, policy="seesaw", reshard="seesaw", record_tokens=True, check=True)
+    res = sim.run(tr, policy="seesaw", reshard="seesaw", record_tokens=True, check=True,
+                  decode_tp=8)   # (its search would keep these at TP2: a TP8 mechanism test)
     q, x = res.requests, res.transformations
     assert res.summary()["completed"] == tr.size and (q["status"] == 3).all()
     assert res.stats["merges"] >= 3 and res.stats["splits"] >= 3   # 8xTP1 -> TP8 -> 8xTP1
@@ -453,6 +468,37 @@ def test_seesaw_prefills_as_tp1_instances_and_decodes_merged():
     assert (x["kv_bytes"][x["migrated"] > 0] > 0).all() and (x["migrated"] > 0).sum() >= 6
     for t in x:   # (the step in flight when it starts still ends)
         assert not ((tok["time"] > t["start"] + 0.1) & (tok["time"] < t["end"])).any()
+
+
+def test_seesaw_searches_its_decode_tp_and_the_simulator_agrees():
+    """Seesaw's offline search (gyges.cluster.seesaw_search) ranks the decode TPs by tokens a
+    second a GPU; on a saturated trace the simulator ranks them the same. Under the Table 1 fit
+    TP costs more than it gives, so the search keeps the unit data parallel (TP1, no merges);
+    a request only a TP4 holds rules out TP1 and TP2, and a decode_tp below a request's TP
+    rejects that request only."""
+    tr = traces.poisson(6.0, duration=120, input_tokens=(200, 1500), output_tokens=(100, 400),
+                        seed=1)
+    cost = CostModel.create()
+    tp, rows = seesaw_search.decode_tp(cost, tr, 8)
+    per_gpu = [r["per_gpu"] for r in rows]
+    assert [r["tp"] for r in rows] == [1, 2, 4, 8] and all(r["serves_all"] for r in rows)
+    assert tp == 1 and per_gpu == sorted(per_gpu, reverse=True)
+    windows = [sim.run(tr, policy="seesaw", decode_tp=d).window_throughput()[0]
+               for d in (1, 2, 4, 8)]
+    assert windows == sorted(windows, reverse=True) and windows[0] > 1.5 * windows[-1]
+    res = sim.run(tr, policy="seesaw")   # decode_tp None: searched
+    assert res.config["decode_tp"] == 1 and res.stats["merges"] == 0
+    assert res.window_throughput()[0] == windows[0]
+    long = traces.merge([tr, traces.from_arrays([5.0], [60_000], [64])])
+    tp, rows = seesaw_search.decode_tp(cost, long, 8)
+    assert tp == 4 and [r["serves_all"] for r in rows] == [False, False, True, True]
+    q = sim.run(long, policy="seesaw", decode_tp=2, check=True).requests
+    assert q["status"][q["input_tokens"] == 60_000].tolist() == [4]           # rejected
+    assert (q["status"][q["input_tokens"] < 60_000] == 3).all()
+    assert (sim.run(long, policy="seesaw", check=True).requests["status"] == 3).all()
+    for bad in (3, -2, 2.0, True):
+        with pytest.raises(gyges.Error, match="decode_tp"):
+            sim.run(tr, policy="seesaw", decode_tp=bad)
 
 
 def test_seesaw_keeps_the_simulators_invariants_and_serves_prompts_no_tp1_holds():

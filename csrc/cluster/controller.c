@@ -278,6 +278,7 @@ static gy_status gy_cluster_view(gy_cluster *c, double now, gy_sim_view *v) {
         .pipeline = c->config.pipeline,
         .buddy = c->config.buddy,
         .prefill_rate = c->config.prefill_rate, /* NULL unless the executor gave them */
+        .cost = c->config.cost,
     };
     if (gy_cluster_view_check(v) != GY_OK) {
         char why[512]; /* the message is rewritten below: copy it out first */

@@ -95,6 +95,8 @@ typedef struct gy_cluster_config {
     int32_t pad_;
     const double *prefill_rate;    /* (log2(max_tp) + 1) prompt tokens/s of a TP-2^l instance,
                                       each > 0 (the view's, policy.h); NULL: proportional to TP */
+    const gy_sim_cost_ops *cost;   /* the view's cost model (must outlive the controller); NULL:
+                                      none */
 } gy_cluster_config;
 
 typedef struct gy_cluster_stats {

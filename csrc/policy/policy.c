@@ -56,7 +56,9 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * instances than its KV needs (ours: the paper's scheduler
                                    * prices each choice; at 8K a TP1 prefill of a 32B model on
                                    * an H20 is about a second) */
-                                  .sp_min_prompt = 8192.0};
+                                  .sp_min_prompt = 8192.0,
+                                  /* seesaw: decode at the largest TP a host forms */
+                                  .decode_tp = 0};
 }
 
 int gy_sim_level(int32_t tp) {
@@ -78,6 +80,14 @@ double gy_sim_policy_prefill_wait(const gy_sim_view *v, const gy_sim_inst_view *
     const int l = gy_sim_level(i->tp);
     const double rate = v->prefill_rate != NULL && l >= 0 ? v->prefill_rate[l] : (double)i->tp;
     return ((double)i->pending_prefill + (double)prompt) / rate;
+}
+
+double gy_sim_policy_decode_step(const gy_sim_view *v, int32_t tp, int64_t batch, double context) {
+    if (v->cost == NULL || v->cost->step_time == NULL || batch < 1) return -1.0;
+    const gy_sim_step_shape s = {.n_tokens = batch, .n_seqs = batch, .n_samples = batch,
+                                 .kv_read_tokens = (double)batch * context,
+                                 .attn_pairs = (double)batch * context, .busy_share = 1.0};
+    return v->cost->step_time(v->cost->ctx, tp, 0, &s);
 }
 
 int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r) {

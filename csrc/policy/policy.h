@@ -138,6 +138,8 @@ typedef struct gy_sim_view {
     const double *prefill_rate;    /* (levels of TP up to max_tp) prompt tokens per second a
                                       TP-2^l instance prefills (the executor's cost model; only
                                       ratios matter); NULL: proportional to TP */
+    const gy_sim_cost_ops *cost;   /* the executor's cost model of a TP step (cost.h), for a
+                                      policy to price a batch it considers; NULL: none */
 } gy_sim_view;
 
 typedef struct gy_sim_req_view {
@@ -238,6 +240,9 @@ typedef struct gy_sim_policy_config {
                                 before it restores */
     double sp_min_prompt;    /* loongserve: the shortest prompt (tokens) whose prefill may be
                                 spread over more instances than its KV needs, for speed */
+    int32_t decode_tp;       /* seesaw: the TP of its decode phase, each unit of that many GPUs
+                                merging into one instance (0: the largest a host forms;
+                                gyges.cluster.seesaw_search picks it by Seesaw's search) */
 } gy_sim_policy_config;
 
 /* The contract the controller relies on to decide waiting requests again only when it can
@@ -293,6 +298,9 @@ double gy_sim_policy_load(const gy_sim_policy_config *cfg, const gy_sim_inst_vie
  * waiting prompt tokens first at view.prefill_rate (its decodes ignored: a step's prefill chunk
  * is priced mostly by its own tokens). Compares where a request gets its first token soonest. */
 double gy_sim_policy_prefill_wait(const gy_sim_view *v, const gy_sim_inst_view *i, int64_t prompt);
+/* Seconds of one decode step of `batch` requests with `context` tokens of KV each on a TP-tp
+ * instance, by view.cost with the host's other workers busy; -1 without a cost model or batch. */
+double gy_sim_policy_decode_step(const gy_sim_view *v, int32_t tp, int64_t batch, double context);
 /* 1 when the simulator would accept the request on i: placeable and footprint <= kv_total. */
 int gy_sim_policy_fits(const gy_sim_inst_view *i, const gy_sim_req_view *r);
 /* 1 when GPU range [g, g + size) is one aligned group inside a host. */

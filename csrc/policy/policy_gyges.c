@@ -51,7 +51,16 @@
  * (their requests move along); above it, instances split as above once the load passes 4x the
  * threshold that merged them (the margin keeps a passing burst from churning). While a request
  * needs more than that base, the base is 1 (the paper's regime). Rebalance then also runs at
- * every tick (monitor), since a TP1 step never calls it.
+ * every tick (monitor), since a TP1 step never calls it. Where the view has the executor's cost
+ * model, the mode also weighs decoding: a pair does not merge when the merged instance would
+ * step its requests' decodes GYGES_DECODE_SLOWER slower than its halves do, and an instance
+ * above the efficient floor that no request needs splits (held, as above) once it does, at
+ * any load. Under the Table 1 fit a TP2 decodes a batch of 16 per half 1.6x as slowly as its
+ * halves (its all-reduces): on Flying's alternating trace the pairs merged in a light phase
+ * stayed about 25 s into the high one, and the goodput was 0.89x 8xTP1's; weighing decodes with
+ * a 5% margin, 0.96x (10%: 0.92x; none: 0.99x, but Azure at 1.1 req/s then transforms 1,018
+ * times instead of 434). Under the grounded calibration a TP2 decodes as fast as its halves and
+ * nothing changes; every other trace of bench_sim and bench_systems is unchanged.
  *
  * The efficient floor (ours): the base TP is at least the largest TP whose prefill rate per GPU
  * (the controller's, from the cost model) is GYGES_EFFICIENT of TP1's; while a request needs
@@ -76,6 +85,9 @@
 #define GYGES_BURST_BATCH 8     /* (ours) a TP1 holding fewer requests of a size: memory-bound */
 #define GYGES_LONG_MOST 0.75    /* (ours) long requests' share of the prompt tokens that is most
                                    of the work (6.2.4: about 0.45; Mooncake's: about 0.9) */
+#define GYGES_DECODE_SLOWER 1.05 /* (ours) a merged instance whose decode step is this much slower
+                                   than its halves' (the view's cost model) costs its requests
+                                   more in TPOT than its prefills save them in TTFT */
 
 typedef struct gyges_state {
     double t;           /* when the mix was last updated */
@@ -402,8 +414,27 @@ static int32_t gyges_base_tp(const gy_sim_policy_config *cfg, const gy_sim_view 
     return tp;
 }
 
+/* The context of i's running requests (tokens each, from its KV in use). */
+static double gyges_context(const gy_sim_view *v, const gy_sim_inst_view *i) {
+    return i->n_running > 0 ? (double)i->kv_used * (double)v->block_size / (double)i->n_running
+                            : 0.0;
+}
+
+/* 1 when a TP-`tp` instance decoding `batch` requests of `context` tokens steps
+ * GYGES_DECODE_SLOWER slower than its halves would with `half_a` and `half_b` of them (by the
+ * view's cost model; 0 without one). */
+static int gyges_decode_slower(const gy_sim_view *v, int32_t tp, int64_t half_a, int64_t half_b,
+                               double context) {
+    const double merged = gy_sim_policy_decode_step(v, tp, half_a + half_b, context);
+    const double a = gy_sim_policy_decode_step(v, tp / 2, half_a, context);
+    const double b = gy_sim_policy_decode_step(v, tp / 2, half_b, context);
+    const double halves = a > b ? a : b;
+    return merged > 0 && halves > 0 && merged > GYGES_DECODE_SLOWER * halves;
+}
+
 /* Latency mode, up: a MERGE of every aligned pair of equal instances below `base` that nothing
- * holds, reserves or transforms. Returns 0 when the decision is full. */
+ * holds, reserves or transforms, unless the merged instance would decode their requests more
+ * slowly than they do (gyges_decode_slower). Returns 0 when the decision is full. */
 static int gyges_merge_to_base(const gy_sim_view *v, int32_t base, gy_sim_decision *d) {
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *a = &v->inst[k];
@@ -415,6 +446,10 @@ static int gyges_merge_to_base(const gy_sim_view *v, int32_t base, gy_sim_decisi
         if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->reserved ||
             b->reserved || a->held || b->held || !a->placeable || !b->placeable)
             continue;
+        const int64_t n = a->n_running + b->n_running;
+        const double context = n > 0 ? (double)(a->kv_used + b->kv_used) *
+                                           (double)v->block_size / (double)n : 0.0;
+        if (gyges_decode_slower(v, size, a->n_running, b->n_running, context)) continue;
         if (!gy_sim_pending_overlaps(v, g, size, 0) &&
             !gy_sim_decision_add_op(d, GY_SIM_OP_MERGE, g, size))
             return 0;
@@ -451,8 +486,15 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
     if (!gyges_merge_to_base(v, up, d)) return GY_OK;
     for (int32_t k = 0; k < v->n_inst; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (i->tp <= base || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
+        if (i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
         if (i->max_min_tp >= i->tp) continue; /* a request still needs this TP */
+        /* above the base; or above the efficient floor, decoding more slowly than its halves
+         * would, which hold its requests (the latency mode's merges as the load grows) */
+        if (i->tp <= base &&
+            (i->tp <= floor || !gy_sim_policy_split_plausible(v, i) ||
+             !gyges_decode_slower(v, i->tp, i->n_running - i->n_running / 2, i->n_running / 2,
+                                  gyges_context(v, i))))
+            continue;
         if (!i->held && !gy_sim_decision_add_op(d, GY_SIM_OP_HOLD, i->gpu_first, i->tp)) break;
         const double free_frac = 1.0 - (double)i->kv_used / (double)i->kv_total;
         if (free_frac >= cfg->scale_down_free && gy_sim_policy_split_plausible(v, i))

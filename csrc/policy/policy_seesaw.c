@@ -1,7 +1,8 @@
 /* policy_seesaw.c: Seesaw's dynamic model re-sharding (Su et al., MLSys '25), the baseline of
- * Gyges section 6.2.3, as a policy of a sharded cluster: each aligned unit of N GPUs (N the
- * largest TP a host forms, max_tp) alternates between a prefill phase, where its GPUs serve as
- * N TP1 instances, and a decode phase, where they are one TP-N instance. Run with
+ * Gyges section 6.2.3, as a policy of a sharded cluster: each aligned unit of N GPUs (N =
+ * decode_tp, its decode parallelism, which gyges.cluster.seesaw_search picks as Seesaw's search
+ * does; 0: the largest TP a host forms, max_tp) alternates between a prefill phase, where its
+ * GPUs serve as N TP1 instances, and a decode phase, where they are one TP-N instance. Run with
  * sim.run(reshard="seesaw") its transitions move the KV and the weights through host memory
  * with the instances stopped, as Seesaw's do (cost.h: reshard).
  *
@@ -21,7 +22,8 @@
  *
  * A request no TP1 instance holds goes to an instance of its TP with room, else the aligned
  * group of min_tp GPUs around the least-loaded instance merges for it (the baselines' rule); it
- * keeps that TP until it finishes.
+ * keeps that TP until it finishes. One that needs more than N GPUs is rejected (the search
+ * picks no N below what the trace's requests need).
  *
  * What Seesaw has that this does not (ours, so that it runs on gyges' sharded instances):
  * its prefill phase is pipeline parallel (each GPU one N-th of the layers); here it is data
@@ -29,9 +31,9 @@
  * pipeline bubbles, but only the KV room the whole weights leave, and no room for prompts only
  * a TP > 1 holds. Its tiered KV buffer keeps prefilled KV in host memory until the decode phase
  * loads it; here the KV stays on the GPUs, so a prefill phase gathers what the TP1 instances
- * hold. Its parallelism for each phase comes from a search over its cost model; here the decode
- * phase is always TP-max_tp (under the Table 1 fit, where TP costs more per GPU than it gives,
- * that search would keep DP throughout). Units beyond SEESAW_MAX_UNITS keep their layout. */
+ * hold. Its search covers both phases' parallelism; here only the decode phase's TP is searched
+ * (seesaw_search), the prefill phase is always TP1. Units beyond SEESAW_MAX_UNITS keep their
+ * layout. */
 #include "policy.h"
 
 #include <string.h>
@@ -43,10 +45,11 @@ typedef struct seesaw_state {
     int64_t batch[SEESAW_MAX_UNITS];   /* requests the unit held when that phase began */
 } seesaw_state;
 
-/* GPUs of a unit: the largest TP an aligned group of the first host forms. */
-static int32_t seesaw_unit(const gy_sim_view *v) {
-    int32_t n = v->max_tp;
-    while (n > 1 && !gy_sim_group_valid(v, 0, n)) n /= 2;
+/* GPUs of a unit: decode_tp (0: max_tp), or the largest TP below it that an aligned group of
+ * the first host forms. */
+static int32_t seesaw_unit(const gy_sim_policy_config *cfg, const gy_sim_view *v) {
+    int32_t n = cfg->decode_tp > 0 && cfg->decode_tp < v->max_tp ? cfg->decode_tp : v->max_tp;
+    while (n > 1 && (gy_sim_level(n) < 0 || !gy_sim_group_valid(v, 0, n))) n /= 2;
     return n;
 }
 
@@ -82,7 +85,7 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
                               const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     const seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(v);
+    const int32_t unit = seesaw_unit(cfg, v);
     if (r->min_tp == 0 || r->min_tp > unit) {
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
@@ -136,7 +139,7 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                                   const gy_sim_view *v, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(v);
+    const int32_t unit = seesaw_unit(cfg, v);
     if (unit < 2) return GY_OK;
     for (int32_t g = 0; g + unit <= v->n_gpus && g / unit < SEESAW_MAX_UNITS; g += unit) {
         if (!gy_sim_group_valid(v, g, unit)) continue;

@@ -28,6 +28,8 @@ typedef struct {
     gy_cluster *cluster;
     PyObject *executor;
     gy_sim_pipeline pipeline; /* a pipeline cluster's cost model (config.pipeline points here) */
+    gy_sim_cost_store cost_store; /* the view's cost model (config.cost points at cost_ops, */
+    gy_sim_cost_ops cost_ops;     /* whose ctx points into cost_store) */
 } GyControllerObject;
 
 /* An op's Python exception stays set; the controller's error only unwinds it. */
@@ -103,17 +105,21 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
     static char *names[] = {"executor",   "policy",     "n_gpus",    "gpus_per_host",
                             "max_tp",     "capacity",   "block_size", "watermark",
                             "replicated", "base_tp",    "pipeline",  "buddy",
-                            "prefill_rate", NULL};
+                            "prefill_rate", "cost_kind", "cost_params", NULL};
     PyObject *executor, *policy, *capacity_object, *pipeline_object = Py_None,
-             *rate_object = Py_None;
+             *rate_object = Py_None, *cost_params = Py_None;
+    const char *cost_kind = NULL;
     int n_gpus, gpus_per_host, max_tp, replicated = 0, base_tp = 1, buddy = 0;
     long long block_size;
     double watermark;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piOpO", names, &executor,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiiOLd|piOpOzO", names, &executor,
                                      &policy, &n_gpus, &gpus_per_host, &max_tp, &capacity_object,
                                      &block_size, &watermark, &replicated, &base_tp,
-                                     &pipeline_object, &buddy, &rate_object))
+                                     &pipeline_object, &buddy, &rate_object, &cost_kind,
+                                     &cost_params))
         return NULL;
+    if ((cost_kind == NULL) != (cost_params == Py_None))
+        return PyErr_Format(GY_PY_VALUE_ERROR, "cost_kind and cost_params come together");
     gy_sim_pipeline pipeline;
     if (pipeline_object != Py_None && gy_py_sim_pipeline_params(pipeline_object, &pipeline) < 0)
         return NULL;
@@ -151,6 +157,13 @@ static PyObject *gy_py_controller_new(PyTypeObject *type, PyObject *args, PyObje
     if (pipeline_object != Py_None) {
         self->pipeline = pipeline;
         config.pipeline = &self->pipeline;
+    }
+    if (cost_kind != NULL) {
+        if (gy_py_sim_cost_params(cost_params, cost_kind, &self->cost_store, &self->cost_ops) < 0) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        config.cost = &self->cost_ops;
     }
     const gy_status s = gy_cluster_init(&self->cluster, &config, &gy_py_cluster_ops, self);
     if (s != GY_OK) {

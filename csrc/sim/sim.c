@@ -446,7 +446,8 @@ gy_status gy_sim_init(gy_sim **out, const gy_sim_config *c, const gy_sim_trace *
                                   .replicated = c->replicated, .base_tp = s->base_tp,
                                   .pipeline = c->pipeline ? &s->pipeline : NULL,
                                   .buddy = c->buddy,
-                                  .prefill_rate = c->pipeline ? NULL : s->prefill_rate};
+                                  .prefill_rate = c->pipeline ? NULL : s->prefill_rate,
+                                  .cost = c->pipeline ? NULL : &s->config.cost};
     st = gy_cluster_init(&s->cluster, &cc, &gy_sim_cluster_ops, s);
     if (st != GY_OK) goto fail;
     const int64_t bs = c->sched.block_size;

@@ -185,7 +185,7 @@ class _Replay:
 
     def __init__(self, trace, policy, host, time_scale, seed, temperature, method,
                  layers_per_step, idle, sample_interval, max_tp, record_steps=False,
-                 pipeline_cost=None, buddy=False, prefill_rate=None):
+                 pipeline_cost=None, buddy=False, cost_args=None):
         self.host = host
         self.n_gpus = self.gpus_per_host = host.n_workers
         self.begin(trace, policy, time_scale, seed, temperature, method, layers_per_step, idle,
@@ -211,7 +211,7 @@ class _Replay:
         self.ctl = _C.Controller(self, policy.handle, self.n_gpus, self.gpus_per_host, max_tp,
                                  self.capacity.tolist(), self.block_size, 0.0,
                                  replicated=self.replicated, base_tp=1, pipeline=pipeline,
-                                 buddy=buddy, prefill_rate=prefill_rate)
+                                 buddy=buddy, **(cost_args or {}))
         self.record_steps = record_steps
         for inst in host.instances:
             self.refresh(inst)
@@ -844,7 +844,8 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
         merge_wait: float = 1.0, eager_scale_up: bool | None = None,
         flying_tp: int | None = None, light_load: float | None = None,
         idle_load: float | None = None, record_steps: bool = False, pipeline_cost=None,
-        cost=None, cluster=None, migrate: str | None = None) -> Results:
+        cost=None, cluster=None, migrate: str | None = None,
+        decode_tp: int | None = None) -> Results:
     """Replays `trace` (a gyges.traces array) on a real gyges.Host under `policy` (see the
     module docstring); returns gyges.results.Results.
 
@@ -863,9 +864,11 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     (2 s in the simulator), since a real run lasts seconds; gyges' latency mode (light_load,
     idle_load) is off here unless given, since its defaults are GPU tokens. cost: the
     gyges.costmodel CostModel (or ConstantCost, or gyges.cluster.profile.ProfiledCost) of this
-    host, whose prefill rates per TP the
-    policies compare placements by, as gyges.sim.run does with its cost (default: rates
-    proportional to TP). slo: kept for Results.summary (goodput). record_steps: also keep
+    host, whose prefill rates per TP the policies compare placements by and whose step times
+    they weigh (gyges' latency mode: a merged pair's decode step against its halves'), as
+    gyges.sim.run does with its cost (default: rates proportional to TP, no step times).
+    decode_tp: Seesaw's decode TP (policy "seesaw"; default max_tp: the search that gyges.sim.run
+    does needs a cost model of this host's capacities). slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
     cluster: a gyges.Cluster to replay over instead of one host (gyges/distributed/replay.py):
@@ -905,7 +908,7 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     pol = Policy(policy, decode_weight=decode_weight, scale_down_free=scale_down_free,
                  scale_up_cap=scale_up_cap, merge_wait=merge_wait, scale_up_load=scale_up_load,
                  eager_scale_up=eager_scale_up, flying_tp=flying_tp, light_load=light_load,
-                 idle_load=idle_load)
+                 idle_load=idle_load, decode_tp=decode_tp)
 
     n = trace.shape[0]
     arrival = np.asarray(trace["arrival"], np.float64)
@@ -989,9 +992,15 @@ def checked_max_tp(max_tp, n_workers, model_max_tp, tps, layout):
     return max_tp
 
 
-def prefill_rates(cost, max_tp, chunk):
-    """The prefill rate per TP level that a cost model gives the controller (None: none)."""
-    return None if cost is None else _C.sim_prefill_rates(cost.kind, cost.params(), max_tp, chunk)
+def controller_cost(cost, max_tp, chunk):
+    """What a cost model gives the controller's view (policy.h), as gyges._C.Controller's
+    keywords: the prefill rate per TP level (prompts in chunks of `chunk` tokens) and the model
+    itself, which prices the steps a policy weighs. None: neither (rates proportional to TP)."""
+    if cost is None:
+        return {}
+    params = cost.params()
+    return {"prefill_rate": _C.sim_prefill_rates(cost.kind, params, max_tp, chunk),
+            "cost_kind": cost.kind, "cost_params": params}
 
 
 def _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature, method,
@@ -1067,10 +1076,10 @@ def _host_replay(trace, policy, pol, host, layout, time_scale, seed, temperature
                 pipeline_cost.model.num_hidden_layers != host.model.config.num_hidden_layers:
             raise ExperimentError("pipeline_cost must be a gyges.costmodel.PipelineCost of the "
                                   "host's pipeline (as many stages, the model's layers)")
-    prefill_rate = prefill_rates(cost, max_tp, host.max_prefill_chunk or host.max_batch_tokens)
+    cost_args = controller_cost(cost, max_tp, host.max_prefill_chunk or host.max_batch_tokens)
     return _Replay(trace, pol, host, time_scale, int(seed), float(temperature), method,
                    layers_per_step, idle, sample_interval, max_tp, bool(record_steps),
-                   pipeline_cost, buddy=policy == "kunserve", prefill_rate=prefill_rate)
+                   pipeline_cost, buddy=policy == "kunserve", cost_args=cost_args)
 
 
 def _loop(rp, n, t0, t_wall, time_limit, bar):

@@ -67,7 +67,7 @@ from ..runtime import layout as layout_mod
 from .policy import POLICIES, Policy, check_number, check_policy  # one set for both executors
 from .costmodel import RESHARDS, ConstantCost, CostModel, CostModelError, PipelineCost
 from .profile import ProfiledCost
-from . import mechanisms
+from . import mechanisms, seesaw_search
 from .costmodel import gpu_spec as costmodel_gpu
 from ..core.errors import InvalidArgumentError
 from ..core.logs import progress as progress_bar
@@ -143,7 +143,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
         buddy_strategy: str | None = None, restore_wait: float | None = None,
         swap_bw: float | None = None, sp_min_prompt: float | None = None,
-        reshard: str = "gyges") -> Results:
+        reshard: str = "gyges", decode_tp: int | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
@@ -182,7 +182,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     the instances serving throughout) or "seesaw" (Seesaw's re-sharding, the baseline of Gyges
     Figure 11: the KV through host memory over PCIe and the FFN shards from the host copy,
     priced by the cost model (CostModel.reshard), the instances serving nothing until it is
-    over); the same policy decides either way.
+    over); the same policy decides either way. decode_tp: the TP of Seesaw's decode phase
+    (policy "seesaw"; 0: max_tp); None searches it as Seesaw does, from the cost model and the
+    trace (gyges.cluster.seesaw_search).
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
@@ -202,7 +204,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                        f"pipelines or buddy groups")
     if weights == "buddy":
         return _run_buddy(**{k: v for k, v in locals().items()
-                             if k not in ("t_wall", "reshard")}, t_wall=t_wall)
+                             if k not in ("t_wall", "reshard", "decode_tp")}, t_wall=t_wall)
     if policy in ("kunserve", "llumnix"):
         what = "drops replicated parameters" if policy == "kunserve" else \
             "migrates requests between replicas"
@@ -214,7 +216,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         return _run_pipeline(**{k: v for k, v in locals().items()
                                 if k not in ("t_wall", "buddy_group", "live_restore",
                                              "buddy_strategy", "restore_wait", "sp_min_prompt",
-                                             "reshard")},
+                                             "reshard", "decode_tp")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -233,7 +235,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
                    eager_scale_up=eager_scale_up, flying_tp=flying_tp,
                    light_load=light_load, idle_load=idle_load,
-                   sp_min_prompt=sp_min_prompt).config  # checked, defaults
+                   sp_min_prompt=sp_min_prompt, decode_tp=decode_tp).config  # checked
     if weights not in ("sharded", "replicated"):
         raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
     replicated = weights == "replicated"
@@ -269,6 +271,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         if not isinstance(cost, CostModel):
             raise SimError("policy 'loongserve' prices sequence-parallel groups with the roofline "
                            "cost model: give a CostModel")
+    if policy == "seesaw" and decode_tp is None:   # Seesaw's offline search
+        knobs["decode_tp"] = seesaw_search.decode_tp(cost, trace, max_tp, block_size,
+                                                     sched["max_running"])[0]
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
     max_input = cost.max_inputs(max_tp)
     # A large model may fit only from some TP on (Qwen2.5-32B on an H100: TP2): smaller

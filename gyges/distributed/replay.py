@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import _C
 from ..cluster.experiment import (QUEUED, ExperimentError, _Replay, checked_max_tp,
-                                  prefill_rates)
+                                  controller_cost)
 from ..cluster.policy import INST_VIEW_DTYPE, MIGRATE, XFORM_LOST
 from ..core.errors import Error, StateError
 
@@ -117,8 +117,8 @@ class ClusterReplay(_Replay):
         self.ctl = _C.Controller(
             self, policy.handle, self.n_gpus, w, max_tp, self.capacity.tolist(),
             self.block_size, 0.0,
-            prefill_rate=prefill_rates(cost, max_tp,
-                                       first["max_prefill_chunk"] or first["max_batch_tokens"]))
+            **controller_cost(cost, max_tp,
+                              first["max_prefill_chunk"] or first["max_batch_tokens"]))
         self.fetch()
         self.initial_layout = self.layout()
 

@@ -865,6 +865,60 @@ GYTEST(sim_bad_configs) {
     CHECK(s == NULL);
 }
 
+/* A cost model by hand for the view: a step costs 20 ms / tp of weights plus 2 ms a sequence, a
+ * TP2's sequences 1.5x as much (its all-reduces): a TP2 decodes 2n requests faster than its
+ * halves decode n each up to n = 5 (25 ms against 30), more slowly beyond. */
+static double decode_cost_step(void *ctx, int32_t tp, int transforming, const gy_sim_step_shape *s) {
+    (void)ctx;
+    (void)transforming;
+    return 0.02 / tp + 0.002 * (double)s->n_seqs * (tp > 1 ? 0.75 * tp : 1.0);
+}
+
+GYTEST(sim_policy_gyges_latency_mode_weighs_decode_steps) {
+    const gy_sim_policy_config cfg = gy_sim_policy_config_default();
+    const gy_sim_cost_ops cost = {.step_time = decode_cost_step};
+    const int32_t tp1[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    world w;
+    gy_sim_decision d;
+    /* light load, a request decoding on each TP1: the pairs merge (a TP2 steps 16 ms, its
+     * halves 22) */
+    world_init(&w, 8, 8, tp1, 8);
+    w.v.cost = &cost;
+    for (int k = 0; k < 8; k++) {
+        w.inst[k].n_running = 1;
+        w.inst[k].kv_used = 4;
+        set_load(&w, k, 0, 50);
+    }
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_MERGE, 6, 2));
+    /* 12 decoding on each (a TP2 would step 82 ms against its halves' 44): no merge; without a
+     * cost model in the view, the pairs merge as before */
+    for (int k = 0; k < 8; k++) w.inst[k].n_running = 12;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.v.cost = NULL;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4);
+    /* TP2s at the base (light load) that no request needs: kept while their decode steps beat
+     * their halves', held and split once they do not (their requests fit the halves) */
+    const int32_t tp2[4] = {2, 2, 2, 2};
+    world_init(&w, 8, 8, tp2, 4);
+    w.v.cost = &cost;
+    for (int k = 0; k < 4; k++) {
+        w.inst[k].n_running = 2;
+        w.inst[k].kv_used = w.inst[k].footprint = w.inst[k].max_footprint = 8;
+        set_load(&w, k, 0, 100);
+    }
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    w.inst[1].n_running = 24;
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_HOLD, 2, 2) && has_op(&d, GY_SIM_OP_SPLIT, 2, 2));
+    w.inst[1].max_min_tp = 2; /* a request needs the TP2: it stays */
+    CHECK_OK(gy_sim_policy_gyges.rebalance(NULL, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+}
+
 GYTEST(sim_policy_gyges_waits_for_room_rather_than_scale_beyond_the_cap) {
     gy_sim_policy_config cfg = gy_sim_policy_config_default(); /* scale_up_cap 0.5 */
     world w;
@@ -1089,6 +1143,17 @@ GYTEST(sim_policy_seesaw_decisions) {
     d = place(p, st, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_DEFER && d.group.gpu_first == 0 && d.group.size == 2 &&
           has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    /* decode_tp 2 (its search's pick): units of two GPUs, each gathered pair merges on its
+     * own, and a request that needs TP4 is beyond every unit */
+    cfg.decode_tp = 2;
+    memset(st, 0, p->state_size);
+    world_init(&w, 8, 8, dp, 8);
+    for (int k = 0; k < 8; k++) w.inst[k].n_requests = k < 2 ? 1 : 0;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    r = req(200, 4);
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_REJECT);
     free(st);
 }
 
