@@ -337,6 +337,11 @@ static gy_status gy_cluster_apply_op(gy_cluster *c, const gy_sim_view *v, const 
                                       op->gpu_first, op->size))
                 gy_cluster_set_held(c, v->inst[k].gpu_first, v->inst[k].tp, 0);
         return GY_OK;
+    case GY_SIM_OP_PARK: /* the instance stays; what it serves changes */
+    case GY_SIM_OP_UNPARK:
+        GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
+        if (!started) break;
+        return GY_OK;
     case GY_SIM_OP_MIGRATE: /* a request moves; the instances stay as they are */
         GY_TRY(c->ops.reconfigure(c->ctx, op, &started));
         if (!started) break;

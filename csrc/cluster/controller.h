@@ -73,7 +73,8 @@ typedef struct gy_cluster_ops {
     gy_status (*assign)(void *ctx, const gy_cluster_request *r, int32_t action,
                         int32_t gpu_first, int32_t tp);
     /* op->kind: GY_SIM_OP_MERGE or GY_SIM_OP_SPLIT, on a replicated cluster BIND or RELEASE,
-     * on a pipeline cluster RESPLIT (op->layers). */
+     * on a pipeline cluster RESPLIT (op->layers); MIGRATE, PARK, UNPARK, DROP and RESTORE where
+     * the executor has them (*started 0: refused). */
     gy_status (*reconfigure)(void *ctx, const gy_sim_op *op, int32_t *started);
     /* May be NULL. */
     gy_status (*decided)(void *ctx, const gy_cluster_request *r, int32_t action);

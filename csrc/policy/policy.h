@@ -101,7 +101,7 @@ typedef struct gy_sim_inst_view {
     int64_t pending_prefill;/* prompt tokens of its requests not computed yet */
     int64_t pending_output; /* output tokens of its requests not generated yet */
     int32_t bound;          /* replicated: a bound group (its members' requests are paused) */
-    int32_t pad_;
+    int32_t prefill_only;   /* 1: parked by GY_SIM_OP_PARK (serves prompts only) */
     int64_t n_paused;       /* replicated: requests paused under it until its release */
     int64_t n_tp_work;      /* replicated: its requests placed as TP work (decision.tp_work) */
     int64_t n_priority;     /* its requests with priority > 0 */
@@ -187,6 +187,13 @@ typedef enum gy_sim_op_kind {
                              the one cheapest to move that fits there; it keeps running while
                              its KV crosses the link and switches between two steps); refused
                              when none fits or the executor cannot move requests */
+    GY_SIM_OP_PARK = 10,  /* Seesaw's tiered KV buffer: the TP instance at gpu_first serves
+                             prompts only, each request's KV parked in host memory once it is
+                             prefilled (sched/batch.h: prefill only), until UNPARK or until it
+                             transforms (its new instances serve everything); refused by an
+                             executor without a host link (the simulator without swap_bw, the
+                             CPU host) */
+    GY_SIM_OP_UNPARK = 11,
 } gy_sim_op_kind;
 
 typedef struct gy_sim_op {

@@ -9,10 +9,15 @@
  *   prefill phase: new requests go to the unit's TP1 instances once the unit has settled
  *                  (nothing transforming, every instance TP1 or held at its TP by a request
  *                  that needs it: its first TP1s must not take every waiting request), room
- *                  for the whole KV first, then least load. Once no prompt token is left to
- *                  prefill and nothing waits at the cluster, or every TP1 has committed all its
- *                  KV, and the unit holds a request a GPU at least, it merges into the TP-N
- *                  instance (x2 merges, the requests along with their KV);
+ *                  for the whole KV first, then least load. Settled, its TP1s are asked to
+ *                  park (GY_SIM_OP_PARK: Seesaw's tiered KV buffer): each request's KV goes to
+ *                  host memory once its prompt is prefilled, so a TP1 needs room for prompts
+ *                  only, and the unit gathers as many requests as its TP-N instance holds.
+ *                  Once no prompt token is left to prefill and nothing waits at the cluster,
+ *                  or the unit has gathered that much (without parking: every TP1 has
+ *                  committed all its KV), and the unit holds a request a GPU at least, it
+ *                  merges into the TP-N instance (x2 merges, the requests along with their KV;
+ *                  the parked ones come back from host memory as it admits them);
  *   decode phase:  the TP-N instance decodes the unit's requests; new requests wait at the
  *                  cluster (transition-minimizing scheduling: prefills are gathered, not
  *                  interleaved). It splits back (x2 splits, the requests along) once it is
@@ -30,8 +35,10 @@
  * parallel (each TP1 instance every layer), which has PP's advantage (no all-reduce) without its
  * pipeline bubbles, but only the KV room the whole weights leave, and no room for prompts only
  * a TP > 1 holds. Its tiered KV buffer keeps prefilled KV in host memory until the decode phase
- * loads it; here the KV stays on the GPUs, so a prefill phase gathers what the TP1 instances
- * hold. Its search covers both phases' parallelism; here only the decode phase's TP is searched
+ * loads it; so does this where the executor has a host link (the simulator: sim.run's swap_bw,
+ * by default PCIe for this policy), and on the CPU host, whose executor refuses PARK, the KV
+ * stays on the workers and a prefill phase gathers what the TP1 instances hold. Its search
+ * covers both phases' parallelism; here only the decode phase's TP is searched
  * (seesaw_search), the prefill phase is always TP1. Units beyond SEESAW_MAX_UNITS keep their
  * layout. */
 #include "policy.h"
@@ -42,6 +49,7 @@
 
 typedef struct seesaw_state {
     uint8_t decode[SEESAW_MAX_UNITS];  /* 1: the unit is in (or moving to) its decode phase */
+    uint8_t parking[SEESAW_MAX_UNITS]; /* 1: its TP1s were asked to park in this prefill phase */
     int64_t batch[SEESAW_MAX_UNITS];   /* requests the unit held when that phase began */
 } seesaw_state;
 
@@ -58,26 +66,31 @@ static int seesaw_in_decode(const seesaw_state *st, int32_t unit, int32_t gpu) {
     return st != NULL && u < SEESAW_MAX_UNITS && st->decode[u];
 }
 
-/* What a unit holds: its prompt tokens not prefilled yet, its requests, whether any of its
- * instances is transforming, whether it is settled at TP1 (nothing transforming, every instance
- * TP1 or held at its TP by a request that needs it), and whether every TP1 has committed all its
- * KV (the prefill phase has gathered what the unit holds). */
+/* What a unit holds: its prompt tokens not prefilled yet, its requests and their blocks,
+ * whether any of its instances is transforming, whether it is settled at TP1 (nothing
+ * transforming, every instance TP1 or held at its TP by a request that needs it), whether its
+ * TP1s park what they prefill (Seesaw's host buffer), and whether the prefill phase has gathered
+ * what the unit holds: with parking, the blocks the TP-unit instance has; without, every TP1's
+ * KV committed. */
 typedef struct seesaw_work {
-    int64_t prefill, requests;
-    int moving, settled, full;
+    int64_t prefill, requests, footprint;
+    int moving, settled, parked, full;
 } seesaw_work;
 
 static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t unit) {
-    seesaw_work w = {0, 0, 0, 1, 1};
+    seesaw_work w = {0, 0, 0, 0, 1, 0, 1};
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
         w.prefill += i->pending_prefill;
         w.requests += i->n_requests;
+        w.footprint += i->footprint;
         w.moving |= i->xform != GY_SIM_XFORM_NONE;
         w.settled &= i->reserved || (i->xform == GY_SIM_XFORM_NONE &&
                                      (i->tp == 1 || i->max_min_tp >= i->tp));
+        w.parked |= i->prefill_only;
         w.full &= i->tp > 1 || i->footprint >= i->kv_total;
     }
+    if (w.parked) w.full = w.footprint >= v->capacity[gy_sim_level(unit)];
     return w;
 }
 
@@ -100,8 +113,16 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
             if (i->tp != 1 || i->reserved || !gy_sim_policy_fits(i, r) ||
                 seesaw_in_decode(st, unit, i->gpu_first))
                 continue;
-            if (!seesaw_unit_work(v, i->gpu_first - i->gpu_first % unit, unit).settled) continue;
-            const int room = i->footprint + r->footprint <= i->kv_total;
+            const seesaw_work w = seesaw_unit_work(v, i->gpu_first - i->gpu_first % unit, unit);
+            if (!w.settled) continue;
+            /* parking: the unit gathers what its decode instance holds; the TP1 needs room
+             * for the prompt only */
+            if (i->prefill_only && w.footprint + r->footprint > v->capacity[gy_sim_level(unit)])
+                continue;
+            const int room = i->prefill_only
+                                 ? i->kv_used + (r->prompt + v->block_size - 1) / v->block_size <=
+                                       i->kv_total
+                                 : i->footprint + r->footprint <= i->kv_total;
             if (best < 0 || room > best_room ||
                 (room == best_room &&
                  gy_sim_policy_load(cfg, i) < gy_sim_policy_load(cfg, &v->inst[best]))) {
@@ -156,6 +177,7 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                                  ((w.prefill == 0 && v->n_deferred == 0) || w.full);
             if (gathered) {
                 *decode = 1;
+                st->parking[g / unit] = 0;
                 st->batch[g / unit] = w.requests;
             }
         } else if (*decode && !w.moving && whole >= 0) {
@@ -172,8 +194,16 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
             continue;
         }
         /* prefill phase: split what is above TP1, its requests along with their KV (a request
-         * that needs its TP keeps it until it finishes) */
+         * that needs its TP keeps it until it finishes); once settled, its TP1s park what they
+         * prefill (asked once a phase: an executor without a host buffer refuses) */
         if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
+        if (w.settled && !w.moving && !st->parking[g / unit]) {
+            for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++)
+                if (v->inst[k].tp == 1 && !v->inst[k].prefill_only &&
+                    !gy_sim_decision_add_op(d, GY_SIM_OP_PARK, v->inst[k].gpu_first, 1))
+                    return GY_OK;
+            st->parking[g / unit] = 1;
+        }
     }
     return GY_OK;
 }

@@ -52,6 +52,8 @@ struct gy_sched {
     int64_t n_entries;
     int64_t *preempted;         /* (max_running) ids preempted by the last schedule */
     int64_t n_preempted;
+    int64_t *parked;            /* (max_running) ids parked by the last schedule */
+    int64_t n_parked;
     int64_t *finished;          /* (max_running) ids finished by the last commit */
     int64_t n_finished_step;
 
@@ -61,6 +63,7 @@ struct gy_sched {
     double now;                 /* the latest time seen */
     int32_t in_flight;
     int32_t held;               /* gy_sched_hold: no admissions */
+    int32_t prefill_only;       /* gy_sched_prefill_only: decodes are parked */
 
     /* The undo record of the step under way (a schedule that fails half-way, gy_sched_cancel):
      * a copy of each request before schedule changed it (a request may be copied more than
@@ -135,10 +138,12 @@ gy_status gy_sched_init(gy_sched **out, const gy_sched_config *c, const gy_sched
     s->entries = gy_malloc(m * sizeof *s->entries);
     s->entry_slot = gy_malloc(m * sizeof *s->entry_slot);
     s->preempted = gy_malloc(m * sizeof *s->preempted);
+    s->parked = gy_malloc(m * sizeof *s->parked);
     s->finished = gy_malloc(m * sizeof *s->finished);
     s->saved_running = gy_malloc(m * sizeof *s->saved_running);
     if (s->running == NULL || s->entries == NULL || s->entry_slot == NULL ||
-        s->preempted == NULL || s->finished == NULL || s->saved_running == NULL) {
+        s->preempted == NULL || s->parked == NULL || s->finished == NULL ||
+        s->saved_running == NULL) {
         gy_sched_free(s);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for max_running=%lld",
                        (long long)c->max_running);
@@ -157,6 +162,7 @@ void gy_sched_free(gy_sched *s) {
     free(s->entries);
     free(s->entry_slot);
     free(s->preempted);
+    free(s->parked);
     free(s->finished);
     free(s->saved);
     free(s->saved_slot);
@@ -178,9 +184,10 @@ static void gy_sched_save(gy_sched *s, int64_t slot) {
 
 /* A schedule copies at most 11 requests per request it touches (a preemption: the victim, its
  * state and the queue it joins; an admission: the queue it leaves, its state, its entry), and
- * it touches at most max_running requests. */
+ * it touches at most max_running requests, twice that when it parks them (prefill only: the
+ * parked, then as many admitted). */
 static gy_status gy_sched_record_begin(gy_sched *s) {
-    const int64_t need = 12 * s->config.max_running + 16;
+    const int64_t need = 24 * s->config.max_running + 16;
     if (s->saved_cap < need) {
         gy_sched_req *saved = gy_realloc(s->saved, (size_t)need * sizeof *saved);
         if (saved == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's undo record");
@@ -215,7 +222,7 @@ static void gy_sched_record_undo(gy_sched *s) {
     s->next_admission = s->saved_next_admission;
     s->n_preemptions = s->saved_n_preemptions;
     s->now = s->saved_now;
-    s->n_entries = s->n_preempted = 0;
+    s->n_entries = s->n_preempted = s->n_parked = 0;
     s->recording = s->undoable = 0;
     s->n_saved = 0;
 }
@@ -424,6 +431,26 @@ static int64_t gy_sched_preempt_newest(gy_sched *s, int64_t *budget) {
     return slot;
 }
 
+/* Prefill only: parks every running request in decode, oldest admission first (THE POLICY). */
+static void gy_sched_park_decodes(gy_sched *s) {
+    for (int64_t i = 0; i < s->n_running;) {
+        const int64_t slot = s->running[i];
+        gy_sched_req *r = &s->reqs[slot];
+        if (r->n_computed < r->prefill_end) {
+            i++;
+            continue;
+        }
+        gy_sched_save(s, slot);
+        s->ops.release(s->ops.ctx, r->id);
+        gy_sched_remove_running(s, slot);
+        r->n_computed = 0;
+        r->prefill_end = 0;
+        gy_sched_set_state(s, r, GY_SCHED_STATE_PREEMPTED);
+        gy_sched_queue_link(s, &s->preempted_q, s->preempted_q.tail, slot);
+        s->parked[s->n_parked++] = r->id;
+    }
+}
+
 /* 1 and reserved when the request fits n_tokens in total (after `margin` free blocks), 0 when
  * not, -1 when the backend failed (*failure set, its message kept). */
 static int gy_sched_try_reserve(gy_sched *s, const gy_sched_req *r, int64_t n_tokens,
@@ -494,7 +521,7 @@ static gy_status gy_sched_admit(gy_sched *s, double now, int64_t *budget) {
             if (*budget <= 0 || s->n_running >= s->config.max_running) return GY_OK;
             gy_sched_req *r = &s->reqs[slot];
             const int64_t next = r->next;
-            if (r->arrival > now) {
+            if (r->arrival > now || (s->prefill_only && r->n_generated > 0)) {
                 slot = next;
                 continue;
             }
@@ -538,7 +565,8 @@ gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out) {
     GY_TRY(gy_sched_record_begin(s));
     s->now = now;
     s->n_entries = 0;
-    s->n_preempted = 0;
+    s->n_preempted = s->n_parked = 0;
+    if (s->prefill_only) gy_sched_park_decodes(s);
     int64_t budget = s->config.max_batch_tokens;
     gy_status st = gy_sched_run_pass(s, 1, &budget);
     if (st == GY_OK) st = gy_sched_run_pass(s, 0, &budget);
@@ -554,6 +582,8 @@ gy_status gy_sched_schedule(gy_sched *s, double now, gy_sched_batch *out) {
     out->entries = s->entries;
     out->n_preempted = s->n_preempted;
     out->preempted = s->preempted;
+    out->n_parked = s->n_parked;
+    out->parked = s->parked;
     for (int64_t i = 0; i < s->n_entries; i++) {
         out->n_tokens += s->entries[i].n_tokens;
         out->n_decode += !s->entries[i].is_prefill;
@@ -720,6 +750,8 @@ void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out) {
 }
 
 void gy_sched_hold(gy_sched *s, int held) { s->held = held != 0; }
+
+void gy_sched_prefill_only(gy_sched *s, int on) { s->prefill_only = on != 0; }
 
 void gy_sched_set_total_blocks(gy_sched *s, int64_t total_blocks) {
     if (total_blocks > s->config.watermark_blocks) s->config.total_blocks = total_blocks;

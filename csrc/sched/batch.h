@@ -44,6 +44,12 @@
  *      blocks_needed(n) + watermark <= free_blocks (watermark = watermark_blocks while any
  *      request runs, else 0); it is reserved and emits {pos 0, n tokens, samples when n == T}.
  *      No preemption happens for admission.
+ * Prefill only (gy_sched_prefill_only, Seesaw's prefill phase): before pass 1, every running
+ * request in decode is parked, oldest admission first: its KV released, C = 0, appended to the
+ * preempted queue (no preemption counted; the caller keeps its KV elsewhere, in host memory, or
+ * it is recomputed); and admission skips, without blocking, every queued request that has
+ * generated a token (it would only decode). Nothing else changes: prompts are admitted and
+ * prefilled, and sample their first token.
  * Preempting a request releases all its KV, sets C = 0, counts a preemption and puts it at the
  * FRONT of the waiting queue (so several preempted in one step end up oldest first). It keeps its
  * generated tokens and is later recomputed as a prefill of all T = P + G tokens, which samples its
@@ -135,6 +141,8 @@ typedef struct gy_sched_batch {
     int64_t n_decode;              /* entries with is_prefill == 0 */
     int64_t n_preempted;
     const int64_t *preempted;      /* (n_preempted) ids preempted this step, in preemption order */
+    int64_t n_parked;
+    const int64_t *parked;         /* (n_parked) ids parked this step (prefill only), in order */
 } gy_sched_batch;
 
 /* Owned by the scheduler; valid until the next gy_sched_commit. */
@@ -216,6 +224,9 @@ void gy_sched_stats_get(const gy_sched *s, gy_sched_stats *out);
 /* held != 0 skips step 3 (admission) until released: running requests go on, queued and
  * preempted ones wait (a Flying Serving member draining before it binds into a TP group). */
 void gy_sched_hold(gy_sched *s, int held);
+/* on != 0: prefill only (THE POLICY above) from the next schedule on; 0: decodes again, the
+ * parked requests first (they head the preempted queue's parked part, oldest first). */
+void gy_sched_prefill_only(gy_sched *s, int on);
 /* The blocks the submit-time check compares a request with (the instance's KV changed size:
  * a follower in another process holds fewer, engine/peer.h). */
 void gy_sched_set_total_blocks(gy_sched *s, int64_t total_blocks);

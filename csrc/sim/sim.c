@@ -51,6 +51,7 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
             .pending_prefill = i->pending_prefill,
             .pending_output = i->pending_output,
             .bound = i->bound,
+            .prefill_only = i->prefill_only,
             .n_paused = i->n_paused,
             .n_tp_work = i->n_tp_work,
             .n_priority = i->n_priority,
@@ -61,6 +62,22 @@ static gy_status gy_sim_op_instances(void *ctx, gy_sim_inst_view *rows, int32_t 
     }
     *n_out = n;
     return GY_OK;
+}
+
+/* Seesaw's tiered KV buffer (GY_SIM_OP_PARK, UNPARK): the TP instance at the op's GPU serves
+ * prompts only, or everything again. Parked KV goes to host memory over swap_bw (step.c), so a
+ * simulator without it refuses. */
+static gy_status gy_sim_try_park(gy_sim *s, const gy_sim_op *op, int32_t *started) {
+    const int32_t slot = gy_sim_slot_at(s, op->gpu_first, op->size);
+    if (slot < 0 || !(s->config.swap_bw > 0) || s->config.replicated ||
+        s->config.pipeline != NULL)
+        return GY_OK;
+    gy_sim_inst *i = &s->inst[slot];
+    if (!i->alive || i->xform != GY_SIM_XFORM_NONE) return GY_OK;
+    i->prefill_only = op->kind == GY_SIM_OP_PARK;
+    gy_sched_prefill_only(i->core.sched, i->prefill_only);
+    *started = 1;
+    return gy_sim_start_step(s, slot); /* (an idle one parks, or takes its parked back, now) */
 }
 
 /* Which ops a cluster carries out is decided here; whether the state allows one now, by its
@@ -76,6 +93,8 @@ static gy_status gy_sim_op_reconfigure(void *ctx, const gy_sim_op *op, int32_t *
     }
     if (s->config.buddy) return GY_OK; /* a buddy cluster only drops and restores */
     if (op->kind == GY_SIM_OP_RESPLIT) return gy_sim_try_resplit(s, op, started);
+    if (op->kind == GY_SIM_OP_PARK || op->kind == GY_SIM_OP_UNPARK)
+        return gy_sim_try_park(s, op, started);
     if (s->config.pipeline != NULL) return GY_OK; /* a pipeline only re-splits */
     const int flying = op->kind == GY_SIM_OP_BIND || op->kind == GY_SIM_OP_RELEASE;
     if ((flying && !s->config.replicated) ||

@@ -45,7 +45,9 @@ typedef struct gy_sim_req {
     gy_sim_carry carry;   /* lifted out of its instance (gy_sim_lift): what it takes to the next
                              one (instance.h), while paused or across a bind or a release */
     int32_t victim;       /* buddy: its KV is still partly on its old GPU (an exchange runs) */
-    int32_t swapped;      /* swap_bw > 0: preempted with its KV in host memory (`kept` tokens) */
+    int32_t swapped;      /* swap_bw > 0: its KV (`kept` tokens) in host memory: 1 preempted
+                             (the copies stall the steps, as vLLM's swap), 2 parked (prefill
+                             only: Seesaw's copies overlap the steps) */
     int64_t computed;     /* tokens whose KV it holds: the furthest entry end since it last lost
                              its KV */
     int32_t migrating;    /* MIGRATE: 1 its KV is crossing, 2 crossed (switch after the step) */
@@ -66,7 +68,7 @@ typedef struct gy_sim_inst {
     int32_t stepping;      /* a step-end event is pending */
     int32_t barrier;       /* a transformation waits for it to stop stepping */
     int32_t stopped;       /* it starts no step (Seesaw's re-sharding under way) */
-    int32_t pad_stopped_;
+    int32_t prefill_only;  /* GY_SIM_OP_PARK: its scheduler parks what it has prefilled */
     gy_sched_batch batch;  /* the step in flight */
     int64_t head, tail;    /* its requests (indices), in assignment order */
     int64_t n_req, footprint, pending_prefill, pending_output;

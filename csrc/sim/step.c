@@ -53,6 +53,7 @@ gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
                            (int)i->gpu_first, (long long)guard);
         GY_TRY(gy_sched_schedule(i->core.sched, s->now, &i->batch));
         double swap_out = 0, swap_in = 0; /* tokens of KV this step moves to host memory, back */
+        double park_out = 0, park_in = 0;  /* the same of parked requests (beside the step) */
         for (int64_t k = 0; k < i->batch.n_preempted; k++) {
             gy_sim_req *q = &s->req[i->batch.preempted[k]];
             if (s->config.swap_bw > 0) { /* its KV goes to host memory and comes back */
@@ -65,7 +66,15 @@ gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             s->out[i->batch.preempted[k]].preemptions++;
             s->stats.n_preemptions++;
         }
-        if (i->batch.n_entries == 0) {
+        for (int64_t k = 0; k < i->batch.n_parked; k++) { /* prefill only: to host memory */
+            gy_sim_req *q = &s->req[i->batch.parked[k]];
+            q->kept = q->computed;
+            q->swapped = q->computed > 0 ? 2 : 0;
+            park_out += (double)q->computed;
+        }
+        if (i->batch.n_entries == 0) { /* (KV parked by a step with nothing to compute goes
+                                        * out in the background: counted, not timed) */
+            s->stats.swap_out_bytes += park_out * s->config.kv_token_bytes;
             GY_TRY(gy_sched_commit(i->core.sched, s->now, NULL, 0, NULL));
             return GY_OK;
         }
@@ -75,7 +84,7 @@ gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             const gy_sched_entry *e = &i->batch.entries[k];
             if (isnan(s->out[e->id].scheduled)) s->out[e->id].scheduled = s->now;
             if (s->req[e->id].swapped) { /* re-admitted: its KV comes back from host memory */
-                swap_in += (double)s->req[e->id].kept;
+                *(s->req[e->id].swapped == 2 ? &park_in : &swap_in) += (double)s->req[e->id].kept;
                 s->req[e->id].swapped = 0;
             }
             const int64_t end = e->pos + e->n_tokens;
@@ -107,14 +116,22 @@ gy_status gy_sim_start_step(gy_sim *s, int32_t slot) {
             dt += remote;
             i->exch_debt += remote; /* the link carried it before the exchange's bytes */
         }
-        if (swap_out + swap_in > 0) { /* over every GPU's PCIe link at once */
-            const double swap = (swap_out + swap_in) * s->config.kv_token_bytes /
-                                (s->config.swap_bw * (double)i->width);
-            dt += swap;
-            s->stats.swap_s += swap;
-            s->stats.swap_out_bytes += swap_out * s->config.kv_token_bytes;
-            s->stats.swap_in_bytes += swap_in * s->config.kv_token_bytes;
+        /* over every GPU's PCIe link at once: a parked request's copies overlap the step (Seesaw
+         * copies asynchronously), a preempted one's stall it */
+        const double per_token = s->config.swap_bw > 0
+                                     ? s->config.kv_token_bytes /
+                                           (s->config.swap_bw * (double)i->width)
+                                     : 0.0;
+        const double park = (park_out + park_in) * per_token;
+        if (park > dt) {
+            s->stats.swap_s += park - dt;
+            dt = park;
         }
+        const double swap = (swap_out + swap_in) * per_token;
+        dt += swap;
+        s->stats.swap_s += swap;
+        s->stats.swap_out_bytes += (swap_out + park_out) * s->config.kv_token_bytes;
+        s->stats.swap_in_bytes += (swap_in + park_in) * s->config.kv_token_bytes;
         if (!(dt >= 0) || !isfinite(dt))
             return GY_FAIL(GY_ERR_STATE, "the cost model gave a step time of %g s", dt);
         if (dt > 0) {

@@ -45,7 +45,7 @@ INST_VIEW_DTYPE = np.dtype([
     ("held", "i4"), ("reserved", "i4"), ("max_min_tp", "i4"),
     ("kv_total", "i8"), ("kv_used", "i8"), ("footprint", "i8"), ("max_footprint", "i8"),
     ("n_requests", "i8"), ("n_running", "i8"), ("n_waiting", "i8"),
-    ("pending_prefill", "i8"), ("pending_output", "i8"), ("bound", "i4"), ("pad_", "i4"),
+    ("pending_prefill", "i8"), ("pending_output", "i8"), ("bound", "i4"), ("prefill_only", "i4"),
     ("n_paused", "i8"), ("n_tp_work", "i8"), ("n_priority", "i8"),
     ("n_stages", "i4"), ("layers", "i4", (8,)), ("pad2_", "i4")])  # 8: GY_SIM_MAX_STAGES
 GROUP_DTYPE = np.dtype([("gpu_first", "i4"), ("size", "i4"), ("footprint", "i8")])
@@ -58,12 +58,13 @@ if INST_VIEW_DTYPE.itemsize != _C.POLICY_INST_VIEW_SIZE or \
 XFORM_NONE, XFORM_MERGING, XFORM_RESPLITTING, XFORM_EXCHANGING, XFORM_LOST = 0, 1, 6, 8, 10
 ACTIONS = {0: "none", 1: "place", 2: "defer", 3: "reject"}
 OPS = {0: "merge", 1: "split", 2: "hold", 3: "unhold", 4: "bind", 5: "release", 6: "resplit",
-       7: "drop", 8: "restore", 9: "migrate"}
+       7: "drop", 8: "restore", 9: "migrate", 10: "park", 11: "unpark"}
 PLACE, DEFER = 1, 2  # gy_sim_action
 BIND, RELEASE = 4, 5  # gy_sim_op_kind of a replicated cluster
 RESPLIT = 6  # gy_sim_op_kind of a pipeline cluster
 DROP, RESTORE = 7, 8  # buddy clusters (KunServe)
 MIGRATE = 9  # a running request moves with its KV (Llumnix; a cluster's executor)
+PARK, UNPARK = 10, 11  # an instance serves prompts only, its prefilled KV in host memory (Seesaw)
 
 
 @dataclass

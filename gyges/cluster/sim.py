@@ -67,7 +67,7 @@ from ..runtime import layout as layout_mod
 from .policy import POLICIES, Policy, check_number, check_policy  # one set for both executors
 from .costmodel import RESHARDS, ConstantCost, CostModel, CostModelError, PipelineCost
 from .profile import ProfiledCost
-from . import mechanisms, seesaw_search
+from . import links, mechanisms, seesaw_search
 from .costmodel import gpu_spec as costmodel_gpu
 from ..core.errors import InvalidArgumentError
 from ..core.logs import progress as progress_bar
@@ -184,7 +184,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     priced by the cost model (CostModel.reshard), the instances serving nothing until it is
     over); the same policy decides either way. decode_tp: the TP of Seesaw's decode phase
     (policy "seesaw"; 0: max_tp); None searches it as Seesaw does, from the cost model and the
-    trace (gyges.cluster.seesaw_search).
+    trace (gyges.cluster.seesaw_search); its prefill phases park each prefilled request's KV in
+    host memory (Seesaw's tiered KV buffer, GY_SIM_OP_PARK) over swap_bw, which defaults to the
+    GPU's host link (PCIe) for this policy (and then prices its preemptions' swaps too).
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
@@ -274,6 +276,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if policy == "seesaw" and decode_tp is None:   # Seesaw's offline search
         knobs["decode_tp"] = seesaw_search.decode_tp(cost, trace, max_tp, block_size,
                                                      sched["max_running"])[0]
+    if policy == "seesaw" and swap_bw is None and isinstance(cost, CostModel):
+        swap_bw = links.host_link(cost.gpu).bw   # its tiered KV buffer, over PCIe
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
     max_input = cost.max_inputs(max_tp)
     # A large model may fit only from some TP on (Qwen2.5-32B on an H100: TP2): smaller

@@ -210,6 +210,53 @@ GYTEST(sched_preempt_removes_scheduled_victim) {
     done(&f);
 }
 
+GYTEST(sched_prefill_only_parks_decodes) {
+    /* 100 blocks of 4, 16 tokens a step: Seesaw's prefill phase */
+    fixture f = make(100, 4, 16, 4, 0);
+    add(&f, 1, 6, 3);
+    add(&f, 2, 5, 3);
+    gy_sched_prefill_only(f.s, 1);
+    gy_sched_batch b = step(&f, 0);
+    CHECK(b.n_entries == 2 && b.n_parked == 0); /* prompts are prefilled, and sample */
+    CHECK_ENTRY(b, 0, 1, 0, 6, 1, 0);
+    CHECK_ENTRY(b, 1, 2, 0, 5, 1, 0);
+    commit_none(&f, &b, 1);
+    add(&f, 3, 7, 2);
+    b = step(&f, 1); /* both would decode: parked, oldest first, their KV released; 3 admitted */
+    CHECK(b.n_parked == 2 && b.parked[0] == 1 && b.parked[1] == 2 && b.n_preempted == 0);
+    CHECK(b.n_entries == 1);
+    CHECK_ENTRY(b, 0, 3, 0, 7, 1, 0);
+    CHECK(gy_sched_block_counter_held(f.bc, 1) == 0 && gy_sched_block_counter_held(f.bc, 2) == 0);
+    CHECK(info(&f, 1).state == GY_SCHED_STATE_PREEMPTED && info(&f, 1).n_generated == 1);
+    CHECK(info(&f, 1).n_preemptions == 0);
+    gy_sched_stats st;
+    gy_sched_stats_get(f.s, &st);
+    CHECK(st.n_preemptions == 0 && st.n_running == 1 && st.n_preempted == 2);
+    commit_none(&f, &b, 2);
+    b = step(&f, 2);
+    CHECK(b.n_parked == 1 && b.parked[0] == 3 && b.n_entries == 0);
+    commit_none(&f, &b, 2);
+    b = step(&f, 3); /* nothing runs: the parked ones wait, without blocking new prompts */
+    CHECK(b.n_entries == 0 && b.n_parked == 0);
+    commit_none(&f, &b, 3);
+    add(&f, 4, 3, 1);
+    b = step(&f, 3);
+    CHECK(b.n_entries == 1);
+    CHECK_ENTRY(b, 0, 4, 0, 3, 1, 0);
+    gy_sched_done d = commit_none(&f, &b, 4);
+    CHECK(d.n_finished == 1 && d.finished[0] == 4); /* one token: done at its prefill */
+    /* decodes again: the parked requests are recomputed (their KV is the caller's to keep),
+     * oldest first, each sampling its next token */
+    gy_sched_prefill_only(f.s, 0);
+    b = step(&f, 4);
+    CHECK(b.n_entries == 3 && b.n_parked == 0);
+    CHECK_ENTRY(b, 0, 1, 0, 7, 1, 1);
+    CHECK_ENTRY(b, 1, 2, 0, 6, 1, 1);
+    CHECK_ENTRY(b, 2, 3, 0, 3, 0, 1); /* (the budget: 16 tokens) */
+    commit_none(&f, &b, 5);
+    done(&f);
+}
+
 GYTEST(sched_submit_time_refusals) {
     fixture f = make(10, 4, 8, 4, 0);
     gy_sched_request r = {.id = 1, .prompt_len = 0, .max_new_tokens = 1};

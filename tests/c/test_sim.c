@@ -1100,11 +1100,28 @@ GYTEST(sim_policy_seesaw_decisions) {
     w.inst[7].footprint = 90; /* no room there now: the next least loaded */
     d = place(p, st, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 6);
-    /* a prompt still to prefill: the unit stays as it is */
+    /* settled in its prefill phase: its TP1s are asked once to park (Seesaw's host buffer) */
     for (int k = 0; k < 8; k++) w.inst[k].n_requests = 3;
     set_load(&w, 3, 500, 100);
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 8 && has_op(&d, GY_SIM_OP_PARK, 0, 1) && has_op(&d, GY_SIM_OP_PARK, 7, 1));
+    for (int k = 0; k < 8; k++) w.inst[k].prefill_only = 1; /* (the executor did) */
+    /* parked, a TP1 needs room for the prompt only: instance 7 again (it has committed 90 of
+     * its 100 blocks, but holds 5), and the unit gathers what its TP8 holds (1300 blocks) */
+    w.inst[7].kv_used = 5;
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 7);
+    w.inst[0].footprint = 1300 - 90 - 30 + 1;
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_DEFER && d.blocked);
+    w.inst[0].footprint = 0;
+    /* a prompt still to prefill: the unit stays as it is (and is not asked to park again) */
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
     CHECK(d.n_ops == 0);
+    for (int k = 0; k < 8; k++) w.inst[k].prefill_only = 0;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 0);
+    for (int k = 0; k < 8; k++) w.inst[k].prefill_only = 1;
     /* every prompt prefilled, but fewer requests than GPUs: not worth a re-sharding */
     set_load(&w, 3, 0, 100);
     for (int k = 0; k < 8; k++) w.inst[k].n_requests = k < 7;
@@ -1149,8 +1166,9 @@ GYTEST(sim_policy_seesaw_decisions) {
     memset(st, 0, p->state_size);
     world_init(&w, 8, 8, dp, 8);
     for (int k = 0; k < 8; k++) w.inst[k].n_requests = k < 2 ? 1 : 0;
-    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
-    CHECK(d.n_ops == 1 && has_op(&d, GY_SIM_OP_MERGE, 0, 2));
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d)); /* (the other units park) */
+    CHECK(d.n_ops == 7 && has_op(&d, GY_SIM_OP_MERGE, 0, 2) && has_op(&d, GY_SIM_OP_PARK, 2, 1) &&
+          !has_op(&d, GY_SIM_OP_PARK, 0, 1));
     r = req(200, 4);
     d = place(p, st, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_REJECT);
