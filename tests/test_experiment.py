@@ -236,6 +236,8 @@ def test_seesaw_alternates_its_phases_on_a_real_host(model):
     check_accounting(res, trace)
     assert res.summary()["completed"] == trace.size
     assert res.stats["n_merges"] >= 3 and res.stats["n_splits"] >= 1
+    # its TP1s were asked to park their KV in host memory, which a CPU worker has not
+    assert any("host-memory tier" in why for why in res.stats["refusals"])
     st = res.steps
     prefill = st["n_tokens"] > st["n_seqs"]
     assert (st["tp"][prefill] == 1).all()

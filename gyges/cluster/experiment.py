@@ -48,9 +48,9 @@ import numpy as np
 
 from . import traces
 from .. import _C
-from .policy import (BIND, DEFER, DROP, INST_VIEW_DTYPE, MIGRATE, PLACE, RELEASE, RESPLIT,
-                     RESTORE, XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE, XFORM_RESPLITTING,
-                     Policy, check_number, check_policy, smallest_tp)
+from .policy import (BIND, DEFER, DROP, INST_VIEW_DTYPE, MIGRATE, PARK, PLACE, RELEASE,
+                     RESPLIT, RESTORE, UNPARK, XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE,
+                     XFORM_RESPLITTING, Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
 from ..runtime.engine import SamplingParams
 from ..core.errors import Error as GygesError
@@ -544,6 +544,9 @@ class _Replay:
         whether it started."""
         if kind == MIGRATE:
             return self.migrate(g, target)
+        if kind in (PARK, UNPARK):   # (Seesaw's tiered KV buffer: the simulator's)
+            return self.refuse(f"op kind {kind}: a CPU worker has no host-memory tier to park "
+                               f"KV in")
         if kind in (DROP, RESTORE):
             if not self.buddy:
                 return self.refuse(f"op kind {kind}: not a buddy run (policy 'kunserve')")

@@ -19,9 +19,9 @@ are rejected), "flying" (Flying Serving, weights="replicated"), "loongserve" (Lo
 elastic sequence parallelism, weights="replicated": the layout's instances are its elastic
 instances, and groups of them serve as sequence-parallel instances), "pipelive" (pipelines
 re-split as the prefill/decode mix shifts, csrc/policy/policy_pipelive.c), "seesaw" (Seesaw's
-re-sharding: each unit of max_tp GPUs prefills as TP1 instances, then merges to decode as one
-instance, then splits back; with reshard="seesaw" its transitions go through host memory,
-csrc/policy/policy_seesaw.c). Layouts: "8xTP1", "2xTP4",
+re-sharding: each unit of decode_tp GPUs, searched, prefills as TP1 instances that park the KV
+in host memory, then merges to decode as one instance, then splits back; with reshard="seesaw"
+its transitions go through host memory, csrc/policy/policy_seesaw.c). Layouts: "8xTP1", "2xTP4",
 "4xTP1+1xTP4", ... for ONE host, in GPU order; every host starts with it (the dynamic policies
 default to all TP1).
 

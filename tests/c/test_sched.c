@@ -594,7 +594,12 @@ GYTEST(sched_random_run_invariants) {
         int64_t prompt[N];
         int64_t added = 0, finished = 0;
         double now = 0;
+        int prefill_only = 0; /* stretches of Seesaw's prefill phase */
         for (int64_t it = 0; it < 20000 && finished < N; it++) {
+            if (lcg(&seed) % (prefill_only ? 5 : 30) == 0) {
+                prefill_only = !prefill_only;
+                gy_sched_prefill_only(f.s, prefill_only);
+            }
             while (added < N && lcg(&seed) % 3 == 0) {
                 prompt[added] = 1 + (int64_t)(lcg(&seed) % (uint64_t)(total * bs / 2));
                 max_new[added] = 1 + (int64_t)(lcg(&seed) % (uint64_t)(total * bs / 2));
@@ -608,6 +613,9 @@ GYTEST(sched_random_run_invariants) {
             CHECK(b.n_tokens <= budget && b.n_entries <= 2 + trial);
             CHECK(gy_sched_block_counter_free_blocks(f.bc) >= 0);
             for (int64_t p = 0; p < b.n_preempted; p++) computed[b.preempted[p]] = 0;
+            for (int64_t p = 0; p < b.n_parked; p++) computed[b.parked[p]] = 0;
+            CHECK(!prefill_only || b.n_decode == 0); /* nothing decodes in a prefill phase */
+            CHECK(prefill_only || b.n_parked == 0);
             uint8_t stop[64];
             for (int64_t e = 0; e < b.n_entries; e++) {
                 const gy_sched_entry *en = &b.entries[e];
