@@ -3,7 +3,8 @@
  * Checked: a request each policy places, defers and rejects reaches the executor as that
  * action; deferred requests are decided again in the order they were deferred; held instances
  * are the controller's and a reconfiguration that starts on them releases them; refused ops are
- * counted and change nothing; a bad view from the executor and a call from inside an op are
+ * counted and change nothing; the view carries the executor's prefill rates and cost model, and
+ * PARK ops reach the executor; a bad view from the executor and a call from inside an op are
  * refused with GY_ERR_STATE. */
 #include <math.h>
 #include <string.h>
@@ -219,6 +220,62 @@ GYTEST(cluster_gives_the_policies_its_prefill_rates) {
         CHECK_STATUS(gy_cluster_init(&c, &cc, &script_ops, &s), GY_ERR_INVALID);
         CHECK(c == NULL);
     }
+}
+
+/* A cost model by hand: a step costs 20 ms / tp plus 2 ms a sequence, 1.5x that at TP > 1. */
+static double script_step(void *ctx, int32_t tp, int transforming, const gy_sim_step_shape *sh) {
+    (void)ctx;
+    (void)transforming;
+    return 0.02 / tp + 0.002 * (double)sh->n_seqs * (tp > 1 ? 0.75 * tp : 1.0);
+}
+
+GYTEST(cluster_hands_the_policies_its_cost_model_and_the_executor_park_ops) {
+    /* gyges' latency mode at light load: 12 requests decoding on each TP1 would step more
+     * slowly merged (by the view's cost model), so no merge; with no cost model, the pairs
+     * merge (the executor is asked to) */
+    script s = {0};
+    const int32_t tps[4] = {1, 1, 1, 1};
+    const gy_sim_cost_ops cost = {.step_time = script_step};
+    for (int with_cost = 0; with_cost < 2; with_cost++) {
+        script_layout(&s, tps, 4);
+        s.n_ops = 0;
+        s.accept = 0;
+        for (int k = 0; k < 4; k++) {
+            s.inst[k].n_running = s.inst[k].n_requests = 12;
+            s.inst[k].kv_used = 4;
+            s.inst[k].pending_output = 20;
+        }
+        const gy_cluster_config cc = {.n_gpus = 4, .gpus_per_host = 4, .max_tp = 4,
+                                      .capacity = CAPS, .block_size = 16,
+                                      .policy = gy_sim_policy_find("gyges"),
+                                      .policy_config = gy_sim_policy_config_default(),
+                                      .cost = with_cost ? &cost : NULL};
+        gy_cluster *c = NULL;
+        CHECK_OK(gy_cluster_init(&c, &cc, &script_ops, &s));
+        CHECK_OK(gy_cluster_tick(c, 1.0));
+        CHECK(s.n_ops == (with_cost ? 0 : 2));
+        for (int k = 0; k < s.n_ops; k++) CHECK(s.ops[k].kind == GY_SIM_OP_MERGE);
+        gy_cluster_free(c);
+    }
+    /* Seesaw's settled prefill phase asks each TP1 to park, once a phase: the executor gets
+     * the ops, and its refusals are counted and change nothing */
+    script_layout(&s, tps, 4);
+    s.n_ops = 0;
+    for (int k = 0; k < 4; k++) {
+        s.inst[k].n_requests = 2;
+        s.inst[k].pending_prefill = 100;
+    }
+    gy_cluster *c = controller(&s, "seesaw");
+    CHECK(c != NULL);
+    CHECK_OK(gy_cluster_tick(c, 1.0));
+    CHECK(s.n_ops == 4);
+    for (int k = 0; k < 4; k++) CHECK(s.ops[k].kind == GY_SIM_OP_PARK && s.ops[k].gpu_first == k);
+    gy_cluster_stats st;
+    gy_cluster_stats_get(c, &st);
+    CHECK(st.n_ops == 4 && st.n_ops_refused == 4);
+    CHECK_OK(gy_cluster_tick(c, 2.0));
+    CHECK(s.n_ops == 4);
+    gy_cluster_free(c);
 }
 
 GYTEST(cluster_refuses_bad_views_and_calls_from_its_ops) {
