@@ -238,11 +238,36 @@ def test_seesaw_alternates_its_phases_on_a_real_host(model):
     assert res.stats["n_merges"] >= 3 and res.stats["n_splits"] >= 1
     # its TP1s were asked to park their KV in host memory, which a CPU worker has not
     assert any("host-memory tier" in why for why in res.stats["refusals"])
+    assert res.config["decode_tp"] == 0   # (no profile of this host: max_tp)
     st = res.steps
     prefill = st["n_tokens"] > st["n_seqs"]
     assert (st["tp"][prefill] == 1).all()
     decoded = st["n_tokens"][~prefill]
     assert decoded[st["tp"][~prefill] == 4].sum() > 0.5 * decoded.sum()   # most decoded at TP4
+
+
+def test_seesaw_searches_its_decode_tp_from_the_hosts_profile(model):
+    """Given this host's profile, experiment.run searches Seesaw's decode TP as gyges.sim.run
+    does (gyges.cluster.seesaw_search over the profile's capacities and step times)."""
+    from gyges.cluster import seesaw_search
+    from test_profile import hand_cost
+    trace = traces.from_arrays(np.linspace(0, 0.05, 6), np.full(6, 40), np.full(6, 8))
+    cost = hand_cost()   # TP1 and TP2 measured
+    want, rows = seesaw_search.decode_tp(cost, trace, 2)
+    assert want in (1, 2) and len(rows) == 2
+    host = gyges.Host(model, workers=2, memory_per_worker="24MiB")
+    try:
+        res = experiment.run(trace, "seesaw", host=host, cost=cost)
+    finally:
+        host.close()
+    assert res.config["decode_tp"] == want
+    assert res.summary()["completed"] == trace.size
+    host = gyges.Host(model, workers=2, memory_per_worker="24MiB")
+    try:
+        with pytest.raises(gyges.Error, match="max_tp"):
+            experiment.run(trace, "seesaw", host=host, cost=cost, max_tp=3)
+    finally:
+        host.close()
 
 
 def test_results_save_load_and_summary_like_the_simulator(model, tmp_path):

@@ -52,6 +52,7 @@ from .policy import (BIND, DEFER, DROP, INST_VIEW_DTYPE, MIGRATE, PARK, PLACE, R
                      RESPLIT, RESTORE, UNPARK, XFORM_EXCHANGING, XFORM_MERGING, XFORM_NONE,
                      XFORM_RESPLITTING, Policy, check_number, check_policy, smallest_tp)
 from .costmodel import CostModel as _CostModel
+from . import seesaw_search
 from ..runtime.engine import SamplingParams
 from ..core.errors import Error as GygesError
 from ..core.errors import InvalidArgumentError
@@ -870,8 +871,9 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
     host, whose prefill rates per TP the policies compare placements by and whose step times
     they weigh (gyges' latency mode: a merged pair's decode step against its halves'), as
     gyges.sim.run does with its cost (default: rates proportional to TP, no step times).
-    decode_tp: Seesaw's decode TP (policy "seesaw"; default max_tp: the search that gyges.sim.run
-    does needs a cost model of this host's capacities). slo: kept for Results.summary (goodput). record_steps: also keep
+    decode_tp: Seesaw's decode TP (policy "seesaw"); None searches it as gyges.sim.run does when
+    cost is this host's profile (gyges.cluster.profile.ProfiledCost: its capacities are the
+    host's), else max_tp. slo: kept for Results.summary (goodput). record_steps: also keep
     every instance step's batch shape and wall time as `res.steps` (STEP_DTYPE, not saved by
     res.save), the samples CostModel.profiled fits.
     cluster: a gyges.Cluster to replay over instead of one host (gyges/distributed/replay.py):
@@ -905,6 +907,11 @@ def run(trace, policy: str = "gyges", host=None, time_scale: float = 1.0, slo: d
                                         layers_per_step < 1):
         raise ExperimentError(f"layers_per_step must be a positive int or None, got "
                               f"{layers_per_step!r}")
+    if policy == "seesaw" and decode_tp is None and getattr(cost, "kind", None) == "profiled":
+        # Seesaw's search, as gyges.sim.run's, over this host's own profile (a ProfiledCost; not
+        # imported: profile.py measures hosts through this module)
+        decode_tp = seesaw_search.decode_tp(cost, trace, cost.max_tp if max_tp is None
+                                            else max_tp, cost.block_size)[0]
     if policy == "gyges":
         light_load = 0.0 if light_load is None else light_load
         idle_load = 0.0 if idle_load is None else idle_load
