@@ -58,7 +58,7 @@
  * any load. Under the Table 1 fit a TP2 decodes a batch of 16 per half 1.6x as slowly as its
  * halves (its all-reduces): on Flying's alternating trace the pairs merged in a light phase
  * stayed about 25 s into the high one, and the goodput was 0.89x 8xTP1's; weighing decodes with
- * a 5% margin, 0.96x (10%: 0.92x; none: 0.99x, but Azure at 1.1 req/s then transforms 1,018
+ * a 5% margin, 0.96x (10%: 0.94x; none: 0.99x, but Azure at 1.1 req/s then transforms 1,018
  * times instead of 434). Under the grounded calibration a TP2 decodes as fast as its halves and
  * nothing changes; every other trace of bench_sim and bench_systems is unchanged.
  *
