@@ -517,6 +517,14 @@ def test_seesaw_brings_back_every_byte_it_parks():
                     assert (res.requests["status"] == 3).all()
                     assert st["swap_out_bytes"] > 1e10
                     assert st["swap_in_bytes"] == pytest.approx(st["swap_out_bytes"], rel=1e-12)
+    # a model no GPU holds alone (Llama-3-70B on H100: TP4 at least here): its prefill phase is
+    # the smallest TP that serves, which parks and merges into the TP8 as well
+    tr = traces.poisson(2.0, duration=60, input_tokens=(64, 2000), output_tokens=(16, 300), seed=0)
+    res = sim.run(tr, policy="seesaw", model="llama3-70b", gpu="h100", decode_tp=8, check=True)
+    st = res.stats
+    assert (res.requests["status"] == 3).all() and st["merges"] >= 1 and st["splits"] >= 1
+    assert st["swap_out_bytes"] > 1e10
+    assert st["swap_in_bytes"] == pytest.approx(st["swap_out_bytes"], rel=1e-12)
 
 
 def test_seesaw_searches_its_decode_tp_and_the_simulator_agrees():

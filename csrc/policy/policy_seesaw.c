@@ -39,8 +39,8 @@
  * by default PCIe for this policy), and on the CPU host, whose executor refuses PARK, the KV
  * stays on the workers and a prefill phase gathers what the TP1 instances hold. Its search
  * covers both phases' parallelism; here only the decode phase's TP is searched
- * (seesaw_search), the prefill phase is always TP1. Units beyond SEESAW_MAX_UNITS keep their
- * layout. */
+ * (seesaw_search), the prefill phase is always TP1 (or the smallest TP that holds the weights,
+ * seesaw_base). Units beyond SEESAW_MAX_UNITS keep their layout. */
 #include "policy.h"
 
 #include <string.h>
@@ -61,6 +61,14 @@ static int32_t seesaw_unit(const gy_sim_policy_config *cfg, const gy_sim_view *v
     return n;
 }
 
+/* The TP of a unit's prefill phase: the smallest whose instance holds the model's weights (TP1,
+ * unless they need more GPUs: Llama-3-70B on an H100 needs a TP2). "TP1" below means it. */
+static int32_t seesaw_base(const gy_sim_view *v) {
+    for (int l = 0; l < GY_SIM_MAX_LEVELS && (INT32_C(1) << l) <= v->max_tp; l++)
+        if (v->capacity[l] >= 1) return INT32_C(1) << l;
+    return v->max_tp;
+}
+
 static int seesaw_in_decode(const seesaw_state *st, int32_t unit, int32_t gpu) {
     const int32_t u = gpu / unit;
     return st != NULL && u < SEESAW_MAX_UNITS && st->decode[u];
@@ -78,6 +86,7 @@ typedef struct seesaw_work {
 } seesaw_work;
 
 static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t unit) {
+    const int32_t base = seesaw_base(v);
     seesaw_work w = {0, 0, 0, 0, 1, 0, 1};
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
@@ -86,9 +95,9 @@ static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t uni
         w.footprint += i->footprint;
         w.moving |= i->xform != GY_SIM_XFORM_NONE;
         w.settled &= i->reserved || (i->xform == GY_SIM_XFORM_NONE &&
-                                     (i->tp == 1 || i->max_min_tp >= i->tp));
+                                     (i->tp == base || i->max_min_tp >= i->tp));
         w.parked |= i->prefill_only;
-        w.full &= i->tp > 1 || i->footprint >= i->kv_total;
+        w.full &= i->tp > base || i->footprint >= i->kv_total;
     }
     if (w.parked) w.full = w.footprint >= v->capacity[gy_sim_level(unit)];
     return w;
@@ -98,19 +107,19 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
                               const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     const seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(cfg, v);
+    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(v);
     if (r->min_tp == 0 || r->min_tp > unit) {
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
     }
     if (gy_sim_policy_resume(v, r, d)) return GY_OK;
-    if (r->min_tp == 1) { /* a TP1 instance of a unit settled in its prefill phase (the whole
+    if (r->min_tp <= base) { /* a TP1 instance of a unit settled in its prefill phase (the whole
                            * unit re-sharded: its first TP1s must not take every waiting
                            * request), room first */
         int32_t best = -1, best_room = 0;
         for (int32_t k = 0; k < v->n_inst; k++) {
             const gy_sim_inst_view *i = &v->inst[k];
-            if (i->tp != 1 || i->reserved || !gy_sim_policy_fits(i, r) ||
+            if (i->tp != base || i->reserved || !gy_sim_policy_fits(i, r) ||
                 seesaw_in_decode(st, unit, i->gpu_first))
                 continue;
             const seesaw_work w = seesaw_unit_work(v, i->gpu_first - i->gpu_first % unit, unit);
@@ -160,8 +169,8 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                                   const gy_sim_view *v, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(cfg, v);
-    if (unit < 2) return GY_OK;
+    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(v);
+    if (unit <= base) return GY_OK;
     for (int32_t g = 0; g + unit <= v->n_gpus && g / unit < SEESAW_MAX_UNITS; g += unit) {
         if (!gy_sim_group_valid(v, g, unit)) continue;
         uint8_t *decode = &st->decode[g / unit];
@@ -194,13 +203,14 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
             continue;
         }
         /* prefill phase: split what is above TP1, its requests along with their KV (a request
-         * that needs its TP keeps it until it finishes); once settled, its TP1s park what they
-         * prefill (asked once a phase: an executor without a host buffer refuses) */
+         * that needs its TP keeps it until it finishes); once settled, its instances park what
+         * they prefill (asked once a phase: an executor without a host buffer refuses) */
         if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
         if (w.settled && !w.moving && !st->parking[g / unit]) {
             for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++)
-                if (v->inst[k].tp == 1 && !v->inst[k].prefill_only &&
-                    !gy_sim_decision_add_op(d, GY_SIM_OP_PARK, v->inst[k].gpu_first, 1))
+                if (v->inst[k].tp < unit && !v->inst[k].prefill_only &&
+                    !gy_sim_decision_add_op(d, GY_SIM_OP_PARK, v->inst[k].gpu_first,
+                                            v->inst[k].tp))
                     return GY_OK;
             st->parking[g / unit] = 1;
         }

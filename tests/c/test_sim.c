@@ -1172,6 +1172,26 @@ GYTEST(sim_policy_seesaw_decisions) {
     r = req(200, 4);
     d = place(p, st, &cfg, &w, &r);
     CHECK(d.action == GY_SIM_ACTION_REJECT);
+    /* weights that no TP1 holds (capacity 0 at TP1): the prefill phase is 4xTP2, its short
+     * requests go there, its TP2s park, and it merges into the TP8 */
+    cfg.decode_tp = 0;
+    memset(st, 0, p->state_size);
+    const int32_t tp2s[] = {2, 2, 2, 2};
+    world_init(&w, 8, 8, tp2s, 4);
+    w.capacity[0] = 0;
+    for (int k = 0; k < 4; k++) set_load(&w, k, 50, 10 * k);
+    r = req(30, 2);
+    d = place(p, st, &cfg, &w, &r);
+    CHECK(d.action == GY_SIM_ACTION_PLACE && d.target == 0);
+    for (int k = 0; k < 4; k++) w.inst[k].n_requests = 2;
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 4 && has_op(&d, GY_SIM_OP_PARK, 0, 2) && has_op(&d, GY_SIM_OP_PARK, 6, 2));
+    for (int k = 0; k < 4; k++) {
+        w.inst[k].prefill_only = 1;
+        set_load(&w, k, 0, 10);
+    }
+    CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
+    CHECK(d.n_ops == 2 && has_op(&d, GY_SIM_OP_MERGE, 0, 4) && has_op(&d, GY_SIM_OP_MERGE, 4, 4));
     free(st);
 }
 
