@@ -496,6 +496,11 @@ def test_seesaw_parks_prefilled_kv_in_host_memory_and_gathers_past_the_tp1s_room
     tok = res.tokens
     phase = np.array([_phase_of(res, t) for t in tok["time"]])
     assert (phase == "prefill").sum() == n   # the first tokens only
+    # too few requests to merge for: the TP1s take back what they parked and decode it
+    few = traces.from_arrays([0.0, 0.1, 0.2], [500, 600, 700], [50, 50, 50])
+    res = sim.run(few, policy="seesaw", decode_tp=8, check=True)
+    assert (res.requests["status"] == 3).all() and res.stats["merges"] == 0
+    assert res.stats["swap_in_bytes"] == res.stats["swap_out_bytes"] > 0
 
 
 def test_seesaw_brings_back_every_byte_it_parks():

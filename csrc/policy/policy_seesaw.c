@@ -165,6 +165,20 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
     return GY_OK;
 }
 
+/* PARK (park 1) or UNPARK (0) every instance of the unit at g below its TP whose parking is
+ * not that already; 0 when the decision is full. */
+static int seesaw_park_unit(const gy_sim_view *v, int32_t g, int32_t unit, int park,
+                            gy_sim_decision *d) {
+    for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
+        const gy_sim_inst_view *i = &v->inst[k];
+        if (i->tp < unit && i->prefill_only != park &&
+            !gy_sim_decision_add_op(d, park ? GY_SIM_OP_PARK : GY_SIM_OP_UNPARK, i->gpu_first,
+                                    i->tp))
+            return 0;
+    }
+    return 1;
+}
+
 static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                                   const gy_sim_view *v, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
@@ -177,13 +191,14 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
         const seesaw_work w = seesaw_unit_work(v, g, unit);
         const int32_t whole = gy_sim_group_instance(v, g, unit);
         const int waited_for = gy_sim_pending_overlaps(v, g, unit, 0);
+        /* its prompts are prefilled (and no request waits to be placed here), or its KV is all
+         * committed */
+        const int ready = w.settled && ((w.prefill == 0 && v->n_deferred == 0) || w.full);
         if (!*decode && !w.moving) {
-            /* its prompts are prefilled (and no request waits to be placed here), or its KV is
-             * all committed: decode at TP-N, for a batch of at least a request a GPU (fewer are
-             * not worth two re-shardings: on the Azure trace, 8,000 transformations for 2,000
+            /* ready: decode at TP-N, for a batch of at least a request a GPU (fewer are not
+             * worth two re-shardings: on the Azure trace, 8,000 transformations for 2,000
              * requests, now 340) */
-            const int gathered = w.settled && w.requests >= unit &&
-                                 ((w.prefill == 0 && v->n_deferred == 0) || w.full);
+            const int gathered = ready && w.requests >= unit;
             if (gathered) {
                 *decode = 1;
                 st->parking[g / unit] = 0;
@@ -207,12 +222,13 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
          * they prefill (asked once a phase: an executor without a host buffer refuses) */
         if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
         if (w.settled && !w.moving && !st->parking[g / unit]) {
-            for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++)
-                if (v->inst[k].tp < unit && !v->inst[k].prefill_only &&
-                    !gy_sim_decision_add_op(d, GY_SIM_OP_PARK, v->inst[k].gpu_first,
-                                            v->inst[k].tp))
-                    return GY_OK;
+            if (!seesaw_park_unit(v, g, unit, 1, d)) return GY_OK;
             st->parking[g / unit] = 1;
+        } else if (ready && !w.moving && w.parked && w.requests < unit) {
+            /* ready, but too few to merge for: its instances decode them themselves (parked,
+             * they would wait for a decode phase that does not come); not parked again until
+             * its next prefill phase */
+            if (!seesaw_park_unit(v, g, unit, 0, d)) return GY_OK;
         }
     }
     return GY_OK;

@@ -1122,11 +1122,14 @@ GYTEST(sim_policy_seesaw_decisions) {
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
     CHECK(d.n_ops == 0);
     for (int k = 0; k < 8; k++) w.inst[k].prefill_only = 1;
-    /* every prompt prefilled, but fewer requests than GPUs: not worth a re-sharding */
+    /* every prompt prefilled, but fewer requests than GPUs: not worth a re-sharding, so its
+     * instances take their parked requests back and decode them (else they would wait for a
+     * decode phase that does not come) */
     set_load(&w, 3, 0, 100);
     for (int k = 0; k < 8; k++) w.inst[k].n_requests = k < 7;
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
-    CHECK(d.n_ops == 0);
+    CHECK(d.n_ops == 8 && has_op(&d, GY_SIM_OP_UNPARK, 0, 1) && has_op(&d, GY_SIM_OP_UNPARK, 7, 1));
+    CHECK(!has_op(&d, GY_SIM_OP_MERGE, 0, 2));
     /* a batch of a request a GPU or more: the pairs merge towards one TP8 */
     for (int k = 0; k < 8; k++) w.inst[k].n_requests = 3;
     CHECK_OK(p->rebalance(st, &cfg, &w.v, &d));
