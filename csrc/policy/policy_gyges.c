@@ -415,10 +415,9 @@ static int32_t gyges_base_tp(const gy_sim_policy_config *cfg, const gy_sim_view 
     return tp;
 }
 
-/* The context of i's running requests (tokens each, from its KV in use). */
-static double gyges_context(const gy_sim_view *v, const gy_sim_inst_view *i) {
-    return i->n_running > 0 ? (double)i->kv_used * (double)v->block_size / (double)i->n_running
-                            : 0.0;
+/* The context of `n_running` requests holding `kv_used` blocks (tokens each). */
+static double gyges_context(const gy_sim_view *v, int64_t kv_used, int64_t n_running) {
+    return n_running > 0 ? (double)kv_used * (double)v->block_size / (double)n_running : 0.0;
 }
 
 /* 1 when a TP-`tp` instance decoding `batch` requests of `context` tokens steps
@@ -447,10 +446,10 @@ static int gyges_merge_to_base(const gy_sim_view *v, int32_t base, gy_sim_decisi
         if (a->xform != GY_SIM_XFORM_NONE || b->xform != GY_SIM_XFORM_NONE || a->reserved ||
             b->reserved || a->held || b->held || !a->placeable || !b->placeable)
             continue;
-        const int64_t n = a->n_running + b->n_running;
-        const double context = n > 0 ? (double)(a->kv_used + b->kv_used) *
-                                           (double)v->block_size / (double)n : 0.0;
-        if (gyges_decode_slower(v, size, a->n_running, b->n_running, context)) continue;
+        if (gyges_decode_slower(v, size, a->n_running, b->n_running,
+                                gyges_context(v, a->kv_used + b->kv_used,
+                                              a->n_running + b->n_running)))
+            continue;
         if (!gy_sim_pending_overlaps(v, g, size, 0) &&
             !gy_sim_decision_add_op(d, GY_SIM_OP_MERGE, g, size))
             return 0;
@@ -494,7 +493,7 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
         if (i->tp <= base &&
             (i->tp <= floor || !gy_sim_policy_split_plausible(v, i) ||
              !gyges_decode_slower(v, i->tp, i->n_running - i->n_running / 2, i->n_running / 2,
-                                  gyges_context(v, i))))
+                                  gyges_context(v, i->kv_used, i->n_running))))
             continue;
         if (!i->held && !gy_sim_decision_add_op(d, GY_SIM_OP_HOLD, i->gpu_first, i->tp)) break;
         const double free_frac = 1.0 - (double)i->kv_used / (double)i->kv_total;
