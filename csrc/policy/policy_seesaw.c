@@ -165,13 +165,15 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
     return GY_OK;
 }
 
-/* PARK (park 1) or UNPARK (0) every instance of the unit at g below its TP whose parking is
- * not that already; 0 when the decision is full. */
-static int seesaw_park_unit(const gy_sim_view *v, int32_t g, int32_t unit, int park,
-                            gy_sim_decision *d) {
+/* PARK (park 1) or UNPARK (0) every prefill instance (TP `base`) of the unit at g whose parking
+ * is not that already; 0 when the decision is full. An instance held at a larger TP by a request
+ * that needs it is not parked: that request keeps its TP and decodes there until it finishes
+ * (parked, it would wait for a decode phase that the requests waiting for TP1s hold off). */
+static int seesaw_park_unit(const gy_sim_view *v, int32_t g, int32_t unit, int32_t base,
+                            int park, gy_sim_decision *d) {
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (i->tp < unit && i->prefill_only != park &&
+        if (i->tp == base && i->prefill_only != park &&
             !gy_sim_decision_add_op(d, park ? GY_SIM_OP_PARK : GY_SIM_OP_UNPARK, i->gpu_first,
                                     i->tp))
             return 0;
@@ -222,13 +224,13 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
          * they prefill (asked once a phase: an executor without a host buffer refuses) */
         if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
         if (w.settled && !w.moving && !st->parking[g / unit]) {
-            if (!seesaw_park_unit(v, g, unit, 1, d)) return GY_OK;
+            if (!seesaw_park_unit(v, g, unit, base, 1, d)) return GY_OK;
             st->parking[g / unit] = 1;
         } else if (ready && !w.moving && w.parked && w.requests < unit) {
             /* ready, but too few to merge for: its instances decode them themselves (parked,
              * they would wait for a decode phase that does not come); not parked again until
              * its next prefill phase */
-            if (!seesaw_park_unit(v, g, unit, 0, d)) return GY_OK;
+            if (!seesaw_park_unit(v, g, unit, base, 0, d)) return GY_OK;
         }
     }
     return GY_OK;
