@@ -334,25 +334,29 @@ def test_roofline_runs_and_is_deterministic():
 
 def test_c_cost_model_matches_python_reference():
     rng = np.random.default_rng(0)
-    for model, sp in (("qwen2.5-32b", 0), ("llama3-8b", 0), ("llama2-7b", 0),
-                      ("qwen3-30b-a3b", 0), ("mixtral-8x7b", 0), ("qwen2.5-32b", 1),
-                      ("qwen2.5-32b", 2), ("mixtral-8x7b", 2)):
-        cm = CostModel.create(model, "h20", transform_slowdown=0.03, sequence_parallel=sp)
+    for model, sp, pp in (("qwen2.5-32b", 0, 0), ("llama3-8b", 0, 0), ("llama2-7b", 0, 0),
+                          ("qwen3-30b-a3b", 0, 0), ("mixtral-8x7b", 0, 0), ("qwen2.5-32b", 1, 0),
+                          ("qwen2.5-32b", 2, 0), ("mixtral-8x7b", 2, 0), ("qwen2.5-32b", 0, 2),
+                          ("llama3-70b", 0, 4), ("mixtral-8x7b", 0, 2)):
+        cm = CostModel.create(model, "h20", transform_slowdown=0.03, sequence_parallel=sp,
+                              pipeline_degree=pp)
         p = cm.params()
         for _ in range(200):
             tp = int(rng.choice([1, 2, 4, 8]))
             n_tok = int(rng.integers(0, 9000))
+            n_seqs = int(rng.integers(1, 12))
             n_samp = int(rng.integers(0, 300))
             kv = float(rng.integers(0, 10**6))
             pairs = float(rng.integers(0, 10**10))
             trans = bool(rng.integers(0, 2))
-            ref = cm.step_time(tp, n_tok, 1, n_samp, kv, pairs, trans)
-            got = _C_test.sim_step_time("roofline", p, tp, trans, n_tok, 1, n_samp, kv, pairs)
+            ref = cm.step_time(tp, n_tok, n_seqs, n_samp, kv, pairs, trans)
+            got = _C_test.sim_step_time("roofline", p, tp, trans, n_tok, n_seqs, n_samp, kv,
+                                        pairs)
             assert got == pytest.approx(ref, rel=1e-12, abs=0)  # same float64 formula
         for reshard in ("gyges", "seesaw"):
             p = cm.replace(reshard=reshard).params()
             for phase, kind in (("weights_drop", 0), ("kv_scatter", 1), ("weights_gather", 2)):
-                for a, b in ((1, 2), (2, 4), (4, 1), (8, 2)):
+                for a, b in ((1, 2), (2, 4), (4, 1), (8, 2), (4, 8), (16, 4)):
                     ref = cm.replace(reshard=reshard).phase_time(phase, a, b, 123456.0)
                     got = _C_test.sim_phase_time("roofline", p, kind, a, b, 123456.0)
                     assert got == pytest.approx(ref, rel=1e-12)
@@ -572,6 +576,56 @@ def test_seesaw_searches_its_decode_tp_and_the_simulator_agrees():
     for bad in (3, -2, 2.0, True):
         with pytest.raises(gyges.Error, match="decode_tp"):
             sim.run(tr, policy="seesaw", decode_tp=bad)
+
+
+def test_seesaw_prefills_as_pipelines_where_its_search_finds_them_faster():
+    """Qwen2.5-32B on 8 L40S (PCIe between GPUs) needs 2 GPUs an instance, so Seesaw's prefill
+    instances are TP2s or 2-stage pipelines. On an offline batch of short prompts the search
+    picks the pipeline (no all-reduce over PCIe, two prompts a step fill it), and the simulator
+    agrees: the batch is served sooner. Its re-shardings move what the layouts differ by: a
+    merge into TP4 W/4 - W/8 of the weights a GPU, a split back W/2 - W/8 (TP2's: nothing, and
+    the FFN's half). On long prompts (one a step: the pipeline runs at TP1's speed) the search
+    keeps TP, and so it does where the weights fit one GPU or there is no decode phase."""
+    cost = CostModel.create("qwen2.5-32b", "l40s", calibration="grounded")
+    # prompts below what a TP2 prefills (1,367 tokens: the activations of a longer one need TP4)
+    batch = traces.poisson(1000, duration=0.5, input_tokens=(200, 1200),
+                           output_tokens=(100, 400), seed=1)
+    pp, rows = seesaw_search.prefill_pp(cost, batch, 2, 4)
+    assert pp and [(r["parallelism"], r["phase"]) for r in rows] == [("TP2", "prefill"),
+                                                                     ("PP2", "prefill")]
+    assert rows[1]["tokens_per_s"] > 1.1 * rows[0]["tokens_per_s"] and rows[0]["seqs"] == 2
+    runs = {p: sim.run(batch, policy="seesaw", reshard="seesaw", cost=cost, prefill_pp=p,
+                       check=True) for p in (False, True, None)}
+    assert runs[None].config["prefill_pp"] is True and runs[False].config["prefill_pp"] is False
+    assert runs[None].config["cost"]["pipeline_degree"] == 2
+    np.testing.assert_array_equal(runs[None].requests, runs[True].requests)
+    done = {p: runs[p].requests["finish"].max() for p in (False, True)}
+    assert (runs[True].requests["status"] == 3).all() and done[True] < 0.95 * done[False]
+    w = cost.weight_bytes
+    for p, merge, split in ((True, w / 4 - w / 8, w / 2 - w / 8), (False, 0.0, cost.ffn_bytes / 4)):
+        t = runs[p].transformations
+        assert t.size >= 2
+        assert t["weight_bytes"][t["tp_to"] == 4] == pytest.approx(merge, rel=1e-12)
+        assert t["weight_bytes"][t["tp_to"] == 2] == pytest.approx(split, rel=1e-12)
+    long = traces.poisson(0.2, duration=120, input_tokens=(20_000, 30_000),
+                          output_tokens=(10, 100), seed=1)
+    pp, rows = seesaw_search.prefill_pp(cost, long, 2, 4)
+    assert not pp and rows[0]["seqs"] == 1 and rows[0]["tokens_per_s"] > rows[1]["tokens_per_s"]
+    # no decode phase (decode_tp 2): the instances decode too, and a pipeline decode reads its
+    # weights once a micro-batch: TP, unless its all-reduces cost more (the Table 1 fit's, at 1%
+    # of the link, over PCIe)
+    pp, rows = seesaw_search.prefill_pp(cost, batch, 2, 2)
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert not pp and decode[0]["tokens_per_s"] > 1.5 * decode[1]["tokens_per_s"]
+    assert seesaw_search.prefill_pp(cost.replace(eff_link=CALIBRATION["eff_link"]), batch, 2, 2)[0]
+    h20 = CostModel.create("qwen2.5-32b", "h20")
+    assert seesaw_search.prefill_pp(h20, batch, 1, 4) == (False, [])   # TP1 prefills
+    assert sim.run(batch, policy="seesaw", cost=h20).config["prefill_pp"] is False
+    for bad, kw in ((1, {}), (True, {"policy": "gyges"}), (True, {"cost": ConstantCost(0.01)})):
+        with pytest.raises(gyges.Error, match="prefill_pp"):
+            sim.run(batch, **{"policy": "seesaw", "prefill_pp": bad, **kw})
+    with pytest.raises(gyges.Error, match="pipeline_degree"):
+        cost.replace(pipeline_degree=3)
 
 
 def test_seesaw_keeps_the_simulators_invariants_and_serves_prompts_no_tp1_holds():

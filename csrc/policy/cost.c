@@ -42,6 +42,12 @@ gy_status gy_sim_roofline_check(const gy_sim_roofline *p) {
     if (p->sequence_parallel < 0 || (p->sequence_parallel & (p->sequence_parallel - 1)))
         return GY_FAIL(GY_ERR_INVALID, "cost model: sequence_parallel must be 0 or a power of two, "
                        "got %d", (int)p->sequence_parallel);
+    if (p->pipeline_degree < 0 || p->pipeline_degree == 1 ||
+        (p->pipeline_degree & (p->pipeline_degree - 1)) ||
+        (p->pipeline_degree > 0 && p->n_layers < p->pipeline_degree))
+        return GY_FAIL(GY_ERR_INVALID, "cost model: pipeline_degree must be 0 or a power of two "
+                       ">= 2 and at most n_layers (%d), got %d", (int)p->n_layers,
+                       (int)p->pipeline_degree);
     if (p->kv_heads < 1 || p->n_layers < 1)
         return GY_FAIL(GY_ERR_INVALID, "cost model: kv_heads and n_layers must be >= 1 (got %d, %d)",
                        (int)p->kv_heads, (int)p->n_layers);
@@ -115,12 +121,33 @@ static double gy_sim_parts_step_time(const gy_sim_roofline *p, int32_t sp, int32
     return time;
 }
 
+/* A step of a q-stage pipeline of equal stages, one GPU each (cost.h: pipeline_degree). */
+static double gy_sim_pipeline_stages_time(const gy_sim_roofline *p, int32_t q,
+                                          const gy_sim_step_shape *s) {
+    const int64_t m = s->n_seqs < 1 ? 1 : s->n_seqs < q ? s->n_seqs : q; /* micro-batches */
+    const double stages = q, share = 1.0 / ((double)m * stages); /* of the step, one stage */
+    const int32_t micro_tokens = (int32_t)((s->n_tokens + m - 1) / m);
+    const double bytes = gy_sim_roofline_weight_read(p, micro_tokens) / stages +
+                         p->kv_bytes_per_token * (s->kv_read_tokens + (double)s->n_tokens) * share;
+    const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
+                          2.0 * p->lm_head_params * (double)s->n_samples +
+                          p->attn_flops_per_pair * s->attn_pairs) * share;
+    const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
+    const double t_flop = flops / (p->peak_flops * p->eff_flops);
+    const double hand_off = p->allreduce_bytes_per_token * (double)s->n_tokens / (double)m /
+                                p->link_bw + p->allreduce_latency;
+    return p->step_overhead + stages * (t_mem > t_flop ? t_mem : t_flop) +
+           (stages - 1.0) * hand_off;
+}
+
 double gy_sim_roofline_step_time(const gy_sim_roofline *p, int32_t tp, int transforming,
                                  const gy_sim_step_shape *s) {
     if (s->n_tokens <= 0) return 0.0;
     const int32_t unit = p->sequence_parallel;
-    const double time = unit > 0 && tp > unit ? gy_sim_parts_step_time(p, tp / unit, unit, s)
-                                              : gy_sim_parts_step_time(p, 1, tp, s);
+    const double time = p->pipeline_degree > 1 && tp == p->pipeline_degree
+                            ? gy_sim_pipeline_stages_time(p, tp, s)
+                        : unit > 0 && tp > unit ? gy_sim_parts_step_time(p, tp / unit, unit, s)
+                                                : gy_sim_parts_step_time(p, 1, tp, s);
     return transforming ? time * (1.0 + p->transform_slowdown) : time;
 }
 
@@ -144,6 +171,23 @@ static double gy_sim_phase_bytes(const gy_sim_phase_shape *ph, double kv_bytes_p
 double gy_sim_roofline_phase_time(const gy_sim_roofline *p, const gy_sim_phase_shape *ph,
                                   double *bytes_per_gpu) {
     double bytes = gy_sim_phase_bytes(ph, p->kv_bytes_per_token, p->ffn_bytes);
+    const int32_t lo = ph->tp_from < ph->tp_to ? ph->tp_from : ph->tp_to;
+    const int32_t hi = ph->tp_from < ph->tp_to ? ph->tp_to : ph->tp_from;
+    if (p->pipeline_degree > 1 && lo == p->pipeline_degree && hi > lo) {
+        /* between a pipeline's layout (layers, every head) and TP-hi's (heads, every layer):
+         * a GPU receives its new share but what of it it holds already. Weights: TP-hi's shard
+         * is W/hi, the pipeline's W/q, and a GPU holds 1/hi of its q-th of the layers in both.
+         * KV of the group's T tokens, spread evenly: T/hi a GPU in both layouts, of which it
+         * keeps its tokens' (q/hi of them) heads' (1/hi) KV of its layers (1/q): T/hi^2 */
+        const double q = lo, h = hi;
+        if (ph->kind == GY_SIM_PHASE_KV_SCATTER) {
+            const double whole = ph->kv_tokens * p->kv_bytes_per_token;
+            bytes = whole / h - whole / (h * h);
+        } else {
+            const double w = p->weight_bytes;
+            bytes = (ph->tp_to == hi ? w / h : w / q) - w / (q * h);
+        }
+    }
     double link = p->link_bw;
     if (p->reshard == 1) { /* Seesaw: through host memory */
         link = p->host_bw;

@@ -115,6 +115,25 @@ typedef struct gy_sim_roofline {
                                      parts' ring (bulk copies at eff_xfer, hidden behind the
                                      attention they feed) and combines the parts' partial
                                      attention once per layer (an all-reduce of the queries) */
+    int32_t pipeline_degree;      /* 0: every instance as above. q >= 2 (a power of two): an
+                                     instance of exactly q GPUs is a q-stage pipeline instead
+                                     (Seesaw's prefill phase): stage i holds layers
+                                     [i L/q, (i+1) L/q) whole, every head, and m = min(q,
+                                     n_seqs) micro-batches circulate, each with 1/m of the
+                                     step (vLLM's virtual engines); with equal stages a step
+                                     is step_overhead + q t(s/m) + (q - 1) h(s/m) (pipeline.h's
+                                     formula, whose round trip is the longer term when m <= q),
+                                     t the roofline of one stage on one GPU (1/q of the weights,
+                                     of the KV and of the FLOPs), h = n_tokens
+                                     allreduce_bytes_per_token / link_bw + allreduce_latency
+                                     (one hand-off). So it prefills a batch of q prompts as
+                                     fast as TP-q without its all-reduces, one prompt only as
+                                     fast as TP1, and decodes reading its weights m times. A
+                                     weights phase between it and a TP-hi instance (hi > q)
+                                     moves the layout's difference: a GPU of the pipeline
+                                     already holds 1/(q hi) of the weights of TP-hi's shard
+                                     (its layers' share), so a merge receives W/hi - W/(q hi)
+                                     and a split W/q - W/(q hi) */
     /* how a transformation's phases move their bytes */
     int32_t reshard;              /* 0: Gyges' (the heads that change owner and the FFN shards
                                      a rank lacks, GPU to GPU over link_bw); 1: Seesaw's (every

@@ -30,17 +30,19 @@
  * keeps that TP until it finishes. One that needs more than N GPUs is rejected (the search
  * picks no N below what the trace's requests need).
  *
- * What Seesaw has that this does not (ours, so that it runs on gyges' sharded instances):
- * its prefill phase is pipeline parallel (each GPU one N-th of the layers); here it is data
- * parallel (each TP1 instance every layer), which has PP's advantage (no all-reduce) without its
- * pipeline bubbles, but only the KV room the whole weights leave, and no room for prompts only
- * a TP > 1 holds. Its tiered KV buffer keeps prefilled KV in host memory until the decode phase
- * loads it; so does this where the executor has a host link (the simulator: sim.run's swap_bw,
- * by default PCIe for this policy), and on the CPU host, whose executor refuses PARK, the KV
- * stays on the workers and a prefill phase gathers what the TP1 instances hold. Its search
- * covers both phases' parallelism; here only the decode phase's TP is searched
- * (seesaw_search), the prefill phase is always TP1 (or the smallest TP that holds the weights,
- * seesaw_base). Units beyond SEESAW_MAX_UNITS keep their layout. */
+ * Seesaw prefills with pipeline parallelism (each GPU one N-th of the layers). Where one GPU
+ * holds the weights this prefills on data-parallel TP1 instances instead (each every layer):
+ * PP's advantage (no all-reduce) without its bubbles, but only the KV room the whole weights
+ * leave, and no room for prompts only a TP > 1 holds. Where the weights need `base` GPUs, the
+ * prefill instances (TP base, seesaw_base) are what the executor's cost model makes them: with
+ * the roofline's pipeline_degree = base (sim.run's prefill_pp, searched by
+ * seesaw_search.prefill_pp) they are base-stage pipelines, priced and re-sharded so; this
+ * policy decides the same either way. Its tiered KV buffer keeps prefilled KV in host memory
+ * until the decode phase loads it; so does this where the executor has a host link (the
+ * simulator: sim.run's swap_bw, by default PCIe for this policy), and on the CPU host, whose
+ * executor refuses PARK, the KV stays on the workers and a prefill phase gathers what the TP1
+ * instances hold. Seesaw's search covers data parallelism inside a phase too; here a unit is
+ * one decode instance. Units beyond SEESAW_MAX_UNITS keep their layout. */
 #include "policy.h"
 
 #include <string.h>

@@ -98,6 +98,8 @@ int gy_py_sim_cost_params(PyObject *params, const char *kind, gy_sim_cost_store 
         GY_PY_SIM_FIELD(&roof->transform_slowdown, "transform_slowdown", 0);
         if (PyDict_GetItemString(params, "sequence_parallel") != NULL) /* (else tensor parallel) */
             GY_PY_SIM_FIELD(&roof->sequence_parallel, "sequence_parallel", 1);
+        if (PyDict_GetItemString(params, "pipeline_degree") != NULL) /* (else no pipelines) */
+            GY_PY_SIM_FIELD(&roof->pipeline_degree, "pipeline_degree", 1);
         if (PyDict_GetItemString(params, "reshard") != NULL) { /* (else Gyges' phases) */
             GY_PY_SIM_FIELD(&roof->reshard, "reshard", 1);
             GY_PY_SIM_FIELD(&roof->host_bw, "host_bw", 0);

@@ -256,6 +256,10 @@ class CostModel:
     # 0: an instance of tp GPUs is tensor parallel; u: sequence parallel over TP-u parts when
     # tp > u (LoongServe's elastic instances of u GPUs, cost.h)
     sequence_parallel: int = 0
+    # 0: as above; q >= 2: an instance of exactly q GPUs is a q-stage pipeline of equal stages
+    # (Seesaw's prefill phase, cost.h's pipeline_degree): no all-reduce, min(q, n_seqs)
+    # micro-batches in flight, and its weights laid out by layers
+    pipeline_degree: int = 0
     # how a transformation moves its bytes: "gyges" (GPU to GPU over the link: the KV heads
     # that change owner, the FFN shards a rank lacks) or "seesaw" (through host memory over
     # PCIe, links.host_link: every GPU's KV out and its new share back, the FFN shards from the
@@ -285,6 +289,11 @@ class CostModel:
         u = self.sequence_parallel
         if isinstance(u, bool) or not isinstance(u, int) or u < 0 or u & (u - 1):
             raise CostModelError(f"sequence_parallel must be 0 or a power of two, got {u!r}")
+        q = self.pipeline_degree
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0 or q == 1 or q & (q - 1) \
+                or q > self.model.num_hidden_layers:
+            raise CostModelError(f"pipeline_degree must be 0 or a power of two >= 2 and at most "
+                                 f"the model's {self.model.num_hidden_layers} layers, got {q!r}")
         if not 0 < self.mem_util <= 1:
             raise CostModelError(f"mem_util must be in (0, 1], got {self.mem_util!r}")
         if self.reshard not in RESHARDS:
@@ -418,6 +427,7 @@ class CostModel:
             "allreduce_latency": float(self.allreduce_latency),
             "phase_latency_per_layer": float(self.phase_latency_per_layer),
             "sequence_parallel": int(self.sequence_parallel),
+            "pipeline_degree": int(self.pipeline_degree),
             "reshard": RESHARDS.index(self.reshard),
             "host_bw": float(links.host_link(self.gpu).bw),
         }
@@ -468,11 +478,32 @@ class CostModel:
                   transforming: bool = False) -> float:
         if n_tokens <= 0:
             return 0.0
-        nbytes, flops, comm = self.step_terms(tp, n_tokens, n_samples, kv_read_tokens,
-                                              attn_pairs)
-        t = self.step_overhead + max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
-                                     flops / (self.gpu.peak_flops * self.eff_flops)) + comm
+        q = self.pipeline_degree
+        if q > 1 and tp == q:
+            t = self._pipeline_step(q, n_tokens, n_seqs, n_samples, kv_read_tokens, attn_pairs)
+        else:
+            nbytes, flops, comm = self.step_terms(tp, n_tokens, n_samples, kv_read_tokens,
+                                                  attn_pairs)
+            t = self.step_overhead + max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
+                                         flops / (self.gpu.peak_flops * self.eff_flops)) + comm
         return t * (1 + self.slowdown()) if transforming else t
+
+    def _pipeline_step(self, q, n_tokens, n_seqs, n_samples, kv_read_tokens, attn_pairs):
+        """A step of a q-stage pipeline of equal stages (pipeline_degree): m = min(q, n_seqs)
+        micro-batches circulate, one stage computes 1/(m q) of the step per micro-batch, and a
+        step is the round trip of one: q stage times and q - 1 hand-offs (cost.h)."""
+        p = self._params()
+        m = min(q, max(1, n_seqs))
+        share = 1.0 / (m * q)
+        nbytes = self.weight_read(-(-n_tokens // m)) / q \
+            + p["kv_bytes_per_token"] * (kv_read_tokens + n_tokens) * share
+        flops = (2 * p["matmul_params"] * n_tokens + 2 * p["lm_head_params"] * n_samples
+                 + p["attn_flops_per_pair"] * attn_pairs) * share
+        stage = max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
+                    flops / (self.gpu.peak_flops * self.eff_flops))
+        hand_off = p["allreduce_bytes_per_token"] * n_tokens / m / p["link_bw"] \
+            + p["allreduce_latency"]
+        return self.step_overhead + q * stage + (q - 1) * hand_off
 
     def phase_time(self, phase: str, tp_from: int, tp_to: int, kv_tokens: float = 0.0):
         """(seconds, bytes each GPU receives) of one transformation phase."""
@@ -481,12 +512,24 @@ class CostModel:
         lo, hi = min(tp_from, tp_to), max(tp_from, tp_to)
         p = self._params()
         seesaw = self.reshard == "seesaw"
-        if phase == "kv_scatter":   # Seesaw: all of a GPU's KV out and its new share back
-            nbytes = (2 if seesaw else 1 - lo / hi) * kv_tokens * p["kv_bytes_per_token"] / hi
+        if phase == "kv_scatter":   # the heads that change owner
+            nbytes = (1 - lo / hi) * kv_tokens * p["kv_bytes_per_token"] / hi
         elif phase == "weights_gather":
             nbytes = self.ffn_bytes * (1 / lo - 1 / hi)
         else:
             nbytes = 0.0
+        q = self.pipeline_degree
+        if q > 1 and lo == q and hi > lo:
+            # between a pipeline's layout (layers) and TP-hi's (heads): the new share but what
+            # a GPU holds of it already (cost.c)
+            if phase == "kv_scatter":
+                whole = kv_tokens * p["kv_bytes_per_token"]
+                nbytes = whole / hi - whole / (hi * hi)
+            else:
+                w = self.weight_bytes
+                nbytes = (w / hi if tp_to == hi else w / q) - w / (q * hi)
+        if seesaw and phase == "kv_scatter":   # all of a GPU's KV out and its new share back
+            nbytes = 2 * kv_tokens * p["kv_bytes_per_token"] / hi
         link = p["host_bw"] if seesaw else self.gpu.link_bw
         t = nbytes / (link * self.eff_xfer) \
             + self.model.num_hidden_layers * self.phase_latency_per_layer
@@ -566,7 +609,7 @@ class CostModel:
                                                  "prefill_act_bytes")},
                 "transform_slowdown": self.slowdown(),
                 "activation_bytes": self.activation, "sequence_parallel": self.sequence_parallel,
-                "reshard": self.reshard,
+                "pipeline_degree": self.pipeline_degree, "reshard": self.reshard,
                 "note": self.note}
 
 

@@ -13,19 +13,33 @@ at most max_running, and decodes them in one step of cost.step_time(N, b, ...): 
 tokens a second a GPU. The best wins; ties go to the smaller TP, whose re-shardings move less.
 TP1 means no decode phase at all (the unit stays data parallel).
 
+Its prefill parallelism, where there is a choice (the weights need base >= 2 GPUs an instance):
+
+    pp, rows = prefill_pp(cost, trace, base, decode_tp, max_batch_tokens=2048)
+
+compares a TP-base instance with a base-stage pipeline (CostModel.pipeline_degree) on one
+prefill step of the trace's mean prompt, batched as the scheduler batches it (as many whole
+prompts as max_batch_tokens holds, or one chunk of a longer one at half its prompt's context):
+the pipeline has no all-reduce but needs a prompt a stage to fill itself, so it wins where the
+link is slow (PCIe) and prompts are short, and TP wins on one long prompt. With decode_tp <= base
+there is no decode phase to move to and the instances decode too: the pipeline must then also
+win a decode step of as many mean requests as a TP-base instance holds (it reads its weights
+once a micro-batch, so it wins only where TP's all-reduces cost more than that).
+
 Under the Table 1 fit (Qwen2.5-32B on H20, all-reduce at 1% of NVLink) a TP8 decodes a third of
 what a TP2 does per GPU, so the search keeps Seesaw at TP2; with NVLink at NCCL's measured speed
 (calibration "grounded") TP2-TP4 lead by a few percent. What Seesaw also searches and this does
-not: its prefill phase's parallelism (here always TP1) and the CPU buffer's size.
+not: data parallelism inside a phase (a unit is one decode instance, and its prefill instances
+are of one size) and the CPU buffer's size.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .costmodel import ConstantCost
+from .costmodel import ConstantCost, CostModel
 from .policy import PolicyError
 
-__all__ = ["decode_tp"]
+__all__ = ["decode_tp", "prefill_pp"]
 
 
 def _min_levels(trace, capacity, max_input, block_size):
@@ -73,3 +87,42 @@ def decode_tp(cost, trace, max_tp: int, block_size: int = 16, max_running: int =
         return max_tp, rows
     best = max(fits, key=lambda r: (r["per_gpu"], -r["tp"]))
     return best["tp"], rows
+
+
+def prefill_pp(cost, trace, base: int, decode_tp: int, max_batch_tokens: int = 2048,
+               max_running: int = 256, block_size: int = 16):
+    """(whether Seesaw's instances of `base` GPUs should be pipelines, a row per candidate:
+    parallelism, phase, sequences a step, step seconds, tokens/s). Only a roofline CostModel
+    prices a pipeline; with base < 2 there is nothing to pick."""
+    if not isinstance(cost, CostModel) or base < 2 or trace.size == 0:
+        return False, []
+    prompt = float(np.mean(trace["input_tokens"]))
+    output = float(np.mean(trace["output_tokens"]))
+    shapes = {}
+    if prompt <= max_batch_tokens:   # whole prompts, as many as a step takes
+        seqs = int(max(1, min(max_running, max_batch_tokens // max(prompt, 1.0))))
+        tokens, context = seqs * prompt, 0.0
+    else:                            # one chunk of a long prompt, half of it already computed
+        seqs, tokens, context = 1, float(max_batch_tokens), prompt / 2
+    per_seq = tokens / seqs
+    shapes["prefill"] = dict(n_tokens=int(tokens), n_seqs=seqs, n_samples=seqs,
+                             kv_read_tokens=seqs * (context + per_seq),
+                             attn_pairs=seqs * (per_seq * context + per_seq * (per_seq + 1) / 2))
+    if decode_tp <= base:            # no decode phase: the instances decode too
+        context = prompt + output / 2
+        seqs = int(min(max_running, cost.kv_blocks(base, block_size) * block_size //
+                       max(context, 1.0)))
+        if seqs >= 1:
+            shapes["decode"] = dict(n_tokens=seqs, n_seqs=seqs, n_samples=seqs,
+                                    kv_read_tokens=seqs * context, attn_pairs=seqs * context)
+    rows = []
+    for name, model in ((f"TP{base}", cost.replace(pipeline_degree=0)),
+                        (f"PP{base}", cost.replace(pipeline_degree=base))):
+        for phase, shape in shapes.items():
+            step = model.step_time(base, **shape)
+            rows.append({"parallelism": name, "phase": phase, "seqs": shape["n_seqs"],
+                         "step": step, "tokens_per_s": shape["n_tokens"] / step})
+    if decode_tp <= base and "decode" not in shapes:
+        return False, rows
+    n = len(shapes)
+    return all(pp["tokens_per_s"] > tp["tokens_per_s"] for tp, pp in zip(rows[:n], rows[n:])), rows

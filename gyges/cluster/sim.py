@@ -143,7 +143,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         kv_blocks: int | None = None, buddy_group: int = 1, live_restore: bool = True,
         buddy_strategy: str | None = None, restore_wait: float | None = None,
         swap_bw: float | None = None, sp_min_prompt: float | None = None,
-        reshard: str = "gyges", decode_tp: int | None = None) -> Results:
+        reshard: str = "gyges", decode_tp: int | None = None,
+        prefill_pp: bool | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
@@ -187,6 +188,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     trace (gyges.cluster.seesaw_search); its prefill phases park each prefilled request's KV in
     host memory (Seesaw's tiered KV buffer, GY_SIM_OP_PARK) over swap_bw, which defaults to the
     GPU's host link (PCIe) for this policy (and then prices its preemptions' swaps too).
+    prefill_pp: whether Seesaw's prefill instances, where the weights need more than one GPU
+    (the smallest TP that holds them, base), are base-stage pipelines (Seesaw's PP prefill:
+    CostModel.pipeline_degree = base, re-sharded to and from the TP decode instances' layout);
+    None searches it (seesaw_search.prefill_pp). Policy "seesaw" with a CostModel only.
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
@@ -204,9 +209,13 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                                                       "pp" in layout.lower())):
         raise SimError(f"reshard={reshard!r} re-shards the TP groups of a sharded cluster, not "
                        f"pipelines or buddy groups")
+    if prefill_pp is not None and (policy != "seesaw" or not isinstance(prefill_pp, bool)):
+        raise SimError(f"prefill_pp (Seesaw's pipelined prefill, True or False) is for policy "
+                       f"'seesaw', got {prefill_pp!r} with policy {policy!r}")
     if weights == "buddy":
         return _run_buddy(**{k: v for k, v in locals().items()
-                             if k not in ("t_wall", "reshard", "decode_tp")}, t_wall=t_wall)
+                             if k not in ("t_wall", "reshard", "decode_tp", "prefill_pp")},
+                          t_wall=t_wall)
     if policy in ("kunserve", "llumnix"):
         what = "drops replicated parameters" if policy == "kunserve" else \
             "migrates requests between replicas"
@@ -218,7 +227,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         return _run_pipeline(**{k: v for k, v in locals().items()
                                 if k not in ("t_wall", "buddy_group", "live_restore",
                                              "buddy_strategy", "restore_wait", "sp_min_prompt",
-                                             "reshard", "decode_tp")},
+                                             "reshard", "decode_tp", "prefill_pp")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -276,6 +285,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if policy == "seesaw" and decode_tp is None:   # Seesaw's offline search
         knobs["decode_tp"] = seesaw_search.decode_tp(cost, trace, max_tp, block_size,
                                                      sched["max_running"])[0]
+    if prefill_pp is not None and not isinstance(cost, CostModel):
+        raise SimError(f"prefill_pp prices pipelines with the roofline cost model: give a "
+                       f"CostModel, not a {type(cost).__name__}")
     if policy == "seesaw" and swap_bw is None and isinstance(cost, CostModel):
         swap_bw = links.host_link(cost.gpu).bw   # its tiered KV buffer, over PCIe
     capacity, capacity_mid = cost.capacities(max_tp, block_size)
@@ -290,6 +302,15 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                        f"after its weights); raise max_tp or gpus_per_host")
     min_tp = 1 << fits[0]
     capacity_mid = [max(int(m), c) if c >= 1 else 0 for m, c in zip(capacity_mid, capacity)]
+    if policy == "seesaw" and isinstance(cost, CostModel):
+        if prefill_pp is None:   # Seesaw's search of its prefill parallelism
+            unit = knobs["decode_tp"] or max_tp
+            prefill_pp = seesaw_search.prefill_pp(cost, trace, min_tp, unit,
+                                                  sched["max_batch_tokens"],
+                                                  sched["max_running"])[0]
+        prefill_pp = bool(prefill_pp) and min_tp > 1   # (a TP1 instance is a 1-stage one)
+        if prefill_pp:
+            cost = cost.replace(pipeline_degree=min_tp)
     if replicated:
         # a bound TP-2^l group pools its members' KV: each keeps the smallest TP's copy (for
         # LoongServe, the copy of the layout's smallest instances: its elastic instances)
@@ -337,7 +358,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
               "capacity_blocks": capacity, "capacity_mid_blocks": capacity_mid,
               "max_input_tokens": max_input,
               **sched, **knobs, "weights": weights,
-              "switch_time": switch_time, "reshard": reshard,
+              "switch_time": switch_time, "reshard": reshard, "prefill_pp": prefill_pp,
               "sample_interval": sample_interval, "record_tokens": bool(record_tokens),
               "swap_bw": swap_bw})
 

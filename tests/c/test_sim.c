@@ -157,6 +157,47 @@ GYTEST(sim_cost_sequence_parallel_by_hand) {
     CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
 }
 
+GYTEST(sim_cost_pipeline_by_hand) {
+    gy_sim_roofline p = toy_roofline();
+    gy_sim_step_shape s = {.n_tokens = 4, .n_seqs = 2, .n_samples = 2, .kv_read_tokens = 10,
+                           .attn_pairs = 20};
+    const double tp4 = gy_sim_roofline_step_time(&p, 4, 0, &s);
+    p.pipeline_degree = 2; /* a TP2 instance is a 2-stage pipeline; two micro-batches of 2
+     * tokens. A stage per micro-batch: bytes = 1000 / 2 + 8 * 14 / 4 = 528 -> 10.56 s, flops
+     * 140 / 4 -> 1.4 s; a hand-off of 2 tokens: 2 * 4 / 10 + 0.5 = 1.3 s;
+     * step = 1 + 2 * 10.56 + 1.3 */
+    CHECK_OK(gy_sim_roofline_check(&p));
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 0, &s) - 23.42) < 1e-12);
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 1, &s) - 23.42 * 1.5) < 1e-12);
+    CHECK(gy_sim_roofline_step_time(&p, 4, 0, &s) == tp4); /* other sizes stay TP */
+    s.n_seqs = 1; /* one micro-batch: bytes 500 + 8 * 14 / 2 = 556 -> 11.12 s; hand-off 2.1 s */
+    CHECK(fabs(gy_sim_roofline_step_time(&p, 2, 0, &s) - (1 + 2 * 11.12 + 2.1)) < 1e-12);
+    /* a merge of two pipelines into a TP4: a GPU holds 1000 / 8 of its TP4 shard (250);
+     * a split back needs 500, of which it holds 125 too; the KV of 100 tokens (800 bytes):
+     * 800 / 4 - 800 / 16 = 150 a GPU, either way */
+    double bytes = -1;
+    gy_sim_phase_shape ph = {.kind = GY_SIM_PHASE_WEIGHTS_DROP, .tp_from = 2, .tp_to = 4};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (125 / 2.5 + 0.3)) < 1e-12);
+    CHECK(bytes == 125);
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_WEIGHTS_GATHER, .tp_from = 4, .tp_to = 2};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (375 / 2.5 + 0.3)) < 1e-12);
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_KV_SCATTER, .tp_from = 4, .tp_to = 2,
+                              .kv_tokens = 100};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (150 / 2.5 + 0.3)) < 1e-12);
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_WEIGHTS_DROP, .tp_from = 1, .tp_to = 2};
+    /* TP1 -> PP2: the pipeline is the larger end, which Seesaw never forms; priced as TP */
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - 0.3) < 1e-12 && bytes == 0);
+    p.reshard = 1; /* Seesaw's: the KV all out and the new share in, over the host link */
+    p.host_bw = 40;
+    ph = (gy_sim_phase_shape){.kind = GY_SIM_PHASE_KV_SCATTER, .tp_from = 2, .tp_to = 4,
+                              .kv_tokens = 100};
+    CHECK(fabs(gy_sim_roofline_phase_time(&p, &ph, &bytes) - (400 / 10.0 + 0.3)) < 1e-12);
+    for (int bad = 0; bad < 3; bad++) {
+        p.pipeline_degree = (int32_t[]){1, 3, 4}[bad]; /* 4 stages of a 3-layer model */
+        CHECK_STATUS(gy_sim_roofline_check(&p), GY_ERR_INVALID);
+    }
+}
+
 GYTEST(sim_cost_profiled_by_hand) {
     gy_sim_cost_profiled p = {.n_levels = 2, .base = {1, 2}, .per_token = {0.5, 0.25},
                               .per_sample = {0.1, 0.1}, .per_kv_read = {0.01, 0},
