@@ -167,6 +167,30 @@ def test_latency_mode_splits_pairs_that_decode_more_slowly_than_their_halves():
     assert gyges_["goodput"] >= 0.95 * static["goodput"]
 
 
+def test_under_load_the_floor_keeps_the_kv_room_the_weights_leave():
+    """Flying's alternating load with NVLink at NCCL's measured speed (grounded): the efficient
+    floor (TP8 prefills at 95% of TP1's rate per GPU) merges the light phases into one TP8; under
+    load the floor is instead the smallest TP with half the most KV room per GPU, TP2 (a TP1 of
+    Qwen2.5-32B on an H20 keeps 1/6 of a TP2's per GPU beside its whole copy of the weights), so
+    the high phase runs on 4xTP2, the best static layout: gyges' goodput is within 5% of it,
+    above one TP8's and 8xTP1's (with the efficient floor at every load: 0.86x of 4xTP2; with
+    TP1 under load: 0.88x). Under the Table 1 fit the floor stays TP1."""
+    tr = traces.scale_rate(traces.flying_alternating(240, seed=0), 1 / 4)
+    slo = {"ttft": 10.0, "tpot": 0.1}
+    grounded = CostModel.create(calibration="grounded")
+    runs = {name: sim.run(tr, cost=grounded, slo=slo, **kw) for name, kw in (
+        ("gyges", dict(policy="gyges")), ("4xTP2", dict(policy="static", layout="4xTP2")),
+        ("1xTP8", dict(policy="static", layout="1xTP8")),
+        ("8xTP1", dict(policy="static", layout="8xTP1")))}
+    good = {name: res.summary()["goodput"] for name, res in runs.items()}
+    assert good["gyges"] >= 0.95 * good["4xTP2"]
+    assert good["gyges"] > 1.05 * max(good["1xTP8"], good["8xTP1"])
+    assert runs["gyges"].layout_at(60) == [(0, 8)]                       # light: the floor
+    assert runs["gyges"].layout_at(230) == [(g, 2) for g in range(0, 8, 2)]   # loaded: roomy
+    fit = sim.run(tr, policy="gyges", slo=slo)
+    assert fit.layout_at(230) == [(g, 1) for g in range(8)]
+
+
 def test_an_allocation_failing_in_a_latency_mode_run_raises_and_leaves_no_trace():
     """gyges with its latency mode (merges and splits as the load moves): failing allocations
     spread over the whole run each raise a gyges.Error, and a run afterwards gives the bytes of

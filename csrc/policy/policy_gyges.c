@@ -68,7 +68,13 @@
  * TP > 1 the floor stays below that TP, unless long requests are most of the recent prompt
  * tokens (GYGES_LONG_MOST). Under the Table 1 fit it is 1 (the paper's premise: TP1
  * serves the most per GPU), so nothing above changes; under costs where TP is nearly free (NVLink
- * at NCCL's measured speed) short requests no longer wait on TP1 instances.
+ * at NCCL's measured speed) short requests no longer wait on TP1 instances. Past light_load the
+ * floor is instead the smallest TP up to it whose KV room per GPU is at least half the most
+ * (gyges_roomy_tp): under load the queue is the KV, and a TP1 that keeps a whole copy of the
+ * weights has little (Qwen2.5-32B on H20: 1/6 of a TP2's per GPU). Grounded, Flying's
+ * alternating load: one TP8 through its high phases, goodput 0.86x 4xTP2's (the best static);
+ * with TP1 under load 0.88x; with the roomy floor 0.96x (KunServe's burst 0.48x -> 0.53x of
+ * 1xTP8's; the Table 1 fit, whose floor is 1, and the other traces unchanged).
  *
  * The work mix (ours): scale_up_cap keeps TP1 instances for short requests, which on Gyges'
  * workloads are most of the work. Where long prompts are (Mooncake's trace: 90% of the prompt
@@ -403,6 +409,20 @@ static int32_t gyges_efficient_tp(const gy_sim_view *v) {
     return tp;
 }
 
+/* The smallest TP up to `most` whose KV room per GPU is at least half the most any TP up to it
+ * has (the floor under load): below it the copies of the weights leave the KV little room. */
+static int32_t gyges_roomy_tp(const gy_sim_view *v, int32_t most) {
+    double best = 0;
+    for (int32_t l = 0; l < GY_SIM_MAX_LEVELS && (INT32_C(1) << l) <= most; l++) {
+        const double room = (double)v->capacity[l] / (double)(INT32_C(1) << l);
+        if (room > best) best = room;
+    }
+    for (int32_t l = 0; l < GY_SIM_MAX_LEVELS && (INT32_C(1) << l) <= most; l++)
+        if ((double)v->capacity[l] / (double)(INT32_C(1) << l) >= 0.5 * best)
+            return INT32_C(1) << l;
+    return most;
+}
+
 /* The base TP at `load` outstanding tokens per GPU: the latency mode's, at least `floor` (1 on
  * clusters that do not merge and split). */
 static int32_t gyges_base_tp(const gy_sim_policy_config *cfg, const gy_sim_view *v, double load,
@@ -480,7 +500,13 @@ static gy_status gyges_rebalance(void *state, const gy_sim_policy_config *cfg,
      * 6.2 s not, 1xTP8's 6.0 s). */
     int32_t floor = gyges_efficient_tp(v);
     if (need > 1 && floor >= need && gyges_long_share(state) < GYGES_LONG_MOST) floor = need / 2;
-    int32_t up = gyges_base_tp(cfg, v, load, floor), base = gyges_base_tp(cfg, v, load / 4, floor);
+    /* under load (for the merges: now; for the splits: at a quarter, the latency mode's
+     * margin), the KV room the weights leave decides, not the prefill rate */
+    const int32_t roomy = gyges_roomy_tp(v, floor);
+    const int32_t floor_up = cfg->light_load > 0 && load > cfg->light_load ? roomy : floor;
+    const int32_t floor_base = cfg->light_load > 0 && load / 4 > cfg->light_load ? roomy : floor;
+    int32_t up = gyges_base_tp(cfg, v, load, floor_up),
+            base = gyges_base_tp(cfg, v, load / 4, floor_base);
     if (need > up) up = floor;
     if (need > base) base = floor; /* what a split must be above */
     if (!gyges_merge_to_base(v, up, d)) return GY_OK;
