@@ -177,8 +177,8 @@ def seesaw_regime_rows(calibration="table1"):
         label = system
         if system == "seesaw":
             c = res.config
-            prefill = f"{'PP' if c['prefill_pp'] else 'TP'}2"   # (base 2: the weights need 2)
-            decode = f"TP{c['decode_tp']}" if c["decode_tp"] > 2 else prefill
+            prefill = f"{'PP' if c['prefill_pp'] else 'TP'}{c['prefill_tp']}"
+            decode = f"TP{c['decode_tp']}" if c["decode_tp"] > c["prefill_tp"] else prefill
             label = f"seesaw (prefill {prefill}, decode {decode})"
         rows.append({"system": label, "requests": int(r.size),
                      "rejected": int((r["status"] == 4).sum()), "makespan_s": span,

@@ -544,8 +544,11 @@ def test_seesaw_brings_back_every_byte_it_parks():
                 for decode_tp in (2, 4, 8):
                     if decode_tp > per_host:
                         continue
+                    # TP1 prefill instances (the search's TP2 would leave no phases at
+                    # decode TP2: 6.5% of these prompts need more than a TP1 prefills)
                     res = sim.run(tr, policy="seesaw", reshard=reshard, hosts=hosts,
-                                  gpus_per_host=per_host, decode_tp=decode_tp, check=True)
+                                  gpus_per_host=per_host, decode_tp=decode_tp, prefill_tp=0,
+                                  check=True)
                     st = res.stats
                     assert (res.requests["status"] == 3).all()
                     assert st["swap_out_bytes"] > 1e9   # (parked: GBs each run)
@@ -650,6 +653,37 @@ def test_seesaw_prefills_as_pipelines_where_its_search_finds_them_faster():
             sim.run(batch, **{"policy": "seesaw", "prefill_pp": bad, **kw})
     with pytest.raises(gyges.Error, match="pipeline_degree"):
         cost.replace(pipeline_degree=3)
+
+
+def test_seesaw_prefill_instances_take_all_but_rare_requests():
+    """Qwen2.5-32B on L40S: a TP2 holds the weights but prefills at most 1,367 tokens (its
+    activations), and a tenth of this batch's prompts are longer. With TP2 prefill instances each
+    of those merges a unit out of its phase for itself (131.5 s for the batch, where the static
+    2xTP4 takes 72.8 s); the search makes the prefill instances TP4, where none needs more, and
+    with the decode TP4 too there are no phases: 2xTP4's time. A layout of smaller instances
+    merges up to the prefill TP first, and the prefill phase splits nothing below it."""
+    cost = CostModel.create("qwen2.5-32b", "l40s", calibration="grounded")
+    batch = traces.poisson(1000, duration=0.5, input_tokens=(200, 1500),
+                           output_tokens=(100, 400), seed=1)
+    over = float(np.mean(batch["input_tokens"] > cost.max_input_tokens(2)))
+    assert 0.05 < over < 0.2
+    assert seesaw_search.prefill_tp(cost, batch, 8) == (4, 0.0)
+    short = traces.poisson(1000, duration=0.5, input_tokens=(200, 1200),
+                           output_tokens=(100, 400), seed=1)
+    assert seesaw_search.prefill_tp(cost, short, 8) == (2, 0.0)   # (none over)
+    static = sim.run(batch, policy="static", layout="2xTP4", cost=cost).requests["finish"].max()
+    searched = sim.run(batch, policy="seesaw", reshard="seesaw", cost=cost, check=True)
+    assert searched.config["prefill_tp"] == 4 and searched.config["layout"] == "2xTP4"
+    assert searched.requests["finish"].max() <= 1.01 * static
+    churn = sim.run(batch, policy="seesaw", reshard="seesaw", cost=cost, prefill_tp=2)
+    assert churn.requests["finish"].max() > 1.5 * static
+    up = sim.run(batch, policy="seesaw", reshard="seesaw", cost=cost, prefill_tp=4, decode_tp=8,
+                 layout="4xTP2", check=True)
+    t = up.transformations
+    assert (up.requests["status"] == 3).all() and t["tp_to"].min() == 4
+    assert ((t["tp_from"] == 2) & (t["tp_to"] == 4)).sum() == 2 and (t["start"][:2] < 1).all()
+    with pytest.raises(gyges.Error, match="prefill_tp"):
+        sim.run(batch, policy="seesaw", cost=cost, prefill_tp=3)
 
 
 def test_seesaw_keeps_the_simulators_invariants_and_serves_prompts_no_tp1_holds():

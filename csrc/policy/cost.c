@@ -128,7 +128,8 @@ static double gy_sim_pipeline_stages_time(const gy_sim_roofline *p, int32_t q,
     const double stages = q, share = 1.0 / ((double)m * stages); /* of the step, one stage */
     const int32_t micro_tokens = (int32_t)((s->n_tokens + m - 1) / m);
     const double bytes = gy_sim_roofline_weight_read(p, micro_tokens) / stages +
-                         p->kv_bytes_per_token * (s->kv_read_tokens + (double)s->n_tokens) * share;
+                         p->kv_bytes_per_token * (s->kv_read_tokens + (double)s->n_tokens) *
+                             share;
     const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
                           2.0 * p->lm_head_params * (double)s->n_samples +
                           p->attn_flops_per_pair * s->attn_pairs) * share;

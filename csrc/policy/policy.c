@@ -58,7 +58,7 @@ gy_sim_policy_config gy_sim_policy_config_default(void) {
                                    * an H20 is about a second) */
                                   .sp_min_prompt = 8192.0,
                                   /* seesaw: decode at the largest TP a host forms */
-                                  .decode_tp = 0};
+                                  .decode_tp = 0, .prefill_tp = 0};
 }
 
 int gy_sim_level(int32_t tp) {
@@ -218,10 +218,10 @@ void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_
 }
 
 int gy_sim_policy_split_unneeded_in(const gy_sim_view *v, int32_t g, int32_t size,
-                                    gy_sim_decision *d) {
+                                    int32_t floor, gy_sim_decision *d) {
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + size; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
-        if (i->tp <= 1 || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
+        if (i->tp <= floor || i->xform != GY_SIM_XFORM_NONE || i->reserved) continue;
         if (i->max_min_tp >= i->tp || !gy_sim_policy_split_plausible(v, i)) continue;
         if (!gy_sim_decision_add_op(d, GY_SIM_OP_SPLIT, i->gpu_first, i->tp)) return 0;
     }
@@ -231,7 +231,7 @@ int gy_sim_policy_split_unneeded_in(const gy_sim_view *v, int32_t g, int32_t siz
 gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
                                        const gy_sim_view *v, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
-    gy_sim_policy_split_unneeded_in(v, 0, v->n_gpus, d);
+    gy_sim_policy_split_unneeded_in(v, 0, v->n_gpus, 1, d);
     return GY_OK;
 }
 

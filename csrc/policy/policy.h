@@ -250,6 +250,9 @@ typedef struct gy_sim_policy_config {
     int32_t decode_tp;       /* seesaw: the TP of its decode phase, each unit of that many GPUs
                                 merging into one instance (0: the largest a host forms;
                                 gyges.cluster.seesaw_search picks it by Seesaw's search) */
+    int32_t prefill_tp;      /* seesaw: the TP of its prefill instances, at least the smallest
+                                that holds the weights (0: that one; seesaw_search.prefill_tp
+                                picks it so that prompts needing more are rare) */
 } gy_sim_policy_config;
 
 /* The contract the controller relies on to decide waiting requests again only when it can
@@ -342,11 +345,11 @@ int gy_sim_policy_resume(const gy_sim_view *v, const gy_sim_req_view *r, gy_sim_
  * it holds r, else DEFER on the aligned group of min_tp GPUs around it, with its merges. */
 void gy_sim_policy_place_or_scale(const gy_sim_view *v, int32_t k, const gy_sim_req_view *r,
                                   gy_sim_decision *d);
-/* Appends a SPLIT of every TP > 1 instance of the aligned group [g, g + size) that nothing under
- * way or reserved touches, that no request needs at its TP, and whose requests plausibly fit its
- * halves; 0 when the decision is full. */
+/* Appends a SPLIT of every instance above TP `floor` of the aligned group [g, g + size) that
+ * nothing under way or reserved touches, that no request needs at its TP, and whose requests
+ * plausibly fit its halves; 0 when the decision is full. */
 int gy_sim_policy_split_unneeded_in(const gy_sim_view *v, int32_t g, int32_t size,
-                                    gy_sim_decision *d);
+                                    int32_t floor, gy_sim_decision *d);
 /* The baselines' rebalance: gy_sim_policy_split_unneeded_in over the whole cluster. */
 gy_status gy_sim_policy_split_unneeded(void *state, const gy_sim_policy_config *cfg,
                                        const gy_sim_view *v, gy_sim_decision *d);

@@ -33,8 +33,9 @@
  * Seesaw prefills with pipeline parallelism (each GPU one N-th of the layers). Where one GPU
  * holds the weights this prefills on data-parallel TP1 instances instead (each every layer):
  * PP's advantage (no all-reduce) without its bubbles, but only the KV room the whole weights
- * leave, and no room for prompts only a TP > 1 holds. Where the weights need `base` GPUs, the
- * prefill instances (TP base, seesaw_base) are what the executor's cost model makes them: with
+ * leave, and no room for prompts only a TP > 1 holds. The prefill instances are of TP `base`
+ * (seesaw_base: the smallest that holds the weights, or prefill_tp, which the search sets so that
+ * few requests need more). Where base > 1 they are what the executor's cost model makes them: with
  * the roofline's pipeline_degree = base (sim.run's prefill_pp, searched by
  * seesaw_search.prefill_pp) they are base-stage pipelines, priced and re-sharded so; this
  * policy decides the same either way. Its tiered KV buffer keeps prefilled KV in host memory
@@ -64,10 +65,15 @@ static int32_t seesaw_unit(const gy_sim_policy_config *cfg, const gy_sim_view *v
 }
 
 /* The TP of a unit's prefill phase: the smallest whose instance holds the model's weights (TP1,
- * unless they need more GPUs: Llama-3-70B on an H100 needs a TP2). "TP1" below means it. */
-static int32_t seesaw_base(const gy_sim_view *v) {
+ * unless they need more GPUs: Llama-3-70B on an H100 needs a TP4), or prefill_tp if larger
+ * (the search's: where many prompts need more than that TP to prefill, each would merge a
+ * unit out of its phase). "TP1" below means it. */
+static int32_t seesaw_base(const gy_sim_policy_config *cfg, const gy_sim_view *v) {
     for (int l = 0; l < GY_SIM_MAX_LEVELS && (INT32_C(1) << l) <= v->max_tp; l++)
-        if (v->capacity[l] >= 1) return INT32_C(1) << l;
+        if (v->capacity[l] >= 1) {
+            const int32_t tp = INT32_C(1) << l;
+            return cfg->prefill_tp > tp && cfg->prefill_tp <= v->max_tp ? cfg->prefill_tp : tp;
+        }
     return v->max_tp;
 }
 
@@ -87,8 +93,9 @@ typedef struct seesaw_work {
     int moving, settled, parked, full;
 } seesaw_work;
 
-static seesaw_work seesaw_unit_work(const gy_sim_view *v, int32_t g, int32_t unit) {
-    const int32_t base = seesaw_base(v);
+static seesaw_work seesaw_unit_work(const gy_sim_policy_config *cfg, const gy_sim_view *v,
+                                    int32_t g, int32_t unit) {
+    const int32_t base = seesaw_base(cfg, v);
     seesaw_work w = {0, 0, 0, 0, 1, 0, 1};
     for (int32_t k = v->gpu_inst[g]; k < v->n_inst && v->inst[k].gpu_first < g + unit; k++) {
         const gy_sim_inst_view *i = &v->inst[k];
@@ -109,7 +116,7 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
                               const gy_sim_req_view *r, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     const seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(v);
+    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(cfg, v);
     if (r->min_tp == 0 || r->min_tp > unit) {
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
@@ -124,7 +131,8 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
             if (i->tp != base || i->reserved || !gy_sim_policy_fits(i, r) ||
                 seesaw_in_decode(st, unit, i->gpu_first))
                 continue;
-            const seesaw_work w = seesaw_unit_work(v, i->gpu_first - i->gpu_first % unit, unit);
+            const seesaw_work w =
+                seesaw_unit_work(cfg, v, i->gpu_first - i->gpu_first % unit, unit);
             if (!w.settled) continue;
             /* parking: the unit gathers what its decode instance holds; the TP1 needs room
              * for the prompt only */
@@ -187,12 +195,12 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
                                   const gy_sim_view *v, gy_sim_decision *d) {
     memset(d, 0, sizeof *d);
     seesaw_state *st = state;
-    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(v);
+    const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(cfg, v);
     if (unit <= base) return GY_OK;
     for (int32_t g = 0; g + unit <= v->n_gpus && g / unit < SEESAW_MAX_UNITS; g += unit) {
         if (!gy_sim_group_valid(v, g, unit)) continue;
         uint8_t *decode = &st->decode[g / unit];
-        const seesaw_work w = seesaw_unit_work(v, g, unit);
+        const seesaw_work w = seesaw_unit_work(cfg, v, g, unit);
         const int32_t whole = gy_sim_group_instance(v, g, unit);
         const int waited_for = gy_sim_pending_overlaps(v, g, unit, 0);
         /* its prompts are prefilled (and no request waits to be placed here), or its KV is all
@@ -222,9 +230,13 @@ static gy_status seesaw_rebalance(void *state, const gy_sim_policy_config *cfg,
             continue;
         }
         /* prefill phase: split what is above TP1, its requests along with their KV (a request
-         * that needs its TP keeps it until it finishes); once settled, its instances park what
-         * they prefill (asked once a phase: an executor without a host buffer refuses) */
-        if (!gy_sim_policy_split_unneeded_in(v, g, unit, d)) return GY_OK;
+         * that needs its TP keeps it until it finishes), and merge what is below it (a layout
+         * of smaller instances than prefill_tp); once settled, its instances park what they
+         * prefill (asked once a phase: an executor without a host buffer refuses) */
+        if (!gy_sim_policy_split_unneeded_in(v, g, unit, base, d)) return GY_OK;
+        for (int32_t b = g; b < g + unit; b += base)
+            if (gy_sim_policy_build_group(v, b, base, d) < 0 && d->n_ops >= GY_SIM_MAX_OPS)
+                return GY_OK;
         if (w.settled && !w.moving && !st->parking[g / unit]) {
             if (!seesaw_park_unit(v, g, unit, base, 1, d)) return GY_OK;
             st->parking[g / unit] = 1;

@@ -28,15 +28,16 @@ static PyObject *gy_py_policy_new(PyTypeObject *type, PyObject *args, PyObject *
     static char *names[] = {"name",          "decode_weight", "scale_down_free", "scale_up_cap",
                             "merge_wait",    "scale_up_load", "eager_scale_up",  "flying_tp",
                             "light_load", "buddy_strategy", "restore_wait", "idle_load",
-                            "sp_min_prompt", "decode_tp", NULL};
+                            "sp_min_prompt", "decode_tp", "prefill_tp", NULL};
     const char *name;
     gy_sim_policy_config cfg = gy_sim_policy_config_default();
     int eager = cfg.eager_scale_up;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|dddddpididddi", names, &name,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|dddddpididddii", names, &name,
                                      &cfg.decode_weight, &cfg.scale_down_free, &cfg.scale_up_cap,
                                      &cfg.merge_wait, &cfg.scale_up_load, &eager, &cfg.flying_tp,
                                      &cfg.light_load, &cfg.buddy_strategy, &cfg.restore_wait,
-                                     &cfg.idle_load, &cfg.sp_min_prompt, &cfg.decode_tp))
+                                     &cfg.idle_load, &cfg.sp_min_prompt, &cfg.decode_tp,
+                                     &cfg.prefill_tp))
         return NULL;
     cfg.eager_scale_up = eager;
     const gy_sim_policy_ops *ops = gy_sim_policy_find(name);
@@ -275,14 +276,15 @@ static PyObject *gy_py_policy_get_monitors(GyPolicyObject *self, void *closure) 
 
 static PyObject *gy_py_policy_get_config(GyPolicyObject *self, void *closure) {
     const gy_sim_policy_config *c = &self->config;
-    return Py_BuildValue("{sdsdsdsdsdsOsisdsdsisdsdsi}", "decode_weight", c->decode_weight,
+    return Py_BuildValue("{sdsdsdsdsdsOsisdsdsisdsdsisi}", "decode_weight", c->decode_weight,
                          "scale_down_free", c->scale_down_free, "scale_up_cap", c->scale_up_cap,
                          "merge_wait", c->merge_wait, "scale_up_load", c->scale_up_load,
                          "eager_scale_up", c->eager_scale_up ? Py_True : Py_False, "flying_tp",
                          (int)c->flying_tp, "light_load", c->light_load, "idle_load",
                          c->idle_load, "buddy_strategy",
                          (int)c->buddy_strategy, "restore_wait", c->restore_wait,
-                         "sp_min_prompt", c->sp_min_prompt, "decode_tp", (int)c->decode_tp);
+                         "sp_min_prompt", c->sp_min_prompt, "decode_tp", (int)c->decode_tp,
+                         "prefill_tp", (int)c->prefill_tp);
 }
 
 static PyMethodDef gy_py_policy_methods[] = {

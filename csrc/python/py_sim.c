@@ -304,7 +304,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                             "pipe_layers", "buddy", "buddy_group", "live_restore",
                             "buddy_strategy", "restore_wait", "swap_bw", "kv_token_bytes",
                             "migrate_bw", "idle_load", "sequence_parallel", "sp_min_prompt",
-                            "stop_transforming", "decode_tp", NULL};
+                            "stop_transforming", "decode_tp", "prefill_tp", NULL};
     int hosts, gpus_per_host, max_tp, eager, record_tokens;
     long long block_size, max_batch_tokens, max_running, max_prefill_chunk;
     double watermark, decode_weight, scale_down_free, scale_up_load, scale_up_cap, merge_wait,
@@ -318,9 +318,10 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
     int buddy = 0, buddy_group = 1, live_restore = 1, buddy_strategy = defaults.buddy_strategy;
     double restore_wait = defaults.restore_wait, swap_bw = 0.0, kv_token_bytes = 0.0,
            migrate_bw = 0.0, sp_min_prompt = defaults.sp_min_prompt;
-    int sequence_parallel = 0, stop_transforming = 0, decode_tp = defaults.decode_tp;
+    int sequence_parallel = 0, stop_transforming = 0, decode_tp = defaults.decode_tp,
+        prefill_tp = defaults.prefill_tp;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddddpdpi", names, &hosts,
+            args, kwargs, "iiiOOOLLLLdsOsdddddpdpOOOO|OpdidOOpipidddddpdpii", names, &hosts,
             &gpus_per_host, &max_tp, &layout_o, &cap_o, &mid_o, &block_size, &max_batch_tokens, &max_running,
             &max_prefill_chunk, &watermark, &cost_kind, &cost_params, &policy_name,
             &decode_weight, &scale_down_free, &scale_up_load, &scale_up_cap, &merge_wait, &eager,
@@ -328,7 +329,7 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
             &replicated, &switch_time, &flying_tp, &light_load, &pipe_o, &pipe_layers_o, &buddy,
             &buddy_group, &live_restore, &buddy_strategy, &restore_wait, &swap_bw, &kv_token_bytes,
             &migrate_bw, &idle_load, &sequence_parallel, &sp_min_prompt, &stop_transforming,
-            &decode_tp))
+            &decode_tp, &prefill_tp))
         return NULL;
     gy_sim_pipeline pipeline;
     int32_t pipe_layers[GY_SIM_MAX_STAGES] = {0};
@@ -380,7 +381,8 @@ static PyObject *gy_py_simulator_new(PyTypeObject *type, PyObject *args, PyObjec
                           .idle_load = idle_load, .buddy_strategy = buddy_strategy,
                           .restore_wait = restore_wait,
                           .max_migrations = defaults.max_migrations,
-                          .sp_min_prompt = sp_min_prompt, .decode_tp = decode_tp},
+                          .sp_min_prompt = sp_min_prompt, .decode_tp = decode_tp,
+                          .prefill_tp = prefill_tp},
         .sample_interval = sample_interval,
         .record_tokens = record_tokens,
         .replicated = replicated,

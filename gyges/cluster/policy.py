@@ -150,7 +150,7 @@ class Policy:
     def __init__(self, name="gyges", decode_weight=None, scale_down_free=None, scale_up_cap=None,
                  merge_wait=None, scale_up_load=None, eager_scale_up=None, flying_tp=None,
                  light_load=None, buddy_strategy=None, restore_wait=None, idle_load=None,
-                 sp_min_prompt=None, decode_tp=None):
+                 sp_min_prompt=None, decode_tp=None, prefill_tp=None):
         check_policy(name)
         knobs = dict(DEFAULTS)
         for key, v, high in (("decode_weight", decode_weight, None),
@@ -173,11 +173,13 @@ class Policy:
             knobs["buddy_strategy"] = STRATEGIES[buddy_strategy]
         if flying_tp is not None:
             knobs["flying_tp"] = int(check_number("flying_tp", flying_tp, 0.0, 1 << 20))
-        if decode_tp is not None:
-            if isinstance(decode_tp, bool) or not isinstance(decode_tp, (int, np.integer)) or \
-                    not 0 <= decode_tp <= 1 << 20 or decode_tp & (decode_tp - 1):
-                raise PolicyError(f"decode_tp must be 0 or a power of two, got {decode_tp!r}")
-            knobs["decode_tp"] = int(decode_tp)
+        for key, tp in (("decode_tp", decode_tp), ("prefill_tp", prefill_tp)):
+            if tp is None:
+                continue
+            if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or \
+                    not 0 <= tp <= 1 << 20 or tp & (tp - 1):
+                raise PolicyError(f"{key} must be 0 or a power of two, got {tp!r}")
+            knobs[key] = int(tp)
         self.name = name
         self._c = _C.Policy(name, **knobs)
 

@@ -13,6 +13,15 @@ at most max_running, and decodes them in one step of cost.step_time(N, b, ...): 
 tokens a second a GPU. The best wins; ties go to the smaller TP, whose re-shardings move less.
 TP1 means no decode phase at all (the unit stays data parallel).
 
+Its prefill instances' size:
+
+    base, share = prefill_tp(cost, trace, max_tp)
+
+is the smallest TP that holds the weights and prefills all but RARE of the trace's requests (a
+prompt's activations and its KV must fit): a request a prefill instance cannot take merges a
+unit out of its phase for itself, so where many need more (Qwen2.5-32B on L40S, whose TP2
+prefills at most 1,367 tokens), the phases would churn.
+
 Its prefill parallelism, where there is a choice (the weights need base >= 2 GPUs an instance):
 
     pp, rows = prefill_pp(cost, trace, base, decode_tp, max_batch_tokens=2048)
@@ -39,7 +48,7 @@ import numpy as np
 from .costmodel import ConstantCost, CostModel
 from .policy import PolicyError
 
-__all__ = ["decode_tp", "prefill_pp"]
+__all__ = ["decode_tp", "prefill_tp", "prefill_pp"]
 
 
 def _min_levels(trace, capacity, max_input, block_size):
@@ -87,6 +96,27 @@ def decode_tp(cost, trace, max_tp: int, block_size: int = 16, max_running: int =
         return max_tp, rows
     best = max(fits, key=lambda r: (r["per_gpu"], -r["tp"]))
     return best["tp"], rows
+
+
+RARE = 0.05   # (ours) the share of requests whose own merges a unit's phases can take
+
+
+def prefill_tp(cost, trace, max_tp: int, block_size: int = 16):
+    """(the TP of Seesaw's prefill instances, the share of the trace's requests that need more).
+    A ConstantCost holds everything at TP1."""
+    if isinstance(cost, ConstantCost) or trace.size == 0:
+        return 1, 0.0
+    capacity, _ = cost.capacities(max_tp, block_size)
+    level = _min_levels(trace, capacity, cost.max_inputs(max_tp), block_size)
+    served = level[level >= 0]
+    fits = [l for l, blocks in enumerate(capacity) if blocks >= 1]
+    if not fits or served.size == 0:
+        return max_tp, 0.0
+    for l in range(fits[0], len(capacity)):
+        share = float(np.mean(served > l))
+        if share <= RARE:
+            return 1 << l, share
+    return max_tp, 0.0
 
 
 def prefill_pp(cost, trace, base: int, decode_tp: int, max_batch_tokens: int = 2048,

@@ -144,7 +144,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         buddy_strategy: str | None = None, restore_wait: float | None = None,
         swap_bw: float | None = None, sp_min_prompt: float | None = None,
         reshard: str = "gyges", decode_tp: int | None = None,
-        prefill_pp: bool | None = None) -> Results:
+        prefill_tp: int | None = None, prefill_pp: bool | None = None) -> Results:
     """Simulate `trace` (a gyges.traces array) on `hosts` x `gpus_per_host` GPUs.
 
     cost: a gyges.costmodel.CostModel or ConstantCost, or a gyges.cluster.profile.ProfiledCost
@@ -188,8 +188,10 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     trace (gyges.cluster.seesaw_search); its prefill phases park each prefilled request's KV in
     host memory (Seesaw's tiered KV buffer, GY_SIM_OP_PARK) over swap_bw, which defaults to the
     GPU's host link (PCIe) for this policy (and then prices its preemptions' swaps too).
-    prefill_pp: whether Seesaw's prefill instances, where the weights need more than one GPU
-    (the smallest TP that holds them, base), are base-stage pipelines (Seesaw's PP prefill:
+    prefill_tp: the TP of Seesaw's prefill instances, at least the smallest that holds the
+    weights (0: that one); None searches it (seesaw_search.prefill_tp: so that few requests need
+    more). prefill_pp: whether those instances, where they have more than one GPU (base), are
+    base-stage pipelines (Seesaw's PP prefill:
     CostModel.pipeline_degree = base, re-sharded to and from the TP decode instances' layout);
     None searches it (seesaw_search.prefill_pp). Policy "seesaw" with a CostModel only.
 
@@ -214,7 +216,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                        f"'seesaw', got {prefill_pp!r} with policy {policy!r}")
     if weights == "buddy":
         return _run_buddy(**{k: v for k, v in locals().items()
-                             if k not in ("t_wall", "reshard", "decode_tp", "prefill_pp")},
+                             if k not in ("t_wall", "reshard", "decode_tp", "prefill_tp",
+                                       "prefill_pp")},
                           t_wall=t_wall)
     if policy in ("kunserve", "llumnix"):
         what = "drops replicated parameters" if policy == "kunserve" else \
@@ -227,7 +230,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         return _run_pipeline(**{k: v for k, v in locals().items()
                                 if k not in ("t_wall", "buddy_group", "live_restore",
                                              "buddy_strategy", "restore_wait", "sp_min_prompt",
-                                             "reshard", "decode_tp", "prefill_pp")},
+                                             "reshard", "decode_tp", "prefill_tp",
+                                             "prefill_pp")},
                              t_wall=t_wall)
     if gpus is not None or isinstance(cost, PipelineCost):
         raise SimError("gpus and a PipelineCost are for pipeline layouts ('PP2', 'PP[60,20]')")
@@ -246,7 +250,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                    scale_up_load=scale_up_load, scale_up_cap=scale_up_cap, merge_wait=merge_wait,
                    eager_scale_up=eager_scale_up, flying_tp=flying_tp,
                    light_load=light_load, idle_load=idle_load,
-                   sp_min_prompt=sp_min_prompt, decode_tp=decode_tp).config  # checked
+                   sp_min_prompt=sp_min_prompt, decode_tp=decode_tp,
+                   prefill_tp=prefill_tp).config  # checked
     if weights not in ("sharded", "replicated"):
         raise SimError(f"weights must be 'sharded' or 'replicated', got {weights!r}")
     replicated = weights == "replicated"
@@ -285,6 +290,8 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     if policy == "seesaw" and decode_tp is None:   # Seesaw's offline search
         knobs["decode_tp"] = seesaw_search.decode_tp(cost, trace, max_tp, block_size,
                                                      sched["max_running"])[0]
+    if policy == "seesaw" and prefill_tp is None:
+        knobs["prefill_tp"] = seesaw_search.prefill_tp(cost, trace, max_tp, block_size)[0]
     if prefill_pp is not None and not isinstance(cost, CostModel):
         raise SimError(f"prefill_pp prices pipelines with the roofline cost model: give a "
                        f"CostModel, not a {type(cost).__name__}")
@@ -302,22 +309,26 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
                        f"after its weights); raise max_tp or gpus_per_host")
     min_tp = 1 << fits[0]
     capacity_mid = [max(int(m), c) if c >= 1 else 0 for m, c in zip(capacity_mid, capacity)]
+    # the default layout's instances: Seesaw's prefill instances (prefill_tp), else the smallest
+    start_tp = max(min_tp, min(knobs["prefill_tp"], max_tp)) if policy == "seesaw" else min_tp
+    if policy == "seesaw":
+        knobs["prefill_tp"] = start_tp
     if policy == "seesaw" and isinstance(cost, CostModel):
         if prefill_pp is None:   # Seesaw's search of its prefill parallelism
             unit = knobs["decode_tp"] or max_tp
-            prefill_pp = seesaw_search.prefill_pp(cost, trace, min_tp, unit,
+            prefill_pp = seesaw_search.prefill_pp(cost, trace, start_tp, unit,
                                                   sched["max_batch_tokens"],
                                                   sched["max_running"])[0]
-        prefill_pp = bool(prefill_pp) and min_tp > 1   # (a TP1 instance is a 1-stage one)
+        prefill_pp = bool(prefill_pp) and start_tp > 1   # (a TP1 instance is a 1-stage one)
         if prefill_pp:
-            cost = cost.replace(pipeline_degree=min_tp)
+            cost = cost.replace(pipeline_degree=start_tp)
     if replicated:
         # a bound TP-2^l group pools its members' KV: each keeps the smallest TP's copy (for
         # LoongServe, the copy of the layout's smallest instances: its elastic instances)
         base = fits[0]
         if sequence_parallel and layout is not None:
             base = max(base, min(parse_layout(layout, gpus_per_host)).bit_length() - 1)
-        min_tp = 1 << base
+        min_tp = start_tp = 1 << base
         if sequence_parallel:   # groups of them are priced as sequence parallel
             cost = cost.replace(sequence_parallel=min_tp)
         capacity = [capacity[base] << (level - base) if level >= base else 0
@@ -331,7 +342,7 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
         switch_time = scale(cost, min_tp, max_tp).seconds \
             if isinstance(cost, CostModel) and max_tp > min_tp else 0.0
     if layout is None:
-        layout = f"{gpus_per_host // min_tp}xTP{min_tp}"
+        layout = f"{gpus_per_host // start_tp}xTP{start_tp}"
     tps = parse_layout(layout, gpus_per_host)
     if max(tps) > max_tp:
         raise SimError(f"layout {layout!r} has a TP{max(tps)} instance but max_tp is {max_tp}")
