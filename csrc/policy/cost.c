@@ -81,6 +81,13 @@ gy_status gy_sim_cost_constant_check(const gy_sim_cost_constant *p) {
     return GY_OK;
 }
 
+/* The roofline of one GPU: the slower of reading `bytes` and computing `flops`. */
+static double gy_sim_roofline_bound(const gy_sim_roofline *p, double bytes, double flops) {
+    const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
+    const double t_flop = flops / (p->peak_flops * p->eff_flops);
+    return t_mem > t_flop ? t_mem : t_flop;
+}
+
 /* A step of `sp` sequence-parallel parts, each a TP-`tp` group (a TP instance is one part):
  * each part computes 1/sp of the tokens, their KV (every head) kept on the part that made it.
  * Each rank reads its TP shard of the weights its tokens touch, its heads of its part's KV, and
@@ -99,9 +106,7 @@ static double gy_sim_parts_step_time(const gy_sim_roofline *p, int32_t sp, int32
                           2.0 * p->lm_head_params * (double)s->n_samples +
                           p->attn_flops_per_pair * s->attn_pairs) / (t * parts);
     const double flop_rate = p->peak_flops * p->eff_flops;
-    const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
-    const double t_flop = flops / flop_rate;
-    double time = p->step_overhead + (t_mem > t_flop ? t_mem : t_flop);
+    double time = p->step_overhead + gy_sim_roofline_bound(p, bytes, flops);
     const double payload = p->allreduce_bytes_per_token * (double)s->n_tokens / parts;
     if (tp > 1) {
         const double one = 2.0 * (t - 1.0) / t * payload / (p->link_bw * p->eff_link) +
@@ -133,11 +138,9 @@ static double gy_sim_pipeline_stages_time(const gy_sim_roofline *p, int32_t q,
     const double flops = (2.0 * p->matmul_params * (double)s->n_tokens +
                           2.0 * p->lm_head_params * (double)s->n_samples +
                           p->attn_flops_per_pair * s->attn_pairs) * share;
-    const double t_mem = bytes / (p->hbm_bw * p->eff_bw);
-    const double t_flop = flops / (p->peak_flops * p->eff_flops);
     const double hand_off = p->allreduce_bytes_per_token * (double)s->n_tokens / (double)m /
                                 p->link_bw + p->allreduce_latency;
-    return p->step_overhead + stages * (t_mem > t_flop ? t_mem : t_flop) +
+    return p->step_overhead + stages * gy_sim_roofline_bound(p, bytes, flops) +
            (stages - 1.0) * hand_off;
 }
 

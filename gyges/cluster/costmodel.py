@@ -484,9 +484,13 @@ class CostModel:
         else:
             nbytes, flops, comm = self.step_terms(tp, n_tokens, n_samples, kv_read_tokens,
                                                   attn_pairs)
-            t = self.step_overhead + max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
-                                         flops / (self.gpu.peak_flops * self.eff_flops)) + comm
+            t = self.step_overhead + self._bound(nbytes, flops) + comm
         return t * (1 + self.slowdown()) if transforming else t
+
+    def _bound(self, nbytes, flops):
+        """The roofline of one GPU: the slower of reading nbytes and computing flops."""
+        return max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
+                   flops / (self.gpu.peak_flops * self.eff_flops))
 
     def _pipeline_step(self, q, n_tokens, n_seqs, n_samples, kv_read_tokens, attn_pairs):
         """A step of a q-stage pipeline of equal stages (pipeline_degree): m = min(q, n_seqs)
@@ -499,8 +503,7 @@ class CostModel:
             + p["kv_bytes_per_token"] * (kv_read_tokens + n_tokens) * share
         flops = (2 * p["matmul_params"] * n_tokens + 2 * p["lm_head_params"] * n_samples
                  + p["attn_flops_per_pair"] * attn_pairs) * share
-        stage = max(nbytes / (self.gpu.hbm_bw * self.eff_bw),
-                    flops / (self.gpu.peak_flops * self.eff_flops))
+        stage = self._bound(nbytes, flops)
         hand_off = p["allreduce_bytes_per_token"] * n_tokens / m / p["link_bw"] \
             + p["allreduce_latency"]
         return self.step_overhead + q * stage + (q - 1) * hand_off

@@ -65,6 +65,14 @@ def _min_levels(trace, capacity, max_input, block_size):
     return level
 
 
+def _decode_shape(blocks, block_size, context, max_running):
+    """(batch, step_time keywords) of a decode step of requests at `context` tokens, as many as
+    `blocks` KV blocks hold, at most max_running."""
+    batch = int(min(max_running, blocks * block_size // max(context, 1.0)))
+    return batch, dict(n_tokens=batch, n_seqs=batch, n_samples=batch,
+                       kv_read_tokens=batch * context, attn_pairs=batch * context)
+
+
 def decode_tp(cost, trace, max_tp: int, block_size: int = 16, max_running: int = 256):
     """(the TP Seesaw's decode phase should use, a row per candidate: tp, batch, step seconds,
     tokens/s per GPU, and whether every request fits it). A ConstantCost prices every TP alike,
@@ -85,9 +93,8 @@ def decode_tp(cost, trace, max_tp: int, block_size: int = 16, max_running: int =
     rows = []
     for l, blocks in enumerate(capacity):
         tp = 1 << l
-        batch = int(min(max_running, blocks * block_size // max(context, 1.0)))
-        step = cost.step_time(tp, batch, batch, batch, batch * context, batch * context) \
-            if batch > 0 else float("inf")
+        batch, shape = _decode_shape(blocks, block_size, context, max_running)
+        step = cost.step_time(tp, **shape) if batch > 0 else float("inf")
         rows.append({"tp": tp, "batch": batch, "step": step,
                      "per_gpu": batch / (step * tp) if batch > 0 else 0.0,
                      "serves_all": tp >= need})
@@ -139,12 +146,10 @@ def prefill_pp(cost, trace, base: int, decode_tp: int, max_batch_tokens: int = 2
                              kv_read_tokens=seqs * (context + per_seq),
                              attn_pairs=seqs * (per_seq * context + per_seq * (per_seq + 1) / 2))
     if decode_tp <= base:            # no decode phase: the instances decode too
-        context = prompt + output / 2
-        seqs = int(min(max_running, cost.kv_blocks(base, block_size) * block_size //
-                       max(context, 1.0)))
+        seqs, shape = _decode_shape(cost.kv_blocks(base, block_size), block_size,
+                                    prompt + output / 2, max_running)
         if seqs >= 1:
-            shapes["decode"] = dict(n_tokens=seqs, n_seqs=seqs, n_samples=seqs,
-                                    kv_read_tokens=seqs * context, attn_pairs=seqs * context)
+            shapes["decode"] = shape
     rows = []
     for name, model in ((f"TP{base}", cost.replace(pipeline_degree=0)),
                         (f"PP{base}", cost.replace(pipeline_degree=base))):

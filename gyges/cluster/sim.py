@@ -191,9 +191,9 @@ def run(trace, policy: str = "gyges", hosts: int = 1, gpus_per_host: int | None 
     prefill_tp: the TP of Seesaw's prefill instances, at least the smallest that holds the
     weights (0: that one); None searches it (seesaw_search.prefill_tp: so that few requests need
     more). prefill_pp: whether those instances, where they have more than one GPU (base), are
-    base-stage pipelines (Seesaw's PP prefill:
-    CostModel.pipeline_degree = base, re-sharded to and from the TP decode instances' layout);
-    None searches it (seesaw_search.prefill_pp). Policy "seesaw" with a CostModel only.
+    base-stage pipelines (Seesaw's PP prefill: CostModel.pipeline_degree = base, re-sharded to
+    and from the TP decode instances' layout); None searches it (seesaw_search.prefill_pp).
+    Policy "seesaw" with a CostModel only.
 
     Pipelines: layout "PPn" or "PP[a,b,...]" (one pipeline per host, gpus_per_host its stages),
     gpus the stage GPUs (preset names, in stage order; taken from cost when it is a
