@@ -684,6 +684,13 @@ def test_seesaw_prefill_instances_take_all_but_rare_requests():
     assert ((t["tp_from"] == 2) & (t["tp_to"] == 4)).sum() == 2 and (t["start"][:2] < 1).all()
     with pytest.raises(gyges.Error, match="prefill_tp"):
         sim.run(batch, policy="seesaw", cost=cost, prefill_tp=3)
+    for bad in (3, 0, True):
+        with pytest.raises(gyges.Error, match="max_tp"):
+            seesaw_search.prefill_tp(cost, batch, bad)
+    with pytest.raises(gyges.Error, match="base"):
+        seesaw_search.prefill_pp(cost, batch, 3, 8)
+    with pytest.raises(gyges.Error, match="decode_tp"):
+        seesaw_search.prefill_pp(cost, batch, 2, 6)
 
 
 def test_seesaw_keeps_the_simulators_invariants_and_serves_prompts_no_tp1_holds():

@@ -65,6 +65,13 @@ def _min_levels(trace, capacity, max_input, block_size):
     return level
 
 
+def _check_tp(name, tp):
+    """tp, which must be a power of two >= 1 (a PolicyError naming `name` otherwise)."""
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1 or tp & (tp - 1):
+        raise PolicyError(f"{name} must be a power of two >= 1, got {tp!r}")
+    return int(tp)
+
+
 def _decode_shape(blocks, block_size, context, max_running):
     """(batch, step_time keywords) of a decode step of requests at `context` tokens, as many as
     `blocks` KV blocks hold, at most max_running."""
@@ -77,9 +84,7 @@ def decode_tp(cost, trace, max_tp: int, block_size: int = 16, max_running: int =
     """(the TP Seesaw's decode phase should use, a row per candidate: tp, batch, step seconds,
     tokens/s per GPU, and whether every request fits it). A ConstantCost prices every TP alike,
     so there is nothing to search: max_tp."""
-    if isinstance(max_tp, bool) or not isinstance(max_tp, int) or max_tp < 1 or \
-            max_tp & (max_tp - 1):
-        raise PolicyError(f"max_tp must be a power of two >= 1, got {max_tp!r}")
+    max_tp = _check_tp("max_tp", max_tp)
     if isinstance(cost, ConstantCost) or trace.size == 0:
         return max_tp, []
     capacity, _ = cost.capacities(max_tp, block_size)
@@ -111,6 +116,7 @@ RARE = 0.05   # (ours) the share of requests whose own merges a unit's phases ca
 def prefill_tp(cost, trace, max_tp: int, block_size: int = 16):
     """(the TP of Seesaw's prefill instances, the share of the trace's requests that need more).
     A ConstantCost holds everything at TP1."""
+    max_tp = _check_tp("max_tp", max_tp)
     if isinstance(cost, ConstantCost) or trace.size == 0:
         return 1, 0.0
     capacity, _ = cost.capacities(max_tp, block_size)
@@ -131,6 +137,7 @@ def prefill_pp(cost, trace, base: int, decode_tp: int, max_batch_tokens: int = 2
     """(whether Seesaw's instances of `base` GPUs should be pipelines, a row per candidate:
     parallelism, phase, sequences a step, step seconds, tokens/s). Only a roofline CostModel
     prices a pipeline; with base < 2 there is nothing to pick."""
+    base, decode_tp = _check_tp("base", base), _check_tp("decode_tp", decode_tp)
     if not isinstance(cost, CostModel) or base < 2 or trace.size == 0:
         return False, []
     prompt = float(np.mean(trace["input_tokens"]))
