@@ -682,6 +682,10 @@ def test_seesaw_prefill_instances_take_all_but_rare_requests():
     t = up.transformations
     assert (up.requests["status"] == 3).all() and t["tp_to"].min() == 4
     assert ((t["tp_from"] == 2) & (t["tp_to"] == 4)).sum() == 2 and (t["start"][:2] < 1).all()
+    # prefill instances larger than the decode TP serve what they hold (no request rejected)
+    big = sim.run(batch, policy="seesaw", reshard="seesaw", cost=cost, prefill_tp=4,
+                  decode_tp=2, check=True)
+    assert (big.requests["status"] == 3).all() and big.config["layout"] == "2xTP4"
     with pytest.raises(gyges.Error, match="prefill_tp"):
         sim.run(batch, policy="seesaw", cost=cost, prefill_tp=3)
     for bad in (3, 0, True):

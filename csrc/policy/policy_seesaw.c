@@ -117,7 +117,8 @@ static gy_status seesaw_place(void *state, const gy_sim_policy_config *cfg, cons
     memset(d, 0, sizeof *d);
     const seesaw_state *st = state;
     const int32_t unit = seesaw_unit(cfg, v), base = seesaw_base(cfg, v);
-    if (r->min_tp == 0 || r->min_tp > unit) {
+    /* more than a unit holds: rejected, unless the prefill instances are larger and hold it */
+    if (r->min_tp == 0 || r->min_tp > (unit > base ? unit : base)) {
         d->action = GY_SIM_ACTION_REJECT;
         return GY_OK;
     }
