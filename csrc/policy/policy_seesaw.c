@@ -27,8 +27,8 @@
  *
  * A request no TP1 instance holds goes to an instance of its TP with room, else the aligned
  * group of min_tp GPUs around the least-loaded instance merges for it (the baselines' rule); it
- * keeps that TP until it finishes. One that needs more than N GPUs is rejected (the search
- * picks no N below what the trace's requests need).
+ * keeps that TP until it finishes. One that needs more than N GPUs, and more than the prefill
+ * instances have, is rejected (the search picks no N below what the trace's requests need).
  *
  * Seesaw prefills with pipeline parallelism (each GPU one N-th of the layers). Where one GPU
  * holds the weights this prefills on data-parallel TP1 instances instead (each every layer):
