@@ -20,12 +20,13 @@ _spec.loader.exec_module(gpu_emu)
 WHY_NOT = gpu_emu.check()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"cannot build the emulator: {WHY_NOT}")
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = textwrap.dedent(f"""
     import sys
+    sys.path.insert(0, {str(ROOT)!r})  # as the benchmarks do: the emulated gyges must still win
     import gyges
     from gyges import _C
     n = _C.cuda_device_count()
-    print("devices", n, "args", sys.argv[1:], "emulated", "ext" in gyges.__file__)
+    print("devices", n, "args", sys.argv[1:], "emulated", "gpu_emu" in gyges.__file__)
     if n >= 2:
         comm = _C.Comm(n, "nccl", list(range(n)))  # one rank per emulated GPU, by NCCL
         print("nccl", comm.devices)
@@ -38,7 +39,7 @@ def run_script(tmp_path, devices, *args):
     script.write_text(SCRIPT)
     return subprocess.run([sys.executable, str(RUN), "script", str(script), "--devices",
                            str(devices), "--", *args], capture_output=True, text=True,
-                          timeout=1800, cwd=tmp_path)
+                          timeout=1800, cwd=ROOT)  # where the repository's gyges is at hand
 
 
 def test_a_script_sees_n_gpus_with_nccl_and_its_exit_status_comes_back(tmp_path):

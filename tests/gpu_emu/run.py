@@ -132,12 +132,26 @@ def run_ext(out):
                      EXT_JOBS)
 
 
+# Runs sys.argv[1] as `python FILE ARGS` would, once the emulated gyges is imported: a script that
+# puts the repository first on sys.path (as every benchmark does, to run without an installed
+# package), or one run from the repository, then gets the module already loaded, not the
+# repository's own build.
+SCRIPT_BOOTSTRAP = """\
+import os, runpy, sys
+del sys.path[0]  # the working directory
+import gyges
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def run_script(package, script, devices, args):
     """FILE.py on the emulated machine of `package` with `devices` GPUs; returns its exit
     status."""
     nccl = package.parent.parent / "lib" / "libnccl.so.2"
     env = emulated_env(package, devices=devices, nccl=nccl)
-    return subprocess.call([PYTHON, str(script), *args], env=env)
+    return subprocess.call([PYTHON, "-c", SCRIPT_BOOTSTRAP, str(script), *args], env=env)
 
 
 def run_kernels(out):
