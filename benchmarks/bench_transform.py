@@ -86,7 +86,9 @@ def filled_host(model, kv_layout, method, kv_room=None, page_size="64KiB"):
     pad = method != "partial_swap"
     weights = weights_bytes(model, page_size) if kv_room else 0
     nominal = weights + kv_room if kv_room else NOMINAL
-    host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1",
+    # max_running: the merged instance runs every request of the four (on CUDA, 2 MiB pages
+    # leave the partial-swap workers room for more than the default 64)
+    host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1", max_running=256,
                       kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096, page_size=page_size,
                       backend=HOST_KW.get("backend", "cpu"))
     worker = host.worker(0)

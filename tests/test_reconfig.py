@@ -266,6 +266,40 @@ def test_a_live_reconfiguration_can_be_cancelled_exactly(small):
         assert [r.output_tokens for r in reqs] == want
 
 
+def test_what_one_instance_cannot_run_is_refused_before_any_change(small):
+    """The instance a merge makes, and a buddy group's pipeline, run at most max_running
+    requests, and a running request arrives there with its KV: a merge or group whose members'
+    running requests together are more is refused at the call (BusyError naming max_running,
+    nothing begun: before, a merge moved every KV byte and was rolled back at its commit); at
+    the limit it goes through. Tokens are those of each request alone either way."""
+    ps = prompts(5, seed=3)
+    want = alone(small, ps, GREEDY)
+    changes = {"merge": lambda host: host.transform((0, 1), 2),
+               "staggered merge": lambda host: host.transform((0, 1), 2, layers_per_step=1),
+               "buddy group": lambda host: host.buddy(host.instances)}
+    for what, change in changes.items():
+        for running in (5, 4):
+            with gyges.Host(small, workers=2, memory_per_worker=MEMORY, layout="2xTP1",
+                            max_running=4) as host:
+                reqs = [host.submit(p, GREEDY, instance=i % 2) for i, p in enumerate(ps[:running])]
+                host.step()
+                assert sum(inst.stats()["running"] for inst in host.instances) == running
+                before = testing.snapshot(host)
+                if running > host.max_running:
+                    with pytest.raises(gyges.BusyError, match=f"run {running} requests together.*"
+                                                              "max_running=4") as refused:
+                        change(host)
+                    assert not hasattr(refused.value, "reconfiguration"), what  # not begun
+                    assert testing.snapshot(host) == before and not host.reconfigurations, what
+                else:
+                    r = change(host)
+                    while not r.done:
+                        host.step()
+                    assert r.committed and host.layout() in ("TP2", "PP2"), what
+                host.run()
+                assert [q.output_tokens for q in reqs] == want[:running], what
+
+
 # ---- the mixed soak ----
 
 @pytest.mark.parametrize("seed, faults", [(0, False), (1, True)])
