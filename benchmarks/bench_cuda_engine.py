@@ -19,11 +19,14 @@ scheduler and sampler. Times are medians of STEPS steps after WARMUP steps, meas
 
 Without a GPU (or a build without the CUDA forward pass) it prints "skipped: <reason>" and exits 0.
 
+`--model tiny` (Model.tiny's shapes) is for trying the script on the emulated GPU of tests/gpu_emu.
+
 With `--model llama3-8b` the same steps run on Llama-3-8B's shapes (hidden 4096, 32 layers, 32 heads
 / 8 KV heads of 128, FFN 14336, vocab 128256, untied head: 16 GB of bf16 weights) at batch 1 and 32,
 context 1024 (`--batches`, `--contexts` change them). Its random weights are one layer's arrays
-shared by every layer (the values change no timing, and making 8e9 normal draws would take a
-minute of the GPU check's few); the arena still holds 32 distinct copies.
+shared by every layer, each tiled from 2^20 normal values (the values change no timing, and
+8e9 normal draws would take a minute of the GPU check's few); the arena still holds 32
+distinct copies.
 
 Run: .venv/bin/python benchmarks/bench_cuda_engine.py [--model llama3-8b] [--batches 1,32]
 [--contexts 1024] [--no-torch]
@@ -58,8 +61,16 @@ MODELS = {
                        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                        max_position_embeddings=8192, tie_word_embeddings=False),
                   (1, 32), (1024,), "Llama-3-8B"),
+    # Model.tiny's shapes: the script's plumbing on the emulated GPU (gpu_check.sh's dry run)
+    "tiny": (dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+             (1, 4), (64,), "tiny"),
 }
 CONFIG, BATCHES, CONTEXTS, TITLE = MODELS["llama3.2-1b"]
+# HBM bandwidth by the vendors' datasheets (bytes/s), by a word of the device's name: the anchor
+# a reader knows, beside the copy bandwidth measured here (which is what a step can reach)
+DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
 BLOCK_SIZE = 16
 WARMUP, STEPS = 3, 20
 SEED = 0
@@ -220,9 +231,12 @@ def torch_times(model, config, dev="cuda"):
 
 
 def shared_layer_model(config, seed):
-    """A random model whose layers are all one layer's arrays (timing only; see the docstring)."""
+    """A random model whose layers are all one layer's arrays, each array tiled from one block
+    of 2^20 seeded normal values (timing only; see the docstring)."""
     one = ModelConfig.from_dict({**config.to_dict(), "num_hidden_layers": 1})
-    tensors = checkpoint.random_weights(one, seed)
+    block = np.random.default_rng(seed).standard_normal(1 << 20, dtype=np.float32)
+    tensors = checkpoint.random_weights(
+        one, normal=lambda shape: np.resize(block, int(np.prod(shape))).reshape(shape))
     out = {n: a for n, a in tensors.items() if not n.startswith("model.layers.")}
     for i in range(config.num_hidden_layers):
         for n, a in tensors.items():
@@ -256,6 +270,8 @@ def main():
     model = (gyges.Model.random(config, seed=SEED) if args.model == "llama3.2-1b" else
              shared_layer_model(config, SEED))
     bandwidth = copy_bandwidth()
+    datasheet = next((bw for word, bw in DATASHEET_BANDWIDTH.items() if word in info["name"]),
+                     None)
     ours, weights_in_arena = gyges_times(model, config)
     theirs = "not asked for (--no-torch)" if args.no_torch else torch_times(model, config)
     rows = []
@@ -266,7 +282,8 @@ def main():
             t = ours[(batch, context)]
             row = {"batch": batch, "context": context, "gyges_ms": 1e3 * t,
                    "tokens_per_s": batch / t, "bytes_gb": (w_bytes + kv_bytes) / 1e9,
-                   "roofline_ms": 1e3 * roofline, "of_roofline": roofline / t}
+                   "roofline_ms": 1e3 * roofline, "of_roofline": roofline / t,
+                   "of_datasheet": (w_bytes + kv_bytes) / t / datasheet if datasheet else None}
             if isinstance(theirs, dict):
                 row["torch_ms"] = 1e3 * theirs[(batch, context)]
                 row["vs_torch"] = theirs[(batch, context)] / t
@@ -276,7 +293,8 @@ def main():
                     ("batch", "batch", "{}"), ("context", "context", "{}"),
                     ("gyges_ms", "gyges ms", "{:.3f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
                     ("bytes_gb", "GB read", "{:.2f}"), ("roofline_ms", "roofline ms", "{:.3f}"),
-                    ("of_roofline", "of roofline", "{:.0%}"), ("torch_ms", "torch ms", "{:.3f}"),
+                    ("of_roofline", "of roofline", "{:.0%}"),
+                    ("of_datasheet", "of datasheet HBM", "{:.0%}"), ("torch_ms", "torch ms", "{:.3f}"),
                     ("vs_torch", "speed-up vs torch", "{:.2f}x")])
     if not isinstance(theirs, dict):
         print(f"PyTorch eager: not available ({theirs})")
@@ -284,6 +302,7 @@ def main():
         "model": args.model,
         "device": info, "config": CONFIG, "dtype": "bf16", "block_size": BLOCK_SIZE,
         "warmup": WARMUP, "steps": STEPS, "copy_bandwidth_bytes_per_s": bandwidth,
+        "datasheet_bandwidth_bytes_per_s": datasheet,
         "weights_bytes_in_arena": weights_in_arena, "rows": rows,
         "torch": ({"available": True, "version": theirs["version"], "sdpa_gqa": theirs["gqa"]}
                   if isinstance(theirs, dict) else {"available": False, "reason": theirs}),

@@ -36,7 +36,11 @@
    12 req/s for 2 s, inputs 16-200, outputs 8-48; static 4xTP1 and TP4 hosts beside the flying
    policy on a replicated host.
 
-Run: .venv/bin/python benchmarks/bench_flying.py [--quick]
+With --cuda (a GPU machine; benchmarks/gpu_check.sh runs it): section 1 only, on four virtual
+CUDA workers sharing one GPU (2 MiB pages; 136 MiB each: the whole model in pages and 4,096 tokens
+of KV), written to bench_flying_cuda.json. The rest is host work or the simulator.
+
+Run: .venv/bin/python benchmarks/bench_flying.py [--quick] [--cuda]
 """
 import statistics
 import sys
@@ -47,12 +51,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gyges  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import host_backend, print_table, write_json  # noqa: E402
 from gyges import experiment, sim, traces  # noqa: E402
 from gyges.cluster.costmodel import CostModel  # noqa: E402
 
-MEM = "32MiB"
 QUICK = "--quick" in sys.argv
+CUDA, HOST_KW = host_backend(sys.argv)
+# a replicated CUDA worker holds the whole model in 2 MiB pages (114 MiB) beside its KV
+MEM = "136MiB" if CUDA else "32MiB"
 
 
 def prompts(n, seed, lo, hi):
@@ -81,7 +87,8 @@ def switch_rows(model):
     for fraction in (0.0, 0.5, 0.9):
         binds, releases, transforms = [], [], []
         for _ in range(repeat):
-            host = gyges.Host(model, workers=4, memory_per_worker=MEM, weights="replicated")
+            host = gyges.Host(model, workers=4, memory_per_worker=MEM, weights="replicated",
+                              **HOST_KW)
             fill(host, fraction)
             s = host.switch((0, 1, 2, 3), 4, preempt="hard")
             start = time.perf_counter()
@@ -91,7 +98,7 @@ def switch_rows(model):
             binds.append(s.stats["switch_seconds"])
             stats = s.stats
             host.close()
-            sharded = gyges.Host(model, workers=4, memory_per_worker=MEM)
+            sharded = gyges.Host(model, workers=4, memory_per_worker=MEM, **HOST_KW)
             fill(sharded, fraction)
             start = time.perf_counter()
             sharded.transform((0, 1, 2, 3), 4)
@@ -106,7 +113,7 @@ def switch_rows(model):
     starts = []
     for _ in range(repeat):
         start = time.perf_counter()
-        gyges.Host(model, workers=4, memory_per_worker=MEM, layout="TP4").close()
+        gyges.Host(model, workers=4, memory_per_worker=MEM, layout="TP4", **HOST_KW).close()
         starts.append(time.perf_counter() - start)
     return rows, 1e3 * statistics.median(starts)
 
@@ -291,13 +298,17 @@ def host_bursty_rows():
 def main():
     model = gyges.Model.tiny()
     switches, cold_ms = switch_rows(model)
-    print_table(f"1. Switch latency, 4 workers (cold start of a TP4 host: {cold_ms:.1f} ms; "
+    print_table(f"1. Switch latency, 4 {'CUDA' if CUDA else 'CPU'} workers (cold start of a TP4 host: {cold_ms:.1f} ms; "
                 f"paper: 15 ms live vs 146-292 s cold)", switches,
                 [("kv_used", "KV used", "{}"), ("bind_ms", "bind ms", "{:.3f}"),
                  ("release_ms", "release ms", "{:.3f}"),
                  ("gyges_transform_ms", "Gyges 4xTP1->TP4 ms", "{:.2f}"),
                  ("bytes_copied", "bytes copied", "{}"), ("pages_mapped", "pages mapped", "{}"),
                  ("comms_made", "comms made", "{}")])
+    if CUDA:  # section 1 on the GPU; the rest is host work or the simulator
+        write_json("bench_flying_cuda", {"switch": switches, "cold_start_ms": cold_ms,
+                                         "memory_per_worker": MEM})
+        return
     contexts = context_rows(model)
     print_table(f"2. Longest request per mode ({MEM} per worker)", contexts,
                 [("mode", "mode", "{}"), ("tokens", "tokens", "{}"), ("x_dp", "x DP", "{:.2f}"),
