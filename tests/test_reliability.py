@@ -525,6 +525,30 @@ def test_a_fault_anywhere_in_a_transformation_loses_nothing(tiny, kind, site):
            (0, 0, 0, 0, 0), r
 
 
+@pytest.mark.parametrize("site", ["alloc", "copy"])
+@pytest.mark.parametrize("kind", ["merge", "merge, staggered", "merge, basic"])
+def test_a_fault_in_a_merge_past_max_running_loses_nothing(tiny, kind, site):
+    """The same sweep where each instance runs one request (max_running=1), so that the merged
+    instance's running set grows past it as it takes them (gy_sched_adopt): a failure anywhere,
+    the growth's allocations among them, is refused, rolled back or completed, and every request
+    ends with its own tokens and no page left behind."""
+    start, kwargs, _ = testing.TRANSFORMS[kind]
+    with gyges.Host(tiny, workers=4, memory_per_worker=MEMORY, layout=start,
+                    max_running=1) as host:  # without a fault: the running set grows
+        for p in testing._Workload(tiny, MEMORY).prompts:
+            host.submit(p, gyges.SamplingParams(max_tokens=6, ignore_eos=True))
+        host.step()
+        t = host.transform(**kwargs)
+        assert host.instances[0].stats()["running"] == 4
+        host.run()
+        assert t.committed and host.instances[0].stats()["preemptions"] == 0
+    r = testing.sweep_transformation(tiny, kind, site, most=10, memory=MEMORY, max_running=1)
+    assert r["runs"] == r["refused"] + r["rolled_back"] + r["done"] + r["recovered"] > 0
+    assert r["recovered"] == 0, r
+    assert (r["changed"], r["wrong_layout"], r["lost"], r["mismatches"], r["leaked_pages"]) == \
+           (0, 0, 0, 0, 0), r
+
+
 @pytest.mark.parametrize("fail_at", [0, 3, 7])
 def test_a_staggered_merge_that_fails_adopting_a_request_gives_every_request_back(tiny, fail_at,
                                                                                  monkeypatch):

@@ -328,7 +328,6 @@ gy_status gy_engine_init_plan(gy_engine **out, const gy_engine_stage *stages, in
     e->model = stages[0].ranks[0].model;
     e->first_layer = config->first_layer;
     e->end_layer = config->end_layer > 0 ? config->end_layer : e->model->n_layers;
-    e->max_running = config->max_running;
     e->transition = -1;
     pthread_mutex_init(&e->api, NULL);
     gy_status s = GY_OK;
@@ -774,8 +773,10 @@ gy_status gy_engine_mark(gy_engine *e, int64_t *pages) {
     gy_sched_kv_adapter *adapters[GY_ENGINE_MAX_ADAPTERS];
     const int32_t n = gy_engine_adapters(e, adapters);
     for (int32_t i = 0; i < n; i++) {
-        /* A step touches at most max_running requests, each reserved and released once. */
-        const gy_status st = gy_sched_kv_adapter_mark(adapters[i], 2 * e->max_running + 4);
+        /* A step touches at most the running set's requests (max_running, or more after a
+         * merge adopted more), each reserved and released once. */
+        const gy_status st = gy_sched_kv_adapter_mark(
+            adapters[i], 2 * gy_sched_running_capacity(e->sched) + 4);
         if (st != GY_OK) {
             for (int32_t j = 0; j < i; j++) gy_sched_kv_adapter_unmark(adapters[j]);
             return st;

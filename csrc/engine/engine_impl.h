@@ -40,7 +40,6 @@ struct gy_engine {
     /* Every public call holds it, so callers on several threads take turns (engine.h). */
     pthread_mutex_t api;
     const gy_model *model;       /* the first rank's: the shapes every rank shares */
-    int64_t max_running;         /* bounds what one step can change (its undo record) */
     /* The plan, in the order a step runs it. `main` is the stage of the engine's own group (what
      * requests move in and out of); `transition` the stage a layer-staggered transformation
      * added (-1 when none runs), whose ranks are indexed by engine rank through `slots`. */

@@ -44,17 +44,20 @@ struct gy_sched {
 
     gy_sched_queue preempted_q; /* most recently preempted first */
     gy_sched_queue waiting_q;   /* never run, sorted by (priority, arrival, add_order) */
-    int64_t *running;           /* (max_running) slots, admission order */
+    /* Arrays of running_cap, at least max_running: admission stops at max_running, but an
+     * adoption (a merge of instances) may bring more running requests, and the room grows. */
+    int64_t running_cap;
+    int64_t *running;           /* (running_cap) slots, admission order */
     int64_t n_running;
 
-    gy_sched_entry *entries;    /* (max_running) the step under way */
-    int64_t *entry_slot;        /* (max_running) slot of each entry */
+    gy_sched_entry *entries;    /* (running_cap) the step under way */
+    int64_t *entry_slot;        /* (running_cap) slot of each entry */
     int64_t n_entries;
-    int64_t *preempted;         /* (max_running) ids preempted by the last schedule */
+    int64_t *preempted;         /* (running_cap) ids preempted by the last schedule */
     int64_t n_preempted;
-    int64_t *parked;            /* (max_running) ids parked by the last schedule */
+    int64_t *parked;            /* (running_cap) ids parked by the last schedule */
     int64_t n_parked;
-    int64_t *finished;          /* (max_running) ids finished by the last commit */
+    int64_t *finished;          /* (running_cap) ids finished by the last commit */
     int64_t n_finished_step;
 
     int64_t counts[GY_SCHED_STATE_COUNT];
@@ -73,7 +76,7 @@ struct gy_sched {
     gy_sched_req *saved;        /* (n_saved) */
     int64_t *saved_slot;        /* (n_saved) */
     int64_t n_saved, saved_cap; /* room reserved before the step: it never runs out */
-    int64_t *saved_running;     /* (max_running) */
+    int64_t *saved_running;     /* (running_cap) */
     int64_t saved_n_running;
     gy_sched_queue saved_preempted_q, saved_waiting_q;
     int64_t saved_counts[GY_SCHED_STATE_COUNT];
@@ -100,6 +103,29 @@ const char *gy_sched_finish_name(gy_sched_finish finish) {
     case GY_SCHED_FINISH_ERROR: return "error";
     default: return "unknown";
     }
+}
+
+/* The arrays of the running set with room for `cap` requests (cap > running_cap). On failure
+ * the room is as it was (an array already grown is only larger than needed). */
+static gy_status gy_sched_grow_running(gy_sched *s, int64_t cap) {
+    const size_t m = (size_t)cap;
+#define GY_SCHED_GROW(field)                                                                     \
+    do {                                                                                         \
+        void *grown = gy_realloc(s->field, m * sizeof *s->field);                                \
+        if (grown == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for %lld running "  \
+                                          "requests", (long long)cap);                           \
+        s->field = grown;                                                                        \
+    } while (0)
+    GY_SCHED_GROW(running);
+    GY_SCHED_GROW(entries);
+    GY_SCHED_GROW(entry_slot);
+    GY_SCHED_GROW(preempted);
+    GY_SCHED_GROW(parked);
+    GY_SCHED_GROW(finished);
+    GY_SCHED_GROW(saved_running);
+#undef GY_SCHED_GROW
+    s->running_cap = cap;
+    return GY_OK;
 }
 
 gy_status gy_sched_init(gy_sched **out, const gy_sched_config *c, const gy_sched_kv_ops *ops) {
@@ -133,17 +159,7 @@ gy_status gy_sched_init(gy_sched **out, const gy_sched_config *c, const gy_sched
     s->preempted_q.head = s->preempted_q.tail = -1;
     s->waiting_q.head = s->waiting_q.tail = -1;
     s->now = -INFINITY;
-    const size_t m = (size_t)c->max_running;
-    s->running = gy_malloc(m * sizeof *s->running);
-    s->entries = gy_malloc(m * sizeof *s->entries);
-    s->entry_slot = gy_malloc(m * sizeof *s->entry_slot);
-    s->preempted = gy_malloc(m * sizeof *s->preempted);
-    s->parked = gy_malloc(m * sizeof *s->parked);
-    s->finished = gy_malloc(m * sizeof *s->finished);
-    s->saved_running = gy_malloc(m * sizeof *s->saved_running);
-    if (s->running == NULL || s->entries == NULL || s->entry_slot == NULL ||
-        s->preempted == NULL || s->parked == NULL || s->finished == NULL ||
-        s->saved_running == NULL) {
+    if (gy_sched_grow_running(s, c->max_running) != GY_OK) {
         gy_sched_free(s);
         return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for max_running=%lld",
                        (long long)c->max_running);
@@ -172,6 +188,8 @@ void gy_sched_free(gy_sched *s) {
 
 const gy_sched_config *gy_sched_config_of(const gy_sched *s) { return &s->config; }
 
+int64_t gy_sched_running_capacity(const gy_sched *s) { return s->running_cap; }
+
 /* ---- the undo record ---- */
 
 /* Copies request `slot` before schedule changes it. The room was reserved when the step began
@@ -187,7 +205,7 @@ static void gy_sched_save(gy_sched *s, int64_t slot) {
  * it touches at most max_running requests, twice that when it parks them (prefill only: the
  * parked, then as many admitted). */
 static gy_status gy_sched_record_begin(gy_sched *s) {
-    const int64_t need = 24 * s->config.max_running + 16;
+    const int64_t need = 24 * s->running_cap + 16;
     if (s->saved_cap < need) {
         gy_sched_req *saved = gy_realloc(s->saved, (size_t)need * sizeof *saved);
         if (saved == NULL) return GY_FAIL(GY_ERR_SYSTEM, "out of host memory for a step's undo record");
@@ -359,9 +377,10 @@ gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *q, const gy_sched_
         return GY_FAIL(GY_ERR_INVALID, "request %lld: inconsistent progress (G=%lld, C=%lld, E=%lld)",
                        (long long)q->id, (long long)info->n_generated, (long long)info->n_computed,
                        (long long)info->prefill_end);
-    if (state == GY_SCHED_STATE_RUNNING && s->n_running >= s->config.max_running)
-        return GY_FAIL(GY_ERR_LIMIT, "cannot adopt request %lld: %lld requests already run",
-                       (long long)q->id, (long long)s->n_running);
+    /* Beyond max_running the running set grows: a merged instance runs on what its parts ran
+     * (and admits nothing new until fewer than max_running run). */
+    if (state == GY_SCHED_STATE_RUNNING && s->n_running >= s->running_cap)
+        GY_TRY(gy_sched_grow_running(s, 2 * s->running_cap));
     if (state == GY_SCHED_STATE_WAITING) return gy_sched_add(s, q);
     GY_TRY(gy_sched_add(s, q));
     int64_t slot;

@@ -109,7 +109,8 @@ typedef struct gy_sched_config {
     int64_t total_blocks;      /* KV blocks of the instance (for the submit-time check) */
     int64_t block_size;        /* tokens per block */
     int64_t max_batch_tokens;  /* tokens per step, >= 1 */
-    int64_t max_running;       /* running requests, >= 1 */
+    int64_t max_running;       /* running requests admission stops at, >= 1 (an adoption may
+                                  bring more: gy_sched_adopt) */
     int64_t max_prefill_chunk; /* tokens of one request's prefill per step; 0 = no cap */
     int64_t watermark_blocks;  /* blocks admission leaves free; 0 = none; < total_blocks */
 } gy_sched_config;
@@ -207,7 +208,9 @@ gy_status gy_sched_abort(gy_sched *s, int64_t id);
  * requests between instances without recomputing them). `info` is what gy_sched_info_get said
  * in the old scheduler: RUNNING requests arrive running, with n_computed tokens of KV that the
  * caller has already placed behind this scheduler's KV ops; WAITING and PREEMPTED ones arrive
- * queued. Refused (nothing changed) when the state is inconsistent or the running set is full. */
+ * queued. A running one beyond max_running is taken too (the running set grows): a merge of
+ * instances keeps every request running, and admission waits until fewer than max_running run.
+ * Refused (nothing changed) when the state is inconsistent. */
 gy_status gy_sched_adopt(gy_sched *s, const gy_sched_request *request, const gy_sched_info *info);
 /* Lets go of a queued or running request that another scheduler has adopted: it leaves its
  * queue or the running set and its record goes, with no finish reason and nothing counted (it
@@ -231,6 +234,8 @@ void gy_sched_prefill_only(gy_sched *s, int on);
  * a follower in another process holds fewer, engine/peer.h). */
 void gy_sched_set_total_blocks(gy_sched *s, int64_t total_blocks);
 const gy_sched_config *gy_sched_config_of(const gy_sched *s);
+/* The running requests one step may touch: max_running, or more after adoptions beyond it. */
+int64_t gy_sched_running_capacity(const gy_sched *s);
 const char *gy_sched_state_name(gy_sched_state state);
 const char *gy_sched_finish_name(gy_sched_finish finish);
 

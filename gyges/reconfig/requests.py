@@ -3,8 +3,6 @@ over to the new instance in C with their progress, sampling state and new KV seq
 (Instance.take -> gy_engine_take), so that they continue without recomputation."""
 from dataclasses import dataclass
 
-from ..core.errors import BusyError
-
 
 @dataclass(frozen=True)
 class MovedRequest:
@@ -52,14 +50,3 @@ def hand_back(instance, taken, seqs_of):
         if req.id in instance.requests:  # (one that finished meanwhile has nothing to move)
             req.source.take(instance, req.id, seqs_of(req))
         taken.pop()
-
-
-def refuse_too_many_running(host, instances, what):
-    """Refuses, before any change, a change that puts the requests running on `instances` into
-    one instance: it runs at most max_running of them, and a running request arrives there
-    with its KV, so the hand-over at the commit could not take one more."""
-    running = sum(inst.stats()["running"] for inst in instances)
-    if running > host.max_running:
-        raise BusyError(f"{what}: the instances run {running} requests together, more than one "
-                        f"instance runs (max_running={host.max_running}); try again once fewer "
-                        f"run, or make the host with a larger max_running")

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/fault.h"
 #include "gytest.h"
 #include "sched/batch.h"
 #include "sched/block_counter.h"
@@ -375,6 +376,49 @@ GYTEST(sched_release_lets_go_without_finishing) {
     CHECK(info(&f, 3).state == GY_SCHED_STATE_WAITING);
     gy_sched_kv_ops ops = gy_sched_block_counter_ops(f.bc);
     ops.release(ops.ctx, 1); /* what the adopter would do */
+    done(&f);
+}
+
+/* A merge's instance adopts every request its parts run: past max_running the running set
+ * grows (nothing refused, nothing preempted), every adopted request decodes in the next step, and
+ * admission waits until fewer than max_running run. A growth that cannot allocate refuses the
+ * adoption with nothing changed. */
+GYTEST(sched_adopt_beyond_max_running_grows_the_running_set) {
+    fixture f = make(64, 2, 16, 2, 0);
+    for (int64_t id = 1; id <= 5; id++) {
+        CHECK_OK(gy_sched_block_counter_reserve(f.bc, id, 4)); /* its KV, placed by the caller */
+        const gy_sched_request q = {.id = id, .prompt_len = 4, .max_new_tokens = 3};
+        const gy_sched_info in = {.state = GY_SCHED_STATE_RUNNING, .n_generated = 1,
+                                  .n_computed = 4, .prefill_end = 4, .first_scheduled = 0,
+                                  .first_token = 0};
+        if (id == 3) { /* the first growth (2 -> 4) fails at its 4th array: refused, nothing
+                        * changed (the arrays grown before it are only larger) */
+            gy_fault_arm(GY_FAULT_ALLOC, 4);
+            CHECK_STATUS(gy_sched_adopt(f.s, &q, &in), GY_ERR_SYSTEM);
+            gy_error_clear();
+            gy_fault_disarm_all();
+            CHECK(gy_sched_running_capacity(f.s) == 2);
+            CHECK_STATUS(gy_sched_info_get(f.s, 3, &(gy_sched_info){0}), GY_ERR_INVALID);
+            gy_error_clear();
+        }
+        CHECK_OK(gy_sched_adopt(f.s, &q, &in));
+    }
+    CHECK(gy_sched_running_capacity(f.s) == 8);
+    add(&f, 6, 2, 1);
+    gy_sched_batch b = step(&f, 0);
+    CHECK(b.n_entries == 5); /* five decodes; 6 waits */
+    for (int64_t i = 0; i < 5; i++) CHECK_ENTRY(b, i, i + 1, 4, 1, 1, 1);
+    commit_none(&f, &b, 0);
+    b = step(&f, 1); /* the last tokens: still five running, 6 still waits */
+    CHECK(b.n_entries == 5 && info(&f, 6).state == GY_SCHED_STATE_WAITING);
+    gy_sched_done d = commit_none(&f, &b, 1);
+    CHECK(d.n_finished == 5);
+    b = step(&f, 2); /* none runs: 6 is admitted */
+    CHECK_ENTRY(b, 0, 6, 0, 2, 1, 0);
+    commit_none(&f, &b, 2);
+    gy_sched_stats st;
+    gy_sched_stats_get(f.s, &st);
+    CHECK(st.n_preemptions == 0 && st.n_finished == 6);
     done(&f);
 }
 
