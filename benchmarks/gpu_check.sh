@@ -10,6 +10,12 @@
 #        STEPS: any of env build test kernels engine transform pipeline flying kunserve
 #               memcheck (default: all)
 #
+# On a lent machine: the device tool's run with `bash benchmarks/gpu_check.sh $OUT` and a
+# timeout_s of 570 (everything it leaves under $OUT comes back, a step cut short included);
+# then, here, `python benchmarks/gpu_report.py <files_at>`, the fixes, and a second run of the
+# failing steps only (STEPS, with build first: a machine idle for 30 s is given back, and a
+# fresh one has no build).
+#
 # What it prints (and OUTDIR/gpu_check.json holds, one file with every benchmark's JSON):
 #   kernels    VMM page create / map / set-access / unmap per 2 MiB page beside kvcached's A100
 #              figures (193 / 1.45 / 36 / 25.6 us), and paged-attention decode bandwidth as a
