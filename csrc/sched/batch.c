@@ -202,8 +202,8 @@ static void gy_sched_save(gy_sched *s, int64_t slot) {
 
 /* A schedule copies at most 11 requests per request it touches (a preemption: the victim, its
  * state and the queue it joins; an admission: the queue it leaves, its state, its entry), and
- * it touches at most max_running requests, twice that when it parks them (prefill only: the
- * parked, then as many admitted). */
+ * it touches at most the running set's room (running_cap: max_running, or more after adoptions
+ * past it), twice that when it parks them (prefill only: the parked, then as many admitted). */
 static gy_status gy_sched_record_begin(gy_sched *s) {
     const int64_t need = 24 * s->running_cap + 16;
     if (s->saved_cap < need) {
