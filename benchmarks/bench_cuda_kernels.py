@@ -3,7 +3,8 @@
 1. CUDA arena operations per 2 MiB page (cuMemCreate, cuMemMap + cuMemSetAccess, cuMemUnmap,
    cuMemRelease, and create/release through the arena's pool of ready handles), next to the
    figures kvcached published for an A100: create 193 us, map 1.45 us, set-access 36 us, unmap
-   25.6 us (our map is their map + set-access: 37.45 us).
+   25.6 us (our map is their map + set-access: 37.45 us). Then each driver call alone, as the
+   arena timed it (Arena.driver_times), beside theirs call for call.
 2. Paged decode attention (csrc/kernels/paged_attention_decode.cu) on a Llama-3-8B layer (32
    query heads, 8 KV heads, head_dim 128, blocks of 16 tokens): per layout, KV dtype, batch
    1/16/64 and context 1K/4K/16K, the KV bytes read per second as a fraction of the device's
@@ -30,6 +31,9 @@ from gyges.runtime.worker import cuda_device_unavailable  # noqa: E402
 
 MiB = 1 << 20
 KVCACHED_A100_US = {"create": 193.0, "map": 1.45 + 36.0, "unmap": 25.6}  # map = map + set-access
+# kvcached's per-call figures on an A100 (cuMemCreate / cuMemMap / cuMemSetAccess / cuMemUnmap)
+KVCACHED_A100_CALL_US = {"create": 193.0, "map": 1.45, "set_access": 36.0, "unmap": 25.6}
+CALLS = ("create", "map", "set_access", "unmap", "release")
 KINDS = {"raw": 0, "page": 1, "header": 2}
 DTYPES = {"f32": (0, 4), "f16": (1, 2), "bf16": (2, 2)}
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -44,7 +48,8 @@ def per_page_us(fn, items):
 
 def arena_latencies(n_pages, pool_pages):
     """Microseconds per 2 MiB page of each operation; with pool_pages = 0 create and release
-    are the driver's cuMemCreate and cuMemRelease, with a pool they pop and push handles."""
+    are the driver's cuMemCreate and cuMemRelease, with a pool they pop and push handles. And
+    microseconds per driver call, each timed alone (Arena.driver_times; None: not called)."""
     page = 2 * MiB
     arena = gyges.Arena(budget=(n_pages + pool_pages) * page, page_size=page,
                         n_slots=2 * n_pages, backend="cuda", pool_pages=pool_pages)
@@ -55,8 +60,10 @@ def arena_latencies(n_pages, pool_pages):
     out["remap"] = per_page_us(lambda i: arena.remap(i, n_pages + i), range(n_pages))
     out["unmap"] = per_page_us(lambda i: arena.unmap(n_pages + i), range(n_pages))
     out["release"] = per_page_us(arena.release_page, pages)
+    times = arena.driver_times()  # each driver call alone (with a pool: create/release few)
     del arena
-    return out
+    calls = {k: 1e6 * seconds / n if n else None for k, (n, seconds) in times.items()}
+    return out, calls
 
 
 def copy_traffic_gbps(nbytes, repeat):
@@ -88,19 +95,26 @@ def main():
           f"{info['total_bytes'] / 2**30:.0f} GiB")
 
     n_pages = 32 if args.quick else 128
-    arena_rows = []
+    arena_rows, call_rows = [], []
     for pool in (0, n_pages):
         runs = [arena_latencies(n_pages, pool) for _ in range(3)]
         row = {"pool": "none (driver)" if pool == 0 else f"{pool} handles"}
-        for op in runs[0]:
-            row[op] = min(r[op] for r in runs)
+        for op in runs[0][0]:
+            row[op] = min(r[0][op] for r in runs)
         arena_rows.append(row)
+        if pool == 0:  # the driver's calls, each timed alone inside the arena (best of 3)
+            call_rows.append({"calls": "gyges (CUDA arena, no pool)",
+                              **{k: min(r[1][k] for r in runs) for k in CALLS}})
     arena_rows.append({"pool": "kvcached A100", **KVCACHED_A100_US})
+    call_rows.append({"calls": "kvcached A100", **KVCACHED_A100_CALL_US})
     print_table("CUDA arena, microseconds per 2 MiB page (best of 3; map includes "
                 "cuMemSetAccess)", arena_rows,
                 [("pool", "pool", "{}"), ("create", "create", "{:.2f}"), ("map", "map", "{:.2f}"),
                  ("remap", "remap", "{:.2f}"), ("unmap", "unmap", "{:.2f}"),
                  ("release", "release", "{:.2f}")])
+    print_table("The driver's calls, microseconds each (cuMemCreate, cuMemMap, cuMemSetAccess, "
+                "cuMemUnmap, cuMemRelease)", call_rows,
+                [("calls", "", "{}")] + [(k, k.replace("_", "-"), "{:.2f}") for k in CALLS])
 
     copy_gbps = copy_traffic_gbps(1 << 30, 5 if args.quick else 20)
     print(f"\ndevice-to-device copy: {copy_gbps:.0f} GB/s of memory traffic (read + write)")
@@ -128,7 +142,8 @@ def main():
                  ("us", "time us", "{:.1f}"), ("gbps", "GB/s", "{:.0f}"),
                  ("of_copy", "of copy", "{:.0%}")])
     write_json("bench_cuda_kernels", {
-        "device": info, "arena_us_per_page": arena_rows, "copy_traffic_gbps": copy_gbps,
+        "device": info, "arena_us_per_page": arena_rows, "driver_us_per_call": call_rows,
+        "copy_traffic_gbps": copy_gbps,
         "decode_attention": attention_rows})
 
 

@@ -19,6 +19,12 @@ TABLES = {
          [("pool", "pool", "{}"), ("create", "create", "{:.2f}"), ("map", "map", "{:.2f}"),
           ("remap", "remap", "{:.2f}"), ("unmap", "unmap", "{:.2f}"),
           ("release", "release", "{:.2f}")], None),
+        ("VMM, microseconds per driver call, each timed alone", "driver_us_per_call",
+         "kvcached on A100 (its row): cuMemCreate 193, cuMemMap 1.45, cuMemSetAccess 36, "
+         "cuMemUnmap 25.6",
+         [("calls", "", "{}"), ("create", "create", "{:.2f}"), ("map", "map", "{:.2f}"),
+          ("set_access", "set-access", "{:.2f}"), ("unmap", "unmap", "{:.2f}"),
+          ("release", "release", "{:.2f}")], None),
         ("Paged-attention decode, KV bytes read per second (batch 1 and 64, 4K context)",
          "decode_attention", "the device-to-device copy of the same run; goal 70% of it",
          [("layout", "layout", "{}"), ("kv_dtype", "KV", "{}"), ("batch", "batch", "{}"),

@@ -313,3 +313,13 @@ def test_mappings_stop_short_of_vm_max_map_count():
     del arena  # gives the mappings back to the process-wide count
     fresh = gyges.Arena(budget="64KiB", page_size=4096)
     fresh.grow(0, 16)
+
+
+def test_a_cpu_arena_has_no_driver_calls_to_time():
+    """driver_times() counts the CUDA backend's virtual memory calls (tests/test_cuda.py); the
+    cpu backend maps with mmap inside its own range and reports none."""
+    arena = gyges.Arena(budget="1MiB", page_size="64KiB", n_slots=8)
+    arena.map(0, arena.create_page("kv"))
+    arena.unmap(0)
+    assert arena.driver_times() == {k: (0, 0.0) for k in ("create", "map", "set_access",
+                                                          "unmap", "release")}

@@ -1262,6 +1262,30 @@ def test_cuda_arena_lifecycle_and_accounting():
 
 
 @needs_gpu
+@pytest.mark.parametrize("pool_pages", [0, 4])
+def test_cuda_arena_counts_and_times_each_driver_call(pool_pages):
+    """driver_times: every cuMemMap, cuMemSetAccess and cuMemUnmap on the caller's path, and
+    cuMemCreate / cuMemRelease only where the pool does not answer (none with a pool of 4 for
+    3 pages), each timed alone (what kvcached reports per call)."""
+    arena = _cuda_arena(pool_pages=pool_pages)
+    before = arena.driver_times()
+    assert before["map"] == before["set_access"] == before["unmap"] == (0, 0.0)
+    pages = [arena.create_page("kv") for _ in range(3)]
+    for slot, page in enumerate(pages):
+        arena.map(slot, page)
+    arena.remap(0, 5)  # an unmap and a map with its set-access
+    for slot in (1, 2, 5):
+        arena.unmap(slot)
+    for page in pages:
+        arena.release_page(page)
+    t = arena.driver_times()
+    driver = 0 if pool_pages else 3
+    assert {k: n for k, (n, _) in t.items()} == {"create": driver, "map": 4, "set_access": 4,
+                                                 "unmap": 4, "release": driver}
+    assert all(seconds > 0 for n, seconds in t.values() if n)
+
+
+@needs_gpu
 def test_cuda_arena_copy_is_a_memmove():
     arena = _cuda_arena(pages=4, n_slots=4)
     ps = arena.page_size

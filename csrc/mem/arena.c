@@ -456,6 +456,13 @@ void gy_arena_stats_get(const gy_arena *a, gy_arena_stats *out) {
     pthread_mutex_unlock((pthread_mutex_t *)&a->lock);
 }
 
+void gy_arena_driver_times_get(const gy_arena *a, gy_arena_driver_times *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock((pthread_mutex_t *)&a->lock);
+    if (a->ops != NULL && a->ops->driver_times != NULL) a->ops->driver_times(a->backend_state, out);
+    pthread_mutex_unlock((pthread_mutex_t *)&a->lock);
+}
+
 void gy_arena_reset_peak(gy_arena *a) {
     pthread_mutex_lock(&a->lock);
     a->stats.peak_bytes = a->stats.bytes_in_use;

@@ -67,6 +67,24 @@ typedef struct gy_arena_stats {
     uint64_t bytes_copied_total;              /* bytes moved by gy_arena_copy (layout shifts) */
 } gy_arena_stats;
 
+/* The backend's own calls on the caller's path, each counted and timed alone: the CUDA
+ * backend's virtual memory calls (cuMemCreate when the pool is empty, cuMemMap, cuMemSetAccess,
+ * cuMemUnmap, cuMemRelease when the pool is full), which kvcached reports one by one; the cpu
+ * backend has none (all zero). The pool thread's creates are not on the path, nor counted. */
+typedef enum gy_arena_driver_call {
+    GY_ARENA_DRIVER_CREATE = 0,
+    GY_ARENA_DRIVER_MAP = 1,
+    GY_ARENA_DRIVER_SET_ACCESS = 2,
+    GY_ARENA_DRIVER_UNMAP = 3,
+    GY_ARENA_DRIVER_RELEASE = 4,
+    GY_ARENA_DRIVER_CALL_COUNT
+} gy_arena_driver_call;
+
+typedef struct gy_arena_driver_times {
+    int64_t calls[GY_ARENA_DRIVER_CALL_COUNT];
+    double seconds[GY_ARENA_DRIVER_CALL_COUNT]; /* wall time inside them, summed */
+} gy_arena_driver_times;
+
 /* One row of the page table: the state of a virtual slot. */
 typedef struct gy_page_entry {
     int64_t slot;
@@ -129,6 +147,7 @@ gy_status gy_arena_copy_runs(gy_arena *dst, gy_arena *src, const uint64_t *dst_o
 /* Queries. */
 void gy_arena_stats_get(const gy_arena *arena, gy_arena_stats *out);
 void gy_arena_reset_peak(gy_arena *arena);
+void gy_arena_driver_times_get(const gy_arena *arena, gy_arena_driver_times *out);
 uint64_t gy_arena_page_size(const gy_arena *arena);
 uint64_t gy_arena_n_slots(const gy_arena *arena);
 gy_arena_backend_kind gy_arena_backend(const gy_arena *arena);

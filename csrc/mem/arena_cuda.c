@@ -62,6 +62,7 @@ const gy_arena_backend_ops gy_arena_cuda_ops = {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The driver API version we ask cuGetProcAddress for; VMM and cuGetProcAddress_v2 exist since. */
 #define GY_CUDA_MIN_DRIVER 12000
@@ -233,6 +234,8 @@ typedef struct gy_cuda_arena {
     CUmemGenericAllocationHandle *handles; /* (max_pages) handle of each created page, or 0 */
     uint8_t *has_handle;                   /* (max_pages) 1 while handles[p] is valid */
     CUdeviceptr staging;                   /* GY_CUDA_STAGING_BYTES, allocated on first use */
+    gy_arena_driver_times driver;          /* the calls on the caller's path (under the arena's
+                                              lock, as every op but the pool thread's) */
 
     /* The pool; everything below is guarded by pool_lock (the refill thread does not hold the
      * arena's lock). */
@@ -424,6 +427,23 @@ static void gy_cuda_destroy(void *state, uintptr_t base, const gy_arena_config *
     gy_cuda_teardown(state);
 }
 
+/* Seconds of a monotonic clock, for timing one driver call. */
+static double gy_cuda_clock(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Counts one driver call of kind `call` that began at `t0` (gy_cuda_clock). */
+static void gy_cuda_count(gy_cuda_arena *c, gy_arena_driver_call call, double t0) {
+    c->driver.seconds[call] += gy_cuda_clock() - t0;
+    c->driver.calls[call]++;
+}
+
+static void gy_cuda_driver_times(const void *state, gy_arena_driver_times *out) {
+    *out = ((const gy_cuda_arena *)state)->driver;
+}
+
 static gy_status gy_cuda_create(void *state, int64_t page) {
     gy_cuda_arena *c = state;
     CUmemGenericAllocationHandle h = 0;
@@ -442,7 +462,9 @@ static gy_status gy_cuda_create(void *state, int64_t page) {
     pthread_mutex_unlock(&c->pool_lock);
     if (!have) {
         gy_cu.ctx_set_current(c->ctx);
+        const double t0 = gy_cuda_clock();
         CUresult r = gy_cu.mem_create(&h, c->page_size, &c->prop, 0);
+        gy_cuda_count(c, GY_ARENA_DRIVER_CREATE, t0);
         if (r != CUDA_SUCCESS) {
             pthread_mutex_lock(&c->pool_lock);
             c->in_use--;
@@ -468,7 +490,10 @@ static gy_status gy_cuda_release(void *state, int64_t page) {
     pthread_mutex_unlock(&c->pool_lock);
     if (!pooled) {
         /* On failure the page stays created, as arena.c expects of a refused call. */
-        GY_CU_CHECK("cuMemRelease", gy_cu.mem_release(h));
+        const double t0 = gy_cuda_clock();
+        const CUresult r = gy_cu.mem_release(h);
+        gy_cuda_count(c, GY_ARENA_DRIVER_RELEASE, t0);
+        if (r != CUDA_SUCCESS) return GY_CU_FAIL(r, "cuMemRelease");
         pthread_mutex_lock(&c->pool_lock);
         c->in_use--;
         pthread_mutex_unlock(&c->pool_lock);
@@ -481,8 +506,13 @@ static gy_status gy_cuda_release(void *state, int64_t page) {
 static gy_status gy_cuda_map(void *state, int64_t slot, int64_t page) {
     gy_cuda_arena *c = state;
     const CUdeviceptr at = c->base + (CUdeviceptr)slot * c->page_size;
-    GY_CU_CHECK("cuMemMap", gy_cu.mem_map(at, c->page_size, 0, c->handles[page], 0));
-    CUresult r = gy_cu.mem_set_access(at, c->page_size, &c->access, 1);
+    double t0 = gy_cuda_clock();
+    CUresult r = gy_cu.mem_map(at, c->page_size, 0, c->handles[page], 0);
+    gy_cuda_count(c, GY_ARENA_DRIVER_MAP, t0);
+    if (r != CUDA_SUCCESS) return GY_CU_FAIL(r, "cuMemMap");
+    t0 = gy_cuda_clock();
+    r = gy_cu.mem_set_access(at, c->page_size, &c->access, 1);
+    gy_cuda_count(c, GY_ARENA_DRIVER_SET_ACCESS, t0);
     if (r != CUDA_SUCCESS) {
         gy_cu.mem_unmap(at, c->page_size); /* leave the slot as it was */
         return GY_CU_FAIL(r, "cuMemSetAccess");
@@ -493,7 +523,10 @@ static gy_status gy_cuda_map(void *state, int64_t slot, int64_t page) {
 static gy_status gy_cuda_unmap(void *state, int64_t slot) {
     gy_cuda_arena *c = state;
     const CUdeviceptr at = c->base + (CUdeviceptr)slot * c->page_size;
-    GY_CU_CHECK("cuMemUnmap", gy_cu.mem_unmap(at, c->page_size));
+    const double t0 = gy_cuda_clock();
+    const CUresult r = gy_cu.mem_unmap(at, c->page_size);
+    gy_cuda_count(c, GY_ARENA_DRIVER_UNMAP, t0);
+    if (r != CUDA_SUCCESS) return GY_CU_FAIL(r, "cuMemUnmap");
     return GY_OK;
 }
 
@@ -608,6 +641,7 @@ const gy_arena_backend_ops gy_arena_cuda_ops = {
     .write = gy_cuda_write,
     .read = gy_cuda_read,
     .copy_runs_from = gy_cuda_copy_runs_from,
+    .driver_times = gy_cuda_driver_times,
     .host_accessible = 0,
 };
 

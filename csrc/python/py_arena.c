@@ -180,6 +180,21 @@ static PyObject *gy_py_arena_stats(GyArenaObject *self, PyObject *unused) {
         st.bytes_copied_total);
 }
 
+/* driver_times() -> {call: (calls, seconds)} for create, map, set_access, unmap, release. */
+static PyObject *gy_py_arena_driver_times(GyArenaObject *self, PyObject *unused) {
+    static const char *const names[GY_ARENA_DRIVER_CALL_COUNT] = {"create", "map", "set_access",
+                                                                  "unmap", "release"};
+    gy_arena_driver_times t;
+    gy_arena_driver_times_get(self->arena, &t);
+    PyObject *out = PyDict_New();
+    for (int k = 0; out != NULL && k < GY_ARENA_DRIVER_CALL_COUNT; k++) {
+        PyObject *row = Py_BuildValue("(Ld)", (long long)t.calls[k], t.seconds[k]);
+        if (row == NULL || PyDict_SetItemString(out, names[k], row) < 0) Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    return out;
+}
+
 static PyObject *gy_py_arena_reset_peak(GyArenaObject *self, PyObject *unused) {
     gy_arena_reset_peak(self->arena);
     Py_RETURN_NONE;
@@ -277,6 +292,8 @@ static PyMethodDef gy_py_arena_methods[] = {
     {"write", (PyCFunction)gy_py_arena_write, METH_VARARGS, "write(offset, buffer): host bytes into the arena"},
     {"read", (PyCFunction)gy_py_arena_read, METH_VARARGS, "read(offset, out): arena bytes into a host buffer"},
     {"stats", (PyCFunction)gy_py_arena_stats, METH_NOARGS, "stats() -> dict"},
+    {"driver_times", (PyCFunction)gy_py_arena_driver_times, METH_NOARGS,
+     "driver_times() -> {call: (calls, seconds)}"},
     {"reset_peak", (PyCFunction)gy_py_arena_reset_peak, METH_NOARGS, "reset_peak()"},
     {"page_table", (PyCFunction)gy_py_arena_page_table, METH_O, "page_table(out) -> rows"},
     {"physical_table", (PyCFunction)gy_py_arena_physical_table, METH_O, "physical_table(out) -> rows"},

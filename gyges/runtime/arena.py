@@ -189,6 +189,13 @@ class Arena:
         """Bytes in use, peak, per tag, and operation counters, as a dict."""
         return self._c.stats()
 
+    def driver_times(self):
+        """{call: (calls, seconds)} of the backend's own calls on the caller's path, each timed
+        alone: on "cuda", cuMemCreate (pool empty), cuMemMap, cuMemSetAccess, cuMemUnmap and
+        cuMemRelease (pool full) as "create", "map", "set_access", "unmap", "release"; all
+        zero on "cpu"."""
+        return self._c.driver_times()
+
     def view(self, slot, n_slots=1, dtype=np.uint8, readonly=False):
         """A zero-copy NumPy array over slots [slot, slot+n_slots). The slots stay pinned (they
         cannot be unmapped or remapped away) until the array and every view of it are gone."""
