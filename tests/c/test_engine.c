@@ -388,9 +388,12 @@ typedef struct {
     pthread_mutex_t lock; /* the test's own bookkeeping */
 } thread_run;
 
+/* Steps until told to stop. It used to stop after 4,000 steps: on a loaded machine the stepper
+ * ran them before the adding thread got the CPU back, and the requests added later never ran
+ * (seen twice here, the test then waiting its 60 s). */
 static void *threads_stepper(void *arg) {
     thread_run *t = arg;
-    for (int step = 0; step < 4000 && !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); step++) {
+    for (int64_t step = 0; !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); step++) {
         gy_engine_step_out o;
         if (gy_engine_step(t->e, (double)step, &o) != GY_OK) continue;
         pthread_mutex_lock(&t->lock);
