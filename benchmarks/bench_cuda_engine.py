@@ -62,10 +62,7 @@ MODELS = {
                        max_position_embeddings=8192, tie_word_embeddings=False),
                   (1, 32), (1024,), "Llama-3-8B"),
     # Model.tiny's shapes: the script's plumbing on the emulated GPU (gpu_check.sh's dry run)
-    "tiny": (dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
-             (1, 4), (64,), "tiny"),
+    "tiny": (ModelConfig.tiny().to_dict(), (1, 4), (64,), "tiny"),
 }
 CONFIG, BATCHES, CONTEXTS, TITLE = MODELS["llama3.2-1b"]
 # HBM bandwidth by the vendors' datasheets (bytes/s), by a word of the device's name: the anchor

@@ -97,14 +97,12 @@ def main():
     n_pages = 32 if args.quick else 128
     arena_rows, call_rows = [], []
     for pool in (0, n_pages):
-        runs = [arena_latencies(n_pages, pool) for _ in range(3)]
-        row = {"pool": "none (driver)" if pool == 0 else f"{pool} handles"}
-        for op in runs[0][0]:
-            row[op] = min(r[0][op] for r in runs)
-        arena_rows.append(row)
+        per_op, per_call = zip(*(arena_latencies(n_pages, pool) for _ in range(3)))
+        arena_rows.append({"pool": "none (driver)" if pool == 0 else f"{pool} handles",
+                           **{op: min(r[op] for r in per_op) for op in per_op[0]}})
         if pool == 0:  # the driver's calls, each timed alone inside the arena (best of 3)
             call_rows.append({"calls": "gyges (CUDA arena, no pool)",
-                              **{k: min(r[1][k] for r in runs) for k in CALLS}})
+                              **{k: min(r[k] for r in per_call) for k in CALLS}})
     arena_rows.append({"pool": "kvcached A100", **KVCACHED_A100_US})
     call_rows.append({"calls": "kvcached A100", **KVCACHED_A100_CALL_US})
     print_table("CUDA arena, microseconds per 2 MiB page (best of 3; map includes "

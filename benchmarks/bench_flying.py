@@ -298,8 +298,8 @@ def host_bursty_rows():
 def main():
     model = gyges.Model.tiny()
     switches, cold_ms = switch_rows(model)
-    print_table(f"1. Switch latency, 4 {'CUDA' if CUDA else 'CPU'} workers (cold start of a TP4 host: {cold_ms:.1f} ms; "
-                f"paper: 15 ms live vs 146-292 s cold)", switches,
+    print_table(f"1. Switch latency, 4 {'CUDA' if CUDA else 'CPU'} workers (cold start of a TP4 "
+                f"host: {cold_ms:.1f} ms; paper: 15 ms live vs 146-292 s cold)", switches,
                 [("kv_used", "KV used", "{}"), ("bind_ms", "bind ms", "{:.3f}"),
                  ("release_ms", "release ms", "{:.3f}"),
                  ("gyges_transform_ms", "Gyges 4xTP1->TP4 ms", "{:.2f}"),

@@ -86,8 +86,8 @@ def filled_host(model, kv_layout, method, kv_room=None, page_size="64KiB"):
     pad = method != "partial_swap"
     weights = weights_bytes(model, page_size) if kv_room else 0
     nominal = weights + kv_room if kv_room else NOMINAL
-    # max_running: every request submitted runs at once, so the KV is as full as planned (on
-    # CUDA, 2 MiB pages leave a partial-swap worker room for more than the default 64)
+    # max_running: every request submitted runs at once, so the KV is as full as planned
+    # whatever room the page size leaves
     host = gyges.Host(model, workers=4, memory_per_worker=3 * nominal, layout="4xTP1",
                       max_running=256, kv_layout=kv_layout, pad_ffn=pad, max_batch_tokens=4096,
                       page_size=page_size, backend=HOST_KW.get("backend", "cpu"))

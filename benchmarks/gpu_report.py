@@ -10,21 +10,24 @@ import re
 import sys
 from pathlib import Path
 
+def microseconds(*ops):
+    """Columns of microseconds, one per operation."""
+    return [(op, op.replace("_", "-"), "{:.2f}") for op in ops]
+
+
 # name in gpu_check.json -> [(title, key of the rows, anchor, columns: (key, header, format),
 # which rows: None for all)]
 TABLES = {
     "bench_cuda_kernels": [
         ("VMM, microseconds per 2 MiB page (map includes set-access)", "arena_us_per_page",
          "kvcached on A100: create 193, map + set-access 37.45, unmap 25.6 (its row)",
-         [("pool", "pool", "{}"), ("create", "create", "{:.2f}"), ("map", "map", "{:.2f}"),
-          ("remap", "remap", "{:.2f}"), ("unmap", "unmap", "{:.2f}"),
-          ("release", "release", "{:.2f}")], None),
+         [("pool", "pool", "{}")] + microseconds("create", "map", "remap", "unmap", "release"),
+         None),
         ("VMM, microseconds per driver call, each timed alone", "driver_us_per_call",
          "kvcached on A100 (its row): cuMemCreate 193, cuMemMap 1.45, cuMemSetAccess 36, "
          "cuMemUnmap 25.6",
-         [("calls", "", "{}"), ("create", "create", "{:.2f}"), ("map", "map", "{:.2f}"),
-          ("set_access", "set-access", "{:.2f}"), ("unmap", "unmap", "{:.2f}"),
-          ("release", "release", "{:.2f}")], None),
+         [("calls", "", "{}")] + microseconds("create", "map", "set_access", "unmap", "release"),
+         None),
         ("Paged-attention decode, KV bytes read per second (batch 1 and 64, 4K context)",
          "decode_attention", "the device-to-device copy of the same run; goal 70% of it",
          [("layout", "layout", "{}"), ("kv_dtype", "KV", "{}"), ("batch", "batch", "{}"),

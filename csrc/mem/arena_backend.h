@@ -34,9 +34,9 @@ typedef struct gy_arena_backend_ops {
      * Synchronous and ordered like `copy`. */
     gy_status (*copy_runs_from)(void *dst_state, void *src_state, const uint64_t *dst_offsets,
                                 const uint64_t *src_offsets, const uint64_t *bytes, int64_t n);
-    /* Non-zero when the range is host memory that C and NumPy may touch directly. */
     /* Optional: its driver calls so far (arena.h: gy_arena_driver_times); NULL: none. */
     void (*driver_times)(const void *state, gy_arena_driver_times *out);
+    /* Non-zero when the range is host memory that C and NumPy may touch directly. */
     int host_accessible;
 } gy_arena_backend_ops;
 

@@ -390,7 +390,7 @@ typedef struct {
 
 /* Steps until told to stop. It used to stop after 4,000 steps: on a loaded machine the stepper
  * ran them before the adding thread got the CPU back, and the requests added later never ran
- * (seen twice here, the test then waiting its 60 s). */
+ * (seen three times here, the test then waiting its 60 s). */
 static void *threads_stepper(void *arg) {
     thread_run *t = arg;
     for (int64_t step = 0; !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE); step++) {
